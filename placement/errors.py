@@ -1,0 +1,68 @@
+"""The one error hierarchy of gpufleet.
+
+Every class takes a single human-readable message, so Celery can carry it across
+processes with the JSON serializer and rebuild it on the caller's side. Messages say
+what went wrong and what to do about it.
+"""
+
+from __future__ import annotations
+
+
+class GpufleetError(Exception):
+    """Root of every error gpufleet raises on purpose."""
+
+
+class ConfigError(GpufleetError):
+    """A setting or environment variable holds a value gpufleet cannot use."""
+
+
+class MemorySizeError(ConfigError, ValueError):
+    """A memory string such as "8GiB" could not be parsed."""
+
+
+class CatalogError(ConfigError):
+    """The model catalog is missing, malformed, or has an invalid field."""
+
+
+class UnknownModelError(GpufleetError, LookupError):
+    """The caller named a model that is not in the catalog."""
+
+
+class EstimateError(GpufleetError):
+    """A model's memory could not be estimated from its config."""
+
+
+class PlacementError(GpufleetError):
+    """A model could not be placed on the fleet."""
+
+
+class CantAccommodateError(PlacementError):
+    """No GPU can take the model now, even after every allowed eviction."""
+
+
+class NeverFitsError(CantAccommodateError):
+    """The model is larger than any GPU set of the fleet could ever hold."""
+
+
+class PlanRejectedError(PlacementError):
+    """The registry refused a plan because the fleet changed; plan again on a fresh snapshot."""
+
+
+class RegistryError(GpufleetError):
+    """The registry refused an operation or could not be reached."""
+
+
+class GpuOwnedError(RegistryError):
+    """A GPU is already owned by another live worker."""
+
+
+class LeaseLostError(RegistryError):
+    """A worker's lease expired; its reservations are released and it must re-register."""
+
+
+class EvictedError(GpufleetError):
+    """The replica left the GPU before the request reached it; route the request again."""
+
+
+class PayloadError(GpufleetError, ValueError):
+    """A request's inputs or params are malformed."""

