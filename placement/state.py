@@ -1,0 +1,177 @@
+"""The fleet as the placement policy sees it: GPUs, deployments, hosts and plans.
+
+These are plain frozen values. The registry reads them out of Redis, the policy
+turns them into a `Plan`, and the simulator builds them in memory. Nothing here
+does I/O.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+
+class Level(str, enum.Enum):
+    """Where a replica's weights are."""
+
+    HOT = "HOT"  # on GPU, serving
+    LOADING = "LOADING"  # bytes reserved, the worker is loading or restoring it
+    DRAINING = "DRAINING"  # on GPU, takes no new requests, leaves when idle
+    WARM = "WARM"  # in the host's CPU memory
+    COLD = "COLD"  # not loaded anywhere
+
+
+#: Levels that hold GPU bytes.
+ON_GPU = frozenset({Level.HOT, Level.LOADING, Level.DRAINING})
+
+
+class Candidate(enum.IntEnum):
+    """How good a place is for a replica, best first (NDIF's candidate levels)."""
+
+    DEPLOYED = 0  # already resident: nothing to do
+    CACHED_AND_FREE = 1  # a warm copy on this host, and room without eviction
+    FREE = 2  # room without eviction
+    CACHED_AND_FULL = 3  # a warm copy on this host, after evictions
+    FULL = 4  # room only after evictions
+    CANT_ACCOMMODATE = 5  # no room, even after every allowed eviction
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """One GPU's ledger entry."""
+
+    id: str
+    host: str
+    index: int
+    name: str
+    total: int
+    reserved: int = 0
+    worker: str = ""
+    queue: str = ""
+    lease_deadline_ms: int = 0
+
+    @property
+    def free(self) -> int:
+        return self.total - self.reserved
+
+    def alive(self, now_ms: int) -> bool:
+        return bool(self.worker) and self.lease_deadline_ms > now_ms
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """One replica of one model, wherever it is."""
+
+    replica: str
+    model: str
+    level: Level
+    gpus: Mapping[str, int] = field(default_factory=dict)  # GPU id -> reserved bytes
+    limit: int = 0  # admission limit on each GPU it uses
+    fraction: float = 0.0  # the largest share of one of its GPUs, rounded up to 1e-4
+    dedicated: bool = False
+    size: int = 0  # bytes a warm copy takes in CPU memory
+    last_used_ms: int = 0
+    host: str = ""
+    worker: str = ""
+    queue: str = ""
+    leases: int = 0  # live request leases
+
+    @property
+    def idle(self) -> bool:
+        return self.leases == 0
+
+    @property
+    def evictable(self) -> bool:
+        """True when memory pressure may move it off its GPUs."""
+        return self.level is Level.HOT and self.idle and not self.dedicated
+
+
+@dataclass(frozen=True)
+class Host:
+    """A machine's CPU warm cache."""
+
+    name: str
+    warm_budget: int = 0
+    warm_used: int = 0
+
+    @property
+    def warm_free(self) -> int:
+        return self.warm_budget - self.warm_used
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A read of the whole registry at one moment (`now_ms` is the registry's clock)."""
+
+    gpus: Mapping[str, Gpu]
+    deployments: Mapping[str, Deployment]
+    hosts: Mapping[str, Host]
+    now_ms: int = 0
+    learned: Mapping[str, int] = field(default_factory=dict)
+    active: Mapping[str, int] = field(default_factory=dict)  # stored replicas-on-GPU counters
+
+    def on_gpu(self, gpu_id: str) -> list[Deployment]:
+        """Deployments that hold bytes on `gpu_id`."""
+        return [d for d in self.deployments.values() if gpu_id in d.gpus and d.level in ON_GPU]
+
+    def replicas(self, model: str) -> list[Deployment]:
+        return [d for d in self.deployments.values() if d.model == model]
+
+
+@dataclass(frozen=True)
+class Demand:
+    """What one replica of a model asks of the fleet.
+
+    One of three forms sizes the GPU slot: `size` (bytes, scaled by the factor),
+    `request`/`limit` (an explicit envelope), or `gpus` (a static GPU count, or a
+    fraction of one GPU below 1.0). With `gpus`, `size` only sizes the warm copy.
+    """
+
+    model: str
+    size: int = 0
+    request: int | None = None
+    limit: int | None = None
+    gpus: float | None = None
+    accelerator: str | None = None
+    dedicated: bool = False
+    replicas: int = 1
+    factor: float | None = None
+    fractional_threshold: float | None = None
+    min_free_fraction: float | None = None
+    learned: int | None = None  # measured peak bytes; preferred over the factor
+
+
+@dataclass(frozen=True)
+class Eviction:
+    """A replica moved off its GPUs to make room: to WARM, or dropped to COLD."""
+
+    replica: str
+    to: Level
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the policy wants the registry to do for one replica.
+
+    `reuse` is the level of an existing replica record being brought back (WARM or
+    COLD), or None for a new replica id. `warm_drops` are WARM replicas dropped to
+    COLD so evicted ones fit in their host's warm cache.
+    """
+
+    model: str
+    replica: str
+    candidate: Candidate
+    gpus: Mapping[str, int]
+    limit: int = 0
+    fraction: float = 0.0
+    host: str = ""
+    worker: str = ""
+    queue: str = ""
+    reuse: Level | None = None
+    evictions: tuple[Eviction, ...] = ()
+    warm_drops: tuple[str, ...] = ()
+    dedicated: bool = False
+    size: int = 0
+    max_active: int = 1
+    reason: str = ""  # why this place was chosen, for events and logs

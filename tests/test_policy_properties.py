@@ -1,0 +1,151 @@
+"""Properties of the placement policy over random fleets (hypothesis)."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from placement.audit import audit
+from placement.errors import CantAccommodateError, NeverFitsError
+from placement.ledger import apply_plan
+from placement.policy import plan_replica, single_gpu_slot
+from placement.settings import PolicySettings
+from placement.state import Candidate, Demand, Deployment, Host, Level, Snapshot
+from tests.fleets import GiB, fleet, gpu, hot, warm
+
+SIZES = [8, 16, 24, 40, 80]
+
+
+@st.composite
+def fleets(draw: st.DrawFn) -> Snapshot:
+    """A consistent fleet: 1-6 GPUs on 1-3 hosts, partly filled with replicas."""
+    n = draw(st.integers(1, 6))
+    gpus = [
+        gpu(
+            f"g{i}", draw(st.sampled_from(SIZES)) * GiB, host=f"h{draw(st.integers(0, 2))}", index=i
+        )
+        for i in range(n)
+    ]
+    deps: list[Deployment] = []
+    for i, g in enumerate(gpus):
+        free = g.total
+        for j in range(draw(st.integers(0, 3))):
+            nbytes = draw(st.integers(1, 8)) * GiB // 2
+            if nbytes > free:
+                break
+            free -= nbytes
+            deps.append(
+                hot(
+                    f"r{i}-{j}",
+                    f"m{draw(st.integers(0, 9))}",
+                    {g.id: nbytes},
+                    host=g.host,
+                    used=draw(st.integers(0, 1000)),
+                    dedicated=draw(st.booleans()),
+                    leases=draw(st.sampled_from([0, 0, 0, 1])),
+                    size=nbytes // 2,
+                )
+            )
+    hosts = [Host(f"h{h}", warm_budget=draw(st.integers(0, 8)) * GiB) for h in range(3)]
+    for k in range(draw(st.integers(0, 3))):
+        host = hosts[draw(st.integers(0, 2))]
+        size = draw(st.integers(1, 4)) * GiB // 2
+        if host.warm_free >= size:
+            hosts[int(host.name[1:])] = replace(host, warm_used=host.warm_used + size)
+            deps.append(warm(f"w{k}", f"m{draw(st.integers(0, 9))}", size, host=host.name))
+    hosts = [replace(h, warm_used=0) for h in hosts]  # fleet() recounts warm usage
+    return fleet(gpus, deps, hosts)
+
+
+demands = st.one_of(
+    st.builds(
+        Demand,
+        model=st.sampled_from([f"m{i}" for i in range(10)] + ["new"]),
+        size=st.integers(1, 200).map(lambda x: x * GiB // 4),
+        dedicated=st.booleans(),
+    ),
+    st.builds(
+        Demand,
+        model=st.just("env"),
+        request=st.integers(1, 40).map(lambda x: x * GiB // 2),
+        limit=st.none(),
+    ),
+    st.builds(Demand, model=st.just("static"), gpus=st.sampled_from([0.25, 0.5, 1, 2])),
+)
+
+
+def _empty(snap: Snapshot) -> Snapshot:
+    return fleet([replace(g, reserved=0) for g in snap.gpus.values()])
+
+
+@settings(max_examples=300, deadline=None)
+@given(snap=fleets(), demand=demands, seed=st.integers(0, 2**16))
+def test_every_plan_admits_its_limit_after_evicting_only_idle_non_dedicated_replicas(
+    snap: Snapshot, demand: Demand, seed: int
+) -> None:
+    try:
+        plan = plan_replica(demand, snap, rng=random.Random(seed))
+    except NeverFitsError:
+        # Never-fits is a property of the fleet's shape, not of what is loaded now.
+        try:
+            plan_replica(demand, _empty(snap), rng=random.Random(seed))
+        except NeverFitsError:
+            return
+        raise AssertionError("NeverFits although the empty fleet takes the model") from None
+    except CantAccommodateError:
+        plan_replica(demand, _empty(snap), rng=random.Random(seed))  # must fit when empty
+        return
+    if plan.candidate is Candidate.DEPLOYED:
+        assert snap.deployments[plan.replica].model == demand.model
+        return
+    victims = [snap.deployments[e.replica] for e in plan.evictions]
+    assert all(v.evictable for v in victims)
+    for gpu_id, nbytes in plan.gpus.items():
+        g = snap.gpus[gpu_id]
+        freed = sum(v.gpus.get(gpu_id, 0) for v in victims)
+        limit = plan.limit if len(plan.gpus) == 1 else nbytes
+        assert g.reserved - freed + max(limit, nbytes) <= g.total
+    assert len({snap.gpus[g].host for g in plan.gpus}) == 1
+    after = apply_plan(snap, plan)
+    assert audit(after) == []
+
+
+@settings(max_examples=300, deadline=None)
+@given(snap=fleets(), demand=demands, seed=st.integers(0, 2**16))
+def test_no_replica_is_evicted_when_some_gpu_has_room_already(
+    snap: Snapshot, demand: Demand, seed: int
+) -> None:
+    room = any(
+        g.alive(snap.now_ms)
+        and (slot := single_gpu_slot(demand, g, PolicySettings())) is not None
+        and g.reserved + slot[1] <= g.total
+        for g in snap.gpus.values()
+    )
+    try:
+        plan = plan_replica(demand, snap, rng=random.Random(seed))
+    except CantAccommodateError:
+        assert not room
+        return
+    if room and plan.candidate is not Candidate.DEPLOYED:
+        assert plan.evictions == ()
+        assert plan.candidate in (Candidate.FREE, Candidate.CACHED_AND_FREE)
+
+
+@settings(max_examples=200, deadline=None)
+@given(snap=fleets(), demand=demands, seed=st.integers(0, 2**16))
+def test_warm_destinations_never_overfill_a_hosts_cache(
+    snap: Snapshot, demand: Demand, seed: int
+) -> None:
+    try:
+        plan = plan_replica(demand, snap, rng=random.Random(seed))
+    except CantAccommodateError:
+        return
+    after = apply_plan(snap, plan)
+    for host in after.hosts.values():
+        assert 0 <= host.warm_used <= host.warm_budget
+    dropped = {r for r in plan.warm_drops}
+    assert all(snap.deployments[r].level is Level.WARM for r in dropped)
+    assert plan.replica not in dropped
