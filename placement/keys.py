@@ -1,0 +1,105 @@
+"""Redis key names of one fleet.
+
+Every key carries the fleet name as its hash tag (`gpufleet:{fleet}:...`), so a
+whole fleet lives in one Redis Cluster slot and every Lua script may touch any of
+its keys. Names are built here and only here; Lua scripts receive them in KEYS.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from placement.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Keys:
+    """Key names for the fleet `fleet`."""
+
+    fleet: str
+
+    def __post_init__(self) -> None:
+        if not self.fleet or any(c in self.fleet for c in "{}: \t\n"):
+            raise ConfigError(
+                f"fleet name {self.fleet!r} is invalid: use letters, digits, '-', '_' or '.'"
+            )
+
+    @property
+    def prefix(self) -> str:
+        return f"gpufleet:{{{self.fleet}}}"
+
+    # Index sets, one per kind of record.
+    @property
+    def gpus(self) -> str:
+        return f"{self.prefix}:gpus"
+
+    @property
+    def workers(self) -> str:
+        return f"{self.prefix}:workers"
+
+    @property
+    def deployments(self) -> str:
+        return f"{self.prefix}:deps"
+
+    @property
+    def hosts(self) -> str:
+        return f"{self.prefix}:hosts"
+
+    @property
+    def learned(self) -> str:
+        """Hash: model -> measured peak bytes."""
+        return f"{self.prefix}:learned"
+
+    @property
+    def active(self) -> str:
+        """Hash: model -> replicas on GPU (HOT, LOADING or DRAINING)."""
+        return f"{self.prefix}:active"
+
+    @property
+    def events(self) -> str:
+        """Stream of placement changes."""
+        return f"{self.prefix}:events"
+
+    # Records.
+    def gpu(self, gpu_id: str) -> str:
+        return f"{self.prefix}:gpu:{gpu_id}"
+
+    def worker(self, worker_id: str) -> str:
+        return f"{self.prefix}:worker:{worker_id}"
+
+    def worker_deployments(self, worker_id: str) -> str:
+        """Set of replicas a worker holds on GPU or in CPU memory."""
+        return f"{self.prefix}:worker:{worker_id}:deps"
+
+    def deployment(self, replica: str) -> str:
+        return f"{self.prefix}:dep:{replica}"
+
+    def leases(self, replica: str) -> str:
+        """Sorted set of request leases on a replica, scored by deadline (ms)."""
+        return f"{self.prefix}:dep:{replica}:leases"
+
+    def model_replicas(self, model: str) -> str:
+        return f"{self.prefix}:model:{model}:replicas"
+
+    def host(self, host: str) -> str:
+        return f"{self.prefix}:host:{host}"
+
+
+class KeyList:
+    """KEYS for one script call: each name once, referred to by its 1-based index.
+
+    Scripts whose key set depends on the plan take a JSON argument that refers to
+    keys by these indices, so the script never builds a key name itself.
+    """
+
+    def __init__(self, *fixed: str) -> None:
+        self.names: list[str] = []
+        self._index: dict[str, int] = {}
+        for name in fixed:
+            self.add(name)
+
+    def add(self, name: str) -> int:
+        if name not in self._index:
+            self.names.append(name)
+            self._index[name] = len(self.names)
+        return self._index[name]

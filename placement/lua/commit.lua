@@ -1,0 +1,116 @@
+-- commit.lua: validate a placement plan against the live ledger and apply it atomically.
+-- KEYS: every key named in ARGV[1].
+-- ARGV[1] = JSON plan:
+--   {replica, model, reuse ('' | 'WARM' | 'COLD'), expect_worker, max_active, maxlen,
+--    dep, active, replicas_key, deps_key, worker_deps, old_worker_deps, host_key, events,
+--    limit, fraction, size, dedicated, host, worker, queue,
+--    gpus=[{id, key, bytes, limit, worker}],
+--    evictions=[{replica, dep, leases, active, worker_deps, host, expect_worker, to,
+--                gpus=[{id, key}]}],
+--    drops=[{replica, dep, worker_deps, host, expect_worker}]}
+-- Checks: the replica record is as the plan saw it; the model has fewer than max_active
+-- replicas on GPU; every target GPU is owned by the expected live worker; every victim is
+-- still HOT, idle, not dedicated and on the GPUs the plan saw; after evictions each target
+-- GPU admits its `limit` (limit + sum of requests <= total); every warm cache stays in budget.
+-- Returns {1, replica} | {0, reason, detail} and then changes nothing.
+local p = cjson.decode(ARGV[1])
+local now = now_ms()
+local dep = K(p.dep)
+
+-- The replica record.
+if p.reuse == '' then
+  if redis.call('EXISTS', dep) == 1 then return {0, 'STALE', 'replica id already exists'} end
+else
+  local level, worker = unpack(redis.call('HMGET', dep, 'level', 'worker'))
+  if level ~= p.reuse or (worker or '') ~= p.expect_worker then
+    return {0, 'STALE', 'replica ' .. p.replica .. ' is no longer ' .. p.reuse}
+  end
+end
+local active = num(redis.call('HGET', K(p.active), p.model))
+if active >= p.max_active then
+  return {0, 'ENOUGH', p.model .. ' already has ' .. active .. ' replicas on GPU'}
+end
+
+-- Victims, and the bytes they free on each GPU.
+local freed = {}
+local warm_delta = {}  -- host key index -> bytes added to its warm cache
+for _, v in ipairs(p.evictions) do
+  local vdep = K(v.dep)
+  local level, dedicated, worker = unpack(redis.call('HMGET', vdep, 'level', 'dedicated', 'worker'))
+  if level ~= 'HOT' then return {0, 'STALE', 'victim ' .. v.replica .. ' is ' .. tostring(level)} end
+  if dedicated == '1' then return {0, 'PINNED', 'victim ' .. v.replica .. ' is dedicated'} end
+  if worker ~= v.expect_worker then return {0, 'STALE', 'victim ' .. v.replica .. ' moved'} end
+  if live_leases(K(v.leases), now) > 0 then
+    return {0, 'BUSY', 'victim ' .. v.replica .. ' has requests in flight'}
+  end
+  local held = dep_gpus(vdep)
+  if not same_gpus(held, v.gpus) then return {0, 'STALE', 'victim ' .. v.replica .. ' moved'} end
+  for id, bytes in pairs(held) do freed[id] = (freed[id] or 0) + bytes end
+  if v.to == 'WARM' then
+    warm_delta[v.host] = (warm_delta[v.host] or 0) + num(redis.call('HGET', vdep, 'size'))
+  end
+end
+for _, w in ipairs(p.drops) do
+  local level, worker = unpack(redis.call('HMGET', K(w.dep), 'level', 'worker'))
+  if level ~= 'WARM' or worker ~= w.expect_worker then
+    return {0, 'STALE', 'warm copy ' .. w.replica .. ' changed'}
+  end
+  warm_delta[w.host] = (warm_delta[w.host] or 0) - num(redis.call('HGET', K(w.dep), 'size'))
+end
+if p.reuse == 'WARM' then
+  warm_delta[p.host_key] = (warm_delta[p.host_key] or 0) - num(redis.call('HGET', dep, 'size'))
+end
+
+-- Target GPUs: owner, lease and admission.
+for _, g in ipairs(p.gpus) do
+  local total, reserved, worker, deadline = unpack(redis.call('HMGET', K(g.key),
+    'total', 'reserved', 'worker', 'lease_deadline'))
+  if not total then return {0, 'STALE', 'GPU ' .. g.id .. ' is not registered'} end
+  if worker ~= g.worker then return {0, 'STALE', 'GPU ' .. g.id .. ' changed owner'} end
+  if num(deadline) <= now then return {0, 'DEAD', 'GPU ' .. g.id .. ' lease expired'} end
+  local after = num(reserved) - (freed[g.id] or 0)
+  if after + math.max(g.limit, g.bytes) > num(total) then
+    return {0, 'FULL', 'GPU ' .. g.id .. ' cannot admit ' .. g.limit .. ' bytes'}
+  end
+end
+for host, delta in pairs(warm_delta) do
+  local budget, used = unpack(redis.call('HMGET', K(host), 'warm_budget', 'warm_used'))
+  if delta > 0 and num(used) + delta > num(budget) then
+    return {0, 'FULL', 'warm cache of ' .. K(host) .. ' is full'}
+  end
+end
+
+-- Apply.
+local events = K(p.events)
+for _, v in ipairs(p.evictions) do
+  local model = redis.call('HGET', K(v.dep), 'model')
+  move_off_gpu(v, v.to)
+  event(events, p.maxlen, now, 'evicted', v.replica, model, 'cause', 'pressure', 'to', v.to,
+    'for', p.replica)
+end
+for _, w in ipairs(p.drops) do
+  drop_warm(w)
+  event(events, p.maxlen, now, 'dropped', w.replica, redis.call('HGET', K(w.dep), 'model'))
+end
+if p.reuse == 'WARM' then
+  redis.call('HINCRBY', K(p.host_key), 'warm_used', -num(redis.call('HGET', dep, 'size')))
+  redis.call('SREM', K(p.old_worker_deps), p.replica)
+end
+local placed = {}
+for _, g in ipairs(p.gpus) do
+  redis.call('HINCRBY', K(g.key), 'reserved', g.bytes)
+  placed[g.id] = g.bytes
+end
+redis.call('HSET', dep, 'replica', p.replica, 'model', p.model, 'level', 'LOADING',
+  'gpus', cjson.encode(placed), 'limit', p.limit, 'fraction', p.fraction, 'size', p.size,
+  'dedicated', p.dedicated and 1 or 0, 'host', p.host, 'worker', p.worker, 'queue', p.queue,
+  'last_used', now)
+redis.call('SADD', K(p.deps_key), p.replica)
+redis.call('SADD', K(p.replicas_key), p.replica)
+redis.call('SADD', K(p.worker_deps), p.replica)
+redis.call('HINCRBY', K(p.active), p.model, 1)
+local kind = 'placed'
+if p.reuse == 'WARM' then kind = 'restored' end
+event(events, p.maxlen, now, kind, p.replica, p.model, 'gpus', cjson.encode(placed),
+  'worker', p.worker)
+return {1, p.replica}

@@ -1,0 +1,56 @@
+-- evict.lua: take one replica off its GPUs on request: drain it, then offload or drop it.
+-- KEYS: every key named in ARGV[1].
+-- ARGV[1] = JSON {replica, dep, leases, active, worker_deps, host, events, maxlen,
+--                 to ('WARM' | 'COLD'), gpus=[{id, key}],
+--                 drops=[{replica, dep, worker_deps, host, expect_worker}]}
+-- A replica with requests in flight turns DRAINING (it takes no new ones) and stays
+-- until the last lease ends; call again then. A WARM copy that no longer fits its
+-- host's cache goes COLD instead. A WARM replica asked to go COLD is dropped.
+-- Returns {1, level now} | {2, 'DRAINING', live leases} | {0, reason, detail}
+local a = cjson.decode(ARGV[1])
+local dep = K(a.dep)
+local now = now_ms()
+local level, model = unpack(redis.call('HMGET', dep, 'level', 'model'))
+if not level then return {0, 'NOT_FOUND', 'no replica ' .. a.replica} end
+local events = K(a.events)
+if level == 'COLD' or (level == 'WARM' and a.to == 'WARM') then return {1, level} end
+if level == 'WARM' then
+  drop_warm({replica = a.replica, dep = a.dep, worker_deps = a.worker_deps, host = a.host})
+  event(events, a.maxlen, now, 'dropped', a.replica, model, 'cause', 'explicit')
+  return {1, 'COLD'}
+end
+if not same_gpus(dep_gpus(dep), a.gpus) then return {0, 'STALE', a.replica .. ' moved'} end
+local inflight = live_leases(K(a.leases), now)
+if inflight > 0 then
+  if level ~= 'DRAINING' then
+    redis.call('HSET', dep, 'level', 'DRAINING')
+    event(events, a.maxlen, now, 'draining', a.replica, model, 'inflight', inflight)
+  end
+  return {2, 'DRAINING', inflight}
+end
+local to = a.to
+if to == 'WARM' then
+  local size = num(redis.call('HGET', dep, 'size'))
+  local budget, used = unpack(redis.call('HMGET', K(a.host), 'warm_budget', 'warm_used'))
+  local room = num(budget) - num(used)
+  local usable = {}
+  for _, w in ipairs(a.drops) do
+    if room >= size then break end
+    local wl, ww = unpack(redis.call('HMGET', K(w.dep), 'level', 'worker'))
+    if wl == 'WARM' and ww == w.expect_worker then
+      table.insert(usable, w)
+      room = room + num(redis.call('HGET', K(w.dep), 'size'))
+    end
+  end
+  if room >= size and size > 0 then
+    for _, w in ipairs(usable) do
+      drop_warm(w)
+      event(events, a.maxlen, now, 'dropped', w.replica, redis.call('HGET', K(w.dep), 'model'))
+    end
+  else
+    to = 'COLD'
+  end
+end
+move_off_gpu(a, to)
+event(events, a.maxlen, now, 'evicted', a.replica, model, 'cause', 'explicit', 'to', to)
+return {1, to}

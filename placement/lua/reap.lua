@@ -1,0 +1,58 @@
+-- reap.lua: release everything a worker holds, when its lease expired or it shuts down.
+-- KEYS: every key named in ARGV[1].
+-- ARGV[1] = JSON {worker, force (bool), maxlen, workers, worker_key, worker_deps, gpus_set,
+--                 events, own=[{id, key}] (the GPUs it owns),
+--                 deps=[{replica, dep, leases, active, host, gpus=[{id, key}]}]}
+-- `deps` must be exactly the worker's deployment set. Every deployment goes COLD and
+-- its GPU and warm-cache bytes and its request leases are released; the worker's GPUs
+-- lose their owner, and GPU records left with no owner and no bytes are removed.
+-- Returns {1, deployments released} | {0, 'ALIVE'} | {0, 'GONE'} | {0, 'STALE', detail}
+local a = cjson.decode(ARGV[1])
+local wkey = K(a.worker_key)
+local now = now_ms()
+if redis.call('EXISTS', wkey) == 0 then return {0, 'GONE'} end
+if not a.force and num(redis.call('HGET', wkey, 'lease_deadline')) > now then
+  return {0, 'ALIVE'}
+end
+local members = redis.call('SMEMBERS', K(a.worker_deps))
+if #members ~= #a.deps then return {0, 'STALE', 'deployment set changed'} end
+for _, d in ipairs(a.deps) do
+  if redis.call('SISMEMBER', K(a.worker_deps), d.replica) == 0 then
+    return {0, 'STALE', 'deployment set changed'}
+  end
+  if not same_gpus(dep_gpus(K(d.dep)), d.gpus) then return {0, 'STALE', d.replica .. ' moved'} end
+end
+local touched = {}
+local events = K(a.events)
+for _, d in ipairs(a.deps) do
+  local dep = K(d.dep)
+  local level, model = unpack(redis.call('HMGET', dep, 'level', 'model'))
+  if level == 'WARM' then
+    drop_warm({replica = d.replica, dep = d.dep, worker_deps = a.worker_deps, host = d.host})
+  elseif level ~= 'COLD' then
+    d.worker_deps = a.worker_deps
+    move_off_gpu(d, 'COLD')
+    for _, ref in ipairs(d.gpus) do touched[ref.id] = ref.key end
+  end
+  redis.call('DEL', K(d.leases))
+  event(events, a.maxlen, now, 'released', d.replica, model, 'worker', a.worker, 'was', level)
+end
+for _, g in ipairs(a.own) do
+  if redis.call('HGET', K(g.key), 'worker') == a.worker then
+    redis.call('HSET', K(g.key), 'worker', '', 'queue', '', 'lease_deadline', 0)
+  end
+  touched[g.id] = g.key
+end
+for id, key in pairs(touched) do
+  local worker, reserved = unpack(redis.call('HMGET', K(key), 'worker', 'reserved'))
+  if (worker or '') == '' and num(reserved) == 0 then
+    redis.call('DEL', K(key))
+    redis.call('SREM', K(a.gpus_set), id)
+  end
+end
+redis.call('DEL', K(a.worker_deps), wkey)
+redis.call('SREM', K(a.workers), a.worker)
+local cause = 'expired'
+if a.force then cause = 'shutdown' end
+event(events, a.maxlen, now, 'reaped', '', '', 'worker', a.worker, 'cause', cause)
+return {1, #a.deps}

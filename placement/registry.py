@@ -1,0 +1,507 @@
+"""The placement registry: per-GPU memory ledgers in Redis, changed only by Lua scripts.
+
+Reads are plain pipelined commands; every write is one atomic script, so any
+number of routers and workers may share a registry without Python-side locks.
+The commit protocol is optimistic: read a `Snapshot`, plan with the pure policy,
+and let `commit.lua` re-check the plan; on a refusal, plan again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import uuid
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import redis
+
+from placement.errors import (
+    ConfigError,
+    GpuOwnedError,
+    LeaseLostError,
+    PlanRejectedError,
+    RegistryError,
+)
+from placement.keys import KeyList, Keys
+from placement.policy import plan_offload, plan_replica
+from placement.scripts import Scripts, scripts_for
+from placement.settings import PolicySettings
+from placement.state import Candidate, Demand, Deployment, Gpu, Host, Level, Plan, Snapshot
+
+log = logging.getLogger(__name__)
+
+DEFAULT_WORKER_LEASE_MS = 15_000
+DEFAULT_REQUEST_LEASE_MS = 300_000
+DEFAULT_EVENTS_MAXLEN = 100_000
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A routed request's pin on a replica, until `finish` or `deadline_ms`."""
+
+    id: str
+    model: str
+    replica: str
+    queue: str
+    worker: str
+    gpus: dict[str, int]
+    deadline_ms: int
+
+
+class Registry:
+    """One fleet's ledger in one Redis database."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        fleet: str = "default",
+        *,
+        events_maxlen: int = DEFAULT_EVENTS_MAXLEN,
+    ) -> None:
+        if not client.get_connection_kwargs().get("decode_responses"):
+            raise ConfigError("the registry needs a Redis client made with decode_responses=True")
+        self.client: Any = client  # str replies (decode_responses), which redis-py cannot type
+        self.keys = Keys(fleet)
+        self.events_maxlen = events_maxlen
+        self._scripts: Scripts = scripts_for(client)
+        self._replicas: dict[str, tuple[list[str], list[str]]] = {}  # fast-path cache
+
+    @classmethod
+    def from_url(cls, url: str, fleet: str = "default", **kwargs: Any) -> Registry:
+        """Connect with a `redis://` or `rediss://` URL (passwords in the URL work)."""
+        return cls(redis.Redis.from_url(url, decode_responses=True), fleet, **kwargs)
+
+    def _run(self, name: str, keys: list[str], args: list[Any]) -> Any:
+        try:
+            return self._scripts(name, keys, args)
+        except redis.ConnectionError as exc:
+            raise RegistryError(f"registry unreachable: {exc}. Check GPUFLEET_REDIS_URL.") from exc
+
+    def _run_json(self, name: str, keys: KeyList, payload: dict[str, Any]) -> Any:
+        payload["maxlen"] = self.events_maxlen
+        return self._run(name, keys.names, [json.dumps(payload)])
+
+    # --- workers ------------------------------------------------------------
+
+    def register_worker(
+        self,
+        worker: str,
+        host: str,
+        queue: str,
+        gpus: Sequence[Gpu],
+        *,
+        warm_budget: int = 0,
+        lease_ms: int = DEFAULT_WORKER_LEASE_MS,
+    ) -> int:
+        """Own `gpus` (their id, index, name and total are read) and return the lease deadline.
+
+        A GPU still owned by a worker whose lease expired is reaped first; one owned by
+        a live worker raises `GpuOwnedError`.
+        """
+        for _ in range(3):
+            k = self.keys
+            keys = KeyList()
+            payload = {
+                "worker": worker,
+                "host": host,
+                "queue": queue,
+                "lease_ms": lease_ms,
+                "warm_budget": warm_budget,
+                "workers": keys.add(k.workers),
+                "worker_key": keys.add(k.worker(worker)),
+                "gpus_set": keys.add(k.gpus),
+                "hosts": keys.add(k.hosts),
+                "host_key": keys.add(k.host(host)),
+                "events": keys.add(k.events),
+                "gpus": [
+                    {
+                        "id": g.id,
+                        "key": keys.add(k.gpu(g.id)),
+                        "index": g.index,
+                        "name": g.name,
+                        "total": g.total,
+                    }
+                    for g in gpus
+                ],
+            }
+            result = self._run_json("register", keys, payload)
+            if result[0] == 1:
+                return int(result[1])
+            _, reason, gpu_id, owner = result
+            if reason == "OWNED":
+                raise GpuOwnedError(
+                    f"GPU {gpu_id} is owned by live worker {owner}; stop it first, "
+                    f"or wait for its lease to expire"
+                )
+            self.reap(owner)
+        raise RegistryError(f"could not register worker {worker}: its GPUs keep changing owner")
+
+    def heartbeat(
+        self, worker: str, gpu_ids: Iterable[str], lease_ms: int = DEFAULT_WORKER_LEASE_MS
+    ) -> int:
+        """Renew the worker's lease; raise `LeaseLostError` if it already expired."""
+        keys = [self.keys.worker(worker), *(self.keys.gpu(g) for g in gpu_ids)]
+        result = self._run("heartbeat", keys, [worker, lease_ms])
+        if result[0] != 1:
+            raise LeaseLostError(
+                f"worker {worker} missed its lease; its reservations are released. "
+                f"Drop resident models and register again."
+            )
+        return int(result[1])
+
+    def reap(self, worker: str, *, force: bool = False) -> int | None:
+        """Release all of `worker`'s reservations if its lease expired (or `force`).
+
+        Returns the number of deployments released, or None if the worker is alive
+        (without `force`) or already gone.
+        """
+        k = self.keys
+        for _ in range(10):
+            replicas = sorted(self.client.smembers(k.worker_deployments(worker)))
+            pipe = self.client.pipeline(transaction=False)
+            pipe.hget(k.worker(worker), "gpus")
+            for r in replicas:
+                pipe.hmget(k.deployment(r), "gpus", "host")
+            own_raw, *recs = pipe.execute()
+            keys = KeyList()
+            deps = []
+            for r, (gpus_raw, host) in zip(replicas, recs, strict=True):
+                held = json.loads(gpus_raw or "{}")
+                deps.append(
+                    {
+                        "replica": r,
+                        "dep": keys.add(k.deployment(r)),
+                        "leases": keys.add(k.leases(r)),
+                        "active": keys.add(k.active),
+                        "host": keys.add(k.host(host or "")),
+                        "gpus": [{"id": g, "key": keys.add(k.gpu(g))} for g in held],
+                    }
+                )
+            payload = {
+                "worker": worker,
+                "force": force,
+                "workers": keys.add(k.workers),
+                "worker_key": keys.add(k.worker(worker)),
+                "worker_deps": keys.add(k.worker_deployments(worker)),
+                "gpus_set": keys.add(k.gpus),
+                "events": keys.add(k.events),
+                "own": [{"id": g, "key": keys.add(k.gpu(g))} for g in json.loads(own_raw or "[]")],
+                "deps": deps,
+            }
+            result = self._run_json("reap", keys, payload)
+            if result[0] == 1:
+                log.info("released worker %s (%d deployments)", worker, result[1])
+                return int(result[1])
+            if result[1] in ("ALIVE", "GONE"):
+                return None
+        raise RegistryError(f"could not reap worker {worker}: its deployments keep changing")
+
+    def reap_expired(self) -> list[str]:
+        """Reap every worker whose lease has expired; return their ids."""
+        now = self.now_ms()
+        workers = sorted(self.client.smembers(self.keys.workers))
+        pipe = self.client.pipeline(transaction=False)
+        for w in workers:
+            pipe.hget(self.keys.worker(w), "lease_deadline")
+        expired = [w for w, d in zip(workers, pipe.execute(), strict=True) if int(d or 0) <= now]
+        return [w for w in expired if self.reap(w) is not None]
+
+    # --- reads --------------------------------------------------------------
+
+    def now_ms(self) -> int:
+        seconds, micros = self.client.time()
+        return int(seconds) * 1000 + int(micros) // 1000
+
+    def snapshot(self) -> Snapshot:
+        """Read the whole ledger as of one instant.
+
+        The index sets are read first; then every record, the sets again and the clock
+        are read in one MULTI/EXEC, which Redis runs atomically. If a set changed
+        between the two reads the snapshot is taken again.
+        """
+        k = self.keys
+        sets = (k.gpus, k.deployments, k.hosts)
+        ids = [sorted(m) for m in self._read([("smembers", s) for s in sets], atomic=False)]
+        for _ in range(16):
+            gpu_ids, replicas, hosts = ids
+            cmds: list[tuple[Any, ...]] = [("time",), ("hgetall", k.learned), ("hgetall", k.active)]
+            cmds += [("smembers", s) for s in sets]
+            cmds += [("hgetall", k.gpu(g)) for g in gpu_ids]
+            cmds += [("hgetall", k.deployment(r)) for r in replicas]
+            cmds += [("zrange", k.leases(r), 0, -1, False, True) for r in replicas]  # with scores
+            cmds += [("hgetall", k.host(h)) for h in hosts]
+            rows = iter(self._read(cmds, atomic=True))
+            sec, usec = next(rows)
+            learned, active = next(rows), next(rows)
+            now_ids = [sorted(next(rows)) for _ in sets]
+            if now_ids != ids:
+                ids = now_ids
+                continue  # a record appeared or went between the two reads
+            now = int(sec) * 1000 + int(usec) // 1000
+            gpus = {g: _gpu(row) for g, row in zip(gpu_ids, _take(rows, gpu_ids), strict=True)}
+            records = _take(rows, replicas)
+            leases = _take(rows, replicas)
+            deployments = {
+                r: _deployment(row, sum(1 for _, t in held if t > now))
+                for r, row, held in zip(replicas, records, leases, strict=True)
+                if row
+            }
+            host_map = {h: _host(row) for h, row in zip(hosts, _take(rows, hosts), strict=True)}
+            return Snapshot(
+                gpus={g: v for g, v in gpus.items() if v.total},
+                deployments=deployments,
+                hosts=host_map,
+                now_ms=now,
+                learned={m: int(v) for m, v in learned.items()},
+                active={m: int(v) for m, v in active.items()},
+            )
+        raise RegistryError("the registry changed under 16 snapshot attempts in a row")
+
+    def _read(self, commands: list[tuple[Any, ...]], *, atomic: bool) -> list[Any]:
+        pipe = self.client.pipeline(transaction=atomic)
+        for name, *args in commands:
+            getattr(pipe, name)(*args)
+        return list(pipe.execute())
+
+    # --- placement ----------------------------------------------------------
+
+    def commit(self, plan: Plan, snap: Snapshot) -> None:
+        """Apply `plan`, made from `snap`, atomically; raise `PlanRejectedError` if stale."""
+        k = self.keys
+        keys = KeyList()
+        old = snap.deployments.get(plan.replica)
+        payload: dict[str, Any] = {
+            "replica": plan.replica,
+            "model": plan.model,
+            "reuse": plan.reuse.value if plan.reuse else "",
+            "expect_worker": old.worker if old and plan.reuse else "",
+            "max_active": plan.max_active,
+            "dep": keys.add(k.deployment(plan.replica)),
+            "active": keys.add(k.active),
+            "replicas_key": keys.add(k.model_replicas(plan.model)),
+            "deps_key": keys.add(k.deployments),
+            "worker_deps": keys.add(k.worker_deployments(plan.worker)),
+            # A WARM replica is restored on its own host, and leaves its old holder.
+            "old_worker_deps": keys.add(k.worker_deployments(old.worker)) if old else 0,
+            "host_key": keys.add(k.host(plan.host)),
+            "events": keys.add(k.events),
+            "limit": plan.limit,
+            "fraction": plan.fraction,
+            "size": plan.size,
+            "dedicated": plan.dedicated,
+            "host": plan.host,
+            "worker": plan.worker,
+            "queue": plan.queue,
+            "gpus": [
+                {
+                    "id": g,
+                    "key": keys.add(k.gpu(g)),
+                    "bytes": b,
+                    "limit": plan.limit if len(plan.gpus) == 1 else b,
+                    "worker": snap.gpus[g].worker,
+                }
+                for g, b in plan.gpus.items()
+            ],
+            "evictions": [
+                self._victim_ref(snap.deployments[e.replica], keys) | {"to": e.to.value}
+                for e in plan.evictions
+            ],
+            "drops": [self._warm_ref(snap.deployments[r], keys) for r in plan.warm_drops],
+        }
+        result = self._run_json("commit", keys, payload)
+        if result[0] != 1:
+            raise PlanRejectedError(f"{result[1]}: {result[2]}")
+
+    def _victim_ref(self, d: Deployment, keys: KeyList) -> dict[str, Any]:
+        k = self.keys
+        return {
+            "replica": d.replica,
+            "dep": keys.add(k.deployment(d.replica)),
+            "leases": keys.add(k.leases(d.replica)),
+            "active": keys.add(k.active),
+            "worker_deps": keys.add(k.worker_deployments(d.worker)),
+            "host": keys.add(k.host(d.host)),
+            "expect_worker": d.worker,
+            "gpus": [{"id": g, "key": keys.add(k.gpu(g))} for g in d.gpus],
+        }
+
+    def _warm_ref(self, d: Deployment, keys: KeyList) -> dict[str, Any]:
+        k = self.keys
+        return {
+            "replica": d.replica,
+            "dep": keys.add(k.deployment(d.replica)),
+            "worker_deps": keys.add(k.worker_deployments(d.worker)),
+            "host": keys.add(k.host(d.host)),
+            "expect_worker": d.worker,
+        }
+
+    def place(
+        self,
+        demand: Demand,
+        settings: PolicySettings | None = None,
+        rng: random.Random | None = None,
+        attempts: int = 8,
+    ) -> Plan:
+        """Snapshot, plan and commit one more replica, retrying on stale plans.
+
+        Returns the committed plan (or a DEPLOYED plan when enough replicas exist).
+        Policy refusals (`CantAccommodateError`) propagate at once.
+        """
+        last: PlanRejectedError | None = None
+        for _ in range(attempts):
+            snap = self.snapshot()
+            if demand.learned is None and demand.model in snap.learned:
+                demand = replace(demand, learned=snap.learned[demand.model])
+            plan = plan_replica(demand, snap, settings, rng)
+            if plan.candidate is Candidate.DEPLOYED:
+                return plan
+            try:
+                self.commit(plan, snap)
+                return plan
+            except PlanRejectedError as exc:
+                last = exc
+                log.debug("plan for %s rejected: %s", demand.model, exc)
+        raise PlanRejectedError(
+            f"{demand.model}: the fleet changed under {attempts} plans in a row ({last})"
+        )
+
+    def confirm(self, replica: str, worker: str) -> bool:
+        """Mark a LOADING replica HOT; False if it was evicted or reaped meanwhile."""
+        keys = [self.keys.deployment(replica), self.keys.events]
+        return bool(self._run("confirm", keys, [replica, worker, self.events_maxlen]))
+
+    def evict(
+        self, replica: str, settings: PolicySettings | None = None, *, to: Level | None = None
+    ) -> Level:
+        """Drain, then offload (WARM when the host cache has room) or drop a replica.
+
+        Returns the replica's level afterwards: DRAINING while requests are in flight
+        (call again when they finish), else WARM or COLD. `to=Level.COLD` forces a drop.
+        """
+        for _ in range(8):
+            snap = self.snapshot()
+            dep = snap.deployments.get(replica)
+            if dep is None:
+                raise RegistryError(f"no replica {replica} in the registry; see `gpufleet status`")
+            drops: tuple[str, ...] = ()
+            if to is Level.COLD:
+                target = Level.COLD
+            else:
+                eviction, drops = plan_offload(replica, snap, settings)
+                target = eviction.to
+            k = self.keys
+            keys = KeyList()
+            payload = self._victim_ref(dep, keys) | {
+                "events": keys.add(k.events),
+                "to": target.value,
+                "drops": [self._warm_ref(snap.deployments[r], keys) for r in drops],
+            }
+            result = self._run_json("evict", keys, payload)
+            if result[0] in (1, 2):
+                return Level(result[1])
+            if result[1] == "NOT_FOUND":
+                raise RegistryError(f"no replica {replica} in the registry")
+        raise PlanRejectedError(f"replica {replica} kept moving while being evicted")
+
+    def record_measurement(self, model: str, peak_bytes: int) -> int:
+        """Store a model's measured peak; returns the previous figure (0 if none)."""
+        keys = [self.keys.learned, self.keys.events]
+        return int(self._run("learn", keys, [model, int(peak_bytes), self.events_maxlen]))
+
+    # --- requests -----------------------------------------------------------
+
+    def pick(self, model: str, ttl_ms: int = DEFAULT_REQUEST_LEASE_MS) -> Lease | None:
+        """Lease the least busy HOT replica of `model`, or None when none is ready."""
+        lease_id = uuid.uuid4().hex
+        for _ in range(4):
+            replicas, workers = self._replicas.get(model) or self._refresh_replicas(model)
+            k = self.keys
+            keys = [k.model_replicas(model)]
+            for r, w in zip(replicas, workers, strict=True):
+                keys += [k.deployment(r), k.leases(r), k.worker(w)]
+            offset = random.randrange(max(1, len(replicas)))
+            result = self._run("pick", keys, [lease_id, ttl_ms, offset, *replicas, *workers])
+            if result[0] == 1:
+                _, replica, queue, worker, gpus, deadline = result
+                return Lease(
+                    lease_id, model, replica, queue, worker, json.loads(gpus), int(deadline)
+                )
+            if result[0] == 0:
+                self._replicas.pop(model, None)  # a later placement may add replicas
+                return None
+            self._refresh_replicas(model)
+        return None
+
+    def _refresh_replicas(self, model: str) -> tuple[list[str], list[str]]:
+        replicas = sorted(self.client.smembers(self.keys.model_replicas(model)))
+        pipe = self.client.pipeline(transaction=False)
+        for r in replicas:
+            pipe.hget(self.keys.deployment(r), "worker")
+        workers = [w or "" for w in pipe.execute()]
+        self._replicas[model] = (replicas, workers)
+        return replicas, workers
+
+    def finish(self, lease: Lease) -> Level:
+        """End a request's lease. A DRAINING replica left idle is evicted right away."""
+        keys = [self.keys.deployment(lease.replica), self.keys.leases(lease.replica)]
+        _, left, level = self._run("finish", keys, [lease.id])
+        if level == Level.DRAINING.value and int(left) == 0:
+            return self.evict(lease.replica)
+        return Level(level)
+
+    # --- audit --------------------------------------------------------------
+
+    def events(self, count: int | None = None) -> list[dict[str, str]]:
+        """The event stream, oldest first."""
+        return [fields for _, fields in self.client.xrange(self.keys.events, count=count)]
+
+    def lease_keys(self) -> list[str]:
+        """Every request-lease key left in the fleet."""
+        return list(self.client.scan_iter(match=f"{self.keys.prefix}:dep:*:leases"))
+
+
+def _take(rows: Iterator[Any], like: Sequence[str]) -> list[Any]:
+    return [next(rows) for _ in like]
+
+
+def _gpu(row: dict[str, str]) -> Gpu:
+    return Gpu(
+        id=row.get("id", ""),
+        host=row.get("host", ""),
+        index=int(row.get("index", 0)),
+        name=row.get("name", ""),
+        total=int(row.get("total", 0)),
+        reserved=int(row.get("reserved", 0)),
+        worker=row.get("worker", ""),
+        queue=row.get("queue", ""),
+        lease_deadline_ms=int(row.get("lease_deadline", 0)),
+    )
+
+
+def _deployment(row: dict[str, str], leases: int) -> Deployment:
+    return Deployment(
+        replica=row["replica"],
+        model=row["model"],
+        level=Level(row["level"]),
+        gpus={g: int(b) for g, b in json.loads(row.get("gpus") or "{}").items()},
+        limit=int(float(row.get("limit", 0))),
+        fraction=float(row.get("fraction", 0)),
+        dedicated=row.get("dedicated") == "1",
+        size=int(float(row.get("size", 0))),
+        last_used_ms=int(float(row.get("last_used", 0))),
+        host=row.get("host", ""),
+        worker=row.get("worker", ""),
+        queue=row.get("queue", ""),
+        leases=int(leases),
+    )
+
+
+def _host(row: dict[str, str]) -> Host:
+    return Host(
+        name=row.get("name", ""),
+        warm_budget=int(row.get("warm_budget", 0)),
+        warm_used=int(row.get("warm_used", 0)),
+    )

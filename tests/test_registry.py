@@ -1,0 +1,332 @@
+"""The Redis registry and its Lua scripts, against a real redis-server."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+from importlib import resources
+
+import pytest
+import redis
+
+from placement.audit import audit
+from placement.errors import GpuOwnedError, LeaseLostError, PlanRejectedError, RegistryError
+from placement.keys import Keys
+from placement.ledger import apply_plan
+from placement.policy import plan_replica
+from placement.redis_server import RedisServer
+from placement.registry import Registry
+from placement.scripts import NAMES, scripts_for
+from placement.state import Candidate, Demand, Gpu, Level
+from tests.fleets import GiB
+
+LEASE_MS = 60_000
+
+
+def sim_gpu(gpu_id: str, total: int, index: int = 0) -> Gpu:
+    return Gpu(id=gpu_id, host="", index=index, name="Sim", total=total)
+
+
+@pytest.fixture
+def reg(redis_url: str, fleet: str) -> Iterator[Registry]:
+    registry = Registry.from_url(redis_url, fleet)
+    yield registry
+    registry.client.close()
+
+
+@pytest.fixture
+def two_gpus(reg: Registry) -> Registry:
+    """Two 8 GiB GPUs on host h0, each owned by its own worker, with a 4 GiB warm cache."""
+    for i in range(2):
+        reg.register_worker(
+            f"w{i}", "h0", f"q{i}", [sim_gpu(f"h0:{i}", 8 * GiB, i)], warm_budget=4 * GiB
+        )
+    return reg
+
+
+def place_hot(reg: Registry, demand: Demand, seed: int = 0) -> str:
+    plan = reg.place(demand, rng=random.Random(seed))
+    assert reg.confirm(plan.replica, plan.worker)
+    return plan.replica
+
+
+# --- workers and leases ------------------------------------------------------------
+
+
+def test_a_registered_worker_owns_its_gpus_with_a_live_lease(reg: Registry) -> None:
+    deadline = reg.register_worker("w0", "h0", "q0", [sim_gpu("h0:0", 8 * GiB)], lease_ms=5000)
+    snap = reg.snapshot()
+    g = snap.gpus["h0:0"]
+    assert (g.worker, g.queue, g.host, g.total, g.reserved) == ("w0", "q0", "h0", 8 * GiB, 0)
+    assert g.lease_deadline_ms == deadline
+    assert 4000 < deadline - snap.now_ms <= 5000
+
+
+def test_a_gpu_owned_by_a_live_worker_cannot_be_taken(reg: Registry) -> None:
+    reg.register_worker("w0", "h0", "q0", [sim_gpu("h0:0", 8 * GiB)])
+    with pytest.raises(GpuOwnedError, match="owned by live worker w0"):
+        reg.register_worker("w1", "h0", "q1", [sim_gpu("h0:0", 8 * GiB)])
+
+
+def test_a_gpu_of_a_dead_worker_is_reaped_and_taken_over(reg: Registry) -> None:
+    reg.register_worker("old", "h0", "q0", [sim_gpu("h0:0", 8 * GiB)], lease_ms=50)
+    time.sleep(0.1)
+    reg.register_worker("new", "h0", "q1", [sim_gpu("h0:0", 8 * GiB)])
+    assert reg.snapshot().gpus["h0:0"].worker == "new"
+    assert "old" not in reg.client.smembers(reg.keys.workers)
+
+
+def test_a_heartbeat_extends_the_lease_and_a_missed_one_loses_it(reg: Registry) -> None:
+    first = reg.register_worker("w0", "h0", "q0", [sim_gpu("h0:0", 8 * GiB)], lease_ms=200)
+    time.sleep(0.05)
+    assert reg.heartbeat("w0", ["h0:0"], lease_ms=200) > first
+    time.sleep(0.3)
+    with pytest.raises(LeaseLostError, match="register again"):
+        reg.heartbeat("w0", ["h0:0"], lease_ms=200)
+
+
+def test_reaping_an_expired_worker_releases_every_byte_and_lease(two_gpus: Registry) -> None:
+    reg = two_gpus
+    a = place_hot(reg, Demand("a", size=GiB))
+    place_hot(reg, Demand("b", size=GiB))
+    lease = reg.pick("a")
+    assert lease is not None
+    owner = reg.snapshot().deployments[a].worker
+    gpu_id = next(g for g, d in reg.snapshot().gpus.items() if d.worker == owner)
+    assert reg.reap(owner) is None  # alive: nothing happens
+    reg.client.hset(reg.keys.worker(owner), "lease_deadline", 0)  # the worker went silent
+    assert owner in reg.reap_expired()
+    snap = reg.snapshot()
+    assert snap.deployments[a].level is Level.COLD
+    assert gpu_id not in snap.gpus  # no owner and no bytes left: the record is gone
+    assert reg.keys.leases(a) not in reg.lease_keys()
+    assert audit(snap) == []
+    assert [e["kind"] for e in reg.events() if e["kind"] == "reaped"] == ["reaped"]
+
+
+# --- placement ----------------------------------------------------------------------
+
+
+def test_a_placed_replica_loads_then_serves_after_confirmation(two_gpus: Registry) -> None:
+    reg = two_gpus
+    plan = reg.place(Demand("m", size=GiB), rng=random.Random(1))
+    snap = reg.snapshot()
+    assert snap.deployments[plan.replica].level is Level.LOADING
+    assert reg.pick("m") is None  # not ready yet
+    assert reg.confirm(plan.replica, plan.worker)
+    lease = reg.pick("m")
+    assert lease is not None and lease.replica == plan.replica
+    assert lease.queue == snap.gpus[next(iter(plan.gpus))].queue
+    assert reg.snapshot().deployments[plan.replica].leases == 1
+    assert reg.finish(lease) is Level.HOT
+    assert reg.snapshot().deployments[plan.replica].leases == 0
+
+
+def test_two_plans_from_one_snapshot_cannot_double_book_a_gpu(reg: Registry) -> None:
+    reg.register_worker("w0", "h0", "q0", [sim_gpu("g", 8 * GiB)])
+    snap = reg.snapshot()
+    first = plan_replica(Demand("a", size=2 * GiB), snap)  # 6 GiB slot
+    second = plan_replica(Demand("b", size=2 * GiB), snap)
+    reg.commit(first, snap)
+    with pytest.raises(PlanRejectedError, match="FULL"):
+        reg.commit(second, snap)
+    assert reg.snapshot().gpus["g"].reserved == 6 * GiB
+
+
+def test_a_stale_plan_is_retried_on_a_fresh_snapshot(two_gpus: Registry) -> None:
+    reg = two_gpus
+    snap = reg.snapshot()
+    plan = plan_replica(Demand("a", size=2 * GiB), snap, rng=random.Random(0))
+    reg.commit(plan, snap)
+    # `place` plans against a fresh snapshot, so b goes to the other GPU.
+    other = reg.place(Demand("b", size=2 * GiB), rng=random.Random(0))
+    assert set(other.gpus) != set(plan.gpus)
+
+
+def test_concurrent_plans_for_one_replica_place_it_only_once(two_gpus: Registry) -> None:
+    reg = two_gpus
+    snap = reg.snapshot()
+    plans = [plan_replica(Demand("m", size=GiB), snap, rng=random.Random(s)) for s in (1, 2)]
+    reg.commit(plans[0], snap)
+    with pytest.raises(PlanRejectedError, match="ENOUGH"):
+        reg.commit(plans[1], snap)
+
+
+def test_a_victim_that_became_busy_after_the_snapshot_is_not_evicted(reg: Registry) -> None:
+    reg.register_worker("w0", "h0", "q0", [sim_gpu("g", 8 * GiB)])
+    victim = place_hot(reg, Demand("v", size=2 * GiB))  # 6 GiB of 8
+    snap = reg.snapshot()
+    plan = plan_replica(Demand("m", size=GiB), snap)
+    assert [e.replica for e in plan.evictions] == [victim]
+    assert reg.pick("v") is not None  # a request pins the victim
+    with pytest.raises(PlanRejectedError, match="BUSY"):
+        reg.commit(plan, snap)
+    assert reg.snapshot().deployments[victim].level is Level.HOT
+
+
+def test_a_dedicated_replica_is_never_evicted_even_by_a_forged_plan(reg: Registry) -> None:
+    reg.register_worker("w0", "h0", "q0", [sim_gpu("g", 8 * GiB)])
+    pinned = place_hot(reg, Demand("d", size=2 * GiB, dedicated=True))
+    snap = reg.snapshot()
+    unpinned = {pinned: replace(snap.deployments[pinned], dedicated=False)}
+    forged_view = replace(snap, deployments=unpinned)
+    plan = plan_replica(Demand("m", size=GiB), forged_view)
+    assert plan.evictions  # the policy was fooled; the script is not
+    with pytest.raises(PlanRejectedError, match="PINNED"):
+        reg.commit(plan, forged_view)
+
+
+def test_a_plan_for_a_gpu_whose_lease_expired_is_rejected(reg: Registry) -> None:
+    reg.register_worker("w0", "h0", "q0", [sim_gpu("g", 8 * GiB)], lease_ms=100)
+    snap = reg.snapshot()
+    plan = plan_replica(Demand("m", size=GiB), snap)
+    time.sleep(0.15)
+    with pytest.raises(PlanRejectedError, match="DEAD"):
+        reg.commit(plan, snap)
+
+
+def test_an_evicted_replica_goes_warm_and_is_restored_under_the_same_id(two_gpus: Registry) -> None:
+    reg = two_gpus
+    replica = place_hot(reg, Demand("m", size=GiB))
+    assert reg.evict(replica) is Level.WARM
+    snap = reg.snapshot()
+    assert snap.hosts["h0"].warm_used == GiB
+    assert all(g.reserved == 0 for g in snap.gpus.values())
+    plan = reg.place(Demand("m", size=GiB))
+    assert (plan.replica, plan.reuse, plan.candidate) == (
+        replica,
+        Level.WARM,
+        Candidate.CACHED_AND_FREE,
+    )
+    snap = reg.snapshot()
+    assert snap.hosts["h0"].warm_used == 0
+    assert [e["kind"] for e in reg.events() if e["replica"] == replica][-1] == "restored"
+    assert audit(snap) == []
+
+
+def test_an_evict_of_a_busy_replica_drains_it_until_its_last_request_ends(
+    two_gpus: Registry,
+) -> None:
+    reg = two_gpus
+    replica = place_hot(reg, Demand("m", size=GiB))
+    lease = reg.pick("m")
+    assert lease is not None
+    assert reg.evict(replica) is Level.DRAINING
+    assert reg.pick("m") is None  # a draining replica takes no new requests
+    assert reg.finish(lease) is Level.WARM  # the last request out turns off the light
+    assert reg.snapshot().deployments[replica].level is Level.WARM
+
+
+def test_an_expired_request_lease_no_longer_pins_its_replica(two_gpus: Registry) -> None:
+    reg = two_gpus
+    replica = place_hot(reg, Demand("m", size=GiB))
+    assert reg.pick("m", ttl_ms=50) is not None
+    time.sleep(0.1)
+    assert reg.snapshot().deployments[replica].leases == 0
+    assert reg.evict(replica) is Level.WARM
+
+
+def test_pressure_eviction_records_why_in_the_event_stream(reg: Registry) -> None:
+    reg.register_worker("w0", "h0", "q0", [sim_gpu("g", 8 * GiB)], warm_budget=8 * GiB)
+    victim = place_hot(reg, Demand("v", size=2 * GiB))
+    newcomer = reg.place(Demand("m", size=GiB))
+    evicted = [e for e in reg.events() if e["kind"] == "evicted"]
+    assert [(e["replica"], e["cause"], e["to"], e["for"]) for e in evicted] == [
+        (victim, "pressure", "WARM", newcomer.replica)
+    ]
+
+
+def test_a_learned_measurement_sizes_the_next_placement(two_gpus: Registry) -> None:
+    reg = two_gpus
+    assert reg.record_measurement("m", GiB) == 0
+    plan = reg.place(Demand("m", size=2 * GiB))  # the guess would be 6 GiB
+    assert sum(plan.gpus.values()) < 2 * GiB
+    assert reg.record_measurement("m", 2 * GiB) == GiB
+
+
+def test_the_python_ledger_and_the_lua_scripts_agree(two_gpus: Registry) -> None:
+    reg = two_gpus
+    rng = random.Random(3)
+    for step in range(30):
+        snap = reg.snapshot()
+        demand = Demand(f"m{rng.randrange(8)}", size=rng.randrange(1, 8) * GiB // 2)
+        try:
+            plan = plan_replica(demand, snap, rng=rng)
+        except Exception:
+            continue
+        if plan.candidate is Candidate.DEPLOYED:
+            reg.evict(plan.replica)
+            continue
+        expected = apply_plan(snap, plan)
+        reg.commit(plan, snap)
+        reg.confirm(plan.replica, plan.worker)
+        actual = reg.snapshot()
+        assert actual.gpus == expected.gpus, step
+        assert actual.hosts == expected.hosts, step
+        assert {r: d.level for r, d in actual.deployments.items()} == {
+            r: (Level.HOT if r == plan.replica else d.level)
+            for r, d in expected.deployments.items()
+        }
+        assert {m: c for m, c in actual.active.items() if c} == {
+            m: c for m, c in expected.active.items() if c
+        }
+        assert audit(actual) == []
+
+
+# --- keys and scripts -------------------------------------------------------------
+
+
+def test_every_key_of_a_fleet_shares_its_hash_tag(two_gpus: Registry, fleet: str) -> None:
+    reg = two_gpus
+    place_hot(reg, Demand("m", size=GiB))
+    assert reg.pick("m") is not None
+    keys = list(reg.client.scan_iter(match="gpufleet:*"))
+    mine = [k for k in keys if f"{{{fleet}}}" in k]
+    assert len(mine) >= 8
+    assert all(k.startswith(f"gpufleet:{{{fleet}}}:") for k in mine)
+
+
+def test_every_lua_script_opens_with_its_keys_and_argv_contract() -> None:
+    lua = resources.files("placement") / "lua"
+    for name in NAMES:
+        head = (lua / f"{name}.lua").read_text().splitlines()[:12]
+        assert head[0].startswith(f"-- {name}.lua: ")
+        assert any(line.startswith("-- KEYS") for line in head), name
+        assert any("ARGV" in line for line in head), name
+        assert any(
+            line.startswith("-- Returns") for line in (lua / f"{name}.lua").read_text().splitlines()
+        ), name
+
+
+def test_scripts_are_registered_once_per_client_and_survive_a_script_flush(
+    two_gpus: Registry,
+) -> None:
+    reg = two_gpus
+    assert scripts_for(reg.client) is scripts_for(reg.client)
+    reg.client.script_flush()  # e.g. a Redis restart: EVALSHA gets NOSCRIPT, then reloads
+    place_hot(reg, Demand("m", size=GiB))
+    assert reg.pick("m") is not None
+
+
+def test_an_invalid_fleet_name_is_refused() -> None:
+    with pytest.raises(Exception, match="fleet name"):
+        Keys("bad}name")
+
+
+def test_a_password_protected_redis_works_and_a_wrong_password_is_an_error() -> None:
+    with RedisServer(password="s3cret/with:chars") as server:
+        reg = Registry.from_url(server.url, "pw")
+        reg.register_worker("w0", "h0", "q0", [sim_gpu("g", 8 * GiB)])
+        assert reg.snapshot().gpus["g"].worker == "w0"
+        bad = server.url.replace("s3cret", "wrong")
+        client = redis.Redis.from_url(bad, decode_responses=True, retry=None)
+        with pytest.raises(redis.AuthenticationError):
+            client.ping()
+
+
+def test_an_unreachable_registry_is_a_clear_error() -> None:
+    reg = Registry.from_url("redis://127.0.0.1:1/0", "x")
+    with pytest.raises(RegistryError, match="GPUFLEET_REDIS_URL"):
+        reg.record_measurement("m", 1)
