@@ -78,7 +78,7 @@ class Registry:
         try:
             return self._scripts(name, keys, args)
         except redis.ConnectionError as exc:
-            raise RegistryError(f"registry unreachable: {exc}. Check GPUFLEET_REDIS_URL.") from exc
+            raise _unreachable(exc) from exc
 
     def _run_json(self, name: str, keys: KeyList, payload: dict[str, Any]) -> Any:
         payload["maxlen"] = self.events_maxlen
@@ -160,12 +160,9 @@ class Registry:
         """
         k = self.keys
         for _ in range(10):
-            replicas = sorted(self.client.smembers(k.worker_deployments(worker)))
-            pipe = self.client.pipeline(transaction=False)
-            pipe.hget(k.worker(worker), "gpus")
-            for r in replicas:
-                pipe.hmget(k.deployment(r), "gpus", "host")
-            own_raw, *recs = pipe.execute()
+            replicas = sorted(self._one("smembers", k.worker_deployments(worker)))
+            reads = [("hmget", k.deployment(r), "gpus", "host") for r in replicas]
+            own_raw, *recs = self._read([("hget", k.worker(worker), "gpus"), *reads])
             keys = KeyList()
             deps = []
             for r, (gpus_raw, host) in zip(replicas, recs, strict=True):
@@ -202,17 +199,15 @@ class Registry:
     def reap_expired(self) -> list[str]:
         """Reap every worker whose lease has expired; return their ids."""
         now = self.now_ms()
-        workers = sorted(self.client.smembers(self.keys.workers))
-        pipe = self.client.pipeline(transaction=False)
-        for w in workers:
-            pipe.hget(self.keys.worker(w), "lease_deadline")
-        expired = [w for w, d in zip(workers, pipe.execute(), strict=True) if int(d or 0) <= now]
+        workers = sorted(self._one("smembers", self.keys.workers))
+        deadlines = self._read([("hget", self.keys.worker(w), "lease_deadline") for w in workers])
+        expired = [w for w, d in zip(workers, deadlines, strict=True) if int(d or 0) <= now]
         return [w for w in expired if self.reap(w) is not None]
 
     # --- reads --------------------------------------------------------------
 
     def now_ms(self) -> int:
-        seconds, micros = self.client.time()
+        seconds, micros = self._one("time")
         return int(seconds) * 1000 + int(micros) // 1000
 
     def snapshot(self) -> Snapshot:
@@ -224,7 +219,7 @@ class Registry:
         """
         k = self.keys
         sets = (k.gpus, k.deployments, k.hosts)
-        ids = [sorted(m) for m in self._read([("smembers", s) for s in sets], atomic=False)]
+        ids = [sorted(m) for m in self._read([("smembers", s) for s in sets])]
         for _ in range(16):
             gpu_ids, replicas, hosts = ids
             cmds: list[tuple[Any, ...]] = [("time",), ("hgetall", k.learned), ("hgetall", k.active)]
@@ -260,11 +255,17 @@ class Registry:
             )
         raise RegistryError("the registry changed under 16 snapshot attempts in a row")
 
-    def _read(self, commands: list[tuple[Any, ...]], *, atomic: bool) -> list[Any]:
+    def _read(self, commands: list[tuple[Any, ...]], *, atomic: bool = False) -> list[Any]:
         pipe = self.client.pipeline(transaction=atomic)
         for name, *args in commands:
             getattr(pipe, name)(*args)
-        return list(pipe.execute())
+        try:
+            return list(pipe.execute())
+        except redis.ConnectionError as exc:
+            raise _unreachable(exc) from exc
+
+    def _one(self, name: str, *args: Any) -> Any:
+        return self._read([(name, *args)])[0]
 
     # --- placement ----------------------------------------------------------
 
@@ -436,11 +437,11 @@ class Registry:
         return None
 
     def _refresh_replicas(self, model: str) -> tuple[list[str], list[str]]:
-        replicas = sorted(self.client.smembers(self.keys.model_replicas(model)))
-        pipe = self.client.pipeline(transaction=False)
-        for r in replicas:
-            pipe.hget(self.keys.deployment(r), "worker")
-        workers = [w or "" for w in pipe.execute()]
+        replicas = sorted(self._one("smembers", self.keys.model_replicas(model)))
+        workers = [
+            w or ""
+            for w in self._read([("hget", self.keys.deployment(r), "worker") for r in replicas])
+        ]
         self._replicas[model] = (replicas, workers)
         return replicas, workers
 
@@ -456,11 +457,15 @@ class Registry:
 
     def events(self, count: int | None = None) -> list[dict[str, str]]:
         """The event stream, oldest first."""
-        return [fields for _, fields in self.client.xrange(self.keys.events, count=count)]
+        return [fields for _, fields in self._one("xrange", self.keys.events, "-", "+", count)]
 
     def lease_keys(self) -> list[str]:
         """Every request-lease key left in the fleet."""
         return list(self.client.scan_iter(match=f"{self.keys.prefix}:dep:*:leases"))
+
+
+def _unreachable(exc: redis.ConnectionError) -> RegistryError:
+    return RegistryError(f"registry unreachable: {exc}. Check GPUFLEET_REDIS_URL.")
 
 
 def _take(rows: Iterator[Any], like: Sequence[str]) -> list[Any]:

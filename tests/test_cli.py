@@ -1,0 +1,92 @@
+"""The `gpufleet` command line against a real registry."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import subprocess
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from placement.registry import Registry
+from placement.state import Demand, Gpu
+from tasks.cli import app
+from tests.fleets import GiB
+
+REPO = Path(__file__).resolve().parents[1]
+runner = CliRunner()
+
+
+def populate(reg: Registry) -> str:
+    for i in range(2):
+        gpu = Gpu(id=f"h0:{i}", host="h0", index=i, name="Sim 8GiB", total=8 * GiB)
+        reg.register_worker(f"w{i}", "h0", f"q{i}", [gpu], warm_budget=2 * GiB)
+    plan = reg.place(Demand("sim-1g", size=GiB), rng=random.Random(0))
+    reg.confirm(plan.replica, plan.worker)
+    return plan.replica
+
+
+def test_status_json_lists_gpus_and_deployments_as_the_registry_holds_them(
+    redis_url: str, fleet: str
+) -> None:
+    reg = Registry.from_url(redis_url, fleet)
+    replica = populate(reg)
+    result = runner.invoke(app, ["status", "--json", "--redis-url", redis_url, "--fleet", fleet])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    snap = reg.snapshot()
+    assert [g["id"] for g in report["gpus"]] == ["h0:0", "h0:1"]
+    for g in report["gpus"]:
+        ledger = snap.gpus[g["id"]]
+        assert g["reserved_bytes"] == ledger.reserved
+        assert g["free_bytes"] == ledger.total - ledger.reserved
+        assert g["alive"] is True
+    (dep,) = report["deployments"]
+    assert (dep["model"], dep["replica"], dep["level"]) == ("sim-1g", replica, "HOT")
+    assert sum(dep["gpus"].values()) == sum(g["reserved_bytes"] for g in report["gpus"])
+    assert report["problems"] == []
+
+
+def test_plain_status_shows_each_gpu_with_the_models_on_it(redis_url: str, fleet: str) -> None:
+    populate(Registry.from_url(redis_url, fleet))
+    result = runner.invoke(app, ["status", "--redis-url", redis_url, "--fleet", fleet])
+    assert result.exit_code == 0, result.output
+    assert "2 of 2 GPUs alive" in result.output
+    assert "sim-1g" in result.output and "HOT" in result.output
+
+
+def test_status_of_an_unreachable_registry_fails_with_a_hint() -> None:
+    result = runner.invoke(app, ["status", "--redis-url", "redis://127.0.0.1:1/0"])
+    assert result.exit_code == 1
+    assert "GPUFLEET_REDIS_URL" in result.output
+
+
+def test_the_demo_catalog_is_valid_and_lists_every_model() -> None:
+    result = runner.invoke(app, ["catalog", str(REPO / "models.yaml")])
+    assert result.exit_code == 0, result.output
+    for name in ("minilm", "tiny-gpt", "sim-1g", "pinned"):
+        assert name in result.output
+
+
+def test_a_bad_catalog_is_refused_naming_the_model_and_field(tmp_path: Path) -> None:
+    bad = tmp_path / "models.yaml"
+    bad.write_text(
+        "models:\n  m:\n    source: synthetic\n    task: forward\n    memory: 8 parsecs\n"
+    )
+    result = runner.invoke(app, ["catalog", str(bad)])
+    assert result.exit_code == 1
+    assert "model 'm'" in result.output and "memory" in result.output
+
+
+def test_the_gpufleet_console_entry_is_installed_and_runs(redis_url: str, fleet: str) -> None:
+    exe = shutil.which("gpufleet")
+    assert exe is not None, "pip install -e . installs the gpufleet entry point"
+    env = {**os.environ, "GPUFLEET_REDIS_URL": redis_url, "GPUFLEET_FLEET": fleet}
+    done = subprocess.run(
+        [exe, "status", "--json"], check=False, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["gpus"] == []
