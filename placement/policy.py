@@ -163,7 +163,8 @@ def plan_offload(
     """Where an explicitly evicted replica goes: WARM (with warm copies to drop) or COLD."""
     settings = settings or PolicySettings()
     dep = snap.deployments[replica]
-    evictions, drops = _destinations([dep], snap, settings.warm_drop_order, restoring=None)
+    already_warm = replica if dep.level is Level.WARM else None  # its bytes are counted already
+    evictions, drops = _destinations([dep], snap, settings.warm_drop_order, restoring=already_warm)
     return evictions[0], drops
 
 

@@ -204,6 +204,20 @@ class Registry:
         expired = [w for w, d in zip(workers, deadlines, strict=True) if int(d or 0) <= now]
         return [w for w in expired if self.reap(w) is not None]
 
+    def sweep(self) -> dict[str, list[str]]:
+        """Housekeeping to run periodically: reap expired workers, and finish the drains
+        whose last request leases lapsed (their clients were lost, so no `finish` came)."""
+        reaped = self.reap_expired()
+        drained = [
+            d.replica
+            for d in self.snapshot().deployments.values()
+            if d.level is Level.DRAINING and d.leases == 0
+        ]
+        return {
+            "reaped": reaped,
+            "drained": [r for r in drained if self.evict(r) is not Level.DRAINING],
+        }
+
     # --- reads --------------------------------------------------------------
 
     def now_ms(self) -> int:

@@ -1,7 +1,7 @@
 -- evict.lua: take one replica off its GPUs on request: drain it, then offload or drop it.
 -- KEYS: every key named in ARGV[1].
 -- ARGV[1] = JSON {replica, dep, leases, active, worker_deps, host, events, maxlen,
---                 to ('WARM' | 'COLD'), gpus=[{id, key}],
+--                 expect_worker, to ('WARM' | 'COLD'), gpus=[{id, key}],
 --                 drops=[{replica, dep, worker_deps, host, expect_worker}]}
 -- A replica with requests in flight turns DRAINING (it takes no new ones) and stays
 -- until the last lease ends; call again then. A WARM copy that no longer fits its
@@ -10,10 +10,12 @@
 local a = cjson.decode(ARGV[1])
 local dep = K(a.dep)
 local now = now_ms()
-local level, model = unpack(redis.call('HMGET', dep, 'level', 'model'))
+local level, model, worker = unpack(redis.call('HMGET', dep, 'level', 'model', 'worker'))
 if not level then return {0, 'NOT_FOUND', 'no replica ' .. a.replica} end
 local events = K(a.events)
 if level == 'COLD' or (level == 'WARM' and a.to == 'WARM') then return {1, level} end
+-- The holder, its worker set and its host are the ones the caller saw, or nothing changes.
+if (worker or '') ~= a.expect_worker then return {0, 'STALE', a.replica .. ' moved'} end
 if level == 'WARM' then
   drop_warm({replica = a.replica, dep = a.dep, worker_deps = a.worker_deps, host = a.host})
   event(events, a.maxlen, now, 'dropped', a.replica, model, 'cause', 'explicit')
