@@ -1,0 +1,480 @@
+"""Run one request on a loaded model: validate the payload, run the task, return plain JSON.
+
+Every catalog model serves one task. `run` checks the caller's ``inputs`` and ``params``
+before the model sees them, so a malformed request fails with a `PayloadError` that says
+what was wrong and what to send instead, and never with an obscure tensor error from deep
+inside transformers. Payloads arrive through Celery's JSON serializer, so anything that is
+not a plain JSON type (bytes from a pickle attempt, arbitrary objects) is refused outright.
+
+A failure inside the model itself (a RuntimeError, a CUDA error) propagates unchanged: the
+worker decides whether to retry, re-route or restart.
+
+Every result holds plain lists, ints, floats and strs, plus ``"batch": n``; a single string
+is served as a batch of one, so the shapes never depend on how the caller sent it:
+
+============================  ===================================================
+task                          result
+============================  ===================================================
+feature-extraction            ``{"embeddings": [[float]*dim]*n, "dim": dim}``
+text-generation               ``{"texts": [str]*n, "tokens": [[int]]*n}``
+text-classification           ``{"labels": [[{"label": str, "score": float}]]*n}``
+fill-mask                     ``{"predictions": [[{"token", "token_id", "score"}]]*n}``
+forward                       ``{"shape": [int], "mean": float, "std": float, "head": [float]}``
+============================  ===================================================
+
+Torch and transformers are imported lazily, so `validate` can check a payload on the
+caller's side without importing either.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from placement.catalog import TASKS
+from placement.errors import CatalogError, PayloadError
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+MAX_BATCH = 64  # strings per request
+MAX_CHARS = 8192  # characters per string
+MAX_TOKENS = 512  # the max_length and max_new_tokens ceiling
+MAX_TOP_K = 50
+# Tokenizers without a real limit report a huge model_max_length (int(1e30)).
+_NO_LIMIT = 1_000_000
+
+
+def auto_class(task: str) -> type:
+    """The transformers auto class that builds or loads a model for `task`."""
+    import transformers
+
+    names = {
+        "feature-extraction": "AutoModel",
+        "text-generation": "AutoModelForCausalLM",
+        "text-classification": "AutoModelForSequenceClassification",
+        "fill-mask": "AutoModelForMaskedLM",
+        "forward": "AutoModel",
+    }
+    if task not in names:
+        raise CatalogError(f"task {task!r} is not one of {', '.join(TASKS)}")
+    cls: type = getattr(transformers, names[task])
+    return cls
+
+
+# ---------------------------------------------------------------------------------------
+# Validation
+
+
+@dataclass(frozen=True)
+class Param:
+    """One request parameter: a bool, or a whole number within [low, high] (None if nullable)."""
+
+    kind: type
+    default: object
+    low: int = 0
+    high: int = 0
+    nullable: bool = False
+
+    def check(self, name: str, value: object) -> object:
+        """Return `value` if it is valid for this parameter, else raise PayloadError."""
+        if value is None and self.nullable:
+            return None
+        if self.kind is bool:
+            if isinstance(value, bool):
+                return value
+            raise PayloadError(f"param {name!r} must be true or false, got {_describe(value)}")
+        in_range = (
+            isinstance(value, int)
+            and not isinstance(value, bool)
+            and self.low <= value <= self.high
+        )
+        if in_range:
+            return value
+        null = " or null" if self.nullable else ""
+        raise PayloadError(
+            f"param {name!r} must be a whole number from {self.low} to {self.high}{null},"
+            f" got {_describe(value)}"
+        )
+
+
+_MAX_LENGTH = Param(int, 256, 1, MAX_TOKENS)
+PARAMS: dict[str, dict[str, Param]] = {
+    "feature-extraction": {"normalize": Param(bool, True), "max_length": _MAX_LENGTH},
+    "text-generation": {"max_new_tokens": Param(int, 16, 1, MAX_TOKENS)},
+    # top_k null (the default) returns every label, best first.
+    "text-classification": {
+        "top_k": Param(int, None, 1, MAX_TOP_K, nullable=True),
+        "max_length": _MAX_LENGTH,
+    },
+    "fill-mask": {"top_k": Param(int, 5, 1, MAX_TOP_K), "max_length": _MAX_LENGTH},
+    "forward": {"max_length": _MAX_LENGTH},
+}
+
+
+def _describe(value: object) -> str:
+    """A short, safe rendering of a bad value for an error message."""
+    if isinstance(value, (bool, int, float, str)) or value is None:
+        text = repr(value)
+        text = text if len(text) <= 40 else text[:37] + "..."
+        return f"{text} ({type(value).__name__})"
+    return type(value).__name__  # never repr an arbitrary object: it may be huge or hostile
+
+
+def _check_text(where: str, item: object) -> str:
+    if isinstance(item, (bytes, bytearray, memoryview)):
+        raise PayloadError(
+            f"{where} arrived as {type(item).__name__}; gpufleet accepts JSON only and never"
+            " unpickles: send text as a string"
+        )
+    if not isinstance(item, str):
+        raise PayloadError(f"{where} must be a string, got {_describe(item)}")
+    if len(item) > MAX_CHARS:
+        raise PayloadError(
+            f"{where} is {len(item)} characters, over the limit of {MAX_CHARS} per string;"
+            " shorten it or split it into several strings"
+        )
+    try:
+        item.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise PayloadError(
+            f"{where} is not valid Unicode (a lone surrogate at position {exc.start});"
+            " send UTF-8 text"
+        ) from None
+    return str.__str__(item)  # a plain str, even from a str subclass
+
+
+def validate_inputs(inputs: object) -> list[str]:
+    """The texts of a request: a string, or a list of 1 to MAX_BATCH strings."""
+    if isinstance(inputs, str):
+        return [_check_text("inputs", inputs)]
+    if isinstance(inputs, (bytes, bytearray, memoryview)):
+        raise PayloadError(
+            f"inputs arrived as {type(inputs).__name__}; gpufleet accepts JSON only and never"
+            " unpickles: send a string or a list of strings"
+        )
+    if not isinstance(inputs, (list, tuple)):
+        raise PayloadError(f"inputs must be a string or a list of strings, got {_describe(inputs)}")
+    if not inputs:
+        raise PayloadError(
+            f"inputs is an empty list; send a string or a list of 1 to {MAX_BATCH} strings"
+        )
+    if len(inputs) > MAX_BATCH:
+        raise PayloadError(
+            f"inputs holds {len(inputs)} strings, over the limit of {MAX_BATCH} per request;"
+            " split them into several requests"
+        )
+    return [_check_text(f"inputs[{i}]", item) for i, item in enumerate(inputs)]
+
+
+def validate_params(task: str, params: object) -> dict[str, Any]:
+    """The request's params for `task`, checked, with every default filled in."""
+    if task not in PARAMS:
+        raise CatalogError(f"task {task!r} is not one of {', '.join(TASKS)}")
+    allowed = PARAMS[task]
+    if params is None:
+        params = {}
+    if not isinstance(params, dict):
+        raise PayloadError(
+            f"params must be a JSON object (a dict) or null, got {_describe(params)};"
+            f" {task} takes {_allowed(allowed)}"
+        )
+    for key in params:
+        if not isinstance(key, str):
+            raise PayloadError(f"params keys must be strings, got {_describe(key)}")
+        if key not in allowed:
+            raise PayloadError(f"unknown param {key!r} for {task}; allowed: {_allowed(allowed)}")
+    return {
+        name: param.check(name, params[name]) if name in params else param.default
+        for name, param in allowed.items()
+    }
+
+
+def _allowed(allowed: Mapping[str, Param]) -> str:
+    return ", ".join(sorted(allowed)) or "no params"
+
+
+def validate(task: str, inputs: object, params: object) -> tuple[list[str], dict[str, Any]]:
+    """Check a request without running it: the texts and the full params, or PayloadError.
+
+    Needs neither torch nor a model, so a caller or router can refuse a bad request before
+    it costs a GPU hop. Model-specific checks (the mask token, the context window) wait
+    for `run`.
+    """
+    options = validate_params(task, params)
+    return validate_inputs(inputs), options
+
+
+# ---------------------------------------------------------------------------------------
+# Running
+
+
+def run(  # noqa: PLR0917 - the positional signature is what the worker calls
+    task: str,
+    model: torch.nn.Module,
+    tokenizer: Any,
+    inputs: object,
+    params: object | None,
+    device: torch.device | None,
+) -> dict[str, Any]:
+    """Validate a request, run it under ``torch.inference_mode()`` and return plain JSON.
+
+    `device` is where the input tensors go; None means the device of the model's first
+    parameter, which is also where accelerate expects inputs of a model split over GPUs.
+    Raises PayloadError for a bad request; errors from the model itself propagate.
+    """
+    import torch
+
+    texts, options = validate(task, inputs, params)
+    target = device if device is not None else _model_device(model)
+    net: Any = model
+    with torch.inference_mode():
+        result = _HANDLERS[task](net, tokenizer, texts, options, target)
+    result["batch"] = len(texts)
+    log.debug("ran %s on a batch of %d", task, len(texts))
+    return result
+
+
+def _model_device(model: torch.nn.Module) -> torch.device:
+    import torch
+
+    for parameter in model.parameters():
+        return parameter.device
+    return torch.device("cpu")
+
+
+def _max_positions(model: Any) -> int | None:
+    config = getattr(model, "config", None)
+    for key in ("max_position_embeddings", "n_positions"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def _encode(
+    model: Any, tokenizer: Any, texts: list[str], max_length: int, device: torch.device
+) -> dict[str, torch.Tensor]:
+    """Tokenize a batch for an encoder: right-padded, truncated to what the model can take."""
+    limit = max_length
+    model_limit = getattr(tokenizer, "model_max_length", None)
+    if isinstance(model_limit, int) and 0 < model_limit < _NO_LIMIT:
+        limit = min(limit, model_limit)
+    positions = _max_positions(model)
+    if positions is not None:
+        limit = min(limit, positions)
+    encoding = tokenizer(
+        texts, padding=True, truncation=True, max_length=limit, return_tensors="pt"
+    )
+    if encoding["input_ids"].shape[-1] == 0:
+        raise PayloadError("inputs encode to no tokens at all; send some text")
+    return {key: value.to(device) for key, value in encoding.items()}
+
+
+def _main_output(output: Any) -> torch.Tensor:
+    """The tensor a model call is about: last_hidden_state, else logits, else the first."""
+    import torch
+
+    if isinstance(output, torch.Tensor):
+        return output
+    for name in ("last_hidden_state", "logits"):
+        value = getattr(output, name, None)
+        if isinstance(value, torch.Tensor):
+            return value
+    first = output[0]
+    if not isinstance(first, torch.Tensor):
+        raise TypeError(f"the model returned {type(output).__name__} without a tensor")
+    return first
+
+
+def _feature_extraction(
+    model: Any, tokenizer: Any, texts: list[str], options: dict[str, Any], device: torch.device
+) -> dict[str, Any]:
+    """Mean pooling over the attention mask, then L2 normalisation (sentence-transformers)."""
+    import torch
+
+    encoding = _encode(model, tokenizer, texts, options["max_length"], device)
+    hidden = _main_output(model(**encoding)).float()
+    mask = encoding["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+    pooled = (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
+    if options["normalize"]:
+        pooled = torch.nn.functional.normalize(pooled, p=2, dim=1)
+    return {"embeddings": pooled.cpu().tolist(), "dim": int(pooled.shape[-1])}
+
+
+def _text_generation(
+    model: Any, tokenizer: Any, texts: list[str], options: dict[str, Any], device: torch.device
+) -> dict[str, Any]:
+    """Greedy decoding; returns only the new text and tokens, cut after the first EOS."""
+    import torch
+
+    # Tokenize one by one and left-pad by hand: works for tokenizers without a pad token.
+    prompts = []
+    for i, text in enumerate(texts):
+        ids = tokenizer(text, return_tensors="pt")["input_ids"].reshape(-1)
+        if ids.numel() == 0:
+            where = "inputs" if len(texts) == 1 else f"inputs[{i}]"
+            raise PayloadError(f"{where} encodes to no tokens; send a non-empty prompt")
+        prompts.append(ids)
+    width = max(len(ids) for ids in prompts)
+    new_tokens: int = options["max_new_tokens"]
+    window = _max_positions(model)
+    if window is not None and width + new_tokens > window:
+        raise PayloadError(
+            f"the prompt is {width} tokens and max_new_tokens is {new_tokens}, but the model"
+            f" holds {window} positions; shorten the prompt or lower max_new_tokens"
+        )
+
+    pad_id = tokenizer.pad_token_id
+    if pad_id is None:
+        pad_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, ids in enumerate(prompts):
+        input_ids[row, width - len(ids) :] = ids
+        attention_mask[row, width - len(ids) :] = 1
+    output = model.generate(
+        input_ids=input_ids.to(device),
+        attention_mask=attention_mask.to(device),
+        max_new_tokens=new_tokens,
+        do_sample=False,
+        num_beams=1,
+        pad_token_id=pad_id,
+    )
+    stops = _eos_ids(model, tokenizer)
+    tokens = []
+    for row in output[:, width:].cpu().tolist():
+        cut = next((i + 1 for i, token in enumerate(row) if token in stops), len(row))
+        tokens.append(row[:cut])
+    decoded = [tokenizer.decode(row, skip_special_tokens=True) for row in tokens]
+    return {"texts": decoded, "tokens": tokens}
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
+    """Every id that ends a generation: the tokenizer's EOS and the generation config's."""
+    ids: set[int] = set()
+    sources = (getattr(model, "generation_config", None), getattr(model, "config", None))
+    for value in (tokenizer.eos_token_id, *(getattr(s, "eos_token_id", None) for s in sources)):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(v for v in value if isinstance(v, int))
+    return ids
+
+
+def _text_classification(
+    model: Any, tokenizer: Any, texts: list[str], options: dict[str, Any], device: torch.device
+) -> dict[str, Any]:
+    """Softmax over the logits (sigmoid for multi-label models), labels from id2label."""
+    import torch
+
+    encoding = _encode(model, tokenizer, texts, options["max_length"], device)
+    logits = _main_output(model(**encoding)).float()
+    config = model.config
+    if getattr(config, "problem_type", None) == "multi_label_classification":
+        scores = torch.sigmoid(logits)
+    else:
+        scores = torch.softmax(logits, dim=-1)
+    count = scores.shape[-1]
+    top_k = count if options["top_k"] is None else min(options["top_k"], count)
+    id2label = getattr(config, "id2label", None) or {}
+    values, indices = torch.sort(scores.cpu(), dim=-1, descending=True, stable=True)
+    labels = [
+        [
+            {"label": str(id2label.get(i, f"LABEL_{i}")), "score": score}
+            for score, i in zip(row_values[:top_k], row_indices[:top_k], strict=True)
+        ]
+        for row_values, row_indices in zip(values.tolist(), indices.tolist(), strict=True)
+    ]
+    return {"labels": labels}
+
+
+def _fill_mask(
+    model: Any, tokenizer: Any, texts: list[str], options: dict[str, Any], device: torch.device
+) -> dict[str, Any]:
+    """The top_k tokens for the one mask token of each input, best first."""
+    import torch
+
+    mask_token, mask_id = tokenizer.mask_token, tokenizer.mask_token_id
+    if mask_token is None or mask_id is None:
+        raise PayloadError("this model's tokenizer has no mask token, so it cannot fill masks")
+    for i, text in enumerate(texts):
+        where = "inputs" if len(texts) == 1 else f"inputs[{i}]"
+        count = text.count(mask_token)
+        if count != 1:
+            found = "no" if count == 0 else str(count)
+            raise PayloadError(
+                f"{where} has {found} mask token {mask_token!r}; put exactly one {mask_token!r}"
+                f" where the missing word goes, e.g. 'Paris is the {mask_token} of France.'"
+            )
+    encoding = _encode(model, tokenizer, texts, options["max_length"], device)
+    input_ids = encoding["input_ids"]
+    rows, positions = (input_ids == mask_id).nonzero(as_tuple=True)
+    if rows.tolist() != list(range(len(texts))):
+        width = input_ids.shape[-1]
+        raise PayloadError(
+            f"truncation to {width} tokens cut the mask token {mask_token!r} off an input;"
+            " move the mask earlier or raise max_length"
+        )
+    logits = _main_output(model(**encoding))[rows, positions].float()
+    probs = torch.softmax(logits, dim=-1)
+    top_k = min(options["top_k"], probs.shape[-1])
+    values, indices = torch.topk(probs, top_k, dim=-1)
+    predictions = [
+        [
+            {"token": tokenizer.decode([token_id]).strip(), "token_id": token_id, "score": score}
+            for score, token_id in zip(row_values, row_indices, strict=True)
+        ]
+        for row_values, row_indices in zip(
+            values.cpu().tolist(), indices.cpu().tolist(), strict=True
+        )
+    ]
+    return {"predictions": predictions}
+
+
+def _forward(
+    model: Any, tokenizer: Any, texts: list[str], options: dict[str, Any], device: torch.device
+) -> dict[str, Any]:
+    """A plain forward pass, summarised: shape, mean, std and the first values of row one.
+
+    The statistics cover every position, padding included: the summary exists to prove a
+    model ran and to compare runs, not to be a representation.
+    """
+    encoding = _encode(model, tokenizer, texts, options["max_length"], device)
+    output = _main_output(model(**encoding)).float()
+    flat = output.reshape(-1)
+    first_row = output.reshape(-1, output.shape[-1])[0] if output.dim() > 1 else flat
+    return {
+        "shape": list(output.shape),
+        "mean": float(flat.mean()),
+        "std": float(flat.std(unbiased=False)),
+        "head": first_row[:8].cpu().tolist(),
+    }
+
+
+_Handler = Callable[[Any, Any, list[str], dict[str, Any], "torch.device"], dict[str, Any]]
+_HANDLERS: dict[str, _Handler] = {
+    "feature-extraction": _feature_extraction,
+    "text-generation": _text_generation,
+    "text-classification": _text_classification,
+    "fill-mask": _fill_mask,
+    "forward": _forward,
+}
+
+__all__ = [
+    "MAX_BATCH",
+    "MAX_CHARS",
+    "MAX_TOKENS",
+    "MAX_TOP_K",
+    "PARAMS",
+    "Param",
+    "auto_class",
+    "run",
+    "validate",
+    "validate_inputs",
+    "validate_params",
+]

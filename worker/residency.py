@@ -1,0 +1,358 @@
+"""The models one worker process holds: on its GPUs (HOT) or in its CPU memory (WARM).
+
+The registry decides; this manager does what the ledger says and keeps the process
+inside it:
+- load a replica onto the GPUs of its plan, warm it up, measure its real peak and
+  report it as the model's learned memory;
+- offload it to CPU (pinned, so the restore is a fast copy), restore it onto whatever
+  GPUs a later plan gives, or drop it;
+- cap the process on each device at the bytes the ledger reserves for it there:
+  `torch.cuda.set_per_process_memory_fraction` on CUDA, exact byte accounting on
+  simulated GPUs, which raise the same `torch.OutOfMemoryError` CUDA raises.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from placement.catalog import ModelSpec
+from placement.errors import EvictedError, PlacementError
+from placement.memory import format_size, process_fraction
+from placement.registry import Registry
+from worker import handlers, loading
+from worker.devices import Device
+from worker.lifecycle import exit_for_restart, is_fatal_cuda_error
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Resident:
+    """One replica held by this process."""
+
+    replica: str
+    spec: ModelSpec
+    model: Any
+    tokenizer: Any
+    slots: dict[str, int]  # ledger GPU id -> reserved bytes; empty while WARM
+    accounted: int  # bytes charged on simulated GPUs (a synthetic model's declared size)
+
+    @property
+    def warm(self) -> bool:
+        return not self.slots
+
+
+@dataclass(frozen=True)
+class Report:
+    """What one load, offload or restore took."""
+
+    replica: str
+    action: str
+    seconds: float
+    nbytes: int
+    peak_bytes: int | None = None
+    devices: list[str] = field(default_factory=list)
+
+    @property
+    def gbps(self) -> float:
+        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+class ResidencyManager:
+    """Loads, offloads, restores and drops the replicas of one worker process.
+
+    Device indices in plans are local: torch's CUDA index inside this process (which
+    differs from the NVML index under CUDA_VISIBLE_DEVICES), or a simulated GPU's index.
+    """
+
+    def __init__(
+        self,
+        devices: list[Device],
+        host: str,
+        *,
+        registry: Registry | None = None,
+        warmup: bool = True,
+    ) -> None:
+        self.host = host
+        self.devices = {d.gpu_id(host): d for d in devices}
+        self.registry = registry
+        self.warmup = warmup
+        self.residents: dict[str, Resident] = {}
+        self._charged: dict[int, int] = {}  # simulated device index -> accounted bytes
+        self._pin = torch.cuda.is_available() and not all(d.simulated for d in devices)
+
+    # --- the ledger's orders ------------------------------------------------
+
+    def load(self, spec: ModelSpec, replica: str, slots: Mapping[str, int]) -> Report:
+        """Load a replica onto the GPUs of `slots`, warm it up and measure its peak."""
+        if replica in self.residents:
+            raise PlacementError(f"replica {replica} is already held by this worker")
+        plan, simulated = self._plan(slots)
+        self._set_caps(extra=slots)
+        accounted = _declared(spec) if spec.synthetic else 0
+        if simulated and accounted:
+            self._charge(slots, accounted, spec.name)  # before building, as CUDA would
+        baseline = {} if simulated else self._cuda_allocated(plan)
+        start = time.perf_counter()
+        try:
+            model, tokenizer = loading.build(spec, plan, simulated)
+        except BaseException:
+            self._uncharge(plan, accounted)
+            self._set_caps()
+            raise
+        seconds = time.perf_counter() - start
+        nbytes = loading.tensor_bytes(model)
+        if simulated and not accounted:
+            accounted = nbytes
+            try:
+                self._charge(slots, accounted, spec.name)
+            except torch.OutOfMemoryError:
+                self._set_caps()
+                raise
+        resident = Resident(replica, spec, model, tokenizer, dict(slots), accounted)
+        self.residents[replica] = resident
+        peak = self._measure(resident, plan, simulated, baseline)
+        log.info("loaded %s (%s) in %.2fs, peak %s", spec.name, replica, seconds, format_size(peak))
+        return Report(replica, "load", seconds, nbytes, peak, _names(plan, simulated))
+
+    def offload(self, replica: str) -> Report:
+        """Move a HOT replica to CPU memory (WARM) and give its GPU memory back."""
+        resident = self._hot(replica)
+        plan, simulated = self._plan(resident.slots)
+        start = time.perf_counter()
+        resident.model = loading.to_cpu(resident.model, pin=self._pin)
+        seconds = time.perf_counter() - start
+        resident.slots = {}
+        if simulated:
+            self._uncharge(plan, resident.accounted)
+        self._free_cuda()
+        self._set_caps()
+        nbytes = loading.tensor_bytes(resident.model)
+        return Report(replica, "offload", seconds, nbytes, devices=["cpu"])
+
+    def restore(self, replica: str, slots: Mapping[str, int]) -> Report:
+        """Bring a WARM replica back onto the GPUs of a new plan."""
+        resident = self.residents.get(replica)
+        if resident is None or not resident.warm:
+            raise PlacementError(f"replica {replica} is not warm on this worker; load it instead")
+        plan, simulated = self._plan(slots)
+        self._set_caps(extra=slots)
+        if simulated:
+            self._charge(slots, resident.accounted, resident.spec.name)
+        start = time.perf_counter()
+        resident.model = loading.place(resident.model, plan, simulated)
+        seconds = time.perf_counter() - start
+        resident.slots = dict(slots)
+        nbytes = loading.tensor_bytes(resident.model)
+        return Report(replica, "restore", seconds, nbytes, devices=_names(plan, simulated))
+
+    def drop(self, replica: str) -> None:
+        """Forget a replica wherever it is (COLD)."""
+        resident = self.residents.pop(replica, None)
+        if resident is None:
+            return
+        if not resident.warm:
+            plan, simulated = self._plan(resident.slots)
+            if simulated:
+                self._uncharge(plan, resident.accounted)
+        del resident
+        gc.collect()
+        self._free_cuda()
+        self._set_caps()
+
+    def drop_all(self) -> None:
+        """Forget every replica, e.g. after the worker lost its lease."""
+        for replica in list(self.residents):
+            self.drop(replica)
+
+    # --- serving ------------------------------------------------------------
+
+    def infer(self, replica: str, inputs: object, params: object | None = None) -> dict[str, Any]:
+        """Run one request on a HOT replica; a replica that left raises `EvictedError`."""
+        resident = self._hot(replica)
+        plan, simulated = self._plan(resident.slots)
+        if simulated:
+            self._check_activations(resident, plan, inputs)
+        device = loading.torch_device(min(plan), simulated)
+        try:
+            return handlers.run(
+                resident.spec.task, resident.model, resident.tokenizer, inputs, params, device
+            )
+        except Exception as exc:
+            if is_fatal_cuda_error(exc):
+                exit_for_restart(exc)  # the CUDA context is unusable: start a clean process
+            raise
+
+    def fraction(self, index: int) -> float:
+        """This process's memory fraction on local device `index` (1.0 with nothing on it)."""
+        device = next(d for d in self.devices.values() if _local(d) == index)
+        return process_fraction(self._reserved(index), device.total)
+
+    def summary(self) -> list[dict[str, Any]]:
+        """What this process holds, for status and logs."""
+        return [
+            {
+                "replica": r.replica,
+                "model": r.spec.name,
+                "level": "WARM" if r.warm else "HOT",
+                "gpus": dict(r.slots),
+                "accounted_bytes": r.accounted,
+            }
+            for r in self.residents.values()
+        ]
+
+    # --- internals ----------------------------------------------------------
+
+    def _hot(self, replica: str) -> Resident:
+        resident = self.residents.get(replica)
+        if resident is None or resident.warm:
+            raise EvictedError(
+                f"replica {replica} is not on this worker's GPUs (it was evicted or never "
+                f"loaded here); route the request again"
+            )
+        return resident
+
+    def _plan(self, slots: Mapping[str, int]) -> tuple[dict[int, int], bool]:
+        """Ledger slots as {device index: bytes}, and whether those devices are simulated."""
+        unknown = sorted(set(slots) - set(self.devices))
+        if unknown or not slots:
+            raise PlacementError(
+                f"plan names GPUs {unknown or '(none)'} that this worker does not own "
+                f"(it owns {sorted(self.devices)})"
+            )
+        chosen = [self.devices[g] for g in slots]
+        kinds = {d.simulated for d in chosen}
+        if len(kinds) > 1:
+            raise PlacementError("a plan cannot mix simulated and real GPUs")
+        return {_local(self.devices[g]): int(b) for g, b in slots.items()}, kinds.pop()
+
+    def _reserved(self, index: int, extra: Mapping[str, int] | None = None) -> int:
+        reserved = 0
+        for slots in [r.slots for r in self.residents.values()] + [dict(extra or {})]:
+            for gpu_id, nbytes in slots.items():
+                if _local(self.devices[gpu_id]) == index:
+                    reserved += nbytes
+        return reserved
+
+    def _set_caps(self, extra: Mapping[str, int] | None = None) -> None:
+        """Cap each real GPU at this process's reservation on it (1.0 when nothing is there)."""
+        for device in self.devices.values():
+            if device.simulated:
+                continue
+            index = _local(device)
+            total = torch.cuda.get_device_properties(index).total_memory
+            share = process_fraction(self._reserved(index, extra), total)
+            torch.cuda.set_per_process_memory_fraction(share, index)
+
+    def _charge(self, slots: Mapping[str, int], accounted: int, name: str) -> None:
+        """Book `accounted` bytes on simulated GPUs, in proportion to the plan's slots.
+
+        The cap on each is this process's reservation there, `slots` included.
+        """
+        plan, _ = self._plan(slots)
+        shares = _split(accounted, plan)
+        for index, share in shares.items():
+            cap = self._reserved(index, extra=slots)
+            used = self._charged.get(index, 0)
+            if used + share > cap:
+                raise torch.OutOfMemoryError(
+                    f"simulated GPU {index} out of memory: {name} tried to allocate "
+                    f"{format_size(share)}; this process reserved {format_size(cap)} there "
+                    f"and {format_size(used)} is in use"
+                )
+        for index, share in shares.items():
+            self._charged[index] = self._charged.get(index, 0) + share
+
+    def _uncharge(self, plan: Mapping[int, int], accounted: int) -> None:
+        for index, share in _split(accounted, plan).items():
+            self._charged[index] = max(0, self._charged.get(index, 0) - share)
+
+    def _check_activations(
+        self, resident: Resident, plan: Mapping[int, int], inputs: object
+    ) -> None:
+        """A call whose activations would pass the reservation fails as on a capped GPU."""
+        need = _activation_bytes(resident.model, inputs)
+        index = min(plan)
+        free = self._reserved(index) - self._charged.get(index, 0)
+        if need > free:
+            raise torch.OutOfMemoryError(
+                f"simulated GPU {index} out of memory: the call needs about "
+                f"{format_size(need)} of activations but {format_size(max(free, 0))} of this "
+                f"process's reservation is free; send a smaller batch"
+            )
+
+    @staticmethod
+    def _cuda_allocated(plan: Mapping[int, int]) -> dict[int, int]:
+        """Bytes allocated on each planned GPU before a load, with peak stats reset."""
+        for index in plan:
+            torch.cuda.reset_peak_memory_stats(index)
+        return {index: torch.cuda.memory_allocated(index) for index in plan}
+
+    def _measure(
+        self, resident: Resident, plan: Mapping[int, int], simulated: bool, baseline: dict[int, int]
+    ) -> int:
+        """Peak bytes of the load plus a warm-up call; reported as learned memory."""
+        if self.warmup:
+            self.infer(resident.replica, _warmup_input(resident), None)
+        if simulated:
+            peak = resident.accounted + _activation_bytes(resident.model, _warmup_input(resident))
+        else:
+            torch.cuda.synchronize()
+            peak = sum(torch.cuda.max_memory_allocated(i) - baseline.get(i, 0) for i in plan)
+        if self.registry is not None and not resident.spec.synthetic:
+            self.registry.record_measurement(resident.spec.name, peak)
+        return peak
+
+    @staticmethod
+    def _free_cuda() -> None:
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def _local(device: Device) -> int:
+    """The index this process uses for a device: torch's CUDA index, or the simulated one."""
+    if device.simulated or device.cuda_index is None:
+        return device.index
+    return device.cuda_index
+
+
+def _declared(spec: ModelSpec) -> int:
+    return spec.memory or spec.request or 0
+
+
+def _split(accounted: int, plan: Mapping[int, int]) -> dict[int, int]:
+    total = sum(plan.values()) or 1
+    return {index: accounted * nbytes // total for index, nbytes in plan.items()}
+
+
+def _names(plan: Mapping[int, int], simulated: bool) -> list[str]:
+    return [str(loading.torch_device(i, simulated)) for i in sorted(plan)]
+
+
+def _warmup_input(resident: Resident) -> str:
+    mask = getattr(resident.tokenizer, "mask_token", None)
+    if resident.spec.task == "fill-mask" and mask:
+        return f"The capital of France is {mask}."
+    return "gpufleet warms this model up."
+
+
+def _activation_bytes(model: Any, inputs: object) -> int:
+    """The simulator's model of activation memory: tokens x hidden x (layers + 1) x 4 x dtype.
+
+    Tokens are bounded by characters, so the estimate only errs high. Real GPUs need no
+    estimate: their allocator enforces the cap.
+    """
+    texts = [inputs] if isinstance(inputs, str) else inputs if isinstance(inputs, list) else []
+    tokens = sum(min(len(t), 512) + 2 for t in texts if isinstance(t, str))
+    config = getattr(model, "config", None)
+    hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", 0) or 0
+    layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", 0) or 0
+    itemsize = next(iter(model.parameters())).element_size()
+    return int(tokens * hidden * (layers + 1) * 4 * itemsize)
