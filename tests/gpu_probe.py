@@ -1,0 +1,125 @@
+"""GPU probes run in a fresh process each (`python -m tests.gpu_probe NAME [ARG]`).
+
+A per-process memory fraction and a CUDA context cannot be undone inside one process,
+so every GPU test runs its probe in a child and reads one JSON line from it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from placement.catalog import Catalog
+from worker.devices import Device, nvml_devices
+from worker.residency import ResidencyManager
+
+GiB = 2**30
+MiB = 2**20
+HOST = "probe"
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _devices() -> list[Device]:
+    found = nvml_devices()
+    if not found:
+        raise SystemExit("no NVML GPU")
+    return found
+
+
+def _nvml_used(index: int) -> int:
+    import pynvml
+
+    pynvml.nvmlInit()
+    try:
+        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        return int(pynvml.nvmlDeviceGetMemoryInfo(handle).used)
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def fraction_cap(arg: str) -> dict[str, Any]:
+    """Cap at `arg` of device 0, then allocate under and past it."""
+    share = float(arg)
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(share, 0)
+    under = torch.empty(int(total * share * 0.5), dtype=torch.uint8, device="cuda:0")
+    try:
+        torch.empty(int(total * share * 0.6), dtype=torch.uint8, device="cuda:0")
+        past = "allocated"
+    except torch.OutOfMemoryError:
+        past = "oom"
+    del under
+    return {"past": past, "max_reserved": torch.cuda.max_memory_reserved(0), "cap": total * share}
+
+
+def fill_to_cap(arg: str) -> dict[str, Any]:
+    """Allocate 64 MiB blocks until OOM under a cap of `arg`; report the peak reservation."""
+    share = float(arg)
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(share, 0)
+    blocks = []
+    try:
+        while True:
+            blocks.append(torch.empty(64 * MiB, dtype=torch.uint8, device="cuda:0"))
+    except torch.OutOfMemoryError:
+        pass
+    return {"max_reserved": torch.cuda.max_memory_reserved(0), "cap": total * share}
+
+
+def load_on(arg: str) -> dict[str, Any]:
+    """Load MiniLM on local device `arg`; report where the context and weights landed."""
+    devices = _devices()
+    target = devices[int(arg)]
+    manager = ResidencyManager(devices, HOST)
+    spec = Catalog.load(REPO / "models.yaml").get("minilm")
+    manager.load(spec, "r1", {target.gpu_id(HOST): GiB})
+    model = manager.residents["r1"].model
+    return {
+        "current_device": torch.cuda.current_device(),
+        "param_devices": sorted({str(p.device) for p in model.parameters()}),
+        "fraction": manager.fraction(target.cuda_index or 0),
+        "embedding_dim": manager.infer("r1", "hello")["dim"],
+    }
+
+
+def offload_restore(arg: str) -> dict[str, Any]:
+    """Load, offload and restore MiniLM; report device memory by torch and NVML at each step."""
+    devices = _devices()
+    first, second = devices[0], devices[int(arg)]
+    manager = ResidencyManager(devices, HOST)
+    spec = Catalog.load(REPO / "models.yaml").get("minilm")
+    manager.load(spec, "r1", {first.gpu_id(HOST): GiB})
+    before = manager.infer("r1", "same input")
+    loaded = (torch.cuda.memory_reserved(0), _nvml_used(first.index))
+    offload = manager.offload("r1")
+    offloaded = (torch.cuda.memory_reserved(0), _nvml_used(first.index))
+    restore = manager.restore("r1", {second.gpu_id(HOST): GiB})
+    model = manager.residents["r1"].model
+    return {
+        "reserved": [loaded[0], offloaded[0]],
+        "nvml_used": [loaded[1], offloaded[1]],
+        "pinned": all(p.is_cuda or p.is_pinned() for p in model.parameters()),
+        "param_devices": sorted({str(p.device) for p in model.parameters()}),
+        "same_output": manager.infer("r1", "same input") == before,
+        "offload_gbps": offload.gbps,
+        "restore_gbps": restore.gbps,
+    }
+
+
+PROBES: dict[str, Callable[[str], dict[str, Any]]] = {
+    "fraction_cap": fraction_cap,
+    "fill_to_cap": fill_to_cap,
+    "load_on": load_on,
+    "offload_restore": offload_restore,
+}
+
+if __name__ == "__main__":
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    name, arg = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else "0")
+    print(json.dumps(PROBES[name](arg)))

@@ -1,0 +1,181 @@
+"""The resident-model manager on simulated GPUs: load, serve, offload, restore, caps."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from placement.catalog import Catalog, ModelSpec
+from placement.errors import EvictedError, PayloadError, PlacementError
+from placement.memory import MiB, process_fraction
+from placement.registry import Registry
+from tests.fleets import GiB
+from worker.devices import Device, simulated_devices
+from worker.residency import ResidencyManager
+
+REPO = Path(__file__).resolve().parents[1]
+HOST = "testhost"
+
+
+@pytest.fixture(scope="module")
+def catalog() -> Catalog:
+    return Catalog.load(REPO / "models.yaml")
+
+
+@pytest.fixture
+def devices() -> list[Device]:
+    return simulated_devices("2x8GiB")
+
+
+@pytest.fixture
+def manager(devices: list[Device]) -> Iterator[ResidencyManager]:
+    m = ResidencyManager(devices, HOST)
+    yield m
+    m.drop_all()
+
+
+def gpu(devices: list[Device], i: int) -> str:
+    return devices[i].gpu_id(HOST)
+
+
+def synthetic(name: str, task: str, memory: int) -> ModelSpec:
+    data = {"models": {name: {"source": "synthetic", "task": task, "memory": memory}}}
+    return Catalog.from_mapping(data).get(name)
+
+
+def test_minilm_loads_and_gives_repeatable_384_dimensional_embeddings(
+    manager: ResidencyManager, catalog: Catalog, devices: list[Device]
+) -> None:
+    report = manager.load(catalog.get("minilm"), "r1", {gpu(devices, 0): GiB})
+    assert report.nbytes > 80 * MiB  # the real weights, about 87 MiB
+    first = manager.infer("r1", ["a cat sat on the mat", "stocks fell sharply"])
+    again = manager.infer("r1", ["a cat sat on the mat", "stocks fell sharply"])
+    assert first["dim"] == 384
+    assert len(first["embeddings"]) == 2
+    assert first == again
+
+
+def test_the_measured_peak_of_a_real_model_reaches_the_registry(
+    redis_url: str, fleet: str, catalog: Catalog, devices: list[Device]
+) -> None:
+    registry = Registry.from_url(redis_url, fleet)
+    manager = ResidencyManager(devices, HOST, registry=registry)
+    try:
+        report = manager.load(catalog.get("minilm"), "r1", {gpu(devices, 0): GiB})
+    finally:
+        manager.drop_all()
+    learned = registry.snapshot().learned["minilm"]
+    assert learned == report.peak_bytes
+    assert learned >= report.nbytes  # weights plus the warm-up call's activations
+    assert [e["kind"] for e in registry.events()] == ["measured"]
+
+
+def test_offload_then_restore_on_another_gpu_gives_identical_outputs(
+    manager: ResidencyManager, catalog: Catalog, devices: list[Device]
+) -> None:
+    manager.load(catalog.get("minilm"), "r1", {gpu(devices, 0): GiB})
+    before = manager.infer("r1", "the same sentence")
+    offload = manager.offload("r1")
+    assert offload.nbytes > 80 * MiB
+    with pytest.raises(EvictedError, match="route the request again"):
+        manager.infer("r1", "the same sentence")
+    manager.restore("r1", {gpu(devices, 1): GiB})
+    assert manager.infer("r1", "the same sentence") == before
+    assert manager.summary()[0]["gpus"] == {gpu(devices, 1): GiB}
+
+
+@pytest.mark.parametrize(
+    ("task", "key"),
+    [
+        ("feature-extraction", "embeddings"),
+        ("text-generation", "texts"),
+        ("text-classification", "labels"),
+        ("forward", "head"),
+    ],
+)
+def test_synthetic_models_serve_every_task_deterministically(
+    manager: ResidencyManager, devices: list[Device], task: str, key: str
+) -> None:
+    spec = synthetic(f"syn-{task}", task, 64 * MiB)
+    manager.load(spec, "r1", {gpu(devices, 0): 256 * MiB})
+    out = manager.infer("r1", ["hello", "world"])
+    assert len(out[key]) in (2, 8)  # a batch of two, or the 8-value head of forward
+    assert manager.infer("r1", ["hello", "world"]) == out
+
+
+def test_a_synthetic_model_is_accounted_at_its_declared_size(
+    manager: ResidencyManager, devices: list[Device]
+) -> None:
+    spec = synthetic("sim-3g", "forward", 3 * GiB)
+    manager.load(spec, "r1", {gpu(devices, 0): 4 * GiB})
+    assert manager.summary()[0]["accounted_bytes"] == 3 * GiB
+    # The cap is the process's whole reservation on the GPU, as with CUDA's per-process
+    # fraction: 4 GiB + 0.5 GiB, of which 3 GiB are in use, so 2 GiB more do not fit.
+    with pytest.raises(torch.OutOfMemoryError, match="simulated GPU 0 out of memory"):
+        manager.load(synthetic("sim-2g", "forward", 2 * GiB), "r2", {gpu(devices, 0): GiB // 2})
+    # the failed load left nothing behind, and the first model still serves
+    assert [r["replica"] for r in manager.summary()] == ["r1"]
+    manager.load(synthetic("sim-1g", "forward", GiB), "r3", {gpu(devices, 0): GiB})
+    assert manager.infer("r1", "still here")["shape"]
+
+
+def test_a_load_beyond_its_reservation_raises_the_cuda_oom_error(
+    manager: ResidencyManager, devices: list[Device]
+) -> None:
+    with pytest.raises(torch.OutOfMemoryError, match="tried to allocate 2 GiB"):
+        manager.load(synthetic("big", "forward", 2 * GiB), "r1", {gpu(devices, 0): GiB})
+    assert manager.summary() == []
+
+
+def test_a_call_whose_activations_pass_the_reservation_raises_oom_and_the_worker_goes_on(
+    manager: ResidencyManager, devices: list[Device]
+) -> None:
+    spec = synthetic("tight", "forward", 64 * MiB)
+    manager.load(spec, "r1", {gpu(devices, 0): 64 * MiB + 2 * MiB})
+    with pytest.raises(torch.OutOfMemoryError, match="send a smaller batch"):
+        manager.infer("r1", ["x" * 8000] * 64)
+    assert manager.infer("r1", "short")["shape"]
+
+
+def test_malformed_inputs_get_clear_errors_and_the_model_keeps_serving(
+    manager: ResidencyManager, catalog: Catalog, devices: list[Device]
+) -> None:
+    manager.load(catalog.get("minilm"), "r1", {gpu(devices, 0): GiB})
+    with pytest.raises(PayloadError, match="string or a list of strings"):
+        manager.infer("r1", {"text": "nested"})
+    with pytest.raises(PayloadError, match="unknown"):
+        manager.infer("r1", "ok", {"temperature": 2})
+    assert manager.infer("r1", "fine")["dim"] == 384
+
+
+def test_the_process_fraction_follows_the_reservation_and_resets_when_empty(
+    manager: ResidencyManager, devices: list[Device]
+) -> None:
+    assert manager.fraction(0) == 1.0
+    manager.load(synthetic("a", "forward", GiB), "r1", {gpu(devices, 0): 2 * GiB})
+    manager.load(synthetic("b", "forward", GiB), "r2", {gpu(devices, 0): 2 * GiB})
+    assert manager.fraction(0) == process_fraction(4 * GiB, devices[0].total) == 0.5
+    assert manager.fraction(1) == 1.0
+    manager.offload("r1")
+    assert manager.fraction(0) == 0.25
+    manager.drop("r2")
+    manager.drop("r1")
+    assert manager.fraction(0) == 1.0
+
+
+def test_a_plan_for_a_gpu_this_worker_does_not_own_is_refused(
+    manager: ResidencyManager,
+) -> None:
+    with pytest.raises(PlacementError, match="does not own"):
+        manager.load(synthetic("a", "forward", GiB), "r1", {"elsewhere:0": 2 * GiB})
+
+
+def test_loading_a_replica_twice_is_refused(
+    manager: ResidencyManager, devices: list[Device]
+) -> None:
+    manager.load(synthetic("a", "forward", 64 * MiB), "r1", {gpu(devices, 0): GiB})
+    with pytest.raises(PlacementError, match="already held"):
+        manager.load(synthetic("a", "forward", 64 * MiB), "r1", {gpu(devices, 1): GiB})
