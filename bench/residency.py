@@ -1,0 +1,154 @@
+"""How fast a worker moves model weights, against the raw speed of the same hardware.
+
+    python -m bench.residency [--mib 512] [--repeats 3]
+
+Prints one JSON object. It saves a synthetic BERT-style model of about `--mib` MiB as
+safetensors, then measures, through `worker.residency.ResidencyManager` (the code the
+workers run):
+
+- `cold_load_gbps`: a load from safetensors on disk onto the GPU (the CPU on a machine
+  without CUDA), against `disk_read_gbps`, a raw sequential read of the same files;
+- `offload_gbps` and `warm_restore_gbps`: GPU -> pinned CPU and back, against `h2d_gbps`,
+  a raw pinned host-to-device copy of the same number of bytes (CUDA only; null here).
+
+Both sides of each ratio start from the same page-cache state: before every cold
+measurement the files are dropped from the page cache with posix_fadvise(DONTNEED),
+which needs no privileges. Medians of `--repeats` runs are reported. Run it with
+`python -m bench.residency` (run by path, `bench/placement.py` would shadow the
+`placement` package), on an otherwise idle machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from placement.catalog import Catalog
+from worker.devices import Device, nvml_devices, simulated_devices
+from worker.residency import ResidencyManager
+
+log = logging.getLogger("bench.residency")
+HOST = "bench"
+CHUNK = 16 * 2**20
+
+
+def make_checkpoint(directory: Path, mib: int) -> int:
+    """Save a randomly initialised BERT of about `mib` MiB; return its tensor bytes."""
+    from transformers import BertConfig, BertModel
+
+    hidden = 1024
+    per_layer = 12 * hidden * hidden * 4  # attention + MLP weights, float32
+    layers = max(1, round(mib * 2**20 / per_layer))
+    config = BertConfig(
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=16,
+        intermediate_size=4 * hidden,
+        vocab_size=1024,
+    )
+    model = BertModel(config)
+    model.save_pretrained(directory, safe_serialization=True)
+    return sum(t.numel() * t.element_size() for t in model.state_dict().values())
+
+
+def drop_page_cache(directory: Path) -> None:
+    """Evict the files from the page cache (pages still mapped by a live object stay)."""
+    gc.collect()  # release mmaps of models dropped earlier
+    for path in directory.iterdir():
+        with path.open("rb") as f:
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+def disk_read_gbps(directory: Path) -> float:
+    """Raw sequential read of the checkpoint's safetensors files, cold."""
+    drop_page_cache(directory)
+    buffer = bytearray(CHUNK)
+    view = memoryview(buffer)
+    total = 0
+    start = time.perf_counter()
+    for path in sorted(directory.glob("*.safetensors")):
+        with path.open("rb", buffering=0) as f:
+            while n := f.readinto(view):
+                total += n
+    return total / (time.perf_counter() - start) / 1e9
+
+
+def h2d_gbps(nbytes: int, device: int) -> float:
+    """Raw pinned host-to-device copy of `nbytes`."""
+    host = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    target = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{device}")
+    target.copy_(host, non_blocking=True)  # warm the path once
+    torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    target.copy_(host, non_blocking=True)
+    torch.cuda.synchronize(device)
+    return nbytes / (time.perf_counter() - start) / 1e9
+
+
+def run(mib: int, repeats: int) -> dict[str, Any]:
+    cuda = torch.cuda.is_available()
+    devices: list[Device] = nvml_devices() if cuda else simulated_devices("1x64GiB")
+    gpu = devices[0]
+    with tempfile.TemporaryDirectory(prefix="gpufleet-bench-") as tmp:
+        directory = Path(tmp) / "model"
+        model_bytes = make_checkpoint(directory, mib)
+        entry = {"source": str(directory), "task": "forward", "dtype": "float32"}
+        spec = Catalog.from_mapping({"models": {"bench": entry}}).get("bench")
+        slots = {gpu.gpu_id(HOST): 2 * model_bytes}
+        disk, cold, offload, restore, raw_h2d = [], [], [], [], []
+        for i in range(repeats):
+            disk.append(disk_read_gbps(directory))
+            drop_page_cache(directory)
+            manager = ResidencyManager(devices, HOST, warmup=False)
+            cold.append(manager.load(spec, f"r{i}", slots).gbps)
+            if cuda:
+                offload.append(manager.offload(f"r{i}").gbps)
+                restore.append(manager.restore(f"r{i}", slots).gbps)
+                raw_h2d.append(h2d_gbps(model_bytes, gpu.cuda_index or 0))
+            manager.drop_all()
+
+    def median(values: list[float]) -> float | None:
+        return round(statistics.median(values), 3) if values else None
+
+    cold_gbps, disk_gbps = median(cold), median(disk)
+    restore_gbps, h2d = median(restore), median(raw_h2d)
+    return {
+        "device": torch.cuda.get_device_name(0) if cuda else f"cpu ({platform.processor()})",
+        "model_bytes": model_bytes,
+        "repeats": repeats,
+        "cold_load_gbps": cold_gbps,
+        "disk_read_gbps": disk_gbps,
+        "cold_load_ratio": round(cold_gbps / disk_gbps, 3) if cold_gbps and disk_gbps else None,
+        "offload_gbps": median(offload),
+        "warm_restore_gbps": restore_gbps,
+        "h2d_gbps": h2d,
+        "warm_restore_ratio": round(restore_gbps / h2d, 3) if restore_gbps and h2d else None,
+        "targets": {"cold_load_ratio": ">= 0.7", "warm_restore_ratio": ">= 0.8 (CUDA)"},
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mib", type=int, default=512, help="checkpoint size")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    print(json.dumps(run(args.mib, args.repeats)))
+
+
+if __name__ == "__main__":
+    main()
