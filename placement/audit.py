@@ -15,13 +15,15 @@ def audit(snap: Snapshot) -> list[str]:
     """Every way `snap` breaks the ledger's rules.
 
     - each GPU: `reserved <= total`, and `reserved` equals the bytes its deployments hold;
-    - each host: `warm_used <= warm_budget`, and equals the sizes of its WARM replicas;
+    - each host: `warm_used <= warm_budget`, and equals the sizes of its WARM replicas,
+      whose ids its warm index lists;
     - WARM and COLD replicas hold no GPU bytes; replicas on GPU hold some;
     - each model's stored `active` counter equals its replicas on GPU.
     """
     problems: list[str] = []
     held: dict[str, int] = defaultdict(int)
     warm: dict[str, int] = defaultdict(int)
+    warm_ids: dict[str, set[str]] = defaultdict(set)
     active: dict[str, int] = defaultdict(int)
     for d in snap.deployments.values():
         if d.level in ON_GPU:
@@ -36,6 +38,7 @@ def audit(snap: Snapshot) -> list[str]:
             problems.append(f"replica {d.replica} is {d.level.value} but holds GPU bytes")
         if d.level is Level.WARM:
             warm[d.host] += d.size
+            warm_ids[d.host].add(d.replica)
     for g in snap.gpus.values():
         if g.reserved > g.total:
             problems.append(f"GPU {g.id} reserves {g.reserved} > total {g.total}")
@@ -50,6 +53,11 @@ def audit(snap: Snapshot) -> list[str]:
             problems.append(
                 f"host {h.name} counts {h.warm_used} warm bytes but its WARM replicas "
                 f"hold {warm[h.name]}"
+            )
+        if h.warm != warm_ids[h.name]:
+            problems.append(
+                f"host {h.name} indexes warm copies {sorted(h.warm)} but its WARM replicas "
+                f"are {sorted(warm_ids[h.name])}"
             )
     for model in set(snap.active) | set(active):
         count = snap.active.get(model, 0)

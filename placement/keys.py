@@ -84,6 +84,10 @@ class Keys:
     def host(self, host: str) -> str:
         return f"{self.prefix}:host:{host}"
 
+    def host_warm(self, host: str) -> str:
+        """Set of the WARM replicas in a host's CPU cache."""
+        return f"{self.prefix}:host:{host}:warm"
+
 
 class KeyList:
     """KEYS for one script call: each name once, referred to by its 1-based index.

@@ -29,9 +29,12 @@ class _Draft:
     def reserve(self, gpu_id: str, delta: int) -> None:
         self.gpus[gpu_id] = replace(self.gpus[gpu_id], reserved=self.gpus[gpu_id].reserved + delta)
 
-    def warm(self, name: str, delta: int) -> None:
+    def warm(self, name: str, replica: str, size: int, *, add: bool) -> None:
+        """Count a copy into (or out of) a host's warm cache and its index."""
         host = self.hosts.get(name, Host(name))
-        self.hosts[name] = replace(host, warm_used=host.warm_used + delta)
+        held = host.warm | {replica} if add else host.warm - {replica}
+        used = host.warm_used + (size if add else -size)
+        self.hosts[name] = replace(host, warm_used=used, warm=held)
 
     def off_gpu(self, dep: Deployment, to: Level) -> None:
         """Like `move_off_gpu` in _lib.lua."""
@@ -39,7 +42,7 @@ class _Draft:
             self.reserve(gpu_id, -nbytes)
         self.active[dep.model] = self.active.get(dep.model, 0) - 1
         if to is Level.WARM:
-            self.warm(dep.host, dep.size)
+            self.warm(dep.host, dep.replica, dep.size, add=True)
             self.deps[dep.replica] = replace(dep, level=Level.WARM, gpus={}, fraction=0.0, limit=0)
         else:
             self.deps[dep.replica] = replace(
@@ -48,7 +51,7 @@ class _Draft:
 
     def drop_warm(self, dep: Deployment) -> None:
         """Like `drop_warm` in _lib.lua."""
-        self.warm(dep.host, -dep.size)
+        self.warm(dep.host, dep.replica, dep.size, add=False)
         self.deps[dep.replica] = replace(dep, level=Level.COLD, worker="", queue="", host="")
 
 
@@ -63,7 +66,7 @@ def apply_plan(snap: Snapshot, plan: Plan) -> Snapshot:
         draft.drop_warm(draft.deps[replica])
     old = draft.deps.get(plan.replica)
     if old is not None and old.level is Level.WARM:
-        draft.warm(old.host, -old.size)
+        draft.warm(old.host, old.replica, old.size, add=False)
     for gpu_id, nbytes in plan.gpus.items():
         draft.reserve(gpu_id, nbytes)
     draft.deps[plan.replica] = Deployment(

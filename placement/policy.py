@@ -17,6 +17,7 @@ A GPU admits a slot when `limit + sum(requests already there) <= memory` (seed 0
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 import uuid
@@ -52,18 +53,11 @@ class _Option:
 
 
 class _View:
-    """Indexes over a snapshot that one planning call needs more than once."""
+    """What one planning call needs of a snapshot: its indexes and this model's replicas."""
 
     def __init__(self, snap: Snapshot, demand: Demand) -> None:
         self.snap = snap
-        self.by_gpu: dict[str, list[Deployment]] = defaultdict(list)
-        self.warm_by_host: dict[str, list[Deployment]] = defaultdict(list)
-        for d in snap.deployments.values():
-            if d.level in ON_GPU:
-                for gpu_id in d.gpus:
-                    self.by_gpu[gpu_id].append(d)
-            elif d.level is Level.WARM:
-                self.warm_by_host[d.host].append(d)
+        self.by_gpu = snap.by_gpu
         self.mine = snap.replicas(demand.model)
         self.my_warm: dict[str, Deployment] = {}
         for d in sorted(self.mine, key=lambda d: d.last_used_ms):
@@ -188,7 +182,13 @@ def _knobs(demand: Demand, settings: PolicySettings) -> tuple[float, float, floa
 
 def scale(nbytes: int, factor: float, divisor: int = 1) -> int:
     """`nbytes x factor / divisor` rounded up to whole bytes, without float noise."""
-    return math.ceil(Fraction(nbytes) * Fraction(str(factor)) / divisor)
+    return math.ceil(Fraction(nbytes) * _exact(factor) / divisor)
+
+
+@functools.lru_cache(maxsize=1024)
+def _exact(factor: float) -> Fraction:
+    """The decimal a setting was written as (1.1 -> 11/10), not its binary float."""
+    return Fraction(str(factor))
 
 
 def _splittable(demand: Demand) -> bool:
@@ -406,14 +406,16 @@ def _destinations(
     used longer ago than the victim are dropped, so a cold victim never displaces
     a warmer copy.
     """
+    if not victims:
+        return (), ()
     free = {h.name: h.warm_free for h in snap.hosts.values()}
     warm: dict[str, list[Deployment]] = defaultdict(list)
-    for d in snap.deployments.values():
-        if d.level is Level.WARM:
+    for host in {v.host for v in victims}:
+        for d in snap.warm_by_host.get(host, ()):
             if d.replica == restoring:
-                free[d.host] = free.get(d.host, 0) + d.size
+                free[host] = free.get(host, 0) + d.size
             else:
-                warm[d.host].append(d)
+                warm[host].append(d)
     for entries in warm.values():
         if drop_order is VictimOrder.LRU:
             entries.sort(key=lambda d: (d.last_used_ms, d.replica))

@@ -174,6 +174,7 @@ class Registry:
                         "leases": keys.add(k.leases(r)),
                         "active": keys.add(k.active),
                         "host": keys.add(k.host(host or "")),
+                        "host_warm": keys.add(k.host_warm(host or "")),
                         "gpus": [{"id": g, "key": keys.add(k.gpu(g))} for g in held],
                     }
                 )
@@ -242,6 +243,7 @@ class Registry:
             cmds += [("hgetall", k.deployment(r)) for r in replicas]
             cmds += [("zrange", k.leases(r), 0, -1, False, True) for r in replicas]  # with scores
             cmds += [("hgetall", k.host(h)) for h in hosts]
+            cmds += [("smembers", k.host_warm(h)) for h in hosts]
             rows = iter(self._read(cmds, atomic=True))
             sec, usec = next(rows)
             learned, active = next(rows), next(rows)
@@ -258,7 +260,11 @@ class Registry:
                 for r, row, held in zip(replicas, records, leases, strict=True)
                 if row
             }
-            host_map = {h: _host(row) for h, row in zip(hosts, _take(rows, hosts), strict=True)}
+            host_rows = _take(rows, hosts)
+            host_map = {
+                h: replace(_host(row), warm=frozenset(warm))
+                for h, row, warm in zip(hosts, host_rows, _take(rows, hosts), strict=True)
+            }
             return Snapshot(
                 gpus={g: v for g, v in gpus.items() if v.total},
                 deployments=deployments,
@@ -302,6 +308,7 @@ class Registry:
             # A WARM replica is restored on its own host, and leaves its old holder.
             "old_worker_deps": keys.add(k.worker_deployments(old.worker)) if old else 0,
             "host_key": keys.add(k.host(plan.host)),
+            "host_warm_key": keys.add(k.host_warm(plan.host)),
             "events": keys.add(k.events),
             "limit": plan.limit,
             "fraction": plan.fraction,
@@ -339,6 +346,7 @@ class Registry:
             "active": keys.add(k.active),
             "worker_deps": keys.add(k.worker_deployments(d.worker)),
             "host": keys.add(k.host(d.host)),
+            "host_warm": keys.add(k.host_warm(d.host)),
             "expect_worker": d.worker,
             "gpus": [{"id": g, "key": keys.add(k.gpu(g))} for g in d.gpus],
         }
@@ -350,6 +358,7 @@ class Registry:
             "dep": keys.add(k.deployment(d.replica)),
             "worker_deps": keys.add(k.worker_deployments(d.worker)),
             "host": keys.add(k.host(d.host)),
+            "host_warm": keys.add(k.host_warm(d.host)),
             "expect_worker": d.worker,
         }
 
@@ -397,10 +406,8 @@ class Registry:
         (call again when they finish), else WARM or COLD. `to=Level.COLD` forces a drop.
         """
         for _ in range(8):
-            snap = self.snapshot()
-            dep = snap.deployments.get(replica)
-            if dep is None:
-                raise RegistryError(f"no replica {replica} in the registry; see `gpufleet status`")
+            snap = self._offload_view(replica)
+            dep = snap.deployments[replica]
             drops: tuple[str, ...] = ()
             if to is Level.COLD:
                 target = Level.COLD
@@ -420,6 +427,36 @@ class Registry:
             if result[1] == "NOT_FOUND":
                 raise RegistryError(f"no replica {replica} in the registry")
         raise PlanRejectedError(f"replica {replica} kept moving while being evicted")
+
+    def _offload_view(self, replica: str) -> Snapshot:
+        """All an eviction needs to plan: the replica, its host's cache and the copies in it.
+
+        Two small reads instead of a full snapshot; evict.lua re-checks what matters.
+        """
+        k = self.keys
+        (sec, usec), row, held = self._read(
+            [
+                ("time",),
+                ("hgetall", k.deployment(replica)),
+                ("zrange", k.leases(replica), 0, -1, False, True),
+            ],
+            atomic=True,
+        )
+        if not row:
+            raise RegistryError(f"no replica {replica} in the registry; see `gpufleet status`")
+        now = int(sec) * 1000 + int(usec) // 1000
+        dep = _deployment(row, sum(1 for _, deadline in held if deadline > now))
+        warm_ids = sorted(self._one("smembers", k.host_warm(dep.host))) if dep.host else []
+        rows = self._read(
+            [("hgetall", k.host(dep.host)), *(("hgetall", k.deployment(r)) for r in warm_ids)],
+            atomic=True,
+        )
+        warm = [_deployment(r, 0) for r in rows[1:] if r]
+        return Snapshot(
+            gpus={},
+            deployments={d.replica: d for d in [*warm, dep]},
+            hosts={dep.host: _host(rows[0])} if rows[0] else {},
+        )
 
     def record_measurement(self, model: str, peak_bytes: int) -> int:
         """Store a model's measured peak; returns the previous figure (0 if none)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 
 
 class Level(str, enum.Enum):
@@ -94,6 +95,7 @@ class Host:
     name: str
     warm_budget: int = 0
     warm_used: int = 0
+    warm: frozenset[str] = frozenset()  # the WARM replicas it holds, as the registry indexes them
 
     @property
     def warm_free(self) -> int:
@@ -111,12 +113,39 @@ class Snapshot:
     learned: Mapping[str, int] = field(default_factory=dict)
     active: Mapping[str, int] = field(default_factory=dict)  # stored replicas-on-GPU counters
 
+    # Indexes, built once per snapshot on first use (a snapshot never changes).
+
+    @cached_property
+    def by_gpu(self) -> Mapping[str, list[Deployment]]:
+        """GPU id -> deployments holding bytes on it."""
+        index: dict[str, list[Deployment]] = {}
+        for d in self.deployments.values():
+            if d.level in ON_GPU:
+                for gpu_id in d.gpus:
+                    index.setdefault(gpu_id, []).append(d)
+        return index
+
+    @cached_property
+    def by_model(self) -> Mapping[str, list[Deployment]]:
+        index: dict[str, list[Deployment]] = {}
+        for d in self.deployments.values():
+            index.setdefault(d.model, []).append(d)
+        return index
+
+    @cached_property
+    def warm_by_host(self) -> Mapping[str, list[Deployment]]:
+        index: dict[str, list[Deployment]] = {}
+        for d in self.deployments.values():
+            if d.level is Level.WARM:
+                index.setdefault(d.host, []).append(d)
+        return index
+
     def on_gpu(self, gpu_id: str) -> list[Deployment]:
         """Deployments that hold bytes on `gpu_id`."""
-        return [d for d in self.deployments.values() if gpu_id in d.gpus and d.level in ON_GPU]
+        return list(self.by_gpu.get(gpu_id, ()))
 
     def replicas(self, model: str) -> list[Deployment]:
-        return [d for d in self.deployments.values() if d.model == model]
+        return list(self.by_model.get(model, ()))
 
 
 @dataclass(frozen=True)

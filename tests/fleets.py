@@ -83,7 +83,9 @@ def fleet(
     for d in deps.values():
         if d.level is Level.WARM:
             h = host_map.get(d.host, Host(d.host))
-            host_map[d.host] = Host(h.name, h.warm_budget, h.warm_used + d.size)
+            host_map[d.host] = Host(
+                h.name, h.warm_budget, h.warm_used + d.size, h.warm | {d.replica}
+            )
     active: dict[str, int] = {}
     for d in deps.values():
         if d.level in (Level.HOT, Level.LOADING, Level.DRAINING):

@@ -49,7 +49,7 @@ end
 
 -- Move a deployment off its GPUs to WARM (kept by its worker, counted in its host's
 -- warm cache) or COLD (dropped), releasing its bytes. `v` is a JSON reference:
--- {replica, dep, active, worker_deps, host, gpus=[{id,key}]}.
+-- {replica, dep, active, worker_deps, host, host_warm, gpus=[{id,key}]}.
 local function move_off_gpu(v, to)
   local dep_key = K(v.dep)
   local held = dep_gpus(dep_key)
@@ -59,6 +59,7 @@ local function move_off_gpu(v, to)
   redis.call('HINCRBY', K(v.active), redis.call('HGET', dep_key, 'model'), -1)
   if to == 'WARM' then
     redis.call('HINCRBY', K(v.host), 'warm_used', num(redis.call('HGET', dep_key, 'size')))
+    redis.call('SADD', K(v.host_warm), v.replica)
     redis.call('HSET', dep_key, 'level', 'WARM', 'gpus', '{}', 'fraction', 0, 'limit', 0)
   else
     redis.call('HSET', dep_key, 'level', 'COLD', 'gpus', '{}', 'fraction', 0, 'limit', 0,
@@ -68,9 +69,11 @@ local function move_off_gpu(v, to)
 end
 
 -- Drop a WARM copy to COLD and give its bytes back to the host's warm cache.
+-- `w` is a JSON reference: {replica, dep, worker_deps, host, host_warm}.
 local function drop_warm(w)
   local dep_key = K(w.dep)
   redis.call('HINCRBY', K(w.host), 'warm_used', -num(redis.call('HGET', dep_key, 'size')))
+  redis.call('SREM', K(w.host_warm), w.replica)
   redis.call('HSET', dep_key, 'level', 'COLD', 'worker', '', 'queue', '', 'host', '')
   redis.call('SREM', K(w.worker_deps), w.replica)
 end

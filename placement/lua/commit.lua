@@ -2,12 +2,13 @@
 -- KEYS: every key named in ARGV[1].
 -- ARGV[1] = JSON plan:
 --   {replica, model, reuse ('' | 'WARM' | 'COLD'), expect_worker, max_active, maxlen,
---    dep, active, replicas_key, deps_key, worker_deps, old_worker_deps, host_key, events,
+--    dep, active, replicas_key, deps_key, worker_deps, old_worker_deps, host_key,
+--    host_warm_key, events,
 --    limit, fraction, size, dedicated, host, worker, queue,
 --    gpus=[{id, key, bytes, limit, worker}],
---    evictions=[{replica, dep, leases, active, worker_deps, host, expect_worker, to,
---                gpus=[{id, key}]}],
---    drops=[{replica, dep, worker_deps, host, expect_worker}]}
+--    evictions=[{replica, dep, leases, active, worker_deps, host, host_warm, expect_worker,
+--                to, gpus=[{id, key}]}],
+--    drops=[{replica, dep, worker_deps, host, host_warm, expect_worker}]}
 -- Checks: the replica record is as the plan saw it; the model has fewer than max_active
 -- replicas on GPU; every target GPU is owned by the expected live worker; every victim is
 -- still HOT, idle, not dedicated and on the GPUs the plan saw; after evictions each target
@@ -94,6 +95,7 @@ for _, w in ipairs(p.drops) do
 end
 if p.reuse == 'WARM' then
   redis.call('HINCRBY', K(p.host_key), 'warm_used', -num(redis.call('HGET', dep, 'size')))
+  redis.call('SREM', K(p.host_warm_key), p.replica)
   redis.call('SREM', K(p.old_worker_deps), p.replica)
 end
 local placed = {}

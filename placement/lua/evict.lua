@@ -1,8 +1,8 @@
 -- evict.lua: take one replica off its GPUs on request: drain it, then offload or drop it.
 -- KEYS: every key named in ARGV[1].
--- ARGV[1] = JSON {replica, dep, leases, active, worker_deps, host, events, maxlen,
+-- ARGV[1] = JSON {replica, dep, leases, active, worker_deps, host, host_warm, events, maxlen,
 --                 expect_worker, to ('WARM' | 'COLD'), gpus=[{id, key}],
---                 drops=[{replica, dep, worker_deps, host, expect_worker}]}
+--                 drops=[{replica, dep, worker_deps, host, host_warm, expect_worker}]}
 -- A replica with requests in flight turns DRAINING (it takes no new ones) and stays
 -- until the last lease ends; call again then. A WARM copy that no longer fits its
 -- host's cache goes COLD instead. A WARM replica asked to go COLD is dropped.
@@ -17,7 +17,7 @@ if level == 'COLD' or (level == 'WARM' and a.to == 'WARM') then return {1, level
 -- The holder, its worker set and its host are the ones the caller saw, or nothing changes.
 if (worker or '') ~= a.expect_worker then return {0, 'STALE', a.replica .. ' moved'} end
 if level == 'WARM' then
-  drop_warm({replica = a.replica, dep = a.dep, worker_deps = a.worker_deps, host = a.host})
+  drop_warm(a)
   event(events, a.maxlen, now, 'dropped', a.replica, model, 'cause', 'explicit')
   return {1, 'COLD'}
 end

@@ -2,7 +2,7 @@
 -- KEYS: every key named in ARGV[1].
 -- ARGV[1] = JSON {worker, force (bool), maxlen, workers, worker_key, worker_deps, gpus_set,
 --                 events, own=[{id, key}] (the GPUs it owns),
---                 deps=[{replica, dep, leases, active, host, gpus=[{id, key}]}]}
+--                 deps=[{replica, dep, leases, active, host, host_warm, gpus=[{id, key}]}]}
 -- `deps` must be exactly the worker's deployment set. Every deployment goes COLD and
 -- its GPU and warm-cache bytes and its request leases are released; the worker's GPUs
 -- lose their owner, and GPU records left with no owner and no bytes are removed.
@@ -27,10 +27,10 @@ local events = K(a.events)
 for _, d in ipairs(a.deps) do
   local dep = K(d.dep)
   local level, model = unpack(redis.call('HMGET', dep, 'level', 'model'))
+  d.worker_deps = a.worker_deps
   if level == 'WARM' then
-    drop_warm({replica = d.replica, dep = d.dep, worker_deps = a.worker_deps, host = d.host})
+    drop_warm(d)
   elseif level ~= 'COLD' then
-    d.worker_deps = a.worker_deps
     move_off_gpu(d, 'COLD')
     for _, ref in ipairs(d.gpus) do touched[ref.id] = ref.key end
   end
