@@ -27,7 +27,8 @@ import pytest
 from placement.audit import audit
 from placement.registry import Registry
 from placement.state import Demand, Gpu, Level, Snapshot
-from tests.soak import EVENTS_MAXLEN, SoakResult, ownership_problems, run_soak
+from tests.soak import EVENTS_MAXLEN, SoakResult, run_soak
+from tests.soak_checks import ownership_problems
 
 GiB = 2**30
 
