@@ -18,7 +18,6 @@ A GPU admits a slot when `limit + sum(requests already there) <= memory` (seed 0
 from __future__ import annotations
 
 import functools
-import math
 import random
 import uuid
 from collections import defaultdict
@@ -182,13 +181,15 @@ def _knobs(demand: Demand, settings: PolicySettings) -> tuple[float, float, floa
 
 def scale(nbytes: int, factor: float, divisor: int = 1) -> int:
     """`nbytes x factor / divisor` rounded up to whole bytes, without float noise."""
-    return math.ceil(Fraction(nbytes) * _exact(factor) / divisor)
+    num, den = _exact(factor)
+    return -(-nbytes * num // (den * divisor))  # integer ceiling division
 
 
 @functools.lru_cache(maxsize=1024)
-def _exact(factor: float) -> Fraction:
+def _exact(factor: float) -> tuple[int, int]:
     """The decimal a setting was written as (1.1 -> 11/10), not its binary float."""
-    return Fraction(str(factor))
+    exact = Fraction(str(factor))
+    return exact.numerator, exact.denominator
 
 
 def _splittable(demand: Demand) -> bool:
