@@ -439,9 +439,9 @@ def _destinations(
                 warm[v.host].remove(w)
                 drops.append(w.replica)
             free[v.host] = room - v.size
-            evictions.append(Eviction(v.replica, Level.WARM))
+            evictions.append(Eviction(v.replica, Level.WARM, v.queue))
         else:
-            evictions.append(Eviction(v.replica, Level.COLD))
+            evictions.append(Eviction(v.replica, Level.COLD, v.queue))
     return tuple(evictions), tuple(drops)
 
 

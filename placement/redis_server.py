@@ -268,7 +268,7 @@ class RedisServer:
                     cwd=tmpdir,
                     close_fds=True,
                     start_new_session=False,
-                    preexec_fn=_die_with_parent_preexec(),  # noqa: PLW1509
+                    preexec_fn=die_with_parent_preexec(),  # noqa: PLW1509
                 )
             except OSError as exc:
                 raise ConfigError(f"cannot run redis-server at {binary!r}: {exc}") from exc
@@ -373,7 +373,7 @@ def _conf_quote(value: str) -> str:
     return '"' + "".join(out) + '"'
 
 
-def _die_with_parent_preexec() -> Callable[[], None] | None:
+def die_with_parent_preexec() -> Callable[[], None] | None:
     """A ``preexec_fn`` that makes the kernel SIGKILL the child when its parent dies.
 
     Linux and the main thread only; None elsewhere, on other threads, or when libc's

@@ -428,11 +428,8 @@ class Registry:
                 raise RegistryError(f"no replica {replica} in the registry")
         raise PlanRejectedError(f"replica {replica} kept moving while being evicted")
 
-    def _offload_view(self, replica: str) -> Snapshot:
-        """All an eviction needs to plan: the replica, its host's cache and the copies in it.
-
-        Two small reads instead of a full snapshot; evict.lua re-checks what matters.
-        """
+    def deployment(self, replica: str) -> Deployment | None:
+        """One replica's record with its live lease count, or None if there is none."""
         k = self.keys
         (sec, usec), row, held = self._read(
             [
@@ -443,9 +440,19 @@ class Registry:
             atomic=True,
         )
         if not row:
-            raise RegistryError(f"no replica {replica} in the registry; see `gpufleet status`")
+            return None
         now = int(sec) * 1000 + int(usec) // 1000
-        dep = _deployment(row, sum(1 for _, deadline in held if deadline > now))
+        return _deployment(row, sum(1 for _, deadline in held if deadline > now))
+
+    def _offload_view(self, replica: str) -> Snapshot:
+        """All an eviction needs to plan: the replica, its host's cache and the copies in it.
+
+        Two small reads instead of a full snapshot; evict.lua re-checks what matters.
+        """
+        k = self.keys
+        dep = self.deployment(replica)
+        if dep is None:
+            raise RegistryError(f"no replica {replica} in the registry; see `gpufleet status`")
         warm_ids = sorted(self._one("smembers", k.host_warm(dep.host))) if dep.host else []
         rows = self._read(
             [("hgetall", k.host(dep.host)), *(("hgetall", k.deployment(r)) for r in warm_ids)],

@@ -177,6 +177,7 @@ class Eviction:
 
     replica: str
     to: Level
+    queue: str = ""  # the queue of the worker that holds it, told to offload or drop
 
 
 @dataclass(frozen=True)

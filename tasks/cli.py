@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
@@ -20,7 +22,7 @@ from placement.registry import Registry
 from placement.report import status_report
 
 app = typer.Typer(help="gpufleet: many models sharing GPUs by memory.", no_args_is_help=True)
-console = Console()
+console = Console(soft_wrap=True)
 err = Console(stderr=True, soft_wrap=True)  # errors stay on one line
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -92,6 +94,179 @@ def catalog(
         table.add_row(
             spec.name, spec.task, spec.source, memory, str(spec.dedicated), str(spec.replicas)
         )
+    console.print(table)
+
+
+@app.command()
+def up(
+    models: Annotated[
+        Path, typer.Option(envvar="GPUFLEET_MODELS", help="The model catalog.")
+    ] = Path("models.yaml"),
+    sim_gpus: Annotated[
+        str | None, typer.Option(help="Simulate GPUs, e.g. 2x8GiB (default when none is found).")
+    ] = None,
+    flower: Annotated[bool, typer.Option(help="Start Flower on 127.0.0.1:5555.")] = False,
+    demo: Annotated[bool, typer.Option(help="Make demo calls once the fleet is ready.")] = False,
+    once: Annotated[bool, typer.Option(help="Stop after the demo instead of serving.")] = False,
+) -> None:
+    """Start a fleet here: embedded Redis, a router, one worker per GPU; Ctrl-C stops it all."""
+    from rich.progress import Progress, SpinnerColumn, TextColumn
+
+    from tasks.launcher import Fleet
+
+    fleet = Fleet(models, sim_gpus=sim_gpus, flower=flower)
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        with Progress(SpinnerColumn(), TextColumn("{task.description}"), console=err) as bar:
+            bar.add_task("starting Redis, the router and the GPU workers...", total=None)
+            _guard(fleet.start)
+            _guard(fleet.wait_ready)
+        _print_ready(fleet)
+        if demo:
+            _guard(_demo)
+        while not once:
+            _guard(fleet.check_alive)
+            time.sleep(1.0)
+    except KeyboardInterrupt:
+        err.print("stopping the fleet...")
+    finally:
+        fleet.stop()
+
+
+@app.command()
+def infer(
+    model: Annotated[str, typer.Argument(help="A model of the catalog.")],
+    text: Annotated[str, typer.Argument(help="The input text.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print the whole result.")] = False,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait.")] = 300.0,
+) -> None:
+    """Call gpufleet.infer and print the answer."""
+    result = _guard(lambda: _call("gpufleet.infer", (model, text), timeout))
+    if as_json:
+        typer.echo(json.dumps(result, indent=2))
+        return
+    console.print(_summary(result))
+
+
+@app.command()
+def deploy(
+    model: Annotated[str, typer.Argument(help="A model of the catalog.")],
+    replicas: Annotated[int, typer.Option(min=1)] = 1,
+    dedicated: Annotated[bool, typer.Option(help="Never evict it under memory pressure.")] = False,
+) -> None:
+    """Place replicas of a model without calling it."""
+    result = _guard(lambda: _call("gpufleet.deploy", (model, replicas, dedicated), 300.0))
+    typer.echo(json.dumps(result, indent=2))
+
+
+@app.command()
+def evict(
+    model: Annotated[str, typer.Argument(help="A model of the catalog.")],
+    replica: Annotated[str | None, typer.Option(help="Only this replica.")] = None,
+) -> None:
+    """Drain, then offload or drop a model's replicas."""
+    result = _guard(lambda: _call("gpufleet.evict", (model, replica), 300.0))
+    typer.echo(json.dumps(result, indent=2))
+
+
+def _call(name: str, args: tuple[Any, ...], timeout: float) -> Any:
+    from tasks.app import app as celery_app
+
+    return celery_app.send_task(name, args=args).get(timeout=timeout)
+
+
+def _summary(result: dict[str, Any]) -> str:
+    outputs = result["outputs"]
+    if "embeddings" in outputs:
+        vector = outputs["embeddings"][0]
+        shown = f"{len(vector)}-d embedding [{', '.join(f'{x:+.4f}' for x in vector[:4])}, ...]"
+    else:
+        shown = json.dumps(outputs)[:200]
+    t = result["timings_ms"]
+    return (
+        f"[bold]{result['model']}[/] on {', '.join(result['gpus'])} ({result['cache']}): {shown}\n"
+        f"queue {t['queue']:.0f} ms, load {t['load']:.0f} ms, compute {t['compute']:.1f} ms"
+    )
+
+
+def _demo() -> None:
+    """Two calls to MiniLM: the first loads it (cold), the second takes the fast path (hot)."""
+    for text in ("gpufleet shares GPUs by memory.", "The second call finds the model resident."):
+        console.print(_summary(_call("gpufleet.infer", ("minilm", text), 300.0)))
+
+
+def _print_ready(fleet: Any) -> None:
+    gpus = ", ".join(f"{d.name} #{d.index}" for d in fleet.devices)
+    console.print(
+        f"[green]gpufleet is up[/]: {len(fleet.devices)} GPUs ({gpus}), registry {fleet.redis_url}"
+    )
+    console.print(f"  call it:  GPUFLEET_REDIS_URL={fleet.redis_url} gpufleet infer minilm 'hello'")
+    console.print(
+        "  Python:   celery.Celery(broker=URL, backend=URL)"
+        ".send_task('gpufleet.infer', args=['minilm', 'hello']).get()"
+    )
+    console.print("  watch it: gpufleet status")
+    if fleet.flower:
+        console.print(f"  Flower:   http://127.0.0.1:5555 (basic auth {fleet.flower_auth})")
+    console.print("  Ctrl-C stops everything.")
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+@app.command()
+def simulate(
+    *,
+    workload: Annotated[str, typer.Option(help="zipf, bursty, azure-conv or azure-code.")] = "zipf",
+    alpha: Annotated[float, typer.Option(help="Zipf exponent of model popularity.")] = 1.0,
+    requests: Annotated[
+        int | None, typer.Option(help="Requests (default 100,000; Azure: the whole trace).")
+    ] = None,
+    seed: Annotated[int, typer.Option(help="Seed of the fleet, trace and policies.")] = 0,
+    policy: Annotated[
+        list[str] | None, typer.Option(help="Repeatable (default: all five compared policies).")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the report object.")] = False,
+    plot: Annotated[Path | None, typer.Option(help="Write a PNG of hit rate and use.")] = None,
+    registry: Annotated[str, typer.Option(help="memory, or redis (the Lua registry).")] = "memory",
+    redis_url: Annotated[
+        str | None, typer.Option(help="Redis for --registry redis (default: a private one).")
+    ] = None,
+    data_dir: Annotated[Path | None, typer.Option(help="Folder of the Azure CSVs.")] = None,
+) -> None:
+    """Replay a workload through the placement policy; compare it with the seeds and an oracle."""
+    from placement import simulator as sim
+
+    def run() -> sim.SimulationReport:
+        trace, fleet = sim.scenario(
+            workload, alpha=alpha, requests=requests, seed=seed, data_dir=data_dir
+        )
+        chosen = policy or list(sim.DEFAULT_POLICIES)
+        return sim.simulate(trace, fleet, chosen, seed=seed, registry=registry, redis_url=redis_url)
+
+    report = _guard(run)
+    if plot is not None:
+        _guard(lambda: report.plot(plot))
+    data = report.to_json()
+    if as_json:
+        typer.echo(json.dumps(data, indent=2))
+        return
+    table = Table(title=f"{workload}: {data['workload']['requests']:,} requests")
+    columns = {"hit_rate": "hit", "reload_rate": "reload", "utilization": "use"}
+    columns |= {"p50_ms": "p50 ms", "p95_ms": "p95 ms", "p99_ms": "p99 ms", "wall_s": "wall s"}
+    for header in ("policy", *columns.values()):
+        table.add_column(header, justify="right")
+    for name, row in data["policies"].items():
+        cells = (
+            f"{row[c]:.3f}"
+            if c in ("hit_rate", "reload_rate", "utilization")
+            else f"{row[c]:,.0f}"
+            if c.endswith("_ms")
+            else f"{row[c]:.1f}"
+            for c in columns
+        )
+        table.add_row(name, *cells)
     console.print(table)
 
 

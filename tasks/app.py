@@ -1,0 +1,21 @@
+"""The Celery app of gpufleet: `from tasks.app import app`.
+
+Every process of a fleet (router, GPU workers, clients that import the project) uses
+this configuration; see `tasks.config`. GPU workers (GPUFLEET_ROLE=gpu) also register
+the GPU-side tasks, which import torch; routers and clients never do.
+"""
+
+from __future__ import annotations
+
+import os
+
+from celery import Celery
+
+from tasks.config import Settings
+
+app = Celery("gpufleet")
+app.conf.update(Settings.from_env().celery())
+app.conf.task_routes = ("tasks.routing.route",)
+app.conf.include = ["tasks.api"] + (
+    ["tasks.gpu"] if os.environ.get("GPUFLEET_ROLE") == "gpu" else []
+)

@@ -1,0 +1,53 @@
+"""One inference call as it travels from the router to a GPU worker, in JSON."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from celery.canvas import Signature
+
+from placement.registry import Lease
+from tasks.app import app
+from tasks.config import ROUTER_QUEUE
+
+
+@dataclass(frozen=True)
+class Call:
+    """A call to `model` bound for `replica`, with its request lease when it has one."""
+
+    model: str
+    inputs: Any
+    params: dict[str, Any] | None
+    replica: str
+    cache: str  # where the model was when the call arrived: hot, warm or cold
+    sent_ms: int  # when the call was routed, for the queue time
+    lease_id: str = ""
+    lease_deadline_ms: int = 0
+    hops: int = 0  # how many times it was routed again after its replica left
+
+    @property
+    def lease(self) -> Lease | None:
+        if not self.lease_id:
+            return None
+        return Lease(self.lease_id, self.model, self.replica, "", "", {}, self.lease_deadline_ms)
+
+    def to(self, queue: str) -> Signature:
+        """`gpufleet.run` of this call on a GPU worker's queue."""
+        return app.signature("gpufleet.run", args=(asdict(self),), queue=queue)
+
+    def rerouted(self) -> Signature:
+        """`gpufleet.infer` of this call back on the router, one hop further."""
+        return app.signature(
+            "gpufleet.infer",
+            args=(self.model, self.inputs, self.params),
+            kwargs={"_hops": self.hops + 1},
+            queue=ROUTER_QUEUE,
+        )
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Call:
+        return cls(**data)
+
+    def with_lease(self, lease: Lease) -> Call:
+        return replace(self, lease_id=lease.id, lease_deadline_ms=lease.deadline_ms)
