@@ -19,7 +19,7 @@ from celery import Task
 from celery.signals import worker_process_init
 
 from placement.errors import CantAccommodateError, NeverFitsError
-from placement.registry import Lease
+from placement.registry import Lease, Registry
 from placement.report import status_report
 from placement.state import Candidate, Level, Plan
 from tasks import context
@@ -151,15 +151,15 @@ def evict(model: str, replica: str | None = None) -> dict[str, Any]:
 @app.task(name="gpufleet.status")
 def status() -> dict[str, Any]:
     """The same object `gpufleet status --json` prints."""
-    return full_status()
+    return full_status(context.registry(), context.settings().broker_url)
 
 
-def full_status() -> dict[str, Any]:
+def full_status(registry: Registry, broker_url: str) -> dict[str, Any]:
     """The registry's status report, plus the depth of every fleet queue."""
-    snap = context.registry().snapshot()
+    snap = registry.snapshot()
     report = status_report(snap)
     queues = {ROUTER_QUEUE} | {g.queue for g in snap.gpus.values() if g.queue}
-    client = redis.Redis.from_url(context.settings().broker_url)
+    client = redis.Redis.from_url(broker_url)
     try:
         report["queues"] = {q: int(client.llen(q)) for q in sorted(queues)}
     finally:

@@ -19,7 +19,6 @@ from placement.catalog import Catalog
 from placement.errors import GpufleetError
 from placement.memory import format_size
 from placement.registry import Registry
-from placement.report import status_report
 
 app = typer.Typer(help="gpufleet: many models sharing GPUs by memory.", no_args_is_help=True)
 console = Console(soft_wrap=True)
@@ -49,8 +48,11 @@ def status(
     redis_url: RedisUrl = DEFAULT_REDIS_URL,
     fleet: Fleet = "default",
 ) -> None:
-    """Show every GPU, what it holds, and the warm caches."""
-    report = _guard(lambda: status_report(Registry.from_url(redis_url, fleet).snapshot()))
+    """Show every GPU, what it holds, the warm caches and the queues."""
+    from tasks.api import full_status  # the same object the gpufleet.status task returns
+
+    broker = os.environ.get("GPUFLEET_BROKER_URL", redis_url)
+    report = _guard(lambda: full_status(Registry.from_url(redis_url, fleet), broker))
     if as_json:
         typer.echo(json.dumps(report, indent=2))
         return
@@ -65,6 +67,8 @@ def status(
             f"[bold]{host['name']}[/] warm cache {format_size(host['warm_used_bytes'])}"
             f" / {format_size(host['warm_budget_bytes'])}: {', '.join(warm) or '-'}"
         )
+    depths = ", ".join(f"{q} {n}" for q, n in report["queues"].items())
+    console.print(f"[bold]queues[/] {depths}")
     for problem in report["problems"]:
         err.print(f"[red]ledger problem:[/] {problem}")
 
@@ -99,13 +103,17 @@ def catalog(
 
 @app.command()
 def up(
+    *,
     models: Annotated[
         Path, typer.Option(envvar="GPUFLEET_MODELS", help="The model catalog.")
     ] = Path("models.yaml"),
     sim_gpus: Annotated[
         str | None, typer.Option(help="Simulate GPUs, e.g. 2x8GiB (default when none is found).")
     ] = None,
-    flower: Annotated[bool, typer.Option(help="Start Flower on 127.0.0.1:5555.")] = False,
+    flower: Annotated[
+        bool, typer.Option(help="Start Flower on 127.0.0.1, behind basic auth.")
+    ] = False,
+    flower_port: Annotated[int, typer.Option(help="Flower's port.")] = 5555,
     demo: Annotated[bool, typer.Option(help="Make demo calls once the fleet is ready.")] = False,
     once: Annotated[bool, typer.Option(help="Stop after the demo instead of serving.")] = False,
 ) -> None:
@@ -114,7 +122,7 @@ def up(
 
     from tasks.launcher import Fleet
 
-    fleet = Fleet(models, sim_gpus=sim_gpus, flower=flower)
+    fleet = Fleet(models, sim_gpus=sim_gpus, flower=flower, flower_port=flower_port)
     signal.signal(signal.SIGTERM, _interrupt)
     try:
         with Progress(SpinnerColumn(), TextColumn("{task.description}"), console=err) as bar:
@@ -207,7 +215,9 @@ def _print_ready(fleet: Any) -> None:
     )
     console.print("  watch it: gpufleet status")
     if fleet.flower:
-        console.print(f"  Flower:   http://127.0.0.1:5555 (basic auth {fleet.flower_auth})")
+        console.print(
+            f"  Flower:   http://127.0.0.1:{fleet.flower_port} (basic auth {fleet.flower_auth})"
+        )
     console.print("  Ctrl-C stops everything.")
 
 

@@ -39,6 +39,7 @@ class Fleet:
     models: Path
     sim_gpus: str | None = None
     flower: bool = False
+    flower_port: int = 5555
     flower_auth: str = ""
     fleet: str = "default"
     host: str = field(default_factory=default_host)
@@ -70,7 +71,8 @@ class Fleet:
         if self.flower:
             self.flower_auth = self.flower_auth or f"gpufleet:{secrets.token_urlsafe(12)}"
             flower = [sys.executable, "-m", "celery", "-A", "tasks.app", "flower"]
-            flower += ["--address=127.0.0.1", "--port=5555", f"--basic-auth={self.flower_auth}"]
+            flower += ["--address=127.0.0.1", f"--port={self.flower_port}"]
+            flower += [f"--basic-auth={self.flower_auth}"]
             self._popen("flower", flower, self._env("client"))
 
     def _env(self, role: str, **extra: str) -> dict[str, str]:

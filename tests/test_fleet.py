@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +50,7 @@ class RunningFleet:
     url: str
     client: Celery
     registry: Registry
+    flower: tuple[str, str]  # URL, user:password
 
     def infer(self, model: str, inputs: Any, timeout: float = 120) -> dict[str, Any]:
         result: dict[str, Any] = self.client.send_task("gpufleet.infer", args=(model, inputs)).get(
@@ -64,33 +69,46 @@ def fleet_up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningFleet]
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFLEET_")}
     env |= {"GPUFLEET_WARM_CACHE": "8GiB", "GPUFLEET_WORKER_LEASE_MS": str(LEASE_MS)}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tasks.cli", "up", "--models", str(catalog), "--sim-gpus", "2x8GiB"],
+        [
+            *(sys.executable, "-m", "tasks.cli", "up", "--models", str(catalog)),
+            *("--sim-gpus", "2x8GiB", "--flower", "--flower-port", str(_free_port())),
+        ],
         cwd=REPO,
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
     )
-    url = _wait_for_url(proc)
+    url, flower = _wait_for_urls(proc)
     client = Celery(broker=url, backend=url)
     client.conf.update(task_serializer="json", accept_content=["json"], result_serializer="json")
-    running = RunningFleet(proc, url, client, Registry.from_url(url))
+    running = RunningFleet(proc, url, client, Registry.from_url(url), flower)
     yield running
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=60) == 0
 
 
-def _wait_for_url(proc: subprocess.Popen[str]) -> str:
+def _wait_for_urls(proc: subprocess.Popen[str]) -> tuple[str, tuple[str, str]]:
+    """The registry URL and Flower's URL and credentials, read from `gpufleet up`'s output."""
     assert proc.stdout is not None
     deadline = time.monotonic() + 180
+    url = ""
     while time.monotonic() < deadline:
         line = proc.stdout.readline()
         if not line and proc.poll() is not None:
             raise AssertionError(f"gpufleet up exited with {proc.returncode}")
-        found = re.search(r"registry (redis://\S+)", line)
-        if found:
-            return found.group(1)
+        if found := re.search(r"registry (redis://\S+)", line):
+            url = found.group(1)
+        if found := re.search(r"Flower:\s+(\S+) \(basic auth (\S+)\)", line):
+            return url, (found.group(1), found.group(2))
     raise AssertionError("gpufleet up did not become ready in 180 s")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
 
 
 def test_a_client_that_imports_nothing_from_gpufleet_gets_minilm_embeddings(
@@ -233,3 +251,34 @@ def test_the_status_task_returns_the_status_object(fleet_up: RunningFleet) -> No
     }
     assert "celery" in report["queues"]
     assert all(g["total_bytes"] == 8 * GiB for g in report["gpus"])
+
+
+def test_flower_lists_the_gpu_workers_and_the_infer_tasks_behind_auth(
+    fleet_up: RunningFleet,
+) -> None:
+    base, auth = fleet_up.flower
+    fleet_up.infer("minilm", "seen by flower")
+    assert _flower(f"{base}/api/workers", None)[0] == 401
+    deadline = time.monotonic() + 30
+    while True:
+        workers = _flower(f"{base}/api/workers?refresh=1", auth)[1]
+        tasks = _flower(f"{base}/api/tasks", auth)[1]
+        names = {t.get("name") for t in tasks.values()}
+        gpu_workers = sorted(w for w in workers if w.startswith("gpu"))
+        if (len(gpu_workers) == 2 and "gpufleet.infer" in names) or time.monotonic() > deadline:
+            break
+        time.sleep(1.0)
+    assert [w.split("@")[0] for w in gpu_workers] == ["gpu0", "gpu1"]
+    assert "gpufleet.infer" in names
+
+
+def _flower(url: str, auth: str | None) -> tuple[int, Any]:
+    """GET a Flower API page, with basic auth when given: (status, JSON body)."""
+    request = urllib.request.Request(url)
+    if auth:
+        request.add_header("Authorization", "Basic " + base64.b64encode(auth.encode()).decode())
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, None
