@@ -28,6 +28,14 @@ python -m pip install -q torch==2.13.0
 stage "pip install -e '.[test]'"
 python -m pip install -q -e '.[test]'
 
+if ! command -v docker-compose >/dev/null 2>&1 && ! docker compose version >/dev/null 2>&1; then
+  # tests/test_compose.py validates compose.yaml with `docker-compose config` (no engine needed)
+  stage "apt-get install docker-compose"
+  SUDO=""
+  [[ $(id -u) -ne 0 ]] && SUDO=sudo
+  $SUDO apt-get update -qq && $SUDO apt-get install -y -qq --no-install-recommends docker-compose
+fi
+
 stage "ruff check ."
 ruff check .
 

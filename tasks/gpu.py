@@ -16,9 +16,9 @@ import time
 from typing import Any
 
 from celery import Task
-from celery.signals import worker_process_init, worker_process_shutdown
+from celery.signals import worker_init, worker_process_init, worker_process_shutdown
 
-from placement.errors import EvictedError, GpuOwnedError, RegistryError
+from placement.errors import ConfigError, EvictedError, GpuOwnedError, RegistryError
 from placement.memory import parse_size
 from placement.state import Level
 from tasks import context
@@ -203,7 +203,25 @@ def _own_devices() -> list[Device]:
     if not wanted:
         return devices
     indices = {int(i) for i in wanted.split(",")}
-    return [d for d in devices if d.index in indices]
+    mine = [d for d in devices if d.index in indices]
+    if not mine:
+        visible = ", ".join(str(d.index) for d in devices) or "none"
+        raise ConfigError(
+            f"GPUFLEET_WORKER_GPUS={wanted} names no visible GPU (visible: {visible}); "
+            f"check CUDA_VISIBLE_DEVICES or the container's device reservation"
+        )
+    return mine
+
+
+@worker_init.connect
+def _check(**_: Any) -> None:
+    """Refuse to start a GPU worker that would own no GPU (the parent, before any fork)."""
+    if context.role() == "gpu":
+        try:
+            _own_devices()  # NVML only: no CUDA context in the parent
+        except ConfigError as exc:
+            # Celery logs and ignores exceptions of signal handlers; SystemExit stops it.
+            raise SystemExit(f"gpufleet worker cannot start: {exc}") from exc
 
 
 @worker_process_init.connect
