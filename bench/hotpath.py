@@ -1,0 +1,407 @@
+"""Hot-path latency: `gpufleet.infer` on a resident model against a bare Celery task.
+
+    python -m bench.hotpath [--calls 500] [--warmup 50] [--model-mib 64]
+
+Prints one JSON object. It writes a catalog with one synthetic `forward` model of
+`--model-mib` declared size, starts a fleet (`tasks.launcher.Fleet`: an embedded Redis
+unless GPUFLEET_REDIS_URL is set, a router and one worker on a simulated 8 GiB GPU), and
+next to it a *bare* Celery worker: `celery -A bench.hotpath:bare_app worker -Q bare -c 1
+-P prefork`, with the same Celery settings (`tasks.config.Settings.celery()`: JSON,
+acks_late, prefetch 1, events) and the same worker flags as a GPU worker. Its one task
+builds the same synthetic model (`worker.synthetic.build_synthetic`) once per process
+and runs the same forward pass (`worker.handlers.run`); it knows nothing of placement.
+
+One call through the router makes the model resident. Then one client sends calls one
+at a time, `send_task(...).get()`, alternating fleet and bare (ABBA order, so drift and
+noise fall on both): the fleet calls use `tasks.app.app`, so the fast path's routing
+function (`tasks.routing.route`: a request lease through `pick.lua`) runs in this
+process and the call goes straight to the GPU worker's queue. After `--warmup` pairs,
+`--calls` pairs are timed.
+
+`fast_path_share` is the share of timed fleet calls that came back `cache == "hot"` and
+were executed as `gpufleet.infer` on the GPU worker's queue (a call that went through
+the router comes back as `gpufleet.run`, its replacement); `router_infer_calls` is how
+many `gpufleet.infer` the router executed meanwhile (0 when every call took the fast
+path). `paired_delta_p50_ms` is the median of fleet-minus-bare within each pair, the
+figure least moved by a busy machine. `breakdown` splits the fleet's extra cost: the
+compute each worker reported, the fast path's two registry round trips (`route`, which
+takes the lease, and `Registry.finish`, which ends it) timed on their own after the
+run, and a Redis PING.
+Targets: p50 ratio <= 1.15, p99 ratio <= 1.3 (fleet / bare).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from celery import Celery
+from celery.result import AsyncResult
+
+from tasks.config import Settings
+
+log = logging.getLogger("bench.hotpath")
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL = "hotpath"
+BARE_QUEUE = "bare"
+BARE_TASK = "bench.hotpath.forward"
+INPUTS = ["gpufleet measures its hot path against a bare Celery task."]
+CALL_TIMEOUT_S = 60.0
+READY_TIMEOUT_S = 120.0
+STOP_GRACE_S = 15.0
+SIM_GPUS = "1x8GiB"
+TARGETS = {"p50_ratio": 1.15, "p99_ratio": 1.3}
+
+
+def bare_config() -> dict[str, Any]:
+    """The fleet's Celery settings, read from the environment now, on the `bare` queue."""
+    conf = Settings.from_env().celery()
+    conf["task_default_queue"] = BARE_QUEUE
+    return conf
+
+
+# The bare worker's app. In the bare worker the environment already names the fleet's
+# Redis; in the benchmark process `main` configures it again once the fleet has started.
+bare_app = Celery("gpufleet-bench-bare", set_as_current=False)
+bare_app.conf.update(bare_config())
+
+_held: dict[str, tuple[str, Any, Any]] = {}  # model -> (task, module, tokenizer), per process
+
+
+@bare_app.task(name=BARE_TASK)  # type: ignore[untyped-decorator]  # Celery is untyped
+def bare_forward(model: str, inputs: Any, params: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The same forward pass as a GPU worker's, with nothing around it but Celery."""
+    from worker import handlers
+
+    held = _held.get(model)
+    if held is None:
+        from placement.catalog import Catalog
+        from worker.synthetic import build_synthetic
+
+        spec = Catalog.load(os.environ["GPUFLEET_MODELS"]).get(model)
+        net, tokenizer = build_synthetic(spec)
+        held = _held[model] = (spec.task, net, tokenizer)
+    task, net, tokenizer = held
+    start = time.perf_counter()
+    outputs = handlers.run(task, net, tokenizer, inputs, params, None)
+    compute_ms = (time.perf_counter() - start) * 1000
+    # Shaped like gpufleet.infer's answer, so both results are about the same size.
+    return {
+        "model": model,
+        "replica": "bare",
+        "gpus": [],
+        "worker": socket.gethostname(),
+        "cache": "hot",
+        "outputs": outputs,
+        "timings_ms": {"queue": 0, "load": 0.0, "compute": round(compute_ms, 3)},
+    }
+
+
+# ---------------------------------------------------------------------------------------
+# Processes
+
+
+def write_catalog(directory: Path, mib: int) -> Path:
+    path = directory / "models.yaml"
+    path.write_text(f"models:\n  {MODEL}: {{source: synthetic, task: forward, memory: {mib}MiB}}\n")
+    return path
+
+
+def start_bare(host: str, catalog: Path) -> subprocess.Popen[bytes]:
+    """The bare worker, flagged like a GPU worker; it dies with this process."""
+    from placement.redis_server import die_with_parent_preexec
+
+    cmd = [sys.executable, "-m", "celery", "-A", "bench.hotpath:bare_app", "worker"]
+    cmd += ["-Q", BARE_QUEUE, "-n", f"bare@{host}", "-c", "1", "-P", "prefork"]
+    cmd += ["--loglevel=INFO", "-E", "--without-gossip", "--without-mingle"]
+    env = {**os.environ, "GPUFLEET_MODELS": str(catalog), "HF_HUB_OFFLINE": "1"}
+    env.pop("GPUFLEET_ROLE", None)
+    log.info("starting the bare worker: %s", " ".join(cmd))
+    return subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=env,
+        stdout=sys.stderr.fileno(),
+        preexec_fn=die_with_parent_preexec(),  # noqa: PLW1509
+    )
+
+
+def wait_bare(proc: subprocess.Popen[bytes], host: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the bare worker exited with code {proc.returncode}")
+        if bare_app.control.ping([f"bare@{host}"], timeout=1.0):
+            return
+        time.sleep(0.5)
+    raise RuntimeError(f"the bare worker did not answer a ping in {timeout:.0f} s")
+
+
+def stop_bare(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        log.warning("the bare worker did not stop in time; killing it")
+        proc.kill()
+        proc.wait()
+
+
+def router_infer_count(app: Celery, node: str) -> int:
+    """How many `gpufleet.infer` the router has executed (its `stats()` totals)."""
+    stats = app.control.inspect([node], timeout=2.0).stats() or {}
+    return int(stats.get(node, {}).get("total", {}).get("gpufleet.infer", 0))
+
+
+# ---------------------------------------------------------------------------------------
+# Measurement
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile, linearly interpolated between ranks (numpy's default)."""
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100
+    low = int(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def summary(values: list[float]) -> dict[str, float]:
+    return {
+        "p50": round(percentile(values, 50), 3),
+        "p90": round(percentile(values, 90), 3),
+        "p99": round(percentile(values, 99), 3),
+        "mean": round(sum(values) / len(values), 3),
+        "min": round(min(values), 3),
+        "max": round(max(values), 3),
+    }
+
+
+Send = Callable[[], AsyncResult]
+
+
+def timed(send: Send) -> tuple[float, dict[str, Any], AsyncResult]:
+    """One round trip: publish, then block on the result."""
+    start = time.perf_counter()
+    handle = send()
+    result: dict[str, Any] = handle.get(timeout=CALL_TIMEOUT_S)
+    return (time.perf_counter() - start) * 1000, result, handle
+
+
+def measure(
+    calls: int, warmup: int, fleet_send: Send, bare_send: Send, gpu_queue: str
+) -> dict[str, Any]:
+    """Alternate fleet and bare calls (ABBA); time the last `calls` pairs."""
+    fleet_ms: list[float] = []
+    bare_ms: list[float] = []
+    fleet_compute: list[float] = []
+    fleet_queue: list[float] = []
+    bare_compute: list[float] = []
+    fast = 0
+    for i in range(warmup + calls):
+        sides = ("fleet", "bare") if i % 2 == 0 else ("bare", "fleet")
+        for side in sides:
+            if side == "fleet":
+                ms, result, handle = timed(fleet_send)
+                if i < warmup:
+                    continue
+                fleet_ms.append(ms)
+                fleet_compute.append(float(result["timings_ms"]["compute"]))
+                fleet_queue.append(float(result["timings_ms"]["queue"]))
+                # Read after the clock stopped: the meta came with the result (extended).
+                direct = handle.name == "gpufleet.infer" and handle.queue == gpu_queue
+                fast += int(result.get("cache") == "hot" and direct)
+            else:
+                ms, result, _ = timed(bare_send)
+                if i < warmup:
+                    continue
+                bare_ms.append(ms)
+                bare_compute.append(float(result["timings_ms"]["compute"]))
+        if i == warmup - 1:
+            log.info("warm-up done (%d pairs); timing %d pairs", warmup, calls)
+        elif i >= warmup and (i - warmup + 1) % 100 == 0:
+            log.info("%d/%d pairs", i - warmup + 1, calls)
+    return {
+        "fleet": summary(fleet_ms),
+        "bare": summary(bare_ms),
+        "fleet_compute": summary(fleet_compute),
+        "fleet_queue": summary(fleet_queue),
+        "bare_compute": summary(bare_compute),
+        "fast_path_share": round(fast / calls, 4),
+        # Fleet minus bare within each pair: drift common to both cancels out.
+        "paired_delta": summary([f - b for f, b in zip(fleet_ms, bare_ms, strict=True)]),
+    }
+
+
+def fast_path_parts(n: int) -> dict[str, float]:
+    """The fast path's registry round trips on their own: route (pick), finish, PING."""
+    from placement.registry import Lease
+    from tasks import context
+    from tasks.routing import LEASE_HEADER, route
+
+    registry = context.registry()
+    route_ms: list[float] = []
+    finish_ms: list[float] = []
+    ping_ms: list[float] = []
+    for _ in range(n):
+        start = time.perf_counter()
+        options = route("gpufleet.infer", (MODEL, INPUTS), {}, {})
+        routed = time.perf_counter()
+        if not options or LEASE_HEADER not in options.get("headers", {}):
+            raise RuntimeError(f"the model left the GPU during the run: route gave {options}")
+        header = options["headers"][LEASE_HEADER]
+        lease = Lease(header["id"], MODEL, header["replica"], "", "", {}, header["deadline_ms"])
+        registry.finish(lease)
+        finished = time.perf_counter()
+        registry.client.ping()
+        pinged = time.perf_counter()
+        route_ms.append((routed - start) * 1000)
+        finish_ms.append((finished - routed) * 1000)
+        ping_ms.append((pinged - finished) * 1000)
+    return {
+        "route_p50_ms": round(percentile(route_ms, 50), 3),
+        "finish_p50_ms": round(percentile(finish_ms, 50), 3),
+        "redis_ping_p50_ms": round(percentile(ping_ms, 50), 3),
+    }
+
+
+def run(calls: int, warmup: int, model_mib: int, directory: Path) -> dict[str, Any]:
+    from tasks.launcher import Fleet
+    from tasks.routing import gpu_queue
+
+    catalog = write_catalog(directory, model_mib)
+    os.environ["GPUFLEET_MODELS"] = str(catalog)
+    os.environ.setdefault("GPUFLEET_WARM_CACHE", "1GiB")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.pop("GPUFLEET_ROLE", None)  # this process is a client
+    fleet = Fleet(models=catalog, sim_gpus=SIM_GPUS, fleet=f"hotpath-{uuid.uuid4().hex[:8]}")
+    bare: subprocess.Popen[bytes] | None = None
+    broker = "GPUFLEET_REDIS_URL" if os.environ.get("GPUFLEET_REDIS_URL") else "embedded redis"
+    load_before = os.getloadavg()
+    try:
+        fleet.start()  # sets GPUFLEET_REDIS_URL here: configure the clients only now
+        bare_app.conf.update(bare_config())
+        bare = start_bare(fleet.host, catalog)
+        fleet.wait_ready(READY_TIMEOUT_S)
+        wait_bare(bare, fleet.host, READY_TIMEOUT_S)
+        from tasks.app import app
+
+        queue = gpu_queue(fleet.host, [fleet.devices[0].index])
+        router = f"router@{fleet.host}"
+
+        def fleet_send() -> AsyncResult:
+            return app.send_task("gpufleet.infer", args=(MODEL, INPUTS))
+
+        def bare_send() -> AsyncResult:
+            return bare_app.send_task(BARE_TASK, args=(MODEL, INPUTS), queue=BARE_QUEUE)
+
+        first_ms, first, first_handle = timed(fleet_send)
+        first_task = first_handle.name  # gpufleet.run: the router replaced the call
+        log.info("first call (%s, through the router): %.0f ms", first["cache"], first_ms)
+        routed_before = router_infer_count(app, router)
+        stats = measure(calls, warmup, fleet_send, bare_send, queue)
+        routed = router_infer_count(app, router) - routed_before
+        parts = fast_path_parts(min(calls, 200))
+        fleet.check_alive()
+    finally:
+        if bare is not None:
+            stop_bare(bare)
+        fleet.stop()
+
+    import celery
+    import torch
+
+    fleet_s, bare_s = stats["fleet"], stats["bare"]
+    p50_ratio = fleet_s["p50"] / bare_s["p50"]
+    p99_ratio = fleet_s["p99"] / bare_s["p99"]
+    return {
+        "calls": calls,
+        "warmup": warmup,
+        "model": {
+            "name": MODEL,
+            "task": "forward",
+            "declared_mib": model_mib,
+            "config": "synthetic default (tiny BERT)",
+            "inputs": INPUTS,
+            "first_call": {"cache": first["cache"], "ms": round(first_ms, 1), "ran_as": first_task},
+        },
+        "fleet_p50_ms": fleet_s["p50"],
+        "fleet_p99_ms": fleet_s["p99"],
+        "bare_p50_ms": bare_s["p50"],
+        "bare_p99_ms": bare_s["p99"],
+        "p50_ratio": round(p50_ratio, 3),
+        "p99_ratio": round(p99_ratio, 3),
+        "p50_delta_ms": round(fleet_s["p50"] - bare_s["p50"], 3),
+        "paired_delta_p50_ms": stats["paired_delta"]["p50"],
+        "fast_path_share": stats["fast_path_share"],
+        "router_infer_calls": routed,
+        "targets": {
+            "p50_ratio": f"<= {TARGETS['p50_ratio']}",
+            "p99_ratio": f"<= {TARGETS['p99_ratio']}",
+            "p50_met": p50_ratio <= TARGETS["p50_ratio"],
+            "p99_met": p99_ratio <= TARGETS["p99_ratio"],
+        },
+        "fleet_ms": fleet_s,
+        "bare_ms": bare_s,
+        "breakdown": {
+            "fleet_compute_p50_ms": stats["fleet_compute"]["p50"],
+            "bare_compute_p50_ms": stats["bare_compute"]["p50"],
+            "fleet_compute_p99_ms": stats["fleet_compute"]["p99"],
+            "bare_compute_p99_ms": stats["bare_compute"]["p99"],
+            "fleet_queue_p50_ms": stats["fleet_queue"]["p50"],
+            **parts,
+        },
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "celery": celery.__version__,
+            "torch": torch.__version__,
+            "torch_threads": torch.get_num_threads(),
+            "gpus": f"simulated {SIM_GPUS} (forward on CPU)",
+            "broker": broker,
+            "loadavg_before": [round(x, 2) for x in load_before],
+            "loadavg_after": [round(x, 2) for x in os.getloadavg()],
+        },
+    }
+
+
+def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
+    raise SystemExit(128 + signum)  # unwinds through `finally`: every child is stopped
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--calls", type=int, default=500, help="timed calls per side")
+    parser.add_argument("--warmup", type=int, default=50, help="untimed calls per side first")
+    parser.add_argument("--model-mib", type=int, default=64, help="declared model size")
+    args = parser.parse_args()
+    if args.calls < 1 or args.warmup < 0 or args.model_mib < 1:
+        parser.error("--calls and --model-mib must be positive, --warmup not negative")
+    logging.basicConfig(
+        level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s"
+    )
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    with tempfile.TemporaryDirectory(prefix="gpufleet-hotpath-") as tmp:
+        result = run(args.calls, args.warmup, args.model_mib, Path(tmp))
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
