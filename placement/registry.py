@@ -337,29 +337,25 @@ class Registry:
         if result[0] != 1:
             raise PlanRejectedError(f"{result[1]}: {result[2]}")
 
-    def _victim_ref(self, d: Deployment, keys: KeyList) -> dict[str, Any]:
+    def _warm_ref(self, d: Deployment, keys: KeyList) -> dict[str, Any]:
+        """A replica as the scripts' `drop_warm` takes it (_lib.lua)."""
         k = self.keys
         return {
             "replica": d.replica,
             "dep": keys.add(k.deployment(d.replica)),
-            "leases": keys.add(k.leases(d.replica)),
-            "active": keys.add(k.active),
             "worker_deps": keys.add(k.worker_deployments(d.worker)),
             "host": keys.add(k.host(d.host)),
             "host_warm": keys.add(k.host_warm(d.host)),
             "expect_worker": d.worker,
-            "gpus": [{"id": g, "key": keys.add(k.gpu(g))} for g in d.gpus],
         }
 
-    def _warm_ref(self, d: Deployment, keys: KeyList) -> dict[str, Any]:
+    def _victim_ref(self, d: Deployment, keys: KeyList) -> dict[str, Any]:
+        """A replica as the scripts' `move_off_gpu` takes it (_lib.lua)."""
         k = self.keys
-        return {
-            "replica": d.replica,
-            "dep": keys.add(k.deployment(d.replica)),
-            "worker_deps": keys.add(k.worker_deployments(d.worker)),
-            "host": keys.add(k.host(d.host)),
-            "host_warm": keys.add(k.host_warm(d.host)),
-            "expect_worker": d.worker,
+        return self._warm_ref(d, keys) | {
+            "leases": keys.add(k.leases(d.replica)),
+            "active": keys.add(k.active),
+            "gpus": [{"id": g, "key": keys.add(k.gpu(g))} for g in d.gpus],
         }
 
     def place(
