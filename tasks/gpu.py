@@ -98,9 +98,9 @@ class GpuWorker:
         self.sync()
         start = time.perf_counter()
         if held is not None:
-            self.manager.restore(replica, record.gpus)
+            self.manager.restore(replica, record.gpus, record.limit)
         else:
-            self.manager.load(context.catalog().get(model), replica, record.gpus)
+            self.manager.load(context.catalog().get(model), replica, record.gpus, record.limit)
         self.registry.confirm(replica, self.worker_id)
         return (time.perf_counter() - start) * 1000
 

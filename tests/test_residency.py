@@ -179,3 +179,36 @@ def test_loading_a_replica_twice_is_refused(
     manager.load(synthetic("a", "forward", 64 * MiB), "r1", {gpu(devices, 0): GiB})
     with pytest.raises(PlacementError, match="already held"):
         manager.load(synthetic("a", "forward", 64 * MiB), "r1", {gpu(devices, 1): GiB})
+
+
+@pytest.mark.parametrize("name", sorted(Catalog.load(REPO / "models.yaml")))
+def test_every_demo_model_loads_and_serves_in_the_slot_the_policy_gives_it(
+    catalog: Catalog, devices: list[Device], name: str
+) -> None:
+    from placement.policy import single_gpu_slot
+    from placement.settings import PolicySettings
+
+    spec = catalog.get(name)
+    slot = single_gpu_slot(spec.demand(), devices[0].to_gpu(HOST), PolicySettings())
+    assert slot is not None, f"{name} does not fit one default 8 GiB simulated GPU"
+    manager = ResidencyManager(devices, HOST)
+    try:
+        request, limit = slot
+        manager.load(spec, "r1", {gpu(devices, 0): request}, limit)  # with its warm-up call
+        assert manager.infer("r1", "a demo call")["batch"] == 1
+    finally:
+        manager.drop_all()
+
+
+def test_a_one_gpu_replica_may_grow_to_its_admission_limit_but_no_further(
+    manager: ResidencyManager, devices: list[Device]
+) -> None:
+    # Reserved 64 MiB, all of it weights: only the limit leaves room for activations
+    # (about 6 MB for the small call below, about 50 MB for the large one).
+    spec = synthetic("env", "forward", 64 * MiB)
+    limit = 64 * MiB + 24 * MiB
+    manager.load(spec, "r1", {gpu(devices, 0): 64 * MiB}, limit=limit)
+    assert manager.fraction(0) == process_fraction(limit, devices[0].total)
+    assert manager.infer("r1", ["x" * 512] * 8)["shape"]
+    with pytest.raises(torch.OutOfMemoryError):
+        manager.infer("r1", ["x" * 8000] * 64)

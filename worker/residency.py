@@ -43,10 +43,15 @@ class Resident:
     tokenizer: Any
     slots: dict[str, int]  # ledger GPU id -> reserved bytes; empty while WARM
     accounted: int  # bytes charged on simulated GPUs (a synthetic model's declared size)
+    limit: int = 0  # the ledger's admission limit, when above the reservation
 
     @property
     def warm(self) -> bool:
         return not self.slots
+
+    @property
+    def caps(self) -> dict[str, int]:
+        return _caps(self.slots, self.limit)
 
 
 @dataclass(frozen=True)
@@ -90,15 +95,22 @@ class ResidencyManager:
 
     # --- the ledger's orders ------------------------------------------------
 
-    def load(self, spec: ModelSpec, replica: str, slots: Mapping[str, int]) -> Report:
-        """Load a replica onto the GPUs of `slots`, warm it up and measure its peak."""
+    def load(
+        self, spec: ModelSpec, replica: str, slots: Mapping[str, int], limit: int = 0
+    ) -> Report:
+        """Load a replica onto the GPUs of `slots`, warm it up and measure its peak.
+
+        `limit` is the ledger's admission limit of a one-GPU replica: the process may
+        grow to it (admission guaranteed it fits), not only to the reservation.
+        """
         if replica in self.residents:
             raise PlacementError(f"replica {replica} is already held by this worker")
         plan, simulated = self._plan(slots)
-        self._set_caps(extra=slots)
+        caps = _caps(slots, limit)
+        self._set_caps(extra=caps)
         accounted = _declared(spec) if spec.synthetic else 0
         if simulated and accounted:
-            self._charge(slots, accounted, spec.name)  # before building, as CUDA would
+            self._charge(slots, caps, accounted, spec.name)  # before building, as CUDA would
         baseline = {} if simulated else self._cuda_allocated(plan)
         start = time.perf_counter()
         try:
@@ -112,11 +124,11 @@ class ResidencyManager:
         if simulated and not accounted:
             accounted = nbytes
             try:
-                self._charge(slots, accounted, spec.name)
+                self._charge(slots, caps, accounted, spec.name)
             except torch.OutOfMemoryError:
                 self._set_caps()
                 raise
-        resident = Resident(replica, spec, model, tokenizer, dict(slots), accounted)
+        resident = Resident(replica, spec, model, tokenizer, dict(slots), accounted, limit)
         self.residents[replica] = resident
         peak = self._measure(resident, plan, simulated, baseline)
         log.info("loaded %s (%s) in %.2fs, peak %s", spec.name, replica, seconds, format_size(peak))
@@ -137,19 +149,20 @@ class ResidencyManager:
         nbytes = loading.tensor_bytes(resident.model)
         return Report(replica, "offload", seconds, nbytes, devices=["cpu"])
 
-    def restore(self, replica: str, slots: Mapping[str, int]) -> Report:
+    def restore(self, replica: str, slots: Mapping[str, int], limit: int = 0) -> Report:
         """Bring a WARM replica back onto the GPUs of a new plan."""
         resident = self.residents.get(replica)
         if resident is None or not resident.warm:
             raise PlacementError(f"replica {replica} is not warm on this worker; load it instead")
         plan, simulated = self._plan(slots)
-        self._set_caps(extra=slots)
+        caps = _caps(slots, limit)
+        self._set_caps(extra=caps)
         if simulated:
-            self._charge(slots, resident.accounted, resident.spec.name)
+            self._charge(slots, caps, resident.accounted, resident.spec.name)
         start = time.perf_counter()
         resident.model = loading.place(resident.model, plan, simulated)
         seconds = time.perf_counter() - start
-        resident.slots = dict(slots)
+        resident.slots, resident.limit = dict(slots), limit
         nbytes = loading.tensor_bytes(resident.model)
         return Report(replica, "restore", seconds, nbytes, devices=_names(plan, simulated))
 
@@ -234,8 +247,9 @@ class ResidencyManager:
         return {_local(self.devices[g]): int(b) for g, b in slots.items()}, kinds.pop()
 
     def _reserved(self, index: int, extra: Mapping[str, int] | None = None) -> int:
+        """This process's cap on device `index`: its replicas' caps there, plus `extra`."""
         reserved = 0
-        for slots in [r.slots for r in self.residents.values()] + [dict(extra or {})]:
+        for slots in [r.caps for r in self.residents.values()] + [dict(extra or {})]:
             for gpu_id, nbytes in slots.items():
                 if _local(self.devices[gpu_id]) == index:
                     reserved += nbytes
@@ -251,15 +265,17 @@ class ResidencyManager:
             share = process_fraction(self._reserved(index, extra), total)
             torch.cuda.set_per_process_memory_fraction(share, index)
 
-    def _charge(self, slots: Mapping[str, int], accounted: int, name: str) -> None:
+    def _charge(
+        self, slots: Mapping[str, int], caps: Mapping[str, int], accounted: int, name: str
+    ) -> None:
         """Book `accounted` bytes on simulated GPUs, in proportion to the plan's slots.
 
-        The cap on each is this process's reservation there, `slots` included.
+        The cap on each is this process's cap there, the new replica's `caps` included.
         """
         plan, _ = self._plan(slots)
         shares = _split(accounted, plan)
         for index, share in shares.items():
-            cap = self._reserved(index, extra=slots)
+            cap = self._reserved(index, extra=caps)
             used = self._charged.get(index, 0)
             if used + share > cap:
                 raise torch.OutOfMemoryError(
@@ -321,6 +337,13 @@ def _local(device: Device) -> int:
     if device.simulated or device.cuda_index is None:
         return device.index
     return device.cuda_index
+
+
+def _caps(slots: Mapping[str, int], limit: int) -> dict[str, int]:
+    """Per-GPU caps of a replica: its reservation, or its limit on a single GPU."""
+    if len(slots) == 1:
+        return {gpu_id: max(nbytes, limit) for gpu_id, nbytes in slots.items()}
+    return dict(slots)
 
 
 def _declared(spec: ModelSpec) -> int:
