@@ -84,8 +84,26 @@ def fleet_up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningFleet]
     client.conf.update(task_serializer="json", accept_content=["json"], result_serializer="json")
     running = RunningFleet(proc, url, client, Registry.from_url(url), flower)
     yield running
+    children = _children(proc.pid)
+    assert len(children) >= 4  # redis-server, the router, two GPU workers (and Flower)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=60) == 0
+    time.sleep(0.5)
+    assert [pid for pid in children if _alive(pid)] == []  # no orphan left behind
+
+
+def _children(pid: int) -> list[int]:
+    rows = subprocess.run(["ps", "-eo", "pid,ppid"], capture_output=True, text=True, check=True)
+    pairs = [line.split() for line in rows.stdout.splitlines()[1:]]
+    return [int(child) for child, parent in pairs if int(parent) == pid]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split()[2] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
 
 
 def _wait_for_urls(proc: subprocess.Popen[str]) -> tuple[str, tuple[str, str]]:
