@@ -300,3 +300,18 @@ def _flower(url: str, auth: str | None) -> tuple[int, Any]:
             return response.status, json.loads(response.read())
     except urllib.error.HTTPError as exc:
         return exc.code, None
+
+
+def test_a_call_that_reaches_an_evicted_replica_is_routed_again_not_failed(
+    fleet_up: RunningFleet,
+) -> None:
+    first = fleet_up.infer("c", "x")
+    queue = fleet_up.registry.snapshot().gpus[first["gpus"][0]].queue
+    evicted = fleet_up.client.send_task("gpufleet.evict", args=("c",)).get(timeout=60)
+    assert [e["level"] for e in evicted["evicted"]] == ["WARM"]
+    # A call already on its way to that worker for that replica, as the router sent it:
+    stale = {"model": "c", "inputs": "x", "params": None, "replica": first["replica"],
+             "cache": "hot", "sent_ms": 0}  # fmt: skip
+    result = fleet_up.client.send_task("gpufleet.run", args=(stale,), queue=queue).get(timeout=120)
+    assert result["outputs"] == first["outputs"]
+    assert result["cache"] == "warm"  # the router restored the offloaded copy
