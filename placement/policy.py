@@ -58,9 +58,10 @@ class _View:
         self.snap = snap
         self.by_gpu = snap.by_gpu
         self.mine = snap.replicas(demand.model)
+        live = {g.worker for g in snap.gpus.values() if g.alive(snap.now_ms)}
         self.my_warm: dict[str, Deployment] = {}
         for d in sorted(self.mine, key=lambda d: d.last_used_ms):
-            if d.level is Level.WARM:
+            if d.level is Level.WARM and d.worker in live:  # its holder must restore it
                 self.my_warm[d.host] = d  # the most recently used one wins
 
 
@@ -368,6 +369,9 @@ def _to_plan(
         option.victims, snap, settings.warm_drop_order, restoring=replica if warm else None
     )
     size = demand.size or demand.request or demand.learned or 0
+    # The process that holds a warm copy restores it (onto any GPU of its host);
+    # otherwise the worker of the first planned GPU loads the replica.
+    loader = (warm.worker, warm.queue) if warm is not None else (primary.worker, primary.queue)
     return Plan(
         model=demand.model,
         replica=replica,
@@ -376,8 +380,8 @@ def _to_plan(
         limit=_plan_limit(option),
         fraction=max(fraction_of(option.slots[g.id][0], g.total) for g in gpus),
         host=primary.host,
-        worker=primary.worker,
-        queue=primary.queue,
+        worker=loader[0],
+        queue=loader[1],
         reuse=reuse,
         evictions=evictions,
         warm_drops=drops,

@@ -305,6 +305,7 @@ class Registry:
             "replicas_key": keys.add(k.model_replicas(plan.model)),
             "deps_key": keys.add(k.deployments),
             "worker_deps": keys.add(k.worker_deployments(plan.worker)),
+            "worker_key": keys.add(k.worker(plan.worker)),
             # A WARM replica is restored on its own host, and leaves its old holder.
             "old_worker_deps": keys.add(k.worker_deployments(old.worker)) if old else 0,
             "host_key": keys.add(k.host(plan.host)),

@@ -19,6 +19,7 @@ from placement.catalog import Catalog
 from placement.errors import GpufleetError
 from placement.memory import format_size
 from placement.registry import Registry
+from tasks.config import safe_url
 
 app = typer.Typer(help="gpufleet: many models sharing GPUs by memory.", no_args_is_help=True)
 console = Console(soft_wrap=True)
@@ -122,7 +123,13 @@ def up(
 
     from tasks.launcher import Fleet
 
-    fleet = Fleet(models, sim_gpus=sim_gpus, flower=flower, flower_port=flower_port)
+    fleet = Fleet(
+        models,
+        sim_gpus=sim_gpus,
+        flower=flower,
+        flower_port=flower_port,
+        fleet=os.environ.get("GPUFLEET_FLEET", "default"),
+    )
     signal.signal(signal.SIGTERM, _interrupt)
     try:
         with Progress(SpinnerColumn(), TextColumn("{task.description}"), console=err) as bar:
@@ -205,10 +212,9 @@ def _demo() -> None:
 
 def _print_ready(fleet: Any) -> None:
     gpus = ", ".join(f"{d.name} #{d.index}" for d in fleet.devices)
-    console.print(
-        f"[green]gpufleet is up[/]: {len(fleet.devices)} GPUs ({gpus}), registry {fleet.redis_url}"
-    )
-    console.print(f"  call it:  GPUFLEET_REDIS_URL={fleet.redis_url} gpufleet infer minilm 'hello'")
+    url = safe_url(fleet.redis_url)
+    console.print(f"[green]gpufleet is up[/]: {len(fleet.devices)} GPUs ({gpus}), registry {url}")
+    console.print(f"  call it:  GPUFLEET_REDIS_URL={url} gpufleet infer minilm 'hello'")
     console.print(
         "  Python:   celery.Celery(broker=URL, backend=URL)"
         ".send_task('gpufleet.infer', args=['minilm', 'hello']).get()"

@@ -38,7 +38,9 @@ class Settings:
         registry = env.get("GPUFLEET_REDIS_URL") or backend
         for name, url in (("broker", broker), ("result backend", backend), ("registry", registry)):
             if urlparse(url).scheme not in ("redis", "rediss"):
-                raise ConfigError(f"the {name} URL {url!r} must start with redis:// or rediss://")
+                raise ConfigError(
+                    f"the {name} URL {safe_url(url)!r} must start with redis:// or rediss://"
+                )
         try:
             timeout = int(env.get("GPUFLEET_VISIBILITY_TIMEOUT", VISIBILITY_TIMEOUT_S))
         except ValueError as exc:
@@ -82,6 +84,15 @@ class Settings:
         if _tls(self.result_backend):
             conf["redis_backend_use_ssl"] = {"ssl_cert_reqs": ssl.CERT_REQUIRED}
         return conf
+
+
+def safe_url(url: str) -> str:
+    """`url` with its password masked, for output and logs."""
+    parts = urlparse(url)
+    if not parts.password:
+        return url
+    user = parts.username or ""
+    return parts._replace(netloc=f"{user}:***@{parts.hostname}:{parts.port}").geturl()
 
 
 def _tls(url: str) -> bool:

@@ -18,7 +18,13 @@ from typing import Any
 from celery import Task
 from celery.signals import worker_init, worker_process_init, worker_process_shutdown
 
-from placement.errors import ConfigError, EvictedError, GpuOwnedError, RegistryError
+from placement.errors import (
+    ConfigError,
+    EvictedError,
+    GpufleetError,
+    GpuOwnedError,
+    RegistryError,
+)
 from placement.memory import parse_size
 from placement.state import Level
 from tasks import context
@@ -37,13 +43,15 @@ MAX_HOPS = 3  # re-routes of one call before it fails
 class GpuWorker:
     """This process's GPU(s), lease, and resident models."""
 
-    def __init__(self, devices: list[Device], host: str) -> None:
+    def __init__(self, devices: list[Device], host: str, visible: list[Device]) -> None:
         self.host = host
         self.devices = devices
         self.worker_id = make_worker_id(host, devices)
         self.queue = gpu_queue(host, [d.index for d in devices])
         self.registry = context.registry()
-        self.manager = ResidencyManager(devices, host, registry=self.registry)
+        # It owns `devices` in the ledger, but may load onto any GPU of its host: a split
+        # model's shards, or a warm copy it holds, restored where the plan says.
+        self.manager = ResidencyManager(visible, host, registry=self.registry)
         self.lost = threading.Event()
         self.lease = WorkerLease(
             self.registry,
@@ -57,24 +65,37 @@ class GpuWorker:
         )
 
     def start(self) -> None:
-        """Register, retrying in the background while a dead predecessor's lease runs out."""
+        """Register before taking any call (a few Redis round trips); if the GPU is still
+        owned by someone else, keep trying in the background."""
+        if self._register():
+            return
 
-        def register() -> None:
-            while True:
-                try:
-                    self.lease.start()
-                    log.info(
-                        "worker %s owns %s (queue %s)",
-                        self.worker_id,
-                        self.lease.gpu_ids,
-                        self.queue,
-                    )
-                    return
-                except (GpuOwnedError, RegistryError) as exc:
-                    log.warning("cannot register yet (%s); retrying", exc)
-                    time.sleep(1.0)
+        def retry() -> None:
+            while not self._register():
+                time.sleep(1.0)
 
-        threading.Thread(target=register, name="gpufleet-register", daemon=True).start()
+        threading.Thread(target=retry, name="gpufleet-register", daemon=True).start()
+
+    def _register(self) -> bool:
+        try:
+            self._reap_predecessors()
+            self.lease.start()
+        except (GpuOwnedError, RegistryError) as exc:
+            log.warning("cannot register yet (%s); retrying", exc)
+            return False
+        log.info("worker %s owns %s (queue %s)", self.worker_id, self.lease.gpu_ids, self.queue)
+        return True
+
+    def _reap_predecessors(self) -> None:
+        """A worker that held our GPUs and our queue before us is dead: this process
+        replaced it. Release it now instead of waiting out its lease, so calls for its
+        replicas are re-routed at once rather than bounced back to this queue."""
+        snap = self.registry.snapshot()
+        for device in self.devices:
+            gpu = snap.gpus.get(device.gpu_id(self.host))
+            if gpu and gpu.worker and gpu.worker != self.worker_id and gpu.queue == self.queue:
+                log.info("releasing %s, the previous worker on %s", gpu.worker, self.queue)
+                self.registry.reap(gpu.worker, force=True)
 
     def ensure(self, replica: str, model: str) -> float:
         """Make `replica` HOT here as the ledger planned it; return the load time in ms."""
@@ -97,21 +118,29 @@ class GpuWorker:
             raise EvictedError(f"replica {replica} of {model} is not planned on this worker")
         self.sync()
         start = time.perf_counter()
-        if held is not None:
-            self.manager.restore(replica, record.gpus, record.limit)
-        else:
-            self.manager.load(context.catalog().get(model), replica, record.gpus, record.limit)
-        self.registry.confirm(replica, self.worker_id)
+        try:
+            if held is not None:
+                self.manager.restore(replica, record.gpus, record.limit)
+            else:
+                self.manager.load(context.catalog().get(model), replica, record.gpus, record.limit)
+        except Exception:
+            # Give the bytes back: a replica that cannot load must not stay LOADING.
+            self.manager.drop(replica)
+            self.registry.evict(replica, context.policy(), to=Level.COLD)
+            raise
+        if not self.registry.confirm(replica, self.worker_id):
+            self.manager.drop(replica)  # evicted while it loaded: route the call again
+            raise EvictedError(f"replica {replica} of {model} was evicted while loading")
         return (time.perf_counter() - start) * 1000
 
     def sync(self) -> None:
         """Offload or drop every replica the ledger no longer keeps HOT on this worker."""
         for replica in list(self.manager.residents):
-            held = self.manager.residents[replica]
+            warm_here = self.manager.residents[replica].warm
             record = self.registry.deployment(replica)
             if record is None or record.worker != self.worker_id or record.level is Level.COLD:
                 self.manager.drop(replica)
-            elif record.level is Level.WARM and not held.warm:
+            elif record.level is Level.WARM and not warm_here:
                 self.manager.offload(replica)
 
     def stop(self) -> None:
@@ -150,7 +179,10 @@ def serve(task: Task, call: Call) -> dict[str, Any]:
         raise task.replace(call.rerouted()) from None
     finally:
         if call.lease is not None:
-            worker.registry.finish(call.lease)
+            try:
+                worker.registry.finish(call.lease)
+            except GpufleetError:  # the lease expires on its own; the answer stands
+                log.warning("could not end lease %s", call.lease.id, exc_info=True)
     resident = worker.manager.residents[call.replica]
     return {
         "model": call.model,
@@ -226,9 +258,15 @@ def _check(**_: Any) -> None:
 
 @worker_process_init.connect
 def _start(**_: Any) -> None:
-    if context.role() == "gpu":
-        _process.worker = GpuWorker(_own_devices(), default_host())
+    if context.role() != "gpu":
+        return
+    try:
+        _process.worker = GpuWorker(_own_devices(), default_host(), discover())
         _process.worker.start()
+    except Exception:
+        # Celery would log this and keep a child that fails every call: exit instead.
+        log.critical("GPU worker process cannot start", exc_info=True)
+        os._exit(1)
 
 
 @worker_process_shutdown.connect

@@ -72,8 +72,8 @@ class Fleet:
             self.flower_auth = self.flower_auth or f"gpufleet:{secrets.token_urlsafe(12)}"
             flower = [sys.executable, "-m", "celery", "-A", "tasks.app", "flower"]
             flower += ["--address=127.0.0.1", f"--port={self.flower_port}"]
-            flower += [f"--basic-auth={self.flower_auth}"]
-            self._popen("flower", flower, self._env("client"))
+            # Credentials in the environment, not on the command line `ps` shows.
+            self._popen("flower", flower, self._env("client", FLOWER_BASIC_AUTH=self.flower_auth))
 
     def _env(self, role: str, **extra: str) -> dict[str, str]:
         env = {

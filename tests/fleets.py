@@ -54,7 +54,10 @@ def hot(
     )
 
 
-def warm(replica: str, model: str, size: int, *, host: str = "h0", used: int = 0) -> Deployment:
+def warm(
+    replica: str, model: str, size: int, *, host: str = "h0", used: int = 0, worker: str = "w-warm"
+) -> Deployment:
+    """A WARM copy held by `worker` (the worker of GPU g is `w-g`; the default holds no GPU)."""
     return Deployment(
         replica=replica,
         model=model,
@@ -62,7 +65,8 @@ def warm(replica: str, model: str, size: int, *, host: str = "h0", used: int = 0
         size=size,
         last_used_ms=used,
         host=host,
-        worker="w-warm",
+        worker=worker,
+        queue=f"q-{worker}",
     )
 
 

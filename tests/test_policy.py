@@ -273,14 +273,26 @@ def test_a_resident_model_is_deployed_and_needs_no_plan() -> None:
 
 def test_a_warm_replica_on_the_host_is_restored_before_a_new_one_is_made() -> None:
     snap = fleet(
-        [gpu("g", 8 * GiB)],
-        [warm("old", "m", GiB, used=5)],
+        [gpu("g", 8 * GiB), gpu("other", 8 * GiB, index=1)],
+        [warm("old", "m", GiB, used=5, worker="w-other")],
         [Host("h0", warm_budget=4 * GiB)],
     )
     plan = plan_replica(Demand("m", size=GiB), snap)
     assert plan.candidate is Candidate.CACHED_AND_FREE
     assert plan.replica == "old"
     assert plan.reuse is Level.WARM
+    assert (plan.worker, plan.queue) == ("w-other", "q-w-other")  # its holder restores it
+
+
+def test_a_warm_copy_whose_holder_is_dead_is_not_a_cache_hit() -> None:
+    snap = fleet(
+        [gpu("g", 8 * GiB)],
+        [warm("old", "m", GiB, used=5, worker="gone")],
+        [Host("h0", warm_budget=4 * GiB)],
+    )
+    plan = plan_replica(Demand("m", size=GiB), snap)
+    assert plan.candidate is Candidate.FREE
+    assert plan.replica != "old"
 
 
 def test_a_warm_replica_on_another_host_is_not_a_cache_hit() -> None:

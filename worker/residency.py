@@ -91,6 +91,7 @@ class ResidencyManager:
         self.warmup = warmup
         self.residents: dict[str, Resident] = {}
         self._charged: dict[int, int] = {}  # simulated device index -> accounted bytes
+        self._capped: set[int] = set()  # real devices whose fraction this process set
         self._pin = torch.cuda.is_available() and not all(d.simulated for d in devices)
 
     # --- the ledger's orders ------------------------------------------------
@@ -256,14 +257,21 @@ class ResidencyManager:
         return reserved
 
     def _set_caps(self, extra: Mapping[str, int] | None = None) -> None:
-        """Cap each real GPU at this process's reservation on it (1.0 when nothing is there)."""
-        for device in self.devices.values():
-            if device.simulated:
-                continue
-            index = _local(device)
+        """Cap each real GPU this process uses at its reservation there (1.0 once empty).
+
+        GPUs it never used are left alone, so no CUDA context is made on them.
+        """
+        using = {
+            _local(self.devices[g])
+            for slots in [r.caps for r in self.residents.values()] + [dict(extra or {})]
+            for g in slots
+            if not self.devices[g].simulated
+        }
+        for index in sorted(using | self._capped):
             total = torch.cuda.get_device_properties(index).total_memory
             share = process_fraction(self._reserved(index, extra), total)
             torch.cuda.set_per_process_memory_fraction(share, index)
+        self._capped = using
 
     def _charge(
         self, slots: Mapping[str, int], caps: Mapping[str, int], accounted: int, name: str

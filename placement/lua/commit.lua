@@ -2,7 +2,7 @@
 -- KEYS: every key named in ARGV[1].
 -- ARGV[1] = JSON plan:
 --   {replica, model, reuse ('' | 'WARM' | 'COLD'), expect_worker, max_active, maxlen,
---    dep, active, replicas_key, deps_key, worker_deps, old_worker_deps, host_key,
+--    dep, active, replicas_key, deps_key, worker_deps, worker_key, old_worker_deps, host_key,
 --    host_warm_key, events,
 --    limit, fraction, size, dedicated, host, worker, queue,
 --    gpus=[{id, key, bytes, limit, worker}],
@@ -10,7 +10,8 @@
 --                to, gpus=[{id, key}]}],
 --    drops=[{replica, dep, worker_deps, host, host_warm, expect_worker}]}
 -- Checks: the replica record is as the plan saw it; the model has fewer than max_active
--- replicas on GPU; every target GPU is owned by the expected live worker; every victim is
+-- replicas on GPU; the worker that will load it and every target GPU's owner are the ones
+-- the plan saw, with live leases; every victim is
 -- still HOT, idle, not dedicated and on the GPUs the plan saw; after evictions each target
 -- GPU admits its `limit` (limit + sum of requests <= total); every warm cache stays in budget.
 -- Returns {1, replica} | {0, reason, detail} and then changes nothing.
@@ -26,6 +27,9 @@ else
   if level ~= p.reuse or (worker or '') ~= p.expect_worker then
     return {0, 'STALE', 'replica ' .. p.replica .. ' is no longer ' .. p.reuse}
   end
+end
+if num(redis.call('HGET', K(p.worker_key), 'lease_deadline')) <= now then
+  return {0, 'DEAD', 'worker ' .. p.worker .. ' lease expired'}
 end
 local active = num(redis.call('HGET', K(p.active), p.model))
 if active >= p.max_active then
