@@ -59,12 +59,16 @@ class Registry:
         client: redis.Redis,
         fleet: str = "default",
         *,
+        settings: PolicySettings | None = None,
         events_maxlen: int = DEFAULT_EVENTS_MAXLEN,
     ) -> None:
+        """`settings` are the policy settings this fleet plans and evicts with, unless a
+        call passes its own (evictions it starts itself, such as finishing a drain, too)."""
         if not client.get_connection_kwargs().get("decode_responses"):
             raise ConfigError("the registry needs a Redis client made with decode_responses=True")
         self.client: Any = client  # str replies (decode_responses), which redis-py cannot type
         self.keys = Keys(fleet)
+        self.settings = settings or PolicySettings()
         self.events_maxlen = events_maxlen
         self._scripts: Scripts = scripts_for(client)
         self._replicas: dict[str, tuple[list[str], list[str]]] = {}  # fast-path cache
@@ -376,7 +380,7 @@ class Registry:
             snap = self.snapshot()
             if demand.learned is None and demand.model in snap.learned:
                 demand = replace(demand, learned=snap.learned[demand.model])
-            plan = plan_replica(demand, snap, settings, rng)
+            plan = plan_replica(demand, snap, settings or self.settings, rng)
             if plan.candidate is Candidate.DEPLOYED:
                 return plan
             try:
@@ -409,7 +413,7 @@ class Registry:
             if to is Level.COLD:
                 target = Level.COLD
             else:
-                eviction, drops = plan_offload(replica, snap, settings)
+                eviction, drops = plan_offload(replica, snap, settings or self.settings)
                 target = eviction.to
             k = self.keys
             keys = KeyList()
@@ -424,6 +428,11 @@ class Registry:
             if result[1] == "NOT_FOUND":
                 raise RegistryError(f"no replica {replica} in the registry")
         raise PlanRejectedError(f"replica {replica} kept moving while being evicted")
+
+    def gpu(self, gpu_id: str) -> Gpu | None:
+        """One GPU's ledger record, or None if it is not registered."""
+        row = self._one("hgetall", self.keys.gpu(gpu_id))
+        return _gpu(row) if row else None
 
     def deployment(self, replica: str) -> Deployment | None:
         """One replica's record with its live lease count, or None if there is none."""

@@ -63,7 +63,7 @@ def dispatch(
         call = Call(model, inputs, params, lease.replica, "hot", sent, hops=hops)
         raise task.replace(call.with_lease(lease).to(lease.queue))
     try:
-        plan = registry.place(context.demand(spec), context.policy())
+        plan = registry.place(context.demand(spec))
     except NeverFitsError:
         raise
     except CantAccommodateError as exc:
@@ -97,7 +97,7 @@ def deploy(self: Task, model: str, replicas: int = 1, dedicated: bool = False) -
     registry = context.registry()
     placements = []
     for _ in range(replicas):
-        plan = registry.place(demand, context.policy())
+        plan = registry.place(demand)
         if plan.candidate is Candidate.DEPLOYED:
             break
         _announce(self, plan)
@@ -141,7 +141,7 @@ def evict(model: str, replica: str | None = None) -> dict[str, Any]:
     ]
     results = []
     for dep in targets:
-        level = registry.evict(dep.replica, context.policy())
+        level = registry.evict(dep.replica)
         if dep.queue:
             app.send_task("gpufleet.sync", queue=dep.queue)
         results.append({"replica": dep.replica, "level": level.value})

@@ -26,7 +26,7 @@ def settings() -> Settings:
 @functools.cache
 def registry() -> Registry:
     s = settings()
-    return Registry.from_url(s.registry_url, s.fleet)
+    return Registry.from_url(s.registry_url, s.fleet, settings=policy())
 
 
 @functools.cache

@@ -90,9 +90,8 @@ class GpuWorker:
         """A worker that held our GPUs and our queue before us is dead: this process
         replaced it. Release it now instead of waiting out its lease, so calls for its
         replicas are re-routed at once rather than bounced back to this queue."""
-        snap = self.registry.snapshot()
         for device in self.devices:
-            gpu = snap.gpus.get(device.gpu_id(self.host))
+            gpu = self.registry.gpu(device.gpu_id(self.host))
             if gpu and gpu.worker and gpu.worker != self.worker_id and gpu.queue == self.queue:
                 log.info("releasing %s, the previous worker on %s", gpu.worker, self.queue)
                 self.registry.reap(gpu.worker, force=True)
@@ -126,7 +125,7 @@ class GpuWorker:
         except Exception:
             # Give the bytes back: a replica that cannot load must not stay LOADING.
             self.manager.drop(replica)
-            self.registry.evict(replica, context.policy(), to=Level.COLD)
+            self.registry.evict(replica, to=Level.COLD)
             raise
         if not self.registry.confirm(replica, self.worker_id):
             self.manager.drop(replica)  # evicted while it loaded: route the call again

@@ -330,3 +330,12 @@ def test_an_unreachable_registry_is_a_clear_error() -> None:
     reg = Registry.from_url("redis://127.0.0.1:1/0", "x")
     with pytest.raises(RegistryError, match="GPUFLEET_REDIS_URL"):
         reg.record_measurement("m", 1)
+
+
+def test_a_registry_plans_with_its_own_policy_settings(redis_url: str, fleet: str) -> None:
+    from placement.settings import PolicySettings
+
+    registry = Registry.from_url(redis_url, fleet, settings=PolicySettings(factor=1.5))
+    registry.register_worker("w0", "h0", "q0", [sim_gpu("g", 8 * GiB)])
+    assert registry.place(Demand("m", size=GiB)).gpus == {"g": 3 * GiB // 2}
+    assert registry.gpu("g") is not None and registry.gpu("missing") is None
