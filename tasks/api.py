@@ -68,7 +68,8 @@ def dispatch(
         raise
     except CantAccommodateError as exc:
         raise task.retry(exc=exc, countdown=1, max_retries=BUSY_RETRIES) from exc
-    _announce(task, plan)
+    if plan.candidate is not Candidate.DEPLOYED:  # a replica is loading: nothing moved
+        _announce(task, plan)
     cache = "warm" if plan.reuse is Level.WARM else "cold"
     raise task.replace(
         Call(model, inputs, params, plan.replica, cache, sent, hops=hops).to(plan.queue)
