@@ -42,6 +42,7 @@ _T = TypeVar("_T")
 
 TASKS = ("feature-extraction", "text-generation", "text-classification", "fill-mask", "forward")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+LOADERS = ("auto", "transformers")  # auto: gpufleet's safetensors reader where it applies
 SYNTHETIC = "synthetic"
 PACKAGE_PREFIX = "package:"
 
@@ -52,6 +53,7 @@ _FIELDS = frozenset(
     {
         "source", "task", "dtype", "memory", "dedicated", "replicas", "gpus", "accelerator",
         "trust_remote_code", "factor", "fractional_threshold", "min_free_fraction", "config",
+        "loader",
     }
 )  # fmt: skip
 
@@ -64,6 +66,7 @@ class ModelSpec:
     source: str
     task: str
     dtype: str = "auto"
+    loader: str = "auto"
     memory: int | None = None  # the plain `memory: SIZE` form
     request: int | None = None  # the `memory: {request, limit}` form
     limit: int | None = None
@@ -270,6 +273,7 @@ def _parse_entry(where: _Where, entry: object, base_dir: Path) -> ModelSpec:
             raise where.error("source", f"{source!r} must look like package:some_module/sub/path")
     task = _choice(where, entry, "task", TASKS, None)
     dtype = _choice(where, entry, "dtype", DTYPES, "auto")
+    loader = _choice(where, entry, "loader", LOADERS, "auto")
 
     memory = request = limit = None
     raw_memory = entry.get("memory")
@@ -313,6 +317,7 @@ def _parse_entry(where: _Where, entry: object, base_dir: Path) -> ModelSpec:
         source=source,
         task=task,
         dtype=dtype,
+        loader=loader,
         memory=memory,
         request=request,
         limit=limit,

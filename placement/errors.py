@@ -32,6 +32,14 @@ class EstimateError(GpufleetError):
     """A model's memory could not be estimated from its config."""
 
 
+class CheckpointError(GpufleetError):
+    """A model's weight files are truncated or malformed; re-save or re-download the model."""
+
+
+class UnsupportedCheckpointError(CheckpointError):
+    """The fast loader cannot read this checkpoint as is; transformers' loader takes over."""
+
+
 class PlacementError(GpufleetError):
     """A model could not be placed on the fleet."""
 

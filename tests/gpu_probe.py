@@ -10,6 +10,7 @@ import json
 import os
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -112,11 +113,39 @@ def offload_restore(arg: str) -> dict[str, Any]:
     }
 
 
+def read_vs_transformers(arg: str) -> dict[str, Any]:
+    """Load MiniLM on local device `arg` by gpufleet's reader and by transformers; compare."""
+    devices = _devices()
+    target = devices[int(arg)]
+    manager = ResidencyManager(devices, HOST, warmup=False)
+    minilm = Catalog.load(REPO / "models.yaml").get("minilm")
+    slots = {target.gpu_id(HOST): GiB}
+    device = target.cuda_index or 0
+    ours = manager.load(minilm, "ours", slots)
+    allocated = torch.cuda.memory_allocated(device)
+    theirs = manager.load(replace(minilm, loader="transformers"), "theirs", slots)
+    models = [manager.residents[r].model for r in ("ours", "theirs")]
+    same = all(
+        torch.equal(a, b) for a, b in zip(*(m.state_dict().values() for m in models), strict=True)
+    )
+    text = ["the same input", "and another"]
+    return {
+        "via": [ours.via, theirs.via],
+        "param_devices": sorted({str(p.device) for p in models[0].parameters()}),
+        "same_weights": same,
+        "same_output": manager.infer("ours", text) == manager.infer("theirs", text),
+        "allocated_after_read": allocated,
+        "weight_bytes": ours.nbytes,
+        "gbps": [ours.gbps, theirs.gbps],
+    }
+
+
 PROBES: dict[str, Callable[[str], dict[str, Any]]] = {
     "fraction_cap": fraction_cap,
     "fill_to_cap": fill_to_cap,
     "load_on": load_on,
     "offload_restore": offload_restore,
+    "read_vs_transformers": read_vs_transformers,
 }
 
 if __name__ == "__main__":

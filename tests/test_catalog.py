@@ -42,6 +42,7 @@ def test_a_full_entry_is_parsed_into_bytes_and_typed_fields(tmp_path: Path) -> N
         source: weights/llama
         task: text-generation
         dtype: bfloat16
+        loader: transformers
         memory: {request: 16GiB, limit: 18GB}
         dedicated: true
         replicas: 2
@@ -55,6 +56,7 @@ def test_a_full_entry_is_parsed_into_bytes_and_typed_fields(tmp_path: Path) -> N
     )
     assert spec.name == "llama"
     assert (spec.task, spec.dtype, spec.accelerator) == ("text-generation", "bfloat16", "H100")
+    assert spec.loader == "transformers"
     assert (spec.memory, spec.request, spec.limit) == (None, 16 * 2**30, 18 * 10**9)
     assert spec.dedicated is True and spec.trust_remote_code is True and spec.replicas == 2
     assert (spec.factor, spec.fractional_threshold, spec.min_free_fraction) == (1.2, 0.9, 0.05)
@@ -62,7 +64,7 @@ def test_a_full_entry_is_parsed_into_bytes_and_typed_fields(tmp_path: Path) -> N
 
 def test_optional_fields_take_their_documented_defaults(tmp_path: Path) -> None:
     spec = load_one(tmp_path, "source: weights/m\ntask: forward\n")
-    assert spec.dtype == "auto"
+    assert spec.dtype == spec.loader == "auto"
     assert spec.memory is spec.request is spec.limit is spec.gpus is None
     assert (spec.dedicated, spec.replicas, spec.trust_remote_code) == (False, 1, False)
     assert spec.factor is spec.fractional_threshold is spec.min_free_fraction is None
@@ -253,6 +255,7 @@ def test_from_mapping_validates_like_a_file(tmp_path: Path) -> None:
         ("source: ''\ntask: forward", "source", "non-empty string"),
         ("source: w\ntask: chat", "task", "'chat' is not one of feature-extraction"),
         ("source: w\ntask: forward\ndtype: int8", "dtype", "'int8' is not one of auto"),
+        ("source: w\ntask: forward\nloader: torch", "loader", "'torch' is not one of auto"),
         ("source: w\ntask: forward\nmemroy: 8GiB", "memroy", "did you mean 'memory'?"),
         ("source: w\ntask: forward\nmemory: 8 gigs", "memory", "invalid memory size '8 gigs'"),
         ("source: w\ntask: forward\nmemory: 0", "memory", "more than 0 bytes"),

@@ -66,3 +66,14 @@ def test_two_processes_sharing_one_gpu_each_stay_under_their_own_cap() -> None:
         results = list(pool.map(lambda share: probe("fill_to_cap", share), ["0.1", "0.15"]))
     for result in results:
         assert 0 < result["max_reserved"] <= result["cap"]
+
+
+def test_the_safetensors_reader_puts_the_same_weights_on_the_gpu_as_transformers() -> None:
+    target = gpu_count() - 1
+    result = probe("read_vs_transformers", str(target))
+    assert result["via"] == ["safetensors", "transformers"]
+    assert result["param_devices"] == [f"cuda:{target}"]
+    assert result["same_weights"]
+    assert result["same_output"]
+    # Nothing but the weights stays allocated: the staging buffers are pinned host memory.
+    assert result["allocated_after_read"] <= result["weight_bytes"] + 2**20

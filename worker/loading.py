@@ -6,19 +6,26 @@ On CUDA the rules come from NDIF's ModelActor (seed 000):
   (and the CPU 0: a model that does not fit fails loudly instead of spilling to RAM);
 - after every load or restore, every parameter must sit on one of the target devices.
 Simulated GPUs are the CPU; `worker.residency` accounts their bytes.
+
+Weights are read by `worker.checkpoint` (large sequential reads, several times faster than
+transformers' per-tensor loader) whenever the result would equal `from_pretrained`'s;
+everything else, and every multi-GPU plan, goes through `from_pretrained` itself.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from placement.catalog import ModelSpec
-from placement.errors import ConfigError, PlacementError
+from placement.errors import ConfigError, PlacementError, UnsupportedCheckpointError
 from worker import handlers
+from worker.checkpoint import Checkpoint
 from worker.synthetic import build_synthetic
 
 log = logging.getLogger(__name__)
@@ -39,10 +46,21 @@ def max_memory(plan: Mapping[int, int]) -> dict[int | str, int]:
     return limits
 
 
-def build(spec: ModelSpec, plan: Mapping[int, int], simulated: bool) -> tuple[Any, Any]:
-    """Load `spec` (from disk, a package, or synthetic) onto the planned devices.
+@dataclass(frozen=True)
+class Built:
+    """A loaded model, its tokenizer, and which loader read the weights."""
 
-    `plan` maps CUDA device index to planned bytes. Returns (model, tokenizer), in eval mode.
+    model: Any
+    tokenizer: Any
+    via: str  # "safetensors" (gpufleet's reader), "transformers", or "synthetic"
+
+
+def build(spec: ModelSpec, plan: Mapping[int, int], simulated: bool) -> Built:
+    """Load `spec` (from disk, a package, or synthetic) onto the planned devices, in eval mode.
+
+    `plan` maps CUDA device index to planned bytes. A checkpoint goes through gpufleet's
+    safetensors reader when the model has one GPU (or simulated ones) and its weights map
+    one to one onto the model; anything else goes through transformers' `from_pretrained`.
     """
     if not plan:
         raise PlacementError(f"{spec.name}: a load needs at least one target GPU")
@@ -50,19 +68,114 @@ def build(spec: ModelSpec, plan: Mapping[int, int], simulated: bool) -> tuple[An
         torch.cuda.set_device(min(plan))  # before any CUDA work: the context lands here
     if spec.synthetic:
         model, tokenizer = build_synthetic(spec)
-        return place(model, plan, simulated), tokenizer
-    return _from_pretrained(spec, plan, simulated)
-
-
-def _from_pretrained(spec: ModelSpec, plan: Mapping[int, int], simulated: bool) -> tuple[Any, Any]:
-    from transformers import AutoTokenizer
-
+        return Built(place(model, plan, simulated), tokenizer, "synthetic")
     path = spec.source_path()
     if path is None or not (path / "config.json").is_file():
         raise ConfigError(
             f"{spec.name}: source {spec.source!r} has no config.json at {path}; "
             f"point `source` at a local model directory"
         )
+    if spec.loader == "auto" and (simulated or len(plan) == 1):
+        try:
+            model = _read_pretrained(spec, path, plan, simulated)
+        except UnsupportedCheckpointError as why:
+            log.info("%s: transformers loads it instead of gpufleet's reader: %s", spec.name, why)
+        else:
+            return Built(model, _tokenizer(spec, path), "safetensors")
+    model = _from_pretrained(spec, path, plan, simulated)
+    return Built(model, _tokenizer(spec, path), "transformers")
+
+
+def _read_pretrained(spec: ModelSpec, path: Path, plan: Mapping[int, int], simulated: bool) -> Any:
+    """Build the model on the meta device and fill it from `worker.checkpoint`.
+
+    The result equals `from_pretrained`'s, so every case where transformers would change
+    the weights (renamed or fused keys, dtype casts, fp32-kept modules, quantization,
+    missing weights it would initialise, remote code) raises `UnsupportedCheckpointError`.
+    """
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig
+    from transformers.conversion_mapping import get_model_conversion_mapping
+
+    if spec.trust_remote_code:
+        raise UnsupportedCheckpointError("remote code decides how its weights load")
+    checkpoint = Checkpoint.open(path)
+    with checkpoint.prefetch() as prefetch:  # the disk works while the skeleton is built
+        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+        if getattr(config, "quantization_config", None):
+            raise UnsupportedCheckpointError("the checkpoint is quantized")
+        dtype = DTYPES.get(spec.dtype) or _checkpoint_dtype(config, checkpoint)
+        auto: Any = handlers.auto_class(spec.task)
+        with init_empty_weights():  # parameters on meta; buffers real, computed by their modules
+            model = auto.from_config(config, dtype=dtype)
+        if get_model_conversion_mapping(model, add_legacy=False) or model._get_dtype_plan(dtype):
+            raise UnsupportedCheckpointError(
+                f"transformers converts {type(model).__name__} weights"
+            )
+        names = _match(model, checkpoint)
+        wanted = set(names.values())
+        if simulated:
+            tensors = checkpoint.to_cpu(wanted, prefetch)
+        else:
+            tensors = checkpoint.to_cuda(wanted, torch.device("cuda", min(plan)), prefetch)
+    model.load_state_dict({k: tensors[n] for k, n in names.items()}, strict=False, assign=True)
+    model.tie_weights()
+    empty = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
+    if empty:
+        raise UnsupportedCheckpointError(f"the checkpoint has no weights for {empty[:3]}")
+    if not simulated:
+        model.to(torch.device("cuda", min(plan)))  # buffers the checkpoint lacks were built on CPU
+    if model.can_generate() and (path / "generation_config.json").is_file():
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig.from_pretrained(str(path), local_files_only=True)
+    model.eval()
+    verify(model, targets(plan, simulated), spec.name)
+    return model
+
+
+def _checkpoint_dtype(config: Any, checkpoint: Checkpoint) -> torch.dtype:
+    """dtype "auto": the config's dtype, else the one floating dtype of the weights."""
+    declared = getattr(config, "dtype", None)
+    if isinstance(declared, str):
+        declared = getattr(torch, declared, None)
+    if isinstance(declared, torch.dtype):
+        return declared
+    floats = {e.dtype for e in checkpoint.entries.values() if e.dtype.is_floating_point}
+    if len(floats) != 1:
+        raise UnsupportedCheckpointError(f"the weights mix dtypes {sorted(map(str, floats))}")
+    return floats.pop()
+
+
+def _match(model: Any, checkpoint: Checkpoint) -> dict[str, str]:
+    """Model state-dict key -> checkpoint tensor, with or without the base-model prefix.
+
+    Every match must have the skeleton's shape and dtype (transformers would cast or
+    refuse it otherwise), and every parameter must match or be tied to one that does.
+    """
+    prefix = getattr(model, "base_model_prefix", "")
+    entries = checkpoint.entries
+    names: dict[str, str] = {}
+    for key, skeleton in model.state_dict().items():
+        candidates = (key, key.removeprefix(f"{prefix}."), f"{prefix}.{key}") if prefix else (key,)
+        name = next((c for c in candidates if c in entries), None)
+        if name is None:
+            continue
+        entry = entries[name]
+        if entry.dtype != skeleton.dtype or entry.shape != tuple(skeleton.shape):
+            raise UnsupportedCheckpointError(
+                f"{name} is {entry.dtype} {list(entry.shape)}, the model wants "
+                f"{skeleton.dtype} {list(skeleton.shape)}"
+            )
+        names[key] = name
+    tied = model.get_expanded_tied_weights_keys(all_submodels=True)
+    untouched = [k for k, _ in model.named_parameters() if k not in names and k not in tied]
+    if untouched:  # transformers would initialise them at random
+        raise UnsupportedCheckpointError(f"the checkpoint has no weights for {untouched[:3]}")
+    return names
+
+
+def _from_pretrained(spec: ModelSpec, path: Path, plan: Mapping[int, int], simulated: bool) -> Any:
     kwargs: dict[str, Any] = {
         "local_files_only": True,
         "trust_remote_code": spec.trust_remote_code,
@@ -74,11 +187,16 @@ def _from_pretrained(spec: ModelSpec, plan: Mapping[int, int], simulated: bool) 
         kwargs["max_memory"] = max_memory(plan)
     auto: Any = handlers.auto_class(spec.task)
     model = auto.from_pretrained(str(path), **kwargs).eval()
-    tokenizer = AutoTokenizer.from_pretrained(
+    verify(model, targets(plan, simulated), spec.name)
+    return model
+
+
+def _tokenizer(spec: ModelSpec, path: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(
         str(path), local_files_only=True, trust_remote_code=spec.trust_remote_code
     )
-    verify(model, targets(plan, simulated), spec.name)
-    return model, tokenizer
 
 
 def place(model: Any, plan: Mapping[int, int], simulated: bool) -> Any:

@@ -64,6 +64,7 @@ class Report:
     nbytes: int
     peak_bytes: int | None = None
     devices: list[str] = field(default_factory=list)
+    via: str | None = None  # a load's reader: "safetensors", "transformers" or "synthetic"
 
     @property
     def gbps(self) -> float:
@@ -115,13 +116,13 @@ class ResidencyManager:
         baseline = {} if simulated else self._cuda_allocated(plan)
         start = time.perf_counter()
         try:
-            model, tokenizer = loading.build(spec, plan, simulated)
+            built = loading.build(spec, plan, simulated)
         except BaseException:
             self._uncharge(plan, accounted)
             self._set_caps()
             raise
         seconds = time.perf_counter() - start
-        nbytes = loading.tensor_bytes(model)
+        nbytes = loading.tensor_bytes(built.model)
         if simulated and not accounted:
             accounted = nbytes
             try:
@@ -129,11 +130,16 @@ class ResidencyManager:
             except torch.OutOfMemoryError:
                 self._set_caps()
                 raise
-        resident = Resident(replica, spec, model, tokenizer, dict(slots), accounted, limit)
+        resident = Resident(
+            replica, spec, built.model, built.tokenizer, dict(slots), accounted, limit
+        )
         self.residents[replica] = resident
         peak = self._measure(resident, plan, simulated, baseline)
-        log.info("loaded %s (%s) in %.2fs, peak %s", spec.name, replica, seconds, format_size(peak))
-        return Report(replica, "load", seconds, nbytes, peak, _names(plan, simulated))
+        log.info(
+            "loaded %s (%s) in %.2fs via %s, peak %s",
+            spec.name, replica, seconds, built.via, format_size(peak),
+        )  # fmt: skip
+        return Report(replica, "load", seconds, nbytes, peak, _names(plan, simulated), built.via)
 
     def offload(self, replica: str) -> Report:
         """Move a HOT replica to CPU memory (WARM) and give its GPU memory back."""
