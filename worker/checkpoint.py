@@ -102,9 +102,12 @@ class Checkpoint:
         """The named tensors as views of a private mmap, every page read before returning."""
         out: dict[str, torch.Tensor] = {}
         for index, group in self._by_file(names):
-            with open(self.files[index], "rb") as f:
-                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
-                mapped = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE)
+            try:
+                with open(self.files[index], "rb") as f:
+                    os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+                    mapped = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE)
+            except (OSError, ValueError) as exc:  # e.g. a file system without mmap
+                raise UnsupportedCheckpointError(f"{self.files[index]}: cannot map: {exc}") from exc
             for begin, end in _spans(group, gap=STEP):
                 for start in range(begin - begin % PAGE, end, STEP):
                     _populate(mapped, start, min(STEP, end - start))
@@ -252,18 +255,22 @@ def _shards(index: Path) -> list[str]:
 
 def _header(path: Path, file: int) -> Iterator[Entry]:
     """Parse and check one file's header; offsets become absolute."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        prefix = f.read(8)
-        if len(prefix) < 8:
-            raise CheckpointError(f"{path}: {size} bytes is too short for a safetensors file")
-        (length,) = struct.unpack("<Q", prefix)
-        if length > min(MAX_HEADER, size - 8):
-            raise CheckpointError(f"{path}: header length {length} is past the file; re-save it")
-        try:
-            header = json.loads(f.read(length))
-        except ValueError as exc:
-            raise CheckpointError(f"{path}: the header is not JSON ({exc}); re-save it") from exc
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            prefix = f.read(8)
+            (length,) = struct.unpack("<Q", prefix) if len(prefix) == 8 else (None,)
+            raw = f.read(length) if length is not None and length <= MAX_HEADER else b""
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read it: {exc}") from exc
+    if length is None:
+        raise CheckpointError(f"{path}: {size} bytes is too short for a safetensors file")
+    if length > min(MAX_HEADER, size - 8):
+        raise CheckpointError(f"{path}: header length {length} is past the file; re-save it")
+    try:
+        header = json.loads(raw)
+    except ValueError as exc:
+        raise CheckpointError(f"{path}: the header is not JSON ({exc}); re-save it") from exc
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: the header is not a JSON object; re-save it")
     base = 8 + length
@@ -334,7 +341,10 @@ def _read_exact(fd: int, buffer: torch.Tensor, offset: int, length: int, path: P
     view = buffer.numpy().data
     done = 0
     while done < length:
-        read = os.preadv(fd, [view[done:length]], offset + done)
+        try:
+            read = os.preadv(fd, [view[done:length]], offset + done)
+        except OSError as exc:
+            raise CheckpointError(f"{path}: reading byte {offset + done} failed: {exc}") from exc
         if read <= 0:
             raise CheckpointError(f"{path}: ended at byte {offset + done}; the file is truncated")
         done += read
