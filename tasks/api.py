@@ -19,14 +19,13 @@ from celery import Task
 from celery.signals import worker_process_init
 
 from placement.errors import CantAccommodateError, NeverFitsError
-from placement.registry import Lease, Registry
+from placement.registry import Registry
 from placement.report import status_report
 from placement.state import Candidate, Level, Plan
-from tasks import context
+from tasks import context, leases
 from tasks.app import app
 from tasks.calls import Call
 from tasks.config import ROUTER_QUEUE
-from tasks.routing import LEASE_HEADER
 from worker.handlers import validate
 
 log = logging.getLogger(__name__)
@@ -40,12 +39,13 @@ def infer(
     self: Task, model: str, inputs: Any, params: dict[str, Any] | None = None, _hops: int = 0
 ) -> dict[str, Any]:
     """Run `inputs` through `model`; returns outputs, the replica and GPUs used, and timings."""
-    header = getattr(self.request, LEASE_HEADER, None)
-    if header and context.role() == "gpu":
+    header: dict[str, Any] = getattr(self.request, leases.HEADER, None) or {}
+    lease = leases.from_header(model, header)
+    if lease is not None and context.role() == "gpu":
         from tasks.gpu import serve  # only GPU workers import torch
 
-        call = Call(model, inputs, params, header["replica"], "hot", header["sent_ms"], hops=_hops)
-        lease = Lease(header["id"], model, header["replica"], "", "", {}, header["deadline_ms"])
+        sent = int(header.get("sent_ms", 0))
+        call = Call(model, inputs, params, lease.replica, "hot", sent, hops=_hops)
         return serve(self, call.with_lease(lease))
     return dispatch(self, model, inputs, params, _hops)
 

@@ -8,6 +8,7 @@ from typing import Any
 from celery.canvas import Signature
 
 from placement.registry import Lease
+from tasks import leases
 from tasks.app import app
 from tasks.config import ROUTER_QUEUE
 
@@ -33,8 +34,11 @@ class Call:
         return Lease(self.lease_id, self.model, self.replica, "", "", {}, self.lease_deadline_ms)
 
     def to(self, queue: str) -> Signature:
-        """`gpufleet.run` of this call on a GPU worker's queue."""
-        return app.signature("gpufleet.run", args=(asdict(self),), queue=queue)
+        """`gpufleet.run` of this call on a GPU worker's queue; its lease rides in a header
+        too, so a worker that drops the message unrun can end it (`tasks.leases`)."""
+        lease = self.lease
+        headers = {leases.HEADER: leases.header(lease)} if lease is not None else None
+        return app.signature("gpufleet.run", args=(asdict(self),), queue=queue, headers=headers)
 
     def rerouted(self) -> Signature:
         """`gpufleet.infer` of this call back on the router, one hop further."""

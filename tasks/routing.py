@@ -3,23 +3,20 @@
 `route` is Celery's `task_routes` callable. It runs in the caller's process when a
 `gpufleet.infer` is sent: if the model has a HOT replica, it takes a request lease on
 it through `pick.lua` and publishes straight to that GPU worker's queue, with the lease
-in the message headers. Only misses (and clients that do not import gpufleet, whose
-calls land on the default queue) pay for the router hop.
+in the message headers (`tasks.leases` attaches it). Only misses (and clients that do
+not import gpufleet, whose calls land on the default queue) pay for the router hop.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
 
 from placement.errors import GpufleetError
-from tasks import context
+from tasks import context, leases
 from tasks.config import ROUTER_QUEUE
 
 log = logging.getLogger(__name__)
-
-LEASE_HEADER = "gpufleet_lease"
 
 
 def gpu_queue(host: str, indices: list[int]) -> str:
@@ -44,10 +41,5 @@ def route(
         return None
     if lease is None:
         return {"queue": ROUTER_QUEUE}
-    header = {
-        "id": lease.id,
-        "replica": lease.replica,
-        "deadline_ms": lease.deadline_ms,
-        "sent_ms": int(time.time() * 1000),
-    }
-    return {"queue": lease.queue, "headers": {LEASE_HEADER: header}}
+    leases.hold(lease)  # a caller's own headers= would replace any we return here
+    return {"queue": lease.queue}

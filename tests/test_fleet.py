@@ -40,6 +40,7 @@ models:
   b: {source: synthetic, task: forward, memory: 2GiB}
   c: {source: synthetic, task: forward, memory: 2GiB}
   pinned: {source: synthetic, task: forward, memory: 256MiB, dedicated: true}
+  leased: {source: synthetic, task: forward, memory: 256MiB, dedicated: true}
   huge: {source: synthetic, task: forward, memory: 20GiB}
   split: {source: synthetic, task: forward, memory: 10GiB}
   broken: {source: /nonexistent/model, task: forward, memory: 1GiB}
@@ -163,6 +164,62 @@ def test_a_client_that_imports_nothing_from_gpufleet_gets_minilm_embeddings(
     assert len(result["outputs"]["embeddings"]) == 2
     assert set(result["timings_ms"]) == {"queue", "load", "compute"}
     assert result["cache"] in ("cold", "hot")
+
+
+def test_fast_path_calls_leave_no_lease_behind_with_own_headers_or_when_expired(
+    fleet_up: RunningFleet,
+) -> None:
+    script = textwrap.dedent(
+        """
+        import json
+        from datetime import datetime, timedelta, timezone
+        from celery.exceptions import TaskRevokedError
+        from tasks import leases
+        from tasks.app import app
+        from tasks.routing import route
+
+        app.send_task("gpufleet.infer", args=("leased", "warm up")).get(timeout=120)
+        routed = route("gpufleet.infer", ("leased", "x"), {}, {})  # HOT now: the fast path
+        parked = leases.take()
+        if parked is not None:
+            leases.end(parked)
+        own = app.send_task("gpufleet.infer", args=("leased", "x"), headers={"trace": "t-1"})
+        result = own.get(timeout=60)
+        past = datetime.now(timezone.utc) - timedelta(seconds=5)
+        late = app.send_task("gpufleet.infer", args=("leased", "x"), expires=past)
+        try:
+            late.get(timeout=60)
+            late_state = "ran"
+        except TaskRevokedError:
+            late_state = "revoked"
+        print(json.dumps({"queue": routed["queue"], "result": result, "late": late_state}))
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFLEET_")}
+    env["GPUFLEET_REDIS_URL"] = fleet_up.url
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["queue"].startswith("gpufleet.")  # a GPU worker's queue, not the router's
+    assert out["result"]["model"] == "leased"
+    assert out["late"] == "revoked"
+    # Both calls' leases are over long before their 300 s deadline.
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        held = [d.leases for d in fleet_up.registry.snapshot().deployments.values()
+                if d.model == "leased"]  # fmt: skip
+        if held == [0]:
+            break
+        time.sleep(0.2)
+    assert held == [0]
 
 
 def test_overflowing_two_gpus_offloads_to_warm_and_restores_later(fleet_up: RunningFleet) -> None:

@@ -1,0 +1,102 @@
+"""Request leases in Celery messages: attached at publish, ended when a call never runs."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+
+import pytest
+from celery.app.task import Context
+from celery.signals import before_task_publish, task_revoked
+
+import tasks.api
+import tasks.gpu
+from placement.registry import Lease, Registry
+from placement.state import Demand, Gpu
+from tasks import context, leases
+from tasks.app import app
+from tests.fleets import GiB
+
+
+@pytest.fixture
+def registry(redis_url: str, fleet: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Registry]:
+    """The process's registry (`tasks.context`), pointed at this test's fleet, with one HOT
+    replica of model "m"."""
+    monkeypatch.setenv("GPUFLEET_REDIS_URL", redis_url)
+    monkeypatch.setenv("GPUFLEET_FLEET", fleet)
+    for cached in (context.settings, context.registry, context.policy):
+        cached.cache_clear()
+    reg = context.registry()
+    reg.register_worker(
+        "w0", "h0", "q0", [Gpu(id="h0:0", host="", index=0, name="Sim", total=8 * GiB)]
+    )
+    plan = reg.place(Demand("m", size=GiB), rng=random.Random(0))
+    assert reg.confirm(plan.replica, plan.worker)
+    yield reg
+    leases.take()
+    for cached in (context.settings, context.registry, context.policy):
+        cached.cache_clear()
+
+
+REGISTERED = (tasks.api.infer, tasks.gpu.run)  # the real tasks, so the signals see them
+
+
+def held(reg: Registry) -> int:
+    (replica,) = reg.snapshot().deployments.values()
+    return replica.leases
+
+
+def pick(reg: Registry) -> Lease:
+    lease = reg.pick("m")
+    assert lease is not None
+    return lease
+
+
+def test_a_lease_whose_publish_never_happened_ends_at_the_next_hold(registry: Registry) -> None:
+    first, second = pick(registry), pick(registry)
+    leases.hold(first)
+    assert held(registry) == 2
+    leases.hold(second)  # the first call's publish failed: nobody will ever finish its lease
+    assert held(registry) == 1
+    assert leases.take() == second
+    assert leases.take() is None
+
+
+def test_the_publish_hook_adds_the_lease_next_to_the_callers_own_headers(
+    registry: Registry,
+) -> None:
+    lease = pick(registry)
+    leases.hold(lease)
+    headers = {"trace": "t-1"}
+    before_task_publish.send(sender="gpufleet.infer", body=None, headers=headers)
+    assert headers["trace"] == "t-1"
+    assert leases.from_header("m", headers[leases.HEADER]) == Lease(
+        lease.id, "m", lease.replica, "", "", {}, lease.deadline_ms
+    )
+    assert leases.take() is None  # attached once, to this message only
+
+
+def test_other_tasks_publish_without_taking_the_parked_lease(registry: Registry) -> None:
+    lease = pick(registry)
+    leases.hold(lease)
+    headers: dict[str, object] = {}
+    before_task_publish.send(sender="gpufleet.status", body=None, headers=headers)
+    assert headers == {}
+    assert leases.take() == lease
+
+
+@pytest.mark.parametrize("task", ["gpufleet.infer", "gpufleet.run"])
+def test_a_revoked_or_expired_call_ends_its_lease(task: str, registry: Registry) -> None:
+    lease = pick(registry)
+    request = Context({"id": "t1", "args": ["m", "x"], leases.HEADER: leases.header(lease)})
+    task_revoked.send(
+        sender=app.tasks[task], request=request, terminated=False, signum=None, expired=True
+    )
+    assert held(registry) == 0
+
+
+def test_a_malformed_lease_header_is_ignored(registry: Registry) -> None:
+    pick(registry)
+    request = Context({"id": "t1", "args": ["m"], leases.HEADER: {"id": "", "replica": 3}})
+    task_revoked.send(sender=app.tasks["gpufleet.infer"], request=request, expired=True)
+    assert held(registry) == 1  # nothing a stranger's header names is touched
