@@ -56,6 +56,11 @@ class Keys:
         return f"{self.prefix}:active"
 
     @property
+    def counted(self) -> str:
+        """Set of models whose outcomes the router counted (hits need a replica record)."""
+        return f"{self.prefix}:counted"
+
+    @property
     def events(self) -> str:
         """Stream of placement changes."""
         return f"{self.prefix}:events"
@@ -80,6 +85,10 @@ class Keys:
 
     def model_replicas(self, model: str) -> str:
         return f"{self.prefix}:model:{model}:replicas"
+
+    def model_stats(self, model: str) -> str:
+        """Hash: request outcome (hit, queued, warm, cold, rejected, busy) -> count."""
+        return f"{self.prefix}:model:{model}:stats"
 
     def host(self, host: str) -> str:
         return f"{self.prefix}:host:{host}"

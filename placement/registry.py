@@ -29,7 +29,17 @@ from placement.keys import KeyList, Keys
 from placement.policy import plan_offload, plan_replica
 from placement.scripts import Scripts, scripts_for
 from placement.settings import PolicySettings
-from placement.state import Candidate, Demand, Deployment, Gpu, Host, Level, Plan, Snapshot
+from placement.state import (
+    OUTCOMES,
+    Candidate,
+    Demand,
+    Deployment,
+    Gpu,
+    Host,
+    Level,
+    Plan,
+    Snapshot,
+)
 
 log = logging.getLogger(__name__)
 
@@ -487,6 +497,7 @@ class Registry:
             keys = [k.model_replicas(model)]
             for r, w in zip(replicas, workers, strict=True):
                 keys += [k.deployment(r), k.leases(r), k.worker(w)]
+            keys.append(k.model_stats(model))
             offset = random.randrange(max(1, len(replicas)))
             result = self._run("pick", keys, [lease_id, ttl_ms, offset, *replicas, *workers])
             if result[0] == 1:
@@ -516,6 +527,29 @@ class Registry:
         if level == Level.DRAINING.value and int(left) == 0:
             return self.evict(lease.replica)
         return Level(level)
+
+    # --- request outcomes ---------------------------------------------------
+
+    def count(self, model: str, outcome: str) -> None:
+        """Count one request outcome of `model` (`pick` counts hits itself)."""
+        if outcome not in OUTCOMES:
+            raise ValueError(f"unknown outcome {outcome!r}; expected one of {OUTCOMES}")
+        self._read([("hincrby", self.keys.model_stats(model), outcome, 1),
+                    ("sadd", self.keys.counted, model)])  # fmt: skip
+
+    def stats(self, snap: Snapshot | None = None) -> dict[str, dict[str, int]]:
+        """Outcome counts per model since the fleet began: every model with a replica
+        record (they may have hits) or a counted outcome."""
+        snap = snap or self.snapshot()
+        names = sorted(
+            {d.model for d in snap.deployments.values()}
+            | set(self._one("smembers", self.keys.counted))
+        )
+        rows = self._read([("hgetall", self.keys.model_stats(m)) for m in names])
+        return {
+            model: {o: int(row.get(o, 0)) for o in OUTCOMES}
+            for model, row in zip(names, rows, strict=True)
+        }
 
     # --- audit --------------------------------------------------------------
 

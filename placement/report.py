@@ -6,10 +6,15 @@ are integers, times are registry milliseconds.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from placement.audit import audit
-from placement.state import ON_GPU, Snapshot
+from placement.state import ON_GPU, OUTCOMES, Snapshot
+
+# Operator targets from the brief (seed 003); `gpufleet status` and the alert rules use them.
+TARGETS = {"hit_rate": "> 0.8", "reload_rate": "< 0.2", "utilization": "0.7-0.85"}
+SERVED = ("hit", "queued", "warm", "cold", "rejected")  # one per request; busy is per retry
 
 
 def status_report(snap: Snapshot) -> dict[str, Any]:
@@ -64,4 +69,30 @@ def status_report(snap: Snapshot) -> dict[str, Any]:
             "replicas_on_gpu": sum(1 for d in snap.deployments.values() if d.level in ON_GPU),
         },
         "problems": audit(snap),
+    }
+
+
+def request_report(stats: Mapping[str, Mapping[str, int]]) -> dict[str, Any]:
+    """Requests by outcome, hit rate and reload rate, per model and for the fleet.
+
+    The simulator's definitions: requests = hits + queued + warm + cold + rejected; a
+    model's first load (warm or cold) is compulsory and every later one is a reload;
+    rates are per request, None before the first request.
+    """
+    models = {model: _figures(dict(counts)) for model, counts in sorted(stats.items())}
+    total = {o: sum(m[o] for m in models.values()) for o in OUTCOMES}
+    fleet = _figures(total, reloads=sum(m["reloads"] for m in models.values()))
+    return {"fleet": fleet, "models": models, "targets": TARGETS}
+
+
+def _figures(counts: dict[str, int], reloads: int | None = None) -> dict[str, Any]:
+    requests = sum(counts.get(o, 0) for o in SERVED)
+    loads = counts.get("warm", 0) + counts.get("cold", 0)
+    reloads = max(0, loads - 1) if reloads is None else reloads
+    return {
+        **{o: counts.get(o, 0) for o in OUTCOMES},
+        "requests": requests,
+        "reloads": reloads,
+        "hit_rate": counts.get("hit", 0) / requests if requests else None,
+        "reload_rate": reloads / requests if requests else None,
     }

@@ -26,6 +26,12 @@ class Level(str, enum.Enum):
 #: Levels that hold GPU bytes.
 ON_GPU = frozenset({Level.HOT, Level.LOADING, Level.DRAINING})
 
+# What became of one request for a model, as the registry counts it:
+# hit (a HOT replica took it), queued (its replica was still loading), warm (it started a
+# restore from a host's CPU cache), cold (it started a load from disk), rejected (it can
+# never fit), busy (every replica was busy or dedicated: retried, counted per try).
+OUTCOMES = ("hit", "queued", "warm", "cold", "rejected", "busy")
+
 
 class Candidate(enum.IntEnum):
     """How good a place is for a replica, best first (NDIF's candidate levels)."""

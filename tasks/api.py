@@ -14,18 +14,15 @@ import threading
 import time
 from typing import Any
 
-import redis
 from celery import Task
 from celery.signals import worker_process_init
 
-from placement.errors import CantAccommodateError, NeverFitsError
+from placement.errors import CantAccommodateError, GpufleetError, NeverFitsError
 from placement.registry import Registry
-from placement.report import status_report
 from placement.state import Candidate, Level, Plan
-from tasks import context, leases
+from tasks import context, leases, metrics
 from tasks.app import app
 from tasks.calls import Call
-from tasks.config import ROUTER_QUEUE
 from worker.handlers import validate
 
 log = logging.getLogger(__name__)
@@ -65,15 +62,28 @@ def dispatch(
     try:
         plan = registry.place(context.demand(spec))
     except NeverFitsError:
+        _count(registry, model, "rejected")
         raise
     except CantAccommodateError as exc:
+        _count(registry, model, "busy")
         raise task.retry(exc=exc, countdown=1, max_retries=BUSY_RETRIES) from exc
-    if plan.candidate is not Candidate.DEPLOYED:  # a replica is loading: nothing moved
-        _announce(task, plan)
     cache = "warm" if plan.reuse is Level.WARM else "cold"
+    if plan.candidate is Candidate.DEPLOYED:  # a replica is loading: nothing moved
+        _count(registry, model, "queued")
+    else:
+        _count(registry, model, cache)
+        _announce(task, plan)
     raise task.replace(
         Call(model, inputs, params, plan.replica, cache, sent, hops=hops).to(plan.queue)
     )
+
+
+def _count(registry: Registry, model: str, outcome: str) -> None:
+    """Count a request's outcome for the operator numbers; never fail the call over it."""
+    try:
+        registry.count(model, outcome)
+    except GpufleetError:
+        log.warning("could not count a %s outcome for %s", outcome, model, exc_info=True)
 
 
 def _announce(task: Task, plan: Plan) -> None:
@@ -152,20 +162,7 @@ def evict(model: str, replica: str | None = None) -> dict[str, Any]:
 @app.task(name="gpufleet.status")
 def status() -> dict[str, Any]:
     """The same object `gpufleet status --json` prints."""
-    return full_status(context.registry(), context.settings().broker_url)
-
-
-def full_status(registry: Registry, broker_url: str) -> dict[str, Any]:
-    """The registry's status report, plus the depth of every fleet queue."""
-    snap = registry.snapshot()
-    report = status_report(snap)
-    queues = {ROUTER_QUEUE} | {g.queue for g in snap.gpus.values() if g.queue}
-    client = redis.Redis.from_url(broker_url)
-    try:
-        report["queues"] = {q: int(client.llen(q)) for q in sorted(queues)}
-    finally:
-        client.close()
-    return report
+    return metrics.full_status(context.registry(), context.settings().broker_url)
 
 
 @worker_process_init.connect

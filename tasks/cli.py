@@ -19,7 +19,7 @@ from placement.catalog import Catalog
 from placement.errors import GpufleetError
 from placement.memory import format_size
 from placement.registry import Registry
-from tasks.config import safe_url
+from tasks.config import DEFAULT_METRICS_PORT, safe_url
 
 app = typer.Typer(help="gpufleet: many models sharing GPUs by memory.", no_args_is_help=True)
 console = Console(soft_wrap=True)
@@ -49,8 +49,8 @@ def status(
     redis_url: RedisUrl = DEFAULT_REDIS_URL,
     fleet: Fleet = "default",
 ) -> None:
-    """Show every GPU, what it holds, the warm caches and the queues."""
-    from tasks.api import full_status  # the same object the gpufleet.status task returns
+    """Show every GPU, what it holds, the warm caches, the queues and the hit rates."""
+    from tasks.metrics import full_status  # the same object the gpufleet.status task returns
 
     broker = os.environ.get("GPUFLEET_BROKER_URL", redis_url)
     report = _guard(lambda: full_status(Registry.from_url(redis_url, fleet), broker))
@@ -70,6 +70,7 @@ def status(
         )
     depths = ", ".join(f"{q} {n}" for q, n in report["queues"].items())
     console.print(f"[bold]queues[/] {depths}")
+    console.print(_rates(report))
     for problem in report["problems"]:
         err.print(f"[red]ledger problem:[/] {problem}")
 
@@ -115,6 +116,9 @@ def up(
         bool, typer.Option(help="Start Flower on 127.0.0.1, behind basic auth.")
     ] = False,
     flower_port: Annotated[int, typer.Option(help="Flower's port.")] = 5555,
+    metrics_port: Annotated[
+        int, typer.Option(help="Prometheus /metrics on 127.0.0.1 (0: off).", min=0, max=65535)
+    ] = DEFAULT_METRICS_PORT,
     demo: Annotated[bool, typer.Option(help="Make demo calls once the fleet is ready.")] = False,
     once: Annotated[bool, typer.Option(help="Stop after the demo instead of serving.")] = False,
 ) -> None:
@@ -128,6 +132,7 @@ def up(
         sim_gpus=sim_gpus,
         flower=flower,
         flower_port=flower_port,
+        metrics_port=metrics_port,
         fleet=os.environ.get("GPUFLEET_FLEET", "default"),
     )
     signal.signal(signal.SIGTERM, _interrupt)
@@ -210,6 +215,42 @@ def _demo() -> None:
         console.print(_summary(_call("gpufleet.infer", ("minilm", text), 300.0)))
 
 
+def _rates(report: dict[str, Any]) -> str:
+    """The operator numbers against their targets, e.g. `hit rate 93.0% (target > 80%)`."""
+    fleet = report["requests"]["fleet"]
+
+    def share(value: float | None) -> str:
+        return "-" if value is None else f"{value:.1%}"
+
+    return (
+        f"[bold]requests[/] {fleet['requests']}: hit rate {share(fleet['hit_rate'])} "
+        f"(target > 80%), reload rate {share(fleet['reload_rate'])} (target < 20%), "
+        f"GPU memory reserved {share(report['summary']['utilization'])} (target 70-85%)"
+    )
+
+
+@app.command()
+def metrics(
+    port: Annotated[int, typer.Option(help="Port of /metrics.", min=1, max=65535)] = (
+        DEFAULT_METRICS_PORT
+    ),
+    addr: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
+    redis_url: RedisUrl = DEFAULT_REDIS_URL,
+    fleet: Fleet = "default",
+) -> None:
+    """Export the fleet's Prometheus metrics until Ctrl-C (routers can do it too)."""
+    from tasks.metrics import serve
+
+    broker = os.environ.get("GPUFLEET_BROKER_URL", redis_url)
+    _guard(lambda: serve(port, addr, Registry.from_url(redis_url, fleet), broker))
+    console.print(f"metrics of fleet {fleet!r} on http://{addr}:{port}/metrics; Ctrl-C stops")
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+
+
 def _print_ready(fleet: Any) -> None:
     gpus = ", ".join(f"{d.name} #{d.index}" for d in fleet.devices)
     url = safe_url(fleet.redis_url)
@@ -220,6 +261,8 @@ def _print_ready(fleet: Any) -> None:
         ".send_task('gpufleet.infer', args=['minilm', 'hello']).get()"
     )
     console.print("  watch it: gpufleet status")
+    if fleet.metrics_port:
+        console.print(f"  metrics:  http://127.0.0.1:{fleet.metrics_port}/metrics")
     if fleet.flower:
         console.print(
             f"  Flower:   http://127.0.0.1:{fleet.flower_port} (basic auth {fleet.flower_auth})"

@@ -18,6 +18,7 @@ from placement.errors import ConfigError
 
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
 ROUTER_QUEUE = "celery"  # Celery's default: a client that imports nothing reaches the router
+DEFAULT_METRICS_PORT = 9464  # Prometheus /metrics of `gpufleet up` and `gpufleet metrics`
 VISIBILITY_TIMEOUT_S = 3600
 
 

@@ -41,6 +41,7 @@ class Fleet:
     flower: bool = False
     flower_port: int = 5555
     flower_auth: str = ""
+    metrics_port: int = 0  # the router's /metrics on 127.0.0.1; 0: none
     fleet: str = "default"
     host: str = field(default_factory=default_host)
     redis_url: str = ""
@@ -61,8 +62,13 @@ class Fleet:
         os.environ.update(GPUFLEET_REDIS_URL=self.redis_url, GPUFLEET_FLEET=self.fleet)
         simulated = self.sim_gpus or os.environ.get("GPUFLEET_SIM_GPUS")
         self.devices = discover(simulated or DEFAULT_SIM_GPUS, simulate=bool(simulated))
+        metrics = {"GPUFLEET_METRICS_PORT": str(self.metrics_port)} if self.metrics_port else {}
         self._spawn(
-            "router", ["-Q", ROUTER_QUEUE, "-n", f"router@{self.host}", "-c", "2"], "router"
+            "router",
+            ["-Q", ROUTER_QUEUE, "-n", f"router@{self.host}", "-c", "2"],
+            "router",
+            GPUFLEET_METRICS_ADDR="127.0.0.1",
+            **metrics,
         )
         for d in self.devices:
             queue = gpu_queue(self.host, [d.index])

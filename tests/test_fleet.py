@@ -54,6 +54,7 @@ class RunningFleet:
     client: Celery
     registry: Registry
     flower: tuple[str, str]  # URL, user:password
+    metrics: str  # URL of the router's /metrics
 
     def infer(self, model: str, inputs: Any, timeout: float = 120) -> dict[str, Any]:
         result: dict[str, Any] = self.client.send_task("gpufleet.infer", args=(model, inputs)).get(
@@ -71,10 +72,12 @@ def fleet_up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningFleet]
     catalog.write_text(CATALOG)
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFLEET_")}
     env |= {"GPUFLEET_WARM_CACHE": "8GiB", "GPUFLEET_WORKER_LEASE_MS": str(LEASE_MS)}
+    metrics_port = _free_port()
     proc = subprocess.Popen(
         [
             *(sys.executable, "-m", "tasks.cli", "up", "--models", str(catalog)),
             *("--sim-gpus", "2x8GiB", "--flower", "--flower-port", str(_free_port())),
+            *("--metrics-port", str(metrics_port)),
         ],
         cwd=REPO,
         env=env,
@@ -85,7 +88,8 @@ def fleet_up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningFleet]
     url, flower = _wait_for_urls(proc)
     client = Celery(broker=url, backend=url)
     client.conf.update(task_serializer="json", accept_content=["json"], result_serializer="json")
-    running = RunningFleet(proc, url, client, Registry.from_url(url), flower)
+    metrics = f"http://127.0.0.1:{metrics_port}/metrics"
+    running = RunningFleet(proc, url, client, Registry.from_url(url), flower, metrics)
     yield running
     children = _children(proc.pid)
     assert len(children) >= 4  # redis-server, the router, two GPU workers (and Flower)
@@ -327,6 +331,25 @@ def test_the_status_task_returns_the_status_object(fleet_up: RunningFleet) -> No
     }
     assert "celery" in report["queues"]
     assert all(g["total_bytes"] == 8 * GiB for g in report["gpus"])
+
+
+def test_the_router_exports_hit_counts_and_memory_to_prometheus(fleet_up: RunningFleet) -> None:
+    for _ in range(2):
+        fleet_up.infer("minilm", "count me")
+    with urllib.request.urlopen(fleet_up.metrics, timeout=10) as response:
+        body = response.read().decode()
+    samples = {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in body.splitlines()
+        if line and not line.startswith("#")
+    }
+    assert samples["gpufleet_up"] == 1
+    assert samples['gpufleet_requests_total{model="minilm",outcome="hit"}'] >= 1
+    report = fleet_up.client.send_task("gpufleet.status").get(timeout=30)
+    assert samples["gpufleet_memory_utilization"] == report["summary"]["utilization"]
+    assert report["requests"]["models"]["minilm"]["hit"] >= 1
+    exported = {k for k in samples if k.startswith("gpufleet_queue_depth")}
+    assert exported == {f'gpufleet_queue_depth{{queue="{q}"}}' for q in report["queues"]}
 
 
 def test_flower_lists_the_gpu_workers_and_the_infer_tasks_behind_auth(

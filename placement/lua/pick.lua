@@ -1,6 +1,7 @@
 -- pick.lua: the fast path. Lease the least busy ready (HOT) replica of a model.
 -- KEYS[1] = the model's replica set
 -- KEYS[2..] = per replica, in ARGV order: deployment hash, leases zset, worker hash
+-- KEYS[#KEYS] = the model's stats hash (a lease counts one 'hit')
 -- ARGV[1] = lease id, ARGV[2] = lease length (ms), ARGV[3] = tie-break offset (integer)
 -- ARGV[4..] = replica ids, then after them the worker id each replica had, in order
 -- Returns {1, replica, queue, worker, gpus_json, lease_deadline_ms}
@@ -34,5 +35,6 @@ if redis.call('PTTL', KEYS[base + 2]) < tonumber(ARGV[2]) then
   redis.call('PEXPIRE', KEYS[base + 2], ARGV[2])  -- lost clients leak nothing
 end
 redis.call('HSET', KEYS[base + 1], 'last_used', now)
+redis.call('HINCRBY', KEYS[#KEYS], 'hit', 1)
 local queue, gpus = unpack(redis.call('HMGET', KEYS[base + 1], 'queue', 'gpus'))
 return {1, ARGV[3 + best], queue, ARGV[3 + n + best], gpus, deadline}

@@ -1,0 +1,187 @@
+"""The operator numbers: the status object and the Prometheus metrics, read at each ask.
+
+Every figure comes from the registry and the broker when it is asked for, so any process
+can serve them and all agree: `gpufleet status`, the `gpufleet.status` task, `gpufleet
+metrics` (a standalone exporter), and a router started with GPUFLEET_METRICS_PORT. The
+figures are fleet-wide: with several routers exporting, scrape one or aggregate with
+`max without (instance)`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import redis
+from celery.signals import worker_init
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from placement.errors import ConfigError, GpufleetError
+from placement.registry import Registry
+from placement.report import request_report, status_report
+from tasks import context
+from tasks.config import ROUTER_QUEUE
+
+log = logging.getLogger(__name__)
+
+
+def full_status(registry: Registry, broker_url: str) -> dict[str, Any]:
+    """The registry's status report, request outcomes, and the depth of every fleet queue."""
+    snap = registry.snapshot()
+    report = status_report(snap)
+    report["requests"] = request_report(registry.stats(snap))
+    queues = {ROUTER_QUEUE} | {g.queue for g in snap.gpus.values() if g.queue}
+    client = redis.Redis.from_url(broker_url)
+    try:
+        report["queues"] = {q: int(client.llen(q)) for q in sorted(queues)}
+    except redis.RedisError as exc:
+        raise GpufleetError(f"broker unreachable: {exc}. Check GPUFLEET_BROKER_URL.") from exc
+    finally:
+        client.close()
+    return report
+
+
+class FleetCollector(Collector):
+    """Prometheus metrics built from `full_status` at each scrape."""
+
+    def __init__(self, registry: Registry, broker_url: str) -> None:
+        self.registry = registry
+        self.broker_url = broker_url
+
+    def collect(self) -> Iterator[Metric]:
+        up = GaugeMetricFamily("gpufleet_up", "1 when the registry and broker answered")
+        try:
+            report = full_status(self.registry, self.broker_url)
+        except GpufleetError as exc:
+            log.warning("metrics scrape failed: %s", exc)
+            up.add_metric([], 0)
+            yield up
+            return
+        up.add_metric([], 1)
+        yield up
+        yield from _requests(report["requests"])
+        yield from _memory(report)
+        yield from _replicas(report)
+        depth = GaugeMetricFamily(
+            "gpufleet_queue_depth", "Messages waiting in a fleet queue", labels=["queue"]
+        )
+        for queue, waiting in report["queues"].items():
+            depth.add_metric([queue], waiting)
+        yield depth
+        problems = GaugeMetricFamily("gpufleet_ledger_problems", "Ledger audit findings (0)")
+        problems.add_metric([], len(report["problems"]))
+        yield problems
+
+
+def _requests(requests: dict[str, Any]) -> Iterator[Metric]:
+    outcomes = CounterMetricFamily(
+        "gpufleet_requests",
+        "Requests by outcome: hit, queued (replica loading), warm or cold load, rejected, "
+        "busy (retried)",
+        labels=["model", "outcome"],
+    )
+    reloads = CounterMetricFamily(
+        "gpufleet_reloads", "Loads of a model after its first", labels=["model"]
+    )
+    for model, figures in requests["models"].items():
+        for outcome in ("hit", "queued", "warm", "cold", "rejected", "busy"):
+            outcomes.add_metric([model, outcome], figures[outcome])
+        reloads.add_metric([model], figures["reloads"])
+    yield outcomes
+    yield reloads
+    fleet = requests["fleet"]
+    for name, key, target in (
+        ("gpufleet_cache_hit_ratio", "hit_rate", "above 0.8"),
+        ("gpufleet_reload_ratio", "reload_rate", "below 0.2"),
+    ):
+        if fleet[key] is not None:
+            gauge = GaugeMetricFamily(name, f"Since the fleet began (target {target})")
+            gauge.add_metric([], fleet[key])
+            yield gauge
+
+
+def _memory(report: dict[str, Any]) -> Iterator[Metric]:
+    labels = ["gpu", "host", "name"]
+    total = GaugeMetricFamily("gpufleet_gpu_memory_bytes", "GPU memory", labels=labels)
+    reserved = GaugeMetricFamily(
+        "gpufleet_gpu_reserved_bytes", "GPU memory the ledger reserves", labels=labels
+    )
+    alive = GaugeMetricFamily(
+        "gpufleet_gpu_alive", "1 while its worker's lease holds", labels=labels
+    )
+    for gpu in report["gpus"]:
+        key = [gpu["id"], gpu["host"], gpu["name"]]
+        total.add_metric(key, gpu["total_bytes"])
+        reserved.add_metric(key, gpu["reserved_bytes"])
+        alive.add_metric(key, 1 if gpu["alive"] else 0)
+    yield from (total, reserved, alive)
+    utilization = GaugeMetricFamily(
+        "gpufleet_memory_utilization", "Reserved / total GPU memory (target 0.7-0.85)"
+    )
+    utilization.add_metric([], report["summary"]["utilization"])
+    yield utilization
+    warm = GaugeMetricFamily(
+        "gpufleet_warm_cache_bytes", "A host's CPU warm cache", labels=["host", "kind"]
+    )
+    for host in report["hosts"]:
+        warm.add_metric([host["name"], "used"], host["warm_used_bytes"])
+        warm.add_metric([host["name"], "budget"], host["warm_budget_bytes"])
+    yield warm
+
+
+def _replicas(report: dict[str, Any]) -> Iterator[Metric]:
+    replicas = GaugeMetricFamily(
+        "gpufleet_replicas", "Replicas by residency level", labels=["model", "level"]
+    )
+    inflight = GaugeMetricFamily(
+        "gpufleet_inflight_requests", "Live request leases", labels=["model"]
+    )
+    levels: dict[tuple[str, str], int] = {}
+    leases: dict[str, int] = {}
+    for dep in report["deployments"]:
+        key = (dep["model"], dep["level"])
+        levels[key] = levels.get(key, 0) + 1
+        leases[dep["model"]] = leases.get(dep["model"], 0) + dep["inflight"]
+    for (model, level), count in sorted(levels.items()):
+        replicas.add_metric([model, level], count)
+    for model, count in sorted(leases.items()):
+        inflight.add_metric([model], count)
+    yield replicas
+    yield inflight
+
+
+def serve(port: int, addr: str, registry: Registry, broker_url: str) -> None:
+    """Serve /metrics on `addr:port` from a background thread."""
+    collectors = CollectorRegistry()
+    collectors.register(FleetCollector(registry, broker_url))
+    start_http_server(port, addr=addr, registry=collectors)
+
+
+def port_from_env() -> int | None:
+    """GPUFLEET_METRICS_PORT as a port number; None when unset or 0."""
+    raw = os.environ.get("GPUFLEET_METRICS_PORT", "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit() or int(raw) > 65535:
+        raise ConfigError(f"GPUFLEET_METRICS_PORT={raw!r} is not a port number; use e.g. 9464")
+    return int(raw) or None
+
+
+@worker_init.connect
+def _serve_from_router(**_: Any) -> None:
+    """A router with GPUFLEET_METRICS_PORT exports the metrics (from its parent process)."""
+    if context.role() != "router":
+        return
+    try:
+        port = port_from_env()
+        if port is None:
+            return
+        addr = os.environ.get("GPUFLEET_METRICS_ADDR", "127.0.0.1")
+        serve(port, addr, context.registry(), context.settings().broker_url)
+        log.info("metrics on http://%s:%d/metrics", addr, port)
+    except (ConfigError, OSError) as exc:  # a busy port must not stop the router
+        log.error("not exporting metrics: %s", exc)

@@ -1,0 +1,164 @@
+"""Operator numbers: request outcomes in the registry, the status object, and /metrics."""
+
+from __future__ import annotations
+
+import random
+import socket
+import urllib.request
+from collections.abc import Iterator
+
+import pytest
+import redis
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+from typer.testing import CliRunner
+
+from placement.errors import ConfigError
+from placement.registry import Registry
+from placement.report import request_report
+from placement.state import OUTCOMES, Demand, Gpu
+from tasks.cli import app as cli
+from tasks.metrics import FleetCollector, port_from_env, serve
+from tests.fleets import GiB
+
+
+@pytest.fixture
+def reg(redis_url: str, fleet: str) -> Iterator[Registry]:
+    """Two 8 GiB GPUs with one HOT replica of a 1 GiB model "m"."""
+    registry = Registry.from_url(redis_url, fleet)
+    for i in range(2):
+        gpu = Gpu(id=f"h0:{i}", host="h0", index=i, name="Sim 8GiB", total=8 * GiB)
+        registry.register_worker(f"w{i}", "h0", f"{fleet}.q{i}", [gpu], warm_budget=2 * GiB)
+    plan = registry.place(Demand("m", size=GiB), rng=random.Random(0))
+    assert registry.confirm(plan.replica, plan.worker)
+    yield registry
+    registry.client.close()
+
+
+def scrape(
+    registry: Registry, broker_url: str
+) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    collectors = CollectorRegistry()
+    collectors.register(FleetCollector(registry, broker_url))
+    text = generate_latest(collectors).decode()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def test_picks_count_hits_and_the_router_counts_every_other_outcome(reg: Registry) -> None:
+    for _ in range(3):
+        lease = reg.pick("m")
+        assert lease is not None
+        reg.finish(lease)
+    reg.count("m", "cold")
+    reg.count("never", "rejected")
+    stats = reg.stats()
+    assert stats["m"] == {**dict.fromkeys(OUTCOMES, 0), "hit": 3, "cold": 1}
+    assert stats["never"] == {**dict.fromkeys(OUTCOMES, 0), "rejected": 1}
+    with pytest.raises(ValueError, match="unknown outcome"):
+        reg.count("m", "lucky")
+
+
+def test_rates_follow_the_simulators_definitions() -> None:
+    counts = {
+        "a": {"hit": 8, "queued": 0, "warm": 1, "cold": 1, "rejected": 0, "busy": 5},
+        "b": {"hit": 0, "queued": 1, "warm": 0, "cold": 3, "rejected": 1, "busy": 0},
+        "idle": dict.fromkeys(OUTCOMES, 0),
+    }
+    report = request_report(counts)
+    a, b = report["models"]["a"], report["models"]["b"]
+    assert (a["requests"], a["reloads"]) == (10, 1)  # busy retries are not requests
+    assert (b["requests"], b["reloads"]) == (5, 2)  # the first load is compulsory
+    assert report["models"]["idle"]["hit_rate"] is None
+    fleet = report["fleet"]
+    assert fleet["requests"] == 15
+    assert fleet["hit_rate"] == pytest.approx(8 / 15)
+    assert fleet["reload_rate"] == pytest.approx(3 / 15)
+
+
+def test_the_metrics_show_outcomes_memory_replicas_and_queue_depth(
+    reg: Registry, redis_url: str, fleet: str
+) -> None:
+    lease = reg.pick("m")
+    assert lease is not None
+    reg.count("m", "cold")
+    broker = redis.Redis.from_url(redis_url)
+    queue = f"{fleet}.q0"
+    broker.rpush(queue, "m1", "m2", "m3")  # three messages waiting for worker w0
+    try:
+        samples = scrape(reg, redis_url)
+    finally:
+        broker.delete(queue)
+        broker.close()
+    snap = reg.snapshot()
+    assert samples[("gpufleet_up", ())] == 1
+    assert samples[("gpufleet_requests_total", (("model", "m"), ("outcome", "hit")))] == 1
+    assert samples[("gpufleet_requests_total", (("model", "m"), ("outcome", "cold")))] == 1
+    assert samples[("gpufleet_cache_hit_ratio", ())] == 0.5
+    reserved = sum(g.reserved for g in snap.gpus.values())
+    assert reserved > 0
+    assert samples[("gpufleet_memory_utilization", ())] == pytest.approx(reserved / (16 * GiB))
+    for gpu in snap.gpus.values():
+        labels = (("gpu", gpu.id), ("host", "h0"), ("name", "Sim 8GiB"))
+        assert samples[("gpufleet_gpu_reserved_bytes", labels)] == gpu.reserved
+    assert samples[("gpufleet_replicas", (("level", "HOT"), ("model", "m")))] == 1
+    assert samples[("gpufleet_inflight_requests", (("model", "m"),))] == 1
+    assert samples[("gpufleet_queue_depth", (("queue", queue),))] == 3
+    assert samples[("gpufleet_ledger_problems", ())] == 0
+
+
+def test_an_unreachable_registry_reports_down_instead_of_failing_the_scrape(
+    redis_url: str, fleet: str
+) -> None:
+    dead = f"redis://127.0.0.1:{free_port()}/0"
+    samples = scrape(Registry.from_url(dead, fleet), dead)
+    assert samples == {("gpufleet_up", ()): 0}
+
+
+def test_metrics_are_served_over_http(reg: Registry, redis_url: str) -> None:
+    port = free_port()
+    serve(port, "127.0.0.1", reg, redis_url)
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        assert response.status == 200
+        body = response.read().decode()
+    assert "gpufleet_up 1.0" in body
+    assert 'gpufleet_replicas{level="HOT",model="m"} 1.0' in body
+
+
+def test_status_prints_the_rates_against_their_targets(
+    reg: Registry, redis_url: str, fleet: str
+) -> None:
+    for _ in range(4):
+        lease = reg.pick("m")
+        assert lease is not None
+        reg.finish(lease)
+    reg.count("m", "cold")
+    result = CliRunner().invoke(cli, ["status", "--redis-url", redis_url, "--fleet", fleet])
+    assert result.exit_code == 0, result.output
+    assert "requests 5: hit rate 80.0% (target > 80%), reload rate 0.0%" in result.output
+
+
+@pytest.mark.parametrize(("value", "port"), [("", None), ("0", None), ("9464", 9464)])
+def test_the_metrics_port_setting_is_read_from_the_environment(
+    value: str, port: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("GPUFLEET_METRICS_PORT", value)
+    assert port_from_env() == port
+
+
+def test_a_malformed_metrics_port_is_refused_with_an_example(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("GPUFLEET_METRICS_PORT", "nine")
+    with pytest.raises(ConfigError, match=r"e\.g\. 9464"):
+        port_from_env()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
