@@ -5,6 +5,9 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
+import subprocess
+import sys
+import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -136,6 +139,35 @@ def test_minilm_read_by_gpufleet_gives_the_embeddings_transformers_gives(
     assert manager.infer("ours", sentences) == manager.infer("theirs", sentences)
 
 
+def test_a_head_stored_apart_from_tied_embeddings_stays_apart_as_in_transformers(
+    tmp_path: Path, manager: ResidencyManager, devices: list[Device]
+) -> None:
+    from safetensors.torch import load_file, save_file
+
+    cls_name, task, config = ARCHITECTURES["gpt2-tied-head"]
+    directory = save(tmp_path / "untied", cls_name, config)  # the config ties the head
+    weights = load_file(directory / "model.safetensors")
+    weights["lm_head.weight"] = torch.randn_like(weights["transformer.wte.weight"])
+    save_file(weights, directory / "model.safetensors", metadata={"format": "pt"})
+    ours, theirs = load_both(manager, devices, directory, task)
+    assert ours.lm_head.weight is not ours.transformer.wte.weight
+    assert_same_model(ours, theirs)
+
+
+def test_generation_settings_come_from_config_json_when_there_is_no_generation_config(
+    tmp_path: Path, manager: ResidencyManager, devices: list[Device]
+) -> None:
+    cls_name, task, config = ARCHITECTURES["gpt2-tied-head"]
+    directory = save(tmp_path / "m", cls_name, config)
+    (directory / "generation_config.json").unlink()
+    fields = json.loads((directory / "config.json").read_text())
+    fields["no_repeat_ngram_size"] = 2
+    (directory / "config.json").write_text(json.dumps(fields))
+    ours, theirs = load_both(manager, devices, directory, task)
+    assert theirs.generation_config.no_repeat_ngram_size == 2
+    assert ours.generation_config.to_dict() == theirs.generation_config.to_dict()
+
+
 def test_a_task_model_checkpoint_loads_into_the_base_model_without_its_prefix(
     tmp_path: Path, manager: ResidencyManager, devices: list[Device]
 ) -> None:
@@ -235,6 +267,7 @@ def test_a_tensor_at_an_unaligned_offset_is_read_exactly(tmp_path: Path) -> None
     ("damage", "message"),
     [
         ("truncate", "truncated or corrupt"),
+        ("overlap", "overlap or leave a hole"),
         ("header-length", "header length"),
         ("header-json", "not JSON"),
         ("shape", "do not match its shape"),
@@ -253,6 +286,15 @@ def test_a_damaged_checkpoint_is_refused_with_what_is_wrong(
         path.write_bytes(raw[: len(raw) - 100])
     elif damage == "header-length":
         path.write_bytes(struct.pack("<Q", len(raw)) + raw[8:])
+    elif damage == "overlap":
+        first, second = sorted(
+            (k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"]
+        )[:2]
+        header[second]["data_offsets"] = header[first]["data_offsets"]
+        header[second]["shape"] = header[first]["shape"]
+        header[second]["dtype"] = header[first]["dtype"]
+        body = json.dumps(header, separators=(",", ":")).encode().ljust(length)
+        path.write_bytes(raw[:8] + body + raw[8 + length :])
     elif damage == "header-json":
         path.write_bytes(raw[:8] + b"{" * length + raw[8 + length :])
     else:
@@ -263,6 +305,40 @@ def test_a_damaged_checkpoint_is_refused_with_what_is_wrong(
         manager.load(spec(directory, task), "r", {devices[0].gpu_id(HOST): GiB})
     assert manager.residents == {}
     assert manager.fraction(devices[0].index) == 1.0  # nothing reserved or charged
+
+
+def test_a_file_cut_short_after_its_header_was_read_fails_cleanly_not_with_sigbus(
+    tmp_path: Path,
+) -> None:
+    values = torch.arange(4 * 2**20, dtype=torch.float32)  # 16 MiB
+    write_safetensors(
+        tmp_path / "model.safetensors", {"w": ("F32", [4 * 2**20], values.numpy().tobytes())}
+    )
+    script = textwrap.dedent(
+        f"""
+        import os
+        from pathlib import Path
+        from placement.errors import CheckpointError
+        from worker.checkpoint import Checkpoint
+        checkpoint = Checkpoint.open(Path({str(tmp_path)!r}))
+        os.truncate({str(tmp_path / "model.safetensors")!r}, 4096)
+        try:
+            checkpoint.to_cpu(["w"])
+        except CheckpointError as exc:
+            print("CheckpointError:", exc)
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])  # -7 would be SIGBUS
+    assert "CheckpointError:" in done.stdout
+    assert "truncated" in done.stdout
 
 
 def test_a_shard_index_may_not_name_a_file_outside_the_model_directory(tmp_path: Path) -> None:

@@ -18,6 +18,7 @@ the file, known dtypes, byte counts that match the shapes):
 
 from __future__ import annotations
 
+import errno
 import json
 import mmap
 import os
@@ -87,8 +88,8 @@ class Checkpoint:
         entries: dict[str, Entry] = {}
         for index, path in enumerate(files):
             for entry in _header(path, index):
-                if entry.name in entries:
-                    raise CheckpointError(f"{path}: tensor {entry.name!r} is in two shards")
+                if entry.name in entries:  # transformers lets the last shard win
+                    raise UnsupportedCheckpointError(f"{path}: {entry.name!r} is in two shards")
                 entries[entry.name] = entry
         return cls(files, entries)
 
@@ -108,9 +109,14 @@ class Checkpoint:
                     mapped = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE)
             except (OSError, ValueError) as exc:  # e.g. a file system without mmap
                 raise UnsupportedCheckpointError(f"{self.files[index]}: cannot map: {exc}") from exc
+            if len(mapped) < max(e.end for e in group):
+                raise CheckpointError(
+                    f"{self.files[index]}: now {len(mapped)} bytes, shorter than its header "
+                    f"says; it was truncated while loading"
+                )
             for begin, end in _spans(group, gap=STEP):
                 for start in range(begin - begin % PAGE, end, STEP):
-                    _populate(mapped, start, min(STEP, end - start))
+                    _populate(mapped, start, min(STEP, end - start), self.files[index])
                     if prefetch is not None:
                         prefetch.advance(index, start + STEP)
             data = torch.frombuffer(mapped, dtype=torch.uint8)  # keeps the mmap alive
@@ -137,7 +143,10 @@ class Checkpoint:
                 }
                 out.update(targets)
                 pending = deque(e for e in group if e.nbytes)
-                fd = os.open(self.files[index], os.O_RDONLY)
+                try:
+                    fd = os.open(self.files[index], os.O_RDONLY)
+                except OSError as exc:
+                    raise CheckpointError(f"{self.files[index]}: cannot open it: {exc}") from exc
                 try:
                     for begin, end in _spans(group, gap=CHUNK):
                         for start in range(begin, end, CHUNK):
@@ -176,7 +185,7 @@ class Checkpoint:
 
 
 class Prefetch:
-    """Reads files front to back into the page cache, never more than `LEAD` bytes ahead.
+    """Reads files front to back into the page cache, at most `LEAD` (+ one step) ahead.
 
     Best effort: a read error stops it silently, and the real read reports the error.
     """
@@ -185,7 +194,10 @@ class Prefetch:
         self._files = files
         self._starts = [0]
         for path in files:
-            self._starts.append(self._starts[-1] + path.stat().st_size)
+            try:
+                self._starts.append(self._starts[-1] + path.stat().st_size)
+            except OSError as exc:
+                raise CheckpointError(f"{path}: cannot read it: {exc}") from exc
         self._reader = 0  # where the consumer is, in bytes over all files
         self._stopped = False
         self._cond = threading.Condition()
@@ -245,15 +257,15 @@ def _shards(index: Path) -> list[str]:
     try:
         weight_map = json.loads(index.read_text())["weight_map"]
         names = sorted(set(weight_map.values()))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
         raise CheckpointError(f"{index}: not a safetensors index ({exc}); re-save it") from exc
     for name in names:
-        if not isinstance(name, str) or Path(name).name != name:
+        if not isinstance(name, str) or Path(name).is_absolute() or ".." in Path(name).parts:
             raise CheckpointError(f"{index}: shard {name!r} is not a file name in its directory")
     return names
 
 
-def _header(path: Path, file: int) -> Iterator[Entry]:
+def _header(path: Path, file: int) -> list[Entry]:
     """Parse and check one file's header; offsets become absolute."""
     try:
         with open(path, "rb") as f:
@@ -269,11 +281,12 @@ def _header(path: Path, file: int) -> Iterator[Entry]:
         raise CheckpointError(f"{path}: header length {length} is past the file; re-save it")
     try:
         header = json.loads(raw)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise CheckpointError(f"{path}: the header is not JSON ({exc}); re-save it") from exc
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: the header is not a JSON object; re-save it")
     base = 8 + length
+    entries: list[Entry] = []
     for name, info in header.items():
         if name == "__metadata__":
             continue
@@ -281,6 +294,8 @@ def _header(path: Path, file: int) -> Iterator[Entry]:
             dtype_name, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
         except (TypeError, KeyError, ValueError) as exc:
             raise CheckpointError(f"{path}: tensor {name!r} has a malformed entry") from exc
+        if not isinstance(dtype_name, str):
+            raise CheckpointError(f"{path}: tensor {name!r} has a malformed dtype")
         if dtype_name not in DTYPES:
             raise UnsupportedCheckpointError(f"{path}: tensor {name!r} has dtype {dtype_name}")
         dtype = DTYPES[dtype_name]
@@ -296,7 +311,19 @@ def _header(path: Path, file: int) -> Iterator[Entry]:
                 f"{path}: tensor {name!r} needs bytes {begin}..{end} that do not match its "
                 f"shape or lie past the end of the file; the file is truncated or corrupt"
             )
-        yield Entry(name, file, dtype, tuple(shape), base + begin, base + end)
+        entries.append(Entry(name, file, dtype, tuple(shape), base + begin, base + end))
+    entries.sort(key=lambda e: (e.begin, e.end))
+    covered = base
+    for entry in entries:  # as safetensors itself checks: no overlap, no hole, no tail
+        if entry.begin != covered:
+            raise CheckpointError(
+                f"{path}: tensor {entry.name!r} starts at byte {entry.begin}, not {covered}; "
+                f"tensors overlap or leave a hole: the file is corrupt"
+            )
+        covered = entry.end
+    if covered != size:
+        raise CheckpointError(f"{path}: {size - covered} bytes after the last tensor; re-save it")
+    return entries
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -329,12 +356,14 @@ def _overlapping(pending: deque[Entry], start: int, stop: int) -> list[Entry]:
     return hits
 
 
-def _populate(mapped: mmap.mmap, start: int, length: int) -> None:
+def _populate(mapped: mmap.mmap, start: int, length: int, path: Path) -> None:
     """Read a range of a file mapping into memory now, not at first use."""
     try:
         mapped.madvise(MADV_POPULATE_READ, start, length)
-    except OSError:
-        _ = mapped[start : start + length : PAGE]  # older kernels: touch each page
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:  # EFAULT/EIO: touching the pages would raise SIGBUS
+            raise CheckpointError(f"{path}: reading it failed: {exc}; is it truncated?") from exc
+        _ = mapped[start : start + length : PAGE]  # kernels before 5.14: touch each page
 
 
 def _read_exact(fd: int, buffer: torch.Tensor, offset: int, length: int, path: Path) -> None:

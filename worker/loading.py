@@ -104,6 +104,8 @@ def _read_pretrained(spec: ModelSpec, path: Path, plan: Mapping[int, int], simul
         config = AutoConfig.from_pretrained(str(path), local_files_only=True)
         if getattr(config, "quantization_config", None):
             raise UnsupportedCheckpointError("the checkpoint is quantized")
+        if getattr(config, "transformers_weights", None) or getattr(config, "extra_files", None):
+            raise UnsupportedCheckpointError("the config names other weight files")
         dtype = DTYPES.get(spec.dtype) or _checkpoint_dtype(config, checkpoint)
         auto: Any = handlers.auto_class(spec.task)
         with init_empty_weights():  # parameters on meta; buffers real, computed by their modules
@@ -119,19 +121,32 @@ def _read_pretrained(spec: ModelSpec, path: Path, plan: Mapping[int, int], simul
         else:
             tensors = checkpoint.to_cuda(wanted, torch.device("cuda", min(plan)), prefetch)
     model.load_state_dict({k: tensors[n] for k, n in names.items()}, strict=False, assign=True)
-    model.tie_weights()
+    # As from_pretrained: tie only what the file lacks; a stored, different head stays apart.
+    model.tie_weights(missing_keys=set(model.state_dict()) - set(names), recompute_mapping=False)
     empty = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
     if empty:
         raise UnsupportedCheckpointError(f"the checkpoint has no weights for {empty[:3]}")
     if not simulated:
         model.to(torch.device("cuda", min(plan)))  # buffers the checkpoint lacks were built on CPU
-    if model.can_generate() and (path / "generation_config.json").is_file():
-        from transformers import GenerationConfig
-
-        model.generation_config = GenerationConfig.from_pretrained(str(path), local_files_only=True)
+    _generation_config(model, path)
     model.eval()
     verify(model, targets(plan, simulated), spec.name)
     return model
+
+
+def _generation_config(model: Any, path: Path) -> None:
+    """generation_config.json, else the generation fields of config.json, as from_pretrained
+    reads them (a config object has those fields stripped)."""
+    if not (model.can_generate() and hasattr(model, "adjust_generation_fn")):
+        return
+    try:
+        model.adjust_generation_fn(
+            None, True, False, str(path), cache_dir=None, force_download=False, proxies=None,
+            local_files_only=True, token=None, revision=None, subfolder="",
+            trust_remote_code=False,
+        )  # fmt: skip
+    except TypeError as exc:  # another transformers release changed the signature
+        raise UnsupportedCheckpointError(f"cannot read the generation config: {exc}") from exc
 
 
 def _checkpoint_dtype(config: Any, checkpoint: Checkpoint) -> torch.dtype:
