@@ -18,7 +18,6 @@ import os
 import re
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -34,6 +33,7 @@ import yaml
 from placement.redis_server import find_redis_server
 from tasks.config import ROUTER_QUEUE
 from tasks.routing import gpu_queue
+from tests.ports import free_port
 
 COMPOSE = Path(__file__).resolve().parents[1] / "compose.yaml"
 REQUIRED = ("REDIS_PASSWORD", "FLOWER_USER", "FLOWER_PASSWORD")
@@ -366,13 +366,6 @@ def test_the_flower_health_check_passes_only_when_flower_is_up_behind_auth(
         [sys.executable, "-c", script], check=False, env=env, capture_output=True, timeout=30
     )
     assert (done.returncode == 0) == healthy, done.stderr.decode()
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 def test_flower_started_as_compose_starts_it_is_healthy_and_keeps_its_password_off_argv(

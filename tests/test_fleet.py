@@ -7,7 +7,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -25,6 +24,7 @@ from celery import Celery
 from placement.registry import Registry
 from placement.report import status_report
 from tests.fleets import GiB
+from tests.ports import free_port
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
@@ -72,11 +72,11 @@ def fleet_up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningFleet]
     catalog.write_text(CATALOG)
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFLEET_")}
     env |= {"GPUFLEET_WARM_CACHE": "8GiB", "GPUFLEET_WORKER_LEASE_MS": str(LEASE_MS)}
-    metrics_port = _free_port()
+    metrics_port = free_port()
     proc = subprocess.Popen(
         [
             *(sys.executable, "-m", "tasks.cli", "up", "--models", str(catalog)),
-            *("--sim-gpus", "2x8GiB", "--flower", "--flower-port", str(_free_port())),
+            *("--sim-gpus", "2x8GiB", "--flower", "--flower-port", str(free_port())),
             *("--metrics-port", str(metrics_port)),
         ],
         cwd=REPO,
@@ -127,13 +127,6 @@ def _wait_for_urls(proc: subprocess.Popen[str]) -> tuple[str, tuple[str, str]]:
         if found := re.search(r"Flower:\s+(\S+) \(basic auth (\S+)\)", line):
             return url, (found.group(1), found.group(2))
     raise AssertionError("gpufleet up did not become ready in 180 s")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def test_a_client_that_imports_nothing_from_gpufleet_gets_minilm_embeddings(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-import socket
 import urllib.request
 from collections.abc import Iterator
 
@@ -20,6 +19,7 @@ from placement.state import OUTCOMES, Demand, Gpu
 from tasks.cli import app as cli
 from tasks.metrics import FleetCollector, port_from_env, serve
 from tests.fleets import GiB
+from tests.ports import free_port
 
 
 @pytest.fixture
@@ -155,10 +155,3 @@ def test_a_malformed_metrics_port_is_refused_with_an_example(
     monkeypatch.setenv("GPUFLEET_METRICS_PORT", "nine")
     with pytest.raises(ConfigError, match=r"e\.g\. 9464"):
         port_from_env()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port

@@ -20,6 +20,7 @@ from placement.registry import Registry
 from placement.state import Gpu
 from tasks.config import Settings
 from tests.fleets import GiB
+from tests.ports import free_port
 
 PASSWORD = "tls-secret"
 
@@ -83,7 +84,7 @@ def tls_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Pat
     """A TLS-only redis-server on 127.0.0.1 with a password; yields (rediss URL, CA file)."""
     d = tmp_path_factory.mktemp("tls")
     _certificates(d)
-    port = _free_port()
+    port = free_port()
     tls = [f"--tls-{kind}-file" for kind in ("cert", "key")]
     args = [
         *("--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1"),
@@ -101,15 +102,6 @@ def tls_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Pat
     finally:
         proc.terminate()
         proc.wait(timeout=10)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def _wait_ready(url: str, ca: Path) -> None:

@@ -122,7 +122,7 @@ class Checkpoint:
             data = torch.frombuffer(mapped, dtype=torch.uint8)  # keeps the mmap alive
             for entry in group:
                 raw = data[entry.begin : entry.end]
-                if entry.begin % _itemsize(entry.dtype):
+                if entry.begin % entry.dtype.itemsize:
                     raw = raw.clone()  # a misaligned tensor cannot be a dtype view
                 out[entry.name] = raw.view(entry.dtype).view(entry.shape)
         return out
@@ -306,7 +306,7 @@ def _header(path: Path, file: int) -> list[Entry]:
             numel *= dim
         if not (isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end):
             raise CheckpointError(f"{path}: tensor {name!r} has malformed offsets")
-        if end - begin != numel * _itemsize(dtype) or base + end > size:
+        if end - begin != numel * dtype.itemsize or base + end > size:
             raise CheckpointError(
                 f"{path}: tensor {name!r} needs bytes {begin}..{end} that do not match its "
                 f"shape or lie past the end of the file; the file is truncated or corrupt"
@@ -324,10 +324,6 @@ def _header(path: Path, file: int) -> list[Entry]:
     if covered != size:
         raise CheckpointError(f"{path}: {size - covered} bytes after the last tensor; re-save it")
     return entries
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def _spans(entries: list[Entry], gap: int) -> list[tuple[int, int]]:
