@@ -129,6 +129,25 @@ def _wait_for_urls(proc: subprocess.Popen[str]) -> tuple[str, tuple[str, str]]:
     raise AssertionError("gpufleet up did not become ready in 180 s")
 
 
+def run_client(script: str, cwd: Path, redis_url: str | None = None) -> dict[str, Any]:
+    """Run a client script in a fresh interpreter; return the JSON object it prints last."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFLEET_")}
+    if redis_url is not None:
+        env["GPUFLEET_REDIS_URL"] = redis_url
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return out
+
+
 def test_a_client_that_imports_nothing_from_gpufleet_gets_minilm_embeddings(
     fleet_up: RunningFleet,
 ) -> None:
@@ -144,16 +163,7 @@ def test_a_client_that_imports_nothing_from_gpufleet_gets_minilm_embeddings(
         print(json.dumps({{"result": result, "leaked": leaked}}))
         """
     )
-    done = subprocess.run(
-        [sys.executable, "-c", script],
-        cwd="/",
-        capture_output=True,
-        text=True,
-        timeout=180,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    out = json.loads(done.stdout.strip().splitlines()[-1])
+    out = run_client(script, cwd=Path("/"))  # outside the repo: nothing of ours importable
     assert out["leaked"] == []
     result = out["result"]
     assert result["model"] == "minilm"
@@ -192,19 +202,7 @@ def test_fast_path_calls_leave_no_lease_behind_with_own_headers_or_when_expired(
         print(json.dumps({"queue": routed["queue"], "result": result, "late": late_state}))
         """
     )
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFLEET_")}
-    env["GPUFLEET_REDIS_URL"] = fleet_up.url
-    done = subprocess.run(
-        [sys.executable, "-c", script],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    out = json.loads(done.stdout.strip().splitlines()[-1])
+    out = run_client(script, cwd=REPO, redis_url=fleet_up.url)  # a client importing tasks.app
     assert out["queue"].startswith("gpufleet.")  # a GPU worker's queue, not the router's
     assert out["result"]["model"] == "leased"
     assert out["late"] == "revoked"
