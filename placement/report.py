@@ -14,7 +14,7 @@ from placement.state import ON_GPU, OUTCOMES, Snapshot
 
 # Operator targets from the brief (seed 003); `gpufleet status` and the alert rules use them.
 TARGETS = {"hit_rate": "> 0.8", "reload_rate": "< 0.2", "utilization": "0.7-0.85"}
-SERVED = ("hit", "queued", "warm", "cold", "rejected")  # one per request; busy is per retry
+SERVED = tuple(o for o in OUTCOMES if o != "busy")  # one per request; busy is per retry
 
 
 def status_report(snap: Snapshot) -> dict[str, Any]:

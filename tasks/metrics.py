@@ -23,6 +23,7 @@ from prometheus_client.registry import Collector
 from placement.errors import ConfigError, GpufleetError
 from placement.registry import Registry
 from placement.report import request_report, status_report
+from placement.state import OUTCOMES
 from tasks import context
 from tasks.config import ROUTER_QUEUE
 
@@ -88,7 +89,7 @@ def _requests(requests: dict[str, Any]) -> Iterator[Metric]:
         "gpufleet_reloads", "Loads of a model after its first", labels=["model"]
     )
     for model, figures in requests["models"].items():
-        for outcome in ("hit", "queued", "warm", "cold", "rejected", "busy"):
+        for outcome in OUTCOMES:
             outcomes.add_metric([model, outcome], figures[outcome])
         reloads.add_metric([model], figures["reloads"])
     yield outcomes
