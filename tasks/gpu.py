@@ -122,9 +122,9 @@ class GpuWorker:
                 self.manager.restore(replica, record.gpus, record.limit)
             else:
                 self.manager.load(context.catalog().get(model), replica, record.gpus, record.limit)
-        except Exception:
+        except Exception as exc:
             # Give the bytes back: a replica that cannot load must not stay LOADING.
-            self.manager.drop(replica)
+            self.manager.abandon(replica, exc)
             self.registry.evict(replica, to=Level.COLD)
             raise
         if not self.registry.confirm(replica, self.worker_id):
@@ -212,11 +212,11 @@ def load(replica: str, model: str) -> dict[str, Any]:
 
 
 @app.task(name="gpufleet.sync")
-def sync() -> list[dict[str, Any]]:
+def sync() -> dict[str, Any]:
     """Follow the ledger: offload or drop replicas moved away from this worker (internal)."""
     worker = this_worker()
     worker.sync()
-    return worker.manager.summary()
+    return {"residents": worker.manager.summary(), "devices": worker.manager.device_memory()}
 
 
 def _warm_budget() -> int:

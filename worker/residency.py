@@ -16,6 +16,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
+import traceback
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -175,15 +176,40 @@ class ResidencyManager:
 
     def drop(self, replica: str) -> None:
         """Forget a replica wherever it is (COLD)."""
+        if self._forget(replica):
+            self._release()
+
+    def abandon(self, replica: str, failure: BaseException) -> None:
+        """Forget a replica whose load, restore or warm-up raised `failure`, and free the
+        device memory the failed attempt left behind.
+
+        The failure's traceback keeps the failed frames alive, and with them every tensor
+        they had already put on the GPU; a partly moved model would otherwise stay
+        allocated (outside the ledger) for as long as Celery holds the exception.
+        """
+        seen: set[int] = set()
+        current: BaseException | None = failure
+        while current is not None and id(current) not in seen:
+            seen.add(id(current))
+            traceback.clear_frames(current.__traceback__)
+            current = current.__cause__ or current.__context__
+        self._forget(replica)
+        self._release()
+
+    def _forget(self, replica: str) -> bool:
+        """Take a replica out of this process's books; False if it held none."""
         resident = self.residents.pop(replica, None)
         if resident is None:
-            return
+            return False
         if not resident.warm:
             plan, simulated = self._plan(resident.slots)
             if simulated:
                 self._uncharge(plan, resident.accounted)
-        del resident
-        gc.collect()
+        return True
+
+    def _release(self) -> None:
+        """Give freed tensors back to the device and reset the caps to what is left."""
+        gc.collect()  # a model's modules can reference each other: free the cycles now
         self._free_cuda()
         self._set_caps()
 
@@ -224,9 +250,32 @@ class ResidencyManager:
                 "level": "WARM" if r.warm else "HOT",
                 "gpus": dict(r.slots),
                 "accounted_bytes": r.accounted,
+                "device_bytes": self._device_bytes(r),
             }
             for r in self.residents.values()
         ]
+
+    def device_memory(self) -> dict[str, dict[str, int]]:
+        """What torch's allocator holds on each real GPU this process used: bytes in live
+        tensors (`allocated`) and bytes kept from the driver (`reserved`)."""
+        return {
+            gpu_id: {
+                "allocated": torch.cuda.memory_allocated(_local(d)),
+                "reserved": torch.cuda.memory_reserved(_local(d)),
+            }
+            for gpu_id, d in self.devices.items()
+            if not d.simulated and _local(d) in self._capped | self._touched()
+        }
+
+    def _touched(self) -> set[int]:
+        return {i for i in range(torch.cuda.device_count()) if torch.cuda.memory_reserved(i)}
+
+    def _device_bytes(self, resident: Resident) -> int:
+        """Bytes of the replica's weights that sit on a real GPU now (0 when WARM)."""
+        real = [d for d in self.devices.values() if not d.simulated]
+        if not real:
+            return 0
+        return loading.tensor_bytes(resident.model, [torch.device("cuda", _local(d)) for d in real])
 
     # --- internals ----------------------------------------------------------
 
