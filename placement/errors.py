@@ -52,6 +52,10 @@ class NeverFitsError(CantAccommodateError):
     """The model is larger than any GPU set of the fleet could ever hold."""
 
 
+class SettlingError(PlacementError):
+    """A copy of the model is leaving its GPU right now; the call is routed again shortly."""
+
+
 class PlanRejectedError(PlacementError):
     """The registry refused a plan because the fleet changed; plan again on a fresh snapshot."""
 

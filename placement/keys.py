@@ -76,6 +76,10 @@ class Keys:
         """Set of replicas a worker holds on GPU or in CPU memory."""
         return f"{self.prefix}:worker:{worker_id}:deps"
 
+    def control(self, worker_id: str) -> str:
+        """List of replica ids a worker's keeper must look at now (docs/worker.md)."""
+        return f"{self.prefix}:worker:{worker_id}:control"
+
     def deployment(self, replica: str) -> str:
         return f"{self.prefix}:dep:{replica}"
 

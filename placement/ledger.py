@@ -1,14 +1,25 @@
-"""Apply plans to a snapshot in memory, with the same effects as the registry's scripts.
+"""Apply ledger changes to a snapshot in memory, with the same effects as the registry's scripts.
 
 The simulator's in-memory mode and multi-replica planning use it. Tests check that
-it agrees with `commit.lua` and `evict.lua`, so the two cannot drift apart.
+it agrees with commit.lua, admit.lua, settle.lua and evict.lua, so the two cannot
+drift apart. Each function mirrors one script; `settle_all` plays every worker at once.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-from placement.state import ON_GPU, Candidate, Deployment, Host, Level, Plan, Snapshot
+from placement.state import (
+    LEAVING,
+    ON_DEVICE,
+    RESERVING,
+    Candidate,
+    Deployment,
+    Host,
+    Level,
+    Plan,
+    Snapshot,
+)
 
 
 class _Draft:
@@ -26,77 +37,161 @@ class _Draft:
             self.snap, gpus=self.gpus, deployments=self.deps, hosts=self.hosts, active=self.active
         )
 
-    def reserve(self, gpu_id: str, delta: int) -> None:
-        self.gpus[gpu_id] = replace(self.gpus[gpu_id], reserved=self.gpus[gpu_id].reserved + delta)
-
-    def warm(self, name: str, replica: str, size: int, *, add: bool) -> None:
-        """Count a copy into (or out of) a host's warm cache and its index."""
-        host = self.hosts.get(name, Host(name))
-        held = host.warm | {replica} if add else host.warm - {replica}
-        used = host.warm_used + (size if add else -size)
-        self.hosts[name] = replace(host, warm_used=used, warm=held)
-
-    def off_gpu(self, dep: Deployment, to: Level) -> None:
-        """Like `move_off_gpu` in _lib.lua."""
+    def count(self, dep: Deployment, sign: int, *, reserved: bool, held: bool) -> None:
+        """Add (or take back) a replica's bytes to its GPUs' `reserved` and `held`."""
         for gpu_id, nbytes in dep.gpus.items():
-            self.reserve(gpu_id, -nbytes)
-        self.active[dep.model] = self.active.get(dep.model, 0) - 1
-        if to is Level.WARM:
-            self.warm(dep.host, dep.replica, dep.size, add=True)
-            self.deps[dep.replica] = replace(dep, level=Level.WARM, gpus={}, fraction=0.0, limit=0)
-        else:
-            self.deps[dep.replica] = replace(
-                dep, level=Level.COLD, gpus={}, fraction=0.0, limit=0, worker="", queue="", host=""
+            g = self.gpus[gpu_id]
+            self.gpus[gpu_id] = replace(
+                g,
+                reserved=g.reserved + sign * nbytes * reserved,
+                held=g.held + sign * nbytes * held,
             )
 
-    def drop_warm(self, dep: Deployment) -> None:
+    def warm(self, name: str, nbytes: int, replica: str | None = None, *, add: bool) -> None:
+        """Charge (or give back) a host's warm cache; index or unindex `replica` there."""
+        host = self.hosts.get(name, Host(name))
+        held = host.warm
+        if replica is not None:
+            held = held | {replica} if add else held - {replica}
+        used = host.warm_used + (nbytes if add else -nbytes)
+        self.hosts[name] = replace(host, warm_used=used, warm=held)
+
+    def leave(self, dep: Deployment, to: Level, now: int) -> None:
+        """Like `leave` in _lib.lua: OFFLOADING (to WARM) or DROPPING, out of `reserved`."""
+        self.count(dep, -1, reserved=True, held=False)
+        self.active[dep.model] = self.active.get(dep.model, 0) - 1
+        if to is Level.WARM:
+            self.warm(dep.host, dep.size, add=True)
+            self.deps[dep.replica] = replace(dep, level=Level.OFFLOADING, since_ms=now)
+        else:
+            self.deps[dep.replica] = replace(dep, level=Level.DROPPING, since_ms=now)
+
+    def to_cold(self, dep: Deployment, now: int) -> None:
+        """Like `to_cold` in _lib.lua: every counter of its level given back."""
+        if dep.level in RESERVING:
+            self.count(dep, -1, reserved=True, held=False)
+            self.active[dep.model] = self.active.get(dep.model, 0) - 1
+        if dep.level in ON_DEVICE:
+            self.count(dep, -1, reserved=False, held=True)
+        if dep.level in (Level.OFFLOADING, Level.WARM):
+            self.warm(dep.host, dep.size, dep.replica, add=False)
+        self.deps[dep.replica] = replace(
+            dep,
+            level=Level.COLD,
+            gpus={},
+            fraction=0.0,
+            limit=0,
+            worker="",
+            queue="",
+            host="",
+            since_ms=now,
+        )
+
+    def drop_warm(self, dep: Deployment, now: int) -> None:
         """Like `drop_warm` in _lib.lua."""
-        self.warm(dep.host, dep.replica, dep.size, add=False)
-        self.deps[dep.replica] = replace(dep, level=Level.COLD, worker="", queue="", host="")
+        self.warm(dep.host, dep.size, dep.replica, add=False)
+        self.deps[dep.replica] = replace(
+            dep, level=Level.COLD, worker="", queue="", host="", since_ms=now
+        )
+
+    def fits_device(self, gpus: dict[str, int], limit: int) -> bool:
+        """Like `fits_device` in _lib.lua."""
+        need = {g: (max(limit, b) if len(gpus) == 1 else b) for g, b in gpus.items()}
+        return all(self.gpus[g].held + n <= self.gpus[g].total for g, n in need.items())
 
 
 def apply_plan(snap: Snapshot, plan: Plan) -> Snapshot:
-    """The snapshot after `plan` commits at `snap.now_ms` (the replica starts LOADING)."""
+    """The snapshot after `plan` commits at `snap.now_ms` (commit.lua)."""
     if plan.candidate is Candidate.DEPLOYED:
         return snap
+    now = snap.now_ms
     draft = _Draft(snap)
     for eviction in plan.evictions:
-        draft.off_gpu(draft.deps[eviction.replica], eviction.to)
+        draft.leave(draft.deps[eviction.replica], eviction.to, now)
     for replica in plan.warm_drops:
-        draft.drop_warm(draft.deps[replica])
+        draft.drop_warm(draft.deps[replica], now)
     old = draft.deps.get(plan.replica)
     if old is not None and old.level is Level.WARM:
-        draft.warm(old.host, old.replica, old.size, add=False)
-    for gpu_id, nbytes in plan.gpus.items():
-        draft.reserve(gpu_id, nbytes)
-    draft.deps[plan.replica] = Deployment(
+        draft.warm(old.host, old.size, old.replica, add=False)
+    level = Level.LOADING if draft.fits_device(dict(plan.gpus), plan.limit) else Level.WAITING
+    new = Deployment(
         replica=plan.replica,
         model=plan.model,
-        level=Level.LOADING,
+        level=level,
         gpus=dict(plan.gpus),
         limit=plan.limit,
         fraction=plan.fraction,
         dedicated=plan.dedicated,
         size=plan.size,
-        last_used_ms=snap.now_ms,
+        last_used_ms=now,
         host=plan.host,
         worker=plan.worker,
         queue=plan.queue,
+        epoch=(old.epoch if old is not None else 0) + 1,
+        since_ms=now,
     )
+    draft.count(new, 1, reserved=True, held=level is Level.LOADING)
+    draft.deps[plan.replica] = new
     draft.active[plan.model] = draft.active.get(plan.model, 0) + 1
     return draft.freeze()
 
 
-def evict(snap: Snapshot, replica: str, to: Level, drops: tuple[str, ...] = ()) -> Snapshot:
-    """The snapshot after `replica` leaves its GPUs for `to` (WARM or COLD)."""
+def admit(snap: Snapshot, replica: str) -> Snapshot:
+    """WAITING -> LOADING when its GPUs have room on the device (admit.lua); else unchanged."""
+    dep = snap.deployments[replica]
     draft = _Draft(snap)
+    if dep.level is not Level.WAITING or not draft.fits_device(dict(dep.gpus), dep.limit):
+        return snap
+    draft.count(dep, 1, reserved=False, held=True)
+    draft.deps[replica] = replace(dep, level=Level.LOADING, since_ms=snap.now_ms)
+    return draft.freeze()
+
+
+def settle(snap: Snapshot, replica: str, outcome: str) -> Snapshot:
+    """A worker settles a pending move (settle.lua): 'offloaded', 'dropped', 'failed', 'lost'."""
+    dep = snap.deployments[replica]
+    draft = _Draft(snap)
+    if outcome == "offloaded":
+        if dep.level is not Level.OFFLOADING:
+            return snap
+        draft.count(dep, -1, reserved=False, held=True)
+        draft.warm(dep.host, 0, replica, add=True)  # charged when it started leaving
+        draft.deps[replica] = replace(
+            dep, level=Level.WARM, gpus={}, fraction=0.0, limit=0, since_ms=snap.now_ms
+        )
+    else:
+        draft.to_cold(dep, snap.now_ms)
+    return draft.freeze()
+
+
+def settle_all(snap: Snapshot) -> Snapshot:
+    """Every pending move done at once, as if every worker were instant: leaving copies
+    settle, then waiting placements are admitted (LOADING stays for `mark`)."""
+    for d in list(snap.deployments.values()):
+        if d.level in LEAVING:
+            outcome = "offloaded" if d.level is Level.OFFLOADING else "dropped"
+            snap = settle(snap, d.replica, outcome)
+    for d in list(snap.deployments.values()):
+        if d.level is Level.WAITING:
+            snap = admit(snap, d.replica)
+    return snap
+
+
+def evict(snap: Snapshot, replica: str, to: Level, drops: tuple[str, ...] = ()) -> Snapshot:
+    """The snapshot after an explicit, idle `replica` starts leaving for `to` (evict.lua)."""
+    draft = _Draft(snap)
+    now = snap.now_ms
     for w in drops:
-        draft.drop_warm(draft.deps[w])
+        draft.drop_warm(draft.deps[w], now)
     dep = draft.deps[replica]
-    if dep.level in ON_GPU:
-        draft.off_gpu(dep, to)
+    if dep.level is Level.WAITING:
+        draft.to_cold(dep, now)
+    elif dep.level is Level.LOADING:
+        draft.leave(dep, Level.COLD, now)
+    elif dep.level in (Level.HOT, Level.DRAINING):
+        draft.leave(dep, to, now)
     elif dep.level is Level.WARM and to is Level.COLD:
-        draft.drop_warm(dep)
+        draft.drop_warm(dep, now)
     return draft.freeze()
 
 
@@ -106,3 +201,6 @@ def mark(snap: Snapshot, replica: str, level: Level, now_ms: int | None = None) 
     used = dep.last_used_ms if now_ms is None else now_ms
     deps = {**snap.deployments, replica: replace(dep, level=level, last_used_ms=used)}
     return replace(snap, deployments=deps)
+
+
+__all__ = ["admit", "apply_plan", "evict", "mark", "settle", "settle_all"]

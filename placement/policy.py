@@ -25,11 +25,12 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
-from placement.errors import CantAccommodateError, NeverFitsError, PlacementError
+from placement.errors import CantAccommodateError, NeverFitsError, PlacementError, SettlingError
 from placement.memory import format_size, fraction_of
 from placement.settings import GpuChoice, PolicySettings, VictimOrder
 from placement.state import (
-    ON_GPU,
+    LEAVING,
+    RESERVING,
     Candidate,
     Demand,
     Deployment,
@@ -99,7 +100,15 @@ def plan_replica(
     rng = rng or random.Random()
     view = _View(snap, demand)
 
-    active = [d for d in view.mine if d.level in ON_GPU]
+    active = [d for d in view.mine if d.level in RESERVING]
+    leaving = [d for d in view.mine if d.level in LEAVING]
+    if leaving and len(active) < demand.replicas:
+        # Its copy is on its way to the host's CPU cache (or out): restoring it then beats
+        # loading another copy from disk now. A worker settles within about one call.
+        raise SettlingError(
+            f"{demand.model}: replica {leaving[0].replica} is {leaving[0].level.value} on "
+            f"worker {leaving[0].worker}; it is placed again once its worker settles the move"
+        )
     if len(active) >= demand.replicas:
         best = min(active, key=lambda d: (d.level is not Level.HOT, d.leases, d.replica))
         return Plan(
@@ -116,6 +125,7 @@ def plan_replica(
             size=best.size,
             max_active=demand.replicas,
             reason="already resident",
+            epoch=best.epoch,
         )
 
     if demand.gpus is not None and demand.request is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import time
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -18,24 +19,27 @@ from typing import Any
 
 import redis
 
+from placement import records
 from placement.errors import (
     ConfigError,
     GpuOwnedError,
     LeaseLostError,
     PlanRejectedError,
     RegistryError,
+    SettlingError,
 )
 from placement.keys import KeyList, Keys
 from placement.policy import plan_offload, plan_replica
 from placement.scripts import Scripts, scripts_for
 from placement.settings import PolicySettings
 from placement.state import (
+    LEAVING,
     OUTCOMES,
     Candidate,
     Demand,
     Deployment,
     Gpu,
-    Host,
+    Holding,
     Level,
     Plan,
     Snapshot,
@@ -46,6 +50,11 @@ log = logging.getLogger(__name__)
 DEFAULT_WORKER_LEASE_MS = 15_000
 DEFAULT_REQUEST_LEASE_MS = 300_000
 DEFAULT_EVENTS_MAXLEN = 100_000
+#: How long `place` waits for a copy of the model to finish leaving its GPU before it
+#: gives up with `SettlingError` (a worker settles within about one call's time).
+SETTLE_WAIT_S = 2.0
+#: What a worker reports settling: see settle.lua.
+OUTCOMES_OF_SETTLE = ("offloaded", "dropped", "failed", "lost")
 
 
 @dataclass(frozen=True)
@@ -59,6 +68,7 @@ class Lease:
     worker: str
     gpus: dict[str, int]
     deadline_ms: int
+    epoch: int = 0  # the placement it pins (a call checks its copy is of this epoch)
 
 
 class Registry:
@@ -109,11 +119,13 @@ class Registry:
         *,
         warm_budget: int = 0,
         lease_ms: int = DEFAULT_WORKER_LEASE_MS,
+        lineage: str = "",
     ) -> int:
         """Own `gpus` (their id, index, name and total are read) and return the lease deadline.
 
-        A GPU still owned by a worker whose lease expired is reaped first; one owned by
-        a live worker raises `GpuOwnedError`.
+        A GPU still owned by a worker whose lease expired is reaped first, and so is a live
+        owner of the same `lineage` (a predecessor this process replaces, such as a pool
+        child that died). A live owner of another lineage raises `GpuOwnedError`.
         """
         for _ in range(3):
             k = self.keys
@@ -122,6 +134,7 @@ class Registry:
                 "worker": worker,
                 "host": host,
                 "queue": queue,
+                "lineage": lineage,
                 "lease_ms": lease_ms,
                 "warm_budget": warm_budget,
                 "workers": keys.add(k.workers),
@@ -144,21 +157,37 @@ class Registry:
             result = self._run_json("register", keys, payload)
             if result[0] == 1:
                 return int(result[1])
-            _, reason, gpu_id, owner = result
+            reason, gpu_id, owner = result[1], result[2], result[3]
             if reason == "OWNED":
                 raise GpuOwnedError(
-                    f"GPU {gpu_id} is owned by live worker {owner}; stop it first, "
-                    f"or wait for its lease to expire"
+                    f"GPU {gpu_id} is owned by live worker {owner} of fleet {self.keys.fleet!r} "
+                    f"on this Redis; stop that fleet first. To run a second fleet beside it, "
+                    f"give it another GPUFLEET_FLEET (or, for simulated GPUs, another "
+                    f"GPUFLEET_HOST), or its own Redis"
                 )
-            self.reap(owner)
+            self.reap(owner, force=reason == "REPLACE")
         raise RegistryError(f"could not register worker {worker}: its GPUs keep changing owner")
 
+    def owner(self, gpu_id: str) -> tuple[str, str] | None:
+        """The live worker that owns `gpu_id` and its lineage, or None when none does."""
+        record = self.gpu(gpu_id)
+        if record is None or not record.alive(self.now_ms()):
+            return None
+        lineage = self._one("hget", self.keys.gpu(gpu_id), "lineage") or ""
+        return record.worker, lineage
+
     def heartbeat(
-        self, worker: str, gpu_ids: Iterable[str], lease_ms: int = DEFAULT_WORKER_LEASE_MS
+        self,
+        worker: str,
+        gpu_ids: Iterable[str],
+        lease_ms: int = DEFAULT_WORKER_LEASE_MS,
+        holdings: Sequence[Holding] | None = None,
     ) -> int:
-        """Renew the worker's lease; raise `LeaseLostError` if it already expired."""
+        """Renew the worker's lease and store what it holds; raise `LeaseLostError` if the
+        lease already expired."""
         keys = [self.keys.worker(worker), *(self.keys.gpu(g) for g in gpu_ids)]
-        result = self._run("heartbeat", keys, [worker, lease_ms])
+        report = records.holdings_json(holdings) if holdings is not None else ""
+        result = self._run("heartbeat", keys, [worker, lease_ms, report])
         if result[0] != 1:
             raise LeaseLostError(
                 f"worker {worker} missed its lease; its reservations are released. "
@@ -198,6 +227,7 @@ class Registry:
                 "workers": keys.add(k.workers),
                 "worker_key": keys.add(k.worker(worker)),
                 "worker_deps": keys.add(k.worker_deployments(worker)),
+                "control": keys.add(k.control(worker)),
                 "gpus_set": keys.add(k.gpus),
                 "events": keys.add(k.events),
                 "own": [{"id": g, "key": keys.add(k.gpu(g))} for g in json.loads(own_raw or "[]")],
@@ -247,10 +277,10 @@ class Registry:
         between the two reads the snapshot is taken again.
         """
         k = self.keys
-        sets = (k.gpus, k.deployments, k.hosts)
+        sets = (k.gpus, k.deployments, k.hosts, k.workers)
         ids = [sorted(m) for m in self._read([("smembers", s) for s in sets])]
         for _ in range(16):
-            gpu_ids, replicas, hosts = ids
+            gpu_ids, replicas, hosts, workers = ids
             cmds: list[tuple[Any, ...]] = [("time",), ("hgetall", k.learned), ("hgetall", k.active)]
             cmds += [("smembers", s) for s in sets]
             cmds += [("hgetall", k.gpu(g)) for g in gpu_ids]
@@ -258,6 +288,7 @@ class Registry:
             cmds += [("zrange", k.leases(r), 0, -1, False, True) for r in replicas]  # with scores
             cmds += [("hgetall", k.host(h)) for h in hosts]
             cmds += [("smembers", k.host_warm(h)) for h in hosts]
+            cmds += [("hmget", k.worker(w), "holds", "holds_at", "lease_deadline") for w in workers]
             rows = iter(self._read(cmds, atomic=True))
             sec, usec = next(rows)
             learned, active = next(rows), next(rows)
@@ -266,19 +297,26 @@ class Registry:
                 ids = now_ids
                 continue  # a record appeared or went between the two reads
             now = int(sec) * 1000 + int(usec) // 1000
-            gpus = {g: _gpu(row) for g, row in zip(gpu_ids, _take(rows, gpu_ids), strict=True)}
-            records = _take(rows, replicas)
+            gpu_rows = _take(rows, gpu_ids)
+            gpus = {g: records.gpu(row) for g, row in zip(gpu_ids, gpu_rows, strict=True)}
+            rows_of = _take(rows, replicas)
             leases = _take(rows, replicas)
             deployments = {
-                r: _deployment(row, sum(1 for _, t in held if t > now))
-                for r, row, held in zip(replicas, records, leases, strict=True)
+                r: records.deployment(row, sum(1 for _, t in held if t > now))
+                for r, row, held in zip(replicas, rows_of, leases, strict=True)
                 if row
             }
             host_rows = _take(rows, hosts)
             host_map = {
-                h: replace(_host(row), warm=frozenset(warm))
+                h: replace(records.host(row), warm=frozenset(warm))
                 for h, row, warm in zip(hosts, host_rows, _take(rows, hosts), strict=True)
             }
+            reports, deadlines = {}, {}
+            for w, (holds, at, deadline) in zip(workers, _take(rows, workers), strict=True):
+                deadlines[w] = int(deadline or 0)
+                found = records.report(w, holds, at)
+                if found is not None:
+                    reports[w] = found
             return Snapshot(
                 gpus={g: v for g, v in gpus.items() if v.total},
                 deployments=deployments,
@@ -286,6 +324,8 @@ class Registry:
                 now_ms=now,
                 learned={m: int(v) for m, v in learned.items()},
                 active={m: int(v) for m, v in active.items()},
+                reports=reports,
+                workers=deadlines,
             )
         raise RegistryError("the registry changed under 16 snapshot attempts in a row")
 
@@ -303,8 +343,19 @@ class Registry:
 
     # --- placement ----------------------------------------------------------
 
-    def commit(self, plan: Plan, snap: Snapshot) -> None:
-        """Apply `plan`, made from `snap`, atomically; raise `PlanRejectedError` if stale."""
+    def commit(
+        self,
+        plan: Plan,
+        snap: Snapshot,
+        *,
+        lease_id: str = "",
+        lease_ms: int = DEFAULT_REQUEST_LEASE_MS,
+    ) -> Plan:
+        """Apply `plan`, made from `snap`, atomically; raise `PlanRejectedError` if stale.
+
+        Returns the plan with its new epoch. `lease_id` pins the replica for the call that
+        caused the placement, so pressure cannot evict it before that call runs.
+        """
         k = self.keys
         keys = KeyList()
         old = snap.deployments.get(plan.replica)
@@ -315,11 +366,15 @@ class Registry:
             "expect_worker": old.worker if old and plan.reuse else "",
             "max_active": plan.max_active,
             "dep": keys.add(k.deployment(plan.replica)),
+            "leases": keys.add(k.leases(plan.replica)),
+            "lease": lease_id,
+            "lease_ms": lease_ms,
             "active": keys.add(k.active),
             "replicas_key": keys.add(k.model_replicas(plan.model)),
             "deps_key": keys.add(k.deployments),
             "worker_deps": keys.add(k.worker_deployments(plan.worker)),
             "worker_key": keys.add(k.worker(plan.worker)),
+            "control": keys.add(k.control(plan.worker)),
             # A WARM replica is restored on its own host, and leaves its old holder.
             "old_worker_deps": keys.add(k.worker_deployments(old.worker)) if old else 0,
             "host_key": keys.add(k.host(plan.host)),
@@ -351,6 +406,7 @@ class Registry:
         result = self._run_json("commit", keys, payload)
         if result[0] != 1:
             raise PlanRejectedError(f"{result[1]}: {result[2]}")
+        return replace(plan, epoch=int(result[2]))
 
     def _warm_ref(self, d: Deployment, keys: KeyList) -> dict[str, Any]:
         """A replica as the scripts' `drop_warm` takes it (_lib.lua)."""
@@ -361,11 +417,12 @@ class Registry:
             "worker_deps": keys.add(k.worker_deployments(d.worker)),
             "host": keys.add(k.host(d.host)),
             "host_warm": keys.add(k.host_warm(d.host)),
+            "control": keys.add(k.control(d.worker)),
             "expect_worker": d.worker,
         }
 
     def _victim_ref(self, d: Deployment, keys: KeyList) -> dict[str, Any]:
-        """A replica as the scripts' `move_off_gpu` takes it (_lib.lua)."""
+        """A replica as the scripts' `leave` and `to_cold` take it (_lib.lua)."""
         k = self.keys
         return self._warm_ref(d, keys) | {
             "leases": keys.add(k.leases(d.replica)),
@@ -379,23 +436,37 @@ class Registry:
         settings: PolicySettings | None = None,
         rng: random.Random | None = None,
         attempts: int = 8,
+        *,
+        lease_id: str = "",
+        settle_wait_s: float = SETTLE_WAIT_S,
     ) -> Plan:
         """Snapshot, plan and commit one more replica, retrying on stale plans.
 
-        Returns the committed plan (or a DEPLOYED plan when enough replicas exist).
-        Policy refusals (`CantAccommodateError`) propagate at once.
+        Returns the committed plan, with its epoch (or a DEPLOYED plan when enough
+        replicas are placed). Policy refusals (`CantAccommodateError`) propagate at once.
+        While a copy of the model is leaving its GPU, it waits up to `settle_wait_s` for
+        the move to settle (then the copy can be restored), else raises `SettlingError`.
+        `lease_id` pins the placed replica for the caller's request (see `commit`).
         """
         last: PlanRejectedError | None = None
-        for _ in range(attempts):
+        deadline = time.monotonic() + settle_wait_s
+        tries = 0
+        while tries < attempts:
             snap = self.snapshot()
             if demand.learned is None and demand.model in snap.learned:
                 demand = replace(demand, learned=snap.learned[demand.model])
-            plan = plan_replica(demand, snap, settings or self.settings, rng)
+            try:
+                plan = plan_replica(demand, snap, settings or self.settings, rng)
+            except SettlingError:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.01)
+                continue
+            tries += 1
             if plan.candidate is Candidate.DEPLOYED:
                 return plan
             try:
-                self.commit(plan, snap)
-                return plan
+                return self.commit(plan, snap, lease_id=lease_id)
             except PlanRejectedError as exc:
                 last = exc
                 log.debug("plan for %s rejected: %s", demand.model, exc)
@@ -403,18 +474,88 @@ class Registry:
             f"{demand.model}: the fleet changed under {attempts} plans in a row ({last})"
         )
 
-    def confirm(self, replica: str, worker: str) -> bool:
-        """Mark a LOADING replica HOT; False if it was evicted or reaped meanwhile."""
+    def hold(
+        self, replica: str, epoch: int, ttl_ms: int = DEFAULT_REQUEST_LEASE_MS
+    ) -> tuple[Lease, str] | None:
+        """Lease a placed replica (WAITING, LOADING or HOT in `epoch`) for a routed call.
+
+        Returns the lease and where the copy is coming from: "hot" (it is HOT), "warm" (a
+        restore), or "cold"; None when the replica moved on.
+        """
+        lease_id = uuid.uuid4().hex
+        keys = [self.keys.deployment(replica), self.keys.leases(replica)]
+        result = self._run("hold", keys, [lease_id, ttl_ms, epoch])
+        if result[0] != 1:
+            return None
+        _, deadline, level, source = result
+        cache = "hot" if level == Level.HOT.value else "warm" if source == "WARM" else "cold"
+        return Lease(lease_id, "", replica, "", "", {}, int(deadline), epoch), cache
+
+    def confirm(self, replica: str, worker: str, epoch: int) -> bool:
+        """Mark this worker's LOADING placement of `epoch` HOT; False if it moved on."""
         keys = [self.keys.deployment(replica), self.keys.events]
-        return bool(self._run("confirm", keys, [replica, worker, self.events_maxlen]))
+        result = self._run("confirm", keys, [replica, worker, epoch, self.events_maxlen])
+        return bool(result[0] == 1)
+
+    def admit(self, dep: Deployment) -> Level | None:
+        """Admit a WAITING placement to its device once its victims left it.
+
+        Returns LOADING when admitted (or already), None while its GPUs are still full,
+        or the level it moved to when the record is no longer this WAITING placement.
+        """
+        k = self.keys
+        keys = KeyList()
+        payload = {
+            "replica": dep.replica,
+            "worker": dep.worker,
+            "epoch": dep.epoch,
+            "dep": keys.add(k.deployment(dep.replica)),
+            "events": keys.add(k.events),
+            "gpus": [
+                {
+                    "id": g,
+                    "key": keys.add(k.gpu(g)),
+                    "bytes": b,
+                    "limit": dep.limit if len(dep.gpus) == 1 else b,
+                }
+                for g, b in dep.gpus.items()
+            ],
+        }
+        result = self._run_json("admit", keys, payload)
+        if result[0] == 1:
+            return Level.LOADING
+        if result[1] == "FULL":
+            return None
+        level = result[2]
+        return Level(level) if level in Level.__members__ else Level.COLD
+
+    def settle(self, dep: Deployment, outcome: str) -> Level | None:
+        """Report the GPU work a pending move of `dep` needed, by the worker that did it.
+
+        `outcome` is one of `OUTCOMES_OF_SETTLE` (see settle.lua). Returns the level the
+        replica reached, or None when the record is no longer `dep`'s placement at a level
+        that outcome settles (nothing changed).
+        """
+        if outcome not in OUTCOMES_OF_SETTLE:
+            raise ValueError(f"unknown outcome {outcome!r}; expected one of {OUTCOMES_OF_SETTLE}")
+        keys = KeyList()
+        payload = self._victim_ref(dep, keys) | {
+            "worker": dep.worker,
+            "epoch": dep.epoch,
+            "outcome": outcome,
+            "events": keys.add(self.keys.events),
+        }
+        result = self._run_json("settle", keys, payload)
+        return Level(result[1]) if result[0] == 1 else None
 
     def evict(
         self, replica: str, settings: PolicySettings | None = None, *, to: Level | None = None
     ) -> Level:
-        """Drain, then offload (WARM when the host cache has room) or drop a replica.
+        """Drain, then offload (to WARM when the host cache has room) or drop a replica.
 
         Returns the replica's level afterwards: DRAINING while requests are in flight
-        (call again when they finish), else WARM or COLD. `to=Level.COLD` forces a drop.
+        (call again when they finish), OFFLOADING or DROPPING while its worker moves it
+        (`wait_settled` waits for that), or WARM or COLD. `to=Level.COLD` forces a drop.
         """
         for _ in range(8):
             snap = self._offload_view(replica)
@@ -439,10 +580,33 @@ class Registry:
                 raise RegistryError(f"no replica {replica} in the registry")
         raise PlanRejectedError(f"replica {replica} kept moving while being evicted")
 
+    def wait_settled(self, replica: str, timeout_s: float) -> Level:
+        """The replica's level once no move of it is pending, or as it is after `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            dep = self.deployment(replica)
+            level = dep.level if dep is not None else Level.COLD
+            if level not in LEAVING or time.monotonic() >= deadline:
+                return level
+            time.sleep(0.01)
+
+    def next_control(self, worker: str, timeout_s: float) -> str | None:
+        """The next replica a worker's keeper was told to look at (commit.lua, evict.lua
+        push them), waiting up to `timeout_s`; None when none came."""
+        try:
+            popped = self.client.blpop([self.keys.control(worker)], timeout=timeout_s)
+        except redis.ConnectionError as exc:
+            raise _unreachable(exc) from exc
+        return str(popped[1]) if popped else None
+
+    def replicas_of(self, worker: str) -> list[str]:
+        """The replicas the ledger gives `worker` (on GPU, pending or in its CPU memory)."""
+        return sorted(self._one("smembers", self.keys.worker_deployments(worker)))
+
     def gpu(self, gpu_id: str) -> Gpu | None:
         """One GPU's ledger record, or None if it is not registered."""
         row = self._one("hgetall", self.keys.gpu(gpu_id))
-        return _gpu(row) if row else None
+        return records.gpu(row) if row else None
 
     def deployment(self, replica: str) -> Deployment | None:
         """One replica's record with its live lease count, or None if there is none."""
@@ -458,7 +622,7 @@ class Registry:
         if not row:
             return None
         now = int(sec) * 1000 + int(usec) // 1000
-        return _deployment(row, sum(1 for _, deadline in held if deadline > now))
+        return records.deployment(row, sum(1 for _, deadline in held if deadline > now))
 
     def _offload_view(self, replica: str) -> Snapshot:
         """All an eviction needs to plan: the replica, its host's cache and the copies in it.
@@ -474,11 +638,11 @@ class Registry:
             [("hgetall", k.host(dep.host)), *(("hgetall", k.deployment(r)) for r in warm_ids)],
             atomic=True,
         )
-        warm = [_deployment(r, 0) for r in rows[1:] if r]
+        warm = [records.deployment(r, 0) for r in rows[1:] if r]
         return Snapshot(
             gpus={},
             deployments={d.replica: d for d in [*warm, dep]},
-            hosts={dep.host: _host(rows[0])} if rows[0] else {},
+            hosts={dep.host: records.host(rows[0])} if rows[0] else {},
         )
 
     def record_measurement(self, model: str, peak_bytes: int) -> int:
@@ -501,9 +665,16 @@ class Registry:
             offset = random.randrange(max(1, len(replicas)))
             result = self._run("pick", keys, [lease_id, ttl_ms, offset, *replicas, *workers])
             if result[0] == 1:
-                _, replica, queue, worker, gpus, deadline = result
+                _, replica, queue, worker, gpus, deadline, epoch = result
                 return Lease(
-                    lease_id, model, replica, queue, worker, json.loads(gpus), int(deadline)
+                    lease_id,
+                    model,
+                    replica,
+                    queue,
+                    worker,
+                    json.loads(gpus),
+                    int(deadline),
+                    int(epoch),
                 )
             if result[0] == 0:
                 self._replicas.pop(model, None)  # a later placement may add replicas
@@ -568,43 +739,3 @@ def _unreachable(exc: redis.ConnectionError) -> RegistryError:
 
 def _take(rows: Iterator[Any], like: Sequence[str]) -> list[Any]:
     return [next(rows) for _ in like]
-
-
-def _gpu(row: dict[str, str]) -> Gpu:
-    return Gpu(
-        id=row.get("id", ""),
-        host=row.get("host", ""),
-        index=int(row.get("index", 0)),
-        name=row.get("name", ""),
-        total=int(row.get("total", 0)),
-        reserved=int(row.get("reserved", 0)),
-        worker=row.get("worker", ""),
-        queue=row.get("queue", ""),
-        lease_deadline_ms=int(row.get("lease_deadline", 0)),
-    )
-
-
-def _deployment(row: dict[str, str], leases: int) -> Deployment:
-    return Deployment(
-        replica=row["replica"],
-        model=row["model"],
-        level=Level(row["level"]),
-        gpus={g: int(b) for g, b in json.loads(row.get("gpus") or "{}").items()},
-        limit=int(float(row.get("limit", 0))),
-        fraction=float(row.get("fraction", 0)),
-        dedicated=row.get("dedicated") == "1",
-        size=int(float(row.get("size", 0))),
-        last_used_ms=int(float(row.get("last_used", 0))),
-        host=row.get("host", ""),
-        worker=row.get("worker", ""),
-        queue=row.get("queue", ""),
-        leases=int(leases),
-    )
-
-
-def _host(row: dict[str, str]) -> Host:
-    return Host(
-        name=row.get("name", ""),
-        warm_budget=int(row.get("warm_budget", 0)),
-        warm_used=int(row.get("warm_used", 0)),
-    )

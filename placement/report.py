@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from placement.audit import audit
-from placement.state import ON_GPU, OUTCOMES, Snapshot
+from placement.state import OUTCOMES, RESERVING, Snapshot
 
 # Operator targets from the brief (seed 003); `gpufleet status` and the alert rules use them.
 TARGETS = {"hit_rate": "> 0.8", "reload_rate": "< 0.2", "utilization": "0.7-0.85"}
@@ -27,6 +27,7 @@ def status_report(snap: Snapshot) -> dict[str, Any]:
             "name": g.name,
             "total_bytes": g.total,
             "reserved_bytes": g.reserved,
+            "held_bytes": g.held,
             "free_bytes": g.free,
             "worker": g.worker,
             "queue": g.queue,
@@ -47,6 +48,8 @@ def status_report(snap: Snapshot) -> dict[str, Any]:
             "host": d.host,
             "worker": d.worker,
             "size_bytes": d.size,
+            "epoch": d.epoch,
+            "since": d.since_ms,
         }
         for d in sorted(snap.deployments.values(), key=lambda d: (d.model, d.replica))
     ]
@@ -60,13 +63,31 @@ def status_report(snap: Snapshot) -> dict[str, Any]:
             {"name": h.name, "warm_budget_bytes": h.warm_budget, "warm_used_bytes": h.warm_used}
             for h in sorted(snap.hosts.values(), key=lambda h: h.name)
         ],
+        "workers": [
+            {
+                "id": w,
+                "alive": deadline > snap.now_ms,
+                "reported_at": r.at_ms if (r := snap.reports.get(w)) else None,
+                "holds": [
+                    {
+                        "replica": h.replica,
+                        "epoch": h.epoch,
+                        "level": h.level.value,
+                        "gpus": dict(h.gpus),
+                        "device_bytes": h.device_bytes,
+                    }
+                    for h in (r.holdings if r else ())
+                ],
+            }
+            for w, deadline in sorted(snap.workers.items())
+        ],
         "summary": {
             "gpus": len(gpus),
             "gpus_alive": sum(1 for g in gpus if g["alive"]),
             "total_bytes": total,
             "reserved_bytes": reserved,
             "utilization": reserved / total if total else 0.0,
-            "replicas_on_gpu": sum(1 for d in snap.deployments.values() if d.level in ON_GPU),
+            "replicas_on_gpu": sum(1 for d in snap.deployments.values() if d.level in RESERVING),
         },
         "problems": audit(snap),
     }

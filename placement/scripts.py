@@ -15,7 +15,20 @@ from typing import Any
 
 import redis
 
-NAMES = ("register", "heartbeat", "commit", "pick", "finish", "confirm", "evict", "reap", "learn")
+NAMES = (
+    "register",
+    "heartbeat",
+    "commit",
+    "admit",
+    "confirm",
+    "settle",
+    "hold",
+    "pick",
+    "finish",
+    "evict",
+    "reap",
+    "learn",
+)
 
 
 @functools.cache

@@ -14,17 +14,30 @@ from functools import cached_property
 
 
 class Level(str, enum.Enum):
-    """Where a replica's weights are."""
+    """Where a replica's weights are, and which move of them is under way.
 
+    The four pending levels wait for the worker that holds (or will hold) the copy to
+    confirm its GPU work; docs/placement.md has the whole state table.
+    """
+
+    WAITING = "WAITING"  # placed: its bytes are reserved, its victims still leave the device
+    LOADING = "LOADING"  # admitted to the device: the worker loads or restores it
     HOT = "HOT"  # on GPU, serving
-    LOADING = "LOADING"  # bytes reserved, the worker is loading or restoring it
     DRAINING = "DRAINING"  # on GPU, takes no new requests, leaves when idle
+    OFFLOADING = "OFFLOADING"  # evicted: its worker moves it to CPU memory
+    DROPPING = "DROPPING"  # evicted: its worker frees it
     WARM = "WARM"  # in the host's CPU memory
     COLD = "COLD"  # not loaded anywhere
 
 
-#: Levels that hold GPU bytes.
-ON_GPU = frozenset({Level.HOT, Level.LOADING, Level.DRAINING})
+#: Levels whose bytes a GPU's `reserved` counts: the placements the policy plans around.
+RESERVING = frozenset({Level.WAITING, Level.LOADING, Level.HOT, Level.DRAINING})
+#: Levels whose copy may be on the device now: a GPU's `held` counts them.
+ON_DEVICE = frozenset({Level.LOADING, Level.HOT, Level.DRAINING, Level.OFFLOADING, Level.DROPPING})
+#: Levels that wait for a worker's confirmation.
+PENDING = frozenset({Level.WAITING, Level.LOADING, Level.OFFLOADING, Level.DROPPING})
+#: Levels that are leaving the device.
+LEAVING = frozenset({Level.OFFLOADING, Level.DROPPING})
 
 # What became of one request for a model, as the registry counts it:
 # hit (a HOT replica took it), queued (its replica was still loading), warm (it started a
@@ -53,10 +66,11 @@ class Gpu:
     index: int
     name: str
     total: int
-    reserved: int = 0
+    reserved: int = 0  # bytes of the replicas placed here (RESERVING levels)
     worker: str = ""
     queue: str = ""
     lease_deadline_ms: int = 0
+    held: int = 0  # bytes of the copies that may be on the device now (ON_DEVICE levels)
 
     @property
     def free(self) -> int:
@@ -83,6 +97,8 @@ class Deployment:
     worker: str = ""
     queue: str = ""
     leases: int = 0  # live request leases
+    epoch: int = 0  # which placement of the replica this is; every commit starts a new one
+    since_ms: int = 0  # when it reached its level (the registry's clock)
 
     @property
     def idle(self) -> bool:
@@ -109,6 +125,26 @@ class Host:
 
 
 @dataclass(frozen=True)
+class Holding:
+    """One copy a worker process reports holding (its heartbeat carries them)."""
+
+    replica: str
+    epoch: int
+    level: Level  # HOT (on its GPUs) or WARM (in CPU memory)
+    gpus: Mapping[str, int] = field(default_factory=dict)  # GPU id -> reserved bytes
+    device_bytes: int = 0  # bytes of weights really on a GPU (0 on simulated GPUs)
+
+
+@dataclass(frozen=True)
+class Report:
+    """What a worker last said it holds, and when (the registry's clock)."""
+
+    worker: str
+    at_ms: int
+    holdings: tuple[Holding, ...] = ()
+
+
+@dataclass(frozen=True)
 class Snapshot:
     """A read of the whole registry at one moment (`now_ms` is the registry's clock)."""
 
@@ -117,16 +153,18 @@ class Snapshot:
     hosts: Mapping[str, Host]
     now_ms: int = 0
     learned: Mapping[str, int] = field(default_factory=dict)
-    active: Mapping[str, int] = field(default_factory=dict)  # stored replicas-on-GPU counters
+    active: Mapping[str, int] = field(default_factory=dict)  # stored RESERVING-replica counters
+    reports: Mapping[str, Report] = field(default_factory=dict)  # worker id -> its last report
+    workers: Mapping[str, int] = field(default_factory=dict)  # worker id -> lease deadline (ms)
 
     # Indexes, built once per snapshot on first use (a snapshot never changes).
 
     @cached_property
     def by_gpu(self) -> Mapping[str, list[Deployment]]:
-        """GPU id -> deployments holding bytes on it."""
+        """GPU id -> deployments whose bytes it reserves."""
         index: dict[str, list[Deployment]] = {}
         for d in self.deployments.values():
-            if d.level in ON_GPU:
+            if d.level in RESERVING:
                 for gpu_id in d.gpus:
                     index.setdefault(gpu_id, []).append(d)
         return index
@@ -147,7 +185,7 @@ class Snapshot:
         return index
 
     def on_gpu(self, gpu_id: str) -> list[Deployment]:
-        """Deployments that hold bytes on `gpu_id`."""
+        """Deployments whose bytes `gpu_id` reserves."""
         return list(self.by_gpu.get(gpu_id, ()))
 
     def replicas(self, model: str) -> list[Deployment]:
@@ -211,3 +249,4 @@ class Plan:
     size: int = 0
     max_active: int = 1
     reason: str = ""  # why this place was chosen, for events and logs
+    epoch: int = 0  # the placement's epoch, once committed (0 before)

@@ -2,9 +2,10 @@
 
 `infer` runs in two places. Sent with a lease header by the fast path, it runs on the
 GPU worker that holds the replica. Otherwise it runs on the router, which validates the
-call, plans a place for the model when none is HOT, commits the plan atomically, tells
-the workers of evicted replicas to offload them, and hands the call to the chosen GPU
-worker with `Task.replace`, so the caller's AsyncResult yields the final answer.
+call, plans a place for the model when none is HOT, commits the plan atomically (which
+tells the workers concerned, and pins the replica for this call), and hands the call to
+the chosen GPU worker with `Task.replace`, so the caller's AsyncResult yields the final
+answer.
 """
 
 from __future__ import annotations
@@ -12,14 +13,22 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 from typing import Any
 
 from celery import Task
 from celery.signals import worker_process_init
 
-from placement.errors import CantAccommodateError, GpufleetError, NeverFitsError
-from placement.registry import Registry
-from placement.state import Candidate, Level, Plan
+from placement.catalog import ModelSpec
+from placement.errors import (
+    CantAccommodateError,
+    GpufleetError,
+    NeverFitsError,
+    PlanRejectedError,
+    SettlingError,
+)
+from placement.registry import DEFAULT_REQUEST_LEASE_MS, Lease, Registry
+from placement.state import LEAVING, Candidate, Level, Plan
 from tasks import context, leases, metrics
 from tasks.app import app
 from tasks.calls import Call
@@ -29,6 +38,9 @@ log = logging.getLogger(__name__)
 
 SWEEP_EVERY_S = 2.0
 BUSY_RETRIES = 20  # a model blocked by busy replicas is retried about once a second
+SETTLE_RETRIES = 120  # a copy still leaving its GPU: retried every 0.25 s (the worker's lease)
+PLACE_ATTEMPTS = 3  # placements in a row that moved on before the call pinned one
+EVICT_WAIT_S = 10.0  # how long `gpufleet.evict` waits for workers to settle their moves
 
 
 @app.task(name="gpufleet.infer", bind=True)
@@ -59,23 +71,42 @@ def dispatch(
     if lease is not None:
         call = Call(model, inputs, params, lease.replica, "hot", sent, hops=hops)
         raise task.replace(call.with_lease(lease).to(lease.queue))
+    for _ in range(PLACE_ATTEMPTS):
+        plan, pinned = _place(task, registry, spec, model)
+        if pinned is None:
+            continue  # the placed replica moved on before the call could pin it
+        lease, cache = pinned
+        if plan.candidate is Candidate.DEPLOYED:  # a replica is placed already: nothing moved
+            _count(registry, model, "queued")
+        else:
+            _count(registry, model, cache)
+            _announce(task, plan)
+        call = Call(model, inputs, params, plan.replica, cache, sent, hops=hops)
+        raise task.replace(call.with_lease(lease).to(plan.queue))
+    raise PlanRejectedError(f"{model}: its replicas kept moving while the call was routed")
+
+
+def _place(
+    task: Task, registry: Registry, spec: ModelSpec, model: str
+) -> tuple[Plan, tuple[Lease, str] | None]:
+    """A placed replica for the call, the request lease that pins it there, and where its
+    copy comes from (hot, warm or cold)."""
+    lease_id = uuid.uuid4().hex
     try:
-        plan = registry.place(context.demand(spec))
+        plan = registry.place(context.demand(spec), lease_id=lease_id)
     except NeverFitsError:
         _count(registry, model, "rejected")
         raise
+    except SettlingError as exc:  # a copy is still leaving: restore it once it has left
+        raise task.retry(exc=exc, countdown=0.25, max_retries=SETTLE_RETRIES) from exc
     except CantAccommodateError as exc:
         _count(registry, model, "busy")
         raise task.retry(exc=exc, countdown=1, max_retries=BUSY_RETRIES) from exc
-    cache = "warm" if plan.reuse is Level.WARM else "cold"
-    if plan.candidate is Candidate.DEPLOYED:  # a replica is loading: nothing moved
-        _count(registry, model, "queued")
-    else:
-        _count(registry, model, cache)
-        _announce(task, plan)
-    raise task.replace(
-        Call(model, inputs, params, plan.replica, cache, sent, hops=hops).to(plan.queue)
-    )
+    if plan.candidate is Candidate.DEPLOYED:
+        return plan, registry.hold(plan.replica, plan.epoch)
+    deadline = int(time.time() * 1000) + DEFAULT_REQUEST_LEASE_MS  # commit.lua took it
+    lease = Lease(lease_id, model, plan.replica, plan.queue, plan.worker, {}, deadline, plan.epoch)
+    return plan, (lease, "warm" if plan.reuse is Level.WARM else "cold")
 
 
 def _count(registry: Registry, model: str, outcome: str) -> None:
@@ -87,9 +118,7 @@ def _count(registry: Registry, model: str, outcome: str) -> None:
 
 
 def _announce(task: Task, plan: Plan) -> None:
-    """Tell the workers of evicted replicas to sync with the ledger, and tell Flower."""
-    for queue in sorted({e.queue for e in plan.evictions if e.queue}):
-        app.send_task("gpufleet.sync", queue=queue)
+    """Tell Flower (commit.lua already told the workers concerned)."""
     task.send_event(
         "task-placement",
         model=plan.model,
@@ -111,8 +140,7 @@ def deploy(self: Task, model: str, replicas: int = 1, dedicated: bool = False) -
         plan = registry.place(demand)
         if plan.candidate is Candidate.DEPLOYED:
             break
-        _announce(self, plan)
-        app.send_task("gpufleet.load", args=(plan.replica, model), queue=plan.queue)
+        _announce(self, plan)  # commit.lua told the worker: it loads the replica now
         placements.append(
             {
                 "replica": plan.replica,
@@ -141,7 +169,12 @@ def deploy(self: Task, model: str, replicas: int = 1, dedicated: bool = False) -
 
 @app.task(name="gpufleet.evict")
 def evict(model: str, replica: str | None = None) -> dict[str, Any]:
-    """Drain, then offload (or drop) one replica of `model`, or all of them."""
+    """Drain, then offload (or drop) one replica of `model`, or all of them.
+
+    Each replica's level is reported once its worker settled the move (WARM or COLD), or
+    DRAINING while calls still run on it; a move its worker has not settled within
+    `EVICT_WAIT_S` is reported as it stands (OFFLOADING or DROPPING).
+    """
     context.catalog().get(model)
     registry = context.registry()
     snap = registry.snapshot()
@@ -150,12 +183,13 @@ def evict(model: str, replica: str | None = None) -> dict[str, Any]:
         for d in snap.replicas(model)
         if d.level is not Level.COLD and replica in (None, d.replica)
     ]
-    results = []
-    for dep in targets:
-        level = registry.evict(dep.replica)
-        if dep.queue:
-            app.send_task("gpufleet.sync", queue=dep.queue)
-        results.append({"replica": dep.replica, "level": level.value})
+    started = [(dep.replica, registry.evict(dep.replica)) for dep in targets]
+    results = [
+        {"replica": r, "level": registry.wait_settled(r, EVICT_WAIT_S).value}
+        if level in LEAVING
+        else {"replica": r, "level": level.value}
+        for r, level in started
+    ]
     return {"model": model, "evicted": results}
 
 

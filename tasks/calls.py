@@ -26,12 +26,22 @@ class Call:
     lease_id: str = ""
     lease_deadline_ms: int = 0
     hops: int = 0  # how many times it was routed again after its replica left
+    epoch: int = 0  # the placement of `replica` it was routed to (0: whichever is current)
 
     @property
     def lease(self) -> Lease | None:
         if not self.lease_id:
             return None
-        return Lease(self.lease_id, self.model, self.replica, "", "", {}, self.lease_deadline_ms)
+        return Lease(
+            self.lease_id,
+            self.model,
+            self.replica,
+            "",
+            "",
+            {},
+            self.lease_deadline_ms,
+            self.epoch,
+        )
 
     def to(self, queue: str) -> Signature:
         """`gpufleet.run` of this call on a GPU worker's queue; its lease rides in a header
@@ -54,4 +64,6 @@ class Call:
         return cls(**data)
 
     def with_lease(self, lease: Lease) -> Call:
-        return replace(self, lease_id=lease.id, lease_deadline_ms=lease.deadline_ms)
+        return replace(
+            self, lease_id=lease.id, lease_deadline_ms=lease.deadline_ms, epoch=lease.epoch
+        )

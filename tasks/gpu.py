@@ -1,16 +1,17 @@
-"""The GPU worker's tasks: serve calls, load replicas, and follow the ledger.
+"""The GPU worker's Celery side: bind a `worker.node.GpuWorker` to a prefork pool child.
 
 One Celery worker per GPU, prefork with concurrency 1: the parent answers control
 commands and Flower while the child holds the models. The child registers its GPU
-and starts its heartbeat in `worker_process_init` (one Redis call; models load lazily,
-on the first call or `gpufleet.load`). Whatever the ledger says about a replica wins:
-before each load the worker offloads or drops what the ledger moved away (`sync`).
+and starts its keeper in `worker_process_init` (a few Redis calls; models load when the
+ledger places them here). The keeper follows the ledger on its own thread, so an
+eviction or a load never waits behind the calls in this worker's queue.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
 import threading
 import time
 from typing import Any
@@ -26,125 +27,17 @@ from placement.errors import (
     RegistryError,
 )
 from placement.memory import parse_size
-from placement.state import Level
 from tasks import context
 from tasks.app import app
 from tasks.calls import Call
 from tasks.routing import gpu_queue
 from worker.devices import Device, discover
-from worker.lifecycle import WorkerLease, default_host, make_worker_id
-from worker.residency import ResidencyManager
+from worker.lifecycle import default_host, default_lineage
+from worker.node import GpuWorker
 
 log = logging.getLogger(__name__)
 
 MAX_HOPS = 3  # re-routes of one call before it fails
-
-
-class GpuWorker:
-    """This process's GPU(s), lease, and resident models."""
-
-    def __init__(self, devices: list[Device], host: str, visible: list[Device]) -> None:
-        self.host = host
-        self.devices = devices
-        self.worker_id = make_worker_id(host, devices)
-        self.queue = gpu_queue(host, [d.index for d in devices])
-        self.registry = context.registry()
-        # It owns `devices` in the ledger, but may load onto any GPU of its host: a split
-        # model's shards, or a warm copy it holds, restored where the plan says.
-        self.manager = ResidencyManager(visible, host, registry=self.registry)
-        self.lost = threading.Event()
-        self.lease = WorkerLease(
-            self.registry,
-            self.worker_id,
-            host,
-            self.queue,
-            devices,
-            warm_budget=_warm_budget(),
-            lease_ms=int(os.environ.get("GPUFLEET_WORKER_LEASE_MS", "15000")),
-            on_lost=self.lost.set,
-        )
-
-    def start(self) -> None:
-        """Register before taking any call (a few Redis round trips); if the GPU is still
-        owned by someone else, keep trying in the background."""
-        if self._register():
-            return
-
-        def retry() -> None:
-            while not self._register():
-                time.sleep(1.0)
-
-        threading.Thread(target=retry, name="gpufleet-register", daemon=True).start()
-
-    def _register(self) -> bool:
-        try:
-            self._reap_predecessors()
-            self.lease.start()
-        except (GpuOwnedError, RegistryError) as exc:
-            log.warning("cannot register yet (%s); retrying", exc)
-            return False
-        log.info("worker %s owns %s (queue %s)", self.worker_id, self.lease.gpu_ids, self.queue)
-        return True
-
-    def _reap_predecessors(self) -> None:
-        """A worker that held our GPUs and our queue before us is dead: this process
-        replaced it. Release it now instead of waiting out its lease, so calls for its
-        replicas are re-routed at once rather than bounced back to this queue."""
-        for device in self.devices:
-            gpu = self.registry.gpu(device.gpu_id(self.host))
-            if gpu and gpu.worker and gpu.worker != self.worker_id and gpu.queue == self.queue:
-                log.info("releasing %s, the previous worker on %s", gpu.worker, self.queue)
-                self.registry.reap(gpu.worker, force=True)
-
-    def ensure(self, replica: str, model: str) -> float:
-        """Make `replica` HOT here as the ledger planned it; return the load time in ms."""
-        if self.lost.is_set():
-            self.lost.clear()
-            self.manager.drop_all()  # the lease lapsed: the ledger already marked them COLD
-        held = self.manager.residents.get(replica)
-        if held is not None and not held.warm:
-            return 0.0
-        record = self.registry.deployment(replica)
-        if (
-            record is None
-            or record.worker != self.worker_id
-            or record.level
-            not in (
-                Level.LOADING,
-                Level.HOT,
-            )
-        ):
-            raise EvictedError(f"replica {replica} of {model} is not planned on this worker")
-        self.sync()
-        start = time.perf_counter()
-        try:
-            if held is not None:
-                self.manager.restore(replica, record.gpus, record.limit)
-            else:
-                self.manager.load(context.catalog().get(model), replica, record.gpus, record.limit)
-        except Exception as exc:
-            # Give the bytes back: a replica that cannot load must not stay LOADING.
-            self.manager.abandon(replica, exc)
-            self.registry.evict(replica, to=Level.COLD)
-            raise
-        if not self.registry.confirm(replica, self.worker_id):
-            self.manager.drop(replica)  # evicted while it loaded: route the call again
-            raise EvictedError(f"replica {replica} of {model} was evicted while loading")
-        return (time.perf_counter() - start) * 1000
-
-    def sync(self) -> None:
-        """Offload or drop every replica the ledger no longer keeps HOT on this worker."""
-        for replica in list(self.manager.residents):
-            warm_here = self.manager.residents[replica].warm
-            record = self.registry.deployment(replica)
-            if record is None or record.worker != self.worker_id or record.level is Level.COLD:
-                self.manager.drop(replica)
-            elif record.level is Level.WARM and not warm_here:
-                self.manager.offload(replica)
-
-    def stop(self) -> None:
-        self.lease.stop()
-        self.manager.drop_all()
 
 
 class _Process:
@@ -167,10 +60,7 @@ def serve(task: Task, call: Call) -> dict[str, Any]:
     worker = this_worker()
     started = int(time.time() * 1000)
     try:
-        load_ms = worker.ensure(call.replica, call.model)
-        compute_start = time.perf_counter()
-        outputs = worker.manager.infer(call.replica, call.inputs, call.params)
-        compute_ms = (time.perf_counter() - compute_start) * 1000
+        served = worker.serve(call.replica, call.epoch, call.inputs, call.params)
     except EvictedError:
         if call.hops >= MAX_HOPS:
             raise
@@ -182,18 +72,17 @@ def serve(task: Task, call: Call) -> dict[str, Any]:
                 worker.registry.finish(call.lease)
             except GpufleetError:  # the lease expires on its own; the answer stands
                 log.warning("could not end lease %s", call.lease.id, exc_info=True)
-    resident = worker.manager.residents[call.replica]
     return {
         "model": call.model,
         "replica": call.replica,
-        "gpus": sorted(resident.slots),
+        "gpus": served.gpus,
         "worker": worker.worker_id,
         "cache": call.cache,
-        "outputs": outputs,
+        "outputs": served.outputs,
         "timings_ms": {
             "queue": max(0, started - call.sent_ms),
-            "load": round(load_ms, 3),
-            "compute": round(compute_ms, 3),
+            "load": round(served.load_ms, 3),
+            "compute": round(served.compute_ms, 3),
         },
     }
 
@@ -202,21 +91,6 @@ def serve(task: Task, call: Call) -> dict[str, Any]:
 def run(self: Task, call: dict[str, Any]) -> dict[str, Any]:
     """A call the router handed to this worker (internal)."""
     return serve(self, Call.from_json(call))
-
-
-@app.task(name="gpufleet.load")
-def load(replica: str, model: str) -> dict[str, Any]:
-    """Load a replica the router placed here, before any call needs it (internal)."""
-    worker = this_worker()
-    return {"replica": replica, "load_ms": worker.ensure(replica, model)}
-
-
-@app.task(name="gpufleet.sync")
-def sync() -> dict[str, Any]:
-    """Follow the ledger: offload or drop replicas moved away from this worker (internal)."""
-    worker = this_worker()
-    worker.sync()
-    return {"residents": worker.manager.summary(), "devices": worker.manager.device_memory()}
 
 
 def _warm_budget() -> int:
@@ -246,13 +120,33 @@ def _own_devices() -> list[Device]:
 
 @worker_init.connect
 def _check(**_: Any) -> None:
-    """Refuse to start a GPU worker that would own no GPU (the parent, before any fork)."""
-    if context.role() == "gpu":
-        try:
-            _own_devices()  # NVML only: no CUDA context in the parent
-        except ConfigError as exc:
-            # Celery logs and ignores exceptions of signal handlers; SystemExit stops it.
-            raise SystemExit(f"gpufleet worker cannot start: {exc}") from exc
+    """Refuse to start a GPU worker that would own no GPU, or GPUs that a live worker of
+    another fleet process owns on this registry (the parent, before any fork)."""
+    if context.role() != "gpu":
+        return
+    try:
+        devices = _own_devices()  # NVML only: no CUDA context in the parent
+        _check_owners(devices)
+    except (ConfigError, GpuOwnedError) as exc:
+        # Celery logs and ignores exceptions of signal handlers; SystemExit stops it.
+        raise SystemExit(f"gpufleet worker cannot start: {exc}") from exc
+
+
+def _check_owners(devices: list[Device]) -> None:
+    registry = context.registry()
+    mine = default_lineage(parent=True)
+    try:
+        for device in devices:
+            owner = registry.owner(device.gpu_id(default_host()))
+            if owner is not None and owner[1] != mine:
+                raise GpuOwnedError(
+                    f"GPU {device.gpu_id(default_host())} is owned by live worker {owner[0]} "
+                    f"of fleet {registry.keys.fleet!r} on this Redis. Stop that worker, or "
+                    f"run this one as another fleet (GPUFLEET_FLEET) or, for simulated "
+                    f"GPUs, as another host (GPUFLEET_HOST)"
+                )
+    except RegistryError as exc:
+        log.warning("cannot check who owns the GPUs yet (%s); the pool child will", exc)
 
 
 @worker_process_init.connect
@@ -260,12 +154,52 @@ def _start(**_: Any) -> None:
     if context.role() != "gpu":
         return
     try:
-        _process.worker = GpuWorker(_own_devices(), default_host(), discover())
-        _process.worker.start()
+        devices = _own_devices()
+        host = default_host()
+        _process.worker = GpuWorker(
+            context.registry(),
+            devices,
+            discover(),
+            host,
+            gpu_queue(host, [d.index for d in devices]),
+            spec_of=lambda model: context.catalog().get(model),
+            warm_budget=_warm_budget(),
+            lease_ms=int(os.environ.get("GPUFLEET_WORKER_LEASE_MS", "15000")),
+            lineage=default_lineage(),
+        )
     except Exception:
         # Celery would log this and keep a child that fails every call: exit instead.
         log.critical("GPU worker process cannot start", exc_info=True)
         os._exit(1)
+    _register(_process.worker)
+
+
+def _register(worker: GpuWorker) -> None:
+    """Register before taking any call (`worker_process_init` must return within 4 s, so
+    while Redis is unreachable it keeps trying in the background). A GPU owned by another
+    fleet's live worker stops the whole Celery worker: two fleets must never consume the
+    same queues."""
+    if _try_register(worker):
+        return
+
+    def retry() -> None:
+        while not _try_register(worker):
+            time.sleep(1.0)
+
+    threading.Thread(target=retry, name="gpufleet-register", daemon=True).start()
+
+
+def _try_register(worker: GpuWorker) -> bool:
+    try:
+        worker.start()
+    except GpuOwnedError as exc:
+        log.critical("gpufleet worker cannot start: %s", exc)
+        os.kill(os.getppid(), signal.SIGTERM)  # the pool's main process: stop it all
+        os._exit(1)
+    except RegistryError as exc:
+        log.warning("cannot register yet (%s); retrying", exc)
+        return False
+    return True
 
 
 @worker_process_shutdown.connect

@@ -21,7 +21,7 @@ from pathlib import Path
 from placement.errors import ConfigError
 from placement.redis_server import RedisServer, die_with_parent_preexec
 from placement.registry import Registry
-from tasks.config import ROUTER_QUEUE
+from tasks.config import ROUTER_QUEUE, safe_url
 from tasks.routing import gpu_queue
 from worker.devices import Device, discover
 from worker.lifecycle import default_host
@@ -62,6 +62,7 @@ class Fleet:
         os.environ.update(GPUFLEET_REDIS_URL=self.redis_url, GPUFLEET_FLEET=self.fleet)
         simulated = self.sim_gpus or os.environ.get("GPUFLEET_SIM_GPUS")
         self.devices = discover(simulated or DEFAULT_SIM_GPUS, simulate=bool(simulated))
+        self._check_owners()
         metrics = {"GPUFLEET_METRICS_PORT": str(self.metrics_port)} if self.metrics_port else {}
         self._spawn(
             "router",
@@ -70,16 +71,39 @@ class Fleet:
             GPUFLEET_METRICS_ADDR="127.0.0.1",
             **metrics,
         )
+        run = secrets.token_hex(4)  # this launcher's workers replace only each other
         for d in self.devices:
             queue = gpu_queue(self.host, [d.index])
             args = ["-Q", queue, "-n", f"gpu{d.index}@{self.host}", "-c", "1", "-P", "prefork"]
-            self._spawn(f"gpu{d.index}", args, "gpu", GPUFLEET_WORKER_GPUS=str(d.index))
+            lineage = f"up-{run}-gpu{d.index}"
+            self._spawn(
+                f"gpu{d.index}",
+                args,
+                "gpu",
+                GPUFLEET_WORKER_GPUS=str(d.index),
+                GPUFLEET_LINEAGE=lineage,
+            )
         if self.flower:
             self.flower_auth = self.flower_auth or f"gpufleet:{secrets.token_urlsafe(12)}"
             flower = [sys.executable, "-m", "celery", "-A", "tasks.app", "flower"]
             flower += ["--address=127.0.0.1", f"--port={self.flower_port}"]
             # Credentials in the environment, not on the command line `ps` shows.
             self._popen("flower", flower, self._env("client", FLOWER_BASIC_AUTH=self.flower_auth))
+
+    def _check_owners(self) -> None:
+        """Refuse to start on GPUs that live workers of this fleet own on this registry
+        (another `gpufleet up` with the same host name, fleet and Redis)."""
+        registry = Registry.from_url(self.redis_url, self.fleet)
+        for d in self.devices:
+            owner = registry.owner(d.gpu_id(self.host))
+            if owner is not None:
+                raise ConfigError(
+                    f"GPU {d.gpu_id(self.host)} is owned by live worker {owner[0]} of fleet "
+                    f"{self.fleet!r} on {safe_url(self.redis_url)}: another gpufleet runs "
+                    f"here. Stop it, or start this one as a second fleet with "
+                    f"GPUFLEET_FLEET=<name> (or, for simulated GPUs, GPUFLEET_HOST=<name>)"
+                )
+        registry.client.close()
 
     def _env(self, role: str, **extra: str) -> dict[str, str]:
         env = {

@@ -41,6 +41,7 @@ def header(lease: Lease) -> dict[str, Any]:
         "id": lease.id,
         "replica": lease.replica,
         "deadline_ms": lease.deadline_ms,
+        "epoch": lease.epoch,
         "sent_ms": int(time.time() * 1000),
     }
 
@@ -49,7 +50,16 @@ def from_header(model: str, value: Any) -> Lease | None:
     """The lease a message carries, or None when it carries none."""
     if not isinstance(value, dict) or not value.get("id") or not value.get("replica"):
         return None
-    return Lease(value["id"], model, value["replica"], "", "", {}, int(value["deadline_ms"]))
+    return Lease(
+        value["id"],
+        model,
+        value["replica"],
+        "",
+        "",
+        {},
+        int(value["deadline_ms"]),
+        int(value.get("epoch") or 0),
+    )
 
 
 def hold(lease: Lease) -> None:

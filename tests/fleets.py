@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import replace
 
-from placement.state import Deployment, Gpu, Host, Level, Snapshot
+from placement.state import ON_DEVICE, RESERVING, Deployment, Gpu, Host, Level, Snapshot
 
 GiB = 2**30
 GB = 10**9
@@ -79,10 +80,13 @@ def fleet(
     deps = {d.replica: d for d in deployments}
     by_gpu = {g.id: g for g in gpus}
     for d in deps.values():
-        if d.level is not Level.WARM:
-            for gpu_id, nbytes in d.gpus.items():
-                g = by_gpu[gpu_id]
-                by_gpu[gpu_id] = Gpu(**{**g.__dict__, "reserved": g.reserved + nbytes})
+        for gpu_id, nbytes in d.gpus.items():
+            g = by_gpu[gpu_id]
+            by_gpu[gpu_id] = replace(
+                g,
+                reserved=g.reserved + nbytes * (d.level in RESERVING),
+                held=g.held + nbytes * (d.level in ON_DEVICE),
+            )
     host_map = {h.name: h for h in hosts}
     for d in deps.values():
         if d.level is Level.WARM:
@@ -92,6 +96,6 @@ def fleet(
             )
     active: dict[str, int] = {}
     for d in deps.values():
-        if d.level in (Level.HOT, Level.LOADING, Level.DRAINING):
+        if d.level in RESERVING:
             active[d.model] = active.get(d.model, 0) + 1
     return Snapshot(gpus=by_gpu, deployments=deps, hosts=host_map, now_ms=NOW, active=active)

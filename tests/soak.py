@@ -29,6 +29,10 @@ names the rule it broke:
 - `pick_problems` and `liveness_problems`: leases were taken only on HOT replicas of
   live workers, and replicas placed only on live workers;
 - `shutdown_leaks`: once every worker is reaped, no byte, lease or owner is left.
+
+Each child also plays its worker's keeper (`keep`): it admits its WAITING placements,
+confirms its LOADING ones and settles its OFFLOADING and DROPPING ones, some at once and
+some after a pause, and now and then fails a load or loses a HOT copy.
 """
 
 from __future__ import annotations
@@ -54,10 +58,11 @@ from placement.errors import (
     LeaseLostError,
     PlanRejectedError,
     RegistryError,
+    SettlingError,
 )
 from placement.registry import Lease, Registry
 from placement.settings import PolicySettings
-from placement.state import ON_GPU, Candidate, Demand, Gpu, Level, Snapshot
+from placement.state import RESERVING, Candidate, Demand, Deployment, Gpu, Level, Snapshot
 
 GiB = 2**30
 
@@ -255,7 +260,7 @@ class _Child:
         self.expiring_until = 0.0  # monotonic time after which our lapsed lease is reaped
         self.next_expiry = 0.0
         self.held: list[tuple[Lease, LeaseRecord]] = []
-        self.pending: list[tuple[float, str, str]] = []  # (due, replica, worker) to confirm
+        self.due: dict[tuple[str, int, Level], float] = {}  # a pending move -> when we do it
 
     # worker lifecycle
 
@@ -363,7 +368,10 @@ class _Child:
             demand = self.rng.choice(CATALOG)
         self.reg.stale = snap
         try:
-            plan = self.reg.place(demand, SETTINGS, self.rng)
+            plan = self.reg.place(demand, SETTINGS, self.rng, settle_wait_s=0.2)
+        except SettlingError:
+            self.counts["deploy:settling"] += 1
+            return
         except CantAccommodateError:
             self.counts["deploy:cant"] += 1
             return
@@ -376,18 +384,52 @@ class _Child:
         self.counts[f"deploy:{plan.candidate.name}"] += 1
         if plan.evictions:
             self.counts["deploy:with_evictions"] += 1
-        # Most loads finish at once; some stay LOADING for a while.
-        delay = 0.0 if self.rng.random() < 0.7 else self.rng.uniform(0.02, 0.3)
-        self.pending.append((time.monotonic() + delay, plan.replica, plan.worker))
-        self.confirm_due()
+        self.keep()
 
-    def confirm_due(self) -> None:
+    def keep(self) -> None:
+        """Do our worker's part, as its keeper would: admit what waits for the device,
+        confirm loads, settle offloads and drops. Most moves happen at once, some after a
+        while; now and then a load fails or a HOT copy turns out lost. A worker that
+        stopped heartbeating (a deliberate expiry) is paused and does nothing."""
+        if not self.alive or not self.worker:
+            return
         now = time.monotonic()
-        due = [p for p in self.pending if p[0] <= now]
-        self.pending = [p for p in self.pending if p[0] > now]
-        for _, replica, worker in due:
-            ok = self.reg.confirm(replica, worker)
+        seen: set[tuple[str, int, Level]] = set()
+        for replica in self.reg.replicas_of(self.worker):
+            dep = self.reg.deployment(replica)
+            if dep is None or dep.worker != self.worker:
+                continue
+            key = (replica, dep.epoch, dep.level)
+            seen.add(key)
+            if key not in self.due:
+                later = self.rng.random() >= 0.7
+                self.due[key] = now + (self.rng.uniform(0.02, 0.3) if later else 0.0)
+            if self.due[key] > now:
+                continue
+            self.move(dep)
+        self.due = {k: t for k, t in self.due.items() if k in seen}
+
+    def move(self, dep: Deployment) -> None:
+        """The GPU work one pending move of our worker needs, then its confirmation."""
+        if dep.level is Level.WAITING:
+            admitted = self.reg.admit(dep)
+            self.counts["admit:ok" if admitted is Level.LOADING else "admit:full"] += 1
+        elif dep.level is Level.LOADING:
+            if self.rng.random() < 0.02:
+                self.settle(dep, "failed")
+                return
+            ok = self.reg.confirm(dep.replica, self.worker, dep.epoch)
             self.counts["confirm:ok" if ok else "confirm:gone"] += 1
+        elif dep.level is Level.OFFLOADING:
+            self.settle(dep, "dropped" if self.rng.random() < 0.1 else "offloaded")
+        elif dep.level is Level.DROPPING:
+            self.settle(dep, "dropped")
+        elif dep.level is Level.HOT and self.rng.random() < 0.002:
+            self.settle(dep, "lost")
+
+    def settle(self, dep: Deployment, outcome: str) -> None:
+        level = self.reg.settle(dep, outcome)
+        self.counts[f"settle:{outcome}->{level.value if level else 'refused'}"] += 1
 
     def route(self) -> None:
         model = self.rng.choice(MODELS)
@@ -434,7 +476,7 @@ class _Child:
         if snap is self.before_expiry and self.rng.random() < 0.7:
             # The replicas we held then: released since, maybe placed again elsewhere.
             deps = [d for d in deps if d.host == self.host] or deps
-        on_gpu = [d for d in deps if d.level in ON_GPU]
+        on_gpu = [d for d in deps if d.level in RESERVING]
         warm = [d for d in deps if d.level is Level.WARM]
         pool = warm if warm and (not on_gpu or self.rng.random() < 0.15) else on_gpu
         if not pool:
@@ -476,7 +518,7 @@ class _Child:
         end = began + self.cfg.seconds
         while time.monotonic() < end:
             self.tend_worker()
-            self.confirm_due()
+            self.keep()
             op = self.rng.choices(ops, weights)[0]
             if op == "heartbeat":
                 if self.alive:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from placement.audit import audit
 from placement.registry import Registry
-from placement.state import ON_GPU, Level, Snapshot
+from placement.state import Level, Snapshot
 from tests.soak import DEDICATED, REPLICAS, WORKER_LEASE_MS, LeaseRecord
 
 
@@ -133,7 +133,12 @@ def replay_problems(
             host = host_of(e.get("gpus", ""))
             if kind == "restored" and cur and cur.host != host:
                 bad(e, f"restored on another host than its warm copy's ({cur.host})")
-            state[replica] = _Replayed(Level.LOADING, e["worker"], host)
+            state[replica] = _Replayed(Level(e["level"]), e["worker"], host)
+        elif kind == "admitted":
+            if level is not Level.WAITING or (cur and cur.worker != e["worker"]):
+                bad(e, f"admitted a replica that was {level}")
+            if cur:
+                cur.level = Level.LOADING
         elif kind == "ready":
             if level is not Level.LOADING or (cur and cur.worker != e["worker"]):
                 bad(e, f"ready a replica that was {level}")
@@ -145,12 +150,20 @@ def replay_problems(
             if cur:
                 cur.level = Level.DRAINING
         elif kind == "evicted":
-            allowed = (Level.HOT,) if e.get("cause") == "pressure" else tuple(ON_GPU)
-            if level not in allowed:
+            after = _evicted_to(level, e)
+            if after is None:
                 bad(e, f"evicted ({e.get('cause')}) a replica that was {level}")
-            if cur:
-                cur.level = Level(e["to"])
-                if cur.level is Level.COLD:
+            elif cur:
+                cur.level = after
+                if after is Level.COLD:
+                    cur.worker = cur.host = ""
+        elif kind == "settled":
+            after = _settled_to(level, e.get("outcome", ""))
+            if after is None or (cur and cur.worker != e["worker"]):
+                bad(e, f"settled ({e.get('outcome')}) a replica that was {level}")
+            elif cur:
+                cur.level = after
+                if after is Level.COLD:
                     cur.worker = cur.host = ""
         elif kind == "dropped":
             if level is not Level.WARM:
@@ -182,6 +195,37 @@ def replay_problems(
         for r in set(state) - set(snap.deployments):
             problems.append(f"events know replica {r}, the registry does not")
     return problems, timeline
+
+
+def _evicted_to(level: Level | None, e: Mapping[str, str]) -> Level | None:
+    """Where an eviction takes a replica (evict.lua, commit.lua), or None if illegal."""
+    to_warm = e.get("to") == Level.WARM.value
+    if e.get("cause") == "pressure":
+        if level is not Level.HOT:
+            return None
+        return Level.OFFLOADING if to_warm else Level.DROPPING
+    if level in (Level.HOT, Level.DRAINING):
+        return Level.OFFLOADING if to_warm else Level.DROPPING
+    if level is Level.WAITING and not to_warm:
+        return Level.COLD
+    if level in (Level.LOADING, Level.OFFLOADING) and not to_warm:
+        return Level.DROPPING
+    return None
+
+
+_SETTLES: dict[str, tuple[frozenset[Level], Level]] = {
+    "offloaded": (frozenset({Level.OFFLOADING}), Level.WARM),
+    "dropped": (frozenset({Level.OFFLOADING, Level.DROPPING}), Level.COLD),
+    "failed": (frozenset({Level.WAITING, Level.LOADING}), Level.COLD),
+    "lost": (frozenset({Level.HOT, Level.DRAINING, Level.WARM}), Level.COLD),
+}
+
+
+def _settled_to(level: Level | None, outcome: str) -> Level | None:
+    """Where a worker's settle takes a replica (settle.lua), or None if illegal."""
+    if outcome not in _SETTLES or level not in _SETTLES[outcome][0]:
+        return None
+    return _SETTLES[outcome][1]
 
 
 def liveness_problems(
@@ -290,8 +334,11 @@ def shutdown_leaks(reg: Registry) -> list[str]:
     snap = reg.snapshot()
     leaks = audit(snap)
     for g in snap.gpus.values():
-        if g.reserved or g.worker:
-            leaks.append(f"GPU {g.id} still reserves {g.reserved} bytes for {g.worker!r}")
+        if g.reserved or g.held or g.worker:
+            leaks.append(
+                f"GPU {g.id} still reserves {g.reserved} and holds {g.held} bytes "
+                f"for {g.worker!r}"
+            )
     for h in snap.hosts.values():
         if h.warm_used:
             leaks.append(f"host {h.name} still counts {h.warm_used} warm bytes")

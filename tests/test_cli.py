@@ -25,7 +25,7 @@ def populate(reg: Registry) -> str:
         gpu = Gpu(id=f"h0:{i}", host="h0", index=i, name="Sim 8GiB", total=8 * GiB)
         reg.register_worker(f"w{i}", "h0", f"q{i}", [gpu], warm_budget=2 * GiB)
     plan = reg.place(Demand("sim-1g", size=GiB), rng=random.Random(0))
-    reg.confirm(plan.replica, plan.worker)
+    reg.confirm(plan.replica, plan.worker, plan.epoch)
     return plan.replica
 
 

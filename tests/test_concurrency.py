@@ -27,6 +27,7 @@ import pytest
 from placement.audit import audit
 from placement.registry import Registry
 from placement.state import Demand, Gpu, Level, Snapshot
+from tests.acting import evict_now, make_hot, settle_leaving
 from tests.soak import EVENTS_MAXLEN, SoakResult, run_soak
 from tests.soak_checks import ownership_problems
 
@@ -50,6 +51,8 @@ MINIMUM_EVENTS = {
     "released": 10,
     "placed:multi-gpu": 3,
     "placed:across-workers": 1,
+    "admitted": 3,
+    "settled": 100,
 }
 MINIMUM_OUTCOMES = {
     "route:ok": 300,
@@ -63,6 +66,9 @@ MINIMUM_OUTCOMES = {
     "deploy:own_gpus": 20,
     "stale:used": 100,
     "stale:before_expiry": 20,
+    "settle:offloaded->WARM": 25,
+    "settle:dropped->COLD": 10,
+    "confirm:ok": 150,
 }
 
 
@@ -135,9 +141,7 @@ def sim_gpu(gpu_id: str, total: int = 8 * GiB) -> Gpu:
 
 
 def place_hot(reg: Registry, demand: Demand) -> str:
-    plan = reg.place(demand, rng=random.Random(0))
-    assert reg.confirm(plan.replica, plan.worker)
-    return plan.replica
+    return make_hot(reg, reg.place(demand, rng=random.Random(0)))
 
 
 def stale_first(reg: Registry, stale: Snapshot) -> Callable[[], Snapshot]:
@@ -171,8 +175,9 @@ def test_a_stale_explicit_evict_does_not_let_a_dead_workers_reap_release_a_live_
     assert place_hot(reg, model) == replica  # the COLD record is reused on the same GPU
 
     monkeypatch.setattr(reg, "snapshot", stale_first(reg, stale))
-    assert reg.evict(replica, to=Level.COLD) is Level.COLD
+    assert reg.evict(replica, to=Level.COLD) is Level.DROPPING
     monkeypatch.undo()
+    settle_leaving(reg)
     links = ownership_problems(reg)
 
     time.sleep(0.4)  # w2's lease lapses; the model goes to a new worker w3
@@ -201,17 +206,18 @@ def test_a_stale_explicit_drop_of_a_warm_copy_debits_the_host_that_holds_it(
     model = Demand("m", size=GiB)
     reg.register_worker("w1", "h0", "q1", [sim_gpu("h0:0")], warm_budget=4 * GiB)
     replica = place_hot(reg, model)
-    assert reg.evict(replica) is Level.WARM
+    assert evict_now(reg, replica) is Level.WARM
     stale = reg.snapshot()
-    assert reg.evict(replica, to=Level.COLD) is Level.COLD
+    assert evict_now(reg, replica, to=Level.COLD) is Level.COLD
     reg.reap("w1", force=True)
     reg.register_worker("w2", "h1", "q2", [sim_gpu("h1:0")], warm_budget=4 * GiB)
     assert place_hot(reg, model) == replica
-    assert reg.evict(replica) is Level.WARM  # now WARM on h1
+    assert evict_now(reg, replica) is Level.WARM  # now WARM on h1
 
     monkeypatch.setattr(reg, "snapshot", stale_first(reg, stale))
     reg.evict(replica, to=Level.COLD)
     monkeypatch.undo()
+    settle_leaving(reg)
 
     assert audit(reg.snapshot()) == []
 
@@ -225,5 +231,5 @@ def test_offloading_a_replica_that_is_already_warm_keeps_it_warm(reg: Registry) 
     model = Demand("m", size=3 * GiB)
     reg.register_worker("w1", "h0", "q1", [sim_gpu("h0:0", 16 * GiB)], warm_budget=4 * GiB)
     replica = place_hot(reg, model)
-    assert reg.evict(replica) is Level.WARM
-    assert reg.evict(replica) is Level.WARM
+    assert evict_now(reg, replica) is Level.WARM
+    assert evict_now(reg, replica) is Level.WARM

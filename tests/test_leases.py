@@ -31,7 +31,7 @@ def registry(redis_url: str, fleet: str, monkeypatch: pytest.MonkeyPatch) -> Ite
         "w0", "h0", "q0", [Gpu(id="h0:0", host="", index=0, name="Sim", total=8 * GiB)]
     )
     plan = reg.place(Demand("m", size=GiB), rng=random.Random(0))
-    assert reg.confirm(plan.replica, plan.worker)
+    assert reg.confirm(plan.replica, plan.worker, plan.epoch)
     yield reg
     leases.take()
     for cached in (context.settings, context.registry, context.policy):
@@ -71,8 +71,9 @@ def test_the_publish_hook_adds_the_lease_next_to_the_callers_own_headers(
     before_task_publish.send(sender="gpufleet.infer", body=None, headers=headers)
     assert headers["trace"] == "t-1"
     assert leases.from_header("m", headers[leases.HEADER]) == Lease(
-        lease.id, "m", lease.replica, "", "", {}, lease.deadline_ms
+        lease.id, "m", lease.replica, "", "", {}, lease.deadline_ms, lease.epoch
     )
+    assert lease.epoch == 1  # the call carries the placement it pins
     assert leases.take() is None  # attached once, to this message only
 
 

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -50,9 +50,9 @@ class FlakyRegistry(Registry):
             self.refused += 1
             raise RegistryError("registry unreachable: connection refused (simulated)")
 
-    def heartbeat(self, worker: str, gpu_ids: Iterable[str], lease_ms: int = 15_000) -> int:
+    def heartbeat(self, *args: Any, **kwargs: Any) -> int:
         self._check()
-        return super().heartbeat(worker, gpu_ids, lease_ms)
+        return super().heartbeat(*args, **kwargs)
 
     def register_worker(self, *args: Any, **kwargs: Any) -> int:
         self._check()
@@ -127,7 +127,7 @@ def alive_gpus(reg: Registry, worker: str) -> list[str]:
 
 def place_hot(reg: Registry) -> str:
     plan = reg.place(Demand(model="m", size=GiB), rng=random.Random(0))
-    assert reg.confirm(plan.replica, plan.worker)
+    assert reg.confirm(plan.replica, plan.worker, plan.epoch)
     return plan.replica
 
 

@@ -30,7 +30,7 @@ def reg(redis_url: str, fleet: str) -> Iterator[Registry]:
         gpu = Gpu(id=f"h0:{i}", host="h0", index=i, name="Sim 8GiB", total=8 * GiB)
         registry.register_worker(f"w{i}", "h0", f"{fleet}.q{i}", [gpu], warm_budget=2 * GiB)
     plan = registry.place(Demand("m", size=GiB), rng=random.Random(0))
-    assert registry.confirm(plan.replica, plan.worker)
+    assert registry.confirm(plan.replica, plan.worker, plan.epoch)
     yield registry
     registry.client.close()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import replace
@@ -12,14 +13,21 @@ import pytest
 import redis
 
 from placement.audit import audit
-from placement.errors import GpuOwnedError, LeaseLostError, PlanRejectedError, RegistryError
+from placement.errors import (
+    GpuOwnedError,
+    LeaseLostError,
+    PlanRejectedError,
+    RegistryError,
+    SettlingError,
+)
 from placement.keys import Keys
-from placement.ledger import apply_plan
+from placement.ledger import apply_plan, settle_all
 from placement.policy import plan_replica
 from placement.redis_server import RedisServer
 from placement.registry import Registry
 from placement.scripts import NAMES, scripts_for
-from placement.state import Candidate, Demand, Gpu, Level
+from placement.state import Candidate, Demand, Gpu, Holding, Level
+from tests.acting import make_hot, settle_leaving
 from tests.fleets import GiB
 
 LEASE_MS = 60_000
@@ -47,9 +55,7 @@ def two_gpus(reg: Registry) -> Registry:
 
 
 def place_hot(reg: Registry, demand: Demand, seed: int = 0) -> str:
-    plan = reg.place(demand, rng=random.Random(seed))
-    assert reg.confirm(plan.replica, plan.worker)
-    return plan.replica
+    return make_hot(reg, reg.place(demand, rng=random.Random(seed)))
 
 
 # --- workers and leases ------------------------------------------------------------
@@ -115,7 +121,7 @@ def test_a_placed_replica_loads_then_serves_after_confirmation(two_gpus: Registr
     snap = reg.snapshot()
     assert snap.deployments[plan.replica].level is Level.LOADING
     assert reg.pick("m") is None  # not ready yet
-    assert reg.confirm(plan.replica, plan.worker)
+    assert reg.confirm(plan.replica, plan.worker, plan.epoch)
     lease = reg.pick("m")
     assert lease is not None and lease.replica == plan.replica
     assert lease.queue == snap.gpus[next(iter(plan.gpus))].queue
@@ -190,7 +196,8 @@ def test_a_plan_for_a_gpu_whose_lease_expired_is_rejected(reg: Registry) -> None
 def test_an_evicted_replica_goes_warm_and_is_restored_under_the_same_id(two_gpus: Registry) -> None:
     reg = two_gpus
     replica = place_hot(reg, Demand("m", size=GiB))
-    assert reg.evict(replica) is Level.WARM
+    assert reg.evict(replica) is Level.OFFLOADING  # until its worker moved it
+    settle_leaving(reg)
     snap = reg.snapshot()
     assert snap.hosts["h0"].warm_used == GiB
     assert all(g.reserved == 0 for g in snap.gpus.values())
@@ -215,7 +222,8 @@ def test_an_evict_of_a_busy_replica_drains_it_until_its_last_request_ends(
     assert lease is not None
     assert reg.evict(replica) is Level.DRAINING
     assert reg.pick("m") is None  # a draining replica takes no new requests
-    assert reg.finish(lease) is Level.WARM  # the last request out turns off the light
+    assert reg.finish(lease) is Level.OFFLOADING  # the last request out turns off the light
+    settle_leaving(reg)
     assert reg.snapshot().deployments[replica].level is Level.WARM
 
 
@@ -225,7 +233,7 @@ def test_an_expired_request_lease_no_longer_pins_its_replica(two_gpus: Registry)
     assert reg.pick("m", ttl_ms=50) is not None
     time.sleep(0.1)
     assert reg.snapshot().deployments[replica].leases == 0
-    assert reg.evict(replica) is Level.WARM
+    assert reg.evict(replica) is Level.OFFLOADING
 
 
 def test_pressure_eviction_records_why_in_the_event_stream(reg: Registry) -> None:
@@ -236,6 +244,169 @@ def test_pressure_eviction_records_why_in_the_event_stream(reg: Registry) -> Non
     assert [(e["replica"], e["cause"], e["to"], e["for"]) for e in evicted] == [
         (victim, "pressure", "WARM", newcomer.replica)
     ]
+
+
+# --- the state machine: moves wait for the worker that does them ---------------------
+
+
+def test_a_victims_bytes_stay_held_until_its_worker_settles_and_the_newcomer_waits(
+    reg: Registry,
+) -> None:
+    reg.register_worker("w0", "h0", "q0", [sim_gpu("g", 8 * GiB)], warm_budget=8 * GiB)
+    victim = place_hot(reg, Demand("v", size=2 * GiB))  # a 6 GiB slot of 8
+    plan = reg.place(Demand("m", size=GiB))  # needs 3 GiB: v must leave
+    snap = reg.snapshot()
+    assert snap.deployments[victim].level is Level.OFFLOADING
+    assert snap.deployments[plan.replica].level is Level.WAITING
+    g = snap.gpus["g"]
+    assert (g.reserved, g.held) == (3 * GiB, 6 * GiB)  # planned vs still on the device
+    waiting = snap.deployments[plan.replica]
+    assert reg.admit(waiting) is None  # v's copy still occupies the device
+    assert reg.confirm(plan.replica, "w0", plan.epoch) is False  # not admitted, not loaded
+    assert reg.settle(snap.deployments[victim], "offloaded") is Level.WARM
+    assert reg.snapshot().gpus["g"].held == 0
+    assert reg.admit(waiting) is Level.LOADING
+    assert reg.confirm(plan.replica, "w0", plan.epoch)
+    snap = reg.snapshot()
+    assert (snap.gpus["g"].reserved, snap.gpus["g"].held) == (3 * GiB, 3 * GiB)
+    assert snap.hosts["h0"].warm == {victim}
+    assert audit(snap) == []
+
+
+def test_a_placement_with_room_on_the_device_is_loading_at_once(two_gpus: Registry) -> None:
+    plan = two_gpus.place(Demand("m", size=GiB))
+    record = two_gpus.snapshot().deployments[plan.replica]
+    assert (record.level, record.epoch) == (Level.LOADING, plan.epoch)
+
+
+def test_a_worker_cannot_confirm_or_settle_a_placement_it_did_not_get(reg: Registry) -> None:
+    reg.register_worker("w0", "h0", "q0", [sim_gpu("g", 8 * GiB)], warm_budget=8 * GiB)
+    first = reg.place(Demand("m", size=GiB))
+    assert not reg.confirm(first.replica, "someone-else", first.epoch)
+    assert not reg.confirm(first.replica, "w0", first.epoch + 1)  # a later placement's
+    record = reg.snapshot().deployments[first.replica]
+    assert reg.settle(record, "offloaded") is None  # LOADING is not leaving
+    stale = replace(record, epoch=record.epoch - 1)
+    assert reg.settle(stale, "failed") is None
+    assert reg.snapshot().deployments[first.replica].level is Level.LOADING
+
+
+def test_a_failed_load_gives_every_byte_back_and_ends_its_calls_leases(reg: Registry) -> None:
+    reg.register_worker("w0", "h0", "q0", [sim_gpu("g", 8 * GiB)])
+    plan = reg.place(Demand("m", size=GiB), lease_id="call-1")
+    record = reg.snapshot().deployments[plan.replica]
+    assert record.leases == 1  # the call that caused the placement pins it
+    assert reg.settle(record, "failed") is Level.COLD
+    snap = reg.snapshot()
+    assert (snap.gpus["g"].reserved, snap.gpus["g"].held) == (0, 0)
+    assert snap.deployments[plan.replica].leases == 0
+    assert audit(snap) == []
+
+
+def test_a_copy_its_worker_does_not_hold_is_released_as_lost(two_gpus: Registry) -> None:
+    replica = place_hot(two_gpus, Demand("m", size=GiB))
+    assert two_gpus.pick("m") is not None
+    record = two_gpus.snapshot().deployments[replica]
+    assert two_gpus.settle(record, "lost") is Level.COLD
+    snap = two_gpus.snapshot()
+    assert all((g.reserved, g.held) == (0, 0) for g in snap.gpus.values())
+    assert snap.deployments[replica].leases == 0  # its calls are routed again
+    assert audit(snap) == []
+
+
+def test_an_explicit_evict_of_a_waiting_or_loading_replica(reg: Registry) -> None:
+    reg.register_worker("w0", "h0", "q0", [sim_gpu("g", 8 * GiB)], warm_budget=8 * GiB)
+    place_hot(reg, Demand("v", size=GiB))  # 3 GiB
+    loading = reg.place(Demand("a", size=GiB))  # 3 GiB more
+    assert reg.evict(loading.replica) is Level.DROPPING  # its worker may be loading it now
+    assert (reg.snapshot().gpus["g"].reserved, reg.snapshot().gpus["g"].held) == (
+        3 * GiB,
+        6 * GiB,
+    )
+    waiting = reg.place(Demand("b", size=GiB, factor=5.0))  # 5 GiB: planned, not on device
+    assert reg.snapshot().deployments[waiting.replica].level is Level.WAITING
+    assert reg.evict(waiting.replica) is Level.COLD  # nothing of it is on the device
+    settle_leaving(reg)
+    snap = reg.snapshot()
+    assert (snap.gpus["g"].reserved, snap.gpus["g"].held) == (3 * GiB, 3 * GiB)
+    assert audit(snap) == []
+
+
+def test_every_worker_a_change_concerns_is_told_on_its_control_list(reg: Registry) -> None:
+    for i in range(2):
+        reg.register_worker(f"w{i}", "h0", f"q{i}", [sim_gpu(f"g{i}", 8 * GiB, i)])
+    victim = place_hot(reg, Demand("v", size=2 * GiB, accelerator=None))
+    holder = reg.snapshot().deployments[victim].worker
+    for w in ("w0", "w1"):
+        reg.client.delete(reg.keys.control(w))
+    plan = reg.place(Demand("m", size=2 * GiB), rng=random.Random(0))
+    told = {w: reg.client.lrange(reg.keys.control(w), 0, -1) for w in ("w0", "w1")}
+    assert plan.replica in told[plan.worker]
+    if plan.evictions:
+        assert victim in told[holder]
+    assert reg.next_control(plan.worker, timeout_s=0.1) in (plan.replica, victim)
+
+
+def test_a_call_can_pin_a_placed_replica_only_in_the_epoch_it_saw(two_gpus: Registry) -> None:
+    plan = two_gpus.place(Demand("m", size=GiB))
+    held = two_gpus.hold(plan.replica, plan.epoch)
+    assert held is not None and held[1] == "cold"
+    assert two_gpus.snapshot().deployments[plan.replica].leases == 1
+    assert two_gpus.hold(plan.replica, plan.epoch + 1) is None
+
+
+def test_place_waits_for_a_leaving_copy_and_restores_it(two_gpus: Registry) -> None:
+    reg = two_gpus
+    replica = place_hot(reg, Demand("m", size=GiB))
+    assert reg.evict(replica) is Level.OFFLOADING
+    worker = threading.Timer(0.1, settle_leaving, args=(reg,))
+    worker.start()
+    plan = reg.place(Demand("m", size=GiB))  # waits for the worker, then restores
+    worker.join()
+    assert (plan.replica, plan.reuse) == (replica, Level.WARM)
+    assert plan.epoch == 2
+
+
+def test_place_gives_up_on_a_copy_that_never_settles(two_gpus: Registry) -> None:
+    replica = place_hot(two_gpus, Demand("m", size=GiB))
+    two_gpus.evict(replica)
+    with pytest.raises(SettlingError, match="OFFLOADING"):
+        two_gpus.place(Demand("m", size=GiB), settle_wait_s=0.05)
+
+
+def test_a_heartbeat_carries_what_the_worker_holds_and_the_audit_compares_it(
+    reg: Registry,
+) -> None:
+    reg.register_worker("w0", "h0", "q0", [sim_gpu("g", 8 * GiB)])
+    replica = place_hot(reg, Demand("m", size=GiB))
+    record = reg.snapshot().deployments[replica]
+    held = Holding(replica, record.epoch, Level.HOT, dict(record.gpus))
+    reg.heartbeat("w0", ["g"], holdings=[held])
+    snap = reg.snapshot()
+    assert snap.reports["w0"].holdings == (held,)
+    assert audit(snap, grace_ms=0) == []
+    reg.heartbeat("w0", ["g"], holdings=[])  # the worker lost the copy
+    problems = audit(reg.snapshot(), grace_ms=0)
+    assert len(problems) == 1 and "does not hold m replica" in problems[0]
+    stray = Holding("not-in-the-ledger", 1, Level.WARM)
+    reg.heartbeat("w0", ["g"], holdings=[held, stray])
+    (problem,) = audit(reg.snapshot(), grace_ms=0)
+    assert "holds replica not-in-the-ledger" in problem and "nobody" in problem
+
+
+def test_a_live_predecessor_of_the_same_lineage_is_replaced_any_other_refused(
+    reg: Registry,
+) -> None:
+    gpu = [sim_gpu("g", 8 * GiB)]
+    reg.register_worker("old", "h0", "q0", gpu, lineage="pool-1")
+    place_hot(reg, Demand("m", size=GiB))
+    reg.register_worker("new", "h0", "q0", gpu, lineage="pool-1")  # the pool's next child
+    snap = reg.snapshot()
+    assert snap.gpus["g"].worker == "new"
+    assert all(d.level is Level.COLD for d in snap.deployments.values())
+    with pytest.raises(GpuOwnedError, match="GPUFLEET_FLEET"):
+        reg.register_worker("intruder", "h0", "q0", gpu, lineage="another-fleet")
+    assert reg.owner("g") == ("new", "pool-1")
 
 
 def test_a_learned_measurement_sizes_the_next_placement(two_gpus: Registry) -> None:
@@ -260,19 +431,22 @@ def test_the_python_ledger_and_the_lua_scripts_agree(two_gpus: Registry) -> None
             reg.evict(plan.replica)
             continue
         expected = apply_plan(snap, plan)
-        reg.commit(plan, snap)
-        reg.confirm(plan.replica, plan.worker)
-        actual = reg.snapshot()
-        assert actual.gpus == expected.gpus, step
-        assert actual.hosts == expected.hosts, step
-        assert {r: d.level for r, d in actual.deployments.items()} == {
-            r: (Level.HOT if r == plan.replica else d.level)
-            for r, d in expected.deployments.items()
-        }
-        assert {m: c for m, c in actual.active.items() if c} == {
-            m: c for m, c in expected.active.items() if c
-        }
-        assert audit(actual) == []
+        committed = reg.commit(plan, snap)
+        for settled in (False, True):
+            if settled:  # the workers move the victims and admit the newcomer
+                expected = settle_all(expected)
+                settle_leaving(reg)
+            actual = reg.snapshot()
+            assert actual.gpus == expected.gpus, step
+            assert actual.hosts == expected.hosts, step
+            assert {r: (d.level, d.epoch) for r, d in actual.deployments.items()} == {
+                r: (d.level, d.epoch) for r, d in expected.deployments.items()
+            }, step
+            assert {m: c for m, c in actual.active.items() if c} == {
+                m: c for m, c in expected.active.items() if c
+            }
+            assert audit(actual) == []
+        assert reg.confirm(plan.replica, plan.worker, committed.epoch)
 
 
 # --- keys and scripts -------------------------------------------------------------

@@ -32,6 +32,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from types import TracebackType
 from typing import NoReturn
 
@@ -39,13 +40,16 @@ import redis
 
 from placement.errors import ConfigError, GpuOwnedError, LeaseLostError, RegistryError
 from placement.registry import DEFAULT_WORKER_LEASE_MS, Registry
+from placement.state import Holding
 from worker.devices import Device
 
 __all__ = [
     "EXIT_RESTART",
     "HOST_ENV",
+    "LINEAGE_ENV",
     "WorkerLease",
     "default_host",
+    "default_lineage",
     "exit_for_restart",
     "is_fatal_cuda_error",
     "make_worker_id",
@@ -55,6 +59,8 @@ log = logging.getLogger(__name__)
 
 #: Overrides the host name a worker announces (``socket.gethostname()`` otherwise).
 HOST_ENV = "GPUFLEET_HOST"
+#: Names the worker slot a process fills (`gpufleet up` sets one per GPU worker it runs).
+LINEAGE_ENV = "GPUFLEET_LINEAGE"
 #: The exit status of a worker process that must be replaced (EX_SOFTWARE).
 EXIT_RESTART = 70
 
@@ -86,6 +92,8 @@ class WorkerLease:
         warm_budget: int,
         lease_ms: int = DEFAULT_WORKER_LEASE_MS,
         on_lost: Callable[[], None] | None = None,
+        lineage: str = "",
+        report: Callable[[], Sequence[Holding]] | None = None,
     ) -> None:
         if lease_ms < _MIN_LEASE_MS:
             raise ConfigError(
@@ -100,6 +108,8 @@ class WorkerLease:
         self.warm_budget = warm_budget
         self.lease_ms = lease_ms
         self.on_lost = on_lost
+        self.lineage = lineage
+        self.report = report  # what the process holds, sent with every heartbeat
         self._gpus = tuple(d.to_gpu(host) for d in devices)
         self._interval_s = lease_ms / 3000
         self._lock = threading.Lock()  # guards the fields below
@@ -225,6 +235,7 @@ class WorkerLease:
             self._gpus,
             warm_budget=self.warm_budget,
             lease_ms=self.lease_ms,
+            lineage=self.lineage,
         )
         self._renewed(deadline, sent)
 
@@ -281,7 +292,10 @@ class WorkerLease:
             return
         if self.registered:
             sent = time.monotonic()
-            deadline = self.registry.heartbeat(self.worker_id, self.gpu_ids, self.lease_ms)
+            holdings = self.report() if self.report is not None else None
+            deadline = self.registry.heartbeat(
+                self.worker_id, self.gpu_ids, self.lease_ms, holdings=holdings
+            )
             self._renewed(deadline, sent)
             return
         # Whatever the registry still records for us is stale: the owner dropped it all.
@@ -328,6 +342,22 @@ class WorkerLease:
 def default_host() -> str:
     """The host name to announce: ``$GPUFLEET_HOST`` if set, else ``socket.gethostname()``."""
     return os.environ.get(HOST_ENV, "").strip() or socket.gethostname()
+
+
+def default_lineage(parent: bool = False) -> str:
+    """The worker slot this process fills: ``$GPUFLEET_LINEAGE`` if set, else its Celery
+    pool (this machine's boot id and the pool's main process). A process may replace a
+    live owner of its GPUs only when both have the same lineage; `parent` is True in the
+    pool's main process itself, before it forks.
+    """
+    explicit = os.environ.get(LINEAGE_ENV, "").strip()
+    if explicit:
+        return explicit
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = socket.gethostname()
+    return f"{boot}:{os.getpid() if parent else os.getppid()}"
 
 
 def make_worker_id(host: str, devices: Sequence[Device]) -> str:

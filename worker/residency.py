@@ -9,12 +9,17 @@ inside it:
 - cap the process on each device at the bytes the ledger reserves for it there:
   `torch.cuda.set_per_process_memory_fraction` on CUDA, exact byte accounting on
   simulated GPUs, which raise the same `torch.OutOfMemoryError` CUDA raises.
+
+Threads: the worker's keeper (`worker.keeper`) is the only thread that loads, moves or
+drops replicas; calls run `infer` from another thread. Each replica has a lock that a
+call holds while it computes, so a replica is never moved under a running call.
 """
 
 from __future__ import annotations
 
 import gc
 import logging
+import threading
 import time
 import traceback
 from collections.abc import Mapping
@@ -27,6 +32,7 @@ from placement.catalog import ModelSpec
 from placement.errors import EvictedError, PlacementError
 from placement.memory import format_size, process_fraction
 from placement.registry import Registry
+from placement.state import Holding, Level
 from worker import handlers, loading
 from worker.devices import Device
 from worker.lifecycle import exit_for_restart, is_fatal_cuda_error
@@ -45,6 +51,8 @@ class Resident:
     slots: dict[str, int]  # ledger GPU id -> reserved bytes; empty while WARM
     accounted: int  # bytes charged on simulated GPUs (a synthetic model's declared size)
     limit: int = 0  # the ledger's admission limit, when above the reservation
+    epoch: int = 0  # the ledger placement it was loaded or restored for
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     @property
     def warm(self) -> bool:
@@ -92,6 +100,7 @@ class ResidencyManager:
         self.registry = registry
         self.warmup = warmup
         self.residents: dict[str, Resident] = {}
+        self._lock = threading.RLock()  # guards the books below and `residents`
         self._charged: dict[int, int] = {}  # simulated device index -> accounted bytes
         self._capped: set[int] = set()  # real devices whose fraction this process set
         self._pin = torch.cuda.is_available() and not all(d.simulated for d in devices)
@@ -99,42 +108,51 @@ class ResidencyManager:
     # --- the ledger's orders ------------------------------------------------
 
     def load(
-        self, spec: ModelSpec, replica: str, slots: Mapping[str, int], limit: int = 0
+        self,
+        spec: ModelSpec,
+        replica: str,
+        slots: Mapping[str, int],
+        limit: int = 0,
+        epoch: int = 0,
     ) -> Report:
         """Load a replica onto the GPUs of `slots`, warm it up and measure its peak.
 
         `limit` is the ledger's admission limit of a one-GPU replica: the process may
-        grow to it (admission guaranteed it fits), not only to the reservation.
+        grow to it (admission guaranteed it fits), not only to the reservation. `epoch`
+        is the ledger placement it is loaded for.
         """
         if replica in self.residents:
             raise PlacementError(f"replica {replica} is already held by this worker")
         plan, simulated = self._plan(slots)
         caps = _caps(slots, limit)
-        self._set_caps(extra=caps)
         accounted = _declared(spec) if spec.synthetic else 0
-        if simulated and accounted:
-            self._charge(slots, caps, accounted, spec.name)  # before building, as CUDA would
+        with self._lock:
+            self._set_caps(extra=caps)
+            if simulated and accounted:
+                self._charge(slots, caps, accounted, spec.name)  # before building, as CUDA would
         baseline = {} if simulated else self._cuda_allocated(plan)
         start = time.perf_counter()
         try:
             built = loading.build(spec, plan, simulated)
         except BaseException:
-            self._uncharge(plan, accounted)
-            self._set_caps()
+            with self._lock:
+                self._uncharge(plan, accounted)
+                self._set_caps()
             raise
         seconds = time.perf_counter() - start
         nbytes = loading.tensor_bytes(built.model)
-        if simulated and not accounted:
-            accounted = nbytes
-            try:
-                self._charge(slots, caps, accounted, spec.name)
-            except torch.OutOfMemoryError:
-                self._set_caps()
-                raise
-        resident = Resident(
-            replica, spec, built.model, built.tokenizer, dict(slots), accounted, limit
-        )
-        self.residents[replica] = resident
+        with self._lock:
+            if simulated and not accounted:
+                accounted = nbytes
+                try:
+                    self._charge(slots, caps, accounted, spec.name)
+                except torch.OutOfMemoryError:
+                    self._set_caps()
+                    raise
+            resident = Resident(
+                replica, spec, built.model, built.tokenizer, dict(slots), accounted, limit, epoch
+            )
+            self.residents[replica] = resident
         peak = self._measure(resident, plan, simulated, baseline)
         log.info(
             "loaded %s (%s) in %.2fs via %s, peak %s",
@@ -145,32 +163,46 @@ class ResidencyManager:
     def offload(self, replica: str) -> Report:
         """Move a HOT replica to CPU memory (WARM) and give its GPU memory back."""
         resident = self._hot(replica)
-        plan, simulated = self._plan(resident.slots)
-        start = time.perf_counter()
-        resident.model = loading.to_cpu(resident.model, pin=self._pin)
-        seconds = time.perf_counter() - start
-        resident.slots = {}
-        if simulated:
-            self._uncharge(plan, resident.accounted)
-        self._free_cuda()
-        self._set_caps()
+        with resident.lock:
+            plan, simulated = self._plan(resident.slots)
+            start = time.perf_counter()
+            resident.model = loading.to_cpu(resident.model, pin=self._pin)
+            seconds = time.perf_counter() - start
+            with self._lock:
+                resident.slots = {}
+                if simulated:
+                    self._uncharge(plan, resident.accounted)
+                self._free_cuda()
+                self._set_caps()
         nbytes = loading.tensor_bytes(resident.model)
         return Report(replica, "offload", seconds, nbytes, devices=["cpu"])
 
-    def restore(self, replica: str, slots: Mapping[str, int], limit: int = 0) -> Report:
-        """Bring a WARM replica back onto the GPUs of a new plan."""
+    def restore(
+        self, replica: str, slots: Mapping[str, int], limit: int = 0, epoch: int = 0
+    ) -> Report:
+        """Bring a WARM replica back onto the GPUs of a new plan (ledger placement `epoch`)."""
         resident = self.residents.get(replica)
         if resident is None or not resident.warm:
             raise PlacementError(f"replica {replica} is not warm on this worker; load it instead")
         plan, simulated = self._plan(slots)
         caps = _caps(slots, limit)
-        self._set_caps(extra=caps)
-        if simulated:
-            self._charge(slots, caps, resident.accounted, resident.spec.name)
-        start = time.perf_counter()
-        resident.model = loading.place(resident.model, plan, simulated)
-        seconds = time.perf_counter() - start
-        resident.slots, resident.limit = dict(slots), limit
+        with resident.lock:
+            with self._lock:
+                self._set_caps(extra=caps)
+                if simulated:
+                    self._charge(slots, caps, resident.accounted, resident.spec.name)
+            start = time.perf_counter()
+            try:
+                resident.model = loading.place(resident.model, plan, simulated)
+            except BaseException:
+                with self._lock:
+                    if simulated:
+                        self._uncharge(plan, resident.accounted)
+                    self._set_caps()
+                raise
+            seconds = time.perf_counter() - start
+            with self._lock:
+                resident.slots, resident.limit, resident.epoch = dict(slots), limit, epoch
         nbytes = loading.tensor_bytes(resident.model)
         return Report(replica, "restore", seconds, nbytes, devices=_names(plan, simulated))
 
@@ -197,21 +229,26 @@ class ResidencyManager:
         self._release()
 
     def _forget(self, replica: str) -> bool:
-        """Take a replica out of this process's books; False if it held none."""
-        resident = self.residents.pop(replica, None)
+        """Take a replica out of this process's books (after its running call); False if it
+        held none."""
+        resident = self.residents.get(replica)
         if resident is None:
             return False
-        if not resident.warm:
-            plan, simulated = self._plan(resident.slots)
-            if simulated:
-                self._uncharge(plan, resident.accounted)
+        with resident.lock, self._lock:
+            self.residents.pop(replica, None)
+            if not resident.warm:
+                plan, simulated = self._plan(resident.slots)
+                if simulated:
+                    self._uncharge(plan, resident.accounted)
+            resident.slots = {}  # a call that still holds it finds it gone
         return True
 
     def _release(self) -> None:
         """Give freed tensors back to the device and reset the caps to what is left."""
         gc.collect()  # a model's modules can reference each other: free the cycles now
-        self._free_cuda()
-        self._set_caps()
+        with self._lock:
+            self._free_cuda()
+            self._set_caps()
 
     def drop_all(self) -> None:
         """Forget every replica, e.g. after the worker lost its lease."""
@@ -220,21 +257,63 @@ class ResidencyManager:
 
     # --- serving ------------------------------------------------------------
 
-    def infer(self, replica: str, inputs: object, params: object | None = None) -> dict[str, Any]:
-        """Run one request on a HOT replica; a replica that left raises `EvictedError`."""
+    def infer(
+        self, replica: str, inputs: object, params: object | None = None, epoch: int = 0
+    ) -> dict[str, Any]:
+        """Run one request on a HOT replica; see `run`."""
+        return self.run(replica, inputs, params, epoch)[0]
+
+    def run(
+        self, replica: str, inputs: object, params: object | None = None, epoch: int = 0
+    ) -> tuple[dict[str, Any], list[str]]:
+        """Run one request on a HOT replica: its outputs and the GPUs it ran on.
+
+        A replica that is not HOT here, or not in placement `epoch` (when given), raises
+        `EvictedError`: the call is routed again rather than served from a stale copy.
+        """
         resident = self._hot(replica)
-        plan, simulated = self._plan(resident.slots)
-        if simulated:
-            self._check_activations(resident, plan, inputs)
-        device = loading.torch_device(min(plan), simulated)
-        try:
-            return handlers.run(
-                resident.spec.task, resident.model, resident.tokenizer, inputs, params, device
+        with resident.lock:
+            if resident.warm or (epoch and resident.epoch != epoch):
+                raise EvictedError(
+                    f"replica {replica} left this worker's GPUs (or was placed again) before "
+                    f"the request reached it; route the request again"
+                )
+            plan, simulated = self._plan(resident.slots)
+            if simulated:
+                with self._lock:
+                    self._check_activations(resident, plan, inputs)
+            else:
+                torch.cuda.set_device(min(plan))  # this thread's kernels run on its GPU
+            device = loading.torch_device(min(plan), simulated)
+            try:
+                outputs = handlers.run(
+                    resident.spec.task, resident.model, resident.tokenizer, inputs, params, device
+                )
+            except Exception as exc:
+                if is_fatal_cuda_error(exc):
+                    exit_for_restart(exc)  # the CUDA context is unusable: start a clean process
+                raise
+            return outputs, sorted(resident.slots)
+
+    def hot(self, replica: str, epoch: int = 0) -> bool:
+        """True when this process holds `replica` on its GPUs (in placement `epoch`, if given)."""
+        resident = self.residents.get(replica)
+        return resident is not None and not resident.warm and (not epoch or resident.epoch == epoch)
+
+    def holdings(self) -> list[Holding]:
+        """What this process holds, as its heartbeat reports it to the registry."""
+        with self._lock:
+            residents = list(self.residents.values())
+        return [
+            Holding(
+                replica=r.replica,
+                epoch=r.epoch,
+                level=Level.WARM if r.warm else Level.HOT,
+                gpus=dict(r.slots),
+                device_bytes=self._device_bytes(r),
             )
-        except Exception as exc:
-            if is_fatal_cuda_error(exc):
-                exit_for_restart(exc)  # the CUDA context is unusable: start a clean process
-            raise
+            for r in residents
+        ]
 
     def fraction(self, index: int) -> float:
         """This process's memory fraction on local device `index` (1.0 with nothing on it)."""
@@ -251,24 +330,10 @@ class ResidencyManager:
                 "gpus": dict(r.slots),
                 "accounted_bytes": r.accounted,
                 "device_bytes": self._device_bytes(r),
+                "epoch": r.epoch,
             }
-            for r in self.residents.values()
+            for r in list(self.residents.values())
         ]
-
-    def device_memory(self) -> dict[str, dict[str, int]]:
-        """What torch's allocator holds on each real GPU this process used: bytes in live
-        tensors (`allocated`) and bytes kept from the driver (`reserved`)."""
-        return {
-            gpu_id: {
-                "allocated": torch.cuda.memory_allocated(_local(d)),
-                "reserved": torch.cuda.memory_reserved(_local(d)),
-            }
-            for gpu_id, d in self.devices.items()
-            if not d.simulated and _local(d) in self._capped | self._touched()
-        }
-
-    def _touched(self) -> set[int]:
-        return {i for i in range(torch.cuda.device_count()) if torch.cuda.memory_reserved(i)}
 
     def _device_bytes(self, resident: Resident) -> int:
         """Bytes of the replica's weights that sit on a real GPU now (0 when WARM)."""

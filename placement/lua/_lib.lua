@@ -47,33 +47,78 @@ local function same_gpus(held, refs)
   return true
 end
 
--- Move a deployment off its GPUs to WARM (kept by its worker, counted in its host's
--- warm cache) or COLD (dropped), releasing its bytes. `v` is a JSON reference:
--- {replica, dep, active, worker_deps, host, host_warm, gpus=[{id,key}]}.
-local function move_off_gpu(v, to)
-  local dep_key = K(v.dep)
+-- Tell a worker's keeper to look at a replica now (docs/worker.md): push its id on the
+-- worker's control list, which the keeper pops without waiting behind calls.
+local function notify(control_key, replica)
+  redis.call('LPUSH', control_key, replica)
+  redis.call('LTRIM', control_key, 0, 999)
+end
+
+-- Add `delta` bytes times the replica's share to one counter of each of its GPUs.
+-- `v.gpus` = [{id, key}] names the GPUs of the record (same_gpus checked by callers).
+local function add_gpus(dep_key, refs, field, sign)
   local held = dep_gpus(dep_key)
-  for _, ref in ipairs(v.gpus) do
-    redis.call('HINCRBY', K(ref.key), 'reserved', -held[ref.id])
+  for _, ref in ipairs(refs) do
+    redis.call('HINCRBY', K(ref.key), field, sign * num(held[ref.id]))
   end
+end
+
+local RESERVING = {WAITING = true, LOADING = true, HOT = true, DRAINING = true}
+local ON_DEVICE = {LOADING = true, HOT = true, DRAINING = true, OFFLOADING = true, DROPPING = true}
+
+-- Start taking a replica off its GPUs: it leaves the plan (`reserved`, the model's
+-- active count) at once and goes OFFLOADING (its host's warm cache is charged now) or
+-- DROPPING; its copy stays in `held` until its worker settles (settle.lua). `v` is a JSON
+-- reference: {replica, dep, active, host, gpus=[{id, key}]}.
+local function leave(v, to, now)
+  local dep_key = K(v.dep)
+  add_gpus(dep_key, v.gpus, 'reserved', -1)
   redis.call('HINCRBY', K(v.active), redis.call('HGET', dep_key, 'model'), -1)
   if to == 'WARM' then
     redis.call('HINCRBY', K(v.host), 'warm_used', num(redis.call('HGET', dep_key, 'size')))
-    redis.call('SADD', K(v.host_warm), v.replica)
-    redis.call('HSET', dep_key, 'level', 'WARM', 'gpus', '{}', 'fraction', 0, 'limit', 0)
+    redis.call('HSET', dep_key, 'level', 'OFFLOADING', 'since', now)
   else
-    redis.call('HSET', dep_key, 'level', 'COLD', 'gpus', '{}', 'fraction', 0, 'limit', 0,
-      'worker', '', 'queue', '', 'host', '')
-    redis.call('SREM', K(v.worker_deps), v.replica)
+    redis.call('HSET', dep_key, 'level', 'DROPPING', 'since', now)
   end
+end
+
+-- Forget a replica wherever it is: every counter its level contributes to is given
+-- back and it goes COLD with no holder. `v` is a JSON reference:
+-- {replica, dep, active, worker_deps, host, host_warm, gpus=[{id, key}]}.
+local function to_cold(v, now)
+  local dep_key = K(v.dep)
+  local level = redis.call('HGET', dep_key, 'level')
+  if RESERVING[level] then
+    add_gpus(dep_key, v.gpus, 'reserved', -1)
+    redis.call('HINCRBY', K(v.active), redis.call('HGET', dep_key, 'model'), -1)
+  end
+  if ON_DEVICE[level] then add_gpus(dep_key, v.gpus, 'held', -1) end
+  if level == 'OFFLOADING' or level == 'WARM' then
+    redis.call('HINCRBY', K(v.host), 'warm_used', -num(redis.call('HGET', dep_key, 'size')))
+    redis.call('SREM', K(v.host_warm), v.replica)
+  end
+  redis.call('HSET', dep_key, 'level', 'COLD', 'gpus', '{}', 'fraction', 0, 'limit', 0,
+    'worker', '', 'queue', '', 'host', '', 'since', now)
+  redis.call('SREM', K(v.worker_deps), v.replica)
 end
 
 -- Drop a WARM copy to COLD and give its bytes back to the host's warm cache.
 -- `w` is a JSON reference: {replica, dep, worker_deps, host, host_warm}.
-local function drop_warm(w)
+local function drop_warm(w, now)
   local dep_key = K(w.dep)
   redis.call('HINCRBY', K(w.host), 'warm_used', -num(redis.call('HGET', dep_key, 'size')))
   redis.call('SREM', K(w.host_warm), w.replica)
-  redis.call('HSET', dep_key, 'level', 'COLD', 'worker', '', 'queue', '', 'host', '')
+  redis.call('HSET', dep_key, 'level', 'COLD', 'worker', '', 'queue', '', 'host', '',
+    'since', now)
   redis.call('SREM', K(w.worker_deps), w.replica)
+end
+
+-- True when a placement is admitted on the device now: every GPU's `held` bytes plus the
+-- replica's admission need (its limit on one GPU, its bytes per shard) fit its total.
+local function fits_device(gpus)
+  for _, g in ipairs(gpus) do
+    local total, held = unpack(redis.call('HMGET', K(g.key), 'total', 'held'))
+    if num(held) + math.max(num(g.limit), num(g.bytes)) > num(total) then return false end
+  end
+  return true
 end

@@ -2,19 +2,24 @@
 -- KEYS: every key named in ARGV[1].
 -- ARGV[1] = JSON plan:
 --   {replica, model, reuse ('' | 'WARM' | 'COLD'), expect_worker, max_active, maxlen,
---    dep, active, replicas_key, deps_key, worker_deps, worker_key, old_worker_deps, host_key,
---    host_warm_key, events,
+--    dep, active, replicas_key, deps_key, worker_deps, worker_key, control, old_worker_deps,
+--    host_key, host_warm_key, events, leases, lease ('' or a request lease id), lease_ms,
 --    limit, fraction, size, dedicated, host, worker, queue,
 --    gpus=[{id, key, bytes, limit, worker}],
---    evictions=[{replica, dep, leases, active, worker_deps, host, host_warm, expect_worker,
---                to, gpus=[{id, key}]}],
---    drops=[{replica, dep, worker_deps, host, host_warm, expect_worker}]}
+--    evictions=[{replica, dep, leases, active, worker_deps, host, host_warm, control,
+--                expect_worker, to, gpus=[{id, key}]}],
+--    drops=[{replica, dep, worker_deps, host, host_warm, control, expect_worker}]}
 -- Checks: the replica record is as the plan saw it; the model has fewer than max_active
--- replicas on GPU; the worker that will load it and every target GPU's owner are the ones
--- the plan saw, with live leases; every victim is
--- still HOT, idle, not dedicated and on the GPUs the plan saw; after evictions each target
--- GPU admits its `limit` (limit + sum of requests <= total); every warm cache stays in budget.
--- Returns {1, replica} | {0, reason, detail} and then changes nothing.
+-- replicas placed; the worker that will load it and every target GPU's owner are the ones
+-- the plan saw, with live leases; every victim is still HOT, idle, not dedicated and on
+-- the GPUs the plan saw; after the victims leave each target GPU admits its `limit`
+-- (limit + sum of reserved bytes <= total); every warm cache stays in budget.
+-- Effects: victims go OFFLOADING (to WARM) or DROPPING (to COLD) and leave `reserved`;
+-- their copies stay in `held` until their workers settle. The replica is LOADING when the
+-- device has room for it now (`held` + limit <= total on every GPU), else WAITING until
+-- its worker admits it (admit.lua). Its epoch grows by one; `lease` pins it for the call
+-- that caused the placement. Every worker concerned is notified on its control list.
+-- Returns {1, replica, epoch, level} | {0, reason, detail} and then changes nothing.
 local p = cjson.decode(ARGV[1])
 local now = now_ms()
 local dep = K(p.dep)
@@ -33,7 +38,7 @@ if num(redis.call('HGET', K(p.worker_key), 'lease_deadline')) <= now then
 end
 local active = num(redis.call('HGET', K(p.active), p.model))
 if active >= p.max_active then
-  return {0, 'ENOUGH', p.model .. ' already has ' .. active .. ' replicas on GPU'}
+  return {0, 'ENOUGH', p.model .. ' already has ' .. active .. ' replicas placed'}
 end
 
 -- Victims, and the bytes they free on each GPU.
@@ -75,7 +80,8 @@ for _, g in ipairs(p.gpus) do
   if num(deadline) <= now then return {0, 'DEAD', 'GPU ' .. g.id .. ' lease expired'} end
   local after = num(reserved) - (freed[g.id] or 0)
   if after + math.max(g.limit, g.bytes) > num(total) then
-    return {0, 'FULL', 'GPU ' .. g.id .. ' cannot admit ' .. g.limit .. ' bytes'}
+    return {0, 'FULL', 'GPU ' .. g.id .. ' cannot admit ' .. math.max(g.limit, g.bytes) ..
+      ' bytes: ' .. after .. ' of ' .. total .. ' stay reserved'}
   end
 end
 for host, delta in pairs(warm_delta) do
@@ -89,12 +95,14 @@ end
 local events = K(p.events)
 for _, v in ipairs(p.evictions) do
   local model = redis.call('HGET', K(v.dep), 'model')
-  move_off_gpu(v, v.to)
+  leave(v, v.to, now)
+  notify(K(v.control), v.replica)
   event(events, p.maxlen, now, 'evicted', v.replica, model, 'cause', 'pressure', 'to', v.to,
     'for', p.replica)
 end
 for _, w in ipairs(p.drops) do
-  drop_warm(w)
+  drop_warm(w, now)
+  notify(K(w.control), w.replica)
   event(events, p.maxlen, now, 'dropped', w.replica, redis.call('HGET', K(w.dep), 'model'))
 end
 if p.reuse == 'WARM' then
@@ -102,21 +110,30 @@ if p.reuse == 'WARM' then
   redis.call('SREM', K(p.host_warm_key), p.replica)
   redis.call('SREM', K(p.old_worker_deps), p.replica)
 end
+local level = 'WAITING'
+if fits_device(p.gpus) then level = 'LOADING' end
 local placed = {}
 for _, g in ipairs(p.gpus) do
   redis.call('HINCRBY', K(g.key), 'reserved', g.bytes)
+  if level == 'LOADING' then redis.call('HINCRBY', K(g.key), 'held', g.bytes) end
   placed[g.id] = g.bytes
 end
-redis.call('HSET', dep, 'replica', p.replica, 'model', p.model, 'level', 'LOADING',
+local epoch = redis.call('HINCRBY', dep, 'epoch', 1)
+redis.call('HSET', dep, 'replica', p.replica, 'model', p.model, 'level', level,
   'gpus', cjson.encode(placed), 'limit', p.limit, 'fraction', p.fraction, 'size', p.size,
   'dedicated', p.dedicated and 1 or 0, 'host', p.host, 'worker', p.worker, 'queue', p.queue,
-  'last_used', now)
+  'last_used', now, 'since', now, 'source', p.reuse)
 redis.call('SADD', K(p.deps_key), p.replica)
 redis.call('SADD', K(p.replicas_key), p.replica)
 redis.call('SADD', K(p.worker_deps), p.replica)
 redis.call('HINCRBY', K(p.active), p.model, 1)
+if p.lease ~= '' then
+  redis.call('ZADD', K(p.leases), now + p.lease_ms, p.lease)
+  if redis.call('PTTL', K(p.leases)) < p.lease_ms then redis.call('PEXPIRE', K(p.leases), p.lease_ms) end
+end
+notify(K(p.control), p.replica)
 local kind = 'placed'
 if p.reuse == 'WARM' then kind = 'restored' end
 event(events, p.maxlen, now, kind, p.replica, p.model, 'gpus', cjson.encode(placed),
-  'worker', p.worker)
-return {1, p.replica}
+  'worker', p.worker, 'level', level, 'epoch', epoch)
+return {1, p.replica, epoch, level}

@@ -1,11 +1,16 @@
--- confirm.lua: a worker reports a replica loaded (or restored); LOADING becomes HOT.
+-- confirm.lua: a worker has loaded (or restored) a replica on its planned GPUs: LOADING -> HOT.
 -- KEYS[1] = deployment hash, KEYS[2] = events stream
--- ARGV[1] = replica id, ARGV[2] = worker id, ARGV[3] = events max length
--- Returns 1, or 0 when the replica is no longer LOADING on this worker (it was evicted
--- or reaped meanwhile: the worker must drop what it loaded).
-local level, worker, model = unpack(redis.call('HMGET', KEYS[1], 'level', 'worker', 'model'))
-if level ~= 'LOADING' or worker ~= ARGV[2] then return 0 end
+-- ARGV[1] = replica id, ARGV[2] = worker id, ARGV[3] = epoch it loaded,
+-- ARGV[4] = events max length
+-- Returns {1, 'HOT'}, or {0, level} when the replica is no longer LOADING on this worker
+-- in this epoch (it was evicted, reaped or placed again meanwhile): the worker must
+-- bring what it holds in line with the ledger instead.
+local level, worker, model, epoch = unpack(redis.call('HMGET', KEYS[1], 'level', 'worker',
+  'model', 'epoch'))
+if level ~= 'LOADING' or worker ~= ARGV[2] or num(epoch) ~= tonumber(ARGV[3]) then
+  return {0, level or 'COLD'}
+end
 local now = now_ms()
-redis.call('HSET', KEYS[1], 'level', 'HOT', 'last_used', now)
-event(KEYS[2], ARGV[3], now, 'ready', ARGV[1], model, 'worker', worker)
-return 1
+redis.call('HSET', KEYS[1], 'level', 'HOT', 'last_used', now, 'since', now)
+event(KEYS[2], ARGV[4], now, 'ready', ARGV[1], model, 'worker', worker, 'epoch', epoch)
+return {1, 'HOT'}

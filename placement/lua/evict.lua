@@ -1,11 +1,15 @@
 -- evict.lua: take one replica off its GPUs on request: drain it, then offload or drop it.
 -- KEYS: every key named in ARGV[1].
--- ARGV[1] = JSON {replica, dep, leases, active, worker_deps, host, host_warm, events, maxlen,
---                 expect_worker, to ('WARM' | 'COLD'), gpus=[{id, key}],
---                 drops=[{replica, dep, worker_deps, host, host_warm, expect_worker}]}
+-- ARGV[1] = JSON {replica, dep, leases, active, worker_deps, host, host_warm, control, events,
+--                 maxlen, expect_worker, to ('WARM' | 'COLD'), gpus=[{id, key}],
+--                 drops=[{replica, dep, worker_deps, host, host_warm, control, expect_worker}]}
 -- A replica with requests in flight turns DRAINING (it takes no new ones) and stays
--- until the last lease ends; call again then. A WARM copy that no longer fits its
--- host's cache goes COLD instead. A WARM replica asked to go COLD is dropped.
+-- until the last lease ends; call again then. An idle one goes OFFLOADING (to WARM,
+-- dropping colder warm copies to make room) or DROPPING, and its worker is notified; the
+-- worker settles the move (settle.lua). A WARM copy that no longer fits its host's cache
+-- goes DROPPING instead. WAITING (nothing on the device yet) goes COLD at once; LOADING
+-- goes DROPPING. A WARM replica asked to go COLD is dropped; an OFFLOADING one asked to go
+-- COLD turns DROPPING.
 -- Returns {1, level now} | {2, 'DRAINING', live leases} | {0, reason, detail}
 local a = cjson.decode(ARGV[1])
 local dep = K(a.dep)
@@ -13,19 +17,43 @@ local now = now_ms()
 local level, model, worker = unpack(redis.call('HMGET', dep, 'level', 'model', 'worker'))
 if not level then return {0, 'NOT_FOUND', 'no replica ' .. a.replica} end
 local events = K(a.events)
-if level == 'COLD' or (level == 'WARM' and a.to == 'WARM') then return {1, level} end
+if level == 'COLD' or (level == 'WARM' and a.to == 'WARM') or level == 'DROPPING'
+    or (level == 'OFFLOADING' and a.to == 'WARM') then
+  return {1, level}
+end
 -- The holder, its worker set and its host are the ones the caller saw, or nothing changes.
 if (worker or '') ~= a.expect_worker then return {0, 'STALE', a.replica .. ' moved'} end
+if not same_gpus(dep_gpus(dep), a.gpus) then return {0, 'STALE', a.replica .. ' moved'} end
 if level == 'WARM' then
-  drop_warm(a)
+  drop_warm(a, now)
+  notify(K(a.control), a.replica)
   event(events, a.maxlen, now, 'dropped', a.replica, model, 'cause', 'explicit')
   return {1, 'COLD'}
 end
-if not same_gpus(dep_gpus(dep), a.gpus) then return {0, 'STALE', a.replica .. ' moved'} end
+if level == 'OFFLOADING' then  -- asked to go COLD: the warm charge goes back at once
+  redis.call('HINCRBY', K(a.host), 'warm_used', -num(redis.call('HGET', dep, 'size')))
+  redis.call('HSET', dep, 'level', 'DROPPING', 'since', now)
+  notify(K(a.control), a.replica)
+  event(events, a.maxlen, now, 'evicted', a.replica, model, 'cause', 'explicit', 'to', 'COLD')
+  return {1, 'DROPPING'}
+end
+if level == 'WAITING' then
+  to_cold(a, now)
+  redis.call('DEL', K(a.leases))
+  notify(K(a.control), a.replica)
+  event(events, a.maxlen, now, 'evicted', a.replica, model, 'cause', 'explicit', 'to', 'COLD')
+  return {1, 'COLD'}
+end
+if level == 'LOADING' then
+  leave(a, 'COLD', now)
+  notify(K(a.control), a.replica)
+  event(events, a.maxlen, now, 'evicted', a.replica, model, 'cause', 'explicit', 'to', 'COLD')
+  return {1, 'DROPPING'}
+end
 local inflight = live_leases(K(a.leases), now)
 if inflight > 0 then
   if level ~= 'DRAINING' then
-    redis.call('HSET', dep, 'level', 'DRAINING')
+    redis.call('HSET', dep, 'level', 'DRAINING', 'since', now)
     event(events, a.maxlen, now, 'draining', a.replica, model, 'inflight', inflight)
   end
   return {2, 'DRAINING', inflight}
@@ -46,13 +74,16 @@ if to == 'WARM' then
   end
   if room >= size and size > 0 then
     for _, w in ipairs(usable) do
-      drop_warm(w)
+      drop_warm(w, now)
+      notify(K(w.control), w.replica)
       event(events, a.maxlen, now, 'dropped', w.replica, redis.call('HGET', K(w.dep), 'model'))
     end
   else
     to = 'COLD'
   end
 end
-move_off_gpu(a, to)
+leave(a, to, now)
+notify(K(a.control), a.replica)
 event(events, a.maxlen, now, 'evicted', a.replica, model, 'cause', 'explicit', 'to', to)
-return {1, to}
+if to == 'WARM' then return {1, 'OFFLOADING'} end
+return {1, 'DROPPING'}

@@ -4,7 +4,7 @@
 -- KEYS[#KEYS] = the model's stats hash (a lease counts one 'hit')
 -- ARGV[1] = lease id, ARGV[2] = lease length (ms), ARGV[3] = tie-break offset (integer)
 -- ARGV[4..] = replica ids, then after them the worker id each replica had, in order
--- Returns {1, replica, queue, worker, gpus_json, lease_deadline_ms}
+-- Returns {1, replica, queue, worker, gpus_json, lease_deadline_ms, epoch}
 --       | {0}                no replica is ready: take the router path
 --       | {-1, replica ids}  the caller's replica list is stale: here is the current one
 local n = (#ARGV - 3) / 2
@@ -36,5 +36,5 @@ if redis.call('PTTL', KEYS[base + 2]) < tonumber(ARGV[2]) then
 end
 redis.call('HSET', KEYS[base + 1], 'last_used', now)
 redis.call('HINCRBY', KEYS[#KEYS], 'hit', 1)
-local queue, gpus = unpack(redis.call('HMGET', KEYS[base + 1], 'queue', 'gpus'))
-return {1, ARGV[3 + best], queue, ARGV[3 + n + best], gpus, deadline}
+local queue, gpus, epoch = unpack(redis.call('HMGET', KEYS[base + 1], 'queue', 'gpus', 'epoch'))
+return {1, ARGV[3 + best], queue, ARGV[3 + n + best], gpus, deadline, num(epoch)}

@@ -1,11 +1,12 @@
 -- reap.lua: release everything a worker holds, when its lease expired or it shuts down.
 -- KEYS: every key named in ARGV[1].
--- ARGV[1] = JSON {worker, force (bool), maxlen, workers, worker_key, worker_deps, gpus_set,
---                 events, own=[{id, key}] (the GPUs it owns),
+-- ARGV[1] = JSON {worker, force (bool), maxlen, workers, worker_key, worker_deps, control,
+--                 gpus_set, events, own=[{id, key}] (the GPUs it owns),
 --                 deps=[{replica, dep, leases, active, host, host_warm, gpus=[{id, key}]}]}
--- `deps` must be exactly the worker's deployment set. Every deployment goes COLD and
--- its GPU and warm-cache bytes and its request leases are released; the worker's GPUs
--- lose their owner, and GPU records left with no owner and no bytes are removed.
+-- `deps` must be exactly the worker's deployment set. Every deployment goes COLD, whatever
+-- its level (pending moves included), and its GPU bytes (`reserved` and `held`), warm-cache
+-- bytes and request leases are released; the worker's GPUs lose their owner, and GPU
+-- records left with no owner and no bytes are removed, with its control list.
 -- Returns {1, deployments released} | {0, 'ALIVE'} | {0, 'GONE'} | {0, 'STALE', detail}
 local a = cjson.decode(ARGV[1])
 local wkey = K(a.worker_key)
@@ -28,12 +29,8 @@ for _, d in ipairs(a.deps) do
   local dep = K(d.dep)
   local level, model = unpack(redis.call('HMGET', dep, 'level', 'model'))
   d.worker_deps = a.worker_deps
-  if level == 'WARM' then
-    drop_warm(d)
-  elseif level ~= 'COLD' then
-    move_off_gpu(d, 'COLD')
-    for _, ref in ipairs(d.gpus) do touched[ref.id] = ref.key end
-  end
+  to_cold(d, now)
+  for _, ref in ipairs(d.gpus) do touched[ref.id] = ref.key end
   redis.call('DEL', K(d.leases))
   event(events, a.maxlen, now, 'released', d.replica, model, 'worker', a.worker, 'was', level)
 end
@@ -44,13 +41,13 @@ for _, g in ipairs(a.own) do
   touched[g.id] = g.key
 end
 for id, key in pairs(touched) do
-  local worker, reserved = unpack(redis.call('HMGET', K(key), 'worker', 'reserved'))
-  if (worker or '') == '' and num(reserved) == 0 then
+  local worker, reserved, held = unpack(redis.call('HMGET', K(key), 'worker', 'reserved', 'held'))
+  if (worker or '') == '' and num(reserved) == 0 and num(held) == 0 then
     redis.call('DEL', K(key))
     redis.call('SREM', K(a.gpus_set), id)
   end
 end
-redis.call('DEL', K(a.worker_deps), wkey)
+redis.call('DEL', K(a.worker_deps), wkey, K(a.control))
 redis.call('SREM', K(a.workers), a.worker)
 local cause = 'expired'
 if a.force then cause = 'shutdown' end

@@ -5,7 +5,7 @@ The engine talks to either through the same five calls, named after the registry
 | call | in memory | Redis (`Registry`) | like |
 | --- | --- | --- | --- |
 | `snapshot(now)` | the current `Snapshot` | `snapshot()` | the router's read |
-| `commit(plan, snap)` | `ledger.apply_plan` | `commit` (commit.lua) | a placement |
+| `commit(plan, snap)` | `apply_plan` + `settle_all` | `commit`, `settle`, `admit` | a placement |
 | `touch(model, replica, now)` | `last_used = now` | `pick` + `finish` | a fast-path hit |
 | `ready(replica, worker, now)` | `ledger.mark(HOT)` | `confirm` (confirm.lua) | a load done |
 | `learn(model, peak)` | `Snapshot.learned` | `record_measurement` | a measured peak |
@@ -25,10 +25,10 @@ from dataclasses import replace
 from typing import Protocol
 
 from placement.errors import GpufleetError
-from placement.ledger import apply_plan
+from placement.ledger import apply_plan, settle_all
 from placement.registry import Registry
 from placement.simulator.fleet import Fleet
-from placement.state import Level, Plan, Snapshot
+from placement.state import LEAVING, Level, Plan, Snapshot
 
 #: Worker leases in Redis mode: long enough for any simulation.
 SIM_WORKER_LEASE_MS = 24 * 3600 * 1000
@@ -86,10 +86,11 @@ class MemoryLedger:
         return self._snap
 
     def commit(self, plan: Plan, snap: Snapshot) -> None:
-        """Apply `plan`, made from the latest `snapshot()`, with `ledger.apply_plan`."""
+        """Apply `plan`, made from the latest `snapshot()`, with `ledger.apply_plan`; the
+        simulated workers settle its victims and admit it at once."""
         if snap is not self._snap or self._used or self._hot:
             raise SimulationError("a plan must be committed on the latest snapshot")
-        self._snap = apply_plan(snap, plan)
+        self._snap = settle_all(apply_plan(snap, plan))
 
     def touch(self, model: str, replica: str, now: int) -> None:
         """A hit: the replica was used at `now` (pick.lua sets `last_used`)."""
@@ -123,6 +124,7 @@ class RedisLedger:
         self.name = name or f"sim-{uuid.uuid4().hex[:12]}"
         self.registry = Registry.from_url(url, self.name)
         self.tick_s = tick_s
+        self._epochs: dict[str, int] = {}
         empty = fleet.snapshot()
         budgets = {h.name: h.warm_budget for h in fleet.hosts}
         for gpu in empty.gpus.values():
@@ -143,8 +145,21 @@ class RedisLedger:
         return self.registry.snapshot()
 
     def commit(self, plan: Plan, snap: Snapshot) -> None:
-        """`Registry.commit` (commit.lua re-checks the plan atomically)."""
-        self.registry.commit(plan, snap)
+        """`Registry.commit` (commit.lua re-checks the plan atomically); then, playing the
+        workers, settle its victims' moves and admit it (settle.lua, admit.lua)."""
+        committed = self.registry.commit(plan, snap)
+        self._epochs[plan.replica] = committed.epoch
+        for eviction in plan.evictions:
+            victim = self.registry.deployment(eviction.replica)
+            if victim is None or victim.level not in LEAVING:
+                raise SimulationError(f"victim {eviction.replica} is not leaving after commit")
+            outcome = "offloaded" if victim.level is Level.OFFLOADING else "dropped"
+            self.registry.settle(victim, outcome)
+        placed = self.registry.deployment(plan.replica)
+        if placed is None:
+            raise SimulationError(f"{plan.replica} has no record after its commit")
+        if placed.level is Level.WAITING and self.registry.admit(placed) is not Level.LOADING:
+            raise SimulationError(f"{plan.replica} is not admitted once its victims left")
         self._tick()
 
     def touch(self, model: str, replica: str, now: int) -> None:
@@ -158,7 +173,7 @@ class RedisLedger:
 
     def ready(self, replica: str, worker: str, now: int) -> None:
         """`Registry.confirm`: LOADING -> HOT."""
-        if not self.registry.confirm(replica, worker):
+        if not self.registry.confirm(replica, worker, self._epochs.get(replica, 0)):
             raise SimulationError(f"confirm({replica}) refused: it is no longer LOADING")
         self._tick()
 

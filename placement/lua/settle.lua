@@ -1,0 +1,42 @@
+-- settle.lua: the worker that holds a replica reports the GPU work a pending move needed.
+-- KEYS: every key named in ARGV[1].
+-- ARGV[1] = JSON {replica, worker, epoch, outcome, maxlen, dep, leases, active, worker_deps,
+--                 host, host_warm, events, gpus=[{id, key}]}
+-- outcome:
+--   'offloaded'  OFFLOADING -> WARM: the copy is in CPU memory, its device bytes are free
+--   'dropped'    OFFLOADING or DROPPING -> COLD: the copy is gone
+--   'failed'     WAITING or LOADING -> COLD: the load failed; nothing is left on the device
+--   'lost'       HOT, DRAINING or WARM -> COLD: the worker does not hold the copy it has
+-- Every byte the old level counted is given back in this same call. Request leases on a
+-- 'failed' or 'lost' replica are deleted: their calls are routed again.
+-- Returns {1, level now} | {0, 'STALE', level} when the record is not this worker's
+-- placement in this epoch, or not at a level the outcome settles.
+local a = cjson.decode(ARGV[1])
+local dep = K(a.dep)
+local level, worker, epoch, model = unpack(redis.call('HMGET', dep, 'level', 'worker',
+  'epoch', 'model'))
+if not level then return {0, 'STALE', 'COLD'} end
+if worker ~= a.worker or num(epoch) ~= a.epoch then return {0, 'STALE', level} end
+local from = {
+  offloaded = {OFFLOADING = true},
+  dropped = {OFFLOADING = true, DROPPING = true},
+  failed = {WAITING = true, LOADING = true},
+  lost = {HOT = true, DRAINING = true, WARM = true},
+}
+if not from[a.outcome] then error('gpufleet: unknown outcome ' .. tostring(a.outcome)) end
+if not from[a.outcome][level] then return {0, 'STALE', level} end
+if not same_gpus(dep_gpus(dep), a.gpus) then return {0, 'STALE', 'moved'} end
+local now = now_ms()
+local to = 'COLD'
+if a.outcome == 'offloaded' then
+  add_gpus(dep, a.gpus, 'held', -1)
+  redis.call('SADD', K(a.host_warm), a.replica)
+  redis.call('HSET', dep, 'level', 'WARM', 'gpus', '{}', 'fraction', 0, 'limit', 0, 'since', now)
+  to = 'WARM'
+else
+  to_cold(a, now)
+  if a.outcome ~= 'dropped' then redis.call('DEL', K(a.leases)) end
+end
+event(K(a.events), a.maxlen, now, 'settled', a.replica, model, 'outcome', a.outcome,
+  'was', level, 'worker', worker)
+return {1, to}

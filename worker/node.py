@@ -1,0 +1,98 @@
+"""One GPU worker process: its GPUs, its lease in the registry, its keeper and its models.
+
+`GpuWorker` is what a Celery pool child of a GPU worker runs (`tasks.gpu` binds it to
+Celery): it registers the process's GPUs under a heartbeat lease that reports what the
+process holds, starts the keeper that follows the ledger, and serves calls on HOT
+replicas. It owns `devices` in the ledger, but may load onto any GPU of its host (`visible`):
+a split model's shards, or a warm copy restored where the plan says.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from placement.catalog import ModelSpec
+from placement.registry import DEFAULT_WORKER_LEASE_MS, Registry
+from worker.devices import Device
+from worker.keeper import Keeper
+from worker.lifecycle import WorkerLease, make_worker_id
+from worker.residency import ResidencyManager
+
+__all__ = ["GpuWorker", "Served"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Served:
+    """One call's answer, with where it ran and what it waited for."""
+
+    outputs: dict[str, Any]
+    gpus: list[str]  # the ledger GPU ids of the copy that ran it
+    load_ms: float  # waiting for the replica to be loaded or restored here
+    compute_ms: float
+
+
+class GpuWorker:
+    """This process's GPUs, lease, keeper and resident models."""
+
+    def __init__(
+        self,
+        registry: Registry,
+        devices: list[Device],
+        visible: list[Device],
+        host: str,
+        queue: str,
+        *,
+        spec_of: Callable[[str], ModelSpec],
+        warm_budget: int,
+        lease_ms: int = DEFAULT_WORKER_LEASE_MS,
+        lineage: str = "",
+    ) -> None:
+        self.registry = registry
+        self.devices = devices
+        self.host = host
+        self.queue = queue
+        self.worker_id = make_worker_id(host, devices)
+        self.manager = ResidencyManager(visible, host, registry=registry)
+        self.keeper = Keeper(registry, self.manager, self.worker_id, spec_of)
+        self.lease = WorkerLease(
+            registry,
+            self.worker_id,
+            host,
+            queue,
+            devices,
+            warm_budget=warm_budget,
+            lease_ms=lease_ms,
+            on_lost=self.keeper.lease_lost,
+            lineage=lineage,
+            report=self.manager.holdings,
+        )
+
+    def start(self) -> None:
+        """Register (raises `GpuOwnedError` when another fleet owns the GPUs, `RegistryError`
+        when Redis is unreachable), then start following the ledger."""
+        self.lease.start()
+        self.keeper.start()
+        log.info("worker %s owns %s (queue %s)", self.worker_id, self.lease.gpu_ids, self.queue)
+
+    def serve(self, replica: str, epoch: int, inputs: object, params: object | None) -> Served:
+        """Run one call on `replica` as placed in `epoch` (0: as placed now).
+
+        Waits while the keeper loads or restores it here; raises `EvictedError` when the
+        ledger places it elsewhere (the call must be routed again).
+        """
+        load_ms = self.keeper.ensure(replica, epoch)
+        start = time.perf_counter()
+        outputs, gpus = self.manager.run(replica, inputs, params, epoch)
+        return Served(outputs, gpus, load_ms, (time.perf_counter() - start) * 1000)
+
+    def stop(self) -> None:
+        """Stop following the ledger, release every GPU and replica, drop the models."""
+        self.keeper.stop()
+        self.lease.stop()
+        self.manager.drop_all()
