@@ -336,8 +336,7 @@ def shutdown_leaks(reg: Registry) -> list[str]:
     for g in snap.gpus.values():
         if g.reserved or g.held or g.worker:
             leaks.append(
-                f"GPU {g.id} still reserves {g.reserved} and holds {g.held} bytes "
-                f"for {g.worker!r}"
+                f"GPU {g.id} still reserves {g.reserved} and holds {g.held} bytes for {g.worker!r}"
             )
     for h in snap.hosts.values():
         if h.warm_used:

@@ -25,6 +25,8 @@ from placement.registry import Registry
 from placement.report import status_report
 from tests.fleets import GiB
 from tests.ports import free_port
+from tests.running import RunningFleet, alive, descendants, fleet_env
+from tests.running import fleet_up as running_fleet
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
@@ -48,85 +50,53 @@ models:
 
 
 @dataclass
-class RunningFleet:
-    proc: subprocess.Popen[str]
-    url: str
-    client: Celery
-    registry: Registry
+class Fleet:
+    """The module's fleet, with its Flower and metrics endpoints."""
+
+    running: RunningFleet
     flower: tuple[str, str]  # URL, user:password
     metrics: str  # URL of the router's /metrics
 
+    @property
+    def url(self) -> str:
+        return self.running.url
+
+    @property
+    def client(self) -> Celery:
+        return self.running.client
+
+    @property
+    def registry(self) -> Registry:
+        return self.running.registry
+
     def infer(self, model: str, inputs: Any, timeout: float = 120) -> dict[str, Any]:
-        result: dict[str, Any] = self.client.send_task("gpufleet.infer", args=(model, inputs)).get(
-            timeout=timeout
-        )
-        return result
+        return self.running.infer(model, inputs, timeout)
 
     def status(self) -> dict[str, Any]:
         return status_report(self.registry.snapshot())
 
 
 @pytest.fixture(scope="module")
-def fleet_up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningFleet]:
+def fleet_up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     catalog = tmp_path_factory.mktemp("fleet") / "models.yaml"
     catalog.write_text(CATALOG)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFLEET_")}
-    env |= {"GPUFLEET_WARM_CACHE": "8GiB", "GPUFLEET_WORKER_LEASE_MS": str(LEASE_MS)}
+    env = fleet_env(GPUFLEET_WARM_CACHE="8GiB", GPUFLEET_WORKER_LEASE_MS=str(LEASE_MS))
     metrics_port = free_port()
-    proc = subprocess.Popen(
-        [
-            *(sys.executable, "-m", "tasks.cli", "up", "--models", str(catalog)),
-            *("--sim-gpus", "2x8GiB", "--flower", "--flower-port", str(free_port())),
-            *("--metrics-port", str(metrics_port)),
-        ],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
-    url, flower = _wait_for_urls(proc)
-    client = Celery(broker=url, backend=url)
-    client.conf.update(task_serializer="json", accept_content=["json"], result_serializer="json")
-    metrics = f"http://127.0.0.1:{metrics_port}/metrics"
-    running = RunningFleet(proc, url, client, Registry.from_url(url), flower, metrics)
-    yield running
-    children = _children(proc.pid)
-    assert len(children) >= 4  # redis-server, the router, two GPU workers (and Flower)
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=60) == 0
-    time.sleep(0.5)
-    assert [pid for pid in children if _alive(pid)] == []  # no orphan left behind
-
-
-def _children(pid: int) -> list[int]:
-    rows = subprocess.run(["ps", "-eo", "pid,ppid"], capture_output=True, text=True, check=True)
-    pairs = [line.split() for line in rows.stdout.splitlines()[1:]]
-    return [int(child) for child, parent in pairs if int(parent) == pid]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().split()[2] != "Z"  # a zombie has exited
-    except FileNotFoundError:
-        return False
-
-
-def _wait_for_urls(proc: subprocess.Popen[str]) -> tuple[str, tuple[str, str]]:
-    """The registry URL and Flower's URL and credentials, read from `gpufleet up`'s output."""
-    assert proc.stdout is not None
-    deadline = time.monotonic() + 180
-    url = ""
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line and proc.poll() is not None:
-            raise AssertionError(f"gpufleet up exited with {proc.returncode}")
-        if found := re.search(r"registry (redis://\S+)", line):
-            url = found.group(1)
-        if found := re.search(r"Flower:\s+(\S+) \(basic auth (\S+)\)", line):
-            return url, (found.group(1), found.group(2))
-    raise AssertionError("gpufleet up did not become ready in 180 s")
+    args = ["--sim-gpus", "2x8GiB", "--flower", "--flower-port", str(free_port())]
+    args += ["--metrics-port", str(metrics_port)]
+    with running_fleet(catalog, args, env) as running:
+        flower = next(
+            (m.group(1), m.group(2))
+            for line in running.lines
+            if (m := re.search(r"Flower:\s+(\S+) \(basic auth (\S+)\)", line))
+        )
+        yield Fleet(running, flower, f"http://127.0.0.1:{metrics_port}/metrics")
+        children = descendants(running.proc.pid)
+        assert len(children) >= 4  # redis-server, the router, two GPU workers (and Flower)
+        running.proc.send_signal(signal.SIGTERM)
+        assert running.proc.wait(timeout=60) == 0
+        time.sleep(0.5)
+        assert [pid for pid in children if alive(pid)] == []  # no orphan left behind
 
 
 def run_client(script: str, cwd: Path, redis_url: str | None = None) -> dict[str, Any]:
@@ -149,7 +119,7 @@ def run_client(script: str, cwd: Path, redis_url: str | None = None) -> dict[str
 
 
 def test_a_client_that_imports_nothing_from_gpufleet_gets_minilm_embeddings(
-    fleet_up: RunningFleet,
+    fleet_up: Fleet,
 ) -> None:
     script = textwrap.dedent(
         f"""
@@ -174,7 +144,7 @@ def test_a_client_that_imports_nothing_from_gpufleet_gets_minilm_embeddings(
 
 
 def test_fast_path_calls_leave_no_lease_behind_with_own_headers_or_when_expired(
-    fleet_up: RunningFleet,
+    fleet_up: Fleet,
 ) -> None:
     script = textwrap.dedent(
         """
@@ -217,7 +187,7 @@ def test_fast_path_calls_leave_no_lease_behind_with_own_headers_or_when_expired(
     assert held == [0]
 
 
-def test_overflowing_two_gpus_offloads_to_warm_and_restores_later(fleet_up: RunningFleet) -> None:
+def test_overflowing_two_gpus_offloads_to_warm_and_restores_later(fleet_up: Fleet) -> None:
     # Each of a, b, c takes a 6 GiB slot (2 GiB x 3): two fit on 2 x 8 GiB, the third
     # evicts one of them (which one depends on what else shares its GPU).
     first = {m: fleet_up.infer(m, "x") for m in ("a", "b")}
@@ -235,7 +205,7 @@ def test_overflowing_two_gpus_offloads_to_warm_and_restores_later(fleet_up: Runn
         assert gpu["reserved_bytes"] == held  # every reserved byte belongs to a listed deployment
 
 
-def test_a_dedicated_model_is_never_evicted(fleet_up: RunningFleet) -> None:
+def test_a_dedicated_model_is_never_evicted(fleet_up: Fleet) -> None:
     fleet_up.client.send_task("gpufleet.deploy", args=("pinned", 1, True)).get(timeout=120)
     for model in ("a", "b", "c", "a", "b"):
         fleet_up.infer(model, "x")
@@ -246,7 +216,7 @@ def test_a_dedicated_model_is_never_evicted(fleet_up: RunningFleet) -> None:
     assert all(e["model"] != "pinned" for e in evicted)
 
 
-def test_a_model_that_can_never_fit_fails_at_once_saying_why(fleet_up: RunningFleet) -> None:
+def test_a_model_that_can_never_fit_fails_at_once_saying_why(fleet_up: Fleet) -> None:
     start = time.monotonic()
     with pytest.raises(Exception) as err:
         fleet_up.infer("huge", "x", timeout=30)
@@ -255,7 +225,7 @@ def test_a_model_that_can_never_fit_fails_at_once_saying_why(fleet_up: RunningFl
     assert "across the GPUs of one host" in str(err.value)
 
 
-def test_unknown_models_and_bad_payloads_fail_with_clear_errors(fleet_up: RunningFleet) -> None:
+def test_unknown_models_and_bad_payloads_fail_with_clear_errors(fleet_up: Fleet) -> None:
     with pytest.raises(Exception) as unknown:
         fleet_up.infer("no-such-model", "x", timeout=30)
     assert type(unknown.value).__name__ == "UnknownModelError"
@@ -266,19 +236,19 @@ def test_unknown_models_and_bad_payloads_fail_with_clear_errors(fleet_up: Runnin
     assert fleet_up.infer("minilm", "still serving")["outputs"]["dim"] == 384
 
 
-def test_a_pickled_call_is_refused_and_the_fleet_keeps_serving(fleet_up: RunningFleet) -> None:
+def test_a_pickled_call_is_refused_and_the_fleet_keeps_serving(fleet_up: Fleet) -> None:
     sneaky = fleet_up.client.send_task("gpufleet.infer", args=("minilm", "x"), serializer="pickle")
     time.sleep(2.0)
     assert sneaky.state == "PENDING"  # never deserialised, never run
     assert fleet_up.infer("minilm", "after pickle")["outputs"]["dim"] == 384
 
 
-def test_a_worker_killed_mid_call_loses_its_bytes_within_the_lease(fleet_up: RunningFleet) -> None:
+def test_a_worker_killed_mid_call_loses_its_bytes_within_the_lease(fleet_up: Fleet) -> None:
     fleet_up.infer("b", "x")
     snap = fleet_up.registry.snapshot()
     b = next(d for d in snap.deployments.values() if d.model == "b" and d.level.value == "HOT")
     gpu_id = next(iter(b.gpus))
-    child = _pool_child_of(gpu_id)
+    child = fleet_up.running.pool_child(int(gpu_id.rsplit("sim", 1)[1]))
     pending = fleet_up.client.send_task("gpufleet.infer", args=("b", "x" * 2000))
     os.kill(child, signal.SIGKILL)
     killed_at = time.monotonic()
@@ -299,23 +269,7 @@ def test_a_worker_killed_mid_call_loses_its_bytes_within_the_lease(fleet_up: Run
     assert fleet_up.infer("b", "after the crash")["model"] == "b"
 
 
-def _pool_child_of(gpu_id: str) -> int:
-    """The pid of the pool child of simulated GPU `gpu_id`'s worker (it holds the models)."""
-    index = gpu_id.rsplit("sim", 1)[1]
-    rows = [
-        line.split(maxsplit=2)
-        for line in subprocess.run(
-            ["ps", "-ww", "-eo", "pid,ppid,args"], capture_output=True, text=True, check=True
-        ).stdout.splitlines()[1:]
-    ]
-    # Celery may retitle its processes ("[celeryd: gpu1@host:ForkPoolWorker-1]").
-    mine = {int(pid): int(ppid) for pid, ppid, args in rows if f"gpu{index}@" in args}
-    children = [pid for pid, ppid in mine.items() if ppid in mine]
-    assert len(children) == 1, (gpu_id, mine)
-    return children[0]
-
-
-def test_the_status_task_returns_the_status_object(fleet_up: RunningFleet) -> None:
+def test_the_status_task_returns_the_status_object(fleet_up: Fleet) -> None:
     report = fleet_up.client.send_task("gpufleet.status").get(timeout=30)
     assert {g["id"] for g in report["gpus"]} == {
         g.id for g in fleet_up.registry.snapshot().gpus.values()
@@ -324,7 +278,7 @@ def test_the_status_task_returns_the_status_object(fleet_up: RunningFleet) -> No
     assert all(g["total_bytes"] == 8 * GiB for g in report["gpus"])
 
 
-def test_the_router_exports_hit_counts_and_memory_to_prometheus(fleet_up: RunningFleet) -> None:
+def test_the_router_exports_hit_counts_and_memory_to_prometheus(fleet_up: Fleet) -> None:
     for _ in range(2):
         fleet_up.infer("minilm", "count me")
     with urllib.request.urlopen(fleet_up.metrics, timeout=10) as response:
@@ -344,7 +298,7 @@ def test_the_router_exports_hit_counts_and_memory_to_prometheus(fleet_up: Runnin
 
 
 def test_flower_lists_the_gpu_workers_and_the_infer_tasks_behind_auth(
-    fleet_up: RunningFleet,
+    fleet_up: Fleet,
 ) -> None:
     base, auth = fleet_up.flower
     fleet_up.infer("minilm", "seen by flower")
@@ -375,7 +329,7 @@ def _flower(url: str, auth: str | None) -> tuple[int, Any]:
 
 
 def test_a_call_that_reaches_an_evicted_replica_is_routed_again_not_failed(
-    fleet_up: RunningFleet,
+    fleet_up: Fleet,
 ) -> None:
     first = fleet_up.infer("c", "x")
     queue = fleet_up.registry.snapshot().gpus[first["gpus"][0]].queue
@@ -389,7 +343,7 @@ def test_a_call_that_reaches_an_evicted_replica_is_routed_again_not_failed(
     assert result["cache"] == "warm"  # the router restored the offloaded copy
 
 
-def test_a_model_larger_than_one_gpu_is_split_over_both_and_served(fleet_up: RunningFleet) -> None:
+def test_a_model_larger_than_one_gpu_is_split_over_both_and_served(fleet_up: Fleet) -> None:
     result = fleet_up.infer("split", "x")  # 10 GiB: 5.5 GiB on each 8 GiB GPU
     assert len(result["gpus"]) == 2
     (dep,) = [d for d in fleet_up.registry.snapshot().deployments.values() if d.model == "split"]
@@ -397,7 +351,7 @@ def test_a_model_larger_than_one_gpu_is_split_over_both_and_served(fleet_up: Run
     assert fleet_up.status()["problems"] == []
 
 
-def test_a_model_that_fails_to_load_gives_its_memory_back(fleet_up: RunningFleet) -> None:
+def test_a_model_that_fails_to_load_gives_its_memory_back(fleet_up: Fleet) -> None:
     with pytest.raises(Exception) as err:
         fleet_up.infer("broken", "x", timeout=60)
     assert type(err.value).__name__ == "ConfigError"

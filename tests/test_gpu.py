@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from placement.report import status_report
+from tests.running import RunningFleet, descendants, fleet_env, fleet_up
 
 pytestmark = pytest.mark.gpu
 REPO = Path(__file__).resolve().parents[1]
@@ -110,36 +115,23 @@ def _gpu_memory_of(pids: set[int]) -> tuple[int, int]:
     return sum(int(p.usedGpuMemory or 0) for p in procs if p.pid in pids), used
 
 
-def _descendants(pid: int) -> set[int]:
-    """Every process below `pid`, from /proc (only our own fleet's processes)."""
-    parents: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
-    found: set[int] = set()
-    frontier = {pid}
-    while frontier:
-        frontier = {child for child, parent in parents.items() if parent in frontier} - found
-        found |= frontier
-    return found
+def _reported(fleet: RunningFleet, model: str, level: str) -> dict[str, Any]:
+    """What the worker's heartbeat last reported of `model`'s replica, once at `level`."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        snap = fleet.registry.snapshot()
+        replicas = {d.replica for d in snap.replicas(model)}
+        for report in snap.reports.values():
+            for h in report.holdings:
+                if h.replica in replicas and h.level.value == level:
+                    return {"level": h.level.value, "device_bytes": h.device_bytes}
+        time.sleep(0.2)
+    raise AssertionError(f"no worker reported {model} {level} within 30 s")
 
 
 def test_a_fleet_on_the_gpu_loads_evicts_restores_and_caps_as_the_ledger_says(
     tmp_path: Path,
 ) -> None:
-    import os
-    import re
-    import signal
-
-    from celery import Celery
-
-    from placement.registry import Registry
-    from placement.report import status_report
-
     uuid, total = _gpu0()
     share = total * 2 // 5  # two of a, b, c fit on the GPU, the third must evict
     catalog = tmp_path / "models.yaml"
@@ -157,31 +149,15 @@ def test_a_fleet_on_the_gpu_loads_evicts_restores_and_caps_as_the_ledger_says(
         " config: {model_type: bert, hidden_size: 2048, num_hidden_layers: 6,"
         " num_attention_heads: 16, intermediate_size: 8192, vocab_size: 30522}}\n"
     )
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFLEET_")}
-    env |= {"GPUFLEET_WARM_CACHE": "96GiB", "GPUFLEET_FLEET": f"gpu-{os.getpid()}"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tasks.cli", "up", "--models", str(catalog), "--metrics-port", "0"],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
+    fleet_name = f"gpu-{os.getpid()}"
+    env = fleet_env(
+        GPUFLEET_WARM_CACHE="96GiB", GPUFLEET_FLEET=fleet_name, GPUFLEET_WORKER_LEASE_MS="3000"
     )
-    try:
-        assert proc.stdout is not None
-        url = ""
-        while not url:
-            line = proc.stdout.readline()
-            assert line or proc.poll() is None, f"gpufleet up exited with {proc.returncode}"
-            if found := re.search(r"registry (redis://\S+)", line):
-                url = found.group(1)
-        client = Celery(broker=url, backend=url)
-        registry = Registry.from_url(url, env["GPUFLEET_FLEET"])
+    with fleet_up(catalog, ["--metrics-port", "0"], env, fleet_name) as fleet:
+        registry = fleet.registry
 
         def call(model: str) -> dict[str, Any]:
-            result: dict[str, Any] = client.send_task(
-                "gpufleet.infer", args=(model, "the same input")
-            ).get(timeout=240)
+            result = fleet.infer(model, "the same input", timeout=240)
             record = registry.deployment(result["replica"])
             assert record is not None and record.level.value == "HOT"
             assert result["gpus"] == [uuid] == sorted(record.gpus)  # served where the ledger says
@@ -189,7 +165,7 @@ def test_a_fleet_on_the_gpu_loads_evicts_restores_and_caps_as_the_ledger_says(
 
         # A model larger than its declaration fails under its cap, and gives its bytes back.
         with pytest.raises(Exception) as err:
-            client.send_task("gpufleet.infer", args=("liar", "x")).get(timeout=240)
+            fleet.infer("liar", "x", timeout=240)
         assert "OutOfMemory" in type(err.value).__name__
         assert [d.level.value for d in registry.snapshot().replicas("liar")] == ["COLD"]
 
@@ -200,27 +176,20 @@ def test_a_fleet_on_the_gpu_loads_evicts_restores_and_caps_as_the_ledger_says(
         assert levels["a"] == "WARM"
         back = call("a")
         assert back["cache"] == "warm" and back["outputs"] == first["a"]["outputs"]
-        workers = _descendants(proc.pid)
-        queue = registry.snapshot().gpus[uuid].queue
+        workers = descendants(fleet.proc.pid)
         call("minilm")  # HOT again, wherever the evictions above left it
-        before = client.send_task("gpufleet.sync", queue=queue).get(timeout=60)
-        assert [r["level"] for r in before["residents"] if r["model"] == "minilm"] == ["HOT"], [
-            (e["kind"], e["model"]) for e in registry.events()
-        ]
+        assert _reported(fleet, "minilm", "HOT")["device_bytes"] > 80 * 2**20
         loaded = _gpu_memory_of(workers)
-        evicted = client.send_task("gpufleet.evict", args=("minilm",)).get(timeout=60)
-        assert [e["level"] for e in evicted["evicted"]] == ["WARM"]
-        held = client.send_task("gpufleet.sync", queue=queue).get(timeout=60)  # what it holds
-        assert [
-            (r["level"], r["device_bytes"]) for r in held["residents"] if r["model"] == "minilm"
-        ] == [("WARM", 0)], held
+        evicted = fleet.client.send_task("gpufleet.evict", args=("minilm",)).get(timeout=60)
+        assert [e["level"] for e in evicted["evicted"]] == ["WARM"]  # settled by its worker
+        assert _reported(fleet, "minilm", "WARM")["device_bytes"] == 0
         offloaded = _gpu_memory_of(workers)
         restored = call("minilm")
         assert restored["cache"] == "warm"
         assert restored["outputs"]["embeddings"] == cold["outputs"]["embeddings"]
         report = status_report(registry.snapshot())
         assert report["problems"] == []
-        reserved = next(g["reserved_bytes"] for g in report["gpus"] if g["id"] == uuid)
+        gpu = next(g for g in report["gpus"] if g["id"] == uuid)
         print(
             json.dumps(
                 {
@@ -229,15 +198,12 @@ def test_a_fleet_on_the_gpu_loads_evicts_restores_and_caps_as_the_ledger_says(
                     "minilm_hot_compute_ms": call("minilm")["timings_ms"]["compute"],
                     "nvml_worker_bytes": [loaded[0], offloaded[0]],
                     "nvml_device_used_bytes": [loaded[1], offloaded[1]],
-                    "ledger_reserved_bytes": reserved,
-                    "worker_devices": [before["devices"], held["devices"]],
+                    "ledger_reserved_bytes": gpu["reserved_bytes"],
+                    "ledger_held_bytes": gpu["held_bytes"],
                     "events": [(e["kind"], e["model"]) for e in registry.events()],
                 }
             )
         )
         if loaded[0]:  # NVML reports per-process memory on this host
             assert offloaded[0] < loaded[0] - 40 * 2**20  # MiniLM's weights are 87 MiB
-            assert loaded[0] <= reserved + 2**30  # the caps, plus the CUDA context outside them
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=60)
+            assert loaded[0] <= gpu["reserved_bytes"] + 2**30  # caps, plus the CUDA context

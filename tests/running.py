@@ -1,0 +1,164 @@
+"""A real `gpufleet up` for end-to-end tests, and the processes it started (only those).
+
+Tests find, signal and kill processes only among the descendants of the fleet they
+started, so they pass while other fleets run on the machine.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from celery import Celery
+
+from placement.registry import Registry
+
+REPO = Path(__file__).resolve().parents[1]
+READY_S = 180.0
+
+
+@dataclass
+class RunningFleet:
+    """A started `gpufleet up`: its process, registry URL, a plain Celery client."""
+
+    proc: subprocess.Popen[str]
+    url: str
+    client: Celery
+    registry: Registry
+    lines: list[str]  # what `gpufleet up` printed on stdout until it was ready
+
+    def infer(self, model: str, inputs: Any, timeout: float = 120) -> dict[str, Any]:
+        result: dict[str, Any] = self.client.send_task("gpufleet.infer", args=(model, inputs)).get(
+            timeout=timeout
+        )
+        return result
+
+    def pool_child(self, gpu_index: int) -> int:
+        """The pid of GPU worker `gpu_index`'s pool child (the process that holds models)."""
+        return pool_child(self.proc.pid, gpu_index)
+
+
+def fleet_env(**extra: str) -> dict[str, str]:
+    """This process's environment without any GPUFLEET_ setting, plus `extra`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFLEET_")}
+    return env | extra
+
+
+@contextmanager
+def fleet_up(
+    catalog: Path, args: list[str], env: Mapping[str, str], fleet: str = "default"
+) -> Iterator[RunningFleet]:
+    """Start `gpufleet up --models catalog *args`; stop it (SIGTERM) on the way out."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tasks.cli", "up", "--models", str(catalog), *args],
+        cwd=REPO,
+        env=dict(env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        lines = wait_ready(proc)
+        url = next(m.group(1) for line in lines if (m := re.search(r"registry (\S+)", line)))
+        client = Celery(broker=url, backend=url)
+        client.conf.update(
+            task_serializer="json", accept_content=["json"], result_serializer="json"
+        )
+        registry = Registry.from_url(url, fleet)
+        yield RunningFleet(proc, url, client, registry, lines)
+        registry.client.close()
+    finally:
+        stop(proc)
+
+
+def wait_ready(proc: subprocess.Popen[str], marker: str = "Ctrl-C stops") -> list[str]:
+    """The lines `gpufleet up` prints until it says it is up."""
+    assert proc.stdout is not None
+    deadline = time.monotonic() + READY_S
+    lines: list[str] = []
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line and proc.poll() is not None:
+            raise AssertionError(f"gpufleet up exited with {proc.returncode}: {lines}")
+        lines.append(line)
+        if marker in line:
+            return lines
+    raise AssertionError(f"gpufleet up did not become ready in {READY_S:.0f} s: {lines}")
+
+
+def stop(proc: subprocess.Popen[str]) -> int:
+    """SIGTERM `gpufleet up` and wait; it stops every process it started."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        for pid in descendants(proc.pid):
+            with_signal(pid, signal.SIGKILL)
+        proc.kill()
+        return proc.wait(timeout=10)
+
+
+def parents() -> dict[int, int]:
+    """pid -> parent pid of every process, from /proc."""
+    found: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            found[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    return found
+
+
+def descendants(pid: int) -> set[int]:
+    """Every process below `pid`."""
+    tree = parents()
+    found: set[int] = set()
+    frontier = {pid}
+    while frontier:
+        frontier = {child for child, parent in tree.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def pool_child(root: int, gpu_index: int) -> int:
+    """The pool child of GPU worker `gpu_index` among `root`'s descendants."""
+    tree = parents()
+    mine = descendants(root)
+    workers = [p for p in mine if f"gpu{gpu_index}@" in _cmdline(p) and tree.get(p) == root]
+    children = [p for p in mine if tree.get(p) in workers]
+    assert len(workers) == 1 and len(children) == 1, (gpu_index, workers, children)
+    return children[0]
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split()[2] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+def with_signal(pid: int, sig: signal.Signals) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""

@@ -1,0 +1,201 @@
+"""A GPU worker's keeper against a real registry: it does what the ledger says, confirms
+what only it can do, and repairs every difference between the two.
+
+Each test runs one `GpuWorker` (simulated GPUs, synthetic models, no Celery) on a real
+redis-server; the registry calls stand in for a router.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from placement.audit import audit
+from placement.catalog import Catalog
+from placement.errors import ConfigError, EvictedError
+from placement.registry import Registry
+from placement.state import Demand, Level
+from worker.devices import simulated_devices
+from worker.node import GpuWorker
+
+GiB = 2**30
+CATALOG = Catalog.from_mapping(
+    {
+        "models": {
+            "a": {"source": "synthetic", "task": "forward", "memory": "1GiB"},
+            "b": {"source": "synthetic", "task": "forward", "memory": "1GiB"},
+            "slow": {
+                "source": "synthetic",
+                "task": "forward",
+                "memory": "256MiB",
+                "config": {
+                    "model_type": "bert",
+                    "hidden_size": 256,
+                    "num_hidden_layers": 4,
+                    "num_attention_heads": 4,
+                    "intermediate_size": 1024,
+                    "vocab_size": 512,
+                    "max_position_embeddings": 512,
+                },
+            },
+            "broken": {"source": "/nonexistent/model", "task": "forward", "memory": "1GiB"},
+        }
+    }
+)
+SLOW_CALL = (["y" * 2000] * 2, {"max_length": 512})  # about 0.3 s on one core
+
+
+@pytest.fixture
+def node(redis_url: str, fleet: str) -> Iterator[GpuWorker]:
+    registry = Registry.from_url(redis_url, fleet)
+    devices = simulated_devices("1x4GiB")
+    worker = GpuWorker(
+        registry,
+        devices,
+        devices,
+        "h0",
+        "q0",
+        spec_of=CATALOG.get,
+        warm_budget=8 * GiB,
+        lease_ms=3000,
+    )
+    worker.start()
+    yield worker
+    worker.stop()
+    registry.client.close()
+
+
+def demand(model: str) -> Demand:
+    return CATALOG.get(model).demand()
+
+
+def eventually(check: Callable[[], bool], within_s: float = 10.0) -> None:
+    deadline = time.monotonic() + within_s
+    while not check():
+        assert time.monotonic() < deadline, "not within the bound"
+        time.sleep(0.01)
+
+
+def level(node: GpuWorker, replica: str) -> Level | None:
+    record = node.registry.deployment(replica)
+    return record.level if record else None
+
+
+def hot(node: GpuWorker, model: str) -> str:
+    """Place `model` as a router would and wait for the keeper to make it HOT."""
+    plan = node.registry.place(demand(model))
+    node.keeper.ensure(plan.replica, plan.epoch, timeout_s=30)
+    return plan.replica
+
+
+def test_a_placement_is_loaded_and_confirmed_before_any_call_arrives(node: GpuWorker) -> None:
+    plan = node.registry.place(demand("a"))
+    eventually(lambda: level(node, plan.replica) is Level.HOT)
+    assert node.manager.hot(plan.replica, plan.epoch)
+    outputs = node.serve(plan.replica, plan.epoch, "x", None)
+    assert outputs.gpus == ["h0:sim0"] and outputs.load_ms == 0.0
+
+
+def test_a_waiting_placement_loads_once_its_victim_has_left_the_device(node: GpuWorker) -> None:
+    a = hot(node, "a")  # a 3 GiB slot of 4
+    plan = node.registry.place(demand("b"))  # evicts a
+    served = node.serve(plan.replica, plan.epoch, "x", None)
+    assert served.load_ms > 0
+    kinds = [(e["kind"], e["replica"]) for e in node.registry.events()]
+    order = [
+        kinds.index(("evicted", a)),
+        kinds.index(("settled", a)),
+        kinds.index(("admitted", plan.replica)),
+        kinds.index(("ready", plan.replica)),
+    ]
+    assert order == sorted(order)  # b touched the device only after a left it
+    assert level(node, a) is Level.WARM and not node.manager.hot(a)
+
+
+def test_an_eviction_is_settled_while_a_call_runs_on_another_model(node: GpuWorker) -> None:
+    a, slow = hot(node, "a"), hot(node, "slow")
+    running = threading.Thread(target=lambda: [node.serve(slow, 0, *SLOW_CALL) for _ in range(3)])
+    running.start()
+    time.sleep(0.05)
+    start = time.monotonic()
+    assert node.registry.evict(a) is Level.OFFLOADING
+    assert node.registry.wait_settled(a, 10) is Level.WARM
+    settled_in = time.monotonic() - start
+    call_still_running = running.is_alive()
+    running.join()
+    assert call_still_running, f"the offload waited for the calls ({settled_in:.2f} s)"
+
+
+def test_a_copy_the_ledger_no_longer_gives_the_worker_is_dropped(node: GpuWorker) -> None:
+    a = hot(node, "a")
+    record = node.registry.deployment(a)
+    assert record is not None
+    assert node.registry.settle(record, "lost") is Level.COLD  # the ledger let it go
+    eventually(lambda: a not in node.manager.residents, within_s=5)  # one reconcile pass
+
+
+def test_a_record_its_worker_does_not_hold_goes_cold_with_its_bytes_released(
+    node: GpuWorker,
+) -> None:
+    a = hot(node, "a")
+    node.manager.drop(a)  # the process lost the copy behind the ledger's back
+    eventually(lambda: level(node, a) is Level.COLD, within_s=5)
+    gpu = node.registry.snapshot().gpus["h0:sim0"]
+    assert (gpu.reserved, gpu.held) == (0, 0)
+    with pytest.raises(EvictedError):
+        node.serve(a, 0, "x", None)  # a call that still comes is routed again
+
+
+def test_a_failed_load_releases_its_bytes_and_its_call_gets_the_loads_error(
+    node: GpuWorker,
+) -> None:
+    plan = node.registry.place(demand("broken"))
+    with pytest.raises(ConfigError, match="/nonexistent/model"):
+        node.serve(plan.replica, plan.epoch, "x", None)
+    eventually(lambda: level(node, plan.replica) is Level.COLD)
+    gpu = node.registry.snapshot().gpus["h0:sim0"]
+    assert (gpu.reserved, gpu.held) == (0, 0)
+    assert node.serve(hot(node, "a"), 0, "x", None).outputs["shape"]  # it keeps serving
+
+
+def test_a_call_routed_to_an_older_placement_is_routed_again(node: GpuWorker) -> None:
+    first = node.registry.place(demand("a"))
+    node.keeper.ensure(first.replica, first.epoch)
+    assert node.registry.evict(first.replica, to=Level.COLD) is Level.DROPPING
+    eventually(lambda: level(node, first.replica) is Level.COLD)
+    again = node.registry.place(demand("a"))
+    assert (again.replica, again.epoch) == (first.replica, first.epoch + 1)
+    with pytest.raises(EvictedError):
+        node.serve(first.replica, first.epoch, "x", None)
+    assert node.serve(again.replica, again.epoch, "x", None).outputs["shape"]
+
+
+def test_the_heartbeat_reports_what_the_process_holds_and_the_audit_agrees(
+    node: GpuWorker,
+) -> None:
+    a, b = hot(node, "a"), hot(node, "slow")
+    node.registry.evict(a)
+    node.registry.wait_settled(a, 10)
+
+    def reported() -> bool:
+        report = node.registry.snapshot().reports.get(node.worker_id)
+        return report is not None and {(h.replica, h.level) for h in report.holdings} == {
+            (a, Level.WARM),
+            (b, Level.HOT),
+        }
+
+    eventually(reported, within_s=5)  # a heartbeat a second
+    assert audit(node.registry.snapshot(), grace_ms=0) == []
+
+
+def test_a_lost_lease_drops_every_model_and_the_worker_registers_again(node: GpuWorker) -> None:
+    a = hot(node, "a")
+    registry = node.registry
+    registry.client.hset(registry.keys.worker(node.worker_id), "lease_deadline", 0)
+    registry.reap_expired()  # a router reaps it: the ledger holds nothing for it now
+    eventually(lambda: a not in node.manager.residents, within_s=5)
+    eventually(lambda: node.lease.registered, within_s=5)
+    assert node.serve(hot(node, "a"), 0, "x", None).outputs["shape"]
