@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -151,10 +151,8 @@ def alive(pid: int) -> bool:
 
 
 def with_signal(pid: int, sig: signal.Signals) -> None:
-    try:
+    with suppress(ProcessLookupError):
         os.kill(pid, sig)
-    except ProcessLookupError:
-        pass
 
 
 def _cmdline(pid: int) -> str:
