@@ -27,12 +27,13 @@ divided by S, and percentiles are over the same operations):
   its replica cache is warm, as a long-running router's is. Latency is of `pick`.
 * ``commit*``: the optimistic write path. Each client plans one replica of its own
   model with the pure policy `plan_replica` on a snapshot it holds locally, commits it
-  with `Registry.commit`, then evicts it again with `Registry.evict(to=COLD)` so the
+  with `Registry.commit`, then evicts it again with `Registry.evict(to=COLD)` and settles
+  the drop as its worker would (`Registry.settle`), so the
   fleet stays in steady state (the COLD record is reused by the next plan). The local
   snapshot is refreshed only when a commit is rejected (`PlanRejectedError`): a full
   re-read per commit is the router's miss path, measured by ``place_*``. Only accepted
   commits count in ``commits_per_s``; latency is of the `commit` call alone (accepted
-  and rejected). ``plan_*`` is the pure policy time, ``evict*`` the eviction call.
+  and rejected). ``plan_*`` is the pure policy time, ``evict*`` the eviction and its settle.
 * ``place_*``: one client running the whole miss path, `Registry.place` (snapshot,
   plan, commit), each followed by an unmeasured eviction. ``place_per_s`` is
   1000 / mean place latency: what one sequential client sustains on place calls.
@@ -315,8 +316,8 @@ def build_fleet(registry: Registry, cfg: Config) -> dict[str, Any]:
             max_active=cfg.replicas_per_model,
             reason="bench preload",
         )
-        registry.commit(plan, snap)
-        if not registry.confirm(plan.replica, gpu.worker):
+        committed = registry.commit(plan, snap)
+        if not registry.confirm(plan.replica, gpu.worker, committed.epoch):
             raise RegistryError(f"preloaded replica {plan.replica} did not turn HOT")
         if (d + 1) % 2000 == 0:
             log.info("preloaded %d/%d deployments", d + 1, cfg.deployments)
@@ -410,7 +411,7 @@ def _commit_client(index: int) -> ClientResult:
         plan = plan_replica(demand, snap, settings, rng)
         t1 = time.perf_counter()
         try:
-            registry.commit(plan, snap)
+            committed = registry.commit(plan, snap)
         except PlanRejectedError as exc:
             t2 = time.perf_counter()
             snap = registry.snapshot()
@@ -422,7 +423,7 @@ def _commit_client(index: int) -> ClientResult:
                 win.count("rejected:" + str(exc).split(":", 1)[0], t0, t3)
             continue
         t2 = time.perf_counter()
-        registry.evict(plan.replica, to=Level.COLD)
+        drop(registry, committed)
         t3 = time.perf_counter()
         snap = _after_evict(snap, plan)
         win.record("plan", t0, t1)
@@ -430,6 +431,21 @@ def _commit_client(index: int) -> ClientResult:
         win.count("commit", t0, t2)
         win.record("evict", t2, t3)
     return win.finish()
+
+
+def drop(registry: Registry, committed: Plan) -> None:
+    """Evict a just-committed replica to COLD, and settle the drop as its worker would."""
+    registry.evict(committed.replica, to=Level.COLD)
+    record = Deployment(
+        committed.replica,
+        committed.model,
+        Level.DROPPING,
+        gpus=dict(committed.gpus),
+        host=committed.host,
+        worker=committed.worker,
+        epoch=committed.epoch,
+    )
+    registry.settle(record, "dropped")
 
 
 def _after_evict(snap: Snapshot, plan: Plan) -> Snapshot:
@@ -524,7 +540,7 @@ def measure_place(bench: Bench) -> dict[str, Any]:
         t0 = time.perf_counter()
         plan = registry.place(demand)
         t1 = time.perf_counter()
-        registry.evict(plan.replica, to=Level.COLD)
+        drop(registry, plan)
         return t0, t1
 
     ms = measure_single(bench, "place", step)

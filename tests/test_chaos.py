@@ -1,0 +1,243 @@
+"""The chaos soak: a real fleet under eviction pressure, explicit moves and killed workers.
+
+`gpufleet up` on two small simulated GPUs serves synthetic models whose slots together
+exceed the fleet, so every few calls evict and restore. Eight client threads call them at
+random through plain Celery while a chaos thread evicts and deploys models and SIGKILLs
+GPU workers' pool children (only this fleet's). Synthetic weights are deterministic, so
+every answer is checked against the same model computed here.
+
+It asserts: every call returns the right output or fails with a documented error type, and
+none hangs; the ledger's own invariants hold at every audit; no move stays pending longer
+than `PENDING_BOUND_S`; once the load stops and `SETTLE_BOUND_S` passed, every live
+worker's reported holdings equal the ledger, the audit finds nothing, and nothing is
+reserved for a dead worker. `GPUFLEET_CHAOS_SECONDS` sets the load's length (default 90).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import threading
+import time
+from collections import Counter
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from celery.exceptions import TimeoutError as CeleryTimeout
+
+from placement.audit import ledger_problems, report_problems
+from placement.catalog import Catalog
+from placement.state import LEAVING, PENDING, Level, Snapshot
+from tests.running import RunningFleet, fleet_env, fleet_up, with_signal
+from worker import handlers
+from worker.synthetic import build_synthetic
+
+pytestmark = pytest.mark.slow
+
+SECONDS = float(os.environ.get("GPUFLEET_CHAOS_SECONDS") or 90)
+CLIENTS = 8
+LEASE_MS = 3000
+CALL_TIMEOUT_S = 120.0  # a call that has not answered by then hangs
+#: The longest a move may wait for a worker: a killed worker's moves wait for its
+#: replacement (a fork and a registration) or for its lease to lapse and a sweep.
+PENDING_BOUND_S = 20.0
+#: After the load stops, by when the workers' reports equal the ledger: one reconcile
+#: pass, one heartbeat (a third of the lease) and the audit's grace.
+SETTLE_BOUND_S = 8.0
+#: What a call may fail with (each says what to do); anything else is a failure.
+DOCUMENTED = {"CantAccommodateError", "SettlingError", "EvictedError", "PlanRejectedError"}
+
+MODELS = {f"s{i}": "512MiB" for i in range(4)} | {f"l{i}": "1GiB" for i in range(2)}
+CATALOG = "models:\n" + "".join(
+    f"  {m}: {{source: synthetic, task: forward, memory: {size}}}\n" for m, size in MODELS.items()
+)
+INPUTS = ["chaos", "a longer input for the model", "x" * 300]
+
+
+def expected_outputs(catalog: Path) -> dict[tuple[str, str], dict[str, Any]]:
+    """What every model answers to every input, computed in this process."""
+    specs = Catalog.load(catalog)
+    out = {}
+    for model in MODELS:
+        net, tokenizer = build_synthetic(specs.get(model))
+        for text in INPUTS:
+            out[(model, text)] = handlers.run(
+                "forward", net, tokenizer, text, None, torch.device("cpu")
+            )
+    return out
+
+
+def same(got: Mapping[str, Any], want: Mapping[str, Any]) -> bool:
+    close = all(
+        abs(a - b) <= 1e-4 * max(1.0, abs(b))
+        for a, b in zip(
+            [got["mean"], got["std"], *got["head"]],
+            [want["mean"], want["std"], *want["head"]],
+            strict=True,
+        )
+    )
+    return close and got["shape"] == want["shape"]
+
+
+class Soak:
+    """The clients, the chaos and the monitor of one run, and what they saw."""
+
+    def __init__(self, fleet: RunningFleet, want: dict[tuple[str, str], dict[str, Any]]) -> None:
+        self.fleet = fleet
+        self.want = want
+        self.stop = threading.Event()
+        self.lock = threading.Lock()
+        self.counts: Counter[str] = Counter()
+        self.failures: list[str] = []
+        self.longest_pending = (0.0, "")
+        self.audits = 0
+
+    def count(self, what: str) -> None:
+        with self.lock:
+            self.counts[what] += 1
+
+    def fail(self, why: str) -> None:
+        with self.lock:
+            self.failures.append(why)
+
+    def client(self, seed: int) -> None:
+        rng = random.Random(seed)
+        while not self.stop.is_set():
+            model, text = rng.choice(list(MODELS)), rng.choice(INPUTS)
+            call = self.fleet.client.send_task("gpufleet.infer", args=(model, text))
+            try:
+                result = call.get(timeout=CALL_TIMEOUT_S)
+            except CeleryTimeout:
+                self.count("hangs")
+                self.fail(f"a call for {model} did not answer in {CALL_TIMEOUT_S:.0f} s")
+                continue
+            except Exception as exc:
+                kind = type(exc).__name__
+                self.count(f"error:{kind}")
+                if kind not in DOCUMENTED:
+                    self.fail(f"a call for {model} failed with {kind}: {str(exc)[:300]}")
+                continue
+            self.count("calls")
+            self.count(f"cache:{result['cache']}")
+            if not same(result["outputs"], self.want[(model, text)]):
+                self.count("wrong")
+                self.fail(f"wrong output from {model} ({result['replica']}) for {text!r}")
+
+    def chaos(self, seed: int) -> None:
+        rng = random.Random(seed)
+        next_kill = time.monotonic() + rng.uniform(8, 15)
+        while not self.stop.wait(rng.uniform(1.0, 3.0)):
+            model = rng.choice(list(MODELS))
+            action = rng.choice(["evict", "deploy"])
+            try:
+                self.fleet.client.send_task(f"gpufleet.{action}", args=(model,)).get(timeout=60)
+                self.count(f"chaos:{action}")
+            except Exception as exc:  # a deploy may find no room: that is an answer too
+                self.count(f"chaos:{action}:{type(exc).__name__}")
+            if time.monotonic() >= next_kill:
+                gpu = rng.randrange(2)
+                with_signal(self.fleet.pool_child(gpu), signal.SIGKILL)
+                self.count("chaos:sigkill")
+                next_kill = time.monotonic() + rng.uniform(15, 25)
+
+    def monitor(self) -> None:
+        first_seen: dict[tuple[str, int, str], float] = {}
+        while not self.stop.wait(0.5):
+            snap = self.fleet.registry.snapshot()
+            self.audits += 1
+            for problem in ledger_problems(snap, pending_bound_ms=int(PENDING_BOUND_S * 1000)):
+                self.fail(f"audit {self.audits}: {problem}")
+            now = time.monotonic()
+            for d in snap.deployments.values():
+                idle_drain = d.level is Level.DRAINING and d.idle
+                if d.level in PENDING or idle_drain:
+                    key = (d.replica, d.epoch, d.level.value)
+                    waited = now - first_seen.setdefault(key, now)
+                    if waited > self.longest_pending[0]:
+                        self.longest_pending = (waited, f"{d.model} {d.level.value}")
+
+
+def settled(snap: Snapshot) -> list[str]:
+    """Differences between each live worker's report and the ledger, once nothing moves."""
+    problems = []
+    for worker, deadline in snap.workers.items():
+        if deadline <= snap.now_ms:
+            continue
+        report = snap.reports.get(worker)
+        held = (
+            {(h.replica, h.epoch, h.level, tuple(sorted(h.gpus.items()))) for h in report.holdings}
+            if report
+            else set()
+        )
+        ledger = {
+            (d.replica, d.epoch, d.level, tuple(sorted(d.gpus.items())))
+            for d in snap.deployments.values()
+            if d.worker == worker and d.level is not Level.COLD
+        }
+        if held != ledger:
+            problems.append(
+                f"worker {worker} holds {sorted(held)}; the ledger says {sorted(ledger)}"
+            )
+    dead = {
+        d.replica
+        for d in snap.deployments.values()
+        if d.worker and snap.workers.get(d.worker, 0) <= snap.now_ms
+    }
+    if dead:
+        problems.append(f"replicas still on dead workers: {sorted(dead)}")
+    return problems
+
+
+def test_a_fleet_under_chaos_answers_right_and_its_ledger_matches_its_workers(
+    tmp_path: Path,
+) -> None:
+    catalog = tmp_path / "models.yaml"
+    catalog.write_text(CATALOG)
+    want = expected_outputs(catalog)
+    env = fleet_env(GPUFLEET_WARM_CACHE="3GiB", GPUFLEET_WORKER_LEASE_MS=str(LEASE_MS))
+    seed = int(os.environ.get("GPUFLEET_CHAOS_SEED") or random.SystemRandom().randrange(10**6))
+    with fleet_up(catalog, ["--sim-gpus", "2x4GiB", "--metrics-port", "0"], env) as fleet:
+        soak = Soak(fleet, want)
+        threads = [threading.Thread(target=soak.client, args=(seed + i,)) for i in range(CLIENTS)]
+        threads += [
+            threading.Thread(target=soak.chaos, args=(seed,)),
+            threading.Thread(target=soak.monitor),
+        ]
+        for t in threads:
+            t.start()
+        time.sleep(SECONDS)
+        soak.stop.set()
+        for t in threads:
+            t.join(CALL_TIMEOUT_S + 60)
+        stopped = time.monotonic()
+        while True:  # the bound: reports and ledger agree, nothing pending, no problem
+            snap = fleet.registry.snapshot()
+            left = (
+                settled(snap)
+                + [
+                    f"{d.replica} still {d.level.value}"
+                    for d in snap.deployments.values()
+                    if d.level in PENDING or d.level in LEAVING
+                ]
+                + ledger_problems(snap)
+                + report_problems(snap, grace_ms=LEASE_MS)
+            )
+            if not left or time.monotonic() - stopped > SETTLE_BOUND_S:
+                break
+            time.sleep(0.25)
+        waited = time.monotonic() - stopped
+        print(
+            f"chaos soak, seed {seed}: {SECONDS:.0f} s, {dict(sorted(soak.counts.items()))}; "
+            f"longest pending move {soak.longest_pending[0]:.1f} s ({soak.longest_pending[1]}); "
+            f"{soak.audits} audits; settled {waited:.1f} s after the load"
+        )
+        assert not left, f"{SETTLE_BOUND_S:.0f} s after the load: {left[:10]}"
+        assert not soak.failures, soak.failures[:10]
+        assert soak.longest_pending[0] <= PENDING_BOUND_S, soak.longest_pending
+        assert soak.counts["calls"] >= 200  # it did serve
+        assert soak.counts["chaos:sigkill"] >= 2
+        assert soak.counts["cache:warm"] + soak.counts["cache:cold"] >= 50  # it did evict
