@@ -1,8 +1,8 @@
 """Apply ledger changes to a snapshot in memory, with the same effects as the registry's scripts.
 
-The simulator's in-memory mode and multi-replica planning use it. Tests check that
-it agrees with commit.lua, admit.lua, settle.lua and evict.lua, so the two cannot
-drift apart. Each function mirrors one script; `settle_all` plays every worker at once.
+The simulator's in-memory mode uses it. A test checks that it agrees with commit.lua,
+admit.lua and settle.lua, step by step, so the two cannot drift apart. Each function
+mirrors one script; `settle_all` plays every worker at once.
 """
 
 from __future__ import annotations
@@ -85,6 +85,7 @@ class _Draft:
             queue="",
             host="",
             since_ms=now,
+            leases=0,  # its request leases end with it
         )
 
     def drop_warm(self, dep: Deployment, now: int) -> None:
@@ -177,24 +178,6 @@ def settle_all(snap: Snapshot) -> Snapshot:
     return snap
 
 
-def evict(snap: Snapshot, replica: str, to: Level, drops: tuple[str, ...] = ()) -> Snapshot:
-    """The snapshot after an explicit, idle `replica` starts leaving for `to` (evict.lua)."""
-    draft = _Draft(snap)
-    now = snap.now_ms
-    for w in drops:
-        draft.drop_warm(draft.deps[w], now)
-    dep = draft.deps[replica]
-    if dep.level is Level.WAITING:
-        draft.to_cold(dep, now)
-    elif dep.level is Level.LOADING:
-        draft.leave(dep, Level.COLD, now)
-    elif dep.level in (Level.HOT, Level.DRAINING):
-        draft.leave(dep, to, now)
-    elif dep.level is Level.WARM and to is Level.COLD:
-        draft.drop_warm(dep, now)
-    return draft.freeze()
-
-
 def mark(snap: Snapshot, replica: str, level: Level, now_ms: int | None = None) -> Snapshot:
     """The snapshot with `replica` at `level` (e.g. LOADING -> HOT) and used at `now_ms`."""
     dep = snap.deployments[replica]
@@ -203,4 +186,4 @@ def mark(snap: Snapshot, replica: str, level: Level, now_ms: int | None = None) 
     return replace(snap, deployments=deps)
 
 
-__all__ = ["admit", "apply_plan", "evict", "mark", "settle", "settle_all"]
+__all__ = ["admit", "apply_plan", "mark", "settle", "settle_all"]

@@ -101,13 +101,18 @@ def plan_replica(
     view = _View(snap, demand)
 
     active = [d for d in view.mine if d.level in RESERVING]
-    leaving = [d for d in view.mine if d.level in LEAVING]
-    if leaving and len(active) < demand.replicas:
-        # Its copy is on its way to the host's CPU cache (or out): restoring it then beats
+    if len(active) < demand.replicas:
+        # A copy on its way to the host's CPU cache (or out): restoring it then beats
         # loading another copy from disk now. A worker settles within about one call.
+        settling = [d for d in view.mine if d.level in LEAVING]
+    else:
+        # Enough are placed, but if all of them drain, none takes this call: wait until
+        # one has left, then place the model again.
+        settling = active if all(d.level is Level.DRAINING for d in active) else []
+    if settling:
         raise SettlingError(
-            f"{demand.model}: replica {leaving[0].replica} is {leaving[0].level.value} on "
-            f"worker {leaving[0].worker}; it is placed again once its worker settles the move"
+            f"{demand.model}: replica {settling[0].replica} is {settling[0].level.value} on "
+            f"worker {settling[0].worker}; it is placed again once that move settles"
         )
     if len(active) >= demand.replicas:
         best = min(active, key=lambda d: (d.level is not Level.HOT, d.leases, d.replica))

@@ -53,6 +53,7 @@ DEFAULT_EVENTS_MAXLEN = 100_000
 #: How long `place` waits for a copy of the model to finish leaving its GPU before it
 #: gives up with `SettlingError` (a worker settles within about one call's time).
 SETTLE_WAIT_S = 2.0
+SETTLE_POLL_S = 0.02
 #: What a worker reports settling: see settle.lua.
 OUTCOMES_OF_SETTLE = ("offloaded", "dropped", "failed", "lost")
 
@@ -460,7 +461,7 @@ class Registry:
             except SettlingError:
                 if time.monotonic() >= deadline:
                     raise
-                time.sleep(0.01)
+                self._wait_moved(snap, demand.model, deadline)
                 continue
             tries += 1
             if plan.candidate is Candidate.DEPLOYED:
@@ -474,17 +475,33 @@ class Registry:
             f"{demand.model}: the fleet changed under {attempts} plans in a row ({last})"
         )
 
+    def _wait_moved(self, snap: Snapshot, model: str, deadline: float) -> None:
+        """Until one of `model`'s draining or leaving replicas in `snap` changes level (its
+        worker settled it, its last call ended), or `deadline`: one small read per poll."""
+        moving = {
+            d.replica: d.level
+            for d in snap.replicas(model)
+            if d.level in LEAVING or d.level is Level.DRAINING
+        }
+        while moving and time.monotonic() < deadline:
+            now = self.levels(list(moving))
+            if any(now.get(r) is not level for r, level in moving.items()):
+                return
+            time.sleep(SETTLE_POLL_S)
+
     def hold(
-        self, replica: str, epoch: int, ttl_ms: int = DEFAULT_REQUEST_LEASE_MS
+        self, replica: str, epoch: int, worker: str, ttl_ms: int = DEFAULT_REQUEST_LEASE_MS
     ) -> tuple[Lease, str] | None:
-        """Lease a placed replica (WAITING, LOADING or HOT in `epoch`) for a routed call.
+        """Lease a placed replica (WAITING, LOADING or HOT in `epoch` on live `worker`) for
+        a routed call.
 
         Returns the lease and where the copy is coming from: "hot" (it is HOT), "warm" (a
-        restore), or "cold"; None when the replica moved on.
+        restore), or "cold"; None when the replica moved on or its worker is dead.
         """
         lease_id = uuid.uuid4().hex
-        keys = [self.keys.deployment(replica), self.keys.leases(replica)]
-        result = self._run("hold", keys, [lease_id, ttl_ms, epoch])
+        k = self.keys
+        keys = [k.deployment(replica), k.leases(replica), k.worker(worker)]
+        result = self._run("hold", keys, [lease_id, ttl_ms, epoch, worker])
         if result[0] != 1:
             return None
         _, deadline, level, source = result
@@ -598,6 +615,11 @@ class Registry:
         except redis.ConnectionError as exc:
             raise _unreachable(exc) from exc
         return str(popped[1]) if popped else None
+
+    def levels(self, replicas: Sequence[str]) -> dict[str, Level]:
+        """The level of each replica that has a record (one pipelined read)."""
+        rows = self._read([("hget", self.keys.deployment(r), "level") for r in replicas])
+        return {r: Level(level) for r, level in zip(replicas, rows, strict=True) if level}
 
     def replicas_of(self, worker: str) -> list[str]:
         """The replicas the ledger gives `worker` (on GPU, pending or in its CPU memory)."""

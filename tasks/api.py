@@ -38,7 +38,8 @@ log = logging.getLogger(__name__)
 
 SWEEP_EVERY_S = 2.0
 BUSY_RETRIES = 20  # a model blocked by busy replicas is retried about once a second
-SETTLE_RETRIES = 120  # a copy still leaving its GPU: retried every 0.25 s (the worker's lease)
+SETTLE_RETRIES = 120  # a copy still leaving its GPU, or a fleet moving under every plan:
+# retried every 0.25 s, for about two worker leases
 PLACE_ATTEMPTS = 3  # placements in a row that moved on before the call pinned one
 EVICT_WAIT_S = 10.0  # how long `gpufleet.evict` waits for workers to settle their moves
 
@@ -99,11 +100,13 @@ def _place(
         raise
     except SettlingError as exc:  # a copy is still leaving: restore it once it has left
         raise task.retry(exc=exc, countdown=0.25, max_retries=SETTLE_RETRIES) from exc
+    except PlanRejectedError as exc:  # the fleet moved under every plan: try again shortly
+        raise task.retry(exc=exc, countdown=0.25, max_retries=SETTLE_RETRIES) from exc
     except CantAccommodateError as exc:
         _count(registry, model, "busy")
         raise task.retry(exc=exc, countdown=1, max_retries=BUSY_RETRIES) from exc
     if plan.candidate is Candidate.DEPLOYED:
-        return plan, registry.hold(plan.replica, plan.epoch)
+        return plan, registry.hold(plan.replica, plan.epoch, plan.worker)
     deadline = int(time.time() * 1000) + DEFAULT_REQUEST_LEASE_MS  # commit.lua took it
     lease = Lease(lease_id, model, plan.replica, plan.queue, plan.worker, {}, deadline, plan.epoch)
     return plan, (lease, "warm" if plan.reuse is Level.WARM else "cold")
@@ -118,15 +121,19 @@ def _count(registry: Registry, model: str, outcome: str) -> None:
 
 
 def _announce(task: Task, plan: Plan) -> None:
-    """Tell Flower (commit.lua already told the workers concerned)."""
-    task.send_event(
-        "task-placement",
-        model=plan.model,
-        replica=plan.replica,
-        candidate=plan.candidate.name,
-        gpus=dict(plan.gpus),
-        evicted=[[e.replica, e.to.value] for e in plan.evictions],
-    )
+    """Tell Flower (commit.lua already told the workers concerned); never fail the call
+    over it, since the placement holds a lease for this call."""
+    try:
+        task.send_event(
+            "task-placement",
+            model=plan.model,
+            replica=plan.replica,
+            candidate=plan.candidate.name,
+            gpus=dict(plan.gpus),
+            evicted=[[e.replica, e.to.value] for e in plan.evictions],
+        )
+    except Exception:
+        log.warning("could not announce the placement of %s", plan.replica, exc_info=True)
 
 
 @app.task(name="gpufleet.deploy", bind=True)

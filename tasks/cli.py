@@ -346,7 +346,12 @@ def _gpu_table(report: dict[str, Any]) -> Table:
             if g["alive"]
             else f"[red]{g['host']}:{g['index']} (dead)[/]",
             g["name"],
-            f"{format_size(g['reserved_bytes'])} / {format_size(g['total_bytes'])}",
+            f"{format_size(g['reserved_bytes'])} / {format_size(g['total_bytes'])}"
+            + (  # copies still leaving (or not yet admitted) make the two differ
+                f"\n[dim]on device {format_size(g['held_bytes'])}[/]"
+                if g["held_bytes"] != g["reserved_bytes"]
+                else ""
+            ),
             f"{share:.0%}",
             g["worker"] or "-",
             "\n".join(on_it) or "-",

@@ -289,7 +289,8 @@ def lease_problems(
     """Evictions under live request leases, and pressure evictions of dedicated replicas.
 
     A lease pins its replica from `acquired` until the earliest of: `released`, its
-    own deadline, and a reap that released the replica (which drops its leases).
+    own deadline, and a reap or a worker's settle that took the replica COLD (both drop
+    its leases).
     Returns the problems and the check's reach, so it cannot pass vacuously:
     `near` counts evictions between a lease's acquisition and its deadline or release
     (the ones that had to be told apart), `after_lost` evictions of a replica whose
@@ -304,8 +305,8 @@ def lease_problems(
             evictions[e["replica"]].append(e)
             if e.get("cause") == "pressure" and e["model"] in DEDICATED:
                 problems.append(f"dedicated replica evicted by pressure: {dict(e)}")
-        elif e["kind"] == "released":
-            releases[e["replica"]].append(int(e["at"]))
+        elif e["kind"] == "released" or (e["kind"] == "settled" and e["outcome"] != "offloaded"):
+            releases[e["replica"]].append(int(e["at"]))  # it went COLD: its leases ended
     for lease in leases:
         end = lease.deadline if lease.released is None else min(lease.deadline, lease.released)
         reaped = [t for t in releases.get(lease.replica, []) if t >= lease.acquired]

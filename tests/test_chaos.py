@@ -139,8 +139,11 @@ class Soak:
             except Exception as exc:  # a deploy may find no room: that is an answer too
                 self.count(f"chaos:{action}:{type(exc).__name__}")
             if time.monotonic() >= next_kill:
-                gpu = rng.randrange(2)
-                with_signal(self.fleet.pool_child(gpu), signal.SIGKILL)
+                try:
+                    child = self.fleet.pool_child(rng.randrange(2))
+                except AssertionError:  # its replacement is still being forked: later
+                    continue
+                with_signal(child, signal.SIGKILL)
                 self.count("chaos:sigkill")
                 next_kill = time.monotonic() + rng.uniform(15, 25)
 

@@ -191,11 +191,22 @@ def test_the_heartbeat_reports_what_the_process_holds_and_the_audit_agrees(
     assert audit(node.registry.snapshot(), grace_ms=0) == []
 
 
-def test_a_lost_lease_drops_every_model_and_the_worker_registers_again(node: GpuWorker) -> None:
+def test_a_lost_lease_drops_every_model_before_the_worker_registers_again(
+    node: GpuWorker,
+) -> None:
     a = hot(node, "a")
     registry = node.registry
+    held_when_registered: list[set[str]] = []
+    register = registry.register_worker
+
+    def spy(*args: object, **kwargs: object) -> int:
+        held_when_registered.append(set(node.manager.residents))
+        return register(*args, **kwargs)  # type: ignore[arg-type]
+
+    registry.register_worker = spy  # type: ignore[method-assign]
     registry.client.hset(registry.keys.worker(node.worker_id), "lease_deadline", 0)
     registry.reap_expired()  # a router reaps it: the ledger holds nothing for it now
-    eventually(lambda: a not in node.manager.residents, within_s=5)
-    eventually(lambda: node.lease.registered, within_s=5)
+    eventually(lambda: node.lease.losses == 1 and node.lease.registered, within_s=5)
+    assert held_when_registered == [set()]  # nothing the new ledger would not count
     assert node.serve(hot(node, "a"), 0, "x", None).outputs["shape"]
+    assert a in node.manager.residents  # the same replica id, placed and loaded again

@@ -349,10 +349,44 @@ def test_every_worker_a_change_concerns_is_told_on_its_control_list(reg: Registr
 
 def test_a_call_can_pin_a_placed_replica_only_in_the_epoch_it_saw(two_gpus: Registry) -> None:
     plan = two_gpus.place(Demand("m", size=GiB))
-    held = two_gpus.hold(plan.replica, plan.epoch)
+    held = two_gpus.hold(plan.replica, plan.epoch, plan.worker)
     assert held is not None and held[1] == "cold"
     assert two_gpus.snapshot().deployments[plan.replica].leases == 1
-    assert two_gpus.hold(plan.replica, plan.epoch + 1) is None
+    assert two_gpus.hold(plan.replica, plan.epoch + 1, plan.worker) is None
+    assert two_gpus.hold(plan.replica, plan.epoch, "another-worker") is None
+
+
+def test_no_request_lease_outlives_the_placement_it_pinned(reg: Registry) -> None:
+    reg.register_worker("w0", "h0", "q0", [sim_gpu("g", 8 * GiB)])
+    first = reg.place(Demand("m", size=GiB), lease_id="call-1")
+    assert reg.evict(first.replica, to=Level.COLD) is Level.DROPPING
+    settle_leaving(reg)
+    assert reg.snapshot().deployments[first.replica].leases == 0
+    again = reg.place(Demand("m", size=GiB))
+    assert again.replica == first.replica
+    assert reg.snapshot().deployments[again.replica].leases == 0  # evictable by pressure
+
+
+def test_a_call_cannot_pin_a_placement_on_a_dead_worker(reg: Registry) -> None:
+    reg.register_worker("w0", "h0", "q0", [sim_gpu("g", 8 * GiB)], lease_ms=100)
+    plan = reg.place(Demand("m", size=GiB))
+    time.sleep(0.15)
+    assert reg.hold(plan.replica, plan.epoch, plan.worker) is None
+
+
+def test_a_model_whose_only_replica_drains_is_placed_again_once_it_has_left(
+    two_gpus: Registry,
+) -> None:
+    reg = two_gpus
+    replica = place_hot(reg, Demand("m", size=GiB))
+    lease = reg.pick("m")
+    assert lease is not None and reg.evict(replica) is Level.DRAINING
+    with pytest.raises(SettlingError, match="DRAINING"):
+        reg.place(Demand("m", size=GiB), settle_wait_s=0.05)  # it takes no new calls
+    assert reg.finish(lease) is Level.OFFLOADING
+    settle_leaving(reg)
+    plan = reg.place(Demand("m", size=GiB))
+    assert (plan.replica, plan.reuse) == (replica, Level.WARM)
 
 
 def test_place_waits_for_a_leaving_copy_and_restores_it(two_gpus: Registry) -> None:

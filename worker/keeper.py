@@ -51,6 +51,8 @@ ADMIT_POLL_S = 0.02
 LOAD_WAIT_S = 600.0
 #: How many failed loads the keeper remembers, to give their calls the real error.
 MAX_FAILURES = 64
+#: How soon the keeper looks again at a replica it could not reconcile (Redis errors).
+RETRY_S = 0.25
 
 _TICK = ""  # an inbox item that only wakes the keeper
 
@@ -62,6 +64,7 @@ class _Waiter:
     epoch: int
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
+    hot: int = 0  # the epoch it became HOT in
 
 
 class Keeper:
@@ -89,6 +92,8 @@ class Keeper:
         # load already failed gets that error, not an eviction to route it again.
         self._failures: OrderedDict[tuple[str, int], BaseException] = OrderedDict()
         self._lost = threading.Event()
+        self._recovered = threading.Event()
+        self._retry: dict[str, float] = {}  # replica -> when to look again after an error
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
 
@@ -117,20 +122,30 @@ class Keeper:
         """Look at `replica` soon."""
         self._inbox.put(replica)
 
-    def lease_lost(self) -> None:
-        """The worker's lease lapsed: the ledger released everything it held (on_lost)."""
+    def lease_lost(self, timeout_s: float = LOAD_WAIT_S) -> None:
+        """The worker's lease lapsed and the ledger released everything it held (the lease's
+        `on_lost`): return once the keeper dropped every model, so that the lease registers
+        again only when the process holds nothing the new ledger does not count."""
+        if not any(t.is_alive() for t in self._threads):
+            self._recover()  # no keeper thread: do it here
+            return
+        self._recovered.clear()
         self._lost.set()
         self._inbox.put(_TICK)
+        if not self._recovered.wait(timeout_s):
+            log.error("worker %s: its keeper did not drop its models in time", self.worker_id)
 
-    def ensure(self, replica: str, epoch: int = 0, timeout_s: float = LOAD_WAIT_S) -> float:
+    def ensure(
+        self, replica: str, epoch: int = 0, timeout_s: float = LOAD_WAIT_S
+    ) -> tuple[float, int]:
         """Wait until `replica` is HOT here in placement `epoch` (0: whichever the ledger
-        has); return the milliseconds waited.
+        has now); return the milliseconds waited and the epoch it is HOT in.
 
         Raises `EvictedError` when the ledger places the replica elsewhere (route the
         call again), or the error that failed its load.
         """
-        if self.manager.hot(replica, epoch):
-            return 0.0
+        if epoch and self.manager.hot(replica, epoch):
+            return 0.0, epoch
         failed = self._failures.get((replica, epoch))
         if failed is not None:
             raise failed
@@ -149,7 +164,7 @@ class Keeper:
             )
         if waiter.error is not None:
             raise waiter.error
-        return (time.perf_counter() - start) * 1000
+        return (time.perf_counter() - start) * 1000, waiter.hot
 
     # --- the keeper thread -------------------------------------------------------------
 
@@ -158,7 +173,7 @@ class Keeper:
         while not self._stop.is_set():
             try:
                 replica = self.registry.next_control(self.worker_id, timeout_s=1.0)
-            except (RegistryError, redis.RedisError) as exc:
+            except Exception as exc:  # the listener must outlive any failure
                 log.warning("worker %s cannot read its control list: %s", self.worker_id, exc)
                 self._stop.wait(0.5)
                 continue
@@ -168,9 +183,8 @@ class Keeper:
     def _run(self) -> None:
         next_full = time.monotonic()
         while not self._stop.is_set():
-            wait = ADMIT_POLL_S if self._waiting else max(0.0, next_full - time.monotonic())
             try:
-                first = self._inbox.get(timeout=wait)
+                first = self._inbox.get(timeout=self._wait(next_full))
             except queue.Empty:
                 first = _TICK
             batch = {first}
@@ -181,14 +195,37 @@ class Keeper:
                     break
             if None in batch or self._stop.is_set():
                 return
+            replicas = {r for r in batch if r}
             if self._lost.is_set():
-                self._recover()
-            if time.monotonic() >= next_full:
-                next_full = time.monotonic() + self.reconcile_every_s
-                batch |= self._everything()
-            batch |= self._waiting
-            for replica in sorted(r for r in batch if r):
+                self._guarded_recover()
+            now = time.monotonic()
+            if now >= next_full:
+                next_full = now + self.reconcile_every_s
+                replicas |= self._everything()
+            due = {r for r, at in self._retry.items() if at <= now}
+            for replica in due:
+                del self._retry[replica]
+            for replica in self._ordered(replicas | self._waiting | due):
+                if self._lost.is_set():
+                    break  # the ledger dropped everything: recover first
                 self._guarded(replica)
+
+    def _wait(self, next_full: float) -> float:
+        """How long the keeper may sleep: until the next pass, admission poll or retry."""
+        until = [next_full, *self._retry.values()]
+        wait = max(0.0, min(until) - time.monotonic())
+        return min(wait, ADMIT_POLL_S) if self._waiting else wait
+
+    def _ordered(self, replicas: set[str]) -> list[str]:
+        """Moves that free a device first (other workers' placements may wait for them),
+        then admissions, then the rest; loads, the slowest, last."""
+        names = sorted(replicas)
+        try:
+            levels = self.registry.levels(names)
+        except (RegistryError, redis.RedisError):
+            return names
+        rank = {Level.OFFLOADING: 0, Level.DROPPING: 0, Level.WAITING: 1, Level.LOADING: 3}
+        return sorted(names, key=lambda r: (rank.get(levels.get(r, Level.COLD), 2), r))
 
     def _everything(self) -> set[str]:
         """Every replica the ledger gives this worker, and every one it holds."""
@@ -203,14 +240,27 @@ class Keeper:
         """After a lost lease: the ledger holds nothing for this worker any more."""
         self._lost.clear()
         self._waiting.clear()
-        self.manager.drop_all()
-        self._fail_all("the worker lost its lease and dropped its models")
+        self._retry.clear()
+        try:
+            self.manager.drop_all()
+        finally:
+            self._fail_all("the worker lost its lease and dropped its models")
+            self._recovered.set()
+
+    def _guarded_recover(self) -> None:
+        try:
+            self._recover()
+        except Exception as exc:
+            if is_fatal_cuda_error(exc):
+                exit_for_restart(exc)
+            log.exception("worker %s could not drop its models after a lost lease", self.worker_id)
 
     def _guarded(self, replica: str) -> None:
         try:
             self._reconcile(replica)
         except (RegistryError, redis.RedisError) as exc:
             log.warning("worker %s: %s stays as it is for now: %s", self.worker_id, replica, exc)
+            self._retry[replica] = time.monotonic() + RETRY_S
         except Exception as exc:
             if is_fatal_cuda_error(exc):
                 exit_for_restart(exc)
@@ -235,8 +285,11 @@ class Keeper:
                 self._waiting.add(replica)
                 return
             self._waiting.discard(replica)
-            if admitted is not Level.LOADING and depth < 2:
-                self._reconcile(replica, depth + 1)
+            if admitted is not Level.LOADING:  # the record moved on: act on what it is now
+                if depth < 2:
+                    self._reconcile(replica, depth + 1)
+                else:
+                    self.poke(replica)
                 return
             level = Level.LOADING
         self._waiting.discard(replica)
@@ -354,6 +407,8 @@ class Keeper:
                 )
             elif hot is None:
                 waiter.error = error or EvictedError(f"replica {replica} left; route again")
+            else:
+                waiter.hot = hot
             waiter.done.set()
 
     def _fail_all(self, why: str) -> None:

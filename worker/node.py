@@ -86,7 +86,7 @@ class GpuWorker:
         Waits while the keeper loads or restores it here; raises `EvictedError` when the
         ledger places it elsewhere (the call must be routed again).
         """
-        load_ms = self.keeper.ensure(replica, epoch)
+        load_ms, epoch = self.keeper.ensure(replica, epoch)
         start = time.perf_counter()
         outputs, gpus = self.manager.run(replica, inputs, params, epoch)
         return Served(outputs, gpus, load_ms, (time.perf_counter() - start) * 1000)

@@ -101,6 +101,9 @@ class ResidencyManager:
         self.warmup = warmup
         self.residents: dict[str, Resident] = {}
         self._lock = threading.RLock()  # guards the books below and `residents`
+        # Caps of replicas being loaded or restored: the ledger admitted them, so they
+        # count in the process's reservation from the first byte they put on a device.
+        self._arriving: dict[str, dict[str, int]] = {}
         self._charged: dict[int, int] = {}  # simulated device index -> accounted bytes
         self._capped: set[int] = set()  # real devices whose fraction this process set
         self._pin = torch.cuda.is_available() and not all(d.simulated for d in devices)
@@ -127,9 +130,14 @@ class ResidencyManager:
         caps = _caps(slots, limit)
         accounted = _declared(spec) if spec.synthetic else 0
         with self._lock:
-            self._set_caps(extra=caps)
+            self._arriving[replica] = caps
+            self._set_caps()
             if simulated and accounted:
-                self._charge(slots, caps, accounted, spec.name)  # before building, as CUDA would
+                try:
+                    self._charge(slots, accounted, spec.name)  # before building, as CUDA would
+                except torch.OutOfMemoryError:
+                    self._arrived(replica)
+                    raise
         baseline = {} if simulated else self._cuda_allocated(plan)
         start = time.perf_counter()
         try:
@@ -137,7 +145,7 @@ class ResidencyManager:
         except BaseException:
             with self._lock:
                 self._uncharge(plan, accounted)
-                self._set_caps()
+                self._arrived(replica)
             raise
         seconds = time.perf_counter() - start
         nbytes = loading.tensor_bytes(built.model)
@@ -145,14 +153,15 @@ class ResidencyManager:
             if simulated and not accounted:
                 accounted = nbytes
                 try:
-                    self._charge(slots, caps, accounted, spec.name)
+                    self._charge(slots, accounted, spec.name)
                 except torch.OutOfMemoryError:
-                    self._set_caps()
+                    self._arrived(replica)
                     raise
             resident = Resident(
                 replica, spec, built.model, built.tokenizer, dict(slots), accounted, limit, epoch
             )
             self.residents[replica] = resident
+            self._arrived(replica)
         peak = self._measure(resident, plan, simulated, baseline)
         log.info(
             "loaded %s (%s) in %.2fs via %s, peak %s",
@@ -188,9 +197,14 @@ class ResidencyManager:
         caps = _caps(slots, limit)
         with resident.lock:
             with self._lock:
-                self._set_caps(extra=caps)
+                self._arriving[replica] = caps
+                self._set_caps()
                 if simulated:
-                    self._charge(slots, caps, resident.accounted, resident.spec.name)
+                    try:
+                        self._charge(slots, resident.accounted, resident.spec.name)
+                    except torch.OutOfMemoryError:
+                        self._arrived(replica)
+                        raise
             start = time.perf_counter()
             try:
                 resident.model = loading.place(resident.model, plan, simulated)
@@ -198,11 +212,12 @@ class ResidencyManager:
                 with self._lock:
                     if simulated:
                         self._uncharge(plan, resident.accounted)
-                    self._set_caps()
+                    self._arrived(replica)
                 raise
             seconds = time.perf_counter() - start
             with self._lock:
                 resident.slots, resident.limit, resident.epoch = dict(slots), limit, epoch
+                self._arrived(replica)
         nbytes = loading.tensor_bytes(resident.model)
         return Report(replica, "restore", seconds, nbytes, devices=_names(plan, simulated))
 
@@ -240,7 +255,8 @@ class ResidencyManager:
                 plan, simulated = self._plan(resident.slots)
                 if simulated:
                     self._uncharge(plan, resident.accounted)
-            resident.slots = {}  # a call that still holds it finds it gone
+            resident.slots = {}  # a call that still holds it finds it gone...
+            resident.model = None  # ...and cannot keep its tensors on the device
         return True
 
     def _release(self) -> None:
@@ -367,43 +383,50 @@ class ResidencyManager:
             raise PlacementError("a plan cannot mix simulated and real GPUs")
         return {_local(self.devices[g]): int(b) for g, b in slots.items()}, kinds.pop()
 
-    def _reserved(self, index: int, extra: Mapping[str, int] | None = None) -> int:
-        """This process's cap on device `index`: its replicas' caps there, plus `extra`."""
+    def _all_caps(self) -> list[dict[str, int]]:
+        """The caps of every replica held, loading or restoring here."""
+        return [r.caps for r in self.residents.values()] + list(self._arriving.values())
+
+    def _arrived(self, replica: str) -> None:
+        """A load or restore ended (done or failed): its caps are a resident's, or none."""
+        self._arriving.pop(replica, None)
+        self._set_caps()
+
+    def _reserved(self, index: int) -> int:
+        """This process's cap on device `index`: the caps there of what it holds or loads."""
         reserved = 0
-        for slots in [r.caps for r in self.residents.values()] + [dict(extra or {})]:
+        for slots in self._all_caps():
             for gpu_id, nbytes in slots.items():
                 if _local(self.devices[gpu_id]) == index:
                     reserved += nbytes
         return reserved
 
-    def _set_caps(self, extra: Mapping[str, int] | None = None) -> None:
+    def _set_caps(self) -> None:
         """Cap each real GPU this process uses at its reservation there (1.0 once empty).
 
         GPUs it never used are left alone, so no CUDA context is made on them.
         """
         using = {
             _local(self.devices[g])
-            for slots in [r.caps for r in self.residents.values()] + [dict(extra or {})]
+            for slots in self._all_caps()
             for g in slots
             if not self.devices[g].simulated
         }
         for index in sorted(using | self._capped):
             total = torch.cuda.get_device_properties(index).total_memory
-            share = process_fraction(self._reserved(index, extra), total)
+            share = process_fraction(self._reserved(index), total)
             torch.cuda.set_per_process_memory_fraction(share, index)
         self._capped = using
 
-    def _charge(
-        self, slots: Mapping[str, int], caps: Mapping[str, int], accounted: int, name: str
-    ) -> None:
+    def _charge(self, slots: Mapping[str, int], accounted: int, name: str) -> None:
         """Book `accounted` bytes on simulated GPUs, in proportion to the plan's slots.
 
-        The cap on each is this process's cap there, the new replica's `caps` included.
+        The cap on each is this process's cap there, replicas still arriving included.
         """
         plan, _ = self._plan(slots)
         shares = _split(accounted, plan)
         for index, share in shares.items():
-            cap = self._reserved(index, extra=caps)
+            cap = self._reserved(index)
             used = self._charged.get(index, 0)
             if used + share > cap:
                 raise torch.OutOfMemoryError(

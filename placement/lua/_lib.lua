@@ -83,8 +83,9 @@ local function leave(v, to, now)
 end
 
 -- Forget a replica wherever it is: every counter its level contributes to is given
--- back and it goes COLD with no holder. `v` is a JSON reference:
--- {replica, dep, active, worker_deps, host, host_warm, gpus=[{id, key}]}.
+-- back, its request leases end (their calls are routed again) and it goes COLD with no
+-- holder. `v` is a JSON reference:
+-- {replica, dep, leases, active, worker_deps, host, host_warm, gpus=[{id, key}]}.
 local function to_cold(v, now)
   local dep_key = K(v.dep)
   local level = redis.call('HGET', dep_key, 'level')
@@ -100,6 +101,7 @@ local function to_cold(v, now)
   redis.call('HSET', dep_key, 'level', 'COLD', 'gpus', '{}', 'fraction', 0, 'limit', 0,
     'worker', '', 'queue', '', 'host', '', 'since', now)
   redis.call('SREM', K(v.worker_deps), v.replica)
+  redis.call('DEL', K(v.leases))
 end
 
 -- Drop a WARM copy to COLD and give its bytes back to the host's warm cache.

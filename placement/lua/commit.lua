@@ -127,6 +127,7 @@ redis.call('SADD', K(p.deps_key), p.replica)
 redis.call('SADD', K(p.replicas_key), p.replica)
 redis.call('SADD', K(p.worker_deps), p.replica)
 redis.call('HINCRBY', K(p.active), p.model, 1)
+redis.call('DEL', K(p.leases))  -- no lease of an earlier placement carries over
 if p.lease ~= '' then
   redis.call('ZADD', K(p.leases), now + p.lease_ms, p.lease)
   if redis.call('PTTL', K(p.leases)) < p.lease_ms then redis.call('PEXPIRE', K(p.leases), p.lease_ms) end

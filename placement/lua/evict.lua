@@ -39,7 +39,6 @@ if level == 'OFFLOADING' then  -- asked to go COLD: the warm charge goes back at
 end
 if level == 'WAITING' then
   to_cold(a, now)
-  redis.call('DEL', K(a.leases))
   notify(K(a.control), a.replica)
   event(events, a.maxlen, now, 'evicted', a.replica, model, 'cause', 'explicit', 'to', 'COLD')
   return {1, 'COLD'}

@@ -31,7 +31,6 @@ for _, d in ipairs(a.deps) do
   d.worker_deps = a.worker_deps
   to_cold(d, now)
   for _, ref in ipairs(d.gpus) do touched[ref.id] = ref.key end
-  redis.call('DEL', K(d.leases))
   event(events, a.maxlen, now, 'released', d.replica, model, 'worker', a.worker, 'was', level)
 end
 for _, g in ipairs(a.own) do

@@ -8,7 +8,7 @@
 --   'failed'     WAITING or LOADING -> COLD: the load failed; nothing is left on the device
 --   'lost'       HOT, DRAINING or WARM -> COLD: the worker does not hold the copy it has
 -- Every byte the old level counted is given back in this same call. Request leases on a
--- 'failed' or 'lost' replica are deleted: their calls are routed again.
+-- replica that goes COLD are deleted: their calls are routed again.
 -- Returns {1, level now} | {0, 'STALE', level} when the record is not this worker's
 -- placement in this epoch, or not at a level the outcome settles.
 local a = cjson.decode(ARGV[1])
@@ -35,7 +35,6 @@ if a.outcome == 'offloaded' then
   to = 'WARM'
 else
   to_cold(a, now)
-  if a.outcome ~= 'dropped' then redis.call('DEL', K(a.leases)) end
 end
 event(K(a.events), a.maxlen, now, 'settled', a.replica, model, 'outcome', a.outcome,
   'was', level, 'worker', worker)
