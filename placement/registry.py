@@ -3,7 +3,10 @@
 Reads are plain pipelined commands; every write is one atomic script, so any
 number of routers and workers may share a registry without Python-side locks.
 The commit protocol is optimistic: read a `Snapshot`, plan with the pure policy,
-and let `commit.lua` re-check the plan; on a refusal, plan again.
+and let `commit.lua` re-check the plan; on a refusal, plan again. Moves that need GPU
+work wait for the worker that does it (docs/placement.md has the state table).
+`Registry` adds placements and requests to `Membership` (the workers) and `Store` (the
+Redis client, keys and scripts).
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -21,16 +24,13 @@ import redis
 
 from placement import records
 from placement.errors import (
-    ConfigError,
-    GpuOwnedError,
-    LeaseLostError,
     PlanRejectedError,
     RegistryError,
     SettlingError,
 )
-from placement.keys import KeyList, Keys
+from placement.keys import KeyList
+from placement.membership import Membership
 from placement.policy import plan_offload, plan_replica
-from placement.scripts import Scripts, scripts_for
 from placement.settings import PolicySettings
 from placement.state import (
     LEAVING,
@@ -38,18 +38,15 @@ from placement.state import (
     Candidate,
     Demand,
     Deployment,
-    Gpu,
-    Holding,
     Level,
     Plan,
     Snapshot,
 )
+from placement.store import DEFAULT_EVENTS_MAXLEN
 
 log = logging.getLogger(__name__)
 
-DEFAULT_WORKER_LEASE_MS = 15_000
 DEFAULT_REQUEST_LEASE_MS = 300_000
-DEFAULT_EVENTS_MAXLEN = 100_000
 #: How long `place` waits for a copy of the model to finish leaving its GPU before it
 #: gives up with `SettlingError` (a worker settles within about one call's time).
 SETTLE_WAIT_S = 2.0
@@ -72,8 +69,8 @@ class Lease:
     epoch: int = 0  # the placement it pins (a call checks its copy is of this epoch)
 
 
-class Registry:
-    """One fleet's ledger in one Redis database."""
+class Registry(Membership):
+    """One fleet's ledger in one Redis database: its workers, placements and requests."""
 
     def __init__(
         self,
@@ -83,172 +80,8 @@ class Registry:
         settings: PolicySettings | None = None,
         events_maxlen: int = DEFAULT_EVENTS_MAXLEN,
     ) -> None:
-        """`settings` are the policy settings this fleet plans and evicts with, unless a
-        call passes its own (evictions it starts itself, such as finishing a drain, too)."""
-        if not client.get_connection_kwargs().get("decode_responses"):
-            raise ConfigError("the registry needs a Redis client made with decode_responses=True")
-        self.client: Any = client  # str replies (decode_responses), which redis-py cannot type
-        self.keys = Keys(fleet)
-        self.settings = settings or PolicySettings()
-        self.events_maxlen = events_maxlen
-        self._scripts: Scripts = scripts_for(client)
+        super().__init__(client, fleet, settings=settings, events_maxlen=events_maxlen)
         self._replicas: dict[str, tuple[list[str], list[str]]] = {}  # fast-path cache
-
-    @classmethod
-    def from_url(cls, url: str, fleet: str = "default", **kwargs: Any) -> Registry:
-        """Connect with a `redis://` or `rediss://` URL (passwords in the URL work)."""
-        return cls(redis.Redis.from_url(url, decode_responses=True), fleet, **kwargs)
-
-    def _run(self, name: str, keys: list[str], args: list[Any]) -> Any:
-        try:
-            return self._scripts(name, keys, args)
-        except redis.ConnectionError as exc:
-            raise _unreachable(exc) from exc
-
-    def _run_json(self, name: str, keys: KeyList, payload: dict[str, Any]) -> Any:
-        payload["maxlen"] = self.events_maxlen
-        return self._run(name, keys.names, [json.dumps(payload)])
-
-    # --- workers ------------------------------------------------------------
-
-    def register_worker(
-        self,
-        worker: str,
-        host: str,
-        queue: str,
-        gpus: Sequence[Gpu],
-        *,
-        warm_budget: int = 0,
-        lease_ms: int = DEFAULT_WORKER_LEASE_MS,
-        lineage: str = "",
-    ) -> int:
-        """Own `gpus` (their id, index, name and total are read) and return the lease deadline.
-
-        A GPU still owned by a worker whose lease expired is reaped first, and so is a live
-        owner of the same `lineage` (a predecessor this process replaces, such as a pool
-        child that died). A live owner of another lineage raises `GpuOwnedError`.
-        """
-        for _ in range(3):
-            k = self.keys
-            keys = KeyList()
-            payload = {
-                "worker": worker,
-                "host": host,
-                "queue": queue,
-                "lineage": lineage,
-                "lease_ms": lease_ms,
-                "warm_budget": warm_budget,
-                "workers": keys.add(k.workers),
-                "worker_key": keys.add(k.worker(worker)),
-                "gpus_set": keys.add(k.gpus),
-                "hosts": keys.add(k.hosts),
-                "host_key": keys.add(k.host(host)),
-                "events": keys.add(k.events),
-                "gpus": [
-                    {
-                        "id": g.id,
-                        "key": keys.add(k.gpu(g.id)),
-                        "index": g.index,
-                        "name": g.name,
-                        "total": g.total,
-                    }
-                    for g in gpus
-                ],
-            }
-            result = self._run_json("register", keys, payload)
-            if result[0] == 1:
-                return int(result[1])
-            reason, gpu_id, owner = result[1], result[2], result[3]
-            if reason == "OWNED":
-                raise GpuOwnedError(
-                    f"GPU {gpu_id} is owned by live worker {owner} of fleet {self.keys.fleet!r} "
-                    f"on this Redis; stop that fleet first. To run a second fleet beside it, "
-                    f"give it another GPUFLEET_FLEET (or, for simulated GPUs, another "
-                    f"GPUFLEET_HOST), or its own Redis"
-                )
-            self.reap(owner, force=reason == "REPLACE")
-        raise RegistryError(f"could not register worker {worker}: its GPUs keep changing owner")
-
-    def owner(self, gpu_id: str) -> tuple[str, str] | None:
-        """The live worker that owns `gpu_id` and its lineage, or None when none does."""
-        record = self.gpu(gpu_id)
-        if record is None or not record.alive(self.now_ms()):
-            return None
-        lineage = self._one("hget", self.keys.gpu(gpu_id), "lineage") or ""
-        return record.worker, lineage
-
-    def heartbeat(
-        self,
-        worker: str,
-        gpu_ids: Iterable[str],
-        lease_ms: int = DEFAULT_WORKER_LEASE_MS,
-        holdings: Sequence[Holding] | None = None,
-    ) -> int:
-        """Renew the worker's lease and store what it holds; raise `LeaseLostError` if the
-        lease already expired."""
-        keys = [self.keys.worker(worker), *(self.keys.gpu(g) for g in gpu_ids)]
-        report = records.holdings_json(holdings) if holdings is not None else ""
-        result = self._run("heartbeat", keys, [worker, lease_ms, report])
-        if result[0] != 1:
-            raise LeaseLostError(
-                f"worker {worker} missed its lease; its reservations are released. "
-                f"Drop resident models and register again."
-            )
-        return int(result[1])
-
-    def reap(self, worker: str, *, force: bool = False) -> int | None:
-        """Release all of `worker`'s reservations if its lease expired (or `force`).
-
-        Returns the number of deployments released, or None if the worker is alive
-        (without `force`) or already gone.
-        """
-        k = self.keys
-        for _ in range(10):
-            replicas = sorted(self._one("smembers", k.worker_deployments(worker)))
-            reads = [("hmget", k.deployment(r), "gpus", "host") for r in replicas]
-            own_raw, *recs = self._read([("hget", k.worker(worker), "gpus"), *reads])
-            keys = KeyList()
-            deps = []
-            for r, (gpus_raw, host) in zip(replicas, recs, strict=True):
-                held = json.loads(gpus_raw or "{}")
-                deps.append(
-                    {
-                        "replica": r,
-                        "dep": keys.add(k.deployment(r)),
-                        "leases": keys.add(k.leases(r)),
-                        "active": keys.add(k.active),
-                        "host": keys.add(k.host(host or "")),
-                        "host_warm": keys.add(k.host_warm(host or "")),
-                        "gpus": [{"id": g, "key": keys.add(k.gpu(g))} for g in held],
-                    }
-                )
-            payload = {
-                "worker": worker,
-                "force": force,
-                "workers": keys.add(k.workers),
-                "worker_key": keys.add(k.worker(worker)),
-                "worker_deps": keys.add(k.worker_deployments(worker)),
-                "control": keys.add(k.control(worker)),
-                "gpus_set": keys.add(k.gpus),
-                "events": keys.add(k.events),
-                "own": [{"id": g, "key": keys.add(k.gpu(g))} for g in json.loads(own_raw or "[]")],
-                "deps": deps,
-            }
-            result = self._run_json("reap", keys, payload)
-            if result[0] == 1:
-                log.info("released worker %s (%d deployments)", worker, result[1])
-                return int(result[1])
-            if result[1] in ("ALIVE", "GONE"):
-                return None
-        raise RegistryError(f"could not reap worker {worker}: its deployments keep changing")
-
-    def reap_expired(self) -> list[str]:
-        """Reap every worker whose lease has expired; return their ids."""
-        now = self.now_ms()
-        workers = sorted(self._one("smembers", self.keys.workers))
-        deadlines = self._read([("hget", self.keys.worker(w), "lease_deadline") for w in workers])
-        expired = [w for w, d in zip(workers, deadlines, strict=True) if int(d or 0) <= now]
-        return [w for w in expired if self.reap(w) is not None]
 
     def sweep(self) -> dict[str, list[str]]:
         """Housekeeping to run periodically: reap expired workers, and finish the drains
@@ -265,10 +98,6 @@ class Registry:
         }
 
     # --- reads --------------------------------------------------------------
-
-    def now_ms(self) -> int:
-        seconds, micros = self._one("time")
-        return int(seconds) * 1000 + int(micros) // 1000
 
     def snapshot(self) -> Snapshot:
         """Read the whole ledger as of one instant.
@@ -329,18 +158,6 @@ class Registry:
                 workers=deadlines,
             )
         raise RegistryError("the registry changed under 16 snapshot attempts in a row")
-
-    def _read(self, commands: list[tuple[Any, ...]], *, atomic: bool = False) -> list[Any]:
-        pipe = self.client.pipeline(transaction=atomic)
-        for name, *args in commands:
-            getattr(pipe, name)(*args)
-        try:
-            return list(pipe.execute())
-        except redis.ConnectionError as exc:
-            raise _unreachable(exc) from exc
-
-    def _one(self, name: str, *args: Any) -> Any:
-        return self._read([(name, *args)])[0]
 
     # --- placement ----------------------------------------------------------
 
@@ -607,45 +424,6 @@ class Registry:
                 return level
             time.sleep(0.01)
 
-    def next_control(self, worker: str, timeout_s: float) -> str | None:
-        """The next replica a worker's keeper was told to look at (commit.lua, evict.lua
-        push them), waiting up to `timeout_s`; None when none came."""
-        try:
-            popped = self.client.blpop([self.keys.control(worker)], timeout=timeout_s)
-        except redis.ConnectionError as exc:
-            raise _unreachable(exc) from exc
-        return str(popped[1]) if popped else None
-
-    def levels(self, replicas: Sequence[str]) -> dict[str, Level]:
-        """The level of each replica that has a record (one pipelined read)."""
-        rows = self._read([("hget", self.keys.deployment(r), "level") for r in replicas])
-        return {r: Level(level) for r, level in zip(replicas, rows, strict=True) if level}
-
-    def replicas_of(self, worker: str) -> list[str]:
-        """The replicas the ledger gives `worker` (on GPU, pending or in its CPU memory)."""
-        return sorted(self._one("smembers", self.keys.worker_deployments(worker)))
-
-    def gpu(self, gpu_id: str) -> Gpu | None:
-        """One GPU's ledger record, or None if it is not registered."""
-        row = self._one("hgetall", self.keys.gpu(gpu_id))
-        return records.gpu(row) if row else None
-
-    def deployment(self, replica: str) -> Deployment | None:
-        """One replica's record with its live lease count, or None if there is none."""
-        k = self.keys
-        (sec, usec), row, held = self._read(
-            [
-                ("time",),
-                ("hgetall", k.deployment(replica)),
-                ("zrange", k.leases(replica), 0, -1, False, True),
-            ],
-            atomic=True,
-        )
-        if not row:
-            return None
-        now = int(sec) * 1000 + int(usec) // 1000
-        return records.deployment(row, sum(1 for _, deadline in held if deadline > now))
-
     def _offload_view(self, replica: str) -> Snapshot:
         """All an eviction needs to plan: the replica, its host's cache and the copies in it.
 
@@ -743,20 +521,6 @@ class Registry:
             model: {o: int(row.get(o, 0)) for o in OUTCOMES}
             for model, row in zip(names, rows, strict=True)
         }
-
-    # --- audit --------------------------------------------------------------
-
-    def events(self, count: int | None = None) -> list[dict[str, str]]:
-        """The event stream, oldest first."""
-        return [fields for _, fields in self._one("xrange", self.keys.events, "-", "+", count)]
-
-    def lease_keys(self) -> list[str]:
-        """Every request-lease key left in the fleet."""
-        return list(self.client.scan_iter(match=f"{self.keys.prefix}:dep:*:leases"))
-
-
-def _unreachable(exc: redis.ConnectionError) -> RegistryError:
-    return RegistryError(f"registry unreachable: {exc}. Check GPUFLEET_REDIS_URL.")
 
 
 def _take(rows: Iterator[Any], like: Sequence[str]) -> list[Any]:

@@ -39,7 +39,8 @@ from typing import NoReturn
 import redis
 
 from placement.errors import ConfigError, GpuOwnedError, LeaseLostError, RegistryError
-from placement.registry import DEFAULT_WORKER_LEASE_MS, Registry
+from placement.membership import DEFAULT_WORKER_LEASE_MS
+from placement.registry import Registry
 from placement.state import Holding
 from worker.devices import Device
 

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from placement.catalog import ModelSpec
-from placement.registry import DEFAULT_WORKER_LEASE_MS, Registry
+from placement.membership import DEFAULT_WORKER_LEASE_MS
+from placement.registry import Registry
 from worker.devices import Device
 from worker.keeper import Keeper
 from worker.lifecycle import WorkerLease, make_worker_id

@@ -1,0 +1,116 @@
+"""The Redis side of a registry: one client, one fleet's keys, the scripts, plain reads.
+
+`Membership` (workers) and `Registry` (placements and requests) build on it. Reads are
+plain pipelined commands; every write is one atomic script (`placement/lua/*.lua`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any, TypeVar
+
+import redis
+
+from placement import records
+from placement.errors import ConfigError, RegistryError
+from placement.keys import KeyList, Keys
+from placement.scripts import Scripts, scripts_for
+from placement.settings import PolicySettings
+from placement.state import Deployment, Gpu, Level
+
+DEFAULT_EVENTS_MAXLEN = 100_000
+
+S = TypeVar("S", bound="Store")
+
+
+class Store:
+    """One fleet's records in one Redis database, and the scripts that change them."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        fleet: str = "default",
+        *,
+        settings: PolicySettings | None = None,
+        events_maxlen: int = DEFAULT_EVENTS_MAXLEN,
+    ) -> None:
+        """`settings` are the policy settings this fleet plans and evicts with, unless a
+        call passes its own (evictions it starts itself, such as finishing a drain, too)."""
+        if not client.get_connection_kwargs().get("decode_responses"):
+            raise ConfigError("the registry needs a Redis client made with decode_responses=True")
+        self.client: Any = client  # str replies (decode_responses), which redis-py cannot type
+        self.keys = Keys(fleet)
+        self.settings = settings or PolicySettings()
+        self.events_maxlen = events_maxlen
+        self._scripts: Scripts = scripts_for(client)
+
+    @classmethod
+    def from_url(cls: type[S], url: str, fleet: str = "default", **kwargs: Any) -> S:
+        """Connect with a `redis://` or `rediss://` URL (passwords in the URL work)."""
+        return cls(redis.Redis.from_url(url, decode_responses=True), fleet, **kwargs)
+
+    def _run(self, name: str, keys: list[str], args: list[Any]) -> Any:
+        try:
+            return self._scripts(name, keys, args)
+        except redis.ConnectionError as exc:
+            raise unreachable(exc) from exc
+
+    def _run_json(self, name: str, keys: KeyList, payload: dict[str, Any]) -> Any:
+        payload["maxlen"] = self.events_maxlen
+        return self._run(name, keys.names, [json.dumps(payload)])
+
+    def _read(self, commands: list[tuple[Any, ...]], *, atomic: bool = False) -> list[Any]:
+        pipe = self.client.pipeline(transaction=atomic)
+        for name, *args in commands:
+            getattr(pipe, name)(*args)
+        try:
+            return list(pipe.execute())
+        except redis.ConnectionError as exc:
+            raise unreachable(exc) from exc
+
+    def _one(self, name: str, *args: Any) -> Any:
+        return self._read([(name, *args)])[0]
+
+    def now_ms(self) -> int:
+        seconds, micros = self._one("time")
+        return int(seconds) * 1000 + int(micros) // 1000
+
+    def gpu(self, gpu_id: str) -> Gpu | None:
+        """One GPU's ledger record, or None if it is not registered."""
+        row = self._one("hgetall", self.keys.gpu(gpu_id))
+        return records.gpu(row) if row else None
+
+    def deployment(self, replica: str) -> Deployment | None:
+        """One replica's record with its live lease count, or None if there is none."""
+        k = self.keys
+        (sec, usec), row, held = self._read(
+            [
+                ("time",),
+                ("hgetall", k.deployment(replica)),
+                ("zrange", k.leases(replica), 0, -1, False, True),
+            ],
+            atomic=True,
+        )
+        if not row:
+            return None
+        now = int(sec) * 1000 + int(usec) // 1000
+        return records.deployment(row, sum(1 for _, deadline in held if deadline > now))
+
+    def levels(self, replicas: Sequence[str]) -> dict[str, Level]:
+        """The level of each replica that has a record (one pipelined read)."""
+        rows = self._read([("hget", self.keys.deployment(r), "level") for r in replicas])
+        return {r: Level(level) for r, level in zip(replicas, rows, strict=True) if level}
+
+    def events(self, count: int | None = None) -> list[dict[str, str]]:
+        """The event stream, oldest first."""
+        return [fields for _, fields in self._one("xrange", self.keys.events, "-", "+", count)]
+
+    def lease_keys(self) -> list[str]:
+        """Every request-lease key left in the fleet."""
+        return list(self.client.scan_iter(match=f"{self.keys.prefix}:dep:*:leases"))
+
+
+def unreachable(exc: redis.ConnectionError) -> RegistryError:
+    """The error for a registry that does not answer."""
+    return RegistryError(f"registry unreachable: {exc}. Check GPUFLEET_REDIS_URL.")
