@@ -233,10 +233,16 @@ def test_a_fleet_under_chaos_answers_right_and_its_ledger_matches_its_workers(
                 break
             time.sleep(0.25)
         waited = time.monotonic() - stopped
+        counts = soak.counts
+        errors = {k.split(":", 1)[1]: n for k, n in counts.items() if k.startswith("error:")}
         print(
-            f"chaos soak, seed {seed}: {SECONDS:.0f} s, {dict(sorted(soak.counts.items()))}; "
-            f"longest pending move {soak.longest_pending[0]:.1f} s ({soak.longest_pending[1]}); "
-            f"{soak.audits} audits; settled {waited:.1f} s after the load"
+            f"chaos soak, seed {seed}, {SECONDS:.0f} s: {counts['calls']} calls answered, "
+            f"errors {errors or 'none'}, {counts['hangs']} hangs, {counts['wrong']} wrong; "
+            f"cache hot/warm/cold {counts['cache:hot']}/{counts['cache:warm']}/"
+            f"{counts['cache:cold']}; chaos: {counts['chaos:evict']} evicts, "
+            f"{counts['chaos:deploy']} deploys, {counts['chaos:sigkill']} SIGKILLs; longest "
+            f"pending move {soak.longest_pending[0]:.1f} s ({soak.longest_pending[1]}); "
+            f"{soak.audits} audits; reports equal the ledger {waited:.1f} s after the load"
         )
         assert not left, f"{SETTLE_BOUND_S:.0f} s after the load: {left[:10]}"
         assert not soak.failures, soak.failures[:10]
