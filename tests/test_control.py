@@ -81,13 +81,22 @@ def test_an_evict_under_a_backlog_settles_at_once_and_the_model_comes_back_hot(
         assert audit(fleet.registry.snapshot(), grace_ms=LEASE_MS) == []
 
 
-def test_a_second_fleet_with_the_same_host_name_refuses_and_the_first_keeps_serving(
-    tmp_path: Path, redis_url: str, fleet: str
-) -> None:
+SHARED_ARGS = ["--sim-gpus", "1x4GiB", "--metrics-port", "0"]
+
+
+def shared_redis(tmp_path: Path, redis_url: str, fleet: str) -> tuple[Path, dict[str, str]]:
+    """A catalog, and the environment of a fleet on the tests' Redis with host name "same"."""
     catalog = tmp_path / "models.yaml"
     catalog.write_text(CATALOG)
     env = fleet_env(GPUFLEET_REDIS_URL=redis_url, GPUFLEET_FLEET=fleet, GPUFLEET_HOST="same")
-    args = ["--sim-gpus", "1x4GiB", "--metrics-port", "0"]
+    return catalog, env
+
+
+def test_a_second_fleet_with_the_same_host_name_refuses_and_the_first_keeps_serving(
+    tmp_path: Path, redis_url: str, fleet: str
+) -> None:
+    catalog, env = shared_redis(tmp_path, redis_url, fleet)
+    args = SHARED_ARGS
     with fleet_up(catalog, args, env, fleet) as first:
         assert first.infer("a", "x")["model"] == "a"
         second = subprocess.run(
@@ -110,11 +119,8 @@ def test_a_second_fleet_with_the_same_host_name_refuses_and_the_first_keeps_serv
 def test_a_celery_worker_started_by_hand_on_owned_gpus_refuses_to_start(
     tmp_path: Path, redis_url: str, fleet: str
 ) -> None:
-    catalog = tmp_path / "models.yaml"
-    catalog.write_text(CATALOG)
-    env = fleet_env(GPUFLEET_REDIS_URL=redis_url, GPUFLEET_FLEET=fleet, GPUFLEET_HOST="same")
-    args = ["--sim-gpus", "1x4GiB", "--metrics-port", "0"]
-    with fleet_up(catalog, args, env, fleet) as first:
+    catalog, env = shared_redis(tmp_path, redis_url, fleet)
+    with fleet_up(catalog, SHARED_ARGS, env, fleet) as first:
         intruder = env | {
             "GPUFLEET_ROLE": "gpu",
             "GPUFLEET_SIM_GPUS": "1x4GiB",

@@ -87,32 +87,31 @@ def test_the_safetensors_reader_puts_the_same_weights_on_the_gpu_as_transformers
 # --- a whole fleet on the real GPU -------------------------------------------------------
 
 
-def _gpu0() -> tuple[str, int]:
-    """NVML's uuid and memory of GPU 0: the GPU the fleet's first worker owns."""
+def _nvml_gpu0() -> dict[str, Any]:
+    """What NVML says of GPU 0 (the first fleet worker's): uuid, memory, and the memory
+    each process uses on it."""
     import pynvml
 
     pynvml.nvmlInit()
     try:
         handle = pynvml.nvmlDeviceGetHandleByIndex(0)
         uuid = pynvml.nvmlDeviceGetUUID(handle)
-        total = int(pynvml.nvmlDeviceGetMemoryInfo(handle).total)
+        memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
+        procs = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
     finally:
         pynvml.nvmlShutdown()
-    return (uuid.decode() if isinstance(uuid, bytes) else uuid), total
+    return {
+        "uuid": uuid.decode() if isinstance(uuid, bytes) else uuid,
+        "total": int(memory.total),
+        "used": int(memory.used),
+        "by_pid": {p.pid: int(p.usedGpuMemory or 0) for p in procs},
+    }
 
 
 def _gpu_memory_of(pids: set[int]) -> tuple[int, int]:
     """Device memory NVML reports on GPU 0: for these processes, and for the whole device."""
-    import pynvml
-
-    pynvml.nvmlInit()
-    try:
-        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
-        procs = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
-        used = int(pynvml.nvmlDeviceGetMemoryInfo(handle).used)
-    finally:
-        pynvml.nvmlShutdown()
-    return sum(int(p.usedGpuMemory or 0) for p in procs if p.pid in pids), used
+    gpu = _nvml_gpu0()
+    return sum(n for pid, n in gpu["by_pid"].items() if pid in pids), gpu["used"]
 
 
 def _reported(fleet: RunningFleet, model: str, level: str) -> dict[str, Any]:
@@ -132,7 +131,8 @@ def _reported(fleet: RunningFleet, model: str, level: str) -> dict[str, Any]:
 def test_a_fleet_on_the_gpu_loads_evicts_restores_and_caps_as_the_ledger_says(
     tmp_path: Path,
 ) -> None:
-    uuid, total = _gpu0()
+    gpu0 = _nvml_gpu0()
+    uuid, total = gpu0["uuid"], gpu0["total"]
     share = total * 2 // 5  # two of a, b, c fit on the GPU, the third must evict
     catalog = tmp_path / "models.yaml"
     catalog.write_text(
