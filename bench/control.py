@@ -66,7 +66,8 @@ def settled_at(registry: Any, replica: str, after_ms: int) -> int:
 
 
 def run(backlog: int, repeats: int, directory: Path) -> dict[str, Any]:
-    from tasks.launcher import Fleet
+    from placement.config import Settings
+    from tasks.launcher import Launcher
 
     catalog = directory / "models.yaml"
     catalog.write_text(CATALOG)
@@ -74,7 +75,8 @@ def run(backlog: int, repeats: int, directory: Path) -> dict[str, Any]:
     os.environ.setdefault("GPUFLEET_WARM_CACHE", "2GiB")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.pop("GPUFLEET_ROLE", None)  # this process is a client
-    fleet = Fleet(models=catalog, sim_gpus=SIM_GPUS, fleet=f"control-{uuid.uuid4().hex[:8]}")
+    os.environ["GPUFLEET_FLEET"] = f"control-{uuid.uuid4().hex[:8]}"
+    fleet = Launcher(catalog, Settings.from_env(), sim_gpus=SIM_GPUS, metrics_port=0)
     settle_ms: list[float] = []
     queued_ms: list[float] = []
     call_ms: list[float] = []
@@ -107,7 +109,7 @@ def run(backlog: int, repeats: int, directory: Path) -> dict[str, Any]:
             app.send_task("gpufleet.infer", args=("a", "back")).get(timeout=TIMEOUT_S)
             log.info("repeat %d: evict settled in %.0f ms", i, settle_ms[-1])
         registry.client.close()
-        fleet.check_alive()
+        fleet.supervise()
     finally:
         fleet.stop()
 

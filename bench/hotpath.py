@@ -6,7 +6,7 @@ Prints one JSON object. It writes a catalog with one synthetic `forward` model o
 `--model-mib` declared size, starts a fleet (`tasks.launcher.Fleet`: an embedded Redis
 unless GPUFLEET_REDIS_URL is set, a router and one worker on a simulated 8 GiB GPU), and
 next to it a *bare* Celery worker: `celery -A bench.hotpath:bare_app worker -Q bare -c 1
--P prefork`, with the same Celery settings (`tasks.config.Settings.celery()`: JSON,
+-P prefork`, with the same Celery settings (`tasks.config.celery_conf`: JSON,
 acks_late, prefetch 1, events) and the same worker flags as a GPU worker. Its one task
 builds the same synthetic model (`worker.synthetic.build_synthetic`) once per process
 and runs the same forward pass (`worker.handlers.run`); it knows nothing of placement.
@@ -52,7 +52,8 @@ from typing import Any
 from celery import Celery
 from celery.result import AsyncResult
 
-from tasks.config import Settings
+from placement.config import Settings
+from tasks.config import celery_conf
 
 log = logging.getLogger("bench.hotpath")
 
@@ -70,7 +71,7 @@ TARGETS = {"p50_ratio": 1.15, "p99_ratio": 1.3}
 
 def bare_config() -> dict[str, Any]:
     """The fleet's Celery settings, read from the environment now, on the `bare` queue."""
-    conf = Settings.from_env().celery()
+    conf = celery_conf(Settings.from_env())
     conf["task_default_queue"] = BARE_QUEUE
     return conf
 
@@ -280,7 +281,8 @@ def fast_path_parts(n: int) -> dict[str, float]:
 
 
 def run(calls: int, warmup: int, model_mib: int, directory: Path) -> dict[str, Any]:
-    from tasks.launcher import Fleet
+    from placement.config import Settings
+    from tasks.launcher import Launcher
     from tasks.routing import gpu_queue
 
     catalog = write_catalog(directory, model_mib)
@@ -288,7 +290,8 @@ def run(calls: int, warmup: int, model_mib: int, directory: Path) -> dict[str, A
     os.environ.setdefault("GPUFLEET_WARM_CACHE", "1GiB")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.pop("GPUFLEET_ROLE", None)  # this process is a client
-    fleet = Fleet(models=catalog, sim_gpus=SIM_GPUS, fleet=f"hotpath-{uuid.uuid4().hex[:8]}")
+    os.environ["GPUFLEET_FLEET"] = f"hotpath-{uuid.uuid4().hex[:8]}"
+    fleet = Launcher(catalog, Settings.from_env(), sim_gpus=SIM_GPUS, metrics_port=0)
     bare: subprocess.Popen[bytes] | None = None
     broker = "GPUFLEET_REDIS_URL" if os.environ.get("GPUFLEET_REDIS_URL") else "embedded redis"
     load_before = os.getloadavg()
@@ -316,7 +319,7 @@ def run(calls: int, warmup: int, model_mib: int, directory: Path) -> dict[str, A
         stats = measure(calls, warmup, fleet_send, bare_send, queue)
         routed = router_infer_count(app, router) - routed_before
         parts = fast_path_parts(min(calls, 200))
-        fleet.check_alive()
+        fleet.supervise()
     finally:
         if bare is not None:
             stop_bare(bare)

@@ -32,6 +32,7 @@ from typing import Any, TypeVar, overload
 
 import yaml
 
+from placement.config import Settings
 from placement.errors import CatalogError, MemorySizeError, UnknownModelError
 from placement.memory import parse_size
 from placement.state import Demand
@@ -150,7 +151,7 @@ class Catalog(Mapping[str, ModelSpec]):
     @staticmethod
     def default_path() -> Path:
         """The catalog named by `GPUFLEET_MODELS`, else models.yaml in the current directory."""
-        return Path(os.environ.get("GPUFLEET_MODELS") or "models.yaml").expanduser()
+        return Settings.from_env().models
 
     @classmethod
     def load(cls, path: str | os.PathLike[str] | None = None) -> Catalog:

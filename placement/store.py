@@ -112,5 +112,9 @@ class Store:
 
 
 def unreachable(exc: redis.ConnectionError) -> RegistryError:
-    """The error for a registry that does not answer."""
-    return RegistryError(f"registry unreachable: {exc}. Check GPUFLEET_REDIS_URL.")
+    """The error for a registry that does not answer, saying what to do."""
+    why = str(exc).strip().rstrip(".")
+    return RegistryError(
+        f"registry unreachable ({why}); start a fleet with `gpufleet up`, or set "
+        f"GPUFLEET_REDIS_URL to the Redis of yours"
+    )

@@ -7,15 +7,12 @@ the GPU-side tasks, which import torch; routers and clients never do.
 
 from __future__ import annotations
 
-import os
-
 from celery import Celery
 
-from tasks.config import Settings
+from tasks.config import celery_conf
+from tasks.context import settings
 
 app = Celery("gpufleet")
-app.conf.update(Settings.from_env().celery())
+app.conf.update(celery_conf(settings()))
 app.conf.task_routes = ("tasks.routing.route",)
-app.conf.include = ["tasks.api"] + (
-    ["tasks.gpu"] if os.environ.get("GPUFLEET_ROLE") == "gpu" else []
-)
+app.conf.include = ["tasks.api"] + (["tasks.gpu"] if settings().role == "gpu" else [])

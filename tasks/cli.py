@@ -16,23 +16,38 @@ from rich.console import Console
 from rich.table import Table
 
 from placement.catalog import Catalog
-from placement.errors import GpufleetError
+from placement.config import FROM_DEFAULT, Settings
+from placement.errors import ConfigError, GpufleetError
 from placement.memory import format_size
 from placement.registry import Registry
-from tasks.config import DEFAULT_METRICS_PORT, safe_url
+from tasks.config import DEFAULT_METRICS_PORT
 
 app = typer.Typer(help="gpufleet: many models sharing GPUs by memory.", no_args_is_help=True)
 console = Console(soft_wrap=True)
 err = Console(stderr=True, soft_wrap=True)  # errors stay on one line
 
-DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 T = TypeVar("T")
 
 RedisUrl = Annotated[
-    str,
-    typer.Option(envvar="GPUFLEET_REDIS_URL", help="Registry URL (redis:// or rediss://)."),
+    str | None,
+    typer.Option(
+        help="Registry URL (redis:// or rediss://); default: GPUFLEET_REDIS_URL, else the "
+        "fleet `gpufleet up` runs on this machine."
+    ),
 ]
-Fleet = Annotated[str, typer.Option(envvar="GPUFLEET_FLEET", help="Fleet name in the registry.")]
+FleetName = Annotated[
+    str | None, typer.Option("--fleet", help="Fleet name; default: GPUFLEET_FLEET, else default.")
+]
+
+
+def _settings(redis_url: str | None = None, fleet: str | None = None) -> Settings:
+    """The settings, with the command line's overrides of the fleet and its URL."""
+    env = dict(os.environ)
+    if fleet:
+        env["GPUFLEET_FLEET"] = fleet
+    if redis_url:
+        env["GPUFLEET_REDIS_URL"] = redis_url
+    return _guard(lambda: Settings.from_env(env))
 
 
 @app.callback()
@@ -46,14 +61,14 @@ def _setup(verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False) ->
 @app.command()
 def status(
     as_json: Annotated[bool, typer.Option("--json", help="Print the status object.")] = False,
-    redis_url: RedisUrl = DEFAULT_REDIS_URL,
-    fleet: Fleet = "default",
+    redis_url: RedisUrl = None,
+    fleet: FleetName = None,
 ) -> None:
     """Show every GPU, what it holds, the warm caches, the queues and the hit rates."""
     from tasks.metrics import full_status  # the same object the gpufleet.status task returns
 
-    broker = os.environ.get("GPUFLEET_BROKER_URL", redis_url)
-    report = _guard(lambda: full_status(Registry.from_url(redis_url, fleet), broker))
+    s = _settings(redis_url, fleet)
+    report = _guard(lambda: full_status(Registry.from_url(s.registry_url, s.fleet), s.broker_url))
     if as_json:
         typer.echo(json.dumps(report, indent=2))
         return
@@ -107,50 +122,84 @@ def catalog(
 def up(
     *,
     models: Annotated[
-        Path, typer.Option(envvar="GPUFLEET_MODELS", help="The model catalog.")
-    ] = Path("models.yaml"),
+        Path | None, typer.Option(help="The model catalog; default: GPUFLEET_MODELS.")
+    ] = None,
     sim_gpus: Annotated[
         str | None, typer.Option(help="Simulate GPUs, e.g. 2x8GiB (default when none is found).")
     ] = None,
     flower: Annotated[
         bool, typer.Option(help="Start Flower on 127.0.0.1, behind basic auth.")
     ] = False,
-    flower_port: Annotated[int, typer.Option(help="Flower's port.")] = 5555,
+    flower_port: Annotated[
+        int | None, typer.Option(help="Flower's port (default 5555, or a free one).")
+    ] = None,
     metrics_port: Annotated[
-        int, typer.Option(help="Prometheus /metrics on 127.0.0.1 (0: off).", min=0, max=65535)
-    ] = DEFAULT_METRICS_PORT,
+        int | None,
+        typer.Option(
+            help=f"Prometheus /metrics on 127.0.0.1 (default {DEFAULT_METRICS_PORT}, or a free "
+            "one when another process holds it; 0: off).",
+            min=0,
+            max=65535,
+        ),
+    ] = None,
     demo: Annotated[bool, typer.Option(help="Make demo calls once the fleet is ready.")] = False,
     once: Annotated[bool, typer.Option(help="Stop after the demo instead of serving.")] = False,
 ) -> None:
-    """Start a fleet here: embedded Redis, a router, one worker per GPU; Ctrl-C stops it all."""
+    """Start a fleet here: bundled Redis, a router, one worker per GPU, all supervised;
+    Ctrl-C (or SIGTERM) stops it all."""
     from rich.progress import Progress, SpinnerColumn, TextColumn
 
-    from tasks.launcher import Fleet
+    from tasks.launcher import Launcher
 
-    fleet = Fleet(
-        models,
+    settings = _settings()
+    launcher = Launcher(
+        models or settings.models,
+        settings,
         sim_gpus=sim_gpus,
         flower=flower,
         flower_port=flower_port,
         metrics_port=metrics_port,
-        fleet=os.environ.get("GPUFLEET_FLEET", "default"),
     )
+    # Whatever the parent ignored (a shell's `&` ignores SIGINT), both stop the fleet.
+    signal.signal(signal.SIGINT, _interrupt)
     signal.signal(signal.SIGTERM, _interrupt)
     try:
         with Progress(SpinnerColumn(), TextColumn("{task.description}"), console=err) as bar:
             bar.add_task("starting Redis, the router and the GPU workers...", total=None)
-            _guard(fleet.start)
-            _guard(fleet.wait_ready)
-        _print_ready(fleet)
+            _guard(launcher.start)
+            _guard(launcher.wait_ready)
+        _print_ready(launcher)
         if demo:
             _guard(_demo)
         while not once:
-            _guard(fleet.check_alive)
+            _guard(launcher.supervise)
             time.sleep(1.0)
     except KeyboardInterrupt:
         err.print("stopping the fleet...")
     finally:
-        fleet.stop()
+        launcher.stop()
+
+
+@app.command()
+def url(
+    fleet: FleetName = None,
+) -> None:
+    """Print the registry URL (with its password) of the fleet this machine runs, for a
+    Celery client: `Celery(broker=URL, backend=URL)`."""
+    s = _settings(fleet=fleet)
+    if s.url_from == FROM_DEFAULT:
+        _guard(_no_fleet(s))
+    typer.echo(s.registry_url)
+
+
+def _no_fleet(s: Settings) -> Callable[[], None]:
+    def fail() -> None:
+        raise ConfigError(
+            f"no running fleet {s.fleet!r} found on this machine (no connection file under "
+            f"{s.home}) and GPUFLEET_REDIS_URL is not set; start one with `gpufleet up`"
+        )
+
+    return fail
 
 
 @app.command()
@@ -235,15 +284,15 @@ def metrics(
         DEFAULT_METRICS_PORT
     ),
     addr: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
-    redis_url: RedisUrl = DEFAULT_REDIS_URL,
-    fleet: Fleet = "default",
+    redis_url: RedisUrl = None,
+    fleet: FleetName = None,
 ) -> None:
     """Export the fleet's Prometheus metrics until Ctrl-C (routers can do it too)."""
     from tasks.metrics import serve
 
-    broker = os.environ.get("GPUFLEET_BROKER_URL", redis_url)
-    _guard(lambda: serve(port, addr, Registry.from_url(redis_url, fleet), broker))
-    console.print(f"metrics of fleet {fleet!r} on http://{addr}:{port}/metrics; Ctrl-C stops")
+    s = _settings(redis_url, fleet)
+    _guard(lambda: serve(port, addr, Registry.from_url(s.registry_url, s.fleet), s.broker_url))
+    console.print(f"metrics of fleet {s.fleet!r} on http://{addr}:{port}/metrics; Ctrl-C stops")
     try:
         while True:
             time.sleep(3600)
@@ -251,21 +300,26 @@ def metrics(
         pass
 
 
-def _print_ready(fleet: Any) -> None:
-    gpus = ", ".join(f"{d.name} #{d.index}" for d in fleet.devices)
-    url = safe_url(fleet.redis_url)
-    console.print(f"[green]gpufleet is up[/]: {len(fleet.devices)} GPUs ({gpus}), registry {url}")
-    console.print(f"  call it:  GPUFLEET_REDIS_URL={url} gpufleet infer minilm 'hello'")
+def _print_ready(launcher: Any) -> None:
+    """Where the fleet is, printed once: the registry URL in full (its password included),
+    so a plain Celery client on another machine can connect."""
+    gpus = ", ".join(f"{d.name} #{d.index}" for d in launcher.devices)
+    console.print(
+        f"[green]gpufleet is up[/]: {len(launcher.devices)} GPUs ({gpus}), "
+        f"registry {launcher.redis_url}",
+        highlight=False,
+    )
+    console.print("  call it:  gpufleet infer minilm 'hello'    (or: gpufleet status)")
     console.print(
         "  Python:   celery.Celery(broker=URL, backend=URL)"
-        ".send_task('gpufleet.infer', args=['minilm', 'hello']).get()"
+        ".send_task('gpufleet.infer', args=['minilm', 'hello']).get()   URL=$(gpufleet url)"
     )
-    console.print("  watch it: gpufleet status")
-    if fleet.metrics_port:
-        console.print(f"  metrics:  http://127.0.0.1:{fleet.metrics_port}/metrics")
-    if fleet.flower:
+    if launcher.metrics_url:
+        console.print(f"  metrics:  {launcher.metrics_url}")
+    if launcher.flower:
         console.print(
-            f"  Flower:   http://127.0.0.1:{fleet.flower_port} (basic auth {fleet.flower_auth})"
+            f"  Flower:   http://127.0.0.1:{launcher.flower_port} "
+            f"(basic auth {launcher.flower_auth})"
         )
     console.print("  Ctrl-C stops everything.")
 

@@ -7,36 +7,30 @@ makes its own connections.
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import replace
 
 from placement.catalog import Catalog, ModelSpec
+from placement.config import Settings
 from placement.estimate import estimate_bytes
 from placement.registry import Registry
-from placement.settings import PolicySettings
 from placement.state import Demand
-from tasks.config import Settings
 
 
 @functools.cache
 def settings() -> Settings:
+    """Every GPUFLEET_* setting of this process, read once."""
     return Settings.from_env()
 
 
 @functools.cache
 def registry() -> Registry:
     s = settings()
-    return Registry.from_url(s.registry_url, s.fleet, settings=policy())
+    return Registry.from_url(s.registry_url, s.fleet, settings=s.policy)
 
 
 @functools.cache
 def catalog() -> Catalog:
     return Catalog.load(settings().models)
-
-
-@functools.cache
-def policy() -> PolicySettings:
-    return PolicySettings.from_env()
 
 
 @functools.cache
@@ -61,4 +55,4 @@ def demand(
 
 def role() -> str:
     """`router` or `gpu`: which kind of Celery worker this process is (GPUFLEET_ROLE)."""
-    return os.environ.get("GPUFLEET_ROLE", "client")
+    return settings().role

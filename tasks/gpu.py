@@ -26,13 +26,12 @@ from placement.errors import (
     GpuOwnedError,
     RegistryError,
 )
-from placement.memory import parse_size
 from tasks import context
 from tasks.app import app
 from tasks.calls import Call
 from tasks.routing import gpu_queue
 from worker.devices import Device, discover
-from worker.lifecycle import default_host, default_lineage
+from worker.lifecycle import default_lineage
 from worker.node import GpuWorker
 
 log = logging.getLogger(__name__)
@@ -95,25 +94,29 @@ def run(self: Task, call: dict[str, Any]) -> dict[str, Any]:
 
 def _warm_budget() -> int:
     """CPU memory this host lends to warm copies: GPUFLEET_WARM_CACHE, or 25% of RAM."""
-    raw = os.environ.get("GPUFLEET_WARM_CACHE")
-    if raw:
-        return parse_size(raw)
+    configured = context.settings().warm_cache
+    if configured is not None:
+        return configured
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
+
+
+def _visible() -> list[Device]:
+    """Every GPU this host's workers see: NVML's, else the simulated ones."""
+    return discover(context.settings().sim_gpus)
 
 
 def _own_devices() -> list[Device]:
     """The GPUs of GPUFLEET_WORKER_GPUS (NVML indices), or all of them."""
-    devices = discover()
-    wanted = os.environ.get("GPUFLEET_WORKER_GPUS")
-    if not wanted:
+    devices = _visible()
+    wanted = context.settings().worker_gpus
+    if wanted is None:
         return devices
-    indices = {int(i) for i in wanted.split(",")}
-    mine = [d for d in devices if d.index in indices]
+    mine = [d for d in devices if d.index in wanted]
     if not mine:
         visible = ", ".join(str(d.index) for d in devices) or "none"
         raise ConfigError(
-            f"GPUFLEET_WORKER_GPUS={wanted} names no visible GPU (visible: {visible}); "
-            f"check CUDA_VISIBLE_DEVICES or the container's device reservation"
+            f"GPUFLEET_WORKER_GPUS={','.join(map(str, wanted))} names no visible GPU (visible: "
+            f"{visible}); check CUDA_VISIBLE_DEVICES or the container's device reservation"
         )
     return mine
 
@@ -134,13 +137,14 @@ def _check(**_: Any) -> None:
 
 def _check_owners(devices: list[Device]) -> None:
     registry = context.registry()
-    mine = default_lineage(parent=True)
+    host = context.settings().host
+    mine = default_lineage(context.settings().lineage, parent=True)
     try:
         for device in devices:
-            owner = registry.owner(device.gpu_id(default_host()))
+            owner = registry.owner(device.gpu_id(host))
             if owner is not None and owner[1] != mine:
                 raise GpuOwnedError(
-                    f"GPU {device.gpu_id(default_host())} is owned by live worker {owner[0]} "
+                    f"GPU {device.gpu_id(host)} is owned by live worker {owner[0]} "
                     f"of fleet {registry.keys.fleet!r} on this Redis. Stop that worker, or "
                     f"run this one as another fleet (GPUFLEET_FLEET) or, for simulated "
                     f"GPUs, as another host (GPUFLEET_HOST)"
@@ -154,18 +158,18 @@ def _start(**_: Any) -> None:
     if context.role() != "gpu":
         return
     try:
+        settings = context.settings()
         devices = _own_devices()
-        host = default_host()
         _process.worker = GpuWorker(
             context.registry(),
             devices,
-            discover(),
-            host,
-            gpu_queue(host, [d.index for d in devices]),
+            _visible(),
+            settings.host,
+            gpu_queue(settings.host, [d.index for d in devices]),
             spec_of=lambda model: context.catalog().get(model),
             warm_budget=_warm_budget(),
-            lease_ms=int(os.environ.get("GPUFLEET_WORKER_LEASE_MS", "15000")),
-            lineage=default_lineage(),
+            lease_ms=settings.worker_lease_ms,
+            lineage=default_lineage(settings.lineage),
         )
     except Exception:
         # Celery would log this and keep a child that fails every call: exit instead.

@@ -1,73 +1,157 @@
-"""`gpufleet up`: start a whole fleet on one machine, and stop all of it.
+"""`gpufleet up`: start a whole fleet on one machine, keep it running, and stop all of it.
 
-An embedded Redis (127.0.0.1, no persistence) unless GPUFLEET_REDIS_URL names one, a
-router worker, one GPU worker per GPU (NVML, or simulated), and Flower on request.
-Children die with the launcher (PR_SET_PDEATHSIG on Linux), and Ctrl-C or SIGTERM
-stops them in order, so nothing is left behind.
+The `Launcher` starts a bundled Redis unless GPUFLEET_REDIS_URL names one (127.0.0.1, a
+generated password, an append-only file in the fleet's own data directory), a router,
+one GPU worker per GPU (NVML, or simulated), and Flower on request. It records how to
+reach the fleet in a user-only connection file, so `gpufleet` commands and the
+project's client find it with no setting.
+
+It supervises every child (`supervise`, called about once a second):
+- a child that dies is started again after a backoff (1 s, doubling to 30 s), with one
+  log line that says which and why;
+- a child that dies `CRASH_LIMIT` times within `CRASH_WINDOW_S` is a crash loop: the
+  launcher gives up with an error that names it and quotes its last log lines;
+- each child runs in its own process group, so a dead Celery worker's pool children go
+  with it, and the messages it had taken but not acknowledged go back to its queue
+  before its successor starts (else they would wait out the visibility timeout);
+- the bundled Redis restarts on the same port and replays its append-only file, so no
+  acknowledged write (no queued call) is lost.
+
+Children also die with the launcher (PR_SET_PDEATHSIG on Linux), and `stop` ends them
+in order, so nothing is left behind.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import json
 import logging
 import os
 import secrets
+import shutil
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO, Any
 
-from placement.errors import ConfigError
+import redis
+
+from placement.config import (
+    FROM_CONNECTION_FILE,
+    FROM_DEFAULT,
+    Settings,
+    connection_path,
+    safe_url,
+)
+from placement.errors import ConfigError, GpufleetError
 from placement.redis_server import RedisServer, die_with_parent_preexec
 from placement.registry import Registry
-from tasks.config import ROUTER_QUEUE, safe_url
+from tasks.config import DEFAULT_FLOWER_PORT, DEFAULT_METRICS_PORT, ROUTER_QUEUE
 from tasks.routing import gpu_queue
 from worker.devices import Device, discover
-from worker.lifecycle import default_host
 
 log = logging.getLogger(__name__)
 
 DEFAULT_SIM_GPUS = "2x8GiB"
 STOP_GRACE_S = 15.0
+#: A child that dies this many times within the window is given up on.
+CRASH_LIMIT = 5
+CRASH_WINDOW_S = 120.0
+#: Restart backoff: 1 s, doubling, at most this.
+MAX_BACKOFF_S = 30.0
+LOG_LINES = 40  # kept per child, quoted when it crash-loops
 
 
 @dataclass
-class Fleet:
-    """The processes of one local fleet."""
+class Child:
+    """One process the launcher runs and keeps running."""
+
+    name: str
+    cmd: list[str]
+    env: dict[str, str]
+    queues: tuple[str, ...] = ()  # the queues it consumes: unacked messages go back there
+    proc: subprocess.Popen[bytes] | None = None
+    lines: collections.deque[str] = field(
+        default_factory=lambda: collections.deque(maxlen=LOG_LINES)
+    )
+    crashes: collections.deque[float] = field(default_factory=collections.deque)
+    restart_at: float | None = None
+
+    def describe_exit(self) -> str:
+        code = self.proc.returncode if self.proc is not None else None
+        if code is not None and code < 0:
+            return f"was killed by {signal.Signals(-code).name}"
+        return f"exited with code {code}"
+
+
+@dataclass
+class Launcher:
+    """The processes of one local fleet, supervised."""
 
     models: Path
+    settings: Settings
     sim_gpus: str | None = None
     flower: bool = False
-    flower_port: int = 5555
+    flower_port: int | None = None  # None: 5555, or a free port when that is taken
     flower_auth: str = ""
-    metrics_port: int = 0  # the router's /metrics on 127.0.0.1; 0: none
-    fleet: str = "default"
-    host: str = field(default_factory=default_host)
+    metrics_port: int | None = None  # None: 9464, or a free port when taken; 0: none
     redis_url: str = ""
     devices: list[Device] = field(default_factory=list)
-    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    children: dict[str, Child] = field(default_factory=dict)
     _redis: RedisServer | None = None
+    _stopping: bool = False
+
+    @property
+    def fleet(self) -> str:
+        return self.settings.fleet
+
+    @property
+    def host(self) -> str:
+        return self.settings.host
+
+    @property
+    def connection_file(self) -> Path:
+        return connection_path(self.settings.home, self.fleet)
+
+    # --- start --------------------------------------------------------------------
 
     def start(self) -> None:
         if not self.models.is_file():
             raise ConfigError(
                 f"{self.models}: no such catalog; pass --models or set GPUFLEET_MODELS"
             )
-        self.redis_url = os.environ.get("GPUFLEET_REDIS_URL", "")
+        self.metrics_port = _port(self.metrics_port, DEFAULT_METRICS_PORT, "--metrics-port")
+        if self.flower:
+            self.flower_port = _port(self.flower_port, DEFAULT_FLOWER_PORT, "--flower-port")
+        if self.settings.url_from == FROM_CONNECTION_FILE:
+            raise ConfigError(
+                f"a gpufleet of fleet {self.fleet!r} already runs on this machine (see "
+                f"{self.connection_file}); stop it, or start this one with GPUFLEET_FLEET=<name>"
+            )
+        external = self.settings.url_from != FROM_DEFAULT
+        self.redis_url = self.settings.registry_url if external else ""
+        self.settings.fleet_dir().mkdir(mode=0o700, parents=True, exist_ok=True)
         if not self.redis_url:
-            self._redis = RedisServer().start()
-            self.redis_url = self._redis.url
-        # This process talks to the fleet too (readiness pings, the demo call).
-        os.environ.update(GPUFLEET_REDIS_URL=self.redis_url, GPUFLEET_FLEET=self.fleet)
-        simulated = self.sim_gpus or os.environ.get("GPUFLEET_SIM_GPUS")
+            data = self.settings.fleet_dir() / "redis"
+            shutil.rmtree(data, ignore_errors=True)  # a new fleet starts with a new ledger
+            self._redis = RedisServer(password=secrets.token_urlsafe(18), data_dir=data)
+            self.redis_url = self._redis.start().url
+        simulated = self.sim_gpus or self.settings.sim_gpus
         self.devices = discover(simulated or DEFAULT_SIM_GPUS, simulate=bool(simulated))
         self._check_owners()
         metrics = {"GPUFLEET_METRICS_PORT": str(self.metrics_port)} if self.metrics_port else {}
-        self._spawn(
+        self._add(
             "router",
             ["-Q", ROUTER_QUEUE, "-n", f"router@{self.host}", "-c", "2"],
             "router",
+            (ROUTER_QUEUE,) if self._redis is not None else (),  # the queue is ours alone
             GPUFLEET_METRICS_ADDR="127.0.0.1",
             **metrics,
         )
@@ -75,41 +159,51 @@ class Fleet:
         for d in self.devices:
             queue = gpu_queue(self.host, [d.index])
             args = ["-Q", queue, "-n", f"gpu{d.index}@{self.host}", "-c", "1", "-P", "prefork"]
-            lineage = f"up-{run}-gpu{d.index}"
-            self._spawn(
+            self._add(
                 f"gpu{d.index}",
                 args,
                 "gpu",
+                (queue,),
                 GPUFLEET_WORKER_GPUS=str(d.index),
-                GPUFLEET_LINEAGE=lineage,
+                GPUFLEET_LINEAGE=f"up-{run}-gpu{d.index}",
             )
         if self.flower:
             self.flower_auth = self.flower_auth or f"gpufleet:{secrets.token_urlsafe(12)}"
-            flower = [sys.executable, "-m", "celery", "-A", "tasks.app", "flower"]
-            flower += ["--address=127.0.0.1", f"--port={self.flower_port}"]
+            cmd = [sys.executable, "-m", "celery", "-A", "tasks.app", "flower"]
+            cmd += ["--address=127.0.0.1", f"--port={self.flower_port}"]
             # Credentials in the environment, not on the command line `ps` shows.
-            self._popen("flower", flower, self._env("client", FLOWER_BASIC_AUTH=self.flower_auth))
+            env = self._env("client", FLOWER_BASIC_AUTH=self.flower_auth)
+            self.children["flower"] = Child("flower", cmd, env)
+        for child in self.children.values():
+            self._spawn(child)
+        self._write_connection()
+        # This process talks to the fleet too (readiness pings, the demo call).
+        os.environ.update(GPUFLEET_REDIS_URL=self.redis_url, GPUFLEET_FLEET=self.fleet)
 
     def _check_owners(self) -> None:
         """Refuse to start on GPUs that live workers of this fleet own on this registry
         (another `gpufleet up` with the same host name, fleet and Redis)."""
         registry = Registry.from_url(self.redis_url, self.fleet)
-        for d in self.devices:
-            owner = registry.owner(d.gpu_id(self.host))
-            if owner is not None:
-                raise ConfigError(
-                    f"GPU {d.gpu_id(self.host)} is owned by live worker {owner[0]} of fleet "
-                    f"{self.fleet!r} on {safe_url(self.redis_url)}: another gpufleet runs "
-                    f"here. Stop it, or start this one as a second fleet with "
-                    f"GPUFLEET_FLEET=<name> (or, for simulated GPUs, GPUFLEET_HOST=<name>)"
-                )
-        registry.client.close()
+        try:
+            for d in self.devices:
+                owner = registry.owner(d.gpu_id(self.host))
+                if owner is not None:
+                    raise ConfigError(
+                        f"GPU {d.gpu_id(self.host)} is owned by live worker {owner[0]} of "
+                        f"fleet {self.fleet!r} on {safe_url(self.redis_url)}: another gpufleet "
+                        f"runs here. Stop it, or start this one as a second fleet with "
+                        f"GPUFLEET_FLEET=<name> (or, for simulated GPUs, GPUFLEET_HOST=<name>)"
+                    )
+        finally:
+            registry.client.close()
 
     def _env(self, role: str, **extra: str) -> dict[str, str]:
         env = {
             **os.environ,
             "GPUFLEET_REDIS_URL": self.redis_url,
-            "GPUFLEET_BROKER_URL": os.environ.get("GPUFLEET_BROKER_URL", self.redis_url),
+            "GPUFLEET_BROKER_URL": self.settings.broker_url
+            if self.settings.url_from != FROM_DEFAULT
+            else self.redis_url,
             "GPUFLEET_MODELS": str(self.models.resolve()),
             "GPUFLEET_FLEET": self.fleet,
             "GPUFLEET_HOST": self.host,
@@ -118,62 +212,240 @@ class Fleet:
             **extra,
         }
         if all(d.simulated for d in self.devices):
-            env["GPUFLEET_SIM_GPUS"] = (
-                self.sim_gpus or os.environ.get("GPUFLEET_SIM_GPUS") or DEFAULT_SIM_GPUS
-            )
+            env["GPUFLEET_SIM_GPUS"] = self.sim_gpus or self.settings.sim_gpus or DEFAULT_SIM_GPUS
         return env
 
-    def _spawn(self, name: str, args: list[str], role: str, **extra: str) -> None:
+    def _add(
+        self, name: str, args: list[str], role: str, queues: tuple[str, ...], **extra: str
+    ) -> None:
         cmd = [sys.executable, "-m", "celery", "-A", "tasks.app", "worker", *args]
         cmd += ["--loglevel=INFO", "-E", "--without-gossip", "--without-mingle"]
-        self._popen(name, cmd, self._env(role, **extra))
+        self.children[name] = Child(name, cmd, self._env(role, **extra), queues)
 
-    def _popen(self, name: str, cmd: list[str], env: dict[str, str]) -> None:
-        log.info("starting %s: %s", name, " ".join(cmd))
-        # Children log to our stderr; stdout stays the launcher's own output.
-        self.procs[name] = subprocess.Popen(
-            cmd,
-            env=env,
-            stdout=sys.stderr.fileno(),
+    def _spawn(self, child: Child) -> None:
+        log.info("starting %s: %s", child.name, " ".join(child.cmd))
+        child.proc = subprocess.Popen(
+            child.cmd,
+            env=child.env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group: its pool children die with it
             preexec_fn=die_with_parent_preexec(),  # noqa: PLW1509
         )
+        assert child.proc.stdout is not None
+        threading.Thread(target=_relay, args=(child.proc.stdout, child.lines), daemon=True).start()
+
+    def _write_connection(self) -> None:
+        """How to reach this fleet, for `gpufleet` commands and clients on this machine."""
+        path = self.connection_file
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        record = {
+            "redis_url": self.redis_url,
+            "pid": os.getpid(),
+            "fleet": self.fleet,
+            "metrics": self.metrics_url,
+            "flower": f"http://127.0.0.1:{self.flower_port}" if self.flower else None,
+        }
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            json.dump(record, fh)
+        os.replace(tmp, path)
+
+    @property
+    def metrics_url(self) -> str | None:
+        return f"http://127.0.0.1:{self.metrics_port}/metrics" if self.metrics_port else None
+
+    # --- ready ----------------------------------------------------------------------
 
     def wait_ready(self, timeout: float = 120.0) -> None:
-        """Until every GPU worker holds a live lease and the router answers a ping."""
+        """Until every GPU worker holds a live lease, the router answers a ping, and the
+        metrics and Flower answer on the ports that will be printed."""
         registry = Registry.from_url(self.redis_url, self.fleet)
         deadline = time.monotonic() + timeout
         from tasks.app import app
 
-        while time.monotonic() < deadline:
-            self.check_alive()
-            snap = registry.snapshot()
-            alive = sum(1 for g in snap.gpus.values() if g.alive(snap.now_ms))
-            if alive >= len(self.devices) and app.control.ping(
-                [f"router@{self.host}"], timeout=1.0
-            ):
-                return
-            time.sleep(0.5)
+        try:
+            while time.monotonic() < deadline:
+                self.supervise()
+                snap = registry.snapshot()
+                alive = sum(1 for g in snap.gpus.values() if g.alive(snap.now_ms))
+                if (
+                    alive >= len(self.devices)
+                    and app.control.ping([f"router@{self.host}"], timeout=1.0)
+                    and _answers(self.metrics_url)
+                    and (not self.flower or _answers(f"http://127.0.0.1:{self.flower_port}"))
+                ):
+                    return
+                time.sleep(0.5)
+        finally:
+            registry.client.close()
         raise ConfigError(f"the fleet did not become ready in {timeout:.0f} s; see the logs above")
 
-    def check_alive(self) -> None:
-        for name, proc in self.procs.items():
-            if proc.poll() is not None:
-                raise ConfigError(f"{name} exited with code {proc.returncode}; see its log above")
+    # --- supervise ------------------------------------------------------------------
+
+    def supervise(self) -> None:
+        """Restart what died (with backoff); raise `ConfigError` on a crash loop."""
+        now = time.monotonic()
+        if self._redis is not None and not self._redis.running and not self._stopping:
+            log.error("the bundled redis-server died; starting it again on the same port")
+            died = time.time()
+            self._redis.restart()  # replays its append-only file
+            # Every consumer's connection broke: what they had taken and not started is
+            # in nobody's hands now (what they run, they may run twice: calls are safe to).
+            queues = tuple(q for child in self.children.values() for q in child.queues)
+            restored = requeue_unacked(self.redis_url, queues, before=died)
+            if restored:
+                log.warning("requeued %d call(s) taken before Redis restarted", restored)
+        for child in self.children.values():
+            if child.proc is None or child.proc.poll() is None or self._stopping:
+                continue
+            if child.restart_at is None:
+                self._died(child, now)
+            elif now >= child.restart_at:
+                child.restart_at = None
+                self._requeue(child)
+                self._spawn(child)
+
+    def _died(self, child: Child, now: float) -> None:
+        assert child.proc is not None
+        _kill_group(child.proc.pid)  # what it left behind (a Celery worker's pool children)
+        while child.crashes and now - child.crashes[0] > CRASH_WINDOW_S:
+            child.crashes.popleft()
+        child.crashes.append(now)
+        if len(child.crashes) >= CRASH_LIMIT:
+            tail = "\n".join(f"  {line}" for line in list(child.lines)[-15:]) or "  (no output)"
+            raise ConfigError(
+                f"{child.name} {child.describe_exit()} {len(child.crashes)} times in "
+                f"{CRASH_WINDOW_S:.0f} s; giving up. Its last log lines:\n{tail}"
+            )
+        delay = min(MAX_BACKOFF_S, 2.0 ** (len(child.crashes) - 1))
+        log.error("%s %s; starting it again in %.0f s", child.name, child.describe_exit(), delay)
+        child.restart_at = now + delay
+
+    def _requeue(self, child: Child) -> None:
+        """Put back the messages a dead worker had taken and not acknowledged."""
+        if not child.queues:
+            return
+        try:
+            restored = requeue_unacked(self.redis_url, child.queues)
+        except (redis.RedisError, GpufleetError) as exc:
+            log.warning("could not requeue %s's unacknowledged calls: %s", child.name, exc)
+            return
+        if restored:
+            log.warning("requeued %d call(s) %s had taken when it died", restored, child.name)
+
+    # --- stop -----------------------------------------------------------------------
 
     def stop(self) -> None:
         """SIGTERM every child (Celery's warm shutdown), then SIGKILL stragglers; stop Redis."""
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
+        self._stopping = True
+        for child in self.children.values():
+            if child.proc is not None and child.proc.poll() is None:
+                child.proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + STOP_GRACE_S
-        for name, proc in self.procs.items():
+        for child in self.children.values():
+            if child.proc is None:
+                continue
             try:
-                proc.wait(max(0.1, deadline - time.monotonic()))
+                child.proc.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                log.warning("%s did not stop in time; killing it", name)
-                proc.kill()
-                proc.wait()
-        self.procs.clear()
+                log.warning("%s did not stop in time; killing it", child.name)
+                child.proc.kill()
+                child.proc.wait()
+            _kill_group(child.proc.pid)
+        self.children.clear()
         if self._redis is not None:
             self._redis.stop()
             self._redis = None
+            shutil.rmtree(self.settings.fleet_dir() / "redis", ignore_errors=True)
+        self._remove_connection()
+
+    def _remove_connection(self) -> None:
+        path = self.connection_file
+        try:
+            if json.loads(path.read_text()).get("pid") == os.getpid():
+                path.unlink()
+        except (OSError, ValueError):
+            pass
+
+
+def requeue_unacked(broker_url: str, queues: tuple[str, ...], before: float | None = None) -> int:
+    """Return to their queues the messages of `queues` that a worker took and never
+    acknowledged (kombu's Redis transport keeps them in its `unacked` hash until the
+    visibility timeout), if taken before `before` (epoch seconds). Only for messages whose
+    consumer is known to be gone: a dead worker, or connections a Redis restart broke."""
+    from tasks.app import app
+
+    restored = 0
+    with app.connection_for_write(broker_url) as conn:
+        channel: Any = conn.default_channel
+        qos = channel.qos
+        client = channel.client
+        taken = dict(client.zrange(qos.unacked_index_key, 0, -1, withscores=True))
+        for tag, payload in client.hgetall(qos.unacked_key).items():
+            try:
+                _, _, routing_key = json.loads(payload)
+            except (ValueError, TypeError):
+                continue
+            if routing_key not in queues or (before is not None and taken.get(tag, 0) >= before):
+                continue
+            qos.restore_by_tag(tag.decode() if isinstance(tag, bytes) else tag, leftmost=True)
+            restored += 1
+    return restored
+
+
+def _relay(stream: IO[bytes], lines: collections.deque[str]) -> None:
+    """Copy a child's output to ours, keeping its last lines for a crash report."""
+    for raw in iter(stream.readline, b""):
+        line = raw.decode("utf-8", "replace").rstrip("\n")
+        lines.append(line)
+        with contextlib.suppress(OSError, ValueError):  # our stderr is gone: keep draining
+            sys.stderr.write(line + "\n")
+
+
+def _kill_group(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+
+
+def _port(requested: int | None, default: int, option: str) -> int:
+    """The port to serve on: `requested` (0: none) if free, else an error saying so; with
+    nothing requested, `default`, or a free one when another process holds it."""
+    if requested == 0:
+        return 0
+    wanted = default if requested is None else requested
+    if _free(wanted):
+        return wanted
+    if requested is not None:
+        raise ConfigError(
+            f"port {requested} on 127.0.0.1 is taken by another process; pass another "
+            f"{option}, or 0 to turn it off"
+        )
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        free: int = sock.getsockname()[1]
+    log.info("port %d is taken; using %d instead", default, free)
+    return free
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _answers(url: str | None) -> bool:
+    """True when nothing is to be served at `url`, or something answers there."""
+    if url is None:
+        return True
+    try:
+        with urllib.request.urlopen(url, timeout=1.0):
+            return True
+    except urllib.error.HTTPError:
+        return True  # it answered (Flower asks for its password)
+    except OSError:
+        return False

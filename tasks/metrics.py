@@ -10,7 +10,6 @@ figures are fleet-wide: with several routers exporting, scrape one or aggregate 
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,7 +19,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from placement.errors import ConfigError, GpufleetError
+from placement.errors import GpufleetError
 from placement.registry import Registry
 from placement.report import request_report, status_report
 from placement.state import OUTCOMES
@@ -162,27 +161,16 @@ def serve(port: int, addr: str, registry: Registry, broker_url: str) -> None:
     start_http_server(port, addr=addr, registry=collectors)
 
 
-def port_from_env() -> int | None:
-    """GPUFLEET_METRICS_PORT as a port number; None when unset or 0."""
-    raw = os.environ.get("GPUFLEET_METRICS_PORT", "").strip()
-    if not raw:
-        return None
-    if not raw.isdigit() or int(raw) > 65535:
-        raise ConfigError(f"GPUFLEET_METRICS_PORT={raw!r} is not a port number; use e.g. 9464")
-    return int(raw) or None
-
-
 @worker_init.connect
 def _serve_from_router(**_: Any) -> None:
     """A router with GPUFLEET_METRICS_PORT exports the metrics (from its parent process)."""
     if context.role() != "router":
         return
+    settings = context.settings()
+    if settings.metrics_port is None:
+        return
     try:
-        port = port_from_env()
-        if port is None:
-            return
-        addr = os.environ.get("GPUFLEET_METRICS_ADDR", "127.0.0.1")
-        serve(port, addr, context.registry(), context.settings().broker_url)
-        log.info("metrics on http://%s:%d/metrics", addr, port)
-    except (ConfigError, OSError) as exc:  # a busy port must not stop the router
-        log.error("not exporting metrics: %s", exc)
+        serve(settings.metrics_port, settings.metrics_addr, context.registry(), settings.broker_url)
+        log.info("metrics on http://%s:%d/metrics", settings.metrics_addr, settings.metrics_port)
+    except OSError as exc:  # a busy port must not stop the router
+        log.error("not exporting metrics on port %d: %s", settings.metrics_port, exc)

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, suppress
@@ -57,11 +59,20 @@ def fleet_env(**extra: str) -> dict[str, str]:
 def fleet_up(
     catalog: Path, args: list[str], env: Mapping[str, str], fleet: str = "default"
 ) -> Iterator[RunningFleet]:
-    """Start `gpufleet up --models catalog *args`; stop it (SIGTERM) on the way out."""
+    """Start `gpufleet up --models catalog *args`; stop it (SIGTERM) on the way out.
+
+    Without a GPUFLEET_HOME in `env`, the fleet gets a home of its own (its connection file
+    and Redis data), so it never meets another fleet of the same name on this machine.
+    """
+    env = dict(env)
+    home = None
+    if "GPUFLEET_HOME" not in env:
+        home = tempfile.mkdtemp(prefix="gpufleet-home-")
+        env["GPUFLEET_HOME"] = home
     proc = subprocess.Popen(
         [sys.executable, "-m", "tasks.cli", "up", "--models", str(catalog), *args],
         cwd=REPO,
-        env=dict(env),
+        env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
@@ -78,6 +89,8 @@ def fleet_up(
         registry.client.close()
     finally:
         stop(proc)
+        if home is not None:
+            shutil.rmtree(home, ignore_errors=True)
 
 
 def wait_ready(proc: subprocess.Popen[str], marker: str = "Ctrl-C stops") -> list[str]:
@@ -99,6 +112,8 @@ def stop(proc: subprocess.Popen[str]) -> int:
     """SIGTERM `gpufleet up` and wait; it stops every process it started."""
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
+    if proc.stdout is not None:
+        proc.stdout.close()
     try:
         return proc.wait(timeout=60)
     except subprocess.TimeoutExpired:

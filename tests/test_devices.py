@@ -10,10 +10,12 @@ from __future__ import annotations
 import sys
 import types
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from placement.config import Settings
 from placement.errors import ConfigError
 from placement.state import Gpu
 from worker.devices import (
@@ -213,30 +215,27 @@ def test_cuda_visible_devices_picks_and_renumbers_the_gpus_this_process_sees(
 # --- discover ---------------------------------------------------------------------------------
 
 
-def test_discover_prefers_real_gpus_over_a_sim_spec(
-    nvml: FakeNvml, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv(SIM_ENV, "2x8GiB")
-    assert [d.uuid for d in discover()] == ["GPU-aaaa-0000", "GPU-bbbb-1111", "GPU-bbbc-2222"]
-    assert all(d.simulated for d in discover(simulate=True))
+def test_discover_prefers_real_gpus_over_a_sim_spec(nvml: FakeNvml) -> None:
+    assert [d.uuid for d in discover("2x8GiB")] == [
+        "GPU-aaaa-0000",
+        "GPU-bbbb-1111",
+        "GPU-bbbc-2222",
+    ]
+    assert all(d.simulated for d in discover("2x8GiB", simulate=True))
 
 
-def test_discover_falls_back_to_simulated_gpus_from_the_environment(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    if nvml_devices():
-        pytest.skip("this machine has NVIDIA GPUs")
-    monkeypatch.setenv(SIM_ENV, "2x24GiB")
-    devices = discover()
+def test_discover_falls_back_to_the_simulated_gpus_of_the_spec(nvml: FakeNvml) -> None:
+    nvml.gpus = []  # a machine without NVIDIA GPUs
+    devices = discover("2x24GiB")
     assert [(d.index, d.total, d.simulated) for d in devices] == [
         (0, 24 * GiB, True),
         (1, 24 * GiB, True),
     ]
 
 
-def test_an_explicit_sim_spec_wins_over_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(SIM_ENV, "2x24GiB")
-    assert [d.total for d in discover("80GB", simulate=True)] == [80 * GB]
+def test_the_sim_spec_comes_from_the_settings(tmp_path: Path) -> None:
+    settings = Settings.from_env({"GPUFLEET_SIM_GPUS": "80GB", "GPUFLEET_HOME": str(tmp_path)})
+    assert [d.total for d in discover(settings.sim_gpus, simulate=True)] == [80 * GB]
 
 
 def test_no_gpu_and_no_spec_is_a_config_error_saying_what_to_set() -> None:

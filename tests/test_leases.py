@@ -24,7 +24,7 @@ def registry(redis_url: str, fleet: str, monkeypatch: pytest.MonkeyPatch) -> Ite
     replica of model "m"."""
     monkeypatch.setenv("GPUFLEET_REDIS_URL", redis_url)
     monkeypatch.setenv("GPUFLEET_FLEET", fleet)
-    for cached in (context.settings, context.registry, context.policy):
+    for cached in (context.settings, context.registry):
         cached.cache_clear()
     reg = context.registry()
     reg.register_worker(
@@ -34,7 +34,7 @@ def registry(redis_url: str, fleet: str, monkeypatch: pytest.MonkeyPatch) -> Ite
     assert reg.confirm(plan.replica, plan.worker, plan.epoch)
     yield reg
     leases.take()
-    for cached in (context.settings, context.registry, context.policy):
+    for cached in (context.settings, context.registry):
         cached.cache_clear()
 
 

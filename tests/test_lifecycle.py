@@ -26,9 +26,7 @@ from placement.state import Demand, Gpu, Level
 from worker.devices import Device, simulated_devices
 from worker.lifecycle import (
     EXIT_RESTART,
-    HOST_ENV,
     WorkerLease,
-    default_host,
     is_fatal_cuda_error,
     make_worker_id,
 )
@@ -147,15 +145,6 @@ def test_a_worker_id_keeps_only_celery_node_name_characters() -> None:
     worker = make_worker_id("my host/{x}@y", simulated_devices("8GiB"))
     assert worker.startswith("sim0@my-host-x-y-")
     assert all(c.isascii() and (c.isalnum() or c in "._@-") for c in worker)
-
-
-def test_the_host_name_comes_from_the_environment_when_set(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setenv(HOST_ENV, "gpu-box-7")
-    assert default_host() == "gpu-box-7"
-    monkeypatch.delenv(HOST_ENV)
-    assert default_host()
 
 
 # --- registration and heartbeats ------------------------------------------------------------

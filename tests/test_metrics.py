@@ -12,12 +12,11 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from typer.testing import CliRunner
 
-from placement.errors import ConfigError
 from placement.registry import Registry
 from placement.report import request_report
 from placement.state import OUTCOMES, Demand, Gpu
 from tasks.cli import app as cli
-from tasks.metrics import FleetCollector, port_from_env, serve
+from tasks.metrics import FleetCollector, serve
 from tests.fleets import GiB
 from tests.ports import free_port
 
@@ -139,19 +138,3 @@ def test_status_prints_the_rates_against_their_targets(
     result = CliRunner().invoke(cli, ["status", "--redis-url", redis_url, "--fleet", fleet])
     assert result.exit_code == 0, result.output
     assert "requests 5: hit rate 80.0% (target > 80%), reload rate 0.0%" in result.output
-
-
-@pytest.mark.parametrize(("value", "port"), [("", None), ("0", None), ("9464", 9464)])
-def test_the_metrics_port_setting_is_read_from_the_environment(
-    value: str, port: int | None, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("GPUFLEET_METRICS_PORT", value)
-    assert port_from_env() == port
-
-
-def test_a_malformed_metrics_port_is_refused_with_an_example(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setenv("GPUFLEET_METRICS_PORT", "nine")
-    with pytest.raises(ConfigError, match=r"e\.g\. 9464"):
-        port_from_env()

@@ -15,10 +15,11 @@ from pathlib import Path
 import pytest
 from kombu import Connection
 
+from placement.config import Settings
 from placement.redis_server import find_redis_server
 from placement.registry import Registry
 from placement.state import Gpu
-from tasks.config import Settings
+from tasks.config import celery_conf
 from tests.fleets import GiB
 from tests.ports import free_port
 
@@ -139,7 +140,7 @@ def test_celerys_broker_connects_over_rediss_with_certificate_checks(
     tls_url: tuple[str, Path],
 ) -> None:
     url, ca = tls_url
-    conf = Settings.from_env({"GPUFLEET_REDIS_URL": url}).celery()
+    conf = celery_conf(Settings.from_env({"GPUFLEET_REDIS_URL": url}))
     assert conf["broker_url"] == url
     ssl_options = dict(conf["broker_use_ssl"], ssl_ca_certs=str(ca))
     with Connection(conf["broker_url"], ssl=ssl_options) as connection:

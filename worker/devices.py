@@ -251,10 +251,10 @@ def discover(sim: str | None = None, *, simulate: bool = False) -> list[Device]:
     """The GPUs this worker should announce: real ones, else simulated ones.
 
     With `simulate` False, NVML GPUs win when there are any. With `simulate` True, or
-    when NVML finds none, the devices come from `sim`, else from ``GPUFLEET_SIM_GPUS``.
+    when NVML finds none, the devices come from the spec `sim` (``GPUFLEET_SIM_GPUS``).
     Raises `ConfigError` when there is neither a GPU nor a spec, saying how to set one.
     """
-    spec = sim if sim is not None and sim.strip() else os.environ.get(SIM_ENV, "").strip()
+    spec = sim.strip() if sim is not None else ""
     why = "simulation was asked for"
     if not simulate:
         real, why = _probe_nvml()

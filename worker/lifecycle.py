@@ -46,10 +46,7 @@ from worker.devices import Device
 
 __all__ = [
     "EXIT_RESTART",
-    "HOST_ENV",
-    "LINEAGE_ENV",
     "WorkerLease",
-    "default_host",
     "default_lineage",
     "exit_for_restart",
     "is_fatal_cuda_error",
@@ -58,10 +55,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-#: Overrides the host name a worker announces (``socket.gethostname()`` otherwise).
-HOST_ENV = "GPUFLEET_HOST"
-#: Names the worker slot a process fills (`gpufleet up` sets one per GPU worker it runs).
-LINEAGE_ENV = "GPUFLEET_LINEAGE"
+
 #: The exit status of a worker process that must be replaced (EX_SOFTWARE).
 EXIT_RESTART = 70
 
@@ -340,18 +334,12 @@ class WorkerLease:
 # --- names ---------------------------------------------------------------------------------
 
 
-def default_host() -> str:
-    """The host name to announce: ``$GPUFLEET_HOST`` if set, else ``socket.gethostname()``."""
-    return os.environ.get(HOST_ENV, "").strip() or socket.gethostname()
-
-
-def default_lineage(parent: bool = False) -> str:
-    """The worker slot this process fills: ``$GPUFLEET_LINEAGE`` if set, else its Celery
-    pool (this machine's boot id and the pool's main process). A process may replace a
-    live owner of its GPUs only when both have the same lineage; `parent` is True in the
-    pool's main process itself, before it forks.
+def default_lineage(explicit: str = "", parent: bool = False) -> str:
+    """The worker slot this process fills: `explicit` (GPUFLEET_LINEAGE) if given, else
+    its Celery pool (this machine's boot id and the pool's main process). A process may
+    replace a live owner of its GPUs only when both have the same lineage; `parent` is
+    True in the pool's main process itself, before it forks.
     """
-    explicit = os.environ.get(LINEAGE_ENV, "").strip()
     if explicit:
         return explicit
     try:

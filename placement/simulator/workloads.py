@@ -22,13 +22,13 @@ from __future__ import annotations
 import bisect
 import csv
 import itertools
-import os
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
+from placement.config import Settings
 from placement.errors import ConfigError
 
 WORKLOADS = ("zipf", "bursty", "azure-conv", "azure-code")
@@ -169,9 +169,9 @@ def bursty(
 
 def default_data_dir() -> Path:
     """$GPUFLEET_SIM_DATA, else `../shared/data` beside the repository root."""
-    env = os.environ.get(DATA_ENV)
-    if env:
-        return Path(env)
+    configured = Settings.from_env().sim_data
+    if configured is not None:
+        return configured
     return Path(__file__).resolve().parents[2].parent / "shared" / "data"
 
 

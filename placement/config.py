@@ -1,0 +1,312 @@
+"""Every `GPUFLEET_*` setting, read and checked in one place.
+
+`Settings.from_env()` reads the environment once; the CLI, the Celery app, the router,
+the GPU workers and the launcher all take their settings from it, and nothing else
+reads a `GPUFLEET_*` variable. A bad value fails at start-up with an error that names
+the variable. `VARIABLES` is the table the README shows (a test keeps the two equal).
+
+Where the fleet is: `GPUFLEET_REDIS_URL`, else the connection file the running
+`gpufleet up` of this fleet wrote (`<GPUFLEET_HOME>/<fleet>/connection.json`, mode 0600),
+else `redis://127.0.0.1:6379/0`. So on the machine of an embedded fleet, `gpufleet status`
+and the project's own client find it with no setting at all.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlparse
+
+from placement.errors import ConfigError, MemorySizeError
+from placement.keys import Keys
+from placement.memory import parse_size
+from placement.settings import GpuChoice, PolicySettings, VictimOrder
+
+__all__ = [
+    "DEFAULT_URL",
+    "FROM_CONNECTION_FILE",
+    "FROM_DEFAULT",
+    "FROM_ENV",
+    "VARIABLES",
+    "Settings",
+    "Variable",
+    "connection_path",
+    "read_connection",
+    "safe_url",
+]
+
+DEFAULT_URL = "redis://127.0.0.1:6379/0"
+ROLES = ("client", "router", "gpu")
+# Where the registry URL came from (`Settings.url_from`), as error messages say it.
+FROM_ENV = "GPUFLEET_REDIS_URL"
+FROM_CONNECTION_FILE = "the running fleet's connection file"
+FROM_BROKER = "GPUFLEET_BROKER_URL or GPUFLEET_RESULT_BACKEND"
+FROM_DEFAULT = "the default"
+
+
+@dataclass(frozen=True)
+class Variable:
+    """One documented setting: its name, its default in words, what it means."""
+
+    name: str
+    default: str
+    meaning: str
+
+
+VARIABLES: tuple[Variable, ...] = (
+    Variable("GPUFLEET_REDIS_URL", "the running fleet's, else `redis://127.0.0.1:6379/0`",
+             "the registry; `rediss://` and passwords in the URL work"),
+    Variable("GPUFLEET_BROKER_URL", "`GPUFLEET_REDIS_URL`", "the Celery broker"),
+    Variable("GPUFLEET_RESULT_BACKEND", "the broker", "the Celery result backend"),
+    Variable("GPUFLEET_FLEET", "`default`", "fleet name: the Redis hash tag of every key"),
+    Variable("GPUFLEET_HOME", "`~/.local/state/gpufleet`",
+             "`gpufleet up`'s data: the bundled Redis's append-only file, the connection file"),
+    Variable("GPUFLEET_MODELS", "`models.yaml`", "the catalog"),
+    Variable("GPUFLEET_SIM_GPUS", "none (`gpufleet up`: `2x8GiB`)",
+             "simulated GPUs, e.g. `2x24GiB` or `40GB,80GB`"),
+    Variable("GPUFLEET_WARM_CACHE", "25% of RAM",
+             "CPU memory a host lends to warm (offloaded) copies"),
+    Variable("GPUFLEET_WORKER_LEASE_MS", "`15000`",
+             "a GPU worker's lease; a silent worker's reservations are released after it"),
+    Variable("GPUFLEET_VISIBILITY_TIMEOUT", "`3600`",
+             "seconds; one value for the broker and the result backend"),
+    Variable("GPUFLEET_HOST", "the hostname",
+             "host name in GPU ids and queue names (`gpufleet.<host>.gpu<N>`)"),
+    Variable("GPUFLEET_LINEAGE", "the worker's Celery pool (`gpufleet up`: one per GPU worker)",
+             "a worker may take over GPUs from a live worker of the same lineage only"),
+    Variable("GPUFLEET_WORKER_GPUS", "every GPU", "NVML indices a GPU worker owns, e.g. `0,1`"),
+    Variable("GPUFLEET_ROLE", "`client`", "what a Celery worker process is: `router` or `gpu`"),
+    Variable("GPUFLEET_METRICS_PORT", "none (`gpufleet up`: `9464`)",
+             "a router serves Prometheus `/metrics` on this port"),
+    Variable("GPUFLEET_METRICS_ADDR", "`127.0.0.1`", "the address it binds"),
+    Variable("GPUFLEET_MAX_REPLICAS", "`8`",
+             "the most replicas `gpufleet.deploy` places of one model (catalog `max_replicas`)"),
+    Variable("GPUFLEET_FACTOR", "`3.0`", "slot = size x factor"),
+    Variable("GPUFLEET_FRACTIONAL_THRESHOLD", "`0.8`",
+             "at or above this share of a GPU, take the whole GPU"),
+    Variable("GPUFLEET_MIN_FREE_FRACTION", "`0.3`",
+             "a GPU takes a multi-GPU shard only with this share free"),
+    Variable("GPUFLEET_MULTI_GPU_OVERHEAD", "`1.1`",
+             "a split model takes size / n x this on each GPU"),
+    Variable("GPUFLEET_LEARNED_HEADROOM", "`1.1`", "a measured peak is padded by this"),
+    Variable("GPUFLEET_GPU_CHOICE", "`best-fit`",
+             "tie-break among GPUs: `best-fit`, `random` (NDIF), `most-free` (Helix)"),
+    Variable("GPUFLEET_VICTIM_ORDER", "`lru`",
+             "which idle replicas to evict first: `lru` or `smallest` (NDIF)"),
+    Variable("GPUFLEET_WARM_DROP_ORDER", "`lru`",
+             "which warm copies to drop when the CPU cache is full"),
+    Variable("GPUFLEET_SIM_DATA", "`../shared/data` beside the repository",
+             "folder of the Azure traces for `gpufleet simulate`"),
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The whole configuration of one gpufleet process (see `VARIABLES`)."""
+
+    registry_url: str = DEFAULT_URL
+    broker_url: str = DEFAULT_URL
+    result_backend: str = DEFAULT_URL
+    fleet: str = "default"
+    home: Path = field(default_factory=lambda: Path("~/.local/state/gpufleet").expanduser())
+    models: Path = Path("models.yaml")
+    sim_gpus: str | None = None
+    warm_cache: int | None = None  # bytes; None: a quarter of the host's RAM
+    worker_lease_ms: int = 15_000
+    visibility_timeout: int = 3600
+    host: str = field(default_factory=socket.gethostname)
+    lineage: str = ""
+    worker_gpus: tuple[int, ...] | None = None
+    role: str = "client"
+    metrics_port: int | None = None
+    metrics_addr: str = "127.0.0.1"
+    max_replicas: int = 8
+    policy: PolicySettings = field(default_factory=PolicySettings)
+    sim_data: Path | None = None
+    url_from: str = FROM_DEFAULT  # where the registry URL came from (FROM_*)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
+        """Read every `GPUFLEET_*` variable; raise `ConfigError` naming a bad one."""
+        env = _Env(os.environ if environ is None else environ)
+        fleet = env.text("GPUFLEET_FLEET", "default")
+        try:
+            Keys(fleet)
+        except ConfigError as exc:
+            raise ConfigError(f"GPUFLEET_FLEET: {exc}") from None
+        home = Path(env.text("GPUFLEET_HOME", "~/.local/state/gpufleet")).expanduser()
+        explicit = env.get("GPUFLEET_REDIS_URL")
+        recorded = None if explicit else read_connection(connection_path(home, fleet))
+        broker = env.get("GPUFLEET_BROKER_URL") or explicit or recorded or DEFAULT_URL
+        backend = env.get("GPUFLEET_RESULT_BACKEND") or broker
+        registry = explicit or recorded or backend
+        url_from = (
+            FROM_ENV
+            if explicit
+            else FROM_CONNECTION_FILE
+            if recorded
+            else FROM_BROKER
+            if registry != DEFAULT_URL
+            else FROM_DEFAULT
+        )
+        for name, url in (
+            ("GPUFLEET_REDIS_URL", registry),
+            ("GPUFLEET_BROKER_URL", broker),
+            ("GPUFLEET_RESULT_BACKEND", backend),
+        ):
+            if urlparse(url).scheme not in ("redis", "rediss"):
+                raise ConfigError(
+                    f"{name}: {safe_url(url)!r} must start with redis:// or rediss://"
+                )
+        role = env.text("GPUFLEET_ROLE", "client")
+        if role not in ROLES:
+            raise ConfigError(f"GPUFLEET_ROLE={role!r} must be one of {', '.join(ROLES)}")
+        port = env.integer("GPUFLEET_METRICS_PORT", 0, low=0, high=65535)
+        sim_data = env.get("GPUFLEET_SIM_DATA")
+        return cls(
+            registry_url=registry,
+            broker_url=broker,
+            result_backend=backend,
+            fleet=fleet,
+            home=home,
+            models=Path(env.text("GPUFLEET_MODELS", "models.yaml")).expanduser(),
+            sim_gpus=env.get("GPUFLEET_SIM_GPUS"),
+            warm_cache=env.size("GPUFLEET_WARM_CACHE"),
+            worker_lease_ms=env.integer("GPUFLEET_WORKER_LEASE_MS", 15_000, low=30),
+            visibility_timeout=env.integer("GPUFLEET_VISIBILITY_TIMEOUT", 3600, low=1),
+            host=env.get("GPUFLEET_HOST") or socket.gethostname(),
+            lineage=env.text("GPUFLEET_LINEAGE", ""),
+            worker_gpus=env.indices("GPUFLEET_WORKER_GPUS"),
+            role=role,
+            metrics_port=port or None,
+            metrics_addr=env.text("GPUFLEET_METRICS_ADDR", "127.0.0.1"),
+            max_replicas=env.integer("GPUFLEET_MAX_REPLICAS", 8, low=1, high=10_000),
+            policy=_policy(env),
+            sim_data=Path(sim_data).expanduser() if sim_data else None,
+            url_from=url_from,
+        )
+
+    def fleet_dir(self) -> Path:
+        """`gpufleet up`'s own folder for this fleet: `<home>/<fleet>`."""
+        return self.home / self.fleet
+
+
+def connection_path(home: Path, fleet: str) -> Path:
+    """The file where a running `gpufleet up` records how to reach its fleet."""
+    return home / fleet / "connection.json"
+
+
+def read_connection(path: Path) -> str | None:
+    """The registry URL a live `gpufleet up` recorded at `path`, or None."""
+    try:
+        data = json.loads(path.read_text())
+        pid, url = int(data["pid"]), str(data["redis_url"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    try:
+        os.kill(pid, 0)  # is the launcher that wrote it still there?
+    except ProcessLookupError:
+        return None
+    except PermissionError:
+        pass  # alive, another user's: its file is not readable by us anyway
+    return url
+
+
+def safe_url(url: str) -> str:
+    """`url` with its password masked, for output and logs."""
+    parts = urlparse(url)
+    if not parts.password:
+        return url
+    user = parts.username or ""
+    return parts._replace(netloc=f"{user}:***@{parts.hostname}:{parts.port}").geturl()
+
+
+class _Env:
+    """Typed reads of environment variables whose errors name the variable."""
+
+    def __init__(self, env: Mapping[str, str]) -> None:
+        self.env = env
+
+    def get(self, name: str) -> str | None:
+        value = self.env.get(name, "").strip()
+        return value or None
+
+    def text(self, name: str, default: str) -> str:
+        return self.get(name) or default
+
+    def integer(self, name: str, default: int, *, low: int = 0, high: int | None = None) -> int:
+        raw = self.get(name)
+        if raw is None:
+            return default
+        limit = f" up to {high}" if high is not None else ""
+        if not raw.isdigit() or int(raw) < low or (high is not None and int(raw) > high):
+            raise ConfigError(f"{name}={raw!r} must be a whole number from {low}{limit}")
+        return int(raw)
+
+    def number(self, name: str) -> float | None:
+        raw = self.get(name)
+        if raw is None:
+            return None
+        try:
+            return float(raw)
+        except ValueError:
+            raise ConfigError(f"{name}={raw!r} must be a number, e.g. 2.5") from None
+
+    def size(self, name: str) -> int | None:
+        raw = self.get(name)
+        if raw is None:
+            return None
+        try:
+            return parse_size(raw)
+        except MemorySizeError as exc:
+            raise ConfigError(f"{name}: {exc}") from None
+
+    def indices(self, name: str) -> tuple[int, ...] | None:
+        raw = self.get(name)
+        if raw is None:
+            return None
+        parts = [p.strip() for p in raw.split(",")]
+        if not all(p.isdigit() for p in parts):
+            raise ConfigError(f"{name}={raw!r} must list GPU indices, e.g. 0 or 0,1")
+        return tuple(int(p) for p in parts)
+
+    def choice(self, name: str, kind: type[GpuChoice] | type[VictimOrder]) -> object | None:
+        raw = self.get(name)
+        if raw is None:
+            return None
+        try:
+            return kind(raw)
+        except ValueError:
+            allowed = ", ".join(c.value for c in kind)
+            raise ConfigError(f"{name}={raw!r} must be one of {allowed}") from None
+
+
+def _policy(env: _Env) -> PolicySettings:
+    """The policy's fleet-wide knobs from `GPUFLEET_<KNOB>`."""
+    changes: dict[str, object] = {}
+    for knob in (
+        "factor",
+        "fractional_threshold",
+        "min_free_fraction",
+        "multi_gpu_overhead",
+        "learned_headroom",
+    ):
+        value = env.number(f"GPUFLEET_{knob.upper()}")
+        if value is not None:
+            changes[knob] = value
+    for knob, kind in (
+        ("gpu_choice", GpuChoice),
+        ("victim_order", VictimOrder),
+        ("warm_drop_order", VictimOrder),
+    ):
+        choice = env.choice(f"GPUFLEET_{knob.upper()}", kind)
+        if choice is not None:
+            changes[knob] = choice
+    try:
+        return PolicySettings(**changes)  # type: ignore[arg-type]
+    except ConfigError as exc:
+        raise ConfigError(f"GPUFLEET_* policy settings: {exc}") from None

@@ -1,0 +1,236 @@
+"""End to end: `gpufleet up` keeps its fleet running, and a user finds and reaches it.
+
+Through a real `gpufleet up` (bundled Redis, simulated GPUs) and plain Celery clients.
+Every process these tests signal is a descendant of the fleet they started.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import redis
+from celery import Celery
+from celery.exceptions import TimeoutError as CeleryTimeout
+from celery.result import AsyncResult
+
+from tests.running import (
+    REPO,
+    RunningFleet,
+    alive,
+    descendants,
+    fleet_env,
+    fleet_up,
+    parents,
+    wait_ready,
+    with_signal,
+)
+
+pytestmark = pytest.mark.slow
+
+CATALOG = """
+models:
+  a: {source: synthetic, task: forward, memory: 256MiB}
+  b:
+    source: synthetic
+    task: forward
+    memory: 256MiB
+    config: {model_type: bert, hidden_size: 256, num_hidden_layers: 4, num_attention_heads: 4,
+             intermediate_size: 1024, vocab_size: 512, max_position_embeddings: 512}
+"""
+ARGS = ["--sim-gpus", "1x4GiB", "--metrics-port", "0"]
+LARGE = (["y" * 2000] * 2, {"max_length": 512})
+
+
+@pytest.fixture
+def catalog(tmp_path: Path) -> Path:
+    path = tmp_path / "models.yaml"
+    path.write_text(CATALOG)
+    return path
+
+
+def child_named(fleet: RunningFleet, needle: str) -> int:
+    """The launcher's direct child whose command line has `needle`."""
+    tree = parents()
+    found = [
+        pid
+        for pid in descendants(fleet.proc.pid)
+        if tree.get(pid) == fleet.proc.pid and needle in _cmdline(pid)
+    ]
+    assert len(found) == 1, (needle, found)
+    return found[0]
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def test_a_gpu_worker_killed_during_calls_is_restarted_and_every_call_completes(
+    catalog: Path,
+) -> None:
+    env = fleet_env(GPUFLEET_WORKER_LEASE_MS="3000")
+    with fleet_up(catalog, ARGS, env) as fleet:
+        fleet.infer("b", "warm up")
+        calls = [fleet.client.send_task("gpufleet.infer", args=("b", *LARGE)) for _ in range(10)]
+        time.sleep(0.5)
+        main = child_named(fleet, "gpu0@")
+        with_signal(main, signal.SIGKILL)
+        killed = time.monotonic()
+        answers = [c.get(timeout=60) for c in calls]  # none hangs, none is lost
+        assert [a["model"] for a in answers] == ["b"] * 10
+        assert time.monotonic() - killed < 60
+        assert child_named(fleet, "gpu0@") != main  # started again
+        assert fleet.infer("a", "after the crash")["model"] == "a"
+        assert not alive(main)
+
+
+def test_the_bundled_redis_killed_during_a_hundred_calls_loses_none(catalog: Path) -> None:
+    with fleet_up(catalog, ARGS, fleet_env()) as fleet:
+        fleet.infer("a", "warm up")
+        calls = [
+            fleet.client.send_task("gpufleet.infer", args=("a", f"call {i}")) for i in range(100)
+        ]
+        with_signal(child_named(fleet, "redis-server"), signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while True:  # the launcher starts it again on the same port
+            try:
+                if redis.Redis.from_url(fleet.url).ping():
+                    break
+            except redis.RedisError:
+                assert time.monotonic() < deadline, "redis-server was not started again"
+                time.sleep(0.2)
+        client = _client(fleet.url)  # the old connections died with the server
+        answered: set[str] = set()
+        while len(answered) < len(calls) and time.monotonic() < deadline:
+            for call in calls:
+                if call.id in answered:
+                    continue
+                try:
+                    result = AsyncResult(call.id, app=client).get(timeout=2)
+                except CeleryTimeout:
+                    continue
+                assert result["model"] == "a"
+                answered.add(call.id)
+        assert len(answered) == 100
+        after = client.send_task("gpufleet.infer", args=("a", "after the restart"))
+        assert after.get(timeout=60)["model"] == "a"
+
+
+def _client(url: str) -> Celery:
+    app = Celery(broker=url, backend=url)
+    app.conf.update(task_serializer="json", accept_content=["json"], result_serializer="json")
+    return app
+
+
+def test_a_celery_client_reaches_the_fleet_with_the_printed_url_and_needs_its_password(
+    catalog: Path,
+) -> None:
+    with fleet_up(catalog, ARGS, fleet_env()) as fleet:
+        printed = [line for line in fleet.lines if "registry redis://" in line]
+        assert len(printed) == 1 and ":" in fleet.url.split("@")[0].split("//")[1]
+        assert _client(fleet.url).send_task("gpufleet.infer", args=("a", "x")).get(timeout=60)
+        without = fleet.url.replace(fleet.url.split("//")[1].split("@")[0] + "@", "")
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis.from_url(without).ping()
+
+
+def test_gpufleet_status_finds_the_fleet_with_no_setting_at_all(
+    catalog: Path, tmp_path: Path
+) -> None:
+    default_home = tmp_path / ".local/state/gpufleet"  # the default, under this test's HOME
+    env = fleet_env(HOME=str(tmp_path), GPUFLEET_HOME=str(default_home))
+    with fleet_up(catalog, ARGS, env) as fleet:
+        fleet.infer("a", "x")
+        bare = {k: v for k, v in env.items() if not k.startswith("GPUFLEET_")}
+        shown = subprocess.run(
+            [sys.executable, "-m", "tasks.cli", "status", "--json"],
+            cwd="/",
+            env=bare | {"PYTHONPATH": str(REPO)},
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+        report = json.loads(shown.stdout)
+        assert [d["model"] for d in report["deployments"]] == ["a"]
+        connection = default_home / "default/connection.json"
+        assert connection.stat().st_mode & 0o777 == 0o600
+        url = subprocess.run(
+            [sys.executable, "-m", "tasks.cli", "url"],
+            cwd="/",
+            env=bare | {"PYTHONPATH": str(REPO)},
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        ).stdout.strip()
+        assert url == fleet.url
+    assert not connection.exists()  # gone with the fleet
+
+
+def test_a_taken_metrics_port_fails_clearly_when_asked_for_and_moves_when_not(
+    catalog: Path,
+) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        asked = subprocess.run(
+            [sys.executable, "-m", "tasks.cli", "up", "--models", str(catalog),
+             "--sim-gpus", "1x4GiB", "--metrics-port", str(port)],
+            cwd=REPO,
+            env=fleet_env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )  # fmt: skip
+        assert asked.returncode == 1
+        assert f"port {port} on 127.0.0.1 is taken" in asked.stderr
+    with socket.socket() as busy:
+        with contextlib.suppress(OSError):  # if another process holds it, just as good
+            busy.bind(("127.0.0.1", 9464))  # the default port, held by someone else
+            busy.listen()
+        with fleet_up(catalog, ["--sim-gpus", "1x4GiB"], fleet_env()) as fleet:
+            (line,) = [line for line in fleet.lines if "metrics:" in line]
+            url = line.split("metrics:", 1)[1].strip()
+            assert ":9464/" not in url
+            with urllib.request.urlopen(url, timeout=10) as page:
+                assert b"gpufleet_up 1.0" in page.read()
+
+
+def test_sigint_stops_a_fleet_started_in_the_background_and_everything_it_started(
+    catalog: Path,
+) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tasks.cli", "up", "--models", str(catalog), *ARGS],
+        cwd=REPO,
+        env=fleet_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        # As a shell's `&` leaves it: SIGINT ignored before the program starts.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),  # noqa: PLW1509
+    )
+    try:
+        wait_ready(proc)
+        started = descendants(proc.pid)
+        assert len(started) >= 4  # redis-server, the router, a GPU worker, their children
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+        time.sleep(0.5)
+        assert [pid for pid in started if alive(pid)] == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
