@@ -33,7 +33,13 @@ from typing import Any, TypeVar, overload
 import yaml
 
 from placement.config import Settings
-from placement.errors import CatalogError, MemorySizeError, UnknownModelError
+from placement.errors import (
+    CatalogError,
+    MemorySizeError,
+    PayloadError,
+    UnknownModelError,
+    describe,
+)
 from placement.memory import parse_size
 from placement.state import Demand
 
@@ -52,9 +58,9 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]*")
 _MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 _FIELDS = frozenset(
     {
-        "source", "task", "dtype", "memory", "dedicated", "replicas", "gpus", "accelerator",
-        "trust_remote_code", "factor", "fractional_threshold", "min_free_fraction", "config",
-        "loader",
+        "source", "task", "dtype", "memory", "dedicated", "replicas", "max_replicas", "gpus",
+        "accelerator", "trust_remote_code", "factor", "fractional_threshold",
+        "min_free_fraction", "config", "loader",
     }
 )  # fmt: skip
 
@@ -73,6 +79,7 @@ class ModelSpec:
     limit: int | None = None
     dedicated: bool = False
     replicas: int = 1
+    max_replicas: int | None = None  # the most `deploy` places; None: the fleet's setting
     gpus: float | None = None
     accelerator: str | None = None
     trust_remote_code: bool = False
@@ -213,15 +220,23 @@ class Catalog(Mapping[str, ModelSpec]):
     def get(self, name: str, default: ModelSpec | _T, /) -> ModelSpec | _T: ...
 
     def get(self, name: str, *default: object) -> object:
-        """Return the model `name`; without a default, an unknown name raises UnknownModelError."""
+        """Return the model `name`; without a default, an unknown name raises UnknownModelError.
+
+        The error is for callers: it quotes at most a short excerpt of the name, lists the
+        catalog's models, and never shows where the catalog lives on the server.
+        """
+        if not isinstance(name, str):
+            raise PayloadError(
+                f"model must be the name of a catalog model (a string), got {describe(name)}"
+            )
         if name in self._models:
             return self._models[name]
         if default:
             return default[0]
         known = ", ".join(sorted(self._models)) or "none"
         raise UnknownModelError(
-            f"model {name!r} is not in the catalog {self.origin} (known models: {known});"
-            f" add it under 'models:' in {self.origin} to serve it"
+            f"model {describe(name, 60)} is not in the catalog; it serves: {known}. "
+            f"Ask the fleet's operator to add a model."
         )
 
 
@@ -299,6 +314,16 @@ def _parse_entry(where: _Where, entry: object, base_dir: Path) -> ModelSpec:
     replicas = entry.get("replicas", 1)
     if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
         raise where.error("replicas", f"expected a whole number >= 1, got {replicas!r}")
+    max_replicas = entry.get("max_replicas")
+    if max_replicas is not None and (
+        isinstance(max_replicas, bool)
+        or not isinstance(max_replicas, int)
+        or max_replicas < replicas
+    ):
+        raise where.error(
+            "max_replicas",
+            f"expected a whole number >= replicas ({replicas}), got {max_replicas!r}",
+        )
 
     config = entry.get("config")
     if config is not None:
@@ -324,6 +349,7 @@ def _parse_entry(where: _Where, entry: object, base_dir: Path) -> ModelSpec:
         limit=limit,
         dedicated=_bool(where, entry, "dedicated"),
         replicas=replicas,
+        max_replicas=max_replicas,
         gpus=gpus,
         accelerator=accelerator,
         trust_remote_code=_bool(where, entry, "trust_remote_code"),

@@ -28,6 +28,10 @@ class UnknownModelError(GpufleetError, LookupError):
     """The caller named a model that is not in the catalog."""
 
 
+class UnknownReplicaError(GpufleetError, LookupError):
+    """The caller named a replica the model does not have."""
+
+
 class EstimateError(GpufleetError):
     """A model's memory could not be estimated from its config."""
 
@@ -78,3 +82,16 @@ class EvictedError(GpufleetError):
 
 class PayloadError(GpufleetError, ValueError):
     """A request's inputs or params are malformed."""
+
+
+def describe(value: object, limit: int = 80) -> str:
+    """A caller's value as an error message may quote it: short, and typed.
+
+    Strings and numbers are quoted up to `limit` characters; anything else only by type
+    (never repr an arbitrary object: it may be huge or hostile).
+    """
+    if isinstance(value, (bool, int, float, str)) or value is None:
+        text = repr(value)
+        text = text if len(text) <= limit else text[: limit - 3] + "..."
+        return f"{text} ({type(value).__name__})"
+    return type(value).__name__

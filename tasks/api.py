@@ -24,14 +24,17 @@ from placement.errors import (
     CantAccommodateError,
     GpufleetError,
     NeverFitsError,
+    PayloadError,
     PlanRejectedError,
     SettlingError,
+    UnknownReplicaError,
+    describe,
 )
 from placement.registry import DEFAULT_REQUEST_LEASE_MS, Lease, Registry
-from placement.state import LEAVING, Candidate, Level, Plan
+from placement.state import LEAVING, RESERVING, Candidate, Level, Plan
 from tasks import context, leases, metrics
 from tasks.app import app
-from tasks.calls import Call
+from tasks.calls import Call, hops_of
 from worker.handlers import validate
 
 log = logging.getLogger(__name__)
@@ -46,18 +49,19 @@ EVICT_WAIT_S = 10.0  # how long `gpufleet.evict` waits for workers to settle the
 
 @app.task(name="gpufleet.infer", bind=True)
 def infer(
-    self: Task, model: str, inputs: Any, params: dict[str, Any] | None = None, _hops: int = 0
+    self: Task, model: str, inputs: Any, params: dict[str, Any] | None = None
 ) -> dict[str, Any]:
     """Run `inputs` through `model`; returns outputs, the replica and GPUs used, and timings."""
+    hops = hops_of(self.request)
     header: dict[str, Any] = getattr(self.request, leases.HEADER, None) or {}
     lease = leases.from_header(model, header)
     if lease is not None and context.role() == "gpu":
         from tasks.gpu import serve  # only GPU workers import torch
 
         sent = int(header.get("sent_ms", 0))
-        call = Call(model, inputs, params, lease.replica, "hot", sent, hops=_hops)
+        call = Call(model, inputs, params, lease.replica, "hot", sent, hops=hops)
         return serve(self, call.with_lease(lease))
-    return dispatch(self, model, inputs, params, _hops)
+    return dispatch(self, model, inputs, params, hops)
 
 
 def dispatch(
@@ -138,13 +142,31 @@ def _announce(task: Task, plan: Plan) -> None:
 
 @app.task(name="gpufleet.deploy", bind=True)
 def deploy(self: Task, model: str, replicas: int = 1, dedicated: bool = False) -> dict[str, Any]:
-    """Place `replicas` replicas of `model` without inferring; workers load them now."""
+    """Make `replicas` replicas of `model` placed, without a call; workers load them now.
+
+    Replicas are placed one by one. When the fleet runs out of room, the ones placed stay
+    (and so do the evictions made for them) and the answer says how many are missing and
+    why (`missing`, `refused`); nothing is evicted for a replica that is then not placed.
+    """
     spec = context.catalog().get(model)
+    cap = spec.max_replicas or context.settings().max_replicas
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or not 1 <= replicas <= cap:
+        raise PayloadError(
+            f"replicas must be a whole number from 1 to {cap} for {model} (its max_replicas), "
+            f"got {describe(replicas)}"
+        )
+    if not isinstance(dedicated, bool):
+        raise PayloadError(f"dedicated must be true or false, got {describe(dedicated)}")
     demand = context.demand(spec, replicas=replicas, dedicated=dedicated)
     registry = context.registry()
     placements = []
+    refused: GpufleetError | None = None
     for _ in range(replicas):
-        plan = registry.place(demand)
+        try:
+            plan = registry.place(demand)
+        except (CantAccommodateError, SettlingError, PlanRejectedError) as exc:
+            refused = exc  # what is placed stays placed; say what is missing below
+            break
         if plan.candidate is Candidate.DEPLOYED:
             break
         _announce(self, plan)  # commit.lua told the worker: it loads the replica now
@@ -158,6 +180,7 @@ def deploy(self: Task, model: str, replicas: int = 1, dedicated: bool = False) -
             }
         )
     snap = registry.snapshot()
+    placed = [d for d in snap.replicas(model) if d.level in RESERVING]
     return {
         "model": model,
         "placed": placements,
@@ -171,6 +194,8 @@ def deploy(self: Task, model: str, replicas: int = 1, dedicated: bool = False) -
             for d in snap.replicas(model)
             if d.level is not Level.COLD
         ],
+        "missing": max(0, replicas - len(placed)),
+        "refused": f"{type(refused).__name__}: {refused}" if refused is not None else None,
     }
 
 
@@ -183,8 +208,18 @@ def evict(model: str, replica: str | None = None) -> dict[str, Any]:
     `EVICT_WAIT_S` is reported as it stands (OFFLOADING or DROPPING).
     """
     context.catalog().get(model)
+    if replica is not None and not isinstance(replica, str):
+        raise PayloadError(
+            f"replica must be a replica id (a string) or null, got {describe(replica)}"
+        )
     registry = context.registry()
     snap = registry.snapshot()
+    known = {d.replica for d in snap.replicas(model)}
+    if replica is not None and replica not in known:
+        raise UnknownReplicaError(
+            f"{model} has no replica {describe(replica, 40)}; its replicas are listed by "
+            f"`gpufleet status` (there are {len(known)})"
+        )
     targets = [
         d
         for d in snap.replicas(model)

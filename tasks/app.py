@@ -12,7 +12,7 @@ from celery import Celery
 from tasks.config import celery_conf
 from tasks.context import settings
 
-app = Celery("gpufleet")
+app = Celery("gpufleet", task_cls="tasks.checked:CheckedTask")
 app.conf.update(celery_conf(settings()))
 app.conf.task_routes = ("tasks.routing.route",)
 app.conf.include = ["tasks.api"] + (["tasks.gpu"] if settings().role == "gpu" else [])

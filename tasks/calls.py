@@ -12,6 +12,14 @@ from tasks import leases
 from tasks.app import app
 from tasks.config import ROUTER_QUEUE
 
+HOPS_HEADER = "gpufleet_hops"
+
+
+def hops_of(request: Any) -> int:
+    """How many times a call was routed again (its `gpufleet_hops` header)."""
+    hops = getattr(request, HOPS_HEADER, 0)
+    return hops if isinstance(hops, int) and not isinstance(hops, bool) and hops >= 0 else 0
+
 
 @dataclass(frozen=True)
 class Call:
@@ -51,12 +59,13 @@ class Call:
         return app.signature("gpufleet.run", args=(asdict(self),), queue=queue, headers=headers)
 
     def rerouted(self) -> Signature:
-        """`gpufleet.infer` of this call back on the router, one hop further."""
+        """`gpufleet.infer` of this call back on the router, one hop further (the count
+        travels in a header: callers cannot set it through the task's arguments)."""
         return app.signature(
             "gpufleet.infer",
             args=(self.model, self.inputs, self.params),
-            kwargs={"_hops": self.hops + 1},
             queue=ROUTER_QUEUE,
+            headers={HOPS_HEADER: self.hops + 1},
         )
 
     @classmethod

@@ -35,6 +35,8 @@ def celery_conf(settings: Settings) -> dict[str, Any]:
         "broker_transport_options": transport,
         "result_backend_transport_options": transport,
         "task_default_queue": ROUTER_QUEUE,
+        # Answers the calls it cannot read (pickle, broken JSON) instead of dropping them.
+        "worker_consumer": "tasks.consumer:Consumer",
         "task_send_sent_event": True,
         "worker_send_task_events": True,
         "broker_connection_retry_on_startup": True,

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from placement.catalog import Catalog, ModelSpec
-from placement.errors import CatalogError, UnknownModelError
+from placement.errors import CatalogError, PayloadError, UnknownModelError
 from placement.memory import GiB
 from placement.state import Demand
 
@@ -213,15 +213,37 @@ def test_the_catalog_is_a_mapping_of_names_to_specs(tmp_path: Path) -> None:
     assert catalog.get("zz", None) is None
 
 
-def test_an_unknown_model_lists_the_known_ones_and_says_how_to_add_it(tmp_path: Path) -> None:
+def test_an_unknown_model_lists_the_known_ones_and_never_shows_the_catalogs_path(
+    tmp_path: Path,
+) -> None:
     path = write(
         tmp_path, "models:\n  bert: {source: w, task: forward}\n  gpt: {source: w, task: forward}\n"
     )
+    catalog = Catalog.load(path)
     with pytest.raises(UnknownModelError) as caught:
-        Catalog.load(path).get("llama")
+        catalog.get("llama")
     message = str(caught.value)
     assert "'llama'" in message and "bert, gpt" in message
-    assert f"add it under 'models:' in {path}" in message
+    assert str(tmp_path) not in message
+    with pytest.raises(UnknownModelError) as huge:
+        catalog.get("x" * 1_000_000)
+    assert len(str(huge.value)) < 300
+    with pytest.raises(PayloadError, match="a string"):
+        catalog.get({"not": "a name"})  # type: ignore[call-overload]
+
+
+def test_max_replicas_is_a_whole_number_at_least_replicas(tmp_path: Path) -> None:
+    path = write(
+        tmp_path, "models:\n  m: {source: w, task: forward, replicas: 2, max_replicas: 4}\n"
+    )
+    assert Catalog.load(path).get("m").max_replicas == 4
+    for bad in ("1", "two", "true"):
+        path = write(
+            tmp_path,
+            f"models:\n  m: {{source: w, task: forward, replicas: 2, max_replicas: {bad}}}\n",
+        )
+        with pytest.raises(CatalogError, match="max_replicas"):
+            Catalog.load(path)
 
 
 def test_the_default_path_comes_from_the_environment(

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from placement.catalog import TASKS
-from placement.errors import CatalogError, PayloadError
+from placement.errors import CatalogError, PayloadError, describe
 
 if TYPE_CHECKING:
     import torch
@@ -87,7 +87,7 @@ class Param:
         if self.kind is bool:
             if isinstance(value, bool):
                 return value
-            raise PayloadError(f"param {name!r} must be true or false, got {_describe(value)}")
+            raise PayloadError(f"param {name!r} must be true or false, got {describe(value)}")
         in_range = (
             isinstance(value, int)
             and not isinstance(value, bool)
@@ -98,7 +98,7 @@ class Param:
         null = " or null" if self.nullable else ""
         raise PayloadError(
             f"param {name!r} must be a whole number from {self.low} to {self.high}{null},"
-            f" got {_describe(value)}"
+            f" got {describe(value)}"
         )
 
 
@@ -116,15 +116,6 @@ PARAMS: dict[str, dict[str, Param]] = {
 }
 
 
-def _describe(value: object) -> str:
-    """A short, safe rendering of a bad value for an error message."""
-    if isinstance(value, (bool, int, float, str)) or value is None:
-        text = repr(value)
-        text = text if len(text) <= 40 else text[:37] + "..."
-        return f"{text} ({type(value).__name__})"
-    return type(value).__name__  # never repr an arbitrary object: it may be huge or hostile
-
-
 def _check_text(where: str, item: object) -> str:
     if isinstance(item, (bytes, bytearray, memoryview)):
         raise PayloadError(
@@ -132,7 +123,7 @@ def _check_text(where: str, item: object) -> str:
             " unpickles: send text as a string"
         )
     if not isinstance(item, str):
-        raise PayloadError(f"{where} must be a string, got {_describe(item)}")
+        raise PayloadError(f"{where} must be a string, got {describe(item)}")
     if len(item) > MAX_CHARS:
         raise PayloadError(
             f"{where} is {len(item)} characters, over the limit of {MAX_CHARS} per string;"
@@ -158,7 +149,7 @@ def validate_inputs(inputs: object) -> list[str]:
             " unpickles: send a string or a list of strings"
         )
     if not isinstance(inputs, (list, tuple)):
-        raise PayloadError(f"inputs must be a string or a list of strings, got {_describe(inputs)}")
+        raise PayloadError(f"inputs must be a string or a list of strings, got {describe(inputs)}")
     if not inputs:
         raise PayloadError(
             f"inputs is an empty list; send a string or a list of 1 to {MAX_BATCH} strings"
@@ -180,12 +171,12 @@ def validate_params(task: str, params: object) -> dict[str, Any]:
         params = {}
     if not isinstance(params, dict):
         raise PayloadError(
-            f"params must be a JSON object (a dict) or null, got {_describe(params)};"
+            f"params must be a JSON object (a dict) or null, got {describe(params)};"
             f" {task} takes {_allowed(allowed)}"
         )
     for key in params:
         if not isinstance(key, str):
-            raise PayloadError(f"params keys must be strings, got {_describe(key)}")
+            raise PayloadError(f"params keys must be strings, got {describe(key)}")
         if key not in allowed:
             raise PayloadError(f"unknown param {key!r} for {task}; allowed: {_allowed(allowed)}")
     return {

@@ -71,9 +71,10 @@ def build(spec: ModelSpec, plan: Mapping[int, int], simulated: bool) -> Built:
         return Built(place(model, plan, simulated), tokenizer, "synthetic")
     path = spec.source_path()
     if path is None or not (path / "config.json").is_file():
-        raise ConfigError(
-            f"{spec.name}: source {spec.source!r} has no config.json at {path}; "
-            f"point `source` at a local model directory"
+        log.error("%s: its source %r has no config.json at %s", spec.name, spec.source, path)
+        raise ConfigError(  # callers see the model's name, not where it lives on the server
+            f"model {spec.name!r} cannot be loaded: its catalog `source` has no config.json "
+            f"on this worker; the worker's log names the path. Ask the fleet's operator"
         )
     if spec.loader == "auto" and (simulated or len(plan) == 1):
         try:
