@@ -40,6 +40,11 @@ __all__ = [
 ]
 
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
+DEFAULT_WORKER_LEASE_MS = 15_000
+DEFAULT_VISIBILITY_TIMEOUT_S = 3600
+DEFAULT_MAX_REPLICAS = 8
+DEFAULT_METRICS_PORT = 9464  # `gpufleet up` and `gpufleet metrics`
+DEFAULT_FLOWER_PORT = 5555  # `gpufleet up --flower`
 ROLES = ("client", "router", "gpu")
 # Where the registry URL came from (`Settings.url_from`), as error messages say it.
 FROM_ENV = "GPUFLEET_REDIS_URL"
@@ -58,7 +63,7 @@ class Variable:
 
 
 VARIABLES: tuple[Variable, ...] = (
-    Variable("GPUFLEET_REDIS_URL", "the running fleet's, else `redis://127.0.0.1:6379/0`",
+    Variable("GPUFLEET_REDIS_URL", f"the running fleet's, else `{DEFAULT_URL}`",
              "the registry; `rediss://` and passwords in the URL work"),
     Variable("GPUFLEET_BROKER_URL", "`GPUFLEET_REDIS_URL`", "the Celery broker"),
     Variable("GPUFLEET_RESULT_BACKEND", "the broker", "the Celery result backend"),
@@ -70,9 +75,9 @@ VARIABLES: tuple[Variable, ...] = (
              "simulated GPUs, e.g. `2x24GiB` or `40GB,80GB`"),
     Variable("GPUFLEET_WARM_CACHE", "25% of RAM",
              "CPU memory a host lends to warm (offloaded) copies"),
-    Variable("GPUFLEET_WORKER_LEASE_MS", "`15000`",
+    Variable("GPUFLEET_WORKER_LEASE_MS", f"`{DEFAULT_WORKER_LEASE_MS}`",
              "a GPU worker's lease; a silent worker's reservations are released after it"),
-    Variable("GPUFLEET_VISIBILITY_TIMEOUT", "`3600`",
+    Variable("GPUFLEET_VISIBILITY_TIMEOUT", f"`{DEFAULT_VISIBILITY_TIMEOUT_S}`",
              "seconds; one value for the broker and the result backend"),
     Variable("GPUFLEET_HOST", "the hostname",
              "host name in GPU ids and queue names (`gpufleet.<host>.gpu<N>`)"),
@@ -80,10 +85,10 @@ VARIABLES: tuple[Variable, ...] = (
              "a worker may take over GPUs from a live worker of the same lineage only"),
     Variable("GPUFLEET_WORKER_GPUS", "every GPU", "NVML indices a GPU worker owns, e.g. `0,1`"),
     Variable("GPUFLEET_ROLE", "`client`", "what a Celery worker process is: `router` or `gpu`"),
-    Variable("GPUFLEET_METRICS_PORT", "none (`gpufleet up`: `9464`)",
+    Variable("GPUFLEET_METRICS_PORT", f"none (`gpufleet up`: `{DEFAULT_METRICS_PORT}`)",
              "a router serves Prometheus `/metrics` on this port"),
     Variable("GPUFLEET_METRICS_ADDR", "`127.0.0.1`", "the address it binds"),
-    Variable("GPUFLEET_MAX_REPLICAS", "`8`",
+    Variable("GPUFLEET_MAX_REPLICAS", f"`{DEFAULT_MAX_REPLICAS}`",
              "the most replicas `gpufleet.deploy` places of one model (catalog `max_replicas`)"),
     Variable("GPUFLEET_FACTOR", "`3.0`", "slot = size x factor"),
     Variable("GPUFLEET_FRACTIONAL_THRESHOLD", "`0.8`",
@@ -116,15 +121,15 @@ class Settings:
     models: Path = Path("models.yaml")
     sim_gpus: str | None = None
     warm_cache: int | None = None  # bytes; None: a quarter of the host's RAM
-    worker_lease_ms: int = 15_000
-    visibility_timeout: int = 3600
+    worker_lease_ms: int = DEFAULT_WORKER_LEASE_MS
+    visibility_timeout: int = DEFAULT_VISIBILITY_TIMEOUT_S
     host: str = field(default_factory=socket.gethostname)
     lineage: str = ""
     worker_gpus: tuple[int, ...] | None = None
     role: str = "client"
     metrics_port: int | None = None
     metrics_addr: str = "127.0.0.1"
-    max_replicas: int = 8
+    max_replicas: int = DEFAULT_MAX_REPLICAS
     policy: PolicySettings = field(default_factory=PolicySettings)
     sim_data: Path | None = None
     url_from: str = FROM_DEFAULT  # where the registry URL came from (FROM_*)
@@ -176,15 +181,21 @@ class Settings:
             models=Path(env.text("GPUFLEET_MODELS", "models.yaml")).expanduser(),
             sim_gpus=env.get("GPUFLEET_SIM_GPUS"),
             warm_cache=env.size("GPUFLEET_WARM_CACHE"),
-            worker_lease_ms=env.integer("GPUFLEET_WORKER_LEASE_MS", 15_000, low=30),
-            visibility_timeout=env.integer("GPUFLEET_VISIBILITY_TIMEOUT", 3600, low=1),
+            worker_lease_ms=env.integer(
+                "GPUFLEET_WORKER_LEASE_MS", DEFAULT_WORKER_LEASE_MS, low=30
+            ),
+            visibility_timeout=env.integer(
+                "GPUFLEET_VISIBILITY_TIMEOUT", DEFAULT_VISIBILITY_TIMEOUT_S, low=1
+            ),
             host=env.get("GPUFLEET_HOST") or socket.gethostname(),
             lineage=env.text("GPUFLEET_LINEAGE", ""),
             worker_gpus=env.indices("GPUFLEET_WORKER_GPUS"),
             role=role,
             metrics_port=port or None,
             metrics_addr=env.text("GPUFLEET_METRICS_ADDR", "127.0.0.1"),
-            max_replicas=env.integer("GPUFLEET_MAX_REPLICAS", 8, low=1, high=10_000),
+            max_replicas=env.integer(
+                "GPUFLEET_MAX_REPLICAS", DEFAULT_MAX_REPLICAS, low=1, high=10_000
+            ),
             policy=_policy(env),
             sim_data=Path(sim_data).expanduser() if sim_data else None,
             url_from=url_from,

@@ -16,11 +16,10 @@ from rich.console import Console
 from rich.table import Table
 
 from placement.catalog import Catalog
-from placement.config import FROM_DEFAULT, Settings
+from placement.config import DEFAULT_FLOWER_PORT, DEFAULT_METRICS_PORT, FROM_DEFAULT, Settings
 from placement.errors import ConfigError, GpufleetError
 from placement.memory import format_size
 from placement.registry import Registry
-from tasks.config import DEFAULT_METRICS_PORT
 
 app = typer.Typer(help="gpufleet: many models sharing GPUs by memory.", no_args_is_help=True)
 console = Console(soft_wrap=True)
@@ -131,7 +130,8 @@ def up(
         bool, typer.Option(help="Start Flower on 127.0.0.1, behind basic auth.")
     ] = False,
     flower_port: Annotated[
-        int | None, typer.Option(help="Flower's port (default 5555, or a free one).")
+        int | None,
+        typer.Option(help=f"Flower's port (default {DEFAULT_FLOWER_PORT}, or a free one)."),
     ] = None,
     metrics_port: Annotated[
         int | None,

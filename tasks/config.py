@@ -12,8 +12,6 @@ from typing import Any
 from placement.config import Settings
 
 ROUTER_QUEUE = "celery"  # Celery's default: a client that imports nothing reaches the router
-DEFAULT_METRICS_PORT = 9464  # Prometheus /metrics of `gpufleet up` and `gpufleet metrics`
-DEFAULT_FLOWER_PORT = 5555
 
 
 def celery_conf(settings: Settings) -> dict[str, Any]:

@@ -44,6 +44,8 @@ from typing import IO, Any
 import redis
 
 from placement.config import (
+    DEFAULT_FLOWER_PORT,
+    DEFAULT_METRICS_PORT,
     FROM_CONNECTION_FILE,
     FROM_DEFAULT,
     Settings,
@@ -53,7 +55,7 @@ from placement.config import (
 from placement.errors import ConfigError, GpufleetError
 from placement.redis_server import RedisServer, die_with_parent_preexec
 from placement.registry import Registry
-from tasks.config import DEFAULT_FLOWER_PORT, DEFAULT_METRICS_PORT, ROUTER_QUEUE
+from tasks.config import ROUTER_QUEUE
 from tasks.routing import gpu_queue
 from worker.devices import Device, discover
 
@@ -99,9 +101,9 @@ class Launcher:
     settings: Settings
     sim_gpus: str | None = None
     flower: bool = False
-    flower_port: int | None = None  # None: 5555, or a free port when that is taken
+    flower_port: int | None = None  # None: the default, or a free port when that is taken
     flower_auth: str = ""
-    metrics_port: int | None = None  # None: 9464, or a free port when taken; 0: none
+    metrics_port: int | None = None  # None: the default, or a free port when taken; 0: none
     redis_url: str = ""
     devices: list[Device] = field(default_factory=list)
     children: dict[str, Child] = field(default_factory=dict)

@@ -143,6 +143,26 @@ def test_a_client_that_imports_nothing_from_gpufleet_gets_minilm_embeddings(
     assert result["cache"] in ("cold", "hot")
 
 
+def test_the_readmes_client_snippet_runs_as_written(fleet_up: Fleet) -> None:
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("## Calling the fleet", 1)[1]
+    snippet = section.split("```python\n", 1)[1].split("```", 1)[0]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFLEET_")}
+    done = subprocess.run(
+        [sys.executable, "-c", snippet],
+        cwd="/",  # outside the repository: nothing of gpufleet is importable
+        env=env | {"FLEET_URL": fleet_up.url},
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    count, cache, timings = done.stdout.strip().splitlines()
+    assert count == "2" and cache in ("hot", "cold")
+    assert "compute" in timings
+
+
 def test_fast_path_calls_leave_no_lease_behind_with_own_headers_or_when_expired(
     fleet_up: Fleet,
 ) -> None:

@@ -38,8 +38,8 @@ from typing import NoReturn
 
 import redis
 
+from placement.config import DEFAULT_WORKER_LEASE_MS
 from placement.errors import ConfigError, GpuOwnedError, LeaseLostError, RegistryError
-from placement.membership import DEFAULT_WORKER_LEASE_MS
 from placement.registry import Registry
 from placement.state import Holding
 from worker.devices import Device

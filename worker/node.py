@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from placement.catalog import ModelSpec
-from placement.membership import DEFAULT_WORKER_LEASE_MS
+from placement.config import DEFAULT_WORKER_LEASE_MS
 from placement.registry import Registry
 from worker.devices import Device
 from worker.keeper import Keeper
