@@ -107,6 +107,7 @@ class Launcher:
     redis_url: str = ""
     devices: list[Device] = field(default_factory=list)
     children: dict[str, Child] = field(default_factory=dict)
+    first_backoff_s: float = 1.0  # doubles with each death, up to MAX_BACKOFF_S
     _redis: RedisServer | None = None
     _stopping: bool = False
 
@@ -176,8 +177,8 @@ class Launcher:
             # Credentials in the environment, not on the command line `ps` shows.
             env = self._env("client", FLOWER_BASIC_AUTH=self.flower_auth)
             self.children["flower"] = Child("flower", cmd, env)
-        for child in self.children.values():
-            self._spawn(child)
+        for child in list(self.children.values()):
+            self.run_child(child)
         self._write_connection()
         # This process talks to the fleet too (readiness pings, the demo call).
         os.environ.update(GPUFLEET_REDIS_URL=self.redis_url, GPUFLEET_FLEET=self.fleet)
@@ -224,7 +225,9 @@ class Launcher:
         cmd += ["--loglevel=INFO", "-E", "--without-gossip", "--without-mingle"]
         self.children[name] = Child(name, cmd, self._env(role, **extra), queues)
 
-    def _spawn(self, child: Child) -> None:
+    def run_child(self, child: Child) -> None:
+        """Start `child` (again) and keep it running from now on (see `supervise`)."""
+        self.children[child.name] = child
         log.info("starting %s: %s", child.name, " ".join(child.cmd))
         child.proc = subprocess.Popen(
             child.cmd,
@@ -307,7 +310,7 @@ class Launcher:
             elif now >= child.restart_at:
                 child.restart_at = None
                 self._requeue(child)
-                self._spawn(child)
+                self.run_child(child)
 
     def _died(self, child: Child, now: float) -> None:
         assert child.proc is not None
@@ -321,7 +324,7 @@ class Launcher:
                 f"{child.name} {child.describe_exit()} {len(child.crashes)} times in "
                 f"{CRASH_WINDOW_S:.0f} s; giving up. Its last log lines:\n{tail}"
             )
-        delay = min(MAX_BACKOFF_S, 2.0 ** (len(child.crashes) - 1))
+        delay = min(MAX_BACKOFF_S, self.first_backoff_s * 2.0 ** (len(child.crashes) - 1))
         log.error("%s %s; starting it again in %.0f s", child.name, child.describe_exit(), delay)
         child.restart_at = now + delay
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
+import tempfile
 import urllib.parse
 import uuid
 from collections.abc import Iterator
@@ -22,6 +24,26 @@ import redis
 from placement.redis_server import RedisServer
 
 REDIS_URL_ENV = "GPUFLEET_TEST_REDIS_URL"
+_HOME = pytest.StashKey[tuple[str, str | None]]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Give the tests a GPUFLEET_HOME of their own before any module reads the settings: a
+    fleet the user runs on this machine (its connection file under the real home) must
+    never be found, let alone called, by a test."""
+    home = tempfile.mkdtemp(prefix="gpufleet-tests-home-")
+    config.stash[_HOME] = (home, os.environ.get("GPUFLEET_HOME"))
+    os.environ["GPUFLEET_HOME"] = home
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    home, before = config.stash.get(_HOME, ("", None))
+    if before is None:
+        os.environ.pop("GPUFLEET_HOME", None)
+    else:
+        os.environ["GPUFLEET_HOME"] = before
+    if home:
+        shutil.rmtree(home, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

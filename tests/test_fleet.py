@@ -258,8 +258,9 @@ def test_unknown_models_and_bad_payloads_fail_with_clear_errors(fleet_up: Fleet)
 
 def test_a_pickled_call_is_refused_and_the_fleet_keeps_serving(fleet_up: Fleet) -> None:
     sneaky = fleet_up.client.send_task("gpufleet.infer", args=("minilm", "x"), serializer="pickle")
-    time.sleep(2.0)
-    assert sneaky.state == "PENDING"  # never deserialised, never run
+    with pytest.raises(Exception) as refused:  # never deserialised, never run: answered
+        sneaky.get(timeout=30)
+    assert type(refused.value).__name__ == "PayloadError"
     assert fleet_up.infer("minilm", "after pickle")["outputs"]["dim"] == 384
 
 
