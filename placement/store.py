@@ -7,7 +7,9 @@ plain pipelined commands; every write is one atomic script (`placement/lua/*.lua
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+import logging
+import time
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import redis
@@ -20,8 +22,12 @@ from placement.settings import PolicySettings
 from placement.state import Deployment, Gpu, Level
 
 DEFAULT_EVENTS_MAXLEN = 100_000
+#: How long calls wait for a registry that answered before to come back (a restart).
+RECONNECT_S = 5.0
 
 S = TypeVar("S", bound="Store")
+T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 class Store:
@@ -44,6 +50,7 @@ class Store:
         self.settings = settings or PolicySettings()
         self.events_maxlen = events_maxlen
         self._scripts: Scripts = scripts_for(client)
+        self._answered = False  # has this registry answered once? Then outages are waited out
 
     @classmethod
     def from_url(cls: type[S], url: str, fleet: str = "default", **kwargs: Any) -> S:
@@ -51,23 +58,41 @@ class Store:
         return cls(redis.Redis.from_url(url, decode_responses=True), fleet, **kwargs)
 
     def _run(self, name: str, keys: list[str], args: list[Any]) -> Any:
-        try:
-            return self._scripts(name, keys, args)
-        except redis.ConnectionError as exc:
-            raise unreachable(exc) from exc
+        return self._reaching(lambda: self._scripts(name, keys, args))
 
     def _run_json(self, name: str, keys: KeyList, payload: dict[str, Any]) -> Any:
         payload["maxlen"] = self.events_maxlen
         return self._run(name, keys.names, [json.dumps(payload)])
 
     def _read(self, commands: list[tuple[Any, ...]], *, atomic: bool = False) -> list[Any]:
-        pipe = self.client.pipeline(transaction=atomic)
-        for name, *args in commands:
-            getattr(pipe, name)(*args)
-        try:
+        def execute() -> list[Any]:
+            pipe = self.client.pipeline(transaction=atomic)
+            for name, *args in commands:
+                getattr(pipe, name)(*args)
             return list(pipe.execute())
-        except redis.ConnectionError as exc:
-            raise unreachable(exc) from exc
+
+        return self._reaching(execute)
+
+    def _reaching(self, call: Callable[[], T]) -> T:
+        """`call`, tried again while a Redis that answered before is briefly away (a
+        restart replaying its append-only file) for up to `RECONNECT_S`; a Redis that never
+        answered fails at once. A script whose reply was lost may thus run twice: the
+        ledger's scripts check their preconditions, so a second run changes nothing or is
+        refused (a `pick` may hold a second lease until its deadline)."""
+        deadline = time.monotonic() + RECONNECT_S
+        delay = 0.05
+        while True:
+            try:
+                result = call()
+            except redis.ConnectionError as exc:
+                if not self._answered or time.monotonic() + delay > deadline:
+                    raise unreachable(exc) from exc
+                log.warning("registry unreachable (%s); trying again", exc)
+                time.sleep(delay)
+                delay = min(delay * 2, 0.5)
+                continue
+            self._answered = True
+            return result
 
     def _one(self, name: str, *args: Any) -> Any:
         return self._read([(name, *args)])[0]
