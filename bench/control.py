@@ -27,12 +27,10 @@ import argparse
 import json
 import logging
 import os
-import platform
 import statistics
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -66,17 +64,9 @@ def settled_at(registry: Any, replica: str, after_ms: int) -> int:
 
 
 def run(backlog: int, repeats: int, directory: Path) -> dict[str, Any]:
-    from placement.config import Settings
-    from tasks.launcher import Launcher
+    from bench.fleet import bench_launcher, fleet_machine
 
-    catalog = directory / "models.yaml"
-    catalog.write_text(CATALOG)
-    os.environ["GPUFLEET_MODELS"] = str(catalog)
-    os.environ.setdefault("GPUFLEET_WARM_CACHE", "2GiB")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.pop("GPUFLEET_ROLE", None)  # this process is a client
-    os.environ["GPUFLEET_FLEET"] = f"control-{uuid.uuid4().hex[:8]}"
-    fleet = Launcher(catalog, Settings.from_env(), sim_gpus=SIM_GPUS, metrics_port=0)
+    fleet = bench_launcher(directory, CATALOG, "control", SIM_GPUS, warm_cache="2GiB")
     settle_ms: list[float] = []
     queued_ms: list[float] = []
     call_ms: list[float] = []
@@ -113,9 +103,6 @@ def run(backlog: int, repeats: int, directory: Path) -> dict[str, Any]:
     finally:
         fleet.stop()
 
-    import celery
-    import torch
-
     one_call = statistics.median(call_ms)
     settle = statistics.median(settle_ms)
     return {
@@ -129,15 +116,7 @@ def run(backlog: int, repeats: int, directory: Path) -> dict[str, Any]:
         "settle_vs_call": round(settle / one_call, 3),
         "settle_vs_queued_message": round(settle / statistics.median(queued_ms), 4),
         "targets": {"settle_vs_call": "<= 1.5", "met": settle / one_call <= 1.5},
-        "machine": {
-            "cpus": os.cpu_count(),
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-            "celery": celery.__version__,
-            "torch": torch.__version__,
-            "gpus": f"simulated {SIM_GPUS} (forward on CPU)",
-            "loadavg": [round(x, 2) for x in os.getloadavg()],
-        },
+        "machine": fleet_machine(SIM_GPUS) | {"loadavg": [round(x, 2) for x in os.getloadavg()]},
     }
 
 

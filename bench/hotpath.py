@@ -36,14 +36,12 @@ import argparse
 import json
 import logging
 import os
-import platform
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
@@ -115,12 +113,6 @@ def bare_forward(model: str, inputs: Any, params: dict[str, Any] | None = None) 
 
 # ---------------------------------------------------------------------------------------
 # Processes
-
-
-def write_catalog(directory: Path, mib: int) -> Path:
-    path = directory / "models.yaml"
-    path.write_text(f"models:\n  {MODEL}: {{source: synthetic, task: forward, memory: {mib}MiB}}\n")
-    return path
 
 
 def start_bare(host: str, catalog: Path) -> subprocess.Popen[bytes]:
@@ -281,17 +273,13 @@ def fast_path_parts(n: int) -> dict[str, float]:
 
 
 def run(calls: int, warmup: int, model_mib: int, directory: Path) -> dict[str, Any]:
-    from placement.config import Settings
-    from tasks.launcher import Launcher
+    from bench.fleet import bench_launcher, fleet_machine
     from tasks.routing import gpu_queue
 
-    catalog = write_catalog(directory, model_mib)
-    os.environ["GPUFLEET_MODELS"] = str(catalog)
-    os.environ.setdefault("GPUFLEET_WARM_CACHE", "1GiB")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.pop("GPUFLEET_ROLE", None)  # this process is a client
-    os.environ["GPUFLEET_FLEET"] = f"hotpath-{uuid.uuid4().hex[:8]}"
-    fleet = Launcher(catalog, Settings.from_env(), sim_gpus=SIM_GPUS, metrics_port=0)
+    spec = f"{{source: synthetic, task: forward, memory: {model_mib}MiB}}"
+    one_model = f"models:\n  {MODEL}: {spec}\n"
+    fleet = bench_launcher(directory, one_model, "hotpath", SIM_GPUS, warm_cache="1GiB")
+    catalog = fleet.models
     bare: subprocess.Popen[bytes] | None = None
     broker = "GPUFLEET_REDIS_URL" if os.environ.get("GPUFLEET_REDIS_URL") else "embedded redis"
     load_before = os.getloadavg()
@@ -324,9 +312,6 @@ def run(calls: int, warmup: int, model_mib: int, directory: Path) -> dict[str, A
         if bare is not None:
             stop_bare(bare)
         fleet.stop()
-
-    import celery
-    import torch
 
     fleet_s, bare_s = stats["fleet"], stats["bare"]
     p50_ratio = fleet_s["p50"] / bare_s["p50"]
@@ -368,14 +353,8 @@ def run(calls: int, warmup: int, model_mib: int, directory: Path) -> dict[str, A
             "fleet_queue_p50_ms": stats["fleet_queue"]["p50"],
             **parts,
         },
-        "machine": {
-            "cpus": os.cpu_count(),
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-            "celery": celery.__version__,
-            "torch": torch.__version__,
-            "torch_threads": torch.get_num_threads(),
-            "gpus": f"simulated {SIM_GPUS} (forward on CPU)",
+        "machine": fleet_machine(SIM_GPUS)
+        | {
             "broker": broker,
             "loadavg_before": [round(x, 2) for x in load_before],
             "loadavg_after": [round(x, 2) for x in os.getloadavg()],

@@ -16,7 +16,7 @@ import pytest
 from placement.audit import audit
 from placement.registry import Registry
 from placement.state import Level
-from tests.running import REPO, fleet_env, fleet_up
+from tests.running import REPO, TWO_MODELS, fleet_env, fleet_up
 
 pytestmark = pytest.mark.slow
 
@@ -24,16 +24,6 @@ LEASE_MS = 3000
 #: How long after its worker's backlog drains a replica may still be on its way back.
 BACK_HOT_S = 30.0
 
-CATALOG = """
-models:
-  a: {source: synthetic, task: forward, memory: 256MiB}
-  b:
-    source: synthetic
-    task: forward
-    memory: 256MiB
-    config: {model_type: bert, hidden_size: 256, num_hidden_layers: 4, num_attention_heads: 4,
-             intermediate_size: 1024, vocab_size: 512, max_position_embeddings: 512}
-"""
 LARGE = ["y" * 2000] * 2  # with max_length 512: about 0.2-0.3 s of compute for b
 BACKLOG = 30
 
@@ -43,7 +33,7 @@ def test_an_evict_under_a_backlog_settles_at_once_and_the_model_comes_back_hot(
 ) -> None:
     """Issue 9's four steps: a backlog on B, evict A, call A at once."""
     catalog = tmp_path / "models.yaml"
-    catalog.write_text(CATALOG)
+    catalog.write_text(TWO_MODELS)
     env = fleet_env(GPUFLEET_WARM_CACHE="4GiB", GPUFLEET_WORKER_LEASE_MS=str(LEASE_MS))
     with fleet_up(catalog, ["--sim-gpus", "1x4GiB", "--metrics-port", "0"], env) as fleet:
         first = {m: fleet.infer(m, "x") for m in ("a", "b")}  # both HOT on the one GPU
@@ -87,7 +77,7 @@ SHARED_ARGS = ["--sim-gpus", "1x4GiB", "--metrics-port", "0"]
 def shared_redis(tmp_path: Path, redis_url: str, fleet: str) -> tuple[Path, dict[str, str]]:
     """A catalog, and the environment of a fleet on the tests' Redis with host name "same"."""
     catalog = tmp_path / "models.yaml"
-    catalog.write_text(CATALOG)
+    catalog.write_text(TWO_MODELS)
     env = fleet_env(GPUFLEET_REDIS_URL=redis_url, GPUFLEET_FLEET=fleet, GPUFLEET_HOST="same")
     return catalog, env
 

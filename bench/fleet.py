@@ -1,0 +1,43 @@
+"""A supervised fleet of simulated GPUs for one benchmark run, with this process its client."""
+
+from __future__ import annotations
+
+import os
+import platform
+import uuid
+from pathlib import Path
+from typing import Any
+
+from placement.config import Settings
+from tasks.launcher import Launcher
+
+
+def bench_launcher(
+    directory: Path, catalog: str, name: str, sim_gpus: str, warm_cache: str
+) -> Launcher:
+    """A launcher (not started yet) for `catalog`'s text on a fleet name of its own, so a
+    run never meets another's records; this process's environment points at it."""
+    path = directory / "models.yaml"
+    path.write_text(catalog)
+    os.environ["GPUFLEET_MODELS"] = str(path)
+    os.environ.setdefault("GPUFLEET_WARM_CACHE", warm_cache)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.pop("GPUFLEET_ROLE", None)  # this process is a client
+    os.environ["GPUFLEET_FLEET"] = f"{name}-{uuid.uuid4().hex[:8]}"
+    return Launcher(path, Settings.from_env(), sim_gpus=sim_gpus, metrics_port=0)
+
+
+def fleet_machine(sim_gpus: str) -> dict[str, Any]:
+    """What a fleet benchmark's figures depend on: the machine and the versions it ran."""
+    import celery
+    import torch
+
+    return {
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "celery": celery.__version__,
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "gpus": f"simulated {sim_gpus} (forward on CPU)",
+    }
