@@ -12,6 +12,13 @@ from typing import Any
 from placement.config import Settings
 
 ROUTER_QUEUE = "celery"  # Celery's default: a client that imports nothing reaches the router
+#: Publishing retries for about 10 s (Celery's default gives up after 0.6 s).
+PUBLISH_RETRY_POLICY = {
+    "max_retries": 25,
+    "interval_start": 0,
+    "interval_step": 0.2,
+    "interval_max": 0.5,
+}
 
 
 def celery_conf(settings: Settings) -> dict[str, Any]:
@@ -19,6 +26,7 @@ def celery_conf(settings: Settings) -> dict[str, Any]:
     transport = {"visibility_timeout": settings.visibility_timeout}
     conf: dict[str, Any] = {
         "broker_url": settings.broker_url,
+        "broker_transport": "tasks.transport:Transport",  # redis(s):// that loses no message
         "result_backend": settings.result_backend,
         # JSON only: pickle is refused on the way in and on the way out.
         "task_serializer": "json",
@@ -41,6 +49,9 @@ def celery_conf(settings: Settings) -> dict[str, Any]:
         "result_expires": 24 * 3600,
         "result_extended": True,
         # A result stored while Redis restarts is retried, not lost (about half a minute).
+        # A broker restart (the launcher restarts its Redis in about a second) must not fail
+        # the calls that publish meanwhile: routed calls are published from inside tasks.
+        "task_publish_retry_policy": PUBLISH_RETRY_POLICY,
         "result_backend_always_retry": True,
         "result_backend_max_retries": 30,
         "result_backend_max_sleep_between_retries_ms": 2000,

@@ -24,6 +24,7 @@ from celery.result import AsyncResult
 
 from tests.running import (
     REPO,
+    TWO_MODELS,
     RunningFleet,
     alive,
     descendants,
@@ -36,16 +37,6 @@ from tests.running import (
 
 pytestmark = pytest.mark.slow
 
-CATALOG = """
-models:
-  a: {source: synthetic, task: forward, memory: 256MiB}
-  b:
-    source: synthetic
-    task: forward
-    memory: 256MiB
-    config: {model_type: bert, hidden_size: 256, num_hidden_layers: 4, num_attention_heads: 4,
-             intermediate_size: 1024, vocab_size: 512, max_position_embeddings: 512}
-"""
 ARGS = ["--sim-gpus", "1x4GiB", "--metrics-port", "0"]
 LARGE = (["y" * 2000] * 2, {"max_length": 512})
 
@@ -53,7 +44,7 @@ LARGE = (["y" * 2000] * 2, {"max_length": 512})
 @pytest.fixture
 def catalog(tmp_path: Path) -> Path:
     path = tmp_path / "models.yaml"
-    path.write_text(CATALOG)
+    path.write_text(TWO_MODELS)
     return path
 
 
@@ -122,9 +113,25 @@ def test_the_bundled_redis_killed_during_a_hundred_calls_loses_none(catalog: Pat
                     continue
                 assert result["model"] == "a"
                 answered.add(call.id)
-        assert len(answered) == 100
+        missing = [call.id for call in calls if call.id not in answered]
+        assert not missing, _whereabouts(redis.Redis.from_url(fleet.url), missing)
         after = client.send_task("gpufleet.infer", args=("a", "after the restart"))
         assert after.get(timeout=60)["model"] == "a"
+
+
+def _whereabouts(r: redis.Redis, ids: list[str]) -> dict[str, list[str]]:
+    """Where each unanswered call is: a queue, the unacked hash, or nowhere (lost)."""
+    places: dict[str, list[str]] = {}
+    unacked = [str(v) for v in r.hvals("unacked")]
+    queues = {
+        str(q): [str(m) for m in r.lrange(q, 0, -1)] for q in r.keys("*") if r.type(q) == b"list"
+    }
+    for task_id in ids:
+        here = [name for name, messages in queues.items() if any(task_id in m for m in messages)]
+        here += ["unacked"] * any(task_id in m for m in unacked)
+        here += ["result"] * bool(r.exists(f"celery-task-meta-{task_id}"))
+        places[task_id] = here or ["nowhere"]
+    return places
 
 
 def _client(url: str) -> Celery:

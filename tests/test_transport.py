@@ -1,0 +1,93 @@
+"""The broker transport gives back a message it took as Redis died: a crash loses no call.
+
+A real redis-server with an append-only file, killed (SIGKILL) at the one moment kombu's
+own transport loses a message: after BRPOP took it, before it was recorded as unacked.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from kombu import Connection, Exchange, Queue
+
+from placement.redis_server import RedisServer
+from tasks.transport import Channel, QoS, Transport
+
+WORK = Queue("work", Exchange("work", "direct"), routing_key="work")
+
+
+def _publish(url: str, *bodies: dict[str, int]) -> None:
+    with Connection(url, transport=Transport) as conn:
+        producer = conn.Producer(serializer="json")
+        for body in bodies:
+            producer.publish(body, exchange=WORK.exchange, routing_key="work", declare=[WORK])
+
+
+def _wait_back(url: str, timeout: float = 20) -> redis.Redis:
+    client = redis.Redis.from_url(url)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            client.ping()
+            return client
+        except redis.ConnectionError:
+            assert time.monotonic() < deadline, "redis-server did not come back"
+            time.sleep(0.1)
+
+
+def test_a_message_taken_as_redis_dies_is_first_in_its_queue_again_after_the_restart(
+    tmp_path: Path,
+) -> None:
+    with RedisServer(data_dir=tmp_path / "redis") as server:
+        _publish(server.url, {"n": 1}, {"n": 2})
+        crashed = threading.Event()
+
+        class CrashingQoS(QoS):
+            """Kills the server between BRPOP and the unacked record, then restarts it."""
+
+            def append(self, message: Any, delivery_tag: str) -> None:
+                if not crashed.is_set():
+                    crashed.set()
+                    os.kill(server.pid, signal.SIGKILL)
+                    threading.Timer(0.5, server.restart).start()
+                super().append(message, delivery_tag)
+
+        class CrashingChannel(Channel):
+            QoS = CrashingQoS
+
+        class CrashingTransport(Transport):
+            Channel = CrashingChannel
+
+        seen: list[Any] = []
+        with (
+            Connection(server.url, transport=CrashingTransport) as conn,
+            conn.Consumer(WORK, callbacks=[lambda body, _m: seen.append(body)]),
+            pytest.raises(conn.connection_errors),
+        ):
+            conn.drain_events(timeout=10)
+        assert crashed.is_set() and seen == []  # taken, never handed to the application
+
+        client = _wait_back(server.url)
+        assert client.llen("work") == 2  # nothing lost, nothing doubled
+        assert client.hlen("unacked") == 0
+
+        received: list[tuple[Any, bool]] = []
+
+        def take(body: Any, message: Any) -> None:
+            received.append((body, bool(message.headers.get("redelivered"))))
+            message.ack()
+
+        with (
+            Connection(server.url, transport=Transport) as conn,
+            conn.Consumer(WORK, callbacks=[take]),
+        ):
+            while len(received) < 2:
+                conn.drain_events(timeout=10)
+        assert received == [({"n": 1}, True), ({"n": 2}, False)]  # back first in line
