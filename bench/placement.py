@@ -85,10 +85,11 @@ import redis.utils
 import placement
 from placement.errors import PlanRejectedError, RegistryError
 from placement.memory import GiB, fraction_of
-from placement.policy import plan_replica, single_gpu_slot
+from placement.policy import plan_replica
 from placement.redis_server import RedisServer
 from placement.registry import Registry
 from placement.settings import PolicySettings
+from placement.sizing import single_gpu_slot
 from placement.state import Candidate, Demand, Deployment, Gpu, Level, Plan, Snapshot
 
 log = logging.getLogger("bench.placement")
@@ -299,7 +300,7 @@ def build_fleet(registry: Registry, cfg: Config) -> dict[str, Any]:
         j, _ = divmod(d, cfg.replicas_per_model)
         gpu = gpu_list[d % len(gpu_list)]  # replicas of one model land on different GPUs
         demand = Demand(model_name(j), size=cfg.preload_size)
-        slot = single_gpu_slot(demand, gpu, settings)
+        slot = single_gpu_slot(demand, gpu.total, settings)
         assert slot is not None
         request, limit = slot
         plan = Plan(

@@ -32,6 +32,8 @@ from typing import Any, TypeVar, overload
 
 import yaml
 
+from placement import accelerators
+from placement.accelerators import Accelerator
 from placement.config import Settings
 from placement.errors import (
     CatalogError,
@@ -81,7 +83,7 @@ class ModelSpec:
     replicas: int = 1
     max_replicas: int | None = None  # the most `deploy` places; None: the fleet's setting
     gpus: float | None = None
-    accelerator: str | None = None
+    accelerator: Accelerator = None  # a GPU type, or a list of alternatives
     trust_remote_code: bool = False
     factor: float | None = None
     fractional_threshold: float | None = None
@@ -334,9 +336,10 @@ def _parse_entry(where: _Where, entry: object, base_dir: Path) -> ModelSpec:
     if source == SYNTHETIC and memory is None and request is None and gpus is None:
         raise where.error("memory", "a synthetic model needs memory or gpus; it has no weights")
 
-    accelerator = entry.get("accelerator")
-    if accelerator is not None:
-        accelerator = _string(where, entry, "accelerator")
+    try:
+        accelerator = accelerators.parse(entry.get("accelerator"))
+    except ValueError as exc:
+        raise where.error("accelerator", str(exc)) from None
 
     return ModelSpec(
         name=where.model,

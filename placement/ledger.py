@@ -22,7 +22,7 @@ from placement.state import (
 )
 
 
-class _Draft:
+class Draft:
     """Mutable copies of a snapshot's maps, changed step by step, then frozen again."""
 
     def __init__(self, snap: Snapshot) -> None:
@@ -105,8 +105,13 @@ def apply_plan(snap: Snapshot, plan: Plan) -> Snapshot:
     """The snapshot after `plan` commits at `snap.now_ms` (commit.lua)."""
     if plan.candidate is Candidate.DEPLOYED:
         return snap
-    now = snap.now_ms
-    draft = _Draft(snap)
+    draft = Draft(snap)
+    commit(draft, plan, snap.now_ms)
+    return draft.freeze()
+
+
+def commit(draft: Draft, plan: Plan, now: int) -> None:
+    """Apply a plan that is not DEPLOYED to `draft`, as commit.lua does."""
     for eviction in plan.evictions:
         draft.leave(draft.deps[eviction.replica], eviction.to, now)
     for replica in plan.warm_drops:
@@ -134,13 +139,12 @@ def apply_plan(snap: Snapshot, plan: Plan) -> Snapshot:
     draft.count(new, 1, reserved=True, held=level is Level.LOADING)
     draft.deps[plan.replica] = new
     draft.active[plan.model] = draft.active.get(plan.model, 0) + 1
-    return draft.freeze()
 
 
 def admit(snap: Snapshot, replica: str) -> Snapshot:
     """WAITING -> LOADING when its GPUs have room on the device (admit.lua); else unchanged."""
     dep = snap.deployments[replica]
-    draft = _Draft(snap)
+    draft = Draft(snap)
     if dep.level is not Level.WAITING or not draft.fits_device(dict(dep.gpus), dep.limit):
         return snap
     draft.count(dep, 1, reserved=False, held=True)
@@ -151,7 +155,7 @@ def admit(snap: Snapshot, replica: str) -> Snapshot:
 def settle(snap: Snapshot, replica: str, outcome: str) -> Snapshot:
     """A worker settles a pending move (settle.lua): 'offloaded', 'dropped', 'failed', 'lost'."""
     dep = snap.deployments[replica]
-    draft = _Draft(snap)
+    draft = Draft(snap)
     if outcome == "offloaded":
         if dep.level is not Level.OFFLOADING:
             return snap

@@ -5,29 +5,33 @@ returns a `Plan`, or raises `CantAccommodateError` saying why. The router, the
 benchmarks and the simulator all call it; the registry's commit script re-checks
 the plan atomically, so a stale snapshot costs a retry, never a double booking.
 
-Sizing a replica on one GPU (NDIF, seed 000):
-- `required = size x factor` (or the learned peak x headroom, or the catalog's
-  explicit request/limit);
-- below `fractional_threshold x GPU memory` it gets a fractional slot of
-  `required` bytes; otherwise, if `size` fits the GPU, it gets the whole GPU;
-- otherwise it is split over the GPUs of one host (Helix, seed 004):
-  `size x multi_gpu_overhead / n` on each of the fewest GPUs `n` that fit.
-A GPU admits a slot when `limit + sum(requests already there) <= memory` (seed 003).
+Candidates are ranked, best first (docs/placement.md, "Choosing a GPU"):
+1. a warm copy on the host, then room without evicting, then fewer victims, then
+   victims used longer ago (NDIF's candidate levels, LRU);
+2. with the default best-fit: a GPU already in use before an empty one, then the host
+   with the least room left, then the GPU with the least room left, rooms compared as
+   shares of each GPU. Empty GPUs and empty hosts stay whole for the requests that
+   need them;
+3. ties at random, never by index.
+The search runs over `placement.room` groups (a host's GPUs of one type), so the
+common case costs one step per host, not per GPU. Sizes come from `placement.sizing`.
 """
 
 from __future__ import annotations
 
-import functools
 import random
 import uuid
+from bisect import bisect_left
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from fractions import Fraction
 
+from placement import accelerators
 from placement.errors import CantAccommodateError, NeverFitsError, PlacementError, SettlingError
 from placement.memory import format_size, fraction_of
+from placement.room import Group, Shape
 from placement.settings import GpuChoice, PolicySettings, VictimOrder
+from placement.sizing import scale, shard, single_gpu_slot, splittable
 from placement.state import (
     LEAVING,
     RESERVING,
@@ -55,28 +59,24 @@ class _Option:
 class _View:
     """What one planning call needs of a snapshot: its indexes and this model's replicas."""
 
-    def __init__(self, snap: Snapshot, demand: Demand) -> None:
+    def __init__(self, snap: Snapshot, demand: Demand, settings: PolicySettings) -> None:
         self.snap = snap
         self.by_gpu = snap.by_gpu
+        self.room = snap.room.room
         self.mine = snap.replicas(demand.model)
-        live = {g.worker for g in snap.gpus.values() if g.alive(snap.now_ms)}
+        self.demand, self.settings = demand, settings
+        self._slots: dict[int, tuple[int, int] | None] = {}
+        live = snap.room.workers
         self.my_warm: dict[str, Deployment] = {}
         for d in sorted(self.mine, key=lambda d: d.last_used_ms):
             if d.level is Level.WARM and d.worker in live:  # its holder must restore it
                 self.my_warm[d.host] = d  # the most recently used one wins
 
-
-def accelerator_matches(gpu: Gpu, accelerator: str | None) -> bool:
-    """True when every word of `accelerator` (e.g. "A100", "A100-80GB") is in the GPU's name.
-
-    Case, spaces and punctuation are ignored: "a100 80gb" matches
-    "NVIDIA A100-SXM4-80GB"; "H100" does not.
-    """
-    if not accelerator:
-        return True
-    name = "".join(c for c in gpu.name.lower() if c.isalnum())
-    words = "".join(c if c.isalnum() else " " for c in accelerator.lower()).split()
-    return all(w in name for w in words)
+    def slot(self, total: int) -> tuple[int, int] | None:
+        """`single_gpu_slot` of this demand on a GPU of `total` bytes, computed once."""
+        if total not in self._slots:
+            self._slots[total] = single_gpu_slot(self.demand, total, self.settings)
+        return self._slots[total]
 
 
 def new_replica_id(rng: random.Random) -> str:
@@ -98,7 +98,7 @@ def plan_replica(
     """
     settings = settings or PolicySettings()
     rng = rng or random.Random()
-    view = _View(snap, demand)
+    view = _View(snap, demand, settings)
 
     active = [d for d in view.mine if d.level in RESERVING]
     if len(active) < demand.replicas:
@@ -141,27 +141,23 @@ def plan_replica(
         raise PlacementError(
             f"model {demand.model!r} has no memory figure: set `memory` or `gpus` in the catalog"
         )
-    eligible = [
-        g
-        for g in snap.gpus.values()
-        if g.alive(snap.now_ms) and accelerator_matches(g, demand.accelerator)
-    ]
-    rng.shuffle(eligible)  # ties never favour low indices
-    if not eligible:
-        what = f" of type {demand.accelerator!r}" if demand.accelerator else ""
+    groups = snap.room.matching(demand.accelerator)
+    if not groups:
+        what = f" of type {accelerators.describe(demand.accelerator)}" if demand.accelerator else ""
         raise CantAccommodateError(
             f"{demand.model} cannot be placed: no live GPU{what} in the fleet "
             f"({len(snap.gpus)} registered). Start a GPU worker, or check its heartbeat."
         )
-
-    options = _single_gpu_options(demand, eligible, view, settings)
-    if not options and _splittable(demand):
-        options = _multi_gpu_options(demand, eligible, view, settings)
-    if not options:
-        raise _why_not(demand, eligible, view, settings)
-
-    best_option = min(options, key=lambda o: o.sort_key)
-    return _to_plan(demand, best_option, view, settings, rng)
+    option = _free_single(demand, view, settings, rng) or _best(
+        _evicting_single(demand, groups, view, settings, rng)
+    )
+    if option is None and demand.gpus is not None and demand.gpus >= 2:
+        option = _free_whole(int(demand.gpus), view, rng)
+    if option is None and splittable(demand):
+        option = _best(_multi_gpu_options(demand, groups, view, settings, rng))
+    if option is None:
+        raise _why_not(demand, groups, view, settings)
+    return _to_plan(demand, option, view, settings, rng)
 
 
 def plan_offload(
@@ -177,66 +173,114 @@ def plan_offload(
     return evictions[0], drops
 
 
-# --- sizing -----------------------------------------------------------------
+# --- finding a place ------------------------------------------------------------
 
 
-def _knobs(demand: Demand, settings: PolicySettings) -> tuple[float, float, float]:
-    factor = demand.factor if demand.factor is not None else settings.factor
-    threshold = (
-        demand.fractional_threshold
-        if demand.fractional_threshold is not None
-        else settings.fractional_threshold
-    )
-    min_free = (
-        demand.min_free_fraction
-        if demand.min_free_fraction is not None
-        else settings.min_free_fraction
-    )
-    return factor, threshold, min_free
+def _free_single(
+    demand: Demand, view: _View, settings: PolicySettings, rng: random.Random
+) -> _Option | None:
+    """The best GPU that takes one replica without evicting anything, or None.
 
-
-def scale(nbytes: int, factor: float, divisor: int = 1) -> int:
-    """`nbytes x factor / divisor` rounded up to whole bytes, without float noise."""
-    num, den = _exact(factor)
-    return -(-nbytes * num // (den * divisor))  # integer ceiling division
-
-
-@functools.lru_cache(maxsize=1024)
-def _exact(factor: float) -> tuple[int, int]:
-    """The decimal a setting was written as (1.1 -> 11/10), not its binary float."""
-    exact = Fraction(str(factor))
-    return exact.numerator, exact.denominator
-
-
-def _splittable(demand: Demand) -> bool:
-    """Size-based demands may go multi-GPU; so may a static count of 2+ GPUs."""
-    if demand.gpus is not None:
-        return demand.gpus >= 2
-    return demand.request is None
-
-
-def single_gpu_slot(demand: Demand, gpu: Gpu, settings: PolicySettings) -> tuple[int, int] | None:
-    """(request, limit) bytes of one replica on `gpu` alone, or None if it cannot fit one GPU."""
-    factor, threshold, _ = _knobs(demand, settings)
-    if demand.gpus is not None:
-        if demand.gpus < 1:
-            share = scale(gpu.total, demand.gpus)
-            return share, share
-        return (gpu.total, gpu.total) if demand.gpus == 1 else None
-    if demand.request is not None:
-        request, limit = demand.request, demand.limit or demand.request
-        base = limit
-    elif demand.learned:
-        request = limit = scale(demand.learned, settings.learned_headroom)
-        base = demand.learned
-    else:
-        request = limit = scale(demand.size, factor)
-        base = demand.size
-    if base > gpu.total:
+    Scans host shapes (`placement.room`), hosts with a warm copy of the model first;
+    ties are broken at random in proportion to how many hosts share a shape.
+    """
+    index = view.snap.room
+    allowed = index.names(demand.accelerator)
+    choice = settings.gpu_choice
+    best: tuple[tuple[float, ...], Shape, str | None, str, int, int] | None = None
+    ties = 0
+    warm: list[tuple[Shape, str | None]] = [
+        (index.shape_of[h], h) for h in view.my_warm if h in index.shape_of
+    ]
+    for candidates in (warm, [(shape, None) for shape in index.shapes.values()]):
+        for shape, host in candidates:
+            for name, total, frees in shape.layout:
+                if name not in allowed:
+                    continue
+                slot = view.slot(total)
+                if slot is None or frees[-1] < slot[1]:
+                    continue
+                request, limit = slot
+                if choice is GpuChoice.BEST_FIT:
+                    free = frees[bisect_left(frees, limit)]
+                    key: tuple[float, ...] = (
+                        float(free == total),  # fill a GPU in use before opening an empty one
+                        -index.type_free(name),  # spread load over types, freest first
+                        shape.room - request / total,  # then the host with least room left
+                        (free - request) / total,  # then the GPU with least room left
+                    )
+                elif choice is GpuChoice.MOST_FREE:
+                    free = frees[-1]
+                    key = (-float(free),)
+                else:
+                    free = -1  # any GPU that fits
+                    key = ()
+                weight = 1 if host is not None else len(shape.hosts)
+                if best is None or key < best[0]:
+                    best, ties = (key, shape, host, name, total, free), weight
+                elif key == best[0]:
+                    ties += weight
+                    if rng.random() * ties < weight:  # every tied host equally likely
+                        best = (key, shape, host, name, total, free)
+        if best is not None:
+            break  # a warm host with room beats any other host
+    if best is None:
         return None
-    if limit < threshold * gpu.total:
-        return request, limit
-    return gpu.total, gpu.total
+    _, shape, host, name, total, free = best
+    host = host if host is not None else shape.hosts[rng.randrange(len(shape.hosts))]
+    slot = view.slot(total)
+    assert slot is not None
+    group = next(g for g in index.by_host[host] if (g.name, g.total) == (name, total))
+    fits = [g for g in group.gpus.values() if (g.free == free if free >= 0 else g.free >= slot[1])]
+    gpu = rng.choice(sorted(fits, key=lambda g: g.id))
+    return _Option(_level(host in view.my_warm, evicts=False), {gpu.id: slot}, (), ())
+
+
+def _free_whole(n: int, view: _View, rng: random.Random) -> _Option | None:
+    """`n` empty GPUs of one host, on the host with the least room left, or None."""
+    index = view.snap.room
+    allowed = index.names(view.demand.accelerator)
+    best: tuple[float, Shape, str | None] | None = None
+    ties = 0
+    warm: list[tuple[Shape, str | None]] = [
+        (index.shape_of[h], h) for h in view.my_warm if h in index.shape_of
+    ]
+    for candidates in (warm, [(shape, None) for shape in index.shapes.values()]):
+        for shape, host in candidates:
+            empty = sum(
+                len(frees) - bisect_left(frees, total)
+                for name, total, frees in shape.layout
+                if name in allowed
+            )
+            if empty < n:
+                continue
+            weight = 1 if host is not None else len(shape.hosts)
+            if best is None or shape.room < best[0]:
+                best, ties = (shape.room, shape, host), weight
+            elif shape.room == best[0]:
+                ties += weight
+                if rng.random() * ties < weight:
+                    best = (shape.room, shape, host)
+        if best is not None:
+            break
+    if best is None:
+        return None
+    _, shape, host = best
+    host = host if host is not None else shape.hosts[rng.randrange(len(shape.hosts))]
+    empty_gpus = [
+        g
+        for group in index.by_host[host]
+        if group.name in allowed
+        for g in group.gpus.values()
+        if g.free == g.total
+    ]
+    chosen = rng.sample(sorted(empty_gpus, key=lambda g: g.id), n)
+    slots = {g.id: (g.total, g.total) for g in chosen}
+    return _Option(_level(host in view.my_warm, evicts=False), slots, (), ())
+
+
+def _best(options: Iterable[_Option]) -> _Option | None:
+    return min(options, key=lambda o: o.sort_key, default=None)
 
 
 def _victims(
@@ -260,13 +304,15 @@ def _victims(
     return tuple(taken) if deficit <= 0 else None
 
 
-def _fit_key(gpu: Gpu, request: int, freed: int, choice: GpuChoice) -> float:
-    left = gpu.total - (gpu.reserved - freed + request)
+def _fit(gpu: Gpu, request: int, freed: int, view: _View, choice: GpuChoice) -> tuple[float, ...]:
+    """How well `request` fits `gpu` once `freed` bytes leave it: lower is better."""
     if choice is GpuChoice.BEST_FIT:
-        return float(left)
+        after = gpu.free + freed - request
+        left = view.room[gpu.host] + (freed - request) / gpu.total
+        return float(gpu.free == gpu.total), left, after / gpu.total
     if choice is GpuChoice.MOST_FREE:
-        return float(-(gpu.free + freed))
-    return 0.0
+        return (-float(gpu.free + freed),)
+    return ()
 
 
 def _level(cached: bool, evicts: bool) -> Candidate:
@@ -282,55 +328,63 @@ def _recency(victims: Iterable[Deployment], settings: PolicySettings) -> float:
     return float(max((v.last_used_ms for v in victims), default=0))
 
 
-def _single_gpu_options(
-    demand: Demand, eligible: Sequence[Gpu], view: _View, settings: PolicySettings
+def _evicting_single(
+    demand: Demand,
+    groups: Sequence[Group],
+    view: _View,
+    settings: PolicySettings,
+    rng: random.Random,
 ) -> list[_Option]:
+    """One-GPU places that need evictions, on GPUs whose idle replicas free enough."""
     options = []
-    for position, gpu in enumerate(eligible):
-        slot = single_gpu_slot(demand, gpu, settings)
-        if slot is None:
+    for group in groups:
+        if not group.idle:
+            continue  # nothing to evict here: `_free_single` has seen it
+        slot = view.slot(group.total)
+        if slot is None or group.max_reach < slot[1]:
             continue
         request, limit = slot
-        victims = _victims(gpu, limit, view, settings.victim_order)
-        if victims is None:
-            continue
-        freed = sum(v.gpus[gpu.id] for v in victims)
-        level = _level(gpu.host in view.my_warm, bool(victims))
-        key = (
-            float(level),
-            float(len(victims)),
-            _recency(victims, settings),
-            _fit_key(gpu, request, freed, settings.gpu_choice),
-            float(position),
-        )
-        options.append(_Option(level, {gpu.id: slot}, victims, key))
+        for gpu in group.gpus.values():
+            if group.reaches[gpu.id] < limit:
+                continue
+            victims = _victims(gpu, limit, view, settings.victim_order)
+            if not victims:  # None: not enough; (): it was free, and _free_single had it
+                continue
+            freed = sum(v.gpus[gpu.id] for v in victims)
+            level = _level(gpu.host in view.my_warm, evicts=True)
+            key = (
+                float(level),
+                float(len(victims)),
+                _recency(victims, settings),
+                *_fit(gpu, request, freed, view, settings.gpu_choice),
+                rng.random(),
+            )
+            options.append(_Option(level, {gpu.id: slot}, victims, key))
     return options
 
 
-def _shard(demand: Demand, gpu: Gpu, n: int, settings: PolicySettings) -> tuple[int, int]:
-    """(request, admission need) of one of `n` shards on `gpu`."""
-    if demand.gpus is not None:
-        return gpu.total, gpu.total
-    _, _, min_free = _knobs(demand, settings)
-    base = demand.learned or demand.size
-    share = scale(base, settings.multi_gpu_overhead, n)
-    return share, max(share, scale(gpu.total, min_free))
-
-
 def _multi_gpu_options(
-    demand: Demand, eligible: Sequence[Gpu], view: _View, settings: PolicySettings
+    demand: Demand,
+    groups: Sequence[Group],
+    view: _View,
+    settings: PolicySettings,
+    rng: random.Random,
 ) -> list[_Option]:
-    by_host: dict[str, list[Gpu]] = defaultdict(list)
-    for gpu in eligible:
-        by_host[gpu.host].append(gpu)
+    """Places on the fewest GPUs of one host that together hold the replica."""
+    by_host: dict[str, list[Group]] = defaultdict(list)
+    for group in groups:
+        by_host[group.host].append(group)
     options = []
-    for host, gpus in by_host.items():
+    for host, host_groups in by_host.items():
+        if not _could_hold(demand, host_groups, settings):
+            continue
+        gpus = [(g, grp.reaches[g.id]) for grp in host_groups for g in grp.gpus.values()]
         counts = [int(demand.gpus)] if demand.gpus is not None else range(2, len(gpus) + 1)
         for n in counts:
-            scored: list[tuple[tuple[float, ...], Gpu, int, int, tuple[Deployment, ...]]] = []
-            for position, gpu in enumerate(gpus):
-                request, need = _shard(demand, gpu, n, settings)
-                if need > gpu.total:
+            scored: list[tuple[tuple[float, ...], Gpu, int, int, int, tuple[Deployment, ...]]] = []
+            for gpu, reach in gpus:
+                request, need = shard(demand, gpu.total, n, settings)
+                if need > reach:
                     continue
                 victims = _victims(gpu, need, view, settings.victim_order)
                 if victims is None:
@@ -339,28 +393,40 @@ def _multi_gpu_options(
                 key = (
                     float(len(victims)),
                     _recency(victims, settings),
-                    _fit_key(gpu, request, freed, settings.gpu_choice),
-                    float(position),
+                    *_fit(gpu, request, freed, view, settings.gpu_choice)[-1:],  # this GPU's fit
+                    rng.random(),
                 )
-                scored.append((key, gpu, request, need, victims))
+                scored.append((key, gpu, request, need, freed, victims))
             if len(scored) < n:
                 continue
             scored.sort(key=lambda s: s[0])
             chosen = scored[:n]
-            victims_all = tuple({v.replica: v for s in chosen for v in s[4]}.values())
+            victims_all = tuple({v.replica: v for s in chosen for v in s[5]}.values())
             level = _level(host in view.my_warm, bool(victims_all))
+            left = view.room[host] + sum((s[4] - s[2]) / s[1].total for s in chosen)
             option_key = (
                 float(level),
                 float(n),
                 float(len(victims_all)),
                 _recency(victims_all, settings),
-                float(sum(s[0][2] for s in chosen)),
-                min(s[0][3] for s in chosen),
+                left if settings.gpu_choice is GpuChoice.BEST_FIT else 0.0,
+                rng.random(),
             )
             slots = {s[1].id: (s[2], s[3]) for s in chosen}
             options.append(_Option(level, slots, victims_all, option_key))
             break  # the fewest GPUs that fit on this host
     return options
+
+
+def _could_hold(demand: Demand, groups: Sequence[Group], settings: PolicySettings) -> bool:
+    """A quick necessary test: could this host's GPUs, after evictions, take the shards?"""
+    if demand.gpus is not None:
+        if not any(grp.idle for grp in groups):
+            return False  # no evictions here: `_free_whole` has seen this host
+        whole = sum(1 for grp in groups for reach in grp.reaches.values() if reach == grp.total)
+        return whole >= demand.gpus
+    need = scale(demand.learned or demand.size, settings.multi_gpu_overhead)
+    return sum(reach for grp in groups for reach in grp.reaches.values()) >= need
 
 
 # --- plans and refusals -------------------------------------------------------
@@ -465,40 +531,55 @@ def _destinations(
 
 
 def _why_not(
-    demand: Demand, eligible: Sequence[Gpu], view: _View, settings: PolicySettings
-) -> CantAccommodateError:
-    """Explain a refusal: never fits (even on an empty fleet) or blocked by pinned replicas."""
-    empty = [Gpu(g.id, g.host, g.index, g.name, g.total) for g in eligible]
-    largest = max(g.total for g in eligible)
-    single = [single_gpu_slot(demand, g, settings) for g in empty]
-    fits_single = any(s is not None for s in single)
-    if not fits_single and not _splittable(demand):
-        need = demand.limit or demand.request or demand.size
-        if demand.gpus is not None:
-            return NeverFitsError(
-                f"{demand.model} needs {demand.gpus:g} GPUs on one host; "
-                f"no host has that many live GPUs. Lower `gpus` or add GPUs."
-            )
+    demand: Demand, groups: Sequence[Group], view: _View, settings: PolicySettings
+) -> PlacementError:
+    """Explain a refusal: it never fits (even on an empty fleet), or not now, and why."""
+    what = f" of type {accelerators.describe(demand.accelerator)}" if demand.accelerator else ""
+    slots = [s for s in map(view.slot, {g.total for g in groups}) if s]
+    allowed = view.snap.room.names(demand.accelerator)
+    free = max(
+        f[-1] for s in view.snap.room.shapes.values() for n, _, f in s.layout if n in allowed
+    )
+    reach = max([free] + [g.max_reach for g in groups if g.idle])
+    most_free, most_reach = format_size(free), format_size(reach)
+    if slots:
+        return CantAccommodateError(
+            f"{demand.model} needs {format_size(min(limit for _, limit in slots))} on one "
+            f"GPU{what}; the most any has free now is {most_free}, and {most_reach} after "
+            f"evicting idle replicas: the rest is held by replicas that may not be evicted "
+            f"(dedicated, busy, loading or draining). Retry when calls finish, evict a model, "
+            f"or add GPUs."
+        )
+    per_host: dict[str, list[int]] = defaultdict(list)
+    for g in groups:
+        per_host[g.host].extend([g.total] * len(g.gpus))
+    if splittable(demand) and any(_fits_empty(demand, t, settings) for t in per_host.values()):
+        return CantAccommodateError(
+            f"{demand.model} needs several GPUs of one host{what}, and no host has them free "
+            f"now, even after evicting idle replicas (the most one GPU has free is "
+            f"{most_free}). Retry when calls finish, evict a model, or add GPUs."
+        )
+    if demand.gpus is not None:
         return NeverFitsError(
-            f"{demand.model} needs {format_size(need)} on one GPU; the largest GPU has "
+            f"{demand.model} needs {demand.gpus:g} GPUs{what} on one host; "
+            f"no host has that many live GPUs. Lower `gpus` or add GPUs."
+        )
+    largest = max(g.total for g in groups)
+    if not splittable(demand):
+        need = demand.limit or demand.request or demand.size
+        return NeverFitsError(
+            f"{demand.model} needs {format_size(need)} on one GPU{what}; the largest GPU has "
             f"{format_size(largest)}. Lower its memory in the catalog or add a larger GPU."
         )
-    if not fits_single:
-        blank = _View(Snapshot(gpus={g.id: g for g in empty}, deployments={}, hosts={}), demand)
-        if not _multi_gpu_options(demand, empty, blank, settings):
-            per_host: dict[str, int] = defaultdict(int)
-            for g in empty:
-                per_host[g.host] += g.total
-            need = scale(demand.learned or demand.size, settings.multi_gpu_overhead)
-            return NeverFitsError(
-                f"{demand.model} needs {format_size(need)} across the GPUs of one host; the "
-                f"largest host has {format_size(max(per_host.values()))}. "
-                f"Lower its memory in the catalog or add GPUs to one host."
-            )
-    pinned = {d.replica for ds in view.by_gpu.values() for d in ds if not d.evictable}
-    dedicated = sum(1 for r in pinned if view.snap.deployments[r].dedicated)
-    return CantAccommodateError(
-        f"{demand.model} fits the fleet but no GPU can free enough memory now: "
-        f"{len(pinned)} replicas may not be evicted ({dedicated} dedicated, the rest busy, "
-        f"loading or draining). Retry when requests finish, or evict a dedicated model."
+    need = scale(demand.learned or demand.size, settings.multi_gpu_overhead)
+    return NeverFitsError(
+        f"{demand.model} needs {format_size(need)} across the GPUs of one host{what}; the "
+        f"largest host has {format_size(max(sum(t) for t in per_host.values()))}. "
+        f"Lower its memory in the catalog or add GPUs to one host."
     )
+
+
+def _fits_empty(demand: Demand, totals: Sequence[int], settings: PolicySettings) -> bool:
+    """Could an empty host with GPUs of `totals` bytes hold the replica's shards?"""
+    counts = [int(demand.gpus)] if demand.gpus is not None else range(2, len(totals) + 1)
+    return any(sum(shard(demand, t, n, settings)[1] <= t for t in totals) >= n for n in counts)

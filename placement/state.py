@@ -11,6 +11,12 @@ import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import TYPE_CHECKING
+
+from placement.accelerators import Accelerator
+
+if TYPE_CHECKING:
+    from placement.room import RoomIndex
 
 
 class Level(str, enum.Enum):
@@ -184,6 +190,13 @@ class Snapshot:
                 index.setdefault(d.host, []).append(d)
         return index
 
+    @cached_property
+    def room(self) -> RoomIndex:
+        """Free room by host and GPU type, for the policy's search."""
+        from placement.room import RoomIndex  # room.py is built on these types
+
+        return RoomIndex(self.gpus.values(), self.by_gpu, self.now_ms)
+
     def on_gpu(self, gpu_id: str) -> list[Deployment]:
         """Deployments whose bytes `gpu_id` reserves."""
         return list(self.by_gpu.get(gpu_id, ()))
@@ -206,7 +219,7 @@ class Demand:
     request: int | None = None
     limit: int | None = None
     gpus: float | None = None
-    accelerator: str | None = None
+    accelerator: Accelerator = None  # a GPU type or alternatives (placement.accelerators)
     dedicated: bool = False
     replicas: int = 1
     factor: float | None = None

@@ -11,8 +11,9 @@ from hypothesis import strategies as st
 from placement.audit import audit
 from placement.errors import CantAccommodateError, NeverFitsError
 from placement.ledger import apply_plan
-from placement.policy import plan_replica, single_gpu_slot
+from placement.policy import plan_replica
 from placement.settings import PolicySettings
+from placement.sizing import single_gpu_slot
 from placement.state import Candidate, Demand, Deployment, Host, Level, Snapshot
 from tests.fleets import GiB, fleet, gpu, hot, warm
 
@@ -120,7 +121,7 @@ def test_no_replica_is_evicted_when_some_gpu_has_room_already(
 ) -> None:
     room = any(
         g.alive(snap.now_ms)
-        and (slot := single_gpu_slot(demand, g, PolicySettings())) is not None
+        and (slot := single_gpu_slot(demand, g.total, PolicySettings())) is not None
         and g.reserved + slot[1] <= g.total
         for g in snap.gpus.values()
     )

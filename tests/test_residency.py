@@ -185,11 +185,11 @@ def test_loading_a_replica_twice_is_refused(
 def test_every_demo_model_loads_and_serves_in_the_slot_the_policy_gives_it(
     catalog: Catalog, devices: list[Device], name: str
 ) -> None:
-    from placement.policy import single_gpu_slot
     from placement.settings import PolicySettings
+    from placement.sizing import single_gpu_slot
 
     spec = catalog.get(name)
-    slot = single_gpu_slot(spec.demand(), devices[0].to_gpu(HOST), PolicySettings())
+    slot = single_gpu_slot(spec.demand(), devices[0].to_gpu(HOST).total, PolicySettings())
     assert slot is not None, f"{name} does not fit one default 8 GiB simulated GPU"
     manager = ResidencyManager(devices, HOST)
     try:

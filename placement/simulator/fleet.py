@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from placement.errors import ConfigError
-from placement.policy import scale
+from placement.sizing import scale
 from placement.state import Gpu, Host, Snapshot
 
 GB = 10**9

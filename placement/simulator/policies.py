@@ -22,11 +22,12 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
+from placement import accelerators
 from placement.errors import ConfigError
-from placement.policy import accelerator_matches, scale
 from placement.settings import GpuChoice, PolicySettings, VictimOrder
 from placement.simulator.fleet import Fleet, GpuType, SimModel
-from placement.state import Demand, Gpu, Level, Snapshot
+from placement.sizing import scale
+from placement.state import Demand, Level, Snapshot
 
 #: The policies a run compares when none are named.
 DEFAULT_POLICIES = ("default", "ndif", "helix", "static", "oracle")
@@ -164,22 +165,14 @@ def static_demand(model: SimModel, types: Sequence[GpuType], settings: PolicySet
     return Demand(model.name, size=model.size, gpus=float(count))
 
 
-def _at_least(tiers: Sequence[GpuType], i: int) -> str | None:
-    """An accelerator word matching the GPU kinds `tiers[i:]` and none of `tiers[:i]`."""
+def _at_least(tiers: Sequence[GpuType], i: int) -> tuple[str, ...] | None:
+    """Accelerator alternatives naming the GPU kinds `tiers[i:]` and none of `tiers[:i]`."""
     if i == 0:
         return None
-    inside, outside = tiers[i:], tiers[:i]
-
-    def matches(kind: GpuType, word: str) -> bool:
-        return accelerator_matches(Gpu("", "", 0, kind.name, kind.total), word)
-
-    words = "".join(c if c.isalnum() else " " for c in tiers[i].name).split()
-    for word in words:
-        if all(matches(k, word) for k in inside) and not any(matches(k, word) for k in outside):
-            return word
-    if not any(matches(k, tiers[i].name) for k in outside):
-        return tiers[i].name  # only that kind: Ray pins one accelerator type
-    raise ConfigError(f"no accelerator type selects {tiers[i].name} without smaller GPUs")
+    names = tuple(dict.fromkeys(kind.name for kind in tiers[i:]))
+    if any(accelerators.matches(kind.name, names) for kind in tiers[:i]):
+        raise ConfigError(f"no accelerator type selects {tiers[i].name} without smaller GPUs")
+    return names
 
 
 # --- the oracle -----------------------------------------------------------------

@@ -1,0 +1,343 @@
+"""Packing at fleet scale: how much of a production-shaped fleet each policy fills.
+
+Run as ``python -m bench.packing [--hosts 1200] [--seed 1] ...``; prints ONE JSON object.
+
+The fleet and the requests are generated from the seed, shaped like a production
+GPU-sharing cluster: hosts of 2, 4 or 8 GPUs of one type each, several types; about
+45% of requests ask for a share of one GPU, 55% for one whole GPU, 1% for 2, 4 or 8
+whole GPUs of one host; some name GPU types (a single type or a list). Nothing leaves
+and nothing may be evicted. Requests arrive until 130% of the fleet's GPUs have been
+asked for, and every policy replays the same sequence:
+
+- ``default``: gpufleet's shipped policy, `plan_replica` on a `LiveView` of the fleet;
+- ``first-fit``: the first host, then the first GPU, in index order, that fits;
+- ``best-fit``: node-aware best-fit, the host with the least free room that fits, then
+  its GPU with the least free room that fits;
+- ``fgd``: fragmentation gradient descent (Weng et al., "Beware of Fragmentation",
+  USENIX ATC'23): the place that least increases the host's expected fragmentation
+  under the request mix.
+The baselines are written here, plainly, over integer milli-GPU units.
+
+Reported per policy: the share of the fleet's GPU capacity allocated at the first
+refusal and at the end (capacity counts each GPU as 1, whatever its memory), and the
+milliseconds per decision, refusals included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from placement import accelerators
+from placement.errors import PlacementError
+from placement.live import LiveView
+from placement.memory import GiB
+from placement.policy import plan_replica
+from placement.state import Demand, Gpu, Host, Snapshot
+
+UNIT = 1000  # milli-GPUs: the baselines' integer unit
+TYPES = "NVIDIA A100-SXM4-80GB:80:3,NVIDIA A100-SXM4-40GB:40:2,Tesla V100-SXM2-32GB:32:2,"
+TYPES += "Tesla V100-SXM2-16GB:16:2,NVIDIA A10:24:2,Tesla T4:16:1"
+SHARES = (0.1, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.75)
+
+
+@dataclass(frozen=True)
+class Request:
+    gpus: int  # whole GPUs of one host; 0 for a share
+    share: int  # milli-GPUs of one GPU when `gpus` is 0
+    accelerator: str | tuple[str, ...] | None
+
+    @property
+    def amount(self) -> int:
+        """Milli-GPUs asked for."""
+        return self.gpus * UNIT or self.share
+
+
+@dataclass
+class Machine:
+    """One host as the baselines see it: its type and each GPU's free milli-GPUs."""
+
+    name: str
+    type: str  # the GPUs' NVML name
+    gib: int  # each GPU's memory
+    free: list[int] = field(default_factory=list)
+
+
+def _weighted(text: str) -> list[tuple[list[str], float]]:
+    out = []
+    for part in text.split(","):
+        *values, weight = part.split(":")
+        out.append((values, float(weight)))
+    return out
+
+
+def _draw(rng: random.Random, weighted: list[tuple[list[str], float]]) -> list[str]:
+    return rng.choices([v for v, _ in weighted], weights=[w for _, w in weighted])[0]
+
+
+def make_fleet(rng: random.Random, hosts: int, sizes: str, types: str) -> list[Machine]:
+    size_w, type_w = _weighted(sizes), _weighted(types)
+    machines = []
+    for h in range(hosts):
+        (n,), (name, gib) = _draw(rng, size_w), _draw(rng, type_w)
+        machines.append(Machine(f"host-{h:05d}", name, int(gib), [UNIT] * int(n)))
+    return machines
+
+
+def make_requests(
+    rng: random.Random, fleet: Sequence[Machine], mix: str, typed: float, arrive: float
+) -> list[Request]:
+    """Requests until `arrive` x the fleet's GPUs were asked for. A typed request names one
+    GPU type, drawn in proportion to the type's GPUs, or (one in five) that type or another."""
+    kinds = _weighted(mix)
+    gpus_by_type: dict[str, int] = {}
+    for m in fleet:
+        gpus_by_type[m.type] = gpus_by_type.get(m.type, 0) + len(m.free)
+    names = sorted(gpus_by_type)
+    capacity = sum(gpus_by_type.values()) * UNIT
+    requests: list[Request] = []
+    asked = 0
+    while asked < arrive * capacity:
+        (kind,) = _draw(rng, kinds)
+        accelerator: str | tuple[str, ...] | None = None
+        if rng.random() < typed:
+            picked = rng.choices(names, weights=[gpus_by_type[n] for n in names])[0]
+            accelerator = _short(picked)
+            if rng.random() < 0.2:
+                accelerator = (accelerator, _short(rng.choice(names)))
+        if kind == "share":
+            req = Request(0, round(rng.choice(SHARES) * UNIT), accelerator)
+        elif kind == "whole":
+            req = Request(1, 0, accelerator)
+        else:
+            req = Request(rng.choice((2, 4, 8)), 0, accelerator)
+        requests.append(req)
+        asked += req.amount
+    return requests
+
+
+def _short(name: str) -> str:
+    """The pattern a user writes for a GPU type: "Tesla V100-SXM2-16GB" -> "V100-16GB"."""
+    model = name.rsplit(maxsplit=1)[-1]
+    parts = model.split("-")
+    return "-".join([parts[0], parts[-1]]) if len(parts) > 2 else model
+
+
+# --- the baselines ----------------------------------------------------------------
+
+Choice = tuple[Machine, list[int]] | None  # a host and the indexes of its GPUs
+
+
+def _fits(m: Machine, r: Request) -> list[int]:
+    """The GPUs of `m` that could take (a part of) `r`."""
+    need = UNIT if r.gpus else r.share
+    return [i for i, f in enumerate(m.free) if f >= need]
+
+
+def first_fit(machines: Sequence[Machine], r: Request) -> Choice:
+    for m in machines:
+        fits = _fits(m, r)
+        if len(fits) >= max(r.gpus, 1):
+            return m, fits[: max(r.gpus, 1)]
+    return None
+
+
+def best_fit(machines: Sequence[Machine], r: Request) -> Choice:
+    best: Choice = None
+    best_key: tuple[int, int] | None = None
+    for m in machines:
+        fits = _fits(m, r)
+        if len(fits) < max(r.gpus, 1):
+            continue
+        if r.gpus:
+            key, chosen = (sum(m.free), 0), fits[: r.gpus]
+        else:
+            i = min(fits, key=lambda i: m.free[i])
+            key, chosen = (sum(m.free), m.free[i]), [i]
+        if best_key is None or key < best_key:
+            best, best_key = (m, chosen), key
+    return best
+
+
+class Fgd:
+    """Fragmentation gradient descent over a request mix of (share, count) shapes."""
+
+    def __init__(self, requests: Sequence[Request]) -> None:
+        shapes: dict[tuple[int, int], int] = {}
+        for r in requests:
+            key = (r.gpus, r.share)
+            shapes[key] = shapes.get(key, 0) + 1
+        self.mix = [(g, s, n / len(requests)) for (g, s), n in shapes.items()]
+        self.cache: dict[tuple[int, ...], float] = {}
+
+    def frag(self, free: tuple[int, ...]) -> float:
+        """A host's expected fragmentation: free milli-GPUs no request of the mix could use."""
+        found = self.cache.get(free)
+        if found is None:
+            found = 0.0
+            total = sum(free)
+            for gpus, share, p in self.mix:
+                if gpus:
+                    whole = sum(1 for f in free if f == UNIT)
+                    lost = total if whole < gpus else total - whole * UNIT
+                else:
+                    lost = sum(f for f in free if f < share)
+                found += p * lost
+            self.cache[free] = found
+        return found
+
+    def __call__(self, machines: Sequence[Machine], r: Request) -> Choice:
+        best: Choice = None
+        best_delta = 0.0
+        for m in machines:
+            fits = _fits(m, r)
+            if len(fits) < max(r.gpus, 1):
+                continue
+            before = self.frag(tuple(sorted(m.free)))
+            seen: set[int] = set()
+            options = [fits[: r.gpus]] if r.gpus else [[i] for i in fits]
+            for chosen in options:
+                if not r.gpus and m.free[chosen[0]] in seen:
+                    continue  # GPUs with equal free room place alike
+                seen.add(m.free[chosen[0]])
+                after = list(m.free)
+                for i in chosen:
+                    after[i] -= UNIT if r.gpus else r.share
+                delta = self.frag(tuple(sorted(after))) - before
+                if best is None or delta < best_delta:
+                    best, best_delta = (m, chosen), delta
+        return best
+
+
+# --- replay -------------------------------------------------------------------------
+
+
+def replay_baseline(
+    machines: list[Machine],
+    requests: Sequence[Request],
+    choose: Callable[[Sequence[Machine], Request], Choice],
+) -> dict[str, float]:
+    capacity = sum(len(m.free) for m in machines) * UNIT
+    by_family: dict[object, list[Machine]] = {}
+    allocated, first_refusal, times = 0, None, []
+    for r in requests:
+        allowed = by_family.get(r.accelerator)
+        if allowed is None:
+            allowed = by_family[r.accelerator] = [
+                m for m in machines if accelerators.matches(m.type, r.accelerator)
+            ]
+        start = time.perf_counter()
+        choice = choose(allowed, r)
+        times.append((time.perf_counter() - start) * 1000)
+        if choice is None:
+            first_refusal = allocated if first_refusal is None else first_refusal
+            continue
+        m, chosen = choice
+        for i in chosen:
+            m.free[i] -= UNIT if r.gpus else r.share
+            assert m.free[i] >= 0
+        allocated += r.amount
+    return _figures(allocated, first_refusal, capacity, times)
+
+
+def replay_default(machines: Sequence[Machine], requests: Sequence[Request]) -> dict[str, float]:
+    gpus: dict[str, Gpu] = {}
+    for m in machines:
+        for i in range(len(m.free)):
+            gpu_id, worker = f"{m.name}/{i}", f"w-{m.name}"
+            gpus[gpu_id] = Gpu(gpu_id, m.name, i, m.type, m.gib * GiB, 0, worker, worker, 2**62)
+    hosts = {m.name: Host(m.name) for m in machines}
+    view = LiveView(Snapshot(gpus=gpus, deployments={}, hosts=hosts, now_ms=1))
+    capacity = len(gpus) * UNIT
+    rng = random.Random(0)
+    allocated, first_refusal, times = 0, None, []
+    for n, r in enumerate(requests):
+        demand = Demand(
+            f"m{n}",
+            gpus=float(r.gpus) if r.gpus else r.share / UNIT,
+            accelerator=r.accelerator,
+            dedicated=True,
+        )
+        start = time.perf_counter()
+        try:
+            plan = plan_replica(demand, view.snap, rng=rng)
+        except PlacementError:
+            times.append((time.perf_counter() - start) * 1000)
+            first_refusal = allocated if first_refusal is None else first_refusal
+            continue
+        times.append((time.perf_counter() - start) * 1000)
+        view.apply(plan)
+        allocated += r.amount
+    return _figures(allocated, first_refusal, capacity, times)
+
+
+def _figures(
+    allocated: int, first_refusal: int | None, capacity: int, times: list[float]
+) -> dict[str, float]:
+    cuts = statistics.quantiles(times, n=100)
+    return {
+        "first_refusal_alloc": round(
+            (allocated if first_refusal is None else first_refusal) / capacity, 4
+        ),
+        "end_alloc": round(allocated / capacity, 4),
+        "plan_p50_ms": round(statistics.median(times), 4),
+        "plan_p99_ms": round(cuts[98], 4),
+        "decisions": len(times),
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hosts", type=int, default=1200)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--host-sizes", default="2:30,4:25,8:45", help="GPUs:weight,...")
+    parser.add_argument("--types", default=TYPES, help="NVML name:GiB:weight,...")
+    parser.add_argument("--mix", default="share:45,whole:55,multi:1", help="kind:weight,...")
+    parser.add_argument("--typed", type=float, default=0.3, help="share of typed requests")
+    parser.add_argument("--arrive", type=float, default=1.3, help="capacity asked for, x fleet")
+    parser.add_argument("--policies", default="default,first-fit,best-fit,fgd")
+    args = parser.parse_args(argv)
+
+    rng = random.Random(args.seed)
+    fleet = make_fleet(rng, args.hosts, args.host_sizes, args.types)
+    capacity = sum(len(m.free) for m in fleet) * UNIT
+    requests = make_requests(rng, fleet, args.mix, args.typed, args.arrive)
+    policies: dict[str, dict[str, float]] = {}
+    for name in args.policies.split(","):
+        machines = [Machine(m.name, m.type, m.gib, list(m.free)) for m in fleet]
+        if name == "default":
+            policies[name] = replay_default(machines, requests)
+        else:
+            choose = {"first-fit": first_fit, "best-fit": best_fit, "fgd": Fgd(requests)}[name]
+            policies[name] = replay_baseline(machines, requests, choose)
+    baselines = [p for n, p in policies.items() if n != "default"]
+    out = {
+        "hosts": args.hosts,
+        "gpus": capacity // UNIT,
+        "seed": args.seed,
+        "requests": len(requests),
+        "policies": policies,
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+        },
+    }
+    if "default" in policies and baselines:
+        d = policies["default"]
+        out["default_vs_best_baseline"] = {
+            key: round(d[key] - max(b[key] for b in baselines), 4)
+            for key in ("first_refusal_alloc", "end_alloc")
+        }
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,168 @@
+"""Free room by host and GPU type: how the policy finds candidates without visiting every GPU.
+
+The policy scans groups, not GPUs. A group is the live GPUs of one host that share a
+name and a size; a fleet of 6,200 GPUs on 1,200 hosts is about 1,200 groups. Each
+keeps its GPUs' free bytes sorted, so the tightest GPU that takes a slot is one
+bisection away, and how much each could offer after evicting its idle replicas (its
+reach), so groups that cannot help are skipped at once.
+
+A host's room is the sum of its live GPUs' free shares (free / total): rooms compare
+across GPU sizes. Shares are floats and only rank candidates; admission is decided in
+whole bytes.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, insort
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from placement import accelerators
+from placement.accelerators import Accelerator
+from placement.state import Deployment, Gpu
+
+
+@dataclass
+class Group:
+    """The live GPUs of one host that share a name and a size."""
+
+    host: str
+    name: str
+    total: int
+    gpus: dict[str, Gpu] = field(default_factory=dict)
+    frees: list[int] = field(default_factory=list)  # each GPU's free bytes, ascending
+    reaches: dict[str, int] = field(default_factory=dict)  # free + idle evictable bytes
+    max_reach: int = 0
+    idle: set[str] = field(default_factory=set)  # GPUs with idle replicas to evict
+
+    @property
+    def max_free(self) -> int:
+        return self.frees[-1] if self.frees else 0
+
+    def tightest(self, need: int) -> int | None:
+        """The fewest free bytes of a GPU here that has at least `need` free, or None."""
+        i = bisect_left(self.frees, need)
+        return self.frees[i] if i < len(self.frees) else None
+
+    def with_free(self, free: int) -> list[Gpu]:
+        """This group's GPUs with exactly `free` bytes free."""
+        return [g for g in self.gpus.values() if g.free == free]
+
+    def put(self, gpu: Gpu, reach: int) -> None:
+        old = self.gpus.get(gpu.id)
+        if old is not None:
+            del self.frees[bisect_left(self.frees, old.free)]
+        self.gpus[gpu.id] = gpu
+        insort(self.frees, gpu.free)
+        self.reaches[gpu.id] = reach
+        self.max_reach = max(self.reaches.values())
+        if reach > gpu.free:
+            self.idle.add(gpu.id)
+        else:
+            self.idle.discard(gpu.id)
+
+
+Layout = tuple[tuple[str, int, tuple[int, ...]], ...]  # per group: name, total, frees
+
+
+@dataclass
+class Shape:
+    """Hosts alike in every live GPU's type, size and free bytes: one candidate of the
+    search, however many hosts share it (a large fleet has far fewer shapes than hosts)."""
+
+    layout: Layout
+    room: float
+    hosts: list[str] = field(default_factory=list)
+    _at: dict[str, int] = field(default_factory=dict)
+
+    def add(self, host: str) -> None:
+        self._at[host] = len(self.hosts)
+        self.hosts.append(host)
+
+    def remove(self, host: str) -> None:
+        i = self._at.pop(host)
+        last = self.hosts.pop()
+        if last != host:
+            self.hosts[i], self._at[last] = last, i
+
+
+class RoomIndex:
+    """The groups of one snapshot's live GPUs, with each host's room and shape."""
+
+    def __init__(
+        self, gpus: Iterable[Gpu], by_gpu: Mapping[str, Sequence[Deployment]], now_ms: int
+    ) -> None:
+        self.groups: dict[tuple[str, str, int], Group] = {}
+        self.by_host: dict[str, list[Group]] = {}
+        self.room: dict[str, float] = {}
+        self.type_room: dict[str, float] = {}  # GPU name -> summed free shares of its GPUs
+        self.type_gpus: dict[str, int] = {}
+        self.workers: set[str] = set()
+        self.shapes: dict[Layout, Shape] = {}
+        self.shape_of: dict[str, Shape] = {}
+        self._matching: dict[Accelerator, list[Group]] = {}
+        self._names: dict[Accelerator, frozenset[str]] = {}
+        for gpu in gpus:
+            if gpu.alive(now_ms):
+                self.workers.add(gpu.worker)
+                self.put(gpu, _evictable(gpu, by_gpu.get(gpu.id, ())))
+
+    def put(self, gpu: Gpu, evictable: int) -> None:
+        """Add or update one live GPU, with the bytes its idle replicas could free."""
+        key = (gpu.host, gpu.name, gpu.total)
+        group = self.groups.get(key)
+        if group is None:
+            group = self.groups[key] = Group(gpu.host, gpu.name, gpu.total)
+            self.by_host.setdefault(gpu.host, []).append(group)
+            self._matching.clear()
+            self._names.clear()
+        old = group.gpus.get(gpu.id)
+        before = old.free / old.total if old is not None else 0.0
+        if old is None:
+            self.type_gpus[gpu.name] = self.type_gpus.get(gpu.name, 0) + 1
+        self.type_room[gpu.name] = self.type_room.get(gpu.name, 0.0) - before + gpu.free / gpu.total
+        group.put(gpu, gpu.free + evictable)
+        self._reshape(gpu.host)
+
+    def _reshape(self, host: str) -> None:
+        groups = self.by_host[host]
+        layout = tuple(sorted((g.name, g.total, tuple(g.frees)) for g in groups))
+        old = self.shape_of.get(host)
+        if old is not None:
+            if old.layout == layout:
+                return
+            old.remove(host)
+            if not old.hosts:
+                del self.shapes[old.layout]
+        shape = self.shapes.get(layout)
+        if shape is None:
+            # summed from the layout, so equal hosts have equal rooms however they got there
+            room = sum(f / total for _, total, frees in layout for f in frees)
+            shape = self.shapes[layout] = Shape(layout, room)
+        shape.add(host)
+        self.shape_of[host] = shape
+        self.room[host] = shape.room
+
+    def type_free(self, name: str) -> float:
+        """The share of GPU type `name`'s capacity that is free, 0 to 1."""
+        return self.type_room[name] / self.type_gpus[name]
+
+    def names(self, accelerator: Accelerator) -> frozenset[str]:
+        """The GPU names in the fleet that `accelerator` allows."""
+        found = self._names.get(accelerator)
+        if found is None:
+            found = frozenset(g.name for g in self.matching(accelerator))
+            self._names[accelerator] = found
+        return found
+
+    def matching(self, accelerator: Accelerator) -> list[Group]:
+        """The groups whose GPU type `accelerator` allows."""
+        found = self._matching.get(accelerator)
+        if found is None:
+            found = [g for g in self.groups.values() if accelerators.matches(g.name, accelerator)]
+            self._matching[accelerator] = found
+        return found
+
+
+def _evictable(gpu: Gpu, replicas: Iterable[Deployment]) -> int:
+    return sum(d.gpus[gpu.id] for d in replicas if d.evictable)

@@ -1,0 +1,164 @@
+"""Packing at fleet scale: exact shares, GPU types, host-aware fit, and the live view."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from dataclasses import replace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from placement import accelerators
+from placement.errors import CantAccommodateError
+from placement.live import LiveView
+from placement.policy import plan_replica
+from placement.room import RoomIndex
+from placement.state import Demand, Gpu, Level
+from tests.fleets import GiB, fleet, gpu, hot
+
+# --- exact arithmetic ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("total", [10**9 + 7, 80 * GiB, 24 * GiB - 1])
+def test_shares_that_add_up_to_one_gpu_both_fit_on_it(total: int) -> None:
+    view = LiveView(fleet([gpu("g", total)]))
+    for n, share in enumerate((0.47, 0.53)):
+        plan = plan_replica(Demand(f"m{n}", gpus=share, dedicated=True), view.snap)
+        view.apply(plan)
+    assert view.snap.gpus["g"].reserved <= total
+    assert total - view.snap.gpus["g"].reserved < 2  # each share rounds down by under a byte
+    with pytest.raises(CantAccommodateError, match=r"the most any has free now is [01] B"):
+        plan_replica(Demand("more", gpus=0.01), view.snap)
+
+
+# --- GPU types -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("pattern", "name", "matches"),
+    [
+        ("A10", "NVIDIA A10", True),
+        ("A10", "NVIDIA A100-SXM4-80GB", False),
+        ("L4", "NVIDIA L4", True),
+        ("L4", "NVIDIA L40S", False),
+        ("H100", "NVIDIA H100 80GB HBM3", True),
+        ("h100-80gb", "NVIDIA H100 80GB HBM3", True),
+        ("A100 80 GB", "NVIDIA A100-SXM4-80GB", True),
+        ("A100-40GB", "NVIDIA A100-SXM4-80GB", False),
+        (("V100-16GB", "V100-32GB"), "Tesla V100-SXM2-32GB", True),
+        (("V100-16GB", "V100-32GB"), "Tesla V100S-PCIE-32GB", False),
+    ],
+)
+def test_a_gpu_type_matches_whole_tokens_of_the_gpu_name(
+    pattern: str | tuple[str, ...], name: str, matches: bool
+) -> None:
+    assert accelerators.matches(name, pattern) is matches
+
+
+def test_a_demand_may_name_several_gpu_types_and_lands_only_on_those() -> None:
+    snap = fleet(
+        [
+            gpu("a10", 24 * GiB, host="h0", name="NVIDIA A10"),
+            gpu("a100", 80 * GiB, host="h1", name="NVIDIA A100-SXM4-80GB"),
+            gpu("l40s", 48 * GiB, host="h2", name="NVIDIA L40S"),
+        ]
+    )
+    demand = Demand("m", gpus=1.0, accelerator=("A10", "L40S"))
+    landed = {next(iter(plan_replica(demand, snap, rng=random.Random(s)).gpus)) for s in range(40)}
+    assert landed == {"a10", "l40s"}
+    with pytest.raises(CantAccommodateError, match="of type 'L4' or 'A100-40GB'"):
+        plan_replica(Demand("m", gpus=1.0, accelerator=("L4", "A100-40GB")), snap)
+
+
+# --- host-aware fit -------------------------------------------------------------------
+
+
+def test_whole_gpu_requests_fill_partly_used_hosts_before_empty_ones() -> None:
+    gpus = [
+        gpu(f"{h}-{i}", 16 * GiB, host=h, index=i) for h in ("h0", "h1", "h2") for i in range(4)
+    ]
+    used = hot("old", "old", {"h1-0": 16 * GiB}, host="h1", dedicated=True)
+    view = LiveView(fleet(gpus, [used]))
+    placed = []
+    for n in range(3):
+        plan = plan_replica(Demand(f"w{n}", gpus=1.0, dedicated=True), view.snap)
+        view.apply(plan)
+        placed.append(plan.host)
+    assert placed == ["h1", "h1", "h1"]  # h1 is full before an empty host is opened
+    four = plan_replica(Demand("big", gpus=4.0), view.snap)
+    assert four.host in {"h0", "h2"} and len(four.gpus) == 4
+
+
+def test_a_share_fills_a_gpu_in_use_before_it_opens_an_empty_one() -> None:
+    gpus = [gpu("h0-0", 16 * GiB, host="h0"), gpu("h1-0", 16 * GiB, host="h1")]
+    gpus += [gpu(f"h1-{i}", 16 * GiB, host="h1", index=i) for i in range(1, 4)]
+    half = hot("half", "half", {"h1-3": 8 * GiB}, host="h1", dedicated=True)
+    for seed in range(20):
+        plan = plan_replica(Demand("s", gpus=0.25), fleet(gpus, [half]), rng=random.Random(seed))
+        assert set(plan.gpus) == {"h1-3"}  # not h0's lone empty GPU, nor h1's empty ones
+
+
+def test_ties_between_equal_hosts_are_broken_at_random_not_by_index() -> None:
+    gpus = [gpu(f"h{h}", 16 * GiB, host=f"h{h}") for h in range(4)]
+    picks = Counter(
+        plan_replica(Demand("m", gpus=1.0), fleet(gpus), rng=random.Random(s)).host
+        for s in range(400)
+    )
+    assert set(picks) == {"h0", "h1", "h2", "h3"}
+    assert min(picks.values()) > 50
+
+
+# --- the live view and its indexes --------------------------------------------------
+
+TYPES = ("NVIDIA A100-SXM4-80GB", "NVIDIA A10", "Tesla T4")
+requests = st.lists(
+    st.tuples(
+        st.sampled_from([0.1, 0.25, 0.5, 0.75, 1.0, 1.0, 2.0, 4.0]),
+        st.sampled_from([None, "A100", "A10", ("A10", "T4")]),
+    ),
+    min_size=1,
+    max_size=40,
+)
+
+
+@st.composite
+def host_fleets(draw: st.DrawFn) -> list[Gpu]:
+    gpus = []
+    for h in range(draw(st.integers(1, 6))):
+        name = draw(st.sampled_from(TYPES))
+        for i in range(draw(st.sampled_from([1, 2, 4, 8]))):
+            gpus.append(gpu(f"h{h}-{i}", 16 * GiB, host=f"h{h}", name=name, index=i))
+    return gpus
+
+
+def _room(index: RoomIndex) -> tuple[object, ...]:
+    shapes = sorted((s.layout, round(s.room, 9), sorted(s.hosts)) for s in index.shapes.values())
+    groups = sorted((k, sorted(g.frees), g.max_reach) for k, g in index.groups.items())
+    return shapes, groups, {h: round(r, 9) for h, r in index.room.items()}
+
+
+@settings(max_examples=150, deadline=None)
+@given(gpus=host_fleets(), asks=requests, seed=st.integers(0, 2**16))
+def test_placing_in_turn_never_overcommits_a_gpu_nor_splits_a_replica_over_hosts(
+    gpus: list[Gpu], asks: list[tuple[float, str | tuple[str, ...] | None]], seed: int
+) -> None:
+    view = LiveView(fleet(gpus))
+    rng = random.Random(seed)
+    for n, (share, accelerator) in enumerate(asks):
+        demand = Demand(f"m{n}", gpus=share, accelerator=accelerator, dedicated=True)
+        try:
+            plan = plan_replica(demand, view.snap, rng=rng)
+        except CantAccommodateError:
+            continue
+        placed = [view.snap.gpus[g] for g in plan.gpus]
+        assert len({g.host for g in placed}) == 1
+        assert all(accelerators.matches(g.name, accelerator) for g in placed)
+        assert len(placed) == max(1, int(share))
+        view.apply(plan)
+        assert all(g.reserved <= g.total for g in view.snap.gpus.values())
+        assert view.snap.deployments[plan.replica].level is Level.LOADING
+    empty = [replace(g, reserved=0, held=0) for g in view.snap.gpus.values()]
+    fresh = fleet(empty, view.snap.deployments.values())
+    assert _room(view.snap.room) == _room(fresh.room)  # kept current, not drifted
