@@ -1,11 +1,19 @@
-"""Kombu's Redis transport, without its window for losing a message when Redis dies.
+"""Kombu's Redis transport, without its windows for losing a message when Redis dies.
 
 Kombu takes a message with BRPOP and records it as unacknowledged in a second round
-trip. When Redis dies between the two (a crash, SIGKILL, the OOM killer), the message is
-in neither place: only the consumer holds it, and the consumer drops it as it reconnects.
-Here the consumer puts such a message back at the head of its queue once Redis answers
-again, so a broker crash costs a redelivery, never a call. Every gpufleet process uses
-this transport (`broker_transport` in `tasks.config`); clients need nothing.
+trip. Two gaps lie between, and a Redis crash (SIGKILL, the OOM killer) in either loses
+the message, which is then in neither place:
+
+- the unacked record fails: only the consumer holds the message, and drops it as it
+  reconnects. Here it puts the message back at the head of its queue once Redis answers
+  again (`QoS.append`);
+- the BRPOP reply arrives when the consumer has no prefetch credit left (Celery lowers
+  the prefetch count as countdown tasks run): kombu leaves the reply unread in the
+  socket until credit returns, and a reconnect throws it away. Here the reply is read at
+  once, one message past the prefetch count, and recorded as unacked (`Poller`).
+
+So a broker crash costs a redelivery, never a call. Every gpufleet process uses this
+transport (`broker_transport` in `tasks.config`); clients need nothing.
 
 What remains: Redis killed after it ran the BRPOP but before its reply left the server
 (microseconds, against a Python round trip here).
@@ -70,7 +78,26 @@ class Channel(kombu_redis.Channel):
     QoS = QoS
 
 
+class Poller(kombu_redis.MultiChannelPoller):
+    """Reads every BRPOP reply as it arrives: a message Redis has popped is safe once
+    recorded as unacked, not while it waits in a socket buffer."""
+
+    def _pause_brpop(self, channel: Any, fileno: int) -> None:
+        return  # kombu would stop reading a reply that may hold a popped message
+
+    def on_readable(self, fileno: int) -> None:
+        found = self._fd_to_chan.get(fileno)
+        if found is not None and found[1] == "BRPOP" and found[0]._in_poll:
+            found[0].handlers["BRPOP"]()  # even without credit: see the module docstring
+            return
+        super().on_readable(fileno)  # type: ignore[no-untyped-call]
+
+
 class Transport(kombu_redis.Transport):
-    """`redis://` and `rediss://` as kombu serves them, with `QoS.append` above."""
+    """`redis://` and `rediss://` as kombu serves them, with `QoS` and `Poller` above."""
 
     Channel = Channel
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[no-untyped-call]
+        self.cycle = Poller()  # type: ignore[no-untyped-call,assignment]

@@ -1,11 +1,14 @@
 """The broker transport gives back a message it took as Redis died: a crash loses no call.
 
-A real redis-server with an append-only file, killed (SIGKILL) at the one moment kombu's
-own transport loses a message: after BRPOP took it, before it was recorded as unacked.
+A real redis-server with an append-only file, killed (SIGKILL) at the moments kombu's own
+transport loses a message: after BRPOP took it, before it was recorded as unacked.
 """
 
 from __future__ import annotations
 
+import base64
+import contextlib
+import json
 import os
 import signal
 import threading
@@ -91,3 +94,32 @@ def test_a_message_taken_as_redis_dies_is_first_in_its_queue_again_after_the_res
             while len(received) < 2:
                 conn.drain_events(timeout=10)
         assert received == [({"n": 1}, True), ({"n": 2}, False)]  # back first in line
+
+
+def test_a_message_popped_while_the_consumer_has_no_prefetch_credit_is_recorded_at_once(
+    tmp_path: Path,
+) -> None:
+    with RedisServer(data_dir=tmp_path / "redis") as server:
+        _publish(server.url, {"n": 1})
+        seen: list[Any] = []
+        with (
+            Connection(server.url, transport=Transport) as conn,
+            conn.Consumer(
+                WORK, callbacks=[lambda body, _m: seen.append(body)], prefetch_count=2
+            ) as consumer,
+        ):
+            conn.drain_events(timeout=5)  # n=1 taken and held: one credit left
+            with pytest.raises(TimeoutError):
+                conn.drain_events(timeout=0.3)  # leaves a BRPOP waiting on the empty queue
+            consumer.qos(prefetch_count=1)  # as Celery lowers it when a countdown task runs
+            _publish(server.url, {"n": 2})  # Redis pops it into the waiting BRPOP's reply
+            with contextlib.suppress(TimeoutError):
+                conn.drain_events(timeout=1)
+            os.kill(server.pid, signal.SIGKILL)
+            server.restart()
+        client = _wait_back(server.url)
+        payloads = [json.loads(raw)[0] for raw in client.hvals("unacked")]
+        payloads += [json.loads(raw) for raw in client.lrange("work", 0, -1)]
+        held = sorted((json.loads(base64.b64decode(p["body"])) for p in payloads), key=str)
+        assert seen == [{"n": 1}, {"n": 2}]  # read at once, one past the credit
+        assert held == [{"n": 1}, {"n": 2}]  # and recorded: the crash lost neither
