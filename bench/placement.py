@@ -34,9 +34,10 @@ divided by S, and percentiles are over the same operations):
   re-read per commit is the router's miss path, measured by ``place_*``. Only accepted
   commits count in ``commits_per_s``; latency is of the `commit` call alone (accepted
   and rejected). ``plan_*`` is the pure policy time, ``evict*`` the eviction and its settle.
-* ``place_*``: one client running the whole miss path, `Registry.place` (snapshot,
-  plan, commit), each followed by an unmeasured eviction. ``place_per_s`` is
-  1000 / mean place latency: what one sequential client sustains on place calls.
+* ``place_*``: one client running the whole miss path, `Registry.place` (its view of
+  the ledger brought up to date from the events stream, plan, commit), each followed by
+  an unmeasured eviction; ``place_full_reads`` counts the whole-ledger reads among them.
+  ``place_per_s`` is 1000 / mean place latency: what one sequential client sustains.
 
 Also reported per phase (``cpu``): the cores used during the measured window by
 redis-server (``INFO cpu``), by the client processes (their process time), by the
@@ -44,8 +45,9 @@ whole machine (/proc/stat) and by anything else (``other_cores``, which should b
 about 0; a warning is logged when it is not), and the server's own microseconds per
 script call and per snapshot MULTI/EXEC (``INFO commandstats``). With the server and
 the clients on the same few cores, these tell whether Redis, the Python clients or
-the machine limits a figure. ``targets`` compares against the 2-core goals
-(>= 5,000 commits/s, >= 20,000 picks/s, p99 < 5 ms, for 8 clients on 64 GPUs).
+the machine limits a figure. ``targets`` compares against goals relative to the same
+run's ``evalsha_per_s``: picks >= 0.4x and commits >= 0.2x of it (0.1x from 1,000 GPUs),
+and p99 <= 5 ms for picks, commits and one client's ``place``.
 
 """
 
@@ -99,7 +101,11 @@ GPU_NAME = "NVIDIA H100 80GB HBM3"
 WORKER_LEASE_MS = 24 * 3600 * 1000
 BARRIER_TIMEOUT_S = 600.0
 #: What the 2-core target run (8 clients, 64 GPUs) should reach.
-TARGETS = {"commits_per_s": 5_000, "picks_per_s": 20_000, "p99_ms": 5.0}
+#: Goals relative to the same run's plain EVALSHA rate (issue #10 restated issue #2's
+#: absolute ones, which Python clients on 2 cores cannot reach): picks and commits at 8
+#: clients on 64 GPUs, commits at 1,000 GPUs, and the miss path's p99 for one client.
+TARGETS = {"picks_vs_evalsha": 0.4, "commits_vs_evalsha": 0.2, "commits_vs_evalsha_1000": 0.1}
+P99_MS = 5.0
 
 
 # --- configuration ------------------------------------------------------------------
@@ -544,8 +550,10 @@ def measure_place(bench: Bench) -> dict[str, Any]:
         drop(registry, plan)
         return t0, t1
 
+    reads = registry.follower.full_reads
     ms = measure_single(bench, "place", step)
     return {
+        "place_full_reads": registry.follower.full_reads - reads,  # the rest followed events
         "place_per_s": round(1000.0 * len(ms) / sum(ms), 1) if ms else None,
         "place_p50_ms": percentile(ms, 0.5),
         "place_p99_ms": percentile(ms, 0.99),
@@ -736,12 +744,16 @@ def report(
         **place,
         "preload_s": round(fleet["preload_s"], 1),
     }
-    p99 = TARGETS["p99_ms"]
+    evalsha = out["evalsha_per_s"]
+    commits_goal = "commits_vs_evalsha" if cfg.gpus < 1000 else "commits_vs_evalsha_1000"
     out["targets"] = {
-        "commits_per_s>=5000": out["commits_per_s"] >= TARGETS["commits_per_s"],
-        "picks_per_s>=20000": out["picks_per_s"] >= TARGETS["picks_per_s"],
-        "commit_p99_ms<5": out["commit_p99_ms"] is not None and out["commit_p99_ms"] < p99,
-        "pick_p99_ms<5": out["pick_p99_ms"] is not None and out["pick_p99_ms"] < p99,
+        f"picks_per_s>={TARGETS['picks_vs_evalsha']}x_evalsha": out["picks_per_s"]
+        >= TARGETS["picks_vs_evalsha"] * evalsha,
+        f"commits_per_s>={TARGETS[commits_goal]}x_evalsha": out["commits_per_s"]
+        >= TARGETS[commits_goal] * evalsha,
+        "place_p99_ms<=5": out["place_p99_ms"] is not None and out["place_p99_ms"] <= P99_MS,
+        "commit_p99_ms<5": out["commit_p99_ms"] is not None and out["commit_p99_ms"] < P99_MS,
+        "pick_p99_ms<5": out["pick_p99_ms"] is not None and out["pick_p99_ms"] < P99_MS,
     }
     return out
 

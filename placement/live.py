@@ -1,10 +1,11 @@
 """A view of the fleet kept current in place: plan, commit, plan again without re-reading.
 
 A `Snapshot` never changes, so each new one rebuilds its indexes in time proportional
-to the fleet. A `LiveView` owns one snapshot and applies each committed plan to it and
-to its indexes in time proportional to the plan: the GPUs and replicas it touched. The
-packing benchmark places thousands of replicas this way; the effects are those of
-`placement.ledger.commit` (and so of commit.lua).
+to the fleet. A `LiveView` owns one snapshot and changes it and its indexes in time
+proportional to the change: `apply` commits a plan in memory, with the effects of
+`placement.ledger.commit` (and so of commit.lua), as the packing benchmark does;
+`update` replaces records read again from Redis, as `placement.follow` does for the
+router.
 
 The view's snapshot changes under whoever holds it; pass `view.snap` to the policy and
 keep no other reference to it.
@@ -12,10 +13,10 @@ keep no other reference to it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from placement.ledger import Draft, commit
-from placement.state import RESERVING, Candidate, Deployment, Level, Plan, Snapshot
+from placement.state import RESERVING, Candidate, Deployment, Gpu, Host, Level, Plan, Snapshot
 
 
 class LiveView:
@@ -37,7 +38,28 @@ class LiveView:
         after = [self._draft.deps[r] for r in touched]
         self._reindex([d for d in before if d is not None], after)
 
-    def _reindex(self, before: list[Deployment], after: list[Deployment]) -> None:
+    def update(
+        self,
+        deployments: Mapping[str, Deployment | None],
+        gpus: Mapping[str, Gpu] | None = None,
+        hosts: Mapping[str, Host] | None = None,
+    ) -> None:
+        """Replace records read again from the registry (None: the record is gone)."""
+        draft = self._draft
+        gpus, hosts = gpus or {}, hosts or {}
+        before = [d for r in deployments if (d := draft.deps.get(r)) is not None]
+        for replica, dep in deployments.items():
+            if dep is None:
+                draft.deps.pop(replica, None)
+            else:
+                draft.deps[replica] = dep
+        draft.gpus.update({g: gpu for g, gpu in gpus.items() if g in draft.gpus})
+        draft.hosts.update(hosts)
+        self._reindex(before, [d for d in deployments.values() if d is not None], gpus)
+
+    def _reindex(
+        self, before: list[Deployment], after: list[Deployment], gpus: Iterable[str] = ()
+    ) -> None:
         snap = self.snap
         by_gpu: dict[str, list[Deployment]] = snap.by_gpu  # type: ignore[assignment]
         by_model: dict[str, list[Deployment]] = snap.by_model  # type: ignore[assignment]
@@ -54,9 +76,11 @@ class LiveView:
             if d.level in RESERVING:
                 for gpu_id in d.gpus:
                     by_gpu.setdefault(gpu_id, []).append(d)
-        gpus = {g for d in (*before, *after) for g in d.gpus}
-        for gpu_id in gpus:
-            gpu = snap.gpus[gpu_id]
+        touched = {g for d in (*before, *after) for g in d.gpus} | set(gpus)
+        for gpu_id in touched:
+            gpu = snap.gpus.get(gpu_id)
+            if gpu is None:
+                continue
             if gpu.alive(snap.now_ms):
                 idle = sum(d.gpus[gpu_id] for d in by_gpu.get(gpu_id, ()) if d.evictable)
                 snap.room.put(gpu, idle)

@@ -28,6 +28,7 @@ from placement.errors import (
     RegistryError,
     SettlingError,
 )
+from placement.follow import Follower
 from placement.keys import KeyList
 from placement.membership import Membership
 from placement.policy import plan_offload, plan_replica
@@ -82,6 +83,7 @@ class Registry(Membership):
     ) -> None:
         super().__init__(client, fleet, settings=settings, events_maxlen=events_maxlen)
         self._replicas: dict[str, tuple[list[str], list[str]]] = {}  # fast-path cache
+        self.follower = Follower(self)  # the miss path's view of the ledger
 
     def sweep(self) -> dict[str, list[str]]:
         """Housekeeping to run periodically: reap expired workers, and finish the drains
@@ -106,12 +108,18 @@ class Registry(Membership):
         are read in one MULTI/EXEC, which Redis runs atomically. If a set changed
         between the two reads the snapshot is taken again.
         """
+        return self.snapshot_at()[0]
+
+    def snapshot_at(self) -> tuple[Snapshot, str]:
+        """`snapshot()`, with the id of the last event it includes ("0-0" for none): the
+        point from which `placement.follow` keeps it current."""
         k = self.keys
         sets = (k.gpus, k.deployments, k.hosts, k.workers)
         ids = [sorted(m) for m in self._read([("smembers", s) for s in sets])]
         for _ in range(16):
             gpu_ids, replicas, hosts, workers = ids
             cmds: list[tuple[Any, ...]] = [("time",), ("hgetall", k.learned), ("hgetall", k.active)]
+            cmds += [("xrevrange", k.events, "+", "-", 1)]
             cmds += [("smembers", s) for s in sets]
             cmds += [("hgetall", k.gpu(g)) for g in gpu_ids]
             cmds += [("hgetall", k.deployment(r)) for r in replicas]
@@ -122,6 +130,8 @@ class Registry(Membership):
             rows = iter(self._read(cmds, atomic=True))
             sec, usec = next(rows)
             learned, active = next(rows), next(rows)
+            last = next(rows)
+            cursor = str(last[0][0]) if last else "0-0"
             now_ids = [sorted(next(rows)) for _ in sets]
             if now_ids != ids:
                 ids = now_ids
@@ -147,7 +157,7 @@ class Registry(Membership):
                 found = records.report(w, holds, at)
                 if found is not None:
                     reports[w] = found
-            return Snapshot(
+            snap = Snapshot(
                 gpus={g: v for g, v in gpus.items() if v.total},
                 deployments=deployments,
                 hosts=host_map,
@@ -157,6 +167,7 @@ class Registry(Membership):
                 reports=reports,
                 workers=deadlines,
             )
+            return snap, cursor
         raise RegistryError("the registry changed under 16 snapshot attempts in a row")
 
     # --- placement ----------------------------------------------------------
@@ -270,36 +281,36 @@ class Registry(Membership):
         deadline = time.monotonic() + settle_wait_s
         tries = 0
         while tries < attempts:
-            snap = self.snapshot()
-            if demand.learned is None and demand.model in snap.learned:
-                demand = replace(demand, learned=snap.learned[demand.model])
-            try:
-                plan = plan_replica(demand, snap, settings or self.settings, rng)
-            except SettlingError:
-                if time.monotonic() >= deadline:
-                    raise
-                self._wait_moved(snap, demand.model, deadline)
-                continue
-            tries += 1
-            if plan.candidate is Candidate.DEPLOYED:
-                return plan
-            try:
-                return self.commit(plan, snap, lease_id=lease_id)
-            except PlanRejectedError as exc:
-                last = exc
-                log.debug("plan for %s rejected: %s", demand.model, exc)
+            with self.follower.current() as snap:
+                if demand.learned is None and demand.model in snap.learned:
+                    demand = replace(demand, learned=snap.learned[demand.model])
+                try:
+                    plan = plan_replica(demand, snap, settings or self.settings, rng)
+                    tries += 1
+                    if plan.candidate is Candidate.DEPLOYED:
+                        return plan
+                    return self.commit(plan, snap, lease_id=lease_id)
+                except SettlingError:
+                    if time.monotonic() >= deadline:
+                        raise
+                    moving = {
+                        d.replica: d.level
+                        for d in snap.replicas(demand.model)
+                        if d.level in LEAVING or d.level is Level.DRAINING
+                    }
+                except PlanRejectedError as exc:
+                    last, moving = exc, {}
+                    log.debug("plan for %s rejected: %s", demand.model, exc)
+            if last is not None and not moving:
+                self.follower.invalidate()  # the view missed something: read it all
+            self._wait_moved(moving, deadline)
         raise PlanRejectedError(
             f"{demand.model}: the fleet changed under {attempts} plans in a row ({last})"
         )
 
-    def _wait_moved(self, snap: Snapshot, model: str, deadline: float) -> None:
-        """Until one of `model`'s draining or leaving replicas in `snap` changes level (its
+    def _wait_moved(self, moving: dict[str, Level], deadline: float) -> None:
+        """Until one of the `moving` (draining or leaving) replicas changes level (its
         worker settled it, its last call ended), or `deadline`: one small read per poll."""
-        moving = {
-            d.replica: d.level
-            for d in snap.replicas(model)
-            if d.level in LEAVING or d.level is Level.DRAINING
-        }
         while moving and time.monotonic() < deadline:
             now = self.levels(list(moving))
             if any(now.get(r) is not level for r, level in moving.items()):
