@@ -403,14 +403,15 @@ class Registry(Membership):
         (`wait_settled` waits for that), or WARM or COLD. `to=Level.COLD` forces a drop.
         """
         for _ in range(8):
-            snap = self._offload_view(replica)
-            dep = snap.deployments[replica]
             drops: tuple[str, ...] = ()
-            if to is Level.COLD:
+            if to is Level.COLD:  # no warm cache to plan for: the record alone will do
+                snap = Snapshot(gpus={}, deployments={replica: self._record(replica)}, hosts={})
                 target = Level.COLD
             else:
+                snap = self._offload_view(replica)
                 eviction, drops = plan_offload(replica, snap, settings or self.settings)
                 target = eviction.to
+            dep = snap.deployments[replica]
             k = self.keys
             keys = KeyList()
             payload = self._victim_ref(dep, keys) | {
@@ -435,15 +436,19 @@ class Registry(Membership):
                 return level
             time.sleep(0.01)
 
+    def _record(self, replica: str) -> Deployment:
+        dep = self.deployment(replica)
+        if dep is None:
+            raise RegistryError(f"no replica {replica} in the registry; see `gpufleet status`")
+        return dep
+
     def _offload_view(self, replica: str) -> Snapshot:
         """All an eviction needs to plan: the replica, its host's cache and the copies in it.
 
         Two small reads instead of a full snapshot; evict.lua re-checks what matters.
         """
         k = self.keys
-        dep = self.deployment(replica)
-        if dep is None:
-            raise RegistryError(f"no replica {replica} in the registry; see `gpufleet status`")
+        dep = self._record(replica)
         warm_ids = sorted(self._one("smembers", k.host_warm(dep.host))) if dep.host else []
         rows = self._read(
             [("hgetall", k.host(dep.host)), *(("hgetall", k.deployment(r)) for r in warm_ids)],
