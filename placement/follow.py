@@ -10,8 +10,10 @@ What the events do not carry makes the view stale, never wrong where it matters:
 `commit.lua` re-checks every plan against the live records, and a refused plan makes
 the next refresh a full read. Stale are request leases taken or ended since (a replica
 may look idle while busy, or busy while idle), a worker's lease renewals (GPUs are
-live as of the last full read) and recency. A full read also happens when workers join
-or leave, when more than `FULL_AFTER` events piled up, and at least every `MAX_AGE_S`.
+live as of the last full read) and recency. So a policy refusal made on a view older
+than `FRESH_S` is planned again on a full read before it stands. A full read also
+happens when workers join or leave, when more than `FULL_AFTER` events piled up, and at
+least every `MAX_AGE_S`.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ if TYPE_CHECKING:
 MEMBERSHIP = frozenset({"registered", "reaped"})
 FULL_AFTER = 1000
 MAX_AGE_S = 30.0
+FRESH_S = 1.0
 
 
 class Follower:
@@ -56,6 +59,11 @@ class Follower:
                 self._full()
             assert self._view is not None
             yield self._view.snap
+
+    def fresh(self) -> bool:
+        """True when the view was read in full within the last `FRESH_S`: a refusal made
+        on it stands (a staler view may count request leases that have ended)."""
+        return self._view is not None and time.monotonic() - self._read_at < FRESH_S
 
     def invalidate(self) -> None:
         """Read the whole ledger next time (a plan made on the view was refused)."""

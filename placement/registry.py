@@ -24,6 +24,8 @@ import redis
 
 from placement import records
 from placement.errors import (
+    CantAccommodateError,
+    NeverFitsError,
     PlanRejectedError,
     RegistryError,
     SettlingError,
@@ -290,6 +292,15 @@ class Registry(Membership):
                     if plan.candidate is Candidate.DEPLOYED:
                         return plan
                     return self.commit(plan, snap, lease_id=lease_id)
+                except NeverFitsError:
+                    raise  # the fleet's shape: a fresher view would not change it
+                except CantAccommodateError:
+                    if self.follower.fresh():
+                        raise
+                    # The view may count request leases that ended since: read it all.
+                    last, moving = None, {}
+                    self.follower.invalidate()
+                    continue
                 except SettlingError:
                     if time.monotonic() >= deadline:
                         raise

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Iterator
 
 import pytest
 
 from placement.errors import CantAccommodateError
+from placement.follow import FRESH_S
 from placement.registry import Registry
 from placement.state import Demand, Gpu, Level, Snapshot
 from tests.acting import evict_now, make_hot, settle_leaving
@@ -83,3 +85,25 @@ def test_a_plan_refused_on_a_stale_view_is_planned_again_on_a_full_read(
     finally:
         other.client.close()
     assert reg.follower.full_reads == 2
+
+
+def test_a_refusal_on_a_view_that_counts_ended_leases_is_planned_again_and_placed(
+    reg: Registry, redis_url: str, fleet: str
+) -> None:
+    for i in range(4):
+        make_hot(reg, reg.place(Demand(f"m{i}", gpus=1.0), rng=random.Random(i)))
+    other = Registry.from_url(redis_url, fleet)
+    try:
+        leases = [other.pick(f"m{i}") for i in range(4)]
+        reg.follower.invalidate()
+        with reg.follower.current() as view:  # read in full while every replica is busy
+            assert all(d.leases == 1 for d in view.deployments.values())
+        for lease in leases:
+            assert lease is not None
+            other.finish(lease)  # ends without an event: the view still counts it
+    finally:
+        other.client.close()
+    time.sleep(FRESH_S)  # the view is no longer fresh enough for a refusal to stand
+    plan = reg.place(Demand("late", gpus=1.0))
+    assert len(plan.evictions) == 1
+    assert reg.follower.full_reads == 3  # the first, the busy one, the one that placed
