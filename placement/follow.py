@@ -1,6 +1,6 @@
 """The router's view of the ledger: read once, then kept current from the events stream.
 
-A full snapshot reads every record (about half a second at 1,000 GPUs and 10,000
+A full snapshot reads every record (half a second to a second at 1,000 GPUs and 10,000
 replicas). Every script that moves a replica writes an event naming it, so a router
 reads the snapshot once and afterwards only the events since, then the records those
 events name: their replicas, the GPUs and hosts they left or took. A refresh costs in

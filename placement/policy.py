@@ -8,13 +8,14 @@ the plan atomically, so a stale snapshot costs a retry, never a double booking.
 Candidates are ranked, best first (docs/placement.md, "Choosing a GPU"):
 1. a warm copy on the host, then room without evicting, then fewer victims, then
    victims used longer ago (NDIF's candidate levels, LRU);
-2. with the default best-fit: a GPU already in use before an empty one, then the host
-   with the least room left, then the GPU with the least room left, rooms compared as
-   shares of each GPU. Empty GPUs and empty hosts stay whole for the requests that
-   need them;
+2. with the default best-fit: a GPU already in use before an empty one, and the tightest
+   of those; among empty GPUs the type with the largest free share, then the host with
+   the least room left; rooms compared as shares of each GPU. Empty GPUs and empty hosts
+   stay whole for the requests that need them;
 3. ties at random, never by index.
-The search runs over `placement.room` groups (a host's GPUs of one type), so the
-common case costs one step per host, not per GPU. Sizes come from `placement.sizing`.
+The search runs over `placement.room` host shapes (hosts alike in every GPU's type, size
+and free bytes), so the common case costs one step per shape, not per GPU. Sizes come
+from `placement.sizing`.
 """
 
 from __future__ import annotations
@@ -203,11 +204,13 @@ def _free_single(
                 request, limit = slot
                 if choice is GpuChoice.BEST_FIT:
                     free = frees[bisect_left(frees, limit)]
+                    left = (free - request) / total  # of the GPU, as a share
                     key: tuple[float, ...] = (
                         float(free == total),  # fill a GPU in use before opening an empty one
+                        left if free < total else 0.0,  # the tightest of those: fewer slivers
                         -index.type_free(name),  # spread load over types, freest first
                         shape.room - request / total,  # then the host with least room left
-                        (free - request) / total,  # then the GPU with least room left
+                        left,  # then the GPU with least room left
                     )
                 elif choice is GpuChoice.MOST_FREE:
                     free = frees[-1]
