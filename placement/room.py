@@ -1,10 +1,12 @@
 """Free room by host and GPU type: how the policy finds candidates without visiting every GPU.
 
-The policy scans groups, not GPUs. A group is the live GPUs of one host that share a
-name and a size; a fleet of 6,200 GPUs on 1,200 hosts is about 1,200 groups. Each
-keeps its GPUs' free bytes sorted, so the tightest GPU that takes a slot is one
-bisection away, and how much each could offer after evicting its idle replicas (its
-reach), so groups that cannot help are skipped at once.
+A group is the live GPUs of one host that share a name and a size. It keeps its GPUs'
+free bytes sorted, so the tightest GPU that takes a slot is one bisection away, and how
+much each could offer after evicting its idle replicas (its reach), so groups that
+cannot help an eviction are skipped at once. A shape is every host whose groups are
+alike (same types, sizes and free bytes): the policy looks for free room shape by shape,
+and a fleet of 6,200 GPUs on 1,200 hosts has a few hundred shapes, most hosts being
+empty or full. Each GPU type keeps its free share, so load can be spread over types.
 
 A host's room is the sum of its live GPUs' free shares (free / total): rooms compare
 across GPU sizes. Shares are floats and only rank candidates; admission is decided in
@@ -34,19 +36,6 @@ class Group:
     reaches: dict[str, int] = field(default_factory=dict)  # free + idle evictable bytes
     max_reach: int = 0
     idle: set[str] = field(default_factory=set)  # GPUs with idle replicas to evict
-
-    @property
-    def max_free(self) -> int:
-        return self.frees[-1] if self.frees else 0
-
-    def tightest(self, need: int) -> int | None:
-        """The fewest free bytes of a GPU here that has at least `need` free, or None."""
-        i = bisect_left(self.frees, need)
-        return self.frees[i] if i < len(self.frees) else None
-
-    def with_free(self, free: int) -> list[Gpu]:
-        """This group's GPUs with exactly `free` bytes free."""
-        return [g for g in self.gpus.values() if g.free == free]
 
     def put(self, gpu: Gpu, reach: int) -> None:
         old = self.gpus.get(gpu.id)
