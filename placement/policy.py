@@ -24,8 +24,9 @@ import random
 import uuid
 from bisect import bisect_left
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from placement import accelerators
 from placement.errors import CantAccommodateError, NeverFitsError, PlacementError, SettlingError
@@ -45,6 +46,8 @@ from placement.state import (
     Plan,
     Snapshot,
 )
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -177,60 +180,76 @@ def plan_offload(
 # --- finding a place ------------------------------------------------------------
 
 
-def _free_single(
-    demand: Demand, view: _View, settings: PolicySettings, rng: random.Random
-) -> _Option | None:
-    """The best GPU that takes one replica without evicting anything, or None.
-
-    Scans host shapes (`placement.room`), hosts with a warm copy of the model first;
-    ties are broken at random in proportion to how many hosts share a shape.
-    """
+def _best_host(
+    view: _View,
+    rng: random.Random,
+    options: Callable[[Shape], Iterable[tuple[tuple[float, ...], T]]],
+) -> tuple[str, T] | None:
+    """The host with the lowest-keyed option among `options(shape)` over host shapes
+    (`placement.room`), hosts with a warm copy of the model first; ties are broken at
+    random in proportion to how many hosts share a shape. None when nothing fits."""
     index = view.snap.room
-    allowed = index.names(demand.accelerator)
-    choice = settings.gpu_choice
-    best: tuple[tuple[float, ...], Shape, str | None, str, int, int] | None = None
+    best: tuple[tuple[float, ...], Shape, str | None, T] | None = None
     ties = 0
     warm: list[tuple[Shape, str | None]] = [
         (index.shape_of[h], h) for h in view.my_warm if h in index.shape_of
     ]
     for candidates in (warm, [(shape, None) for shape in index.shapes.values()]):
         for shape, host in candidates:
-            for name, total, frees in shape.layout:
-                if name not in allowed:
-                    continue
-                slot = view.slot(total)
-                if slot is None or frees[-1] < slot[1]:
-                    continue
-                request, limit = slot
-                if choice is GpuChoice.BEST_FIT:
-                    free = frees[bisect_left(frees, limit)]
-                    left = (free - request) / total  # of the GPU, as a share
-                    key: tuple[float, ...] = (
+            for key, found in options(shape):
+                weight = 1 if host is not None else len(shape.hosts)
+                if best is None or key < best[0]:
+                    best, ties = (key, shape, host, found), weight
+                elif key == best[0]:
+                    ties += weight
+                    if rng.random() * ties < weight:  # every tied host equally likely
+                        best = (key, shape, host, found)
+        if best is not None:
+            break  # a warm host with room beats any other host
+    if best is None:
+        return None
+    _, shape, host, found = best
+    return (host if host is not None else shape.hosts[rng.randrange(len(shape.hosts))]), found
+
+
+def _free_single(
+    demand: Demand, view: _View, settings: PolicySettings, rng: random.Random
+) -> _Option | None:
+    """The best GPU that takes one replica without evicting anything, or None."""
+    index = view.snap.room
+    allowed = index.names(demand.accelerator)
+    choice = settings.gpu_choice
+
+    def options(shape: Shape) -> Iterator[tuple[tuple[float, ...], tuple[str, int, int]]]:
+        for name, total, frees in shape.layout:
+            if name not in allowed:
+                continue
+            slot = view.slot(total)
+            if slot is None or frees[-1] < slot[1]:
+                continue
+            request, limit = slot
+            if choice is GpuChoice.BEST_FIT:
+                free = frees[bisect_left(frees, limit)]
+                left = (free - request) / total  # of the GPU, as a share
+                yield (
+                    (
                         float(free == total),  # fill a GPU in use before opening an empty one
                         left if free < total else 0.0,  # the tightest of those: fewer slivers
                         -index.type_free(name),  # spread load over types, freest first
                         shape.room - request / total,  # then the host with least room left
                         left,  # then the GPU with least room left
-                    )
-                elif choice is GpuChoice.MOST_FREE:
-                    free = frees[-1]
-                    key = (-float(free),)
-                else:
-                    free = -1  # any GPU that fits
-                    key = ()
-                weight = 1 if host is not None else len(shape.hosts)
-                if best is None or key < best[0]:
-                    best, ties = (key, shape, host, name, total, free), weight
-                elif key == best[0]:
-                    ties += weight
-                    if rng.random() * ties < weight:  # every tied host equally likely
-                        best = (key, shape, host, name, total, free)
-        if best is not None:
-            break  # a warm host with room beats any other host
-    if best is None:
+                    ),
+                    (name, total, free),
+                )
+            elif choice is GpuChoice.MOST_FREE:
+                yield (-float(frees[-1]),), (name, total, frees[-1])
+            else:
+                yield (), (name, total, -1)  # any GPU that fits
+
+    found = _best_host(view, rng, options)
+    if found is None:
         return None
-    _, shape, host, name, total, free = best
-    host = host if host is not None else shape.hosts[rng.randrange(len(shape.hosts))]
+    host, (name, total, free) = found
     slot = view.slot(total)
     assert slot is not None
     group = next(g for g in index.by_host[host] if (g.name, g.total) == (name, total))
@@ -243,33 +262,19 @@ def _free_whole(n: int, view: _View, rng: random.Random) -> _Option | None:
     """`n` empty GPUs of one host, on the host with the least room left, or None."""
     index = view.snap.room
     allowed = index.names(view.demand.accelerator)
-    best: tuple[float, Shape, str | None] | None = None
-    ties = 0
-    warm: list[tuple[Shape, str | None]] = [
-        (index.shape_of[h], h) for h in view.my_warm if h in index.shape_of
-    ]
-    for candidates in (warm, [(shape, None) for shape in index.shapes.values()]):
-        for shape, host in candidates:
-            empty = sum(
-                len(frees) - bisect_left(frees, total)
-                for name, total, frees in shape.layout
-                if name in allowed
-            )
-            if empty < n:
-                continue
-            weight = 1 if host is not None else len(shape.hosts)
-            if best is None or shape.room < best[0]:
-                best, ties = (shape.room, shape, host), weight
-            elif shape.room == best[0]:
-                ties += weight
-                if rng.random() * ties < weight:
-                    best = (shape.room, shape, host)
-        if best is not None:
-            break
-    if best is None:
+
+    def options(shape: Shape) -> list[tuple[tuple[float, ...], None]]:
+        empty = sum(
+            len(frees) - bisect_left(frees, total)
+            for name, total, frees in shape.layout
+            if name in allowed
+        )
+        return [((shape.room,), None)] if empty >= n else []
+
+    found = _best_host(view, rng, options)
+    if found is None:
         return None
-    _, shape, host = best
-    host = host if host is not None else shape.hosts[rng.randrange(len(shape.hosts))]
+    host = found[0]
     empty_gpus = [
         g
         for group in index.by_host[host]
