@@ -160,29 +160,24 @@ def test_gpufleet_status_finds_the_fleet_with_no_setting_at_all(
     with fleet_up(catalog, ARGS, env) as fleet:
         fleet.infer("a", "x")
         bare = {k: v for k, v in env.items() if not k.startswith("GPUFLEET_")}
-        shown = subprocess.run(
-            [sys.executable, "-m", "tasks.cli", "status", "--json"],
-            cwd="/",
-            env=bare | {"PYTHONPATH": str(REPO)},
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=True,
-        )
-        report = json.loads(shown.stdout)
+
+        def gpufleet(*args: str) -> str:
+            """A `gpufleet` command run from / with no GPUFLEET_ setting: its output."""
+            return subprocess.run(
+                [sys.executable, "-m", "tasks.cli", *args],
+                cwd="/",
+                env=bare | {"PYTHONPATH": str(REPO)},
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=True,
+            ).stdout
+
+        report = json.loads(gpufleet("status", "--json"))
         assert [d["model"] for d in report["deployments"]] == ["a"]
         connection = default_home / "default/connection.json"
         assert connection.stat().st_mode & 0o777 == 0o600
-        url = subprocess.run(
-            [sys.executable, "-m", "tasks.cli", "url"],
-            cwd="/",
-            env=bare | {"PYTHONPATH": str(REPO)},
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=True,
-        ).stdout.strip()
-        assert url == fleet.url
+        assert gpufleet("url").strip() == fleet.url
     assert not connection.exists()  # gone with the fleet
 
 
