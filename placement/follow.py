@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from placement import records
 from placement.live import LiveView
 from placement.state import Deployment, Gpu, Host, Snapshot
+from placement.store import time_ms
 
 if TYPE_CHECKING:
     from placement.registry import Registry
@@ -114,8 +115,7 @@ class Follower:
                 atomic=True,
             )
         )
-        sec, usec = next(rows)
-        now = int(sec) * 1000 + int(usec) // 1000
+        now = time_ms(next(rows))
         found = [next(rows) for _ in replicas]
         leases = [next(rows) for _ in replicas]
         deps: dict[str, Deployment | None] = {}

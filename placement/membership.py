@@ -120,7 +120,7 @@ class Membership(Store):
         """
         k = self.keys
         for _ in range(10):
-            replicas = sorted(self._one("smembers", k.worker_deployments(worker)))
+            replicas = self.replicas_of(worker)
             reads = [("hmget", k.deployment(r), "gpus", "host") for r in replicas]
             own_raw, *recs = self._read([("hget", k.worker(worker), "gpus"), *reads])
             keys = KeyList()

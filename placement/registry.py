@@ -45,7 +45,7 @@ from placement.state import (
     Plan,
     Snapshot,
 )
-from placement.store import DEFAULT_EVENTS_MAXLEN
+from placement.store import DEFAULT_EVENTS_MAXLEN, time_ms
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +130,7 @@ class Registry(Membership):
             cmds += [("smembers", k.host_warm(h)) for h in hosts]
             cmds += [("hmget", k.worker(w), "holds", "holds_at", "lease_deadline") for w in workers]
             rows = iter(self._read(cmds, atomic=True))
-            sec, usec = next(rows)
+            clock = next(rows)
             learned, active = next(rows), next(rows)
             last = next(rows)
             cursor = str(last[0][0]) if last else "0-0"
@@ -138,7 +138,7 @@ class Registry(Membership):
             if now_ids != ids:
                 ids = now_ids
                 continue  # a record appeared or went between the two reads
-            now = int(sec) * 1000 + int(usec) // 1000
+            now = time_ms(clock)
             gpu_rows = _take(rows, gpu_ids)
             gpus = {g: records.gpu(row) for g, row in zip(gpu_ids, gpu_rows, strict=True)}
             rows_of = _take(rows, replicas)

@@ -98,8 +98,7 @@ class Store:
         return self._read([(name, *args)])[0]
 
     def now_ms(self) -> int:
-        seconds, micros = self._one("time")
-        return int(seconds) * 1000 + int(micros) // 1000
+        return time_ms(self._one("time"))
 
     def gpu(self, gpu_id: str) -> Gpu | None:
         """One GPU's ledger record, or None if it is not registered."""
@@ -119,7 +118,7 @@ class Store:
         )
         if not row:
             return None
-        now = int(sec) * 1000 + int(usec) // 1000
+        now = time_ms((sec, usec))
         return records.deployment(row, sum(1 for _, deadline in held if deadline > now))
 
     def levels(self, replicas: Sequence[str]) -> dict[str, Level]:
@@ -134,6 +133,12 @@ class Store:
     def lease_keys(self) -> list[str]:
         """Every request-lease key left in the fleet."""
         return list(self.client.scan_iter(match=f"{self.keys.prefix}:dep:*:leases"))
+
+
+def time_ms(reply: Sequence[Any]) -> int:
+    """Redis `TIME` (seconds, microseconds) in milliseconds: the registry's one clock."""
+    seconds, micros = reply
+    return int(seconds) * 1000 + int(micros) // 1000
 
 
 def unreachable(exc: redis.ConnectionError) -> RegistryError:
