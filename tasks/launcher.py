@@ -104,7 +104,8 @@ class Launcher:
     flower_port: int | None = None  # None: the default, or a free port when that is taken
     flower_auth: str = ""
     metrics_port: int | None = None  # None: the default, or a free port when taken; 0: none
-    redis_url: str = ""
+    redis_url: str = ""  # the registry
+    broker_url: str = ""  # the Celery broker: the registry's Redis unless set apart
     devices: list[Device] = field(default_factory=list)
     children: dict[str, Child] = field(default_factory=dict)
     first_backoff_s: float = 1.0  # doubles with each death, up to MAX_BACKOFF_S
@@ -146,6 +147,7 @@ class Launcher:
             shutil.rmtree(data, ignore_errors=True)  # a new fleet starts with a new ledger
             self._redis = RedisServer(password=secrets.token_urlsafe(18), data_dir=data)
             self.redis_url = self._redis.start().url
+        self.broker_url = self.settings.broker_url if external else self.redis_url
         simulated = self.sim_gpus or self.settings.sim_gpus
         self.devices = discover(simulated or DEFAULT_SIM_GPUS, simulate=bool(simulated))
         self._check_owners()
@@ -204,9 +206,7 @@ class Launcher:
         env = {
             **os.environ,
             "GPUFLEET_REDIS_URL": self.redis_url,
-            "GPUFLEET_BROKER_URL": self.settings.broker_url
-            if self.settings.url_from != FROM_DEFAULT
-            else self.redis_url,
+            "GPUFLEET_BROKER_URL": self.broker_url,
             "GPUFLEET_MODELS": str(self.models.resolve()),
             "GPUFLEET_FLEET": self.fleet,
             "GPUFLEET_HOST": self.host,
@@ -242,8 +242,7 @@ class Launcher:
 
     def _write_connection(self) -> None:
         """How to reach this fleet, for `gpufleet` commands and clients on this machine."""
-        path = self.connection_file
-        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        path = self.connection_file  # in the fleet's directory, made by `start`
         record = {
             "redis_url": self.redis_url,
             "pid": os.getpid(),
@@ -299,7 +298,7 @@ class Launcher:
             # Every consumer's connection broke: what they had taken and not started is
             # in nobody's hands now (what they run, they may run twice: calls are safe to).
             queues = tuple(q for child in self.children.values() for q in child.queues)
-            restored = requeue_unacked(self.redis_url, queues, before=died)
+            restored = requeue_unacked(self.broker_url, queues, before=died)
             if restored:
                 log.warning("requeued %d call(s) taken before Redis restarted", restored)
         for child in self.children.values():
@@ -333,7 +332,7 @@ class Launcher:
         if not child.queues:
             return
         try:
-            restored = requeue_unacked(self.redis_url, child.queues)
+            restored = requeue_unacked(self.broker_url, child.queues)
         except (redis.RedisError, GpufleetError) as exc:
             log.warning("could not requeue %s's unacknowledged calls: %s", child.name, exc)
             return
