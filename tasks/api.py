@@ -179,8 +179,8 @@ def deploy(self: Task, model: str, replicas: int = 1, dedicated: bool = False) -
                 "evicted": [[e.replica, e.to.value] for e in plan.evictions],
             }
         )
-    snap = registry.snapshot()
-    placed = [d for d in snap.replicas(model) if d.level in RESERVING]
+    mine = registry.snapshot().replicas(model)
+    placed = [d for d in mine if d.level in RESERVING]
     return {
         "model": model,
         "placed": placements,
@@ -191,7 +191,7 @@ def deploy(self: Task, model: str, replicas: int = 1, dedicated: bool = False) -
                 "gpus": dict(d.gpus),
                 "dedicated": d.dedicated,
             }
-            for d in snap.replicas(model)
+            for d in mine
             if d.level is not Level.COLD
         ],
         "missing": max(0, replicas - len(placed)),
@@ -213,18 +213,14 @@ def evict(model: str, replica: str | None = None) -> dict[str, Any]:
             f"replica must be a replica id (a string) or null, got {describe(replica)}"
         )
     registry = context.registry()
-    snap = registry.snapshot()
-    known = {d.replica for d in snap.replicas(model)}
+    mine = registry.snapshot().replicas(model)
+    known = {d.replica for d in mine}
     if replica is not None and replica not in known:
         raise UnknownReplicaError(
             f"{model} has no replica {describe(replica, 40)}; its replicas are listed by "
             f"`gpufleet status` (there are {len(known)})"
         )
-    targets = [
-        d
-        for d in snap.replicas(model)
-        if d.level is not Level.COLD and replica in (None, d.replica)
-    ]
+    targets = [d for d in mine if d.level is not Level.COLD and replica in (None, d.replica)]
     started = [(dep.replica, registry.evict(dep.replica)) for dep in targets]
     results = [
         {"replica": r, "level": registry.wait_settled(r, EVICT_WAIT_S).value}

@@ -105,9 +105,8 @@ def _visible() -> list[Device]:
     return discover(context.settings().sim_gpus)
 
 
-def _own_devices() -> list[Device]:
-    """The GPUs of GPUFLEET_WORKER_GPUS (NVML indices), or all of them."""
-    devices = _visible()
+def _own_devices(devices: list[Device]) -> list[Device]:
+    """The GPUs of GPUFLEET_WORKER_GPUS (NVML indices) among `devices`, or all of them."""
     wanted = context.settings().worker_gpus
     if wanted is None:
         return devices
@@ -128,7 +127,7 @@ def _check(**_: Any) -> None:
     if context.role() != "gpu":
         return
     try:
-        devices = _own_devices()  # NVML only: no CUDA context in the parent
+        devices = _own_devices(_visible())  # NVML only: no CUDA context in the parent
         _check_owners(devices)
     except (ConfigError, GpuOwnedError) as exc:
         # Celery logs and ignores exceptions of signal handlers; SystemExit stops it.
@@ -159,11 +158,12 @@ def _start(**_: Any) -> None:
         return
     try:
         settings = context.settings()
-        devices = _own_devices()
+        visible = _visible()  # NVML enumerates once
+        devices = _own_devices(visible)
         _process.worker = GpuWorker(
             context.registry(),
             devices,
-            _visible(),
+            visible,
             settings.host,
             gpu_queue(settings.host, [d.index for d in devices]),
             spec_of=lambda model: context.catalog().get(model),
