@@ -441,17 +441,19 @@ def _commit_client(index: int) -> ClientResult:
 
 
 def drop(registry: Registry, committed: Plan) -> None:
-    """Evict a just-committed replica to COLD, and settle the drop as its worker would."""
-    registry.evict(committed.replica, to=Level.COLD)
+    """Evict a just-committed replica to COLD, and settle the drop as its worker would.
+
+    The record of the placement is known here, so the eviction need not read it first."""
     record = Deployment(
         committed.replica,
         committed.model,
-        Level.DROPPING,
+        Level.DROPPING,  # what evict.lua makes of it; the scripts read the level themselves
         gpus=dict(committed.gpus),
         host=committed.host,
         worker=committed.worker,
         epoch=committed.epoch,
     )
+    registry.evict(committed.replica, to=Level.COLD, seen=record)
     registry.settle(record, "dropped")
 
 

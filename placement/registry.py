@@ -405,18 +405,26 @@ class Registry(Membership):
         return Level(result[1]) if result[0] == 1 else None
 
     def evict(
-        self, replica: str, settings: PolicySettings | None = None, *, to: Level | None = None
+        self,
+        replica: str,
+        settings: PolicySettings | None = None,
+        *,
+        to: Level | None = None,
+        seen: Deployment | None = None,
     ) -> Level:
         """Drain, then offload (to WARM when the host cache has room) or drop a replica.
 
         Returns the replica's level afterwards: DRAINING while requests are in flight
         (call again when they finish), OFFLOADING or DROPPING while its worker moves it
-        (`wait_settled` waits for that), or WARM or COLD. `to=Level.COLD` forces a drop.
+        (`wait_settled` waits for that), or WARM or COLD. `to=Level.COLD` forces a drop;
+        with it, `seen` (the record as the caller last saw it) saves reading the record
+        first. evict.lua checks the holder and GPUs; a stale `seen` costs a read and a retry.
         """
         for _ in range(8):
             drops: tuple[str, ...] = ()
             if to is Level.COLD:  # no warm cache to plan for: the record alone will do
-                snap = Snapshot(gpus={}, deployments={replica: self._record(replica)}, hosts={})
+                record, seen = seen or self._record(replica), None
+                snap = Snapshot(gpus={}, deployments={replica: record}, hosts={})
                 target = Level.COLD
             else:
                 snap = self._offload_view(replica)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import multiprocessing
+import multiprocessing.queues
 import random
 import threading
 import time
@@ -516,6 +518,73 @@ def test_scripts_are_registered_once_per_client_and_survive_a_script_flush(
     reg.client.script_flush()  # e.g. a Redis restart: EVALSHA gets NOSCRIPT, then reloads
     place_hot(reg, Demand("m", size=GiB))
     assert reg.pick("m") is not None
+
+
+def test_threads_calling_scripts_at_once_each_get_their_own_replies(two_gpus: Registry) -> None:
+    reg = two_gpus
+    models = [f"m{i}" for i in range(4)]
+    for i, model in enumerate(models):
+        place_hot(reg, Demand(model, size=GiB // 4), seed=i)
+    wrong: list[str] = []
+
+    def picker(model: str) -> None:
+        for _ in range(50):
+            lease = reg.pick(model)
+            if lease is None or lease.model != model or reg.finish(lease) is not Level.HOT:
+                wrong.append(model)
+
+    threads = [threading.Thread(target=picker, args=(m,)) for m in models * 2]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert wrong == []
+    assert reg.stats()["m0"]["hit"] == 100
+
+
+def _picks(reg: Registry, model: str, n: int) -> int:
+    """How many of `n` pick/finish pairs got a lease of `model` and a HOT replica back."""
+    right = 0
+    for _ in range(n):
+        lease = reg.pick(model)
+        right += lease is not None and lease.model == model and reg.finish(lease) is Level.HOT
+    return right
+
+
+def _picks_in_child(reg: Registry, out: multiprocessing.queues.Queue[int]) -> None:
+    out.put(_picks(reg, "child", 300))
+
+
+def test_a_forked_child_calls_scripts_on_its_own_connection(two_gpus: Registry) -> None:
+    reg = two_gpus
+    place_hot(reg, Demand("child", size=GiB), seed=0)
+    place_hot(reg, Demand("parent", size=GiB), seed=1)
+    assert _picks(reg, "parent", 1) == 1  # the parent's connection is open before the fork
+    ctx = multiprocessing.get_context("fork")
+    out: multiprocessing.queues.Queue[int] = ctx.Queue()
+    child = ctx.Process(target=_picks_in_child, args=(reg, out))
+    child.start()
+    parent_right = _picks(reg, "parent", 300)  # both sides talk to Redis at once
+    child.join(60)
+    assert child.exitcode == 0
+    assert (out.get(timeout=5), parent_right) == (300, 300)
+
+
+def test_an_evict_given_a_stale_record_reads_the_real_one_and_drops_it(
+    two_gpus: Registry,
+) -> None:
+    reg = two_gpus
+    replica = place_hot(reg, Demand("m", size=GiB))
+    real = reg.deployment(replica)
+    assert real is not None
+    other = next(g for g in reg.snapshot().gpus if g not in real.gpus)
+    stale = replace(real, gpus={other: 1}, worker="w-gone")
+    assert reg.evict(replica, to=Level.COLD, seen=stale) is Level.DROPPING
+    settle_leaving(reg)
+    snap = reg.snapshot()
+    assert snap.deployments[replica].level is Level.COLD
+    assert all((g.reserved, g.held) == (0, 0) for g in snap.gpus.values())
+    assert audit(snap) == []
 
 
 def test_an_invalid_fleet_name_is_refused() -> None:

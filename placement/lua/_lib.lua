@@ -18,10 +18,9 @@ local function now_ms()
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
--- Request leases whose deadline has passed are dropped before counting.
+-- Request leases whose deadline is still ahead (pick.lua sweeps the rest).
 local function live_leases(leases_key, now)
-  redis.call('ZREMRANGEBYSCORE', leases_key, '-inf', now)
-  return redis.call('ZCARD', leases_key)
+  return redis.call('ZCOUNT', leases_key, '(' .. now, '+inf')
 end
 
 local function event(stream, maxlen, now, kind, replica, model, ...)
@@ -50,8 +49,9 @@ end
 -- Tell a worker's keeper to look at a replica now (docs/worker.md): push its id on the
 -- worker's control list, which the keeper pops without waiting behind calls.
 local function notify(control_key, replica)
-  redis.call('LPUSH', control_key, replica)
-  redis.call('LTRIM', control_key, 0, 999)
+  if redis.call('LPUSH', control_key, replica) > 1000 then
+    redis.call('LTRIM', control_key, 0, 999)
+  end
 end
 
 -- Add `delta` bytes times the replica's share to one counter of each of its GPUs.

@@ -71,10 +71,12 @@ if p.reuse == 'WARM' then
   warm_delta[p.host_key] = (warm_delta[p.host_key] or 0) - num(redis.call('HGET', dep, 'size'))
 end
 
--- Target GPUs: owner, lease and admission.
+-- Target GPUs: owner, lease and admission; whether the device has room now (victims
+-- stay in `held` until their workers settle).
+local on_device = true
 for _, g in ipairs(p.gpus) do
-  local total, reserved, worker, deadline = unpack(redis.call('HMGET', K(g.key),
-    'total', 'reserved', 'worker', 'lease_deadline'))
+  local total, reserved, held, worker, deadline = unpack(redis.call('HMGET', K(g.key),
+    'total', 'reserved', 'held', 'worker', 'lease_deadline'))
   if not total then return {0, 'STALE', 'GPU ' .. g.id .. ' is not registered'} end
   if worker ~= g.worker then return {0, 'STALE', 'GPU ' .. g.id .. ' changed owner'} end
   if num(deadline) <= now then return {0, 'DEAD', 'GPU ' .. g.id .. ' lease expired'} end
@@ -83,6 +85,7 @@ for _, g in ipairs(p.gpus) do
     return {0, 'FULL', 'GPU ' .. g.id .. ' cannot admit ' .. math.max(g.limit, g.bytes) ..
       ' bytes: ' .. after .. ' of ' .. total .. ' stay reserved'}
   end
+  if num(held) + math.max(g.limit, g.bytes) > num(total) then on_device = false end
 end
 for host, delta in pairs(warm_delta) do
   local budget, used = unpack(redis.call('HMGET', K(host), 'warm_budget', 'warm_used'))
@@ -111,7 +114,7 @@ if p.reuse == 'WARM' then
   redis.call('SREM', K(p.old_worker_deps), p.replica)
 end
 local level = 'WAITING'
-if fits_device(p.gpus) then level = 'LOADING' end
+if on_device then level = 'LOADING' end
 local placed = {}
 for _, g in ipairs(p.gpus) do
   redis.call('HINCRBY', K(g.key), 'reserved', g.bytes)

@@ -10,31 +10,33 @@
 local n = (#ARGV - 3) / 2
 local members = redis.call('SMEMBERS', KEYS[1])
 if #members ~= n then return {-1, unpack(members)} end
-for i = 1, n do
-  if redis.call('SISMEMBER', KEYS[1], ARGV[3 + i]) == 0 then return {-1, unpack(members)} end
+local listed = {}
+for i = 1, n do listed[ARGV[3 + i]] = true end
+for _, m in ipairs(members) do
+  if not listed[m] then return {-1, unpack(members)} end
 end
 local now = now_ms()
-local best, best_load = nil, nil
+local best, best_load, best_row = nil, nil, nil
 local offset = tonumber(ARGV[3])
 for j = 0, n - 1 do
   local i = (j + offset) % n + 1
   local base = 1 + (i - 1) * 3
-  local dep, leases, worker_key = KEYS[base + 1], KEYS[base + 2], KEYS[base + 3]
-  local level, worker = unpack(redis.call('HMGET', dep, 'level', 'worker'))
-  if worker ~= ARGV[3 + n + i] then return {-1, unpack(members)} end
-  if level == 'HOT' and num(redis.call('HGET', worker_key, 'lease_deadline')) > now then
-    local load = live_leases(leases, now)
-    if best == nil or load < best_load then best, best_load = i, load end
+  local row = redis.call('HMGET', KEYS[base + 1], 'level', 'worker', 'queue', 'gpus', 'epoch')
+  if row[2] ~= ARGV[3 + n + i] then return {-1, unpack(members)} end
+  if row[1] == 'HOT' and num(redis.call('HGET', KEYS[base + 3], 'lease_deadline')) > now then
+    local load = live_leases(KEYS[base + 2], now)
+    if best == nil or load < best_load then best, best_load, best_row = i, load, row end
   end
 end
 if best == nil then return {0} end
 local base = 1 + (best - 1) * 3
+local leases = KEYS[base + 2]
 local deadline = now + tonumber(ARGV[2])
-redis.call('ZADD', KEYS[base + 2], deadline, ARGV[1])
-if redis.call('PTTL', KEYS[base + 2]) < tonumber(ARGV[2]) then
-  redis.call('PEXPIRE', KEYS[base + 2], ARGV[2])  -- lost clients leak nothing
+redis.call('ZREMRANGEBYSCORE', leases, '-inf', now)
+redis.call('ZADD', leases, deadline, ARGV[1])
+if redis.call('PTTL', leases) < tonumber(ARGV[2]) then
+  redis.call('PEXPIRE', leases, ARGV[2])  -- lost clients leak nothing
 end
 redis.call('HSET', KEYS[base + 1], 'last_used', now)
 redis.call('HINCRBY', KEYS[#KEYS], 'hit', 1)
-local queue, gpus, epoch = unpack(redis.call('HMGET', KEYS[base + 1], 'queue', 'gpus', 'epoch'))
-return {1, ARGV[3 + best], queue, ARGV[3 + n + best], gpus, deadline, num(epoch)}
+return {1, ARGV[3 + best], best_row[3], ARGV[3 + n + best], best_row[4], deadline, num(best_row[5])}
