@@ -36,16 +36,6 @@ from typing import Any
 
 log = logging.getLogger("bench.control")
 
-CATALOG = """
-models:
-  a: {source: synthetic, task: forward, memory: 256MiB}
-  b:
-    source: synthetic
-    task: forward
-    memory: 256MiB
-    config: {model_type: bert, hidden_size: 256, num_hidden_layers: 4, num_attention_heads: 4,
-             intermediate_size: 1024, vocab_size: 512, max_position_embeddings: 512}
-"""
 LARGE = ["y" * 2000] * 2
 PARAMS = {"max_length": 512}
 SIM_GPUS = "1x4GiB"
@@ -64,9 +54,9 @@ def settled_at(registry: Any, replica: str, after_ms: int) -> int:
 
 
 def run(backlog: int, repeats: int, directory: Path) -> dict[str, Any]:
-    from bench.fleet import bench_launcher, fleet_machine
+    from bench.fleet import TWO_MODELS, bench_launcher, fleet_machine
 
-    fleet = bench_launcher(directory, CATALOG, "control", SIM_GPUS, warm_cache="2GiB")
+    fleet = bench_launcher(directory, TWO_MODELS, "control", SIM_GPUS, warm_cache="2GiB")
     settle_ms: list[float] = []
     queued_ms: list[float] = []
     call_ms: list[float] = []

@@ -11,6 +11,20 @@ from typing import Any
 from placement.config import Settings
 from tasks.launcher import Launcher
 
+#: Two small synthetic models: `a` (random weights), and `b`, a BERT whose forward pass on
+#: long inputs takes a few tenths of a second on a CPU, for building backlogs. Benchmarks
+#: and the end-to-end tests (`tests/running.py`) run fleets of it.
+TWO_MODELS = """
+models:
+  a: {source: synthetic, task: forward, memory: 256MiB}
+  b:
+    source: synthetic
+    task: forward
+    memory: 256MiB
+    config: {model_type: bert, hidden_size: 256, num_hidden_layers: 4, num_attention_heads: 4,
+             intermediate_size: 1024, vocab_size: 512, max_position_embeddings: 512}
+"""
+
 
 def bench_launcher(
     directory: Path, catalog: str, name: str, sim_gpus: str, warm_cache: str

@@ -22,23 +22,11 @@ from typing import Any
 
 from celery import Celery
 
+from bench.fleet import TWO_MODELS  # noqa: F401  (the end-to-end tests' catalog)
 from placement.registry import Registry
 
 REPO = Path(__file__).resolve().parents[1]
 READY_S = 180.0
-
-#: Two small synthetic models: `a` (random weights), and `b`, a BERT whose forward pass on
-#: long inputs takes a few tenths of a second on a CPU, for building backlogs.
-TWO_MODELS = """
-models:
-  a: {source: synthetic, task: forward, memory: 256MiB}
-  b:
-    source: synthetic
-    task: forward
-    memory: 256MiB
-    config: {model_type: bert, hidden_size: 256, num_hidden_layers: 4, num_attention_heads: 4,
-             intermediate_size: 1024, vocab_size: 512, max_position_embeddings: 512}
-"""
 
 
 @dataclass
