@@ -69,6 +69,7 @@ class LiveView:
             _discard(warm.get(d.host), d.replica)
             for gpu_id in d.gpus:
                 _discard(by_gpu.get(gpu_id), d.replica)
+            self._hold(d, -1)
         for d in after:
             by_model.setdefault(d.model, []).append(d)
             if d.level is Level.WARM:
@@ -76,6 +77,7 @@ class LiveView:
             if d.level in RESERVING:
                 for gpu_id in d.gpus:
                     by_gpu.setdefault(gpu_id, []).append(d)
+            self._hold(d, +1)
         touched = {g for d in (*before, *after) for g in d.gpus} | set(gpus)
         for gpu_id in touched:
             gpu = snap.gpus.get(gpu_id)
@@ -84,6 +86,15 @@ class LiveView:
             if gpu.alive(snap.now_ms):
                 idle = sum(d.gpus[gpu_id] for d in by_gpu.get(gpu_id, ()) if d.evictable)
                 snap.room.put(gpu, idle)
+
+    def _hold(self, d: Deployment, change: int) -> None:
+        """Keep the room index's slot counts in step with `by_gpu`."""
+        if d.level not in RESERVING:
+            return
+        for gpu_id, nbytes in d.gpus.items():
+            gpu = self.snap.gpus.get(gpu_id)
+            if gpu is not None:
+                self.snap.room.hold(gpu.total, nbytes, change)
 
 
 def _discard(entries: Iterable[Deployment] | None, replica: str) -> None:

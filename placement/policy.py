@@ -8,10 +8,11 @@ the plan atomically, so a stale snapshot costs a retry, never a double booking.
 Candidates are ranked, best first (docs/placement.md, "Choosing a GPU"):
 1. a warm copy on the host, then room without evicting, then fewer victims, then
    victims used longer ago (NDIF's candidate levels, LRU);
-2. with the default best-fit: a GPU already in use before an empty one, and the tightest
-   of those; among empty GPUs the type with the largest free share, then the host with
-   the least room left; rooms compared as shares of each GPU. Empty GPUs and empty hosts
-   stay whole for the requests that need them;
+2. with the default best-fit: a GPU already in use before an empty one, then (for a
+   dedicated replica) one that strands no dead room (less than the smallest slot held
+   on a GPU of its size), then the tightest; among empty GPUs the type with the largest
+   free share, then the host with the least room left; rooms compared as shares of each
+   GPU. Empty GPUs and empty hosts stay whole for the requests that need them;
 3. ties at random, never by index.
 The search runs over `placement.room` host shapes (hosts alike in every GPU's type, size
 and free bytes), so the common case costs one step per shape, not per GPU. Sizes come
@@ -30,7 +31,7 @@ from typing import TypeVar
 
 from placement import accelerators
 from placement.errors import CantAccommodateError, NeverFitsError, PlacementError, SettlingError
-from placement.memory import format_size, fraction_of
+from placement.memory import MiB, format_size, fraction_of
 from placement.room import Group, Shape
 from placement.settings import GpuChoice, PolicySettings, VictimOrder
 from placement.sizing import scale, shard, single_gpu_slot, splittable
@@ -48,6 +49,7 @@ from placement.state import (
 )
 
 T = TypeVar("T")
+ROUNDING = MiB  # less room than this is what rounding to whole bytes leaves: no room at all
 
 
 @dataclass(frozen=True)
@@ -70,11 +72,24 @@ class _View:
         self.mine = snap.replicas(demand.model)
         self.demand, self.settings = demand, settings
         self._slots: dict[int, tuple[int, int] | None] = {}
+        self._smallest: dict[int, int] = {}
         live = snap.room.workers
         self.my_warm: dict[str, Deployment] = {}
         for d in sorted(self.mine, key=lambda d: d.last_used_ms):
             if d.level is Level.WARM and d.worker in live:  # its holder must restore it
                 self.my_warm[d.host] = d  # the most recently used one wins
+
+    def smallest(self, total: int) -> int:
+        """The smallest slot on a GPU of `total` bytes, this demand's included. A dedicated
+        replica that leaves less room than this beside it strands that room: no replica
+        in sight could use it, and pressure never moves the dedicated one. Room beside an
+        evictable replica comes back when it is evicted, so that room is not counted."""
+        if total not in self._smallest:
+            slot = self.slot(total)
+            held = self.snap.room.smallest(total)
+            mine = slot[0] if slot is not None else total
+            self._smallest[total] = mine if held is None else min(held, mine)
+        return self._smallest[total]
 
     def slot(self, total: int) -> tuple[int, int] | None:
         """`single_gpu_slot` of this demand on a GPU of `total` bytes, computed once."""
@@ -229,18 +244,25 @@ def _free_single(
                 continue
             request, limit = slot
             if choice is GpuChoice.BEST_FIT:
-                free = frees[bisect_left(frees, limit)]
-                left = (free - request) / total  # of the GPU, as a share
-                yield (
-                    (
-                        float(free == total),  # fill a GPU in use before opening an empty one
-                        left if free < total else 0.0,  # the tightest of those: fewer slivers
-                        -index.type_free(name),  # spread load over types, freest first
-                        shape.room - request / total,  # then the host with least room left
-                        left,  # then the GPU with least room left
-                    ),
-                    (name, total, free),
-                )
+                tightest = bisect_left(frees, limit)
+                dead = view.smallest(total) if demand.dedicated else 0  # see `_View.smallest`
+                # the tightest GPU, and the tightest that leaves no room too small for use
+                for at in {tightest, bisect_left(frees, max(limit, request + dead), tightest)}:
+                    if at == len(frees):
+                        continue
+                    free = frees[at]
+                    left = (free - request) / total  # of the GPU, as a share
+                    yield (
+                        (
+                            float(free == total),  # fill a GPU in use before an empty one
+                            float(ROUNDING <= free - request < dead),  # leaves dead room
+                            left if free < total else 0.0,  # the tightest: fewer slivers
+                            -index.type_free(name),  # spread load over types, freest first
+                            shape.room - request / total,  # then the host with least room
+                            left,  # then the GPU with least room left
+                        ),
+                        (name, total, free),
+                    )
             elif choice is GpuChoice.MOST_FREE:
                 yield (-float(frees[-1]),), (name, total, frees[-1])
             else:

@@ -6,7 +6,9 @@ much each could offer after evicting its idle replicas (its reach), so groups th
 cannot help an eviction are skipped at once. A shape is every host whose groups are
 alike (same types, sizes and free bytes): the policy looks for free room shape by shape,
 and a fleet of 6,200 GPUs on 1,200 hosts has a few hundred shapes, most hosts being
-empty or full. Each GPU type keeps its free share, so load can be spread over types.
+empty or full. Each GPU type keeps its free share, so load can be spread over types, and
+each GPU size the smallest slot a replica holds on it, so the policy can tell room that
+no replica could use.
 
 A host's room is the sum of its live GPUs' free shares (free / total): rooms compare
 across GPU sizes. Shares are floats and only rank candidates; admission is decided in
@@ -91,7 +93,11 @@ class RoomIndex:
         self.shape_of: dict[str, Shape] = {}
         self._matching: dict[Accelerator, list[Group]] = {}
         self._names: dict[Accelerator, frozenset[str]] = {}
+        self._slots: dict[int, dict[int, int]] = {}  # GPU size -> slot bytes -> replicas
+        self._smallest: dict[int, int] = {}  # GPU size -> its smallest slot, when known
         for gpu in gpus:
+            for d in by_gpu.get(gpu.id, ()):
+                self.hold(gpu.total, d.gpus[gpu.id], +1)
             if gpu.alive(now_ms):
                 self.workers.add(gpu.worker)
                 self.put(gpu, _evictable(gpu, by_gpu.get(gpu.id, ())))
@@ -131,6 +137,26 @@ class RoomIndex:
         shape.add(host)
         self.shape_of[host] = shape
         self.room[host] = shape.room
+
+    def hold(self, total: int, slot: int, change: int) -> None:
+        """Count (`change` +1) or uncount (-1) one replica's `slot` bytes on a GPU of
+        `total` bytes."""
+        counts = self._slots.setdefault(total, {})
+        left = counts.get(slot, 0) + change
+        if left:
+            counts[slot] = left
+        else:
+            counts.pop(slot, None)
+        low = self._smallest.get(total)
+        if low is not None and (slot < low if change > 0 else slot == low and not left):
+            del self._smallest[total]  # found again on the next ask
+
+    def smallest(self, total: int) -> int | None:
+        """The smallest slot any replica holds on a GPU of `total` bytes, or None."""
+        low = self._smallest.get(total)
+        if low is None and self._slots.get(total):
+            low = self._smallest[total] = min(self._slots[total])
+        return low
 
     def type_free(self, name: str) -> float:
         """The share of GPU type `name`'s capacity that is free, 0 to 1."""

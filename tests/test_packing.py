@@ -100,6 +100,39 @@ def test_a_share_fills_a_gpu_in_use_before_it_opens_an_empty_one() -> None:
         assert set(plan.gpus) == {"h1-3"}  # not h0's lone empty GPU, nor h1's empty ones
 
 
+def test_a_dedicated_share_strands_no_room_too_small_for_any_replica_if_it_can_help_it() -> None:
+    gpus = [gpu("tight", 16 * GiB, index=0), gpu("roomy", 16 * GiB, index=1)]
+    small = hot("small", "small", {"tight": 7 * GiB // 4}, dedicated=True)  # the smallest slot
+    tight = hot("t", "t", {"tight": 11 * GiB}, dedicated=True)  # 3.25 GiB left
+    roomy = hot("r", "r", {"roomy": 8 * GiB}, dedicated=True)  # 8 GiB left
+    snap = fleet(gpus, [small, tight, roomy])
+    for seed in range(10):
+        pinned = plan_replica(
+            Demand("q", gpus=0.125, dedicated=True), snap, rng=random.Random(seed)
+        )
+        # 2 GiB in "tight" would leave 1.25 GiB: room no replica in sight could use
+        assert set(pinned.gpus) == {"roomy"}
+        # an evictable replica gives its neighbours' room back when it goes: tightest first
+        evictable = plan_replica(Demand("q", gpus=0.125), snap, rng=random.Random(seed))
+        assert set(evictable.gpus) == {"tight"}
+    exact = plan_replica(Demand("e", gpus=0.203125, dedicated=True), snap)  # fills "tight"
+    assert set(exact.gpus) == {"tight"}
+
+
+def test_the_room_index_knows_the_smallest_slot_on_each_gpu_size() -> None:
+    gpus = [gpu("a", 16 * GiB, index=0), gpu("b", 80 * GiB, index=1)]
+    view = LiveView(fleet(gpus, [hot("x", "x", {"a": 4 * GiB}), hot("y", "y", {"b": 20 * GiB})]))
+    assert view.snap.room.smallest(16 * GiB) == 4 * GiB
+    assert view.snap.room.smallest(80 * GiB) == 20 * GiB
+    plan = plan_replica(Demand("s", gpus=0.125), view.snap)  # 2 GiB of "a" or 10 GiB of "b"
+    view.apply(plan)
+    (total,) = {view.snap.gpus[g].total for g in plan.gpus}
+    assert view.snap.room.smallest(total) == total // 8
+    view.update({"x": None, "y": None, plan.replica: None})
+    assert view.snap.room.smallest(16 * GiB) is None
+    assert view.snap.room.smallest(80 * GiB) is None
+
+
 def test_ties_between_equal_hosts_are_broken_at_random_not_by_index() -> None:
     gpus = [gpu(f"h{h}", 16 * GiB, host=f"h{h}") for h in range(4)]
     picks = Counter(
@@ -136,7 +169,8 @@ def host_fleets(draw: st.DrawFn) -> list[Gpu]:
 def _room(index: RoomIndex) -> tuple[object, ...]:
     shapes = sorted((s.layout, round(s.room, 9), sorted(s.hosts)) for s in index.shapes.values())
     groups = sorted((k, sorted(g.frees), g.max_reach) for k, g in index.groups.items())
-    return shapes, groups, {h: round(r, 9) for h, r in index.room.items()}
+    smallest = {k[2]: index.smallest(k[2]) for k in index.groups}
+    return shapes, groups, {h: round(r, 9) for h, r in index.room.items()}, smallest
 
 
 @settings(max_examples=150, deadline=None)
