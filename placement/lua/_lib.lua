@@ -28,11 +28,15 @@ local function event(stream, maxlen, now, kind, replica, model, ...)
     'kind', kind, 'replica', replica, 'model', model, 'at', now, ...)
 end
 
--- GPU id -> bytes a deployment holds, from its record.
-local function dep_gpus(dep_key)
-  local raw = redis.call('HGET', dep_key, 'gpus')
-  if not raw or raw == '' then return {} end
-  return cjson.decode(raw)
+-- A replica's record, read once: the fields scripts and the helpers below use, with
+-- `gpus` (GPU id -> bytes it holds) decoded. `level` is nil when there is no record.
+local function record(dep_key)
+  local f = redis.call('HMGET', dep_key, 'level', 'model', 'worker', 'epoch', 'size',
+    'dedicated', 'gpus')
+  local gpus = {}
+  if f[7] and f[7] ~= '' then gpus = cjson.decode(f[7]) end
+  return {level = f[1], model = f[2], worker = f[3], epoch = num(f[4]), size = num(f[5]),
+    dedicated = f[6], gpus = gpus}
 end
 
 -- True when the record's GPU ids are exactly the ids in `refs` ({id=..., key=...}).
@@ -54,12 +58,11 @@ local function notify(control_key, replica)
   end
 end
 
--- Add `delta` bytes times the replica's share to one counter of each of its GPUs.
--- `v.gpus` = [{id, key}] names the GPUs of the record (same_gpus checked by callers).
-local function add_gpus(dep_key, refs, field, sign)
-  local held = dep_gpus(dep_key)
+-- Add (sign 1) or take back (-1) a record's bytes on each of its GPUs, in one counter.
+-- `refs` = [{id, key}] names the GPUs of the record (same_gpus checked by callers).
+local function add_gpus(r, refs, field, sign)
   for _, ref in ipairs(refs) do
-    redis.call('HINCRBY', K(ref.key), field, sign * num(held[ref.id]))
+    redis.call('HINCRBY', K(ref.key), field, sign * num(r.gpus[ref.id]))
   end
 end
 
@@ -69,13 +72,13 @@ local ON_DEVICE = {LOADING = true, HOT = true, DRAINING = true, OFFLOADING = tru
 -- Start taking a replica off its GPUs: it leaves the plan (`reserved`, the model's
 -- active count) at once and goes OFFLOADING (its host's warm cache is charged now) or
 -- DROPPING; its copy stays in `held` until its worker settles (settle.lua). `v` is a JSON
--- reference: {replica, dep, active, host, gpus=[{id, key}]}.
-local function leave(v, to, now)
+-- reference: {replica, dep, active, host, gpus=[{id, key}]}; `r` its record.
+local function leave(v, r, to, now)
   local dep_key = K(v.dep)
-  add_gpus(dep_key, v.gpus, 'reserved', -1)
-  redis.call('HINCRBY', K(v.active), redis.call('HGET', dep_key, 'model'), -1)
+  add_gpus(r, v.gpus, 'reserved', -1)
+  redis.call('HINCRBY', K(v.active), r.model, -1)
   if to == 'WARM' then
-    redis.call('HINCRBY', K(v.host), 'warm_used', num(redis.call('HGET', dep_key, 'size')))
+    redis.call('HINCRBY', K(v.host), 'warm_used', r.size)
     redis.call('HSET', dep_key, 'level', 'OFFLOADING', 'since', now)
   else
     redis.call('HSET', dep_key, 'level', 'DROPPING', 'since', now)
@@ -85,32 +88,31 @@ end
 -- Forget a replica wherever it is: every counter its level contributes to is given
 -- back, its request leases end (their calls are routed again) and it goes COLD with no
 -- holder. `v` is a JSON reference:
--- {replica, dep, leases, active, worker_deps, host, host_warm, gpus=[{id, key}]}.
-local function to_cold(v, now)
-  local dep_key = K(v.dep)
-  local level = redis.call('HGET', dep_key, 'level')
+-- {replica, dep, leases, active, worker_deps, host, host_warm, gpus=[{id, key}]}; `r` its
+-- record.
+local function to_cold(v, r, now)
+  local level = r.level
   if RESERVING[level] then
-    add_gpus(dep_key, v.gpus, 'reserved', -1)
-    redis.call('HINCRBY', K(v.active), redis.call('HGET', dep_key, 'model'), -1)
+    add_gpus(r, v.gpus, 'reserved', -1)
+    redis.call('HINCRBY', K(v.active), r.model, -1)
   end
-  if ON_DEVICE[level] then add_gpus(dep_key, v.gpus, 'held', -1) end
+  if ON_DEVICE[level] then add_gpus(r, v.gpus, 'held', -1) end
   if level == 'OFFLOADING' or level == 'WARM' then
-    redis.call('HINCRBY', K(v.host), 'warm_used', -num(redis.call('HGET', dep_key, 'size')))
+    redis.call('HINCRBY', K(v.host), 'warm_used', -r.size)
     redis.call('SREM', K(v.host_warm), v.replica)
   end
-  redis.call('HSET', dep_key, 'level', 'COLD', 'gpus', '{}', 'fraction', 0, 'limit', 0,
+  redis.call('HSET', K(v.dep), 'level', 'COLD', 'gpus', '{}', 'fraction', 0, 'limit', 0,
     'worker', '', 'queue', '', 'host', '', 'since', now)
   redis.call('SREM', K(v.worker_deps), v.replica)
   redis.call('DEL', K(v.leases))
 end
 
 -- Drop a WARM copy to COLD and give its bytes back to the host's warm cache.
--- `w` is a JSON reference: {replica, dep, worker_deps, host, host_warm}.
-local function drop_warm(w, now)
-  local dep_key = K(w.dep)
-  redis.call('HINCRBY', K(w.host), 'warm_used', -num(redis.call('HGET', dep_key, 'size')))
+-- `w` is a JSON reference: {replica, dep, worker_deps, host, host_warm}; `r` its record.
+local function drop_warm(w, r, now)
+  redis.call('HINCRBY', K(w.host), 'warm_used', -r.size)
   redis.call('SREM', K(w.host_warm), w.replica)
-  redis.call('HSET', dep_key, 'level', 'COLD', 'worker', '', 'queue', '', 'host', '',
+  redis.call('HSET', K(w.dep), 'level', 'COLD', 'worker', '', 'queue', '', 'host', '',
     'since', now)
   redis.call('SREM', K(w.worker_deps), w.replica)
 end

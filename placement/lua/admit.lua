@@ -8,17 +8,17 @@
 --       | {0, 'STALE', level} when the record is not this worker's WAITING placement.
 local a = cjson.decode(ARGV[1])
 local dep = K(a.dep)
-local level, worker, epoch, model = unpack(redis.call('HMGET', dep, 'level', 'worker',
-  'epoch', 'model'))
-if worker ~= a.worker or num(epoch) ~= a.epoch then return {0, 'STALE', level or 'COLD'} end
+local r = record(dep)
+local level = r.level
+if r.worker ~= a.worker or r.epoch ~= a.epoch then return {0, 'STALE', level or 'COLD'} end
 if level == 'LOADING' then return {1, 'LOADING'} end
 if level ~= 'WAITING' then return {0, 'STALE', level} end
-if not same_gpus(dep_gpus(dep), a.gpus) then return {0, 'STALE', 'moved'} end
+if not same_gpus(r.gpus, a.gpus) then return {0, 'STALE', 'moved'} end
 for _, g in ipairs(a.gpus) do
   if not fits_device({g}) then return {0, 'FULL', g.id} end
 end
 local now = now_ms()
 for _, g in ipairs(a.gpus) do redis.call('HINCRBY', K(g.key), 'held', g.bytes) end
 redis.call('HSET', dep, 'level', 'LOADING', 'since', now)
-event(K(a.events), a.maxlen, now, 'admitted', a.replica, model, 'worker', worker)
+event(K(a.events), a.maxlen, now, 'admitted', a.replica, r.model, 'worker', r.worker)
 return {1, 'LOADING'}

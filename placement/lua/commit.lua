@@ -25,11 +25,12 @@ local now = now_ms()
 local dep = K(p.dep)
 
 -- The replica record.
+local mine
 if p.reuse == '' then
   if redis.call('EXISTS', dep) == 1 then return {0, 'STALE', 'replica id already exists'} end
 else
-  local level, worker = unpack(redis.call('HMGET', dep, 'level', 'worker'))
-  if level ~= p.reuse or (worker or '') ~= p.expect_worker then
+  mine = record(dep)
+  if mine.level ~= p.reuse or (mine.worker or '') ~= p.expect_worker then
     return {0, 'STALE', 'replica ' .. p.replica .. ' is no longer ' .. p.reuse}
   end
 end
@@ -44,31 +45,32 @@ end
 -- Victims, and the bytes they free on each GPU.
 local freed = {}
 local warm_delta = {}  -- host key index -> bytes added to its warm cache
-for _, v in ipairs(p.evictions) do
-  local vdep = K(v.dep)
-  local level, dedicated, worker = unpack(redis.call('HMGET', vdep, 'level', 'dedicated', 'worker'))
-  if level ~= 'HOT' then return {0, 'STALE', 'victim ' .. v.replica .. ' is ' .. tostring(level)} end
-  if dedicated == '1' then return {0, 'PINNED', 'victim ' .. v.replica .. ' is dedicated'} end
-  if worker ~= v.expect_worker then return {0, 'STALE', 'victim ' .. v.replica .. ' moved'} end
+local victims, copies = {}, {}  -- their records, read once
+for i, v in ipairs(p.evictions) do
+  local r = record(K(v.dep))
+  victims[i] = r
+  if r.level ~= 'HOT' then
+    return {0, 'STALE', 'victim ' .. v.replica .. ' is ' .. tostring(r.level)}
+  end
+  if r.dedicated == '1' then return {0, 'PINNED', 'victim ' .. v.replica .. ' is dedicated'} end
+  if r.worker ~= v.expect_worker then return {0, 'STALE', 'victim ' .. v.replica .. ' moved'} end
   if live_leases(K(v.leases), now) > 0 then
     return {0, 'BUSY', 'victim ' .. v.replica .. ' has requests in flight'}
   end
-  local held = dep_gpus(vdep)
-  if not same_gpus(held, v.gpus) then return {0, 'STALE', 'victim ' .. v.replica .. ' moved'} end
-  for id, bytes in pairs(held) do freed[id] = (freed[id] or 0) + bytes end
-  if v.to == 'WARM' then
-    warm_delta[v.host] = (warm_delta[v.host] or 0) + num(redis.call('HGET', vdep, 'size'))
-  end
+  if not same_gpus(r.gpus, v.gpus) then return {0, 'STALE', 'victim ' .. v.replica .. ' moved'} end
+  for id, bytes in pairs(r.gpus) do freed[id] = (freed[id] or 0) + bytes end
+  if v.to == 'WARM' then warm_delta[v.host] = (warm_delta[v.host] or 0) + r.size end
 end
-for _, w in ipairs(p.drops) do
-  local level, worker = unpack(redis.call('HMGET', K(w.dep), 'level', 'worker'))
-  if level ~= 'WARM' or worker ~= w.expect_worker then
+for i, w in ipairs(p.drops) do
+  local r = record(K(w.dep))
+  copies[i] = r
+  if r.level ~= 'WARM' or r.worker ~= w.expect_worker then
     return {0, 'STALE', 'warm copy ' .. w.replica .. ' changed'}
   end
-  warm_delta[w.host] = (warm_delta[w.host] or 0) - num(redis.call('HGET', K(w.dep), 'size'))
+  warm_delta[w.host] = (warm_delta[w.host] or 0) - r.size
 end
 if p.reuse == 'WARM' then
-  warm_delta[p.host_key] = (warm_delta[p.host_key] or 0) - num(redis.call('HGET', dep, 'size'))
+  warm_delta[p.host_key] = (warm_delta[p.host_key] or 0) - mine.size
 end
 
 -- Target GPUs: owner, lease and admission; whether the device has room now (victims
@@ -96,20 +98,19 @@ end
 
 -- Apply.
 local events = K(p.events)
-for _, v in ipairs(p.evictions) do
-  local model = redis.call('HGET', K(v.dep), 'model')
-  leave(v, v.to, now)
+for i, v in ipairs(p.evictions) do
+  leave(v, victims[i], v.to, now)
   notify(K(v.control), v.replica)
-  event(events, p.maxlen, now, 'evicted', v.replica, model, 'cause', 'pressure', 'to', v.to,
-    'for', p.replica)
+  event(events, p.maxlen, now, 'evicted', v.replica, victims[i].model, 'cause', 'pressure',
+    'to', v.to, 'for', p.replica)
 end
-for _, w in ipairs(p.drops) do
-  drop_warm(w, now)
+for i, w in ipairs(p.drops) do
+  drop_warm(w, copies[i], now)
   notify(K(w.control), w.replica)
-  event(events, p.maxlen, now, 'dropped', w.replica, redis.call('HGET', K(w.dep), 'model'))
+  event(events, p.maxlen, now, 'dropped', w.replica, copies[i].model)
 end
 if p.reuse == 'WARM' then
-  redis.call('HINCRBY', K(p.host_key), 'warm_used', -num(redis.call('HGET', dep, 'size')))
+  redis.call('HINCRBY', K(p.host_key), 'warm_used', -mine.size)
   redis.call('SREM', K(p.host_warm_key), p.replica)
   redis.call('SREM', K(p.old_worker_deps), p.replica)
 end
@@ -126,8 +127,10 @@ redis.call('HSET', dep, 'replica', p.replica, 'model', p.model, 'level', level,
   'gpus', cjson.encode(placed), 'limit', p.limit, 'fraction', p.fraction, 'size', p.size,
   'dedicated', p.dedicated and 1 or 0, 'host', p.host, 'worker', p.worker, 'queue', p.queue,
   'last_used', now, 'since', now, 'source', p.reuse)
-redis.call('SADD', K(p.deps_key), p.replica)
-redis.call('SADD', K(p.replicas_key), p.replica)
+if p.reuse == '' then  -- a record, once made, stays in both sets (nothing removes it)
+  redis.call('SADD', K(p.deps_key), p.replica)
+  redis.call('SADD', K(p.replicas_key), p.replica)
+end
 redis.call('SADD', K(p.worker_deps), p.replica)
 redis.call('HINCRBY', K(p.active), p.model, 1)
 redis.call('DEL', K(p.leases))  -- no lease of an earlier placement carries over

@@ -14,7 +14,8 @@
 local a = cjson.decode(ARGV[1])
 local dep = K(a.dep)
 local now = now_ms()
-local level, model, worker = unpack(redis.call('HMGET', dep, 'level', 'model', 'worker'))
+local r = record(dep)
+local level, model = r.level, r.model
 if not level then return {0, 'NOT_FOUND', 'no replica ' .. a.replica} end
 local events = K(a.events)
 if level == 'COLD' or (level == 'WARM' and a.to == 'WARM') or level == 'DROPPING'
@@ -22,29 +23,29 @@ if level == 'COLD' or (level == 'WARM' and a.to == 'WARM') or level == 'DROPPING
   return {1, level}
 end
 -- The holder, its worker set and its host are the ones the caller saw, or nothing changes.
-if (worker or '') ~= a.expect_worker then return {0, 'STALE', a.replica .. ' moved'} end
-if not same_gpus(dep_gpus(dep), a.gpus) then return {0, 'STALE', a.replica .. ' moved'} end
+if (r.worker or '') ~= a.expect_worker then return {0, 'STALE', a.replica .. ' moved'} end
+if not same_gpus(r.gpus, a.gpus) then return {0, 'STALE', a.replica .. ' moved'} end
 if level == 'WARM' then
-  drop_warm(a, now)
+  drop_warm(a, r, now)
   notify(K(a.control), a.replica)
   event(events, a.maxlen, now, 'dropped', a.replica, model, 'cause', 'explicit')
   return {1, 'COLD'}
 end
 if level == 'OFFLOADING' then  -- asked to go COLD: the warm charge goes back at once
-  redis.call('HINCRBY', K(a.host), 'warm_used', -num(redis.call('HGET', dep, 'size')))
+  redis.call('HINCRBY', K(a.host), 'warm_used', -r.size)
   redis.call('HSET', dep, 'level', 'DROPPING', 'since', now)
   notify(K(a.control), a.replica)
   event(events, a.maxlen, now, 'evicted', a.replica, model, 'cause', 'explicit', 'to', 'COLD')
   return {1, 'DROPPING'}
 end
 if level == 'WAITING' then
-  to_cold(a, now)
+  to_cold(a, r, now)
   notify(K(a.control), a.replica)
   event(events, a.maxlen, now, 'evicted', a.replica, model, 'cause', 'explicit', 'to', 'COLD')
   return {1, 'COLD'}
 end
 if level == 'LOADING' then
-  leave(a, 'COLD', now)
+  leave(a, r, 'COLD', now)
   notify(K(a.control), a.replica)
   event(events, a.maxlen, now, 'evicted', a.replica, model, 'cause', 'explicit', 'to', 'COLD')
   return {1, 'DROPPING'}
@@ -59,29 +60,30 @@ if inflight > 0 then
 end
 local to = a.to
 if to == 'WARM' then
-  local size = num(redis.call('HGET', dep, 'size'))
+  local size = r.size
   local budget, used = unpack(redis.call('HMGET', K(a.host), 'warm_budget', 'warm_used'))
   local room = num(budget) - num(used)
   local usable = {}
   for _, w in ipairs(a.drops) do
     if room >= size then break end
-    local wl, ww = unpack(redis.call('HMGET', K(w.dep), 'level', 'worker'))
-    if wl == 'WARM' and ww == w.expect_worker then
-      table.insert(usable, w)
-      room = room + num(redis.call('HGET', K(w.dep), 'size'))
+    local wr = record(K(w.dep))
+    if wr.level == 'WARM' and wr.worker == w.expect_worker then
+      table.insert(usable, {w, wr})
+      room = room + wr.size
     end
   end
   if room >= size and size > 0 then
-    for _, w in ipairs(usable) do
-      drop_warm(w, now)
+    for _, use in ipairs(usable) do
+      local w, wr = use[1], use[2]
+      drop_warm(w, wr, now)
       notify(K(w.control), w.replica)
-      event(events, a.maxlen, now, 'dropped', w.replica, redis.call('HGET', K(w.dep), 'model'))
+      event(events, a.maxlen, now, 'dropped', w.replica, wr.model)
     end
   else
     to = 'COLD'
   end
 end
-leave(a, to, now)
+leave(a, r, to, now)
 notify(K(a.control), a.replica)
 event(events, a.maxlen, now, 'evicted', a.replica, model, 'cause', 'explicit', 'to', to)
 if to == 'WARM' then return {1, 'OFFLOADING'} end

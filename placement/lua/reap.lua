@@ -17,21 +17,22 @@ if not a.force and num(redis.call('HGET', wkey, 'lease_deadline')) > now then
 end
 local members = redis.call('SMEMBERS', K(a.worker_deps))
 if #members ~= #a.deps then return {0, 'STALE', 'deployment set changed'} end
-for _, d in ipairs(a.deps) do
+local records = {}
+for i, d in ipairs(a.deps) do
   if redis.call('SISMEMBER', K(a.worker_deps), d.replica) == 0 then
     return {0, 'STALE', 'deployment set changed'}
   end
-  if not same_gpus(dep_gpus(K(d.dep)), d.gpus) then return {0, 'STALE', d.replica .. ' moved'} end
+  records[i] = record(K(d.dep))
+  if not same_gpus(records[i].gpus, d.gpus) then return {0, 'STALE', d.replica .. ' moved'} end
 end
 local touched = {}
 local events = K(a.events)
-for _, d in ipairs(a.deps) do
-  local dep = K(d.dep)
-  local level, model = unpack(redis.call('HMGET', dep, 'level', 'model'))
+for i, d in ipairs(a.deps) do
+  local r = records[i]
   d.worker_deps = a.worker_deps
-  to_cold(d, now)
+  to_cold(d, r, now)
   for _, ref in ipairs(d.gpus) do touched[ref.id] = ref.key end
-  event(events, a.maxlen, now, 'released', d.replica, model, 'worker', a.worker, 'was', level)
+  event(events, a.maxlen, now, 'released', d.replica, r.model, 'worker', a.worker, 'was', r.level)
 end
 for _, g in ipairs(a.own) do
   if redis.call('HGET', K(g.key), 'worker') == a.worker then

@@ -13,10 +13,10 @@
 -- placement in this epoch, or not at a level the outcome settles.
 local a = cjson.decode(ARGV[1])
 local dep = K(a.dep)
-local level, worker, epoch, model = unpack(redis.call('HMGET', dep, 'level', 'worker',
-  'epoch', 'model'))
+local r = record(dep)
+local level = r.level
 if not level then return {0, 'STALE', 'COLD'} end
-if worker ~= a.worker or num(epoch) ~= a.epoch then return {0, 'STALE', level} end
+if r.worker ~= a.worker or r.epoch ~= a.epoch then return {0, 'STALE', level} end
 local from = {
   offloaded = {OFFLOADING = true},
   dropped = {OFFLOADING = true, DROPPING = true},
@@ -25,17 +25,17 @@ local from = {
 }
 if not from[a.outcome] then error('gpufleet: unknown outcome ' .. tostring(a.outcome)) end
 if not from[a.outcome][level] then return {0, 'STALE', level} end
-if not same_gpus(dep_gpus(dep), a.gpus) then return {0, 'STALE', 'moved'} end
+if not same_gpus(r.gpus, a.gpus) then return {0, 'STALE', 'moved'} end
 local now = now_ms()
 local to = 'COLD'
 if a.outcome == 'offloaded' then
-  add_gpus(dep, a.gpus, 'held', -1)
+  add_gpus(r, a.gpus, 'held', -1)
   redis.call('SADD', K(a.host_warm), a.replica)
   redis.call('HSET', dep, 'level', 'WARM', 'gpus', '{}', 'fraction', 0, 'limit', 0, 'since', now)
   to = 'WARM'
 else
-  to_cold(a, now)
+  to_cold(a, r, now)
 end
-event(K(a.events), a.maxlen, now, 'settled', a.replica, model, 'outcome', a.outcome,
-  'was', level, 'worker', worker)
+event(K(a.events), a.maxlen, now, 'settled', a.replica, r.model, 'outcome', a.outcome,
+  'was', level, 'worker', r.worker)
 return {1, to}
