@@ -8,6 +8,7 @@ its keys. Names are built here and only here; Lua scripts receive them in KEYS.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from placement.errors import ConfigError
 
@@ -24,7 +25,7 @@ class Keys:
                 f"fleet name {self.fleet!r} is invalid: use letters, digits, '-', '_' or '.'"
             )
 
-    @property
+    @cached_property
     def prefix(self) -> str:
         return f"gpufleet:{{{self.fleet}}}"
 
@@ -110,13 +111,15 @@ class KeyList:
     """
 
     def __init__(self, *fixed: str) -> None:
-        self.names: list[str] = []
         self._index: dict[str, int] = {}
         for name in fixed:
             self.add(name)
 
     def add(self, name: str) -> int:
-        if name not in self._index:
-            self.names.append(name)
-            self._index[name] = len(self.names)
-        return self._index[name]
+        """`name`'s index in KEYS, adding it the first time."""
+        return self._index.setdefault(name, len(self._index) + 1)
+
+    @property
+    def names(self) -> list[str]:
+        """KEYS, in index order."""
+        return list(self._index)

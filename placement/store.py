@@ -6,12 +6,12 @@ plain pipelined commands; every write is one atomic script (`placement/lua/*.lua
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+import orjson
 import redis
 
 from placement import records
@@ -62,7 +62,7 @@ class Store:
 
     def _run_json(self, name: str, keys: KeyList, payload: dict[str, Any]) -> Any:
         payload["maxlen"] = self.events_maxlen
-        return self._run(name, keys.names, [json.dumps(payload)])
+        return self._run(name, keys.names, [orjson.dumps(payload)])  # ~10x json's speed
 
     def _read(self, commands: list[tuple[Any, ...]], *, atomic: bool = False) -> list[Any]:
         def execute() -> list[Any]:
