@@ -15,6 +15,11 @@ naming the file, the model and the field, instead of at the first request.
         task: text-generation
         memory: {request: 16GiB, limit: 18GiB}
         replicas: 2
+      embedder:
+        source: /models/bge-small
+        task: feature-extraction
+        replicas: {min: 1, max: 3}   # follows load (placement.scaling)
+        keep_alive: 5m               # an idle replica goes after this
 """
 
 from __future__ import annotations
@@ -35,14 +40,17 @@ import yaml
 from placement import accelerators
 from placement.accelerators import Accelerator
 from placement.config import Settings
+from placement.durations import parse_duration_ms
 from placement.errors import (
     CatalogError,
+    ConfigError,
     MemorySizeError,
     PayloadError,
     UnknownModelError,
     describe,
 )
 from placement.memory import parse_size
+from placement.scaling import Autoscale
 from placement.state import Demand
 
 log = logging.getLogger(__name__)
@@ -62,7 +70,7 @@ _FIELDS = frozenset(
     {
         "source", "task", "dtype", "memory", "dedicated", "replicas", "max_replicas", "gpus",
         "accelerator", "trust_remote_code", "factor", "fractional_threshold",
-        "min_free_fraction", "config", "loader",
+        "min_free_fraction", "config", "loader", "keep_alive",
     }
 )  # fmt: skip
 
@@ -80,7 +88,8 @@ class ModelSpec:
     request: int | None = None  # the `memory: {request, limit}` form
     limit: int | None = None
     dedicated: bool = False
-    replicas: int = 1
+    replicas: int = 1  # placed on demand by calls: the fixed count, or max(1, min)
+    autoscale: Autoscale | None = None  # `replicas: {min, max}`; None: a fixed count
     max_replicas: int | None = None  # the most `deploy` places; None: the fleet's setting
     gpus: float | None = None
     accelerator: Accelerator = None  # a GPU type, or a list of alternatives
@@ -313,9 +322,7 @@ def _parse_entry(where: _Where, entry: object, base_dir: Path) -> ModelSpec:
         if gpus >= 1 and not gpus.is_integer():
             raise where.error("gpus", f"{gpus} is neither a fraction below 1 nor a whole count")
 
-    replicas = entry.get("replicas", 1)
-    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
-        raise where.error("replicas", f"expected a whole number >= 1, got {replicas!r}")
+    replicas, autoscale = _replicas(where, entry)
     max_replicas = entry.get("max_replicas")
     if max_replicas is not None and (
         isinstance(max_replicas, bool)
@@ -352,6 +359,7 @@ def _parse_entry(where: _Where, entry: object, base_dir: Path) -> ModelSpec:
         limit=limit,
         dedicated=_bool(where, entry, "dedicated"),
         replicas=replicas,
+        autoscale=autoscale,
         max_replicas=max_replicas,
         gpus=gpus,
         accelerator=accelerator,
@@ -366,6 +374,38 @@ def _parse_entry(where: _Where, entry: object, base_dir: Path) -> ModelSpec:
         config=dict(config) if config is not None else None,
         base_dir=base_dir,
     )
+
+
+def _replicas(where: _Where, entry: Mapping[str, Any]) -> tuple[int, Autoscale | None]:
+    """A fixed count (`replicas: 2`), or bounds the count follows load within
+    (`replicas: {min: 1, max: 3}`, with an optional `keep_alive`)."""
+    raw = entry.get("replicas", 1)
+    if not isinstance(raw, Mapping):
+        if isinstance(raw, bool) or not isinstance(raw, int) or raw < 1:
+            raise where.error(
+                "replicas", f"expected a whole number >= 1 or {{min, max}}, got {raw!r}"
+            )
+        if "keep_alive" in entry:
+            raise where.error(
+                "keep_alive",
+                "applies to replicas: {min, max}; a fixed count never scales in",
+            )
+        return raw, None
+    if set(raw) != {"min", "max"}:
+        raise where.error("replicas", "a mapping needs exactly the keys 'min' and 'max'")
+    low, high = raw["min"], raw["max"]
+    for key, value in (("replicas.min", low), ("replicas.max", high)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise where.error(key, f"expected a whole number >= 0, got {value!r}")
+    if high < 1 or low > high:
+        raise where.error("replicas", f"need 0 <= min <= max and max >= 1, got {low}..{high}")
+    keep_alive = None
+    if "keep_alive" in entry:
+        try:
+            keep_alive = parse_duration_ms(entry["keep_alive"])
+        except ConfigError as exc:
+            raise where.error("keep_alive", str(exc)) from None
+    return max(low, 1), Autoscale(low, high, keep_alive)
 
 
 def _string(where: _Where, entry: Mapping[str, Any], key: str) -> str:

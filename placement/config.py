@@ -21,9 +21,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
+from placement.durations import parse_duration_ms
 from placement.errors import ConfigError, MemorySizeError
 from placement.keys import Keys
 from placement.memory import parse_size
+from placement.scaling import DEFAULT_KEEP_ALIVE_MS, DEFAULT_THRESHOLD, DEFAULT_WINDOW_MS
 from placement.settings import GpuChoice, PolicySettings, VictimOrder
 
 __all__ = [
@@ -90,6 +92,11 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("GPUFLEET_METRICS_ADDR", "`127.0.0.1`", "the address it binds"),
     Variable("GPUFLEET_MAX_REPLICAS", f"`{DEFAULT_MAX_REPLICAS}`",
              "the most replicas `gpufleet.deploy` places of one model (catalog `max_replicas`)"),
+    Variable("GPUFLEET_KEEP_ALIVE", "`5m`",
+             "how long a replica of a `replicas: {min, max}` model may idle before it goes"),
+    Variable("GPUFLEET_SCALE_THRESHOLD", f"`{DEFAULT_THRESHOLD:g}`",
+             "calls waiting per ready replica that scale a model out"),
+    Variable("GPUFLEET_SCALE_WINDOW", "`2s`", "how long the threshold must hold first"),
     Variable("GPUFLEET_FACTOR", "`3.0`", "slot = size x factor"),
     Variable("GPUFLEET_FRACTIONAL_THRESHOLD", "`0.8`",
              "at or above this share of a GPU, take the whole GPU"),
@@ -130,6 +137,9 @@ class Settings:
     metrics_port: int | None = None
     metrics_addr: str = "127.0.0.1"
     max_replicas: int = DEFAULT_MAX_REPLICAS
+    keep_alive_ms: int = DEFAULT_KEEP_ALIVE_MS
+    scale_threshold: float = DEFAULT_THRESHOLD
+    scale_window_ms: int = DEFAULT_WINDOW_MS
     policy: PolicySettings = field(default_factory=PolicySettings)
     sim_data: Path | None = None
     url_from: str = FROM_DEFAULT  # where the registry URL came from (FROM_*)
@@ -196,6 +206,9 @@ class Settings:
             max_replicas=env.integer(
                 "GPUFLEET_MAX_REPLICAS", DEFAULT_MAX_REPLICAS, low=1, high=10_000
             ),
+            keep_alive_ms=env.duration("GPUFLEET_KEEP_ALIVE", DEFAULT_KEEP_ALIVE_MS),
+            scale_threshold=env.positive("GPUFLEET_SCALE_THRESHOLD", DEFAULT_THRESHOLD),
+            scale_window_ms=env.duration("GPUFLEET_SCALE_WINDOW", DEFAULT_WINDOW_MS),
             policy=_policy(env),
             sim_data=Path(sim_data).expanduser() if sim_data else None,
             url_from=url_from,
@@ -266,6 +279,23 @@ class _Env:
             return float(raw)
         except ValueError:
             raise ConfigError(f"{name}={raw!r} must be a number, e.g. 2.5") from None
+
+    def positive(self, name: str, default: float) -> float:
+        value = self.number(name)
+        if value is None:
+            return default
+        if not value > 0 or value == float("inf"):
+            raise ConfigError(f"{name}={value!r} must be a number above 0, e.g. 2")
+        return value
+
+    def duration(self, name: str, default: int) -> int:
+        raw = self.get(name)
+        if raw is None:
+            return default
+        try:
+            return parse_duration_ms(raw)
+        except ConfigError as exc:
+            raise ConfigError(f"{name}: {exc}") from None
 
     def size(self, name: str) -> int | None:
         raw = self.get(name)

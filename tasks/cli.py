@@ -111,9 +111,9 @@ def catalog(
             memory = f"{spec.gpus:g} GPU"
         else:
             memory = "estimated"
-        table.add_row(
-            spec.name, spec.task, spec.source, memory, str(spec.dedicated), str(spec.replicas)
-        )
+        scale = spec.autoscale
+        replicas = f"{scale.floor}..{scale.ceiling}" if scale else str(spec.replicas)
+        table.add_row(spec.name, spec.task, spec.source, memory, str(spec.dedicated), replicas)
     console.print(table)
 
 

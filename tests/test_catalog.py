@@ -11,6 +11,7 @@ import pytest
 from placement.catalog import Catalog, ModelSpec
 from placement.errors import CatalogError, PayloadError, UnknownModelError
 from placement.memory import GiB
+from placement.scaling import Autoscale
 from placement.state import Demand
 
 
@@ -367,3 +368,37 @@ def test_a_malformed_file_is_a_catalog_error_naming_it(tmp_path: Path, text: str
 def test_a_catalog_without_a_models_key_says_so() -> None:
     with pytest.raises(CatalogError, match="<x>: no 'models:' key"):
         Catalog.from_mapping({}, origin="<x>")
+
+
+# --- replicas that follow load -----------------------------------------------------------
+
+
+def test_replicas_min_max_bounds_scaling_and_calls_place_the_floor_or_one(tmp_path: Path) -> None:
+    spec = load_one(
+        tmp_path, "source: w\ntask: forward\nreplicas: {min: 2, max: 5}\nkeep_alive: 90s"
+    )
+    assert spec.autoscale == Autoscale(floor=2, ceiling=5, keep_alive_ms=90_000)
+    assert spec.replicas == 2  # what a call places on demand
+    gone = load_one(tmp_path, "source: w\ntask: forward\nreplicas: {min: 0, max: 1}")
+    assert (gone.replicas, gone.autoscale) == (1, Autoscale(0, 1, None))  # the fleet's keep_alive
+    assert load_one(tmp_path, "source: w\ntask: forward\nreplicas: 3").autoscale is None
+
+
+@pytest.mark.parametrize(
+    ("fields", "names"),
+    [
+        ("replicas: {min: 1}", "'replicas': a mapping needs exactly the keys 'min' and 'max'"),
+        ("replicas: {min: 3, max: 2}", "'replicas': need 0 <= min <= max and max >= 1, got 3..2"),
+        ("replicas: {min: 0, max: 0}", "max >= 1"),
+        ("replicas: {min: -1, max: 2}", "'replicas.min': expected a whole number >= 0"),
+        ("replicas: {min: 1, max: two}", "'replicas.max': expected a whole number >= 0"),
+        ("replicas: 2\nkeep_alive: 5m", "'keep_alive': applies to replicas: {min, max}"),
+        ("replicas: {min: 1, max: 2}\nkeep_alive: soon", "'keep_alive': invalid duration 'soon'"),
+    ],
+)
+def test_bad_scaling_fields_name_the_file_the_model_and_the_field(
+    tmp_path: Path, fields: str, names: str
+) -> None:
+    message = catalog_error(tmp_path, f"source: w\ntask: forward\n{fields}")
+    assert "models.yaml" in message and "'m'" in message
+    assert names in message
