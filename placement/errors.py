@@ -64,6 +64,10 @@ class PlanRejectedError(PlacementError):
     """The registry refused a plan because the fleet changed; plan again on a fresh snapshot."""
 
 
+class AtFloorError(PlacementError):
+    """Scaling in would take a model below its `replicas: {min}`; the replica stays."""
+
+
 class RegistryError(GpufleetError):
     """The registry refused an operation or could not be reached."""
 

@@ -95,6 +95,10 @@ class Keys:
         """Hash: request outcome (hit, queued, warm, cold, rejected, busy) -> count."""
         return f"{self.prefix}:model:{model}:stats"
 
+    def model_routing(self, model: str) -> str:
+        """Sorted set of calls a router holds for a model, scored by deadline (ms)."""
+        return f"{self.prefix}:model:{model}:routing"
+
     def host(self, host: str) -> str:
         return f"{self.prefix}:host:{host}"
 

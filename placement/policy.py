@@ -320,7 +320,8 @@ def _victims(
     deficit = gpu.reserved + limit - gpu.total
     if deficit <= 0:
         return ()
-    pool = [d for d in view.by_gpu.get(gpu.id, []) if d.evictable]
+    keep = view.demand.protect
+    pool = [d for d in view.by_gpu.get(gpu.id, []) if d.evictable and d.model not in keep]
     if order is VictimOrder.LRU:
         pool.sort(key=lambda d: (d.last_used_ms, d.replica))
     else:

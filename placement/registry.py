@@ -24,6 +24,7 @@ import redis
 
 from placement import records
 from placement.errors import (
+    AtFloorError,
     CantAccommodateError,
     NeverFitsError,
     PlanRejectedError,
@@ -181,11 +182,13 @@ class Registry(Membership):
         *,
         lease_id: str = "",
         lease_ms: int = DEFAULT_REQUEST_LEASE_MS,
+        why: str = "",
     ) -> Plan:
         """Apply `plan`, made from `snap`, atomically; raise `PlanRejectedError` if stale.
 
         Returns the plan with its new epoch. `lease_id` pins the replica for the call that
-        caused the placement, so pressure cannot evict it before that call runs.
+        caused the placement, so pressure cannot evict it before that call runs. `why`
+        goes into the placement's event (a scale-out says why it placed another replica).
         """
         k = self.keys
         keys = KeyList()
@@ -218,6 +221,7 @@ class Registry(Membership):
             "host": plan.host,
             "worker": plan.worker,
             "queue": plan.queue,
+            "why": why,
             "gpus": [
                 {
                     "id": g,
@@ -270,6 +274,8 @@ class Registry(Membership):
         *,
         lease_id: str = "",
         settle_wait_s: float = SETTLE_WAIT_S,
+        avoid_workers: frozenset[str] = frozenset(),
+        why: str = "",
     ) -> Plan:
         """Snapshot, plan and commit one more replica, retrying on stale plans.
 
@@ -278,6 +284,7 @@ class Registry(Membership):
         While a copy of the model is leaving its GPU, it waits up to `settle_wait_s` for
         the move to settle (then the copy can be restored), else raises `SettlingError`.
         `lease_id` pins the placed replica for the caller's request (see `commit`).
+        The replica goes to none of the GPUs of `avoid_workers`; `why` goes into its event.
         """
         last: PlanRejectedError | None = None
         deadline = time.monotonic() + settle_wait_s
@@ -286,12 +293,13 @@ class Registry(Membership):
             with self.follower.current() as snap:
                 if demand.learned is None and demand.model in snap.learned:
                     demand = replace(demand, learned=snap.learned[demand.model])
+                where = snap.without_workers(avoid_workers) if avoid_workers else snap
                 try:
-                    plan = plan_replica(demand, snap, settings or self.settings, rng)
+                    plan = plan_replica(demand, where, settings or self.settings, rng)
                     tries += 1
                     if plan.candidate is Candidate.DEPLOYED:
                         return plan
-                    return self.commit(plan, snap, lease_id=lease_id)
+                    return self.commit(plan, snap, lease_id=lease_id, why=why)
                 except NeverFitsError:
                     raise  # the fleet's shape: a fresher view would not change it
                 except CantAccommodateError:
@@ -411,8 +419,14 @@ class Registry(Membership):
         *,
         to: Level | None = None,
         seen: Deployment | None = None,
+        floor: int | None = None,
+        why: str = "",
     ) -> Level:
         """Drain, then offload (to WARM when the host cache has room) or drop a replica.
+
+        With `floor`, a placed replica leaves only while its model keeps `floor` others
+        placed (`AtFloorError` otherwise): how a scale-in stays within the model's bounds
+        whichever routers run it. `why` goes into the eviction's event.
 
         Returns the replica's level afterwards: DRAINING while requests are in flight
         (call again when they finish), OFFLOADING or DROPPING while its worker moves it
@@ -437,12 +451,16 @@ class Registry(Membership):
                 "events": keys.add(k.events),
                 "to": target.value,
                 "drops": [self._warm_ref(snap.deployments[r], keys) for r in drops],
+                "floor": -1 if floor is None else floor,
+                "why": why,
             }
             result = self._run_json("evict", keys, payload)
             if result[0] in (1, 2):
                 return Level(result[1])
             if result[1] == "NOT_FOUND":
                 raise RegistryError(f"no replica {replica} in the registry")
+            if result[1] == "FLOOR":
+                raise AtFloorError(f"{replica} stays: {result[2]}")
         raise PlanRejectedError(f"replica {replica} kept moving while being evicted")
 
     def wait_settled(self, replica: str, timeout_s: float) -> Level:

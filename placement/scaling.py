@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from placement.state import Level
+
 DEFAULT_THRESHOLD = 2.0
 DEFAULT_WINDOW_MS = 2_000
 DEFAULT_KEEP_ALIVE_MS = 300_000  # Ollama's 5 minutes
@@ -41,13 +43,23 @@ class Autoscale:
 
 @dataclass(frozen=True)
 class ReplicaLoad:
-    """One placed replica as the rule sees it."""
+    """One placed replica (HOT, LOADING, WAITING or DRAINING) as the rule sees it."""
 
     replica: str
-    ready: bool  # HOT: it takes calls now
+    level: Level
     in_flight: int  # live request leases: calls sent to it, queued or running
     idle_ms: int  # since its last call ended (0 while one is in flight)
     worker: str = ""
+
+    @property
+    def ready(self) -> bool:
+        """HOT: it takes calls now."""
+        return self.level is Level.HOT
+
+    @property
+    def arriving(self) -> bool:
+        """Placed and on its way to HOT: it takes load soon."""
+        return self.level in (Level.LOADING, Level.WAITING)
 
     @property
     def waiting(self) -> int:
@@ -134,8 +146,8 @@ class Scaler:
             self._pressed_since.pop(load.model, None)
         else:
             since = self._pressed_since.setdefault(load.model, now_ms)
-            settling = placed > ready  # a replica on its way takes load once HOT
-            if now_ms - since >= self.window_ms and placed < rule.ceiling and not settling:
+            arriving = any(r.arriving for r in load.replicas)  # it takes load once HOT
+            if now_ms - since >= self.window_ms and placed < rule.ceiling and not arriving:
                 self._pressed_since[load.model] = now_ms  # a fresh window for the next one
                 why = (
                     f"scale out {load.model} {placed}\u2192{placed + 1}: {load.waiting} waiting "
@@ -145,7 +157,8 @@ class Scaler:
             return None
         keep = rule.keep_alive_ms if rule.keep_alive_ms is not None else self.keep_alive_ms
         idle = [r for r in load.replicas if r.ready and r.in_flight == 0 and r.idle_ms >= keep]
-        if placed > rule.floor and idle:
+        leaving = any(r.level is Level.DRAINING for r in load.replicas)
+        if placed > rule.floor and idle and not leaving:
             gone = max(idle, key=lambda r: (r.idle_ms, r.replica))
             why = (
                 f"scale in {load.model} {placed}\u2192{placed - 1}: replica {gone.replica[:8]} "

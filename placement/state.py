@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import TYPE_CHECKING
 
@@ -197,6 +197,13 @@ class Snapshot:
 
         return RoomIndex(self.gpus.values(), self.by_gpu, self.now_ms)
 
+    def without_workers(self, workers: frozenset[str]) -> Snapshot:
+        """This snapshot with the GPUs of `workers` left out: a plan on it goes elsewhere
+        (a second replica on the worker that runs the first would share its one call at a
+        time). Its indexes are built afresh, so use it for rare plans only."""
+        gpus = {g: gpu for g, gpu in self.gpus.items() if gpu.worker not in workers}
+        return replace(self, gpus=gpus)
+
     def on_gpu(self, gpu_id: str) -> list[Deployment]:
         """Deployments whose bytes `gpu_id` reserves."""
         return list(self.by_gpu.get(gpu_id, ()))
@@ -226,6 +233,7 @@ class Demand:
     fractional_threshold: float | None = None
     min_free_fraction: float | None = None
     learned: int | None = None  # measured peak bytes; preferred over the factor
+    protect: frozenset[str] = frozenset()  # models whose replicas this one may not evict
 
 
 @dataclass(frozen=True)

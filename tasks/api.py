@@ -14,9 +14,10 @@ import logging
 import threading
 import time
 import uuid
-from typing import Any
+from typing import Any, NoReturn
 
 from celery import Task
+from celery.exceptions import Retry
 from celery.signals import worker_process_init
 
 from placement.catalog import ModelSpec
@@ -30,6 +31,7 @@ from placement.errors import (
     UnknownReplicaError,
     describe,
 )
+from placement.load import hold_routing
 from placement.registry import DEFAULT_REQUEST_LEASE_MS, Lease, Registry
 from placement.state import LEAVING, RESERVING, Candidate, Level, Plan
 from tasks import context, leases, metrics
@@ -76,6 +78,29 @@ def dispatch(
     if lease is not None:
         call = Call(model, inputs, params, lease.replica, "hot", sent, hops=hops)
         raise task.replace(call.with_lease(lease).to(lease.queue))
+    held = task.request.id or uuid.uuid4().hex
+    _hold(registry, model, held, True)  # part of the model's load while the router has it
+    try:
+        _place_and_hand_on(task, registry, spec, inputs=inputs, params=params, sent=sent, hops=hops)
+    except Retry:
+        raise  # still held: the next attempt renews it
+    except BaseException:
+        _hold(registry, model, held, False)  # handed on (`replace` raises Ignore), or failed
+        raise
+
+
+def _place_and_hand_on(
+    task: Task,
+    registry: Registry,
+    spec: ModelSpec,
+    *,
+    inputs: Any,
+    params: dict[str, Any] | None,
+    sent: int,
+    hops: int,
+) -> NoReturn:
+    """Place the model (or find its replica being placed) and hand the call to it."""
+    model = spec.name
     for _ in range(PLACE_ATTEMPTS):
         plan, pinned = _place(task, registry, spec, model)
         if pinned is None:
@@ -114,6 +139,14 @@ def _place(
     deadline = int(time.time() * 1000) + DEFAULT_REQUEST_LEASE_MS  # commit.lua took it
     lease = Lease(lease_id, model, plan.replica, plan.queue, plan.worker, {}, deadline, plan.epoch)
     return plan, (lease, "warm" if plan.reuse is Level.WARM else "cold")
+
+
+def _hold(registry: Registry, model: str, call: str, held: bool) -> None:
+    """Count the call as held by the router for `model`, or no longer; never fail it."""
+    try:
+        hold_routing(registry, model, call, held)
+    except GpufleetError:
+        log.warning("could not count a routed call of %s", model, exc_info=True)
 
 
 def _count(registry: Registry, model: str, outcome: str) -> None:

@@ -15,4 +15,6 @@ from tasks.context import settings
 app = Celery("gpufleet", task_cls="tasks.checked:CheckedTask")
 app.conf.update(celery_conf(settings()))
 app.conf.task_routes = ("tasks.routing.route",)
-app.conf.include = ["tasks.api"] + (["tasks.gpu"] if settings().role == "gpu" else [])
+app.conf.include = ["tasks.api", "tasks.scaling"] + (
+    ["tasks.gpu"] if settings().role == "gpu" else []
+)

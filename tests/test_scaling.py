@@ -1,22 +1,35 @@
-"""The scaling rule (placement/scaling.py) and the durations it is configured with."""
+"""Replicas that follow load: the rule (placement/scaling.py), the durations that configure
+it, and its decisions carried out against a real registry (tasks/scaling.py)."""
 
 from __future__ import annotations
 
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
 import pytest
 
+from placement.audit import audit
 from placement.durations import format_duration_ms, parse_duration_ms
 from placement.errors import ConfigError
+from placement.load import hold_routing, read_loads
+from placement.registry import Registry
 from placement.scaling import Autoscale, ModelLoad, ReplicaLoad, ScaleIn, ScaleOut, Scaler
+from placement.state import RESERVING, Demand, Deployment, Gpu, Level
+from tasks.scaling import ScalingLoop, scale_in, scale_out
+from tests.acting import evict_now, make_hot, settle_leaving
+from tests.fleets import GiB
 
 RULES = {"m": Autoscale(floor=1, ceiling=3, keep_alive_ms=10_000)}
 
 
 def hot(replica: str, in_flight: int = 0, idle_ms: int = 0) -> ReplicaLoad:
-    return ReplicaLoad(replica, ready=True, in_flight=in_flight, idle_ms=idle_ms)
+    return ReplicaLoad(replica, Level.HOT, in_flight=in_flight, idle_ms=idle_ms)
 
 
 def loading(replica: str) -> ReplicaLoad:
-    return ReplicaLoad(replica, ready=False, in_flight=0, idle_ms=0)
+    return ReplicaLoad(replica, Level.LOADING, in_flight=0, idle_ms=0)
 
 
 @pytest.mark.parametrize(
@@ -97,3 +110,149 @@ def test_models_without_bounds_are_left_alone() -> None:
     scaler = Scaler(window_ms=0)
     load = ModelLoad("fixed", [hot("r1", in_flight=50)])
     assert scaler.decide(0, [load], RULES) == []
+
+
+# --- against a real registry ------------------------------------------------------------
+
+
+@pytest.fixture
+def reg(redis_url: str, fleet: str) -> Iterator[Registry]:
+    """Three 8 GiB GPUs on host h0, each owned by its own worker."""
+    registry = Registry.from_url(redis_url, fleet)
+    for i in range(3):
+        gpu = Gpu(id=f"h0:{i}", host="", index=i, name="Sim", total=8 * GiB)
+        registry.register_worker(f"w{i}", "h0", f"q{i}", [gpu], warm_budget=8 * GiB)
+    yield registry
+    registry.client.close()
+
+
+def events(reg: Registry) -> list[dict[str, str]]:
+    return [fields for _, fields in reg.client.xrange(reg.keys.events)]
+
+
+def placed(reg: Registry, model: str) -> list[Deployment]:
+    return [d for d in reg.snapshot().replicas(model) if d.level in RESERVING]
+
+
+def test_loads_count_leases_in_flight_and_calls_the_router_holds(reg: Registry) -> None:
+    replica = make_hot(reg, reg.place(Demand("m", size=GiB)))
+    leases = [reg.pick("m") for _ in range(3)]
+    assert all(lease is not None for lease in leases)
+    assert hold_routing(reg, "m", "call-1", True) == 1
+    (load,) = read_loads(reg, {"m": [(replica, Level.HOT, "w0")]})
+    assert (load.running, load.waiting, load.ready) == (1, 2 + 1, 1)
+    assert hold_routing(reg, "m", "call-1", False) == 0
+    for lease in leases:
+        assert lease is not None
+        reg.finish(lease)
+    (load,) = read_loads(reg, {"m": [(replica, Level.HOT, "w0")]})
+    assert (load.waiting, load.replicas[0].in_flight) == (0, 0)
+
+
+def test_a_scale_out_lands_on_another_worker_and_its_event_says_why(reg: Registry) -> None:
+    first = reg.place(Demand("m", size=GiB))
+    make_hot(reg, first)
+    out = Demand("m", size=GiB, replicas=2)
+    for seed in range(5):  # best fit alone would pick the GPU in use, first's own
+        plan, detail = scale_out(
+            reg, out, frozenset({first.worker}), f"scale out m 1\u21922: {seed}"
+        )
+        assert plan is not None and plan.worker != first.worker, detail
+        evict_now(reg, plan.replica, Level.COLD)
+    whys = [e["why"] for e in events(reg) if e["kind"] == "placed" and e["why"]]
+    assert whys == [f"scale out m 1\u21922: {seed}" for seed in range(5)]
+    assert audit(reg.snapshot()) == []
+
+
+def test_a_scale_out_never_evicts_a_protected_model(reg: Registry) -> None:
+    for i in range(3):
+        make_hot(reg, reg.place(Demand(f"busy{i}", size=2 * GiB, factor=4.0)))  # a whole GPU
+    protect = frozenset(f"busy{i}" for i in range(3))
+    demand = Demand("m", size=2 * GiB, factor=4.0, protect=protect)
+    plan, detail = scale_out(reg, demand, frozenset(), "t")
+    assert plan is None and "CantAccommodateError" in detail
+    plan, _ = scale_out(reg, Demand("m", size=2 * GiB, factor=4.0), frozenset(), "t")
+    assert plan is not None and len(plan.evictions) == 1
+
+
+def test_a_scale_in_stops_at_the_floor_and_says_why_in_its_event(reg: Registry) -> None:
+    replicas = [make_hot(reg, reg.place(Demand("m", size=GiB, replicas=n))) for n in (1, 2)]
+    level, _ = scale_in(reg, replicas[0], 1, "scale in m 2\u21921: test")
+    assert level in (Level.OFFLOADING, Level.DROPPING)
+    level, detail = scale_in(reg, replicas[1], 1, "scale in m 1\u21920: test")
+    assert level is None and "AtFloorError" in detail and "its floor is 1" in detail
+    (gone,) = [e for e in events(reg) if e["kind"] == "evicted"]
+    assert (gone["replica"], gone["cause"], gone["why"]) == (
+        replicas[0],
+        "scale-in",
+        "scale in m 2\u21921: test",
+    )
+    settle_leaving(reg)
+    assert [d.replica for d in placed(reg, "m")] == [replicas[1]]
+
+
+def test_two_routers_scaling_at_once_stay_within_the_bounds_and_never_double_place(
+    redis_url: str, reg: Registry
+) -> None:
+    rules = {"m": Autoscale(floor=1, ceiling=3, keep_alive_ms=0)}
+    first = reg.place(Demand("m", size=GiB))
+    make_hot(reg, first)
+    leases = [reg.pick("m") for _ in range(10)]  # ten calls in flight on one replica
+    routers = [Registry.from_url(redis_url, reg.keys.fleet) for _ in range(2)]
+    seen: list[int] = []
+    asked: list[tuple[int, int]] = []  # (router, target) of every scale-out sent
+    stop = threading.Event()
+
+    def act(router: Registry, kwargs: dict[str, Any]) -> None:
+        if "target" in kwargs:
+            asked.append((routers.index(router), kwargs["target"]))
+            demand = Demand("m", size=GiB, replicas=kwargs["target"])
+            scale_out(router, demand, frozenset(kwargs["avoid"]), kwargs["why"])
+        else:
+            scale_in(router, kwargs["replica"], kwargs["floor"], kwargs["why"])
+
+    def route(router: Registry) -> None:
+        loop = ScalingLoop(router, rules, Scaler(window_ms=0), send=lambda kw: act(router, kw))
+        while not stop.is_set():
+            loop.look()
+
+    def work() -> None:  # the workers' part: load what was placed, move what left
+        while not stop.is_set():
+            snap = reg.snapshot()
+            seen.append(len([d for d in snap.replicas("m") if d.level in RESERVING]))
+            for d in snap.replicas("m"):
+                if d.level is Level.LOADING:
+                    reg.confirm(d.replica, d.worker, d.epoch)
+            settle_leaving(reg)
+
+    threads = [threading.Thread(target=route, args=(r,)) for r in routers]
+    threads.append(threading.Thread(target=work))
+    for t in threads:
+        t.start()
+    try:
+        deadline = time.monotonic() + 20
+        while len([d for d in placed(reg, "m") if d.level is Level.HOT]) < 3:
+            assert time.monotonic() < deadline, f"not scaled out: {placed(reg, 'm')}"
+            time.sleep(0.05)
+        for lease in leases:  # the burst is over: every replica idles past keep_alive
+            assert lease is not None
+            reg.finish(lease)
+        while len(placed(reg, "m")) > 1:
+            assert time.monotonic() < deadline, f"not scaled in: {placed(reg, 'm')}"
+            time.sleep(0.05)
+        time.sleep(0.5)  # both routers keep looking at a model at its floor
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=10)
+        for router in routers:
+            router.client.close()
+    assert max(seen) == 3 and min(seen[seen.index(3) :]) == 1  # up to max, down to the floor
+    outs = [e for e in events(reg) if e["kind"] in ("placed", "restored") and e["why"]]
+    assert {router for router, _ in asked} == {0, 1}  # both decided, and raced
+    assert len(outs) == 2  # 1 -> 2 -> 3: each target placed once, whichever router asked
+    assert len({first.worker, *(e["worker"] for e in outs)}) == 3  # one replica per worker
+    ins = [e for e in events(reg) if e["kind"] == "evicted"]
+    assert len(ins) == 2 and {e["cause"] for e in ins} == {"scale-in"}
+    settle_leaving(reg)
+    assert audit(reg.snapshot()) == []

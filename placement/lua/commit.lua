@@ -4,7 +4,7 @@
 --   {replica, model, reuse ('' | 'WARM' | 'COLD'), expect_worker, max_active, maxlen,
 --    dep, active, replicas_key, deps_key, worker_deps, worker_key, control, old_worker_deps,
 --    host_key, host_warm_key, events, leases, lease ('' or a request lease id), lease_ms,
---    limit, fraction, size, dedicated, host, worker, queue,
+--    limit, fraction, size, dedicated, host, worker, queue, why ('' or the reason),
 --    gpus=[{id, key, bytes, limit, worker}],
 --    evictions=[{replica, dep, leases, active, worker_deps, host, host_warm, control,
 --                expect_worker, to, gpus=[{id, key}]}],
@@ -142,5 +142,5 @@ notify(K(p.control), p.replica)
 local kind = 'placed'
 if p.reuse == 'WARM' then kind = 'restored' end
 event(events, p.maxlen, now, kind, p.replica, p.model, 'gpus', cjson.encode(placed),
-  'worker', p.worker, 'level', level, 'epoch', epoch)
+  'worker', p.worker, 'level', level, 'epoch', epoch, 'why', p.why)
 return {1, p.replica, epoch, level}

@@ -2,7 +2,10 @@
 -- KEYS: every key named in ARGV[1].
 -- ARGV[1] = JSON {replica, dep, leases, active, worker_deps, host, host_warm, control, events,
 --                 maxlen, expect_worker, to ('WARM' | 'COLD'), gpus=[{id, key}],
---                 drops=[{replica, dep, worker_deps, host, host_warm, control, expect_worker}]}
+--                 drops=[{replica, dep, worker_deps, host, host_warm, control, expect_worker}],
+--                 floor (-1: none), why ('' or the reason, for the event)}
+-- With a floor, a placed replica leaves only while its model keeps at least `floor` other
+-- placed replicas (scaling in: two routers never take a model below its floor).
 -- A replica with requests in flight turns DRAINING (it takes no new ones) and stays
 -- until the last lease ends; call again then. An idle one goes OFFLOADING (to WARM,
 -- dropping colder warm copies to make room) or DROPPING, and its worker is notified; the
@@ -10,7 +13,8 @@
 -- goes DROPPING instead. WAITING (nothing on the device yet) goes COLD at once; LOADING
 -- goes DROPPING. A WARM replica asked to go COLD is dropped; an OFFLOADING one asked to go
 -- COLD turns DROPPING.
--- Returns {1, level now} | {2, 'DRAINING', live leases} | {0, reason, detail}
+-- Returns {1, level now} | {2, 'DRAINING', live leases} | {0, reason, detail}; reasons:
+-- NOT_FOUND, STALE (the record is not as the caller saw it), FLOOR.
 local a = cjson.decode(ARGV[1])
 local dep = K(a.dep)
 local now = now_ms()
@@ -25,29 +29,37 @@ end
 -- The holder, its worker set and its host are the ones the caller saw, or nothing changes.
 if (r.worker or '') ~= a.expect_worker then return {0, 'STALE', a.replica .. ' moved'} end
 if not same_gpus(r.gpus, a.gpus) then return {0, 'STALE', a.replica .. ' moved'} end
+local cause = 'explicit'
+if a.why ~= '' then cause = 'scale-in' end
+if a.floor >= 0 and RESERVING[level] then
+  local active = num(redis.call('HGET', K(a.active), model))
+  if active - 1 < a.floor then
+    return {0, 'FLOOR', model .. ' has ' .. active .. ' replicas placed; its floor is ' .. a.floor}
+  end
+end
 if level == 'WARM' then
   drop_warm(a, r, now)
   notify(K(a.control), a.replica)
-  event(events, a.maxlen, now, 'dropped', a.replica, model, 'cause', 'explicit')
+  event(events, a.maxlen, now, 'dropped', a.replica, model, 'cause', cause, 'why', a.why)
   return {1, 'COLD'}
 end
 if level == 'OFFLOADING' then  -- asked to go COLD: the warm charge goes back at once
   redis.call('HINCRBY', K(a.host), 'warm_used', -r.size)
   redis.call('HSET', dep, 'level', 'DROPPING', 'since', now)
   notify(K(a.control), a.replica)
-  event(events, a.maxlen, now, 'evicted', a.replica, model, 'cause', 'explicit', 'to', 'COLD')
+  event(events, a.maxlen, now, 'evicted', a.replica, model, 'cause', cause, 'why', a.why, 'to', 'COLD')
   return {1, 'DROPPING'}
 end
 if level == 'WAITING' then
   to_cold(a, r, now)
   notify(K(a.control), a.replica)
-  event(events, a.maxlen, now, 'evicted', a.replica, model, 'cause', 'explicit', 'to', 'COLD')
+  event(events, a.maxlen, now, 'evicted', a.replica, model, 'cause', cause, 'why', a.why, 'to', 'COLD')
   return {1, 'COLD'}
 end
 if level == 'LOADING' then
   leave(a, r, 'COLD', now)
   notify(K(a.control), a.replica)
-  event(events, a.maxlen, now, 'evicted', a.replica, model, 'cause', 'explicit', 'to', 'COLD')
+  event(events, a.maxlen, now, 'evicted', a.replica, model, 'cause', cause, 'why', a.why, 'to', 'COLD')
   return {1, 'DROPPING'}
 end
 local inflight = live_leases(K(a.leases), now)
@@ -85,6 +97,6 @@ if to == 'WARM' then
 end
 leave(a, r, to, now)
 notify(K(a.control), a.replica)
-event(events, a.maxlen, now, 'evicted', a.replica, model, 'cause', 'explicit', 'to', to)
+event(events, a.maxlen, now, 'evicted', a.replica, model, 'cause', cause, 'why', a.why, 'to', to)
 if to == 'WARM' then return {1, 'OFFLOADING'} end
 return {1, 'DROPPING'}

@@ -1,0 +1,63 @@
+"""Each model's load, read from the registry: what the scaling rule and `status` look at.
+
+A replica's calls in flight are its live request leases (taken when a call is routed to
+it, ended when the call finishes), so they count calls queued at its worker and the one
+it runs. Calls the router holds for a model (a miss being placed, a busy retry) are kept
+in a sorted set per model by `routing.lua`, each with a deadline, so a router that dies
+leaves nothing behind for long.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from placement.scaling import ModelLoad, ReplicaLoad
+from placement.state import Level
+from placement.store import Store
+
+ROUTING_TTL_MS = 120_000  # a held call renews its entry on every attempt
+_PLACED = (Level.HOT, Level.LOADING, Level.WAITING, Level.DRAINING)
+
+
+def hold_routing(store: Store, model: str, call: str, held: bool) -> int:
+    """Count `call` as held by the router for `model` (`held`), or no longer; returns how
+    many calls the routers hold for it now."""
+    keys = [store.keys.model_routing(model)]
+    return int(store._run("routing", keys, [call, "1" if held else "0", ROUTING_TTL_MS]))
+
+
+def read_loads(store: Store, placed: dict[str, list[tuple[str, Level, str]]]) -> list[ModelLoad]:
+    """The load of each model in `placed` (model -> its placed replicas as (replica, level,
+    worker), from the caller's view of the ledger), read in one round trip."""
+    k = store.keys
+    commands: list[tuple[object, ...]] = [("time",)]
+    for model, replicas in placed.items():
+        commands.append(("zrange", k.model_routing(model), 0, -1, False, True))
+        for replica, _, _ in replicas:
+            commands.append(("zrange", k.leases(replica), 0, -1, False, True))
+            commands.append(("hget", k.deployment(replica), "last_used"))
+    rows = iter(store._read(commands))
+    sec, usec = next(rows)
+    now = int(sec) * 1000 + int(usec) // 1000
+    loads = []
+    for model, replicas in placed.items():
+        routing = sum(1 for _, deadline in next(rows) if deadline > now)
+        seen = []
+        for replica, level, worker in replicas:
+            leases, last_used = next(rows), next(rows)
+            in_flight = sum(1 for _, deadline in leases if deadline > now)
+            idle = 0 if in_flight else max(0, now - int(last_used or now))
+            seen.append(ReplicaLoad(replica, level, in_flight, idle, worker))
+        loads.append(ModelLoad(model, seen, routing))
+    return loads
+
+
+def placed_replicas(
+    deployments: Iterable[tuple[str, str, Level, str]], models: Iterable[str]
+) -> dict[str, list[tuple[str, Level, str]]]:
+    """(replica, model, level, worker) records -> each of `models`' placed replicas."""
+    out: dict[str, list[tuple[str, Level, str]]] = {m: [] for m in models}
+    for replica, model, level, worker in deployments:
+        if model in out and level in _PLACED:
+            out[model].append((replica, level, worker))
+    return out
