@@ -1,0 +1,94 @@
+"""End to end: a burst on one model brings more replicas, and they go once it idles.
+
+Through a real `gpufleet up` on simulated GPUs and a plain Celery client, as users call it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from placement.audit import audit
+from placement.state import Level
+from tests.running import RunningFleet, fleet_env, fleet_up
+
+pytestmark = pytest.mark.slow
+
+CATALOG = """
+models:
+  b:
+    source: synthetic
+    task: forward
+    memory: 256MiB
+    replicas: {min: 1, max: 3}
+    keep_alive: 3s
+    config: {model_type: bert, hidden_size: 256, num_hidden_layers: 4, num_attention_heads: 4,
+             intermediate_size: 1024, vocab_size: 512, max_position_embeddings: 512}
+"""
+LARGE = (["y" * 2000] * 2, {"max_length": 512})  # about 0.2-0.3 s of compute per call
+CALLERS = 6  # calls in flight at once during the burst
+#: A second replica is HOT within this long of the burst's start: the 1 s window, a look
+#: every 0.5 s, the `gpufleet.scale` task, and a load of the small BERT on a busy CPU.
+SCALE_OUT_S = 30.0
+#: Back to one replica within this long of the burst's end: keep_alive 3 s and a look.
+SCALE_IN_S = 30.0
+
+
+def hot(fleet: RunningFleet) -> list[str]:
+    snap = fleet.registry.snapshot()
+    problems = audit(snap)
+    assert problems == [], problems  # the ledger is the truth throughout
+    return sorted(d.replica for d in snap.replicas("b") if d.level is Level.HOT)
+
+
+def test_a_burst_scales_a_model_out_to_more_replicas_and_idling_scales_it_back_in(
+    tmp_path: Path,
+) -> None:
+    catalog = tmp_path / "models.yaml"
+    catalog.write_text(CATALOG)
+    env = fleet_env(GPUFLEET_WARM_CACHE="2GiB", GPUFLEET_SCALE_WINDOW="1s")
+    with fleet_up(catalog, ["--sim-gpus", "3x2GiB", "--metrics-port", "0"], env) as fleet:
+        assert fleet.infer("b", "warm up")["model"] == "b"
+        assert len(hot(fleet)) == 1
+        results: list[dict[str, Any]] = []
+        stop = threading.Event()
+
+        def call() -> None:
+            while not stop.is_set():
+                sent = fleet.client.send_task("gpufleet.infer", args=("b", *LARGE))
+                results.append(sent.get(timeout=120))
+
+        callers = [threading.Thread(target=call) for _ in range(CALLERS)]
+        started = time.monotonic()
+        for t in callers:
+            t.start()
+        try:
+            while len(hot(fleet)) < 2:
+                assert time.monotonic() - started < SCALE_OUT_S, "no second replica in time"
+                time.sleep(0.25)
+            scaled_s = time.monotonic() - started
+            print(f"second replica HOT {scaled_s:.1f} s after the burst began")
+            time.sleep(8)  # the burst goes on over both replicas
+        finally:
+            stop.set()
+            for t in callers:
+                t.join(timeout=150)
+        ended = time.monotonic()
+        by_replica = Counter(r["replica"] for r in results)
+        print(f"calls per replica: {sorted(by_replica.values())}")
+        assert len(by_replica) >= 2, by_replica  # calls ran on more than one replica
+        while len(hot(fleet)) > 1:
+            assert time.monotonic() - ended < SCALE_IN_S, "not back to one replica in time"
+            time.sleep(0.5)
+        print(f"back to one replica {time.monotonic() - ended:.1f} s after the burst")
+        assert fleet.infer("b", "after")["model"] == "b"  # the one left still serves
+        events = [f for _, f in fleet.registry.client.xrange(fleet.registry.keys.events)]
+        outs = [e["why"] for e in events if e["kind"] in ("placed", "restored") and e["why"]]
+        ins = [e["why"] for e in events if e["kind"] == "evicted" and e["cause"] == "scale-in"]
+        assert outs and all(w.startswith("scale out b 1\u21922") for w in outs[:1]), outs
+        assert ins and all(w.startswith("scale in b ") for w in ins), ins
