@@ -6,10 +6,11 @@ are integers, times are registry milliseconds.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from placement.audit import audit
+from placement.scaling import ModelLoad
 from placement.state import OUTCOMES, RESERVING, Snapshot
 
 # Operator targets from the brief (seed 003); `gpufleet status` and the alert rules use them.
@@ -116,4 +117,32 @@ def _figures(counts: dict[str, int], reloads: int | None = None) -> dict[str, An
         "reloads": reloads,
         "hit_rate": counts.get("hit", 0) / requests if requests else None,
         "reload_rate": reloads / requests if requests else None,
+    }
+
+
+def load_report(loads: Iterable[ModelLoad]) -> dict[str, Any]:
+    """Each model's calls waiting and running, and each placed replica's calls in flight.
+
+    `waiting` counts calls queued behind the one a replica runs (a GPU worker runs one
+    call at a time) plus those the router holds (`routing`: a miss being placed, a busy
+    retry); what the scaling rule compares with its threshold is `waiting` per `ready`.
+    """
+    return {
+        load.model: {
+            "waiting": load.waiting,
+            "running": load.running,
+            "routing": load.routing,
+            "ready": load.ready,
+            "placed": len(load.replicas),
+            "replicas": {
+                r.replica: {
+                    "level": r.level.value,
+                    "in_flight": r.in_flight,
+                    "waiting": r.waiting if r.ready else r.in_flight,
+                    "idle_ms": r.idle_ms,
+                }
+                for r in load.replicas
+            },
+        }
+        for load in sorted(loads, key=lambda m: m.model)
     }

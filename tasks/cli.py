@@ -82,6 +82,12 @@ def status(
             f"[bold]{host['name']}[/] warm cache {format_size(host['warm_used_bytes'])}"
             f" / {format_size(host['warm_budget_bytes'])}: {', '.join(warm) or '-'}"
         )
+    for model, load in report["load"].items():
+        console.print(
+            f"[bold]{model}[/] {load['waiting']} waiting, {load['running']} running on "
+            f"{load['ready']} ready of {load['placed']} placed replicas"
+            + (f" ({load['routing']} held by the router)" if load["routing"] else "")
+        )
     depths = ", ".join(f"{q} {n}" for q, n in report["queues"].items())
     console.print(f"[bold]queues[/] {depths}")
     console.print(_rates(report))

@@ -20,8 +20,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from placement.errors import GpufleetError
+from placement.load import placed_replicas, read_loads
 from placement.registry import Registry
-from placement.report import request_report, status_report
+from placement.report import load_report, request_report, status_report
 from placement.state import OUTCOMES
 from tasks import context
 from tasks.config import ROUTER_QUEUE
@@ -34,6 +35,8 @@ def full_status(registry: Registry, broker_url: str) -> dict[str, Any]:
     snap = registry.snapshot()
     report = status_report(snap)
     report["requests"] = request_report(registry.stats(snap))
+    records = [(d.replica, d.model, d.level, d.worker) for d in snap.deployments.values()]
+    report["load"] = load_report(read_loads(registry, placed_replicas(records, snap.by_model)))
     queues = {ROUTER_QUEUE} | {g.queue for g in snap.gpus.values() if g.queue}
     client = redis.Redis.from_url(broker_url)
     try:
@@ -66,6 +69,7 @@ class FleetCollector(Collector):
         yield from _requests(report["requests"])
         yield from _memory(report)
         yield from _replicas(report)
+        yield from _load(report["load"])
         depth = GaugeMetricFamily(
             "gpufleet_queue_depth", "Messages waiting in a fleet queue", labels=["queue"]
         )
@@ -152,6 +156,28 @@ def _replicas(report: dict[str, Any]) -> Iterator[Metric]:
         inflight.add_metric([model], count)
     yield replicas
     yield inflight
+
+
+def _load(load: dict[str, Any]) -> Iterator[Metric]:
+    calls = GaugeMetricFamily(
+        "gpufleet_calls",
+        "Calls of a model now: running, or waiting (queued behind a running call at a "
+        "replica, or held by the router); scaling compares waiting per ready replica",
+        labels=["model", "state"],
+    )
+    ready = GaugeMetricFamily("gpufleet_replicas_ready", "HOT replicas", labels=["model"])
+    per_replica = GaugeMetricFamily(
+        "gpufleet_replica_calls_in_flight",
+        "Calls sent to a replica, queued or running",
+        labels=["model", "replica"],
+    )
+    for model, figures in load.items():
+        calls.add_metric([model, "running"], figures["running"])
+        calls.add_metric([model, "waiting"], figures["waiting"])
+        ready.add_metric([model], figures["ready"])
+        for replica, one in figures["replicas"].items():
+            per_replica.add_metric([model, replica], one["in_flight"])
+    yield from (calls, ready, per_replica)
 
 
 def serve(port: int, addr: str, registry: Registry, broker_url: str) -> None:

@@ -12,11 +12,12 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from typer.testing import CliRunner
 
+from placement.load import hold_routing
 from placement.registry import Registry
 from placement.report import request_report
 from placement.state import OUTCOMES, Demand, Gpu
 from tasks.cli import app as cli
-from tasks.metrics import FleetCollector, serve
+from tasks.metrics import FleetCollector, full_status, serve
 from tests.fleets import GiB
 from tests.ports import free_port
 
@@ -107,6 +108,29 @@ def test_the_metrics_show_outcomes_memory_replicas_and_queue_depth(
     assert samples[("gpufleet_inflight_requests", (("model", "m"),))] == 1
     assert samples[("gpufleet_queue_depth", (("queue", queue),))] == 3
     assert samples[("gpufleet_ledger_problems", ())] == 0
+
+
+def test_status_and_metrics_show_calls_waiting_and_running_per_model_and_replica(
+    reg: Registry, redis_url: str
+) -> None:
+    leases = [reg.pick("m") for _ in range(3)]  # three calls sent to the one replica
+    (replica,) = {lease.replica for lease in leases if lease is not None}
+    hold_routing(reg, "m", "a-call-the-router-holds", True)
+    samples = scrape(reg, redis_url)
+    assert samples[("gpufleet_calls", (("model", "m"), ("state", "running")))] == 1
+    assert samples[("gpufleet_calls", (("model", "m"), ("state", "waiting")))] == 2 + 1
+    assert samples[("gpufleet_replicas_ready", (("model", "m"),))] == 1
+    key = ("gpufleet_replica_calls_in_flight", (("model", "m"), ("replica", replica)))
+    assert samples[key] == 3
+    report = full_status(reg, redis_url)["load"]["m"]
+    assert (report["waiting"], report["running"], report["routing"]) == (3, 1, 1)
+    assert report["replicas"][replica] == {
+        "level": "HOT", "in_flight": 3, "waiting": 2, "idle_ms": 0,
+    }  # fmt: skip
+    out = CliRunner().invoke(cli, ["status", "--redis-url", redis_url, "--fleet", reg.keys.fleet])
+    assert "m 3 waiting, 1 running on 1 ready of 1 placed replicas (1 held by the router)" in (
+        " ".join(out.output.split())
+    ), out.output
 
 
 def test_an_unreachable_registry_reports_down_instead_of_failing_the_scrape(
