@@ -182,6 +182,13 @@ def settle_all(snap: Snapshot) -> Snapshot:
     return snap
 
 
+def evict(snap: Snapshot, replica: str, to: Level) -> Snapshot:
+    """An idle placed replica starts leaving for `to` (WARM or COLD), as evict.lua does."""
+    draft = Draft(snap)
+    draft.leave(draft.deps[replica], to, snap.now_ms)
+    return draft.freeze()
+
+
 def mark(snap: Snapshot, replica: str, level: Level, now_ms: int | None = None) -> Snapshot:
     """The snapshot with `replica` at `level` (e.g. LOADING -> HOT) and used at `now_ms`."""
     dep = snap.deployments[replica]
@@ -190,4 +197,4 @@ def mark(snap: Snapshot, replica: str, level: Level, now_ms: int | None = None) 
     return replace(snap, deployments=deps)
 
 
-__all__ = ["admit", "apply_plan", "mark", "settle", "settle_all"]
+__all__ = ["admit", "apply_plan", "evict", "mark", "settle", "settle_all"]

@@ -141,12 +141,14 @@ class Scaler:
 
     def _one(self, now_ms: int, load: ModelLoad, rule: Autoscale) -> Decision | None:
         placed, ready = len(load.replicas), load.ready
-        pressed = load.pressure >= self.threshold and load.waiting > 0
-        if not pressed:
+        # A replica on its way takes load once HOT: measure afresh from then on. With none
+        # ready, calls wait for a load, which another replica would not end sooner.
+        arriving = any(r.arriving for r in load.replicas)
+        pressed = load.pressure >= self.threshold and load.waiting > 0 and ready > 0
+        if not pressed or arriving:
             self._pressed_since.pop(load.model, None)
-        else:
+        if pressed:
             since = self._pressed_since.setdefault(load.model, now_ms)
-            arriving = any(r.arriving for r in load.replicas)  # it takes load once HOT
             if now_ms - since >= self.window_ms and placed < rule.ceiling and not arriving:
                 self._pressed_since[load.model] = now_ms  # a fresh window for the next one
                 why = (

@@ -337,7 +337,9 @@ def _interrupt(signum: int, frame: Any) -> None:
 @app.command()
 def simulate(
     *,
-    workload: Annotated[str, typer.Option(help="zipf, bursty, azure-conv or azure-code.")] = "zipf",
+    workload: Annotated[
+        str, typer.Option(help="zipf, bursty, hotspot, azure-conv or azure-code.")
+    ] = "zipf",
     alpha: Annotated[float, typer.Option(help="Zipf exponent of model popularity.")] = 1.0,
     requests: Annotated[
         int | None, typer.Option(help="Requests (default 100,000; Azure: the whole trace).")
@@ -353,6 +355,14 @@ def simulate(
         str | None, typer.Option(help="Redis for --registry redis (default: a private one).")
     ] = None,
     data_dir: Annotated[Path | None, typer.Option(help="Folder of the Azure CSVs.")] = None,
+    scaling: Annotated[
+        bool,
+        typer.Option(
+            "--scaling",
+            help="Replicas serve one call at a time; compare fixed single replicas with "
+            "replicas that follow load (the first --policy, default `default`).",
+        ),
+    ] = False,
 ) -> None:
     """Replay a workload through the placement policy; compare it with the seeds and an oracle."""
     from placement import simulator as sim
@@ -361,6 +371,8 @@ def simulate(
         trace, fleet = sim.scenario(
             workload, alpha=alpha, requests=requests, seed=seed, data_dir=data_dir
         )
+        if scaling:
+            return sim.compare_scaling(trace, fleet, (policy or ["default"])[0], seed=seed)
         chosen = policy or list(sim.DEFAULT_POLICIES)
         return sim.simulate(trace, fleet, chosen, seed=seed, registry=registry, redis_url=redis_url)
 
@@ -374,6 +386,8 @@ def simulate(
     table = Table(title=f"{workload}: {data['workload']['requests']:,} requests")
     columns = {"hit_rate": "hit", "reload_rate": "reload", "utilization": "use"}
     columns |= {"p50_ms": "p50 ms", "p95_ms": "p95 ms", "p99_ms": "p99 ms", "wall_s": "wall s"}
+    if scaling:
+        columns |= {"memory_gib_s": "GiB\u00b7s", "scale_outs": "outs", "scale_ins": "ins"}
     for header in ("policy", *columns.values()):
         table.add_column(header, justify="right")
     for name, row in data["policies"].items():
@@ -381,7 +395,7 @@ def simulate(
             f"{row[c]:.3f}"
             if c in ("hit_rate", "reload_rate", "utilization")
             else f"{row[c]:,.0f}"
-            if c.endswith("_ms")
+            if c.endswith("_ms") or c in ("memory_gib_s", "scale_outs", "scale_ins")
             else f"{row[c]:.1f}"
             for c in columns
         )

@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 
 from placement import accelerators
 from placement.ledger import mark
+from placement.scaling import Scaler
 from placement.simulator import (
     POLICIES,
     Fleet,
@@ -33,6 +34,8 @@ from placement.simulator import (
     simulate,
 )
 from placement.simulator.policies import static_demand
+from placement.simulator.report import RunResult
+from placement.simulator.serving import ServingReplay
 from placement.simulator.workloads import azure, load_azure_times, tile
 from placement.sizing import scale
 from placement.state import Demand, Level
@@ -329,7 +332,7 @@ def test_the_cli_replays_an_azure_csv_from_a_data_dir_with_chosen_policies(tmp_p
 def test_the_cli_names_the_choices_when_a_workload_is_unknown() -> None:
     result = runner.invoke(app, ["simulate", "--workload", "nope"])
     assert result.exit_code == 1
-    assert "zipf, bursty, azure-conv, azure-code" in result.output
+    assert "zipf, bursty, hotspot, azure-conv, azure-code" in result.output
 
 
 def test_the_real_lua_registry_replays_to_the_same_counts_as_the_memory_ledger(
@@ -342,3 +345,49 @@ def test_the_real_lua_registry_replays_to_the_same_counts_as_the_memory_ledger(
     for name, row in redis.to_json()["policies"].items():
         for key in ("hits", "queued", "warm_restores", "cold_loads", "evictions", "warm_drops"):
             assert row[key] == memory[name][key], (name, key)
+
+
+# --- service time and scaling (serving.py) ----------------------------------------------
+
+
+def serve(fleet: Fleet, trace: Trace, scaling: bool) -> RunResult:
+    replay = ServingReplay(
+        trace, fleet, get_policy("default"), scaler=Scaler() if scaling else None, time_model=TIME
+    )
+    return replay.run()
+
+
+def test_a_replica_serves_one_call_at_a_time_so_simultaneous_calls_queue() -> None:
+    # a: 1 GB, a 1 s cold load. t=0 misses: ready at 1.0, done at 1.1. At t=5 three calls
+    # arrive at once: they run 5.0-5.1, 5.1-5.2, 5.2-5.3 on the one replica.
+    fleet = tiny_fleet([10], [model("a", 1)])
+    result = serve(fleet, Trace("hand", [0.0, 5.0, 5.0, 5.0], [0, 0, 0, 0]), scaling=False)
+    assert result.counts() == expect(hits=3, warm=0, cold=1, evictions=0)
+    assert sorted(result.rec.latencies) == pytest.approx([0.1, 0.2, 0.3, 1.1])
+
+
+def burst_trace(seconds: float, rate: float, tail_s: float) -> Trace:
+    """`rate` calls a second of model 0 for `seconds`, then one more call `tail_s` later."""
+    times = [i / rate for i in range(int(seconds * rate))]
+    times.append(times[-1] + tail_s)
+    return Trace("hand", times, [0] * len(times))
+
+
+def test_scaling_out_serves_a_burst_no_one_replica_can_and_scales_back_after_keep_alive() -> None:
+    # 25 calls a second of 100 ms each: one replica serves 10. Three GPUs, one worker each.
+    fleet = tiny_fleet([10, 10, 10], [model("a", 1)])
+    trace = burst_trace(seconds=30, rate=25, tail_s=400)  # keep_alive is 300 s
+    fixed, scaled = serve(fleet, trace, scaling=False), serve(fleet, trace, scaling=True)
+    p95 = {name: r.summary()["p95_ms"] for name, r in (("fixed", fixed), ("scaled", scaled))}
+    assert p95["scaled"] <= 0.6 * p95["fixed"], p95
+    assert fixed.rec.scale_outs == 0 and scaled.rec.scale_outs == 2  # up to three replicas
+    assert scaled.rec.scale_ins == 2  # back to one after the burst
+    assert scaled.summary()["memory_gib_s"] > fixed.summary()["memory_gib_s"]
+
+
+def test_no_scale_out_when_one_replica_keeps_up() -> None:
+    fleet = tiny_fleet([10, 10], [model("a", 1)])
+    trace = burst_trace(seconds=120, rate=5, tail_s=1)  # half of what one replica serves
+    scaled = serve(fleet, trace, scaling=True)
+    assert scaled.rec.scale_outs == 0
+    assert scaled.summary()["p95_ms"] == pytest.approx(100.0)

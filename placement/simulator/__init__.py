@@ -12,7 +12,7 @@ Modules, one concept each: `fleet` (GPUs, hosts, model mix), `workloads` (traces
 """
 
 from placement.simulator.backends import MemoryLedger, RedisLedger, SimulationError
-from placement.simulator.compare import SimulationReport, scenario, simulate
+from placement.simulator.compare import SimulationReport, compare_scaling, scenario, simulate
 from placement.simulator.engine import Replay, TimeModel
 from placement.simulator.fleet import Fleet, GpuType, HostSpec, SimModel, default_fleet
 from placement.simulator.policies import DEFAULT_POLICIES, POLICIES, SimPolicy, get_policy
@@ -36,6 +36,7 @@ __all__ = [
     "SimulationReport",
     "TimeModel",
     "Trace",
+    "compare_scaling",
     "default_fleet",
     "get_policy",
     "make_workload",

@@ -25,8 +25,10 @@ from dataclasses import replace
 from typing import Protocol
 
 from placement.errors import GpufleetError
-from placement.ledger import apply_plan, settle_all
+from placement.ledger import apply_plan, evict, settle, settle_all
+from placement.policy import plan_offload
 from placement.registry import Registry
+from placement.settings import PolicySettings
 from placement.simulator.fleet import Fleet
 from placement.state import LEAVING, Level, Plan, Snapshot
 
@@ -100,6 +102,17 @@ class MemoryLedger:
         """The worker finished loading: LOADING -> HOT, used at `now` (confirm.lua)."""
         self._hot.add(replica)
         self._used[replica] = now
+
+    def evict(self, replica: str, now: int, settings: PolicySettings) -> Level:
+        """Offload an idle replica to its host's warm cache when it fits, else drop it
+        (`plan_offload`, as `Registry.evict` does); the worker settles the move at once.
+        Returns where it went."""
+        snap = self.snapshot(now)
+        eviction, drops = plan_offload(replica, snap, settings)
+        for copy in drops:
+            snap = settle(evict(snap, copy, Level.COLD), copy, "dropped")
+        self._snap = settle_all(evict(snap, replica, eviction.to))
+        return eviction.to
 
     def learn(self, model: str, peak: int) -> None:
         """Record a measured peak, as the `learned` hash does."""

@@ -22,11 +22,13 @@ from typing import Any
 
 from placement.errors import ConfigError
 from placement.redis_server import RedisServer
+from placement.scaling import Scaler
 from placement.simulator.backends import Ledger, MemoryLedger, RedisLedger
 from placement.simulator.engine import Replay, TimeModel
 from placement.simulator.fleet import Fleet, default_fleet
 from placement.simulator.policies import DEFAULT_POLICIES, SimPolicy, get_policy
 from placement.simulator.report import RunResult, plot
+from placement.simulator.serving import ServingReplay
 from placement.simulator.workloads import Trace, make_workload
 
 REGISTRIES = ("memory", "redis")
@@ -43,6 +45,7 @@ class SimulationReport:
     seed: int
     results: dict[str, RunResult]
     policies: dict[str, SimPolicy]
+    latency: bool = False  # plot p95 latency over time too (service-time replays)
 
     def to_json(self) -> dict[str, Any]:
         """The report object: `policies` keyed by name, plus what was simulated."""
@@ -65,7 +68,7 @@ class SimulationReport:
             f"{len(self.fleet.models)} models, {self.fleet.describe()['gpus']} GPUs, "
             f"seed {self.seed}"
         )
-        return plot(self.results, path, title)
+        return plot(self.results, path, title, latency=self.latency)
 
 
 def scenario(
@@ -123,3 +126,26 @@ def simulate(
             replay = Replay(trace, fleet, policy, ledger, time_model=tm, seed=seed, buckets=buckets)
             results[policy.name] = replay.run()
     return SimulationReport(trace, fleet, tm, registry, seed, results, {p.name: p for p in chosen})
+
+
+def compare_scaling(
+    trace: Trace,
+    fleet: Fleet,
+    policy: str | SimPolicy = "default",
+    *,
+    time_model: TimeModel | None = None,
+    seed: int = 0,
+    buckets: int = 100,
+) -> SimulationReport:
+    """Replay `trace` with service time (`serving.ServingReplay`) twice: `fixed` single
+    replicas, and `scaling`, replicas that follow load by the routers' rule."""
+    chosen = get_policy(policy) if isinstance(policy, str) else policy
+    tm = time_model or TimeModel()
+    results = {
+        label: ServingReplay(
+            trace, fleet, chosen, scaler=scaler, time_model=tm, seed=seed, buckets=buckets
+        ).run()
+        for label, scaler in (("fixed", None), ("scaling", Scaler()))
+    }
+    policies = {"fixed": chosen, "scaling": chosen}
+    return SimulationReport(trace, fleet, tm, "memory", seed, results, policies, latency=True)

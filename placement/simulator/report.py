@@ -10,8 +10,12 @@ Definitions (every rate is per request of the trace):
   (compulsory); every later load is a **reload**. `reload_rate = reloads / requests`.
 - **rejected**: the policy could never place the model (`NeverFitsError`).
 - **queueing time**: arrival until the model is ready (0 for hits); latency adds the
-  compute time. Queue depth is the number of requests waiting at once; its time
-  average is total queueing time / duration (Little's law).
+  compute time. With service time (`serving.py`) a hit may also wait behind the calls
+  its replica runs first, and that wait counts as queueing too. Queue depth is the
+  number of requests waiting at once; its time average is total queueing time /
+  duration (Little's law).
+- **scale outs / ins**: replicas the scaling rule placed and offloaded (`serving.py`);
+  `memory_gib_s` is the GPU memory reserved, integrated over the trace's span.
 - **utilisation**: GPU bytes reserved in the ledger / total GPU bytes, averaged over
   the trace's span (first to last arrival). `peak_utilization` counts instead the
   true peak of the models on GPU: what the GPUs would really hold. The gap between the
@@ -51,6 +55,8 @@ class Recorder:
     evictions_to_cold: int = 0
     warm_drops: int = 0
     rejected: int = 0
+    scale_outs: int = 0  # replicas placed or dropped by the scaling rule (serving.py)
+    scale_ins: int = 0
     plans: int = 0
     plan_s: float = 0.0
     depth: int = 0
@@ -61,6 +67,7 @@ class Recorder:
     b_hits: list[int] = field(default_factory=list)
     b_area: list[float] = field(default_factory=list)
     b_peak_area: list[float] = field(default_factory=list)
+    b_latencies: list[list[float]] = field(default_factory=list)
     _reserved: int = 0
     _peak: int = 0  # true peak bytes of the models on GPU
     _peak_area: float = 0.0
@@ -73,6 +80,7 @@ class Recorder:
         self.b_hits = [0] * self.buckets
         self.b_area = [0.0] * self.buckets
         self.b_peak_area = [0.0] * self.buckets
+        self.b_latencies = [[] for _ in range(self.buckets)]
         self._t = self.start
         self._width = (self.end - self.start) / self.buckets or 1.0
 
@@ -80,10 +88,14 @@ class Recorder:
         """The timeline bucket of time `t` (clamped to the trace's span)."""
         return min(self.buckets - 1, max(0, int((t - self.start) / self._width)))
 
-    def hit(self, t: float, compute: float) -> None:
+    def hit(self, t: float, compute: float, wait: float = 0.0) -> None:
+        """A request served by a ready replica, after `wait` seconds behind other calls."""
         self.hits += 1
-        self.latencies.append(compute)
+        self.latencies.append(wait + compute)
+        if wait > 0:
+            self.waits.append(wait)
         b = self.bucket(t)
+        self.b_latencies[b].append(wait + compute)
         self.b_requests[b] += 1
         self.b_hits[b] += 1
 
@@ -92,6 +104,7 @@ class Recorder:
         self.latencies.append(wait + compute)
         self.waits.append(wait)
         self.b_requests[self.bucket(arrived)] += 1
+        self.b_latencies[self.bucket(arrived)].append(wait + compute)
 
     def reserve(self, t: float, delta: int, peak_delta: int = 0) -> None:
         """The ledger's reserved bytes change by `delta` at `t` (and the true peak bytes
@@ -193,7 +206,10 @@ class RunResult:
             "evictions_to_cold": r.evictions_to_cold,
             "warm_drops": r.warm_drops,
             "rejected": r.rejected,
+            "scale_outs": r.scale_outs,
+            "scale_ins": r.scale_ins,
             "utilization": round(self.utilization, 6),
+            "memory_gib_s": round(r._area / 2**30, 1),  # GPU memory reserved x time
             "peak_utilization": round(self.peak_utilization, 6),
             "p50_ms": round(percentile(lat, 50), 3),
             "p95_ms": round(percentile(lat, 95), 3),
@@ -220,14 +236,20 @@ class RunResult:
             ],
             "utilization": [a / (width * r.gpu_bytes) for a in r.b_area],
             "peak_utilization": [a / (width * r.gpu_bytes) for a in r.b_peak_area],
+            "p95_ms": [
+                1000 * percentile(sorted(b), 95) if b else float("nan") for b in r.b_latencies
+            ],
         }
 
 
-def plot(results: Mapping[str, RunResult], path: Path, title: str = "") -> Path:
+def plot(
+    results: Mapping[str, RunResult], path: Path, title: str = "", latency: bool = False
+) -> Path:
     """Write a PNG of hit rate and GPU memory utilisation over time, one colour per policy.
 
-    The lower panel draws reserved bytes solid and the true peak of the models on GPU
-    dashed: the gap is memory reserved on a guess.
+    The memory panel draws reserved bytes solid and the true peak of the models on GPU
+    dashed: the gap is memory reserved on a guess. With `latency`, a last panel draws
+    each bucket's p95 latency (log scale).
 
         matplotlib is imported here only (the `sim` extra), so the simulator runs without it.
     """
@@ -240,7 +262,9 @@ def plot(results: Mapping[str, RunResult], path: Path, title: str = "") -> Path:
         from placement.errors import ConfigError
 
         raise ConfigError("plotting needs matplotlib: pip install 'gpufleet[sim]'") from exc
-    fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(9, 6.5))
+    rows = 3 if latency else 2
+    fig, axes = plt.subplots(rows, 1, sharex=True, figsize=(9, 3.25 * rows))
+    top, bottom = axes[0], axes[1]
     for name, result in results.items():
         line = result.timeline()
         hours = [t / 3600 for t in line["t_s"]]
@@ -249,13 +273,19 @@ def plot(results: Mapping[str, RunResult], path: Path, title: str = "") -> Path:
         bottom.plot(
             hours, line["peak_utilization"], color=drawn.get_color(), linestyle="--", linewidth=1
         )
+        if latency:
+            axes[2].plot(hours, line["p95_ms"], label=name, linewidth=1.2)
+    if latency:
+        axes[2].set_yscale("log")
+        axes[2].set_ylabel("p95 latency (ms)")
+        axes[2].grid(alpha=0.3)
     top.set_ylabel("hit rate")
     top.set_ylim(0, 1.02)
     top.grid(alpha=0.3)
     top.legend(loc="lower right", ncol=3, fontsize=8)
     bottom.set_ylabel("GPU memory / total\n(reserved solid, true peak dashed)")
     bottom.set_ylim(0, 1.02)
-    bottom.set_xlabel("time (hours)")
+    axes[-1].set_xlabel("time (hours)")
     bottom.grid(alpha=0.3)
     if title:
         top.set_title(title, fontsize=10)

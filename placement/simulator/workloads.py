@@ -31,7 +31,7 @@ from pathlib import Path
 from placement.config import Settings
 from placement.errors import ConfigError
 
-WORKLOADS = ("zipf", "bursty", "azure-conv", "azure-code")
+WORKLOADS = ("zipf", "bursty", "hotspot", "azure-conv", "azure-code")
 
 #: Where the Azure CSVs live: $GPUFLEET_SIM_DATA, else ../shared/data beside the repository.
 DATA_ENV = "GPUFLEET_SIM_DATA"
@@ -167,6 +167,54 @@ def bursty(
     return Trace("bursty", times, models, params)
 
 
+def hotspot(
+    n_models: int,
+    requests: int,
+    *,
+    alpha: float = 1.0,
+    seed: int = 0,
+    rate: float = 5.0,
+    rate_hot: float = 25.0,
+    mean_on_s: float = 20.0,
+    mean_off_s: float = 60.0,
+) -> Trace:
+    """One model's bursts exceed what one replica serves, over a Zipf(alpha) background.
+
+    Background requests arrive as `zipf` does (Poisson at `rate`). One model, drawn by
+    popularity, also gets bursts: ON periods (~ Exp(mean_on_s)) of Poisson arrivals at
+    `rate_hot`, more than one replica at 100 ms a call can serve (10 per second), apart
+    by OFF periods (~ Exp(mean_off_s)) without them.
+    """
+    rng = random.Random(f"hotspot:{seed}")
+    background = zipf_poisson(n_models, requests, alpha=alpha, rate=rate, seed=seed)
+    hot = zipf_draw(n_models, 1, alpha, rng)[0]
+    end = background.times[-1]
+    bursts: list[float] = []
+    now, on = rng.expovariate(1.0 / mean_off_s), True
+    while now < end:
+        stop = now + rng.expovariate(1.0 / (mean_on_s if on else mean_off_s))
+        if on:
+            t = now + rng.expovariate(rate_hot)
+            while t < min(stop, end):
+                bursts.append(t)
+                t += rng.expovariate(rate_hot)
+        now, on = stop, not on
+    merged = sorted(
+        [(t, m) for t, m in zip(background.times, background.models, strict=True)]
+        + [(t, hot) for t in bursts]
+    )[:requests]
+    params: dict[str, object] = {
+        "alpha": alpha,
+        "seed": seed,
+        "rate_per_s": rate,
+        "hot_model": hot,
+        "rate_hot_per_s": rate_hot,
+        "mean_on_s": mean_on_s,
+        "mean_off_s": mean_off_s,
+    }
+    return Trace("hotspot", [t for t, _ in merged], [m for _, m in merged], params)
+
+
 def default_data_dir() -> Path:
     """$GPUFLEET_SIM_DATA, else `../shared/data` beside the repository root."""
     configured = Settings.from_env().sim_data
@@ -268,6 +316,8 @@ def make_workload(
         return zipf_poisson(n_models, requests or 100_000, alpha=alpha, seed=seed)
     if name == "bursty":
         return bursty(n_models, requests or 100_000, alpha=alpha, seed=seed)
+    if name == "hotspot":
+        return hotspot(n_models, requests or 100_000, alpha=alpha, seed=seed)
     if name in AZURE_FILES:
         return azure(name, n_models, requests, alpha=alpha, seed=seed, data_dir=data_dir)
     raise ConfigError(f"unknown workload {name!r}: use one of {', '.join(WORKLOADS)}")
