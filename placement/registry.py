@@ -506,7 +506,8 @@ class Registry(Membership):
     # --- requests -----------------------------------------------------------
 
     def pick(self, model: str, ttl_ms: int = DEFAULT_REQUEST_LEASE_MS) -> Lease | None:
-        """Lease the least busy HOT replica of `model`, or None when none is ready."""
+        """Lease the least busy HOT replica of `model` (ties to the first by id, so a surplus
+        replica idles out and can be scaled in), or None when none is ready."""
         lease_id = uuid.uuid4().hex
         for _ in range(4):
             replicas, workers = self._replicas.get(model) or self._refresh_replicas(model)
@@ -515,8 +516,7 @@ class Registry(Membership):
             for r, w in zip(replicas, workers, strict=True):
                 keys += [k.deployment(r), k.leases(r), k.worker(w)]
             keys.append(k.model_stats(model))
-            offset = random.randrange(max(1, len(replicas)))
-            result = self._run("pick", keys, [lease_id, ttl_ms, offset, *replicas, *workers])
+            result = self._run("pick", keys, [lease_id, ttl_ms, *replicas, *workers])
             if result[0] == 1:
                 _, replica, queue, worker, gpus, deadline, epoch = result
                 return Lease(

@@ -1,28 +1,27 @@
--- pick.lua: the fast path. Lease the least busy ready (HOT) replica of a model.
+-- pick.lua: the fast path. Lease the least busy ready (HOT) replica of a model; ties go
+-- to the first in ARGV order (the registry sorts by id), so a surplus replica idles out.
 -- KEYS[1] = the model's replica set
 -- KEYS[2..] = per replica, in ARGV order: deployment hash, leases zset, worker hash
 -- KEYS[#KEYS] = the model's stats hash (a lease counts one 'hit')
--- ARGV[1] = lease id, ARGV[2] = lease length (ms), ARGV[3] = tie-break offset (integer)
--- ARGV[4..] = replica ids, then after them the worker id each replica had, in order
+-- ARGV[1] = lease id, ARGV[2] = lease length (ms)
+-- ARGV[3..] = replica ids, then after them the worker id each replica had, in order
 -- Returns {1, replica, queue, worker, gpus_json, lease_deadline_ms, epoch}
 --       | {0}                no replica is ready: take the router path
 --       | {-1, replica ids}  the caller's replica list is stale: here is the current one
-local n = (#ARGV - 3) / 2
+local n = (#ARGV - 2) / 2
 local members = redis.call('SMEMBERS', KEYS[1])
 if #members ~= n then return {-1, unpack(members)} end
 local listed = {}
-for i = 1, n do listed[ARGV[3 + i]] = true end
+for i = 1, n do listed[ARGV[2 + i]] = true end
 for _, m in ipairs(members) do
   if not listed[m] then return {-1, unpack(members)} end
 end
 local now = now_ms()
 local best, best_load, best_row = nil, nil, nil
-local offset = tonumber(ARGV[3])
-for j = 0, n - 1 do
-  local i = (j + offset) % n + 1
+for i = 1, n do
   local base = 1 + (i - 1) * 3
   local row = redis.call('HMGET', KEYS[base + 1], 'level', 'worker', 'queue', 'gpus', 'epoch')
-  if row[2] ~= ARGV[3 + n + i] then return {-1, unpack(members)} end
+  if row[2] ~= ARGV[2 + n + i] then return {-1, unpack(members)} end
   if row[1] == 'HOT' and num(redis.call('HGET', KEYS[base + 3], 'lease_deadline')) > now then
     local load = live_leases(KEYS[base + 2], now)
     if best == nil or load < best_load then best, best_load, best_row = i, load, row end
@@ -39,4 +38,4 @@ if redis.call('PTTL', leases) < tonumber(ARGV[2]) then
 end
 redis.call('HSET', KEYS[base + 1], 'last_used', now)
 redis.call('HINCRBY', KEYS[#KEYS], 'hit', 1)
-return {1, ARGV[3 + best], best_row[3], ARGV[3 + n + best], best_row[4], deadline, num(best_row[5])}
+return {1, ARGV[2 + best], best_row[3], ARGV[2 + n + best], best_row[4], deadline, num(best_row[5])}

@@ -133,9 +133,9 @@ class ServingReplay:
             self._place(now, name, arrived)
             return
         ready = [r for r in mine if self.replicas[r].ready_at <= now]
-        chosen = min(  # the first free, ties to the oldest: a surplus replica idles out
+        chosen = min(  # the first free, ties by id as pick.lua: a surplus replica idles out
             ready or mine,
-            key=lambda r: max(now, self.replicas[r].free_at, self.replicas[r].ready_at),
+            key=lambda r: (max(now, self.replicas[r].free_at, self.replicas[r].ready_at), r),
         )
         rep = self.replicas[chosen]
         start = max(now, rep.ready_at, rep.free_at)
