@@ -74,11 +74,13 @@ def dispatch(
     validate(spec.task, inputs, params)  # a bad payload fails here, before any GPU work
     registry = context.registry()
     sent = int(time.time() * 1000)
+    held = task.request.id or uuid.uuid4().hex
     lease = registry.pick(model)
     if lease is not None:
+        if task.request.retries:  # an earlier attempt waited here: it counts no longer
+            _hold(registry, model, held, False)
         call = Call(model, inputs, params, lease.replica, "hot", sent, hops=hops)
         raise task.replace(call.with_lease(lease).to(lease.queue))
-    held = task.request.id or uuid.uuid4().hex
     _hold(registry, model, held, True)  # part of the model's load while the router has it
     try:
         _place_and_hand_on(task, registry, spec, inputs=inputs, params=params, sent=sent, hops=hops)
