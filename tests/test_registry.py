@@ -451,6 +451,8 @@ def test_a_learned_measurement_sizes_the_next_placement(two_gpus: Registry) -> N
     plan = reg.place(Demand("m", size=2 * GiB))  # the guess would be 6 GiB
     assert sum(plan.gpus.values()) < 2 * GiB
     assert reg.record_measurement("m", 2 * GiB) == GiB
+    assert reg.record_measurement("m", GiB) == 2 * GiB  # a smaller figure changes nothing
+    assert reg.snapshot().learned["m"] == 2 * GiB
 
 
 def test_the_python_ledger_and_the_lua_scripts_agree(two_gpus: Registry) -> None:

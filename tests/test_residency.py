@@ -73,6 +73,25 @@ def test_the_measured_peak_of_a_real_model_reaches_the_registry(
     assert [e["kind"] for e in registry.events()] == ["measured"]
 
 
+def test_a_call_that_needs_more_than_the_load_measured_raises_the_learned_peak(
+    redis_url: str, fleet: str, catalog: Catalog, devices: list[Device]
+) -> None:
+    registry = Registry.from_url(redis_url, fleet)
+    manager = ResidencyManager(devices, HOST, registry=registry)
+    try:
+        report = manager.load(catalog.get("minilm"), "r1", {gpu(devices, 0): GiB})
+        manager.infer("r1", "short")  # needs less than the warm-up: nothing to report
+        assert registry.snapshot().learned["minilm"] == report.peak_bytes
+        manager.infer("r1", ["a longer sentence about a cat on a mat " * 8] * 4)
+        grown = registry.snapshot().learned["minilm"]
+        assert grown > report.peak_bytes  # a replica placed now has room for such a call
+        manager.infer("r1", "short")
+        assert registry.snapshot().learned["minilm"] == grown  # it never shrinks
+    finally:
+        manager.drop_all()
+    assert [e["kind"] for e in registry.events()] == ["measured", "measured"]
+
+
 def test_offload_then_restore_on_another_gpu_gives_identical_outputs(
     manager: ResidencyManager, catalog: Catalog, devices: list[Device]
 ) -> None:

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from placement.catalog import ModelSpec
-from placement.errors import EvictedError, PlacementError
+from placement.errors import EvictedError, GpufleetError, PlacementError
 from placement.memory import format_size, process_fraction
 from placement.registry import Registry
 from placement.state import Holding, Level
@@ -107,6 +107,10 @@ class ResidencyManager:
         self._charged: dict[int, int] = {}  # simulated device index -> accounted bytes
         self._capped: set[int] = set()  # real devices whose fraction this process set
         self._pin = torch.cuda.is_available() and not all(d.simulated for d in devices)
+        # Per model: its weights' bytes on the device, and the peak last reported as its
+        # learned memory. A call that needs more reports more (`_learn_from`).
+        self._weights: dict[str, int] = {}
+        self._reported: dict[str, int] = {}
 
     # --- the ledger's orders ------------------------------------------------
 
@@ -301,6 +305,7 @@ class ResidencyManager:
             else:
                 torch.cuda.set_device(min(plan))  # this thread's kernels run on its GPU
             device = loading.torch_device(min(plan), simulated)
+            before = {} if simulated else self._cuda_allocated(plan)
             try:
                 outputs = handlers.run(
                     resident.spec.task, resident.model, resident.tokenizer, inputs, params, device
@@ -309,7 +314,28 @@ class ResidencyManager:
                 if is_fatal_cuda_error(exc):
                     exit_for_restart(exc)  # the CUDA context is unusable: start a clean process
                 raise
+            if simulated:
+                extra = _activation_bytes(resident.model, inputs)
+            else:
+                extra = sum(torch.cuda.max_memory_allocated(i) - before[i] for i in plan)
+            self._learn_from(resident, extra)
             return outputs, sorted(resident.slots)
+
+    def _learn_from(self, resident: Resident, extra: int) -> None:
+        """Report a larger learned peak when a call needed more than the last report: a
+        replica placed later (scaled out, or loaded again) is sized for the calls seen,
+        not only for the warm-up call the load was measured with."""
+        name = resident.spec.name
+        reported = self._reported.get(name)
+        if reported is None or self.registry is None or resident.spec.synthetic:
+            return
+        peak = self._weights.get(name, 0) + extra
+        if peak > reported:
+            self._reported[name] = peak
+            try:
+                self.registry.record_measurement(name, peak)
+            except GpufleetError:
+                log.warning("could not report %s's larger peak", name, exc_info=True)
 
     def hot(self, replica: str, epoch: int = 0) -> bool:
         """True when this process holds `replica` on its GPUs (in placement `epoch`, if given)."""
@@ -466,15 +492,24 @@ class ResidencyManager:
         self, resident: Resident, plan: Mapping[int, int], simulated: bool, baseline: dict[int, int]
     ) -> int:
         """Peak bytes of the load plus a warm-up call; reported as learned memory."""
+        name = resident.spec.name
+        if simulated:
+            weights = resident.accounted
+        else:
+            torch.cuda.synchronize()
+            weights = sum(torch.cuda.memory_allocated(i) - baseline.get(i, 0) for i in plan)
+        self._weights[name] = weights
+        self._reported.pop(name, None)  # calls report only once the load has
         if self.warmup:
             self.infer(resident.replica, _warmup_input(resident), None)
         if simulated:
-            peak = resident.accounted + _activation_bytes(resident.model, _warmup_input(resident))
+            peak = weights + _activation_bytes(resident.model, _warmup_input(resident))
         else:
             torch.cuda.synchronize()
             peak = sum(torch.cuda.max_memory_allocated(i) - baseline.get(i, 0) for i in plan)
         if self.registry is not None and not resident.spec.synthetic:
-            self.registry.record_measurement(resident.spec.name, peak)
+            self.registry.record_measurement(name, peak)
+            self._reported[name] = peak
         return peak
 
     @staticmethod
