@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from placement.scaling import ModelLoad, ReplicaLoad
-from placement.state import Level
+from placement.state import Deployment, Level
 from placement.store import Store
 
 ROUTING_TTL_MS = 120_000  # a held call renews its entry on every attempt
@@ -26,14 +26,17 @@ def hold_routing(store: Store, model: str, call: str, held: bool) -> int:
     return int(store._run("routing", keys, [call, "1" if held else "0", ROUTING_TTL_MS]))
 
 
-def read_loads(store: Store, placed: dict[str, list[tuple[str, Level, str]]]) -> list[ModelLoad]:
-    """The load of each model in `placed` (model -> its placed replicas as (replica, level,
-    worker), from the caller's view of the ledger), read in one round trip."""
+Placed = dict[str, list[tuple[str, Level, str, int]]]  # model -> (replica, level, worker, epoch)
+
+
+def read_loads(store: Store, placed: Placed) -> list[ModelLoad]:
+    """The load of each model in `placed` (its placed replicas from the caller's view of
+    the ledger), read in one round trip."""
     k = store.keys
     commands: list[tuple[object, ...]] = [("time",)]
     for model, replicas in placed.items():
         commands.append(("zrange", k.model_routing(model), 0, -1, False, True))
-        for replica, _, _ in replicas:
+        for replica, *_ in replicas:
             commands.append(("zrange", k.leases(replica), 0, -1, False, True))
             commands.append(("hget", k.deployment(replica), "last_used"))
     rows = iter(store._read(commands))
@@ -43,21 +46,19 @@ def read_loads(store: Store, placed: dict[str, list[tuple[str, Level, str]]]) ->
     for model, replicas in placed.items():
         routing = sum(1 for _, deadline in next(rows) if deadline > now)
         seen = []
-        for replica, level, worker in replicas:
+        for replica, level, worker, epoch in replicas:
             leases, last_used = next(rows), next(rows)
             in_flight = sum(1 for _, deadline in leases if deadline > now)
             idle = 0 if in_flight else max(0, now - int(last_used or now))
-            seen.append(ReplicaLoad(replica, level, in_flight, idle, worker))
+            seen.append(ReplicaLoad(replica, level, in_flight, idle, worker, epoch))
         loads.append(ModelLoad(model, seen, routing))
     return loads
 
 
-def placed_replicas(
-    deployments: Iterable[tuple[str, str, Level, str]], models: Iterable[str]
-) -> dict[str, list[tuple[str, Level, str]]]:
-    """(replica, model, level, worker) records -> each of `models`' placed replicas."""
-    out: dict[str, list[tuple[str, Level, str]]] = {m: [] for m in models}
-    for replica, model, level, worker in deployments:
-        if model in out and level in _PLACED:
-            out[model].append((replica, level, worker))
+def placed_replicas(deployments: Iterable[Deployment], models: Iterable[str]) -> Placed:
+    """Each of `models`' placed replicas among `deployments`."""
+    out: Placed = {m: [] for m in models}
+    for d in deployments:
+        if d.model in out and d.level in _PLACED:
+            out[d.model].append((d.replica, d.level, d.worker, d.epoch))
     return out

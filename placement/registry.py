@@ -27,6 +27,7 @@ from placement.errors import (
     AtFloorError,
     CantAccommodateError,
     NeverFitsError,
+    PlacementError,
     PlanRejectedError,
     RegistryError,
     SettlingError,
@@ -420,13 +421,15 @@ class Registry(Membership):
         to: Level | None = None,
         seen: Deployment | None = None,
         floor: int | None = None,
+        epoch: int = 0,
         why: str = "",
     ) -> Level:
         """Drain, then offload (to WARM when the host cache has room) or drop a replica.
 
-        With `floor`, a placed replica leaves only while its model keeps `floor` others
-        placed (`AtFloorError` otherwise): how a scale-in stays within the model's bounds
-        whichever routers run it. `why` goes into the eviction's event.
+        With `floor` it is a scale-in: only the HOT, idle replica of placement `epoch`
+        leaves, and only while its model keeps `floor` others placed (`AtFloorError`;
+        `PlacementError` when it moved or is busy), so scaling stays within the model's
+        bounds whichever routers run it. `why` goes into the eviction's event.
 
         Returns the replica's level afterwards: DRAINING while requests are in flight
         (call again when they finish), OFFLOADING or DROPPING while its worker moves it
@@ -452,6 +455,7 @@ class Registry(Membership):
                 "to": target.value,
                 "drops": [self._warm_ref(snap.deployments[r], keys) for r in drops],
                 "floor": -1 if floor is None else floor,
+                "epoch": epoch,
                 "why": why,
             }
             result = self._run_json("evict", keys, payload)
@@ -461,6 +465,8 @@ class Registry(Membership):
                 raise RegistryError(f"no replica {replica} in the registry")
             if result[1] == "FLOOR":
                 raise AtFloorError(f"{replica} stays: {result[2]}")
+            if result[1] in ("MOVED", "BUSY"):
+                raise PlacementError(f"{replica} stays: {result[2]}")
         raise PlanRejectedError(f"replica {replica} kept moving while being evicted")
 
     def wait_settled(self, replica: str, timeout_s: float) -> Level:

@@ -50,6 +50,7 @@ class ReplicaLoad:
     in_flight: int  # live request leases: calls sent to it, queued or running
     idle_ms: int  # since its last call ended (0 while one is in flight)
     worker: str = ""
+    epoch: int = 0  # the placement it is in (a scale-in names it)
 
     @property
     def ready(self) -> bool:
@@ -106,6 +107,7 @@ class ScaleOut:
 class ScaleIn:
     model: str
     replica: str
+    epoch: int
     placed: int
     target: int
     why: str
@@ -166,5 +168,5 @@ class Scaler:
                 f"scale in {load.model} {placed}\u2192{placed - 1}: replica {gone.replica[:8]} "
                 f"idle {gone.idle_ms / 1000:.0f} s (keep_alive {keep / 1000:g} s)"
             )
-            return ScaleIn(load.model, gone.replica, placed, placed - 1, why)
+            return ScaleIn(load.model, gone.replica, gone.epoch, placed, placed - 1, why)
         return None

@@ -35,8 +35,8 @@ def full_status(registry: Registry, broker_url: str) -> dict[str, Any]:
     snap = registry.snapshot()
     report = status_report(snap)
     report["requests"] = request_report(registry.stats(snap))
-    records = [(d.replica, d.model, d.level, d.worker) for d in snap.deployments.values()]
-    report["load"] = load_report(read_loads(registry, placed_replicas(records, snap.by_model)))
+    placed = placed_replicas(snap.deployments.values(), snap.by_model)
+    report["load"] = load_report(read_loads(registry, placed))
     queues = {ROUTER_QUEUE} | {g.queue for g in snap.gpus.values() if g.queue}
     client = redis.Redis.from_url(broker_url)
     try:

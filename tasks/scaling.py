@@ -60,12 +60,10 @@ class ScalingLoop:
         if not self.rules:
             return []
         with self.registry.follower.current() as snap:
-            records = [
-                (d.replica, d.model, d.level, d.worker)
-                for model in self.rules
-                for d in snap.replicas(model)
-            ]
-        loads = read_loads(self.registry, placed_replicas(records, self.rules))
+            placed = placed_replicas(
+                (d for model in self.rules for d in snap.replicas(model)), self.rules
+            )
+        loads = read_loads(self.registry, placed)
         decisions = self.scaler.decide(int(time.monotonic() * 1000), loads, self.rules)
         pressed = sorted(m.model for m in loads if m.pressure >= self.scaler.threshold)
         by_model = {m.model: m for m in loads}
@@ -78,7 +76,8 @@ class ScalingLoop:
                     "protect": pressed,
                 }
             else:
-                kwargs |= {"replica": decision.replica, "floor": self.rules[decision.model].floor}
+                floor = self.rules[decision.model].floor
+                kwargs |= {"replica": decision.replica, "epoch": decision.epoch, "floor": floor}
             self.send(kwargs)
         return decisions
 
@@ -101,11 +100,13 @@ def scale_out(
     return plan, f"replica {plan.replica} on {', '.join(plan.gpus)}"
 
 
-def scale_in(registry: Registry, replica: str, floor: int, why: str) -> tuple[Level | None, str]:
-    """Offload (or drop) `replica` while its model keeps `floor` others placed: the level it
-    went to, or None and why it stays."""
+def scale_in(
+    registry: Registry, replica: str, epoch: int, floor: int, why: str
+) -> tuple[Level | None, str]:
+    """Offload (or drop) `replica`, if still HOT and idle in placement `epoch`, while its
+    model keeps `floor` others placed: the level it went to, or None and why it stays."""
     try:
-        level = registry.evict(replica, floor=floor, why=why)
+        level = registry.evict(replica, floor=floor, epoch=epoch, why=why)
     except GpufleetError as exc:
         return None, f"{type(exc).__name__}: {exc}"
     return level, f"replica {replica} is {level.value}"
@@ -121,13 +122,14 @@ def scale(
     avoid: list[str] | None = None,
     protect: list[str] | None = None,
     replica: str | None = None,
+    epoch: int = 0,
     floor: int = 0,
 ) -> dict[str, Any]:
     """Carry out one scaling decision: place a replica (`target`), or evict one (`replica`)."""
     registry = context.registry()
     fields: dict[str, Any]
     if replica is not None:
-        level, detail = scale_in(registry, replica, floor, why)
+        level, detail = scale_in(registry, replica, epoch, floor, why)
         fields = {"replica": replica, "level": level.value} if level is not None else {}
     else:
         spec = context.catalog().get(model)

@@ -306,6 +306,7 @@ class ResidencyManager:
                 torch.cuda.set_device(min(plan))  # this thread's kernels run on its GPU
             device = loading.torch_device(min(plan), simulated)
             before = {} if simulated else self._cuda_allocated(plan)
+            quiet = not self._arriving  # no load shares the device's peak with this call
             try:
                 outputs = handlers.run(
                     resident.spec.task, resident.model, resident.tokenizer, inputs, params, device
@@ -315,10 +316,11 @@ class ResidencyManager:
                     exit_for_restart(exc)  # the CUDA context is unusable: start a clean process
                 raise
             if simulated:
-                extra = _activation_bytes(resident.model, inputs)
-            else:
-                extra = sum(torch.cuda.max_memory_allocated(i) - before[i] for i in plan)
-            self._learn_from(resident, extra)
+                self._learn_from(resident, _activation_bytes(resident.model, inputs))
+            elif quiet and not self._arriving:  # the device's peak is this call's own
+                self._learn_from(
+                    resident, sum(torch.cuda.max_memory_allocated(i) - before[i] for i in plan)
+                )
             return outputs, sorted(resident.slots)
 
     def _learn_from(self, resident: Resident, extra: int) -> None:
@@ -500,13 +502,20 @@ class ResidencyManager:
             weights = sum(torch.cuda.memory_allocated(i) - baseline.get(i, 0) for i in plan)
         self._weights[name] = weights
         self._reported.pop(name, None)  # calls report only once the load has
+        # The load's own peak on CUDA, read now: the warm-up call resets the device's.
+        loaded = (
+            0
+            if simulated
+            else sum(torch.cuda.max_memory_allocated(i) - baseline.get(i, 0) for i in plan)
+        )
         if self.warmup:
             self.infer(resident.replica, _warmup_input(resident), None)
         if simulated:
             peak = weights + _activation_bytes(resident.model, _warmup_input(resident))
         else:
             torch.cuda.synchronize()
-            peak = sum(torch.cuda.max_memory_allocated(i) - baseline.get(i, 0) for i in plan)
+            warm = sum(torch.cuda.max_memory_allocated(i) - baseline.get(i, 0) for i in plan)
+            peak = max(loaded, warm)
         if self.registry is not None and not resident.spec.synthetic:
             self.registry.record_measurement(name, peak)
             self._reported[name] = peak

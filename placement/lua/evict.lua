@@ -3,9 +3,10 @@
 -- ARGV[1] = JSON {replica, dep, leases, active, worker_deps, host, host_warm, control, events,
 --                 maxlen, expect_worker, to ('WARM' | 'COLD'), gpus=[{id, key}],
 --                 drops=[{replica, dep, worker_deps, host, host_warm, control, expect_worker}],
---                 floor (-1: none), why ('' or the reason, for the event)}
--- With a floor, a placed replica leaves only while its model keeps at least `floor` other
--- placed replicas (scaling in: two routers never take a model below its floor).
+--                 floor (-1: none), epoch, why ('' or the reason, for the event)}
+-- A scale-in (floor >= 0) takes only the HOT, idle replica of placement `epoch`, and only
+-- while its model keeps `floor` others placed: it never drains, two routers never take a
+-- model below its floor, and a late or repeated decision changes nothing.
 -- A replica with requests in flight turns DRAINING (it takes no new ones) and stays
 -- until the last lease ends; call again then. An idle one goes OFFLOADING (to WARM,
 -- dropping colder warm copies to make room) or DROPPING, and its worker is notified; the
@@ -14,7 +15,8 @@
 -- goes DROPPING. A WARM replica asked to go COLD is dropped; an OFFLOADING one asked to go
 -- COLD turns DROPPING.
 -- Returns {1, level now} | {2, 'DRAINING', live leases} | {0, reason, detail}; reasons:
--- NOT_FOUND, STALE (the record is not as the caller saw it), FLOOR.
+-- NOT_FOUND, STALE (the record is not as the caller saw it); for a scale-in also MOVED
+-- (not that HOT placement any more), BUSY (calls in flight) and FLOOR.
 local a = cjson.decode(ARGV[1])
 local dep = K(a.dep)
 local now = now_ms()
@@ -22,6 +24,17 @@ local r = record(dep)
 local level, model = r.level, r.model
 if not level then return {0, 'NOT_FOUND', 'no replica ' .. a.replica} end
 local events = K(a.events)
+if a.floor >= 0 then
+  if level ~= 'HOT' or r.epoch ~= a.epoch then
+    return {0, 'MOVED', a.replica .. ' is ' .. level .. ' in placement ' .. r.epoch}
+  end
+  local calls = live_leases(K(a.leases), now)
+  if calls > 0 then return {0, 'BUSY', a.replica .. ' has ' .. calls .. ' calls in flight'} end
+  local active = num(redis.call('HGET', K(a.active), model))
+  if active - 1 < a.floor then
+    return {0, 'FLOOR', model .. ' has ' .. active .. ' replicas placed; its floor is ' .. a.floor}
+  end
+end
 if level == 'COLD' or (level == 'WARM' and a.to == 'WARM') or level == 'DROPPING'
     or (level == 'OFFLOADING' and a.to == 'WARM') then
   return {1, level}
@@ -30,13 +43,7 @@ end
 if (r.worker or '') ~= a.expect_worker then return {0, 'STALE', a.replica .. ' moved'} end
 if not same_gpus(r.gpus, a.gpus) then return {0, 'STALE', a.replica .. ' moved'} end
 local cause = 'explicit'
-if a.why ~= '' then cause = 'scale-in' end
-if a.floor >= 0 and RESERVING[level] then
-  local active = num(redis.call('HGET', K(a.active), model))
-  if active - 1 < a.floor then
-    return {0, 'FLOOR', model .. ' has ' .. active .. ' replicas placed; its floor is ' .. a.floor}
-  end
-end
+if a.floor >= 0 then cause = 'scale-in' end
 if level == 'WARM' then
   drop_warm(a, r, now)
   notify(K(a.control), a.replica)

@@ -103,16 +103,18 @@ class MemoryLedger:
         self._hot.add(replica)
         self._used[replica] = now
 
-    def evict(self, replica: str, now: int, settings: PolicySettings) -> Level:
+    def evict(
+        self, replica: str, now: int, settings: PolicySettings
+    ) -> tuple[Level, tuple[str, ...]]:
         """Offload an idle replica to its host's warm cache when it fits, else drop it
         (`plan_offload`, as `Registry.evict` does); the worker settles the move at once.
-        Returns where it went."""
+        Returns where it went and the warm copies dropped to make room."""
         snap = self.snapshot(now)
         eviction, drops = plan_offload(replica, snap, settings)
         for copy in drops:
             snap = settle(evict(snap, copy, Level.COLD), copy, "dropped")
         self._snap = settle_all(evict(snap, replica, eviction.to))
-        return eviction.to
+        return eviction.to, drops
 
     def learn(self, model: str, peak: int) -> None:
         """Record a measured peak, as the `learned` hash does."""

@@ -62,7 +62,7 @@ class Recorder:
     depth: int = 0
     max_depth: int = 0
     latencies: list[float] = field(default_factory=list)
-    waits: list[float] = field(default_factory=list)  # non-hit requests only
+    waits: list[float] = field(default_factory=list)  # requests that waited at all
     b_requests: list[int] = field(default_factory=list)
     b_hits: list[int] = field(default_factory=list)
     b_area: list[float] = field(default_factory=list)

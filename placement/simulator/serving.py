@@ -114,8 +114,8 @@ class ServingReplay:
         """Finish the loads and looks due by `t`, in time order; the next look's time."""
         while True:
             load = self.loads[0][0] if self.loads else float("inf")
-            if drain and load == float("inf"):
-                return look
+            if drain and load == float("inf") and not (self.parked and self._busy(look)):
+                return look  # nothing loads, and no call still runs to make room
             if min(load, look) > t:
                 return look
             if load <= look:
@@ -240,6 +240,9 @@ class ServingReplay:
             self.ledger.learn(rep.model, self.by_name[rep.model].peak)
         self._retry(ready)
 
+    def _busy(self, now: float) -> bool:
+        return any(rep.in_flight(now) for rep in self.replicas.values())
+
     def _retry(self, now: float) -> None:
         parked, self.parked = self.parked, deque()
         for arrived, name in parked:
@@ -285,7 +288,8 @@ class ServingReplay:
         rep = self.replicas.pop(decision.replica)
         self.of_model[decision.model].remove(decision.replica)
         held = self.ledger.snapshot(_us(now)).deployments[decision.replica].gpus
-        self.ledger.evict(decision.replica, _us(now), self.policy.settings)
+        _, drops = self.ledger.evict(decision.replica, _us(now), self.policy.settings)
+        self.rec.warm_drops += len(drops)
         freed = sum(held.values())
         self.rec.reserve(now, -freed, -self.by_name[rep.model].peak)
         self.rec.scale_ins += 1
