@@ -58,15 +58,23 @@ def test_minilm_loads_and_gives_repeatable_384_dimensional_embeddings(
     assert first == again
 
 
-def test_the_measured_peak_of_a_real_model_reaches_the_registry(
-    redis_url: str, fleet: str, catalog: Catalog, devices: list[Device]
-) -> None:
+@pytest.fixture
+def reporting(
+    redis_url: str, fleet: str, devices: list[Device]
+) -> Iterator[tuple[Registry, ResidencyManager]]:
+    """A manager that reports measured peaks to a real registry."""
     registry = Registry.from_url(redis_url, fleet)
     manager = ResidencyManager(devices, HOST, registry=registry)
-    try:
-        report = manager.load(catalog.get("minilm"), "r1", {gpu(devices, 0): GiB})
-    finally:
-        manager.drop_all()
+    yield registry, manager
+    manager.drop_all()
+    registry.client.close()
+
+
+def test_the_measured_peak_of_a_real_model_reaches_the_registry(
+    reporting: tuple[Registry, ResidencyManager], catalog: Catalog, devices: list[Device]
+) -> None:
+    registry, manager = reporting
+    report = manager.load(catalog.get("minilm"), "r1", {gpu(devices, 0): GiB})
     learned = registry.snapshot().learned["minilm"]
     assert learned == report.peak_bytes
     assert learned >= report.nbytes  # weights plus the warm-up call's activations
@@ -74,21 +82,17 @@ def test_the_measured_peak_of_a_real_model_reaches_the_registry(
 
 
 def test_a_call_that_needs_more_than_the_load_measured_raises_the_learned_peak(
-    redis_url: str, fleet: str, catalog: Catalog, devices: list[Device]
+    reporting: tuple[Registry, ResidencyManager], catalog: Catalog, devices: list[Device]
 ) -> None:
-    registry = Registry.from_url(redis_url, fleet)
-    manager = ResidencyManager(devices, HOST, registry=registry)
-    try:
-        report = manager.load(catalog.get("minilm"), "r1", {gpu(devices, 0): GiB})
-        manager.infer("r1", "short")  # needs less than the warm-up: nothing to report
-        assert registry.snapshot().learned["minilm"] == report.peak_bytes
-        manager.infer("r1", ["a longer sentence about a cat on a mat " * 8] * 4)
-        grown = registry.snapshot().learned["minilm"]
-        assert grown > report.peak_bytes  # a replica placed now has room for such a call
-        manager.infer("r1", "short")
-        assert registry.snapshot().learned["minilm"] == grown  # it never shrinks
-    finally:
-        manager.drop_all()
+    registry, manager = reporting
+    report = manager.load(catalog.get("minilm"), "r1", {gpu(devices, 0): GiB})
+    manager.infer("r1", "short")  # needs less than the warm-up: nothing to report
+    assert registry.snapshot().learned["minilm"] == report.peak_bytes
+    manager.infer("r1", ["a longer sentence about a cat on a mat " * 8] * 4)
+    grown = registry.snapshot().learned["minilm"]
+    assert grown > report.peak_bytes  # a replica placed now has room for such a call
+    manager.infer("r1", "short")
+    assert registry.snapshot().learned["minilm"] == grown  # it never shrinks
     assert [e["kind"] for e in registry.events()] == ["measured", "measured"]
 
 
