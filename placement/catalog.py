@@ -20,6 +20,7 @@ naming the file, the model and the field, instead of at the first request.
         task: feature-extraction
         replicas: {min: 1, max: 3}   # follows load (placement.scaling)
         keep_alive: 5m               # an idle replica goes after this
+        batch: {size: 64, wait: 2ms} # calls that share a forward pass (placement.batching)
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import yaml
 
 from placement import accelerators
 from placement.accelerators import Accelerator
+from placement.batching import UNBATCHED_TASKS, BatchLimits, limits_for, parse_override
 from placement.config import Settings
 from placement.durations import parse_duration_ms
 from placement.errors import (
@@ -70,7 +72,7 @@ _FIELDS = frozenset(
     {
         "source", "task", "dtype", "memory", "dedicated", "replicas", "max_replicas", "gpus",
         "accelerator", "trust_remote_code", "factor", "fractional_threshold",
-        "min_free_fraction", "config", "loader", "keep_alive",
+        "min_free_fraction", "config", "loader", "keep_alive", "batch",
     }
 )  # fmt: skip
 
@@ -98,12 +100,17 @@ class ModelSpec:
     fractional_threshold: float | None = None
     min_free_fraction: float | None = None
     config: Mapping[str, Any] | None = field(default=None, hash=False)
+    batch: Mapping[str, int] | None = field(default=None, hash=False)  # the fleet's, changed
     base_dir: Path = field(default_factory=Path.cwd, compare=False)
 
     @property
     def synthetic(self) -> bool:
         """True for a generated stand-in model, accounted at its declared size."""
         return self.source == SYNTHETIC
+
+    def batch_limits(self, fleet: BatchLimits) -> BatchLimits:
+        """How this model's calls are batched: the fleet's limits with its `batch` field."""
+        return limits_for(self.task, fleet, self.batch)
 
     def source_path(self) -> Path | None:
         """Return the model directory, or None for a synthetic model.
@@ -343,6 +350,15 @@ def _parse_entry(where: _Where, entry: object, base_dir: Path) -> ModelSpec:
     if source == SYNTHETIC and memory is None and request is None and gpus is None:
         raise where.error("memory", "a synthetic model needs memory or gpus; it has no weights")
 
+    batch = None
+    if "batch" in entry:
+        if task in UNBATCHED_TASKS and entry["batch"] is not False:
+            raise where.error("batch", f"{task} calls are never batched; remove the field")
+        try:
+            batch = parse_override(entry["batch"])
+        except ConfigError as exc:
+            raise where.error("batch", str(exc)) from None
+
     try:
         accelerator = accelerators.parse(entry.get("accelerator"))
     except ValueError as exc:
@@ -372,6 +388,7 @@ def _parse_entry(where: _Where, entry: object, base_dir: Path) -> ModelSpec:
             where, entry, "min_free_fraction", low=0.0, high=1.0, high_inclusive=False
         ),
         config=dict(config) if config is not None else None,
+        batch=batch,
         base_dir=base_dir,
     )
 

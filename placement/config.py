@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
+from placement.batching import DEFAULT_CHARS, DEFAULT_SIZE, BatchLimits
 from placement.durations import parse_duration_ms
 from placement.errors import ConfigError, MemorySizeError
 from placement.keys import Keys
@@ -97,6 +98,12 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("GPUFLEET_SCALE_THRESHOLD", f"`{DEFAULT_THRESHOLD:g}`",
              "calls waiting per ready replica that scale a model out"),
     Variable("GPUFLEET_SCALE_WINDOW", "`2s`", "how long the threshold must hold first"),
+    Variable("GPUFLEET_BATCH_SIZE", f"`{DEFAULT_SIZE}`",
+             "the most calls one forward pass takes (catalog `batch.size`; `1`: off)"),
+    Variable("GPUFLEET_BATCH_CHARS", f"`{DEFAULT_CHARS}`",
+             "the most input characters one batch takes (catalog `batch.chars`)"),
+    Variable("GPUFLEET_BATCH_WAIT", "`0ms`",
+             "how long a batch that is not full waits for more calls (catalog `batch.wait`)"),
     Variable("GPUFLEET_FACTOR", "`3.0`", "slot = size x factor"),
     Variable("GPUFLEET_FRACTIONAL_THRESHOLD", "`0.8`",
              "at or above this share of a GPU, take the whole GPU"),
@@ -140,6 +147,7 @@ class Settings:
     keep_alive_ms: int = DEFAULT_KEEP_ALIVE_MS
     scale_threshold: float = DEFAULT_THRESHOLD
     scale_window_ms: int = DEFAULT_WINDOW_MS
+    batch: BatchLimits = field(default_factory=BatchLimits)
     policy: PolicySettings = field(default_factory=PolicySettings)
     sim_data: Path | None = None
     url_from: str = FROM_DEFAULT  # where the registry URL came from (FROM_*)
@@ -209,6 +217,11 @@ class Settings:
             keep_alive_ms=env.duration("GPUFLEET_KEEP_ALIVE", DEFAULT_KEEP_ALIVE_MS),
             scale_threshold=env.positive("GPUFLEET_SCALE_THRESHOLD", DEFAULT_THRESHOLD),
             scale_window_ms=env.duration("GPUFLEET_SCALE_WINDOW", DEFAULT_WINDOW_MS),
+            batch=BatchLimits(
+                size=env.integer("GPUFLEET_BATCH_SIZE", DEFAULT_SIZE, low=1, high=4096),
+                chars=env.integer("GPUFLEET_BATCH_CHARS", DEFAULT_CHARS, low=1),
+                wait_ms=env.duration("GPUFLEET_BATCH_WAIT", 0),
+            ),
             policy=_policy(env),
             sim_data=Path(sim_data).expanduser() if sim_data else None,
             url_from=url_from,
