@@ -29,7 +29,7 @@ caller's side without importing either.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -218,16 +218,59 @@ def run(  # noqa: PLR0917 - the positional signature is what the worker calls
     parameter, which is also where accelerate expects inputs of a model split over GPUs.
     Raises PayloadError for a bad request; errors from the model itself propagate.
     """
+    texts, options = validate(task, inputs, params)
+    check_texts(task, tokenizer, texts)
+    return run_many(task, model, tokenizer, [texts], options, device)[0]
+
+
+def check_texts(task: str, tokenizer: Any, texts: list[str]) -> None:
+    """The checks that need the model's tokenizer, made per call so that a batch never
+    fails for one caller's text: a fill-mask input holds exactly one mask token."""
+    if task != "fill-mask":
+        return
+    mask_token = tokenizer.mask_token
+    if mask_token is None or tokenizer.mask_token_id is None:
+        raise PayloadError("this model's tokenizer has no mask token, so it cannot fill masks")
+    for i, text in enumerate(texts):
+        where = "inputs" if len(texts) == 1 else f"inputs[{i}]"
+        count = text.count(mask_token)
+        if count != 1:
+            found = "no" if count == 0 else str(count)
+            raise PayloadError(
+                f"{where} has {found} mask token {mask_token!r}; put exactly one {mask_token!r}"
+                f" where the missing word goes, e.g. 'Paris is the {mask_token} of France.'"
+            )
+
+
+def run_many(  # noqa: PLR0917 - as `run`
+    task: str,
+    model: torch.nn.Module,
+    tokenizer: Any,
+    calls: Sequence[list[str]],
+    options: dict[str, Any],
+    device: torch.device | None,
+) -> list[dict[str, Any]]:
+    """Run several calls' validated texts, all with the same `options`, in one forward pass;
+    each call's result is what `run` returns for it alone (to float rounding).
+
+    text-generation runs the calls one after another: a batch would change what greedy
+    decoding picks (padding moves the arithmetic) and wait for the longest output.
+    """
     import torch
 
-    texts, options = validate(task, inputs, params)
     target = device if device is not None else _model_device(model)
     net: Any = model
     with torch.inference_mode():
-        result = _HANDLERS[task](net, tokenizer, texts, options, target)
-    result["batch"] = len(texts)
-    log.debug("ran %s on a batch of %d", task, len(texts))
-    return result
+        if task == "text-generation":
+            results = [_text_generation(net, tokenizer, texts, options, target) for texts in calls]
+        else:
+            texts = [text for call in calls for text in call]
+            sizes = [len(call) for call in calls]
+            results = _HANDLERS[task](net, tokenizer, texts, options, target, sizes)
+    for result, call in zip(results, calls, strict=True):
+        result["batch"] = len(call)
+    log.debug("ran %s on %d calls in one pass", task, len(calls))
+    return results
 
 
 def _model_device(model: torch.nn.Module) -> torch.device:
@@ -282,9 +325,22 @@ def _main_output(output: Any) -> torch.Tensor:
     return first
 
 
-def _feature_extraction(
-    model: Any, tokenizer: Any, texts: list[str], options: dict[str, Any], device: torch.device
-) -> dict[str, Any]:
+def _rows(values: list[Any], sizes: Sequence[int]) -> Iterator[list[Any]]:
+    """`values` cut into consecutive runs of `sizes`: one run per call."""
+    start = 0
+    for size in sizes:
+        yield values[start : start + size]
+        start += size
+
+
+def _feature_extraction(  # noqa: PLR0917
+    model: Any,
+    tokenizer: Any,
+    texts: list[str],
+    options: dict[str, Any],
+    device: torch.device,
+    sizes: Sequence[int],
+) -> list[dict[str, Any]]:
     """Mean pooling over the attention mask, then L2 normalisation (sentence-transformers)."""
     import torch
 
@@ -294,7 +350,8 @@ def _feature_extraction(
     pooled = (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
     if options["normalize"]:
         pooled = torch.nn.functional.normalize(pooled, p=2, dim=1)
-    return {"embeddings": pooled.cpu().tolist(), "dim": int(pooled.shape[-1])}
+    dim = int(pooled.shape[-1])
+    return [{"embeddings": rows, "dim": dim} for rows in _rows(pooled.cpu().tolist(), sizes)]
 
 
 def _text_generation(
@@ -357,9 +414,14 @@ def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
     return ids
 
 
-def _text_classification(
-    model: Any, tokenizer: Any, texts: list[str], options: dict[str, Any], device: torch.device
-) -> dict[str, Any]:
+def _text_classification(  # noqa: PLR0917
+    model: Any,
+    tokenizer: Any,
+    texts: list[str],
+    options: dict[str, Any],
+    device: torch.device,
+    sizes: Sequence[int],
+) -> list[dict[str, Any]]:
     """Softmax over the logits (sigmoid for multi-label models), labels from id2label."""
     import torch
 
@@ -381,27 +443,21 @@ def _text_classification(
         ]
         for row_values, row_indices in zip(values.tolist(), indices.tolist(), strict=True)
     ]
-    return {"labels": labels}
+    return [{"labels": rows} for rows in _rows(labels, sizes)]
 
 
-def _fill_mask(
-    model: Any, tokenizer: Any, texts: list[str], options: dict[str, Any], device: torch.device
-) -> dict[str, Any]:
-    """The top_k tokens for the one mask token of each input, best first."""
+def _fill_mask(  # noqa: PLR0917
+    model: Any,
+    tokenizer: Any,
+    texts: list[str],
+    options: dict[str, Any],
+    device: torch.device,
+    sizes: Sequence[int],
+) -> list[dict[str, Any]]:
+    """The top_k tokens for the one mask token of each input (`check_texts`), best first."""
     import torch
 
     mask_token, mask_id = tokenizer.mask_token, tokenizer.mask_token_id
-    if mask_token is None or mask_id is None:
-        raise PayloadError("this model's tokenizer has no mask token, so it cannot fill masks")
-    for i, text in enumerate(texts):
-        where = "inputs" if len(texts) == 1 else f"inputs[{i}]"
-        count = text.count(mask_token)
-        if count != 1:
-            found = "no" if count == 0 else str(count)
-            raise PayloadError(
-                f"{where} has {found} mask token {mask_token!r}; put exactly one {mask_token!r}"
-                f" where the missing word goes, e.g. 'Paris is the {mask_token} of France.'"
-            )
     encoding = _encode(model, tokenizer, texts, options["max_length"], device)
     input_ids = encoding["input_ids"]
     rows, positions = (input_ids == mask_id).nonzero(as_tuple=True)
@@ -424,33 +480,55 @@ def _fill_mask(
             values.cpu().tolist(), indices.cpu().tolist(), strict=True
         )
     ]
-    return {"predictions": predictions}
+    return [{"predictions": rows} for rows in _rows(predictions, sizes)]
 
 
-def _forward(
-    model: Any, tokenizer: Any, texts: list[str], options: dict[str, Any], device: torch.device
-) -> dict[str, Any]:
-    """A plain forward pass, summarised: shape, mean, std and the first values of row one.
+def _forward(  # noqa: PLR0917
+    model: Any,
+    tokenizer: Any,
+    texts: list[str],
+    options: dict[str, Any],
+    device: torch.device,
+    sizes: Sequence[int],
+) -> list[dict[str, Any]]:
+    """A plain forward pass, summarised per call: shape, mean, std and the first values of
+    its row one.
 
-    The statistics cover every position, padding included: the summary exists to prove a
-    model ran and to compare runs, not to be a representation.
+    The statistics cover every position of the call's own rows up to its own longest input,
+    padding included, so they do not depend on what else shared the pass: the summary
+    exists to prove a model ran and to compare runs, not to be a representation.
     """
     encoding = _encode(model, tokenizer, texts, options["max_length"], device)
     output = _main_output(model(**encoding)).float()
-    flat = output.reshape(-1)
-    first_row = output.reshape(-1, output.shape[-1])[0] if output.dim() > 1 else flat
-    return {
-        "shape": list(output.shape),
-        "mean": float(flat.mean()),
-        "std": float(flat.std(unbiased=False)),
-        "head": first_row[:8].cpu().tolist(),
-    }
+    if len(sizes) > 1 and (output.dim() < 2 or output.shape[0] != len(texts)):
+        raise ValueError(f"cannot split an output of shape {list(output.shape)} by call")
+    lengths = encoding["attention_mask"].sum(dim=1).tolist()
+    width = encoding["input_ids"].shape[-1]
+    results = []
+    start = 0
+    for size in sizes:
+        mine = output[start : start + size] if len(sizes) > 1 else output
+        if len(sizes) > 1 and mine.dim() >= 3 and mine.shape[1] == width:
+            mine = mine[:, : int(max(lengths[start : start + size]))]
+        start += size
+        flat = mine.reshape(-1)
+        first_row = mine.reshape(-1, mine.shape[-1])[0] if mine.dim() > 1 else flat
+        results.append(
+            {
+                "shape": list(mine.shape),
+                "mean": float(flat.mean()),
+                "std": float(flat.std(unbiased=False)),
+                "head": first_row[:8].cpu().tolist(),
+            }
+        )
+    return results
 
 
-_Handler = Callable[[Any, Any, list[str], dict[str, Any], "torch.device"], dict[str, Any]]
+_Handler = Callable[
+    [Any, Any, list[str], dict[str, Any], "torch.device", Sequence[int]], list[dict[str, Any]]
+]
 _HANDLERS: dict[str, _Handler] = {
     "feature-extraction": _feature_extraction,
-    "text-generation": _text_generation,
     "text-classification": _text_classification,
     "fill-mask": _fill_mask,
     "forward": _forward,
@@ -464,7 +542,9 @@ __all__ = [
     "PARAMS",
     "Param",
     "auto_class",
+    "check_texts",
     "run",
+    "run_many",
     "validate",
     "validate_inputs",
     "validate_params",

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,7 +35,8 @@ class Served:
     outputs: dict[str, Any]
     gpus: list[str]  # the ledger GPU ids of the copy that ran it
     load_ms: float  # waiting for the replica to be loaded or restored here
-    compute_ms: float
+    compute_ms: float  # its forward pass, shared by `batch` calls
+    batch: int = 1
 
 
 class GpuWorker:
@@ -91,6 +92,24 @@ class GpuWorker:
         start = time.perf_counter()
         outputs, gpus = self.manager.run(replica, inputs, params, epoch)
         return Served(outputs, gpus, load_ms, (time.perf_counter() - start) * 1000)
+
+    def serve_batch(
+        self, replica: str, epoch: int, requests: Sequence[tuple[object, object | None]]
+    ) -> list[Served | BaseException]:
+        """Run calls bound for one replica together (`ResidencyManager.run_batch`): each
+        call's answer, or the error that fails it alone, in order. An `EvictedError` fails
+        them all: each is routed again."""
+        try:
+            load_ms, epoch = self.keeper.ensure(replica, epoch)
+            ran, gpus = self.manager.run_batch(replica, requests, epoch)
+        except Exception as exc:
+            return [exc] * len(requests)
+        return [
+            r.error
+            if r.error is not None
+            else Served(r.outputs, gpus, load_ms, r.compute_ms, r.batch)
+            for r in ran
+        ]
 
     def stop(self) -> None:
         """Stop following the ledger, release every GPU and replica, drop the models."""

@@ -18,18 +18,20 @@ call holds while it computes, so a replica is never moved under a running call.
 from __future__ import annotations
 
 import gc
+import json
 import logging
 import threading
 import time
 import traceback
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from placement.batching import UNBATCHED_TASKS
 from placement.catalog import ModelSpec
-from placement.errors import EvictedError, GpufleetError, PlacementError
+from placement.errors import EvictedError, GpufleetError, PayloadError, PlacementError
 from placement.memory import format_size, process_fraction
 from placement.registry import Registry
 from placement.state import Holding, Level
@@ -61,6 +63,19 @@ class Resident:
     @property
     def caps(self) -> dict[str, int]:
         return _caps(self.slots, self.limit)
+
+
+@dataclass(frozen=True)
+class Ran:
+    """One call's part in a batch: its outputs, or the error that fails it alone."""
+
+    outputs: dict[str, Any]  # empty when it failed
+    error: BaseException | None
+    batch: int  # calls that shared its forward pass
+    compute_ms: float
+
+
+_Member = tuple[int, list[str]]  # a call's position in its batch, and its texts
 
 
 @dataclass(frozen=True)
@@ -291,6 +306,22 @@ class ResidencyManager:
         A replica that is not HOT here, or not in placement `epoch` (when given), raises
         `EvictedError`: the call is routed again rather than served from a stale copy.
         """
+        ran, gpus = self.run_batch(replica, [(inputs, params)], epoch)
+        if ran[0].error is not None:
+            raise ran[0].error
+        return ran[0].outputs, gpus
+
+    def run_batch(
+        self, replica: str, requests: Sequence[tuple[object, object | None]], epoch: int = 0
+    ) -> tuple[list[Ran], list[str]]:
+        """Run several requests on a HOT replica, sharing forward passes: each one's outcome,
+        in order, and the GPUs they ran on.
+
+        A bad payload fails its own call before any pass. Calls with equal params share a
+        pass, split so that the activations each pass is estimated to need fit in what the
+        reservation leaves free; a pass that fails is run again one call at a time, so an
+        error reaches only the calls it concerns. Raises `EvictedError` as `run` does.
+        """
         resident = self._hot(replica)
         with resident.lock:
             if resident.warm or (epoch and resident.epoch != epoch):
@@ -299,29 +330,82 @@ class ResidencyManager:
                     f"the request reached it; route the request again"
                 )
             plan, simulated = self._plan(resident.slots)
+            if not simulated:
+                torch.cuda.set_device(min(plan))  # this thread's kernels run on its GPU
+            task = resident.spec.task
+            ran: list[Ran | None] = [None] * len(requests)
+            groups: dict[str, tuple[dict[str, Any], list[_Member]]] = {}
+            for index, (inputs, params) in enumerate(requests):
+                try:
+                    texts, options = handlers.validate(task, inputs, params)
+                    handlers.check_texts(task, resident.tokenizer, texts)
+                except PayloadError as exc:
+                    ran[index] = Ran({}, exc, 1, 0.0)
+                    continue
+                key = json.dumps(options, sort_keys=True)
+                groups.setdefault(key, (options, []))[1].append((index, texts))
+            free = self._free_for_calls(plan, simulated)
+            for options, members in groups.values():
+                for chunk in _chunks(resident, members, free):
+                    self._run_chunk(resident, plan, simulated, chunk, options, ran)
+            return [r for r in ran if r is not None], sorted(resident.slots)
+
+    def _run_chunk(  # noqa: PLR0917 - one pass's whole context
+        self,
+        resident: Resident,
+        plan: Mapping[int, int],
+        simulated: bool,
+        chunk: list[_Member],
+        options: dict[str, Any],
+        ran: list[Ran | None],
+    ) -> None:
+        """One forward pass for `chunk`; on failure, each of its calls alone."""
+        texts = [member[1] for member in chunk]
+        flat = [text for call in texts for text in call]
+        start = time.perf_counter()
+        try:
             if simulated:
                 with self._lock:
-                    self._check_activations(resident, plan, inputs)
-            else:
-                torch.cuda.set_device(min(plan))  # this thread's kernels run on its GPU
-            device = loading.torch_device(min(plan), simulated)
+                    self._check_activations(resident, plan, flat)
             before = {} if simulated else self._cuda_allocated(plan)
-            quiet = not self._arriving  # no load shares the device's peak with this call
-            try:
-                outputs = handlers.run(
-                    resident.spec.task, resident.model, resident.tokenizer, inputs, params, device
-                )
-            except Exception as exc:
-                if is_fatal_cuda_error(exc):
-                    exit_for_restart(exc)  # the CUDA context is unusable: start a clean process
-                raise
-            if simulated:
-                self._learn_from(resident, _activation_bytes(resident.model, inputs))
-            elif quiet and not self._arriving:  # the device's peak is this call's own
-                self._learn_from(
-                    resident, sum(torch.cuda.max_memory_allocated(i) - before[i] for i in plan)
-                )
-            return outputs, sorted(resident.slots)
+            quiet = not self._arriving  # no load shares the device's peak with this pass
+            results = handlers.run_many(
+                resident.spec.task,
+                resident.model,
+                resident.tokenizer,
+                texts,
+                options,
+                loading.torch_device(min(plan), simulated),
+            )
+        except Exception as exc:
+            if is_fatal_cuda_error(exc):
+                exit_for_restart(exc)  # the CUDA context is unusable: start a clean process
+            if len(chunk) == 1:
+                ran[chunk[0][0]] = Ran({}, exc, 1, (time.perf_counter() - start) * 1000)
+                return
+            log.info(
+                "a pass of %d calls on %s failed (%s: %s); running them one at a time",
+                len(chunk), resident.replica, type(exc).__name__, exc,
+            )  # fmt: skip
+            for member in chunk:
+                self._run_chunk(resident, plan, simulated, [member], options, ran)
+            return
+        compute_ms = (time.perf_counter() - start) * 1000
+        if simulated:
+            self._learn_from(resident, _activation_bytes(resident.model, flat))
+        elif quiet and not self._arriving:  # the device's peak is this pass's own
+            self._learn_from(
+                resident, sum(torch.cuda.max_memory_allocated(i) - before[i] for i in plan)
+            )
+        for (index, _), result in zip(chunk, results, strict=True):
+            ran[index] = Ran(result, None, len(chunk), compute_ms)
+
+    def _free_for_calls(self, plan: Mapping[int, int], simulated: bool) -> int:
+        """Bytes of this process's reservation on the replica's first GPU not in use now:
+        the room a pass's activations have."""
+        index = min(plan)
+        used = self._charged.get(index, 0) if simulated else torch.cuda.memory_allocated(index)
+        return self._reserved(index) - used
 
     def _learn_from(self, resident: Resident, extra: int) -> None:
         """Report a larger learned peak when a call needed more than the last report: a
@@ -561,14 +645,33 @@ def _warmup_input(resident: Resident) -> str:
     return "gpufleet warms this model up."
 
 
-def _activation_bytes(model: Any, inputs: object) -> int:
-    """The simulator's model of activation memory: tokens x hidden x (layers + 1) x 4 x dtype.
+def _chunks(resident: Resident, members: list[_Member], free: int) -> Iterator[list[_Member]]:
+    """`members` in order, cut into passes whose estimated activations fit in `free` bytes
+    (a call that alone does not fit runs alone); one call per pass for unbatched tasks."""
+    chunk: list[_Member] = []
+    texts: list[str] = []
+    for member in members:
+        joined = texts + member[1]
+        alone = resident.spec.task in UNBATCHED_TASKS
+        if chunk and (alone or _activation_bytes(resident.model, joined) > free):
+            yield chunk
+            chunk, joined = [], list(member[1])
+        chunk.append(member)
+        texts = joined
+    if chunk:
+        yield chunk
 
-    Tokens are bounded by characters, so the estimate only errs high. Real GPUs need no
-    estimate: their allocator enforces the cap.
+
+def _activation_bytes(model: Any, inputs: object) -> int:
+    """The worker's model of a pass's activation memory: rows x the longest row's tokens
+    (a batch is padded to it) x hidden x (layers + 1) x 4 x dtype.
+
+    Tokens are bounded by characters, so the estimate only errs high. On CUDA it only
+    sizes batches: the allocator's cap is what enforces the reservation.
     """
     texts = [inputs] if isinstance(inputs, str) else inputs if isinstance(inputs, list) else []
-    tokens = sum(min(len(t), 512) + 2 for t in texts if isinstance(t, str))
+    lengths = [min(len(t), 512) + 2 for t in texts if isinstance(t, str)]
+    tokens = len(lengths) * max(lengths, default=0)
     config = getattr(model, "config", None)
     hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", 0) or 0
     layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", 0) or 0
