@@ -88,6 +88,10 @@ class Keys:
         """Sorted set of request leases on a replica, scored by deadline (ms)."""
         return f"{self.prefix}:dep:{replica}:leases"
 
+    def batch(self, replica: str) -> str:
+        """How many calls the pass its worker runs now holds (absent: at most one)."""
+        return f"{self.prefix}:dep:{replica}:batch"
+
     def model_replicas(self, model: str) -> str:
         return f"{self.prefix}:model:{model}:replicas"
 

@@ -1,8 +1,9 @@
 """Each model's load, read from the registry: what the scaling rule and `status` look at.
 
 A replica's calls in flight are its live request leases (taken when a call is routed to
-it, ended when the call finishes), so they count calls queued at its worker and the one
-it runs. Calls the router holds for a model (a miss being placed, a busy retry) are kept
+it, ended when the call finishes), so they count calls queued at its worker and the ones
+it runs; a worker running a batch says how many calls its pass holds (`mark_batch`).
+Calls the router holds for a model (a miss being placed, a busy retry) are kept
 in a sorted set per model by `routing.lua`, each with a deadline, so a router that dies
 leaves nothing behind for long.
 """
@@ -16,6 +17,7 @@ from placement.state import Deployment, Level
 from placement.store import Store
 
 ROUTING_TTL_MS = 120_000  # a held call renews its entry on every attempt
+BATCH_TTL_MS = 60_000  # a worker that dies mid-batch leaves its count this long at most
 _PLACED = (Level.HOT, Level.LOADING, Level.WAITING, Level.DRAINING)
 
 
@@ -24,6 +26,12 @@ def hold_routing(store: Store, model: str, call: str, held: bool) -> int:
     many calls the routers hold for it now."""
     keys = [store.keys.model_routing(model)]
     return int(store._run("routing", keys, [call, "1" if held else "0", ROUTING_TTL_MS]))
+
+
+def mark_batch(store: Store, replica: str, calls: int) -> None:
+    """Say that `replica`'s worker runs a pass of `calls` calls now (0: it ended)."""
+    key = store.keys.batch(replica)
+    store._read([("psetex", key, BATCH_TTL_MS, calls) if calls else ("delete", key)])
 
 
 Placed = dict[str, list[tuple[str, Level, str, int]]]  # model -> (replica, level, worker, epoch)
@@ -39,6 +47,7 @@ def read_loads(store: Store, placed: Placed) -> list[ModelLoad]:
         for replica, *_ in replicas:
             commands.append(("zrange", k.leases(replica), 0, -1, False, True))
             commands.append(("hget", k.deployment(replica), "last_used"))
+            commands.append(("get", k.batch(replica)))
     rows = iter(store._read(commands))
     sec, usec = next(rows)
     now = int(sec) * 1000 + int(usec) // 1000
@@ -47,10 +56,11 @@ def read_loads(store: Store, placed: Placed) -> list[ModelLoad]:
         routing = sum(1 for _, deadline in next(rows) if deadline > now)
         seen = []
         for replica, level, worker, epoch in replicas:
-            leases, last_used = next(rows), next(rows)
+            leases, last_used, batch = next(rows), next(rows), next(rows)
             in_flight = sum(1 for _, deadline in leases if deadline > now)
             idle = 0 if in_flight else max(0, now - int(last_used or now))
-            seen.append(ReplicaLoad(replica, level, in_flight, idle, worker, epoch))
+            running = int(batch or 0)
+            seen.append(ReplicaLoad(replica, level, in_flight, idle, worker, epoch, running))
         loads.append(ModelLoad(model, seen, routing))
     return loads
 

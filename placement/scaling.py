@@ -7,9 +7,9 @@ simulator replays the same rule. Seed 003's rule, per model:
   `window` in a row, below the model's `ceiling`, and no replica still on its way;
 - **in**: a ready replica idle (no call in flight) for the model's `keep_alive`, above its
   `floor`, while the model is under its threshold; the one idle longest goes first.
-Calls *waiting* are those leased to a replica beyond the one it runs (a GPU worker runs
-one call at a time), plus those the router holds for the model (a miss being placed, a
-busy retry).
+Calls *waiting* are those leased to a replica beyond the ones it runs (one call, or the
+calls of the batch its worker runs now), plus those the router holds for the model (a
+miss being placed, a busy retry).
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ class ReplicaLoad:
     idle_ms: int  # since its last call ended (0 while one is in flight)
     worker: str = ""
     epoch: int = 0  # the placement it is in (a scale-in names it)
+    batch: int = 0  # calls in the pass its worker runs now, when that is a batch
 
     @property
     def ready(self) -> bool:
@@ -63,9 +64,14 @@ class ReplicaLoad:
         return self.level in (Level.LOADING, Level.WAITING)
 
     @property
+    def running(self) -> int:
+        """Calls in the pass its worker runs now: a batch's, or one."""
+        return min(self.in_flight, max(self.batch, 1))
+
+    @property
     def waiting(self) -> int:
-        """Calls queued behind the one it runs (its worker runs one call at a time)."""
-        return max(0, self.in_flight - 1)
+        """Calls queued behind those it runs, batched calls included until their pass."""
+        return self.in_flight - self.running
 
 
 @dataclass(frozen=True)
@@ -82,7 +88,7 @@ class ModelLoad:
 
     @property
     def running(self) -> int:
-        return sum(min(r.in_flight, 1) for r in self.replicas if r.ready)
+        return sum(r.running for r in self.replicas if r.ready)
 
     @property
     def waiting(self) -> int:

@@ -36,7 +36,7 @@ from placement.registry import DEFAULT_REQUEST_LEASE_MS, Lease, Registry
 from placement.state import LEAVING, RESERVING, Candidate, Level, Plan
 from tasks import context, leases, metrics
 from tasks.app import app
-from tasks.calls import Call, hops_of
+from tasks.calls import Call, fast_call, hops_of
 from worker.handlers import validate
 
 log = logging.getLogger(__name__)
@@ -55,14 +55,12 @@ def infer(
 ) -> dict[str, Any]:
     """Run `inputs` through `model`; returns outputs, the replica and GPUs used, and timings."""
     hops = hops_of(self.request)
-    header: dict[str, Any] = getattr(self.request, leases.HEADER, None) or {}
-    lease = leases.from_header(model, header)
-    if lease is not None and context.role() == "gpu":
-        from tasks.gpu import serve  # only GPU workers import torch
+    if context.role() == "gpu":
+        call = fast_call(model, inputs, params, getattr(self.request, leases.HEADER, None), hops)
+        if call is not None:
+            from tasks.gpu import serve  # only GPU workers import torch
 
-        sent = int(header.get("sent_ms", 0))
-        call = Call(model, inputs, params, lease.replica, "hot", sent, hops=hops)
-        return serve(self, call.with_lease(lease))
+            return serve(self, call)
     return dispatch(self, model, inputs, params, hops)
 
 

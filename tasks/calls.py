@@ -17,8 +17,11 @@ HOPS_HEADER = "gpufleet_hops"
 
 def hops_of(request: Any) -> int:
     """How many times a call was routed again (its `gpufleet_hops` header)."""
-    hops = getattr(request, HOPS_HEADER, 0)
-    return hops if isinstance(hops, int) and not isinstance(hops, bool) and hops >= 0 else 0
+    return _hops(getattr(request, HOPS_HEADER, 0))
+
+
+def _hops(value: object) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
 
 
 @dataclass(frozen=True)
@@ -56,7 +59,7 @@ class Call:
         too, so a worker that drops the message unrun can end it (`tasks.leases`)."""
         lease = self.lease
         headers = {leases.HEADER: leases.header(lease)} if lease is not None else None
-        return app.signature("gpufleet.run", args=(asdict(self),), queue=queue, headers=headers)
+        return app.signature("gpufleet.run", args=(self.as_json(),), queue=queue, headers=headers)
 
     def rerouted(self) -> Signature:
         """`gpufleet.infer` of this call back on the router, one hop further (the count
@@ -72,7 +75,44 @@ class Call:
     def from_json(cls, data: dict[str, Any]) -> Call:
         return cls(**data)
 
+    def as_json(self) -> dict[str, Any]:
+        return asdict(self)
+
     def with_lease(self, lease: Lease) -> Call:
         return replace(
             self, lease_id=lease.id, lease_deadline_ms=lease.deadline_ms, epoch=lease.epoch
         )
+
+
+def fast_call(model: Any, inputs: Any, params: Any, header: Any, hops: int) -> Call | None:
+    """The call of a fast-path `gpufleet.infer`: bound for the replica its lease header
+    names; None without a lease (the call is the router's to place)."""
+    lease = leases.from_header(model, header) if isinstance(model, str) else None
+    if lease is None:
+        return None
+    sent = int(header.get("sent_ms", 0))
+    return Call(model, inputs, params, lease.replica, "hot", sent, hops=hops).with_lease(lease)
+
+
+def call_of(name: str, args: Any, kwargs: Any, headers: dict[str, Any]) -> Call | None:
+    """The call a message to a GPU worker carries: a `gpufleet.run`'s, or a fast-path
+    `gpufleet.infer`'s. None for other messages, an `infer` without a lease, or arguments
+    that do not bind (the task itself then says what is wrong)."""
+    try:
+        if name == "gpufleet.run":
+            if kwargs or len(args) != 1 or not isinstance(args[0], dict):
+                return None
+            return Call.from_json(args[0])
+        if name == "gpufleet.infer":
+            model, inputs, params = _infer_arguments(*(args or ()), **(kwargs or {}))
+            header = headers.get(leases.HEADER)
+            return fast_call(model, inputs, params, header, _hops(headers.get(HOPS_HEADER)))
+    except (TypeError, ValueError):
+        return None
+    return None
+
+
+def _infer_arguments(
+    model: Any, inputs: Any, params: Any = None
+) -> tuple[Any, Any, dict[str, Any] | None]:
+    return model, inputs, params

@@ -1,11 +1,15 @@
 """The message consumer of every gpufleet worker: Celery's, which also answers a message it
-cannot read.
+cannot read and, on a GPU worker, batches calls.
 
 Celery drops a message whose body it may not or cannot decode (a pickled call, broken
 JSON) after logging it, and its caller waits until its own timeout. When the task id can
 be read from the message's headers (Celery's message protocol 2 keeps it there), this
 consumer stores a `PayloadError` as that task's result first, so the caller learns at once
 what was wrong.
+
+On a GPU worker, the calls it receives go to a `tasks.batching.Batcher` rather than
+straight to the pool, and the worker reserves enough messages (its prefetch) for two
+full batches: one running, the next one gathering.
 """
 
 from __future__ import annotations
@@ -16,12 +20,36 @@ from typing import Any
 from celery.worker.consumer import Consumer as CeleryConsumer
 
 from placement.errors import PayloadError
+from tasks import context
 
 log = logging.getLogger(__name__)
 
 
 class Consumer(CeleryConsumer):
     """Celery's consumer, failing the result of a message it cannot read."""
+
+    def __init__(self, on_task_request: Any, *args: Any, **kwargs: Any) -> None:
+        if context.role() == "gpu":
+            on_task_request = self._batching(on_task_request, kwargs)
+        super().__init__(on_task_request, *args, **kwargs)
+
+    @staticmethod
+    def _batching(on_task_request: Any, kwargs: dict[str, Any]) -> Any:
+        from tasks import gpu  # GPU workers only: it imports torch
+        from tasks.batching import Batcher
+
+        catalog = context.catalog()
+        largest = max((gpu.limits_of(name).size for name in catalog), default=1)
+        if largest <= 1:
+            return on_task_request
+        per_process = 2 * largest
+        # Celery passed processes x its multiplier; the pool has not started yet.
+        processes = kwargs.get("initial_prefetch_count", 1) // kwargs.get("prefetch_multiplier", 1)
+        kwargs["prefetch_multiplier"] = per_process
+        kwargs["initial_prefetch_count"] = per_process * max(1, processes)
+        return Batcher(
+            kwargs["pool"], kwargs["timer"], on_task_request, gpu.limits_of, gpu.batch_job
+        )
 
     def on_invalid_task(self, body: Any, message: Any, exc: Exception) -> None:
         self._answer(message, exc)

@@ -9,6 +9,7 @@ eviction or a load never waits behind the calls in this worker's queue.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
@@ -19,6 +20,7 @@ from typing import Any
 from celery import Task
 from celery.signals import worker_init, worker_process_init, worker_process_shutdown
 
+from placement.batching import BatchLimits
 from placement.errors import (
     ConfigError,
     EvictedError,
@@ -26,13 +28,14 @@ from placement.errors import (
     GpuOwnedError,
     RegistryError,
 )
-from tasks import context
+from placement.load import mark_batch
+from tasks import batching, context
 from tasks.app import app
 from tasks.calls import Call
 from tasks.routing import gpu_queue
 from worker.devices import Device, discover
 from worker.lifecycle import default_lineage
-from worker.node import GpuWorker
+from worker.node import GpuWorker, Served
 
 log = logging.getLogger(__name__)
 
@@ -55,18 +58,23 @@ def this_worker() -> GpuWorker:
 
 
 def serve(task: Task, call: Call) -> dict[str, Any]:
-    """Run one call on its replica here; if the replica left this worker, route it again."""
+    """Run one call on its replica here (or take the answer its batch computed); if the
+    replica left this worker, route it again."""
     worker = this_worker()
-    started = int(time.time() * 1000)
+    prepared = batching.take_prepared(task.request.id)
+    started = prepared.started_ms if prepared is not None else int(time.time() * 1000)
     try:
-        served = worker.serve(call.replica, call.epoch, call.inputs, call.params)
+        if prepared is not None:
+            served = prepared.served()
+        else:
+            served = worker.serve(call.replica, call.epoch, call.inputs, call.params)
     except EvictedError:
         if call.hops >= MAX_HOPS:
             raise
         log.info("replica %s left; routing the call for %s again", call.replica, call.model)
         raise task.replace(call.rerouted()) from None
     finally:
-        if call.lease is not None:
+        if call.lease is not None and prepared is None:  # a batch ends its calls' leases
             try:
                 worker.registry.finish(call.lease)
             except GpufleetError:  # the lease expires on its own; the answer stands
@@ -80,10 +88,53 @@ def serve(task: Task, call: Call) -> dict[str, Any]:
         "outputs": served.outputs,
         "timings_ms": {
             "queue": max(0, started - call.sent_ms),
+            "batch_wait": round(prepared.batch_wait_ms, 3) if prepared is not None else 0.0,
             "load": round(served.load_ms, 3),
             "compute": round(served.compute_ms, 3),
+            "batch_calls": served.batch,
         },
     }
+
+
+def batch_job(jobs: list[Any]) -> list[Any]:
+    """A pool job of calls for one replica (`tasks.batching`): shared passes, own results."""
+    return batching.run_batch(jobs, _serve_batch)
+
+
+def _serve_batch(calls: list[Call]) -> list[Served | BaseException]:
+    """The batch's answers; then its calls' leases end, in one round trip, as each call's
+    own would once its answer is known."""
+    worker = this_worker()
+    first = calls[0]
+    _say_batch(worker, first.replica, len(calls))
+    try:
+        return worker.serve_batch(first.replica, first.epoch, [(c.inputs, c.params) for c in calls])
+    finally:
+        _say_batch(worker, first.replica, 0)
+        try:
+            worker.registry.finish_all([c.lease for c in calls if c.lease is not None])
+        except GpufleetError:  # they expire on their own; the answers stand
+            log.warning("could not end the leases of a batch of %d", len(calls), exc_info=True)
+
+
+def _say_batch(worker: GpuWorker, replica: str, calls: int) -> None:
+    """Tell the scaling rule how many calls run now (it counts the rest as waiting)."""
+    if calls == 1:
+        return  # one call is what it assumes
+    try:
+        mark_batch(worker.registry, replica, calls)
+    except GpufleetError:
+        log.warning("could not report a batch of %d on %s", calls, replica, exc_info=True)
+
+
+@functools.cache
+def limits_of(model: str) -> BatchLimits:
+    """How `model`'s calls are batched here; off for a model the catalog lacks (its call
+    then fails on its own, as unbatched)."""
+    spec = context.catalog().get(model, None)
+    if spec is None:
+        return BatchLimits(size=1)
+    return spec.batch_limits(context.settings().batch)
 
 
 @app.task(name="gpufleet.run", bind=True)

@@ -139,7 +139,7 @@ def test_a_client_that_imports_nothing_from_gpufleet_gets_minilm_embeddings(
     assert result["model"] == "minilm"
     assert result["outputs"]["dim"] == 384
     assert len(result["outputs"]["embeddings"]) == 2
-    assert set(result["timings_ms"]) == {"queue", "load", "compute"}
+    assert set(result["timings_ms"]) == {"queue", "batch_wait", "load", "compute", "batch_calls"}
     assert result["cache"] in ("cold", "hot")
 
 

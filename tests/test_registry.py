@@ -229,6 +229,22 @@ def test_an_evict_of_a_busy_replica_drains_it_until_its_last_request_ends(
     assert reg.snapshot().deployments[replica].level is Level.WARM
 
 
+def test_a_batch_ends_its_calls_leases_together_and_a_drained_replica_then_leaves(
+    two_gpus: Registry,
+) -> None:
+    reg = two_gpus
+    replica = place_hot(reg, Demand("m", size=GiB))
+    leases = [reg.pick("m") for _ in range(3)]
+    assert all(lease is not None for lease in leases)
+    assert reg.evict(replica) is Level.DRAINING
+    reg.client.script_flush()  # as after a Redis restart: the round trip loads it again
+    reg.finish_all([lease for lease in leases if lease is not None])
+    assert reg.snapshot().deployments[replica].leases == 0
+    assert reg.snapshot().deployments[replica].level is Level.OFFLOADING
+    settle_leaving(reg)
+    assert reg.snapshot().deployments[replica].level is Level.WARM
+
+
 def test_an_expired_request_lease_no_longer_pins_its_replica(two_gpus: Registry) -> None:
     reg = two_gpus
     replica = place_hot(reg, Demand("m", size=GiB))

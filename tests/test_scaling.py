@@ -13,7 +13,7 @@ import pytest
 from placement.audit import audit
 from placement.durations import format_duration_ms, parse_duration_ms
 from placement.errors import ConfigError
-from placement.load import hold_routing, read_loads
+from placement.load import hold_routing, mark_batch, read_loads
 from placement.registry import Registry
 from placement.scaling import Autoscale, ModelLoad, ReplicaLoad, ScaleIn, ScaleOut, Scaler
 from placement.state import RESERVING, Demand, Deployment, Gpu, Level
@@ -147,6 +147,18 @@ def test_loads_count_leases_in_flight_and_calls_the_router_holds(reg: Registry) 
         reg.finish(lease)
     (load,) = read_loads(reg, {"m": [(replica, Level.HOT, "w0", 1)]})
     assert (load.waiting, load.replicas[0].in_flight) == (0, 0)
+
+
+def test_calls_in_a_running_batch_count_as_running_and_the_rest_as_waiting(reg: Registry) -> None:
+    replica = make_hot(reg, reg.place(Demand("m", size=GiB)))
+    leases = [reg.pick("m") for _ in range(10)]
+    assert all(lease is not None for lease in leases)
+    mark_batch(reg, replica, 6)  # the worker's pass holds 6 calls; 4 wait in its queue
+    (load,) = read_loads(reg, {"m": [(replica, Level.HOT, "w0", 1)]})
+    assert (load.running, load.waiting) == (6, 4)
+    mark_batch(reg, replica, 0)  # the pass ended: one call at a time again, as assumed
+    (load,) = read_loads(reg, {"m": [(replica, Level.HOT, "w0", 1)]})
+    assert (load.running, load.waiting) == (1, 9)
 
 
 def test_a_scale_out_lands_on_another_worker_and_its_event_says_why(reg: Registry) -> None:

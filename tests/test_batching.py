@@ -1,0 +1,231 @@
+"""Batched calls below Celery: the grouping rule, the catalog and settings that shape it,
+and one forward pass for many calls on a resident replica (simulated GPUs, real models)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from placement.batching import BatchLimits, Waiting, input_chars, take_batch
+from placement.catalog import Catalog, ModelSpec
+from placement.config import Settings
+from placement.errors import CatalogError, ConfigError, PayloadError
+from placement.memory import MiB
+from tests.fleets import GiB
+from worker.devices import Device, simulated_devices
+from worker.residency import ResidencyManager
+
+REPO = Path(__file__).resolve().parents[1]
+HOST = "testhost"
+
+
+# --- which calls share a batch ---------------------------------------------------
+
+
+def waiting(group: str, chars: int = 10, since: float = 0.0) -> Waiting[str]:
+    return Waiting(f"{group}@{since}", group, chars, since)
+
+
+def test_a_batch_is_the_oldest_call_and_the_calls_of_its_replica_behind_it() -> None:
+    queue = [waiting("r1", since=0), waiting("r2", since=1), waiting("r1", since=2)]
+    picked, due = take_batch(queue, lambda _: BatchLimits(size=8), now_ms=5)
+    assert (picked, due) == ([0, 2], None)
+    rest = [w for i, w in enumerate(queue) if i not in picked]
+    assert take_batch(rest, lambda _: BatchLimits(size=8), now_ms=5) == ([0], None)
+
+
+def test_a_batch_stops_at_its_size_and_its_characters_and_a_large_call_runs_alone() -> None:
+    queue = [waiting("r1", chars=40, since=t) for t in range(6)]
+    assert take_batch(queue, lambda _: BatchLimits(size=4), 10)[0] == [0, 1, 2, 3]
+    assert take_batch(queue, lambda _: BatchLimits(size=8, chars=100), 10)[0] == [0, 1]
+    large = [waiting("r1", chars=500), waiting("r1", chars=40)]
+    assert take_batch(large, lambda _: BatchLimits(size=8, chars=100), 10)[0] == [0]
+
+
+def test_a_batch_that_is_not_full_waits_for_more_until_its_oldest_call_waited_long_enough() -> None:
+    queue = [waiting("r1", since=100), waiting("r1", since=103)]
+    limits = BatchLimits(size=4, wait_ms=20)
+    assert take_batch(queue, lambda _: limits, now_ms=110) == ([], 120)
+    assert take_batch(queue, lambda _: limits, now_ms=120) == ([0, 1], None)
+    full = [waiting("r1", since=100 + t) for t in range(4)]
+    assert take_batch(full, lambda _: limits, now_ms=104) == ([0, 1, 2, 3], None)
+    lone = [waiting("r1", since=100)]
+    assert take_batch(lone, lambda _: BatchLimits(size=4), now_ms=100) == ([0], None)
+
+
+def test_input_size_counts_the_characters_of_a_string_or_a_list_of_strings() -> None:
+    assert input_chars("héllo") == 5
+    assert input_chars(["ab", "cde", 7]) == 5
+    assert input_chars({"text": "abc"}) == 0
+
+
+def entry(task: str, **fields: Any) -> dict[str, Any]:
+    return {"models": {"m": {"source": "synthetic", "task": task, "memory": "1GiB", **fields}}}
+
+
+def test_the_catalog_batch_field_changes_the_fleet_limits_for_its_model() -> None:
+    fleet = BatchLimits(size=32, chars=1000, wait_ms=0)
+    spec = Catalog.from_mapping(entry("forward", batch={"size": 8, "wait": "5ms"}))["m"]
+    assert spec.batch_limits(fleet) == BatchLimits(size=8, chars=1000, wait_ms=5)
+    off = Catalog.from_mapping(entry("forward", batch=False))["m"]
+    assert not off.batch_limits(fleet).on
+    plain = Catalog.from_mapping(entry("fill-mask"))["m"]
+    assert plain.batch_limits(fleet) == fleet
+    generation = Catalog.from_mapping(entry("text-generation"))["m"]
+    assert not generation.batch_limits(fleet).on
+
+
+@pytest.mark.parametrize(
+    ("task", "batch", "message"),
+    [
+        ("forward", {"sise": 4}, "unknown keys \\['sise'\\]"),
+        ("forward", {"size": 0}, "size must be a whole number >= 1"),
+        ("forward", {"wait": "soon"}, "invalid duration"),
+        ("forward", 16, "expected false or a mapping"),
+        ("text-generation", {"size": 4}, "text-generation calls are never batched"),
+    ],
+)
+def test_a_bad_catalog_batch_field_is_refused_naming_the_model_and_field(
+    task: str, batch: object, message: str
+) -> None:
+    with pytest.raises(CatalogError, match=f"model 'm': field 'batch': .*{message}"):
+        Catalog.from_mapping(entry(task, batch=batch))
+
+
+def test_the_fleet_batch_limits_come_from_the_environment_and_are_checked() -> None:
+    env = {"GPUFLEET_BATCH_SIZE": "4", "GPUFLEET_BATCH_CHARS": "900", "GPUFLEET_BATCH_WAIT": "3ms"}
+    assert Settings.from_env(env).batch == BatchLimits(size=4, chars=900, wait_ms=3)
+    assert Settings.from_env({}).batch == BatchLimits()
+    with pytest.raises(ConfigError, match="GPUFLEET_BATCH_SIZE"):
+        Settings.from_env({"GPUFLEET_BATCH_SIZE": "0"})
+
+
+# --- one pass for many calls -----------------------------------------------------
+
+
+@pytest.fixture
+def devices() -> list[Device]:
+    return simulated_devices("1x8GiB")
+
+
+@pytest.fixture
+def manager(devices: list[Device]) -> Iterator[ResidencyManager]:
+    m = ResidencyManager(devices, HOST)
+    yield m
+    m.drop_all()
+
+
+def gpu(devices: list[Device]) -> str:
+    return devices[0].gpu_id(HOST)
+
+
+def synthetic(task: str, memory: int = 256 * MiB) -> ModelSpec:
+    return Catalog.from_mapping(entry(task, memory=memory))["m"]
+
+
+def close(a: object, b: object, tol: float = 1e-5) -> bool:
+    """Equal JSON, floats to within `tol`."""
+    if isinstance(a, float) and isinstance(b, float):
+        return math.isclose(a, b, rel_tol=tol, abs_tol=tol)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(close(a[k], b[k], tol) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(close(x, y, tol) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+MIXED = [
+    "a cat sat on the mat",
+    ["stocks fell sharply on monday", "rain"],
+    "a much longer sentence that pads every shorter input of the batch by a good margin",
+    ["x", "the quick brown fox jumps over the lazy dog"],
+]
+
+
+@pytest.mark.parametrize(
+    ("task", "inputs", "params"),
+    [
+        ("feature-extraction", MIXED, None),
+        ("feature-extraction", MIXED, {"normalize": False, "max_length": 8}),
+        ("text-classification", MIXED, {"top_k": 2}),
+        ("forward", MIXED, None),
+        ("fill-mask", ["the [MASK] sat", ["a [MASK]", "longer text with one [MASK] in it"]], None),
+    ],
+)
+def test_batched_outputs_equal_each_call_run_alone(
+    manager: ResidencyManager, devices: list[Device], task: str, inputs: list[Any], params: Any
+) -> None:
+    manager.load(synthetic(task), "r1", {gpu(devices): GiB})
+    ran, gpus = manager.run_batch("r1", [(i, params) for i in inputs])
+    assert gpus == [gpu(devices)]
+    assert [r.batch for r in ran] == [len(inputs)] * len(inputs)  # one shared pass
+    for call, outcome in zip(inputs, ran, strict=True):
+        assert outcome.error is None
+        alone = manager.infer("r1", call, params)
+        assert close(outcome.outputs, alone), (call, outcome.outputs, alone)
+
+
+def test_minilm_batched_gives_each_caller_its_own_embeddings_as_alone(
+    manager: ResidencyManager, devices: list[Device]
+) -> None:
+    minilm = Catalog.load(REPO / "models.yaml")["minilm"]
+    manager.load(minilm, "r1", {gpu(devices): GiB})
+    texts = [f"caller {i} asks about {topic}" for i, topic in enumerate(["cats", "rates", "rain"])]
+    ran, _ = manager.run_batch("r1", [(t, None) for t in texts])
+    vectors = [r.outputs["embeddings"][0] for r in ran]
+    for text, vector in zip(texts, vectors, strict=True):
+        assert close(vector, manager.infer("r1", text)["embeddings"][0])
+    assert len({tuple(v) for v in vectors}) == 3  # three callers, three answers
+
+
+def test_a_batch_whose_activations_would_pass_the_reservation_is_split_and_all_answered(
+    manager: ResidencyManager, devices: list[Device]
+) -> None:
+    # 64 MiB of weights and 24 MiB left for activations: one call of eight 512-character
+    # inputs needs about 6 MB, so eight such calls cannot share one pass.
+    spec = synthetic("forward", 64 * MiB)
+    manager.load(spec, "r1", {gpu(devices): 64 * MiB}, limit=64 * MiB + 24 * MiB)
+    calls = [([f"{i}" + "x" * 511] * 8, None) for i in range(8)]
+    with pytest.raises(torch.OutOfMemoryError):  # the calls as one request do not fit
+        manager.infer("r1", [text for call, _ in calls for text in call])
+    ran, _ = manager.run_batch("r1", calls)
+    assert all(r.error is None for r in ran)
+    assert 1 < max(r.batch for r in ran) < len(calls)  # shared, but in several passes
+    for (call, _), outcome in zip(calls, ran, strict=True):
+        assert close(outcome.outputs, manager.infer("r1", call))
+
+
+def test_a_bad_call_in_a_batch_fails_alone_and_the_others_are_answered(
+    manager: ResidencyManager, devices: list[Device]
+) -> None:
+    manager.load(synthetic("fill-mask"), "r1", {gpu(devices): GiB})
+    requests: list[tuple[object, Any]] = [
+        ("the [MASK] sat", None),
+        (5, None),
+        ("no mask here", None),
+        ("a [MASK]", {"temperature": 2}),
+        ("one more [MASK]", None),
+    ]
+    ran, _ = manager.run_batch("r1", requests)
+    errors = [type(r.error).__name__ if r.error else None for r in ran]
+    assert errors == [None, "PayloadError", "PayloadError", "PayloadError", None]
+    assert "has no mask token" in str(ran[2].error)
+    assert [r.batch for r in ran if r.error is None] == [2, 2]
+
+
+def test_a_pass_that_fails_is_run_again_one_call_at_a_time_so_only_its_culprit_fails(
+    manager: ResidencyManager, devices: list[Device]
+) -> None:
+    manager.load(synthetic("fill-mask"), "r1", {gpu(devices): GiB})
+    cut = "word " * 40 + "[MASK]"  # truncation at 16 tokens cuts its mask off
+    requests = [("the [MASK] sat", {"max_length": 16}), (cut, {"max_length": 16})]
+    ran, _ = manager.run_batch("r1", requests)
+    assert ran[0].error is None and ran[0].batch == 1  # answered, alone, after the retry
+    assert isinstance(ran[1].error, PayloadError)
+    assert "cut the mask token" in str(ran[1].error)
+    assert close(ran[0].outputs, manager.infer("r1", *requests[0]))
