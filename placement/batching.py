@@ -106,29 +106,34 @@ def take_batch(
     waiting: Sequence[Waiting[T]], limits_of: Callable[[Waiting[T]], BatchLimits], now_ms: float
 ) -> tuple[list[int], float | None]:
     """The positions in `waiting` (oldest first) of the next batch to run now, or none and
-    the time at which to look again, because the oldest call's batch may still grow.
+    the time at which to look again, because every batch may still grow.
 
-    A batch is the oldest call and the calls of its group behind it, within its limits;
-    a call that alone passes `chars` runs as a batch of one.
+    A batch is a group's oldest call and the calls of its group behind it, within its
+    limits; the group whose oldest call came first and whose batch is full or due goes
+    first, so a model that waits for company never holds up another's calls. A call that
+    alone passes `chars` runs as a batch of one.
     """
-    if not waiting:
-        return [], None
-    head = waiting[0]
-    limits = limits_of(head)
-    chosen = [0]
-    chars = head.chars
-    for index in range(1, len(waiting)):
-        if len(chosen) >= limits.size:
-            break
-        other = waiting[index]
-        if other.group != head.group or chars + other.chars > limits.chars:
-            continue
-        chosen.append(index)
-        chars += other.chars
-    due = head.since_ms + limits.wait_ms
-    if len(chosen) < limits.size and now_ms < due:
-        return [], due
-    return chosen, None
+    heads: dict[Hashable, int] = {}
+    for index, entry in enumerate(waiting):
+        heads.setdefault(entry.group, index)
+    wake: float | None = None
+    for group, first in heads.items():
+        head = waiting[first]
+        limits = limits_of(head)
+        chosen = [first]
+        chars = head.chars
+        for index in range(first + 1, len(waiting)):
+            if len(chosen) >= limits.size:
+                break
+            other = waiting[index]
+            if other.group == group and chars + other.chars <= limits.chars:
+                chosen.append(index)
+                chars += other.chars
+        due = head.since_ms + limits.wait_ms
+        if len(chosen) >= limits.size or now_ms >= due:
+            return chosen, None
+        wake = due if wake is None else min(wake, due)
+    return [], wake
 
 
 def input_chars(inputs: object) -> int:

@@ -29,13 +29,16 @@ import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from billiard.einfo import ExceptionInfo
 from celery.app import trace as celery_trace
 
 from placement.batching import BatchLimits, Waiting, input_chars, take_batch
 from tasks.calls import Call, call_of
-from worker.node import Served
+
+if TYPE_CHECKING:
+    from worker.node import Served  # GPU workers only: it imports torch
 
 log = logging.getLogger(__name__)
 
@@ -95,11 +98,22 @@ class Batcher:
         if call is None or not self._limits_of(call.model).on:
             self._handle(request)
             return
-        group = (call.replica, call.epoch)
+        # A redelivered call may be what killed the last child: it runs alone this time.
+        redelivered = (request.delivery_info or {}).get("redelivered")
+        group = (call.replica, call.epoch, request.id if redelivered else "")
         entry = Waiting((request, call), group, input_chars(call.inputs), time.time() * 1000)
         with self._lock:
             self._waiting.append(entry)
             self._next()
+
+    def forget(self) -> None:
+        """Drop the calls held here, unacked: the consumer lost its connection, so the
+        broker delivers them again (as Celery does with the requests it reserved)."""
+        with self._lock:
+            self._waiting = []
+            if self._wake is not None:
+                self._wake.cancel()
+                self._wake = None
 
     def _limits(self, entry: Waiting[tuple[Any, Call]]) -> BatchLimits:
         return self._limits_of(entry.item[1].model)
@@ -211,7 +225,17 @@ def run_batch(jobs: list[_Job], serve: Callable[[list[Call]], list[Any]]) -> lis
     except Exception as exc:
         outcomes = [exc] * len(calls)
     with _ready(jobs, outcomes, started):
-        return [trace(*args) for trace, args, _, _ in jobs]
+        return [_traced(trace, args) for trace, args, _, _ in jobs]
+
+
+def _traced(trace: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+    """One call's tracer; an error of the tracer itself fails that call only (Celery's
+    tracer reports the task's own errors in its return already)."""
+    try:
+        return trace(*args)
+    except Exception:
+        log.exception("the tracer of call %s failed", args[1])
+        return (1, ExceptionInfo(), 0.0)
 
 
 @contextmanager

@@ -21,6 +21,7 @@ from celery.worker.consumer import Consumer as CeleryConsumer
 
 from placement.errors import PayloadError
 from tasks import context
+from tasks.batching import Batcher
 
 log = logging.getLogger(__name__)
 
@@ -31,12 +32,17 @@ class Consumer(CeleryConsumer):
     def __init__(self, on_task_request: Any, *args: Any, **kwargs: Any) -> None:
         if context.role() == "gpu":
             on_task_request = self._batching(on_task_request, kwargs)
+        self._batcher = on_task_request if isinstance(on_task_request, Batcher) else None
         super().__init__(on_task_request, *args, **kwargs)
+
+    def on_close(self) -> None:
+        if self._batcher is not None:
+            self._batcher.forget()
+        super().on_close()
 
     @staticmethod
     def _batching(on_task_request: Any, kwargs: dict[str, Any]) -> Any:
         from tasks import gpu  # GPU workers only: it imports torch
-        from tasks.batching import Batcher
 
         catalog = context.catalog()
         largest = max((gpu.limits_of(name).size for name in catalog), default=1)
@@ -44,7 +50,8 @@ class Consumer(CeleryConsumer):
             return on_task_request
         per_process = 2 * largest
         # Celery passed processes x its multiplier; the pool has not started yet.
-        processes = kwargs.get("initial_prefetch_count", 1) // kwargs.get("prefetch_multiplier", 1)
+        multiplier = max(1, kwargs.get("prefetch_multiplier") or 1)
+        processes = kwargs.get("initial_prefetch_count", 1) // multiplier
         kwargs["prefetch_multiplier"] = per_process
         kwargs["initial_prefetch_count"] = per_process * max(1, processes)
         return Batcher(

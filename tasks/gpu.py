@@ -104,13 +104,14 @@ def batch_job(jobs: list[Any]) -> list[Any]:
 def _serve_batch(calls: list[Call]) -> list[Served | BaseException]:
     """The batch's answers; then its calls' leases end, in one round trip, as each call's
     own would once its answer is known."""
-    worker = this_worker()
     first = calls[0]
-    _say_batch(worker, first.replica, len(calls))
+    worker = this_worker()
     try:
+        _say_batch(worker, first.replica, len(calls))
         return worker.serve_batch(first.replica, first.epoch, [(c.inputs, c.params) for c in calls])
     finally:
-        _say_batch(worker, first.replica, 0)
+        if len(calls) > 1:
+            _say_batch(worker, first.replica, 0)
         try:
             worker.registry.finish_all([c.lease for c in calls if c.lease is not None])
         except GpufleetError:  # they expire on their own; the answers stand
@@ -118,12 +119,13 @@ def _serve_batch(calls: list[Call]) -> list[Served | BaseException]:
 
 
 def _say_batch(worker: GpuWorker, replica: str, calls: int) -> None:
-    """Tell the scaling rule how many calls run now (it counts the rest as waiting)."""
+    """Tell the scaling rule how many calls run now (it counts the rest as waiting);
+    never fail the batch over it."""
     if calls == 1:
         return  # one call is what it assumes
     try:
         mark_batch(worker.registry, replica, calls)
-    except GpufleetError:
+    except Exception:
         log.warning("could not report a batch of %d on %s", calls, replica, exc_info=True)
 
 

@@ -58,6 +58,15 @@ def test_a_batch_that_is_not_full_waits_for_more_until_its_oldest_call_waited_lo
     assert take_batch(lone, lambda _: BatchLimits(size=4), now_ms=100) == ([0], None)
 
 
+def test_a_model_that_waits_for_company_never_holds_up_another_model_s_calls() -> None:
+    patient = BatchLimits(size=4, wait_ms=300)
+    eager = BatchLimits(size=4, wait_ms=0)
+    queue = [waiting("slow", since=100), waiting("fast", since=101), waiting("fast", since=102)]
+    limits = {"slow": patient, "fast": eager}
+    assert take_batch(queue, lambda w: limits[str(w.group)], now_ms=110) == ([1, 2], None)
+    assert take_batch(queue[:1], lambda w: limits[str(w.group)], now_ms=110) == ([], 400)
+
+
 def test_input_size_counts_the_characters_of_a_string_or_a_list_of_strings() -> None:
     assert input_chars("héllo") == 5
     assert input_chars(["ab", "cde", 7]) == 5
@@ -229,3 +238,75 @@ def test_a_pass_that_fails_is_run_again_one_call_at_a_time_so_only_its_culprit_f
     assert isinstance(ran[1].error, PayloadError)
     assert "cut the mask token" in str(ran[1].error)
     assert close(ran[0].outputs, manager.infer("r1", *requests[0]))
+
+
+# --- the worker's hold on calls (tasks.batching.Batcher) ----------------------------
+
+
+class _Request:
+    """What the batcher reads of a Celery request, and the callbacks it fans out."""
+
+    def __init__(self, task_id: str, replica: str, revoked: bool = False) -> None:
+        self.id = task_id
+        self.name = "gpufleet.run"
+        self.args = [{"model": "m", "inputs": "x" * 10, "params": None, "replica": replica,
+                      "cache": "hot", "sent_ms": 0}]  # fmt: skip
+        self.kwargs: dict[str, Any] = {}
+        self.request_dict: dict[str, Any] = {}
+        self.delivery_info: dict[str, Any] = {}
+        self.type = "gpufleet.run"
+        self.body = self.content_type = self.content_encoding = None
+        self._revoked = revoked
+        self.seen: list[str] = []
+
+    @property
+    def _app(self) -> Any:
+        from tasks.app import app
+
+        return app
+
+    def revoked(self) -> bool:
+        return self._revoked
+
+    def on_accepted(self, pid: int, time_accepted: float) -> None:
+        self.seen.append("accepted")
+
+    def on_success(self, result: Any) -> None:
+        self.seen.append(f"success {result}")
+
+    def on_failure(self, exc_info: Any) -> None:
+        self.seen.append("failure")
+
+
+class _Pool:
+    """A pool that records the jobs it is given; the test ends them."""
+
+    def __init__(self) -> None:
+        self.jobs: list[dict[str, Any]] = []
+
+    def apply_async(self, target: Any, args: tuple[Any, ...], **callbacks: Any) -> None:
+        self.jobs.append({"ids": [job[1][1] for job in args[0]], **callbacks})
+
+
+def test_the_batcher_sends_one_job_per_free_child_and_settles_each_call_of_it() -> None:
+    from tasks.batching import Batcher
+
+    pool, passed = _Pool(), []
+    batcher = Batcher(pool, None, passed.append, lambda _: BatchLimits(size=8), lambda _: [])
+    first, second, third = _Request("c1", "r1"), _Request("c2", "r1"), _Request("c3", "r2")
+    gone = _Request("c4", "r1", revoked=True)
+    batcher(first)  # the child is free: it goes at once, alone
+    for request in (second, gone, third):
+        batcher(request)  # the child is busy: they wait
+    assert [job["ids"] for job in pool.jobs] == [["c1"]]
+    pool.jobs[0]["accept_callback"](7, 0.0)
+    pool.jobs[0]["callback"]([(0, "ok", 0.1)])
+    assert first.seen == ["accepted", "success (0, 'ok', 0.1)"]
+    assert [job["ids"] for job in pool.jobs] == [["c1"], ["c2"]]  # r1's, the revoked skipped
+    pool.jobs[1]["error_callback"]("lost")
+    assert second.seen == ["failure"] and gone.seen == []
+    assert [job["ids"] for job in pool.jobs][-1] == ["c3"]
+    unknown = _Request("c5", "r1")
+    unknown.name = "gpufleet.status"
+    batcher(unknown)
+    assert passed == [unknown]  # not a call: Celery's own path

@@ -67,7 +67,7 @@ def test_a_lone_call_waits_for_company_no_longer_than_its_model_s_batch_wait(
 ) -> None:
     fleet.infer("patient", "warm up")
     waited = [fleet.infer("patient", f"alone {i}")["timings_ms"]["batch_wait"] for i in range(3)]
-    assert all(290 <= w <= 300 + 200 for w in waited), waited  # its `batch.wait` is 300 ms
+    assert all(290 <= w <= 300 + 400 for w in waited), waited  # its `batch.wait` is 300 ms
     eager = [fleet.infer("minilm", f"alone {i}")["timings_ms"]["batch_wait"] for i in range(3)]
     assert all(w < 100 for w in eager), eager  # the default wait is 0: it goes at once
 
@@ -87,7 +87,7 @@ def test_sigkill_of_the_gpu_worker_s_pool_child_mid_batch_loses_no_call(
     deadline = time.monotonic() + 30
     running = 0
     while running < 2 and time.monotonic() < deadline:
-        running = _active_calls(fleet)
+        running = _active_calls(fleet)  # a pass of b takes a few tenths of a second a call
     assert running >= 2, "no batch of b ever ran"
     with_signal(child, signal.SIGKILL)
     answers = [c.get(timeout=120) for c in calls]  # none hangs, none is lost

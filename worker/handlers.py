@@ -302,7 +302,12 @@ def _encode(
     if positions is not None:
         limit = min(limit, positions)
     encoding = tokenizer(
-        texts, padding=True, truncation=True, max_length=limit, return_tensors="pt"
+        texts,
+        padding=True,
+        truncation=True,
+        max_length=limit,
+        return_tensors="pt",
+        padding_side="right",  # `_forward` cuts each call's rows at its own length
     )
     if encoding["input_ids"].shape[-1] == 0:
         raise PayloadError("inputs encode to no tokens at all; send some text")
