@@ -5,6 +5,10 @@
 it through `pick.lua` and publishes straight to that GPU worker's queue, with the lease
 in the message headers (`tasks.leases` attaches it). Only misses (and clients that do
 not import gpufleet, whose calls land on the default queue) pay for the router hop.
+
+When a call cannot take the fast path, the client says why, once per reason per
+process: the registry is unreachable, the fleet it names has no GPU worker (a
+`GPUFLEET_FLEET` that differs from the fleet's), or the model has no HOT replica yet.
 """
 
 from __future__ import annotations
@@ -12,11 +16,14 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from placement.config import safe_url
 from placement.errors import GpufleetError
 from tasks import context, leases
 from tasks.config import ROUTER_QUEUE
 
 log = logging.getLogger(__name__)
+
+_told: set[str] = set()  # the fallback reasons this process has warned about
 
 
 def gpu_queue(host: str, indices: list[int]) -> str:
@@ -34,12 +41,49 @@ def route(
     model = args[0] if args else (kwargs or {}).get("model")
     if not isinstance(model, str):
         return None
+    registry = context.registry()
     try:
-        lease = context.registry().pick(model)
+        lease = registry.pick(model)
     except GpufleetError as exc:
-        log.debug("fast path unavailable for %s: %s", model, exc)
+        _fall_back("unreachable", f"the registry is unreachable ({exc})")
         return None
     if lease is None:
+        _fall_back_on_miss(model)
         return {"queue": ROUTER_QUEUE}
     leases.hold(lease)  # a caller's own headers= would replace any we return here
     return {"queue": lease.queue}
+
+
+def _fall_back_on_miss(model: str) -> None:
+    """Say why a call takes the router's path: the fleet is unknown, or a miss."""
+    if "fleet known" in _told:
+        _fall_back("miss", _MISS.format(model=model))
+        return
+    registry = context.registry()
+    try:
+        known = bool(registry.client.scard(registry.keys.workers))
+    except Exception:  # the pick just answered; a failure here only costs the warning
+        return
+    if not known:
+        url = safe_url(context.settings().registry_url)
+        _fall_back(
+            "unknown fleet",
+            f"fleet {registry.keys.fleet!r} has no GPU worker on {url}; set GPUFLEET_FLEET to "
+            f"the fleet's name (`gpufleet status` prints it)",
+        )
+    else:
+        _told.add("fleet known")  # checked once: misses from now on are plain misses
+        _fall_back("miss", _MISS.format(model=model))
+
+
+_MISS = (
+    "{model} has no HOT replica yet (normal for a model's first call or after an eviction: "
+    "the router places it)"
+)
+
+
+def _fall_back(reason: str, why: str) -> None:
+    if reason in _told:
+        return
+    _told.add(reason)
+    log.warning("gpufleet fast path not taken: %s; calls go through the router", why)
