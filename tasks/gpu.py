@@ -103,14 +103,17 @@ def batch_job(jobs: list[Any]) -> list[Any]:
 
 def _serve_batch(calls: list[Call]) -> list[Served | BaseException]:
     """The batch's answers; then its calls' leases end, in one round trip, as each call's
-    own would once its answer is known."""
+    own would once its answer is known. A batch of several says its size while it runs,
+    so the scaling rule counts its calls as running (it assumes one otherwise)."""
     first = calls[0]
     worker = this_worker()
+    batched = len(calls) > 1
     try:
-        _say_batch(worker, first.replica, len(calls))
+        if batched:
+            _say_batch(worker, first.replica, len(calls))
         return worker.serve_batch(first.replica, first.epoch, [(c.inputs, c.params) for c in calls])
     finally:
-        if len(calls) > 1:
+        if batched:
             _say_batch(worker, first.replica, 0)
         try:
             worker.registry.finish_all([c.lease for c in calls if c.lease is not None])
@@ -119,10 +122,7 @@ def _serve_batch(calls: list[Call]) -> list[Served | BaseException]:
 
 
 def _say_batch(worker: GpuWorker, replica: str, calls: int) -> None:
-    """Tell the scaling rule how many calls run now (it counts the rest as waiting);
-    never fail the batch over it."""
-    if calls == 1:
-        return  # one call is what it assumes
+    """Record the running pass's size (0: it ended); never fail the batch over it."""
     try:
         mark_batch(worker.registry, replica, calls)
     except Exception:

@@ -41,9 +41,8 @@ def route(
     model = args[0] if args else (kwargs or {}).get("model")
     if not isinstance(model, str):
         return None
-    registry = context.registry()
     try:
-        lease = registry.pick(model)
+        lease = context.registry().pick(model)
     except GpufleetError as exc:
         _fall_back("unreachable", f"the registry is unreachable ({exc})")
         return None

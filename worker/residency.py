@@ -648,32 +648,42 @@ def _warmup_input(resident: Resident) -> str:
 def _chunks(resident: Resident, members: list[_Member], free: int) -> Iterator[list[_Member]]:
     """`members` in order, cut into passes whose estimated activations fit in `free` bytes
     (a call that alone does not fit runs alone); one call per pass for unbatched tasks."""
+    alone = resident.spec.task in UNBATCHED_TASKS
     chunk: list[_Member] = []
-    texts: list[str] = []
+    rows = longest = 0
     for member in members:
-        joined = texts + member[1]
-        alone = resident.spec.task in UNBATCHED_TASKS
-        if chunk and (alone or _activation_bytes(resident.model, joined) > free):
+        lengths = [_tokens(text) for text in member[1]]
+        more_rows, more_longest = rows + len(lengths), max([longest, *lengths])
+        if chunk and (alone or _pass_bytes(resident.model, more_rows, more_longest) > free):
             yield chunk
-            chunk, joined = [], list(member[1])
+            chunk, more_rows, more_longest = [], len(lengths), max(lengths, default=0)
         chunk.append(member)
-        texts = joined
+        rows, longest = more_rows, more_longest
     if chunk:
         yield chunk
 
 
 def _activation_bytes(model: Any, inputs: object) -> int:
-    """The worker's model of a pass's activation memory: rows x the longest row's tokens
-    (a batch is padded to it) x hidden x (layers + 1) x 4 x dtype.
+    """The worker's model of a pass's activation memory (`_pass_bytes`) for `inputs`."""
+    texts = [inputs] if isinstance(inputs, str) else inputs if isinstance(inputs, list) else []
+    lengths = [_tokens(t) for t in texts if isinstance(t, str)]
+    return _pass_bytes(model, len(lengths), max(lengths, default=0))
+
+
+def _tokens(text: str) -> int:
+    """An upper bound of a text's tokens: its characters (at most 512) and two specials."""
+    return min(len(text), 512) + 2
+
+
+def _pass_bytes(model: Any, rows: int, longest: int) -> int:
+    """rows x the longest row's tokens (a batch is padded to it) x hidden x (layers + 1)
+    x 4 x dtype.
 
     Tokens are bounded by characters, so the estimate only errs high. On CUDA it only
     sizes batches: the allocator's cap is what enforces the reservation.
     """
-    texts = [inputs] if isinstance(inputs, str) else inputs if isinstance(inputs, list) else []
-    lengths = [min(len(t), 512) + 2 for t in texts if isinstance(t, str)]
-    tokens = len(lengths) * max(lengths, default=0)
     config = getattr(model, "config", None)
     hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", 0) or 0
     layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", 0) or 0
     itemsize = next(iter(model.parameters())).element_size()
-    return int(tokens * hidden * (layers + 1) * 4 * itemsize)
+    return int(rows * longest * hidden * (layers + 1) * 4 * itemsize)
