@@ -13,6 +13,7 @@ from placement.errors import EvictedError, PayloadError, PlacementError
 from placement.memory import MiB, process_fraction
 from placement.registry import Registry
 from tests.fleets import GiB
+from worker import loading
 from worker.devices import Device, simulated_devices
 from worker.residency import ResidencyManager
 
@@ -235,3 +236,18 @@ def test_a_one_gpu_replica_may_grow_to_its_admission_limit_but_no_further(
     assert manager.infer("r1", ["x" * 512] * 8)["shape"]
     with pytest.raises(torch.OutOfMemoryError):
         manager.infer("r1", ["x" * 8000] * 64)
+
+
+def test_a_dropped_replica_frees_its_weights_even_while_something_still_refers_to_them(
+    manager: ResidencyManager, catalog: Catalog, devices: list[Device]
+) -> None:
+    manager.load(catalog.get("minilm"), "r1", {gpu(devices, 0): GiB})
+    model = manager.residents["r1"].model
+    weight = next(model.parameters())
+    held = [model]
+    held.append(held)  # a reference cycle: only a garbage collection would free it
+    assert weight.numel() > 0
+    manager.drop("r1")
+    assert "r1" not in manager.residents
+    assert weight.numel() == 0  # freed at once, with no `gc.collect()` on the drop's path
+    assert loading.tensor_bytes(model) == 0
