@@ -251,3 +251,15 @@ def test_a_dropped_replica_frees_its_weights_even_while_something_still_refers_t
     assert "r1" not in manager.residents
     assert weight.numel() == 0  # freed at once, with no `gc.collect()` on the drop's path
     assert loading.tensor_bytes(model) == 0
+
+
+def test_a_model_loaded_again_after_its_drop_reuses_its_tokenizer(
+    manager: ResidencyManager, catalog: Catalog, devices: list[Device]
+) -> None:
+    spec = catalog.get("minilm")
+    manager.load(spec, "r1", {gpu(devices, 0): GiB})
+    first = manager.residents["r1"].tokenizer
+    manager.drop("r1")
+    manager.load(spec, "r2", {gpu(devices, 1): GiB})
+    assert manager.residents["r2"].tokenizer is first
+    assert manager.infer("r2", "same tokens")["dim"] == 384

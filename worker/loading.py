@@ -14,6 +14,8 @@ everything else, and every multi-GPU plan, goes through `from_pretrained` itself
 
 from __future__ import annotations
 
+import copy
+import functools
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -95,14 +97,13 @@ def _read_pretrained(spec: ModelSpec, path: Path, plan: Mapping[int, int], simul
     missing weights it would initialise, remote code) raises `UnsupportedCheckpointError`.
     """
     from accelerate import init_empty_weights
-    from transformers import AutoConfig
     from transformers.conversion_mapping import get_model_conversion_mapping
 
     if spec.trust_remote_code:
         raise UnsupportedCheckpointError("remote code decides how its weights load")
     checkpoint = Checkpoint.open(path)
     with checkpoint.prefetch() as prefetch:  # the disk works while the skeleton is built
-        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+        config = copy.deepcopy(_config(str(path), _stamp(path)))  # the skeleton may change it
         if getattr(config, "quantization_config", None):
             raise UnsupportedCheckpointError("the checkpoint is quantized")
         if getattr(config, "transformers_weights", None) or getattr(config, "extra_files", None):
@@ -208,10 +209,34 @@ def _from_pretrained(spec: ModelSpec, path: Path, plan: Mapping[int, int], simul
 
 
 def _tokenizer(spec: ModelSpec, path: Path) -> Any:
+    return _cached_tokenizer(str(path), spec.trust_remote_code, _stamp(path))
+
+
+# A worker process keeps a model's config and tokenizer across evictions: a miss that
+# loads the model again reads only its weights. The key holds the files' modification
+# times, so an edited model directory is read afresh.
+
+
+def _stamp(path: Path) -> tuple[int, ...]:
+    """When the model directory's small files last changed (config, tokenizer)."""
+    return tuple(
+        f.stat().st_mtime_ns for f in sorted(path.glob("*.json")) + sorted(path.glob("*.txt"))
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _config(path: str, stamp: tuple[int, ...]) -> Any:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(path, local_files_only=True)
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_tokenizer(path: str, trust_remote_code: bool, stamp: tuple[int, ...]) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(
-        str(path), local_files_only=True, trust_remote_code=spec.trust_remote_code
+        path, local_files_only=True, trust_remote_code=trust_remote_code
     )
 
 
