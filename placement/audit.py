@@ -53,7 +53,7 @@ def ledger_problems(snap: Snapshot, pending_bound_ms: int = PENDING_BOUND_MS) ->
 
     - each GPU: `reserved` equals the bytes of its RESERVING replicas and `held` those of
       its ON_DEVICE replicas, and neither passes `total`;
-    - each host: `warm_used <= warm_budget`, and equals the sizes of its WARM and
+    - each host: `warm_used <= warm_budget`, and equals the cached bytes of its WARM and
       OFFLOADING replicas; its warm index lists exactly its WARM replicas;
     - WARM and COLD replicas hold no GPU bytes; the others hold some;
     - each model's stored `active` counter equals its RESERVING replicas;
@@ -79,7 +79,7 @@ def ledger_problems(snap: Snapshot, pending_bound_ms: int = PENDING_BOUND_MS) ->
             reserved[gpu_id] += nbytes if d.level in RESERVING else 0
             held[gpu_id] += nbytes if d.level in ON_DEVICE else 0
         if d.level in (Level.WARM, Level.OFFLOADING):
-            warm[d.host] += d.size
+            warm[d.host] += d.cached
         if d.level is Level.WARM:
             warm_ids[d.host].add(d.replica)
         waited = snap.now_ms - d.since_ms

@@ -61,7 +61,7 @@ class Draft:
         self.count(dep, -1, reserved=True, held=False)
         self.active[dep.model] = self.active.get(dep.model, 0) - 1
         if to is Level.WARM:
-            self.warm(dep.host, dep.size, add=True)
+            self.warm(dep.host, dep.cached, add=True)
             self.deps[dep.replica] = replace(dep, level=Level.OFFLOADING, since_ms=now)
         else:
             self.deps[dep.replica] = replace(dep, level=Level.DROPPING, since_ms=now)
@@ -74,7 +74,7 @@ class Draft:
         if dep.level in ON_DEVICE:
             self.count(dep, -1, reserved=False, held=True)
         if dep.level in (Level.OFFLOADING, Level.WARM):
-            self.warm(dep.host, dep.size, dep.replica, add=False)
+            self.warm(dep.host, dep.cached, dep.replica, add=False)
         self.deps[dep.replica] = replace(
             dep,
             level=Level.COLD,
@@ -90,7 +90,7 @@ class Draft:
 
     def drop_warm(self, dep: Deployment, now: int) -> None:
         """Like `drop_warm` in _lib.lua."""
-        self.warm(dep.host, dep.size, dep.replica, add=False)
+        self.warm(dep.host, dep.cached, dep.replica, add=False)
         self.deps[dep.replica] = replace(
             dep, level=Level.COLD, worker="", queue="", host="", since_ms=now
         )
@@ -118,7 +118,7 @@ def commit(draft: Draft, plan: Plan, now: int) -> None:
         draft.drop_warm(draft.deps[replica], now)
     old = draft.deps.get(plan.replica)
     if old is not None and old.level is Level.WARM:
-        draft.warm(old.host, old.size, old.replica, add=False)
+        draft.warm(old.host, old.cached, old.replica, add=False)
     level = Level.LOADING if draft.fits_device(dict(plan.gpus), plan.limit) else Level.WAITING
     new = Deployment(
         replica=plan.replica,
@@ -135,6 +135,7 @@ def commit(draft: Draft, plan: Plan, now: int) -> None:
         queue=plan.queue,
         epoch=(old.epoch if old is not None else 0) + 1,
         since_ms=now,
+        copy_bytes=old.copy_bytes if old is not None else 0,
     )
     draft.count(new, 1, reserved=True, held=level is Level.LOADING)
     draft.deps[plan.replica] = new

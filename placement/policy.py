@@ -530,31 +530,31 @@ def _destinations(
     for host in {v.host for v in victims}:
         for d in snap.warm_by_host.get(host, ()):
             if d.replica == restoring:
-                free[host] = free.get(host, 0) + d.size
+                free[host] = free.get(host, 0) + d.cached
             else:
                 warm[host].append(d)
     for entries in warm.values():
         if drop_order is VictimOrder.LRU:
             entries.sort(key=lambda d: (d.last_used_ms, d.replica))
         else:
-            entries.sort(key=lambda d: (d.size, d.last_used_ms, d.replica))
+            entries.sort(key=lambda d: (d.cached, d.last_used_ms, d.replica))
     evictions: list[Eviction] = []
     drops: list[str] = []
     for v in victims:
         room = free.get(v.host, 0)
         chosen: list[Deployment] = []
         for w in warm[v.host]:
-            if room >= v.size:
+            if room >= v.cached:
                 break
             if drop_order is VictimOrder.LRU and w.last_used_ms >= v.last_used_ms:
                 break
             chosen.append(w)
-            room += w.size
-        if room >= v.size and v.size > 0:
+            room += w.cached
+        if room >= v.cached and v.cached > 0:
             for w in chosen:
                 warm[v.host].remove(w)
                 drops.append(w.replica)
-            free[v.host] = room - v.size
+            free[v.host] = room - v.cached
             evictions.append(Eviction(v.replica, Level.WARM, v.queue))
         else:
             evictions.append(Eviction(v.replica, Level.COLD, v.queue))

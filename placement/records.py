@@ -47,6 +47,7 @@ def deployment(row: Mapping[str, str], leases: int) -> Deployment:
         leases=int(leases),
         epoch=int(row.get("epoch", 0)),
         since_ms=int(float(row.get("since", 0))),
+        copy_bytes=int(float(row.get("copy_bytes", 0))),
     )
 
 

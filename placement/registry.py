@@ -357,10 +357,15 @@ class Registry(Membership):
         cache = "hot" if level == Level.HOT.value else "warm" if source == "WARM" else "cold"
         return Lease(lease_id, "", replica, "", "", {}, int(deadline), epoch), cache
 
-    def confirm(self, replica: str, worker: str, epoch: int) -> bool:
-        """Mark this worker's LOADING placement of `epoch` HOT; False if it moved on."""
+    def confirm(self, replica: str, worker: str, epoch: int, copy_bytes: int = 0) -> bool:
+        """Mark this worker's LOADING placement of `epoch` HOT; False if it moved on.
+
+        `copy_bytes`, the bytes the worker measured its copy at, is what the copy will
+        take in the host's warm cache (0: not measured; its `size` is charged).
+        """
         keys = [self.keys.deployment(replica), self.keys.events]
-        result = self._run("confirm", keys, [replica, worker, epoch, self.events_maxlen])
+        args = [replica, worker, epoch, self.events_maxlen, copy_bytes]
+        result = self._run("confirm", keys, args)
         return bool(result[0] == 1)
 
     def admit(self, dep: Deployment) -> Level | None:

@@ -49,6 +49,7 @@ def status_report(snap: Snapshot) -> dict[str, Any]:
             "host": d.host,
             "worker": d.worker,
             "size_bytes": d.size,
+            "cached_bytes": d.cached,
             "epoch": d.epoch,
             "since": d.since_ms,
         }

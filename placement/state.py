@@ -97,7 +97,7 @@ class Deployment:
     limit: int = 0  # admission limit on each GPU it uses
     fraction: float = 0.0  # the largest share of one of its GPUs, rounded up to 1e-4
     dedicated: bool = False
-    size: int = 0  # bytes a warm copy takes in CPU memory
+    size: int = 0  # bytes its placement was sized by (the warm charge until it is measured)
     last_used_ms: int = 0
     host: str = ""
     worker: str = ""
@@ -105,6 +105,12 @@ class Deployment:
     leases: int = 0  # live request leases
     epoch: int = 0  # which placement of the replica this is; every commit starts a new one
     since_ms: int = 0  # when it reached its level (the registry's clock)
+    copy_bytes: int = 0  # its copy's bytes, measured by its worker at its last load; 0: not yet
+
+    @property
+    def cached(self) -> int:
+        """Bytes its copy takes in a host's warm cache: measured when known, else `size`."""
+        return self.copy_bytes or self.size
 
     @property
     def idle(self) -> bool:

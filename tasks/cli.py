@@ -74,7 +74,7 @@ def status(
     console.print(_gpu_table(report))
     for host in report["hosts"]:
         warm = [
-            d["model"]
+            f"{d['model']} {format_size(d['cached_bytes'])}"
             for d in report["deployments"]
             if d["level"] == "WARM" and d["host"] == host["name"]
         ]

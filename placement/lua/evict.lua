@@ -51,7 +51,7 @@ if level == 'WARM' then
   return {1, 'COLD'}
 end
 if level == 'OFFLOADING' then  -- asked to go COLD: the warm charge goes back at once
-  redis.call('HINCRBY', K(a.host), 'warm_used', -r.size)
+  redis.call('HINCRBY', K(a.host), 'warm_used', -r.cached)
   redis.call('HSET', dep, 'level', 'DROPPING', 'since', now)
   notify(K(a.control), a.replica)
   event(events, a.maxlen, now, 'evicted', a.replica, model, 'cause', cause, 'why', a.why, 'to', 'COLD')
@@ -79,7 +79,7 @@ if inflight > 0 then
 end
 local to = a.to
 if to == 'WARM' then
-  local size = r.size
+  local size = r.cached
   local budget, used = unpack(redis.call('HMGET', K(a.host), 'warm_budget', 'warm_used'))
   local room = num(budget) - num(used)
   local usable = {}
@@ -88,7 +88,7 @@ if to == 'WARM' then
     local wr = record(K(w.dep))
     if wr.level == 'WARM' and wr.worker == w.expect_worker then
       table.insert(usable, {w, wr})
-      room = room + wr.size
+      room = room + wr.cached
     end
   end
   if room >= size and size > 0 then
