@@ -41,6 +41,7 @@ from placement.settings import PolicySettings
 from placement.state import (
     LEAVING,
     OUTCOMES,
+    PATHS,
     Candidate,
     Demand,
     Deployment,
@@ -517,9 +518,15 @@ class Registry(Membership):
 
     # --- requests -----------------------------------------------------------
 
-    def pick(self, model: str, ttl_ms: int = DEFAULT_REQUEST_LEASE_MS) -> Lease | None:
+    def pick(
+        self, model: str, ttl_ms: int = DEFAULT_REQUEST_LEASE_MS, path: str = ""
+    ) -> Lease | None:
         """Lease the least busy HOT replica of `model` (ties to the first by id, so a surplus
-        replica idles out and can be scaled in), or None when none is ready."""
+        replica idles out and can be scaled in), or None when none is ready.
+
+        `path` counts the call in the model's stats (`PATHS`): "fast" with its lease, when
+        the client routes it; "router" either way, on the router's first try; "" not.
+        """
         lease_id = uuid.uuid4().hex
         for _ in range(4):
             replicas, workers = self._replicas.get(model) or self._refresh_replicas(model)
@@ -528,7 +535,7 @@ class Registry(Membership):
             for r, w in zip(replicas, workers, strict=True):
                 keys += [k.deployment(r), k.leases(r), k.worker(w)]
             keys.append(k.model_stats(model))
-            result = self._run("pick", keys, [lease_id, ttl_ms, *replicas, *workers])
+            result = self._run("pick", keys, [lease_id, ttl_ms, path, *replicas, *workers])
             if result[0] == 1:
                 _, replica, queue, worker, gpus, deadline, epoch = result
                 return Lease(
@@ -591,8 +598,8 @@ class Registry(Membership):
                     ("sadd", self.keys.counted, model)])  # fmt: skip
 
     def stats(self, snap: Snapshot | None = None) -> dict[str, dict[str, int]]:
-        """Outcome counts per model since the fleet began: every model with a replica
-        record (they may have hits) or a counted outcome."""
+        """Outcome and path counts per model since the fleet began: every model with a
+        replica record (they may have hits) or a counted outcome."""
         snap = snap or self.snapshot()
         names = sorted(
             {d.model for d in snap.deployments.values()}
@@ -600,7 +607,7 @@ class Registry(Membership):
         )
         rows = self._read([("hgetall", self.keys.model_stats(m)) for m in names])
         return {
-            model: {o: int(row.get(o, 0)) for o in OUTCOMES}
+            model: {o: int(row.get(o, 0)) for o in (*OUTCOMES, *PATHS)}
             for model, row in zip(names, rows, strict=True)
         }
 

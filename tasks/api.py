@@ -73,7 +73,7 @@ def dispatch(
     registry = context.registry()
     sent = int(time.time() * 1000)
     held = task.request.id or uuid.uuid4().hex
-    lease = registry.pick(model)
+    lease = registry.pick(model, path="" if task.request.retries else "router")
     if lease is not None:
         if task.request.retries:  # an earlier attempt waited here: it counts no longer
             _hold(registry, model, held, False)

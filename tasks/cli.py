@@ -280,7 +280,9 @@ def _rates(report: dict[str, Any]) -> str:
     return (
         f"[bold]requests[/] {fleet['requests']}: hit rate {share(fleet['hit_rate'])} "
         f"(target > 80%), reload rate {share(fleet['reload_rate'])} (target < 20%), "
-        f"GPU memory reserved {share(report['summary']['utilization'])} (target 70-85%)"
+        f"GPU memory reserved {share(report['summary']['utilization'])} (target 70-85%)\n"
+        f"[bold]paths[/] {fleet['fast']} fast (client to GPU worker), "
+        f"{fleet['routed']} through the router"
     )
 
 

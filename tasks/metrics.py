@@ -23,7 +23,7 @@ from placement.errors import GpufleetError
 from placement.load import placed_replicas, read_loads
 from placement.registry import Registry
 from placement.report import load_report, request_report, status_report
-from placement.state import OUTCOMES
+from placement.state import OUTCOMES, PATHS
 from tasks import context
 from tasks.config import ROUTER_QUEUE
 
@@ -91,12 +91,20 @@ def _requests(requests: dict[str, Any]) -> Iterator[Metric]:
     reloads = CounterMetricFamily(
         "gpufleet_reloads", "Loads of a model after its first", labels=["model"]
     )
+    paths = CounterMetricFamily(
+        "gpufleet_calls",
+        "Calls by the way they came: fast (client straight to a GPU worker) or routed",
+        labels=["model", "path"],
+    )
     for model, figures in requests["models"].items():
         for outcome in OUTCOMES:
             outcomes.add_metric([model, outcome], figures[outcome])
         reloads.add_metric([model], figures["reloads"])
+        for path in PATHS:
+            paths.add_metric([model, path], figures[path])
     yield outcomes
     yield reloads
+    yield paths
     fleet = requests["fleet"]
     for name, key, target in (
         ("gpufleet_cache_hit_ratio", "hit_rate", "above 0.8"),

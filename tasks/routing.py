@@ -42,7 +42,7 @@ def route(
     if not isinstance(model, str):
         return None
     try:
-        lease = context.registry().pick(model)
+        lease = context.registry().pick(model, path="fast")
     except GpufleetError as exc:
         _fall_back("unreachable", f"the registry is unreachable ({exc})")
         return None

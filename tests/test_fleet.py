@@ -43,6 +43,7 @@ models:
   c: {source: synthetic, task: forward, memory: 2GiB}
   pinned: {source: synthetic, task: forward, memory: 256MiB, dedicated: true}
   leased: {source: synthetic, task: forward, memory: 256MiB, dedicated: true}
+  paths: {source: synthetic, task: forward, memory: 256MiB, dedicated: true}
   huge: {source: synthetic, task: forward, memory: 20GiB}
   split: {source: synthetic, task: forward, memory: 10GiB}
   broken: {source: /nonexistent/model, task: forward, memory: 1GiB}
@@ -205,6 +206,28 @@ def test_fast_path_calls_leave_no_lease_behind_with_own_headers_or_when_expired(
             break
         time.sleep(0.2)
     assert held == [0]
+
+
+def test_status_counts_the_project_clients_fast_calls_apart_from_a_plain_clients(
+    fleet_up: Fleet,
+) -> None:
+    script = textwrap.dedent(
+        """
+        import json
+        from tasks.app import app
+
+        for text in ("load", "a", "b", "c"):  # the first misses: the router places it
+            app.send_task("gpufleet.infer", args=("paths", text)).get(timeout=120)
+        print(json.dumps({}))
+        """
+    )
+    run_client(script, cwd=REPO, redis_url=fleet_up.url)  # a client importing tasks.app
+    for _ in range(2):
+        fleet_up.infer("paths", "plain")  # no routing hook: every call goes to the router
+    report = fleet_up.client.send_task("gpufleet.status").get(timeout=30)
+    counts = report["requests"]["models"]["paths"]
+    assert (counts["fast"], counts["routed"]) == (3, 3)
+    assert counts["hit"] == 5 and counts["requests"] == 6
 
 
 def test_overflowing_two_gpus_offloads_to_warm_and_restores_later(fleet_up: Fleet) -> None:

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from placement.load import hold_routing
 from placement.registry import Registry
 from placement.report import request_report
-from placement.state import OUTCOMES, Demand, Gpu
+from placement.state import OUTCOMES, PATHS, Demand, Gpu
 from tasks.cli import app as cli
 from tasks.metrics import FleetCollector, full_status, serve
 from tests.fleets import GiB
@@ -56,10 +56,28 @@ def test_picks_count_hits_and_the_router_counts_every_other_outcome(reg: Registr
     reg.count("m", "cold")
     reg.count("never", "rejected")
     stats = reg.stats()
-    assert stats["m"] == {**dict.fromkeys(OUTCOMES, 0), "hit": 3, "cold": 1}
-    assert stats["never"] == {**dict.fromkeys(OUTCOMES, 0), "rejected": 1}
+    none = dict.fromkeys((*OUTCOMES, *PATHS), 0)
+    assert stats["m"] == {**none, "hit": 3, "cold": 1}
+    assert stats["never"] == {**none, "rejected": 1}
     with pytest.raises(ValueError, match="unknown outcome"):
         reg.count("m", "lucky")
+
+
+def test_a_call_counts_fast_with_its_lease_and_routed_on_the_routers_first_pick(
+    reg: Registry,
+) -> None:
+    for path in ("fast", "fast", "router", ""):  # "": a later try, or no caller's call
+        lease = reg.pick("m", path=path)
+        assert lease is not None
+        reg.finish(lease)
+    assert reg.pick("absent", path="fast") is None  # a miss is not a fast call
+    assert reg.pick("absent", path="router") is None  # the router takes it all the same
+    reg.count("absent", "cold")
+    stats = reg.stats()
+    assert (stats["m"]["hit"], stats["m"]["fast"], stats["m"]["routed"]) == (4, 2, 1)
+    assert (stats["absent"]["fast"], stats["absent"]["routed"]) == (0, 1)
+    fleet = request_report(stats)["fleet"]
+    assert (fleet["fast"], fleet["routed"], fleet["requests"]) == (2, 2, 5)
 
 
 def test_rates_follow_the_simulators_definitions() -> None:
@@ -154,11 +172,12 @@ def test_metrics_are_served_over_http(reg: Registry, redis_url: str) -> None:
 def test_status_prints_the_rates_against_their_targets(
     reg: Registry, redis_url: str, fleet: str
 ) -> None:
-    for _ in range(4):
-        lease = reg.pick("m")
+    for path in ("fast", "fast", "fast", "router"):
+        lease = reg.pick("m", path=path)
         assert lease is not None
         reg.finish(lease)
     reg.count("m", "cold")
     result = CliRunner().invoke(cli, ["status", "--redis-url", redis_url, "--fleet", fleet])
     assert result.exit_code == 0, result.output
     assert "requests 5: hit rate 80.0% (target > 80%), reload rate 0.0%" in result.output
+    assert "paths 3 fast (client to GPU worker), 1 through the router" in result.output

@@ -3,16 +3,18 @@
 -- KEYS[1] = the model's replica set
 -- KEYS[2..] = per replica, in ARGV order: deployment hash, leases zset, worker hash
 -- KEYS[#KEYS] = the model's stats hash (a lease counts one 'hit')
--- ARGV[1] = lease id, ARGV[2] = lease length (ms)
--- ARGV[3..] = replica ids, then after them the worker id each replica had, in order
+-- ARGV[1] = lease id, ARGV[2] = lease length (ms), ARGV[3] = the call's path, counted in
+--   the stats hash: 'fast' (the client's route, counted with its lease), 'router' (a
+--   call's first pick by the router, counted as 'routed' either way) or '' (no count)
+-- ARGV[4..] = replica ids, then after them the worker id each replica had, in order
 -- Returns {1, replica, queue, worker, gpus_json, lease_deadline_ms, epoch}
 --       | {0}                no replica is ready: take the router path
 --       | {-1, replica ids}  the caller's replica list is stale: here is the current one
-local n = (#ARGV - 2) / 2
+local n = (#ARGV - 3) / 2
 local members = redis.call('SMEMBERS', KEYS[1])
 if #members ~= n then return {-1, unpack(members)} end
 local listed = {}
-for i = 1, n do listed[ARGV[2 + i]] = true end
+for i = 1, n do listed[ARGV[3 + i]] = true end
 for _, m in ipairs(members) do
   if not listed[m] then return {-1, unpack(members)} end
 end
@@ -21,12 +23,13 @@ local best, best_load, best_row = nil, nil, nil
 for i = 1, n do
   local base = 1 + (i - 1) * 3
   local row = redis.call('HMGET', KEYS[base + 1], 'level', 'worker', 'queue', 'gpus', 'epoch')
-  if row[2] ~= ARGV[2 + n + i] then return {-1, unpack(members)} end
+  if row[2] ~= ARGV[3 + n + i] then return {-1, unpack(members)} end
   if row[1] == 'HOT' and num(redis.call('HGET', KEYS[base + 3], 'lease_deadline')) > now then
     local load = live_leases(KEYS[base + 2], now)
     if best == nil or load < best_load then best, best_load, best_row = i, load, row end
   end
 end
+if ARGV[3] == 'router' then redis.call('HINCRBY', KEYS[#KEYS], 'routed', 1) end
 if best == nil then return {0} end
 local base = 1 + (best - 1) * 3
 local leases = KEYS[base + 2]
@@ -38,4 +41,5 @@ if redis.call('PTTL', leases) < tonumber(ARGV[2]) then
 end
 redis.call('HSET', KEYS[base + 1], 'last_used', now)
 redis.call('HINCRBY', KEYS[#KEYS], 'hit', 1)
-return {1, ARGV[2 + best], best_row[3], ARGV[2 + n + best], best_row[4], deadline, num(best_row[5])}
+if ARGV[3] == 'fast' then redis.call('HINCRBY', KEYS[#KEYS], 'fast', 1) end
+return {1, ARGV[3 + best], best_row[3], ARGV[3 + n + best], best_row[4], deadline, num(best_row[5])}
