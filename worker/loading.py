@@ -243,7 +243,7 @@ def _cached_tokenizer(path: str, trust_remote_code: bool, stamp: tuple[int, ...]
 def place(model: Any, plan: Mapping[int, int], simulated: bool) -> Any:
     """Move a CPU model onto the planned devices (a restore, or a synthetic build)."""
     if simulated:
-        return model.to("cpu")
+        return model  # a simulated GPU keeps its models in CPU memory, where this one is
     if len(plan) == 1:
         model = model.to(torch.device("cuda", min(plan)), non_blocking=True)
         torch.cuda.synchronize()

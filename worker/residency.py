@@ -52,6 +52,7 @@ class Resident:
     tokenizer: Any
     slots: dict[str, int]  # ledger GPU id -> reserved bytes; empty while WARM
     accounted: int  # bytes charged on simulated GPUs (a synthetic model's declared size)
+    nbytes: int  # its tensors' bytes, measured once at load: moves do not change them
     limit: int = 0  # the ledger's admission limit, when above the reservation
     epoch: int = 0  # the ledger placement it was loaded or restored for
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
@@ -177,8 +178,9 @@ class ResidencyManager:
                     self._arrived(replica)
                     raise
             resident = Resident(
-                replica, spec, built.model, built.tokenizer, dict(slots), accounted, limit, epoch
-            )
+                replica, spec, built.model, built.tokenizer, dict(slots), accounted, nbytes,
+                limit, epoch,
+            )  # fmt: skip
             self.residents[replica] = resident
             self._arrived(replica)
         peak = self._measure(resident, plan, simulated, baseline)
@@ -194,7 +196,8 @@ class ResidencyManager:
         with resident.lock:
             plan, simulated = self._plan(resident.slots)
             start = time.perf_counter()
-            resident.model = loading.to_cpu(resident.model, pin=self._pin)
+            if not simulated:  # a simulated GPU's copy is in CPU memory already
+                resident.model = loading.to_cpu(resident.model, pin=self._pin)
             seconds = time.perf_counter() - start
             with self._lock:
                 resident.slots = {}
@@ -202,8 +205,7 @@ class ResidencyManager:
                     self._uncharge(plan, resident.accounted)
                 self._free_cuda()
                 self._set_caps()
-        nbytes = loading.tensor_bytes(resident.model)
-        return Report(replica, "offload", seconds, nbytes, devices=["cpu"])
+        return Report(replica, "offload", seconds, resident.nbytes, devices=["cpu"])
 
     def restore(
         self, replica: str, slots: Mapping[str, int], limit: int = 0, epoch: int = 0
@@ -237,8 +239,7 @@ class ResidencyManager:
             with self._lock:
                 resident.slots, resident.limit, resident.epoch = dict(slots), limit, epoch
                 self._arrived(replica)
-        nbytes = loading.tensor_bytes(resident.model)
-        return Report(replica, "restore", seconds, nbytes, devices=_names(plan, simulated))
+        return Report(replica, "restore", seconds, resident.nbytes, devices=_names(plan, simulated))
 
     def copy_bytes(self, replica: str) -> int:
         """Bytes a replica's copy takes in host memory once offloaded; 0 when not known.
@@ -249,7 +250,7 @@ class ResidencyManager:
         resident = self.residents.get(replica)
         if resident is None or resident.spec.synthetic:
             return 0
-        return loading.tensor_bytes(resident.model)
+        return resident.nbytes
 
     def drop(self, replica: str) -> None:
         """Forget a replica wherever it is (COLD)."""
@@ -593,7 +594,11 @@ class ResidencyManager:
     def _measure(
         self, resident: Resident, plan: Mapping[int, int], simulated: bool, baseline: dict[int, int]
     ) -> int:
-        """Peak bytes of the load plus a warm-up call; reported as learned memory."""
+        """Peak bytes of the load plus a warm-up call; reported as learned memory.
+
+        A model this process measured before is not warmed up again: its peak is known,
+        its calls since raised it as they needed, and a warm-up would delay the miss.
+        """
         name = resident.spec.name
         if simulated:
             weights = resident.accounted
@@ -601,7 +606,9 @@ class ResidencyManager:
             torch.cuda.synchronize()
             weights = sum(torch.cuda.memory_allocated(i) - baseline.get(i, 0) for i in plan)
         self._weights[name] = weights
-        self._reported.pop(name, None)  # calls report only once the load has
+        known = self._reported.get(name)
+        if known is not None:
+            return known
         # The load's own peak on CUDA, read now: the warm-up call resets the device's.
         loaded = (
             0
