@@ -106,13 +106,15 @@ def _place_and_hand_on(
         if pinned is None:
             continue  # the placed replica moved on before the call could pin it
         lease, cache = pinned
-        if plan.candidate is Candidate.DEPLOYED:  # a replica is placed already: nothing moved
-            _count(registry, model, "queued")
-        else:
-            _count(registry, model, cache)
-            _announce(task, plan)
         call = Call(model, inputs, params, plan.replica, cache, sent, hops=hops)
-        raise task.replace(call.with_lease(lease).to(plan.queue))
+        try:
+            raise task.replace(call.with_lease(lease).to(plan.queue))
+        finally:  # once the call is on its way: the figures are not on its critical path
+            if plan.candidate is Candidate.DEPLOYED:  # placed already: nothing moved
+                _count(registry, model, "queued")
+            else:
+                _count(registry, model, cache)
+                _announce(task, plan)
     raise PlanRejectedError(f"{model}: its replicas kept moving while the call was routed")
 
 
