@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -263,3 +264,27 @@ def test_a_model_loaded_again_after_its_drop_reuses_its_tokenizer(
     manager.load(spec, "r2", {gpu(devices, 1): GiB})
     assert manager.residents["r2"].tokenizer is first
     assert manager.infer("r2", "same tokens")["dim"] == 384
+
+
+def test_a_model_loaded_again_in_the_same_process_skips_its_warm_up(
+    reporting: tuple[Registry, ResidencyManager],
+    catalog: Catalog,
+    devices: list[Device],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    registry, manager = reporting
+    spec = catalog.get("minilm")
+    first = manager.load(spec, "r1", {gpu(devices, 0): GiB})
+    manager.drop("r1")
+    passes: list[str] = []
+    infer = manager.infer
+
+    def counted(replica: str, *args: Any) -> Any:
+        passes.append(replica)
+        return infer(replica, *args)
+
+    monkeypatch.setattr(manager, "infer", counted)
+    again = manager.load(spec, "r2", {gpu(devices, 1): GiB})
+    assert passes == []  # the miss waits for the load alone
+    assert again.peak_bytes == first.peak_bytes == registry.snapshot().learned["minilm"]
+    assert manager.infer("r2", "served after all")["dim"] == 384
