@@ -168,9 +168,13 @@ class Membership(Store):
 
     def next_control(self, worker: str, timeout_s: float) -> str | None:
         """The next replica a worker's keeper was told to look at (commit.lua, evict.lua
-        push them), waiting up to `timeout_s`; None when none came."""
+        push them), oldest first, waiting up to `timeout_s`; None when none came.
+
+        Oldest first matters: a placement's victims are pushed before the placement, so the
+        keeper frees the device before it asks to admit what waits for it.
+        """
         try:
-            popped = self.client.blpop([self.keys.control(worker)], timeout=timeout_s)
+            popped = self.client.brpop([self.keys.control(worker)], timeout=timeout_s)
         except redis.ConnectionError as exc:
             raise unreachable(exc) from exc
         return str(popped[1]) if popped else None

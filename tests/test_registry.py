@@ -174,6 +174,16 @@ def test_a_victim_that_became_busy_after_the_snapshot_is_not_evicted(reg: Regist
     assert reg.snapshot().deployments[victim].level is Level.HOT
 
 
+def test_a_worker_hears_of_a_placements_victims_before_the_placement(reg: Registry) -> None:
+    reg.register_worker("w0", "h0", "q0", [sim_gpu("g", 8 * GiB)])
+    victim = place_hot(reg, Demand("v", size=2 * GiB))  # 6 GiB of 8
+    reg.client.delete(reg.keys.control("w0"))  # what its own placement told the worker
+    plan = reg.place(Demand("m", size=GiB))
+    assert [e.replica for e in plan.evictions] == [victim]
+    told = [reg.next_control("w0", timeout_s=1), reg.next_control("w0", timeout_s=1)]
+    assert told == [victim, plan.replica]  # so the keeper frees the device first
+
+
 def test_a_dedicated_replica_is_never_evicted_even_by_a_forged_plan(reg: Registry) -> None:
     reg.register_worker("w0", "h0", "q0", [sim_gpu("g", 8 * GiB)])
     pinned = place_hot(reg, Demand("d", size=2 * GiB, dedicated=True))
