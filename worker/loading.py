@@ -142,8 +142,12 @@ def _skeleton(auto: Any, config: Any, dtype: torch.dtype) -> Any:
     weights into meta tensors costs about 40 ms for MiniLM on this CPU, half a load.
     """
     from accelerate import init_empty_weights
-    from transformers.initialization import no_init_weights
 
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # an early 5.x release: build it as before, random draws and all
+        with init_empty_weights():
+            return auto.from_config(config, dtype=dtype)
     # no_init_weights patches torch's init functions process-wide while the skeleton is
     # built; the keeper thread is the only code that builds models in a worker process.
     with init_empty_weights(), no_init_weights():  # buffers stay real (include_buffers=False)
