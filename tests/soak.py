@@ -418,7 +418,10 @@ class _Child:
             if self.rng.random() < 0.02:
                 self.settle(dep, "failed")
                 return
-            ok = self.reg.confirm(dep.replica, self.worker, dep.epoch)
+            # The copy's measured bytes, different from load to load, so a warm charge
+            # made before a reload must be given back as it was made (copy_bytes).
+            copy = self.rng.choice((0, dep.size // 4, dep.size // 2, dep.size))
+            ok = self.reg.confirm(dep.replica, self.worker, dep.epoch, copy)
             self.counts["confirm:ok" if ok else "confirm:gone"] += 1
         elif dep.level is Level.OFFLOADING:
             self.settle(dep, "dropped" if self.rng.random() < 0.1 else "offloaded")
