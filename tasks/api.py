@@ -36,7 +36,7 @@ from placement.registry import DEFAULT_REQUEST_LEASE_MS, Lease, Registry
 from placement.state import LEAVING, RESERVING, Candidate, Level, Plan
 from tasks import context, leases, metrics
 from tasks.app import app
-from tasks.calls import Call, fast_call, hops_of
+from tasks.calls import Call, fast_call, hops_of, time_limits_of
 from worker.handlers import validate
 
 log = logging.getLogger(__name__)
@@ -78,7 +78,7 @@ def dispatch(
         if task.request.retries:  # an earlier attempt waited here: it counts no longer
             _hold(registry, model, held, False)
         call = Call(model, inputs, params, lease.replica, "hot", sent, hops=hops)
-        raise task.replace(call.with_lease(lease).to(lease.queue))
+        raise task.replace(call.with_lease(lease).to(lease.queue, time_limits_of(task.request)))
     _hold(registry, model, held, True)  # part of the model's load while the router has it
     try:
         _place_and_hand_on(task, registry, spec, inputs=inputs, params=params, sent=sent, hops=hops)
@@ -108,7 +108,7 @@ def _place_and_hand_on(
         lease, cache = pinned
         call = Call(model, inputs, params, plan.replica, cache, sent, hops=hops)
         try:
-            raise task.replace(call.with_lease(lease).to(plan.queue))
+            raise task.replace(call.with_lease(lease).to(plan.queue, time_limits_of(task.request)))
         finally:  # once the call is on its way: the figures are not on its critical path
             if plan.candidate is Candidate.DEPLOYED:  # placed already: nothing moved
                 _count(registry, model, "queued")

@@ -99,8 +99,10 @@ class Batcher:
             self._handle(request)
             return
         # A redelivered call may be what killed the last child: it runs alone this time.
+        # Calls share a pass only with calls of the same time limits, the batch's own.
         redelivered = (request.delivery_info or {}).get("redelivered")
-        group = (call.replica, call.epoch, request.id if redelivered else "")
+        limits = tuple(request.time_limits)
+        group = (call.replica, call.epoch, request.id if redelivered else "", limits)
         entry = Waiting((request, call), group, input_chars(call.inputs), time.time() * 1000)
         with self._lock:
             self._waiting.append(entry)
@@ -147,6 +149,8 @@ class Batcher:
     def _send(self, batch: list[Waiting[tuple[Any, Call]]]) -> None:
         requests = [w.item[0] for w in batch]
         jobs = [_job(w.item[0], w.item[1], w.since_ms) for w in batch]
+        first = requests[0]
+        hard, soft = first.time_limits  # every call of a batch has the same (`__call__`)
         self._busy = True
 
         def accepted(pid: int, time_accepted: float) -> None:
@@ -159,6 +163,10 @@ class Batcher:
         def failed(exc_info: Any) -> None:
             self._finished(lambda _, r: r.on_failure(exc_info), requests)
 
+        def timed_out(soft: bool, timeout: float) -> None:
+            for request in requests:  # as Celery does for one: warn, or fail it
+                request.on_timeout(soft, timeout)
+
         try:
             self._pool.apply_async(
                 self._job,
@@ -166,6 +174,9 @@ class Batcher:
                 accept_callback=accepted,
                 callback=done,
                 error_callback=failed,
+                timeout_callback=timed_out,
+                soft_timeout=soft or first.task.soft_time_limit,
+                timeout=hard or first.task.time_limit,
                 correlation_id=uuid.uuid4().hex,
             )
         except BaseException:

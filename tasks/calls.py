@@ -14,6 +14,16 @@ from tasks.config import ROUTER_QUEUE
 
 HOPS_HEADER = "gpufleet_hops"
 
+#: A task's time limits in seconds, (hard, soft), as Celery's `timelimit` carries them.
+TimeLimits = tuple[float | None, float | None]
+
+
+def time_limits_of(request: Any) -> TimeLimits:
+    """The time limits the caller gave a task (`time_limit`, `soft_time_limit`), so a
+    call handed on or routed again keeps them; (None, None) for the worker's defaults."""
+    hard, soft = getattr(request, "timelimit", None) or (None, None)
+    return hard, soft
+
 
 def hops_of(request: Any) -> int:
     """How many times a call was routed again (its `gpufleet_hops` header)."""
@@ -54,21 +64,33 @@ class Call:
             self.epoch,
         )
 
-    def to(self, queue: str) -> Signature:
-        """`gpufleet.run` of this call on a GPU worker's queue; its lease rides in a header
-        too, so a worker that drops the message unrun can end it (`tasks.leases`)."""
+    def to(self, queue: str, limits: TimeLimits = (None, None)) -> Signature:
+        """`gpufleet.run` of this call on a GPU worker's queue, with the caller's time
+        limits; its lease rides in a header too, so a worker that drops the message unrun
+        can end it (`tasks.leases`)."""
         lease = self.lease
         headers = {leases.HEADER: leases.header(lease)} if lease is not None else None
-        return app.signature("gpufleet.run", args=(self.as_json(),), queue=queue, headers=headers)
+        hard, soft = limits
+        return app.signature(
+            "gpufleet.run",
+            args=(self.as_json(),),
+            queue=queue,
+            headers=headers,
+            time_limit=hard,
+            soft_time_limit=soft,
+        )
 
-    def rerouted(self) -> Signature:
+    def rerouted(self, limits: TimeLimits = (None, None)) -> Signature:
         """`gpufleet.infer` of this call back on the router, one hop further (the count
         travels in a header: callers cannot set it through the task's arguments)."""
+        hard, soft = limits
         return app.signature(
             "gpufleet.infer",
             args=(self.model, self.inputs, self.params),
             queue=ROUTER_QUEUE,
             headers={HOPS_HEADER: self.hops + 1},
+            time_limit=hard,
+            soft_time_limit=soft,
         )
 
     @classmethod

@@ -31,7 +31,7 @@ from placement.errors import (
 from placement.load import mark_batch
 from tasks import batching, context
 from tasks.app import app
-from tasks.calls import Call
+from tasks.calls import Call, time_limits_of
 from tasks.routing import gpu_queue
 from worker.devices import Device, discover
 from worker.lifecycle import default_lineage
@@ -72,7 +72,7 @@ def serve(task: Task, call: Call) -> dict[str, Any]:
         if call.hops >= MAX_HOPS:
             raise
         log.info("replica %s left; routing the call for %s again", call.replica, call.model)
-        raise task.replace(call.rerouted()) from None
+        raise task.replace(call.rerouted(time_limits_of(task.request))) from None
     finally:
         if call.lease is not None and prepared is None:  # a batch ends its calls' leases
             try:

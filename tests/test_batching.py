@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -246,8 +247,16 @@ def test_a_pass_that_fails_is_run_again_one_call_at_a_time_so_only_its_culprit_f
 class _Request:
     """What the batcher reads of a Celery request, and the callbacks it fans out."""
 
-    def __init__(self, task_id: str, replica: str, revoked: bool = False) -> None:
+    def __init__(
+        self,
+        task_id: str,
+        replica: str,
+        revoked: bool = False,
+        time_limits: tuple[float | None, float | None] = (None, None),
+    ) -> None:
         self.id = task_id
+        self.time_limits = time_limits  # (hard, soft), from the message's `timelimit`
+        self.task = SimpleNamespace(time_limit=None, soft_time_limit=None)  # no defaults
         self.name = "gpufleet.run"
         self.args = [{"model": "m", "inputs": "x" * 10, "params": None, "replica": replica,
                       "cache": "hot", "sent_ms": 0}]  # fmt: skip
@@ -276,6 +285,9 @@ class _Request:
 
     def on_failure(self, exc_info: Any) -> None:
         self.seen.append("failure")
+
+    def on_timeout(self, soft: bool, timeout: float) -> None:
+        self.seen.append(f"{'soft' if soft else 'hard'} timeout {timeout}")
 
 
 class _Pool:
@@ -310,3 +322,21 @@ def test_the_batcher_sends_one_job_per_free_child_and_settles_each_call_of_it() 
     unknown.name = "gpufleet.status"
     batcher(unknown)
     assert passed == [unknown]  # not a call: Celery's own path
+
+
+def test_calls_share_a_batch_only_with_calls_of_their_time_limits_which_the_batch_keeps() -> None:
+    from tasks.batching import Batcher
+
+    pool = _Pool()
+    batcher = Batcher(pool, None, lambda _: None, lambda _: BatchLimits(size=8), lambda _: [])
+    first = _Request("c1", "r1", time_limits=(5.0, 2.0))
+    same, other = _Request("c2", "r1", time_limits=(5.0, 2.0)), _Request("c3", "r1")
+    for request in (first, same, other):
+        batcher(request)  # the first goes at once; the others wait for the child
+    assert (pool.jobs[0]["timeout"], pool.jobs[0]["soft_timeout"]) == (5.0, 2.0)
+    pool.jobs[0]["callback"]([(0, "ok", 0.1)])
+    pool.jobs[1]["timeout_callback"](False, 5.0)  # the pool killed the batch's child
+    assert same.seen == ["hard timeout 5.0"] and other.seen == []
+    pool.jobs[1]["error_callback"]("lost")
+    assert [job["ids"] for job in pool.jobs] == [["c1"], ["c2"], ["c3"]]  # never together
+    assert (pool.jobs[2]["timeout"], pool.jobs[2]["soft_timeout"]) == (None, None)

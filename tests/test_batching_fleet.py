@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
+from celery.exceptions import SoftTimeLimitExceeded
 
 from tests.running import TWO_MODELS, RunningFleet, alive, fleet_env, fleet_up, with_signal
 from tests.test_batching import close
@@ -95,3 +96,16 @@ def test_sigkill_of_the_gpu_worker_s_pool_child_mid_batch_loses_no_call(
     assert all(a["outputs"]["shape"][0] == 2 for a in answers)
     assert not alive(child)
     assert fleet.pool_child(0) != child
+
+
+def test_a_batched_call_past_its_soft_time_limit_fails_with_it_and_the_worker_serves_on(
+    fleet: RunningFleet,
+) -> None:
+    fleet.infer("minilm", "warm up")
+    # A pass over 6 inputs of 512 tokens takes about a second here; the router's part, ms.
+    heavy = (["y " * 600] * 6, {"max_length": 512})
+    late = fleet.client.send_task("gpufleet.infer", args=("minilm", *heavy), soft_time_limit=0.2)
+    with pytest.raises(SoftTimeLimitExceeded):
+        late.get(timeout=120)
+    assert "_run_chunk" in (late.traceback or "")  # in the batch's pass, not on the router
+    assert fleet.infer("minilm", "still serving")["outputs"]["dim"] == 384
