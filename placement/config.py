@@ -77,7 +77,7 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("GPUFLEET_SIM_GPUS", "none (`gpufleet up`: `2x8GiB`)",
              "simulated GPUs, e.g. `2x24GiB` or `40GB,80GB`"),
     Variable("GPUFLEET_WARM_CACHE", "25% of RAM",
-             "CPU memory a host lends to warm (offloaded) copies"),
+             "CPU memory a host lends to warm (offloaded) copies, charged by their measured bytes"),
     Variable("GPUFLEET_WORKER_LEASE_MS", f"`{DEFAULT_WORKER_LEASE_MS}`",
              "a GPU worker's lease; a silent worker's reservations are released after it"),
     Variable("GPUFLEET_VISIBILITY_TIMEOUT", f"`{DEFAULT_VISIBILITY_TIMEOUT_S}`",
