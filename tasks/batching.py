@@ -163,9 +163,9 @@ class Batcher:
         def failed(exc_info: Any) -> None:
             self._finished(lambda _, r: r.on_failure(exc_info), requests)
 
-        def timed_out(soft: bool, timeout: float) -> None:
+        def timed_out(is_soft: bool, timeout: float) -> None:
             for request in requests:  # as Celery does for one: warn, or fail it
-                request.on_timeout(soft, timeout)
+                request.on_timeout(is_soft, timeout)
 
         try:
             self._pool.apply_async(

@@ -18,6 +18,7 @@ import time
 from typing import Any
 
 from celery import Task
+from celery.exceptions import SoftTimeLimitExceeded
 from celery.signals import worker_init, worker_process_init, worker_process_shutdown
 
 from placement.batching import BatchLimits
@@ -224,6 +225,9 @@ def _start(**_: Any) -> None:
             lease_ms=settings.worker_lease_ms,
             lineage=default_lineage(settings.lineage),
         )
+        # A soft time limit is the batch's (its calls share their limits): fail them all,
+        # rather than run each again after the limit.
+        _process.worker.manager.whole_pass_errors = (SoftTimeLimitExceeded,)
     except Exception:
         # Celery would log this and keep a child that fails every call: exit instead.
         log.critical("GPU worker process cannot start", exc_info=True)

@@ -14,7 +14,7 @@ from placement.errors import EvictedError, PayloadError, PlacementError
 from placement.memory import MiB, process_fraction
 from placement.registry import Registry
 from tests.fleets import GiB
-from worker import loading
+from worker import handlers, loading
 from worker.devices import Device, simulated_devices
 from worker.residency import ResidencyManager
 
@@ -288,3 +288,32 @@ def test_a_model_loaded_again_in_the_same_process_skips_its_warm_up(
     assert passes == []  # the miss waits for the load alone
     assert again.peak_bytes == first.peak_bytes == registry.snapshot().learned["minilm"]
     assert manager.infer("r2", "served after all")["dim"] == 384
+
+
+class _Interrupted(Exception):
+    """Stands for an error about a whole pass, such as a time limit."""
+
+
+def test_a_whole_pass_error_fails_every_call_of_the_pass_without_a_retry_one_by_one(
+    manager: ResidencyManager,
+    catalog: Catalog,
+    devices: list[Device],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    manager.load(catalog.get("minilm"), "r1", {gpu(devices, 0): GiB})
+    run_many = handlers.run_many
+
+    def interrupted_when_shared(
+        task: str, model: Any, tokenizer: Any, texts: Any, *rest: Any
+    ) -> Any:
+        if len(texts) > 1:
+            raise _Interrupted("the pass ran out of time")
+        return run_many(task, model, tokenizer, texts, *rest)
+
+    monkeypatch.setattr(handlers, "run_many", interrupted_when_shared)
+    requests = [("a cat", None), ("a dog", None)]
+    retried, _ = manager.run_batch("r1", requests)
+    assert [r.error for r in retried] == [None, None]  # any other error: one by one
+    manager.whole_pass_errors = (_Interrupted,)
+    failed, _ = manager.run_batch("r1", requests)
+    assert all(isinstance(r.error, _Interrupted) and r.batch == 2 for r in failed)

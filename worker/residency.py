@@ -127,6 +127,9 @@ class ResidencyManager:
         # learned memory. A call that needs more reports more (`_learn_from`).
         self._weights: dict[str, int] = {}
         self._reported: dict[str, int] = {}
+        # Errors that concern a whole pass, not one of its calls (a time limit): they fail
+        # every call of the pass at once instead of a retry one call at a time.
+        self.whole_pass_errors: tuple[type[BaseException], ...] = ()
 
     # --- the ledger's orders ------------------------------------------------
 
@@ -337,7 +340,8 @@ class ResidencyManager:
         A bad payload fails its own call before any pass. Calls with equal params share a
         pass, split so that the activations each pass is estimated to need fit in what the
         reservation leaves free; a pass that fails is run again one call at a time, so an
-        error reaches only the calls it concerns. Raises `EvictedError` as `run` does.
+        error reaches only the calls it concerns (but `whole_pass_errors` fail the pass's
+        calls at once). Raises `EvictedError` as `run` does.
         """
         resident = self._hot(replica)
         with resident.lock:
@@ -397,8 +401,10 @@ class ResidencyManager:
         except Exception as exc:
             if is_fatal_cuda_error(exc):
                 exit_for_restart(exc)  # the CUDA context is unusable: start a clean process
-            if len(chunk) == 1:
-                ran[chunk[0][0]] = Ran({}, exc, 1, (time.perf_counter() - start) * 1000)
+            if len(chunk) == 1 or isinstance(exc, self.whole_pass_errors):
+                ms = (time.perf_counter() - start) * 1000
+                for index, _ in chunk:
+                    ran[index] = Ran({}, exc, len(chunk), ms)
                 return
             log.info(
                 "a pass of %d calls on %s failed (%s: %s); running them one at a time",
