@@ -78,18 +78,21 @@ def build(spec: ModelSpec, plan: Mapping[int, int], simulated: bool) -> Built:
             f"model {spec.name!r} cannot be loaded: its catalog `source` has no config.json "
             f"on this worker; the worker's log names the path. Ask the fleet's operator"
         )
+    stamp = _stamp(path)  # once per load: the config and the tokenizer are cached by it
     if spec.loader == "auto" and (simulated or len(plan) == 1):
         try:
-            model = _read_pretrained(spec, path, plan, simulated)
+            model = _read_pretrained(spec, path, stamp, plan, simulated)
         except UnsupportedCheckpointError as why:
             log.info("%s: transformers loads it instead of gpufleet's reader: %s", spec.name, why)
         else:
-            return Built(model, _tokenizer(spec, path), "safetensors")
+            return Built(model, _tokenizer(str(path), spec.trust_remote_code, stamp), "safetensors")
     model = _from_pretrained(spec, path, plan, simulated)
-    return Built(model, _tokenizer(spec, path), "transformers")
+    return Built(model, _tokenizer(str(path), spec.trust_remote_code, stamp), "transformers")
 
 
-def _read_pretrained(spec: ModelSpec, path: Path, plan: Mapping[int, int], simulated: bool) -> Any:
+def _read_pretrained(
+    spec: ModelSpec, path: Path, stamp: Stamp, plan: Mapping[int, int], simulated: bool
+) -> Any:
     """Build the model on the meta device and fill it from `worker.checkpoint`.
 
     The result equals `from_pretrained`'s, so every case where transformers would change
@@ -102,7 +105,7 @@ def _read_pretrained(spec: ModelSpec, path: Path, plan: Mapping[int, int], simul
         raise UnsupportedCheckpointError("remote code decides how its weights load")
     checkpoint = Checkpoint.open(path)
     with checkpoint.prefetch() as prefetch:  # the disk works while the skeleton is built
-        config = copy.deepcopy(_config(str(path), _stamp(path)))  # the skeleton may change it
+        config = copy.deepcopy(_config(str(path), stamp))  # the skeleton may change it
         if getattr(config, "quantization_config", None):
             raise UnsupportedCheckpointError("the checkpoint is quantized")
         if getattr(config, "transformers_weights", None) or getattr(config, "extra_files", None):
@@ -230,16 +233,15 @@ def _from_pretrained(spec: ModelSpec, path: Path, plan: Mapping[int, int], simul
     return model
 
 
-def _tokenizer(spec: ModelSpec, path: Path) -> Any:
-    return _cached_tokenizer(str(path), spec.trust_remote_code, _stamp(path))
-
-
 # A worker process keeps a model's config and tokenizer across evictions: a miss that
 # loads the model again reads only its weights. The key holds the files' modification
 # times, so an edited model directory is read afresh.
 
 
-def _stamp(path: Path) -> tuple[int, ...]:
+Stamp = tuple[int, ...]
+
+
+def _stamp(path: Path) -> Stamp:
     """When the model directory's small files last changed (config, tokenizer)."""
     return tuple(
         f.stat().st_mtime_ns for f in sorted(path.glob("*.json")) + sorted(path.glob("*.txt"))
@@ -247,14 +249,14 @@ def _stamp(path: Path) -> tuple[int, ...]:
 
 
 @functools.lru_cache(maxsize=64)
-def _config(path: str, stamp: tuple[int, ...]) -> Any:
+def _config(path: str, stamp: Stamp) -> Any:
     from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(path, local_files_only=True)
 
 
 @functools.lru_cache(maxsize=64)
-def _cached_tokenizer(path: str, trust_remote_code: bool, stamp: tuple[int, ...]) -> Any:
+def _tokenizer(path: str, trust_remote_code: bool, stamp: Stamp) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(
