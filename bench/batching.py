@@ -35,10 +35,9 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
-from bench.hotpath import percentile
+from bench.hotpath import exit_on_sigterm, percentile
 
 log = logging.getLogger("bench.batching")
 
@@ -189,10 +188,6 @@ def run(
     }
 
 
-def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
-    raise SystemExit(128 + signum)  # unwinds through `finally`: the fleet is stopped
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--threads", type=int, default=32)
@@ -202,7 +197,7 @@ def main() -> None:
     args = parser.parse_args()
     low, _, high = args.words.partition("-")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    signal.signal(signal.SIGTERM, exit_on_sigterm)
     with tempfile.TemporaryDirectory(prefix="gpufleet-bench-batching-") as directory:
         words = (int(low), int(high or low))
         result = run(args.threads, args.seconds, args.rounds, words, Path(directory))

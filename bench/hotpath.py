@@ -175,6 +175,12 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
+def exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
+    """A SIGTERM handler for the fleet benchmarks: it unwinds through `finally`, so every
+    fleet and child process the run started is stopped."""
+    raise SystemExit(128 + signum)
+
+
 def summary(values: list[float]) -> dict[str, float]:
     return {
         "p50": round(percentile(values, 50), 3),
@@ -362,10 +368,6 @@ def run(calls: int, warmup: int, model_mib: int, directory: Path) -> dict[str, A
     }
 
 
-def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
-    raise SystemExit(128 + signum)  # unwinds through `finally`: every child is stopped
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--calls", type=int, default=500, help="timed calls per side")
@@ -377,7 +379,7 @@ def main() -> None:
     logging.basicConfig(
         level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s"
     )
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    signal.signal(signal.SIGTERM, exit_on_sigterm)
     with tempfile.TemporaryDirectory(prefix="gpufleet-hotpath-") as tmp:
         result = run(args.calls, args.warmup, args.model_mib, Path(tmp))
     print(json.dumps(result))

@@ -44,10 +44,9 @@ from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
-from bench.hotpath import percentile
+from bench.hotpath import exit_on_sigterm, percentile
 
 log = logging.getLogger("bench.miss")
 
@@ -134,7 +133,7 @@ def alone(job: Callable[..., Any], *args: Any) -> Any:
 
 def _child_setup() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    signal.signal(signal.SIGTERM, exit_on_sigterm)
 
 
 def run(calls: int, loads: int, directory: Path) -> dict[str, Any]:
@@ -171,17 +170,13 @@ def run(calls: int, loads: int, directory: Path) -> dict[str, Any]:
     }
 
 
-def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
-    raise SystemExit(128 + signum)  # unwinds through `finally`: the fleet is stopped
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--calls", type=int, default=24, help="timed calls per fleet (24)")
     parser.add_argument("--loads", type=int, default=8, help="timed raw loads (8)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    signal.signal(signal.SIGTERM, exit_on_sigterm)
     with tempfile.TemporaryDirectory(prefix="gpufleet-bench-miss-") as directory:
         (Path(directory) / "cold").mkdir()
         (Path(directory) / "warm").mkdir()
