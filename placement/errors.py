@@ -76,6 +76,10 @@ class GpuOwnedError(RegistryError):
     """A GPU is already owned by another live worker."""
 
 
+class BrokerInUseError(ConfigError):
+    """The broker's Redis database already carries another fleet's calls."""
+
+
 class LeaseLostError(RegistryError):
     """A worker's lease expired; its reservations are released and it must re-register."""
 

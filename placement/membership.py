@@ -79,8 +79,9 @@ class Membership(Store):
                 raise GpuOwnedError(
                     f"GPU {gpu_id} is owned by live worker {owner} of fleet {self.keys.fleet!r} "
                     f"on this Redis; stop that fleet first. To run a second fleet beside it, "
-                    f"give it another GPUFLEET_FLEET (or, for simulated GPUs, another "
-                    f"GPUFLEET_HOST), or its own Redis"
+                    f"give it a Redis database of its own (GPUFLEET_REDIS_URL="
+                    f"redis://<host>:<port>/<db>); with simulated GPUs, GPUFLEET_HOST=<name> "
+                    f"adds a host to this fleet instead"
                 )
             self.reap(owner, force=reason == "REPLACE")
         raise RegistryError(f"could not register worker {worker}: its GPUs keep changing owner")

@@ -15,6 +15,7 @@ from tasks.context import settings
 app = Celery("gpufleet", task_cls="tasks.checked:CheckedTask")
 app.conf.update(celery_conf(settings()))
 app.conf.task_routes = ("tasks.routing.route",)
-app.conf.include = ["tasks.api", "tasks.scaling"] + (
+# tasks.broker: every worker claims the fleet's broker database (no tasks of its own).
+app.conf.include = ["tasks.api", "tasks.scaling", "tasks.broker"] + (
     ["tasks.gpu"] if settings().role == "gpu" else []
 )

@@ -198,9 +198,10 @@ def _check_owners(devices: list[Device]) -> None:
             if owner is not None and owner[1] != mine:
                 raise GpuOwnedError(
                     f"GPU {device.gpu_id(host)} is owned by live worker {owner[0]} "
-                    f"of fleet {registry.keys.fleet!r} on this Redis. Stop that worker, or "
-                    f"run this one as another fleet (GPUFLEET_FLEET) or, for simulated "
-                    f"GPUs, as another host (GPUFLEET_HOST)"
+                    f"of fleet {registry.keys.fleet!r} on this Redis. Stop that worker, or run "
+                    f"this one as another fleet on a Redis database of its own "
+                    f"(GPUFLEET_REDIS_URL=redis://<host>:<port>/<db>) or, for simulated GPUs, "
+                    f"as another host (GPUFLEET_HOST)"
                 )
     except RegistryError as exc:
         log.warning("cannot check who owns the GPUs yet (%s); the pool child will", exc)

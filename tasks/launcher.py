@@ -55,6 +55,7 @@ from placement.config import (
 from placement.errors import ConfigError, GpufleetError
 from placement.redis_server import RedisServer, die_with_parent_preexec
 from placement.registry import Registry
+from tasks.broker import BrokerClaim
 from tasks.config import ROUTER_QUEUE
 from tasks.routing import gpu_queue
 from worker.devices import Device, discover
@@ -110,6 +111,7 @@ class Launcher:
     children: dict[str, Child] = field(default_factory=dict)
     first_backoff_s: float = 1.0  # doubles with each death, up to MAX_BACKOFF_S
     _redis: RedisServer | None = None
+    _claim: BrokerClaim | None = None  # the broker database, ours while we run (tasks.broker)
     _stopping: bool = False
 
     @property
@@ -151,6 +153,8 @@ class Launcher:
         simulated = self.sim_gpus or self.settings.sim_gpus
         self.devices = discover(simulated or DEFAULT_SIM_GPUS, simulate=bool(simulated))
         self._check_owners()
+        self._claim = BrokerClaim(self.broker_url, self.fleet)
+        self._claim.take()  # before any worker: a second fleet on this database stops here
         metrics = {"GPUFLEET_METRICS_PORT": str(self.metrics_port)} if self.metrics_port else {}
         self._add(
             "router",
@@ -196,8 +200,9 @@ class Launcher:
                     raise ConfigError(
                         f"GPU {d.gpu_id(self.host)} is owned by live worker {owner[0]} of "
                         f"fleet {self.fleet!r} on {safe_url(self.redis_url)}: another gpufleet "
-                        f"runs here. Stop it, or start this one as a second fleet with "
-                        f"GPUFLEET_FLEET=<name> (or, for simulated GPUs, GPUFLEET_HOST=<name>)"
+                        f"runs here. Stop it, or start this one as a second fleet on a Redis "
+                        f"database of its own (GPUFLEET_REDIS_URL=redis://<host>:<port>/<db>) "
+                        f"or, for simulated GPUs, as another host (GPUFLEET_HOST=<name>)"
                     )
         finally:
             registry.client.close()
@@ -359,11 +364,27 @@ class Launcher:
                 child.proc.wait()
             _kill_group(child.proc.pid)
         self.children.clear()
+        if self._claim is not None:
+            if not self._runs_elsewhere():
+                self._claim.release()
+            self._claim.close()
+            self._claim = None
         if self._redis is not None:
             self._redis.stop()
             self._redis = None
             shutil.rmtree(self.settings.fleet_dir() / "redis", ignore_errors=True)
         self._remove_connection()
+
+    def _runs_elsewhere(self) -> bool:
+        """Whether GPU workers of this fleet on other hosts are alive (they use the broker)."""
+        registry = Registry.from_url(self.redis_url, self.fleet)
+        try:
+            snap = registry.snapshot()
+            return any(g.host != self.host and g.alive(snap.now_ms) for g in snap.gpus.values())
+        except (redis.RedisError, GpufleetError):
+            return False  # the release will not reach Redis either
+        finally:
+            registry.client.close()
 
     def _remove_connection(self) -> None:
         path = self.connection_file

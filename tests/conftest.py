@@ -112,6 +112,22 @@ def fleet(redis_url: str) -> Iterator[str]:
         client.close()
 
 
+@pytest.fixture
+def fleet_elsewhere(redis_url: str) -> Iterator[tuple[str, str]]:
+    """The test Redis's next database (0-15) and a fleet name of its own there; its keys
+    go after. A second fleet beside `fleet`, with a broker database apart."""
+    parts = urllib.parse.urlsplit(redis_url)
+    db = (int(parts.path.strip("/") or 0) + 1) % 16
+    url = urllib.parse.urlunsplit(parts._replace(path=f"/{db}"))
+    name = f"t-{uuid.uuid4().hex[:12]}"
+    yield url, name
+    client = redis.Redis.from_url(url, decode_responses=True)
+    try:
+        delete_fleet_keys(client, name)
+    finally:
+        client.close()
+
+
 def delete_fleet_keys(client: redis.Redis, fleet: str, batch: int = 500) -> int:
     """Delete every ``gpufleet:{<fleet>}:*`` key with SCAN (never KEYS); return how many."""
     pattern = f"gpufleet:{{{_glob_escape(fleet)}}}:*"

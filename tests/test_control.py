@@ -72,6 +72,7 @@ def test_an_evict_under_a_backlog_settles_at_once_and_the_model_comes_back_hot(
 
 
 SHARED_ARGS = ["--sim-gpus", "1x4GiB", "--metrics-port", "0"]
+ONE_MODEL = "models:\n  c: {source: synthetic, task: forward, memory: 256MiB}\n"
 
 
 def shared_redis(tmp_path: Path, redis_url: str, fleet: str) -> tuple[Path, dict[str, str]]:
@@ -82,31 +83,71 @@ def shared_redis(tmp_path: Path, redis_url: str, fleet: str) -> tuple[Path, dict
     return catalog, env
 
 
-def test_a_second_fleet_with_the_same_host_name_refuses_and_the_first_keeps_serving(
-    tmp_path: Path, redis_url: str, fleet: str
+def up_refused(catalog: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """`gpufleet up` that is expected to refuse: it must end on its own, with an error."""
+    done = subprocess.run(
+        [sys.executable, "-m", "tasks.cli", "up", "--models", str(catalog), *SHARED_ARGS],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode != 0, done.stdout
+    return done
+
+
+def test_a_second_fleet_on_the_first_fleets_redis_database_refuses_and_runs_from_one_of_its_own(
+    tmp_path: Path, redis_url: str, fleet: str, fleet_elsewhere: tuple[str, str]
 ) -> None:
+    """The same fleet and host: the GPU is owned. Another fleet: the broker database is the
+    first's (their routers would take each other's calls). A database of its own: it runs,
+    and each fleet's calls reach only its own GPUs."""
     catalog, env = shared_redis(tmp_path, redis_url, fleet)
-    args = SHARED_ARGS
-    with fleet_up(catalog, args, env, fleet) as first:
+    with fleet_up(catalog, SHARED_ARGS, env, fleet) as first:
         assert first.infer("a", "x")["model"] == "a"
-        second = subprocess.run(
-            [sys.executable, "-m", "tasks.cli", "up", "--models", str(catalog), *args],
-            cwd=REPO,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=False,
-        )
-        assert second.returncode != 0
-        assert "owned by live worker" in second.stderr
-        assert "GPUFLEET_FLEET" in second.stderr and "GPUFLEET_HOST" in second.stderr
+        same = up_refused(catalog, env)
+        assert "owned by live worker" in same.stderr
+        assert "GPUFLEET_REDIS_URL" in same.stderr and "GPUFLEET_HOST" in same.stderr
+
+        own_db, second_name = fleet_elsewhere
+        second_catalog = tmp_path / "second.yaml"
+        second_catalog.write_text(ONE_MODEL)
+        second_env = env | {"GPUFLEET_FLEET": second_name, "GPUFLEET_HOST": "second"}
+        other = up_refused(second_catalog, second_env)
+        assert f"carries the calls of fleet {fleet!r}" in other.stderr
+        assert "database of its own" in other.stderr
         assert first.infer("a", "still here")["model"] == "a"
         snap = first.registry.snapshot()
         assert [g.alive(snap.now_ms) for g in snap.gpus.values()] == [True]
 
+        second_env["GPUFLEET_REDIS_URL"] = own_db
+        with fleet_up(second_catalog, SHARED_ARGS, second_env, second_name) as second:
+            for i in range(4):  # each client's calls reach only its own fleet
+                assert first.infer("a", f"x{i}")["worker"].startswith("sim0@same")
+                assert second.infer("c", f"x{i}")["worker"].startswith("sim0@second")
+            with pytest.raises(Exception, match="it serves: c"):
+                second.infer("a", "not in this catalog")
 
-def test_a_celery_worker_started_by_hand_on_owned_gpus_refuses_to_start(
+
+def celery_worker_refused(env: dict[str, str]) -> str:
+    """A Celery worker started by hand that is expected to refuse; what it printed."""
+    done = subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "tasks.app", "worker", "-Q", "x", "-n",
+         "intruder@same", "-c", "1", "--without-gossip", "--without-mingle"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )  # fmt: skip
+    assert done.returncode != 0, done.stdout
+    return done.stderr + done.stdout
+
+
+def test_celery_workers_started_by_hand_on_owned_gpus_or_another_fleets_broker_refuse_to_start(
     tmp_path: Path, redis_url: str, fleet: str
 ) -> None:
     catalog, env = shared_redis(tmp_path, redis_url, fleet)
@@ -116,18 +157,9 @@ def test_a_celery_worker_started_by_hand_on_owned_gpus_refuses_to_start(
             "GPUFLEET_SIM_GPUS": "1x4GiB",
             "GPUFLEET_MODELS": str(catalog),
         }
-        done = subprocess.run(
-            [sys.executable, "-m", "celery", "-A", "tasks.app", "worker", "-Q", "x", "-n",
-             "intruder@same", "-c", "1", "--without-gossip", "--without-mingle"],
-            cwd=REPO,
-            env=intruder,
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=False,
-        )  # fmt: skip
-        assert done.returncode != 0
-        assert "owned by live worker" in done.stderr + done.stdout
+        assert "owned by live worker" in celery_worker_refused(intruder)
+        stranger = intruder | {"GPUFLEET_FLEET": f"{fleet}-2", "GPUFLEET_ROLE": "router"}
+        assert f"carries the calls of fleet {fleet!r}" in celery_worker_refused(stranger)
         assert first.infer("a", "x")["model"] == "a"
         owners = {g.worker for g in Registry.from_url(redis_url, fleet).snapshot().gpus.values()}
         assert all(w.startswith("sim0@same") for w in owners)

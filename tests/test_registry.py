@@ -466,7 +466,7 @@ def test_a_live_predecessor_of_the_same_lineage_is_replaced_any_other_refused(
     snap = reg.snapshot()
     assert snap.gpus["g"].worker == "new"
     assert all(d.level is Level.COLD for d in snap.deployments.values())
-    with pytest.raises(GpuOwnedError, match="GPUFLEET_FLEET"):
+    with pytest.raises(GpuOwnedError, match="database of its own"):
         reg.register_worker("intruder", "h0", "q0", gpu, lineage="another-fleet")
     assert reg.owner("g") == ("new", "pool-1")
 
