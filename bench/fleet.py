@@ -30,7 +30,8 @@ def bench_launcher(
     directory: Path, catalog: str, name: str, sim_gpus: str, warm_cache: str
 ) -> Launcher:
     """A launcher (not started yet) for `catalog`'s text on a fleet name of its own, so a
-    run never meets another's records; this process's environment points at it."""
+    run never meets another's records; this process's environment points at it. With
+    GPUFLEET_REDIS_URL set, runs take turns: one broker database carries one fleet."""
     path = directory / "models.yaml"
     path.write_text(catalog)
     os.environ["GPUFLEET_MODELS"] = str(path)

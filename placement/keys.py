@@ -12,6 +12,10 @@ from functools import cached_property
 
 from placement.errors import ConfigError
 
+#: The broker database's claim (tasks/broker.py): which fleet's calls it carries. Not a
+#: fleet's key: one database carries one fleet.
+BROKER_CLAIM = "gpufleet:broker-fleet"
+
 
 @dataclass(frozen=True)
 class Keys:

@@ -41,6 +41,7 @@ NAMES = (
     "evict",
     "reap",
     "learn",
+    "claim",
 )
 
 

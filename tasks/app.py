@@ -15,7 +15,10 @@ from tasks.context import settings
 app = Celery("gpufleet", task_cls="tasks.checked:CheckedTask")
 app.conf.update(celery_conf(settings()))
 app.conf.task_routes = ("tasks.routing.route",)
-# tasks.broker: every worker claims the fleet's broker database (no tasks of its own).
-app.conf.include = ["tasks.api", "tasks.scaling", "tasks.broker"] + (
-    ["tasks.gpu"] if settings().role == "gpu" else []
+# tasks.broker: every worker claims the fleet's broker database (no tasks of its own),
+# last, after the other modules' start checks (signal handlers run in import order).
+app.conf.include = (
+    ["tasks.api", "tasks.scaling"]
+    + (["tasks.gpu"] if settings().role == "gpu" else [])
+    + ["tasks.broker"]
 )

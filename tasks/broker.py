@@ -29,11 +29,13 @@ from celery.signals import worker_init
 
 from placement.config import safe_url
 from placement.errors import BrokerInUseError
+from placement.keys import BROKER_CLAIM
+from placement.scripts import scripts_for
 from tasks import context
 
 log = logging.getLogger(__name__)
 
-CLAIM_KEY = "gpufleet:broker-fleet"  # outside every fleet's `gpufleet:{fleet}:` keys
+CLAIM_KEY = BROKER_CLAIM
 CLAIM_TTL_S = 30
 RENEW_EVERY_S = 10.0
 
@@ -52,23 +54,16 @@ class BrokerClaim:
 
     def take(self) -> None:
         """Hold the database for the next `CLAIM_TTL_S`, or raise `BrokerInUseError`."""
-        for _ in range(3):  # the holder's claim may lapse between two reads
-            if self.client.set(CLAIM_KEY, self.fleet, nx=True, ex=CLAIM_TTL_S):
-                return
-            holder = self.client.get(CLAIM_KEY)
-            if holder == self.fleet:
-                self.client.expire(CLAIM_KEY, CLAIM_TTL_S)
-                return
-            if holder is not None:
-                raise BrokerInUseError(
-                    f"the Celery broker {safe_url(self.url)} already carries the calls of "
-                    f"fleet {holder!r}, and two fleets on one Redis database take each "
-                    f"other's calls. Give fleet {self.fleet!r} a database of its own "
-                    f"(GPUFLEET_REDIS_URL=redis://<host>:<port>/1, say) or its own Redis, "
-                    f"or stop fleet {holder!r} (its claim, {CLAIM_KEY}, lapses "
-                    f"{CLAIM_TTL_S} s after its last worker stops)"
-                )
-        raise BrokerInUseError(f"the claim {CLAIM_KEY} on {safe_url(self.url)} keeps changing")
+        holder = scripts_for(self.client)("claim", [CLAIM_KEY], [self.fleet, CLAIM_TTL_S])
+        if holder is not None:
+            raise BrokerInUseError(
+                f"the Celery broker {safe_url(self.url)} already carries the calls of fleet "
+                f"{holder!r}, and two fleets on one Redis database take each other's calls. "
+                f"Give fleet {self.fleet!r} a database of its own, GPUFLEET_REDIS_URL=redis://"
+                f"<host>:<port>/1 say (and GPUFLEET_BROKER_URL, where it is set), or a Redis "
+                f"of its own; or stop fleet {holder!r} (its claim, {CLAIM_KEY}, lapses "
+                f"{CLAIM_TTL_S} s after it was last renewed)"
+            )
 
     def release(self) -> None:
         """Give the database up, if this fleet still holds it."""
@@ -92,15 +87,19 @@ class BrokerClaim:
                 except BrokerInUseError as exc:
                     on_lost(exc)
                     return
-                except redis.RedisError as exc:  # Celery reports the broker's own outages
-                    log.debug("broker claim not renewed yet: %s", exc)
+                except Exception as exc:  # the broker is down (Celery reports it too)
+                    log.warning("broker claim not renewed (retrying): %s", exc)
 
         self._thread = threading.Thread(target=renew, name="gpufleet-broker-claim", daemon=True)
         self._thread.start()
 
-    def close(self) -> None:
-        """Stop renewing and close the connection (the claim stays until it lapses)."""
+    def close(self, release: bool = False) -> None:
+        """Stop renewing, release the claim if asked (else it lapses), close the connection."""
         self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)  # a renewal under way must not outlive a release
+        if release:
+            self.release()
         self.client.close()
 
 

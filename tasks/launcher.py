@@ -155,6 +155,7 @@ class Launcher:
         self._check_owners()
         self._claim = BrokerClaim(self.broker_url, self.fleet)
         self._claim.take()  # before any worker: a second fleet on this database stops here
+        self._claim.keep(lambda exc: log.critical("another fleet took the broker: %s", exc))
         metrics = {"GPUFLEET_METRICS_PORT": str(self.metrics_port)} if self.metrics_port else {}
         self._add(
             "router",
@@ -365,9 +366,7 @@ class Launcher:
             _kill_group(child.proc.pid)
         self.children.clear()
         if self._claim is not None:
-            if not self._runs_elsewhere():
-                self._claim.release()
-            self._claim.close()
+            self._claim.close(release=not self._runs_elsewhere())
             self._claim = None
         if self._redis is not None:
             self._redis.stop()

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 
+from placement.keys import BROKER_CLAIM
 from placement.redis_server import RedisServer
 
 REDIS_URL_ENV = "GPUFLEET_TEST_REDIS_URL"
@@ -129,7 +130,11 @@ def fleet_elsewhere(redis_url: str) -> Iterator[tuple[str, str]]:
 
 
 def delete_fleet_keys(client: redis.Redis, fleet: str, batch: int = 500) -> int:
-    """Delete every ``gpufleet:{<fleet>}:*`` key with SCAN (never KEYS); return how many."""
+    """Delete every ``gpufleet:{<fleet>}:*`` key with SCAN (never KEYS), and the fleet's
+    claim on the database if it still holds it (a fleet killed before it released it);
+    return how many keys."""
+    if client.get(BROKER_CLAIM) == fleet:
+        client.delete(BROKER_CLAIM)
     pattern = f"gpufleet:{{{_glob_escape(fleet)}}}:*"
     deleted = 0
     pending: list[str] = []
