@@ -312,8 +312,9 @@ def _print_ready(launcher: Any) -> None:
     """Where the fleet is, printed once: the registry URL in full (its password included),
     so a plain Celery client on another machine can connect."""
     gpus = ", ".join(f"{d.name} #{d.index}" for d in launcher.devices)
+    count = len(launcher.devices)
     console.print(
-        f"[green]gpufleet is up[/]: {len(launcher.devices)} GPUs ({gpus}), "
+        f"[green]gpufleet is up[/]: {count} GPU{'' if count == 1 else 's'} ({gpus}), "
         f"registry {launcher.redis_url}",
         highlight=False,
     )
