@@ -36,7 +36,6 @@ import argparse
 import json
 import logging
 import multiprocessing
-import os
 import signal
 import tempfile
 import time
@@ -85,7 +84,6 @@ def run_fleet(directory: Path, warm_cache: str, calls: int) -> dict[str, Any]:
     """Start a fleet, make every model load once, then time `calls` round-robin misses."""
     from bench.fleet import bench_launcher
 
-    os.environ["GPUFLEET_WARM_CACHE"] = warm_cache  # bench_launcher only sets a default
     fleet = bench_launcher(directory, CATALOG, "miss", SIM_GPUS, warm_cache=warm_cache)
     latencies: list[float] = []
     parts: dict[str, list[float]] = {}
