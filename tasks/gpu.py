@@ -225,10 +225,10 @@ def _start(**_: Any) -> None:
             warm_budget=_warm_budget(),
             lease_ms=settings.worker_lease_ms,
             lineage=default_lineage(settings.lineage),
+            # A soft time limit is the batch's (its calls share their limits): fail them
+            # all, rather than run each again after the limit.
+            whole_pass_errors=(SoftTimeLimitExceeded,),
         )
-        # A soft time limit is the batch's (its calls share their limits): fail them all,
-        # rather than run each again after the limit.
-        _process.worker.manager.whole_pass_errors = (SoftTimeLimitExceeded,)
     except Exception:
         # Celery would log this and keep a child that fails every call: exit instead.
         log.critical("GPU worker process cannot start", exc_info=True)

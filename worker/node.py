@@ -54,13 +54,16 @@ class GpuWorker:
         warm_budget: int,
         lease_ms: int = DEFAULT_WORKER_LEASE_MS,
         lineage: str = "",
+        whole_pass_errors: tuple[type[BaseException], ...] = (),
     ) -> None:
         self.registry = registry
         self.devices = devices
         self.host = host
         self.queue = queue
         self.worker_id = make_worker_id(host, devices)
-        self.manager = ResidencyManager(visible, host, registry=registry)
+        self.manager = ResidencyManager(
+            visible, host, registry=registry, whole_pass_errors=whole_pass_errors
+        )
         self.keeper = Keeper(registry, self.manager, self.worker_id, spec_of)
         self.lease = WorkerLease(
             registry,

@@ -110,6 +110,7 @@ class ResidencyManager:
         *,
         registry: Registry | None = None,
         warmup: bool = True,
+        whole_pass_errors: tuple[type[BaseException], ...] = (),
     ) -> None:
         self.host = host
         self.devices = {d.gpu_id(host): d for d in devices}
@@ -129,7 +130,7 @@ class ResidencyManager:
         self._reported: dict[str, int] = {}
         # Errors that concern a whole pass, not one of its calls (a time limit): they fail
         # every call of the pass at once instead of a retry one call at a time.
-        self.whole_pass_errors: tuple[type[BaseException], ...] = ()
+        self.whole_pass_errors = whole_pass_errors
 
     # --- the ledger's orders ------------------------------------------------
 
