@@ -89,6 +89,11 @@ def load_on(arg: str) -> dict[str, Any]:
     }
 
 
+def _pinned_bytes() -> int:
+    """Pinned host memory PyTorch's allocator holds (blocks in use and cached)."""
+    return int(torch.cuda.host_memory_stats()["allocated_bytes.current"])
+
+
 def offload_restore(arg: str) -> dict[str, Any]:
     """Load, offload and restore MiniLM; report device memory by torch and NVML at each step."""
     devices = _devices()
@@ -98,11 +103,18 @@ def offload_restore(arg: str) -> dict[str, Any]:
     manager.load(spec, "r1", {first.gpu_id(HOST): GiB})
     before = manager.infer("r1", "same input")
     loaded = (torch.cuda.memory_reserved(0), _nvml_used(first.index))
+    pinned = [_pinned_bytes()]
     offload = manager.offload("r1")
     offloaded = (torch.cuda.memory_reserved(0), _nvml_used(first.index))
+    pinned.append(_pinned_bytes())
+    copy_bytes = manager.copy_bytes("r1")
     restore = manager.restore("r1", {second.gpu_id(HOST): GiB})
+    manager.trim_host_cache()  # as the keeper does once the restore is confirmed
+    pinned.append(_pinned_bytes())
     model = manager.residents["r1"].model
     return {
+        "pinned_bytes": pinned,
+        "copy_bytes": copy_bytes,
         "reserved": [loaded[0], offloaded[0]],
         "nvml_used": [loaded[1], offloaded[1]],
         "pinned": all(p.is_cuda or p.is_pinned() for p in model.parameters()),

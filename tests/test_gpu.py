@@ -66,6 +66,13 @@ def test_offload_frees_device_memory_by_torch_and_nvml_and_restore_lands_as_plan
     assert result["same_output"]
 
 
+def test_a_pinned_warm_copy_is_charged_all_it_pins_and_a_restore_gives_it_back_to_the_os() -> None:
+    result = probe("offload_restore", str(1 if gpu_count() > 1 else 0))
+    before, offloaded, restored = result["pinned_bytes"]
+    assert 50 * 2**20 < offloaded - before <= result["copy_bytes"]  # what the ledger charges
+    assert restored <= before  # not kept in PyTorch's cache of pinned blocks
+
+
 def test_two_processes_sharing_one_gpu_each_stay_under_their_own_cap() -> None:
     with ThreadPoolExecutor(2) as pool:
         results = list(pool.map(lambda share: probe("fill_to_cap", share), ["0.1", "0.15"]))

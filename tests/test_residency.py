@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -317,3 +318,37 @@ def test_a_whole_pass_error_fails_every_call_of_the_pass_without_a_retry_one_by_
     manager.whole_pass_errors = (_Interrupted,)
     failed, _ = manager.run_batch("r1", requests)
     assert all(isinstance(r.error, _Interrupted) and r.batch == 2 for r in failed)
+
+
+def test_a_failed_pass_frees_what_its_frames_held_while_its_error_is_still_kept(
+    manager: ResidencyManager,
+    catalog: Catalog,
+    devices: list[Device],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a GPU a pass's activations are device memory: an error that kept its frames would
+    keep them allocated, outside the ledger, until Celery has answered the call."""
+    manager.load(catalog.get("minilm"), "r1", {gpu(devices, 0): GiB})
+    held: list[weakref.ref[torch.Tensor]] = []
+
+    def fails_holding_activations(*_: Any) -> Any:
+        activations = torch.ones(1024, 1024)
+        held.append(weakref.ref(activations))
+        raise RuntimeError("the pass failed")
+
+    monkeypatch.setattr(handlers, "run_many", fails_holding_activations)
+    (ran,), _ = manager.run_batch("r1", [("a cat", None)])
+    assert isinstance(ran.error, RuntimeError)
+    assert held and held[0]() is None  # freed, though `ran.error` still lives
+
+
+def test_a_pinned_copy_is_charged_its_power_of_two_blocks() -> None:
+    """PyTorch's pinned-memory allocator rounds each block up to a power of two."""
+    model = torch.nn.Linear(3, 5)  # weight 60 bytes -> a 64-byte block, bias 20 -> 32
+    assert loading.tensor_bytes(model) == 80
+    assert loading.pinned_bytes(model) == 96
+    exact = torch.nn.Linear(4, 4, bias=False)  # 64 bytes: already a power of two
+    assert loading.pinned_bytes(exact) == 64
+    twin = torch.nn.Linear(3, 5)
+    twin.weight = model.weight  # a tied weight is one tensor, pinned once
+    assert loading.pinned_bytes(torch.nn.Sequential(model, twin)) == 96 + 32

@@ -325,7 +325,8 @@ class Keeper:
             ):
                 self.manager.drop(replica)  # a copy of an older placement
                 resident = None
-            if resident is not None and resident.warm:
+            restored = resident is not None and resident.warm
+            if restored:
                 self.manager.restore(replica, dep.gpus, dep.limit, dep.epoch)
             elif resident is None:
                 spec = self.spec_of(dep.model)
@@ -344,6 +345,8 @@ class Keeper:
         copy_bytes = self.manager.copy_bytes(replica)
         if self.registry.confirm(replica, self.worker_id, dep.epoch, copy_bytes):
             self._resolve(replica, hot=dep.epoch)
+            if restored:
+                self.manager.trim_host_cache()  # its CPU copy's blocks, once its calls run
         elif depth < 2:
             self._reconcile(replica, depth + 1)  # it moved on while it loaded
         else:

@@ -333,6 +333,14 @@ def _normal(device: torch.device) -> tuple[str, int]:
     return device.type, index
 
 
+def pinned_bytes(model: Any) -> int:
+    """Host memory a pinned CPU copy of the model takes: PyTorch's pinned-memory allocator
+    rounds each tensor's block up to a power of two (`torch.cuda.host_memory_stats`), so a
+    copy may take up to twice its tensors' bytes."""
+    sizes = (t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    return sum(1 << (n - 1).bit_length() for n in sizes if n > 0)
+
+
 def tensor_bytes(model: Any, devices: Sequence[torch.device] | None = None) -> int:
     """Bytes of the model's parameters and buffers (on `devices`, when given)."""
     wanted = None if devices is None else {_normal(d) for d in devices}

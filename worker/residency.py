@@ -55,6 +55,7 @@ class Resident:
     nbytes: int  # its tensors' bytes, measured once at load: moves do not change them
     limit: int = 0  # the ledger's admission limit, when above the reservation
     epoch: int = 0  # the ledger placement it was loaded or restored for
+    host_bytes: int = 0  # what its copy takes in host memory once offloaded (0: nbytes)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     @property
@@ -173,6 +174,8 @@ class ResidencyManager:
             raise
         seconds = time.perf_counter() - start
         nbytes = loading.tensor_bytes(built.model)
+        pinned = self._pin and not simulated  # its offloaded copy will be pinned
+        host_bytes = loading.pinned_bytes(built.model) if pinned else nbytes
         with self._lock:
             if simulated and not accounted:
                 accounted = nbytes
@@ -183,7 +186,7 @@ class ResidencyManager:
                     raise
             resident = Resident(
                 replica, spec, built.model, built.tokenizer, dict(slots), accounted, nbytes,
-                limit, epoch,
+                limit, epoch, host_bytes,
             )  # fmt: skip
             self.residents[replica] = resident
             self._arrived(replica)
@@ -248,13 +251,26 @@ class ResidencyManager:
     def copy_bytes(self, replica: str) -> int:
         """Bytes a replica's copy takes in host memory once offloaded; 0 when not known.
 
-        A synthetic stand-in counts as its declared size, as on the device, so it reports 0
-        and the ledger keeps charging that size.
+        A pinned copy (a real GPU's) counts its pinned blocks, which PyTorch rounds up to a
+        power of two each. A synthetic stand-in counts as its declared size, as on the
+        device, so it reports 0 and the ledger keeps charging that size.
         """
         resident = self.residents.get(replica)
         if resident is None or resident.spec.synthetic:
             return 0
-        return resident.nbytes
+        return resident.host_bytes or resident.nbytes
+
+    def trim_host_cache(self) -> None:
+        """Give the pinned blocks no copy uses any more back to the OS. PyTorch's pinned
+        allocator keeps freed blocks cached for reuse, while the ledger has already given
+        their bytes back to the host's warm cache: without this, the process would hold
+        the most pinned memory it ever used."""
+        if not self._pin:
+            return
+        empty = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
+        empty = empty or getattr(torch._C, "_host_emptyCache", None)  # torch < 2.9
+        if empty is not None:
+            empty()
 
     def drop(self, replica: str) -> None:
         """Forget a replica wherever it is (COLD)."""
@@ -305,6 +321,7 @@ class ResidencyManager:
         with self._lock:
             self._free_cuda()
             self._set_caps()
+        self.trim_host_cache()  # a dropped warm copy's pinned blocks
 
     def drop_all(self) -> None:
         """Forget every replica, e.g. after the worker lost its lease."""
@@ -402,6 +419,9 @@ class ResidencyManager:
         except Exception as exc:
             if is_fatal_cuda_error(exc):
                 exit_for_restart(exc)  # the CUDA context is unusable: start a clean process
+            # The pass's frames hold its activations (on the GPU) for as long as the error
+            # lives, which is until Celery has answered every call it fails.
+            traceback.clear_frames(exc.__traceback__)
             if len(chunk) == 1 or isinstance(exc, self.whole_pass_errors):
                 ms = (time.perf_counter() - start) * 1000
                 for index, _ in chunk:
