@@ -270,7 +270,7 @@ def place(model: Any, plan: Mapping[int, int], simulated: bool) -> Any:
         return model  # a simulated GPU keeps its models in CPU memory, where this one is
     if len(plan) == 1:
         model = model.to(torch.device("cuda", min(plan)), non_blocking=True)
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(min(plan))  # that device's copies, not the current device's
     else:
         from accelerate import dispatch_model, infer_auto_device_map
 

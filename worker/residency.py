@@ -630,7 +630,8 @@ class ResidencyManager:
         if simulated:
             weights = resident.accounted
         else:
-            torch.cuda.synchronize()
+            for index in plan:  # every planned device, not only the current one
+                torch.cuda.synchronize(index)
             weights = sum(torch.cuda.memory_allocated(i) - baseline.get(i, 0) for i in plan)
         self._weights[name] = weights
         known = self._reported.get(name)
@@ -647,7 +648,8 @@ class ResidencyManager:
         if simulated:
             peak = weights + _activation_bytes(resident.model, _warmup_input(resident))
         else:
-            torch.cuda.synchronize()
+            for index in plan:  # every planned device, not only the current one
+                torch.cuda.synchronize(index)
             warm = sum(torch.cuda.max_memory_allocated(i) - baseline.get(i, 0) for i in plan)
             peak = max(loaded, warm)
         if self.registry is not None and not resident.spec.synthetic:
