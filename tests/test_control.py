@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 
 from placement.audit import audit
-from placement.registry import Registry
 from placement.state import Level
 from tests.running import REPO, TWO_MODELS, fleet_env, fleet_up
 
@@ -98,39 +97,6 @@ def up_refused(catalog: Path, env: dict[str, str]) -> subprocess.CompletedProces
     return done
 
 
-def test_a_second_fleet_on_the_first_fleets_redis_database_refuses_and_runs_from_one_of_its_own(
-    tmp_path: Path, redis_url: str, fleet: str, fleet_elsewhere: tuple[str, str]
-) -> None:
-    """The same fleet and host: the GPU is owned. Another fleet: the broker database is the
-    first's (their routers would take each other's calls). A database of its own: it runs,
-    and each fleet's calls reach only its own GPUs."""
-    catalog, env = shared_redis(tmp_path, redis_url, fleet)
-    with fleet_up(catalog, SHARED_ARGS, env, fleet) as first:
-        assert first.infer("a", "x")["model"] == "a"
-        same = up_refused(catalog, env)
-        assert "owned by live worker" in same.stderr
-        assert "GPUFLEET_REDIS_URL" in same.stderr and "GPUFLEET_HOST" in same.stderr
-
-        own_db, second_name = fleet_elsewhere
-        second_catalog = tmp_path / "second.yaml"
-        second_catalog.write_text(ONE_MODEL)
-        second_env = env | {"GPUFLEET_FLEET": second_name, "GPUFLEET_HOST": "second"}
-        other = up_refused(second_catalog, second_env)
-        assert f"carries the calls of fleet {fleet!r}" in other.stderr
-        assert "database of its own" in other.stderr
-        assert first.infer("a", "still here")["model"] == "a"
-        snap = first.registry.snapshot()
-        assert [g.alive(snap.now_ms) for g in snap.gpus.values()] == [True]
-
-        second_env["GPUFLEET_REDIS_URL"] = own_db
-        with fleet_up(second_catalog, SHARED_ARGS, second_env, second_name) as second:
-            for i in range(4):  # each client's calls reach only its own fleet
-                assert first.infer("a", f"x{i}")["worker"].startswith("sim0@same")
-                assert second.infer("c", f"x{i}")["worker"].startswith("sim0@second")
-            with pytest.raises(Exception, match="it serves: c"):
-                second.infer("a", "not in this catalog")
-
-
 def celery_worker_refused(env: dict[str, str]) -> str:
     """A Celery worker started by hand that is expected to refuse; what it printed."""
     done = subprocess.run(
@@ -147,19 +113,46 @@ def celery_worker_refused(env: dict[str, str]) -> str:
     return done.stderr + done.stdout
 
 
-def test_celery_workers_started_by_hand_on_owned_gpus_or_another_fleets_broker_refuse_to_start(
-    tmp_path: Path, redis_url: str, fleet: str
+def test_a_second_fleet_on_the_first_fleets_redis_database_refuses_and_runs_from_one_of_its_own(
+    tmp_path: Path, redis_url: str, fleet: str, fleet_elsewhere: tuple[str, str]
 ) -> None:
+    """The same fleet and host: the GPU is owned. Another fleet: the broker database is the
+    first's (their routers would take each other's calls). Both hold for `gpufleet up` and
+    for Celery workers started by hand. A database of its own: the second fleet runs, and
+    each fleet's calls reach only its own GPUs."""
     catalog, env = shared_redis(tmp_path, redis_url, fleet)
     with fleet_up(catalog, SHARED_ARGS, env, fleet) as first:
+        assert first.infer("a", "x")["model"] == "a"
+        same = up_refused(catalog, env)
+        assert "owned by live worker" in same.stderr
+        assert "GPUFLEET_REDIS_URL" in same.stderr and "GPUFLEET_HOST" in same.stderr
+
+        own_db, second_name = fleet_elsewhere
+        second_catalog = tmp_path / "second.yaml"
+        second_catalog.write_text(ONE_MODEL)
+        second_env = env | {"GPUFLEET_FLEET": second_name, "GPUFLEET_HOST": "second"}
+        other = up_refused(second_catalog, second_env)
+        assert f"carries the calls of fleet {fleet!r}" in other.stderr
+        assert "database of its own" in other.stderr
+
+        # Celery workers started by hand: on the owned GPU, or of the other fleet.
         intruder = env | {
             "GPUFLEET_ROLE": "gpu",
             "GPUFLEET_SIM_GPUS": "1x4GiB",
             "GPUFLEET_MODELS": str(catalog),
         }
         assert "owned by live worker" in celery_worker_refused(intruder)
-        stranger = intruder | {"GPUFLEET_FLEET": f"{fleet}-2", "GPUFLEET_ROLE": "router"}
+        stranger = intruder | {"GPUFLEET_FLEET": second_name, "GPUFLEET_ROLE": "router"}
         assert f"carries the calls of fleet {fleet!r}" in celery_worker_refused(stranger)
-        assert first.infer("a", "x")["model"] == "a"
-        owners = {g.worker for g in Registry.from_url(redis_url, fleet).snapshot().gpus.values()}
-        assert all(w.startswith("sim0@same") for w in owners)
+        assert first.infer("a", "still here")["model"] == "a"
+        snap = first.registry.snapshot()
+        (gpu,) = snap.gpus.values()
+        assert gpu.worker.startswith("sim0@same") and gpu.alive(snap.now_ms)  # still the first's
+
+        second_env["GPUFLEET_REDIS_URL"] = own_db
+        with fleet_up(second_catalog, SHARED_ARGS, second_env, second_name) as second:
+            for i in range(4):  # each client's calls reach only its own fleet
+                assert first.infer("a", f"x{i}")["worker"].startswith("sim0@same")
+                assert second.infer("c", f"x{i}")["worker"].startswith("sim0@second")
+            with pytest.raises(Exception, match="it serves: c"):
+                second.infer("a", "not in this catalog")

@@ -140,25 +140,18 @@ def _client(url: str) -> Celery:
     return app
 
 
-def test_a_celery_client_reaches_the_fleet_with_the_printed_url_and_needs_its_password(
-    catalog: Path,
+def test_a_client_needs_the_printed_url_with_its_password_and_status_needs_no_setting_at_all(
+    catalog: Path, tmp_path: Path
 ) -> None:
-    with fleet_up(catalog, ARGS, fleet_env()) as fleet:
+    default_home = tmp_path / ".local/state/gpufleet"  # the default, under this test's HOME
+    env = fleet_env(HOME=str(tmp_path), GPUFLEET_HOME=str(default_home))
+    with fleet_up(catalog, ARGS, env) as fleet:
         printed = [line for line in fleet.lines if "registry redis://" in line]
         assert len(printed) == 1 and ":" in fleet.url.split("@")[0].split("//")[1]
         assert _client(fleet.url).send_task("gpufleet.infer", args=("a", "x")).get(timeout=60)
         without = fleet.url.replace(fleet.url.split("//")[1].split("@")[0] + "@", "")
         with pytest.raises(redis.AuthenticationError):
             redis.Redis.from_url(without).ping()
-
-
-def test_gpufleet_status_finds_the_fleet_with_no_setting_at_all(
-    catalog: Path, tmp_path: Path
-) -> None:
-    default_home = tmp_path / ".local/state/gpufleet"  # the default, under this test's HOME
-    env = fleet_env(HOME=str(tmp_path), GPUFLEET_HOME=str(default_home))
-    with fleet_up(catalog, ARGS, env) as fleet:
-        fleet.infer("a", "x")
         bare = {k: v for k, v in env.items() if not k.startswith("GPUFLEET_")}
 
         def gpufleet(*args: str) -> str:
