@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -352,3 +353,28 @@ def test_a_pinned_copy_is_charged_its_power_of_two_blocks() -> None:
     twin = torch.nn.Linear(3, 5)
     twin.weight = model.weight  # a tied weight is one tensor, pinned once
     assert loading.pinned_bytes(torch.nn.Sequential(model, twin)) == 96 + 32
+
+
+def test_a_model_loaded_again_another_way_is_warmed_up_again(
+    reporting: tuple[Registry, ResidencyManager],
+    catalog: Catalog,
+    devices: list[Device],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The warm-up is a build path's first check: a reload through transformers' loader,
+    after the reader, runs it again."""
+    _, manager = reporting
+    spec = catalog.get("minilm")
+    assert manager.load(spec, "r1", {gpu(devices, 0): GiB}).via == "safetensors"
+    manager.drop("r1")
+    passes: list[str] = []
+    infer = manager.infer
+
+    def counted(replica: str, *args: Any) -> Any:
+        passes.append(replica)
+        return infer(replica, *args)
+
+    monkeypatch.setattr(manager, "infer", counted)
+    again = manager.load(replace(spec, loader="transformers"), "r2", {gpu(devices, 1): GiB})
+    assert again.via == "transformers"
+    assert passes == ["r2"]

@@ -129,6 +129,7 @@ class ResidencyManager:
         # learned memory. A call that needs more reports more (`_learn_from`).
         self._weights: dict[str, int] = {}
         self._reported: dict[str, int] = {}
+        self._warmed: set[tuple[str, str, int]] = set()  # (model, via, GPUs) warmed up here
         # Errors that concern a whole pass, not one of its calls (a time limit): they fail
         # every call of the pass at once instead of a retry one call at a time.
         self.whole_pass_errors = whole_pass_errors
@@ -190,7 +191,7 @@ class ResidencyManager:
             )  # fmt: skip
             self.residents[replica] = resident
             self._arrived(replica)
-        peak = self._measure(resident, plan, simulated, baseline)
+        peak = self._measure(resident, plan, simulated, baseline, built.via)
         log.info(
             "loaded %s (%s) in %.2fs via %s, peak %s",
             spec.name, replica, seconds, built.via, format_size(peak),
@@ -619,12 +620,19 @@ class ResidencyManager:
         return {index: torch.cuda.memory_allocated(index) for index in plan}
 
     def _measure(
-        self, resident: Resident, plan: Mapping[int, int], simulated: bool, baseline: dict[int, int]
+        self,
+        resident: Resident,
+        plan: Mapping[int, int],
+        simulated: bool,
+        baseline: dict[int, int],
+        via: str,
     ) -> int:
         """Peak bytes of the load plus a warm-up call; reported as learned memory.
 
-        A model this process measured before is not warmed up again: its peak is known,
-        its calls since raised it as they needed, and a warm-up would delay the miss.
+        A model this process measured before, built the same way (`via`, on as many GPUs),
+        is not warmed up again: its peak is known, its calls since raised it as they
+        needed, and a warm-up would delay the miss. Built another way, it is: the warm-up
+        is also the first check of a build path.
         """
         name = resident.spec.name
         if simulated:
@@ -635,7 +643,8 @@ class ResidencyManager:
             weights = sum(torch.cuda.memory_allocated(i) - baseline.get(i, 0) for i in plan)
         self._weights[name] = weights
         known = self._reported.get(name)
-        if known is not None:
+        built_as = (name, via, len(plan))
+        if known is not None and built_as in self._warmed:
             return known
         # The load's own peak on CUDA, read now: the warm-up call resets the device's.
         loaded = (
@@ -652,9 +661,10 @@ class ResidencyManager:
                 torch.cuda.synchronize(index)
             warm = sum(torch.cuda.max_memory_allocated(i) - baseline.get(i, 0) for i in plan)
             peak = max(loaded, warm)
+        self._warmed.add(built_as)
         if self.registry is not None and not resident.spec.synthetic:
             self.registry.record_measurement(name, peak)
-            self._reported[name] = peak
+            self._reported[name] = max(peak, known or 0)  # the ledger's figure only grows
         return peak
 
     @staticmethod
