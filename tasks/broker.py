@@ -12,7 +12,8 @@ Celery worker takes it as it starts and renews it while it runs. A claim another
 holds refuses the start (`BrokerInUseError`), or, found while running, stops the worker
 (warm shutdown). Workers of one fleet on many hosts share the claim. `gpufleet up`
 releases it when it stops, unless the fleet still runs on other hosts; workers started
-otherwise (compose, by hand) leave it to lapse, `CLAIM_TTL_S` after the last one stops.
+otherwise (compose, by hand) leave it to lapse, at most `CLAIM_TTL_S` after the last one
+stops.
 """
 
 from __future__ import annotations
