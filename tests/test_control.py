@@ -82,10 +82,10 @@ def shared_redis(tmp_path: Path, redis_url: str, fleet: str) -> tuple[Path, dict
     return catalog, env
 
 
-def up_refused(catalog: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    """`gpufleet up` that is expected to refuse: it must end on its own, with an error."""
+def refused(*args: str, env: dict[str, str]) -> str:
+    """`python -m *args` from the repository, expected to refuse on its own: what it printed."""
     done = subprocess.run(
-        [sys.executable, "-m", "tasks.cli", "up", "--models", str(catalog), *SHARED_ARGS],
+        [sys.executable, "-m", *args],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -94,23 +94,20 @@ def up_refused(catalog: Path, env: dict[str, str]) -> subprocess.CompletedProces
         check=False,
     )
     assert done.returncode != 0, done.stdout
-    return done
+    return done.stderr + done.stdout
+
+
+def up_refused(catalog: Path, env: dict[str, str]) -> str:
+    """`gpufleet up` expected to refuse (a second fleet, GPUs owned)."""
+    return refused("tasks.cli", "up", "--models", str(catalog), *SHARED_ARGS, env=env)
 
 
 def celery_worker_refused(env: dict[str, str]) -> str:
-    """A Celery worker started by hand that is expected to refuse; what it printed."""
-    done = subprocess.run(
-        [sys.executable, "-m", "celery", "-A", "tasks.app", "worker", "-Q", "x", "-n",
-         "intruder@same", "-c", "1", "--without-gossip", "--without-mingle"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
+    """A Celery worker started by hand, expected to refuse."""
+    return refused(
+        "celery", "-A", "tasks.app", "worker", "-Q", "x", "-n", "intruder@same", "-c", "1",
+        "--without-gossip", "--without-mingle", env=env,
     )  # fmt: skip
-    assert done.returncode != 0, done.stdout
-    return done.stderr + done.stdout
 
 
 def test_a_second_fleet_on_the_first_fleets_redis_database_refuses_and_runs_from_one_of_its_own(
@@ -124,16 +121,16 @@ def test_a_second_fleet_on_the_first_fleets_redis_database_refuses_and_runs_from
     with fleet_up(catalog, SHARED_ARGS, env, fleet) as first:
         assert first.infer("a", "x")["model"] == "a"
         same = up_refused(catalog, env)
-        assert "owned by live worker" in same.stderr
-        assert "GPUFLEET_REDIS_URL" in same.stderr and "GPUFLEET_HOST" in same.stderr
+        assert "owned by live worker" in same
+        assert "GPUFLEET_REDIS_URL" in same and "GPUFLEET_HOST" in same
 
         own_db, second_name = fleet_elsewhere
         second_catalog = tmp_path / "second.yaml"
         second_catalog.write_text(ONE_MODEL)
         second_env = env | {"GPUFLEET_FLEET": second_name, "GPUFLEET_HOST": "second"}
         other = up_refused(second_catalog, second_env)
-        assert f"carries the calls of fleet {fleet!r}" in other.stderr
-        assert "database of its own" in other.stderr
+        assert f"carries the calls of fleet {fleet!r}" in other
+        assert "database of its own" in other
 
         # Celery workers started by hand: on the owned GPU, or of the other fleet.
         intruder = env | {

@@ -268,6 +268,19 @@ def test_a_model_loaded_again_after_its_drop_reuses_its_tokenizer(
     assert manager.infer("r2", "same tokens")["dim"] == 384
 
 
+def passes_of(manager: ResidencyManager, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The replicas of every forward pass `manager.infer` runs from now on (warm-ups too)."""
+    passes: list[str] = []
+    infer = manager.infer
+
+    def counted(replica: str, *args: Any) -> Any:
+        passes.append(replica)
+        return infer(replica, *args)
+
+    monkeypatch.setattr(manager, "infer", counted)
+    return passes
+
+
 def test_a_model_loaded_again_in_the_same_process_skips_its_warm_up(
     reporting: tuple[Registry, ResidencyManager],
     catalog: Catalog,
@@ -278,14 +291,7 @@ def test_a_model_loaded_again_in_the_same_process_skips_its_warm_up(
     spec = catalog.get("minilm")
     first = manager.load(spec, "r1", {gpu(devices, 0): GiB})
     manager.drop("r1")
-    passes: list[str] = []
-    infer = manager.infer
-
-    def counted(replica: str, *args: Any) -> Any:
-        passes.append(replica)
-        return infer(replica, *args)
-
-    monkeypatch.setattr(manager, "infer", counted)
+    passes = passes_of(manager, monkeypatch)
     again = manager.load(spec, "r2", {gpu(devices, 1): GiB})
     assert passes == []  # the miss waits for the load alone
     assert again.peak_bytes == first.peak_bytes == registry.snapshot().learned["minilm"]
@@ -367,14 +373,7 @@ def test_a_model_loaded_again_another_way_is_warmed_up_again(
     spec = catalog.get("minilm")
     assert manager.load(spec, "r1", {gpu(devices, 0): GiB}).via == "safetensors"
     manager.drop("r1")
-    passes: list[str] = []
-    infer = manager.infer
-
-    def counted(replica: str, *args: Any) -> Any:
-        passes.append(replica)
-        return infer(replica, *args)
-
-    monkeypatch.setattr(manager, "infer", counted)
+    passes = passes_of(manager, monkeypatch)
     again = manager.load(replace(spec, loader="transformers"), "r2", {gpu(devices, 1): GiB})
     assert again.via == "transformers"
     assert passes == ["r2"]
