@@ -39,9 +39,9 @@ from placement.policy import plan_offload, plan_replica
 from placement.scripts import sha
 from placement.settings import PolicySettings
 from placement.state import (
+    COUNTS,
     LEAVING,
     OUTCOMES,
-    PATHS,
     Candidate,
     Demand,
     Deployment,
@@ -607,7 +607,7 @@ class Registry(Membership):
         )
         rows = self._read([("hgetall", self.keys.model_stats(m)) for m in names])
         return {
-            model: {o: int(row.get(o, 0)) for o in (*OUTCOMES, *PATHS)}
+            model: {o: int(row.get(o, 0)) for o in COUNTS}
             for model, row in zip(names, rows, strict=True)
         }
 

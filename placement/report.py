@@ -11,7 +11,7 @@ from typing import Any
 
 from placement.audit import audit
 from placement.scaling import ModelLoad
-from placement.state import OUTCOMES, PATHS, RESERVING, Snapshot
+from placement.state import COUNTS, OUTCOMES, RESERVING, Snapshot
 
 # Operator targets from the brief (seed 003); `gpufleet status` and the alert rules use them.
 TARGETS = {"hit_rate": "> 0.8", "reload_rate": "< 0.2", "utilization": "0.7-0.85"}
@@ -104,7 +104,7 @@ def request_report(stats: Mapping[str, Mapping[str, int]]) -> dict[str, Any]:
     calls by the way they came (`PATHS`), beside the outcomes.
     """
     models = {model: _figures(dict(counts)) for model, counts in sorted(stats.items())}
-    total = {o: sum(m[o] for m in models.values()) for o in (*OUTCOMES, *PATHS)}
+    total = {o: sum(m[o] for m in models.values()) for o in COUNTS}
     fleet = _figures(total, reloads=sum(m["reloads"] for m in models.values()))
     return {"fleet": fleet, "models": models, "targets": TARGETS}
 
@@ -114,7 +114,7 @@ def _figures(counts: dict[str, int], reloads: int | None = None) -> dict[str, An
     loads = counts.get("warm", 0) + counts.get("cold", 0)
     reloads = max(0, loads - 1) if reloads is None else reloads
     return {
-        **{o: counts.get(o, 0) for o in (*OUTCOMES, *PATHS)},
+        **{o: counts.get(o, 0) for o in COUNTS},
         "requests": requests,
         "reloads": reloads,
         "hit_rate": counts.get("hit", 0) / requests if requests else None,

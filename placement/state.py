@@ -53,6 +53,7 @@ OUTCOMES = ("hit", "queued", "warm", "cold", "rejected", "busy")
 # Which way a call reached its replica, counted apart from the outcomes: fast (the client
 # leased a HOT replica and sent it straight to its GPU worker), routed (the router took it).
 PATHS = ("fast", "routed")
+COUNTS = (*OUTCOMES, *PATHS)  # every per-model counter of the stats hash
 
 
 class Candidate(enum.IntEnum):

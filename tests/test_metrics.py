@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from placement.load import hold_routing
 from placement.registry import Registry
 from placement.report import request_report
-from placement.state import OUTCOMES, PATHS, Demand, Gpu
+from placement.state import COUNTS, OUTCOMES, Demand, Gpu
 from tasks.cli import app as cli
 from tasks.metrics import FleetCollector, full_status, serve
 from tests.fleets import GiB
@@ -56,7 +56,7 @@ def test_picks_count_hits_and_the_router_counts_every_other_outcome(reg: Registr
     reg.count("m", "cold")
     reg.count("never", "rejected")
     stats = reg.stats()
-    none = dict.fromkeys((*OUTCOMES, *PATHS), 0)
+    none = dict.fromkeys(COUNTS, 0)
     assert stats["m"] == {**none, "hit": 3, "cold": 1}
     assert stats["never"] == {**none, "rejected": 1}
     with pytest.raises(ValueError, match="unknown outcome"):
