@@ -53,9 +53,9 @@ class Resident:
     slots: dict[str, int]  # ledger GPU id -> reserved bytes; empty while WARM
     accounted: int  # bytes charged on simulated GPUs (a synthetic model's declared size)
     nbytes: int  # its tensors' bytes, measured once at load: moves do not change them
+    host_bytes: int  # what its copy takes in host memory once offloaded (pinned: rounded up)
     limit: int = 0  # the ledger's admission limit, when above the reservation
     epoch: int = 0  # the ledger placement it was loaded or restored for
-    host_bytes: int = 0  # what its copy takes in host memory once offloaded (0: nbytes)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     @property
@@ -187,7 +187,7 @@ class ResidencyManager:
                     raise
             resident = Resident(
                 replica, spec, built.model, built.tokenizer, dict(slots), accounted, nbytes,
-                limit, epoch, host_bytes,
+                host_bytes, limit, epoch,
             )  # fmt: skip
             self.residents[replica] = resident
             self._arrived(replica)
@@ -259,7 +259,7 @@ class ResidencyManager:
         resident = self.residents.get(replica)
         if resident is None or resident.spec.synthetic:
             return 0
-        return resident.host_bytes or resident.nbytes
+        return resident.host_bytes
 
     def trim_host_cache(self) -> None:
         """Give the pinned blocks no copy uses any more back to the OS. PyTorch's pinned
