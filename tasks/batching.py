@@ -7,9 +7,7 @@ is free, sends it one job: the oldest call and the calls for the same replica be
 (`placement.batching.take_batch`). The job (`run_batch`, in the child) computes every
 call's outputs in shared forward passes first (`GpuWorker.serve_batch`), then runs
 each call's own Celery tracer in turn, which finds its outputs ready (`prepared`):
-each call keeps its own message, task id, events, result and request lease. The
-tracers' result reads and writes go to Redis together, one MGET before and one pipeline
-after (`stored_together`), rather than a GET and a write per call.
+each call keeps its own message, task id, events, result and request lease.
 
 Acknowledgement stays Celery's, per call: the job's accept, success and failure
 callbacks call each request's own. So acks_late holds, and a child killed mid-batch
@@ -35,7 +33,6 @@ from typing import TYPE_CHECKING, Any
 
 from billiard.einfo import ExceptionInfo
 from celery.app import trace as celery_trace
-from celery.backends.redis import RedisBackend
 
 from placement.batching import BatchLimits, Waiting, input_chars, take_batch
 from tasks.calls import Call, call_of
@@ -229,68 +226,17 @@ def _job(request: Any, call: Call, since_ms: float) -> _Job:
     return trace, args, call.as_json(), since_ms
 
 
-def run_batch(
-    jobs: list[_Job], serve: Callable[[list[Call]], list[Any]], backend: Any
-) -> list[Any]:
+def run_batch(jobs: list[_Job], serve: Callable[[list[Call]], list[Any]]) -> list[Any]:
     """In the child: compute every call's answer in shared passes, then run each call's own
-    tracer, which stores its result in `backend`. Returns the tracers' returns, in order."""
+    tracer, which stores its result. Returns the tracers' returns, in order."""
     started = time.time() * 1000
     calls = [Call.from_json(job[2]) for job in jobs]
     try:
         outcomes = serve(calls)
     except Exception as exc:
         outcomes = [exc] * len(calls)
-    with _ready(jobs, outcomes, started), stored_together(backend, [a[1] for _, a, _, _ in jobs]):
+    with _ready(jobs, outcomes, started):
         return [_traced(trace, args) for trace, args, _, _ in jobs]
-
-
-@contextmanager
-def stored_together(backend: Any, task_ids: list[str]) -> Iterator[None]:
-    """Within: the results of `task_ids` are read from Celery's Redis result backend in one
-    MGET, and the results stored for them are written in one pipeline on the way out (each
-    a SET and a PUBLISH, as the backend writes one), rather than a GET and a write per call:
-    about 15% of a batch's time on a CPU. Celery's rule holds: a stored success is never
-    overwritten. Other keys, and other backends, go through unchanged.
-
-    Celery's tracers read `backend.get` and `backend.set` at each store, so shadowing them
-    on the instance for the batch's length reaches every tracer of the batch."""
-    if not isinstance(backend, RedisBackend) or not task_ids:
-        yield
-        return
-    keys = [backend.get_key_for_task(task_id) for task_id in task_ids]
-    current = dict(zip(keys, backend.ensure(backend.mget, (keys,)), strict=True))
-    written: dict[bytes, tuple[Any, int | None]] = {}
-    get, set_ = backend.get, backend.set
-
-    def read(key: bytes) -> Any:
-        return current[key] if key in current else get(key)
-
-    def write(key: bytes, value: Any, expires: int | None = None, **policy: Any) -> None:
-        if key not in current or len(value) > backend._MAX_STR_VALUE_SIZE:
-            set_(key, value, expires, **policy)  # the backend's own checks and errors
-            return
-        current[key] = value  # a later read in this batch sees it, as it would in Redis
-        written[key] = (value, expires)
-
-    backend.get, backend.set = read, write
-    try:
-        yield
-    finally:
-        del backend.get, backend.set
-        if written:
-            backend.ensure(_write_all, (backend, written))
-
-
-def _write_all(backend: RedisBackend, written: dict[bytes, tuple[Any, int | None]]) -> None:
-    with backend.client.pipeline() as pipe:
-        for key, (value, expires) in written.items():
-            ttl = backend.expires if expires is None else expires
-            if ttl:
-                pipe.set(key, value, ex=ttl)
-            else:
-                pipe.set(key, value)
-            pipe.publish(key, value)
-        pipe.execute()
 
 
 def _traced(trace: Callable[..., Any], args: tuple[Any, ...]) -> Any:

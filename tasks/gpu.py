@@ -99,7 +99,7 @@ def serve(task: Task, call: Call) -> dict[str, Any]:
 
 def batch_job(jobs: list[Any]) -> list[Any]:
     """A pool job of calls for one replica (`tasks.batching`): shared passes, own results."""
-    return batching.run_batch(jobs, _serve_batch, app.backend)
+    return batching.run_batch(jobs, _serve_batch)
 
 
 def _serve_batch(calls: list[Call]) -> list[Served | BaseException]:

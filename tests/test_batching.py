@@ -4,15 +4,12 @@ and one forward pass for many calls on a resident replica (simulated GPUs, real 
 from __future__ import annotations
 
 import math
-import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
-import redis
 import torch
 
 from placement.batching import BatchLimits, Waiting, input_chars, take_batch
@@ -343,49 +340,3 @@ def test_calls_share_a_batch_only_with_calls_of_their_time_limits_which_the_batc
     pool.jobs[1]["error_callback"]("lost")
     assert [job["ids"] for job in pool.jobs] == [["c1"], ["c2"], ["c3"]]  # never together
     assert (pool.jobs[2]["timeout"], pool.jobs[2]["soft_timeout"]) == (None, None)
-
-
-# --- a batch's results, stored together --------------------------------------------
-
-
-def test_a_batchs_results_reach_redis_together_on_the_way_out_and_a_stored_success_stands(
-    redis_url: str,
-) -> None:
-    from celery import Celery
-    from celery.result import AsyncResult
-
-    from tasks.batching import stored_together
-
-    app = Celery("stored-together", backend=redis_url, set_as_current=False)
-    backend = app.backend
-    done, good, bad = (uuid.uuid4().hex for _ in range(3))
-    keys = {task: backend.get_key_for_task(task) for task in (done, good, bad)}
-    client = redis.Redis.from_url(redis_url)
-    subscriber = client.pubsub()
-    subscriber.subscribe(keys[good], keys[bad])
-    try:
-        backend.mark_as_done(done, "earlier")
-        with stored_together(backend, [done, good, bad]):
-            backend.mark_as_done(good, {"answer": 1})
-            backend.mark_as_failure(bad, ValueError("bad input"))
-            backend.mark_as_done(done, "again")  # a redelivered call that already succeeded
-            assert client.get(keys[good]) is None  # not yet in Redis
-            assert backend.get_task_meta(good)["result"] == {"answer": 1}  # but read back
-        assert "get" not in vars(backend) and "set" not in vars(backend)
-        assert AsyncResult(good, app=app).get(timeout=5) == {"answer": 1}
-        with pytest.raises(ValueError, match="bad input"):
-            AsyncResult(bad, app=app).get(timeout=5)
-        assert AsyncResult(done, app=app).get(timeout=5) == "earlier"
-        assert all(client.ttl(keys[task]) > 0 for task in (good, bad))
-        published = set()
-        deadline = time.monotonic() + 5
-        while len(published) < 2 and time.monotonic() < deadline:
-            message = subscriber.get_message(timeout=0.5)
-            if message is not None and message["type"] == "message":
-                published.add(message["channel"])
-        assert published == {keys[good], keys[bad]}
-    finally:
-        subscriber.close()
-        client.delete(*keys.values())
-        client.close()
-        app.close()
