@@ -10,6 +10,8 @@ get a real server per session. The server it starts:
 * keeps in that directory its log (``redis.log``: stdout and stderr of the server) and,
   when a password is set, a 0600 config file with ``requirepass`` so the password is not
   visible in ``ps``;
+* runs in a session (process group) of its own, so a signal to its owner's group, as
+  Ctrl-C in a terminal sends, leaves it serving while the processes that use it stop;
 * is torn down by `RedisServer.stop`, by leaving the ``with`` block, by garbage
   collection or interpreter exit, and, on Linux, by the kernel when the thread that
   started it dies (``PR_SET_PDEATHSIG``), so a ``kill -9`` of the parent leaves no
@@ -290,7 +292,10 @@ class RedisServer:
                     stderr=subprocess.STDOUT,
                     cwd=tmpdir,
                     close_fds=True,
-                    start_new_session=False,
+                    # Its own process group: Ctrl-C in a terminal (SIGINT to the
+                    # foreground group) must not stop it before the processes using it
+                    # have shut down; its owner stops it last.
+                    start_new_session=True,
                     preexec_fn=die_with_parent_preexec(),  # noqa: PLW1509
                 )
             except OSError as exc:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -205,27 +206,33 @@ def test_a_taken_metrics_port_fails_clearly_when_asked_for_and_moves_when_not(
                 assert b"gpufleet_up 1.0" in page.read()
 
 
-def test_sigint_stops_a_fleet_started_in_the_background_and_everything_it_started(
-    catalog: Path,
+def test_sigint_to_a_background_fleets_job_stops_everything_it_started_with_redis_last(
+    catalog: Path, tmp_path: Path
 ) -> None:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tasks.cli", "up", "--models", str(catalog), *ARGS],
-        cwd=REPO,
-        env=fleet_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        # As a shell's `&` leaves it: SIGINT ignored before the program starts.
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),  # noqa: PLW1509
-    )
+    log = tmp_path / "up.log"
+    with log.open("w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tasks.cli", "up", "--models", str(catalog), *ARGS],
+            cwd=REPO,
+            env=fleet_env(),
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+            start_new_session=True,  # a process group of its own, as a shell job gets
+            # As a shell's `&` leaves it: SIGINT ignored before the program starts.
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),  # noqa: PLW1509
+        )
     try:
         wait_ready(proc)
         started = descendants(proc.pid)
         assert len(started) >= 4  # redis-server, the router, a GPU worker, their children
-        proc.send_signal(signal.SIGINT)
+        os.killpg(proc.pid, signal.SIGINT)  # as `kill -INT %1` (and Ctrl-C, in front) does
         assert proc.wait(timeout=30) == 0
         time.sleep(0.5)
         assert [pid for pid in started if alive(pid)] == []
+        # Redis outlived the workers' warm shutdown: each released its GPUs.
+        said = log.read_text()
+        assert "registry unreachable" not in said and "could not release" not in said, said[-3000:]
     finally:
         if proc.poll() is None:
             proc.kill()
