@@ -229,9 +229,15 @@ def deploy(
     replicas: Annotated[int, typer.Option(min=1)] = 1,
     dedicated: Annotated[bool, typer.Option(help="Never evict it under memory pressure.")] = False,
 ) -> None:
-    """Place replicas of a model without calling it."""
+    """Place replicas of a model without calling it; exit code 1 when some could not be."""
     result = _guard(lambda: _call("gpufleet.deploy", (model, replicas, dedicated), 300.0))
     typer.echo(json.dumps(result, indent=2))
+    if result.get("missing"):  # the JSON still goes to stdout, for scripts
+        err.print(
+            f"[red]error:[/] {result['missing']} of {replicas} replica(s) of {model} could not "
+            f"be placed: {result.get('refused') or 'no reason given'}"
+        )
+        raise typer.Exit(1)
 
 
 @app.command()

@@ -266,6 +266,15 @@ def test_a_model_that_can_never_fit_fails_at_once_saying_why(fleet_up: Fleet) ->
     assert time.monotonic() - start < 2.0
     assert type(err.value).__name__ == "NeverFitsError"
     assert "across the GPUs of one host" in str(err.value)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFLEET_")}
+    env["GPUFLEET_REDIS_URL"] = fleet_up.url
+    cli = [sys.executable, "-m", "tasks.cli", "deploy", "huge"]
+    done = subprocess.run(
+        cli, cwd=REPO, env=env, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 1, (done.stdout, done.stderr)  # a script sees the refusal
+    assert json.loads(done.stdout)["missing"] == 1
+    assert "1 of 1 replica(s) of huge could not be placed: NeverFitsError" in done.stderr
 
 
 def test_unknown_models_and_bad_payloads_fail_with_clear_errors(fleet_up: Fleet) -> None:
