@@ -166,9 +166,7 @@ def up(
         flower_port=flower_port,
         metrics_port=metrics_port,
     )
-    # Whatever the parent ignored (a shell's `&` ignores SIGINT), both stop the fleet.
-    signal.signal(signal.SIGINT, _interrupt)
-    signal.signal(signal.SIGTERM, _interrupt)
+    stop_on_signals()
     try:
         with Progress(SpinnerColumn(), TextColumn("{task.description}"), console=err) as bar:
             bar.add_task("starting Redis, the router and the GPU workers...", total=None)
@@ -337,6 +335,17 @@ def _print_ready(launcher: Any) -> None:
             f"(basic auth {launcher.flower_auth})"
         )
     console.print("  Ctrl-C stops everything.")
+
+
+def stop_on_signals() -> None:
+    """Make SIGINT, SIGTERM and SIGHUP stop the fleet as Ctrl-C does: workers first,
+    then the bundled Redis. SIGINT and SIGTERM do even when the parent ignored them (a
+    shell's `&` ignores SIGINT); SIGHUP (the terminal closed) does unless it was ignored
+    on purpose, as `nohup` does to keep the fleet running."""
+    signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGTERM, _interrupt)
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+        signal.signal(signal.SIGHUP, _interrupt)
 
 
 def _interrupt(signum: int, frame: Any) -> None:

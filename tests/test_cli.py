@@ -6,9 +6,11 @@ import json
 import os
 import random
 import shutil
+import signal
 import subprocess
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from placement.registry import Registry
@@ -90,3 +92,25 @@ def test_the_gpufleet_console_entry_is_installed_and_runs(redis_url: str, fleet:
     )
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["gpus"] == []
+
+
+def test_up_stops_on_sigint_sigterm_and_a_closed_terminal_but_not_under_nohup() -> None:
+    from tasks.cli import stop_on_signals
+
+    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    saved = {sig: signal.getsignal(sig) for sig in signals}
+    try:
+        for sig in signals:  # as `nohup cmd &` leaves them: SIGINT and SIGHUP ignored
+            signal.signal(sig, signal.SIG_IGN if sig != signal.SIGTERM else signal.SIG_DFL)
+        stop_on_signals()
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN  # nohup keeps it running
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with pytest.raises(KeyboardInterrupt):  # the fleet's orderly stop
+                signal.raise_signal(sig)
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)  # in a terminal
+        stop_on_signals()
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGHUP)
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
