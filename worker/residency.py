@@ -24,6 +24,7 @@ import threading
 import time
 import traceback
 from collections.abc import Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +39,7 @@ from placement.state import Holding, Level
 from worker import handlers, loading
 from worker.devices import Device
 from worker.lifecycle import exit_for_restart, is_fatal_cuda_error
+from worker.measuring import Span, Spans
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +132,10 @@ class ResidencyManager:
         self._weights: dict[str, int] = {}
         self._reported: dict[str, int] = {}
         self._warmed: set[tuple[str, str, int]] = set()  # (model, via, GPUs) warmed up here
+        # Loads, moves and passes, so that a CUDA figure counts only when it was alone
+        # (`worker.measuring`); `_warming.load` marks a load's own warm-up pass.
+        self._spans = Spans()
+        self._warming = threading.local()
         # Errors that concern a whole pass, not one of its calls (a time limit): they fail
         # every call of the pass at once instead of a retry one call at a time.
         self.whole_pass_errors = whole_pass_errors
@@ -155,43 +161,44 @@ class ResidencyManager:
         plan, simulated = self._plan(slots)
         caps = _caps(slots, limit)
         accounted = _declared(spec) if spec.synthetic else 0
-        with self._lock:
-            self._arriving[replica] = caps
-            self._set_caps()
-            if simulated and accounted:
-                try:
-                    self._charge(slots, accounted, spec.name)  # before building, as CUDA would
-                except torch.OutOfMemoryError:
-                    self._arrived(replica)
-                    raise
-        baseline = {} if simulated else self._cuda_allocated(plan)
-        start = time.perf_counter()
-        try:
-            built = loading.build(spec, plan, simulated)
-        except BaseException:
+        with self._spans.span() as span:
             with self._lock:
-                self._uncharge(plan, accounted)
-                self._arrived(replica)
-            raise
-        seconds = time.perf_counter() - start
-        nbytes = loading.tensor_bytes(built.model)
-        pinned = self._pin and not simulated  # its offloaded copy will be pinned
-        host_bytes = loading.pinned_bytes(built.model) if pinned else nbytes
-        with self._lock:
-            if simulated and not accounted:
-                accounted = nbytes
-                try:
-                    self._charge(slots, accounted, spec.name)
-                except torch.OutOfMemoryError:
+                self._arriving[replica] = caps
+                self._set_caps()
+                if simulated and accounted:
+                    try:
+                        self._charge(slots, accounted, spec.name)  # before building, as CUDA would
+                    except torch.OutOfMemoryError:
+                        self._arrived(replica)
+                        raise
+            baseline = {} if simulated else self._cuda_allocated(plan, reset=span.alone)
+            start = time.perf_counter()
+            try:
+                built = loading.build(spec, plan, simulated)
+            except BaseException:
+                with self._lock:
+                    self._uncharge(plan, accounted)
                     self._arrived(replica)
-                    raise
-            resident = Resident(
-                replica, spec, built.model, built.tokenizer, dict(slots), accounted, nbytes,
-                host_bytes, limit, epoch,
-            )  # fmt: skip
-            self.residents[replica] = resident
-            self._arrived(replica)
-        peak = self._measure(resident, plan, simulated, baseline, built.via)
+                raise
+            seconds = time.perf_counter() - start
+            nbytes = loading.tensor_bytes(built.model)
+            pinned = self._pin and not simulated  # its offloaded copy will be pinned
+            host_bytes = loading.pinned_bytes(built.model) if pinned else nbytes
+            with self._lock:
+                if simulated and not accounted:
+                    accounted = nbytes
+                    try:
+                        self._charge(slots, accounted, spec.name)
+                    except torch.OutOfMemoryError:
+                        self._arrived(replica)
+                        raise
+                resident = Resident(
+                    replica, spec, built.model, built.tokenizer, dict(slots), accounted, nbytes,
+                    host_bytes, limit, epoch,
+                )  # fmt: skip
+                self.residents[replica] = resident
+                self._arrived(replica)
+            peak = self._measure(resident, plan, simulated, baseline, built.via, span)
         log.info(
             "loaded %s (%s) in %.2fs via %s, peak %s",
             spec.name, replica, seconds, built.via, format_size(peak),
@@ -201,7 +208,7 @@ class ResidencyManager:
     def offload(self, replica: str) -> Report:
         """Move a HOT replica to CPU memory (WARM) and give its GPU memory back."""
         resident = self._hot(replica)
-        with resident.lock:
+        with resident.lock, self._spans.span():
             plan, simulated = self._plan(resident.slots)
             start = time.perf_counter()
             if not simulated:  # a simulated GPU's copy is in CPU memory already
@@ -224,7 +231,7 @@ class ResidencyManager:
             raise PlacementError(f"replica {replica} is not warm on this worker; load it instead")
         plan, simulated = self._plan(slots)
         caps = _caps(slots, limit)
-        with resident.lock:
+        with resident.lock, self._spans.span():
             with self._lock:
                 self._arriving[replica] = caps
                 self._set_caps()
@@ -275,8 +282,9 @@ class ResidencyManager:
 
     def drop(self, replica: str) -> None:
         """Forget a replica wherever it is (COLD)."""
-        if self._forget(replica):
-            self._release()
+        with self._spans.span():
+            if self._forget(replica):
+                self._release()
 
     def abandon(self, replica: str, failure: BaseException) -> None:
         """Forget a replica whose load, restore or warm-up raised `failure`, and free the
@@ -292,9 +300,10 @@ class ResidencyManager:
             seen.add(id(current))
             traceback.clear_frames(current.__traceback__)
             current = current.__cause__ or current.__context__
-        self._forget(replica)
-        gc.collect()  # a failed build's half-made modules are nobody's: free their cycles
-        self._release()
+        with self._spans.span():
+            self._forget(replica)
+            gc.collect()  # a failed build's half-made modules are nobody's: free their cycles
+            self._release()
 
     def _forget(self, replica: str) -> bool:
         """Take a replica out of this process's books (after its running call); False if it
@@ -400,50 +409,51 @@ class ResidencyManager:
         ran: list[Ran | None],
     ) -> None:
         """One forward pass for `chunk`; on failure, each of its calls alone."""
-        texts = [member[1] for member in chunk]
-        flat = [text for call in texts for text in call]
-        start = time.perf_counter()
-        try:
-            if simulated:
-                with self._lock:
-                    self._check_activations(resident, plan, flat)
-            before = {} if simulated else self._cuda_allocated(plan)
-            quiet = not self._arriving  # no load shares the device's peak with this pass
-            results = handlers.run_many(
-                resident.spec.task,
-                resident.model,
-                resident.tokenizer,
-                texts,
-                options,
-                loading.torch_device(min(plan), simulated),
-            )
-        except Exception as exc:
-            if is_fatal_cuda_error(exc):
-                exit_for_restart(exc)  # the CUDA context is unusable: start a clean process
-            # The pass's frames hold its activations (on the GPU) for as long as the error
-            # lives, which is until Celery has answered every call it fails.
-            traceback.clear_frames(exc.__traceback__)
-            if len(chunk) == 1 or isinstance(exc, self.whole_pass_errors):
-                ms = (time.perf_counter() - start) * 1000
-                for index, _ in chunk:
-                    ran[index] = Ran({}, exc, len(chunk), ms)
+        with self._pass_span() as span:
+            texts = [member[1] for member in chunk]
+            flat = [text for call in texts for text in call]
+            start = time.perf_counter()
+            try:
+                if simulated:
+                    with self._lock:
+                        self._check_activations(resident, plan, flat)
+                reset = span is not None and span.alone
+                before = {} if simulated else self._cuda_allocated(plan, reset=reset)
+                results = handlers.run_many(
+                    resident.spec.task,
+                    resident.model,
+                    resident.tokenizer,
+                    texts,
+                    options,
+                    loading.torch_device(min(plan), simulated),
+                )
+            except Exception as exc:
+                if is_fatal_cuda_error(exc):
+                    exit_for_restart(exc)  # the CUDA context is unusable: start a clean process
+                # The pass's frames hold its activations (on the GPU) for as long as the error
+                # lives, which is until Celery has answered every call it fails.
+                traceback.clear_frames(exc.__traceback__)
+                if len(chunk) == 1 or isinstance(exc, self.whole_pass_errors):
+                    ms = (time.perf_counter() - start) * 1000
+                    for index, _ in chunk:
+                        ran[index] = Ran({}, exc, len(chunk), ms)
+                    return
+                log.info(
+                    "a pass of %d calls on %s failed (%s: %s); running them one at a time",
+                    len(chunk), resident.replica, type(exc).__name__, exc,
+                )  # fmt: skip
+                for member in chunk:
+                    self._run_chunk(resident, plan, simulated, [member], options, ran)
                 return
-            log.info(
-                "a pass of %d calls on %s failed (%s: %s); running them one at a time",
-                len(chunk), resident.replica, type(exc).__name__, exc,
-            )  # fmt: skip
-            for member in chunk:
-                self._run_chunk(resident, plan, simulated, [member], options, ran)
-            return
-        compute_ms = (time.perf_counter() - start) * 1000
-        if simulated:
-            self._learn_from(resident, _activation_bytes(resident.model, flat))
-        elif quiet and not self._arriving:  # the device's peak is this pass's own
-            self._learn_from(
-                resident, sum(torch.cuda.max_memory_allocated(i) - before[i] for i in plan)
-            )
-        for (index, _), result in zip(chunk, results, strict=True):
-            ran[index] = Ran(result, None, len(chunk), compute_ms)
+            compute_ms = (time.perf_counter() - start) * 1000
+            if simulated:
+                self._learn_from(resident, _activation_bytes(resident.model, flat))
+            elif span is not None and self._spans.clean(span):  # the peak is this pass's own
+                self._learn_from(
+                    resident, sum(torch.cuda.max_memory_allocated(i) - before[i] for i in plan)
+                )
+            for (index, _), result in zip(chunk, results, strict=True):
+                ran[index] = Ran(result, None, len(chunk), compute_ms)
 
     def _free_for_calls(self, plan: Mapping[int, int], simulated: bool) -> int:
         """Bytes of this process's reservation on the replica's first GPU not in use now:
@@ -475,18 +485,17 @@ class ResidencyManager:
 
     def holdings(self) -> list[Holding]:
         """What this process holds, as its heartbeat reports it to the registry."""
-        with self._lock:
-            residents = list(self.residents.values())
-        return [
-            Holding(
-                replica=r.replica,
-                epoch=r.epoch,
-                level=Level.WARM if r.warm else Level.HOT,
-                gpus=dict(r.slots),
-                device_bytes=self._device_bytes(r),
-            )
-            for r in residents
-        ]
+        with self._lock:  # `_forget` clears a resident's model under it
+            return [
+                Holding(
+                    replica=r.replica,
+                    epoch=r.epoch,
+                    level=Level.WARM if r.warm else Level.HOT,
+                    gpus=dict(r.slots),
+                    device_bytes=self._device_bytes(r),
+                )
+                for r in self.residents.values()
+            ]
 
     def fraction(self, index: int) -> float:
         """This process's memory fraction on local device `index` (1.0 with nothing on it)."""
@@ -495,18 +504,19 @@ class ResidencyManager:
 
     def summary(self) -> list[dict[str, Any]]:
         """What this process holds, for status and logs."""
-        return [
-            {
-                "replica": r.replica,
-                "model": r.spec.name,
-                "level": "WARM" if r.warm else "HOT",
-                "gpus": dict(r.slots),
-                "accounted_bytes": r.accounted,
-                "device_bytes": self._device_bytes(r),
-                "epoch": r.epoch,
-            }
-            for r in list(self.residents.values())
-        ]
+        with self._lock:  # as in `holdings`
+            return [
+                {
+                    "replica": r.replica,
+                    "model": r.spec.name,
+                    "level": "WARM" if r.warm else "HOT",
+                    "gpus": dict(r.slots),
+                    "accounted_bytes": r.accounted,
+                    "device_bytes": self._device_bytes(r),
+                    "epoch": r.epoch,
+                }
+                for r in self.residents.values()
+            ]
 
     def _device_bytes(self, resident: Resident) -> int:
         """Bytes of the replica's weights that sit on a real GPU now (0 when WARM)."""
@@ -613,26 +623,34 @@ class ResidencyManager:
             )
 
     @staticmethod
-    def _cuda_allocated(plan: Mapping[int, int]) -> dict[int, int]:
-        """Bytes allocated on each planned GPU before a load, with peak stats reset."""
-        for index in plan:
-            torch.cuda.reset_peak_memory_stats(index)
+    def _cuda_allocated(plan: Mapping[int, int], *, reset: bool) -> dict[int, int]:
+        """Bytes allocated on each planned GPU before a load or a pass; with `reset`, the
+        peak statistics start again from there (only a span that began alone may)."""
+        if reset:
+            for index in plan:
+                torch.cuda.reset_peak_memory_stats(index)
         return {index: torch.cuda.memory_allocated(index) for index in plan}
 
-    def _measure(
+    def _pass_span(self) -> AbstractContextManager[Span | None]:
+        """A pass's span; none for a load's warm-up pass, which runs in the load's."""
+        return nullcontext(None) if getattr(self._warming, "load", False) else self._spans.span()
+
+    def _measure(  # noqa: PLR0917 - a load's whole context
         self,
         resident: Resident,
         plan: Mapping[int, int],
         simulated: bool,
         baseline: dict[int, int],
         via: str,
+        span: Span,
     ) -> int:
         """Peak bytes of the load plus a warm-up call; reported as learned memory.
 
         A model this process measured before, built the same way (`via`, on as many GPUs),
         is not warmed up again: its peak is known, its calls since raised it as they
         needed, and a warm-up would delay the miss. Built another way, it is: the warm-up
-        is also the first check of a build path.
+        is also the first check of a build path. On CUDA, figures are kept only when the
+        load had the devices to itself (`span`); otherwise the next load measures again.
         """
         name = resident.spec.name
         if simulated:
@@ -641,19 +659,24 @@ class ResidencyManager:
             for index in plan:  # every planned device, not only the current one
                 torch.cuda.synchronize(index)
             weights = sum(torch.cuda.memory_allocated(i) - baseline.get(i, 0) for i in plan)
-        self._weights[name] = weights
+        if simulated or self._spans.clean(span):
+            self._weights[name] = weights
         known = self._reported.get(name)
         built_as = (name, via, len(plan))
         if known is not None and built_as in self._warmed:
             return known
-        # The load's own peak on CUDA, read now: the warm-up call resets the device's.
+        # The load's own peak on CUDA, read now (the warm-up pass adds its own to it).
         loaded = (
             0
             if simulated
             else sum(torch.cuda.max_memory_allocated(i) - baseline.get(i, 0) for i in plan)
         )
         if self.warmup:
-            self.infer(resident.replica, _warmup_input(resident), None)
+            self._warming.load = True  # its pass runs in this load's span
+            try:
+                self.infer(resident.replica, _warmup_input(resident), None)
+            finally:
+                self._warming.load = False
         if simulated:
             peak = weights + _activation_bytes(resident.model, _warmup_input(resident))
         else:
@@ -661,6 +684,13 @@ class ResidencyManager:
                 torch.cuda.synchronize(index)
             warm = sum(torch.cuda.max_memory_allocated(i) - baseline.get(i, 0) for i in plan)
             peak = max(loaded, warm)
+            if not self._spans.clean(span):
+                log.info(
+                    "%s's peak not measured: another load, move or call used the GPUs "
+                    "meanwhile; its next load measures it",
+                    name,
+                )
+                return peak
         self._warmed.add(built_as)
         if self.registry is not None and not resident.spec.synthetic:
             self.registry.record_measurement(name, peak)
