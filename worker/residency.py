@@ -282,9 +282,8 @@ class ResidencyManager:
 
     def drop(self, replica: str) -> None:
         """Forget a replica wherever it is (COLD)."""
-        with self._spans.span():
-            if self._forget(replica):
-                self._release()
+        if self._forget(replica):
+            self._release()
 
     def abandon(self, replica: str, failure: BaseException) -> None:
         """Forget a replica whose load, restore or warm-up raised `failure`, and free the
@@ -311,7 +310,7 @@ class ResidencyManager:
         resident = self.residents.get(replica)
         if resident is None:
             return False
-        with resident.lock, self._lock:
+        with resident.lock, self._spans.span(), self._lock:  # a span once its call is done
             self.residents.pop(replica, None)
             if not resident.warm:
                 plan, simulated = self._plan(resident.slots)
@@ -407,9 +406,11 @@ class ResidencyManager:
         chunk: list[_Member],
         options: dict[str, Any],
         ran: list[Ran | None],
+        outer: Span | None = None,
     ) -> None:
-        """One forward pass for `chunk`; on failure, each of its calls alone."""
-        with self._pass_span() as span:
+        """One forward pass for `chunk`; on failure, each of its calls alone (in the
+        failed pass's span, `outer`)."""
+        with self._pass_span() if outer is None else nullcontext(outer) as span:
             texts = [member[1] for member in chunk]
             flat = [text for call in texts for text in call]
             start = time.perf_counter()
@@ -417,7 +418,7 @@ class ResidencyManager:
                 if simulated:
                     with self._lock:
                         self._check_activations(resident, plan, flat)
-                reset = span is not None and span.alone
+                reset = span is not None and self._spans.clean(span)  # nothing else runs
                 before = {} if simulated else self._cuda_allocated(plan, reset=reset)
                 results = handlers.run_many(
                     resident.spec.task,
@@ -443,7 +444,7 @@ class ResidencyManager:
                     len(chunk), resident.replica, type(exc).__name__, exc,
                 )  # fmt: skip
                 for member in chunk:
-                    self._run_chunk(resident, plan, simulated, [member], options, ran)
+                    self._run_chunk(resident, plan, simulated, [member], options, ran, span)
                 return
             compute_ms = (time.perf_counter() - start) * 1000
             if simulated:
