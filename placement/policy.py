@@ -332,7 +332,16 @@ def _victims(
             break
         taken.append(d)
         deficit -= d.gpus[gpu.id]
-    return tuple(taken) if deficit <= 0 else None
+    if deficit > 0:
+        return None
+    # Spare every victim the others make room without, the last taken (the most
+    # recently used, or the largest) considered first: a big victim taken last can make
+    # the small ones taken before it unneeded.
+    for d in reversed(list(taken)):
+        if deficit + d.gpus[gpu.id] <= 0:
+            taken.remove(d)
+            deficit += d.gpus[gpu.id]
+    return tuple(taken)
 
 
 def _fit(gpu: Gpu, request: int, freed: int, view: _View, choice: GpuChoice) -> tuple[float, ...]:

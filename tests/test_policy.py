@@ -359,6 +359,19 @@ def test_lru_evicts_the_least_recently_used_idle_replica_first() -> None:
     assert [e.replica for e in plan.evictions] == ["old"]
 
 
+def test_lru_spares_an_older_replica_that_the_next_victim_makes_room_without() -> None:
+    snap = fleet(
+        [gpu("g", 8 * GiB)],
+        [
+            hot("oldest", "a", {"g": GiB}, used=10),
+            hot("older", "b", {"g": 4 * GiB}, used=20),
+            hot("newest", "c", {"g": 3 * GiB}, used=30),
+        ],
+    )
+    plan = plan_replica(Demand("m", size=GiB), snap)  # 3 GiB: "older" alone frees 4
+    assert [e.replica for e in plan.evictions] == ["older"]
+
+
 def test_the_ndif_order_evicts_the_smallest_idle_replica_first() -> None:
     snap = fleet(
         [gpu("g", 8 * GiB)],
