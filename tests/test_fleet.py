@@ -102,9 +102,7 @@ def fleet_up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
 
 def run_client(script: str, cwd: Path, redis_url: str | None = None) -> dict[str, Any]:
     """Run a client script in a fresh interpreter; return the JSON object it prints last."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFLEET_")}
-    if redis_url is not None:
-        env["GPUFLEET_REDIS_URL"] = redis_url
+    env = fleet_env() if redis_url is None else fleet_env(GPUFLEET_REDIS_URL=redis_url)
     done = subprocess.run(
         [sys.executable, "-c", script],
         cwd=cwd,
@@ -148,11 +146,10 @@ def test_the_readmes_client_snippet_runs_as_written(fleet_up: Fleet) -> None:
     readme = (REPO / "README.md").read_text()
     section = readme.split("## Calling the fleet", 1)[1]
     snippet = section.split("```python\n", 1)[1].split("```", 1)[0]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFLEET_")}
     done = subprocess.run(
         [sys.executable, "-c", snippet],
         cwd="/",  # outside the repository: nothing of gpufleet is importable
-        env=env | {"FLEET_URL": fleet_up.url},
+        env=fleet_env(FLEET_URL=fleet_up.url),
         capture_output=True,
         text=True,
         timeout=240,
@@ -266,9 +263,8 @@ def test_a_model_that_can_never_fit_fails_at_once_saying_why(fleet_up: Fleet) ->
     assert time.monotonic() - start < 2.0
     assert type(err.value).__name__ == "NeverFitsError"
     assert "across the GPUs of one host" in str(err.value)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFLEET_")}
-    env["GPUFLEET_REDIS_URL"] = fleet_up.url
     cli = [sys.executable, "-m", "tasks.cli", "deploy", "huge"]
+    env = fleet_env(GPUFLEET_REDIS_URL=fleet_up.url)
     done = subprocess.run(
         cli, cwd=REPO, env=env, capture_output=True, text=True, timeout=120, check=False
     )

