@@ -94,6 +94,7 @@ def test_the_bundled_redis_killed_during_a_hundred_calls_loses_none(catalog: Pat
             fleet.client.send_task("gpufleet.infer", args=("a", f"call {i}")) for i in range(100)
         ]
         with_signal(child_named(fleet, "redis-server"), signal.SIGKILL)
+        killed = time.time()
         deadline = time.monotonic() + 120
         while True:  # the launcher starts it again on the same port
             try:
@@ -115,21 +116,26 @@ def test_the_bundled_redis_killed_during_a_hundred_calls_loses_none(catalog: Pat
                 assert result["model"] == "a"
                 answered.add(call.id)
         missing = [call.id for call in calls if call.id not in answered]
-        assert not missing, _whereabouts(redis.Redis.from_url(fleet.url), missing)
+        assert not missing, _whereabouts(redis.Redis.from_url(fleet.url), missing, killed)
         after = client.send_task("gpufleet.infer", args=("a", "after the restart"))
         assert after.get(timeout=60)["model"] == "a"
 
 
-def _whereabouts(r: redis.Redis, ids: list[str]) -> dict[str, list[str]]:
-    """Where each unanswered call is: a queue, the unacked hash, or nowhere (lost)."""
+def _whereabouts(r: redis.Redis, ids: list[str], killed: float) -> dict[str, list[str]]:
+    """Where each unanswered call is: a queue, the unacked hash (with its queue and when it
+    was taken, in seconds after the kill), or nowhere (lost)."""
     places: dict[str, list[str]] = {}
-    unacked = [str(v) for v in r.hvals("unacked")]
+    taken = dict(r.zrange("unacked_index", 0, -1, withscores=True))
+    unacked = {tag: payload.decode() for tag, payload in r.hgetall("unacked").items()}
     queues = {
         str(q): [str(m) for m in r.lrange(q, 0, -1)] for q in r.keys("*") if r.type(q) == b"list"
     }
     for task_id in ids:
         here = [name for name, messages in queues.items() if any(task_id in m for m in messages)]
-        here += ["unacked"] * any(task_id in m for m in unacked)
+        for tag, payload in unacked.items():
+            if task_id in payload:
+                queue, after = json.loads(payload)[2], taken.get(tag, 0.0) - killed
+                here.append(f"unacked from {queue}, taken {after:+.1f}s after the kill")
         here += ["result"] * bool(r.exists(f"celery-task-meta-{task_id}"))
         places[task_id] = here or ["nowhere"]
     return places
