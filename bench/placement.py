@@ -2,7 +2,7 @@
 """Throughput and latency of the placement registry under concurrent clients.
 
 Run as ``python bench/placement.py [--clients N] [--gpus M] [--deployments D]
-[--seconds S] [--warmup W] [--redis-url URL]``. It prints ONE JSON object on stdout;
+[--seconds S] [--warmup W] [--rounds R] [--redis-url URL]``. It prints ONE JSON object on stdout;
 progress goes to stderr. Without ``--redis-url`` it starts a private `RedisServer`
 on 127.0.0.1 (random port); with one, it works under a fresh fleet name and deletes
 that fleet's keys afterwards.
@@ -12,11 +12,14 @@ registered with 24-hour leases, and D HOT deployments of D/2 models (two replica
 each) created through `Registry.commit` and `Registry.confirm`. Preloaded replicas
 fill at most half of each GPU, so the clients below always find room.
 
-What is measured, in this order, on the same server (every multi-client phase runs
-N client OS processes started with multiprocessing "spawn"; each does its set-up,
-waits on a barrier, runs an unmeasured warm-up of W seconds, then a measured window
-of S seconds; rates count the operations that start and end inside the window,
-divided by S, and percentiles are over the same operations):
+What is measured, on the same server (every multi-client phase runs N client OS
+processes started with multiprocessing "spawn"; each does its set-up, waits on a
+barrier, runs an unmeasured warm-up of W seconds, then a measured window of S seconds).
+The multi-client phases run R rounds, in ABBA order (evalsha, pick, commit, then
+commit, pick, evalsha, ...), so that drift on a shared machine falls on all three and a
+ratio to ``evalsha_per_s`` compares like with like. Rates count the operations that
+start and end inside the windows, divided by R x S; percentiles are over the same
+operations; ``cpu`` figures are means over the rounds.
 
 * ``snapshot_ms``: one full `Registry.snapshot()` at this scale (median of 5).
 * ``evalsha_*``: the reference round trip, a registered ``return 1`` script called
@@ -125,6 +128,7 @@ class Config:
     gpus_per_worker: int
     replicas_per_model: int
     seed: int
+    rounds: int = 1  # of each multi-client phase, ABBA
 
     @property
     def models(self) -> int:
@@ -484,12 +488,7 @@ def run_phase(pool: Pool, barrier: Barrier, bench: Bench, phase: str) -> ClientR
     before = Sample.take(bench.registry.client)
     time.sleep(cfg.seconds)
     after = Sample.take(bench.registry.client)
-    merged = ClientResult()
-    for part in pending.get(BARRIER_TIMEOUT_S + cfg.seconds):
-        merged.counts.update(part.counts)
-        for name, values in part.ms.items():
-            merged.ms.setdefault(name, []).extend(values)
-        merged.cores += part.cores
+    merged = merge(pending.get(BARRIER_TIMEOUT_S + cfg.seconds))
     bench.note_cpu(phase, after.since(before, merged.cores, bench.local_server))
     return merged
 
@@ -570,9 +569,13 @@ class Bench:
     registry: Registry
     local_server: bool
     cpu: dict[str, Any] = field(default_factory=dict)
+    _rounds: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
 
     def note_cpu(self, phase: str, figures: dict[str, Any]) -> None:
-        self.cpu[phase] = figures
+        """Keep a phase's CPU figures; `cpu[phase]` is their mean over its rounds so far."""
+        seen = self._rounds.setdefault(phase, [])
+        seen.append(figures)
+        self.cpu[phase] = _mean_figures(seen)
         other = figures.get("other_cores", 0.0)
         if other > 0.25:
             log.warning(
@@ -581,6 +584,29 @@ class Bench:
                 phase,
                 other,
             )
+
+
+def _mean_figures(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """The mean of each number over `rounds` (nested dicts too), to two decimals."""
+    out: dict[str, Any] = {}
+    for key, first in rounds[0].items():
+        values = [r[key] for r in rounds if key in r]
+        if isinstance(first, dict):
+            out[key] = _mean_figures(values)
+        else:
+            out[key] = round(statistics.fmean(values), 2)
+    return out
+
+
+def merge(parts: Sequence[ClientResult]) -> ClientResult:
+    """One result of several phases' or clients' results: counts summed, latencies pooled."""
+    merged = ClientResult()
+    for part in parts:
+        merged.counts.update(part.counts)
+        for name, values in part.ms.items():
+            merged.ms.setdefault(name, []).extend(values)
+        merged.cores += part.cores
+    return merged
 
 
 def placement_digest() -> str:
@@ -615,12 +641,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--deployments", type=int, default=256, help="preloaded HOT replicas (256)")
     p.add_argument("--seconds", type=float, default=5.0, help="measured window per phase (5)")
     p.add_argument("--warmup", type=float, default=2.0, help="unmeasured warm-up per phase (2)")
+    p.add_argument("--rounds", type=int, default=2, help="ABBA rounds of the client phases (2)")
     p.add_argument("--gpus-per-worker", type=int, default=8, help="GPUs per worker/host (8)")
     p.add_argument("--redis-url", help="use this server instead of starting one")
     p.add_argument("--seed", type=int, default=1)
     args = p.parse_args(argv)
-    if min(args.clients, args.gpus, args.gpus_per_worker, args.deployments) < 1:
-        p.error("--clients, --gpus, --deployments and --gpus-per-worker must be >= 1")
+    if min(args.clients, args.gpus, args.gpus_per_worker, args.deployments, args.rounds) < 1:
+        p.error("--clients, --gpus, --deployments, --gpus-per-worker and --rounds must be >= 1")
     if args.seconds <= 0 or args.warmup < 0:
         p.error("--seconds must be > 0 and --warmup >= 0")
     return args
@@ -647,6 +674,7 @@ def run(args: argparse.Namespace, url: str, *, local_server: bool) -> dict[str, 
         gpus_per_worker=args.gpus_per_worker,
         replicas_per_model=2,
         seed=args.seed,
+        rounds=args.rounds,
     )
     bench = Bench(cfg, Registry.from_url(url, cfg.fleet), local_server)
     try:
@@ -656,10 +684,13 @@ def run(args: argparse.Namespace, url: str, *, local_server: bool) -> dict[str, 
         evalsha_single = measure_evalsha_single(bench)
         ctx = mp.get_context("spawn")
         barrier = ctx.Barrier(cfg.clients + 1)
+        results: dict[str, list[ClientResult]] = {"evalsha": [], "pick": [], "commit": []}
         with ctx.Pool(cfg.clients, _init_client, (cfg, barrier)) as pool:
-            evalsha = run_phase(pool, barrier, bench, "evalsha")
-            pick = run_phase(pool, barrier, bench, "pick")
-            commit = run_phase(pool, barrier, bench, "commit")
+            for r in range(cfg.rounds):
+                order = list(results) if r % 2 == 0 else list(reversed(results))
+                for phase in order:
+                    results[phase].append(run_phase(pool, barrier, bench, phase))
+        evalsha, pick, commit = (merge(results[p]) for p in ("evalsha", "pick", "commit"))
         place = measure_place(bench)
         version = bench.registry.client.info("server")["redis_version"]
     finally:
@@ -697,7 +728,7 @@ def report(
     place: dict[str, Any],
 ) -> dict[str, Any]:
     """The figures, headline first."""
-    s = cfg.seconds
+    s = cfg.seconds * cfg.rounds  # measured seconds of each multi-client phase
     reasons = {k[9:]: n for k, n in commit.counts.items() if k.startswith("rejected:")}
     rejected = sum(reasons.values())
     calls = commit.counts["commit"] + rejected
@@ -713,7 +744,8 @@ def report(
         "models": cfg.models,
         "workers": fleet["workers"],
         "warmup_s": cfg.warmup,
-        "seconds": s,
+        "seconds": cfg.seconds,
+        "rounds": cfg.rounds,
         "commits_per_s": rate(commit.counts["commit"], s),
         "commit_p50_ms": percentile(commit_ms, 0.5),
         "commit_p99_ms": percentile(commit_ms, 0.99),
