@@ -25,11 +25,12 @@ from placement.batching import DEFAULT_CHARS, DEFAULT_SIZE, BatchLimits
 from placement.durations import parse_duration_ms
 from placement.errors import ConfigError, MemorySizeError
 from placement.keys import Keys
-from placement.memory import parse_size
+from placement.memory import GiB, parse_size
 from placement.scaling import DEFAULT_KEEP_ALIVE_MS, DEFAULT_THRESHOLD, DEFAULT_WINDOW_MS
 from placement.settings import GpuChoice, PolicySettings, VictimOrder
 
 __all__ = [
+    "DEFAULT_GPU_RESERVE",
     "DEFAULT_URL",
     "FROM_CONNECTION_FILE",
     "FROM_DEFAULT",
@@ -48,6 +49,8 @@ DEFAULT_VISIBILITY_TIMEOUT_S = 3600
 DEFAULT_MAX_REPLICAS = 8
 DEFAULT_METRICS_PORT = 9464  # `gpufleet up` and `gpufleet metrics`
 DEFAULT_FLOWER_PORT = 5555  # `gpufleet up --flower`
+#: Room a real GPU keeps out of the ledger for the CUDA context of a process using it.
+DEFAULT_GPU_RESERVE = GiB
 ROLES = ("client", "router", "gpu")
 # Where the registry URL came from (`Settings.url_from`), as error messages say it.
 FROM_ENV = "GPUFLEET_REDIS_URL"
@@ -76,6 +79,8 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("GPUFLEET_MODELS", "`models.yaml`", "the catalog"),
     Variable("GPUFLEET_SIM_GPUS", "none (`gpufleet up`: `2x8GiB`)",
              "simulated GPUs, e.g. `2x24GiB` or `40GB,80GB`"),
+    Variable("GPUFLEET_GPU_RESERVE", "`1GiB`",
+             "memory of each real GPU kept out of the ledger for a CUDA context (`0`: none)"),
     Variable("GPUFLEET_WARM_CACHE", "25% of RAM",
              "CPU memory a host lends to warm (offloaded) copies, charged by their measured bytes"),
     Variable("GPUFLEET_WORKER_LEASE_MS", f"`{DEFAULT_WORKER_LEASE_MS}`",
@@ -134,6 +139,7 @@ class Settings:
     home: Path = field(default_factory=lambda: Path("~/.local/state/gpufleet").expanduser())
     models: Path = Path("models.yaml")
     sim_gpus: str | None = None
+    gpu_reserve: int = DEFAULT_GPU_RESERVE  # bytes of each real GPU the ledger never places
     warm_cache: int | None = None  # bytes; None: a quarter of the host's RAM
     worker_lease_ms: int = DEFAULT_WORKER_LEASE_MS
     visibility_timeout: int = DEFAULT_VISIBILITY_TIMEOUT_S
@@ -198,6 +204,7 @@ class Settings:
             home=home,
             models=Path(env.text("GPUFLEET_MODELS", "models.yaml")).expanduser(),
             sim_gpus=env.get("GPUFLEET_SIM_GPUS"),
+            gpu_reserve=_size_or(env.size("GPUFLEET_GPU_RESERVE"), DEFAULT_GPU_RESERVE),
             warm_cache=env.size("GPUFLEET_WARM_CACHE"),
             worker_lease_ms=env.integer(
                 "GPUFLEET_WORKER_LEASE_MS", DEFAULT_WORKER_LEASE_MS, low=30
@@ -337,6 +344,10 @@ class _Env:
         except ValueError:
             allowed = ", ".join(c.value for c in kind)
             raise ConfigError(f"{name}={raw!r} must be one of {allowed}") from None
+
+
+def _size_or(value: int | None, default: int) -> int:
+    return default if value is None else value
 
 
 def _policy(env: _Env) -> PolicySettings:

@@ -156,7 +156,8 @@ def _warm_budget() -> int:
 
 def _visible() -> list[Device]:
     """Every GPU this host's workers see: NVML's, else the simulated ones."""
-    return discover(context.settings().sim_gpus)
+    settings = context.settings()
+    return discover(settings.sim_gpus, reserve=settings.gpu_reserve)
 
 
 def _own_devices(devices: list[Device]) -> list[Device]:

@@ -31,6 +31,7 @@ def test_defaults_need_no_environment_at_all(tmp_path: Path) -> None:
     assert (s.fleet, s.role, s.worker_lease_ms, s.max_replicas) == ("default", "client", 15000, 8)
     assert s.url_from == FROM_DEFAULT
     assert s.metrics_port is None and s.warm_cache is None and s.worker_gpus is None
+    assert s.gpu_reserve == 2**30
 
 
 def test_every_variable_is_read_into_its_setting(tmp_path: Path) -> None:
@@ -42,6 +43,7 @@ def test_every_variable_is_read_into_its_setting(tmp_path: Path) -> None:
             "GPUFLEET_MODELS": "/etc/gpufleet/models.yaml",
             "GPUFLEET_SIM_GPUS": "2x8GiB",
             "GPUFLEET_WARM_CACHE": "4GiB",
+            "GPUFLEET_GPU_RESERVE": "512MiB",
             "GPUFLEET_WORKER_LEASE_MS": "3000",
             "GPUFLEET_VISIBILITY_TIMEOUT": "7200",
             "GPUFLEET_HOST": "box-7",
@@ -61,6 +63,7 @@ def test_every_variable_is_read_into_its_setting(tmp_path: Path) -> None:
     assert s.url_from == FROM_ENV
     assert (s.fleet, s.home, s.models) == ("blue", tmp_path, Path("/etc/gpufleet/models.yaml"))
     assert (s.sim_gpus, s.warm_cache, s.worker_lease_ms) == ("2x8GiB", 4 * 2**30, 3000)
+    assert s.gpu_reserve == 512 * 2**20
     assert (s.visibility_timeout, s.host, s.lineage, s.worker_gpus) == (
         7200,
         "box-7",
@@ -80,6 +83,7 @@ def test_every_variable_is_read_into_its_setting(tmp_path: Path) -> None:
         ("GPUFLEET_WORKER_LEASE_MS", "5", "from 30"),
         ("GPUFLEET_METRICS_PORT", "nine", "whole number from 0 up to 65535"),
         ("GPUFLEET_WARM_CACHE", "lots", "GPUFLEET_WARM_CACHE"),
+        ("GPUFLEET_GPU_RESERVE", "-1GiB", "cannot be negative"),
         ("GPUFLEET_ROLE", "boss", "router"),
         ("GPUFLEET_FACTOR", "x3", "number"),
         ("GPUFLEET_GPU_CHOICE", "luck", "best-fit"),

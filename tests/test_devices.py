@@ -137,6 +137,13 @@ class FakeNvml(types.ModuleType):
         self.gpus = gpus
         self.fail = fail
         self.calls: list[str] = []
+        self.driver_reserved: int | None = None  # what memory info v2 says; None: no v2
+
+    @property
+    def nvmlMemory_v2(self) -> int:  # absent from bindings older than 11.5
+        if self.driver_reserved is None:
+            raise AttributeError("nvmlMemory_v2")
+        return 0x02000028
 
     def nvmlInit(self) -> None:
         self.calls.append("init")
@@ -158,8 +165,12 @@ class FakeNvml(types.ModuleType):
     def nvmlDeviceGetUUID(self, handle: int) -> str | bytes:
         return self.gpus[handle][1]
 
-    def nvmlDeviceGetMemoryInfo(self, handle: int) -> Any:
-        return types.SimpleNamespace(total=self.gpus[handle][2], free=0, used=0)
+    def nvmlDeviceGetMemoryInfo(self, handle: int, version: int | None = None) -> Any:
+        total = self.gpus[handle][2]
+        if version is None:
+            return types.SimpleNamespace(total=total, free=0, used=0)
+        assert version == self.nvmlMemory_v2
+        return types.SimpleNamespace(total=total, reserved=self.driver_reserved, free=0, used=0)
 
 
 @pytest.fixture
@@ -184,6 +195,33 @@ def test_nvml_devices_are_read_decoded_and_nvml_is_shut_down(nvml: FakeNvml) -> 
     ]
     assert all(d.total == 40 * GiB and not d.simulated for d in devices)
     assert nvml.calls == ["init", "shutdown"]
+
+
+def test_a_real_gpu_registers_its_total_less_its_driver_s_memory_and_a_cuda_context(
+    nvml: FakeNvml,
+) -> None:
+    nvml.driver_reserved = 512 * 2**20
+    devices = nvml_devices(reserve=GiB)
+    assert [d.total for d in devices] == [40 * GiB] * 3  # as NVML reports it
+    assert devices[0].to_gpu("h1").total == 40 * GiB - 512 * 2**20 - GiB
+    assert nvml_devices(reserve=0)[0].to_gpu("h1").total == 40 * GiB - 512 * 2**20
+
+
+def test_without_nvml_memory_info_v2_only_the_context_is_kept_back(nvml: FakeNvml) -> None:
+    assert [d.to_gpu("h1").total for d in discover(reserve=GiB)] == [39 * GiB] * 3
+
+
+def test_a_simulated_gpu_registers_its_whole_size_whatever_the_reserve() -> None:
+    [device] = discover("8GiB", simulate=True, reserve=GiB)
+    assert device.to_gpu("h1").total == 8 * GiB
+
+
+def test_a_reserve_that_leaves_a_gpu_nothing_is_a_config_error_naming_the_setting(
+    nvml: FakeNvml,
+) -> None:
+    nvml.driver_reserved = GiB
+    with pytest.raises(ConfigError, match=r"GPU 0 .* lower GPUFLEET_GPU_RESERVE"):
+        nvml_devices(reserve=39 * GiB)
 
 
 def test_a_driver_that_does_not_start_means_no_nvml_gpus(nvml: FakeNvml) -> None:

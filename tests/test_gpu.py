@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from placement.config import DEFAULT_GPU_RESERVE
 from placement.report import status_report
 from tests.running import RunningFleet, descendants, fleet_env, fleet_up
 
@@ -197,6 +198,7 @@ def test_a_fleet_on_the_gpu_loads_evicts_restores_and_caps_as_the_ledger_says(
         report = status_report(registry.snapshot())
         assert report["problems"] == []
         gpu = next(g for g in report["gpus"] if g["id"] == uuid)
+        assert gpu["total_bytes"] <= total - DEFAULT_GPU_RESERVE  # and the driver's memory
         print(
             json.dumps(
                 {
@@ -213,4 +215,5 @@ def test_a_fleet_on_the_gpu_loads_evicts_restores_and_caps_as_the_ledger_says(
         )
         if loaded[0]:  # NVML reports per-process memory on this host
             assert offloaded[0] < loaded[0] - 40 * 2**20  # MiniLM's weights are 87 MiB
-            assert loaded[0] <= gpu["reserved_bytes"] + 2**30  # caps, plus the CUDA context
+            # The caps, plus the CUDA context the ledger keeps GPUFLEET_GPU_RESERVE for.
+            assert loaded[0] <= gpu["reserved_bytes"] + DEFAULT_GPU_RESERVE

@@ -15,6 +15,14 @@ passes to ``torch.device("cuda", n)``; it differs from `index` when
 NVML's PCI order on a host with mixed GPU models; a warning says so). ``GPU-<uuid>``
 entries (or unique prefixes of them) are matched against NVML uuids; ``MIG-`` entries
 are not supported: MIG slices are not NVML devices by index, and discovery stops there.
+
+Reserve. A real GPU registers less than NVML's total: the memory NVML says the driver
+and firmware keep (`nvmlDeviceGetMemoryInfo_v2`'s ``reserved``), and room for the CUDA
+context of the process that uses it (``GPUFLEET_GPU_RESERVE``, 1 GiB by default; about
+0.7 GB was measured on an H100). Neither is memory torch allocates, so neither the
+learned peaks nor the fraction cap see it, and a ledger that handed it out would let a
+full GPU fail a real allocation with every process under its cap. A simulated GPU has
+no driver and no context: it registers its whole size.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from placement.config import DEFAULT_GPU_RESERVE
 from placement.errors import ConfigError, MemorySizeError
 from placement.memory import format_size, parse_size
 from placement.state import Gpu
@@ -61,7 +70,8 @@ class Device:
 
     `index` is the NVML index (as ``nvidia-smi`` numbers it) or the position of a
     simulated GPU; `cuda_index` is the CUDA ordinal in this process (None when
-    simulated: there is no CUDA device behind it). `total` is in bytes.
+    simulated: there is no CUDA device behind it). `total` is in bytes, as NVML reports
+    it; `reserve` of them never enter the ledger (the driver's and a CUDA context's).
     """
 
     index: int
@@ -70,6 +80,7 @@ class Device:
     total: int
     simulated: bool = False
     cuda_index: int | None = None
+    reserve: int = 0
 
     def gpu_id(self, host: str) -> str:
         """The registry id: the NVML uuid, globally unique, or ``<host>:sim<index>``.
@@ -83,7 +94,11 @@ class Device:
     def to_gpu(self, host: str) -> Gpu:
         """The ledger entry `Registry.register_worker` takes for this device."""
         return Gpu(
-            id=self.gpu_id(host), host=host, index=self.index, name=self.name, total=self.total
+            id=self.gpu_id(host),
+            host=host,
+            index=self.index,
+            name=self.name,
+            total=self.total - self.reserve,
         )
 
 
@@ -138,21 +153,22 @@ def simulated_devices(spec: str) -> list[Device]:
 # --- NVML ----------------------------------------------------------------------------------
 
 
-def nvml_devices() -> list[Device]:
-    """The NVIDIA GPUs NVML reports that CUDA would show this process, in CUDA order.
+def nvml_devices(reserve: int = DEFAULT_GPU_RESERVE) -> list[Device]:
+    """The NVIDIA GPUs NVML reports that CUDA would show this process, in CUDA order,
+    each keeping `reserve` bytes for a CUDA context besides what the driver keeps.
 
     Returns [] when `pynvml` or the NVML library is missing, the driver does not answer,
     or there is no GPU; the reason is logged at debug level. A GPU that fails to answer
     on its own (fallen off the bus) is skipped with a warning. NVML is shut down before
     returning, so nothing stays open in a process that forks afterwards.
     """
-    devices, why = _probe_nvml()
+    devices, why = _probe_nvml(reserve)
     if why:
         log.debug("no NVML GPUs: %s", why)
     return devices
 
 
-def _probe_nvml() -> tuple[list[Device], str]:
+def _probe_nvml(reserve: int) -> tuple[list[Device], str]:
     """NVML devices filtered by CUDA_VISIBLE_DEVICES, and why there are none ("" if some)."""
     try:
         import pynvml
@@ -163,7 +179,7 @@ def _probe_nvml() -> tuple[list[Device], str]:
     except pynvml.NVMLError as exc:
         return [], f"NVML cannot start ({exc})"
     try:
-        found = _read_nvml(pynvml)
+        found = _read_nvml(pynvml, reserve)
     except pynvml.NVMLError as exc:
         return [], f"NVML cannot count the GPUs ({exc})"
     finally:
@@ -185,7 +201,7 @@ def _probe_nvml() -> tuple[list[Device], str]:
     return devices, ""
 
 
-def _read_nvml(nvml: Any) -> list[Device]:
+def _read_nvml(nvml: Any, reserve: int) -> list[Device]:
     """Every GPU NVML knows, by NVML index (cuda_index = index until filtered)."""
     devices = []
     for i in range(int(nvml.nvmlDeviceGetCount())):
@@ -193,12 +209,31 @@ def _read_nvml(nvml: Any) -> list[Device]:
             handle = nvml.nvmlDeviceGetHandleByIndex(i)
             name = _text(nvml.nvmlDeviceGetName(handle))
             uuid = _text(nvml.nvmlDeviceGetUUID(handle))
-            total = int(nvml.nvmlDeviceGetMemoryInfo(handle).total)
+            total, driver = _memory(nvml, handle)
         except nvml.NVMLError as exc:
             log.warning("skipping GPU %d: NVML cannot read it (%s)", i, exc)
             continue
-        devices.append(Device(index=i, uuid=uuid, name=name, total=total, cuda_index=i))
+        if driver + reserve >= total:
+            raise ConfigError(
+                f"GPU {i} ({name}, {format_size(total)}) leaves no memory to place models on "
+                f"once {format_size(driver)} for its driver and {format_size(reserve)} for a "
+                f"CUDA context (GPUFLEET_GPU_RESERVE) are kept; lower GPUFLEET_GPU_RESERVE"
+            )
+        devices.append(Device(i, uuid, name, total, cuda_index=i, reserve=driver + reserve))
     return devices
+
+
+def _memory(nvml: Any, handle: Any) -> tuple[int, int]:
+    """A GPU's total memory and what its driver and firmware keep of it: version 2 of
+    NVML's memory query says that; drivers and bindings without it count it as used."""
+    version = getattr(nvml, "nvmlMemory_v2", None)
+    if version is not None:
+        try:
+            info = nvml.nvmlDeviceGetMemoryInfo(handle, version=version)
+            return int(info.total), int(info.reserved)
+        except nvml.NVMLError as exc:  # an older driver: no _v2 entry point
+            log.debug("NVML memory info v2 unavailable (%s); using v1", exc)
+    return int(nvml.nvmlDeviceGetMemoryInfo(handle).total), 0
 
 
 def _text(value: str | bytes) -> str:
@@ -247,22 +282,29 @@ def _lookup(entry: str, by_index: dict[int, Device], devices: Sequence[Device]) 
 # --- the entry point -----------------------------------------------------------------------
 
 
-def discover(sim: str | None = None, *, simulate: bool = False) -> list[Device]:
+def discover(
+    sim: str | None = None, *, simulate: bool = False, reserve: int = DEFAULT_GPU_RESERVE
+) -> list[Device]:
     """The GPUs this worker should announce: real ones, else simulated ones.
 
-    With `simulate` False, NVML GPUs win when there are any. With `simulate` True, or
-    when NVML finds none, the devices come from the spec `sim` (``GPUFLEET_SIM_GPUS``).
-    Raises `ConfigError` when there is neither a GPU nor a spec, saying how to set one.
+    With `simulate` False, NVML GPUs win when there are any; each keeps `reserve` bytes
+    (``GPUFLEET_GPU_RESERVE``) out of the ledger. With `simulate` True, or when NVML finds
+    none, the devices come from the spec `sim` (``GPUFLEET_SIM_GPUS``). Raises
+    `ConfigError` when there is neither a GPU nor a spec, saying how to set one.
     """
     spec = sim.strip() if sim is not None else ""
     why = "simulation was asked for"
     if not simulate:
-        real, why = _probe_nvml()
+        real, why = _probe_nvml(reserve)
         if real:
             log.info(
                 "using %d NVIDIA GPU(s) from NVML: %s",
                 len(real),
-                ", ".join(f"{d.index}={d.name} ({format_size(d.total)})" for d in real),
+                ", ".join(
+                    f"{d.index}={d.name} ({format_size(d.total)}, "
+                    f"{format_size(d.total - d.reserve)} to place on)"
+                    for d in real
+                ),
             )
             if spec:
                 log.info("ignoring the simulated GPU spec %r: real GPUs are present", spec)
