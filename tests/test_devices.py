@@ -220,8 +220,9 @@ def test_a_reserve_that_leaves_a_gpu_nothing_is_a_config_error_naming_the_settin
     nvml: FakeNvml,
 ) -> None:
     nvml.driver_reserved = GiB
+    [device, *_] = nvml_devices(reserve=39 * GiB)  # found: only a worker that owns it fails
     with pytest.raises(ConfigError, match=r"GPU 0 .* lower GPUFLEET_GPU_RESERVE"):
-        nvml_devices(reserve=39 * GiB)
+        device.to_gpu("h1")
 
 
 def test_a_driver_that_does_not_start_means_no_nvml_gpus(nvml: FakeNvml) -> None:

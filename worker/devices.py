@@ -92,7 +92,14 @@ class Device:
         return f"{host}:sim{self.index}" if self.simulated else self.uuid
 
     def to_gpu(self, host: str) -> Gpu:
-        """The ledger entry `Registry.register_worker` takes for this device."""
+        """The ledger entry `Registry.register_worker` takes for this device; a
+        `ConfigError` when its reserve leaves it nothing to place models on."""
+        if self.total - self.reserve <= 0:
+            raise ConfigError(
+                f"GPU {self.index} ({self.name}, {format_size(self.total)}) leaves no memory "
+                f"to place models on once {format_size(self.reserve)} is kept for its driver "
+                f"and a CUDA context; lower GPUFLEET_GPU_RESERVE"
+            )
         return Gpu(
             id=self.gpu_id(host),
             host=host,
@@ -213,12 +220,6 @@ def _read_nvml(nvml: Any, reserve: int) -> list[Device]:
         except nvml.NVMLError as exc:
             log.warning("skipping GPU %d: NVML cannot read it (%s)", i, exc)
             continue
-        if driver + reserve >= total:
-            raise ConfigError(
-                f"GPU {i} ({name}, {format_size(total)}) leaves no memory to place models on "
-                f"once {format_size(driver)} for its driver and {format_size(reserve)} for a "
-                f"CUDA context (GPUFLEET_GPU_RESERVE) are kept; lower GPUFLEET_GPU_RESERVE"
-            )
         devices.append(Device(i, uuid, name, total, cuda_index=i, reserve=driver + reserve))
     return devices
 
