@@ -1,4 +1,5 @@
-"""Kombu's Redis transport, without its windows for losing a message when Redis dies.
+"""Kombu's Redis transport, without its windows for losing a message when Redis or a
+GPU worker dies.
 
 Kombu takes a message with BRPOP and records it as unacknowledged in a second round
 trip. Two gaps lie between, and a Redis crash (SIGKILL, the OOM killer) in either loses
@@ -15,17 +16,31 @@ the message, which is then in neither place:
 So a broker crash costs a redelivery, never a call. Every gpufleet process uses this
 transport (`broker_transport` in `tasks.config`); clients need nothing.
 
+The consumer dying between the two steps (SIGKILL, the OOM killer) loses the message
+the same way. A GPU worker is the only consumer of its queue (`sole_consumer`), so it
+takes with BLMOVE (Redis 6.2 or later) instead: Redis moves the message into the queue's
+in-flight list (`<queue>.inflight`) in the same step, and recording it as unacked removes
+it from there. A consumer that starts on the queue puts back what its predecessor left
+in flight (`Channel.basic_consume`). It takes from the queue's base list only: calls
+that ask for a message priority do not take the fast path (`tasks.routing`), so none
+lands in the queue's priority lists. The router's queue may have several consumers and
+keeps BRPOP.
+
 What remains: Redis killed after it ran the BRPOP but before its reply left the server
-(microseconds, against a Python round trip here).
+(microseconds, against a Python round trip here), and a router killed as it takes a call.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from queue import Empty
 from typing import Any
 
 from kombu.transport import redis as kombu_redis
+from kombu.transport import virtual
+from kombu.utils.encoding import bytes_to_str
+from kombu.utils.json import dumps, loads
 
 #: How long a consumer waits for Redis to come back to give a message back.
 GIVE_BACK_S = 30.0
@@ -37,11 +52,21 @@ class QoS(kombu_redis.QoS):
     """Unacknowledged-message bookkeeping that gives back what it could not record."""
 
     def append(self, message: Any, delivery_tag: str) -> None:
+        taken, self.channel.taken = self.channel.taken, None
+        info = message.delivery_info
+        record = dumps([message._raw, info["exchange"], info["routing_key"]])  # type: ignore[no-untyped-call]
         try:
-            super().append(message, delivery_tag)  # type: ignore[no-untyped-call]
+            with self.pipe_or_acquire() as pipe:
+                pipe.zadd(self.unacked_index_key, {delivery_tag: time.time()})
+                pipe.hset(self.unacked_key, delivery_tag, record)
+                if taken is not None:  # recorded: out of the in-flight list in the same step
+                    pipe.lrem(inflight(taken[0]), 1, taken[1])
+                pipe.execute()
         except self.channel.connection_errors:
-            give_back(self.channel, message)
-            raise  # the consumer reconnects as it would have
+            if taken is None:  # a taken message waits in the in-flight list instead
+                give_back(self.channel, message)
+            raise  # the consumer reconnects, and puts back what is in flight
+        virtual.QoS.append(self, message, delivery_tag)  # type: ignore[no-untyped-call]
 
 
 def give_back(channel: Any, message: Any) -> bool:
@@ -74,8 +99,75 @@ def give_back(channel: Any, message: Any) -> bool:
         return True
 
 
+def inflight(queue: str) -> str:
+    """The list a sole consumer's messages pass through between taken and recorded."""
+    return f"{queue}.inflight"
+
+
 class Channel(kombu_redis.Channel):
+    """kombu's Redis channel; with the transport option `sole_consumer` (GPU workers), a
+    consumer of one queue takes its messages through the queue's in-flight list."""
+
     QoS = QoS
+    from_transport_options = (*kombu_redis.Channel.from_transport_options, "sole_consumer")  # type: ignore[assignment]
+    sole_consumer = False
+    taken: tuple[str, bytes] | None = None  # (queue, message) taken and not yet recorded
+    _taking: str | None = None  # the queue of the BLMOVE in flight
+
+    def basic_consume(self, queue: str, *args: Any, **kwargs: Any) -> Any:
+        if self.sole_consumer and queue not in self._fanout_queues:
+            self._put_back_in_flight(queue)
+        return super().basic_consume(queue, *args, **kwargs)  # type: ignore[no-untyped-call]
+
+    def _put_back_in_flight(self, queue: str) -> None:
+        """Return to the head of `queue` what a consumer before this one took and did
+        not record (it died in between), oldest first in line."""
+        restored = 0
+        with self.conn_or_acquire() as client:
+            while client.lmove(inflight(queue), queue, "LEFT", "RIGHT") is not None:
+                restored += 1
+        if restored:
+            log.warning("put back %d message(s) a dead consumer had taken from %s", restored, queue)
+
+    def _sole_queue(self) -> str | None:
+        queues = list(self.active_queues)
+        return queues[0] if self.sole_consumer and len(queues) == 1 else None
+
+    def _brpop_start(self, timeout: float | None = None) -> None:
+        queue = self._sole_queue()
+        if queue is None:
+            super()._brpop_start(timeout)  # type: ignore[no-untyped-call]
+            return
+        if timeout is None:
+            timeout = self.brpop_timeout
+        self._taking = queue
+        self._in_poll = self.client.connection
+        self._brpop_sent_at = time.monotonic()  # type: ignore[assignment]
+        self.client.connection.send_command(
+            "BLMOVE", queue, inflight(queue), "RIGHT", "LEFT", timeout or 0
+        )
+
+    def _brpop_read(self, **options: Any) -> bool:
+        queue, self._taking = self._taking, None
+        if queue is None:
+            return bool(super()._brpop_read(**options))  # type: ignore[no-untyped-call]
+        try:
+            try:
+                item = self.client.parse_response(self.client.connection, "BLMOVE", **options)
+            except self.connection_errors:
+                self.client.connection.disconnect()
+                raise
+            if item is None:
+                raise Empty()
+            self.taken = (queue, item)  # QoS.append records it and clears this
+            self.connection._deliver(loads(bytes_to_str(item)), queue)  # type: ignore[no-untyped-call]
+            if self.taken is not None:  # a consumer that acknowledges nothing: no record
+                self.client.lrem(inflight(queue), 1, item)
+                self.taken = None
+            return True
+        finally:
+            self._in_poll = None  # type: ignore[assignment]
+            self._flush_brpop_reauth()  # type: ignore[no-untyped-call]
 
 
 class Poller(kombu_redis.MultiChannelPoller):

@@ -123,3 +123,60 @@ def test_a_message_popped_while_the_consumer_has_no_prefetch_credit_is_recorded_
         held = sorted((json.loads(base64.b64decode(p["body"])) for p in payloads), key=str)
         assert seen == [{"n": 1}, {"n": 2}]  # read at once, one past the credit
         assert held == [{"n": 1}, {"n": 2}]  # and recorded: the crash lost neither
+
+
+def _bodies(raws: list[bytes]) -> list[Any]:
+    return [json.loads(base64.b64decode(json.loads(raw)["body"])) for raw in raws]
+
+
+def test_a_sole_consumer_s_message_waits_in_flight_until_it_is_recorded_as_unacked() -> None:
+    at_record: list[tuple[int, int]] = []
+    seen: list[Any] = []
+    with RedisServer() as server:
+        _publish(server.url, {"n": 1})
+        client = redis.Redis.from_url(server.url)
+
+        class WatchingQoS(QoS):
+            def append(self, message: Any, delivery_tag: str) -> None:
+                at_record.append((client.llen("work"), client.llen("work.inflight")))
+                super().append(message, delivery_tag)
+
+        class WatchingChannel(Channel):
+            QoS = WatchingQoS
+
+        class WatchingTransport(Transport):
+            Channel = WatchingChannel
+
+        options = {"sole_consumer": True}
+        with (
+            Connection(server.url, transport=WatchingTransport, transport_options=options) as c,
+            c.Consumer(WORK, callbacks=[lambda body, _m: seen.append(body)]),
+        ):
+            c.drain_events(timeout=5)
+            assert seen == [{"n": 1}]
+            assert at_record == [(0, 1)]  # out of its queue and in flight: in a list all along
+            assert client.llen("work.inflight") == 0  # recorded: in flight no more
+            unacked = [json.dumps(json.loads(r)[0]) for r in client.hvals("unacked")]
+            assert _bodies(unacked) == seen  # (unacknowledged: closing gives it back)
+
+
+def test_what_a_dead_sole_consumer_took_is_first_in_line_for_the_next_one(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    seen: list[Any] = []
+    with RedisServer() as server:
+        _publish(server.url, {"n": 1}, {"n": 2}, {"n": 3})
+        client = redis.Redis.from_url(server.url)
+        client.blmove("work", "work.inflight", 1, "RIGHT", "LEFT")  # what it did, then SIGKILL
+        client.blmove("work", "work.inflight", 1, "RIGHT", "LEFT")
+        assert _bodies(client.lrange("work", 0, -1)) == [{"n": 3}]
+        options = {"sole_consumer": True}
+        with (
+            Connection(server.url, transport=Transport, transport_options=options) as conn,
+            conn.Consumer(WORK, callbacks=[lambda body, m: (seen.append(body), m.ack())]),
+        ):
+            for _ in range(3):
+                conn.drain_events(timeout=5)
+        assert seen == [{"n": 1}, {"n": 2}, {"n": 3}]  # in the order they were sent
+        assert "put back 2 message(s) a dead consumer had taken from work" in caplog.text
+        assert client.llen("work.inflight") == client.llen("work") == client.hlen("unacked") == 0
