@@ -14,13 +14,15 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from celery import Celery
+from celery.result import AsyncResult
 
 from bench.fleet import TWO_MODELS  # noqa: F401  (the end-to-end tests' catalog)
 from placement.registry import Registry
@@ -48,6 +50,38 @@ class RunningFleet:
     def pool_child(self, gpu_index: int) -> int:
         """The pid of GPU worker `gpu_index`'s pool child (the process that holds models)."""
         return pool_child(self.proc.pid, gpu_index)
+
+    def active_calls(self, workers: int = 2) -> int:
+        """The most calls any worker reports running at once. `workers` is how many the
+        fleet has (a router and one GPU worker): inspect returns when all of them have
+        answered, in milliseconds, rather than at its timeout."""
+        inspect = self.client.control.inspect(timeout=2.0, limit=workers)
+        active: dict[str, list[Any]] = inspect.active() or {}
+        return max((len(calls) for calls in active.values()), default=0)
+
+    def kill_mid_call(self, pid: int, running: int = 1) -> datetime:
+        """SIGKILL `pid` once `running` calls run at once; return when (for `answered_after`)."""
+        deadline = time.monotonic() + 30
+        while self.active_calls() < running:
+            assert time.monotonic() < deadline, f"{running} calls never ran at once"
+        killed = datetime.now(UTC)
+        with_signal(pid, signal.SIGKILL)
+        return killed
+
+
+def answered_after(calls: Sequence[AsyncResult], moment: datetime) -> int:
+    """How many of `calls` (all answered) got their answer after `moment`."""
+    done = [c.date_done for c in calls]
+    assert all(isinstance(d, datetime) for d in done), done
+    return sum((d if d.tzinfo else d.replace(tzinfo=UTC)) > moment for d in done)
+
+
+def until(what: str, done: Callable[[], bool], seconds: float = 30.0) -> None:
+    """Wait for `done()`, failing with `what` after `seconds`."""
+    deadline = time.monotonic() + seconds
+    while not done():
+        assert time.monotonic() < deadline, f"{what} within {seconds:.0f} s"
+        time.sleep(0.1)
 
 
 def fleet_env(**extra: str) -> dict[str, str]:

@@ -6,16 +6,21 @@ is a descendant of the fleet they started.
 
 from __future__ import annotations
 
-import signal
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import pytest
 from celery.exceptions import SoftTimeLimitExceeded
 
-from tests.running import TWO_MODELS, RunningFleet, alive, fleet_env, fleet_up, with_signal
+from tests.running import (
+    TWO_MODELS,
+    RunningFleet,
+    alive,
+    answered_after,
+    fleet_env,
+    fleet_up,
+    until,
+)
 from tests.test_batching import close
 
 pytestmark = pytest.mark.slow
@@ -73,29 +78,20 @@ def test_a_lone_call_waits_for_company_no_longer_than_its_model_s_batch_wait(
     assert all(w < 100 for w in eager), eager  # the default wait is 0: it goes at once
 
 
-def _active_calls(fleet: RunningFleet) -> int:
-    """The most calls any worker of the fleet reports running at once."""
-    active: dict[str, list[Any]] = fleet.client.control.inspect(timeout=0.5).active() or {}
-    return max((len(calls) for calls in active.values()), default=0)
-
-
 def test_sigkill_of_the_gpu_worker_s_pool_child_mid_batch_loses_no_call(
     fleet: RunningFleet,
 ) -> None:
     fleet.infer("b", "warm up")
     child = fleet.pool_child(0)
-    calls = [fleet.client.send_task("gpufleet.infer", args=("b", *LARGE)) for _ in range(12)]
-    deadline = time.monotonic() + 30
-    running = 0
-    while running < 2 and time.monotonic() < deadline:
-        running = _active_calls(fleet)  # a pass of b takes a few tenths of a second a call
-    assert running >= 2, "no batch of b ever ran"
-    with_signal(child, signal.SIGKILL)
+    calls = [fleet.client.send_task("gpufleet.infer", args=("b", *LARGE)) for _ in range(24)]
+    killed = fleet.kill_mid_call(child, running=2)  # a batch runs: kill it
     answers = [c.get(timeout=120) for c in calls]  # none hangs, none is lost
-    assert [a["model"] for a in answers] == ["b"] * 12
+    assert [a["model"] for a in answers] == ["b"] * 24
     assert all(a["outputs"]["shape"][0] == 2 for a in answers)
-    assert not alive(child)
-    assert fleet.pool_child(0) != child
+    # The calls of the batch it cut short were answered after the kill, by its successor.
+    assert answered_after(calls, killed) >= 2, "every call was answered before the kill"
+    until("the killed child is gone", lambda: not alive(child))
+    until("the pool starts another child", lambda: fleet.pool_child(0) != child)
 
 
 def test_a_batched_call_past_its_soft_time_limit_fails_with_it_and_the_worker_serves_on(
