@@ -114,8 +114,14 @@ class Channel(kombu_redis.Channel):
     taken: tuple[str, bytes] | None = None  # (queue, message) taken and not yet recorded
     _taking: str | None = None  # the queue of the BLMOVE in flight
 
+    @property
+    def _takes_in_flight(self) -> bool:
+        # kombu prefixes only the commands it sends itself: BLMOVE, LMOVE and LREM would
+        # miss a `global_keyprefix`, so such a channel keeps BRPOP.
+        return bool(self.sole_consumer and not self.global_keyprefix)
+
     def basic_consume(self, queue: str, *args: Any, **kwargs: Any) -> Any:
-        if self.sole_consumer and queue not in self._fanout_queues:
+        if self._takes_in_flight and queue not in self._fanout_queues:
             self._put_back_in_flight(queue)
         return super().basic_consume(queue, *args, **kwargs)  # type: ignore[no-untyped-call]
 
@@ -131,7 +137,7 @@ class Channel(kombu_redis.Channel):
 
     def _sole_queue(self) -> str | None:
         queues = list(self.active_queues)
-        return queues[0] if self.sole_consumer and len(queues) == 1 else None
+        return queues[0] if self._takes_in_flight and len(queues) == 1 else None
 
     def _brpop_start(self, timeout: float | None = None) -> None:
         queue = self._sole_queue()

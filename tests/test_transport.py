@@ -180,3 +180,16 @@ def test_what_a_dead_sole_consumer_took_is_first_in_line_for_the_next_one(
         assert seen == [{"n": 1}, {"n": 2}, {"n": 3}]  # in the order they were sent
         assert "put back 2 message(s) a dead consumer had taken from work" in caplog.text
         assert client.llen("work.inflight") == client.llen("work") == client.hlen("unacked") == 0
+
+
+def test_a_sole_consumer_with_a_key_prefix_keeps_brpop_and_still_gets_its_messages() -> None:
+    seen: list[Any] = []
+    options = {"sole_consumer": True, "global_keyprefix": "blue:"}
+    with RedisServer() as server:
+        with Connection(server.url, transport=Transport, transport_options=options) as conn:
+            producer = conn.Producer(serializer="json")
+            producer.publish({"n": 1}, exchange=WORK.exchange, routing_key="work", declare=[WORK])
+            with conn.Consumer(WORK, callbacks=[lambda body, m: (seen.append(body), m.ack())]):
+                conn.drain_events(timeout=5)
+        assert seen == [{"n": 1}]
+        assert redis.Redis.from_url(server.url).keys("*inflight*") == []
