@@ -19,6 +19,7 @@ import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import overload
 from urllib.parse import urlparse
 
 from placement.batching import DEFAULT_CHARS, DEFAULT_SIZE, BatchLimits
@@ -204,7 +205,7 @@ class Settings:
             home=home,
             models=Path(env.text("GPUFLEET_MODELS", "models.yaml")).expanduser(),
             sim_gpus=env.get("GPUFLEET_SIM_GPUS"),
-            gpu_reserve=_size_or(env.size("GPUFLEET_GPU_RESERVE"), DEFAULT_GPU_RESERVE),
+            gpu_reserve=env.size("GPUFLEET_GPU_RESERVE", DEFAULT_GPU_RESERVE),
             warm_cache=env.size("GPUFLEET_WARM_CACHE"),
             worker_lease_ms=env.integer(
                 "GPUFLEET_WORKER_LEASE_MS", DEFAULT_WORKER_LEASE_MS, low=30
@@ -317,10 +318,14 @@ class _Env:
         except ConfigError as exc:
             raise ConfigError(f"{name}: {exc}") from None
 
-    def size(self, name: str) -> int | None:
+    @overload
+    def size(self, name: str) -> int | None: ...
+    @overload
+    def size(self, name: str, default: int) -> int: ...
+    def size(self, name: str, default: int | None = None) -> int | None:
         raw = self.get(name)
         if raw is None:
-            return None
+            return default
         try:
             return parse_size(raw)
         except MemorySizeError as exc:
@@ -344,10 +349,6 @@ class _Env:
         except ValueError:
             allowed = ", ".join(c.value for c in kind)
             raise ConfigError(f"{name}={raw!r} must be one of {allowed}") from None
-
-
-def _size_or(value: int | None, default: int) -> int:
-    return default if value is None else value
 
 
 def _policy(env: _Env) -> PolicySettings:
