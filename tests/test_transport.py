@@ -33,6 +33,11 @@ def _publish(url: str, *bodies: dict[str, int]) -> None:
             producer.publish(body, exchange=WORK.exchange, routing_key="work", declare=[WORK])
 
 
+def _body(payload: dict[str, Any]) -> Any:
+    """The body kombu encoded into a message's payload."""
+    return json.loads(base64.b64decode(payload["body"]))
+
+
 def _wait_back(url: str, timeout: float = 20) -> redis.Redis:
     client = redis.Redis.from_url(url)
     deadline = time.monotonic() + timeout
@@ -120,13 +125,9 @@ def test_a_message_popped_while_the_consumer_has_no_prefetch_credit_is_recorded_
         client = _wait_back(server.url)
         payloads = [json.loads(raw)[0] for raw in client.hvals("unacked")]
         payloads += [json.loads(raw) for raw in client.lrange("work", 0, -1)]
-        held = sorted((json.loads(base64.b64decode(p["body"])) for p in payloads), key=str)
+        held = sorted(map(_body, payloads), key=str)
         assert seen == [{"n": 1}, {"n": 2}]  # read at once, one past the credit
         assert held == [{"n": 1}, {"n": 2}]  # and recorded: the crash lost neither
-
-
-def _bodies(raws: list[bytes]) -> list[Any]:
-    return [json.loads(base64.b64decode(json.loads(raw)["body"])) for raw in raws]
 
 
 def test_a_sole_consumer_s_message_waits_in_flight_until_it_is_recorded_as_unacked() -> None:
@@ -156,8 +157,8 @@ def test_a_sole_consumer_s_message_waits_in_flight_until_it_is_recorded_as_unack
             assert seen == [{"n": 1}]
             assert at_record == [(0, 1)]  # out of its queue and in flight: in a list all along
             assert client.llen("work.inflight") == 0  # recorded: in flight no more
-            unacked = [json.dumps(json.loads(r)[0]) for r in client.hvals("unacked")]
-            assert _bodies(unacked) == seen  # (unacknowledged: closing gives it back)
+            unacked = [_body(json.loads(r)[0]) for r in client.hvals("unacked")]
+            assert unacked == seen  # (unacknowledged: closing gives it back)
 
 
 def test_what_a_dead_sole_consumer_took_is_first_in_line_for_the_next_one(
@@ -169,7 +170,7 @@ def test_what_a_dead_sole_consumer_took_is_first_in_line_for_the_next_one(
         client = redis.Redis.from_url(server.url)
         client.blmove("work", "work.inflight", 1, "RIGHT", "LEFT")  # what it did, then SIGKILL
         client.blmove("work", "work.inflight", 1, "RIGHT", "LEFT")
-        assert _bodies(client.lrange("work", 0, -1)) == [{"n": 3}]
+        assert [_body(json.loads(r)) for r in client.lrange("work", 0, -1)] == [{"n": 3}]
         options = {"sole_consumer": True}
         with (
             Connection(server.url, transport=Transport, transport_options=options) as conn,
