@@ -7,7 +7,10 @@ the GPU-side tasks, which import torch; routers and clients never do.
 
 from __future__ import annotations
 
+from typing import Any
+
 from celery import Celery
+from celery.signals import celeryd_init
 
 from tasks.config import celery_conf
 from tasks.context import settings
@@ -22,3 +25,10 @@ app.conf.include = (
     + (["tasks.gpu"] if settings().role == "gpu" else [])
     + ["tasks.broker"]
 )
+
+
+@celeryd_init.connect
+def _name_the_consumer(sender: str, conf: Any, **_: Any) -> None:
+    """A worker takes its messages through in-flight lists named after its node
+    (`tasks.transport`): its successor of the same name puts back what it took."""
+    conf.broker_transport_options = {**conf.broker_transport_options, "consumer_name": sender}

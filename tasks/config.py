@@ -37,9 +37,9 @@ def celery_conf(settings: Settings) -> dict[str, Any]:
         "task_acks_late": True,
         "task_reject_on_worker_lost": True,
         "worker_prefetch_multiplier": 1,
-        # One visibility timeout, the same for the broker and the result backend. A GPU
-        # worker is its queue's only consumer: it takes through an in-flight list.
-        "broker_transport_options": transport | {"sole_consumer": settings.role == "gpu"},
+        # One visibility timeout, the same for the broker and the result backend. A worker
+        # adds its node name as it starts (`tasks.app`): it takes through in-flight lists.
+        "broker_transport_options": transport,
         "result_backend_transport_options": transport,
         "task_default_queue": ROUTER_QUEUE,
         # Answers the calls it cannot read (pickle, broken JSON) instead of dropping them.

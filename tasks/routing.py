@@ -38,8 +38,6 @@ def route(
     """Send a call for a resident model straight to its GPU worker, with a lease."""
     if name != "gpufleet.infer" or options.get("queue"):
         return None  # everything else, and calls already routed, keep their queue
-    if options.get("priority") is not None:
-        return None  # GPU workers take from their queue's base list only (tasks.transport)
     model = args[0] if args else (kwargs or {}).get("model")
     if not isinstance(model, str):
         return None

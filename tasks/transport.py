@@ -1,5 +1,5 @@
 """Kombu's Redis transport, without its windows for losing a message when Redis or a
-GPU worker dies.
+worker dies.
 
 Kombu takes a message with BRPOP and records it as unacknowledged in a second round
 trip. Two gaps lie between, and a Redis crash (SIGKILL, the OOM killer) in either loses
@@ -17,23 +17,32 @@ So a broker crash costs a redelivery, never a call. Every gpufleet process uses 
 transport (`broker_transport` in `tasks.config`); clients need nothing.
 
 The consumer dying between the two steps (SIGKILL, the OOM killer) loses the message
-the same way. A GPU worker is the only consumer of its queue (`sole_consumer`), so it
-takes with BLMOVE (Redis 6.2 or later) instead: Redis moves the message into the queue's
-in-flight list (`<queue>.inflight`) in the same step, and recording it as unacked removes
-it from there. A consumer that starts on the queue puts back what its predecessor left
-in flight (`Channel.basic_consume`). It takes from the queue's base list only: calls
-that ask for a message priority do not take the fast path (`tasks.routing`), so none
-lands in the queue's priority lists. The router's queue may have several consumers and
-keeps BRPOP.
+the same way, and a busy consumer widens that window: Redis pops the message as soon as
+it arrives, while the reply may wait in the socket until the process reads it. So every
+gpufleet worker takes through in-flight lists instead (transport option
+`consumer_name`, its Celery node name, set as the worker starts):
+- while messages wait, `placement/lua/take.lua` moves the first one, in BRPOP's order
+  (each queue by priority), into that list's in-flight list for this consumer,
+  `<list>.inflight.<node name>`, and returns it;
+- when none waits, BLMOVE blocks on the first list (Redis 6.2 or later) for at most
+  `IDLE_POLL_S`, then the script looks at every list again, so a message in a priority
+  list waits at most that long on an idle worker;
+- recording the message as unacked removes it from the in-flight list in the same step
+  (`QoS.append`);
+- a consumer that starts on a queue puts back what its predecessor of the same node name
+  left in flight, first in line (`Channel.basic_consume`).
 
-What remains: Redis killed after it ran the BRPOP but before its reply left the server
-(microseconds, against a Python round trip here), and a router killed as it takes a call.
+What remains: a worker that never starts again under its node name (a container
+replaced under a new hostname) leaves what it had in flight, at most one message, in its
+in-flight lists; docs/tasks.md says how to put it back.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
+from importlib import resources
 from queue import Empty
 from typing import Any
 
@@ -41,9 +50,12 @@ from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
 from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import dumps, loads
+from redis.exceptions import NoScriptError
 
 #: How long a consumer waits for Redis to come back to give a message back.
 GIVE_BACK_S = 30.0
+#: The longest an idle consumer blocks on its first list before looking at the others.
+IDLE_POLL_S = 0.25
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +72,7 @@ class QoS(kombu_redis.QoS):
                 pipe.zadd(self.unacked_index_key, {delivery_tag: time.time()})
                 pipe.hset(self.unacked_key, delivery_tag, record)
                 if taken is not None:  # recorded: out of the in-flight list in the same step
-                    pipe.lrem(inflight(taken[0]), 1, taken[1])
+                    pipe.lrem(taken[0], 1, taken[1])
                 pipe.execute()
         except self.channel.connection_errors:
             if taken is None:  # a taken message waits in the in-flight list instead
@@ -99,26 +111,38 @@ def give_back(channel: Any, message: Any) -> bool:
         return True
 
 
-def inflight(queue: str) -> str:
-    """The list a sole consumer's messages pass through between taken and recorded."""
-    return f"{queue}.inflight"
+def inflight(key: str, consumer: str) -> str:
+    """The list `consumer`'s messages from list `key` pass through between taken and
+    recorded."""
+    return f"{key}.inflight.{consumer}"
+
+
+@functools.cache
+def _take_source() -> str:
+    return (resources.files("placement") / "lua" / "take.lua").read_text()
 
 
 class Channel(kombu_redis.Channel):
-    """kombu's Redis channel; with the transport option `sole_consumer` (GPU workers), a
-    consumer of one queue takes its messages through the queue's in-flight list."""
+    """kombu's Redis channel; with the transport option `consumer_name` (every gpufleet
+    worker), a consumer takes its messages through in-flight lists."""
 
     QoS = QoS
-    from_transport_options = (*kombu_redis.Channel.from_transport_options, "sole_consumer")  # type: ignore[assignment]
-    sole_consumer = False
-    taken: tuple[str, bytes] | None = None  # (queue, message) taken and not yet recorded
-    _taking: str | None = None  # the queue of the BLMOVE in flight
+    from_transport_options = (*kombu_redis.Channel.from_transport_options, "consumer_name")  # type: ignore[assignment]
+    consumer_name: str | None = None
+    taken: tuple[str, bytes] | None = None  # (in-flight list, message) not yet recorded
+    _taking: tuple[str, list[str]] | None = None  # the take in flight: its kind, its lists
+    _idle = False  # the last take found every list empty: block next
+    _take_sha: str | None = None
 
     @property
     def _takes_in_flight(self) -> bool:
-        # kombu prefixes only the commands it sends itself: BLMOVE, LMOVE and LREM would
-        # miss a `global_keyprefix`, so such a channel keeps BRPOP.
-        return bool(self.sole_consumer and not self.global_keyprefix)
+        # kombu prefixes only the commands it sends itself: the script, BLMOVE, LMOVE and
+        # LREM would miss a `global_keyprefix`, so such a channel keeps BRPOP.
+        return bool(self.consumer_name and not self.global_keyprefix)
+
+    def _inflight(self, key: str) -> str:
+        assert self.consumer_name is not None
+        return inflight(key, self.consumer_name)
 
     def basic_consume(self, queue: str, *args: Any, **kwargs: Any) -> Any:
         if self._takes_in_flight and queue not in self._fanout_queues:
@@ -126,49 +150,70 @@ class Channel(kombu_redis.Channel):
         return super().basic_consume(queue, *args, **kwargs)  # type: ignore[no-untyped-call]
 
     def _put_back_in_flight(self, queue: str) -> None:
-        """Return to the head of `queue` what a consumer before this one took and did
-        not record (it died in between), oldest first in line."""
+        """Return to the head of `queue`'s lists what this consumer's predecessor took and
+        did not record (it died in between), oldest first in line."""
         restored = 0
         with self.conn_or_acquire() as client:
-            while client.lmove(inflight(queue), queue, "LEFT", "RIGHT") is not None:
-                restored += 1
+            for key in self._lists([queue]):
+                while client.lmove(self._inflight(key), key, "LEFT", "RIGHT") is not None:
+                    restored += 1
         if restored:
             log.warning("put back %d message(s) a dead consumer had taken from %s", restored, queue)
 
-    def _sole_queue(self) -> str | None:
-        queues = list(self.active_queues)
-        return queues[0] if self._takes_in_flight and len(queues) == 1 else None
+    def _lists(self, queues: list[str]) -> list[str]:
+        """The lists BRPOP would take from for `queues`, in its order."""
+        return [self._q_for_pri(q, pri) for pri in self.priority_steps for q in queues]  # type: ignore[no-untyped-call]
 
     def _brpop_start(self, timeout: float | None = None) -> None:
-        queue = self._sole_queue()
-        if queue is None:
+        if not self._takes_in_flight:
             super()._brpop_start(timeout)  # type: ignore[no-untyped-call]
             return
-        if timeout is None:
-            timeout = self.brpop_timeout
-        self._taking = queue
-        self._in_poll = self.client.connection
+        queues = self._queue_cycle.consume(len(self.active_queues))
+        if not queues:
+            return
+        keys = self._lists(queues)
+        connection = self.client.connection
+        if self._idle:
+            wait = IDLE_POLL_S if len(keys) > 1 else (timeout or self.brpop_timeout or 0)
+            self._taking = ("BLMOVE", keys[:1])
+            first = keys[0]
+            connection.send_command("BLMOVE", first, self._inflight(first), "RIGHT", "LEFT", wait)
+        else:
+            if self._take_sha is None:
+                self._take_sha = self.client.script_load(_take_source())
+            self._taking = ("EVALSHA", keys)
+            connection.send_command(
+                "EVALSHA", self._take_sha, 2 * len(keys), *keys, *map(self._inflight, keys)
+            )
+        self._in_poll = connection
         self._brpop_sent_at = time.monotonic()  # type: ignore[assignment]
-        self.client.connection.send_command(
-            "BLMOVE", queue, inflight(queue), "RIGHT", "LEFT", timeout or 0
-        )
 
     def _brpop_read(self, **options: Any) -> bool:
-        queue, self._taking = self._taking, None
-        if queue is None:
+        taking, self._taking = self._taking, None
+        if taking is None:
             return bool(super()._brpop_read(**options))  # type: ignore[no-untyped-call]
+        kind, keys = taking
         try:
             try:
-                item = self.client.parse_response(self.client.connection, "BLMOVE", **options)
+                reply = self.client.parse_response(self.client.connection, kind, **options)
+            except NoScriptError:  # Redis restarted, or SCRIPT FLUSH: load it next time
+                self._take_sha = None
+                raise Empty() from None
             except self.connection_errors:
                 self.client.connection.disconnect()
                 raise
-            if item is None:
+            self._idle = reply is None and kind == "EVALSHA"
+            if reply is None:
                 raise Empty()
-            self.taken = (queue, item)  # QoS.append records it and clears this
+            if kind == "BLMOVE":
+                key, item = keys[0], reply
+            else:  # the script's {list, message}
+                key, item = bytes_to_str(reply[0]), reply[1]  # type: ignore[no-untyped-call]
+            self.taken = (self._inflight(key), item)  # QoS.append records it and clears this
+            queue = key.rsplit(self.sep, 1)[0]  # kombu's name for a priority list's queue
             self.connection._deliver(loads(bytes_to_str(item)), queue)  # type: ignore[no-untyped-call]
             if self.taken is not None:  # a consumer that acknowledges nothing: no record
-                self.client.lrem(inflight(queue), 1, item)
+                self.client.lrem(self.taken[0], 1, item)
                 self.taken = None
             return True
         finally:

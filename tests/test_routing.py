@@ -73,11 +73,3 @@ def test_an_unreachable_registry_is_told_once_and_the_call_keeps_its_default_que
     (told,) = warnings(caplog)
     assert "the registry is unreachable" in told
 
-
-def test_a_call_that_asks_for_a_priority_goes_to_the_router_without_asking_the_registry(
-    client_of: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    monkeypatch.setenv("GPUFLEET_REDIS_URL", "redis://127.0.0.1:1/0")  # would warn if asked
-    caplog.set_level(logging.WARNING, logger="tasks.routing")
-    assert routing.route("gpufleet.infer", ("m", "x"), {}, {"priority": 5}) is None
-    assert warnings(caplog) == []  # GPU workers take only their queue's base list

@@ -130,7 +130,12 @@ def test_a_message_popped_while_the_consumer_has_no_prefetch_credit_is_recorded_
         assert held == [{"n": 1}, {"n": 2}]  # and recorded: the crash lost neither
 
 
-def test_a_sole_consumer_s_message_waits_in_flight_until_it_is_recorded_as_unacked() -> None:
+NAME = "w@host"  # the consumer's node name
+IN_FLIGHT = f"work.inflight.{NAME}"
+NAMED = {"consumer_name": NAME}
+
+
+def test_a_worker_s_message_waits_in_flight_until_it_is_recorded_as_unacked() -> None:
     at_record: list[tuple[int, int]] = []
     seen: list[Any] = []
     with RedisServer() as server:
@@ -139,7 +144,7 @@ def test_a_sole_consumer_s_message_waits_in_flight_until_it_is_recorded_as_unack
 
         class WatchingQoS(QoS):
             def append(self, message: Any, delivery_tag: str) -> None:
-                at_record.append((client.llen("work"), client.llen("work.inflight")))
+                at_record.append((client.llen("work"), client.llen(IN_FLIGHT)))
                 super().append(message, delivery_tag)
 
         class WatchingChannel(Channel):
@@ -148,44 +153,98 @@ def test_a_sole_consumer_s_message_waits_in_flight_until_it_is_recorded_as_unack
         class WatchingTransport(Transport):
             Channel = WatchingChannel
 
-        options = {"sole_consumer": True}
         with (
-            Connection(server.url, transport=WatchingTransport, transport_options=options) as c,
+            Connection(server.url, transport=WatchingTransport, transport_options=NAMED) as c,
             c.Consumer(WORK, callbacks=[lambda body, _m: seen.append(body)]),
         ):
             c.drain_events(timeout=5)
             assert seen == [{"n": 1}]
             assert at_record == [(0, 1)]  # out of its queue and in flight: in a list all along
-            assert client.llen("work.inflight") == 0  # recorded: in flight no more
+            assert client.llen(IN_FLIGHT) == 0  # recorded: in flight no more
             unacked = [_body(json.loads(r)[0]) for r in client.hvals("unacked")]
             assert unacked == seen  # (unacknowledged: closing gives it back)
 
 
-def test_what_a_dead_sole_consumer_took_is_first_in_line_for_the_next_one(
+def test_what_a_dead_worker_took_is_first_in_line_for_its_successor_of_the_same_name(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     seen: list[Any] = []
     with RedisServer() as server:
         _publish(server.url, {"n": 1}, {"n": 2}, {"n": 3})
         client = redis.Redis.from_url(server.url)
-        client.blmove("work", "work.inflight", 1, "RIGHT", "LEFT")  # what it did, then SIGKILL
-        client.blmove("work", "work.inflight", 1, "RIGHT", "LEFT")
+        client.blmove("work", IN_FLIGHT, 1, "RIGHT", "LEFT")  # what it did, then SIGKILL
+        client.blmove("work", IN_FLIGHT, 1, "RIGHT", "LEFT")
         assert [_body(json.loads(r)) for r in client.lrange("work", 0, -1)] == [{"n": 3}]
-        options = {"sole_consumer": True}
+        other = {"consumer_name": "v@host"}  # another worker on the queue leaves them be
         with (
-            Connection(server.url, transport=Transport, transport_options=options) as conn,
+            Connection(server.url, transport=Transport, transport_options=other) as conn,
+            conn.Consumer(WORK, callbacks=[lambda body, m: (seen.append(body), m.ack())]),
+        ):
+            conn.drain_events(timeout=5)
+        assert seen == [{"n": 3}] and client.llen(IN_FLIGHT) == 2
+        _publish(server.url, {"n": 4})
+        with (
+            Connection(server.url, transport=Transport, transport_options=NAMED) as conn,
             conn.Consumer(WORK, callbacks=[lambda body, m: (seen.append(body), m.ack())]),
         ):
             for _ in range(3):
                 conn.drain_events(timeout=5)
-        assert seen == [{"n": 1}, {"n": 2}, {"n": 3}]  # in the order they were sent
+        assert seen == [{"n": 3}, {"n": 1}, {"n": 2}, {"n": 4}]  # back first, in sent order
         assert "put back 2 message(s) a dead consumer had taken from work" in caplog.text
-        assert client.llen("work.inflight") == client.llen("work") == client.hlen("unacked") == 0
+        assert client.llen(IN_FLIGHT) == client.llen("work") == client.hlen("unacked") == 0
 
 
-def test_a_sole_consumer_with_a_key_prefix_keeps_brpop_and_still_gets_its_messages() -> None:
+def _order(url: str, transport: Any, options: dict[str, Any], count: int) -> list[Any]:
+    """The bodies a consumer with `transport` takes from WORK, in the order it takes them."""
     seen: list[Any] = []
-    options = {"sole_consumer": True, "global_keyprefix": "blue:"}
+    with (
+        Connection(url, transport=transport, transport_options=options) as conn,
+        conn.Consumer(WORK, callbacks=[lambda body, m: (seen.append(body), m.ack())]),
+    ):
+        while len(seen) < count:
+            conn.drain_events(timeout=5)
+    return seen
+
+
+def test_a_worker_takes_priority_messages_in_the_order_kombu_s_own_transport_does() -> None:
+    sent = [({"n": n}, priority) for n, priority in enumerate([None, 9, 3, None, 6, 0, 9])]
+    orders = []
+    with RedisServer() as server:
+        for transport, options in [("redis", {}), (Transport, NAMED)]:
+            with Connection(server.url, transport=Transport) as conn:
+                producer = conn.Producer(serializer="json")
+                for body, priority in sent:
+                    producer.publish(
+                        body, exchange=WORK.exchange, routing_key="work", declare=[WORK],
+                        priority=priority,
+                    )  # fmt: skip
+            orders.append(_order(server.url, transport, options, len(sent)))
+        assert redis.Redis.from_url(server.url).keys("*inflight*") == []
+    assert orders[0] != [body for body, _ in sent]  # the priorities did reorder them
+    assert orders[1] == orders[0]
+
+
+def test_a_message_in_a_priority_list_reaches_a_worker_that_waits_on_an_empty_queue() -> None:
+    with RedisServer() as server:
+        seen: list[Any] = []
+        with (
+            Connection(server.url, transport=Transport, transport_options=NAMED) as conn,
+            conn.Consumer(WORK, callbacks=[lambda body, m: (seen.append(body), m.ack())]),
+        ):
+            with pytest.raises(TimeoutError):
+                conn.drain_events(timeout=0.6)  # idle: blocking on the base list
+            with Connection(server.url, transport=Transport) as publisher:
+                publisher.Producer(serializer="json").publish(
+                    {"n": 1}, exchange=WORK.exchange, routing_key="work", declare=[WORK],
+                    priority=9,
+                )  # fmt: skip
+            conn.drain_events(timeout=5)
+        assert seen == [{"n": 1}]
+
+
+def test_a_worker_with_a_key_prefix_keeps_brpop_and_still_gets_its_messages() -> None:
+    seen: list[Any] = []
+    options = {**NAMED, "global_keyprefix": "blue:"}
     with RedisServer() as server:
         with Connection(server.url, transport=Transport, transport_options=options) as conn:
             producer = conn.Producer(serializer="json")
