@@ -75,8 +75,8 @@ def dispatch(
     held = task.request.id or uuid.uuid4().hex
     lease = registry.pick(model, path="" if task.request.retries else "router")
     if lease is not None:
-        if task.request.retries:  # an earlier attempt waited here: it counts no longer
-            _hold(registry, model, held, False)
+        if task.request.retries or _redelivered(task):  # an earlier attempt held it here
+            _hold(registry, model, held, False)  # (a dead router's too: no wait for its TTL)
         call = Call(model, inputs, params, lease.replica, "hot", sent, hops=hops)
         raise task.replace(call.with_lease(lease).to(lease.queue, time_limits_of(task.request)))
     _hold(registry, model, held, True)  # part of the model's load while the router has it
@@ -141,6 +141,11 @@ def _place(
     deadline = int(time.time() * 1000) + DEFAULT_REQUEST_LEASE_MS  # commit.lua took it
     lease = Lease(lease_id, model, plan.replica, plan.queue, plan.worker, {}, deadline, plan.epoch)
     return plan, (lease, "warm" if plan.reuse is Level.WARM else "cold")
+
+
+def _redelivered(task: Task) -> bool:
+    """Whether the call's message was given back after its router died holding it."""
+    return bool((task.request.delivery_info or {}).get("redelivered"))
 
 
 def _hold(registry: Registry, model: str, call: str, held: bool) -> None:
