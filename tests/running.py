@@ -51,6 +51,18 @@ class RunningFleet:
         """The pid of GPU worker `gpu_index`'s pool child (the process that holds models)."""
         return pool_child(self.proc.pid, gpu_index)
 
+    def child_named(self, needle: str) -> int:
+        """The pid of the launcher's direct child whose command line has `needle`: a
+        Celery worker's main process (`"gpu0@"`, `"router@"`) or the `"redis-server"`."""
+        tree = parents()
+        found = [
+            pid
+            for pid in descendants(self.proc.pid)
+            if tree.get(pid) == self.proc.pid and needle in _cmdline(pid)
+        ]
+        assert len(found) == 1, (needle, found)
+        return found[0]
+
     def active_calls(self, workers: int = 2) -> int:
         """The most calls any worker reports running at once. `workers` is how many the
         fleet has (a router and one GPU worker): inspect returns when all of them have

@@ -72,4 +72,3 @@ def test_an_unreachable_registry_is_told_once_and_the_call_keeps_its_default_que
         assert routing.route("gpufleet.infer", ("m", "x"), {}, {}) is None
     (told,) = warnings(caplog)
     assert "the registry is unreachable" in told
-

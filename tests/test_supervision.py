@@ -26,13 +26,11 @@ from celery.result import AsyncResult
 from tests.running import (
     REPO,
     TWO_MODELS,
-    RunningFleet,
     alive,
     answered_after,
     descendants,
     fleet_env,
     fleet_up,
-    parents,
     until,
     wait_ready,
     with_signal,
@@ -51,25 +49,6 @@ def catalog(tmp_path: Path) -> Path:
     return path
 
 
-def child_named(fleet: RunningFleet, needle: str) -> int:
-    """The launcher's direct child whose command line has `needle`."""
-    tree = parents()
-    found = [
-        pid
-        for pid in descendants(fleet.proc.pid)
-        if tree.get(pid) == fleet.proc.pid and needle in _cmdline(pid)
-    ]
-    assert len(found) == 1, (needle, found)
-    return found[0]
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except OSError:
-        return ""
-
-
 def test_a_gpu_worker_killed_during_calls_is_restarted_and_every_call_completes(
     catalog: Path,
 ) -> None:
@@ -77,12 +56,12 @@ def test_a_gpu_worker_killed_during_calls_is_restarted_and_every_call_completes(
     with fleet_up(catalog, ARGS, env) as fleet:
         fleet.infer("b", "warm up")
         calls = [fleet.client.send_task("gpufleet.infer", args=("b", *LARGE)) for _ in range(20)]
-        main = child_named(fleet, "gpu0@")
+        main = fleet.child_named("gpu0@")
         killed = fleet.kill_mid_call(main)
         answers = [c.get(timeout=60) for c in calls]  # none hangs, none is lost
         assert [a["model"] for a in answers] == ["b"] * 20
         assert answered_after(calls, killed) >= 1, "every call was answered before the kill"
-        assert child_named(fleet, "gpu0@") != main  # started again
+        assert fleet.child_named("gpu0@") != main  # started again
         assert fleet.infer("a", "after the crash")["model"] == "a"
         until("the killed worker is gone", lambda: not alive(main))
 
@@ -93,7 +72,7 @@ def test_the_bundled_redis_killed_during_a_hundred_calls_loses_none(catalog: Pat
         calls = [
             fleet.client.send_task("gpufleet.infer", args=("a", f"call {i}")) for i in range(100)
         ]
-        with_signal(child_named(fleet, "redis-server"), signal.SIGKILL)
+        with_signal(fleet.child_named("redis-server"), signal.SIGKILL)
         killed = time.time()
         deadline = time.monotonic() + 120
         while True:  # the launcher starts it again on the same port
