@@ -31,4 +31,6 @@ app.conf.include = (
 def _name_the_consumer(sender: str, conf: Any, **_: Any) -> None:
     """A worker takes its messages through in-flight lists named after its node
     (`tasks.transport`): its successor of the same name puts back what it took."""
+    if conf is not app.conf:
+        return  # a worker of another app in this process
     conf.broker_transport_options = {**conf.broker_transport_options, "consumer_name": sender}
