@@ -72,7 +72,8 @@ class Variable:
 VARIABLES: tuple[Variable, ...] = (
     Variable("GPUFLEET_REDIS_URL", f"the running fleet's, else `{DEFAULT_URL}`",
              "the registry; `rediss://` and passwords in the URL work"),
-    Variable("GPUFLEET_BROKER_URL", "`GPUFLEET_REDIS_URL`", "the Celery broker"),
+    Variable("GPUFLEET_BROKER_URL", "`GPUFLEET_REDIS_URL`",
+             "the Celery broker: Redis 6.2 or later (workers take with `BLMOVE`, docs/tasks.md)"),
     Variable("GPUFLEET_RESULT_BACKEND", "the broker", "the Celery result backend"),
     Variable("GPUFLEET_FLEET", "`default`", "fleet name: the Redis hash tag of every key"),
     Variable("GPUFLEET_HOME", "`~/.local/state/gpufleet`",
