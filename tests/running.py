@@ -29,6 +29,8 @@ from placement.registry import Registry
 
 REPO = Path(__file__).resolve().parents[1]
 READY_S = 180.0
+#: The arguments of a call of `b` (TWO_MODELS) that computes for a few tenths of a second.
+LARGE = (["y" * 2000] * 2, {"max_length": 512})
 
 
 @dataclass
@@ -71,10 +73,11 @@ class RunningFleet:
         active: dict[str, list[Any]] = inspect.active() or {}
         return max((len(calls) for calls in active.values()), default=0)
 
-    def kill_mid_call(self, pid: int, running: int = 1) -> datetime:
-        """SIGKILL `pid` once `running` calls run at once; return when (for `answered_after`)."""
+    def kill_mid_call(self, pid: int, running: int = 1, workers: int = 2) -> datetime:
+        """SIGKILL `pid` once `running` calls run at once on one of the fleet's `workers`
+        Celery workers; return when (for `answered_after`)."""
         deadline = time.monotonic() + 30
-        while self.active_calls() < running:
+        while self.active_calls(workers) < running:
             assert time.monotonic() < deadline, f"{running} calls never ran at once"
         killed = datetime.now(UTC)
         with_signal(pid, signal.SIGKILL)

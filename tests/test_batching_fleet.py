@@ -13,6 +13,7 @@ import pytest
 from celery.exceptions import SoftTimeLimitExceeded
 
 from tests.running import (
+    LARGE,
     TWO_MODELS,
     RunningFleet,
     alive,
@@ -40,7 +41,6 @@ CATALOG = (
   patient: {source: synthetic, task: forward, memory: 64MiB, batch: {wait: 300ms}}
 """
 )
-LARGE = (["y" * 2000] * 2, {"max_length": 512})  # a few tenths of a second per call on b
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import pytest
 
 from placement.audit import audit
 from placement.state import Level
-from tests.running import REPO, TWO_MODELS, fleet_env, fleet_up
+from tests.running import LARGE, REPO, TWO_MODELS, fleet_env, fleet_up
 
 pytestmark = pytest.mark.slow
 
@@ -23,7 +23,6 @@ LEASE_MS = 3000
 #: How long after its worker's backlog drains a replica may still be on its way back.
 BACK_HOT_S = 30.0
 
-LARGE = ["y" * 2000] * 2  # with max_length 512: about 0.2-0.3 s of compute for b
 BACKLOG = 30
 
 
@@ -37,8 +36,7 @@ def test_an_evict_under_a_backlog_settles_at_once_and_the_model_comes_back_hot(
     with fleet_up(catalog, ["--sim-gpus", "1x4GiB", "--metrics-port", "0"], env) as fleet:
         first = {m: fleet.infer(m, "x") for m in ("a", "b")}  # both HOT on the one GPU
         backlog = [
-            fleet.client.send_task("gpufleet.infer", args=("b", LARGE, {"max_length": 512}))
-            for _ in range(BACKLOG)
+            fleet.client.send_task("gpufleet.infer", args=("b", *LARGE)) for _ in range(BACKLOG)
         ]
         time.sleep(1.0)  # the calls reach the worker's queue
         started = time.monotonic()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 import re
 import signal
 import subprocess
@@ -25,7 +24,7 @@ from placement.registry import Registry
 from placement.report import status_report
 from tests.fleets import GiB
 from tests.ports import free_port
-from tests.running import RunningFleet, alive, descendants, fleet_env
+from tests.running import LARGE, RunningFleet, alive, answered_after, descendants, fleet_env
 from tests.running import fleet_up as running_fleet
 
 pytestmark = pytest.mark.slow
@@ -298,14 +297,15 @@ def test_a_worker_killed_mid_call_loses_its_bytes_within_the_lease(fleet_up: Fle
     b = next(d for d in snap.deployments.values() if d.model == "b" and d.level.value == "HOT")
     gpu_id = next(iter(b.gpus))
     child = fleet_up.running.pool_child(int(gpu_id.rsplit("sim", 1)[1]))
-    pending = fleet_up.client.send_task("gpufleet.infer", args=("b", "x" * 2000))
-    os.kill(child, signal.SIGKILL)
+    calls = [fleet_up.client.send_task("gpufleet.infer", args=("b", *LARGE)) for _ in range(6)]
+    killed = fleet_up.running.kill_mid_call(child, workers=3)  # the router and two GPUs
     killed_at = time.monotonic()
-    # The call is redelivered to the replacement process, which releases its dead
+    # The running call is redelivered to the replacement process, which releases its dead
     # predecessor at once and routes the call again: it completes on a fresh replica.
-    result = pending.get(timeout=90)
-    assert result["model"] == "b"
-    assert result["worker"] != b.worker
+    answers = [call.get(timeout=90) for call in calls]
+    assert [a["model"] for a in answers] == ["b"] * 6
+    assert answered_after(calls, killed) >= 1, "every call was answered before the kill"
+    assert answers[-1]["worker"] != b.worker
     # Within the lease (plus a sweep), nothing is left reserved for the dead worker.
     while time.monotonic() - killed_at < (LEASE_MS + 5000) / 1000:
         snap = fleet_up.registry.snapshot()

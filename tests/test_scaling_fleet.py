@@ -15,7 +15,7 @@ import pytest
 
 from placement.audit import audit
 from placement.state import RESERVING, Level
-from tests.running import RunningFleet, fleet_env, fleet_up
+from tests.running import LARGE, RunningFleet, fleet_env, fleet_up
 
 pytestmark = pytest.mark.slow
 
@@ -30,7 +30,6 @@ models:
     config: {model_type: bert, hidden_size: 256, num_hidden_layers: 4, num_attention_heads: 4,
              intermediate_size: 1024, vocab_size: 512, max_position_embeddings: 512}
 """
-LARGE = (["y" * 2000] * 2, {"max_length": 512})  # about 0.2-0.3 s of compute per call
 CALLERS = 6  # calls in flight at once during the burst
 #: A second replica is HOT within this long of the burst's start: the 1 s window, a look
 #: every 0.5 s, the `gpufleet.scale` task, and a load of the small BERT on a busy CPU.

@@ -24,6 +24,7 @@ from celery.exceptions import TimeoutError as CeleryTimeout
 from celery.result import AsyncResult
 
 from tests.running import (
+    LARGE,
     REPO,
     TWO_MODELS,
     alive,
@@ -39,7 +40,6 @@ from tests.running import (
 pytestmark = pytest.mark.slow
 
 ARGS = ["--sim-gpus", "1x4GiB", "--metrics-port", "0"]
-LARGE = (["y" * 2000] * 2, {"max_length": 512})
 
 
 @pytest.fixture
