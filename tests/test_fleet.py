@@ -214,6 +214,8 @@ def test_status_counts_the_project_clients_fast_calls_apart_from_a_plain_clients
 
         for text in ("load", "a", "b", "c"):  # the first misses: the router places it
             app.send_task("gpufleet.infer", args=("paths", text)).get(timeout=120)
+        # with a priority: in a priority list of the GPU worker's queue, taken all the same
+        app.send_task("gpufleet.infer", args=("paths", "d"), priority=9).get(timeout=120)
         print(json.dumps({}))
         """
     )
@@ -222,8 +224,8 @@ def test_status_counts_the_project_clients_fast_calls_apart_from_a_plain_clients
         fleet_up.infer("paths", "plain")  # no routing hook: every call goes to the router
     report = fleet_up.client.send_task("gpufleet.status").get(timeout=30)
     counts = report["requests"]["models"]["paths"]
-    assert (counts["fast"], counts["routed"]) == (3, 3)
-    assert counts["hit"] == 5 and counts["requests"] == 6
+    assert (counts["fast"], counts["routed"]) == (4, 3)
+    assert counts["hit"] == 6 and counts["requests"] == 7
 
 
 def test_overflowing_two_gpus_offloads_to_warm_and_restores_later(fleet_up: Fleet) -> None:
