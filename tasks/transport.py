@@ -39,10 +39,8 @@ in-flight lists; docs/tasks.md says how to put it back.
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
-from importlib import resources
 from queue import Empty
 from typing import Any
 
@@ -51,6 +49,8 @@ from kombu.transport import virtual
 from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import dumps, loads
 from redis.exceptions import NoScriptError
+
+from placement import scripts
 
 #: How long a consumer waits for Redis to come back to give a message back.
 GIVE_BACK_S = 30.0
@@ -117,11 +117,6 @@ def inflight(key: str, consumer: str) -> str:
     return f"{key}.inflight.{consumer}"
 
 
-@functools.cache
-def _take_source() -> str:
-    return (resources.files("placement") / "lua" / "take.lua").read_text()
-
-
 class Channel(kombu_redis.Channel):
     """kombu's Redis channel; with the transport option `consumer_name` (every gpufleet
     worker), a consumer takes its messages through in-flight lists."""
@@ -132,7 +127,6 @@ class Channel(kombu_redis.Channel):
     taken: tuple[str, bytes] | None = None  # (in-flight list, message) not yet recorded
     _taking: tuple[str, list[str]] | None = None  # the take in flight: its kind, its lists
     _idle = False  # the last take found every list empty: block next
-    _take_sha: str | None = None
 
     @property
     def _takes_in_flight(self) -> bool:
@@ -179,11 +173,9 @@ class Channel(kombu_redis.Channel):
             first = keys[0]
             connection.send_command("BLMOVE", first, self._inflight(first), "RIGHT", "LEFT", wait)
         else:
-            if self._take_sha is None:
-                self._take_sha = self.client.script_load(_take_source())
             self._taking = ("EVALSHA", keys)
             connection.send_command(
-                "EVALSHA", self._take_sha, 2 * len(keys), *keys, *map(self._inflight, keys)
+                "EVALSHA", scripts.sha("take"), 2 * len(keys), *keys, *map(self._inflight, keys)
             )
         self._in_poll = connection
         self._brpop_sent_at = time.monotonic()  # type: ignore[assignment]
@@ -196,8 +188,8 @@ class Channel(kombu_redis.Channel):
         try:
             try:
                 reply = self.client.parse_response(self.client.connection, kind, **options)
-            except NoScriptError:  # Redis restarted, or SCRIPT FLUSH: load it next time
-                self._take_sha = None
+            except NoScriptError:  # first use, a Redis restart or SCRIPT FLUSH: take again
+                self.client.script_load(scripts.source("take"))
                 raise Empty() from None
             except self.connection_errors:
                 self.client.connection.disconnect()

@@ -3,6 +3,7 @@
 -- that list's in-flight list for this consumer instead of out of Redis (tasks/transport.py).
 -- KEYS[1..n] = the lists to take from, in order (each queue by priority, as BRPOP's keys)
 -- KEYS[n+1..2n] = the in-flight list of each, in the same order
+-- ARGV: none
 -- Returns {list, message}, or nil when every list is empty.
 local n = #KEYS / 2
 for i = 1, n do
