@@ -51,16 +51,18 @@ class RunningFleet:
 
     def pool_child(self, gpu_index: int) -> int:
         """The pid of GPU worker `gpu_index`'s pool child (the process that holds models)."""
-        return pool_child(self.proc.pid, gpu_index)
+        worker = self.child_named(f"gpu{gpu_index}@")
+        children = [pid for pid, parent in parents().items() if parent == worker]
+        assert len(children) == 1, (gpu_index, worker, children)
+        return children[0]
 
     def child_named(self, needle: str) -> int:
         """The pid of the launcher's direct child whose command line has `needle`: a
         Celery worker's main process (`"gpu0@"`, `"router@"`) or the `"redis-server"`."""
-        tree = parents()
         found = [
             pid
-            for pid in descendants(self.proc.pid)
-            if tree.get(pid) == self.proc.pid and needle in _cmdline(pid)
+            for pid, parent in parents().items()
+            if parent == self.proc.pid and needle in _cmdline(pid)
         ]
         assert len(found) == 1, (needle, found)
         return found[0]
@@ -195,16 +197,6 @@ def descendants(pid: int) -> set[int]:
         frontier = {child for child, parent in tree.items() if parent in frontier} - found
         found |= frontier
     return found
-
-
-def pool_child(root: int, gpu_index: int) -> int:
-    """The pool child of GPU worker `gpu_index` among `root`'s descendants."""
-    tree = parents()
-    mine = descendants(root)
-    workers = [p for p in mine if f"gpu{gpu_index}@" in _cmdline(p) and tree.get(p) == root]
-    children = [p for p in mine if tree.get(p) in workers]
-    assert len(workers) == 1 and len(children) == 1, (gpu_index, workers, children)
-    return children[0]
 
 
 def alive(pid: int) -> bool:
