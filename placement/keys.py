@@ -15,6 +15,13 @@ from placement.errors import ConfigError
 #: The broker database's claim (tasks/broker.py): which fleet's calls it carries. Not a
 #: fleet's key: one database carries one fleet.
 BROKER_CLAIM = "gpufleet:broker-fleet"
+#: The broker database's Celery workers (tasks/presence.py): node name -> record JSON.
+CONSUMERS = "gpufleet:consumers"
+
+
+def unacked_of(node: str) -> str:
+    """The broker's set of the delivery tags Celery worker `node` holds unacknowledged."""
+    return f"gpufleet:unacked:{node}"
 
 
 @dataclass(frozen=True)

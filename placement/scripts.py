@@ -44,6 +44,8 @@ NAMES = (
     "reap",
     "learn",
     "claim",
+    "redeliver",
+    "renew",
 )
 
 

@@ -19,11 +19,12 @@ app = Celery("gpufleet", task_cls="tasks.checked:CheckedTask")
 app.conf.update(celery_conf(settings()))
 app.conf.task_routes = ("tasks.routing.route",)
 # tasks.broker: every worker claims the fleet's broker database (no tasks of its own),
-# last, after the other modules' start checks (signal handlers run in import order).
+# after the other modules' start checks (signal handlers run in import order); then
+# tasks.presence records it, once it is sure the broker's calls are its fleet's.
 app.conf.include = (
     ["tasks.api", "tasks.scaling"]
     + (["tasks.gpu"] if settings().role == "gpu" else [])
-    + ["tasks.broker"]
+    + ["tasks.broker", "tasks.presence"]
 )
 
 

@@ -51,6 +51,7 @@ from kombu.utils.json import dumps, loads
 from redis.exceptions import NoScriptError
 
 from placement import scripts
+from placement.keys import unacked_of
 
 #: How long a consumer waits for Redis to come back to give a message back.
 GIVE_BACK_S = 30.0
@@ -61,16 +62,21 @@ log = logging.getLogger(__name__)
 
 
 class QoS(kombu_redis.QoS):
-    """Unacknowledged-message bookkeeping that gives back what it could not record."""
+    """Unacknowledged-message bookkeeping that gives back what it could not record, and
+    that says which worker holds each message (`placement.keys.unacked_of`), so a dead
+    one's messages go back without waiting for the visibility timeout (tasks/presence.py)."""
 
     def append(self, message: Any, delivery_tag: str) -> None:
         taken, self.channel.taken = self.channel.taken, None
         info = message.delivery_info
         record = dumps([message._raw, info["exchange"], info["routing_key"]])  # type: ignore[no-untyped-call]
+        holder = self.channel.consumer_name
         try:
             with self.pipe_or_acquire() as pipe:
                 pipe.zadd(self.unacked_index_key, {delivery_tag: time.time()})
                 pipe.hset(self.unacked_key, delivery_tag, record)
+                if holder:
+                    pipe.sadd(unacked_of(holder), delivery_tag)
                 if taken is not None:  # recorded: out of the in-flight list in the same step
                     pipe.lrem(taken[0], 1, taken[1])
                 pipe.execute()
@@ -79,6 +85,13 @@ class QoS(kombu_redis.QoS):
                 give_back(self.channel, message)
             raise  # the consumer reconnects, and puts back what is in flight
         virtual.QoS.append(self, message, delivery_tag)  # type: ignore[no-untyped-call]
+
+    def _remove_from_indices(self, delivery_tag: str, pipe: Any = None) -> Any:
+        with self.pipe_or_acquire(pipe) as batch:
+            batch.zrem(self.unacked_index_key, delivery_tag).hdel(self.unacked_key, delivery_tag)
+            if self.channel.consumer_name:
+                batch.srem(unacked_of(self.channel.consumer_name), delivery_tag)
+            return batch
 
 
 def give_back(channel: Any, message: Any) -> bool:

@@ -1,0 +1,206 @@
+"""A dead worker's calls go back, each once: what it held to its queues, a lost GPU
+worker's queue to the router.
+
+Each test owns a redis-server (broker keys such as kombu's `unacked` are per database,
+not per fleet). A worker that holds calls and dies is a real kombu consumer in a child
+process, killed with SIGKILL after it took them and before it acknowledged them.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import multiprocessing
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+from kombu import Connection, Queue
+
+from placement.keys import CONSUMERS, unacked_of
+from placement.redis_server import RedisServer
+from tasks import leases, presence
+from tasks.calls import HOPS_HEADER
+from tasks.config import ROUTER_QUEUE
+from tasks.transport import Transport, inflight
+
+LEASE_MS = 300
+GPU_QUEUE = "gpufleet.h1.gpu0"
+
+
+@pytest.fixture
+def broker() -> Iterator[tuple[str, redis.Redis]]:
+    with RedisServer() as server:
+        client = redis.Redis.from_url(server.url)
+        yield server.url, client
+        client.close()
+
+
+def _sender(url: str) -> Celery:
+    app = Celery(broker=url)  # no result backend: these tests only need the task ids
+    app.conf.update(task_serializer="json", accept_content=["json"])
+    return app
+
+
+def _hold(url: str, node: str, queue: str, count: int) -> None:
+    """A worker that records itself, takes `count` calls and never acknowledges them."""
+    client = redis.Redis.from_url(url)
+    presence.Presence(client, node, "router", [queue], LEASE_MS).arrive()
+    options = {"consumer_name": node}
+    with Connection(url, transport=Transport, transport_options=options) as conn:
+        taken: list[Any] = []
+        consumer = conn.Consumer(
+            Queue(queue), callbacks=[lambda _b, m: taken.append(m)], accept=["json"]
+        )
+        consumer.qos(prefetch_count=count)
+        with consumer:
+            while len(taken) < count:
+                conn.drain_events(timeout=10)
+            time.sleep(600)  # holding them until killed
+
+
+def _held_by_a_killed_worker(url: str, client: redis.Redis, node: str, queue: str, n: int) -> None:
+    child = multiprocessing.get_context("spawn").Process(target=_hold, args=(url, node, queue, n))
+    child.start()
+    try:
+        deadline = time.monotonic() + 30
+        while client.scard(unacked_of(node)) < n or not client.hexists(CONSUMERS, node):
+            assert time.monotonic() < deadline, "the worker never took its calls"
+            time.sleep(0.05)
+    finally:
+        child.kill()
+        child.join()
+    time.sleep(LEASE_MS / 1000 + 0.1)  # its record lapses
+
+
+def _queued(client: redis.Redis, queue: str) -> list[dict[str, Any]]:
+    """The messages of `queue` in the order a consumer takes them."""
+    return [json.loads(raw) for raw in reversed(client.lrange(queue, 0, -1))]
+
+
+def _args(payload: dict[str, Any]) -> Any:
+    return json.loads(base64.b64decode(payload["body"]))[0]
+
+
+def _nothing_live() -> set[str]:
+    return set()
+
+
+def _unanswered(_: str) -> bool:
+    return False
+
+
+def test_a_dead_routers_unacknowledged_calls_go_back_first_in_line_in_order_once(
+    broker: tuple[str, redis.Redis],
+) -> None:
+    url, client = broker
+    sent = [_sender(url).send_task("gpufleet.infer", args=["m", f"call {i}"]) for i in range(3)]
+    _held_by_a_killed_worker(url, client, "router@h1", ROUTER_QUEUE, 2)
+    assert [p["headers"]["id"] for p in _queued(client, ROUTER_QUEUE)] == [sent[2].id]
+
+    moved = presence.sweep(client, _nothing_live, _unanswered)
+
+    assert moved == {"router@h1": 2}
+    queued = _queued(client, ROUTER_QUEUE)
+    assert [p["headers"]["id"] for p in queued] == [c.id for c in sent]
+    assert [p["properties"]["delivery_info"]["redelivered"] for p in queued[:2]] == [True, True]
+    assert client.hlen("unacked") == 0
+    assert client.scard(unacked_of("router@h1")) == 0
+    assert presence.sweep(client, _nothing_live, _unanswered) == {}  # nothing moves twice
+    assert presence.records(client)["router@h1"].gone_ms > 0
+
+
+def test_a_lost_gpu_workers_calls_go_to_the_router_as_infer_calls_with_their_task_ids(
+    broker: tuple[str, redis.Redis],
+) -> None:
+    url, client = broker
+    app = _sender(url)
+    call = {"model": "m", "inputs": ["held"], "params": {"k": 1}, "replica": "r", "hops": 1}
+    call |= {"cache": "hot", "sent_ms": 0}
+    held = app.send_task("gpufleet.run", args=[call], queue=GPU_QUEUE)
+    lease = {"id": "l1", "replica": "r", "deadline_ms": 1, "epoch": 1}
+    waiting = app.send_task(
+        "gpufleet.infer", args=["m", "waiting"], queue=GPU_QUEUE, headers={leases.HEADER: lease}
+    )
+    _held_by_a_killed_worker(url, client, "gpu0@h1", GPU_QUEUE, 1)
+    in_flight = json.dumps({"headers": {"id": "x", "task": "gpufleet.infer"}, "properties": {}})
+    client.lpush(inflight(GPU_QUEUE, "gpu0@h1"), in_flight)  # it died as it took one more
+
+    assert presence.sweep(client, lambda: {GPU_QUEUE}, _unanswered) == {"gpu0@h1": 2}
+    assert [p["headers"]["id"] for p in _queued(client, GPU_QUEUE)] == [held.id, "x", waiting.id]
+    assert client.llen(ROUTER_QUEUE) == 0  # its GPU still holds a ledger lease: not yet
+
+    assert presence.sweep(client, _nothing_live, _unanswered) == {"gpu0@h1": 3}
+    routed = _queued(client, ROUTER_QUEUE)
+    assert [p["headers"]["id"] for p in routed] == [held.id, "x", waiting.id]
+    assert [p["headers"]["task"] for p in routed] == ["gpufleet.infer"] * 3
+    assert _args(routed[0]) == ["m", ["held"], {"k": 1}]
+    assert routed[0]["headers"][HOPS_HEADER] == 1
+    assert _args(routed[2]) == ["m", "waiting"]
+    assert leases.HEADER not in routed[2]["headers"]
+    assert all(p["properties"]["delivery_info"]["routing_key"] == ROUTER_QUEUE for p in routed)
+    assert client.llen(GPU_QUEUE) == 0
+    assert client.llen(inflight(GPU_QUEUE, "gpu0@h1")) == 0
+
+
+def test_a_call_sent_to_a_lost_gpu_worker_later_still_reaches_the_router(
+    broker: tuple[str, redis.Redis],
+) -> None:
+    url, client = broker
+    _held_by_a_killed_worker(url, client, "gpu0@h1", GPU_QUEUE, 0)
+    assert presence.sweep(client, _nothing_live, _unanswered) == {}
+    late = _sender(url).send_task("gpufleet.infer", args=["m", "late"], queue=GPU_QUEUE)
+
+    assert presence.sweep(client, _nothing_live, _unanswered) == {"gpu0@h1": 1}
+    assert [p["headers"]["id"] for p in _queued(client, ROUTER_QUEUE)] == [late.id]
+
+
+def test_a_worker_back_under_its_name_keeps_its_queue_and_gets_what_it_held_first(
+    broker: tuple[str, redis.Redis],
+) -> None:
+    url, client = broker
+    app = _sender(url)
+    first = app.send_task("gpufleet.infer", args=["m", "first"], queue=GPU_QUEUE)
+    second = app.send_task("gpufleet.infer", args=["m", "second"], queue=GPU_QUEUE)
+    _held_by_a_killed_worker(url, client, "gpu0@h1", GPU_QUEUE, 1)
+
+    back = presence.Presence(client, "gpu0@h1", "gpu", [GPU_QUEUE], 60_000)
+    assert back.arrive() == 1
+    assert presence.sweep(client, _nothing_live, _unanswered) == {}
+    assert [p["headers"]["id"] for p in _queued(client, GPU_QUEUE)] == [first.id, second.id]
+    assert client.llen(ROUTER_QUEUE) == 0
+    assert presence.records(client)["gpu0@h1"].alive(presence.now_ms(client))
+
+
+def test_a_call_whose_answer_is_stored_is_dropped_not_run_again(
+    broker: tuple[str, redis.Redis],
+) -> None:
+    url, client = broker
+    app = _sender(url)
+    done = app.send_task("gpufleet.infer", args=["m", "done"])
+    open_call = app.send_task("gpufleet.infer", args=["m", "open"])
+    _held_by_a_killed_worker(url, client, "router@h1", ROUTER_QUEUE, 2)
+
+    assert presence.sweep(client, _nothing_live, lambda task: task == done.id) == {"router@h1": 1}
+    assert [p["headers"]["id"] for p in _queued(client, ROUTER_QUEUE)] == [open_call.id]
+    assert client.hlen("unacked") == 0
+
+
+def test_a_worker_found_silent_that_comes_back_records_itself_again(
+    broker: tuple[str, redis.Redis],
+) -> None:
+    _, client = broker
+    worker = presence.Presence(client, "router@h1", "router", [ROUTER_QUEUE], LEASE_MS)
+    worker.arrive()
+    time.sleep(LEASE_MS / 1000 + 0.1)
+    presence.sweep(client, _nothing_live, _unanswered)
+    assert not worker._renewed(leaving=False)  # a sweep marked it gone: not its record now
+
+    worker._rejoin()
+
+    assert worker._renewed(leaving=False)
+    assert presence.records(client)["router@h1"].alive(presence.now_ms(client))
+    assert client.hexists(CONSUMERS, "router@h1")
