@@ -1,11 +1,25 @@
 """The message consumer of every gpufleet worker: Celery's, which also answers a message it
-cannot read and, on a GPU worker, batches calls.
+cannot read or may not run and, on a GPU worker, batches calls.
 
 Celery drops a message whose body it may not or cannot decode (a pickled call, broken
 JSON) after logging it, and its caller waits until its own timeout. When the task id can
 be read from the message's headers (Celery's message protocol 2 keeps it there), this
 consumer stores a `PayloadError` as that task's result first, so the caller learns at once
 what was wrong.
+
+Only gpufleet's own tasks (`gpufleet.*`) run here. Celery registers its built-in tasks
+(`celery.backend_cleanup`, `celery.chord_unlock`, `celery.map`, `celery.starmap`,
+`celery.chunks`, `celery.group`, `celery.chain`, `celery.chord`, `celery.accumulate`) in
+every app, so any client could otherwise run them on a router or a GPU worker. None is
+needed: a client's group, chain or chord of gpufleet tasks is sent by the client as the
+member tasks themselves (Celery's canvas runs `group`, `chain` and `chord` in the caller's
+process), and with the Redis result backend a chord's body is sent by the worker that
+finishes its header's last task (native join, `on_chord_part_return`), never through
+`celery.chord_unlock`, which only backends without native join use. `celery.accumulate`
+only serves `Task.replace` with a group, and gpufleet replaces a call with one task. The
+fleet runs no beat, and Redis expires results itself, so `celery.backend_cleanup` has no
+work here either. A call of any other name gets a stored `PayloadError`, like a call it
+cannot read, and its message is acknowledged.
 
 On a GPU worker, the calls it receives go to a `tasks.batching.Batcher` rather than
 straight to the pool, and the worker reserves enough messages (its prefetch) for two
@@ -25,9 +39,25 @@ from tasks.batching import Batcher
 
 log = logging.getLogger(__name__)
 
+OWN_TASKS = "gpufleet."  # the prefix of every task a gpufleet worker runs
+#: What callers may send (`gpufleet.run` and `gpufleet.scale` are the fleet's own hops).
+PUBLIC_TASKS = ("gpufleet.infer", "gpufleet.deploy", "gpufleet.evict", "gpufleet.status")
+
+
+class _Strategies(dict[str, Any]):
+    """Celery's task name -> strategy map; a name that is no string is an unknown task (a
+    dict would raise TypeError for an unhashable one, out of Celery's message handler)."""
+
+    def __getitem__(self, name: Any) -> Any:
+        if not isinstance(name, str):
+            raise KeyError(name)
+        return super().__getitem__(name)
+
 
 class Consumer(CeleryConsumer):
-    """Celery's consumer, failing the result of a message it cannot read."""
+    """Celery's consumer, failing the result of a message it cannot read or may not run."""
+
+    Strategies = _Strategies
 
     def __init__(self, on_task_request: Any, *args: Any, **kwargs: Any) -> None:
         if context.role() == "gpu":
@@ -58,25 +88,74 @@ class Consumer(CeleryConsumer):
             kwargs["pool"], kwargs["timer"], on_task_request, gpu.limits_of, gpu.batch_job
         )
 
+    def update_strategies(self) -> None:
+        """Celery's, less every task that is not gpufleet's own: a message for one of those
+        goes to `on_unknown_task`, as for a name no one registered."""
+        super().update_strategies()
+        for name in [name for name in self.strategies if not name.startswith(OWN_TASKS)]:
+            del self.strategies[name]
+
+    def on_unknown_task(self, body: Any, message: Any, exc: Exception) -> None:
+        """A task that is not gpufleet's (a Celery built-in, a name no one registered):
+        a stored `PayloadError` and one log line, not Celery's `NotRegistered` and
+        traceback; the message is acknowledged, never run nor redelivered."""
+        if body is None and _field(message, None, "task") is None:
+            body = _decoded(message)  # message protocol 1: the name is in the body
+        name = _field(message, body, "task")
+        task_id = _field(message, body, "id")
+        log.warning("refused call %.60s of task %.80r: not a task this worker runs", task_id, name)
+        shown = repr(name)
+        if len(shown) > 100:
+            shown = f"{shown[:97]}..."
+        refused = PayloadError(
+            f"gpufleet runs only its own tasks ({', '.join(PUBLIC_TASKS)}); {shown} is not "
+            f"one of them: send one of those by name"
+        )
+        self._fail(task_id, refused)
+        message.ack_log_error(log, self.connection_errors)
+        if self.event_dispatcher and isinstance(task_id, str):
+            self.event_dispatcher.send(
+                "task-failed", uuid=task_id, exception=f"PayloadError({str(refused)!r})"
+            )
+
     def on_invalid_task(self, body: Any, message: Any, exc: Exception) -> None:
-        self._answer(message, exc)
+        self._unreadable(message, exc)
         super().on_invalid_task(body, message, exc)
 
     def on_decode_error(self, message: Any, exc: Exception) -> None:
-        self._answer(message, exc)
+        self._unreadable(message, exc)
         super().on_decode_error(message, exc)
 
-    def _answer(self, message: Any, exc: Exception) -> None:
-        headers = getattr(message, "headers", None)
-        task_id = headers.get("id") if isinstance(headers, dict) else None
-        if not isinstance(task_id, str) or not task_id:
-            return
+    def _unreadable(self, message: Any, exc: Exception) -> None:
         refused = PayloadError(
             f"gpufleet could not read this call ({type(exc).__name__}, content type "
             f"{getattr(message, 'content_type', '?')!s:.60}); it accepts JSON only: send it "
             f"with serializer='json'"
         )
+        self._fail(_field(message, None, "id"), refused)
+
+    def _fail(self, task_id: Any, refused: PayloadError) -> None:
+        """Store `refused` as the result of call `task_id`, so its caller learns at once."""
+        if not isinstance(task_id, str) or not task_id:
+            return
         try:
             self.app.backend.mark_as_failure(task_id, refused)
         except Exception:  # the message is dropped either way; say why in the log
             log.warning("could not store the refusal of call %s", task_id, exc_info=True)
+
+
+def _field(message: Any, body: Any, key: str) -> Any:
+    """`key` ("id", "task") of a message: from its headers (message protocol 2), else from
+    its already decoded body (protocol 1); None where neither has it."""
+    headers = getattr(message, "headers", None)
+    if isinstance(headers, dict) and key in headers:
+        return headers[key]
+    return body.get(key) if isinstance(body, dict) else None
+
+
+def _decoded(message: Any) -> Any:
+    """A protocol 1 message's body (Celery has decoded it already), or None."""
+    try:
+        return message.payload
+    except Exception:  # not for us to fail on: the call is refused either way
+        return None

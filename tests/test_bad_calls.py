@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from celery import Celery
+from celery import Celery, chain, chord, group
 from kombu import Connection, Exchange, Producer
 
 from tests.running import RunningFleet, fleet_env, fleet_up
@@ -125,3 +125,43 @@ def test_a_call_whose_json_is_broken_fails_at_once(fleet: RunningFleet) -> None:
         app.AsyncResult(task_id).get(timeout=ANSWER_S)
     assert type(err.value).__name__ == "PayloadError"
     assert "JSON only" in str(err.value)
+
+
+# Celery built-ins every Celery app registers, and a name no one registered.
+FORGED = ["celery.backend_cleanup", "celery.chord_unlock", "celery.map", "no.such.task"]
+
+
+def test_a_forged_celery_builtin_task_gets_a_stored_error_and_the_fleet_keeps_serving(
+    fleet: RunningFleet,
+) -> None:
+    """Only `gpufleet.*` tasks run, on the router and on a GPU worker alike."""
+    app = client(fleet)
+    # A call of `a` puts a replica on the GPU worker, whose queue the ledger then names.
+    assert app.send_task("gpufleet.infer", args=("a", "before")).get(timeout=60)["model"] == "a"
+    gpu_queues = {d.queue for d in fleet.registry.snapshot().replicas("a") if d.queue}
+    assert len(gpu_queues) == 1, gpu_queues
+    sent = [(name, "celery") for name in FORGED] + [("celery.backend_cleanup", gpu_queues.pop())]
+    for name, queue in sent:
+        started = time.monotonic()
+        with pytest.raises(Exception) as err:
+            app.send_task(name, args=(), queue=queue).get(timeout=ANSWER_S)
+        message = str(err.value)
+        assert type(err.value).__name__ == "PayloadError", (name, queue, message[:500])
+        assert f"{name!r} is not one of them" in message
+        assert "gpufleet.infer" in message
+        assert len(message) < 500, message[:600]
+        assert time.monotonic() - started < 10, (name, queue)
+    assert app.send_task("gpufleet.infer", args=("a", "after")).get(timeout=60)["model"] == "a"
+
+
+def test_a_clients_group_chain_and_chord_of_gpufleet_tasks_need_no_celery_builtin(
+    fleet: RunningFleet,
+) -> None:
+    """Canvas is the client's: it sends the member tasks, and the Redis backend's chord
+    sends its body from the worker that ends the header (no `celery.chord_unlock`)."""
+    app = client(fleet)
+    infer = [app.signature("gpufleet.infer", args=("a", f"x{i}")) for i in range(2)]
+    status = app.signature("gpufleet.status", immutable=True)
+    assert [r["model"] for r in group(infer).apply_async().get(timeout=60)] == ["a", "a"]
+    assert "gpus" in chain(infer[0], status).apply_async().get(timeout=60)
+    assert "gpus" in chord(infer, status).apply_async().get(timeout=60)
