@@ -98,6 +98,8 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("GPUFLEET_METRICS_PORT", f"none (`gpufleet up`: `{DEFAULT_METRICS_PORT}`)",
              "a router serves Prometheus `/metrics` on this port"),
     Variable("GPUFLEET_METRICS_ADDR", "`127.0.0.1`", "the address it binds"),
+    Variable("GPUFLEET_METRICS_FD", "none (`gpufleet up` sets it)",
+             "an inherited listening socket the router serves `/metrics` on instead"),
     Variable("GPUFLEET_MAX_REPLICAS", f"`{DEFAULT_MAX_REPLICAS}`",
              "the most replicas `gpufleet.deploy` places of one model (catalog `max_replicas`)"),
     Variable("GPUFLEET_KEEP_ALIVE", "`5m`",
@@ -151,6 +153,7 @@ class Settings:
     role: str = "client"
     metrics_port: int | None = None
     metrics_addr: str = "127.0.0.1"
+    metrics_fd: int | None = None  # a listening socket `gpufleet up` passed down
     max_replicas: int = DEFAULT_MAX_REPLICAS
     keep_alive_ms: int = DEFAULT_KEEP_ALIVE_MS
     scale_threshold: float = DEFAULT_THRESHOLD
@@ -197,6 +200,7 @@ class Settings:
         if role not in ROLES:
             raise ConfigError(f"GPUFLEET_ROLE={role!r} must be one of {', '.join(ROLES)}")
         port = env.integer("GPUFLEET_METRICS_PORT", 0, low=0, high=65535)
+        fd = env.integer("GPUFLEET_METRICS_FD", -1, low=0)
         sim_data = env.get("GPUFLEET_SIM_DATA")
         return cls(
             registry_url=registry,
@@ -220,6 +224,7 @@ class Settings:
             role=role,
             metrics_port=port or None,
             metrics_addr=env.text("GPUFLEET_METRICS_ADDR", "127.0.0.1"),
+            metrics_fd=fd if fd >= 0 else None,
             max_replicas=env.integer(
                 "GPUFLEET_MAX_REPLICAS", DEFAULT_MAX_REPLICAS, low=1, high=10_000
             ),

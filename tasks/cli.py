@@ -425,7 +425,8 @@ def _gpu_table(report: dict[str, Any]) -> Table:
     summary = report["summary"]
     table = Table(title=f"gpufleet: {summary['gpus_alive']} of {summary['gpus']} GPUs alive")
     for column in ("GPU", "name", "memory", "use", "worker", "models"):
-        table.add_column(column)
+        # Ids are folded onto more lines, never cut short: a cut worker id names no process.
+        table.add_column(column, overflow="fold" if column in ("GPU", "worker") else "ellipsis")
     for g in report["gpus"]:
         share = g["reserved_bytes"] / g["total_bytes"] if g["total_bytes"] else 0.0
         on_it = [
@@ -445,10 +446,20 @@ def _gpu_table(report: dict[str, Any]) -> Table:
                 else ""
             ),
             f"{share:.0%}",
-            g["worker"] or "-",
+            _owner(g),
             "\n".join(on_it) or "-",
         )
     return table
+
+
+def _owner(gpu: dict[str, Any]) -> str:
+    """The worker process that owns `gpu` (its id, as in `gpufleet status --json`), and
+    whether its lease still holds."""
+    if not gpu["worker"]:
+        return "-"
+    if gpu["alive"]:
+        return f"{gpu['worker']}\n[dim]alive[/]"
+    return f"[red]{gpu['worker']}\nlease expired[/]"
 
 
 def _guard(action: Callable[[], T]) -> T:

@@ -12,8 +12,9 @@ It supervises every child (`supervise`, called about once a second):
 - a child that dies `CRASH_LIMIT` times within `CRASH_WINDOW_S` is a crash loop: the
   launcher gives up with an error that names it and quotes its last log lines;
 - each child runs in its own process group, so a dead Celery worker's pool children go
-  with it, and the messages it had taken but not acknowledged go back to its queue
-  before its successor starts (else they would wait out the visibility timeout);
+  with it; its successor, under the same node name, puts back first what it had taken
+  and not acknowledged (`tasks.presence`; else they would wait out the visibility
+  timeout);
 - the bundled Redis restarts on the same port and replays its append-only file, so no
   acknowledged write (no queued call) is lost.
 
@@ -86,6 +87,7 @@ class Child:
     )
     crashes: collections.deque[float] = field(default_factory=collections.deque)
     restart_at: float | None = None
+    pass_fds: tuple[int, ...] = ()  # listening sockets it serves on (the launcher keeps them)
 
     def describe_exit(self) -> str:
         code = self.proc.returncode if self.proc is not None else None
@@ -112,6 +114,10 @@ class Launcher:
     first_backoff_s: float = 1.0  # doubles with each death, up to MAX_BACKOFF_S
     _redis: RedisServer | None = None
     _claim: BrokerClaim | None = None  # the broker database, ours while we run (tasks.broker)
+    # Bound and listening from `start` on, for the router's /metrics and for Flower: the
+    # children serve on these (passed down), so the ports printed are theirs for good.
+    _metrics_socket: socket.socket | None = None
+    _flower_socket: socket.socket | None = None
     _stopping: bool = False
 
     @property
@@ -133,9 +139,11 @@ class Launcher:
             raise ConfigError(
                 f"{self.models}: no such catalog; pass --models or set GPUFLEET_MODELS"
             )
-        self.metrics_port = _port(self.metrics_port, DEFAULT_METRICS_PORT, "--metrics-port")
+        self._metrics_socket = _port(self.metrics_port, DEFAULT_METRICS_PORT, "--metrics-port")
+        self.metrics_port = _bound_port(self._metrics_socket)
         if self.flower:
-            self.flower_port = _port(self.flower_port, DEFAULT_FLOWER_PORT, "--flower-port")
+            self._flower_socket = _port(self.flower_port, DEFAULT_FLOWER_PORT, "--flower-port")
+            self.flower_port = _bound_port(self._flower_socket)
         if self.settings.url_from == FROM_CONNECTION_FILE:
             raise ConfigError(
                 f"a gpufleet of fleet {self.fleet!r} already runs on this machine (see "
@@ -156,7 +164,13 @@ class Launcher:
         self._claim = BrokerClaim(self.broker_url, self.fleet)
         self._claim.take()  # before any worker: a second fleet on this database stops here
         self._claim.keep(lambda exc: log.critical("another fleet took the broker: %s", exc))
-        metrics = {"GPUFLEET_METRICS_PORT": str(self.metrics_port)} if self.metrics_port else {}
+        metrics: dict[str, str] = {}
+        if self._metrics_socket is not None:
+            fd = self._metrics_socket.fileno()
+            metrics = {
+                "GPUFLEET_METRICS_PORT": str(self.metrics_port),
+                "GPUFLEET_METRICS_FD": str(fd),
+            }
         self._add(
             "router",
             ["-Q", ROUTER_QUEUE, "-n", f"router@{self.host}", "-c", "2"],
@@ -165,6 +179,8 @@ class Launcher:
             GPUFLEET_METRICS_ADDR="127.0.0.1",
             **metrics,
         )
+        if self._metrics_socket is not None:  # served by every router process it starts
+            self.children["router"].pass_fds = (self._metrics_socket.fileno(),)
         run = secrets.token_hex(4)  # this launcher's workers replace only each other
         for d in self.devices:
             queue = gpu_queue(self.host, [d.index])
@@ -177,13 +193,15 @@ class Launcher:
                 GPUFLEET_WORKER_GPUS=str(d.index),
                 GPUFLEET_LINEAGE=f"up-{run}-gpu{d.index}",
             )
-        if self.flower:
+        if self.flower and self._flower_socket is not None:
             self.flower_auth = self.flower_auth or f"gpufleet:{secrets.token_urlsafe(12)}"
-            cmd = [sys.executable, "-m", "celery", "-A", "tasks.app", "flower"]
-            cmd += ["--address=127.0.0.1", f"--port={self.flower_port}"]
+            fd = self._flower_socket.fileno()
+            # Flower serves on the socket bound above (tasks.flower_socket), not a port of its own.
+            cmd = [sys.executable, "-m", "tasks.flower_socket", str(fd), "-A", "tasks.app"]
+            cmd += ["flower", "--address=127.0.0.1", f"--port={self.flower_port}"]
             # Credentials in the environment, not on the command line `ps` shows.
             env = self._env("client", FLOWER_BASIC_AUTH=self.flower_auth)
-            self.children["flower"] = Child("flower", cmd, env)
+            self.children["flower"] = Child("flower", cmd, env, pass_fds=(fd,))
         for child in list(self.children.values()):
             self.run_child(child)
         self._write_connection()
@@ -241,6 +259,7 @@ class Launcher:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # its own process group: its pool children die with it
+            pass_fds=child.pass_fds,
             preexec_fn=die_with_parent_preexec(),  # noqa: PLW1509
         )
         assert child.proc.stdout is not None
@@ -269,8 +288,10 @@ class Launcher:
     # --- ready ----------------------------------------------------------------------
 
     def wait_ready(self, timeout: float = 120.0) -> None:
-        """Until every GPU worker holds a live lease, the router answers a ping, and the
-        metrics and Flower answer on the ports that will be printed."""
+        """Until every GPU worker of this host holds a live lease, the router answers a
+        ping, and the metrics and Flower answer on the ports that will be printed. Only this fleet's
+        router and Flower can answer there: they serve on sockets this launcher bound
+        (`_port`), and a socket bound but not served yet makes `_answers` time out."""
         registry = Registry.from_url(self.redis_url, self.fleet)
         deadline = time.monotonic() + timeout
         from tasks.app import app
@@ -279,7 +300,9 @@ class Launcher:
             while time.monotonic() < deadline:
                 self.supervise()
                 snap = registry.snapshot()
-                alive = sum(1 for g in snap.gpus.values() if g.alive(snap.now_ms))
+                alive = sum(
+                    g.host == self.host and g.alive(snap.now_ms) for g in snap.gpus.values()
+                )
                 if (
                     alive >= len(self.devices)
                     and app.control.ping([f"router@{self.host}"], timeout=1.0)
@@ -314,8 +337,7 @@ class Launcher:
                 self._died(child, now)
             elif now >= child.restart_at:
                 child.restart_at = None
-                self._requeue(child)
-                self.run_child(child)
+                self.run_child(child)  # it puts back what it held first (tasks/presence.py)
 
     def _died(self, child: Child, now: float) -> None:
         assert child.proc is not None
@@ -332,18 +354,6 @@ class Launcher:
         delay = min(MAX_BACKOFF_S, self.first_backoff_s * 2.0 ** (len(child.crashes) - 1))
         log.error("%s %s; starting it again in %.0f s", child.name, child.describe_exit(), delay)
         child.restart_at = now + delay
-
-    def _requeue(self, child: Child) -> None:
-        """Put back the messages a dead worker had taken and not acknowledged."""
-        if not child.queues:
-            return
-        try:
-            restored = requeue_unacked(self.broker_url, child.queues)
-        except (redis.RedisError, GpufleetError) as exc:
-            log.warning("could not requeue %s's unacknowledged calls: %s", child.name, exc)
-            return
-        if restored:
-            log.warning("requeued %d call(s) %s had taken when it died", restored, child.name)
 
     # --- stop -----------------------------------------------------------------------
 
@@ -433,37 +443,57 @@ def _kill_group(pid: int) -> None:
         os.killpg(pid, signal.SIGKILL)
 
 
-def _port(requested: int | None, default: int, option: str) -> int:
-    """The port to serve on: `requested` (0: none) if free, else an error saying so; with
-    nothing requested, `default`, or a free one when another process holds it."""
+def _port(requested: int | None, default: int, option: str) -> socket.socket | None:
+    """A socket on 127.0.0.1, bound and listening, for a child to serve on (passed down
+    to it): on `requested` (0: none, so None), or an error when another process holds that
+    port; with nothing requested, on `default`, or on a free port when another process
+    holds it. The launcher binds it before any child starts and keeps it open, so no other
+    process can take the port between this choice and the child's serving, nor while the
+    child restarts: the URL printed is the child's."""
     if requested == 0:
-        return 0
+        return None
     wanted = default if requested is None else requested
-    if _free(wanted):
-        return wanted
+    sock = _listen(wanted)
+    if sock is not None:
+        return sock
     if requested is not None:
         raise ConfigError(
             f"port {requested} on 127.0.0.1 is taken by another process; pass another "
             f"{option}, or 0 to turn it off"
         )
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        free: int = sock.getsockname()[1]
-    log.info("port %d is taken; using %d instead", default, free)
-    return free
+    sock = _listen(0)
+    if sock is None:
+        raise ConfigError(f"no free port on 127.0.0.1 for {option}")
+    log.info("port %d is taken; using %d instead", default, _bound_port(sock))
+    return sock
 
 
-def _free(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
+def _listen(port: int) -> socket.socket | None:
+    """A socket bound to 127.0.0.1:`port` and listening, or None when the port is taken."""
+    sock = socket.socket()
+    try:
+        # As http.server and tornado do: a port whose last connections linger in
+        # TIME_WAIT is free; one another socket listens on is not.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", port))
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        return None
+    return sock
+
+
+def _bound_port(sock: socket.socket | None) -> int:
+    """The port `sock` is bound to; 0 for none."""
+    if sock is None:
+        return 0
+    port: int = sock.getsockname()[1]
+    return port
 
 
 def _answers(url: str | None) -> bool:
-    """True when nothing is to be served at `url`, or something answers there."""
+    """True when nothing is to be served at `url`, or something answers there (within
+    1 s: a socket the launcher bound that its child does not serve yet does not)."""
     if url is None:
         return True
     try:

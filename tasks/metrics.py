@@ -2,7 +2,8 @@
 
 Every figure comes from the registry and the broker when it is asked for, so any process
 can serve them and all agree: `gpufleet status`, the `gpufleet.status` task, `gpufleet
-metrics` (a standalone exporter), and a router started with GPUFLEET_METRICS_PORT. The
+metrics` (a standalone exporter), and a router started with GPUFLEET_METRICS_PORT (or, under
+`gpufleet up`, GPUFLEET_METRICS_FD: a socket the launcher bound and passed down). The
 figures are fleet-wide: with several routers exporting, scrape one or aggregate with
 `max without (instance)`.
 """
@@ -10,12 +11,15 @@ figures are fleet-wide: with several routers exporting, scrape one or aggregate 
 from __future__ import annotations
 
 import logging
+import socket
+import threading
 from collections.abc import Iterator
+from http.server import ThreadingHTTPServer
 from typing import Any
 
 import redis
 from celery.signals import worker_init
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, MetricsHandler, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -24,7 +28,7 @@ from placement.load import placed_replicas, read_loads
 from placement.registry import Registry
 from placement.report import load_report, request_report, status_report
 from placement.state import OUTCOMES, PATHS
-from tasks import context
+from tasks import context, presence
 from tasks.config import ROUTER_QUEUE
 
 log = logging.getLogger(__name__)
@@ -40,7 +44,17 @@ def full_status(registry: Registry, broker_url: str) -> dict[str, Any]:
     queues = {ROUTER_QUEUE} | {g.queue for g in snap.gpus.values() if g.queue}
     client = redis.Redis.from_url(broker_url)
     try:
-        report["queues"] = {q: int(client.llen(q)) for q in sorted(queues)}
+        pipe = client.pipeline(transaction=False)
+        for queue in sorted(queues):
+            for name in presence.lists(queue):
+                pipe.llen(name)
+        depths = iter(pipe.execute())
+        report["queues"] = {
+            q: sum(int(next(depths)) for _ in presence.PRIORITY_STEPS) for q in sorted(queues)
+        }
+        live = {g.queue for g in snap.gpus.values() if g.queue and g.alive(snap.now_ms)}
+        report["stranded"] = presence.stranded(client, queues, live)
+        report["problems"] = report["problems"] + presence.stranded_problems(report["stranded"])
     except redis.RedisError as exc:
         raise GpufleetError(f"broker unreachable: {exc}. Check GPUFLEET_BROKER_URL.") from exc
     finally:
@@ -76,7 +90,17 @@ class FleetCollector(Collector):
         for queue, waiting in report["queues"].items():
             depth.add_metric([queue], waiting)
         yield depth
-        problems = GaugeMetricFamily("gpufleet_ledger_problems", "Ledger audit findings (0)")
+        stranded = GaugeMetricFamily(
+            "gpufleet_stranded_calls",
+            "Calls on a queue that no live worker takes, or held by a dead worker (0)",
+            labels=["queue"],
+        )
+        for queue, entry in report["stranded"].items():
+            stranded.add_metric([queue], entry["calls"])
+        yield stranded
+        problems = GaugeMetricFamily(
+            "gpufleet_ledger_problems", "Status problems: ledger audit findings, stranded calls (0)"
+        )
         problems.add_metric([], len(report["problems"]))
         yield problems
 
@@ -190,17 +214,43 @@ def _load(load: dict[str, Any]) -> Iterator[Metric]:
 
 def serve(port: int, addr: str, registry: Registry, broker_url: str) -> None:
     """Serve /metrics on `addr:port` from a background thread."""
+    start_http_server(port, addr=addr, registry=_collectors(registry, broker_url))
+
+
+def serve_on(sock: socket.socket, registry: Registry, broker_url: str) -> ThreadingHTTPServer:
+    """Serve /metrics from a background thread on `sock`, a socket already bound and
+    listening: `gpufleet up` binds it before it starts the router and passes it down, so
+    the port it prints is the one served, and no other process can take it in between."""
+    handler = MetricsHandler.factory(_collectors(registry, broker_url))
+    server = ThreadingHTTPServer(sock.getsockname()[:2], handler, bind_and_activate=False)
+    server.socket.close()  # the unbound one the constructor made
+    server.socket = sock
+    threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
+    return server
+
+
+def _collectors(registry: Registry, broker_url: str) -> CollectorRegistry:
     collectors = CollectorRegistry()
     collectors.register(FleetCollector(registry, broker_url))
-    start_http_server(port, addr=addr, registry=collectors)
+    return collectors
 
 
 @worker_init.connect
 def _serve_from_router(**_: Any) -> None:
-    """A router with GPUFLEET_METRICS_PORT exports the metrics (from its parent process)."""
+    """A router with GPUFLEET_METRICS_FD (the socket `gpufleet up` bound) or
+    GPUFLEET_METRICS_PORT exports the metrics (from its parent process)."""
     if context.role() != "router":
         return
     settings = context.settings()
+    if settings.metrics_fd is not None:
+        try:
+            sock = socket.socket(fileno=settings.metrics_fd)
+            addr, port = sock.getsockname()[:2]
+            serve_on(sock, context.registry(), settings.broker_url)
+            log.info("metrics on http://%s:%d/metrics", addr, port)
+        except OSError as exc:  # not a socket: the router serves its calls all the same
+            log.error("not exporting metrics on fd %d: %s", settings.metrics_fd, exc)
+        return
     if settings.metrics_port is None:
         return
     try:

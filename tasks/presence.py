@@ -223,6 +223,68 @@ def sweep(
     return moved
 
 
+def stranded(
+    client: redis.Redis, ledger_queues: Iterable[str], live_gpu_queues: Iterable[str] = ()
+) -> dict[str, dict[str, Any]]:
+    """The calls no live worker will take, by queue: those waiting on a queue with no live
+    worker (no live record, nor a GPU of `live_gpu_queues` in the ledger), and those a
+    dead worker held. Each entry says how many, and which worker last served the queue
+    (None if none did). A sweep (every 2 s on a live router) moves them once the worker's
+    record lapsed; what is left here has no router to go to, or waits for the ledger to
+    let a GPU worker go."""
+    found = records(client)
+    now = now_ms(client)
+    served = {q for r in found.values() if r.alive(now) for q in r.queues}
+    served |= set(live_gpu_queues)
+    queues = {ROUTER_QUEUE, *ledger_queues} | {q for r in found.values() for q in r.queues}
+    counts: dict[str, int] = dict.fromkeys(sorted(queues - served), 0)
+    pipe = client.pipeline(transaction=False)
+    for queue in counts:
+        for name in lists(queue):
+            pipe.llen(name)
+    dead = [r for r in found.values() if not r.alive(now)]
+    for rec in dead:
+        for queue in rec.queues:
+            for name in lists(queue):
+                pipe.llen(inflight(name, rec.node))
+    replies = iter(pipe.execute())
+    for queue in counts:
+        counts[queue] += sum(next(replies) for _ in lists(queue))
+    for rec in dead:
+        for queue in rec.queues:
+            held = sum(next(replies) for _ in lists(queue))
+            counts[queue] = counts.get(queue, 0) + held
+        for _, raw in _unacked(client, rec.node):
+            try:
+                queue = json.loads(raw)[2]
+            except (ValueError, TypeError, IndexError):
+                continue
+            counts[queue] = counts.get(queue, 0) + 1
+    last: dict[str, str] = {}
+    for rec in sorted(found.values(), key=lambda r: r.deadline_ms):
+        for queue in rec.queues:
+            last[queue] = rec.node
+    return {
+        queue: {"calls": n, "last_worker": last.get(queue)}
+        for queue, n in sorted(counts.items())
+        if n
+    }
+
+
+def stranded_problems(found: dict[str, dict[str, Any]]) -> list[str]:
+    """One line per queue of `stranded`, saying what happens to its calls."""
+    lines = []
+    for queue, entry in found.items():
+        n, worker = entry["calls"], entry["last_worker"]
+        if queue == ROUTER_QUEUE:
+            then = "start a router (`gpufleet up` on any host of this fleet) to place them"
+        else:
+            then = "a live router hands them over once the ledger lets the worker go"
+        last = f" (last served by {worker})" if worker else ""
+        lines.append(f"{n} call(s) wait on {queue}, which no live worker takes{last}: {then}")
+    return lines
+
+
 def _holds_anything(client: redis.Redis, rec: Record) -> bool:
     if client.scard(unacked_of(rec.node)):
         return True

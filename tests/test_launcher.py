@@ -1,18 +1,32 @@
-"""The launcher's supervision, on plain child processes (no fleet needed)."""
+"""The launcher's supervision, on plain child processes (no fleet needed), and the ports
+it serves on: chosen and bound before any child starts, so two fleets started at once
+each print the URLs they serve."""
 
 from __future__ import annotations
 
+import base64
+import json
 import os
+import re
+import socket
 import sys
 import time
+import urllib.request
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, wait
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
-from placement.config import Settings
+from placement.config import Settings, connection_path
 from placement.errors import ConfigError
-from tasks.launcher import CRASH_LIMIT, Child, Launcher
+from tasks.launcher import CRASH_LIMIT, Child, Launcher, _bound_port, _port
+from tests.running import RunningFleet, fleet_env, fleet_up
+
+#: The smallest fleet: one model, nothing loaded by the tests here.
+CATALOG = "models:\n  a: {source: synthetic, task: forward, memory: 256MiB}\n"
 
 
 def launcher(tmp_path: Path) -> Launcher:
@@ -57,3 +71,90 @@ def test_a_crash_loop_stops_supervision_naming_the_child_and_quoting_its_log(
     assert f"flaky exited with code 3 {CRASH_LIMIT} times" in message
     assert "cannot open the GPU: no such device" in message
     run.stop()
+
+
+def listening() -> socket.socket:
+    """A port another process holds (this test's socket, listening)."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    return sock
+
+
+def test_a_port_asked_for_that_is_taken_stops_start_up_before_anything_starts(
+    tmp_path: Path,
+) -> None:
+    run = launcher(tmp_path)
+    run.models.write_text(CATALOG)
+    with listening() as held:
+        port = _bound_port(held)
+        run.metrics_port = port
+        with pytest.raises(ConfigError, match=f"port {port} on 127.0.0.1 is taken"):
+            run.start()
+    assert run.children == {} and run.redis_url == ""
+
+
+def test_a_default_port_that_is_taken_gives_a_free_one_held_from_the_choice_on() -> None:
+    with listening() as held:
+        default = _bound_port(held)
+        sock = _port(None, default, "--metrics-port")
+        assert sock is not None
+        with sock:
+            port = _bound_port(sock)
+            assert port not in (0, default)
+            with pytest.raises(ConfigError, match="--flower-port"):  # nobody else gets it
+                _port(port, default, "--flower-port")
+    assert _port(0, default, "--metrics-port") is None  # 0: not served at all
+
+
+def test_two_fleets_started_at_once_each_print_the_metrics_and_flower_they_serve(
+    tmp_path: Path,
+) -> None:
+    """Both want the default ports (9464, 5555) at the same moment, with no --metrics-port
+    or --flower-port; each must print, and record, the URLs its own router and Flower
+    serve, whichever of them got the defaults."""
+    catalog = tmp_path / "models.yaml"
+    catalog.write_text(CATALOG)
+    hosts = ("race-a", "race-b")
+    homes = {host: tmp_path / host for host in hosts}
+    args = ["--sim-gpus", "1x2GiB", "--flower"]
+    starts = [
+        fleet_up(catalog, args, fleet_env(GPUFLEET_HOST=h, GPUFLEET_HOME=str(homes[h])))
+        for h in hosts
+    ]
+    with ExitStack() as stack:
+        with ThreadPoolExecutor(len(starts)) as pool:
+            entering = [pool.submit(start.__enter__) for start in starts]
+            wait(entering)
+        for start, entered in zip(starts, entering, strict=True):
+            if entered.exception() is None:
+                stack.push(start.__exit__)  # stopped on the way out, whatever happens
+        fleets: list[RunningFleet] = [entered.result() for entered in entering]
+        metrics = [_printed(f, r"metrics:\s+(\S+)") for f in fleets]
+        flowers = [_printed(f, r"Flower:\s+(\S+) \(basic auth (\S+)\)") for f in fleets]
+        assert len({url for (url,) in metrics}) == 2, metrics
+        assert len({url for url, _ in flowers}) == 2, flowers
+        for host, (url,), (flower, auth) in zip(hosts, metrics, flowers, strict=True):
+            recorded = json.loads(connection_path(homes[host], "default").read_text())
+            assert (recorded["metrics"], recorded["flower"]) == (url, flower)
+            with urllib.request.urlopen(url, timeout=10) as response:
+                text = response.read().decode()
+            served = {
+                sample.labels["host"]
+                for family in text_string_to_metric_families(text)
+                for sample in family.samples
+                if sample.name == "gpufleet_gpu_memory_bytes"
+            }
+            assert served == {host}, (url, served)  # this fleet's GPU, not the other's
+            # Its own Flower: the other fleet's has other credentials and answers 401.
+            request = urllib.request.Request(
+                f"{flower}/api/workers",
+                headers={"Authorization": "Basic " + base64.b64encode(auth.encode()).decode()},
+            )
+            with urllib.request.urlopen(request, timeout=10) as response:
+                assert response.status == 200
+
+
+def _printed(fleet: RunningFleet, pattern: str) -> tuple[str, ...]:
+    """The groups of `pattern` in the line `gpufleet up` printed with it."""
+    return next(m.groups() for line in fleet.lines if (m := re.search(pattern, line)))

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import random
+import socket
+import time
 import urllib.request
 from collections.abc import Iterator
 
@@ -13,11 +16,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from typer.testing import CliRunner
 
 from placement.load import hold_routing
+from placement.redis_server import RedisServer
 from placement.registry import Registry
 from placement.report import request_report
 from placement.state import COUNTS, OUTCOMES, Demand, Gpu
 from tasks.cli import app as cli
-from tasks.metrics import FleetCollector, full_status, serve
+from tasks.config import ROUTER_QUEUE
+from tasks.metrics import FleetCollector, full_status, serve, serve_on
 from tests.fleets import GiB
 from tests.ports import free_port
 
@@ -50,34 +55,34 @@ def scrape(
 
 def test_picks_count_hits_and_the_router_counts_every_other_outcome(reg: Registry) -> None:
     for _ in range(3):
-        lease = reg.pick("m")
+        lease = reg.pick("m", path="router")
         assert lease is not None
         reg.finish(lease)
     reg.count("m", "cold")
     reg.count("never", "rejected")
     stats = reg.stats()
     none = dict.fromkeys(COUNTS, 0)
-    assert stats["m"] == {**none, "hit": 3, "cold": 1}
-    assert stats["never"] == {**none, "rejected": 1}
+    assert stats["m"] == {**none, "hit": 3, "cold": 1, "routed": 4}
+    assert stats["never"] == {**none, "rejected": 1, "routed": 1}
     with pytest.raises(ValueError, match="unknown outcome"):
         reg.count("m", "lucky")
 
 
-def test_a_call_counts_fast_with_its_lease_and_routed_on_the_routers_first_pick(
+def test_a_call_counts_fast_with_its_lease_and_routed_with_the_routers_outcome(
     reg: Registry,
 ) -> None:
-    for path in ("fast", "fast", "router", ""):  # "": a later try, or no caller's call
+    for path in ("fast", "fast", "router", ""):  # "": a call counted already
         lease = reg.pick("m", path=path)
         assert lease is not None
         reg.finish(lease)
     assert reg.pick("absent", path="fast") is None  # a miss is not a fast call
-    assert reg.pick("absent", path="router") is None  # the router takes it all the same
+    assert reg.pick("absent", path="router") is None  # the router counts its placement
     reg.count("absent", "cold")
     stats = reg.stats()
-    assert (stats["m"]["hit"], stats["m"]["fast"], stats["m"]["routed"]) == (4, 2, 1)
+    assert (stats["m"]["hit"], stats["m"]["fast"], stats["m"]["routed"]) == (3, 2, 1)
     assert (stats["absent"]["fast"], stats["absent"]["routed"]) == (0, 1)
     fleet = request_report(stats)["fleet"]
-    assert (fleet["fast"], fleet["routed"], fleet["requests"]) == (2, 2, 5)
+    assert (fleet["fast"], fleet["routed"], fleet["requests"]) == (2, 2, 4)
 
 
 def test_rates_follow_the_simulators_definitions() -> None:
@@ -100,7 +105,7 @@ def test_rates_follow_the_simulators_definitions() -> None:
 def test_the_metrics_show_outcomes_memory_replicas_and_queue_depth(
     reg: Registry, redis_url: str, fleet: str
 ) -> None:
-    lease = reg.pick("m")
+    lease = reg.pick("m", path="fast")
     assert lease is not None
     reg.count("m", "cold")
     broker = redis.Redis.from_url(redis_url)
@@ -126,6 +131,21 @@ def test_the_metrics_show_outcomes_memory_replicas_and_queue_depth(
     assert samples[("gpufleet_inflight_requests", (("model", "m"),))] == 1
     assert samples[("gpufleet_queue_depth", (("queue", queue),))] == 3
     assert samples[("gpufleet_ledger_problems", ())] == 0
+
+
+def test_calls_waiting_where_no_live_worker_takes_them_are_a_problem_and_a_series(
+    reg: Registry,
+) -> None:
+    with RedisServer() as broker_server:  # its own broker: the router queue is global
+        broker = redis.Redis.from_url(broker_server.url)
+        broker.lpush(ROUTER_QUEUE, "call 1", "call 2")  # and no router has ever run
+        samples = scrape(reg, broker_server.url)
+        report = full_status(reg, broker_server.url)
+        broker.close()
+    assert samples[("gpufleet_stranded_calls", (("queue", ROUTER_QUEUE),))] == 2
+    assert samples[("gpufleet_ledger_problems", ())] == 1
+    assert report["stranded"] == {ROUTER_QUEUE: {"calls": 2, "last_worker": None}}
+    assert report["problems"][0].startswith(f"2 call(s) wait on {ROUTER_QUEUE}")
 
 
 def test_status_and_metrics_show_calls_waiting_and_running_per_model_and_replica(
@@ -169,6 +189,22 @@ def test_metrics_are_served_over_http(reg: Registry, redis_url: str) -> None:
     assert 'gpufleet_replicas{level="HOT",model="m"} 1.0' in body
 
 
+def test_metrics_are_served_on_a_socket_bound_before(reg: Registry, redis_url: str) -> None:
+    """As a router under `gpufleet up` serves them: on the socket the launcher bound."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    port = sock.getsockname()[1]
+    server = serve_on(sock, reg, redis_url)
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+            body = response.read().decode()
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert 'gpufleet_replicas{level="HOT",model="m"} 1.0' in body
+
+
 def test_status_prints_the_rates_against_their_targets(
     reg: Registry, redis_url: str, fleet: str
 ) -> None:
@@ -180,4 +216,40 @@ def test_status_prints_the_rates_against_their_targets(
     result = CliRunner().invoke(cli, ["status", "--redis-url", redis_url, "--fleet", fleet])
     assert result.exit_code == 0, result.output
     assert "requests 5: hit rate 80.0% (target > 80%), reload rate 0.0%" in result.output
-    assert "paths 3 fast (client to GPU worker), 1 through the router" in result.output
+    assert "paths 3 fast (client to GPU worker), 2 through the router" in result.output
+
+
+def test_status_names_the_worker_that_owns_each_gpu_and_whether_it_lives(
+    reg: Registry, redis_url: str, fleet: str
+) -> None:
+    gone = Gpu(id="h1:0", host="h1", index=0, name="Sim 8GiB", total=8 * GiB)
+    reg.register_worker("w-gone", "h1", f"{fleet}.q-gone", [gone], lease_ms=30)
+    time.sleep(0.1)  # its lease lapses: the ledger still names it, as no live owner
+    args = ["status", "--redis-url", redis_url, "--fleet", fleet]
+    out = CliRunner().invoke(cli, [*args, "--json"])
+    assert out.exit_code == 0, out.output
+    report = json.loads(out.output)
+    snap = reg.snapshot()
+    shown = {g["id"]: (g["worker"], g["alive"]) for g in report["gpus"]}
+    assert shown == {
+        "h0:0": ("w0", True),
+        "h0:1": ("w1", True),
+        "h1:0": ("w-gone", False),
+    }
+    for gpu_id, (worker, alive) in shown.items():
+        assert worker == snap.gpus[gpu_id].worker  # the ledger's owner
+        owner = reg.owner(gpu_id)
+        assert (owner[0] if owner else None) == (worker if alive else None)
+    (dep,) = report["deployments"]
+    assert dep["worker"] == snap.deployments[dep["replica"]].worker
+    assert dep["worker"] == shown[next(iter(dep["gpus"]))][0]
+    table = CliRunner().invoke(cli, args, terminal_width=100)
+    assert table.exit_code == 0, table.output
+    rows = {
+        gpu_id: next(line for line in table.output.splitlines() if gpu_id in line)
+        for gpu_id in shown
+    }
+    assert "w0" in rows["h0:0"] and "w1" in rows["h0:1"]
+    assert "w-gone" in rows["h1:0"] and "dead" in rows["h1:0"]
+    cells = [line.split("│")[5].strip() for line in table.output.splitlines() if "│" in line]
+    assert cells.count("alive") == 2 and cells.count("lease expired") == 1

@@ -204,3 +204,27 @@ def test_a_worker_found_silent_that_comes_back_records_itself_again(
     assert worker._renewed(leaving=False)
     assert presence.records(client)["router@h1"].alive(presence.now_ms(client))
     assert client.hexists(CONSUMERS, "router@h1")
+
+
+def test_status_counts_per_queue_the_calls_no_live_worker_will_take(
+    broker: tuple[str, redis.Redis],
+) -> None:
+    url, client = broker
+    for i in range(3):
+        _sender(url).send_task("gpufleet.infer", args=["m", f"call {i}"])
+    _sender(url).send_task("gpufleet.infer", args=["m", "gpu"], queue=GPU_QUEUE)
+    _held_by_a_killed_worker(url, client, "router@h1", ROUTER_QUEUE, 2)
+
+    found = presence.stranded(client, [GPU_QUEUE])
+    assert found == {
+        ROUTER_QUEUE: {"calls": 3, "last_worker": "router@h1"},
+        GPU_QUEUE: {"calls": 1, "last_worker": None},
+    }
+    problems = presence.stranded_problems(found)
+    assert problems[0].startswith("3 call(s) wait on celery, which no live worker takes")
+    assert "start a router" in problems[0]
+
+    presence.Presence(client, "router@h2", "router", [ROUTER_QUEUE], 60_000).arrive()
+    assert presence.stranded(client, [])[ROUTER_QUEUE]["calls"] == 2  # what the dead one held
+    presence.sweep(client, _nothing_live, _unanswered)
+    assert ROUTER_QUEUE not in presence.stranded(client, [])
