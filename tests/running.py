@@ -109,12 +109,17 @@ def fleet_env(**extra: str) -> dict[str, str]:
 
 @contextmanager
 def fleet_up(
-    catalog: Path, args: list[str], env: Mapping[str, str], fleet: str = "default"
+    catalog: Path,
+    args: list[str],
+    env: Mapping[str, str],
+    fleet: str = "default",
+    log: Path | None = None,
 ) -> Iterator[RunningFleet]:
     """Start `gpufleet up --models catalog *args`; stop it (SIGTERM) on the way out.
 
     Without a GPUFLEET_HOME in `env`, the fleet gets a home of its own (its connection file
     and Redis data), so it never meets another fleet of the same name on this machine.
+    Its processes' logs are appended to `log` when given, else dropped.
     """
     env = dict(env)
     home = None
@@ -126,7 +131,7 @@ def fleet_up(
         cwd=REPO,
         env=env,
         stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
+        stderr=log.open("a") if log is not None else subprocess.DEVNULL,
         text=True,
     )
     try:

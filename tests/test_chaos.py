@@ -23,7 +23,7 @@ import signal
 import threading
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -67,13 +67,15 @@ CATALOG = "models:\n" + "".join(
 INPUTS = ["chaos", "a longer input for the model", "x" * 300]
 
 
-def expected_outputs(catalog: Path) -> dict[tuple[str, str], dict[str, Any]]:
+def expected_outputs(
+    catalog: Path, models: Iterable[str] = MODELS, inputs: Sequence[str] = INPUTS
+) -> dict[tuple[str, str], dict[str, Any]]:
     """What every model answers to every input, computed in this process."""
     specs = Catalog.load(catalog)
     out = {}
-    for model in MODELS:
+    for model in models:
         net, tokenizer = build_synthetic(specs.get(model))
-        for text in INPUTS:
+        for text in inputs:
             out[(model, text)] = handlers.run(
                 "forward", net, tokenizer, text, None, torch.device("cpu")
             )
