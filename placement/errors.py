@@ -92,6 +92,10 @@ class PayloadError(GpufleetError, ValueError):
     """A request's inputs or params are malformed."""
 
 
+class FleetStoppedError(GpufleetError):
+    """The fleet stopped before the call ran; send it again once a fleet runs."""
+
+
 def describe(value: object, limit: int = 80) -> str:
     """A caller's value as an error message may quote it: short, and typed.
 

@@ -53,11 +53,12 @@ from placement.config import (
     connection_path,
     safe_url,
 )
-from placement.errors import ConfigError, GpufleetError
+from placement.errors import ConfigError, FleetStoppedError, GpufleetError
 from placement.redis_server import RedisServer, die_with_parent_preexec
 from placement.registry import Registry
 from tasks.broker import BrokerClaim
 from tasks.config import ROUTER_QUEUE
+from tasks.presence import take_waiting
 from tasks.routing import gpu_queue
 from worker.devices import Device, discover
 
@@ -71,6 +72,10 @@ CRASH_WINDOW_S = 120.0
 #: Restart backoff: 1 s, doubling, at most this.
 MAX_BACKOFF_S = 30.0
 LOG_LINES = 40  # kept per child, quoted when it crash-loops
+STOPPED = (
+    "the fleet stopped (gpufleet up ended) before this call ran; its bundled Redis, which "
+    "held the call, is gone. Send the call again once a fleet runs"
+)
 
 
 @dataclass
@@ -374,15 +379,38 @@ class Launcher:
                 child.proc.kill()
                 child.proc.wait()
             _kill_group(child.proc.pid)
+        queues = tuple(q for child in self.children.values() for q in child.queues)
         self.children.clear()
         if self._claim is not None:
             self._claim.close(release=not self._runs_elsewhere())
             self._claim = None
         if self._redis is not None:
+            self._fail_waiting(queues)
             self._redis.stop()
             self._redis = None
             shutil.rmtree(self.settings.fleet_dir() / "redis", ignore_errors=True)
         self._remove_connection()
+
+    def _fail_waiting(self, queues: tuple[str, ...]) -> None:
+        """Answer the calls still waiting with `FleetStoppedError` before the bundled Redis,
+        their broker and result store, goes: their callers learn why at once, rather than
+        losing the result store's connection (docs/tasks.md, "When the fleet stops")."""
+        from celery import Celery
+
+        client = redis.Redis.from_url(self.broker_url)
+        backend = Celery(backend=self.redis_url, set_as_current=False).backend
+        try:
+            waiting = take_waiting(client, queues)
+            for task_id in waiting:
+                backend.mark_as_failure(task_id, FleetStoppedError(STOPPED))
+        except redis.RedisError as exc:
+            log.warning("could not answer the calls still waiting: %s", exc)
+            return
+        finally:
+            client.close()
+        if waiting:
+            log.warning("answered %d call(s) still waiting: %s", len(waiting), STOPPED)
+            time.sleep(0.2)  # the answers' notifications reach their callers first
 
     def _runs_elsewhere(self) -> bool:
         """Whether GPU workers of this fleet on other hosts are alive (they use the broker)."""

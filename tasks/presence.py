@@ -32,6 +32,7 @@ import base64
 import functools
 import json
 import logging
+import re
 import secrets
 import threading
 from bisect import bisect
@@ -46,7 +47,6 @@ from kombu.transport.redis import Channel as KombuChannel
 from placement.keys import CONSUMERS, KeyList, unacked_of
 from placement.scripts import scripts_for
 from tasks import context, leases
-from tasks.calls import HOPS_HEADER
 from tasks.config import ROUTER_QUEUE
 from tasks.transport import inflight
 
@@ -285,6 +285,29 @@ def stranded_problems(found: dict[str, dict[str, Any]]) -> list[str]:
     return lines
 
 
+def take_waiting(client: redis.Redis, queues: Iterable[str]) -> list[str]:
+    """Take out every call waiting on `queues` or held unacknowledged or in flight by any
+    worker, and return their task ids, oldest first. Only for a broker about to go away
+    with its fleet (`gpufleet up`'s own Redis): the caller fails them, so that no caller
+    waits on a result store that is gone."""
+    ids: list[str] = []
+    for _, raw in _unacked(client, "*"):
+        ids.append(_task_id(json.loads(raw)[0]))
+    client.delete(UNACKED, UNACKED_INDEX)
+    for queue in queues:
+        pattern = re.sub(r"([*?\[\]\\])", r"\\\1", queue) + "*"  # its lists, and theirs in flight
+        for key in client.scan_iter(match=pattern, _type="list"):
+            ids += [_task_id(json.loads(raw)) for raw in reversed(client.lrange(key, 0, -1))]
+            client.delete(key)
+    return [i for i in ids if i]
+
+
+def _task_id(payload: Any) -> str:
+    headers = payload.get("headers") if isinstance(payload, dict) else None
+    task_id = headers.get("id") if isinstance(headers, dict) else None
+    return task_id if isinstance(task_id, str) else ""
+
+
 def _holds_anything(client: redis.Redis, rec: Record) -> bool:
     if client.scard(unacked_of(rec.node)):
         return True
@@ -403,8 +426,12 @@ def _holdings(
 
 
 def _unacked(client: redis.Redis, node: str) -> Iterator[tuple[str, str]]:
-    """(delivery tag, kombu's unacked record) of what `node` holds, oldest first."""
-    tags = sorted(_text(t) for t in client.smembers(unacked_of(node)))
+    """(delivery tag, kombu's unacked record) of what `node` holds ("*": every worker),
+    oldest first."""
+    if node == "*":
+        tags = sorted(_text(t) for t in client.hkeys(UNACKED))
+    else:
+        tags = sorted(_text(t) for t in client.smembers(unacked_of(node)))
     if not tags:
         return
     raws = client.hmget(UNACKED, tags)
@@ -440,6 +467,8 @@ def for_router(payload: dict[str, Any]) -> dict[str, Any]:
     A `gpufleet.run` (a call the router handed on) becomes the `infer` it came from,
     keeping its re-route count; a fast-path `infer` loses its request lease, which the
     ledger released with the dead worker. Anything else only changes queue."""
+    from tasks.calls import HOPS_HEADER  # not at import: it configures the Celery app
+
     headers = payload.setdefault("headers", {})
     properties = payload.setdefault("properties", {})
     if headers.get("task") == "gpufleet.run" and properties.get("body_encoding") == "base64":

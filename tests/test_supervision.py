@@ -194,12 +194,15 @@ def test_a_taken_metrics_port_fails_clearly_when_asked_for_and_moves_when_not(
 def test_sigint_to_a_background_fleets_job_stops_everything_it_started_with_redis_last(
     catalog: Path, tmp_path: Path
 ) -> None:
+    """And what it leaves: the calls it ran are answered, those still waiting fail with
+    `FleetStoppedError`, and its bundled Redis's data is gone (a new fleet starts empty)."""
     log = tmp_path / "up.log"
+    home = tmp_path / "home"
     with log.open("w") as err:
         proc = subprocess.Popen(
             [sys.executable, "-m", "tasks.cli", "up", "--models", str(catalog), *ARGS],
             cwd=REPO,
-            env=fleet_env(),
+            env=fleet_env(GPUFLEET_HOME=str(home)),
             stdout=subprocess.PIPE,
             stderr=err,
             text=True,
@@ -208,16 +211,37 @@ def test_sigint_to_a_background_fleets_job_stops_everything_it_started_with_redi
             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),  # noqa: PLW1509
         )
     try:
-        wait_ready(proc)
+        url = _printed_url(wait_ready(proc))
         started = descendants(proc.pid)
         assert len(started) >= 4  # redis-server, the router, a GPU worker, their children
+        assert (home / "default" / "redis").is_dir()
+        client = Celery(broker=url, backend=url)
+        client.send_task("gpufleet.infer", args=("b", "warm up")).get(timeout=60)
+        calls = [client.send_task("gpufleet.infer", args=("b", *LARGE)) for _ in range(24)]
+        calls[0].get(timeout=60)
         os.killpg(proc.pid, signal.SIGINT)  # as `kill -INT %1` (and Ctrl-C, in front) does
+        outcomes = [_outcome(call) for call in calls]
         assert proc.wait(timeout=30) == 0
         time.sleep(0.5)
         assert [pid for pid in started if alive(pid)] == []
+        assert set(outcomes) == {"answered", "FleetStoppedError"}, outcomes
+        assert not (home / "default" / "redis").exists()
         # Redis outlived the workers' warm shutdown: each released its GPUs.
         said = log.read_text()
         assert "registry unreachable" not in said and "could not release" not in said, said[-3000:]
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def _printed_url(lines: list[str]) -> str:
+    return next(line.split("registry ", 1)[1].split()[0] for line in lines if "registry " in line)
+
+
+def _outcome(call: AsyncResult) -> str:
+    """ "answered", or the type of the error the call failed with."""
+    try:
+        call.get(timeout=60)
+    except Exception as exc:
+        return type(exc).__name__
+    return "answered"
