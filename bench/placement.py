@@ -392,13 +392,13 @@ def _pick_client(index: int) -> ClientResult:
     registry = _ME.registry
     models = [model_name(j) for j in range(_ME.cfg.models)]
     for model in models:  # warm this router's replica cache, as a long-running one's is
-        lease = registry.pick(model)
+        lease = registry.pick(model, path="fast")
         if lease is not None:
             registry.finish(lease)
     rng = random.Random(_ME.cfg.seed * 1000 + index)
     win = _start_window()
     while (t0 := win.tick()) is not None:
-        lease = registry.pick(rng.choice(models))
+        lease = registry.pick(rng.choice(models), path="fast")
         t1 = time.perf_counter()
         if lease is None:
             win.count("pick_miss", t0, t1)

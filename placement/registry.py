@@ -58,6 +58,8 @@ DEFAULT_REQUEST_LEASE_MS = 300_000
 #: gives up with `SettlingError` (a worker settles within about one call's time).
 SETTLE_WAIT_S = 2.0
 SETTLE_POLL_S = 0.02
+#: How `pick` counts the call it leases for: see `Registry.pick`.
+PICK_PATHS = ("fast", "router", "")
 #: What a worker reports settling: see settle.lua.
 OUTCOMES_OF_SETTLE = ("offloaded", "dropped", "failed", "lost")
 
@@ -524,9 +526,14 @@ class Registry(Membership):
         """Lease the least busy HOT replica of `model` (ties to the first by id, so a surplus
         replica idles out and can be scaled in), or None when none is ready.
 
-        `path` counts the call in the model's stats (`PATHS`): "fast" with its lease, when
-        the client routes it; "router" either way, on the router's first try; "" not.
+        `path` says how a lease counts the call in the model's stats, in the same step:
+        "fast" (a hit and a `fast` call: the client routes it), "router" (a hit and a
+        `routed` call: the router routes a call not counted yet) or "" (nothing: a call
+        counted already). A miss counts nothing: the router then counts the outcome of
+        the call's placement (`count`). docs/metrics.md has the rule.
         """
+        if path not in PICK_PATHS:
+            raise ValueError(f"unknown path {path!r}; expected one of {PICK_PATHS}")
         lease_id = uuid.uuid4().hex
         for _ in range(4):
             replicas, workers = self._replicas.get(model) or self._refresh_replicas(model)
@@ -591,11 +598,15 @@ class Registry(Membership):
     # --- request outcomes ---------------------------------------------------
 
     def count(self, model: str, outcome: str) -> None:
-        """Count one request outcome of `model` (`pick` counts hits itself)."""
+        """Count the outcome the router's placement gave one call of `model` (`pick` counts
+        hits itself): a request outcome counts the call as `routed` too, in the same step;
+        `busy` counts one try, not a request, and no path."""
         if outcome not in OUTCOMES:
             raise ValueError(f"unknown outcome {outcome!r}; expected one of {OUTCOMES}")
-        self._read([("hincrby", self.keys.model_stats(model), outcome, 1),
-                    ("sadd", self.keys.counted, model)])  # fmt: skip
+        stats = self.keys.model_stats(model)
+        routed = [("hincrby", stats, "routed", 1)] if outcome != "busy" else []
+        self._read([("hincrby", stats, outcome, 1), *routed, ("sadd", self.keys.counted, model)],
+                   atomic=True)  # fmt: skip
 
     def stats(self, snap: Snapshot | None = None) -> dict[str, dict[str, int]]:
         """Outcome and path counts per model since the fleet began: every model with a

@@ -50,8 +50,9 @@ LEAVING = frozenset({Level.OFFLOADING, Level.DROPPING})
 # restore from a host's CPU cache), cold (it started a load from disk), rejected (it can
 # never fit), busy (every replica was busy or dedicated: retried, counted per try).
 OUTCOMES = ("hit", "queued", "warm", "cold", "rejected", "busy")
-# Which way a call reached its replica, counted apart from the outcomes: fast (the client
-# leased a HOT replica and sent it straight to its GPU worker), routed (the router took it).
+# Which way a call reached its replica, counted with its outcome, once per call: fast (the
+# client leased a HOT replica and sent it straight to its GPU worker), routed (the router
+# took it). So fast + routed = requests (docs/metrics.md).
 PATHS = ("fast", "routed")
 COUNTS = (*OUTCOMES, *PATHS)  # every per-model counter of the stats hash
 

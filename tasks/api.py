@@ -10,13 +10,15 @@ answer.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
 import uuid
 from typing import Any, NoReturn
 
-from celery import Task
+import redis
+from celery import Task, states
 from celery.exceptions import Retry
 from celery.signals import worker_process_init
 
@@ -34,9 +36,9 @@ from placement.errors import (
 from placement.load import hold_routing
 from placement.registry import DEFAULT_REQUEST_LEASE_MS, Lease, Registry
 from placement.state import LEAVING, RESERVING, Candidate, Level, Plan
-from tasks import context, leases, metrics
+from tasks import context, leases, metrics, presence
 from tasks.app import app
-from tasks.calls import Call, fast_call, hops_of, time_limits_of
+from tasks.calls import Call, counted_of, fast_call, hops_of, time_limits_of
 from worker.handlers import validate
 
 log = logging.getLogger(__name__)
@@ -67,13 +69,18 @@ def infer(
 def dispatch(
     task: Task, model: str, inputs: Any, params: dict[str, Any] | None, hops: int
 ) -> dict[str, Any]:
-    """The router's half of `infer`: find or make a HOT replica, then hand the call over."""
+    """The router's half of `infer`: find or make a HOT replica, then hand the call over.
+
+    A call is counted once (docs/metrics.md), by the routing that first pins or refuses
+    it: a call whose message says it is counted already (handed to a GPU worker before,
+    on the fast path or by a router) counts nothing here; a busy retry counts `busy`."""
     spec = context.catalog().get(model)
     validate(spec.task, inputs, params)  # a bad payload fails here, before any GPU work
     registry = context.registry()
     sent = int(time.time() * 1000)
     held = task.request.id or uuid.uuid4().hex
-    lease = registry.pick(model, path="" if task.request.retries else "router")
+    counted = counted_of(task.request)
+    lease = registry.pick(model, path="" if counted else "router")
     if lease is not None:
         if task.request.retries or _redelivered(task):  # an earlier attempt held it here
             _hold(registry, model, held, False)  # (a dead router's too: no wait for its TTL)
@@ -81,7 +88,16 @@ def dispatch(
         raise task.replace(call.with_lease(lease).to(lease.queue, time_limits_of(task.request)))
     _hold(registry, model, held, True)  # part of the model's load while the router has it
     try:
-        _place_and_hand_on(task, registry, spec, inputs=inputs, params=params, sent=sent, hops=hops)
+        _place_and_hand_on(
+            task,
+            registry,
+            spec,
+            inputs=inputs,
+            params=params,
+            sent=sent,
+            hops=hops,
+            counted=counted,
+        )
     except Retry:
         raise  # still held: the next attempt renews it
     except BaseException:
@@ -98,36 +114,41 @@ def _place_and_hand_on(
     params: dict[str, Any] | None,
     sent: int,
     hops: int,
+    counted: bool = False,
 ) -> NoReturn:
-    """Place the model (or find its replica being placed) and hand the call to it."""
+    """Place the model (or find its replica being placed) and hand the call to it; count
+    the outcome unless the call is `counted` already."""
     model = spec.name
     for _ in range(PLACE_ATTEMPTS):
-        plan, pinned = _place(task, registry, spec, model)
-        if pinned is None:
-            continue  # the placed replica moved on before the call could pin it
+        plan, pinned = _place(task, registry, spec, model, counted)
+        if pinned is None:  # the placed replica moved on before the call could pin it,
+            registry.reap(plan.worker)  # or its worker died: let it go now, not at a sweep
+            continue
         lease, cache = pinned
         call = Call(model, inputs, params, plan.replica, cache, sent, hops=hops)
         try:
             raise task.replace(call.with_lease(lease).to(plan.queue, time_limits_of(task.request)))
         finally:  # once the call is on its way: the figures are not on its critical path
             if plan.candidate is Candidate.DEPLOYED:  # placed already: nothing moved
-                _count(registry, model, "queued")
+                _count(registry, model, "queued", counted)
             else:
-                _count(registry, model, cache)
+                _count(registry, model, cache, counted)
                 _announce(task, plan)
-    raise PlanRejectedError(f"{model}: its replicas kept moving while the call was routed")
+    moving = PlanRejectedError(f"{model}: its replicas kept moving while the call was routed")
+    raise task.retry(exc=moving, countdown=0.25, max_retries=SETTLE_RETRIES)
 
 
 def _place(
-    task: Task, registry: Registry, spec: ModelSpec, model: str
+    task: Task, registry: Registry, spec: ModelSpec, model: str, counted: bool = False
 ) -> tuple[Plan, tuple[Lease, str] | None]:
     """A placed replica for the call, the request lease that pins it there, and where its
-    copy comes from (hot, warm or cold)."""
+    copy comes from (hot, warm or cold). A refusal is counted unless the call is `counted`
+    already; a busy try is counted either way (per try, not a request)."""
     lease_id = uuid.uuid4().hex
     try:
         plan = registry.place(context.demand(spec), lease_id=lease_id)
     except NeverFitsError:
-        _count(registry, model, "rejected")
+        _count(registry, model, "rejected", counted)
         raise
     except SettlingError as exc:  # a copy is still leaving: restore it once it has left
         raise task.retry(exc=exc, countdown=0.25, max_retries=SETTLE_RETRIES) from exc
@@ -156,8 +177,12 @@ def _hold(registry: Registry, model: str, call: str, held: bool) -> None:
         log.warning("could not count a routed call of %s", model, exc_info=True)
 
 
-def _count(registry: Registry, model: str, outcome: str) -> None:
-    """Count a request's outcome for the operator numbers; never fail the call over it."""
+def _count(registry: Registry, model: str, outcome: str, counted: bool = False) -> None:
+    """Count a request's outcome (and its `routed` path) for the operator numbers, unless
+    the call is `counted` already (`busy`, per try, counts either way); never fail the
+    call over it."""
+    if counted and outcome != "busy":
+        return
     try:
         registry.count(model, outcome)
     except GpufleetError:
@@ -284,13 +309,30 @@ def _start_sweeper(**_: Any) -> None:
         return
 
     def sweep() -> None:
+        broker = redis.Redis.from_url(
+            context.settings().broker_url, socket_timeout=10, socket_connect_timeout=10
+        )
         while True:
             time.sleep(SWEEP_EVERY_S)
             try:
-                swept = context.registry().sweep()
+                registry = context.registry()
+                swept = registry.sweep()
                 if swept["reaped"] or swept["drained"]:
                     log.info("swept: %s", swept)
+                # after the reaping: a dead GPU worker's calls go back once its GPUs are free
+                presence.sweep(broker, functools.partial(_live_gpu_queues, registry), _answered)
             except Exception:
                 log.exception("sweep failed; retrying")
 
     threading.Thread(target=sweep, name="gpufleet-sweeper", daemon=True).start()
+
+
+def _live_gpu_queues(registry: Registry) -> set[str]:
+    """The queues of GPU workers whose ledger lease holds."""
+    snap = registry.snapshot()
+    return {g.queue for g in snap.gpus.values() if g.queue and g.alive(snap.now_ms)}
+
+
+def _answered(task_id: str) -> bool:
+    """Whether a call's answer (or its error) is already stored."""
+    return app.AsyncResult(task_id).state in states.READY_STATES

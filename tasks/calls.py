@@ -27,7 +27,22 @@ def time_limits_of(request: Any) -> TimeLimits:
 
 def hops_of(request: Any) -> int:
     """How many times a call was routed again (its `gpufleet_hops` header)."""
-    return _hops(getattr(request, HOPS_HEADER, 0))
+    return _hops(_header(request, HOPS_HEADER))
+
+
+def counted_of(request: Any) -> bool:
+    """Whether the call's outcome is counted already (docs/metrics.md): its message says so
+    (`leases.COUNTED_HEADER`), or it was routed again."""
+    return _header(request, leases.COUNTED_HEADER) is True or hops_of(request) > 0
+
+
+def _header(request: Any, name: str) -> Any:
+    """A custom header of a task's request: an attribute of a worker's request, and in its
+    `headers` (which is where a task run in-process with `apply` has it)."""
+    value = getattr(request, name, None)
+    if value is None:
+        value = (getattr(request, "headers", None) or {}).get(name)
+    return value
 
 
 def _hops(value: object) -> int:
@@ -69,7 +84,9 @@ class Call:
         limits; its lease rides in a header too, so a worker that drops the message unrun
         can end it (`tasks.leases`)."""
         lease = self.lease
-        headers = {leases.HEADER: leases.header(lease)} if lease is not None else None
+        headers: dict[str, Any] = {leases.COUNTED_HEADER: True}  # counted on its way here
+        if lease is not None:
+            headers[leases.HEADER] = leases.header(lease)
         hard, soft = limits
         return app.signature(
             "gpufleet.run",
@@ -82,13 +99,14 @@ class Call:
 
     def rerouted(self, limits: TimeLimits = (None, None)) -> Signature:
         """`gpufleet.infer` of this call back on the router, one hop further (the count
-        travels in a header: callers cannot set it through the task's arguments)."""
+        travels in a header: callers cannot set it through the task's arguments), counted
+        already."""
         hard, soft = limits
         return app.signature(
             "gpufleet.infer",
             args=(self.model, self.inputs, self.params),
             queue=ROUTER_QUEUE,
-            headers={HOPS_HEADER: self.hops + 1},
+            headers={HOPS_HEADER: self.hops + 1, leases.COUNTED_HEADER: True},
             time_limit=hard,
             soft_time_limit=soft,
         )

@@ -30,6 +30,12 @@ from tasks import context
 log = logging.getLogger(__name__)
 
 HEADER = "gpufleet_lease"
+#: Set on every message of a call whose outcome is counted already (docs/metrics.md): the
+#: fast path's, attached with its lease (the client's `pick` counted the call), and every
+#: message bound for a GPU worker or routed again (`tasks.calls`). A retry keeps its
+#: headers, and so does a call given back from a dead GPU worker's queue to the router,
+#: so the router never counts such a call again.
+COUNTED_HEADER = "gpufleet_counted"
 CARRIERS = frozenset({"gpufleet.infer", "gpufleet.run"})  # tasks whose messages carry leases
 
 _parked = threading.local()
@@ -93,6 +99,7 @@ def _attach(sender: str | None = None, headers: dict[str, Any] | None = None, **
     lease = take()
     if lease is not None:
         headers[HEADER] = header(lease)
+        headers[COUNTED_HEADER] = True  # `pick` counted the call with its lease
 
 
 @task_revoked.connect

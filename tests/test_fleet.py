@@ -21,7 +21,7 @@ import pytest
 from celery import Celery
 
 from placement.registry import Registry
-from placement.report import status_report
+from placement.report import request_report, status_report
 from tests.fleets import GiB
 from tests.ports import free_port
 from tests.running import LARGE, RunningFleet, alive, answered_after, descendants, fleet_env
@@ -74,6 +74,17 @@ class Fleet:
 
     def status(self) -> dict[str, Any]:
         return status_report(self.registry.snapshot())
+
+    def requests(self, model: str, settled: int = 0) -> int:
+        """`model`'s requests in the registry's counters; with `settled`, once they reach it
+        or 5 s passed (a router counts a call as it hands it on, maybe after its answer)."""
+        deadline = time.monotonic() + 5
+        while True:
+            models = request_report(self.registry.stats())["models"]
+            got = int(models[model]["requests"]) if model in models else 0
+            if got >= settled or time.monotonic() > deadline:
+                return got
+            time.sleep(0.1)
 
 
 @pytest.fixture(scope="module")
@@ -294,6 +305,7 @@ def test_a_pickled_call_is_refused_and_the_fleet_keeps_serving(fleet_up: Fleet) 
 
 
 def test_a_worker_killed_mid_call_loses_its_bytes_within_the_lease(fleet_up: Fleet) -> None:
+    requests = fleet_up.requests("b")
     fleet_up.infer("b", "x")
     snap = fleet_up.registry.snapshot()
     b = next(d for d in snap.deployments.values() if d.model == "b" and d.level.value == "HOT")
@@ -318,6 +330,9 @@ def test_a_worker_killed_mid_call_loses_its_bytes_within_the_lease(fleet_up: Fle
     assert [d.replica for d in snap.deployments.values() if d.worker == b.worker] == []
     assert fleet_up.status()["problems"] == []
     assert fleet_up.infer("b", "after the crash")["model"] == "b"
+    # Each call counted once, as the router first routed it: not again when the dead
+    # worker's calls came back to be routed again.
+    assert fleet_up.requests("b", settled=requests + 8) == requests + 8
 
 
 def test_the_status_task_returns_the_status_object(fleet_up: Fleet) -> None:
@@ -386,12 +401,14 @@ def test_a_call_that_reaches_an_evicted_replica_is_routed_again_not_failed(
     queue = fleet_up.registry.snapshot().gpus[first["gpus"][0]].queue
     evicted = fleet_up.client.send_task("gpufleet.evict", args=("c",)).get(timeout=60)
     assert [e["level"] for e in evicted["evicted"]] == ["WARM"]
+    counted = fleet_up.registry.stats()["c"]
     # A call already on its way to that worker for that replica, as the router sent it:
     stale = {"model": "c", "inputs": "x", "params": None, "replica": first["replica"],
              "cache": "hot", "sent_ms": 0}  # fmt: skip
     result = fleet_up.client.send_task("gpufleet.run", args=(stale,), queue=queue).get(timeout=120)
     assert result["outputs"] == first["outputs"]
     assert result["cache"] == "warm"  # the router restored the offloaded copy
+    assert fleet_up.registry.stats()["c"] == counted  # counted when first routed, not again
 
 
 def test_a_model_larger_than_one_gpu_is_split_over_both_and_served(fleet_up: Fleet) -> None:

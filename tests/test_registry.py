@@ -557,7 +557,7 @@ def test_threads_calling_scripts_at_once_each_get_their_own_replies(two_gpus: Re
 
     def picker(model: str) -> None:
         for _ in range(50):
-            lease = reg.pick(model)
+            lease = reg.pick(model, path="fast")
             if lease is None or lease.model != model or reg.finish(lease) is not Level.HOT:
                 wrong.append(model)
 

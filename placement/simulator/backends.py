@@ -179,7 +179,7 @@ class RedisLedger:
 
     def touch(self, model: str, replica: str, now: int) -> None:
         """The fast path: `pick` leases the HOT replica, `finish` ends the request."""
-        lease = self.registry.pick(model)
+        lease = self.registry.pick(model, path="fast")
         if lease is None or lease.replica != replica:
             got = lease.replica if lease else "nothing"
             raise SimulationError(f"pick({model}) returned {got}; the replay expected {replica}")
