@@ -32,9 +32,9 @@ gpufleet worker takes through in-flight lists instead (transport option
 - a consumer that starts on a queue puts back what its predecessor of the same node name
   left in flight, first in line (`Channel.basic_consume`).
 
-What remains: a worker that never starts again under its node name (a container
-replaced under a new hostname) leaves what it had in flight, at most one message, in its
-in-flight lists; docs/tasks.md says how to put it back.
+A worker that never starts again under its node name (a lost host, a container
+replaced under a new hostname) has what it held, in flight or unacknowledged, given back
+by a router's sweep once its record lapses (`tasks.presence`).
 """
 
 from __future__ import annotations
