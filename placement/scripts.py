@@ -46,6 +46,7 @@ NAMES = (
     "claim",
     "redeliver",
     "renew",
+    "seen",
 )
 
 

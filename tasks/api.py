@@ -19,7 +19,7 @@ from typing import Any, NoReturn
 
 import redis
 from celery import Task, states
-from celery.exceptions import Retry
+from celery.exceptions import Ignore, Retry
 from celery.signals import worker_process_init
 
 from placement.catalog import ModelSpec
@@ -79,6 +79,10 @@ def dispatch(
     registry = context.registry()
     sent = int(time.time() * 1000)
     held = task.request.id or uuid.uuid4().hex
+    if _redelivered(task) and _on_its_way(task, registry):
+        _hold(registry, model, held, False)  # a dead router may have held it
+        log.warning("call %s was handed on before its router died: not routing it again", held)
+        raise Ignore()  # acknowledged, no result stored: the call's own answer comes
     counted = counted_of(task.request)
     lease = registry.pick(model, path="" if counted else "router")
     if lease is not None:
@@ -167,6 +171,29 @@ def _place(
 def _redelivered(task: Task) -> bool:
     """Whether the call's message was given back after its router died holding it."""
     return bool((task.request.delivery_info or {}).get("redelivered"))
+
+
+def _on_its_way(task: Task, registry: Registry) -> bool:
+    """Whether a call given back to the router is answered already, or on its way in
+    another message (tasks.presence.on_its_way): then routing it again runs it twice."""
+    task_id = task.request.id
+    if not task_id or _answered(task_id):
+        return bool(task_id)
+    tag = str((task.request.delivery_info or {}).get("delivery_tag") or "")
+    queues = {g.queue for g in registry.snapshot().gpus.values() if g.queue}
+    try:
+        return presence.on_its_way(_broker(), task_id, tag, queues)
+    except redis.RedisError:
+        log.warning("could not look for call %s elsewhere; routing it", task_id, exc_info=True)
+        return False
+
+
+@functools.cache
+def _broker() -> redis.Redis:
+    """This process's client of the broker's own keys (not Celery's connection)."""
+    return redis.Redis.from_url(
+        context.settings().broker_url, socket_timeout=10, socket_connect_timeout=10
+    )
 
 
 def _hold(registry: Registry, model: str, call: str, held: bool) -> None:
@@ -309,9 +336,7 @@ def _start_sweeper(**_: Any) -> None:
         return
 
     def sweep() -> None:
-        broker = redis.Redis.from_url(
-            context.settings().broker_url, socket_timeout=10, socket_connect_timeout=10
-        )
+        broker = _broker()
         while True:
             time.sleep(SWEEP_EVERY_S)
             try:

@@ -285,6 +285,22 @@ def stranded_problems(found: dict[str, dict[str, Any]]) -> list[str]:
     return lines
 
 
+def on_its_way(client: redis.Redis, task_id: str, own_tag: str, queues: Iterable[str]) -> bool:
+    """Whether call `task_id`, whose message (delivery tag `own_tag`) came back after its
+    worker died, is already on its way elsewhere: another message of it waits on a
+    fleet queue (`queues`, the router's included), in a worker's in-flight list, or is
+    held unacknowledged. A router that died between handing a call on and acknowledging
+    it leaves exactly that; routing it again would run it twice."""
+    found = records(client)
+    names = {ROUTER_QUEUE, *queues} | {q for r in found.values() for q in r.queues}
+    keys = [UNACKED]
+    for queue in sorted(names):
+        keys += lists(queue)
+        takers = [r.node for r in found.values() if queue in r.queues]
+        keys += [inflight(name, node) for node in takers for name in lists(queue)]
+    return bool(scripts_for(client)("seen", keys, [task_id, own_tag]))
+
+
 def take_waiting(client: redis.Redis, queues: Iterable[str]) -> list[str]:
     """Take out every call waiting on `queues` or held unacknowledged or in flight by any
     worker, and return their task ids, oldest first. Only for a broker about to go away

@@ -228,3 +228,19 @@ def test_status_counts_per_queue_the_calls_no_live_worker_will_take(
     assert presence.stranded(client, [])[ROUTER_QUEUE]["calls"] == 2  # what the dead one held
     presence.sweep(client, _nothing_live, _unanswered)
     assert ROUTER_QUEUE not in presence.stranded(client, [])
+
+
+def test_a_call_given_back_is_on_its_way_while_another_message_of_it_waits_or_is_held(
+    broker: tuple[str, redis.Redis],
+) -> None:
+    url, client = broker
+    app = _sender(url)
+    routed = app.send_task("gpufleet.infer", args=["m", "routed"])
+    _held_by_a_killed_worker(url, client, "router@h1", ROUTER_QUEUE, 1)
+    own_tag = next(iter(client.hkeys("unacked"))).decode()
+    assert not presence.on_its_way(client, routed.id, own_tag, [GPU_QUEUE])
+
+    handed_on = {"model": "m", "inputs": "routed", "params": None, "replica": "r"}
+    app.send_task("gpufleet.run", args=[handed_on], queue=GPU_QUEUE, task_id=routed.id)
+    assert presence.on_its_way(client, routed.id, own_tag, [GPU_QUEUE])
+    assert not presence.on_its_way(client, "another-call", own_tag, [GPU_QUEUE])
