@@ -130,11 +130,13 @@ class Presence:
         self.lease_ms = lease_ms
         self.token = secrets.token_hex(8)
         self._stop = threading.Event()
+        self._arrived = False
 
     def arrive(self) -> int:
         """Put back what a predecessor of this node name held, then record this worker;
         return how many calls went back."""
         moved = _redeliver(self.client, self.node, self._record(), _holdings)
+        self._arrived = True
         if moved:
             log.warning("put back %d call(s) that %s held when it died", moved, self.node)
         return moved
@@ -146,7 +148,9 @@ class Presence:
     def _renew(self) -> None:
         while not self._stop.wait(self.lease_ms / 3000):
             try:
-                if not self._renewed(leaving=False):
+                if not self._arrived:  # Redis did not answer as it started
+                    self.arrive()
+                elif not self._renewed(leaving=False):
                     log.error(
                         "%s was silent for longer than its lease (%d ms): a sweep gave its "
                         "calls to other workers; recording it again",
@@ -205,7 +209,7 @@ def sweep(
     moved: dict[str, int] = {}
     for rec in dead:
         orphaned = {q for q in rec.queues if q != ROUTER_QUEUE and q not in served | ledger}
-        if rec.gone_ms and not orphaned and not _holds_anything(client, rec):
+        if rec.gone_ms and not _holds_anything(client, rec, orphaned):
             if now - rec.gone_ms > KEEP_GONE_MS:
                 _redeliver(client, rec.node, {"delete": True}, lambda _: [])
             continue
@@ -324,13 +328,16 @@ def _task_id(payload: Any) -> str:
     return task_id if isinstance(task_id, str) else ""
 
 
-def _holds_anything(client: redis.Redis, rec: Record) -> bool:
+def _holds_anything(client: redis.Redis, rec: Record, orphaned: set[str]) -> bool:
+    """Whether a dead worker still holds a call, or one waits on its `orphaned` queues."""
     if client.scard(unacked_of(rec.node)):
         return True
     pipe = client.pipeline(transaction=False)
     for queue in rec.queues:
         for name in lists(queue):
             pipe.llen(inflight(name, rec.node))
+            if queue in orphaned:
+                pipe.llen(name)
     return any(pipe.execute())
 
 
