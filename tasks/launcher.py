@@ -294,9 +294,10 @@ class Launcher:
 
     def wait_ready(self, timeout: float = 120.0) -> None:
         """Until every GPU worker of this host holds a live lease, the router answers a
-        ping, and the metrics and Flower answer on the ports that will be printed. Only this fleet's
-        router and Flower can answer there: they serve on sockets this launcher bound
-        (`_port`), and a socket bound but not served yet makes `_answers` time out."""
+        ping, and the metrics and Flower answer on the ports that will be printed. Only
+        this fleet's router and Flower can answer there: they serve on sockets this
+        launcher bound (`_port`), and one bound but not served yet makes `_answers` time
+        out."""
         registry = Registry.from_url(self.redis_url, self.fleet)
         deadline = time.monotonic() + timeout
         from tasks.app import app
@@ -389,6 +390,10 @@ class Launcher:
             self._redis.stop()
             self._redis = None
             shutil.rmtree(self.settings.fleet_dir() / "redis", ignore_errors=True)
+        for sock in (self._metrics_socket, self._flower_socket):
+            if sock is not None:
+                sock.close()
+        self._metrics_socket = self._flower_socket = None
         self._remove_connection()
 
     def _fail_waiting(self, queues: tuple[str, ...]) -> None:

@@ -291,10 +291,12 @@ def stranded_problems(found: dict[str, dict[str, Any]]) -> list[str]:
 
 def on_its_way(client: redis.Redis, task_id: str, own_tag: str, queues: Iterable[str]) -> bool:
     """Whether call `task_id`, whose message (delivery tag `own_tag`) came back after its
-    worker died, is already on its way elsewhere: another message of it waits on a
-    fleet queue (`queues`, the router's included), in a worker's in-flight list, or is
-    held unacknowledged. A router that died between handing a call on and acknowledging
-    it leaves exactly that; routing it again would run it twice."""
+    worker died, is on its way in another message that waits on a fleet queue (`queues`,
+    the router's included), in a worker's in-flight list, or is held unacknowledged. A
+    router that died between handing a call on and acknowledging it leaves exactly that;
+    routing it again would run it twice. Of two given-back copies (a host lost with the
+    router and the GPU worker the call went to), the one whose delivery tag sorts first
+    goes on (`seen.lua`), so exactly one does."""
     found = records(client)
     names = {ROUTER_QUEUE, *queues} | {q for r in found.values() for q in r.queues}
     keys = [UNACKED]

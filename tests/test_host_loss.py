@@ -20,7 +20,8 @@ import signal
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -112,6 +113,15 @@ def _kill_host(fleet: RunningFleet) -> float:
     return time.monotonic()
 
 
+@contextmanager
+def _stopping(calls: Calls) -> Iterator[None]:
+    """Stop the clients however the test ends (they are daemons: a failure never hangs)."""
+    try:
+        yield
+    finally:
+        calls.stop.set()
+
+
 def _until(what: str, done: Callable[[], list[str]], seconds: float) -> None:
     deadline = time.monotonic() + seconds
     left = done()
@@ -138,27 +148,29 @@ def test_a_host_lost_twice_under_load_loses_no_call_and_runs_none_twice(tmp_path
             return fleet_up(catalog, args, env, log=tmp_path / f"{name}.log")
 
         calls = Calls()
-        with host("h2") as h2:
-            listening = threading.Event()
-            threads = [threading.Thread(target=calls.listen, args=(h2.client, listening))]
+        listening = threading.Event()
+        with host("h2") as h2, _stopping(calls):
+            threads = [
+                threading.Thread(target=calls.listen, args=(h2.client, listening), daemon=True)
+            ]
+            threads += [
+                threading.Thread(target=calls.client, args=(h2.client, want, i), daemon=True)
+                for i in range(CLIENTS)
+            ]
             threads[0].start()
             assert listening.wait(10)
             with host("h1") as h1:
-                threads += [
-                    threading.Thread(target=calls.client, args=(h2.client, want, i))
-                    for i in range(CLIENTS)
-                ]
                 for t in threads[1:]:
                     t.start()
-                time.sleep(5)
+                time.sleep(4)
                 first_kill = _kill_host(h1)
-            time.sleep(LEASE_MS / 1000 + 6)  # h2 alone: the stranded calls come back
+            time.sleep(LEASE_MS / 1000 + 5)  # h2 alone: the stranded calls come back
             with host("h1") as h1:
-                time.sleep(3)
+                time.sleep(2)
                 second_kill = _kill_host(h1)
             time.sleep(LEASE_MS / 1000)  # back just as its calls are handed over
             with host("h1") as h1:
-                time.sleep(4)
+                time.sleep(3)
                 calls.stop.set()
                 for t in threads:
                     t.join(CALL_TIMEOUT_S + 30)

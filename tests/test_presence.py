@@ -244,3 +244,19 @@ def test_a_call_given_back_is_on_its_way_while_another_message_of_it_waits_or_is
     app.send_task("gpufleet.run", args=[handed_on], queue=GPU_QUEUE, task_id=routed.id)
     assert presence.on_its_way(client, routed.id, own_tag, [GPU_QUEUE])
     assert not presence.on_its_way(client, "another-call", own_tag, [GPU_QUEUE])
+
+
+def test_of_two_given_back_copies_of_one_call_exactly_one_goes_on(
+    broker: tuple[str, redis.Redis],
+) -> None:
+    url, client = broker
+    app = _sender(url)
+    call = app.send_task("gpufleet.infer", args=["m", "x"], queue=GPU_QUEUE)
+    app.send_task("gpufleet.infer", args=["m", "x"], queue=GPU_QUEUE, task_id=call.id)
+    _held_by_a_killed_worker(url, client, "gpu0@h1", GPU_QUEUE, 0)
+    presence.sweep(client, _nothing_live, _unanswered)  # both to the router, given back
+
+    tags = [p["properties"]["delivery_tag"] for p in _queued(client, ROUTER_QUEUE)]
+    assert len(set(tags)) == 2
+    yields = [presence.on_its_way(client, call.id, tag, [GPU_QUEUE]) for tag in tags]
+    assert sorted(yields) == [False, True]
