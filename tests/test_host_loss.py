@@ -43,7 +43,9 @@ LEASE_MS = 3000
 BOUND_S = LEASE_MS / 1000 + 10
 CLIENTS = 8
 CALL_TIMEOUT_S = 90.0
-MODELS = [f"m{i}" for i in range(4)]
+#: Six 768 MiB slots: more than one 4 GiB GPU holds, so both hosts serve, and one host
+#: alone must evict.
+MODELS = [f"m{i}" for i in range(6)]
 CATALOG = "models:\n" + "".join(
     f"  {m}: {{source: synthetic, task: forward, memory: 256MiB}}\n" for m in MODELS
 )
@@ -55,6 +57,7 @@ class Calls:
     """What the clients sent and got, and the executions the workers announced."""
 
     sent: list[tuple[str, float, float | None, str]] = field(default_factory=list)
+    hosts: Counter[str] = field(default_factory=Counter)  # answers per host
     failures: list[str] = field(default_factory=list)
     executions: Counter[str] = field(default_factory=Counter)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -75,6 +78,8 @@ class Calls:
                 self._record(call.id, began, None, f"{model}: {type(exc).__name__}: {exc}")
                 continue
             wrong = not same(result["outputs"], want[(model, text)])
+            with self.lock:
+                self.hosts[result["worker"].split("@")[1].split("-")[0]] += 1
             self._record(call.id, began, time.monotonic(), f"wrong {model}" if wrong else "")
 
     def _record(self, task: str, began: float, answered: float | None, failure: str) -> None:
@@ -164,7 +169,7 @@ def test_a_host_lost_twice_under_load_loses_no_call_and_runs_none_twice(tmp_path
             with host("h1") as h1:
                 for t in threads[1:]:
                     t.start()
-                time.sleep(4)
+                _until("h1 serves calls", lambda: [] if calls.hosts["h1"] >= 20 else ["no"], 60)
                 first_kill = _kill_host(h1)
             time.sleep(LEASE_MS / 1000 + 5)  # h2 alone: the stranded calls come back
             with host("h1") as h1:
@@ -188,17 +193,19 @@ def test_a_host_lost_twice_under_load_loses_no_call_and_runs_none_twice(tmp_path
                 live_hosts = {g.host for g in h2.registry.snapshot().gpus.values()}
 
     twice = {task: n for task, n in calls.executions.items() if n > 1}
-    late = max(calls.answered_within(first_kill) + calls.answered_within(second_kill) + [0.0])
+    caught = calls.answered_within(first_kill) + calls.answered_within(second_kill)
+    late = max([*caught, 0.0])
     answered = sum(1 for *_x, a, f in calls.sent if a and not f)
     print(
         f"host loss: {len(calls.sent)} calls, {answered} answered right, "
-        f"{len(calls.failures)} failures, {len(twice)} run twice; last call sent before a "
-        f"kill answered {late:.1f} s after it (bound {BOUND_S:.0f} s); "
+        f"{len(calls.failures)} failures, {len(twice)} run twice; {len(caught)} calls in "
+        f"flight at a kill, the last answered {late:.1f} s after it (bound {BOUND_S:.0f} s); "
         f"{sum(calls.executions.values())} executions announced"
     )
     assert not calls.failures, calls.failures[:10]
     assert sum(calls.executions.values()) >= 0.98 * answered  # the count below saw them
     assert not twice, f"calls run more than once: {list(twice.items())[:10]}"
+    assert caught, "no call was in flight at either kill"
     assert late <= BOUND_S, late
     assert len(calls.sent) >= 100  # it did serve
     assert live_hosts == {"h1", "h2"}
