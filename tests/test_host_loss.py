@@ -171,7 +171,7 @@ def test_a_host_lost_twice_under_load_loses_no_call_and_runs_none_twice(tmp_path
                     t.start()
                 _until("h1 serves calls", lambda: [] if calls.hosts["h1"] >= 20 else ["no"], 60)
                 first_kill = _kill_host(h1)
-            time.sleep(LEASE_MS / 1000 + 5)  # h2 alone: the stranded calls come back
+            time.sleep(LEASE_MS / 1000 + 3)  # h2 alone: the stranded calls come back
             with host("h1") as h1:
                 time.sleep(2)
                 second_kill = _kill_host(h1)
