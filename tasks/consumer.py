@@ -39,7 +39,10 @@ from tasks.batching import Batcher
 
 log = logging.getLogger(__name__)
 
-OWN_TASKS = "gpufleet."  # the prefix of every task a gpufleet worker runs
+#: The prefix of Celery's built-in tasks, which every app registers and no worker here
+#: runs: a gpufleet worker runs its own `gpufleet.*` tasks only (an app built on the same
+#: configuration, such as bench/hotpath.py's bare worker, its own).
+BUILT_IN = "celery."
 #: What callers may send (`gpufleet.run` and `gpufleet.scale` are the fleet's own hops).
 PUBLIC_TASKS = ("gpufleet.infer", "gpufleet.deploy", "gpufleet.evict", "gpufleet.status")
 
@@ -89,10 +92,10 @@ class Consumer(CeleryConsumer):
         )
 
     def update_strategies(self) -> None:
-        """Celery's, less every task that is not gpufleet's own: a message for one of those
-        goes to `on_unknown_task`, as for a name no one registered."""
+        """Celery's, less Celery's built-in tasks: a message for one of those goes to
+        `on_unknown_task`, as for a name no one registered."""
         super().update_strategies()
-        for name in [name for name in self.strategies if not name.startswith(OWN_TASKS)]:
+        for name in [name for name in self.strategies if name.startswith(BUILT_IN)]:
             del self.strategies[name]
 
     def on_unknown_task(self, body: Any, message: Any, exc: Exception) -> None:
