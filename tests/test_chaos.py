@@ -12,7 +12,7 @@ none hangs (a call a killed worker lost would); the ledger's own invariants hold
 audit; no move stays pending longer than `PENDING_BOUND_S`; once the load stops and
 `SETTLE_BOUND_S` passed, every live worker's reported holdings equal the ledger, the audit
 finds nothing, nothing is reserved for a dead worker, and no call counts as held by a
-router. `GPUFLEET_CHAOS_SECONDS` sets the load's length (default 60).
+router. `GPUFLEET_CHAOS_SECONDS` sets the load's length (default 50).
 """
 
 from __future__ import annotations
@@ -41,9 +41,10 @@ from worker.synthetic import build_synthetic
 
 pytestmark = pytest.mark.slow
 
-#: 60 s holds a SIGKILL of each target (the first within 12 s, then every 6-12 s) and keeps
-#: the suite under its 10 minutes; set GPUFLEET_CHAOS_SECONDS for a longer soak.
-SECONDS = float(os.environ.get("GPUFLEET_CHAOS_SECONDS") or 60)
+#: 50 s holds a SIGKILL of each target (the first within 12 s, then every 6-12 s: the
+#: third by 36 s plus the chaos thread's own calls) and keeps the suite, with the host-loss
+#: test beside it, under its 10 minutes; set GPUFLEET_CHAOS_SECONDS for a longer soak.
+SECONDS = float(os.environ.get("GPUFLEET_CHAOS_SECONDS") or 50)
 CLIENTS = 8
 LEASE_MS = 3000
 CALL_TIMEOUT_S = 120.0  # a call that has not answered by then hangs
