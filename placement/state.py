@@ -202,6 +202,11 @@ class Snapshot:
         return index
 
     @cached_property
+    def live_queues(self) -> frozenset[str]:
+        """The queues of GPU workers whose lease holds."""
+        return frozenset(g.queue for g in self.gpus.values() if g.queue and g.alive(self.now_ms))
+
+    @cached_property
     def room(self) -> RoomIndex:
         """Free room by host and GPU type, for the policy's search."""
         from placement.room import RoomIndex  # room.py is built on these types

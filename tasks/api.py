@@ -79,7 +79,7 @@ def dispatch(
     registry = context.registry()
     sent = int(time.time() * 1000)
     held = task.request.id or uuid.uuid4().hex
-    if _redelivered(task) and _on_its_way(task, registry):
+    if _redelivered(task) and _on_its_way(task):
         _hold(registry, model, held, False)  # a dead router may have held it
         log.warning("call %s was handed on before its router died: not routing it again", held)
         raise Ignore()  # acknowledged, no result stored: the call's own answer comes
@@ -173,16 +173,15 @@ def _redelivered(task: Task) -> bool:
     return bool((task.request.delivery_info or {}).get("redelivered"))
 
 
-def _on_its_way(task: Task, registry: Registry) -> bool:
+def _on_its_way(task: Task) -> bool:
     """Whether a call given back to the router is answered already, or on its way in
     another message (tasks.presence.on_its_way): then routing it again runs it twice."""
     task_id = task.request.id
     if not task_id or _answered(task_id):
         return bool(task_id)
     tag = str((task.request.delivery_info or {}).get("delivery_tag") or "")
-    queues = {g.queue for g in registry.snapshot().gpus.values() if g.queue}
     try:
-        return presence.on_its_way(_broker(), task_id, tag, queues)
+        return presence.on_its_way(_broker(), task_id, tag)
     except redis.RedisError:
         log.warning("could not look for call %s elsewhere; routing it", task_id, exc_info=True)
         return False
@@ -352,10 +351,9 @@ def _start_sweeper(**_: Any) -> None:
     threading.Thread(target=sweep, name="gpufleet-sweeper", daemon=True).start()
 
 
-def _live_gpu_queues(registry: Registry) -> set[str]:
+def _live_gpu_queues(registry: Registry) -> frozenset[str]:
     """The queues of GPU workers whose ledger lease holds."""
-    snap = registry.snapshot()
-    return {g.queue for g in snap.gpus.values() if g.queue and g.alive(snap.now_ms)}
+    return registry.snapshot().live_queues
 
 
 def _answered(task_id: str) -> bool:

@@ -52,8 +52,7 @@ def full_status(registry: Registry, broker_url: str) -> dict[str, Any]:
         report["queues"] = {
             q: sum(int(next(depths)) for _ in presence.PRIORITY_STEPS) for q in sorted(queues)
         }
-        live = {g.queue for g in snap.gpus.values() if g.queue and g.alive(snap.now_ms)}
-        report["stranded"] = presence.stranded(client, queues, live)
+        report["stranded"] = presence.stranded(client, queues, snap.live_queues)
         report["problems"] = report["problems"] + presence.stranded_problems(report["stranded"])
     except redis.RedisError as exc:
         raise GpufleetError(f"broker unreachable: {exc}. Check GPUFLEET_BROKER_URL.") from exc

@@ -37,6 +37,7 @@ import secrets
 import threading
 from bisect import bisect
 from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any
 
@@ -162,7 +163,7 @@ class Presence:
                 log.warning("could not renew %s's record (retrying): %s", self.node, exc)
 
     def _rejoin(self) -> None:
-        _redeliver(self.client, self.node, self._record(), lambda _: [], rejoin=True)
+        _redeliver(self.client, self.node, self._record(), _nothing, rejoin=True)
 
     def _record(self) -> dict[str, Any]:
         return {
@@ -189,7 +190,7 @@ class Presence:
 
 def sweep(
     client: redis.Redis,
-    live_gpu_queues: Callable[[], set[str]],
+    live_gpu_queues: Callable[[], AbstractSet[str]],
     answered: Callable[[str], bool],
 ) -> dict[str, int]:
     """Give back what every dead worker held, and hand the router the calls waiting on
@@ -205,14 +206,17 @@ def sweep(
     if not dead:
         return {}
     served = {q for r in found.values() if r.alive(now) for q in r.queues}
-    ledger = live_gpu_queues()
+    ledger: AbstractSet[str] | None = None  # read only when something is to move
     moved: dict[str, int] = {}
     for rec in dead:
-        orphaned = {q for q in rec.queues if q != ROUTER_QUEUE and q not in served | ledger}
-        if rec.gone_ms and not _holds_anything(client, rec, orphaned):
+        unserved = {q for q in rec.queues if q != ROUTER_QUEUE and q not in served}
+        if rec.gone_ms and not _holds_anything(client, rec, unserved):
             if now - rec.gone_ms > KEEP_GONE_MS:
-                _redeliver(client, rec.node, {"delete": True}, lambda _: [])
+                _redeliver(client, rec.node, {"delete": True}, _nothing)
             continue
+        if ledger is None:
+            ledger = live_gpu_queues()
+        orphaned = unserved - ledger
         count = _redeliver(
             client,
             rec.node,
@@ -289,10 +293,11 @@ def stranded_problems(found: dict[str, dict[str, Any]]) -> list[str]:
     return lines
 
 
-def on_its_way(client: redis.Redis, task_id: str, own_tag: str, queues: Iterable[str]) -> bool:
+def on_its_way(client: redis.Redis, task_id: str, own_tag: str, queues: Iterable[str] = ()) -> bool:
     """Whether call `task_id`, whose message (delivery tag `own_tag`) came back after its
-    worker died, is on its way in another message that waits on a fleet queue (`queues`,
-    the router's included), in a worker's in-flight list, or is held unacknowledged. A
+    worker died, is on its way in another message that waits on a fleet queue (every
+    worker's, the router's and `queues`), in a worker's in-flight list, or is held
+    unacknowledged. A
     router that died between handing a call on and acknowledging it leaves exactly that;
     routing it again would run it twice. Of two given-back copies (a host lost with the
     router and the GPU worker the call went to), the one whose delivery tag sorts first
@@ -354,19 +359,15 @@ class _Move:
     new: str  # "" drops it
 
 
-class Reader:
-    """What a plan reads: the broker, and the record the plan is made against."""
-
-    def __init__(self, client: redis.Redis, record: Record | None) -> None:
-        self.client = client
-        self.record = record
+#: A plan: the moves to make, from the broker and the record they are made against.
+Plan = Callable[[redis.Redis, Record | None], list[_Move]]
 
 
 def _redeliver(
     client: redis.Redis,
     node: str,
     record: dict[str, Any],
-    plan: Callable[[Reader], list[_Move]],
+    plan: Plan,
     *,
     expect_dead: bool = False,
     rejoin: bool = False,
@@ -378,7 +379,7 @@ def _redeliver(
         current = Record.parse(node, _text(raw)) if raw is not None else None
         if expect_dead and (current is None or current.alive(now_ms(client))):
             return 0  # it came back (or another sweep forgot it): its queue is its own
-        moves = plan(Reader(client, current))
+        moves = plan(client, current)
         if not moves and current is not None and current.gone_ms and record.get("gone"):
             return 0  # a dead worker's record, already marked, with nothing to move
         keys = KeyList(CONSUMERS, UNACKED, UNACKED_INDEX, unacked_of(node))
@@ -399,6 +400,11 @@ def _redeliver(
     return 0
 
 
+def _nothing(_client: redis.Redis, _record: Record | None) -> list[_Move]:
+    """The plan that moves nothing: only the record changes."""
+    return []
+
+
 def _as_json(move: _Move, keys: KeyList) -> dict[str, Any]:
     out: dict[str, Any] = {"old": move.old, "to": keys.add(move.destination), "new": move.new}
     if move.source is None:
@@ -409,17 +415,16 @@ def _as_json(move: _Move, keys: KeyList) -> dict[str, Any]:
 
 
 def _holdings(
-    reader: Reader,
-    orphaned: set[str] | frozenset[str] = frozenset(),
+    client: redis.Redis,
+    rec: Record | None,
+    orphaned: AbstractSet[str] = frozenset(),
     answered: Callable[[str], bool] | None = None,
 ) -> list[_Move]:
     """The moves that give back what the record's worker held, oldest first: its
     unacknowledged messages, its in-flight ones, then (for `orphaned` queues, handed to
     the router) every call waiting there."""
-    rec = reader.record
     if rec is None:
         return []
-    client = reader.client
 
     def move(source: str | None, tag: str, old: str, queue: str = "") -> _Move | None:
         """Give back `old`, a message of `queue` (for the unacked hash: its record's)."""
