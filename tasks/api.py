@@ -83,8 +83,7 @@ def dispatch(
         _hold(registry, model, held, False)  # a dead router may have held it
         log.warning("call %s was handed on before its router died: not routing it again", held)
         raise Ignore()  # acknowledged, no result stored: the call's own answer comes
-    counted = counted_of(task.request)
-    lease = registry.pick(model, path="" if counted else "router")
+    lease = registry.pick(model, path="" if counted_of(task.request) else "router")
     if lease is not None:
         if task.request.retries or _redelivered(task):  # an earlier attempt held it here
             _hold(registry, model, held, False)  # (a dead router's too: no wait for its TTL)
@@ -92,16 +91,7 @@ def dispatch(
         raise task.replace(call.with_lease(lease).to(lease.queue, time_limits_of(task.request)))
     _hold(registry, model, held, True)  # part of the model's load while the router has it
     try:
-        _place_and_hand_on(
-            task,
-            registry,
-            spec,
-            inputs=inputs,
-            params=params,
-            sent=sent,
-            hops=hops,
-            counted=counted,
-        )
+        _place_and_hand_on(task, registry, spec, inputs=inputs, params=params, sent=sent, hops=hops)
     except Retry:
         raise  # still held: the next attempt renews it
     except BaseException:
@@ -118,13 +108,11 @@ def _place_and_hand_on(
     params: dict[str, Any] | None,
     sent: int,
     hops: int,
-    counted: bool = False,
 ) -> NoReturn:
-    """Place the model (or find its replica being placed) and hand the call to it; count
-    the outcome unless the call is `counted` already."""
+    """Place the model (or find its replica being placed) and hand the call to it."""
     model = spec.name
     for _ in range(PLACE_ATTEMPTS):
-        plan, pinned = _place(task, registry, spec, model, counted)
+        plan, pinned = _place(task, registry, spec, model)
         if pinned is None:  # the placed replica moved on before the call could pin it,
             registry.reap(plan.worker)  # or its worker died: let it go now, not at a sweep
             continue
@@ -134,32 +122,31 @@ def _place_and_hand_on(
             raise task.replace(call.with_lease(lease).to(plan.queue, time_limits_of(task.request)))
         finally:  # once the call is on its way: the figures are not on its critical path
             if plan.candidate is Candidate.DEPLOYED:  # placed already: nothing moved
-                _count(registry, model, "queued", counted)
+                _count(task, registry, model, "queued")
             else:
-                _count(registry, model, cache, counted)
+                _count(task, registry, model, cache)
                 _announce(task, plan)
     moving = PlanRejectedError(f"{model}: its replicas kept moving while the call was routed")
     raise task.retry(exc=moving, countdown=0.25, max_retries=SETTLE_RETRIES)
 
 
 def _place(
-    task: Task, registry: Registry, spec: ModelSpec, model: str, counted: bool = False
+    task: Task, registry: Registry, spec: ModelSpec, model: str
 ) -> tuple[Plan, tuple[Lease, str] | None]:
     """A placed replica for the call, the request lease that pins it there, and where its
-    copy comes from (hot, warm or cold). A refusal is counted unless the call is `counted`
-    already; a busy try is counted either way (per try, not a request)."""
+    copy comes from (hot, warm or cold)."""
     lease_id = uuid.uuid4().hex
     try:
         plan = registry.place(context.demand(spec), lease_id=lease_id)
     except NeverFitsError:
-        _count(registry, model, "rejected", counted)
+        _count(task, registry, model, "rejected")
         raise
     except SettlingError as exc:  # a copy is still leaving: restore it once it has left
         raise task.retry(exc=exc, countdown=0.25, max_retries=SETTLE_RETRIES) from exc
     except PlanRejectedError as exc:  # the fleet moved under every plan: try again shortly
         raise task.retry(exc=exc, countdown=0.25, max_retries=SETTLE_RETRIES) from exc
     except CantAccommodateError as exc:
-        _count(registry, model, "busy")
+        _count(task, registry, model, "busy")
         raise task.retry(exc=exc, countdown=1, max_retries=BUSY_RETRIES) from exc
     if plan.candidate is Candidate.DEPLOYED:
         return plan, registry.hold(plan.replica, plan.epoch, plan.worker)
@@ -203,11 +190,11 @@ def _hold(registry: Registry, model: str, call: str, held: bool) -> None:
         log.warning("could not count a routed call of %s", model, exc_info=True)
 
 
-def _count(registry: Registry, model: str, outcome: str, counted: bool = False) -> None:
-    """Count a request's outcome (and its `routed` path) for the operator numbers, unless
-    the call is `counted` already (`busy`, per try, counts either way); never fail the
-    call over it."""
-    if counted and outcome != "busy":
+def _count(task: Task, registry: Registry, model: str, outcome: str) -> None:
+    """Count a call's outcome (and its `routed` path) for the operator numbers, unless its
+    message says it is counted already (`busy`, per try, counts either way); never fail
+    the call over it."""
+    if outcome != "busy" and counted_of(task.request):
         return
     try:
         registry.count(model, outcome)
