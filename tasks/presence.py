@@ -150,7 +150,11 @@ class Presence:
         while not self._stop.wait(self.lease_ms / 3000):
             try:
                 if not self._arrived:  # Redis did not answer as it started
-                    self.arrive()
+                    # It may hold calls of its own by now: record it, give nothing back (a
+                    # predecessor's unacknowledged calls wait for the visibility timeout).
+                    self._rejoin()
+                    self._arrived = True
+                    log.warning("%s recorded late: no predecessor's call put back", self.node)
                 elif not self._renewed(leaving=False):
                     log.error(
                         "%s was silent for longer than its lease (%d ms): a sweep gave its "
@@ -318,7 +322,7 @@ def take_waiting(client: redis.Redis, queues: Iterable[str]) -> list[str]:
     with its fleet (`gpufleet up`'s own Redis): the caller fails them, so that no caller
     waits on a result store that is gone."""
     ids: list[str] = []
-    for _, raw in _unacked(client, "*"):
+    for _, raw in _unacked(client, None):
         ids.append(_task_id(json.loads(raw)[0]))
     client.delete(UNACKED, UNACKED_INDEX)
     for queue in queues:
@@ -455,10 +459,10 @@ def _holdings(
     return [m for m in found if m is not None]
 
 
-def _unacked(client: redis.Redis, node: str) -> Iterator[tuple[str, str]]:
-    """(delivery tag, kombu's unacked record) of what `node` holds ("*": every worker),
+def _unacked(client: redis.Redis, node: str | None) -> Iterator[tuple[str, str]]:
+    """(delivery tag, kombu's unacked record) of what `node` holds (None: every worker),
     oldest first."""
-    if node == "*":
+    if node is None:
         tags = sorted(_text(t) for t in client.hkeys(UNACKED))
     else:
         tags = sorted(_text(t) for t in client.smembers(unacked_of(node)))
