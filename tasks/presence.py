@@ -17,13 +17,17 @@ known by name. Then:
   becomes a `gpufleet.infer` on the router's queue with the same task id, in order,
   first in line, and is placed again on a live GPU;
 - a call whose answer is already stored (its worker died after storing it, before the
-  acknowledgement) is dropped, not run again.
+  acknowledgement) is dropped, not run again;
+- a call given back to a router that is on its way in another message (its router died
+  after handing it on) is not routed again (`on_its_way`);
+- status counts the calls no live worker will take (`stranded`), and a bundled fleet
+  that stops takes out the calls still waiting, to fail them (`take_waiting`).
 
 Each message moves at most once (`redeliver.lua` checks it is still where the plan read
 it), and only while the dead worker's record is the one the plan read: a worker that
 comes back at that moment (its record renewed) keeps its queue. So a call is neither lost
 nor doubled by a sweep; it can still run twice when a worker dies between running it
-and storing its answer (docs/tasks.md, "Liveness").
+and storing its answer (docs/tasks.md, "A lost worker or host").
 """
 
 from __future__ import annotations
