@@ -140,6 +140,33 @@ class Channel(kombu_redis.Channel):
     taken: tuple[str, bytes] | None = None  # (in-flight list, message) not yet recorded
     _taking: tuple[str, list[str]] | None = None  # the take in flight: its kind, its lists
     _idle = False  # the last take found every list empty: block next
+    _sync_client: Any = None  # see `_create_client`
+
+    def _create_client(self, asynchronous: bool = False) -> Any:
+        """Kombu builds a new Redis client, about 0.2 ms of CPU, for every publish, ack and
+        delivery. The synchronous one is built once per connection pool here: it takes a
+        connection from the pool for each command, so it is as safe to share as the pool."""
+        if asynchronous:
+            return super()._create_client(asynchronous=True)  # type: ignore[no-untyped-call]
+        pool = self.pool
+        client = self._sync_client
+        if client is None or client.connection_pool is not pool:
+            client = self._sync_client = super()._create_client()  # type: ignore[no-untyped-call]
+        return client
+
+    def forward(self, message: Any, queue: str, headers: dict[str, Any]) -> None:
+        """Publish `message`, with `headers` instead of its own, to `queue` and acknowledge
+        it, in one transaction: no crash leaves it in both queues, or in neither."""
+        payload = {**message._raw, "headers": headers}
+        properties = payload["properties"] = dict(payload["properties"])
+        properties["delivery_info"] = {"exchange": "", "routing_key": queue}
+        properties["delivery_tag"] = self._next_delivery_tag()  # type: ignore[no-untyped-call]
+        priority = self._get_message_priority(payload, reverse=False)  # type: ignore[no-untyped-call]
+        with self.qos.pipe_or_acquire() as pipe:
+            pipe.lpush(self._q_for_pri(queue, priority), dumps(payload))  # type: ignore[no-untyped-call]
+            self.qos._remove_from_indices(message.delivery_tag, pipe).execute()
+        virtual.QoS.ack(self.qos, message.delivery_tag)  # type: ignore[no-untyped-call]
+        message._state = "ACK"
 
     @property
     def _takes_in_flight(self) -> bool:
