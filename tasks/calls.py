@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -33,7 +34,15 @@ def hops_of(request: Any) -> int:
 def counted_of(request: Any) -> bool:
     """Whether the call's outcome is counted already (docs/metrics.md): its message says so
     (`leases.COUNTED_HEADER`), or it was routed again."""
-    return _header(request, leases.COUNTED_HEADER) is True or hops_of(request) > 0
+    return counted_in({name: _header(request, name) for name in _COUNTING})
+
+
+def counted_in(headers: Mapping[str, Any]) -> bool:
+    """`counted_of`, from a message's headers."""
+    return headers.get(leases.COUNTED_HEADER) is True or _hops(headers.get(HOPS_HEADER)) > 0
+
+
+_COUNTING = (leases.COUNTED_HEADER, HOPS_HEADER)
 
 
 def _header(request: Any, name: str) -> Any:
@@ -144,7 +153,7 @@ def call_of(name: str, args: Any, kwargs: Any, headers: dict[str, Any]) -> Call 
                 return None
             return Call.from_json(args[0])
         if name == "gpufleet.infer":
-            model, inputs, params = _infer_arguments(*(args or ()), **(kwargs or {}))
+            model, inputs, params = infer_arguments(*(args or ()), **(kwargs or {}))
             header = headers.get(leases.HEADER)
             return fast_call(model, inputs, params, header, _hops(headers.get(HOPS_HEADER)))
     except (TypeError, ValueError):
@@ -152,7 +161,8 @@ def call_of(name: str, args: Any, kwargs: Any, headers: dict[str, Any]) -> Call 
     return None
 
 
-def _infer_arguments(
+def infer_arguments(
     model: Any, inputs: Any, params: Any = None
 ) -> tuple[Any, Any, dict[str, Any] | None]:
+    """`gpufleet.infer`'s arguments, bound as the task binds them (TypeError if they do not)."""
     return model, inputs, params

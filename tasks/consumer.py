@@ -21,6 +21,9 @@ fleet runs no beat, and Redis expires results itself, so `celery.backend_cleanup
 work here either. A call of any other name gets a stored `PayloadError`, like a call it
 cannot read, and its message is acknowledged.
 
+On a router, a call for a model with a HOT replica is forwarded to its GPU worker from here,
+in the worker's main process, without a pool job (`tasks.forwarding`).
+
 On a GPU worker, the calls it receives go to a `tasks.batching.Batcher` rather than
 straight to the pool, and the worker reserves enough messages (its prefetch) for two
 full batches: one running, the next one gathering.
@@ -34,7 +37,7 @@ from typing import Any
 from celery.worker.consumer import Consumer as CeleryConsumer
 
 from placement.errors import PayloadError
-from tasks import context
+from tasks import context, forwarding
 from tasks.batching import Batcher
 
 log = logging.getLogger(__name__)
@@ -93,10 +96,14 @@ class Consumer(CeleryConsumer):
 
     def update_strategies(self) -> None:
         """Celery's, less Celery's built-in tasks: a message for one of those goes to
-        `on_unknown_task`, as for a name no one registered."""
+        `on_unknown_task`, as for a name no one registered. On a router, a call for a HOT
+        model is forwarded from here (`tasks.forwarding`), never run in the pool."""
         super().update_strategies()
         for name in [name for name in self.strategies if name.startswith(BUILT_IN)]:
             del self.strategies[name]
+        if context.role() == "router" and forwarding.TASK in self.strategies:
+            default = self.strategies[forwarding.TASK]
+            self.strategies[forwarding.TASK] = forwarding.forwarding(default)
 
     def on_unknown_task(self, body: Any, message: Any, exc: Exception) -> None:
         """A task that is not gpufleet's (a Celery built-in, a name no one registered):

@@ -43,6 +43,7 @@ models:
   pinned: {source: synthetic, task: forward, memory: 256MiB, dedicated: true}
   leased: {source: synthetic, task: forward, memory: 256MiB, dedicated: true}
   paths: {source: synthetic, task: forward, memory: 256MiB, dedicated: true}
+  forwarded: {source: synthetic, task: forward, memory: 64MiB}
   huge: {source: synthetic, task: forward, memory: 20GiB}
   split: {source: synthetic, task: forward, memory: 10GiB}
   broken: {source: /nonexistent/model, task: forward, memory: 1GiB}
@@ -237,6 +238,29 @@ def test_status_counts_the_project_clients_fast_calls_apart_from_a_plain_clients
     counts = report["requests"]["models"]["paths"]
     assert (counts["fast"], counts["routed"]) == (4, 3)
     assert counts["hit"] == 6 and counts["requests"] == 7
+
+
+def test_a_plain_clients_calls_for_a_hot_model_are_forwarded_by_the_router_not_run_in_its_pool(
+    fleet_up: Fleet,
+) -> None:
+    def router_ran() -> int:
+        stats = fleet_up.client.control.inspect(timeout=2.0).stats() or {}
+        (router,) = [s for node, s in stats.items() if node.startswith("router@")]
+        return int(router.get("total", {}).get("gpufleet.infer", 0))
+
+    before = router_ran()
+    assert fleet_up.infer("forwarded", "a miss")["cache"] == "cold"
+    assert router_ran() == before + 1  # a miss takes the pool's path: it places the model
+    calls = [
+        fleet_up.client.send_task("gpufleet.infer", args=("forwarded", f"t{i}")) for i in range(6)
+    ]
+    answers = [call.get(timeout=60) for call in calls]
+    assert [a["cache"] for a in answers] == ["hot"] * 6
+    # Each ran as itself (same task id and name) from a GPU worker's queue.
+    assert {(call.name, call.queue.startswith("gpufleet.")) for call in calls} == {
+        ("gpufleet.infer", True)
+    }
+    assert router_ran() == before + 1
 
 
 def test_overflowing_two_gpus_offloads_to_warm_and_restores_later(fleet_up: Fleet) -> None:

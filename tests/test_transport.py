@@ -20,8 +20,11 @@ import pytest
 import redis
 from kombu import Connection, Exchange, Queue
 
+from placement.keys import unacked_of
 from placement.redis_server import RedisServer
 from tasks.transport import Channel, QoS, Transport
+
+SEP = Channel.sep
 
 WORK = Queue("work", Exchange("work", "direct"), routing_key="work")
 
@@ -253,3 +256,34 @@ def test_a_worker_with_a_key_prefix_keeps_brpop_and_still_gets_its_messages() ->
                 conn.drain_events(timeout=5)
         assert seen == [{"n": 1}]
         assert redis.Redis.from_url(server.url).keys("*inflight*") == []
+
+
+def test_a_forwarded_message_leaves_the_unacked_records_as_it_lands_on_its_new_queue() -> None:
+    with RedisServer() as server:
+        with Connection(server.url, transport=Transport) as conn:
+            conn.Producer(serializer="json").publish(
+                {"n": 1}, exchange=WORK.exchange, routing_key="work", declare=[WORK],
+                priority=6, headers={"id": "call-1", "keep": "me"},
+            )  # fmt: skip
+        client = redis.Redis.from_url(server.url)
+        held: list[Any] = []
+        with (
+            Connection(server.url, transport=Transport, transport_options=NAMED) as conn,
+            conn.Consumer(WORK, callbacks=[lambda _body, m: held.append(m)]),
+        ):
+            conn.drain_events(timeout=5)
+            (message,) = held
+            tag = message.delivery_tag
+            assert client.hexists("unacked", tag) and client.sismember(unacked_of(NAME), tag)
+            message.channel.forward(message, "elsewhere", {**message.headers, "lease": "L"})
+            assert message.acknowledged
+            qos = message.channel.qos
+            assert len(qos._delivered) - len(qos._dirty) == 0  # its prefetch credit is back
+            assert client.hlen("unacked") == client.zcard("unacked_index") == 0
+            assert client.scard(unacked_of(NAME)) == 0
+        (moved,) = [json.loads(raw) for raw in client.lrange(f"elsewhere{SEP}6", 0, -1)]
+        assert _body(moved) == {"n": 1}
+        assert moved["headers"] == {**message.headers, "lease": "L"}
+        assert moved["properties"]["delivery_info"]["routing_key"] == "elsewhere"
+        assert moved["properties"]["delivery_tag"] != tag
+        assert client.llen("work") == client.llen("elsewhere") == 0  # once, in its priority list
