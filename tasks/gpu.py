@@ -17,6 +17,7 @@ import threading
 import time
 from typing import Any
 
+import torch
 from celery import Task
 from celery.exceptions import SoftTimeLimitExceeded
 from celery.signals import worker_init, worker_process_init, worker_process_shutdown
@@ -36,7 +37,7 @@ from tasks.calls import Call, time_limits_of
 from tasks.routing import gpu_queue
 from worker.devices import Device, discover
 from worker.lifecycle import default_lineage
-from worker.node import GpuWorker, Served
+from worker.node import GpuWorker, Served, cpu_threads
 
 log = logging.getLogger(__name__)
 
@@ -216,6 +217,7 @@ def _start(**_: Any) -> None:
         settings = context.settings()
         visible = _visible()  # NVML enumerates once
         devices = _own_devices(visible)
+        torch.set_num_threads(cpu_threads(settings.torch_threads, len(visible)))
         _process.worker = GpuWorker(
             context.registry(),
             devices,

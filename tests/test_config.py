@@ -21,6 +21,7 @@ from placement.config import (
 )
 from placement.errors import ConfigError
 from placement.settings import GpuChoice, VictimOrder
+from worker.node import cpu_threads
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -140,3 +141,21 @@ def test_no_module_but_the_config_reads_a_gpufleet_variable() -> None:
             ):
                 readers.append(str(path.relative_to(REPO)))
     assert readers == []
+
+
+def test_a_gpu_workers_torch_threads_are_the_setting_or_a_share_of_the_host_s_cores(
+    tmp_path: Path,
+) -> None:
+    def threads(**env: str) -> int | None:
+        return Settings.from_env({"GPUFLEET_HOME": str(tmp_path), **env}).torch_threads
+
+    assert threads(GPUFLEET_TORCH_THREADS="3", OMP_NUM_THREADS="2") == 3
+    assert threads(OMP_NUM_THREADS="2") == 2
+    assert threads() is None
+    with pytest.raises(ConfigError, match="GPUFLEET_TORCH_THREADS"):
+        threads(GPUFLEET_TORCH_THREADS="many")
+    assert cpu_threads(None, gpus=1, cores=2) == 1  # one share for the worker, one for the rest
+    assert cpu_threads(None, gpus=1, cores=8) == 4
+    assert cpu_threads(None, gpus=8, cores=64) == 7
+    assert cpu_threads(None, gpus=4, cores=2) == 1
+    assert cpu_threads(6, gpus=8, cores=64) == 6

@@ -10,6 +10,7 @@ a split model's shards, or a warm copy restored where the plan says.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ from worker.keeper import Keeper
 from worker.lifecycle import WorkerLease, make_worker_id
 from worker.residency import ResidencyManager
 
-__all__ = ["GpuWorker", "Served"]
+__all__ = ["GpuWorker", "Served", "cpu_threads"]
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,19 @@ class Served:
     load_ms: float  # waiting for the replica to be loaded or restored here
     compute_ms: float  # its forward pass, shared by `batch` calls
     batch: int = 1
+
+
+def cpu_threads(configured: int | None, gpus: int, cores: int | None = None) -> int:
+    """Torch CPU threads of one GPU worker process: `configured` when set, else an equal
+    share of the host's cores among its GPU workers (one per GPU) and the rest of the
+    fleet's processes (one more share), at least 1.
+
+    Torch's default, every core in every worker, oversubscribes the host: threads of one
+    pass wait for a core another process holds (on a 2-core host, a small model's pass took
+    about 25% longer with 2 threads than with 1, docs/benchmarks.md)."""
+    if configured:
+        return configured
+    return max(1, (cores or os.cpu_count() or 1) // (max(gpus, 1) + 1))
 
 
 class GpuWorker:
