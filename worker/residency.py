@@ -420,6 +420,7 @@ class ResidencyManager:
                         self._check_activations(resident, plan, flat)
                 reset = span is not None and self._spans.clean(span)  # nothing else runs
                 before = {} if simulated else self._cuda_allocated(plan, reset=reset)
+                start = time.perf_counter()  # the pass's own time, not its admission's
                 results = handlers.run_many(
                     resident.spec.task,
                     resident.model,
