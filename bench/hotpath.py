@@ -64,7 +64,14 @@ CALL_TIMEOUT_S = 60.0
 READY_TIMEOUT_S = 120.0
 STOP_GRACE_S = 15.0
 SIM_GPUS = "1x8GiB"
-TARGETS = {"p50_ratio": 1.15, "p99_ratio": 1.3}
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+TARGETS = {
+    "p50_ratio": 1.15,
+    "p99_ratio": 1.3,
+    "compute_overhead_ratio": 1.05,
+    "plain_p50_ratio": 1.15,
+    "router_cpu_ms_per_call": 2.0,
+}
 
 
 def bare_config() -> dict[str, Any]:
@@ -203,10 +210,17 @@ def timed(send: Send) -> tuple[float, dict[str, Any], AsyncResult]:
     return (time.perf_counter() - start) * 1000, result, handle
 
 
-def measure(
-    calls: int, warmup: int, fleet_send: Send, bare_send: Send, gpu_queue: str
+def measure(  # noqa: PLR0917 - the run's three kinds of call, its sizes and its queue
+    calls: int,
+    warmup: int,
+    fleet_send: Send,
+    bare_send: Send,
+    direct: Callable[[], float],
+    gpu_queue: str,
 ) -> dict[str, Any]:
-    """Alternate fleet and bare calls (ABBA); time the last `calls` pairs."""
+    """Alternate fleet and bare calls (ABBA), each pair followed by one direct forward pass
+    in this process; time the last `calls` pairs."""
+    direct_ms: list[float] = []
     fleet_ms: list[float] = []
     bare_ms: list[float] = []
     fleet_compute: list[float] = []
@@ -224,14 +238,17 @@ def measure(
                 fleet_compute.append(float(result["timings_ms"]["compute"]))
                 fleet_queue.append(float(result["timings_ms"]["queue"]))
                 # Read after the clock stopped: the meta came with the result (extended).
-                direct = handle.name == "gpufleet.infer" and handle.queue == gpu_queue
-                fast += int(result.get("cache") == "hot" and direct)
+                on_gpu = handle.name == "gpufleet.infer" and handle.queue == gpu_queue
+                fast += int(result.get("cache") == "hot" and on_gpu)
             else:
                 ms, result, _ = timed(bare_send)
                 if i < warmup:
                     continue
                 bare_ms.append(ms)
                 bare_compute.append(float(result["timings_ms"]["compute"]))
+        ms = direct()
+        if i >= warmup:
+            direct_ms.append(ms)
         if i == warmup - 1:
             log.info("warm-up done (%d pairs); timing %d pairs", warmup, calls)
         elif i >= warmup and (i - warmup + 1) % 100 == 0:
@@ -242,9 +259,76 @@ def measure(
         "fleet_compute": summary(fleet_compute),
         "fleet_queue": summary(fleet_queue),
         "bare_compute": summary(bare_compute),
+        "direct": summary(direct_ms),
         "fast_path_share": round(fast / calls, 4),
         # Fleet minus bare within each pair: drift common to both cancels out.
         "paired_delta": summary([f - b for f, b in zip(fleet_ms, bare_ms, strict=True)]),
+    }
+
+
+def direct_forward(catalog: Path, sim_gpus: int) -> Callable[[], float]:
+    """The fleet's forward pass of MODEL on INPUTS done directly in this process, with the
+    torch threads a GPU worker of this fleet runs (`worker.node.cpu_threads`): tokenise,
+    run the model, summarise the output as the `forward` task does. Returns its timer."""
+    import torch
+
+    from placement.catalog import Catalog
+    from worker.node import cpu_threads
+    from worker.synthetic import build_synthetic
+
+    torch.set_num_threads(cpu_threads(Settings.from_env().torch_threads, sim_gpus))
+    net, tokenizer = build_synthetic(Catalog.load(catalog).get(MODEL))
+
+    def once() -> float:
+        start = time.perf_counter()
+        with torch.inference_mode():
+            encoding = tokenizer(INPUTS, padding=True, truncation=True, return_tensors="pt")
+            hidden = net(**encoding).last_hidden_state.float()
+            flat = hidden.reshape(-1)
+            float(flat.mean()), float(flat.std(unbiased=False)), hidden[0, 0, :8].tolist()
+        return (time.perf_counter() - start) * 1000
+
+    return once
+
+
+def router_cpu_ticks(pid: int) -> tuple[int, int]:
+    """CPU ticks (utime + stime) of the router's main process and of its pool children."""
+    from bench.router import children_of, cpu_ticks
+
+    return cpu_ticks(pid), sum(cpu_ticks(child) for child in children_of(pid))
+
+
+def measure_plain(
+    calls: int, plain_send: Send, fleet_send: Send, router_pid: int
+) -> dict[str, Any]:
+    """Alternate a plain client's calls (by name, to the router) and the project client's
+    (ABBA); the router's CPU over the phase, per plain call."""
+    plain_ms: list[float] = []
+    project_ms: list[float] = []
+    forwarded = 0
+    ticks_before = router_cpu_ticks(router_pid)
+    for i in range(calls):
+        sides = (plain_send, fleet_send) if i % 2 == 0 else (fleet_send, plain_send)
+        for send in sides:
+            ms, _, handle = timed(send)
+            if send is plain_send:
+                plain_ms.append(ms)
+                forwarded += int(handle.name == "gpufleet.infer")  # a pool task replaces it
+            else:
+                project_ms.append(ms)
+    ticks_after = router_cpu_ticks(router_pid)
+    per_call = [
+        (a - b) * 1000 / CLK_TCK / calls for a, b in zip(ticks_after, ticks_before, strict=True)
+    ]
+    return {
+        "plain": summary(plain_ms),
+        "project": summary(project_ms),
+        "forwarded_share": round(forwarded / calls, 4),
+        "router_cpu_ms_per_call": {
+            "main": round(per_call[0], 3),
+            "pool": round(per_call[1], 3),
+            "total": round(sum(per_call), 3),
+        },
     }
 
 
@@ -306,12 +390,27 @@ def run(calls: int, warmup: int, model_mib: int, directory: Path) -> dict[str, A
         def bare_send() -> AsyncResult:
             return bare_app.send_task(BARE_TASK, args=(MODEL, INPUTS), queue=BARE_QUEUE)
 
+        from bench.router import plain_client
+
+        settings = Settings.from_env()
+        plain = plain_client(
+            settings.broker_url, settings.result_backend, settings.visibility_timeout
+        )
+
+        def plain_send() -> AsyncResult:
+            return plain.send_task("gpufleet.infer", args=(MODEL, INPUTS))
+
+        direct = direct_forward(catalog, len(fleet.devices))
+
         first_ms, first, first_handle = timed(fleet_send)
         first_task = first_handle.name  # gpufleet.run: the router replaced the call
         log.info("first call (%s, through the router): %.0f ms", first["cache"], first_ms)
         routed_before = router_infer_count(app, router)
-        stats = measure(calls, warmup, fleet_send, bare_send, queue)
+        stats = measure(calls, warmup, fleet_send, bare_send, direct, queue)
         routed = router_infer_count(app, router) - routed_before
+        plain_stats = measure_plain(
+            calls, plain_send, fleet_send, fleet.children["router"].proc.pid
+        )
         parts = fast_path_parts(min(calls, 200))
         fleet.supervise()
     finally:
@@ -322,6 +421,9 @@ def run(calls: int, warmup: int, model_mib: int, directory: Path) -> dict[str, A
     fleet_s, bare_s = stats["fleet"], stats["bare"]
     p50_ratio = fleet_s["p50"] / bare_s["p50"]
     p99_ratio = fleet_s["p99"] / bare_s["p99"]
+    overhead = stats["fleet_compute"]["p50"] / stats["direct"]["p50"]
+    plain_ratio = plain_stats["plain"]["p50"] / plain_stats["project"]["p50"]
+    router_cpu = plain_stats["router_cpu_ms_per_call"]["total"]
     return {
         "calls": calls,
         "warmup": warmup,
@@ -343,14 +445,26 @@ def run(calls: int, warmup: int, model_mib: int, directory: Path) -> dict[str, A
         "paired_delta_p50_ms": stats["paired_delta"]["p50"],
         "fast_path_share": stats["fast_path_share"],
         "router_infer_calls": routed,
+        "direct_forward_p50_ms": stats["direct"]["p50"],
+        "compute_overhead_ratio": round(overhead, 3),
+        "plain_p50_ms": plain_stats["plain"]["p50"],
+        "project_p50_ms": plain_stats["project"]["p50"],
+        "plain_p50_ratio": round(plain_ratio, 3),
+        "plain_forwarded_share": plain_stats["forwarded_share"],
+        "router_cpu_ms_per_call": plain_stats["router_cpu_ms_per_call"],
         "targets": {
-            "p50_ratio": f"<= {TARGETS['p50_ratio']}",
-            "p99_ratio": f"<= {TARGETS['p99_ratio']}",
+            **{name: f"<= {value}" for name, value in TARGETS.items()},
             "p50_met": p50_ratio <= TARGETS["p50_ratio"],
             "p99_met": p99_ratio <= TARGETS["p99_ratio"],
+            "compute_overhead_met": overhead <= TARGETS["compute_overhead_ratio"],
+            "plain_p50_met": plain_ratio <= TARGETS["plain_p50_ratio"],
+            "router_cpu_met": router_cpu <= TARGETS["router_cpu_ms_per_call"],
         },
         "fleet_ms": fleet_s,
         "bare_ms": bare_s,
+        "direct_ms": stats["direct"],
+        "plain_ms": plain_stats["plain"],
+        "project_ms": plain_stats["project"],
         "breakdown": {
             "fleet_compute_p50_ms": stats["fleet_compute"]["p50"],
             "bare_compute_p50_ms": stats["bare_compute"]["p50"],
