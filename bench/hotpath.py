@@ -268,16 +268,16 @@ def measure(  # noqa: PLR0917 - the run's three kinds of call, its sizes and its
 
 def direct_forward(catalog: Path, sim_gpus: int) -> Callable[[], float]:
     """The fleet's forward pass of MODEL on INPUTS done directly in this process, with the
-    torch threads a GPU worker of this fleet runs (`worker.node.cpu_threads`): tokenise,
+    torch threads a GPU worker of this fleet runs it on (`worker.threads`): tokenise,
     run the model, summarise the output as the `forward` task does. Returns its timer."""
     import torch
 
     from placement.catalog import Catalog
-    from worker.node import cpu_threads
     from worker.synthetic import build_synthetic
+    from worker.threads import for_pass, share
 
-    torch.set_num_threads(cpu_threads(Settings.from_env().torch_threads, sim_gpus))
     net, tokenizer = build_synthetic(Catalog.load(catalog).get(MODEL))
+    torch.set_num_threads(for_pass(share(Settings.from_env().torch_threads, sim_gpus), net, INPUTS))
 
     def once() -> float:
         start = time.perf_counter()

@@ -85,8 +85,8 @@ VARIABLES: tuple[Variable, ...] = (
              "memory of each real GPU kept out of the ledger for a CUDA context (`0`: none)"),
     Variable("GPUFLEET_WARM_CACHE", "25% of RAM",
              "CPU memory a host lends to warm (offloaded) copies, charged by their measured bytes"),
-    Variable("GPUFLEET_TORCH_THREADS", "cores / (GPUs + 1), at least 1",
-             "CPU threads of each GPU worker's torch (`OMP_NUM_THREADS` also sets it)"),
+    Variable("GPUFLEET_TORCH_THREADS", "cores / GPUs, at least 1",
+             "CPU threads of each GPU worker's torch; a small pass takes one (docs/worker.md)"),
     Variable("GPUFLEET_WORKER_LEASE_MS", f"`{DEFAULT_WORKER_LEASE_MS}`",
              "a GPU worker's lease; a silent worker's reservations are released after it"),
     Variable("GPUFLEET_VISIBILITY_TIMEOUT", f"`{DEFAULT_VISIBILITY_TIMEOUT_S}`",
@@ -147,7 +147,7 @@ class Settings:
     sim_gpus: str | None = None
     gpu_reserve: int = DEFAULT_GPU_RESERVE  # bytes of each real GPU the ledger never places
     warm_cache: int | None = None  # bytes; None: a quarter of the host's RAM
-    torch_threads: int | None = None  # None: `worker.node.cpu_threads` decides
+    torch_threads: int | None = None  # None: `worker.threads.share` decides
     worker_lease_ms: int = DEFAULT_WORKER_LEASE_MS
     visibility_timeout: int = DEFAULT_VISIBILITY_TIMEOUT_S
     host: str = field(default_factory=socket.gethostname)

@@ -17,7 +17,6 @@ import threading
 import time
 from typing import Any
 
-import torch
 from celery import Task
 from celery.exceptions import SoftTimeLimitExceeded
 from celery.signals import worker_init, worker_process_init, worker_process_shutdown
@@ -35,9 +34,10 @@ from tasks import batching, context
 from tasks.app import app
 from tasks.calls import Call, time_limits_of
 from tasks.routing import gpu_queue
+from worker import threads
 from worker.devices import Device, discover
 from worker.lifecycle import default_lineage
-from worker.node import GpuWorker, Served, cpu_threads
+from worker.node import GpuWorker, Served
 
 log = logging.getLogger(__name__)
 
@@ -217,7 +217,6 @@ def _start(**_: Any) -> None:
         settings = context.settings()
         visible = _visible()  # NVML enumerates once
         devices = _own_devices(visible)
-        torch.set_num_threads(cpu_threads(settings.torch_threads, len(visible)))
         _process.worker = GpuWorker(
             context.registry(),
             devices,
@@ -231,6 +230,7 @@ def _start(**_: Any) -> None:
             # A soft time limit is the batch's (its calls share their limits): fail them
             # all, rather than run each again after the limit.
             whole_pass_errors=(SoftTimeLimitExceeded,),
+            threads=threads.share(settings.torch_threads, len(visible)),
         )
     except Exception:
         # Celery would log this and keep a child that fails every call: exit instead.

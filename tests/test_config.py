@@ -21,7 +21,7 @@ from placement.config import (
 )
 from placement.errors import ConfigError
 from placement.settings import GpuChoice, VictimOrder
-from worker.node import cpu_threads
+from worker.threads import share
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -154,8 +154,7 @@ def test_a_gpu_workers_torch_threads_are_the_setting_or_a_share_of_the_host_s_co
     assert threads() is None
     with pytest.raises(ConfigError, match="GPUFLEET_TORCH_THREADS"):
         threads(GPUFLEET_TORCH_THREADS="many")
-    assert cpu_threads(None, gpus=1, cores=2) == 1  # one share for the worker, one for the rest
-    assert cpu_threads(None, gpus=1, cores=8) == 4
-    assert cpu_threads(None, gpus=8, cores=64) == 7
-    assert cpu_threads(None, gpus=4, cores=2) == 1
-    assert cpu_threads(6, gpus=8, cores=64) == 6
+    assert share(None, gpus=1, cores=2) == 2
+    assert share(None, gpus=8, cores=64) == 8
+    assert share(None, gpus=4, cores=2) == 1
+    assert share(6, gpus=8, cores=64) == 6

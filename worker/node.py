@@ -10,7 +10,6 @@ a split model's shards, or a warm copy restored where the plan says.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -24,7 +23,7 @@ from worker.keeper import Keeper
 from worker.lifecycle import WorkerLease, make_worker_id
 from worker.residency import ResidencyManager
 
-__all__ = ["GpuWorker", "Served", "cpu_threads"]
+__all__ = ["GpuWorker", "Served"]
 
 log = logging.getLogger(__name__)
 
@@ -38,19 +37,6 @@ class Served:
     load_ms: float  # waiting for the replica to be loaded or restored here
     compute_ms: float  # its forward pass, shared by `batch` calls
     batch: int = 1
-
-
-def cpu_threads(configured: int | None, gpus: int, cores: int | None = None) -> int:
-    """Torch CPU threads of one GPU worker process: `configured` when set, else an equal
-    share of the host's cores among its GPU workers (one per GPU) and the rest of the
-    fleet's processes (one more share), at least 1.
-
-    Torch's default, every core in every worker, oversubscribes the host: threads of one
-    pass wait for a core another process holds (on a 2-core host, a small model's pass took
-    about 25% longer with 2 threads than with 1, docs/benchmarks.md)."""
-    if configured:
-        return configured
-    return max(1, (cores or os.cpu_count() or 1) // (max(gpus, 1) + 1))
 
 
 class GpuWorker:
@@ -69,6 +55,7 @@ class GpuWorker:
         lease_ms: int = DEFAULT_WORKER_LEASE_MS,
         lineage: str = "",
         whole_pass_errors: tuple[type[BaseException], ...] = (),
+        threads: int = 0,
     ) -> None:
         self.registry = registry
         self.devices = devices
@@ -76,7 +63,7 @@ class GpuWorker:
         self.queue = queue
         self.worker_id = make_worker_id(host, devices)
         self.manager = ResidencyManager(
-            visible, host, registry=registry, whole_pass_errors=whole_pass_errors
+            visible, host, registry=registry, whole_pass_errors=whole_pass_errors, threads=threads
         )
         self.keeper = Keeper(registry, self.manager, self.worker_id, spec_of)
         self.lease = WorkerLease(

@@ -40,6 +40,7 @@ from worker import handlers, loading
 from worker.devices import Device
 from worker.lifecycle import exit_for_restart, is_fatal_cuda_error
 from worker.measuring import Span, Spans
+from worker.threads import for_pass, token_bound
 
 log = logging.getLogger(__name__)
 
@@ -114,8 +115,10 @@ class ResidencyManager:
         registry: Registry | None = None,
         warmup: bool = True,
         whole_pass_errors: tuple[type[BaseException], ...] = (),
+        threads: int = 0,
     ) -> None:
         self.host = host
+        self.threads = threads  # torch's CPU threads for a pass (`worker.threads`); 0: as is
         self.devices = {d.gpu_id(host): d for d in devices}
         self.registry = registry
         self.warmup = warmup
@@ -420,6 +423,7 @@ class ResidencyManager:
                         self._check_activations(resident, plan, flat)
                 reset = span is not None and self._spans.clean(span)  # nothing else runs
                 before = {} if simulated else self._cuda_allocated(plan, reset=reset)
+                self._set_threads(resident, flat)
                 start = time.perf_counter()  # the pass's own time, not its admission's
                 results = handlers.run_many(
                     resident.spec.task,
@@ -456,6 +460,14 @@ class ResidencyManager:
                 )
             for (index, _), result in zip(chunk, results, strict=True):
                 ran[index] = Ran(result, None, len(chunk), compute_ms)
+
+    def _set_threads(self, resident: Resident, texts: list[str]) -> None:
+        """Give this thread's torch the threads the pass should run on (`worker.threads`)."""
+        if not self.threads:
+            return
+        wanted = for_pass(self.threads, resident.model, texts)
+        if wanted != torch.get_num_threads():
+            torch.set_num_threads(wanted)
 
     def _free_for_calls(self, plan: Mapping[int, int], simulated: bool) -> int:
         """Bytes of this process's reservation on the replica's first GPU not in use now:
@@ -749,7 +761,7 @@ def _chunks(resident: Resident, members: list[_Member], free: int) -> Iterator[l
     chunk: list[_Member] = []
     rows = longest = 0
     for member in members:
-        lengths = [_tokens(text) for text in member[1]]
+        lengths = [token_bound(text) for text in member[1]]
         more_rows, more_longest = rows + len(lengths), max([longest, *lengths])
         if chunk and (alone or _pass_bytes(resident.model, more_rows, more_longest) > free):
             yield chunk
@@ -763,13 +775,8 @@ def _chunks(resident: Resident, members: list[_Member], free: int) -> Iterator[l
 def _activation_bytes(model: Any, inputs: object) -> int:
     """The worker's model of a pass's activation memory (`_pass_bytes`) for `inputs`."""
     texts = [inputs] if isinstance(inputs, str) else inputs if isinstance(inputs, list) else []
-    lengths = [_tokens(t) for t in texts if isinstance(t, str)]
+    lengths = [token_bound(t) for t in texts if isinstance(t, str)]
     return _pass_bytes(model, len(lengths), max(lengths, default=0))
-
-
-def _tokens(text: str) -> int:
-    """An upper bound of a text's tokens: its characters (at most 512) and two specials."""
-    return min(len(text), 512) + 2
 
 
 def _pass_bytes(model: Any, rows: int, longest: int) -> int:
