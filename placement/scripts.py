@@ -2,8 +2,8 @@
 
 Each `placement/lua/<name>.lua` opens with its KEYS/ARGV contract. `_lib.lua` holds
 helpers that are prepended to every script, since Redis 6 has no shared functions.
-`take.lua` is the broker's, not the ledger's: `tasks.transport` sends it by `sha` and
-`source` on a connection whose replies it reads itself.
+`take.lua` and `move.lua` are the broker's, not the ledger's: `tasks.transport` sends
+`take` by `sha` and `source` on a connection whose replies it reads itself.
 
 Scripts are called with EVALSHA over a connection each thread holds for itself, made
 with the client's own connection settings (password, TLS, database). redis-py's
@@ -47,6 +47,7 @@ NAMES = (
     "redeliver",
     "renew",
     "seen",
+    "move",
 )
 
 

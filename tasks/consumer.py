@@ -102,8 +102,10 @@ class Consumer(CeleryConsumer):
         for name in [name for name in self.strategies if name.startswith(BUILT_IN)]:
             del self.strategies[name]
         if context.role() == "router" and forwarding.TASK in self.strategies:
+            # the channel the task consumer is about to take calls on (Celery's `Tasks`)
+            channel = self.connection.default_channel
             default = self.strategies[forwarding.TASK]
-            self.strategies[forwarding.TASK] = forwarding.forwarding(default)
+            self.strategies[forwarding.TASK] = forwarding.install(channel, default)
 
     def on_unknown_task(self, body: Any, message: Any, exc: Exception) -> None:
         """A task that is not gpufleet's (a Celery built-in, a name no one registered):

@@ -1,25 +1,29 @@
-"""The router's hot path: a plain client's call for a HOT model goes on from the consumer.
+"""The router's hot path: a plain client's call for a HOT model goes on as it is taken.
 
 A client that does not import gpufleet sends `gpufleet.infer` to the router's queue. When
 the model has a HOT replica, running a task for it in a pool child (and handing the call on
 with `Task.replace`) costs the router 12 to 18 ms of CPU for what is one lease and one
-publish. So the router's consumer, in the worker's main process, looks at each such call
-as it arrives: when its arguments are valid and `pick.lua` leases a HOT replica, it moves
-the message, unchanged but for the lease and counted headers, to that replica's GPU
-worker queue, acknowledging it in the same transaction (`tasks.transport.Channel.forward`).
-The call is then exactly a fast-path call: same task id, name and body, so the caller's
-AsyncResult yields the GPU worker's answer, and Flower sees it received and answered there.
+publish. So the router's task channel asks `Forwarder` about each message as it takes it,
+in the worker's main process, before recording it as unacknowledged
+(`tasks.transport.Channel.divert`): when the call's arguments are valid and `pick.lua`
+leases a HOT replica, the message moves on, unchanged but for the lease and counted
+headers, to that replica's GPU worker queue, out of the router's in-flight list in the
+same transaction. The call is then exactly a fast-path call: same task id, name and body,
+so the caller's AsyncResult yields the GPU worker's answer, and Flower sees it received
+and answered there. Celery's strategy skips it (it is acknowledged already).
 
 Everything else takes Celery's path to the pool, as before: a miss, an unknown model or a
 bad payload (the pool stores the error), a call with an ETA, a retry, a call given back
 after a router died (which must be looked for elsewhere first, `tasks.api`), and any call
-the registry or broker could not forward, after ending its lease. A router killed before
-the move leaves the call unacknowledged, and it is given back to a router as any other.
-docs/tasks.md, "The router's hot path", says what a caller sees.
+the registry could not lease. A move that fails ends its lease, and the call waits in the
+in-flight list, which the reconnecting consumer puts back first in line. A router killed
+at any point leaves the call in its in-flight list or on the GPU worker's queue, never
+both. docs/tasks.md, "A call", says what a caller sees.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -27,6 +31,7 @@ from typing import Any
 from placement.errors import GpufleetError
 from tasks import context, leases
 from tasks.calls import counted_in, infer_arguments
+from tasks.transport import Onward
 from worker.handlers import validate
 
 log = logging.getLogger(__name__)
@@ -37,14 +42,15 @@ JSON = "application/json"
 _Strategy = Callable[..., Any]
 
 
-def forwarding(strategy: _Strategy) -> _Strategy:
-    """Celery's strategy for `gpufleet.infer` on a router, forwarding hot calls first."""
-    forward = Forwarder()
+def install(channel: Any, strategy: _Strategy) -> _Strategy:
+    """Make `channel` (a router's task channel) forward hot calls as it takes them; returns
+    Celery's strategy for `gpufleet.infer`, which skips the calls forwarded."""
+    channel.divert = Forwarder()
 
     def task_message_handler(
         message: Any, body: Any, ack: Any, reject: Any, callbacks: Any, **kwargs: Any
     ) -> Any:
-        if forward(message):
+        if message.acknowledged:  # forwarded as it was taken
             return None
         return strategy(message, body, ack, reject, callbacks, **kwargs)
 
@@ -52,30 +58,24 @@ def forwarding(strategy: _Strategy) -> _Strategy:
 
 
 class Forwarder:
-    """Moves a hot call to its replica's GPU worker's queue; says whether it did."""
+    """Says where a hot call goes on to (its replica's GPU worker queue, with a lease)."""
 
-    def __call__(self, message: Any) -> bool:
+    def __call__(self, message: Any) -> Onward | None:
         plain = plain_call(message)
         if plain is None:
-            return False
+            return None
         model, counted = plain
         try:
             lease = context.registry().pick(model, path="" if counted else "router")
         except GpufleetError:
             log.warning("could not look for a HOT replica of %s; routing the call", model)
-            return False
+            return None
         if lease is None:
-            return False  # a miss: the pool places the model
+            return None  # a miss: the pool places the model
         headers = dict(message.headers)
         headers[leases.HEADER] = leases.header(lease)
         headers[leases.COUNTED_HEADER] = True  # counted by this pick (or before)
-        try:
-            message.channel.forward(message, lease.queue, headers)
-        except Exception:
-            log.warning("could not forward a call of %s; routing it", model, exc_info=True)
-            leases.end(lease)
-            return False
-        return True
+        return Onward(lease.queue, headers, functools.partial(leases.end, lease))
 
 
 def plain_call(message: Any) -> tuple[str, bool] | None:
@@ -88,8 +88,6 @@ def plain_call(message: Any) -> tuple[str, bool] | None:
         return None
     if (message.delivery_info or {}).get("redelivered") or message.content_type != JSON:
         return None
-    if not callable(getattr(message.channel, "forward", None)):
-        return None  # not gpufleet's transport
     try:
         args, kwargs, _ = message.decode()
         model, inputs, params = infer_arguments(*args, **kwargs)

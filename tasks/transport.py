@@ -41,6 +41,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from queue import Empty
 from typing import Any
 
@@ -52,6 +54,7 @@ from redis.exceptions import NoScriptError
 
 from placement import scripts
 from placement.keys import unacked_of
+from placement.scripts import scripts_for
 
 #: How long a consumer waits for Redis to come back to give a message back.
 GIVE_BACK_S = 30.0
@@ -61,16 +64,33 @@ IDLE_POLL_S = 0.25
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class Onward:
+    """Where a consumer sends a message it takes instead of keeping it (`Channel.divert`):
+    the queue, the message's new headers, and what undoes the decision if the move fails."""
+
+    queue: str
+    headers: dict[str, Any]
+    undo: Callable[[], None]
+
+
 class QoS(kombu_redis.QoS):
     """Unacknowledged-message bookkeeping that gives back what it could not record, and
     that says which worker holds each message (`placement.keys.unacked_of`), so a dead
-    one's messages go back without waiting for the visibility timeout (tasks/presence.py)."""
+    one's messages go back without waiting for the visibility timeout (tasks/presence.py).
+    A message its channel diverts is moved on instead, never recorded."""
 
     def append(self, message: Any, delivery_tag: str) -> None:
-        taken, self.channel.taken = self.channel.taken, None
+        channel = self.channel
+        if channel.divert is not None and channel.taken is not None:
+            onward = channel.divert(message)
+            if onward is not None:
+                self._move(message, delivery_tag, onward)
+                return
+        taken, channel.taken = channel.taken, None
         info = message.delivery_info
         record = dumps([message._raw, info["exchange"], info["routing_key"]])  # type: ignore[no-untyped-call]
-        holder = self.channel.consumer_name
+        holder = channel.consumer_name
         try:
             with self.pipe_or_acquire() as pipe:
                 pipe.zadd(self.unacked_index_key, {delivery_tag: time.time()})
@@ -80,11 +100,37 @@ class QoS(kombu_redis.QoS):
                 if taken is not None:  # recorded: out of the in-flight list in the same step
                     pipe.lrem(taken[0], 1, taken[1])
                 pipe.execute()
-        except self.channel.connection_errors:
+        except channel.connection_errors:
             if taken is None:  # a taken message waits in the in-flight list instead
-                give_back(self.channel, message)
+                give_back(channel, message)
             raise  # the consumer reconnects, and puts back what is in flight
         virtual.QoS.append(self, message, delivery_tag)  # type: ignore[no-untyped-call]
+
+    def _move(self, message: Any, delivery_tag: str, onward: Onward) -> None:
+        """Publish `message`, taken into an in-flight list, with `onward`'s headers to its
+        queue, out of the in-flight list in the same step (`move.lua`), and count it
+        delivered and acknowledged at once. A failed move ends what `onward` began, and the
+        message waits in flight, which the reconnecting consumer puts back first in line."""
+        channel = self.channel
+        (inflight, taken), channel.taken = channel.taken, None
+        payload = {**message._raw, "headers": onward.headers}
+        properties = payload["properties"] = dict(payload["properties"])
+        properties["delivery_info"] = {"exchange": "", "routing_key": onward.queue}
+        properties["delivery_tag"] = channel._next_delivery_tag()
+        key = channel._q_for_pri(onward.queue, channel._get_message_priority(payload, False))
+        try:
+            message_json = dumps(payload)  # type: ignore[no-untyped-call]
+            moved = scripts_for(channel._create_client())(
+                "move", [key, inflight], [message_json, taken]
+            )
+        except BaseException:
+            onward.undo()
+            raise
+        if not moved:  # gone from the in-flight list (a sweep gave it back): not ours now
+            onward.undo()
+        virtual.QoS.append(self, message, delivery_tag)  # type: ignore[no-untyped-call]
+        virtual.QoS.ack(self, delivery_tag)  # type: ignore[no-untyped-call]
+        message._state = "ACK"
 
     def _remove_from_indices(self, delivery_tag: str, pipe: Any = None) -> Any:
         with self.pipe_or_acquire(pipe) as batch:
@@ -141,6 +187,9 @@ class Channel(kombu_redis.Channel):
     _taking: tuple[str, list[str]] | None = None  # the take in flight: its kind, its lists
     _idle = False  # the last take found every list empty: block next
     _sync_client: Any = None  # see `_create_client`
+    #: Asked of each message this channel takes, before it is recorded as unacknowledged:
+    #: where to send it on instead, or None (a router's hot calls: tasks/forwarding.py).
+    divert: Callable[[Any], Onward | None] | None = None
 
     def _create_client(self, asynchronous: bool = False) -> Any:
         """Kombu builds a new Redis client, about 0.2 ms of CPU, for every publish, ack and
@@ -153,20 +202,6 @@ class Channel(kombu_redis.Channel):
         if client is None or client.connection_pool is not pool:
             client = self._sync_client = super()._create_client()  # type: ignore[no-untyped-call]
         return client
-
-    def forward(self, message: Any, queue: str, headers: dict[str, Any]) -> None:
-        """Publish `message`, with `headers` instead of its own, to `queue` and acknowledge
-        it, in one transaction: no crash leaves it in both queues, or in neither."""
-        payload = {**message._raw, "headers": headers}
-        properties = payload["properties"] = dict(payload["properties"])
-        properties["delivery_info"] = {"exchange": "", "routing_key": queue}
-        properties["delivery_tag"] = self._next_delivery_tag()  # type: ignore[no-untyped-call]
-        priority = self._get_message_priority(payload, reverse=False)  # type: ignore[no-untyped-call]
-        with self.qos.pipe_or_acquire() as pipe:
-            pipe.lpush(self._q_for_pri(queue, priority), dumps(payload))  # type: ignore[no-untyped-call]
-            self.qos._remove_from_indices(message.delivery_tag, pipe).execute()
-        virtual.QoS.ack(self.qos, message.delivery_tag)  # type: ignore[no-untyped-call]
-        message._state = "ACK"
 
     @property
     def _takes_in_flight(self) -> bool:

@@ -22,7 +22,7 @@ from kombu import Connection, Exchange, Queue
 
 from placement.keys import unacked_of
 from placement.redis_server import RedisServer
-from tasks.transport import Channel, QoS, Transport
+from tasks.transport import Channel, Onward, QoS, Transport
 
 SEP = Channel.sep
 
@@ -258,32 +258,43 @@ def test_a_worker_with_a_key_prefix_keeps_brpop_and_still_gets_its_messages() ->
         assert redis.Redis.from_url(server.url).keys("*inflight*") == []
 
 
-def test_a_forwarded_message_leaves_the_unacked_records_as_it_lands_on_its_new_queue() -> None:
+def test_a_diverted_message_moves_on_from_in_flight_and_is_never_recorded_as_unacked() -> None:
     with RedisServer() as server:
         with Connection(server.url, transport=Transport) as conn:
-            conn.Producer(serializer="json").publish(
-                {"n": 1}, exchange=WORK.exchange, routing_key="work", declare=[WORK],
-                priority=6, headers={"id": "call-1", "keep": "me"},
-            )  # fmt: skip
+            producer = conn.Producer(serializer="json")
+            for n, priority in ((1, 6), (2, 0)):
+                producer.publish(
+                    {"n": n}, exchange=WORK.exchange, routing_key="work", declare=[WORK],
+                    priority=priority, headers={"id": f"call-{n}"},
+                )  # fmt: skip
         client = redis.Redis.from_url(server.url)
-        held: list[Any] = []
-        with (
-            Connection(server.url, transport=Transport, transport_options=NAMED) as conn,
-            conn.Consumer(WORK, callbacks=[lambda _body, m: held.append(m)]),
-        ):
-            conn.drain_events(timeout=5)
-            (message,) = held
-            tag = message.delivery_tag
-            assert client.hexists("unacked", tag) and client.sismember(unacked_of(NAME), tag)
-            message.channel.forward(message, "elsewhere", {**message.headers, "lease": "L"})
-            assert message.acknowledged
-            qos = message.channel.qos
-            assert len(qos._delivered) - len(qos._dirty) == 0  # its prefetch credit is back
-            assert client.hlen("unacked") == client.zcard("unacked_index") == 0
-            assert client.scard(unacked_of(NAME)) == 0
-        (moved,) = [json.loads(raw) for raw in client.lrange(f"elsewhere{SEP}6", 0, -1)]
-        assert _body(moved) == {"n": 1}
-        assert moved["headers"] == {**message.headers, "lease": "L"}
-        assert moved["properties"]["delivery_info"]["routing_key"] == "elsewhere"
-        assert moved["properties"]["delivery_tag"] != tag
-        assert client.llen("work") == client.llen("elsewhere") == 0  # once, in its priority list
+        seen: list[Any] = []
+        undone: list[str] = []
+
+        def divert(message: Any) -> Onward | None:
+            if message.headers["id"] != "call-1":
+                return None  # kept: recorded as unacked, as any other
+            assert client.llen(f"work{SEP}6.inflight.{NAME}") == 1  # taken, in flight
+            headers = {**message.headers, "lease": "L"}
+            return Onward("elsewhere", headers, lambda: undone.append("lease"))
+
+        with Connection(server.url, transport=Transport, transport_options=NAMED) as conn:
+            conn.default_channel.divert = divert
+            with conn.Consumer(WORK, callbacks=[lambda body, m: seen.append((body, m))]):
+                conn.drain_events(timeout=5)
+                conn.drain_events(timeout=5)
+                (moved_body, moved), (kept_body, kept) = sorted(seen, key=lambda s: s[0]["n"])
+                assert (moved_body, kept_body) == ({"n": 1}, {"n": 2})
+                assert moved.acknowledged and not kept.acknowledged
+                qos = conn.default_channel.qos
+                assert len(qos._delivered) - len(qos._dirty) == 1  # only the kept one counts
+                assert client.hkeys("unacked") == [kept.delivery_tag.encode()]
+                assert client.smembers(unacked_of(NAME)) == {kept.delivery_tag.encode()}
+                kept.ack()
+        assert client.keys("*inflight*") == [] and undone == []
+        (payload,) = [json.loads(raw) for raw in client.lrange(f"elsewhere{SEP}6", 0, -1)]
+        assert _body(payload) == {"n": 1}
+        assert payload["headers"] == {**moved.headers, "lease": "L"}
+        assert payload["properties"]["delivery_info"]["routing_key"] == "elsewhere"
+        assert payload["properties"]["delivery_tag"] != moved.delivery_tag
+        assert client.llen("elsewhere") == client.llen("work") == 0  # once, in its priority list
