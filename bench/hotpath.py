@@ -43,6 +43,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from multiprocessing.connection import Connection
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -266,18 +267,19 @@ def measure(  # noqa: PLR0917 - the run's three kinds of call, its sizes and its
     }
 
 
-def direct_forward(catalog: Path, sim_gpus: int) -> Callable[[], float]:
-    """The fleet's forward pass of MODEL on INPUTS done directly in this process, with the
-    torch threads a GPU worker of this fleet runs it on (`worker.threads`): tokenise,
-    run the model, summarise the output as the `forward` task does. Returns its timer."""
+def forward_once(catalog: Path, sim_gpus: int) -> Callable[[], float]:
+    """The fleet's forward pass of MODEL on INPUTS as plain torch code, with the torch
+    threads a GPU worker of this fleet runs it on (`worker.passes`): tokenise, run the
+    model, summarise the output as the `forward` task does. Returns its timer (ms)."""
     import torch
 
     from placement.catalog import Catalog
+    from worker.passes import dims_of, for_pass, share
     from worker.synthetic import build_synthetic
-    from worker.threads import for_pass, share
 
     net, tokenizer = build_synthetic(Catalog.load(catalog).get(MODEL))
-    torch.set_num_threads(for_pass(share(Settings.from_env().torch_threads, sim_gpus), net, INPUTS))
+    threads = share(Settings.from_env().torch_threads, sim_gpus)
+    torch.set_num_threads(for_pass(threads, dims_of(net), INPUTS))
 
     def once() -> float:
         start = time.perf_counter()
@@ -289,6 +291,39 @@ def direct_forward(catalog: Path, sim_gpus: int) -> Callable[[], float]:
         return (time.perf_counter() - start) * 1000
 
     return once
+
+
+def _serve_forward(conn: Connection, catalog: Path, sim_gpus: int) -> None:
+    once = forward_once(catalog, sim_gpus)
+    while conn.recv():
+        conn.send(once())
+
+
+class DirectForward:
+    """`forward_once` in a process of its own that sleeps between passes, woken by a pipe,
+    as a GPU worker's pool child is: the reference for the worker's compute time. Called,
+    it runs one pass and returns its time."""
+
+    def __init__(self, catalog: Path, sim_gpus: int) -> None:
+        import multiprocessing
+
+        context = multiprocessing.get_context("fork")  # as Celery's prefork pool
+        self._conn, theirs = context.Pipe()
+        self._proc = context.Process(
+            target=_serve_forward, args=(theirs, catalog, sim_gpus), daemon=True
+        )
+        self._proc.start()
+
+    def __call__(self) -> float:
+        self._conn.send(True)
+        ms: float = self._conn.recv()
+        return ms
+
+    def close(self) -> None:
+        self._conn.send(False)
+        self._proc.join(STOP_GRACE_S)
+        if self._proc.is_alive():
+            self._proc.kill()
 
 
 def router_cpu_ticks(pid: int) -> tuple[int, int]:
@@ -371,6 +406,7 @@ def run(calls: int, warmup: int, model_mib: int, directory: Path) -> dict[str, A
     fleet = bench_launcher(directory, one_model, "hotpath", SIM_GPUS, warm_cache="1GiB")
     catalog = fleet.models
     bare: subprocess.Popen[bytes] | None = None
+    direct: DirectForward | None = None
     broker = "GPUFLEET_REDIS_URL" if os.environ.get("GPUFLEET_REDIS_URL") else "embedded redis"
     load_before = os.getloadavg()
     try:
@@ -400,7 +436,7 @@ def run(calls: int, warmup: int, model_mib: int, directory: Path) -> dict[str, A
         def plain_send() -> AsyncResult:
             return plain.send_task("gpufleet.infer", args=(MODEL, INPUTS))
 
-        direct = direct_forward(catalog, len(fleet.devices))
+        direct = DirectForward(catalog, len(fleet.devices))
 
         first_ms, first, first_handle = timed(fleet_send)
         first_task = first_handle.name  # gpufleet.run: the router replaced the call
@@ -414,6 +450,8 @@ def run(calls: int, warmup: int, model_mib: int, directory: Path) -> dict[str, A
         parts = fast_path_parts(min(calls, 200))
         fleet.supervise()
     finally:
+        if direct is not None:
+            direct.close()
         if bare is not None:
             stop_bare(bare)
         fleet.stop()

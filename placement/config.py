@@ -147,7 +147,7 @@ class Settings:
     sim_gpus: str | None = None
     gpu_reserve: int = DEFAULT_GPU_RESERVE  # bytes of each real GPU the ledger never places
     warm_cache: int | None = None  # bytes; None: a quarter of the host's RAM
-    torch_threads: int | None = None  # None: `worker.threads.share` decides
+    torch_threads: int | None = None  # None: `worker.passes.share` decides
     worker_lease_ms: int = DEFAULT_WORKER_LEASE_MS
     visibility_timeout: int = DEFAULT_VISIBILITY_TIMEOUT_S
     host: str = field(default_factory=socket.gethostname)

@@ -34,7 +34,7 @@ from tasks import batching, context
 from tasks.app import app
 from tasks.calls import Call, time_limits_of
 from tasks.routing import gpu_queue
-from worker import threads
+from worker import passes
 from worker.devices import Device, discover
 from worker.lifecycle import default_lineage
 from worker.node import GpuWorker, Served
@@ -230,7 +230,7 @@ def _start(**_: Any) -> None:
             # A soft time limit is the batch's (its calls share their limits): fail them
             # all, rather than run each again after the limit.
             whole_pass_errors=(SoftTimeLimitExceeded,),
-            threads=threads.share(settings.torch_threads, len(visible)),
+            threads=passes.share(settings.torch_threads, len(visible)),
         )
     except Exception:
         # Celery would log this and keep a child that fails every call: exit instead.

@@ -21,7 +21,7 @@ from placement.config import (
 )
 from placement.errors import ConfigError
 from placement.settings import GpuChoice, VictimOrder
-from worker.threads import share
+from worker.passes import share
 
 REPO = Path(__file__).resolve().parents[1]
 

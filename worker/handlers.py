@@ -507,13 +507,14 @@ def _forward(  # noqa: PLR0917
     output = _main_output(model(**encoding)).float()
     if len(sizes) > 1 and (output.dim() < 2 or output.shape[0] != len(texts)):
         raise ValueError(f"cannot split an output of shape {list(output.shape)} by call")
-    lengths = encoding["attention_mask"].sum(dim=1).tolist()
+    shared = len(sizes) > 1
+    lengths = encoding["attention_mask"].sum(dim=1).tolist() if shared else []
     width = encoding["input_ids"].shape[-1]
     results = []
     start = 0
     for size in sizes:
-        mine = output[start : start + size] if len(sizes) > 1 else output
-        if len(sizes) > 1 and mine.dim() >= 3 and mine.shape[1] == width:
+        mine = output[start : start + size] if shared else output
+        if shared and mine.dim() >= 3 and mine.shape[1] == width:
             mine = mine[:, : int(max(lengths[start : start + size]))]
         start += size
         flat = mine.reshape(-1)

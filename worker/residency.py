@@ -17,6 +17,7 @@ call holds while it computes, so a replica is never moved under a running call.
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import logging
@@ -40,7 +41,7 @@ from worker import handlers, loading
 from worker.devices import Device
 from worker.lifecycle import exit_for_restart, is_fatal_cuda_error
 from worker.measuring import Span, Spans
-from worker.threads import for_pass, token_bound
+from worker.passes import Dims, dims_of, for_pass, longest_tokens, token_bound
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,11 @@ class Resident:
     @property
     def warm(self) -> bool:
         return not self.slots
+
+    @functools.cached_property
+    def dims(self) -> Dims:
+        """What its passes scale with (`worker.passes`), read once."""
+        return dims_of(self.model)
 
     @property
     def caps(self) -> dict[str, int]:
@@ -118,7 +124,7 @@ class ResidencyManager:
         threads: int = 0,
     ) -> None:
         self.host = host
-        self.threads = threads  # torch's CPU threads for a pass (`worker.threads`); 0: as is
+        self.threads = threads  # torch's CPU threads for a pass (`worker.passes`); 0: as is
         self.devices = {d.gpu_id(host): d for d in devices}
         self.registry = registry
         self.warmup = warmup
@@ -453,7 +459,7 @@ class ResidencyManager:
                 return
             compute_ms = (time.perf_counter() - start) * 1000
             if simulated:
-                self._learn_from(resident, _activation_bytes(resident.model, flat))
+                self._learn_from(resident, _activation_bytes(resident.dims, flat))
             elif span is not None and self._spans.clean(span):  # the peak is this pass's own
                 self._learn_from(
                     resident, sum(torch.cuda.max_memory_allocated(i) - before[i] for i in plan)
@@ -462,10 +468,10 @@ class ResidencyManager:
                 ran[index] = Ran(result, None, len(chunk), compute_ms)
 
     def _set_threads(self, resident: Resident, texts: list[str]) -> None:
-        """Give this thread's torch the threads the pass should run on (`worker.threads`)."""
+        """Give this thread's torch the threads the pass should run on (`worker.passes`)."""
         if not self.threads:
             return
-        wanted = for_pass(self.threads, resident.model, texts)
+        wanted = for_pass(self.threads, resident.dims, texts)
         if wanted != torch.get_num_threads():
             torch.set_num_threads(wanted)
 
@@ -626,7 +632,7 @@ class ResidencyManager:
         self, resident: Resident, plan: Mapping[int, int], inputs: object
     ) -> None:
         """A call whose activations would pass the reservation fails as on a capped GPU."""
-        need = _activation_bytes(resident.model, inputs)
+        need = _activation_bytes(resident.dims, inputs)
         index = min(plan)
         free = self._reserved(index) - self._charged.get(index, 0)
         if need > free:
@@ -695,7 +701,7 @@ class ResidencyManager:
             finally:
                 self._warming.load = False
         if simulated:
-            peak = weights + _activation_bytes(resident.model, _warmup_input(resident))
+            peak = weights + _activation_bytes(resident.dims, _warmup_input(resident))
         else:
             for index in plan:  # every planned device, not only the current one
                 torch.cuda.synchronize(index)
@@ -763,7 +769,7 @@ def _chunks(resident: Resident, members: list[_Member], free: int) -> Iterator[l
     for member in members:
         lengths = [token_bound(text) for text in member[1]]
         more_rows, more_longest = rows + len(lengths), max([longest, *lengths])
-        if chunk and (alone or _pass_bytes(resident.model, more_rows, more_longest) > free):
+        if chunk and (alone or resident.dims.activation_bytes(more_rows, more_longest) > free):
             yield chunk
             chunk, more_rows, more_longest = [], len(lengths), max(lengths, default=0)
         chunk.append(member)
@@ -772,22 +778,8 @@ def _chunks(resident: Resident, members: list[_Member], free: int) -> Iterator[l
         yield chunk
 
 
-def _activation_bytes(model: Any, inputs: object) -> int:
-    """The worker's model of a pass's activation memory (`_pass_bytes`) for `inputs`."""
+def _activation_bytes(dims: Dims, inputs: object) -> int:
+    """The worker's estimate of a pass's activation memory for `inputs` (`worker.passes`)."""
     texts = [inputs] if isinstance(inputs, str) else inputs if isinstance(inputs, list) else []
-    lengths = [token_bound(t) for t in texts if isinstance(t, str)]
-    return _pass_bytes(model, len(lengths), max(lengths, default=0))
-
-
-def _pass_bytes(model: Any, rows: int, longest: int) -> int:
-    """rows x the longest row's tokens (a batch is padded to it) x hidden x (layers + 1)
-    x 4 x dtype.
-
-    Tokens are bounded by characters, so the estimate only errs high. On CUDA it only
-    sizes batches: the allocator's cap is what enforces the reservation.
-    """
-    config = getattr(model, "config", None)
-    hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", 0) or 0
-    layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", 0) or 0
-    itemsize = next(iter(model.parameters())).element_size()
-    return int(rows * longest * hidden * (layers + 1) * 4 * itemsize)
+    texts = [t for t in texts if isinstance(t, str)]
+    return dims.activation_bytes(len(texts), longest_tokens(texts))

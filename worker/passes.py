@@ -1,0 +1,89 @@
+"""How big a forward pass is, and what follows from it: its work, its activation memory and
+the CPU threads it runs on.
+
+A transformer's pass scales with its hidden size and layer count, read once per resident
+model (`Dims`; transformers' config attributes are slow to read, tens of microseconds
+each on the 2-core test machine), and with the rows and the longest row of its inputs,
+bounded by their characters (`token_bound`), which are known before the tokenizer runs.
+
+Threads. Torch's default is every core in every process. A host runs one GPU worker per
+GPU, and on simulated GPUs each one's forward passes run on the CPU, so a worker takes an
+equal share of the cores (`share`; `GPUFLEET_TORCH_THREADS` or `OMP_NUM_THREADS` set it
+instead). Within that share, a pass too small to gain from intra-op threads runs on one
+(`for_pass`): its threads only wait for each other, and for cores that the worker's own
+Celery process, Redis and the callers need at that moment. On the 2-core test machine a
+lone call of a tiny synthetic BERT computed in about 3.7 ms on one thread against 4.4 ms
+on two, while a batch of 8 MiniLM calls took 55 ms on two threads against 90 ms on one
+(docs/benchmarks.md). On a real GPU the pass runs on the device, and the threads serve
+only the host-side work around it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+#: Below this many multiply-adds (estimated, `Dims.work`), a pass runs on one thread: a
+#: lone short MiniLM call is about 6e8, a tiny synthetic model's about 2e6.
+SMALL_PASS = 50_000_000
+
+
+@dataclass(frozen=True)
+class Dims:
+    """What a transformer's pass scales with; 0 where its config does not say."""
+
+    hidden: int
+    layers: int
+    itemsize: int  # bytes per value of its weights
+
+    @property
+    def known(self) -> bool:
+        return self.hidden > 0 and self.layers > 0
+
+    def work(self, rows: int, longest: int) -> int:
+        """Multiply-adds of a pass over `rows` inputs padded to `longest` tokens (about
+        12 x hidden^2 per token and layer)."""
+        return rows * longest * self.layers * 12 * self.hidden * self.hidden
+
+    def activation_bytes(self, rows: int, longest: int) -> int:
+        """rows x longest x hidden x (layers + 1) x 4 x itemsize: the worker's estimate of a
+        pass's activations. Tokens are bounded by characters, so it only errs high. On CUDA
+        it only sizes batches: the allocator's cap is what enforces the reservation."""
+        return rows * longest * self.hidden * (self.layers + 1) * 4 * self.itemsize
+
+
+def dims_of(model: Any) -> Dims:
+    """`model`'s `Dims`, from its config (BERT's or GPT-2's names) and first weight."""
+    config = getattr(model, "config", None)
+    hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", 0) or 0
+    layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", 0) or 0
+    first = next(iter(model.parameters()), None)
+    itemsize = first.element_size() if first is not None else 4
+    return Dims(int(hidden), int(layers), int(itemsize))
+
+
+def token_bound(text: str) -> int:
+    """An upper bound of a text's tokens: its characters (at most 512) and two specials."""
+    return min(len(text), 512) + 2
+
+
+def longest_tokens(texts: Sequence[str]) -> int:
+    """The longest of `texts` in tokens at most (`token_bound`); 0 for none."""
+    return max(map(token_bound, texts), default=0)
+
+
+def share(configured: int | None, gpus: int, cores: int | None = None) -> int:
+    """A GPU worker's threads: `configured` when set, else the host's cores split evenly
+    among its GPUs (one worker each), at least 1."""
+    if configured:
+        return configured
+    return max(1, (cores or os.cpu_count() or 1) // max(gpus, 1))
+
+
+def for_pass(threads: int, dims: Dims, texts: Sequence[str]) -> int:
+    """The threads one pass over `texts` runs on: 1 when it is small (`SMALL_PASS`), else
+    `threads` (and for a model whose size the config does not say)."""
+    small = dims.known and dims.work(len(texts), longest_tokens(texts)) < SMALL_PASS
+    return 1 if small else threads
