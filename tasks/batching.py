@@ -35,6 +35,7 @@ from billiard.einfo import ExceptionInfo
 from celery.app import trace as celery_trace
 
 from placement.batching import BatchLimits, Waiting, input_chars, take_batch
+from tasks import results
 from tasks.calls import Call, call_of
 
 if TYPE_CHECKING:
@@ -226,16 +227,20 @@ def _job(request: Any, call: Call, since_ms: float) -> _Job:
     return trace, args, call.as_json(), since_ms
 
 
-def run_batch(jobs: list[_Job], serve: Callable[[list[Call]], list[Any]]) -> list[Any]:
+def run_batch(
+    jobs: list[_Job], serve: Callable[[list[Call]], list[Any]], backend: Any = None
+) -> list[Any]:
     """In the child: compute every call's answer in shared passes, then run each call's own
-    tracer, which stores its result. Returns the tracers' returns, in order."""
+    tracer, which stores its result (with `backend`'s, all at once: `tasks.results`).
+    Returns the tracers' returns, in order."""
     started = time.time() * 1000
     calls = [Call.from_json(job[2]) for job in jobs]
     try:
         outcomes = serve(calls)
     except Exception as exc:
         outcomes = [exc] * len(calls)
-    with _ready(jobs, outcomes, started):
+    ids = [args[1] for _, args, _, _ in jobs]
+    with _ready(jobs, outcomes, started), results.stored_together(backend, ids):
         return [_traced(trace, args) for trace, args, _, _ in jobs]
 
 

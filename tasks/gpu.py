@@ -100,7 +100,7 @@ def serve(task: Task, call: Call) -> dict[str, Any]:
 
 def batch_job(jobs: list[Any]) -> list[Any]:
     """A pool job of calls for one replica (`tasks.batching`): shared passes, own results."""
-    return batching.run_batch(jobs, _serve_batch)
+    return batching.run_batch(jobs, _serve_batch, app.backend)
 
 
 def _serve_batch(calls: list[Call]) -> list[Served | BaseException]:
@@ -113,6 +113,7 @@ def _serve_batch(calls: list[Call]) -> list[Served | BaseException]:
     try:
         if batched:
             _say_batch(worker, first.replica, len(calls))
+            log.info("%d calls of %s share a pass on %s", len(calls), first.model, first.replica)
         return worker.serve_batch(first.replica, first.epoch, [(c.inputs, c.params) for c in calls])
     finally:
         if batched:
@@ -121,6 +122,20 @@ def _serve_batch(calls: list[Call]) -> list[Served | BaseException]:
             worker.registry.finish_all([c.lease for c in calls if c.lease is not None])
         except GpufleetError:  # they expire on their own; the answers stand
             log.warning("could not end the leases of a batch of %d", len(calls), exc_info=True)
+
+
+#: Celery's loggers of each call's "received" (the worker's main process) and "succeeded"
+#: (its pool child) lines.
+CALL_LOGGERS = ("celery.worker.strategy", "celery.app.trace")
+
+
+def quiet_call_logs(name: str) -> None:
+    """Keep Celery's per-call INFO lines of logger `name` out of a GPU worker's log unless
+    it runs at DEBUG: at hundreds of calls a second they cost the worker more than a batch
+    shares (formatting, and the launcher relaying every line). Warnings and failures stay,
+    a batch of several logs one line, and Flower shows every call (docs/tasks.md)."""
+    if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
+        logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def _say_batch(worker: GpuWorker, replica: str, calls: int) -> None:
@@ -213,6 +228,7 @@ def _check_owners(devices: list[Device]) -> None:
 def _start(**_: Any) -> None:
     if context.role() != "gpu":
         return
+    quiet_call_logs(CALL_LOGGERS[1])  # before the first call builds its tracer
     try:
         settings = context.settings()
         visible = _visible()  # NVML enumerates once

@@ -1,0 +1,44 @@
+"""A batch's results are stored together, as Celery's Redis backend would store each one."""
+
+from __future__ import annotations
+
+import json
+
+import redis
+from celery import Celery, states
+
+from placement.redis_server import RedisServer
+from tasks.results import stored_together
+
+
+def test_a_batchs_results_take_one_read_and_one_write_and_are_what_celery_writes() -> None:
+    with RedisServer() as server:
+        app = Celery("results-test", broker=server.url, backend=server.url)
+        app.conf.update(result_serializer="json", result_extended=True, result_expires=3600)
+        backend = app.backend
+        client = redis.Redis.from_url(server.url)
+        key = backend.get_key_for_task
+        backend.store_result("alone", {"x": 0}, states.SUCCESS)  # Celery's own write
+        backend.store_result("b", {"old": True}, states.SUCCESS)  # answered already
+        ids = ["a", "b", "c"]
+        client.config_resetstat()
+        with stored_together(backend, ids):
+            for i, task_id in enumerate(ids):
+                backend.store_result(task_id, {"x": i}, states.SUCCESS)
+            assert not client.exists(key("a"))  # written as the block ends, all at once
+        stats = client.info("commandstats")
+        assert stats["cmdstat_mget"]["calls"] == 1 and "cmdstat_get" not in stats
+        assert stats["cmdstat_exec"]["calls"] == 1
+        assert stats["cmdstat_set"]["calls"] == stats["cmdstat_publish"]["calls"] == 2
+        assert app.AsyncResult("a").get(timeout=5) == {"x": 0}
+        assert app.AsyncResult("c").get(timeout=5) == {"x": 2}
+        assert app.AsyncResult("b").get(timeout=5) == {
+            "old": True
+        }  # a success is never overwritten
+        alone, together = (json.loads(client.get(key(t))) for t in ("alone", "a"))
+        assert set(together) == set(alone) and together["status"] == "SUCCESS"
+        assert 0 < client.ttl(key("a")) <= 3600
+        client.config_resetstat()
+        backend.store_result("d", {"x": 3}, states.SUCCESS)  # outside: Celery's path again
+        stats = client.info("commandstats")
+        assert stats["cmdstat_get"]["calls"] == 1 and "cmdstat_mget" not in stats
