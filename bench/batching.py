@@ -1,6 +1,7 @@
 """Batched against unbatched calls: MiniLM on one simulated GPU, many concurrent callers.
 
     python -m bench.batching [--threads 32] [--seconds 8] [--rounds 3] [--words 4-12]
+        [--few 8] [--lone 200]
 
 Prints one JSON object. It starts a fleet (`tasks.launcher`: an embedded Redis unless
 GPUFLEET_REDIS_URL is set, a router and one GPU worker on a simulated 4 GiB GPU) whose
@@ -19,8 +20,12 @@ so drift on a shared machine falls on both.
 
 Per model: `calls_per_s` (calls answered / seconds of its phases), latency p50 and p99
 over every call (publish to result), and `mean_batch`, the calls per forward pass
-(calls / passes; each answer says how many calls shared its pass). Targets on a CPU:
-`throughput_ratio` >= 2.5 and `p99_ratio` <= 1.5 (batched / unbatched).
+(calls / passes; each answer says how many calls shared its pass). Then `few_callers`:
+the same with `--few` callers (8), one turn each in ABBA order; and `lone_call`: one
+caller sending `--lone` calls to each model in turn (ABBA), batched p50 / unbatched p50.
+Targets on a CPU: `throughput_ratio` >= 2.5 and `p99_ratio` <= 1.5 (batched /
+unbatched, 32 callers), batched throughput above unbatched with 8 callers, and
+`lone_call.p50_ratio` <= 1.05.
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ UNBATCHED = "minilm-alone"
 SIM_GPUS = "1x4GiB"
 CALL_TIMEOUT_S = 120.0
 READY_TIMEOUT_S = 180.0
-TARGETS = {"throughput_ratio": 2.5, "p99_ratio": 1.5}
+TARGETS = {"throughput_ratio": 2.5, "p99_ratio": 1.5, "lone_p50_ratio": 1.05}
 CATALOG = f"""
 models:
   {BATCHED}:
@@ -117,6 +122,28 @@ def run_phase(model: str, threads: int, seconds: float, texts: list[str]) -> Pha
     return phase
 
 
+def lone_calls(calls: int, texts: list[str]) -> dict[str, Any]:
+    """One caller, one call at a time, batched and unbatched model in turn (ABBA): a lone
+    call must never pay for batching."""
+    from tasks.app import app
+
+    timings: dict[str, list[float]] = {BATCHED: [], UNBATCHED: []}
+    for i in range(calls):
+        for model in (BATCHED, UNBATCHED) if i % 2 == 0 else (UNBATCHED, BATCHED):
+            start = time.perf_counter()
+            app.send_task("gpufleet.infer", args=(model, texts[i % len(texts)])).get(
+                timeout=CALL_TIMEOUT_S
+            )
+            timings[model].append((time.perf_counter() - start) * 1000)
+    batched, unbatched = (percentile(timings[m], 50) for m in (BATCHED, UNBATCHED))
+    return {
+        "calls": calls,
+        "batched_p50_ms": round(batched, 3),
+        "unbatched_p50_ms": round(unbatched, 3),
+        "p50_ratio": round(batched / unbatched, 3),
+    }
+
+
 def combine(phases: list[Phase]) -> dict[str, Any]:
     latencies = [ms for p in phases for ms in p.latencies_ms]
     calls = len(latencies)
@@ -133,14 +160,21 @@ def combine(phases: list[Phase]) -> dict[str, Any]:
     }
 
 
-def run(
-    threads: int, seconds: float, rounds: int, words: tuple[int, int], directory: Path
+def run(  # noqa: PLR0917 - the command line's options
+    threads: int,
+    seconds: float,
+    rounds: int,
+    words: tuple[int, int],
+    directory: Path,
+    few: int,
+    lone: int,
 ) -> dict[str, Any]:
     from bench.fleet import bench_launcher, fleet_machine
 
     fleet = bench_launcher(directory, CATALOG, "batching", SIM_GPUS, warm_cache="1GiB")
     texts = sentences(0, 4096, *words)
     phases: dict[str, list[Phase]] = {BATCHED: [], UNBATCHED: []}
+    few_phases: dict[str, list[Phase]] = {BATCHED: [], UNBATCHED: []}
     try:
         fleet.start()
         fleet.wait_ready(READY_TIMEOUT_S)
@@ -154,6 +188,9 @@ def run(
             phase = run_phase(model, threads, seconds, texts)
             log.info("%s: %d calls in %.1f s", model, len(phase.latencies_ms), phase.seconds)
             phases[model].append(phase)
+        for model in [BATCHED, UNBATCHED, UNBATCHED, BATCHED] if few else []:
+            few_phases[model].append(run_phase(model, few, seconds, texts))
+        alone = lone_calls(lone, texts) if lone else None
         fleet.supervise()
     finally:
         fleet.stop()
@@ -161,6 +198,18 @@ def run(
     batched, unbatched = combine(phases[BATCHED]), combine(phases[UNBATCHED])
     throughput_ratio = batched["calls_per_s"] / unbatched["calls_per_s"]
     p99_ratio = batched["p99_ms"] / unbatched["p99_ms"]
+    at_few = None
+    if few:
+        few_batched, few_unbatched = combine(few_phases[BATCHED]), combine(few_phases[UNBATCHED])
+        at_few = {
+            "threads": few,
+            "batched_calls_per_s": few_batched["calls_per_s"],
+            "unbatched_calls_per_s": few_unbatched["calls_per_s"],
+            "throughput_ratio": round(few_batched["calls_per_s"] / few_unbatched["calls_per_s"], 3),
+            "p99_ratio": round(few_batched["p99_ms"] / few_unbatched["p99_ms"], 3),
+            "mean_batch": few_batched["mean_batch"],
+            "errors": few_batched["errors"] + few_unbatched["errors"],
+        }
     return {
         "threads": threads,
         "seconds_per_phase": seconds,
@@ -178,9 +227,13 @@ def run(
         "unbatched_mean_batch": unbatched["mean_batch"],
         "batched": batched,
         "unbatched": unbatched,
+        "few_callers": at_few,
+        "lone_call": alone,
         "targets": TARGETS,
         "meets_targets": throughput_ratio >= TARGETS["throughput_ratio"]
         and p99_ratio <= TARGETS["p99_ratio"]
+        and (alone is None or alone["p50_ratio"] <= TARGETS["lone_p50_ratio"])
+        and (at_few is None or (at_few["throughput_ratio"] > 1 and not at_few["errors"]))
         and not batched["errors"]
         and not unbatched["errors"],
         "machine": fleet_machine(SIM_GPUS),
@@ -194,13 +247,17 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=8.0)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--words", default="4-12", help="words per input: LOW-HIGH")
+    parser.add_argument("--few", type=int, default=8, help="callers of the second row (0: none)")
+    parser.add_argument("--lone", type=int, default=200, help="lone calls per model (0: none)")
     args = parser.parse_args()
     low, _, high = args.words.partition("-")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     signal.signal(signal.SIGTERM, exit_on_sigterm)
     with tempfile.TemporaryDirectory(prefix="gpufleet-bench-batching-") as directory:
         words = (int(low), int(high or low))
-        result = run(args.threads, args.seconds, args.rounds, words, Path(directory))
+        result = run(
+            args.threads, args.seconds, args.rounds, words, Path(directory), args.few, args.lone
+        )
     print(json.dumps(result, indent=2))
 
 
