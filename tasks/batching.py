@@ -231,7 +231,7 @@ def run_batch(
     jobs: list[_Job], serve: Callable[[list[Call]], list[Any]], backend: Any = None
 ) -> list[Any]:
     """In the child: compute every call's answer in shared passes, then run each call's own
-    tracer, which stores its result (with `backend`'s, all at once: `tasks.results`).
+    tracer, which stores its result (`backend`'s reads of them at once: `tasks.results`).
     Returns the tracers' returns, in order."""
     started = time.time() * 1000
     calls = [Call.from_json(job[2]) for job in jobs]
@@ -240,7 +240,7 @@ def run_batch(
     except Exception as exc:
         outcomes = [exc] * len(calls)
     ids = [args[1] for _, args, _, _ in jobs]
-    with _ready(jobs, outcomes, started), results.stored_together(backend, ids):
+    with _ready(jobs, outcomes, started), results.read_together(backend, ids):
         return [_traced(trace, args) for trace, args, _, _ in jobs]
 
 

@@ -1,14 +1,18 @@
-"""A batch's results, stored together: one read and one write for the whole batch.
+"""A batch's results, read together: one read for the whole batch, then Celery's writes.
 
 Celery's Redis result backend reads each task's stored meta before it writes the task's
 result (so that a lost worker's duplicate never overwrites a success), then writes it
 with its PUBLISH: two round trips per call, which a GPU worker's pool child waits out
 between a batch's forward pass and the next batch's. While a batch's tracers run
-(`tasks.batching.run_batch`), the child reads every call's meta with one MGET first and
-writes every result in one pipeline last, before the job returns: each call is still
-acknowledged only once its result is stored, and what is written is what Celery would
-have written, key for key. A write that fails is retried as Celery retries its own
-(`Backend.ensure`).
+(`tasks.batching.run_batch`), the child reads every call's meta with one MGET first (a
+few milliseconds before Celery would read each); each tracer then writes its result as
+Celery does, at once, so each caller has its answer as soon as its tracer ran.
+
+Why not one write for the batch too: it saved a little more, but every caller of a batch
+then got its answer at the same moment and sent its next call at the same moment, so
+the next pass took one call and the rest queued behind it, and back: the waiting count
+the scaling rule reads swung under its threshold every other pass, and a burst no
+longer scaled out (tests/test_scaling_fleet.py).
 """
 
 from __future__ import annotations
@@ -23,13 +27,10 @@ from celery.backends.redis import RedisBackend
 
 log = logging.getLogger(__name__)
 
-_Write = tuple[str, Any, int | None]  # key, encoded meta, expiry (None: the backend's)
-
 
 @contextmanager
-def stored_together(backend: Any, task_ids: Sequence[str]) -> Iterator[None]:
-    """Within the block, `backend` answers the meta reads of `task_ids` from one MGET and
-    keeps every result write; at its end, it writes them in one pipeline."""
+def read_together(backend: Any, task_ids: Sequence[str]) -> Iterator[None]:
+    """Within the block, `backend` answers the meta reads of `task_ids` from one MGET."""
     if len(task_ids) < 2 or not isinstance(backend, RedisBackend):
         yield
         return
@@ -40,28 +41,12 @@ def stored_together(backend: Any, task_ids: Sequence[str]) -> Iterator[None]:
         log.warning("could not read a batch's results at once; reading them one by one")
         read = {}
     read_one = backend.get
-    writes: list[_Write] = []
 
     def get(key: Any) -> Any:
         return read.pop(key) if key in read else read_one(key)
 
-    def keep(key: Any, value: Any, expires: int | None = None) -> None:
-        writes.append((key, value, expires))
-
-    backend.get, backend._set = get, keep  # instance attributes over the class's methods
+    backend.get = get  # an instance attribute over the class's method
     try:
         yield
     finally:
-        del backend.get, backend._set
-        if writes:
-            backend.ensure(_write, (backend, writes))
-
-
-def _write(backend: RedisBackend, writes: list[_Write]) -> None:
-    """Celery's `RedisBackend._set` for every write, in one pipeline."""
-    with backend.client.pipeline() as pipe:
-        for key, value, expires in writes:
-            ttl = backend.expires if expires is None else expires
-            pipe.set(key, value, ex=ttl or None)
-            pipe.publish(key, value)
-        pipe.execute()
+        del backend.get
