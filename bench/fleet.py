@@ -43,6 +43,23 @@ def bench_launcher(
     return Launcher(path, Settings.from_env(), sim_gpus=sim_gpus, metrics_port=0)
 
 
+def broker_in_use() -> str:
+    """Which broker a run is about to use (read before the fleet starts, which sets it)."""
+    return "GPUFLEET_REDIS_URL" if os.environ.get("GPUFLEET_REDIS_URL") else "embedded redis"
+
+
+def loaded_machine(
+    sim_gpus: str, broker: str, load_before: tuple[float, float, float]
+) -> dict[str, Any]:
+    """`fleet_machine`, with the run's broker (`broker_in_use`) and the load averages
+    around the run."""
+    return fleet_machine(sim_gpus) | {
+        "broker": broker,
+        "loadavg_before": [round(x, 2) for x in load_before],
+        "loadavg_after": [round(x, 2) for x in os.getloadavg()],
+    }
+
+
 def fleet_machine(sim_gpus: str) -> dict[str, Any]:
     """What a fleet benchmark's figures depend on: the machine and the versions it ran."""
     import celery

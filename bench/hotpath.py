@@ -123,14 +123,17 @@ def bare_forward(model: str, inputs: Any, params: dict[str, Any] | None = None) 
 # Processes
 
 
-def start_bare(host: str, catalog: Path) -> subprocess.Popen[bytes]:
-    """The bare worker, flagged like a GPU worker; it dies with this process."""
+def start_bare(
+    app: str, queue: str, host: str, extra_env: dict[str, str]
+) -> subprocess.Popen[bytes]:
+    """A bare Celery worker of `app` ("module:attribute") on `queue`, flagged like a GPU
+    worker, as `bare@host`; it dies with this process."""
     from placement.redis_server import die_with_parent_preexec
 
-    cmd = [sys.executable, "-m", "celery", "-A", "bench.hotpath:bare_app", "worker"]
-    cmd += ["-Q", BARE_QUEUE, "-n", f"bare@{host}", "-c", "1", "-P", "prefork"]
+    cmd = [sys.executable, "-m", "celery", "-A", app, "worker"]
+    cmd += ["-Q", queue, "-n", f"bare@{host}", "-c", "1", "-P", "prefork"]
     cmd += ["--loglevel=INFO", "-E", "--without-gossip", "--without-mingle"]
-    env = {**os.environ, "GPUFLEET_MODELS": str(catalog), "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, **extra_env, "HF_HUB_OFFLINE": "1"}
     env.pop("GPUFLEET_ROLE", None)
     log.info("starting the bare worker: %s", " ".join(cmd))
     return subprocess.Popen(
@@ -142,12 +145,13 @@ def start_bare(host: str, catalog: Path) -> subprocess.Popen[bytes]:
     )
 
 
-def wait_bare(proc: subprocess.Popen[bytes], host: str, timeout: float) -> None:
+def wait_bare(app: Celery, proc: subprocess.Popen[bytes], host: str, timeout: float) -> None:
+    """Return once `start_bare`'s worker answers a ping through `app`."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"the bare worker exited with code {proc.returncode}")
-        if bare_app.control.ping([f"bare@{host}"], timeout=1.0):
+        if app.control.ping([f"bare@{host}"], timeout=1.0):
             return
         time.sleep(0.5)
     raise RuntimeError(f"the bare worker did not answer a ping in {timeout:.0f} s")
@@ -326,13 +330,6 @@ class DirectForward:
             self._proc.kill()
 
 
-def router_cpu_ticks(pid: int) -> tuple[int, int]:
-    """CPU ticks (utime + stime) of the router's main process and of its pool children."""
-    from bench.router import children_of, cpu_ticks
-
-    return cpu_ticks(pid), sum(cpu_ticks(child) for child in children_of(pid))
-
-
 def measure_plain(
     calls: int, plain_send: Send, fleet_send: Send, router_pid: int
 ) -> dict[str, Any]:
@@ -340,8 +337,10 @@ def measure_plain(
     (ABBA); the router's CPU over the phase, per plain call."""
     plain_ms: list[float] = []
     project_ms: list[float] = []
+    from bench.router import router_cpu
+
     forwarded = 0
-    ticks_before = router_cpu_ticks(router_pid)
+    ticks_before = router_cpu(router_pid)
     for i in range(calls):
         sides = (plain_send, fleet_send) if i % 2 == 0 else (fleet_send, plain_send)
         for send in sides:
@@ -351,7 +350,7 @@ def measure_plain(
                 forwarded += int(handle.name == "gpufleet.infer")  # a pool task replaces it
             else:
                 project_ms.append(ms)
-    ticks_after = router_cpu_ticks(router_pid)
+    ticks_after = router_cpu(router_pid)
     per_call = [
         (a - b) * 1000 / CLK_TCK / calls for a, b in zip(ticks_after, ticks_before, strict=True)
     ]
@@ -398,7 +397,7 @@ def fast_path_parts(n: int) -> dict[str, float]:
 
 
 def run(calls: int, warmup: int, model_mib: int, directory: Path) -> dict[str, Any]:
-    from bench.fleet import bench_launcher, fleet_machine
+    from bench.fleet import bench_launcher, broker_in_use, loaded_machine
     from tasks.routing import gpu_queue
 
     spec = f"{{source: synthetic, task: forward, memory: {model_mib}MiB}}"
@@ -407,14 +406,16 @@ def run(calls: int, warmup: int, model_mib: int, directory: Path) -> dict[str, A
     catalog = fleet.models
     bare: subprocess.Popen[bytes] | None = None
     direct: DirectForward | None = None
-    broker = "GPUFLEET_REDIS_URL" if os.environ.get("GPUFLEET_REDIS_URL") else "embedded redis"
+    broker = broker_in_use()
     load_before = os.getloadavg()
     try:
         fleet.start()  # sets GPUFLEET_REDIS_URL here: configure the clients only now
         bare_app.conf.update(bare_config())
-        bare = start_bare(fleet.host, catalog)
+        bare = start_bare(
+            "bench.hotpath:bare_app", BARE_QUEUE, fleet.host, {"GPUFLEET_MODELS": str(catalog)}
+        )
         fleet.wait_ready(READY_TIMEOUT_S)
-        wait_bare(bare, fleet.host, READY_TIMEOUT_S)
+        wait_bare(bare_app, bare, fleet.host, READY_TIMEOUT_S)
         from tasks.app import app
 
         queue = gpu_queue(fleet.host, [fleet.devices[0].index])
@@ -426,7 +427,7 @@ def run(calls: int, warmup: int, model_mib: int, directory: Path) -> dict[str, A
         def bare_send() -> AsyncResult:
             return bare_app.send_task(BARE_TASK, args=(MODEL, INPUTS), queue=BARE_QUEUE)
 
-        from bench.router import plain_client
+        from bench.router import pid_of, plain_client
 
         settings = Settings.from_env()
         plain = plain_client(
@@ -444,9 +445,7 @@ def run(calls: int, warmup: int, model_mib: int, directory: Path) -> dict[str, A
         routed_before = router_infer_count(app, router)
         stats = measure(calls, warmup, fleet_send, bare_send, direct, queue)
         routed = router_infer_count(app, router) - routed_before
-        plain_stats = measure_plain(
-            calls, plain_send, fleet_send, fleet.children["router"].proc.pid
-        )
+        plain_stats = measure_plain(calls, plain_send, fleet_send, pid_of(fleet, "router"))
         parts = fast_path_parts(min(calls, 200))
         fleet.supervise()
     finally:
@@ -511,12 +510,7 @@ def run(calls: int, warmup: int, model_mib: int, directory: Path) -> dict[str, A
             "fleet_queue_p50_ms": stats["fleet_queue"]["p50"],
             **parts,
         },
-        "machine": fleet_machine(SIM_GPUS)
-        | {
-            "broker": broker,
-            "loadavg_before": [round(x, 2) for x in load_before],
-            "loadavg_after": [round(x, 2) for x in os.getloadavg()],
-        },
+        "machine": loaded_machine(SIM_GPUS, broker, load_before),
     }
 
 
