@@ -82,11 +82,9 @@ class QoS(kombu_redis.QoS):
 
     def append(self, message: Any, delivery_tag: str) -> None:
         channel = self.channel
-        if channel.divert is not None and channel.taken is not None:
-            onward = channel.divert(message)
-            if onward is not None:
-                self._move(message, delivery_tag, onward)
-                return
+        diverting = channel.divert is not None and channel.taken is not None
+        if diverting and self._diverted(message, delivery_tag):
+            return
         taken, channel.taken = channel.taken, None
         info = message.delivery_info
         record = dumps([message._raw, info["exchange"], info["routing_key"]])  # type: ignore[no-untyped-call]
@@ -106,13 +104,24 @@ class QoS(kombu_redis.QoS):
             raise  # the consumer reconnects, and puts back what is in flight
         virtual.QoS.append(self, message, delivery_tag)  # type: ignore[no-untyped-call]
 
-    def _move(self, message: Any, delivery_tag: str, onward: Onward) -> None:
+    def _diverted(self, message: Any, delivery_tag: str) -> bool:
+        """Whether the channel's `divert` sent `message` on (see `_move`); a divert that
+        fails keeps the message, as if it had said no."""
+        try:
+            onward = self.channel.divert(message)
+        except Exception:
+            log.exception("could not tell where message %s goes; keeping it", delivery_tag)
+            return False
+        return onward is not None and self._move(message, delivery_tag, onward)
+
+    def _move(self, message: Any, delivery_tag: str, onward: Onward) -> bool:
         """Publish `message`, taken into an in-flight list, with `onward`'s headers to its
         queue, out of the in-flight list in the same step (`move.lua`), and count it
-        delivered and acknowledged at once. A failed move ends what `onward` began, and the
-        message waits in flight, which the reconnecting consumer puts back first in line."""
+        delivered and acknowledged at once. A move that fails ends what `onward` began: on
+        a lost connection the message waits in flight, which the reconnecting consumer puts
+        back first in line; on any other error it is kept (False)."""
         channel = self.channel
-        (inflight, taken), channel.taken = channel.taken, None
+        inflight, taken = channel.taken
         payload = {**message._raw, "headers": onward.headers}
         properties = payload["properties"] = dict(payload["properties"])
         properties["delivery_info"] = {"exchange": "", "routing_key": onward.queue}
@@ -123,14 +132,20 @@ class QoS(kombu_redis.QoS):
             moved = scripts_for(channel._create_client())(
                 "move", [key, inflight], [message_json, taken]
             )
-        except BaseException:
+        except channel.connection_errors:
             onward.undo()
             raise
+        except Exception:
+            onward.undo()
+            log.exception("could not move message %s on; keeping it", delivery_tag)
+            return False
+        channel.taken = None
         if not moved:  # gone from the in-flight list (a sweep gave it back): not ours now
             onward.undo()
         virtual.QoS.append(self, message, delivery_tag)  # type: ignore[no-untyped-call]
         virtual.QoS.ack(self, delivery_tag)  # type: ignore[no-untyped-call]
         message._state = "ACK"
+        return True
 
     def _remove_from_indices(self, delivery_tag: str, pipe: Any = None) -> Any:
         with self.pipe_or_acquire(pipe) as batch:

@@ -298,3 +298,33 @@ def test_a_diverted_message_moves_on_from_in_flight_and_is_never_recorded_as_una
         assert payload["properties"]["delivery_info"]["routing_key"] == "elsewhere"
         assert payload["properties"]["delivery_tag"] != moved.delivery_tag
         assert client.llen("elsewhere") == client.llen("work") == 0  # once, in its priority list
+
+
+def test_a_divert_that_fails_keeps_its_message_recorded_as_unacked() -> None:
+    with RedisServer() as server:
+        _publish(server.url, {"n": 1}, {"n": 2})
+        client = redis.Redis.from_url(server.url)
+        client.set(f"blocked{SEP}0", "a string, not a list")  # the move's push fails
+        client.set("blocked", "a string, not a list")
+        undone: list[int] = []
+
+        def divert(message: Any) -> Onward | None:
+            n = json.loads(message.body)["n"]
+            if n == 1:
+                raise RuntimeError("a bug in the divert")
+            return Onward("blocked", dict(message.headers), lambda: undone.append(n))
+
+        seen: list[Any] = []
+        with Connection(server.url, transport=Transport, transport_options=NAMED) as conn:
+            conn.default_channel.divert = divert
+            with conn.Consumer(WORK, callbacks=[lambda body, m: seen.append((body, m))]):
+                conn.drain_events(timeout=5)
+                conn.drain_events(timeout=5)
+                assert sorted(body["n"] for body, _ in seen) == [1, 2]
+                assert not any(m.acknowledged for _, m in seen)  # kept: Celery acks them
+                assert client.hlen("unacked") == 2 and undone == [2]
+                assert client.keys("*inflight*") == []
+                for _, m in seen:
+                    m.ack()
+        assert client.hlen("unacked") == client.llen("work") == 0
+        assert client.get("blocked") == b"a string, not a list"

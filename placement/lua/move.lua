@@ -6,6 +6,9 @@
 -- KEYS[2] = the in-flight list it was taken into
 -- ARGV[1] = the message to push, ARGV[2] = the message as taken
 -- Returns 1 when it moved, 0 when it was no longer in flight (nothing pushed).
-if redis.call('LREM', KEYS[2], 1, ARGV[2]) == 0 then return 0 end
+-- The push comes before the removal: a push that fails (a key of another type) changes
+-- nothing, since Redis does not undo what a failing script did before the error.
+if not redis.call('LPOS', KEYS[2], ARGV[2]) then return 0 end
 redis.call('LPUSH', KEYS[1], ARGV[1])
+redis.call('LREM', KEYS[2], 1, ARGV[2])
 return 1
