@@ -391,19 +391,24 @@ def test_flower_lists_the_gpu_workers_and_the_infer_tasks_behind_auth(
     fleet_up: Fleet,
 ) -> None:
     base, auth = fleet_up.flower
-    fleet_up.infer("minilm", "seen by flower")
+    fleet_up.infer("minilm", "seen by flower")  # HOT from here on
+    forwarded = fleet_up.client.send_task("gpufleet.infer", args=("minilm", "forwarded"))
+    assert forwarded.get(timeout=60)["cache"] == "hot"  # the router forwarded it
     assert _flower(f"{base}/api/workers", None)[0] == 401
     deadline = time.monotonic() + 30
     while True:
         workers = _flower(f"{base}/api/workers?refresh=1", auth)[1]
         tasks = _flower(f"{base}/api/tasks", auth)[1]
-        names = {t.get("name") for t in tasks.values()}
+        seen = tasks.get(forwarded.id, {})
         gpu_workers = sorted(w for w in workers if w.startswith("gpu"))
-        if (len(gpu_workers) == 2 and "gpufleet.infer" in names) or time.monotonic() > deadline:
+        if (len(gpu_workers) == 2 and seen.get("state") == "SUCCESS") or (
+            time.monotonic() > deadline
+        ):
             break
         time.sleep(1.0)
     assert [w.split("@")[0] for w in gpu_workers] == ["gpu0", "gpu1"]
-    assert "gpufleet.infer" in names
+    assert (seen.get("name"), seen.get("state")) == ("gpufleet.infer", "SUCCESS")
+    assert seen.get("worker", "").startswith("gpu")  # answered by a GPU worker
 
 
 def _flower(url: str, auth: str | None) -> tuple[int, Any]:
