@@ -216,8 +216,7 @@ class Settings:
             gpu_reserve=env.size("GPUFLEET_GPU_RESERVE", DEFAULT_GPU_RESERVE),
             warm_cache=env.size("GPUFLEET_WARM_CACHE"),
             torch_threads=env.integer("GPUFLEET_TORCH_THREADS", 0, low=0, high=1024)
-            or env.integer("OMP_NUM_THREADS", 0, low=0, high=1024)
-            or None,
+            or _omp_threads(env.get("OMP_NUM_THREADS")),
             worker_lease_ms=env.integer(
                 "GPUFLEET_WORKER_LEASE_MS", DEFAULT_WORKER_LEASE_MS, low=30
             ),
@@ -361,6 +360,13 @@ class _Env:
         except ValueError:
             allowed = ", ".join(c.value for c in kind)
             raise ConfigError(f"{name}={raw!r} must be one of {allowed}") from None
+
+
+def _omp_threads(value: str | None) -> int | None:
+    """OpenMP's thread count for the outermost level (`OMP_NUM_THREADS` may list one per
+    nesting level, "4,2"); None when unset or not a count, as torch then ignores it."""
+    first = (value or "").split(",", 1)[0].strip()
+    return int(first) if first.isdigit() and int(first) > 0 else None
 
 
 def _policy(env: _Env) -> PolicySettings:

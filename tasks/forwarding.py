@@ -13,12 +13,15 @@ so the caller's AsyncResult yields the GPU worker's answer, and Flower sees it r
 and answered there. Celery's strategy skips it (it is acknowledged already).
 
 Everything else takes Celery's path to the pool, as before: a miss, an unknown model or a
-bad payload (the pool stores the error), a call with an ETA, a retry, a call given back
-after a router died (which must be looked for elsewhere first, `tasks.api`), and any call
-the registry could not lease. A move that fails ends its lease, and the call waits in the
-in-flight list, which the reconnecting consumer puts back first in line. A router killed
-at any point leaves the call in its in-flight list or on the GPU worker's queue, never
-both. docs/tasks.md, "A call", says what a caller sees.
+bad payload (the pool stores the error), a revoked call, a call with an ETA, a retry, a
+call given back after a router died (which must be looked for elsewhere first,
+`tasks.api`), and any call the registry could not lease. A move that did not happen ends
+its lease, and the call waits in the in-flight list, which the reconnecting consumer puts
+back first in line. A router killed at any point leaves the call in its in-flight list or
+on the GPU worker's queue, never both (a lease it took lapses at its deadline). The
+lease is taken from the consumer's own thread: while the registry is away (a restart),
+`pick` retries for a few seconds before the call falls back to the pool, and the router
+takes no other message meanwhile. docs/tasks.md, "A call", says what a caller sees.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ import functools
 import logging
 from collections.abc import Callable
 from typing import Any
+
+from celery.worker import state as worker_state
 
 from placement.errors import GpufleetError
 from tasks import context, leases
@@ -88,6 +93,8 @@ def plain_call(message: Any) -> tuple[str, bool] | None:
         return None
     if (message.delivery_info or {}).get("redelivered") or message.content_type != JSON:
         return None
+    if headers.get("id") in worker_state.revoked:
+        return None  # Celery's strategy drops it and says so
     try:
         args, kwargs, _ = message.decode()
         model, inputs, params = infer_arguments(*args, **kwargs)

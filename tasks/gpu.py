@@ -18,6 +18,7 @@ import time
 from typing import Any
 
 from celery import Task
+from celery.app.trace import build_tracer
 from celery.exceptions import SoftTimeLimitExceeded
 from celery.signals import worker_init, worker_process_init, worker_process_shutdown
 
@@ -138,6 +139,14 @@ def quiet_call_logs(name: str) -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
+def _quiet_tracers(hostname: Any) -> None:
+    """`quiet_call_logs` for the child's tracers, which Celery built before this signal
+    (each read the log level then): they are built again, as Celery builds them."""
+    quiet_call_logs(CALL_LOGGERS[1])
+    for name, task in app.tasks.items():
+        task.__trace__ = build_tracer(name, task, app.loader, hostname, app=app)
+
+
 def _say_batch(worker: GpuWorker, replica: str, calls: int) -> None:
     """Record the running pass's size (0: it ended); never fail the batch over it."""
     try:
@@ -225,10 +234,10 @@ def _check_owners(devices: list[Device]) -> None:
 
 
 @worker_process_init.connect
-def _start(**_: Any) -> None:
+def _start(sender: Any = None, **_: Any) -> None:
     if context.role() != "gpu":
         return
-    quiet_call_logs(CALL_LOGGERS[1])  # before the first call builds its tracer
+    _quiet_tracers(sender)
     try:
         settings = context.settings()
         visible = _visible()  # NVML enumerates once

@@ -22,7 +22,6 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-import redis
 from celery.backends.redis import RedisBackend
 
 log = logging.getLogger(__name__)
@@ -34,10 +33,10 @@ def read_together(backend: Any, task_ids: Sequence[str]) -> Iterator[None]:
     if len(task_ids) < 2 or not isinstance(backend, RedisBackend):
         yield
         return
-    keys = [backend.get_key_for_task(task_id) for task_id in task_ids]
     try:
+        keys = [backend.get_key_for_task(task_id) for task_id in task_ids]
         read = dict(zip(keys, backend.client.mget(keys), strict=True))
-    except redis.RedisError:
+    except Exception:
         log.warning("could not read a batch's results at once; reading them one by one")
         read = {}
     read_one = backend.get

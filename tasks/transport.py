@@ -117,35 +117,46 @@ class QoS(kombu_redis.QoS):
     def _move(self, message: Any, delivery_tag: str, onward: Onward) -> bool:
         """Publish `message`, taken into an in-flight list, with `onward`'s headers to its
         queue, out of the in-flight list in the same step (`move.lua`), and count it
-        delivered and acknowledged at once. A move that fails ends what `onward` began: on
-        a lost connection the message waits in flight, which the reconnecting consumer puts
-        back first in line; on any other error it is kept (False)."""
+        delivered and acknowledged at once. A move that did not happen ends what `onward`
+        began: on a lost connection the message waits in flight, which the reconnecting
+        consumer puts back first in line; on any other error it is kept (False)."""
         channel = self.channel
         inflight, taken = channel.taken
-        payload = {**message._raw, "headers": onward.headers}
-        properties = payload["properties"] = dict(payload["properties"])
-        properties["delivery_info"] = {"exchange": "", "routing_key": onward.queue}
-        properties["delivery_tag"] = channel._next_delivery_tag()
-        key = channel._q_for_pri(onward.queue, channel._get_message_priority(payload, False))
         try:
+            payload = {**message._raw, "headers": onward.headers}
+            properties = payload["properties"] = dict(payload["properties"])
+            properties["delivery_info"] = {"exchange": "", "routing_key": onward.queue}
+            properties["delivery_tag"] = channel._next_delivery_tag()
+            priority = channel._get_message_priority(payload, False)
             message_json = dumps(payload)  # type: ignore[no-untyped-call]
             moved = scripts_for(channel._create_client())(
-                "move", [key, inflight], [message_json, taken]
+                "move",
+                [channel._q_for_pri(onward.queue, priority), inflight],
+                [message_json, taken],
             )
         except channel.connection_errors:
-            onward.undo()
+            if self._still_in_flight(inflight, taken):  # else the move ran: keep its lease
+                _undo(onward)
             raise
         except Exception:
-            onward.undo()
+            _undo(onward)
             log.exception("could not move message %s on; keeping it", delivery_tag)
             return False
         channel.taken = None
         if not moved:  # gone from the in-flight list (a sweep gave it back): not ours now
-            onward.undo()
+            _undo(onward)
         virtual.QoS.append(self, message, delivery_tag)  # type: ignore[no-untyped-call]
         virtual.QoS.ack(self, delivery_tag)  # type: ignore[no-untyped-call]
         message._state = "ACK"
         return True
+
+    def _still_in_flight(self, inflight: str, taken: bytes) -> bool:
+        """Whether a move whose reply was lost did not happen; False when Redis cannot say
+        (the lease then lapses at its deadline rather than leave a moved call unpinned)."""
+        try:
+            return self.channel._create_client().lpos(inflight, taken) is not None
+        except Exception:
+            return False
 
     def _remove_from_indices(self, delivery_tag: str, pipe: Any = None) -> Any:
         with self.pipe_or_acquire(pipe) as batch:
@@ -153,6 +164,14 @@ class QoS(kombu_redis.QoS):
             if self.channel.consumer_name:
                 batch.srem(unacked_of(self.channel.consumer_name), delivery_tag)
             return batch
+
+
+def _undo(onward: Onward) -> None:
+    """End what a divert began for a message that did not move; never fail the consumer."""
+    try:
+        onward.undo()
+    except Exception:
+        log.warning("could not undo the divert of a message; it lapses", exc_info=True)
 
 
 def give_back(channel: Any, message: Any) -> bool:

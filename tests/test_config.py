@@ -151,6 +151,8 @@ def test_a_gpu_workers_torch_threads_are_the_setting_or_a_share_of_the_host_s_co
 
     assert threads(GPUFLEET_TORCH_THREADS="3", OMP_NUM_THREADS="2") == 3
     assert threads(OMP_NUM_THREADS="2") == 2
+    assert threads(OMP_NUM_THREADS="4,2") == 4  # one per nesting level: the outermost
+    assert threads(OMP_NUM_THREADS="lots") is None  # not ours to refuse: the default
     assert threads() is None
     with pytest.raises(ConfigError, match="GPUFLEET_TORCH_THREADS"):
         threads(GPUFLEET_TORCH_THREADS="many")

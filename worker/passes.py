@@ -75,11 +75,11 @@ def longest_tokens(texts: Sequence[str]) -> int:
 
 
 def share(configured: int | None, gpus: int, cores: int | None = None) -> int:
-    """A GPU worker's threads: `configured` when set, else the host's cores split evenly
-    among its GPUs (one worker each), at least 1."""
+    """A GPU worker's threads: `configured` when set, else the cores this process may run
+    on split evenly among the host's GPUs (one worker each), at least 1."""
     if configured:
         return configured
-    return max(1, (cores or os.cpu_count() or 1) // max(gpus, 1))
+    return max(1, (cores or len(os.sched_getaffinity(0)) or 1) // max(gpus, 1))
 
 
 def for_pass(threads: int, dims: Dims, texts: Sequence[str]) -> int:
