@@ -98,10 +98,6 @@ class Consumer(CeleryConsumer):
         """Celery's, less Celery's built-in tasks: a message for one of those goes to
         `on_unknown_task`, as for a name no one registered. On a router, a call for a HOT
         model is forwarded from here (`tasks.forwarding`), never run in the pool."""
-        if context.role() == "gpu":
-            from tasks import gpu  # GPU workers only: it imports torch
-
-            gpu.quiet_call_logs(gpu.CALL_LOGGERS[0])  # before the strategies are made
         super().update_strategies()
         for name in [name for name in self.strategies if name.startswith(BUILT_IN)]:
             del self.strategies[name]

@@ -18,9 +18,9 @@ import time
 from typing import Any
 
 from celery import Task
-from celery.app.trace import build_tracer
 from celery.exceptions import SoftTimeLimitExceeded
 from celery.signals import worker_init, worker_process_init, worker_process_shutdown
+from celery.utils.log import mlevel
 
 from placement.batching import BatchLimits
 from placement.errors import (
@@ -130,21 +130,16 @@ def _serve_batch(calls: list[Call]) -> list[Served | BaseException]:
 CALL_LOGGERS = ("celery.worker.strategy", "celery.app.trace")
 
 
-def quiet_call_logs(name: str) -> None:
-    """Keep Celery's per-call INFO lines of logger `name` out of a GPU worker's log unless
-    it runs at DEBUG: at hundreds of calls a second they cost the worker more than a batch
-    shares (formatting, and the launcher relaying every line). Warnings and failures stay,
-    a batch of several logs one line, and Flower shows every call (docs/tasks.md)."""
-    if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
-        logging.getLogger(name).setLevel(logging.WARNING)
-
-
-def _quiet_tracers(hostname: Any) -> None:
-    """`quiet_call_logs` for the child's tracers, which Celery built before this signal
-    (each read the log level then): they are built again, as Celery builds them."""
-    quiet_call_logs(CALL_LOGGERS[1])
-    for name, task in app.tasks.items():
-        task.__trace__ = build_tracer(name, task, app.loader, hostname, app=app)
+def _quiet_call_logs(loglevel: Any) -> None:
+    """Keep Celery's per-call INFO lines out of a GPU worker's log unless it runs at DEBUG:
+    at hundreds of calls a second they cost the worker more than a batch shares
+    (formatting, and the launcher relaying every line). Warnings and failures stay, a batch
+    of several logs one line, and Flower shows every call (docs/tasks.md). Set in the
+    parent before its pool forks: Celery reads the levels once, as it builds each child's
+    tracers and the consumer's strategies."""
+    if mlevel(loglevel or logging.WARNING) > logging.DEBUG:
+        for name in CALL_LOGGERS:
+            logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def _say_batch(worker: GpuWorker, replica: str, calls: int) -> None:
@@ -201,11 +196,12 @@ def _own_devices(devices: list[Device]) -> list[Device]:
 
 
 @worker_init.connect
-def _check(**_: Any) -> None:
+def _check(sender: Any = None, **_: Any) -> None:
     """Refuse to start a GPU worker that would own no GPU, or GPUs that a live worker of
     another fleet process owns on this registry (the parent, before any fork)."""
     if context.role() != "gpu":
         return
+    _quiet_call_logs(getattr(sender, "loglevel", None))
     try:
         devices = _own_devices(_visible())  # NVML only: no CUDA context in the parent
         _check_owners(devices)
@@ -234,10 +230,9 @@ def _check_owners(devices: list[Device]) -> None:
 
 
 @worker_process_init.connect
-def _start(sender: Any = None, **_: Any) -> None:
+def _start(**_: Any) -> None:
     if context.role() != "gpu":
         return
-    _quiet_tracers(sender)
     try:
         settings = context.settings()
         visible = _visible()  # NVML enumerates once
