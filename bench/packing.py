@@ -45,7 +45,22 @@ from placement.state import Demand, Gpu, Host, Snapshot
 UNIT = 1000  # milli-GPUs: the baselines' integer unit
 TYPES = "NVIDIA A100-SXM4-80GB:80:3,NVIDIA A100-SXM4-40GB:40:2,Tesla V100-SXM2-32GB:32:2,"
 TYPES += "Tesla V100-SXM2-16GB:16:2,NVIDIA A10:24:2,Tesla T4:16:1"
-SHARES = (0.1, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.75)
+SHARES = "100,200,250,300,400,500,600,750"  # milli-GPUs, equally likely: `mixed`
+# gpu_milli of GPU-sharing pods in Alibaba's cluster-trace-gpu-v2023 (the "openb" trace of
+# FGD, Weng et al., USENIX ATC'23, github.com/alibaba/clusterdata): every value seen in
+# about 460 rows (4355-4587 and 6826-7058) of openb_pod_list_gpushare100.csv, the trace's
+# GPU-sharing pods, weighted by its approximate share (%) of those rows, counted by eye.
+OPENB_SHARES = "110:1,160:3,220:1,230:6,320:13,330:0.5,350:0.5,370:2,460:5,470:21,480:1,"
+OPENB_SHARES += "550:1.5,590:5,650:7.5,810:33"
+
+# name -> (kinds as kind:weight, share sizes, share of typed requests, share of those
+# that name two types)
+WORKLOADS: dict[str, tuple[str, str, float, float]] = {
+    "mixed": ("share:45,whole:55,multi:1", SHARES, 0.3, 0.2),
+    "share-only": ("share:1", OPENB_SHARES, 0.0, 0.0),
+    "typed-shares": ("share:1", OPENB_SHARES, 1 / 3, 0.5),
+    "multi-heavy": ("share:40,whole:35,multi:25", OPENB_SHARES, 0.3, 0.2),
+}
 
 
 @dataclass(frozen=True)
@@ -92,11 +107,17 @@ def make_fleet(rng: random.Random, hosts: int, sizes: str, types: str) -> list[M
 
 
 def make_requests(
-    rng: random.Random, fleet: Sequence[Machine], mix: str, typed: float, arrive: float
+    rng: random.Random,
+    fleet: Sequence[Machine],
+    workload: tuple[str, str, float, float],
+    arrive: float,
 ) -> list[Request]:
     """Requests until `arrive` x the fleet's GPUs were asked for. A typed request names one
-    GPU type, drawn in proportion to the type's GPUs, or (one in five) that type or another."""
+    GPU type, drawn in proportion to the type's GPUs, or that type or another."""
+    mix, sizes, typed, pair = workload
     kinds = _weighted(mix)
+    shares = [int(v) for v in sizes.split(",")] if ":" not in sizes else []
+    weighted_shares = _weighted(sizes) if not shares else []
     gpus_by_type: dict[str, int] = {}
     for m in fleet:
         gpus_by_type[m.type] = gpus_by_type.get(m.type, 0) + len(m.free)
@@ -110,10 +131,11 @@ def make_requests(
         if rng.random() < typed:
             picked = rng.choices(names, weights=[gpus_by_type[n] for n in names])[0]
             accelerator = _short(picked)
-            if rng.random() < 0.2:
+            if rng.random() < pair:
                 accelerator = (accelerator, _short(rng.choice(names)))
         if kind == "share":
-            req = Request(0, round(rng.choice(SHARES) * UNIT), accelerator)
+            share = rng.choice(shares) if shares else int(_draw(rng, weighted_shares)[0])
+            req = Request(0, share, accelerator)
         elif kind == "whole":
             req = Request(1, 0, accelerator)
         else:
@@ -299,26 +321,35 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--host-sizes", default="2:30,4:25,8:45", help="GPUs:weight,...")
     parser.add_argument("--types", default=TYPES, help="NVML name:GiB:weight,...")
-    parser.add_argument("--mix", default="share:45,whole:55,multi:1", help="kind:weight,...")
-    parser.add_argument("--typed", type=float, default=0.3, help="share of typed requests")
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="mixed")
+    parser.add_argument("--mix", help="kind:weight,... (overrides the workload's)")
+    parser.add_argument("--typed", type=float, help="share of typed requests (likewise)")
     parser.add_argument("--arrive", type=float, default=1.3, help="capacity asked for, x fleet")
     parser.add_argument("--policies", default="default,first-fit,best-fit,fgd")
     args = parser.parse_args(argv)
 
+    mix, sizes, typed, pair = WORKLOADS[args.workload]
+    workload = (args.mix or mix, sizes, typed if args.typed is None else args.typed, pair)
     rng = random.Random(args.seed)
     fleet = make_fleet(rng, args.hosts, args.host_sizes, args.types)
     capacity = sum(len(m.free) for m in fleet) * UNIT
-    requests = make_requests(rng, fleet, args.mix, args.typed, args.arrive)
+    requests = make_requests(rng, fleet, workload, args.arrive)
     policies: dict[str, dict[str, float]] = {}
     for name in args.policies.split(","):
         machines = [Machine(m.name, m.type, m.gib, list(m.free)) for m in fleet]
         if name == "default":
             policies[name] = replay_default(machines, requests)
         else:
-            choose = {"first-fit": first_fit, "best-fit": best_fit, "fgd": Fgd(requests)}[name]
+            baselines: dict[str, Callable[[Sequence[Machine], Request], Choice]] = {
+                "first-fit": first_fit,
+                "best-fit": best_fit,
+                "fgd": Fgd(requests),
+            }
+            choose = baselines[name]
             policies[name] = replay_baseline(machines, requests, choose)
-    baselines = [p for n, p in policies.items() if n != "default"]
+    others = [p for n, p in policies.items() if n != "default"]
     out = {
+        "workload": args.workload,
         "hosts": args.hosts,
         "gpus": capacity // UNIT,
         "seed": args.seed,
@@ -330,10 +361,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             "python": platform.python_version(),
         },
     }
-    if "default" in policies and baselines:
+    if "default" in policies and others:
         d = policies["default"]
         out["default_vs_best_baseline"] = {
-            key: round(d[key] - max(b[key] for b in baselines), 4)
+            key: round(d[key] - max(b[key] for b in others), 4)
             for key in ("first_refusal_alloc", "end_alloc")
         }
     print(json.dumps(out))
