@@ -10,9 +10,10 @@ Candidates are ranked, best first (docs/placement.md, "Choosing a GPU"):
    victims used longer ago (NDIF's candidate levels, LRU);
 2. with the default best-fit: a GPU already in use before an empty one, then (for a
    dedicated replica) one that strands no dead room (less than the smallest slot held
-   on a GPU of its size), then the tightest; among empty GPUs the type with the largest
-   free share, then the host with the least room left; rooms compared as shares of each
-   GPU. Empty GPUs and empty hosts stay whole for the requests that need them;
+   on a GPU of its size) in a hole that other slots would fill, then the tightest; among
+   empty GPUs the type with the largest free share, then the host with the least room
+   left; rooms compared as shares of each GPU. Empty GPUs and empty hosts stay whole
+   for the requests that need them;
 3. ties at random, never by index.
 The search runs over `placement.room` host shapes (hosts alike in every GPU's type, size
 and free bytes), so the common case costs one step per shape, not per GPU. Sizes come
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import random
 import uuid
-from bisect import bisect_left
+from bisect import bisect_left, bisect_right
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -50,6 +51,9 @@ from placement.state import (
 
 T = TypeVar("T")
 ROUNDING = MiB  # less room than this is what rounding to whole bytes leaves: no room at all
+# A hole has a better user than this request when slots that fill it without dead room are
+# held at least 1/RIVALS as often as this request's size (tuned on bench/packing.py)
+RIVALS = 4
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,7 @@ class _View:
         self.demand, self.settings = demand, settings
         self._slots: dict[int, tuple[int, int] | None] = {}
         self._smallest: dict[int, int] = {}
+        self._wanted: dict[tuple[int, int], bool] = {}
         live = snap.room.workers
         self.my_warm: dict[str, Deployment] = {}
         for d in sorted(self.mine, key=lambda d: d.last_used_ms):
@@ -90,6 +95,27 @@ class _View:
             mine = slot[0] if slot is not None else total
             self._smallest[total] = mine if held is None else min(held, mine)
         return self._smallest[total]
+
+    def wanted(self, total: int, free: int, request: int, dead: int) -> bool:
+        """Whether a hole of `free` bytes on a GPU of `total` bytes has a better user than
+        a slot of `request` bytes: larger slots, held on GPUs of this size at least
+        1/RIVALS as often as `request`'s, that fit it and leave no dead room (under `dead`
+        bytes). Only then is leaving dead room in it worth avoiding: a hole that only
+        slots like this one fit (0.19 of a GPU beside a 0.81 share, and shares of 0.11
+        and 0.16) has no other use, and filling it is the best it gets."""
+        key = (total, free)
+        found = self._wanted.get(key)
+        if found is None:
+            room = self.snap.room
+            sizes = room.slot_sizes(total)
+            users = 0
+            for size in sizes[bisect_right(sizes, request) : bisect_right(sizes, free)]:
+                left = free - size
+                if left < ROUNDING or left >= dead:
+                    users += room.slot_count(total, size)
+            found = users > 0 and users * RIVALS >= room.slot_count(total, request)
+            self._wanted[key] = found
+        return found
 
     def slot(self, total: int) -> tuple[int, int] | None:
         """`single_gpu_slot` of this demand on a GPU of `total` bytes, computed once."""
@@ -255,7 +281,10 @@ def _free_single(
                     yield (
                         (
                             float(free == total),  # fill a GPU in use before an empty one
-                            float(ROUNDING <= free - request < dead),  # leaves dead room
+                            float(
+                                ROUNDING <= free - request < dead
+                                and view.wanted(total, free, request, dead)
+                            ),  # leaves dead room in a hole some other slot would fill
                             left if free < total else 0.0,  # the tightest: fewer slivers
                             -index.type_free(name),  # spread load over types, freest first
                             shape.room - request / total,  # then the host with least room

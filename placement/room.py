@@ -95,6 +95,7 @@ class RoomIndex:
         self._names: dict[Accelerator, frozenset[str]] = {}
         self._slots: dict[int, dict[int, int]] = {}  # GPU size -> slot bytes -> replicas
         self._smallest: dict[int, int] = {}  # GPU size -> its smallest slot, when known
+        self._sizes: dict[int, list[int]] = {}  # GPU size -> its slots' sizes, ascending
         for gpu in gpus:
             for d in by_gpu.get(gpu.id, ()):
                 self.hold(gpu.total, d.gpus[gpu.id], +1)
@@ -147,6 +148,8 @@ class RoomIndex:
             counts[slot] = left
         else:
             counts.pop(slot, None)
+        if not left or (change > 0 and left == 1):
+            self._sizes.pop(total, None)  # a size came or went: sorted again on the next ask
         low = self._smallest.get(total)
         if low is not None and (slot < low if change > 0 else slot == low and not left):
             del self._smallest[total]  # found again on the next ask
@@ -157,6 +160,17 @@ class RoomIndex:
         if low is None and self._slots.get(total):
             low = self._smallest[total] = min(self._slots[total])
         return low
+
+    def slot_sizes(self, total: int) -> list[int]:
+        """Every slot size replicas hold on GPUs of `total` bytes, ascending."""
+        sizes = self._sizes.get(total)
+        if sizes is None:
+            sizes = self._sizes[total] = sorted(self._slots.get(total, ()))
+        return sizes
+
+    def slot_count(self, total: int, size: int) -> int:
+        """How many replicas hold a slot of `size` bytes on GPUs of `total` bytes."""
+        return self._slots.get(total, {}).get(size, 0)
 
     def type_free(self, name: str) -> float:
         """The share of GPU type `name`'s capacity that is free, 0 to 1."""

@@ -102,10 +102,12 @@ def test_a_share_fills_a_gpu_in_use_before_it_opens_an_empty_one() -> None:
 
 def test_a_dedicated_share_strands_no_room_too_small_for_any_replica_if_it_can_help_it() -> None:
     gpus = [gpu("tight", 16 * GiB, index=0), gpu("roomy", 16 * GiB, index=1)]
+    gpus.append(gpu("other", 16 * GiB, index=2))
     small = hot("small", "small", {"tight": 7 * GiB // 4}, dedicated=True)  # the smallest slot
     tight = hot("t", "t", {"tight": 11 * GiB}, dedicated=True)  # 3.25 GiB left
     roomy = hot("r", "r", {"roomy": 8 * GiB}, dedicated=True)  # 8 GiB left
-    snap = fleet(gpus, [small, tight, roomy])
+    rival = hot("v", "v", {"other": 13 * GiB // 4}, dedicated=True)  # would fill "tight"
+    snap = fleet(gpus, [small, tight, roomy, rival])
     for seed in range(10):
         pinned = plan_replica(
             Demand("q", gpus=0.125, dedicated=True), snap, rng=random.Random(seed)
@@ -117,6 +119,27 @@ def test_a_dedicated_share_strands_no_room_too_small_for_any_replica_if_it_can_h
         assert set(evictable.gpus) == {"tight"}
     exact = plan_replica(Demand("e", gpus=0.203125, dedicated=True), snap)  # fills "tight"
     assert set(exact.gpus) == {"tight"}
+
+
+def test_a_dedicated_share_fills_a_hole_no_other_slot_would_fill_even_leaving_dead_room() -> None:
+    # 0.19 of a GPU beside a 0.81 share takes only the fleet's 0.11 and 0.16 shares: leaving
+    # 0.03 there costs nothing, and taking 0.16 of a roomier GPU would waste that room instead
+    gpus = [gpu(f"g{i}", 10**9, index=i) for i in range(3)]
+    held = [
+        hot("big", "big", {"g0": 810_000_000}, dedicated=True),  # leaves 0.19
+        hot("mid", "mid", {"g1": 470_000_000}, dedicated=True),  # leaves 0.53
+        hot("s1", "s1", {"g2": 110_000_000}, dedicated=True),  # the smallest slot
+        hot("s2", "s2", {"g2": 160_000_000}, dedicated=True),
+    ]
+    for seed in range(10):
+        plan = plan_replica(
+            Demand("q", gpus=0.16, dedicated=True), fleet(gpus, held), rng=random.Random(seed)
+        )
+        assert set(plan.gpus) == {"g0"}
+    # once slots that fill 0.19 exactly are common, the hole is kept for them
+    rivals = [hot(f"x{n}", f"x{n}", {"g2": 190_000_000}, dedicated=True) for n in range(2)]
+    plan = plan_replica(Demand("q", gpus=0.16, dedicated=True), fleet(gpus, held + rivals))
+    assert set(plan.gpus) != {"g0"}
 
 
 def test_the_room_index_knows_the_smallest_slot_on_each_gpu_size() -> None:
@@ -169,7 +192,7 @@ def host_fleets(draw: st.DrawFn) -> list[Gpu]:
 def _room(index: RoomIndex) -> tuple[object, ...]:
     shapes = sorted((s.layout, round(s.room, 9), sorted(s.hosts)) for s in index.shapes.values())
     groups = sorted((k, sorted(g.frees), g.max_reach) for k, g in index.groups.items())
-    smallest = {k[2]: index.smallest(k[2]) for k in index.groups}
+    smallest = {k[2]: (index.smallest(k[2]), index.slot_sizes(k[2])) for k in index.groups}
     return shapes, groups, {h: round(r, 9) for h, r in index.room.items()}, smallest
 
 
