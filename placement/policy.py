@@ -225,23 +225,31 @@ def _best_host(
     view: _View,
     rng: random.Random,
     options: Callable[[Shape], Iterable[tuple[tuple[float, ...], T]]],
+    floor: int = 0,
 ) -> tuple[str, T] | None:
     """The host with the lowest-keyed option among `options(shape)` over host shapes
     (`placement.room`), hosts with a warm copy of the model first; ties are broken at
-    random in proportion to how many hosts share a shape. None when nothing fits."""
+    random in proportion to how many hosts share a shape. Shapes with no GPU of `floor`
+    free bytes are skipped unasked. None when nothing fits."""
     index = view.snap.room
     best: tuple[tuple[float, ...], Shape, str | None, T] | None = None
     ties = 0
     warm: list[tuple[Shape, str | None]] = [
         (index.shape_of[h], h) for h in view.my_warm if h in index.shape_of
     ]
-    for candidates in (warm, [(shape, None) for shape in index.shapes.values()]):
+    every: Iterable[tuple[Shape, str | None]] = ((shape, None) for shape in index.shapes.values())
+    for candidates in (warm, every):
         for shape, host in candidates:
+            if shape.top < floor:
+                continue  # full hosts, the most common shape late in a fill
             for key, found in options(shape):
-                weight = 1 if host is not None else len(shape.hosts)
                 if best is None or key < best[0]:
-                    best, ties = (key, shape, host, found), weight
+                    best, ties = (
+                        (key, shape, host, found),
+                        1 if host is not None else len(shape.hosts),
+                    )
                 elif key == best[0]:
+                    weight = 1 if host is not None else len(shape.hosts)
                     ties += weight
                     if rng.random() * ties < weight:  # every tied host equally likely
                         best = (key, shape, host, found)
@@ -261,17 +269,24 @@ def _free_single(
     allowed = index.names(demand.accelerator)
     choice = settings.gpu_choice
 
+    # per GPU size: this replica's slot, and the room it must not leave (see `_View.smallest`)
+    sizes: dict[int, tuple[int, int, int]] = {}
+    for total in index.totals(demand.accelerator):
+        slot = view.slot(total)
+        if slot is not None:
+            dead = view.smallest(total) if demand.dedicated else 0
+            sizes[total] = (*slot, dead)
+
     def options(shape: Shape) -> Iterator[tuple[tuple[float, ...], tuple[str, int, int]]]:
         for name, total, frees in shape.layout:
             if name not in allowed:
                 continue
-            slot = view.slot(total)
-            if slot is None or frees[-1] < slot[1]:
+            size = sizes.get(total)
+            if size is None or frees[-1] < size[1]:
                 continue
-            request, limit = slot
+            request, limit, dead = size
             if choice is GpuChoice.BEST_FIT:
                 tightest = bisect_left(frees, limit)
-                dead = view.smallest(total) if demand.dedicated else 0  # see `_View.smallest`
                 # the tightest GPU, and the tightest that leaves no room too small for use
                 for at in {tightest, bisect_left(frees, max(limit, request + dead), tightest)}:
                     if at == len(frees):
@@ -297,7 +312,7 @@ def _free_single(
             else:
                 yield (), (name, total, -1)  # any GPU that fits
 
-    found = _best_host(view, rng, options)
+    found = _best_host(view, rng, options, min((s[1] for s in sizes.values()), default=0))
     if found is None:
         return None
     host, (name, total, free) = found
@@ -322,7 +337,7 @@ def _free_whole(n: int, view: _View, rng: random.Random) -> _Option | None:
         )
         return [((shape.room,), None)] if empty >= n else []
 
-    found = _best_host(view, rng, options)
+    found = _best_host(view, rng, options, min(index.totals(view.demand.accelerator)))
     if found is None:
         return None
     host = found[0]

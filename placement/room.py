@@ -63,6 +63,7 @@ class Shape:
 
     layout: Layout
     room: float
+    top: int = 0  # the most free bytes of any of its GPUs: no slot above this fits
     hosts: list[str] = field(default_factory=list)
     _at: dict[str, int] = field(default_factory=dict)
 
@@ -93,6 +94,7 @@ class RoomIndex:
         self.shape_of: dict[str, Shape] = {}
         self._matching: dict[Accelerator, list[Group]] = {}
         self._names: dict[Accelerator, frozenset[str]] = {}
+        self._totals: dict[Accelerator, frozenset[int]] = {}
         self._slots: dict[int, dict[int, int]] = {}  # GPU size -> slot bytes -> replicas
         self._smallest: dict[int, int] = {}  # GPU size -> its smallest slot, when known
         self._sizes: dict[int, list[int]] = {}  # GPU size -> its slots' sizes, ascending
@@ -112,6 +114,7 @@ class RoomIndex:
             self.by_host.setdefault(gpu.host, []).append(group)
             self._matching.clear()
             self._names.clear()
+            self._totals.clear()
         old = group.gpus.get(gpu.id)
         before = old.free / old.total if old is not None else 0.0
         if old is None:
@@ -134,7 +137,8 @@ class RoomIndex:
         if shape is None:
             # summed from the layout, so equal hosts have equal rooms however they got there
             room = sum(f / total for _, total, frees in layout for f in frees)
-            shape = self.shapes[layout] = Shape(layout, room)
+            top = max((frees[-1] for _, _, frees in layout if frees), default=0)
+            shape = self.shapes[layout] = Shape(layout, room, top)
         shape.add(host)
         self.shape_of[host] = shape
         self.room[host] = shape.room
@@ -182,6 +186,14 @@ class RoomIndex:
         if found is None:
             found = frozenset(g.name for g in self.matching(accelerator))
             self._names[accelerator] = found
+        return found
+
+    def totals(self, accelerator: Accelerator) -> frozenset[int]:
+        """The GPU sizes in the fleet among the types `accelerator` allows."""
+        found = self._totals.get(accelerator)
+        if found is None:
+            found = frozenset(g.total for g in self.matching(accelerator))
+            self._totals[accelerator] = found
         return found
 
     def matching(self, accelerator: Accelerator) -> list[Group]:
