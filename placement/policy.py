@@ -54,6 +54,10 @@ ROUNDING = MiB  # less room than this is what rounding to whole bytes leaves: no
 # A hole has a better user than this request when slots that fill it without dead room are
 # held at least 1/RIVALS as often as this request's size (tuned on bench/packing.py)
 RIVALS = 4
+# For a dedicated replica, fits within about 1/BUCKETS of a GPU of each other are equally
+# tight, so the GPU type with the most free room (then the fullest host) decides among them
+# (tuned on bench/packing.py; evictable replicas keep the tightest, see docs/placement.md)
+BUCKETS = 20
 
 
 @dataclass(frozen=True)
@@ -293,6 +297,10 @@ def _free_single(
                         continue
                     free = frees[at]
                     left = (free - request) / total  # of the GPU, as a share
+                    # near enough for a dedicated replica; an evictable one takes the tightest
+                    tight = (
+                        (round(left * BUCKETS) if demand.dedicated else left) if free < total else 0
+                    )
                     yield (
                         (
                             float(free == total),  # fill a GPU in use before an empty one
@@ -300,7 +308,7 @@ def _free_single(
                                 ROUNDING <= free - request < dead
                                 and view.wanted(total, free, request, dead)
                             ),  # leaves dead room in a hole some other slot would fill
-                            left if free < total else 0.0,  # the tightest: fewer slivers
+                            float(tight),  # the tightest, near enough: fewer slivers
                             -index.type_free(name),  # spread load over types, freest first
                             shape.room - request / total,  # then the host with least room
                             left,  # then the GPU with least room left

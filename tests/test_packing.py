@@ -142,6 +142,30 @@ def test_a_dedicated_share_fills_a_hole_no_other_slot_would_fill_even_leaving_de
     assert set(plan.gpus) != {"g0"}
 
 
+def test_among_gpus_that_fit_about_as_tightly_a_dedicated_share_goes_to_the_freest_type() -> None:
+    # one T4 host nearly full, one A10 host nearly empty; a GPU of each with room for 0.3
+    gpus = [gpu(f"t{i}", 10**9, host="ht", name="Tesla T4", index=i) for i in range(4)]
+    gpus += [gpu(f"a{i}", 10**9, host="ha", name="NVIDIA A10", index=i) for i in range(4)]
+    held = [hot(f"t{i}", f"t{i}", {f"t{i}": 10**9}, host="ht", dedicated=True) for i in (1, 2, 3)]
+    held += [
+        hot("t0", "t0", {"t0": 670_000_000}, host="ht", dedicated=True),  # 0.33 left
+        hot("a0", "a0", {"a0": 630_000_000}, host="ha", dedicated=True),  # 0.37 left
+    ]
+    snap = fleet(gpus, held)
+    for seed in range(10):
+        # 0.03 and 0.07 left: as tight as each other, and the A10s have far more room
+        rng = random.Random(seed)
+        near = plan_replica(Demand("q", gpus=0.3, dedicated=True), snap, rng=rng)
+        assert set(near.gpus) == {"a0"}
+        # an evictable replica takes the tightest: the cache keeps its larger holes
+        evictable = plan_replica(Demand("q", gpus=0.3), snap, rng=rng)
+        assert set(evictable.gpus) == {"t0"}
+    # a fit tighter by more than 1/20 of a GPU still wins over the freer type
+    held[-1] = hot("a0", "a0", {"a0": 500_000_000}, host="ha", dedicated=True)  # 0.5 left
+    tight = plan_replica(Demand("q", gpus=0.3, dedicated=True), fleet(gpus, held))
+    assert set(tight.gpus) == {"t0"}
+
+
 def test_the_room_index_knows_the_smallest_slot_on_each_gpu_size() -> None:
     gpus = [gpu("a", 16 * GiB, index=0), gpu("b", 80 * GiB, index=1)]
     view = LiveView(fleet(gpus, [hot("x", "x", {"a": 4 * GiB}), hot("y", "y", {"b": 20 * GiB})]))
