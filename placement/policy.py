@@ -280,6 +280,8 @@ def _free_single(
         if slot is not None:
             dead = view.smallest(total) if demand.dedicated else 0
             sizes[total] = (*slot, dead)
+    spread = {name: -index.type_free(name) for name in allowed}  # freest type first
+    dedicated = demand.dedicated
 
     def options(shape: Shape) -> Iterator[tuple[tuple[float, ...], tuple[str, int, int]]]:
         for name, total, frees in shape.layout:
@@ -292,15 +294,14 @@ def _free_single(
             if choice is GpuChoice.BEST_FIT:
                 tightest = bisect_left(frees, limit)
                 # the tightest GPU, and the tightest that leaves no room too small for use
-                for at in {tightest, bisect_left(frees, max(limit, request + dead), tightest)}:
+                roomy = bisect_left(frees, request + dead, tightest) if dead else tightest
+                for at in (tightest,) if roomy == tightest else (tightest, roomy):
                     if at == len(frees):
                         continue
                     free = frees[at]
                     left = (free - request) / total  # of the GPU, as a share
                     # near enough for a dedicated replica; an evictable one takes the tightest
-                    tight = (
-                        (round(left * BUCKETS) if demand.dedicated else left) if free < total else 0
-                    )
+                    tight = (round(left * BUCKETS) if dedicated else left) if free < total else 0
                     yield (
                         (
                             float(free == total),  # fill a GPU in use before an empty one
@@ -309,7 +310,7 @@ def _free_single(
                                 and view.wanted(total, free, request, dead)
                             ),  # leaves dead room in a hole some other slot would fill
                             float(tight),  # the tightest, near enough: fewer slivers
-                            -index.type_free(name),  # spread load over types, freest first
+                            spread[name],  # spread load over types, freest first
                             shape.room - request / total,  # then the host with least room
                             left,  # then the GPU with least room left
                         ),
