@@ -1,13 +1,25 @@
 """Packing at fleet scale: how much of a production-shaped fleet each policy fills.
 
-Run as ``python -m bench.packing [--hosts 1200] [--seed 1] ...``; prints ONE JSON object.
+Run as ``python -m bench.packing [--workload mixed] [--seed 1] [--hosts 1200] ...``;
+prints ONE JSON object.
 
 The fleet and the requests are generated from the seed, shaped like a production
-GPU-sharing cluster: hosts of 2, 4 or 8 GPUs of one type each, several types; about
-45% of requests ask for a share of one GPU, 55% for one whole GPU, 1% for 2, 4 or 8
-whole GPUs of one host; some name GPU types (a single type or a list). Nothing leaves
-and nothing may be evicted. Requests arrive until 130% of the fleet's GPUs have been
-asked for, and every policy replays the same sequence:
+GPU-sharing cluster: hosts of 2, 4 or 8 GPUs of one type each, several types. Nothing
+leaves and nothing may be evicted. Requests arrive until 130% of the fleet's GPUs have
+been asked for. The workloads (``--workload``):
+
+- ``mixed`` (the default): 45% shares of one GPU (0.1 to 0.75, eight sizes equally
+  likely), 55% one whole GPU, 1% 2, 4 or 8 whole GPUs of one host; 30% name GPU types,
+  a fifth of those two types;
+- ``share-only``: every request a share of one GPU, sizes drawn from the GPU-sharing
+  pods of Alibaba's cluster-trace-gpu-v2023 (FGD's "openb" trace, see `OPENB_SHARES`):
+  0.11 to 0.81 of a GPU, a third of them 0.81, which only a 0.11 or 0.16 fits beside;
+- ``typed-shares``: the same, a third of requests naming GPU types, half of those two
+  (the trace's gpuspec33 variant: about 33% of its GPU pods name types);
+- ``multi-heavy``: 40% trace shares, 35% whole GPUs, 25% 2, 4 or 8 GPUs of one host.
+
+(The Azure LLM trace in ../shared/data has arrival times and token counts but no GPU
+sizes, so no workload here uses it.) Every policy replays the same sequence:
 
 - ``default``: gpufleet's shipped policy, `plan_replica` on a `LiveView` of the fleet;
 - ``first-fit``: the first host, then the first GPU, in index order, that fits;
@@ -20,7 +32,8 @@ The baselines are written here, plainly, over integer milli-GPU units.
 
 Reported per policy: the share of the fleet's GPU capacity allocated at the first
 refusal and at the end (capacity counts each GPU as 1, whatever its memory), and the
-milliseconds per decision, refusals included.
+milliseconds per decision, refusals included; `default_vs_best_baseline` is the default
+minus the best baseline at each.
 """
 
 from __future__ import annotations
@@ -49,7 +62,8 @@ SHARES = "100,200,250,300,400,500,600,750"  # milli-GPUs, equally likely: `mixed
 # gpu_milli of GPU-sharing pods in Alibaba's cluster-trace-gpu-v2023 (the "openb" trace of
 # FGD, Weng et al., USENIX ATC'23, github.com/alibaba/clusterdata): every value seen in
 # about 460 rows (4355-4587 and 6826-7058) of openb_pod_list_gpushare100.csv, the trace's
-# GPU-sharing pods, weighted by its approximate share (%) of those rows, counted by eye.
+# GPU-sharing pods, weighted by its approximate share (%) of those rows (a hand tally,
+# not an exact count). The fleet's GPU types stay `TYPES`, not the trace's.
 OPENB_SHARES = "110:1,160:3,220:1,230:6,320:13,330:0.5,350:0.5,370:2,460:5,470:21,480:1,"
 OPENB_SHARES += "550:1.5,590:5,650:7.5,810:33"
 
