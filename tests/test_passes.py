@@ -1,5 +1,4 @@
-"""A forward pass's size: its threads (a share of the host's cores, one for a small pass), and
-how a batch is cut into CPU passes."""
+"""A forward pass's size: its threads (a share of the host's cores, one for a small pass)."""
 
 from __future__ import annotations
 
@@ -7,7 +6,7 @@ from types import SimpleNamespace
 
 import torch
 
-from worker.passes import Dims, cpu_passes, dims_of, for_pass, share
+from worker.passes import Dims, dims_of, for_pass, share
 
 
 def encoder(hidden: int, layers: int) -> Dims:
@@ -32,31 +31,3 @@ def test_a_small_pass_runs_on_one_thread_and_a_large_one_on_the_workers_share() 
     # 514 tokens at most (512 and two specials) x 2 layers x 12 x 32^2: 12.6M a row
     assert for_pass(4, tiny, ["x" * 600] * 3) == 1  # 37.9M
     assert for_pass(4, tiny, ["x" * 600] * 4) == 4  # 50.5M, past SMALL_PASS
-
-
-def _anywhere(rows: int, longest: int) -> bool:
-    return True
-
-
-def test_a_cpu_batch_of_like_lengths_runs_as_one_pass() -> None:
-    minilm = encoder(384, 6)
-    calls = [[f"caller {i} asks about the weather"] for i in range(24)]
-    assert cpu_passes(minilm, calls, _anywhere) == [list(range(24))]
-
-
-def test_a_cpu_batch_of_short_and_long_calls_is_cut_so_short_calls_are_not_padded() -> None:
-    minilm = encoder(384, 6)
-    short, long = ["a cat"], ["a long question about " + "rates and rain " * 20]
-    calls = [short if i % 2 else long for i in range(16)]  # interleaved
-    plan = cpu_passes(minilm, calls, _anywhere)
-    assert sorted(map(sorted, plan)) == [list(range(0, 16, 2)), list(range(1, 16, 2))]
-    assert plan[0] == sorted(plan[0], key=lambda i: len(calls[i][0]))  # shortest first
-
-
-def test_a_cpu_pass_never_holds_more_than_memory_allows_but_a_lone_call_always_runs() -> None:
-    minilm = encoder(384, 6)
-    calls = [["same length text"]] * 10 + [["x" * 900]]
-    plan = cpu_passes(minilm, calls, lambda rows, longest: rows * longest <= 3 * 18)
-    assert sorted(i for p in plan for i in p) == list(range(11))  # every call, once
-    assert max(len(p) for p in plan) == 3
-    assert [10] in plan  # fits in no pass: it runs alone

@@ -21,7 +21,7 @@ only the host-side work around it.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,48 +87,3 @@ def for_pass(threads: int, dims: Dims, texts: Sequence[str]) -> int:
     `threads` (and for a model whose size the config does not say)."""
     small = dims.known and dims.work(len(texts), longest_tokens(texts)) < SMALL_PASS
     return 1 if small else threads
-
-
-#: A CPU pass's fixed cost per layer, in multiply-adds: Python's and torch's dispatch of
-#: the layer's modules, about 1 ms on the 2-core test machine, whose core does about 4e10
-#: multiply-adds a second in MiniLM's matmuls (docs/worker.md, "Passes on a CPU").
-CPU_PASS_OVERHEAD_PER_LAYER = 40_000_000
-
-
-def token_estimate(text: str) -> int:
-    """About how many tokens `text` encodes to: English subwords average about 4
-    characters. Only ranks pass plans; `token_bound` is the bound that sizes memory."""
-    return min(len(text), 2048) // 4 + 2
-
-
-def cpu_passes(
-    dims: Dims, calls: Sequence[Sequence[str]], fits: Callable[[int, int], bool]
-) -> list[list[int]]:
-    """The calls (by index) of each CPU pass, cut to cost least: a pass pads every row to
-    its longest, so calls of like lengths share one, but each pass has a fixed cost too
-    (`CPU_PASS_OVERHEAD_PER_LAYER`). Calls are taken shortest first and cut where the
-    estimated work of the passes is least; `fits(rows, longest_bound)` says whether a pass
-    of more than one call fits in memory. `dims` must be known."""
-    order = sorted(range(len(calls)), key=lambda i: max(map(token_estimate, calls[i]), default=0))
-    rows = [len(calls[i]) for i in order]
-    longest = [max(map(token_estimate, calls[i]), default=0) for i in order]
-    bounds = [max(map(token_bound, calls[i]), default=0) for i in order]
-    overhead = dims.layers * CPU_PASS_OVERHEAD_PER_LAYER
-    n = len(order)
-    best = [0.0] + [float("inf")] * n  # best[j]: least cost of the first j calls
-    cut = [0] * (n + 1)
-    for j in range(1, n + 1):
-        total_rows = bound = 0
-        for i in range(j - 1, -1, -1):  # the last pass is calls i..j-1; its longest is j-1's
-            total_rows, bound = total_rows + rows[i], max(bound, bounds[i])
-            if i < j - 1 and not fits(total_rows, bound):
-                break
-            cost = best[i] + overhead + dims.work(total_rows, longest[j - 1])
-            if cost < best[j]:
-                best[j], cut[j] = cost, i
-    plan: list[list[int]] = []
-    j = n
-    while j > 0:
-        plan.append(order[cut[j] : j])
-        j = cut[j]
-    return plan[::-1]

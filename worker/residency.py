@@ -41,7 +41,7 @@ from worker import handlers, loading
 from worker.devices import Device
 from worker.lifecycle import exit_for_restart, is_fatal_cuda_error
 from worker.measuring import Span, Spans
-from worker.passes import Dims, cpu_passes, dims_of, for_pass, longest_tokens, token_bound
+from worker.passes import Dims, dims_of, for_pass, longest_tokens, token_bound
 
 log = logging.getLogger(__name__)
 
@@ -375,10 +375,9 @@ class ResidencyManager:
 
         A bad payload fails its own call before any pass. Calls with equal params share a
         pass, split so that the activations each pass is estimated to need fit in what the
-        reservation leaves free (and, on a CPU, by length: `_chunks`); a pass that fails is
-        run again one call at a time, so an error reaches only the calls it concerns (but
-        `whole_pass_errors` fail the pass's calls at once). Raises `EvictedError` as `run`
-        does.
+        reservation leaves free; a pass that fails is run again one call at a time, so an
+        error reaches only the calls it concerns (but `whole_pass_errors` fail the pass's
+        calls at once). Raises `EvictedError` as `run` does.
         """
         resident = self._hot(replica)
         with resident.lock:
@@ -404,7 +403,7 @@ class ResidencyManager:
                 groups.setdefault(key, (options, []))[1].append((index, texts))
             free = self._free_for_calls(plan, simulated)
             for options, members in groups.values():
-                for chunk in _chunks(resident, members, free, cpu=simulated):
+                for chunk in _chunks(resident, members, free):
                     self._run_chunk(resident, plan, simulated, chunk, options, ran)
             return [r for r in ran if r is not None], sorted(resident.slots)
 
@@ -761,31 +760,16 @@ def _warmup_input(resident: Resident) -> str:
     return "gpufleet warms this model up."
 
 
-def _chunks(
-    resident: Resident, members: list[_Member], free: int, cpu: bool
-) -> Iterator[list[_Member]]:
-    """`members` cut into passes whose estimated activations fit in `free` bytes (a call
-    that alone does not fit runs alone); one call per pass for unbatched tasks. On a CPU,
-    calls of like lengths share a pass (`passes.cpu_passes`), shortest first; on a GPU,
-    whose small passes cost their kernel launches more than their padding, they go in
-    order, as few passes as memory allows."""
+def _chunks(resident: Resident, members: list[_Member], free: int) -> Iterator[list[_Member]]:
+    """`members` in order, cut into passes whose estimated activations fit in `free` bytes
+    (a call that alone does not fit runs alone); one call per pass for unbatched tasks."""
     alone = resident.spec.task in UNBATCHED_TASKS
-    if alone:
-        yield from ([member] for member in members)
-        return
-    dims = resident.dims
-    if cpu and dims.known and len(members) > 1:
-        plan = cpu_passes(
-            dims, [m[1] for m in members], lambda r, n: dims.activation_bytes(r, n) <= free
-        )
-        yield from ([members[i] for i in indexes] for indexes in plan)
-        return
     chunk: list[_Member] = []
     rows = longest = 0
     for member in members:
         lengths = [token_bound(text) for text in member[1]]
         more_rows, more_longest = rows + len(lengths), max([longest, *lengths])
-        if chunk and dims.activation_bytes(more_rows, more_longest) > free:
+        if chunk and (alone or resident.dims.activation_bytes(more_rows, more_longest) > free):
             yield chunk
             chunk, more_rows, more_longest = [], len(lengths), max(lengths, default=0)
         chunk.append(member)
