@@ -464,6 +464,8 @@ def _multi_gpu_options(
     rng: random.Random,
 ) -> list[_Option]:
     """Places on the fewest GPUs of one host that together hold the replica."""
+    if demand.gpus is not None and not any(group.idle for group in groups):
+        return []  # whole GPUs and nothing to evict: `_free_whole` has seen every host
     by_host: dict[str, list[Group]] = defaultdict(list)
     for group in groups:
         by_host[group.host].append(group)
