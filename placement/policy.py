@@ -10,10 +10,10 @@ Candidates are ranked, best first (docs/placement.md, "Choosing a GPU"):
    victims used longer ago (NDIF's candidate levels, LRU);
 2. with the default best-fit: a GPU already in use before an empty one, then (for a
    dedicated replica) one that strands no dead room (less than the smallest slot held
-   on a GPU of its size) in a hole that other slots would fill, then the tightest; among
-   empty GPUs the type with the largest free share, then the host with the least room
-   left; rooms compared as shares of each GPU. Empty GPUs and empty hosts stay whole
-   for the requests that need them;
+   on a GPU of its size) in a hole that other slots would fill, then the tightest (for a
+   dedicated replica, to 1/BUCKETS of a GPU); then the type with the largest free share,
+   then the host with the least room left; rooms compared as shares of each GPU. Empty
+   GPUs and empty hosts stay whole for the requests that need them;
 3. ties at random, never by index.
 The search runs over `placement.room` host shapes (hosts alike in every GPU's type, size
 and free bytes), so the common case costs one step per shape, not per GPU. Sizes come

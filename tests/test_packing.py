@@ -214,7 +214,9 @@ def host_fleets(draw: st.DrawFn) -> list[Gpu]:
 
 
 def _room(index: RoomIndex) -> tuple[object, ...]:
-    shapes = sorted((s.layout, round(s.room, 9), sorted(s.hosts)) for s in index.shapes.values())
+    shapes = sorted(
+        (s.layout, round(s.room, 9), s.top, sorted(s.hosts)) for s in index.shapes.values()
+    )
     groups = sorted((k, sorted(g.frees), g.max_reach) for k, g in index.groups.items())
     smallest = {k[2]: (index.smallest(k[2]), index.slot_sizes(k[2])) for k in index.groups}
     return shapes, groups, {h: round(r, 9) for h, r in index.room.items()}, smallest
