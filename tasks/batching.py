@@ -240,7 +240,7 @@ def run_batch(
     except Exception as exc:
         outcomes = [exc] * len(calls)
     ids = [args[1] for _, args, _, _ in jobs]
-    with _ready(jobs, outcomes, started), results.together(backend, ids):
+    with _ready(jobs, outcomes, started), results.read_together(backend, ids):
         return [_traced(trace, args) for trace, args, _, _ in jobs]
 
 
