@@ -246,14 +246,11 @@ def _best_host(
         for shape, host in candidates:
             if shape.top < floor:
                 continue  # full hosts, the most common shape late in a fill
+            weight = 1 if host is not None else len(shape.hosts)
             for key, found in options(shape):
                 if best is None or key < best[0]:
-                    best, ties = (
-                        (key, shape, host, found),
-                        1 if host is not None else len(shape.hosts),
-                    )
+                    best, ties = (key, shape, host, found), weight
                 elif key == best[0]:
-                    weight = 1 if host is not None else len(shape.hosts)
                     ties += weight
                     if rng.random() * ties < weight:  # every tied host equally likely
                         best = (key, shape, host, found)
