@@ -11,9 +11,9 @@ Candidates are ranked, best first (docs/placement.md, "Choosing a GPU"):
 2. with the default best-fit: a GPU already in use before an empty one, then (for a
    dedicated replica) one that strands no dead room (less than the smallest slot held
    on a GPU of its size) in a hole that other slots would fill, then the tightest (for a
-   dedicated replica, to 1/BUCKETS of a GPU); then the type with the largest free share,
-   then the host with the least room left; rooms compared as shares of each GPU. Empty
-   GPUs and empty hosts stay whole for the requests that need them;
+   dedicated replica, to 1/BUCKETS of a GPU); an empty GPU of the type with the most
+   left (`_type_left`); then the host with the least room left; rooms compared as shares
+   of each GPU. Empty GPUs and empty hosts stay whole for the requests that need them;
 3. ties at random, never by index.
 The search runs over `placement.room` host shapes (hosts alike in every GPU's type, size
 and free bytes), so the common case costs one step per shape, not per GPU. Sizes come
@@ -33,7 +33,7 @@ from typing import TypeVar
 from placement import accelerators
 from placement.errors import CantAccommodateError, NeverFitsError, PlacementError, SettlingError
 from placement.memory import MiB, format_size, fraction_of
-from placement.room import Group, Shape
+from placement.room import Group, RoomIndex, Shape
 from placement.settings import GpuChoice, PolicySettings, VictimOrder
 from placement.sizing import scale, shard, single_gpu_slot, splittable
 from placement.state import (
@@ -53,11 +53,14 @@ T = TypeVar("T")
 ROUNDING = MiB  # less room than this is what rounding to whole bytes leaves: no room at all
 # A hole has a better user than this request when slots that fill it without dead room are
 # held at least 1/RIVALS as often as this request's size (tuned on bench/packing.py)
-RIVALS = 4
+RIVALS = 2
 # For a dedicated replica, fits within about 1/BUCKETS of a GPU of each other are equally
-# tight, so the GPU type with the most free room (then the fullest host) decides among them
-# (tuned on bench/packing.py; evictable replicas keep the tightest, see docs/placement.md)
+# tight, so the fullest host decides among them (tuned on bench/packing.py; evictable
+# replicas keep the tightest, see docs/placement.md)
 BUCKETS = 20
+# GPU types whose shares of empty GPUs left (`_type_left`) are within about 1/TYPES_EVEN of
+# each other are equally free, so the host with the least room decides (tuned likewise)
+TYPES_EVEN = 50
 
 
 @dataclass(frozen=True)
@@ -277,8 +280,15 @@ def _free_single(
         if slot is not None:
             dead = view.smallest(total) if demand.dedicated else 0
             sizes[total] = (*slot, dead)
-    spread = {name: -index.type_free(name) for name in allowed}  # freest type first
     dedicated = demand.dedicated
+    ranks: dict[tuple[str, int], float] = {}
+
+    def type_rank(name: str, total: int) -> float:
+        """Ranks the type to open an empty GPU of, the one with the most left first."""
+        found = ranks.get((name, total))
+        if found is None:
+            found = ranks[(name, total)] = -_type_left(index, name, total, sizes[total][0])
+        return found
 
     def options(shape: Shape) -> Iterator[tuple[tuple[float, ...], tuple[str, int, int]]]:
         for name, total, frees in shape.layout:
@@ -307,7 +317,8 @@ def _free_single(
                                 and view.wanted(total, free, request, dead)
                             ),  # leaves dead room in a hole some other slot would fill
                             float(tight),  # the tightest, near enough: fewer slivers
-                            spread[name],  # spread load over types, freest first
+                            # an empty GPU: of the type with the most left to open
+                            type_rank(name, total) if free == total else 0.0,
                             shape.room - request / total,  # then the host with least room
                             left,  # then the GPU with least room left
                         ),
@@ -330,18 +341,30 @@ def _free_single(
     return _Option(_level(host in view.my_warm, evicts=False), {gpu.id: slot}, (), ())
 
 
+def _type_left(index: RoomIndex, name: str, total: int, request: int) -> float:
+    """How much of GPU type `name` (GPUs of `total` bytes) is left to open empty GPUs of.
+    Where whole GPUs are asked for on GPUs of this size (by this `request` or a replica
+    held), its share of empty GPUs, to 1/TYPES_EVEN: those are what a request pinned to the
+    type runs out of first, however much room its shared GPUs keep. Elsewhere its free
+    share: shares fit in any room."""
+    if request >= total or index.slot_count(total, total):
+        return round(index.type_empties(name) * TYPES_EVEN) / TYPES_EVEN
+    return index.type_free(name)
+
+
 def _free_whole(n: int, view: _View, rng: random.Random) -> _Option | None:
-    """`n` empty GPUs of one host, on the host with the least room left, or None."""
+    """`n` empty GPUs of one host: of the type with the most empty GPUs left, then on the
+    host with the least room left; or None."""
     index = view.snap.room
     allowed = index.names(view.demand.accelerator)
 
     def options(shape: Shape) -> list[tuple[tuple[float, ...], None]]:
-        empty = sum(
-            len(frees) - bisect_left(frees, total)
-            for name, total, frees in shape.layout
-            if name in allowed
-        )
-        return [((shape.room,), None)] if empty >= n else []
+        empty, left = 0, 0.0
+        for name, total, frees in shape.layout:
+            if name in allowed and frees[-1] == total:
+                empty += len(frees) - bisect_left(frees, total)
+                left = max(left, _type_left(index, name, total, total))
+        return [((-left, shape.room), None)] if empty >= n else []
 
     found = _best_host(view, rng, options, min(index.totals(view.demand.accelerator)))
     if found is None:

@@ -6,9 +6,9 @@ much each could offer after evicting its idle replicas (its reach), so groups th
 cannot help an eviction are skipped at once. A shape is every host whose groups are
 alike (same types, sizes and free bytes): the policy looks for free room shape by shape,
 and a fleet of 6,200 GPUs on 1,200 hosts has a few hundred shapes, most hosts being
-empty or full. Each GPU type keeps its free share, so load can be spread over types, and
-each GPU size the smallest slot a replica holds on it, so the policy can tell room that
-no replica could use.
+empty or full. Each GPU type keeps its free share and its share of empty GPUs, so load
+can be spread over types, and each GPU size the smallest slot a replica holds on it, so
+the policy can tell room that no replica could use.
 
 A host's room is the sum of its live GPUs' free shares (free / total): rooms compare
 across GPU sizes. Shares are floats and only rank candidates; admission is decided in
@@ -89,6 +89,7 @@ class RoomIndex:
         self.room: dict[str, float] = {}
         self.type_room: dict[str, float] = {}  # GPU name -> summed free shares of its GPUs
         self.type_gpus: dict[str, int] = {}
+        self.type_empty: dict[str, int] = {}  # GPU name -> how many of its GPUs are empty
         self.workers: set[str] = set()
         self.shapes: dict[Layout, Shape] = {}
         self.shape_of: dict[str, Shape] = {}
@@ -119,6 +120,8 @@ class RoomIndex:
         before = old.free / old.total if old is not None else 0.0
         if old is None:
             self.type_gpus[gpu.name] = self.type_gpus.get(gpu.name, 0) + 1
+        emptied = int(gpu.free == gpu.total) - int(old is not None and old.free == old.total)
+        self.type_empty[gpu.name] = self.type_empty.get(gpu.name, 0) + emptied
         self.type_room[gpu.name] = self.type_room.get(gpu.name, 0.0) - before + gpu.free / gpu.total
         group.put(gpu, gpu.free + evictable)
         self._reshape(gpu.host)
@@ -179,6 +182,10 @@ class RoomIndex:
     def type_free(self, name: str) -> float:
         """The share of GPU type `name`'s capacity that is free, 0 to 1."""
         return self.type_room[name] / self.type_gpus[name]
+
+    def type_empties(self, name: str) -> float:
+        """The share of GPU type `name`'s GPUs that are empty, 0 to 1."""
+        return self.type_empty[name] / self.type_gpus[name]
 
     def names(self, accelerator: Accelerator) -> frozenset[str]:
         """The GPU names in the fleet that `accelerator` allows."""

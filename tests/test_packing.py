@@ -15,7 +15,7 @@ from placement.errors import CantAccommodateError
 from placement.live import LiveView
 from placement.policy import plan_replica
 from placement.room import RoomIndex
-from placement.state import Demand, Gpu, Level
+from placement.state import Demand, Gpu, Level, Snapshot
 from tests.fleets import GiB, fleet, gpu, hot
 
 # --- exact arithmetic ----------------------------------------------------------------
@@ -142,28 +142,85 @@ def test_a_dedicated_share_fills_a_hole_no_other_slot_would_fill_even_leaving_de
     assert set(plan.gpus) != {"g0"}
 
 
-def test_among_gpus_that_fit_about_as_tightly_a_dedicated_share_goes_to_the_freest_type() -> None:
+def test_among_gpus_in_use_that_fit_about_as_tightly_a_dedicated_share_fills_the_fullest_host() -> (
+    None
+):
     # one T4 host nearly full, one A10 host nearly empty; a GPU of each with room for 0.3
     gpus = [gpu(f"t{i}", 10**9, host="ht", name="Tesla T4", index=i) for i in range(4)]
     gpus += [gpu(f"a{i}", 10**9, host="ha", name="NVIDIA A10", index=i) for i in range(4)]
     held = [hot(f"t{i}", f"t{i}", {f"t{i}": 10**9}, host="ht", dedicated=True) for i in (1, 2, 3)]
     held += [
-        hot("t0", "t0", {"t0": 670_000_000}, host="ht", dedicated=True),  # 0.33 left
-        hot("a0", "a0", {"a0": 630_000_000}, host="ha", dedicated=True),  # 0.37 left
+        hot("t0", "t0", {"t0": 630_000_000}, host="ht", dedicated=True),  # 0.37 left
+        hot("a0", "a0", {"a0": 670_000_000}, host="ha", dedicated=True),  # 0.33 left
     ]
     snap = fleet(gpus, held)
     for seed in range(10):
-        # 0.03 and 0.07 left: as tight as each other, and the A10s have far more room
+        # 0.07 and 0.03 left: as tight as each other, and the T4 host is the fuller one
         rng = random.Random(seed)
         near = plan_replica(Demand("q", gpus=0.3, dedicated=True), snap, rng=rng)
-        assert set(near.gpus) == {"a0"}
+        assert set(near.gpus) == {"t0"}
         # an evictable replica takes the tightest: the cache keeps its larger holes
         evictable = plan_replica(Demand("q", gpus=0.3), snap, rng=rng)
-        assert set(evictable.gpus) == {"t0"}
-    # a fit tighter by more than 1/20 of a GPU still wins over the freer type
-    held[-1] = hot("a0", "a0", {"a0": 500_000_000}, host="ha", dedicated=True)  # 0.5 left
+        assert set(evictable.gpus) == {"a0"}
+    # a fit tighter by more than 1/20 of a GPU still wins over the fuller host
+    held[-2] = hot("t0", "t0", {"t0": 500_000_000}, host="ht", dedicated=True)  # 0.5 left
     tight = plan_replica(Demand("q", gpus=0.3, dedicated=True), fleet(gpus, held))
-    assert set(tight.gpus) == {"t0"}
+    assert set(tight.gpus) == {"a0"}
+
+
+def _two_types(a10_first: int) -> Snapshot:
+    """A T4 host with two 0.1 shares and two empty GPUs; an A10 host whose first GPU holds
+    `a10_first` bytes and the other three are empty (every GPU 10**9 bytes)."""
+    gpus = [gpu(f"t{i}", 10**9, host="ht", name="Tesla T4", index=i) for i in range(4)]
+    gpus += [gpu(f"a{i}", 10**9, host="ha", name="NVIDIA A10", index=i) for i in range(4)]
+    held = [
+        hot(f"t{i}", f"t{i}", {f"t{i}": 100_000_000}, host="ht", dedicated=True) for i in (0, 1)
+    ]
+    held.append(hot("a0", "a0", {"a0": a10_first}, host="ha", dedicated=True))
+    return fleet(gpus, held)
+
+
+def test_a_share_opens_the_type_with_the_most_room_left_when_no_one_asks_for_whole_gpus() -> None:
+    # T4: 0.95 of its room free, half its GPUs empty; A10: 0.7525 free, three quarters empty
+    snap = _two_types(990_000_000)
+    for seed in range(10):
+        plan = plan_replica(Demand("q", gpus=0.95, dedicated=True), snap, rng=random.Random(seed))
+        assert set(plan.gpus) <= {"t2", "t3"}
+
+
+def test_a_share_opens_the_type_with_the_most_empty_gpus_left_when_whole_gpus_are_wanted() -> None:
+    # the same, but A10's first GPU is held whole: empty GPUs are what a pinned whole-GPU
+    # request runs out of, so the type with more of them left is opened, not the roomier one
+    snap = _two_types(10**9)
+    for seed in range(10):
+        plan = plan_replica(Demand("q", gpus=0.95, dedicated=True), snap, rng=random.Random(seed))
+        assert set(plan.gpus) <= {"a1", "a2", "a3"}
+    whole = plan_replica(Demand("w", gpus=1.0, dedicated=True), snap)
+    assert set(whole.gpus) <= {"a1", "a2", "a3"}
+
+
+def test_whole_gpus_go_to_the_type_with_the_most_empty_gpus_left_then_the_fullest_host() -> None:
+    # A10: 2 of 8 GPUs empty, both on ha1; T4: 6 of 8, two on ht0 and four on ht1
+    gpus = []
+    for host, name in (
+        ("ha0", "NVIDIA A10"),
+        ("ha1", "NVIDIA A10"),
+        ("ht0", "Tesla T4"),
+        ("ht1", "Tesla T4"),
+    ):
+        gpus += [gpu(f"{host}-{i}", 10**9, host=host, name=name, index=i) for i in range(4)]
+    whole = {"ha0": 4, "ha1": 2, "ht0": 2, "ht1": 0}
+    held = [
+        hot(f"{h}-{i}", f"{h}-{i}", {f"{h}-{i}": 10**9}, host=h, dedicated=True)
+        for h, n in whole.items()
+        for i in range(n)
+    ]
+    snap = fleet(gpus, held)
+    for seed in range(10):
+        plan = plan_replica(Demand("two", gpus=2.0, dedicated=True), snap, rng=random.Random(seed))
+        assert plan.host == "ht0"  # ha1 is as full, but A10 has fewer empty GPUs left
+    pinned = plan_replica(Demand("two", gpus=2.0, accelerator="A10", dedicated=True), snap)
+    assert pinned.host == "ha1"
 
 
 def test_the_room_index_knows_the_smallest_slot_on_each_gpu_size() -> None:
@@ -219,7 +276,8 @@ def _room(index: RoomIndex) -> tuple[object, ...]:
     )
     groups = sorted((k, sorted(g.frees), g.max_reach) for k, g in index.groups.items())
     smallest = {k[2]: (index.smallest(k[2]), index.slot_sizes(k[2])) for k in index.groups}
-    return shapes, groups, {h: round(r, 9) for h, r in index.room.items()}, smallest
+    types = (dict(index.type_empty), {t: round(r, 9) for t, r in index.type_room.items()})
+    return shapes, groups, {h: round(r, 9) for h, r in index.room.items()}, smallest, types
 
 
 @settings(max_examples=150, deadline=None)
