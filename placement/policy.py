@@ -370,14 +370,17 @@ def _free_whole(n: int, view: _View, rng: random.Random) -> _Option | None:
     if found is None:
         return None
     host = found[0]
-    empty_gpus = [
-        g
-        for group in index.by_host[host]
-        if group.name in allowed
-        for g in group.gpus.values()
-        if g.free == g.total
-    ]
-    chosen = rng.sample(sorted(empty_gpus, key=lambda g: g.id), n)
+    by_type: dict[float, list[Gpu]] = defaultdict(list)  # a host may mix types: best first
+    for group in index.by_host[host]:
+        if group.name in allowed:
+            rank = -_type_left(index, group.name, group.total, group.total)
+            by_type[rank].extend(g for g in group.gpus.values() if g.free == g.total)
+    chosen: list[Gpu] = []
+    for rank in sorted(by_type):
+        empty_gpus = sorted(by_type[rank], key=lambda g: g.id)
+        chosen += rng.sample(empty_gpus, min(n - len(chosen), len(empty_gpus)))
+        if len(chosen) == n:
+            break
     slots = {g.id: (g.total, g.total) for g in chosen}
     return _Option(_level(host in view.my_warm, evicts=False), slots, (), ())
 

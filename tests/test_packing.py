@@ -223,6 +223,21 @@ def test_whole_gpus_go_to_the_type_with_the_most_empty_gpus_left_then_the_fulles
     assert pinned.host == "ha1"
 
 
+def test_whole_gpus_on_a_host_of_two_types_come_from_the_type_with_more_empty_gpus_left() -> None:
+    # hm: two empty T4s and two empty A10s; ha: four A10s, each held whole
+    gpus = [gpu(f"t{i}", 10**9, host="hm", name="Tesla T4", index=i) for i in range(2)]
+    gpus += [gpu(f"a{i}", 10**9, host="hm", name="NVIDIA A10", index=2 + i) for i in range(2)]
+    gpus += [gpu(f"a{i}", 10**9, host="ha", name="NVIDIA A10", index=i) for i in range(2, 6)]
+    held = [hot(f"a{i}", f"a{i}", {f"a{i}": 10**9}, host="ha", dedicated=True) for i in range(2, 6)]
+    snap = fleet(gpus, held)
+    for seed in range(10):
+        rng = random.Random(seed)
+        two = plan_replica(Demand("two", gpus=2.0, dedicated=True), snap, rng=rng)
+        assert set(two.gpus) == {"t0", "t1"}  # T4 has all its GPUs empty, A10 a third
+        three = plan_replica(Demand("three", gpus=3.0, dedicated=True), snap, rng=rng)
+        assert {"t0", "t1"} < set(three.gpus) < {"t0", "t1", "a0", "a1"}
+
+
 def test_the_room_index_knows_the_smallest_slot_on_each_gpu_size() -> None:
     gpus = [gpu("a", 16 * GiB, index=0), gpu("b", 80 * GiB, index=1)]
     view = LiveView(fleet(gpus, [hot("x", "x", {"a": 4 * GiB}), hot("y", "y", {"b": 20 * GiB})]))
