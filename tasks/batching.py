@@ -91,6 +91,7 @@ class Batcher:
         self._job = job  # runs a batch in the child: importable, so the pool can send it
         self._waiting: list[Waiting[tuple[Any, Call]]] = []
         self._busy = False
+        self._connection = 0  # counts lost connections: a job tells whose it was
         self._wake: Any = None  # the timer entry of a batch waiting to fill
         self._lock = threading.RLock()
 
@@ -111,9 +112,18 @@ class Batcher:
 
     def forget(self) -> None:
         """Drop the calls held here, unacked: the consumer lost its connection, so the
-        broker delivers them again (as Celery does with the requests it reserved)."""
+        broker delivers them again (as Celery does with the requests it reserved). The job
+        the child may be running is let go too: Celery's pool drops a job whose start it
+        has not heard of yet without calling it back, and waiting for that job would hold
+        every later call here."""
         with self._lock:
+            if self._busy:
+                log.info(
+                    "broker connection lost while a batch ran: later calls will not wait for it"
+                )
             self._waiting = []
+            self._busy = False
+            self._connection += 1
             if self._wake is not None:
                 self._wake.cancel()
                 self._wake = None
@@ -153,16 +163,17 @@ class Batcher:
         first = requests[0]
         hard, soft = first.time_limits  # every call of a batch has the same (`__call__`)
         self._busy = True
+        connection = self._connection
 
         def accepted(pid: int, time_accepted: float) -> None:
             for request in requests:
                 request.on_accepted(pid, time_accepted)
 
         def done(results: list[Any]) -> None:
-            self._finished(lambda i, r: r.on_success(results[i]), requests)
+            self._finished(lambda i, r: r.on_success(results[i]), requests, connection)
 
         def failed(exc_info: Any) -> None:
-            self._finished(lambda _, r: r.on_failure(exc_info), requests)
+            self._finished(lambda _, r: r.on_failure(exc_info), requests, connection)
 
         def timed_out(is_soft: bool, timeout: float) -> None:
             for request in requests:  # as Celery does for one: warn, or fail it
@@ -184,10 +195,14 @@ class Batcher:
             self._busy = False
             raise
 
-    def _finished(self, each: Callable[[int, Any], Any], requests: list[Any]) -> None:
-        """The child ended a job: tell each request how its call went, then go on."""
+    def _finished(
+        self, each: Callable[[int, Any], Any], requests: list[Any], connection: int
+    ) -> None:
+        """The child ended a job: tell each request how its call went, then go on. A job
+        sent before a lost connection does not free the child for the jobs sent since."""
         with self._lock:
-            self._busy = False
+            if connection == self._connection:
+                self._busy = False
         stop: BaseException | None = None
         for index, request in enumerate(requests):
             try:

@@ -324,6 +324,24 @@ def test_the_batcher_sends_one_job_per_free_child_and_settles_each_call_of_it() 
     assert passed == [unknown]  # not a call: Celery's own path
 
 
+def test_a_job_the_pool_drops_with_a_lost_connection_does_not_hold_up_the_calls_after_it() -> None:
+    from tasks.batching import Batcher
+
+    pool = _Pool()
+    batcher = Batcher(pool, None, lambda _: None, lambda _: BatchLimits(size=8), lambda _: [])
+    batcher(_Request("c1", "r1"))
+    # the consumer lost its connection: Celery's pool drops c1's job, never calling it back
+    batcher.forget()
+    batcher(_Request("c2", "r1"))  # delivered on the new connection
+    assert [job["ids"] for job in pool.jobs] == [["c1"], ["c2"]]
+    # a job from before the loss that did run ends late: c2's job still holds the child
+    pool.jobs[0]["callback"]([(0, "ok", 0.1)])
+    batcher(_Request("c3", "r1"))
+    assert [job["ids"] for job in pool.jobs] == [["c1"], ["c2"]]
+    pool.jobs[1]["callback"]([(0, "ok", 0.1)])
+    assert [job["ids"] for job in pool.jobs][-1] == ["c3"]
+
+
 def test_calls_share_a_batch_only_with_calls_of_their_time_limits_which_the_batch_keeps() -> None:
     from tasks.batching import Batcher
 
