@@ -85,6 +85,7 @@ class _View:
         self._slots: dict[int, tuple[int, int] | None] = {}
         self._smallest: dict[int, int] = {}
         self._wanted: dict[tuple[int, int], bool] = {}
+        self._ranks: dict[tuple[str, int, int], float] = {}
         live = snap.room.workers
         self.my_warm: dict[str, Deployment] = {}
         for d in sorted(self.mine, key=lambda d: d.last_used_ms):
@@ -122,6 +123,15 @@ class _View:
                     users += room.slot_count(total, size)
             found = users > 0 and users * RIVALS >= room.slot_count(total, request)
             self._wanted[key] = found
+        return found
+
+    def type_rank(self, name: str, total: int, request: int) -> float:
+        """Ranks GPU type `name` for opening an empty GPU of `total` bytes to a slot of
+        `request` bytes: the type with the most left first (`_type_left`), computed once."""
+        key = (name, total, request)
+        found = self._ranks.get(key)
+        if found is None:
+            found = self._ranks[key] = -_type_left(self.snap.room, name, total, request)
         return found
 
     def slot(self, total: int) -> tuple[int, int] | None:
@@ -281,14 +291,6 @@ def _free_single(
             dead = view.smallest(total) if demand.dedicated else 0
             sizes[total] = (*slot, dead)
     dedicated = demand.dedicated
-    ranks: dict[tuple[str, int], float] = {}
-
-    def type_rank(name: str, total: int) -> float:
-        """Ranks the type to open an empty GPU of, the one with the most left first."""
-        found = ranks.get((name, total))
-        if found is None:
-            found = ranks[(name, total)] = -_type_left(index, name, total, sizes[total][0])
-        return found
 
     def options(shape: Shape) -> Iterator[tuple[tuple[float, ...], tuple[str, int, int]]]:
         for name, total, frees in shape.layout:
@@ -318,7 +320,7 @@ def _free_single(
                             ),  # leaves dead room in a hole some other slot would fill
                             float(tight),  # the tightest, near enough: fewer slivers
                             # an empty GPU: of the type with the most left to open
-                            type_rank(name, total) if free == total else 0.0,
+                            view.type_rank(name, total, request) if free == total else 0.0,
                             shape.room - request / total,  # then the host with least room
                             left,  # then the GPU with least room left
                         ),
@@ -359,12 +361,12 @@ def _free_whole(n: int, view: _View, rng: random.Random) -> _Option | None:
     allowed = index.names(view.demand.accelerator)
 
     def options(shape: Shape) -> list[tuple[tuple[float, ...], None]]:
-        empty, left = 0, 0.0
+        empty, rank = 0, 0.0
         for name, total, frees in shape.layout:
             if name in allowed and frees[-1] == total:
                 empty += len(frees) - bisect_left(frees, total)
-                left = max(left, _type_left(index, name, total, total))
-        return [((-left, shape.room), None)] if empty >= n else []
+                rank = min(rank, view.type_rank(name, total, total))
+        return [((rank, shape.room), None)] if empty >= n else []
 
     found = _best_host(view, rng, options, min(index.totals(view.demand.accelerator)))
     if found is None:
@@ -373,7 +375,7 @@ def _free_whole(n: int, view: _View, rng: random.Random) -> _Option | None:
     by_type: dict[float, list[Gpu]] = defaultdict(list)  # a host may mix types: best first
     for group in index.by_host[host]:
         if group.name in allowed:
-            rank = -_type_left(index, group.name, group.total, group.total)
+            rank = view.type_rank(group.name, group.total, group.total)
             by_type[rank].extend(g for g in group.gpus.values() if g.free == g.total)
     chosen: list[Gpu] = []
     for rank in sorted(by_type):
