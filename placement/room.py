@@ -94,8 +94,7 @@ class RoomIndex:
         self.shapes: dict[Layout, Shape] = {}
         self.shape_of: dict[str, Shape] = {}
         self._matching: dict[Accelerator, list[Group]] = {}
-        self._names: dict[Accelerator, frozenset[str]] = {}
-        self._totals: dict[Accelerator, frozenset[int]] = {}
+        self._kinds: dict[Accelerator, tuple[frozenset[str], frozenset[int]]] = {}
         self._slots: dict[int, dict[int, int]] = {}  # GPU size -> slot bytes -> replicas
         self._smallest: dict[int, int] = {}  # GPU size -> its smallest slot, when known
         self._sizes: dict[int, list[int]] = {}  # GPU size -> its slots' sizes, ascending
@@ -114,8 +113,7 @@ class RoomIndex:
             group = self.groups[key] = Group(gpu.host, gpu.name, gpu.total)
             self.by_host.setdefault(gpu.host, []).append(group)
             self._matching.clear()
-            self._names.clear()
-            self._totals.clear()
+            self._kinds.clear()
         old = group.gpus.get(gpu.id)
         before = old.free / old.total if old is not None else 0.0
         if old is None:
@@ -189,18 +187,18 @@ class RoomIndex:
 
     def names(self, accelerator: Accelerator) -> frozenset[str]:
         """The GPU names in the fleet that `accelerator` allows."""
-        found = self._names.get(accelerator)
-        if found is None:
-            found = frozenset(g.name for g in self.matching(accelerator))
-            self._names[accelerator] = found
-        return found
+        return self._kinds_of(accelerator)[0]
 
     def totals(self, accelerator: Accelerator) -> frozenset[int]:
         """The GPU sizes in the fleet among the types `accelerator` allows."""
-        found = self._totals.get(accelerator)
+        return self._kinds_of(accelerator)[1]
+
+    def _kinds_of(self, accelerator: Accelerator) -> tuple[frozenset[str], frozenset[int]]:
+        found = self._kinds.get(accelerator)
         if found is None:
-            found = frozenset(g.total for g in self.matching(accelerator))
-            self._totals[accelerator] = found
+            groups = self.matching(accelerator)
+            found = frozenset(g.name for g in groups), frozenset(g.total for g in groups)
+            self._kinds[accelerator] = found
         return found
 
     def matching(self, accelerator: Accelerator) -> list[Group]:
