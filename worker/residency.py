@@ -282,12 +282,8 @@ class ResidencyManager:
         allocator keeps freed blocks cached for reuse, while the ledger has already given
         their bytes back to the host's warm cache: without this, the process would hold
         the most pinned memory it ever used."""
-        if not self._pin:
-            return
-        empty = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
-        empty = empty or getattr(torch._C, "_host_emptyCache", None)  # torch < 2.9
-        if empty is not None:
-            empty()
+        if self._pin:
+            loading.empty_host_cache()
 
     def drop(self, replica: str) -> None:
         """Forget a replica wherever it is (COLD)."""
