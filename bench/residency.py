@@ -16,8 +16,11 @@ workers run):
   loop above can pass 1.0, and this figure is its real ceiling;
 - `transformers_load_gbps`: the same load through transformers' `from_pretrained`
   (catalog `loader: transformers`), the loader gpufleet's reader replaces;
-- `offload_gbps` and `warm_restore_gbps`: GPU -> pinned CPU and back, against `h2d_gbps`,
-  a raw pinned host-to-device copy of the same number of bytes (CUDA only; null here).
+- `offload_gbps`: GPU -> pinned CPU, against `d2h_gbps`, a raw device-to-host copy of the
+  same number of bytes into pinned memory allocated for it (the worker empties PyTorch's
+  pinned cache after a restore, so an offload allocates its pinned blocks afresh too);
+- `warm_restore_gbps`: pinned CPU -> GPU, against `h2d_gbps`, a raw pinned host-to-device
+  copy of the same number of bytes (CUDA only; null here).
 
 Both sides of each ratio start from the same page-cache state: before every cold
 measurement the files are dropped from the page cache with posix_fadvise(DONTNEED),
@@ -46,6 +49,7 @@ import torch
 
 from placement.catalog import Catalog
 from worker.devices import Device, nvml_devices, simulated_devices
+from worker.loading import empty_host_cache
 from worker.residency import ResidencyManager
 
 log = logging.getLogger("bench.residency")
@@ -124,6 +128,29 @@ def h2d_gbps(nbytes: int, device: int) -> float:
     return nbytes / seconds / 1e9
 
 
+D2H_CHUNK = 64 * 2**20
+
+
+def d2h_gbps(nbytes: int, device: int) -> float:
+    """Raw device-to-host copy of `nbytes` into pinned memory allocated for it, as an offload
+    must (the allocator's pinned cache emptied first, as the worker keeps it)."""
+    source = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{device}")
+    empty_host_cache()
+    torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    hosts = []  # in power-of-two chunks, which PyTorch's pinned allocator takes as they are
+    for offset in range(0, nbytes, D2H_CHUNK):
+        part = source[offset : offset + D2H_CHUNK]
+        hosts.append(torch.empty(part.numel(), dtype=torch.uint8, pin_memory=True))
+        hosts[-1].copy_(part, non_blocking=True)
+    torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - start
+    del source, hosts
+    torch.cuda.empty_cache()
+    empty_host_cache()
+    return nbytes / seconds / 1e9
+
+
 def run(mib: int, repeats: int) -> dict[str, Any]:
     cuda = torch.cuda.is_available()
     devices: list[Device] = nvml_devices() if cuda else simulated_devices("1x64GiB")
@@ -143,7 +170,9 @@ def run(mib: int, repeats: int) -> dict[str, Any]:
         for spec in specs.values():  # a worker imports its libraries once; time the loads only
             manager.load(spec, "imports", slots)
             manager.drop_all()
-        disk, fill, cold, ratios, baseline, offload, restore, raw_h2d = ([] for _ in range(8))
+        disk, fill, cold, ratios, baseline, offload, restore, raw_h2d, raw_d2h = (
+            [] for _ in range(9)
+        )
         via = set()
         for i in range(repeats):
             before = disk_read_gbps(directory)
@@ -155,6 +184,7 @@ def run(mib: int, repeats: int) -> dict[str, Any]:
             manager.drop_all()  # the raw copy runs uncapped, with the GPU empty
             if cuda:
                 raw_h2d.append(h2d_gbps(model_bytes, gpu.cuda_index or 0))
+                raw_d2h.append(d2h_gbps(model_bytes, gpu.cuda_index or 0))
             disk.append(max(before, disk_read_gbps(directory)))
             fill.append(page_cache_fill_gbps(directory))
             cold.append(report.gbps)
@@ -168,6 +198,7 @@ def run(mib: int, repeats: int) -> dict[str, Any]:
         return round(statistics.median(values), 3) if values else None
 
     restore_gbps, h2d = median(restore), median(raw_h2d)
+    offload_gbps, d2h = median(offload), median(raw_d2h)
     return {
         "device": torch.cuda.get_device_name(0) if cuda else f"cpu ({platform.processor()})",
         "model_bytes": model_bytes,
@@ -178,11 +209,17 @@ def run(mib: int, repeats: int) -> dict[str, Any]:
         "cold_load_ratio": median(ratios),
         "page_cache_fill_gbps": median(fill),
         "transformers_load_gbps": median(baseline),
-        "offload_gbps": median(offload),
+        "offload_gbps": offload_gbps,
+        "d2h_gbps": d2h,
+        "offload_ratio": round(offload_gbps / d2h, 3) if offload_gbps and d2h else None,
         "warm_restore_gbps": restore_gbps,
         "h2d_gbps": h2d,
         "warm_restore_ratio": round(restore_gbps / h2d, 3) if restore_gbps and h2d else None,
-        "targets": {"cold_load_ratio": ">= 0.7", "warm_restore_ratio": ">= 0.8 (CUDA)"},
+        "targets": {
+            "cold_load_ratio": ">= 0.7",
+            "offload_ratio": ">= 0.8 (CUDA)",
+            "warm_restore_ratio": ">= 0.8 (CUDA)",
+        },
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
     }
 
