@@ -15,7 +15,7 @@ import os
 import signal
 import threading
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 from celery import Task
 from celery.exceptions import SoftTimeLimitExceeded
@@ -278,13 +278,20 @@ def _try_register(worker: GpuWorker) -> bool:
     try:
         worker.start()
     except GpuOwnedError as exc:
-        log.critical("gpufleet worker cannot start: %s", exc)
-        os.kill(os.getppid(), signal.SIGTERM)  # the pool's main process: stop it all
-        os._exit(1)
+        stop_worker(f"gpufleet worker cannot start: {exc}")
     except RegistryError as exc:
         log.warning("cannot register yet (%s); retrying", exc)
         return False
     return True
+
+
+def stop_worker(why: str) -> NoReturn:
+    """Stop the whole Celery worker from one of its pool children, with a failing exit
+    status. SIGINT is Celery's warm shutdown with EX_FAILURE; a SIGTERM sent once the
+    worker consumes stops it with status 0, as if it had been asked to."""
+    log.critical("%s", why)
+    os.kill(os.getppid(), signal.SIGINT)  # the pool's main process
+    os._exit(1)
 
 
 @worker_process_shutdown.connect

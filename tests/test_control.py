@@ -151,3 +151,24 @@ def test_a_second_fleet_on_the_first_fleets_redis_database_refuses_and_runs_from
                 assert second.infer("c", f"x{i}")["worker"].startswith("sim0@second")
             with pytest.raises(Exception, match="it serves: c"):
                 second.infer("a", "not in this catalog")
+
+
+def test_a_pool_child_that_refuses_after_the_worker_started_stops_it_with_a_failing_status(
+    tmp_path: Path, redis_url: str, fleet: str
+) -> None:
+    """A GPU worker's main process checks who owns its GPUs before it forks, but a check it
+    could not make (Redis busy) falls to the pool child, which then stops the worker while
+    it already consumes: a supervisor must read that as a failure, not a requested stop."""
+    ready = tmp_path / "consuming"
+    env = fleet_env(
+        REFUSING_BROKER=redis_url, REFUSING_READY=str(ready), GPUFLEET_REDIS_URL=redis_url
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "tests.refusing_app", "worker", "-c", "1",
+         "-Q", f"{fleet}-refusing", "-n", f"refusing-{fleet}@here",
+         "--without-gossip", "--without-mingle"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert ready.exists(), done.stderr[-2000:]  # it did start consuming first
+    assert "refused for the test" in done.stderr
+    assert done.returncode != 0, done.stderr[-2000:]
