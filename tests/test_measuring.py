@@ -203,5 +203,64 @@ def test_calls_retried_one_at_a_time_after_a_failed_pass_still_report(
     chunk = [(0, ["a cat"]), (1, ["a dog"])]
     manager._run_chunk(manager.residents["r"], {0: GiB}, False, chunk, {}, ran)
     assert [r.error for r in ran] == [None, None]
-    assert device.resets == 3  # the failed pass, then each retry in its span
+    # The failed pass, then the first retry; the second is no larger than the first
+    assert device.resets == 2
     assert learned.reports == [("m", 600)]
+
+
+def _count_reads(monkeypatch: pytest.MonkeyPatch, device: _Device) -> list[str]:
+    """Record every read of torch.cuda's memory statistics from now on."""
+    reads: list[str] = []
+
+    def allocated(index: int) -> int:
+        reads.append("allocated")
+        return device.allocated
+
+    def peak(index: int) -> int:
+        reads.append("peak")
+        return device.peak
+
+    monkeypatch.setattr(torch.cuda, "memory_allocated", allocated)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", peak)
+    return reads
+
+
+def test_a_cuda_pass_no_larger_than_one_measured_reads_no_memory_statistics(
+    cuda_pass: tuple[ResidencyManager, _Device, _Learned], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    manager, device, learned = cuda_pass
+    reads = _count_reads(monkeypatch, device)
+    _one_pass(manager)
+    assert reads == ["allocated", "peak"]
+    _one_pass(manager)  # the same size: it cannot need more
+    assert reads == ["allocated", "peak"] and device.resets == 1
+
+
+def test_a_larger_cuda_pass_or_other_options_are_measured_again(
+    cuda_pass: tuple[ResidencyManager, _Device, _Learned], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    manager, device, learned = cuda_pass
+    _one_pass(manager)
+    reads = _count_reads(monkeypatch, device)
+    ran: list[Any] = [None]
+    resident = manager.residents["r"]
+    manager._run_chunk(resident, {0: GiB}, False, [(0, ["a longer cat"])], {}, ran)
+    manager._run_chunk(resident, {0: GiB}, False, [(0, ["a cat"])], {"top_k": 2}, ran)
+    assert reads == ["allocated", "peak"] * 2 and device.resets == 3
+
+
+def test_a_synthetic_model_on_cuda_reads_no_memory_statistics_per_call(
+    cuda_pass: tuple[ResidencyManager, _Device, _Learned], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A synthetic stand-in never reports a learned figure, and one call needs no room
+    figure for batching: the hot path's pass reads nothing of the allocator."""
+    from dataclasses import replace
+
+    manager, device, learned = cuda_pass
+    resident = manager.residents["r"]
+    resident.spec = replace(resident.spec, source="synthetic")
+    assert resident.spec.synthetic
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: None)
+    reads = _count_reads(monkeypatch, device)
+    assert manager.run_batch("r", [("a cat", None)])[0][0].error is None
+    assert reads == [] and device.resets == 0 and learned.reports == []

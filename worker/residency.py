@@ -40,7 +40,7 @@ from placement.state import Holding, Level
 from worker import handlers, loading
 from worker.devices import Device
 from worker.lifecycle import exit_for_restart, is_fatal_cuda_error
-from worker.measuring import Span, Spans
+from worker.measuring import PassSizes, Span, Spans
 from worker.passes import Dims, dims_of, for_pass, longest_tokens, token_bound
 
 log = logging.getLogger(__name__)
@@ -145,6 +145,7 @@ class ResidencyManager:
         # (`worker.measuring`); `_warming.load` marks a load's own warm-up pass.
         self._spans = Spans()
         self._warming = threading.local()
+        self._sizes = PassSizes()  # the largest pass measured, per model and options
         # Errors that concern a whole pass, not one of its calls (a time limit): they fail
         # every call of the pass at once instead of a retry one call at a time.
         self.whole_pass_errors = whole_pass_errors
@@ -397,7 +398,9 @@ class ResidencyManager:
                     continue
                 key = json.dumps(options, sort_keys=True)
                 groups.setdefault(key, (options, []))[1].append((index, texts))
-            free = self._free_for_calls(plan, simulated)
+            # The room for activations sizes batches only: one call runs alone anyway.
+            batched = sum(len(members) for _, members in groups.values()) > 1
+            free = self._free_for_calls(plan, simulated) if batched else 0
             for options, members in groups.values():
                 for chunk in _chunks(resident, members, free):
                     self._run_chunk(resident, plan, simulated, chunk, options, ran)
@@ -423,8 +426,19 @@ class ResidencyManager:
                 if simulated:
                     with self._lock:
                         self._check_activations(resident, plan, flat)
-                reset = span is not None and self._spans.clean(span)  # nothing else runs
-                before = {} if simulated else self._cuda_allocated(plan, reset=reset)
+                # On CUDA, read the memory statistics only for a pass that could raise the
+                # model's learned figure (`PassSizes`): each read costs a walk of them all.
+                size, key = len(flat) * longest_tokens(flat), json.dumps(options, sort_keys=True)
+                learning = (
+                    span is not None
+                    and not simulated
+                    and self._learns(resident)
+                    and self._sizes.larger(resident.spec.name, key, size)
+                )
+                before = {}
+                if learning and span is not None:
+                    # reset the peaks only while nothing else runs
+                    before = self._cuda_allocated(plan, reset=self._spans.clean(span))
                 self._set_threads(resident, flat)
                 start = time.perf_counter()  # the pass's own time, not its admission's
                 results = handlers.run_many(
@@ -456,10 +470,11 @@ class ResidencyManager:
             compute_ms = (time.perf_counter() - start) * 1000
             if simulated:
                 self._learn_from(resident, _activation_bytes(resident.dims, flat))
-            elif span is not None and self._spans.clean(span):  # the peak is this pass's own
+            elif learning and span is not None and self._spans.clean(span):  # its own peak
                 self._learn_from(
                     resident, sum(torch.cuda.max_memory_allocated(i) - before[i] for i in plan)
                 )
+                self._sizes.measured(resident.spec.name, key, size)
             for (index, _), result in zip(chunk, results, strict=True):
                 ran[index] = Ran(result, None, len(chunk), compute_ms)
 
@@ -478,14 +493,23 @@ class ResidencyManager:
         used = self._charged.get(index, 0) if simulated else torch.cuda.memory_allocated(index)
         return self._reserved(index) - used
 
+    def _learns(self, resident: Resident) -> bool:
+        """Whether a pass of this replica may report a learned peak: a catalog model whose
+        load this process reported."""
+        return (
+            self.registry is not None
+            and not resident.spec.synthetic
+            and resident.spec.name in self._reported
+        )
+
     def _learn_from(self, resident: Resident, extra: int) -> None:
         """Report a larger learned peak when a call needed more than the last report: a
         replica placed later (scaled out, or loaded again) is sized for the calls seen,
         not only for the warm-up call the load was measured with."""
-        name = resident.spec.name
-        reported = self._reported.get(name)
-        if reported is None or self.registry is None or resident.spec.synthetic:
+        if self.registry is None or not self._learns(resident):
             return
+        name = resident.spec.name
+        reported = self._reported[name]
         peak = self._weights.get(name, 0) + extra
         if peak > reported:
             self._reported[name] = peak
@@ -680,6 +704,7 @@ class ResidencyManager:
             weights = sum(torch.cuda.memory_allocated(i) - baseline.get(i, 0) for i in plan)
         if simulated or self._spans.clean(span):
             self._weights[name] = weights
+            self._sizes.forget(name)  # its passes' peaks add to these weights now
         known = self._reported.get(name)
         built_as = (name, via, len(plan))
         if known is not None and built_as in self._warmed:
