@@ -60,6 +60,13 @@ def loaded_machine(
     }
 
 
+def _real_gpus() -> str:
+    """The NVIDIA GPUs NVML lists, by name (no CUDA context)."""
+    from worker.devices import nvml_devices
+
+    return ", ".join(d.name for d in nvml_devices()) or "none found"
+
+
 def fleet_machine(sim_gpus: str) -> dict[str, Any]:
     """What a fleet benchmark's figures depend on: the machine and the versions it ran."""
     import celery
@@ -72,5 +79,5 @@ def fleet_machine(sim_gpus: str) -> dict[str, Any]:
         "celery": celery.__version__,
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
-        "gpus": f"simulated {sim_gpus} (forward on CPU)",
+        "gpus": f"simulated {sim_gpus} (forward on CPU)" if sim_gpus else _real_gpus(),
     }

@@ -1,15 +1,17 @@
 """Hot-path latency: `gpufleet.infer` on a resident model against a bare Celery task.
 
-    python -m bench.hotpath [--calls 500] [--warmup 50] [--model-mib 64]
+    python -m bench.hotpath [--calls 500] [--warmup 50] [--model-mib 64] [--gpu]
 
 Prints one JSON object. It writes a catalog with one synthetic `forward` model of
 `--model-mib` declared size, starts a fleet (`tasks.launcher.Fleet`: an embedded Redis
-unless GPUFLEET_REDIS_URL is set, a router and one worker on a simulated 8 GiB GPU), and
+unless GPUFLEET_REDIS_URL is set, a router and one worker on a simulated 8 GiB GPU, or
+with `--gpu` one worker per real GPU, the model on the first), and
 next to it a *bare* Celery worker: `celery -A bench.hotpath:bare_app worker -Q bare -c 1
 -P prefork`, with the same Celery settings (`tasks.config.celery_conf`: JSON,
 acks_late, prefetch 1, events) and the same worker flags as a GPU worker. Its one task
 builds the same synthetic model (`worker.synthetic.build_synthetic`) once per process
-and runs the same forward pass (`worker.handlers.run`); it knows nothing of placement.
+and runs the same forward pass (`worker.handlers.run`), on `cuda:0` with `--gpu`; it
+knows nothing of placement.
 
 One call through the router makes the model resident. Then one client sends calls one
 at a time, `send_task(...).get()`, alternating fleet and bare (ABBA order, so drift and
@@ -60,6 +62,7 @@ REPO = Path(__file__).resolve().parents[1]
 MODEL = "hotpath"
 BARE_QUEUE = "bare"
 BARE_TASK = "bench.hotpath.forward"
+DEVICE_ENV = "GPUFLEET_BENCH_DEVICE"  # where the bare worker runs its model: cpu or cuda
 INPUTS = ["gpufleet measures its hot path against a bare Celery task."]
 CALL_TIMEOUT_S = 60.0
 READY_TIMEOUT_S = 120.0
@@ -102,7 +105,7 @@ def bare_forward(model: str, inputs: Any, params: dict[str, Any] | None = None) 
 
         spec = Catalog.load(os.environ["GPUFLEET_MODELS"]).get(model)
         net, tokenizer = build_synthetic(spec)
-        held = _held[model] = (spec.task, net, tokenizer)
+        held = _held[model] = (spec.task, net.to(os.environ.get(DEVICE_ENV, "cpu")), tokenizer)
     task, net, tokenizer = held
     start = time.perf_counter()
     outputs = handlers.run(task, net, tokenizer, inputs, params, None)
@@ -271,10 +274,11 @@ def measure(  # noqa: PLR0917 - the run's three kinds of call, its sizes and its
     }
 
 
-def forward_once(catalog: Path, sim_gpus: int) -> Callable[[], float]:
-    """The fleet's forward pass of MODEL on INPUTS as plain torch code, with the torch
-    threads a GPU worker of this fleet runs it on (`worker.passes`): tokenise, run the
-    model, summarise the output as the `forward` task does. Returns its timer (ms)."""
+def forward_once(catalog: Path, sim_gpus: int, device: str) -> Callable[[], float]:
+    """The fleet's forward pass of MODEL on INPUTS as plain torch code on `device`, with
+    the torch threads a GPU worker of this fleet runs it on (`worker.passes`): tokenise,
+    run the model, summarise the output as the `forward` task does (its `.tolist()` waits
+    for the GPU). Returns its timer (ms)."""
     import torch
 
     from placement.catalog import Catalog
@@ -282,6 +286,7 @@ def forward_once(catalog: Path, sim_gpus: int) -> Callable[[], float]:
     from worker.synthetic import build_synthetic
 
     net, tokenizer = build_synthetic(Catalog.load(catalog).get(MODEL))
+    net = net.to(device)
     threads = share(Settings.from_env().torch_threads, sim_gpus)
     torch.set_num_threads(for_pass(threads, dims_of(net), INPUTS))
 
@@ -289,6 +294,7 @@ def forward_once(catalog: Path, sim_gpus: int) -> Callable[[], float]:
         start = time.perf_counter()
         with torch.inference_mode():
             encoding = tokenizer(INPUTS, padding=True, truncation=True, return_tensors="pt")
+            encoding = {name: tensor.to(device) for name, tensor in encoding.items()}
             hidden = net(**encoding).last_hidden_state.float()
             flat = hidden.reshape(-1)
             float(flat.mean()), float(flat.std(unbiased=False)), hidden[0, 0, :8].tolist()
@@ -297,8 +303,8 @@ def forward_once(catalog: Path, sim_gpus: int) -> Callable[[], float]:
     return once
 
 
-def _serve_forward(conn: Connection, catalog: Path, sim_gpus: int) -> None:
-    once = forward_once(catalog, sim_gpus)
+def _serve_forward(conn: Connection, catalog: Path, sim_gpus: int, device: str) -> None:
+    once = forward_once(catalog, sim_gpus, device)
     while conn.recv():
         conn.send(once())
 
@@ -308,13 +314,13 @@ class DirectForward:
     as a GPU worker's pool child is: the reference for the worker's compute time. Called,
     it runs one pass and returns its time."""
 
-    def __init__(self, catalog: Path, sim_gpus: int) -> None:
+    def __init__(self, catalog: Path, sim_gpus: int, device: str) -> None:
         import multiprocessing
 
         context = multiprocessing.get_context("fork")  # as Celery's prefork pool
         self._conn, theirs = context.Pipe()
         self._proc = context.Process(
-            target=_serve_forward, args=(theirs, catalog, sim_gpus), daemon=True
+            target=_serve_forward, args=(theirs, catalog, sim_gpus, device), daemon=True
         )
         self._proc.start()
 
@@ -396,13 +402,15 @@ def fast_path_parts(n: int) -> dict[str, float]:
     }
 
 
-def run(calls: int, warmup: int, model_mib: int, directory: Path) -> dict[str, Any]:
+def run(calls: int, warmup: int, model_mib: int, directory: Path, gpu: bool) -> dict[str, Any]:
     from bench.fleet import bench_launcher, broker_in_use, loaded_machine
     from tasks.routing import gpu_queue
 
     spec = f"{{source: synthetic, task: forward, memory: {model_mib}MiB}}"
     one_model = f"models:\n  {MODEL}: {spec}\n"
-    fleet = bench_launcher(directory, one_model, "hotpath", SIM_GPUS, warm_cache="1GiB")
+    sim_gpus = "" if gpu else SIM_GPUS  # none: the launcher finds the real GPUs
+    device = "cuda" if gpu else "cpu"
+    fleet = bench_launcher(directory, one_model, "hotpath", sim_gpus, warm_cache="1GiB")
     catalog = fleet.models
     bare: subprocess.Popen[bytes] | None = None
     direct: DirectForward | None = None
@@ -412,7 +420,10 @@ def run(calls: int, warmup: int, model_mib: int, directory: Path) -> dict[str, A
         fleet.start()  # sets GPUFLEET_REDIS_URL here: configure the clients only now
         bare_app.conf.update(bare_config())
         bare = start_bare(
-            "bench.hotpath:bare_app", BARE_QUEUE, fleet.host, {"GPUFLEET_MODELS": str(catalog)}
+            "bench.hotpath:bare_app",
+            BARE_QUEUE,
+            fleet.host,
+            {"GPUFLEET_MODELS": str(catalog), DEVICE_ENV: device},
         )
         fleet.wait_ready(READY_TIMEOUT_S)
         wait_bare(bare_app, bare, fleet.host, READY_TIMEOUT_S)
@@ -437,7 +448,7 @@ def run(calls: int, warmup: int, model_mib: int, directory: Path) -> dict[str, A
         def plain_send() -> AsyncResult:
             return plain.send_task("gpufleet.infer", args=(MODEL, INPUTS))
 
-        direct = DirectForward(catalog, len(fleet.devices))
+        direct = DirectForward(catalog, len(fleet.devices), device)
 
         first_ms, first, first_handle = timed(fleet_send)
         first_task = first_handle.name  # gpufleet.run: the router replaced the call
@@ -510,7 +521,7 @@ def run(calls: int, warmup: int, model_mib: int, directory: Path) -> dict[str, A
             "fleet_queue_p50_ms": stats["fleet_queue"]["p50"],
             **parts,
         },
-        "machine": loaded_machine(SIM_GPUS, broker, load_before),
+        "machine": loaded_machine(sim_gpus, broker, load_before),
     }
 
 
@@ -519,15 +530,21 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=500, help="timed calls per side")
     parser.add_argument("--warmup", type=int, default=50, help="untimed calls per side first")
     parser.add_argument("--model-mib", type=int, default=64, help="declared model size")
+    parser.add_argument("--gpu", action="store_true", help="serve on the real GPUs (CUDA)")
     args = parser.parse_args()
     if args.calls < 1 or args.warmup < 0 or args.model_mib < 1:
         parser.error("--calls and --model-mib must be positive, --warmup not negative")
+    if args.gpu:
+        from worker.devices import nvml_devices
+
+        if not nvml_devices():
+            parser.error("--gpu needs an NVIDIA GPU, and NVML finds none")
     logging.basicConfig(
         level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s"
     )
     signal.signal(signal.SIGTERM, exit_on_sigterm)
     with tempfile.TemporaryDirectory(prefix="gpufleet-hotpath-") as tmp:
-        result = run(args.calls, args.warmup, args.model_mib, Path(tmp))
+        result = run(args.calls, args.warmup, args.model_mib, Path(tmp), args.gpu)
     print(json.dumps(result))
 
 
