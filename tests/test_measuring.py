@@ -234,12 +234,13 @@ def test_a_cuda_pass_no_larger_than_one_measured_reads_no_memory_statistics(
     assert reads == ["allocated", "peak"]
     _one_pass(manager)  # the same size: it cannot need more
     assert reads == ["allocated", "peak"] and device.resets == 1
+    assert learned.reports == [("m", 600)]
 
 
 def test_a_larger_cuda_pass_or_other_options_are_measured_again(
     cuda_pass: tuple[ResidencyManager, _Device, _Learned], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    manager, device, learned = cuda_pass
+    manager, device, _ = cuda_pass
     _one_pass(manager)
     reads = _count_reads(monkeypatch, device)
     ran: list[Any] = [None]
