@@ -195,10 +195,15 @@ def _own_devices(devices: list[Device]) -> list[Device]:
     return mine
 
 
+_main_pid = 0  # the Celery worker's main process, set there before its pool forks
+
+
 @worker_init.connect
 def _check(sender: Any = None, **_: Any) -> None:
     """Refuse to start a GPU worker that would own no GPU, or GPUs that a live worker of
     another fleet process owns on this registry (the parent, before any fork)."""
+    global _main_pid  # noqa: PLW0603 - one value per process, inherited by the pool
+    _main_pid = os.getpid()
     if context.role() != "gpu":
         return
     _quiet_call_logs(getattr(sender, "loglevel", None))
@@ -290,7 +295,8 @@ def stop_worker(why: str) -> NoReturn:
     status. SIGINT is Celery's warm shutdown with EX_FAILURE; a SIGTERM sent once the
     worker consumes stops it with status 0, as if it had been asked to."""
     log.critical("%s", why)
-    os.kill(os.getppid(), signal.SIGINT)  # the pool's main process
+    if _main_pid and os.getppid() == _main_pid:  # not whoever adopted an orphan (init)
+        os.kill(_main_pid, signal.SIGINT)
     os._exit(1)
 
 

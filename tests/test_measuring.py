@@ -99,13 +99,17 @@ class _Device:
     """torch.cuda's memory statistics of one device, as a pass changes them."""
 
     def __init__(self) -> None:
-        self.allocated, self.peak, self.resets = 1000, 1000, 0
+        self.allocated, self.peak, self.resets, self.reads = 1000, 1000, 0, 0
 
     def reset(self, index: int) -> None:
         self.peak, self.resets = self.allocated, self.resets + 1
 
     def use(self, nbytes: int) -> None:  # activations come and go
         self.peak = max(self.peak, self.allocated + nbytes)
+
+    def stats(self, index: int) -> dict[str, Any]:
+        self.reads += 1
+        return {"allocated_bytes": {"all": {"current": self.allocated, "peak": self.peak}}}
 
 
 class _Learned:
@@ -127,8 +131,7 @@ def cuda_pass(monkeypatch: pytest.MonkeyPatch) -> tuple[ResidencyManager, _Devic
 
     device, learned = _Device(), _Learned()
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", device.reset)
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda index: device.allocated)
-    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda index: device.peak)
+    monkeypatch.setattr(torch.cuda, "memory_stats_as_nested_dict", device.stats)
     monkeypatch.setattr(loading, "torch_device", lambda index, simulated: torch.device("cpu"))
 
     def run_many(task: str, model: object, tokenizer: object, texts: Any, *rest: object) -> Any:
@@ -203,51 +206,16 @@ def test_calls_retried_one_at_a_time_after_a_failed_pass_still_report(
     chunk = [(0, ["a cat"]), (1, ["a dog"])]
     manager._run_chunk(manager.residents["r"], {0: GiB}, False, chunk, {}, ran)
     assert [r.error for r in ran] == [None, None]
-    # The failed pass, then the first retry; the second is no larger than the first
-    assert device.resets == 2
+    assert device.resets == 3  # the failed pass, then each retry in its span
     assert learned.reports == [("m", 600)]
 
 
-def _count_reads(monkeypatch: pytest.MonkeyPatch, device: _Device) -> list[str]:
-    """Record every read of torch.cuda's memory statistics from now on."""
-    reads: list[str] = []
-
-    def allocated(index: int) -> int:
-        reads.append("allocated")
-        return device.allocated
-
-    def peak(index: int) -> int:
-        reads.append("peak")
-        return device.peak
-
-    monkeypatch.setattr(torch.cuda, "memory_allocated", allocated)
-    monkeypatch.setattr(torch.cuda, "max_memory_allocated", peak)
-    return reads
-
-
-def test_a_cuda_pass_no_larger_than_one_measured_reads_no_memory_statistics(
-    cuda_pass: tuple[ResidencyManager, _Device, _Learned], monkeypatch: pytest.MonkeyPatch
+def test_a_cuda_pass_of_a_catalog_model_reads_the_statistics_once_before_and_once_after(
+    cuda_pass: tuple[ResidencyManager, _Device, _Learned],
 ) -> None:
     manager, device, learned = cuda_pass
-    reads = _count_reads(monkeypatch, device)
     _one_pass(manager)
-    assert reads == ["allocated", "peak"]
-    _one_pass(manager)  # the same size: it cannot need more
-    assert reads == ["allocated", "peak"] and device.resets == 1
-    assert learned.reports == [("m", 600)]
-
-
-def test_a_larger_cuda_pass_or_other_options_are_measured_again(
-    cuda_pass: tuple[ResidencyManager, _Device, _Learned], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    manager, device, _ = cuda_pass
-    _one_pass(manager)
-    reads = _count_reads(monkeypatch, device)
-    ran: list[Any] = [None]
-    resident = manager.residents["r"]
-    manager._run_chunk(resident, {0: GiB}, False, [(0, ["a longer cat"])], {}, ran)
-    manager._run_chunk(resident, {0: GiB}, False, [(0, ["a cat"])], {"top_k": 2}, ran)
-    assert reads == ["allocated", "peak"] * 2 and device.resets == 3
+    assert device.reads == 2 and learned.reports == [("m", 600)]
 
 
 def test_a_synthetic_model_on_cuda_reads_no_memory_statistics_per_call(
@@ -262,6 +230,5 @@ def test_a_synthetic_model_on_cuda_reads_no_memory_statistics_per_call(
     resident.spec = replace(resident.spec, source="synthetic")
     assert resident.spec.synthetic
     monkeypatch.setattr(torch.cuda, "set_device", lambda index: None)
-    reads = _count_reads(monkeypatch, device)
     assert manager.run_batch("r", [("a cat", None)])[0][0].error is None
-    assert reads == [] and device.resets == 0 and learned.reports == []
+    assert device.reads == 0 and device.resets == 0 and learned.reports == []

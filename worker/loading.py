@@ -296,17 +296,20 @@ def to_cpu(model: Any, pin: bool) -> Any:
     if not pin:
         return model.to("cpu")
     sources: set[torch.device] = set()
-    for tensor in (*model.parameters(), *model.buffers()):
-        data = tensor.data
-        if data.device.type == "cuda" and data.is_contiguous():
-            host = torch.empty(data.shape, dtype=data.dtype, pin_memory=True)
-            host.copy_(data, non_blocking=True)
-            sources.add(data.device)
-            tensor.data = host
-        elif not data.is_pinned():
-            tensor.data = data.to("cpu").pin_memory()
-    for device in sources:  # the copies are queued: the copy is whole only once they ran
-        torch.cuda.synchronize(device)
+    try:
+        for tensor in (*model.parameters(), *model.buffers()):
+            data = tensor.data
+            # plain tensors only: a subclass (a quantized weight) keeps state `.data` drops
+            if data.device.type == "cuda" and type(data) is torch.Tensor:
+                host = torch.empty(data.shape, dtype=data.dtype, pin_memory=True)
+                host.copy_(data, non_blocking=True)
+                sources.add(data.device)
+                tensor.data = host
+            elif not data.is_pinned():
+                tensor.data = data.to("cpu").pin_memory()
+    finally:
+        for device in sources:  # the copies are queued: the copy is whole once they ran
+            torch.cuda.synchronize(device)
     return model
 
 

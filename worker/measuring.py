@@ -65,31 +65,3 @@ class Spans:
         span has begun since."""
         with self._lock:
             return span.alone and self._begun == span.number
-
-
-class PassSizes:
-    """The largest pass measured so far per model and call options (not thread-safe: the
-    calls of one process run on one thread).
-
-    Reading CUDA's memory statistics walks and sorts every counter of the allocator (about
-    120) in Python, several times a pass. A pass no larger than one already measured (no
-    more rows, no longer texts, the same options) needs no more activation memory, so it
-    cannot raise the model's learned figure: only a larger one is worth reading for.
-    """
-
-    def __init__(self) -> None:
-        self._largest: dict[tuple[str, str], int] = {}
-
-    def larger(self, model: str, options: str, size: int) -> bool:
-        """Whether a pass of `size` (rows x longest text) exceeds every one measured."""
-        return size > self._largest.get((model, options), -1)
-
-    def measured(self, model: str, options: str, size: int) -> None:
-        """Record that a pass of `size` was measured."""
-        key = (model, options)
-        self._largest[key] = max(size, self._largest.get(key, -1))
-
-    def forget(self, model: str) -> None:
-        """Measure `model`'s passes again (its weights were measured anew)."""
-        for key in [k for k in self._largest if k[0] == model]:
-            del self._largest[key]

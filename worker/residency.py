@@ -40,7 +40,7 @@ from placement.state import Holding, Level
 from worker import handlers, loading
 from worker.devices import Device
 from worker.lifecycle import exit_for_restart, is_fatal_cuda_error
-from worker.measuring import PassSizes, Span, Spans
+from worker.measuring import Span, Spans
 from worker.passes import Dims, dims_of, for_pass, longest_tokens, token_bound
 
 log = logging.getLogger(__name__)
@@ -145,7 +145,6 @@ class ResidencyManager:
         # (`worker.measuring`); `_warming.load` marks a load's own warm-up pass.
         self._spans = Spans()
         self._warming = threading.local()
-        self._sizes = PassSizes()  # the largest pass measured, per model and options
         # Errors that concern a whole pass, not one of its calls (a time limit): they fail
         # every call of the pass at once instead of a retry one call at a time.
         self.whole_pass_errors = whole_pass_errors
@@ -426,15 +425,9 @@ class ResidencyManager:
                 if simulated:
                     with self._lock:
                         self._check_activations(resident, plan, flat)
-                # On CUDA, read the memory statistics only for a pass that could raise the
-                # model's learned figure (`PassSizes`): each read costs a walk of them all.
-                size, key = len(flat) * longest_tokens(flat), json.dumps(options, sort_keys=True)
-                learning = (
-                    span is not None
-                    and not simulated
-                    and self._learns(resident)
-                    and self._sizes.larger(resident.spec.name, key, size)
-                )
+                # On CUDA, read the memory statistics only for a pass that may report a
+                # learned figure: they cost a few hundred counters built into a dict a read.
+                learning = span is not None and not simulated and self._learns(resident)
                 before = {}
                 if learning and span is not None:
                     # reset the peaks only while nothing else runs
@@ -471,10 +464,7 @@ class ResidencyManager:
             if simulated:
                 self._learn_from(resident, _activation_bytes(resident.dims, flat))
             elif learning and span is not None and self._spans.clean(span):  # its own peak
-                self._learn_from(
-                    resident, sum(torch.cuda.max_memory_allocated(i) - before[i] for i in plan)
-                )
-                self._sizes.measured(resident.spec.name, key, size)
+                self._learn_from(resident, sum(_peak(i) - before[i] for i in plan))
             for (index, _), result in zip(chunk, results, strict=True):
                 ran[index] = Ran(result, None, len(chunk), compute_ms)
 
@@ -490,7 +480,7 @@ class ResidencyManager:
         """Bytes of this process's reservation on the replica's first GPU not in use now:
         the room a pass's activations have."""
         index = min(plan)
-        used = self._charged.get(index, 0) if simulated else torch.cuda.memory_allocated(index)
+        used = self._charged.get(index, 0) if simulated else _allocated(index)
         return self._reserved(index) - used
 
     def _learns(self, resident: Resident) -> bool:
@@ -669,7 +659,7 @@ class ResidencyManager:
         if reset:
             for index in plan:
                 torch.cuda.reset_peak_memory_stats(index)
-        return {index: torch.cuda.memory_allocated(index) for index in plan}
+        return {index: _allocated(index) for index in plan}
 
     def _pass_span(self, outer: Span | None) -> AbstractContextManager[Span | None]:
         """A pass's span: a new one, or `outer`, the failed pass's that a retry runs in;
@@ -701,20 +691,15 @@ class ResidencyManager:
         else:
             for index in plan:  # every planned device, not only the current one
                 torch.cuda.synchronize(index)
-            weights = sum(torch.cuda.memory_allocated(i) - baseline.get(i, 0) for i in plan)
+            weights = sum(_allocated(i) - baseline.get(i, 0) for i in plan)
         if simulated or self._spans.clean(span):
             self._weights[name] = weights
-            self._sizes.forget(name)  # its passes' peaks add to these weights now
         known = self._reported.get(name)
         built_as = (name, via, len(plan))
         if known is not None and built_as in self._warmed:
             return known
         # The load's own peak on CUDA, read now (the warm-up pass adds its own to it).
-        loaded = (
-            0
-            if simulated
-            else sum(torch.cuda.max_memory_allocated(i) - baseline.get(i, 0) for i in plan)
-        )
+        loaded = 0 if simulated else sum(_peak(i) - baseline.get(i, 0) for i in plan)
         if self.warmup:
             self._warming.load = True  # its pass runs in this load's span
             try:
@@ -726,7 +711,7 @@ class ResidencyManager:
         else:
             for index in plan:  # every planned device, not only the current one
                 torch.cuda.synchronize(index)
-            warm = sum(torch.cuda.max_memory_allocated(i) - baseline.get(i, 0) for i in plan)
+            warm = sum(_peak(i) - baseline.get(i, 0) for i in plan)
             peak = max(loaded, warm)
             if not self._spans.clean(span):
                 log.info(
@@ -779,6 +764,20 @@ def _warmup_input(resident: Resident) -> str:
     if resident.spec.task == "fill-mask" and mask:
         return f"The capital of France is {mask}."
     return "gpufleet warms this model up."
+
+
+def _allocated(index: int) -> int:
+    """Bytes torch has allocated on CUDA device `index` now (`torch.cuda.memory_allocated`
+    flattens and sorts every allocator counter in Python first: about 70 µs a read)."""
+    stats = torch.cuda.memory_stats_as_nested_dict(index)
+    return int(stats.get("allocated_bytes", {}).get("all", {}).get("current", 0))
+
+
+def _peak(index: int) -> int:
+    """The most torch has had allocated on CUDA device `index` since its peaks were reset
+    (`torch.cuda.max_memory_allocated`, read the same cheaper way)."""
+    stats = torch.cuda.memory_stats_as_nested_dict(index)
+    return int(stats.get("allocated_bytes", {}).get("all", {}).get("peak", 0))
 
 
 def _chunks(resident: Resident, members: list[_Member], free: int) -> Iterator[list[_Member]]:
