@@ -426,7 +426,7 @@ class ResidencyManager:
                     with self._lock:
                         self._check_activations(resident, plan, flat)
                 # On CUDA, read the memory statistics only for a pass that may report a
-                # learned figure: they cost a few hundred counters built into a dict a read.
+                # learned figure: each read builds a dict of every allocator counter.
                 learning = span is not None and not simulated and self._learns(resident)
                 before = {}
                 if learning and span is not None:
