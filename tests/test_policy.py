@@ -286,6 +286,34 @@ def test_a_warm_replica_on_the_host_is_restored_before_a_new_one_is_made() -> No
     assert (plan.worker, plan.queue) == ("w-other", "q-w-other")  # its holder restores it
 
 
+def test_a_warm_copy_is_restored_onto_its_holders_own_gpu_of_equally_good_ones() -> None:
+    """Restored on another worker's GPU, the holder would keep a second CUDA context there
+    that the ledger does not count."""
+    gpus = [gpu(f"g{i}", 8 * GiB, index=i) for i in range(4)]
+    snap = fleet(
+        gpus,
+        [warm("old", "m", GiB, used=5, worker="w-g2")],
+        [Host("h0", warm_budget=4 * GiB)],
+    )
+    for seed in range(20):
+        plan = plan_replica(Demand("m", size=GiB), snap, rng=random.Random(seed))
+        assert plan.reuse is Level.WARM and set(plan.gpus) == {"g2"}
+
+
+def test_a_warm_copy_restored_after_evictions_goes_to_its_holders_gpu_of_equal_ones() -> None:
+    gpus = [gpu(f"g{i}", 8 * GiB, index=i) for i in range(4)]
+    full = [hot(f"x{i}", f"other{i}", {f"g{i}": 8 * GiB}, used=1) for i in range(4)]
+    snap = fleet(
+        gpus,
+        [*full, warm("old", "m", GiB, used=5, worker="w-g1")],
+        [Host("h0", warm_budget=20 * GiB)],
+    )
+    for seed in range(20):
+        plan = plan_replica(Demand("m", size=GiB), snap, rng=random.Random(seed))
+        assert plan.reuse is Level.WARM and set(plan.gpus) == {"g1"}
+        assert [e.replica for e in plan.evictions] == ["x1"]
+
+
 def test_a_warm_copy_whose_holder_is_dead_is_not_a_cache_hit() -> None:
     snap = fleet(
         [gpu("g", 8 * GiB)],
