@@ -11,9 +11,10 @@ Candidates are ranked, best first (docs/placement.md, "Choosing a GPU"):
 2. with the default best-fit: a GPU already in use before an empty one, then (for a
    dedicated replica) one that strands no dead room (less than the smallest slot held
    on a GPU of its size) in a hole that other slots would fill, then the tightest (for a
-   dedicated replica, to 1/BUCKETS of a GPU); an empty GPU of the type with the most
-   left (`_type_left`); then the host with the least room left; rooms compared as shares
-   of each GPU. Empty GPUs and empty hosts stay whole for the requests that need them;
+   dedicated replica, to 1/BUCKETS of a GPU); for a dedicated replica an empty GPU of
+   the type with the most left (`_type_left`), for an evictable one the freest type; then
+   the host with the least room left; rooms compared as shares of each GPU. Empty GPUs
+   and empty hosts stay whole for the requests that need them;
 3. ties at random, never by index.
 The search runs over `placement.room` host shapes (hosts alike in every GPU's type, size
 and free bytes), so the common case costs one step per shape, not per GPU. Sizes come
@@ -126,12 +127,18 @@ class _View:
         return found
 
     def type_rank(self, name: str, total: int, request: int) -> float:
-        """Ranks GPU type `name` for opening an empty GPU of `total` bytes to a slot of
-        `request` bytes: the type with the most left first (`_type_left`), computed once."""
+        """Ranks GPU type `name` for a slot of `request` bytes on a GPU of `total` bytes,
+        computed once. A dedicated replica opens an empty GPU of the type with the most
+        left (`_type_left`): it never moves, so what it takes stays taken. An evictable
+        one, a cache entry whose room comes back by eviction, goes to the freest type,
+        in use or empty (the simulator's hit rate: `_type_left` cost azure-code 0.003)."""
         key = (name, total, request)
         found = self._ranks.get(key)
         if found is None:
-            found = self._ranks[key] = -_type_left(self.snap.room, name, total, request)
+            if self.demand.dedicated:
+                found = self._ranks[key] = -_type_left(self.snap.room, name, total, request)
+            else:
+                found = self._ranks[key] = -self.snap.room.type_free(name)
         return found
 
     def slot(self, total: int) -> tuple[int, int] | None:
@@ -319,8 +326,11 @@ def _free_single(
                                 and view.wanted(total, free, request, dead)
                             ),  # leaves dead room in a hole some other slot would fill
                             float(tight),  # the tightest, near enough: fewer slivers
-                            # an empty GPU: of the type with the most left to open
-                            view.type_rank(name, total, request) if free == total else 0.0,
+                            # the type (`_View.type_rank`): for a dedicated replica, of
+                            # an empty GPU only
+                            view.type_rank(name, total, request)
+                            if free == total or not dedicated
+                            else 0.0,
                             shape.room - request / total,  # then the host with least room
                             left,  # then the GPU with least room left
                         ),
@@ -364,17 +374,19 @@ def _type_left(index: RoomIndex, name: str, total: int, request: int) -> float:
 
 
 def _free_whole(n: int, view: _View, rng: random.Random) -> _Option | None:
-    """`n` empty GPUs of one host: of the type with the most empty GPUs left, then on the
-    host with the least room left; or None."""
+    """`n` empty GPUs of one host: for a dedicated replica of the type with the most empty
+    GPUs left, then on the host with the least room left; or None."""
     index = view.snap.room
     allowed = index.names(view.demand.accelerator)
+    dedicated = view.demand.dedicated  # an evictable replica takes any type's (`type_rank`)
 
     def options(shape: Shape) -> list[tuple[tuple[float, ...], None]]:
         empty, rank = 0, 0.0
         for name, total, frees in shape.layout:
             if name in allowed and frees[-1] == total:
                 empty += len(frees) - bisect_left(frees, total)
-                rank = min(rank, view.type_rank(name, total, total))
+                if dedicated:
+                    rank = min(rank, view.type_rank(name, total, total))
         return [((rank, shape.room), None)] if empty >= n else []
 
     found = _best_host(view, rng, options, min(index.totals(view.demand.accelerator)))
@@ -384,7 +396,7 @@ def _free_whole(n: int, view: _View, rng: random.Random) -> _Option | None:
     by_type: dict[float, list[Gpu]] = defaultdict(list)  # a host may mix types: best first
     for group in index.by_host[host]:
         if group.name in allowed:
-            rank = view.type_rank(group.name, group.total, group.total)
+            rank = view.type_rank(group.name, group.total, group.total) if dedicated else 0.0
             by_type[rank].extend(g for g in group.gpus.values() if g.free == g.total)
     chosen: list[Gpu] = []
     for rank in sorted(by_type):

@@ -199,6 +199,14 @@ def test_a_share_opens_the_type_with_the_most_empty_gpus_left_when_whole_gpus_ar
     assert set(whole.gpus) <= {"a1", "a2", "a3"}
 
 
+def test_an_evictable_replica_goes_to_the_freest_type_even_where_whole_gpus_are_held() -> None:
+    # as above, but a cache entry: its room comes back by eviction, so it spreads by room
+    snap = _two_types(10**9)
+    for seed in range(10):
+        plan = plan_replica(Demand("q", gpus=0.95), snap, rng=random.Random(seed))
+        assert set(plan.gpus) <= {"t2", "t3"}
+
+
 def test_whole_gpus_go_to_the_type_with_the_most_empty_gpus_left_then_the_fullest_host() -> None:
     # A10: 2 of 8 GPUs empty, both on ha1; T4: 6 of 8, two on ht0 and four on ht1
     gpus = []
