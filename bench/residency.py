@@ -58,6 +58,7 @@ from worker.residency import ResidencyManager
 log = logging.getLogger("bench.residency")
 HOST = "bench"
 CHUNK = 16 * 2**20
+D2H_CHUNK = 64 * 2**20  # the raw offload baseline's pinned blocks: a power of two, not rounded
 
 
 def make_checkpoint(directory: Path, mib: int) -> int:
@@ -129,9 +130,6 @@ def h2d_gbps(nbytes: int, device: int) -> float:
     del target
     torch.cuda.empty_cache()  # the next load starts from an empty device, as the first did
     return nbytes / seconds / 1e9
-
-
-D2H_CHUNK = 64 * 2**20
 
 
 def d2h_gbps(nbytes: int, device: int) -> float:
