@@ -349,17 +349,22 @@ def _free_single(
     assert slot is not None
     group = next(g for g in index.by_host[host] if (g.name, g.total) == (name, total))
     fits = [g for g in group.gpus.values() if (g.free == free if free >= 0 else g.free >= slot[1])]
-    gpu = rng.choice(sorted(_holders_first(fits, view, host), key=lambda g: g.id))
+    gpu = rng.choice(sorted(_holders_first(fits, view), key=lambda g: g.id))
     return _Option(_level(host in view.my_warm, evicts=False), {gpu.id: slot}, (), ())
 
 
-def _holders_first(gpus: list[Gpu], view: _View, host: str) -> list[Gpu]:
-    """Of equally good GPUs, those of the worker holding this model's warm copy on `host`,
-    if any: it restores the copy, and on another worker's GPU it would open a second CUDA
-    context there, which the ledger does not count (docs/worker.md, "Devices")."""
-    holder = view.my_warm.get(host)
-    own = [g for g in gpus if holder is not None and g.worker == holder.worker]
-    return own or gpus
+def _holders_first(gpus: list[Gpu], view: _View) -> list[Gpu]:
+    """Of equally good GPUs, those of the worker holding this model's warm copy on their
+    host, if any (`_foreign`)."""
+    return [g for g in gpus if not _foreign(g, view)] or gpus
+
+
+def _foreign(gpu: Gpu, view: _View) -> bool:
+    """Whether a warm copy on `gpu`'s host would be restored onto it by a worker that does
+    not own it: the holder restores its copy, and on another worker's GPU it would open a
+    second CUDA context, which the ledger does not count (docs/worker.md, "Devices")."""
+    holder = view.my_warm.get(gpu.host)
+    return holder is not None and gpu.worker != holder.worker
 
 
 def _type_left(index: RoomIndex, name: str, total: int, request: int) -> float:
@@ -491,13 +496,12 @@ def _evicting_single(
                 continue
             freed = sum(v.gpus[gpu.id] for v in victims)
             level = _level(gpu.host in view.my_warm, evicts=True)
-            holder = view.my_warm.get(gpu.host)
             key = (
                 float(level),
                 float(len(victims)),
                 _recency(victims, settings),
                 *_fit(gpu, request, freed, view, settings.gpu_choice),
-                float(holder is not None and gpu.worker != holder.worker),  # `_holders_first`
+                float(_foreign(gpu, view)),  # the warm copy's holder's own GPU first
                 rng.random(),
             )
             options.append(_Option(level, {gpu.id: slot}, victims, key))
