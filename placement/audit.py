@@ -52,7 +52,9 @@ def ledger_problems(snap: Snapshot, pending_bound_ms: int = PENDING_BOUND_MS) ->
     """The ledger against itself.
 
     - each GPU: `reserved` equals the bytes of its RESERVING replicas and `held` those of
-      its ON_DEVICE replicas, and neither passes `total`;
+      its ON_DEVICE replicas, each plus the CUDA contexts other workers keep there (`held`
+      those it counts), and neither passes `total`; every such context's worker is
+      registered;
     - each host: `warm_used <= warm_budget`, and equals the cached bytes of its WARM and
       OFFLOADING replicas; its warm index lists exactly its WARM replicas;
     - WARM and COLD replicas hold no GPU bytes; the others hold some;
@@ -89,6 +91,10 @@ def ledger_problems(snap: Snapshot, pending_bound_ms: int = PENDING_BOUND_MS) ->
                 f"{waited / 1000:.0f} s, waiting for worker {d.worker}"
             )
     for g in snap.gpus.values():
+        reserved[g.id] += sum(g.contexts.values())
+        held[g.id] += sum(g.contexts.get(w, 0) for w in g.held_contexts)
+        for worker in sorted(set(g.contexts) - set(snap.workers)) if snap.workers else ():
+            problems.append(f"GPU {g.id} charges a CUDA context for unknown worker {worker}")
         for name, counted, actual in (
             ("reserves", g.reserved, reserved[g.id]),
             ("holds", g.held, held[g.id]),

@@ -82,7 +82,8 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("GPUFLEET_SIM_GPUS", "none (`gpufleet up`: `2x8GiB`)",
              "simulated GPUs, e.g. `2x24GiB` or `40GB,80GB`"),
     Variable("GPUFLEET_GPU_RESERVE", "`1GiB`",
-             "memory of each real GPU kept out of the ledger for a CUDA context (`0`: none)"),
+             "memory of each real GPU kept out of the ledger for its worker's CUDA context, "
+             "and charged once more for each other worker's context there (`0`: none)"),
     Variable("GPUFLEET_WARM_CACHE", "25% of RAM",
              "CPU memory a host lends to warm (offloaded) copies, charged by their measured bytes"),
     Variable("GPUFLEET_TORCH_THREADS", "cores / GPUs, at least 1",

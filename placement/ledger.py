@@ -95,10 +95,35 @@ class Draft:
             dep, level=Level.COLD, worker="", queue="", host="", since_ms=now
         )
 
-    def fits_device(self, gpus: dict[str, int], limit: int) -> bool:
-        """Like `fits_device` in _lib.lua."""
+    def fits_device(self, gpus: dict[str, int], limit: int, worker: str) -> bool:
+        """Like `fits_device` in _lib.lua, with `worker`'s CUDA contexts not held yet."""
         need = {g: (max(limit, b) if len(gpus) == 1 else b) for g, b in gpus.items()}
-        return all(self.gpus[g].held + n <= self.gpus[g].total for g, n in need.items())
+        return all(
+            self.gpus[g].held + n + self.unheld_context(g, worker) <= self.gpus[g].total
+            for g, n in need.items()
+        )
+
+    def charge_context(self, gpu_id: str, worker: str) -> None:
+        """Charge `worker`'s CUDA context on `gpu_id` to `reserved` if it is new (commit.lua)."""
+        g = self.gpus[gpu_id]
+        charge = g.charge_for(worker)
+        if charge:
+            contexts = {**g.contexts, worker: charge}
+            self.gpus[gpu_id] = replace(g, reserved=g.reserved + charge, contexts=contexts)
+
+    def unheld_context(self, gpu_id: str, worker: str) -> int:
+        """Like `unheld_context` in _lib.lua: `worker`'s context bytes not in `held` yet."""
+        g = self.gpus[gpu_id]
+        return 0 if worker in g.held_contexts else g.contexts.get(worker, 0)
+
+    def hold_context(self, gpu_id: str, worker: str) -> None:
+        """Like `hold_context` in _lib.lua."""
+        bytes_ = self.unheld_context(gpu_id, worker)
+        if bytes_:
+            g = self.gpus[gpu_id]
+            self.gpus[gpu_id] = replace(
+                g, held=g.held + bytes_, held_contexts=g.held_contexts | {worker}
+            )
 
 
 def apply_plan(snap: Snapshot, plan: Plan) -> Snapshot:
@@ -119,7 +144,10 @@ def commit(draft: Draft, plan: Plan, now: int) -> None:
     old = draft.deps.get(plan.replica)
     if old is not None and old.level is Level.WARM:
         draft.warm(old.host, old.cached, old.replica, add=False)
-    level = Level.LOADING if draft.fits_device(dict(plan.gpus), plan.limit) else Level.WAITING
+    for gpu_id in plan.gpus:
+        draft.charge_context(gpu_id, plan.worker)
+    fits = draft.fits_device(dict(plan.gpus), plan.limit, plan.worker)
+    level = Level.LOADING if fits else Level.WAITING
     new = Deployment(
         replica=plan.replica,
         model=plan.model,
@@ -138,6 +166,9 @@ def commit(draft: Draft, plan: Plan, now: int) -> None:
         copy_bytes=old.copy_bytes if old is not None else 0,
     )
     draft.count(new, 1, reserved=True, held=level is Level.LOADING)
+    if level is Level.LOADING:
+        for gpu_id in plan.gpus:
+            draft.hold_context(gpu_id, plan.worker)
     draft.deps[plan.replica] = new
     draft.active[plan.model] = draft.active.get(plan.model, 0) + 1
 
@@ -146,9 +177,13 @@ def admit(snap: Snapshot, replica: str) -> Snapshot:
     """WAITING -> LOADING when its GPUs have room on the device (admit.lua); else unchanged."""
     dep = snap.deployments[replica]
     draft = Draft(snap)
-    if dep.level is not Level.WAITING or not draft.fits_device(dict(dep.gpus), dep.limit):
+    if dep.level is not Level.WAITING or not draft.fits_device(
+        dict(dep.gpus), dep.limit, dep.worker
+    ):
         return snap
     draft.count(dep, 1, reserved=False, held=True)
+    for gpu_id in dep.gpus:
+        draft.hold_context(gpu_id, dep.worker)
     draft.deps[replica] = replace(dep, level=Level.LOADING, since_ms=snap.now_ms)
     return draft.freeze()
 

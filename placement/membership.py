@@ -38,7 +38,8 @@ class Membership(Store):
         lease_ms: int = DEFAULT_WORKER_LEASE_MS,
         lineage: str = "",
     ) -> int:
-        """Own `gpus` (their id, index, name and total are read) and return the lease deadline.
+        """Own `gpus` (their id, index, name, total and context are read) and return the
+        lease deadline.
 
         A GPU still owned by a worker whose lease expired is reaped first, and so is a live
         owner of the same `lineage` (a predecessor this process replaces, such as a pool
@@ -67,6 +68,7 @@ class Membership(Store):
                         "index": g.index,
                         "name": g.name,
                         "total": g.total,
+                        "context": g.context,
                     }
                     for g in gpus
                 ],
@@ -123,7 +125,9 @@ class Membership(Store):
         for _ in range(10):
             replicas = self.replicas_of(worker)
             reads = [("hmget", k.deployment(r), "gpus", "host") for r in replicas]
-            own_raw, *recs = self._read([("hget", k.worker(worker), "gpus"), *reads])
+            (own_raw, contexts_raw), *recs = self._read(
+                [("hmget", k.worker(worker), "gpus", "contexts"), *reads]
+            )
             keys = KeyList()
             deps = []
             for r, (gpus_raw, host) in zip(replicas, recs, strict=True):
@@ -149,6 +153,9 @@ class Membership(Store):
                 "gpus_set": keys.add(k.gpus),
                 "events": keys.add(k.events),
                 "own": [{"id": g, "key": keys.add(k.gpu(g))} for g in json.loads(own_raw or "[]")],
+                "contexts": [
+                    {"id": g, "key": keys.add(k.gpu(g))} for g in json.loads(contexts_raw or "[]")
+                ],
                 "deps": deps,
             }
             result = self._run_json("reap", keys, payload)

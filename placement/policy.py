@@ -28,7 +28,7 @@ import uuid
 from bisect import bisect_left, bisect_right
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TypeVar
 
 from placement import accelerators
@@ -527,10 +527,15 @@ def _multi_gpu_options(
             continue
         gpus = [(g, grp.reaches[g.id]) for grp in host_groups for g in grp.gpus.values()]
         counts = [int(demand.gpus)] if demand.gpus is not None else range(2, len(gpus) + 1)
+        holder = view.my_warm.get(host)
         for n in counts:
             scored: list[tuple[tuple[float, ...], Gpu, int, int, int, tuple[Deployment, ...]]] = []
             for gpu, reach in gpus:
                 request, need = shard(demand, gpu.total, n, settings)
+                if demand.gpus is None:
+                    # room for the loader's CUDA context: the warm copy's holder, else
+                    # the first GPU's worker, not known yet (whole GPUs shrink instead)
+                    need += gpu.charge_for(holder.worker) if holder else gpu.context
                 if need > reach:
                     continue
                 victims = _victims(gpu, need, view, settings.victim_order)
@@ -586,6 +591,12 @@ def _to_plan(
     gpus = [snap.gpus[g] for g in option.slots]
     primary = min(gpus, key=lambda g: g.index)
     warm = view.my_warm.get(primary.host)
+    whole = demand.gpus is not None and len(option.slots) > 1  # shards shrink, below
+    if warm is not None and not whole and not _room_for_contexts(option, warm.worker, view):
+        # Restoring would open a CUDA context on another worker's GPU without room for
+        # it: the GPU's own worker loads the model instead.
+        warm = None
+        option = replace(option, candidate=_level(False, evicts=bool(option.victims)))
     cold = sorted(d.replica for d in view.mine if d.level is Level.COLD)
     if warm is not None:
         replica, reuse = warm.replica, Level.WARM
@@ -600,13 +611,20 @@ def _to_plan(
     # The process that holds a warm copy restores it (onto any GPU of its host);
     # otherwise the worker of the first planned GPU loads the replica.
     loader = (warm.worker, warm.queue) if warm is not None else (primary.worker, primary.queue)
+    slots = dict(option.slots)
+    if whole:
+        # Whole GPUs: a shard leaves room for the loader's CUDA context on each GPU it
+        # opens one on (commit.lua charges it there).
+        for g in gpus:
+            charge = g.charge_for(loader[0])
+            slots[g.id] = (slots[g.id][0] - charge, slots[g.id][1] - charge)
     return Plan(
         model=demand.model,
         replica=replica,
         candidate=option.candidate,
-        gpus={g: slot[0] for g, slot in option.slots.items()},
-        limit=_plan_limit(option),
-        fraction=max(fraction_of(option.slots[g.id][0], g.total) for g in gpus),
+        gpus={g: slot[0] for g, slot in slots.items()},
+        limit=_plan_limit(slots),
+        fraction=max(fraction_of(slots[g.id][0], g.total) for g in gpus),
         host=primary.host,
         worker=loader[0],
         queue=loader[1],
@@ -620,11 +638,24 @@ def _to_plan(
     )
 
 
-def _plan_limit(option: _Option) -> int:
+def _plan_limit(slots: dict[str, tuple[int, int]]) -> int:
     """The admission limit of a one-GPU slot; a multi-GPU shard's limit is its bytes."""
-    if len(option.slots) == 1:
-        return next(iter(option.slots.values()))[1]
-    return max(request for request, _ in option.slots.values())
+    if len(slots) == 1:
+        return next(iter(slots.values()))[1]
+    return max(request for request, _ in slots.values())
+
+
+def _room_for_contexts(option: _Option, loader: str, view: _View) -> bool:
+    """Whether each GPU of `option` admits its slot plus the CUDA context `loader` would
+    open there (`Gpu.charge_for`) once the option's victims leave, as commit.lua checks."""
+    for gpu_id, (request, limit) in option.slots.items():
+        gpu = view.snap.gpus[gpu_id]
+        charge = gpu.charge_for(loader)
+        if charge:
+            freed = sum(v.gpus.get(gpu_id, 0) for v in option.victims)
+            if gpu.free + freed < max(request, limit) + charge:
+                return False
+    return True
 
 
 def _destinations(

@@ -12,6 +12,10 @@ from typing import Any
 
 from placement.state import Deployment, Gpu, Holding, Host, Level, Report
 
+#: `gpu:<id>` hash fields of the CUDA context a worker keeps on a GPU it does not own:
+#: `ctx:<worker>` its bytes, `ctx_held:<worker>` set once they count in `held` (commit.lua).
+CONTEXT, CONTEXT_HELD = "ctx:", "ctx_held:"
+
 
 def gpu(row: Mapping[str, str]) -> Gpu:
     """A `gpu:<id>` hash."""
@@ -26,6 +30,13 @@ def gpu(row: Mapping[str, str]) -> Gpu:
         queue=row.get("queue", ""),
         lease_deadline_ms=int(row.get("lease_deadline", 0)),
         held=int(row.get("held", 0)),
+        context=int(row.get("context", 0)),
+        contexts={
+            name[len(CONTEXT) :]: int(v) for name, v in row.items() if name.startswith(CONTEXT)
+        },
+        held_contexts=frozenset(
+            name[len(CONTEXT_HELD) :] for name in row if name.startswith(CONTEXT_HELD)
+        ),
     )
 
 

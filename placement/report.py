@@ -30,6 +30,7 @@ def status_report(snap: Snapshot) -> dict[str, Any]:
             "reserved_bytes": g.reserved,
             "held_bytes": g.held,
             "free_bytes": g.free,
+            "contexts": dict(g.contexts),  # other workers' CUDA contexts here, in reserved
             "worker": g.worker,
             "queue": g.queue,
             "alive": g.alive(snap.now_ms),

@@ -82,10 +82,23 @@ class Gpu:
     queue: str = ""
     lease_deadline_ms: int = 0
     held: int = 0  # bytes of the copies that may be on the device now (ON_DEVICE levels)
+    context: int = 0  # bytes one more process's CUDA context takes here (0 when simulated)
+    # worker id -> bytes charged for the CUDA context that worker, not the owner, keeps
+    # here, counted in `reserved` (docs/placement.md, "CUDA contexts")
+    contexts: Mapping[str, int] = field(default_factory=dict)
+    # the workers of `contexts` whose context `held` counts: one of their placements here
+    # has been LOADING (a context opens with the first load)
+    held_contexts: frozenset[str] = frozenset()
 
     @property
     def free(self) -> int:
         return self.total - self.reserved
+
+    def charge_for(self, worker: str) -> int:
+        """Bytes a placement loaded by `worker` adds here for that worker's CUDA context:
+        none for the owner (its context is kept out of `total`) or a worker charged
+        already, since a process keeps a context until it exits."""
+        return 0 if worker == self.worker or worker in self.contexts else self.context
 
     def alive(self, now_ms: int) -> bool:
         return bool(self.worker) and self.lease_deadline_ms > now_ms

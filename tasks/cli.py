@@ -434,6 +434,10 @@ def _gpu_table(report: dict[str, Any]) -> Table:
             for d in report["deployments"]
             if g["id"] in d["gpus"]
         ]
+        on_it += [
+            f"CUDA context [dim]of {worker} {format_size(nbytes)}[/]"
+            for worker, nbytes in g.get("contexts", {}).items()
+        ]
         table.add_row(
             f"{g['host']}:{g['index']}"
             if g["alive"]

@@ -21,8 +21,10 @@ and firmware keep (`nvmlDeviceGetMemoryInfo_v2`'s ``reserved``), and room for th
 context of the process that uses it (``GPUFLEET_GPU_RESERVE``, 1 GiB by default; about
 0.7 GB was measured on an H100). Neither is memory torch allocates, so neither the
 learned peaks nor the fraction cap see it, and a ledger that handed it out would let a
-full GPU fail a real allocation with every process under its cap. A simulated GPU has
-no driver and no context: it registers its whole size.
+full GPU fail a real allocation with every process under its cap. A worker that loads
+onto a GPU it does not own opens a context of its own there: the ledger charges the GPU
+``GPUFLEET_GPU_RESERVE`` more when it does (`Gpu.context`, commit.lua). A simulated GPU
+has no driver and no context: it registers its whole size and charges none.
 """
 
 from __future__ import annotations
@@ -81,6 +83,7 @@ class Device:
     simulated: bool = False
     cuda_index: int | None = None
     reserve: int = 0
+    context: int = 0  # of `reserve`: a CUDA context's, what another process's costs here
 
     def gpu_id(self, host: str) -> str:
         """The registry id: the NVML uuid, globally unique, or ``<host>:sim<index>``.
@@ -106,6 +109,7 @@ class Device:
             index=self.index,
             name=self.name,
             total=self.total - self.reserve,
+            context=self.context,  # another worker's, charged when it loads here
         )
 
 
@@ -220,7 +224,9 @@ def _read_nvml(nvml: Any, reserve: int) -> list[Device]:
         except nvml.NVMLError as exc:
             log.warning("skipping GPU %d: NVML cannot read it (%s)", i, exc)
             continue
-        devices.append(Device(i, uuid, name, total, cuda_index=i, reserve=driver + reserve))
+        devices.append(
+            Device(i, uuid, name, total, cuda_index=i, reserve=driver + reserve, context=reserve)
+        )
     return devices
 
 

@@ -122,6 +122,23 @@ local function drop_warm(w, r, now)
   redis.call('SREM', K(w.worker_deps), w.replica)
 end
 
+-- The bytes of the CUDA context `worker` keeps on the GPU at `key` (a GPU it does not own,
+-- charged by commit.lua as `ctx:<worker>`) that are not in `held` yet: they join it with
+-- the first of the worker's placements there that may be on the device (LOADING).
+local function unheld_context(key, worker)
+  local bytes, joined = unpack(redis.call('HMGET', key, 'ctx:' .. worker, 'ctx_held:' .. worker))
+  if not bytes or joined then return 0 end
+  return num(bytes)
+end
+
+-- Count `bytes` of `worker`'s context on the GPU at `key` in `held` (see unheld_context).
+local function hold_context(key, worker, bytes)
+  if bytes > 0 then
+    redis.call('HINCRBY', key, 'held', bytes)
+    redis.call('HSET', key, 'ctx_held:' .. worker, 1)
+  end
+end
+
 -- True when a placement is admitted on the device now: every GPU's `held` bytes plus the
 -- replica's admission need (its limit on one GPU, its bytes per shard) fit its total.
 local function fits_device(gpus)

@@ -14,6 +14,11 @@
 -- the plan saw, with live leases; every victim is still HOT, idle, not dedicated and on
 -- the GPUs the plan saw; after the victims leave each target GPU admits its `limit`
 -- (limit + sum of reserved bytes <= total); every warm cache stays in budget.
+-- CUDA contexts: a worker that loads onto a GPU it does not own opens a CUDA context
+-- there, which it keeps until it exits. The first such plan charges the GPU's `context`
+-- bytes to `reserved` under `ctx:<worker>` and lists the GPU in the worker's `contexts`;
+-- the charge joins `held` with the first of the worker's placements there that is LOADING
+-- (now, or when admit.lua admits it). It stands until reap.lua gives it back.
 -- Effects: victims go OFFLOADING (to WARM) or DROPPING (to COLD) and leave `reserved`;
 -- their copies stay in `held` until their workers settle. The replica is LOADING when the
 -- device has room for it now (`held` + limit <= total on every GPU), else WAITING until
@@ -76,18 +81,27 @@ end
 -- Target GPUs: owner, lease and admission; whether the device has room now (victims
 -- stay in `held` until their workers settle).
 local on_device = true
+local context_field = 'ctx:' .. p.worker
+local charge = {}  -- GPU id -> bytes of the loader's new CUDA context there
+local unheld = {}  -- GPU id -> bytes of its context there not in `held` yet
 for _, g in ipairs(p.gpus) do
-  local total, reserved, held, worker, deadline = unpack(redis.call('HMGET', K(g.key),
-    'total', 'reserved', 'held', 'worker', 'lease_deadline'))
+  local total, reserved, held, worker, deadline, context, opened = unpack(redis.call('HMGET',
+    K(g.key), 'total', 'reserved', 'held', 'worker', 'lease_deadline', 'context', context_field))
   if not total then return {0, 'STALE', 'GPU ' .. g.id .. ' is not registered'} end
   if worker ~= g.worker then return {0, 'STALE', 'GPU ' .. g.id .. ' changed owner'} end
   if num(deadline) <= now then return {0, 'DEAD', 'GPU ' .. g.id .. ' lease expired'} end
+  charge[g.id] = 0
+  if worker ~= p.worker and not opened then charge[g.id] = num(context) end
+  unheld[g.id] = charge[g.id] + unheld_context(K(g.key), p.worker)
+  local need = math.max(g.limit, g.bytes) + charge[g.id]
   local after = num(reserved) - (freed[g.id] or 0)
-  if after + math.max(g.limit, g.bytes) > num(total) then
-    return {0, 'FULL', 'GPU ' .. g.id .. ' cannot admit ' .. math.max(g.limit, g.bytes) ..
+  if after + need > num(total) then
+    return {0, 'FULL', 'GPU ' .. g.id .. ' cannot admit ' .. need ..
       ' bytes: ' .. after .. ' of ' .. total .. ' stay reserved'}
   end
-  if num(held) + math.max(g.limit, g.bytes) > num(total) then on_device = false end
+  if num(held) + math.max(g.limit, g.bytes) + unheld[g.id] > num(total) then
+    on_device = false
+  end
 end
 for host, delta in pairs(warm_delta) do
   local budget, used = unpack(redis.call('HMGET', K(host), 'warm_budget', 'warm_used'))
@@ -117,10 +131,29 @@ end
 local level = 'WAITING'
 if on_device then level = 'LOADING' end
 local placed = {}
+local opened = {}
 for _, g in ipairs(p.gpus) do
-  redis.call('HINCRBY', K(g.key), 'reserved', g.bytes)
-  if level == 'LOADING' then redis.call('HINCRBY', K(g.key), 'held', g.bytes) end
+  local c = charge[g.id]
+  redis.call('HINCRBY', K(g.key), 'reserved', g.bytes + c)
+  if c > 0 then
+    redis.call('HSET', K(g.key), context_field, c)
+    opened[g.id] = true
+  end
+  if level == 'LOADING' then
+    redis.call('HINCRBY', K(g.key), 'held', g.bytes)
+    hold_context(K(g.key), p.worker, unheld[g.id])
+  end
   placed[g.id] = g.bytes
+end
+if next(opened) then
+  local listed = redis.call('HGET', K(p.worker_key), 'contexts')
+  local contexts, known = {}, {}
+  if listed and listed ~= '' then contexts = cjson.decode(listed) end
+  for _, id in ipairs(contexts) do known[id] = true end
+  for _, g in ipairs(p.gpus) do
+    if opened[g.id] and not known[g.id] then table.insert(contexts, g.id) end
+  end
+  redis.call('HSET', K(p.worker_key), 'contexts', cjson.encode(contexts))
 end
 local epoch = redis.call('HINCRBY', dep, 'epoch', 1)
 redis.call('HSET', dep, 'replica', p.replica, 'model', p.model, 'level', level,

@@ -2,7 +2,9 @@
 -- KEYS: every key named in ARGV[1].
 -- ARGV[1] = JSON {worker, host, queue, lineage, lease_ms, warm_budget, maxlen,
 --                 workers, worker_key, gpus_set, hosts, host_key, events,
---                 gpus=[{id, key, index, name, total}]}
+--                 gpus=[{id, key, index, name, total, context}]}
+-- `context` is the bytes one more process's CUDA context takes on the GPU: what a plan
+-- loaded by a worker that does not own it is charged there (commit.lua).
 -- `lineage` names the slot a worker process fills (a pool, or a launcher's worker slot):
 -- a live owner of the same lineage is a predecessor this process replaces.
 -- Returns {1, lease_deadline_ms}
@@ -26,7 +28,7 @@ for _, g in ipairs(a.gpus) do
   local key = K(g.key)
   redis.call('HSET', key, 'id', g.id, 'host', a.host, 'index', g.index, 'name', g.name,
     'total', g.total, 'worker', a.worker, 'queue', a.queue, 'lease_deadline', deadline,
-    'lineage', a.lineage)
+    'lineage', a.lineage, 'context', g.context)
   redis.call('HSETNX', key, 'reserved', 0)
   redis.call('HSETNX', key, 'held', 0)
   redis.call('SADD', K(a.gpus_set), g.id)

@@ -1,0 +1,168 @@
+"""CUDA contexts a worker opens on GPUs it does not own, in the ledger of a real redis-server.
+
+One GPU worker per GPU is the default deployment, so a replica split over two GPUs, or a
+warm copy restored onto another worker's GPU, makes its loader open a CUDA context on a
+GPU whose `total` only kept room for its owner's. Every test here checks the audit too.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+
+import pytest
+
+from placement.audit import audit
+from placement.ledger import apply_plan, settle_all
+from placement.policy import plan_replica
+from placement.registry import Registry
+from placement.report import status_report
+from placement.state import Candidate, Demand, Gpu, Level
+from tests.acting import evict_now, make_hot, settle_leaving
+from tests.fleets import GiB
+
+CONTEXT = GiB
+
+
+@pytest.fixture
+def reg(redis_url: str, fleet: str) -> Iterator[Registry]:
+    """Host h0: two 8 GiB GPUs, each owned by its own worker (w0, w1), each charging 1 GiB
+    for another worker's CUDA context, and an 8 GiB warm cache."""
+    registry = Registry.from_url(redis_url, fleet)
+    for i in range(2):
+        gpu = Gpu(id=f"h0:{i}", host="h0", index=i, name="Sim", total=8 * GiB, context=CONTEXT)
+        registry.register_worker(f"w{i}", "h0", f"q{i}", [gpu], warm_budget=8 * GiB)
+    yield registry
+    registry.client.close()
+
+
+def place(reg: Registry, demand: Demand, *, avoid: str = "") -> str:
+    """Place `demand` (on neither GPU of worker `avoid`) and load it as its worker would."""
+    avoid_workers = frozenset({avoid}) if avoid else frozenset()
+    return make_hot(reg, reg.place(demand, rng=random.Random(0), avoid_workers=avoid_workers))
+
+
+def test_a_shard_on_another_workers_gpu_charges_its_loaders_context_until_the_loader_is_reaped(
+    reg: Registry,
+) -> None:
+    plan = reg.place(Demand("big", size=10 * GiB), rng=random.Random(0))
+    shard = plan.gpus["h0:1"]
+    assert set(plan.gpus) == {"h0:0", "h0:1"} and plan.worker == "w0"  # h0:0 is first
+    snap = reg.snapshot()
+    mine, other = snap.gpus["h0:0"], snap.gpus["h0:1"]
+    assert (mine.reserved, mine.contexts) == (plan.gpus["h0:0"], {})
+    assert (other.reserved, other.held) == (shard + CONTEXT, shard + CONTEXT)
+    assert (other.contexts, other.held_contexts) == ({"w0": CONTEXT}, frozenset({"w0"}))
+    assert audit(snap) == []
+    shown = {g["id"]: g["contexts"] for g in status_report(snap)["gpus"]}
+    assert shown == {"h0:0": {}, "h0:1": {"w0": CONTEXT}}  # `gpufleet status --json`
+
+    # The context outlives the replica: its process keeps it until it exits.
+    make_hot(reg, plan)
+    assert evict_now(reg, plan.replica, Level.COLD) is Level.COLD
+    other = reg.snapshot().gpus["h0:1"]
+    assert (other.reserved, other.held) == (CONTEXT, CONTEXT)
+    # Loading there again charges nothing more.
+    again = reg.place(Demand("big", size=10 * GiB), rng=random.Random(0))
+    assert again.worker == "w0"
+    assert reg.snapshot().gpus["h0:1"].reserved == again.gpus["h0:1"] + CONTEXT
+    assert audit(reg.snapshot()) == []
+
+    assert reg.reap("w0", force=True) == 1
+    other = reg.snapshot().gpus["h0:1"]
+    assert (other.reserved, other.held, other.contexts) == (0, 0, {})
+    assert audit(reg.snapshot()) == []
+
+
+def test_whole_gpu_shards_leave_room_on_each_foreign_gpu_for_the_loaders_context(
+    reg: Registry,
+) -> None:
+    plan = reg.place(Demand("pair", gpus=2), rng=random.Random(0))
+    assert plan.gpus == {"h0:0": 8 * GiB, "h0:1": 8 * GiB - CONTEXT}
+    snap = reg.snapshot()
+    assert [snap.gpus[g].reserved for g in ("h0:0", "h0:1")] == [8 * GiB, 8 * GiB]
+    assert audit(snap) == []
+
+
+def test_a_foreign_shard_waiting_for_its_victim_holds_its_context_only_once_admitted(
+    reg: Registry,
+) -> None:
+    place(reg, Demand("small", size=GiB), avoid="w0")  # 3 GiB on h0:1
+    plan = reg.place(Demand("big", size=10 * GiB), rng=random.Random(0))
+    assert plan.worker == "w0" and plan.evictions  # 5.5 GiB + the context need the room
+    other = reg.snapshot().gpus["h0:1"]
+    assert reg.deployment(plan.replica).level is Level.WAITING  # type: ignore[union-attr]
+    assert other.contexts == {"w0": CONTEXT} and other.held_contexts == frozenset()
+    assert other.held == 3 * GiB  # the victim, still leaving
+    assert audit(reg.snapshot()) == []
+
+    settle_leaving(reg)  # the victim leaves; the shard is admitted with its context
+    other = reg.snapshot().gpus["h0:1"]
+    assert other.held_contexts == frozenset({"w0"})
+    assert other.held == plan.gpus["h0:1"] + CONTEXT
+    assert audit(reg.snapshot()) == []
+
+
+def warm_on_w0(reg: Registry) -> str:
+    """A warm copy of "m" (3 GiB placed) held by w0, whose GPU is then filled."""
+    replica = place(reg, Demand("m", size=GiB), avoid="w1")
+    assert evict_now(reg, replica) is Level.WARM
+    place(reg, Demand("filler", request=7 * GiB, dedicated=True), avoid="w1")
+    return replica
+
+
+def test_a_warm_copy_restored_onto_another_workers_gpu_charges_its_holders_context(
+    reg: Registry,
+) -> None:
+    replica = warm_on_w0(reg)
+    plan = reg.place(Demand("m", size=GiB), rng=random.Random(0))
+    assert (plan.replica, plan.reuse, plan.worker) == (replica, Level.WARM, "w0")
+    assert plan.candidate is Candidate.CACHED_AND_FREE and set(plan.gpus) == {"h0:1"}
+    assert reg.snapshot().gpus["h0:1"].contexts == {"w0": CONTEXT}
+    assert audit(reg.snapshot()) == []
+
+
+def test_a_warm_copy_is_loaded_afresh_by_the_gpus_owner_when_its_context_would_not_fit(
+    reg: Registry,
+) -> None:
+    replica = warm_on_w0(reg)
+    place(reg, Demand("other", request=4 * GiB + GiB // 2, dedicated=True), avoid="w0")
+    # h0:1 has 3.5 GiB left: room for the 3 GiB slot, not for it and w0's context too.
+    plan = reg.place(Demand("m", size=GiB), rng=random.Random(0))
+    assert plan.worker == "w1" and plan.reuse is not Level.WARM and plan.replica != replica
+    assert plan.candidate is Candidate.FREE
+    snap = reg.snapshot()
+    assert snap.gpus["h0:1"].contexts == {}
+    assert snap.deployments[replica].level is Level.WARM  # left for a later restore
+    assert audit(snap) == []
+
+
+def test_the_python_ledger_and_the_lua_scripts_agree_on_contexts(reg: Registry) -> None:
+    rng = random.Random(5)
+    charged = 0
+    for step in range(40):
+        snap = reg.snapshot()
+        demand = Demand(f"m{rng.randrange(6)}", size=rng.randrange(1, 24) * GiB // 2)
+        try:
+            plan = plan_replica(demand, snap, rng=rng)
+        except Exception:
+            continue
+        if plan.candidate is Candidate.DEPLOYED:
+            reg.evict(plan.replica)
+            settle_leaving(reg)
+            continue
+        expected = apply_plan(snap, plan)
+        committed = reg.commit(plan, snap)
+        for settled in (False, True):
+            if settled:
+                expected = settle_all(expected)
+                settle_leaving(reg)
+            actual = reg.snapshot()
+            assert actual.gpus == expected.gpus, step
+            assert {r: (d.level, d.epoch) for r, d in actual.deployments.items()} == {
+                r: (d.level, d.epoch) for r, d in expected.deployments.items()
+            }, step
+            assert audit(actual) == [], step
+        charged = max(charged, sum(len(g.contexts) for g in actual.gpus.values()))
+        assert reg.confirm(plan.replica, plan.worker, committed.epoch)
+    assert charged  # the sequence did put a shard on another worker's GPU
