@@ -37,6 +37,7 @@ class Membership(Store):
         warm_budget: int = 0,
         lease_ms: int = DEFAULT_WORKER_LEASE_MS,
         lineage: str = "",
+        contexts: Sequence[str] = (),
     ) -> int:
         """Own `gpus` (their id, index, name, total and context are read) and return the
         lease deadline.
@@ -44,6 +45,8 @@ class Membership(Store):
         A GPU still owned by a worker whose lease expired is reaped first, and so is a live
         owner of the same `lineage` (a predecessor this process replaces, such as a pool
         child that died). A live owner of another lineage raises `GpuOwnedError`.
+        `contexts` are other workers' GPUs this process keeps a CUDA context on (it
+        registers again after losing its lease): each is charged as commit.lua would.
         """
         for _ in range(3):
             k = self.keys
@@ -72,6 +75,7 @@ class Membership(Store):
                     }
                     for g in gpus
                 ],
+                "contexts": [{"id": g, "key": keys.add(k.gpu(g))} for g in contexts],
             }
             result = self._run_json("register", keys, payload)
             if result[0] == 1:

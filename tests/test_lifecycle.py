@@ -14,12 +14,14 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
 
+from placement.audit import audit
 from placement.errors import ConfigError, GpuOwnedError, RegistryError
 from placement.registry import Registry
 from placement.state import Demand, Gpu, Level
@@ -259,6 +261,32 @@ def test_a_lease_a_router_reaped_calls_on_lost_once_then_registers_again(
         wait_until(lambda: lease.registered)
         assert alive_gpus(reg, "w0") == ["h0:sim0", "h0:sim1"]
         assert losses.count == 1
+
+
+def test_a_lease_registering_again_declares_the_cuda_contexts_its_process_keeps_elsewhere(
+    reg: FlakyRegistry,
+) -> None:
+    sim0, sim1 = (replace(d, context=GiB) for d in simulated_devices("2x8GiB"))
+    opened: list[str] = []  # what the process's CUDA state would say: none until it loads
+
+    def contexts() -> list[str]:
+        return list(opened)
+
+    other = WorkerLease(reg, "w1", "h0", "q-w1", [sim1], warm_budget=0, lease_ms=LONG_MS)
+    mine = WorkerLease(
+        reg, "w0", "h0", "q-w0", [sim0], warm_budget=0, lease_ms=600, contexts=contexts
+    )
+    with other, mine:
+        assert reg.snapshot().gpus["h0:sim1"].contexts == {}
+        opened += ["h0:sim0", "h0:sim1"]  # it loaded a shard onto w1's GPU
+        reg.client.hset(reg.keys.worker("w0"), "lease_deadline", 0)
+        assert reg.reap_expired() == ["w0"]
+        wait_until(lambda: mine.losses == 1 and mine.registered)
+        snap = reg.snapshot()
+        assert snap.gpus["h0:sim1"].contexts == {"w0": GiB}  # its own GPU charges none
+        assert (snap.gpus["h0:sim1"].reserved, snap.gpus["h0:sim0"].reserved) == (GiB, 0)
+        assert audit(snap) == []
+    assert reg.snapshot().gpus == {}  # both stopped: every charge given back
 
 
 def test_a_failing_on_lost_does_not_stop_the_recovery(reg: FlakyRegistry) -> None:

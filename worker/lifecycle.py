@@ -89,6 +89,7 @@ class WorkerLease:
         on_lost: Callable[[], None] | None = None,
         lineage: str = "",
         report: Callable[[], Sequence[Holding]] | None = None,
+        contexts: Callable[[], Sequence[str]] | None = None,
     ) -> None:
         if lease_ms < _MIN_LEASE_MS:
             raise ConfigError(
@@ -105,6 +106,7 @@ class WorkerLease:
         self.on_lost = on_lost
         self.lineage = lineage
         self.report = report  # what the process holds, sent with every heartbeat
+        self.contexts = contexts  # GPUs it keeps a CUDA context on, declared when it registers
         self._gpus = tuple(d.to_gpu(host) for d in devices)
         self._interval_s = lease_ms / 3000
         self._lock = threading.Lock()  # guards the fields below
@@ -221,8 +223,12 @@ class WorkerLease:
     # --- the heartbeat thread --------------------------------------------------------------
 
     def _register(self) -> None:
-        """Register and record the new lease (the registry reaps a dead previous owner)."""
+        """Register and record the new lease (the registry reaps a dead previous owner).
+        Contexts the process still keeps on other workers' GPUs (after a lost lease) are
+        charged again."""
         sent = time.monotonic()
+        own = {g.id for g in self._gpus}
+        opened = [g for g in self.contexts() if g not in own] if self.contexts else []
         deadline = self.registry.register_worker(
             self.worker_id,
             self.host,
@@ -231,6 +237,7 @@ class WorkerLease:
             warm_budget=self.warm_budget,
             lease_ms=self.lease_ms,
             lineage=self.lineage,
+            contexts=opened,
         )
         self._renewed(deadline, sent)
 

@@ -77,6 +77,7 @@ class GpuWorker:
             on_lost=self.keeper.lease_lost,
             lineage=lineage,
             report=self.manager.holdings,
+            contexts=self.manager.contexts,
         )
 
     def start(self) -> None:

@@ -149,6 +149,20 @@ class ResidencyManager:
         # every call of the pass at once instead of a retry one call at a time.
         self.whole_pass_errors = whole_pass_errors
 
+    def contexts(self) -> list[str]:
+        """Ledger ids of the GPUs on which this process holds a CUDA context, read without
+        opening one: what it declares when it registers again after losing its lease
+        (`WorkerLease`), since the ledger then forgot the contexts it keeps on GPUs of
+        other workers."""
+        opened = getattr(torch._C, "_cuda_hasPrimaryContext", None)
+        if opened is None or not torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+            return []
+        return [
+            gpu_id
+            for gpu_id, d in self.devices.items()
+            if d.cuda_index is not None and opened(d.cuda_index)
+        ]
+
     # --- the ledger's orders ------------------------------------------------
 
     def load(

@@ -2,9 +2,12 @@
 -- KEYS: every key named in ARGV[1].
 -- ARGV[1] = JSON {worker, host, queue, lineage, lease_ms, warm_budget, maxlen,
 --                 workers, worker_key, gpus_set, hosts, host_key, events,
---                 gpus=[{id, key, index, name, total, context}]}
+--                 gpus=[{id, key, index, name, total, context}], contexts=[{id, key}]}
 -- `context` is the bytes one more process's CUDA context takes on the GPU: what a plan
--- loaded by a worker that does not own it is charged there (commit.lua).
+-- loaded by a worker that does not own it is charged there (commit.lua). `contexts` are
+-- GPUs of other workers on which this process still keeps a context (it registers again
+-- after its lease was lost and reaped): each is charged now, in `reserved` and `held`,
+-- even past the GPU's total, since the context is there.
 -- `lineage` names the slot a worker process fills (a pool, or a launcher's worker slot):
 -- a live owner of the same lineage is a predecessor this process replaces.
 -- Returns {1, lease_deadline_ms}
@@ -34,8 +37,24 @@ for _, g in ipairs(a.gpus) do
   redis.call('SADD', K(a.gpus_set), g.id)
   table.insert(ids, g.id)
 end
+local listed = redis.call('HGET', K(a.worker_key), 'contexts')
+local contexts, known = {}, {}
+if listed and listed ~= '' then contexts = cjson.decode(listed) end
+for _, id in ipairs(contexts) do known[id] = true end
+for _, c in ipairs(a.contexts) do
+  local key, field = K(c.key), 'ctx:' .. a.worker
+  local owner, context, charged = unpack(redis.call('HMGET', key, 'worker', 'context', field))
+  if owner and owner ~= a.worker and num(context) > 0 and not charged then
+    redis.call('HINCRBY', key, 'reserved', num(context))
+    redis.call('HINCRBY', key, 'held', num(context))
+    redis.call('HSET', key, field, num(context), 'ctx_held:' .. a.worker, 1)
+    if not known[c.id] then table.insert(contexts, c.id) end
+    known[c.id] = true
+  end
+end
 redis.call('HSET', K(a.worker_key), 'id', a.worker, 'host', a.host, 'queue', a.queue,
   'lease_deadline', deadline, 'gpus', cjson.encode(ids), 'lineage', a.lineage)
+if #contexts > 0 then redis.call('HSET', K(a.worker_key), 'contexts', cjson.encode(contexts)) end
 redis.call('SADD', K(a.workers), a.worker)
 redis.call('HSET', K(a.host_key), 'name', a.host, 'warm_budget', a.warm_budget)
 redis.call('HSETNX', K(a.host_key), 'warm_used', 0)
