@@ -532,13 +532,14 @@ def _multi_gpu_options(
             scored: list[tuple[tuple[float, ...], Gpu, int, int, int, tuple[Deployment, ...]]] = []
             for gpu, reach in gpus:
                 request, need = shard(demand, gpu.total, n, settings)
+                # room for the loader's CUDA context: the warm copy's holder's, else the
+                # first GPU's worker's, not known yet (whole GPUs shrink instead)
+                context = 0
                 if demand.gpus is None:
-                    # room for the loader's CUDA context: the warm copy's holder, else
-                    # the first GPU's worker, not known yet (whole GPUs shrink instead)
-                    need += gpu.charge_for(holder.worker) if holder else gpu.context
-                if need > reach:
+                    context = gpu.charge_for(holder.worker) if holder else gpu.context
+                if need + context > reach:
                     continue
-                victims = _victims(gpu, need, view, settings.victim_order)
+                victims = _victims(gpu, need + context, view, settings.victim_order)
                 if victims is None:
                     continue
                 freed = sum(v.gpus[gpu.id] for v in victims)

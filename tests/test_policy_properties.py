@@ -22,11 +22,19 @@ SIZES = [8, 16, 24, 40, 80]
 
 @st.composite
 def fleets(draw: st.DrawFn) -> Snapshot:
-    """A consistent fleet: 1-6 GPUs on 1-3 hosts, partly filled with replicas."""
+    """A consistent fleet: 1-6 GPUs on 1-3 hosts, one worker each, partly filled with
+    replicas; a GPU may charge another worker's CUDA context (`Gpu.context`)."""
     n = draw(st.integers(1, 6))
+    context = draw(st.sampled_from([0, 0, GiB // 2, GiB]))
     gpus = [
-        gpu(
-            f"g{i}", draw(st.sampled_from(SIZES)) * GiB, host=f"h{draw(st.integers(0, 2))}", index=i
+        replace(
+            gpu(
+                f"g{i}",
+                draw(st.sampled_from(SIZES)) * GiB,
+                host=f"h{draw(st.integers(0, 2))}",
+                index=i,
+            ),
+            context=context,
         )
         for i in range(n)
     ]
@@ -108,7 +116,7 @@ def test_every_plan_admits_its_limit_after_evicting_only_idle_non_dedicated_repl
         g = snap.gpus[gpu_id]
         freed = sum(v.gpus.get(gpu_id, 0) for v in victims)
         limit = plan.limit if len(plan.gpus) == 1 else nbytes
-        assert g.reserved - freed + max(limit, nbytes) <= g.total
+        assert g.reserved - freed + max(limit, nbytes) + g.charge_for(plan.worker) <= g.total
     assert len({snap.gpus[g].host for g in plan.gpus}) == 1
     after = apply_plan(snap, plan)
     assert audit(after) == []
@@ -150,3 +158,51 @@ def test_warm_destinations_never_overfill_a_hosts_cache(
     dropped = {r for r in plan.warm_drops}
     assert all(snap.deployments[r].level is Level.WARM for r in dropped)
     assert plan.replica not in dropped
+
+
+@st.composite
+def shared_hosts(draw: st.DrawFn) -> Snapshot:
+    """One host of 2-4 GPUs of 8 GiB, one worker each, each charging 1 GiB for another
+    worker's CUDA context, filled in eighths of a GiB; worker w-g0 holds a warm copy of
+    model "m"."""
+    gpus = [
+        replace(gpu(f"g{i}", 8 * GiB, index=i), context=GiB) for i in range(draw(st.integers(2, 4)))
+    ]
+    deps: list[Deployment] = []
+    for i, g in enumerate(gpus):
+        free = g.total
+        for j in range(draw(st.integers(0, 3))):
+            nbytes = draw(st.integers(1, 40)) * GiB // 8
+            if nbytes > free:
+                break
+            free -= nbytes
+            deps.append(
+                hot(f"r{i}-{j}", f"x{i}-{j}", {g.id: nbytes}, dedicated=draw(st.booleans()))
+            )
+    size = draw(st.integers(1, 16)) * GiB // 8
+    deps.append(warm("w", "m", size, worker="w-g0"))
+    return fleet(gpus, deps, [Host("h0", warm_budget=64 * GiB)])
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    snap=shared_hosts(),
+    demand=st.one_of(
+        st.builds(Demand, model=st.just("m"), size=st.integers(1, 16).map(lambda x: x * GiB // 8)),
+        st.builds(Demand, model=st.just("big"), size=st.integers(9, 40).map(lambda x: x * GiB)),
+        st.builds(Demand, model=st.just("pair"), gpus=st.sampled_from([2, 3])),
+    ),
+    seed=st.integers(0, 2**16),
+)
+def test_a_plan_leaves_room_for_every_cuda_context_its_loader_opens(
+    snap: Snapshot, demand: Demand, seed: int
+) -> None:
+    try:
+        plan = plan_replica(demand, snap, rng=random.Random(seed))
+    except CantAccommodateError:
+        return
+    after = apply_plan(snap, plan)
+    assert audit(after) == []  # no GPU reserves past its total, contexts included
+    opened = [g for g in plan.gpus if snap.gpus[g].worker != plan.worker]
+    for gpu_id in opened:
+        assert after.gpus[gpu_id].contexts == {plan.worker: GiB}
