@@ -85,14 +85,18 @@ local context_field = 'ctx:' .. p.worker
 local charge = {}  -- GPU id -> bytes of the loader's new CUDA context there
 local unheld = {}  -- GPU id -> bytes of its context there not in `held` yet
 for _, g in ipairs(p.gpus) do
-  local total, reserved, held, worker, deadline, context, opened = unpack(redis.call('HMGET',
-    K(g.key), 'total', 'reserved', 'held', 'worker', 'lease_deadline', 'context', context_field))
+  local total, reserved, held, worker, deadline, context, opened, joined = unpack(
+    redis.call('HMGET', K(g.key), 'total', 'reserved', 'held', 'worker', 'lease_deadline',
+      'context', context_field, 'ctx_held:' .. p.worker))
   if not total then return {0, 'STALE', 'GPU ' .. g.id .. ' is not registered'} end
   if worker ~= g.worker then return {0, 'STALE', 'GPU ' .. g.id .. ' changed owner'} end
   if num(deadline) <= now then return {0, 'DEAD', 'GPU ' .. g.id .. ' lease expired'} end
-  charge[g.id] = 0
-  if worker ~= p.worker and not opened then charge[g.id] = num(context) end
-  unheld[g.id] = charge[g.id] + unheld_context(K(g.key), p.worker)
+  charge[g.id], unheld[g.id] = 0, 0
+  if not opened then
+    if worker ~= p.worker then charge[g.id], unheld[g.id] = num(context), num(context) end
+  elseif not joined then
+    unheld[g.id] = num(opened)  -- charged by an earlier plan, not on the device yet
+  end
   local need = math.max(g.limit, g.bytes) + charge[g.id]
   local after = num(reserved) - (freed[g.id] or 0)
   if after + need > num(total) then
