@@ -79,9 +79,13 @@ def load_on(arg: str) -> dict[str, Any]:
     target = devices[int(arg)]
     manager = ResidencyManager(devices, HOST)
     spec = Catalog.load(REPO / "models.yaml").get("minilm")
+    before = manager.contexts()
     manager.load(spec, "r1", {target.gpu_id(HOST): GiB})
     model = manager.residents["r1"].model
     return {
+        "target": target.gpu_id(HOST),
+        "contexts_before": before,
+        "contexts": manager.contexts(),  # what it would declare registering again
         "current_device": torch.cuda.current_device(),
         "param_devices": sorted({str(p.device) for p in model.parameters()}),
         "fraction": manager.fraction(target.cuda_index or 0),

@@ -50,6 +50,7 @@ def test_allocating_past_the_memory_fraction_raises_oom() -> None:
 def test_the_cuda_context_and_the_weights_land_on_the_target_gpu() -> None:
     target = gpu_count() - 1
     result = probe("load_on", str(target))
+    assert result["contexts_before"] == [] and result["contexts"] == [result["target"]]
     assert result["current_device"] == target
     assert result["param_devices"] == [f"cuda:{target}"]
     assert 0.01 <= result["fraction"] <= 0.99
