@@ -32,7 +32,9 @@ def gpu(row: Mapping[str, str]) -> Gpu:
         held=int(row.get("held", 0)),
         context=int(row.get("context", 0)),
         contexts={
-            name[len(CONTEXT) :]: int(v) for name, v in row.items() if name.startswith(CONTEXT)
+            name[len(CONTEXT) :]: int(float(v))
+            for name, v in row.items()
+            if name.startswith(CONTEXT)
         },
         held_contexts=frozenset(
             name[len(CONTEXT_HELD) :] for name in row if name.startswith(CONTEXT_HELD)
