@@ -3,7 +3,8 @@
 A full snapshot reads every record (half a second to a second at 1,000 GPUs and 10,000
 replicas). Every script that moves a replica writes an event naming it, so a router
 reads the snapshot once and afterwards only the events since, then the records those
-events name: their replicas, the GPUs and hosts they left or took. A refresh costs in
+events name: their replicas, the GPUs and hosts they left or took, and the GPUs a
+placement's event names (a CUDA context charged there outlives the replica). A refresh costs in
 proportion to what changed, not to the fleet.
 
 What the events do not carry makes the view stale, never wrong where it matters:
@@ -18,6 +19,7 @@ least every `MAX_AGE_S`.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -92,6 +94,7 @@ class Follower:
             return False  # too many to follow, or some were trimmed before they were read
         replicas: set[str] = set()
         models: set[str] = set()
+        gpus: set[str] = set()
         for _, fields in events:
             if fields.get("kind") in MEMBERSHIP:
                 return False
@@ -99,11 +102,13 @@ class Follower:
                 replicas.add(fields["replica"])
             elif fields.get("kind") == "measured":
                 models.add(fields.get("model", ""))
-        self._reread(sorted(replicas), sorted(models))
+            if fields.get("gpus"):  # a placement: its GPUs may keep a CUDA context charge
+                gpus.update(json.loads(fields["gpus"]))
+        self._reread(sorted(replicas), sorted(models), gpus)
         self._cursor = events[-1][0]
         return True
 
-    def _reread(self, replicas: list[str], models: list[str]) -> None:
+    def _reread(self, replicas: list[str], models: list[str], placed: set[str]) -> None:
         assert self._view is not None
         reg, k, snap = self._registry, self._registry.keys, self._view.snap
         rows = iter(
@@ -130,6 +135,7 @@ class Follower:
         gpu_ids = sorted(
             {g for d in deps.values() if d for g in d.gpus}
             | {g for r in replicas if (d := snap.deployments.get(r)) for g in d.gpus}
+            | placed
         )
         hosts = sorted(
             {d.host for d in deps.values() if d and d.host}

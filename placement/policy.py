@@ -72,6 +72,7 @@ class _Option:
     slots: dict[str, tuple[int, int]]  # GPU id -> (request, limit)
     victims: tuple[Deployment, ...]
     sort_key: tuple[float, ...]
+    loader: str = ""  # the GPU whose worker loads it, if not the first GPU's (a split)
 
 
 class _View:
@@ -529,17 +530,12 @@ def _multi_gpu_options(
         counts = [int(demand.gpus)] if demand.gpus is not None else range(2, len(gpus) + 1)
         holder = view.my_warm.get(host)
         for n in counts:
-            scored: list[tuple[tuple[float, ...], Gpu, int, int, int, tuple[Deployment, ...]]] = []
+            scored: list[_Shard] = []
             for gpu, reach in gpus:
                 request, need = shard(demand, gpu.total, n, settings)
-                # room for the loader's CUDA context: the warm copy's holder's, else the
-                # first GPU's worker's, not known yet (whole GPUs shrink instead)
-                context = 0
-                if demand.gpus is None:
-                    context = gpu.charge_for(holder.worker) if holder else gpu.context
-                if need + context > reach:
+                if need > reach:
                     continue
-                victims = _victims(gpu, need + context, view, settings.victim_order)
+                victims = _victims(gpu, need, view, settings.victim_order)
                 if victims is None:
                     continue
                 freed = sum(v.gpus[gpu.id] for v in victims)
@@ -553,7 +549,20 @@ def _multi_gpu_options(
             if len(scored) < n:
                 continue
             scored.sort(key=lambda s: s[0])
-            chosen = scored[:n]
+            loader = ""
+            if demand.gpus is not None:  # whole GPUs: shards shrink for contexts (`_to_plan`)
+                chosen = scored[:n]
+            else:
+                if holder is None:  # the loading GPU's worker, its GPU first
+                    first = _loading_gpu(scored, dict((g.id, r) for g, r in gpus))
+                    scored = [first, *(s for s in scored if s is not first)]
+                    loader = first[1].id
+                found = _with_contexts(
+                    scored, n, holder.worker if holder else scored[0][1].worker, view
+                )
+                if found is None:
+                    continue
+                chosen = found
             victims_all = tuple({v.replica: v for s in chosen for v in s[5]}.values())
             level = _level(host in view.my_warm, bool(victims_all))
             left = view.room[host] + sum((s[4] - s[2]) / s[1].total for s in chosen)
@@ -566,9 +575,44 @@ def _multi_gpu_options(
                 rng.random(),
             )
             slots = {s[1].id: (s[2], s[3]) for s in chosen}
-            options.append(_Option(level, slots, victims_all, option_key))
+            options.append(_Option(level, slots, victims_all, option_key, loader))
             break  # the fewest GPUs that fit on this host
     return options
+
+
+# A GPU a split may use: (sort key, GPU, request, admission need, bytes freed, victims)
+_Shard = tuple[tuple[float, ...], Gpu, int, int, int, tuple[Deployment, ...]]
+
+
+def _loading_gpu(scored: Sequence[_Shard], reaches: dict[str, int]) -> _Shard:
+    """The GPU whose worker loads a split: the best one with no room, even after
+    evictions (`reaches`), for another worker's CUDA context beside its shard, if any
+    (only its own worker may use it); else the best one of the worker that would open
+    the fewest new contexts on the others (`Gpu.charge_for`)."""
+    for found in scored:
+        _, gpu, _, need, _, _ = found
+        if reaches[gpu.id] < need + gpu.context:
+            return found
+    return min(scored, key=lambda s: sum(1 for t in scored if t[1].charge_for(s[1].worker)))
+
+
+def _with_contexts(
+    scored: Sequence[_Shard], n: int, loader: str, view: _View
+) -> list[_Shard] | None:
+    """The best `n` of `scored` once each also holds the CUDA context `loader` opens on
+    it (`Gpu.charge_for`), evicting more where it must; None when fewer than `n` can."""
+    chosen: list[_Shard] = []
+    for key, gpu, request, need, freed, victims in scored:
+        context = gpu.charge_for(loader)
+        more = _victims(gpu, need + context, view, view.settings.victim_order)
+        if more is None:
+            continue
+        if context:
+            freed = sum(v.gpus[gpu.id] for v in more)  # noqa: PLW2901 - the shard's own
+        chosen.append((key, gpu, request, need, freed, more if context else victims))
+        if len(chosen) == n:
+            return chosen
+    return None
 
 
 def _could_hold(demand: Demand, groups: Sequence[Group], settings: PolicySettings) -> bool:
@@ -590,7 +634,7 @@ def _to_plan(
 ) -> Plan:
     snap = view.snap
     gpus = [snap.gpus[g] for g in option.slots]
-    primary = min(gpus, key=lambda g: g.index)
+    primary = snap.gpus[option.loader] if option.loader else min(gpus, key=lambda g: g.index)
     warm = view.my_warm.get(primary.host)
     whole = demand.gpus is not None and len(option.slots) > 1  # shards shrink, below
     if warm is not None and not whole and not _room_for_contexts(option, warm.worker, view):
@@ -729,10 +773,10 @@ def _why_not(
             f"(dedicated, busy, loading or draining). Retry when calls finish, evict a model, "
             f"or add GPUs."
         )
-    per_host: dict[str, list[int]] = defaultdict(list)
+    per_host: dict[str, list[Gpu]] = defaultdict(list)
     for g in groups:
-        per_host[g.host].extend([g.total] * len(g.gpus))
-    if splittable(demand) and any(_fits_empty(demand, t, settings) for t in per_host.values()):
+        per_host[g.host].extend(g.gpus.values())
+    if splittable(demand) and any(_fits_empty(demand, h, settings) for h in per_host.values()):
         return CantAccommodateError(
             f"{demand.model} needs several GPUs of one host{what}, and no host has them free "
             f"now, even after evicting idle replicas (the most one GPU has free is "
@@ -751,14 +795,32 @@ def _why_not(
             f"{format_size(largest)}. Lower its memory in the catalog or add a larger GPU."
         )
     need = scale(demand.learned or demand.size, settings.multi_gpu_overhead)
+    largest = max(sum(g.total for g in h) for h in per_host.values())
+    context = max(g.context for h in per_host.values() for g in h)
+    also = (
+        f", and each GPU but its loader's keeps {format_size(context)} for the loader's "
+        f"CUDA context"
+        if context
+        else ""
+    )
     return NeverFitsError(
         f"{demand.model} needs {format_size(need)} across the GPUs of one host{what}; the "
-        f"largest host has {format_size(max(sum(t) for t in per_host.values()))}. "
+        f"largest host has {format_size(largest)}{also}. "
         f"Lower its memory in the catalog or add GPUs to one host."
     )
 
 
-def _fits_empty(demand: Demand, totals: Sequence[int], settings: PolicySettings) -> bool:
-    """Could an empty host with GPUs of `totals` bytes hold the replica's shards?"""
-    counts = [int(demand.gpus)] if demand.gpus is not None else range(2, len(totals) + 1)
-    return any(sum(shard(demand, t, n, settings)[1] <= t for t in totals) >= n for n in counts)
+def _fits_empty(demand: Demand, gpus: Sequence[Gpu], settings: PolicySettings) -> bool:
+    """Could these GPUs of one host, empty, hold the replica's shards, one worker loading
+    them all (each GPU it does not own also keeps its CUDA context, `Gpu.context`)?"""
+    counts = [int(demand.gpus)] if demand.gpus is not None else range(2, len(gpus) + 1)
+    for n in counts:
+        needs = [(g, shard(demand, g.total, n, settings)[1]) for g in gpus]
+        if demand.gpus is not None:  # whole GPUs make room for contexts by shrinking
+            if sum(need <= g.total for g, need in needs) >= n:
+                return True
+            continue
+        for loader in {g.worker for g in gpus}:
+            if sum(need + g.charge_for(loader) <= g.total for g, need in needs) >= n:
+                return True
+    return False

@@ -46,30 +46,34 @@ def test_a_shard_on_another_workers_gpu_charges_its_loaders_context_until_the_lo
     reg: Registry,
 ) -> None:
     plan = reg.place(Demand("big", size=10 * GiB), rng=random.Random(0))
-    shard = plan.gpus["h0:1"]
-    assert set(plan.gpus) == {"h0:0", "h0:1"} and plan.worker == "w0"  # h0:0 is first
+    loader = plan.worker
+    own, far = ("h0:0", "h0:1") if loader == "w0" else ("h0:1", "h0:0")
+    assert set(plan.gpus) == {own, far}
     snap = reg.snapshot()
-    mine, other = snap.gpus["h0:0"], snap.gpus["h0:1"]
-    assert (mine.reserved, mine.contexts) == (plan.gpus["h0:0"], {})
-    assert (other.reserved, other.held) == (shard + CONTEXT, shard + CONTEXT)
-    assert (other.contexts, other.held_contexts) == ({"w0": CONTEXT}, frozenset({"w0"}))
+    mine, other = snap.gpus[own], snap.gpus[far]
+    assert (mine.reserved, mine.contexts) == (plan.gpus[own], {})
+    assert (other.reserved, other.held) == (plan.gpus[far] + CONTEXT,) * 2
+    assert (other.contexts, other.held_contexts) == ({loader: CONTEXT}, frozenset({loader}))
     assert audit(snap) == []
     shown = {g["id"]: g["contexts"] for g in status_report(snap)["gpus"]}
-    assert shown == {"h0:0": {}, "h0:1": {"w0": CONTEXT}}  # `gpufleet status --json`
+    assert shown == {own: {}, far: {loader: CONTEXT}}  # `gpufleet status --json`
 
     # The context outlives the replica: its process keeps it until it exits.
     make_hot(reg, plan)
     assert evict_now(reg, plan.replica, Level.COLD) is Level.COLD
-    other = reg.snapshot().gpus["h0:1"]
+    other = reg.snapshot().gpus[far]
     assert (other.reserved, other.held) == (CONTEXT, CONTEXT)
-    # Loading there again charges nothing more.
-    again = reg.place(Demand("big", size=10 * GiB), rng=random.Random(0))
-    assert again.worker == "w0"
-    assert reg.snapshot().gpus["h0:1"].reserved == again.gpus["h0:1"] + CONTEXT
-    assert audit(reg.snapshot()) == []
+    with reg.follower.current() as view:  # the router's view missed the replica's whole life
+        assert view.gpus[far] == other
+    # The next split is loaded by the worker whose context is there already: no new one.
+    again = reg.place(Demand("big", size=10 * GiB), rng=random.Random(1))
+    assert again.worker == loader
+    snap = reg.snapshot()
+    assert (snap.gpus[far].reserved, snap.gpus[own].contexts) == (again.gpus[far] + CONTEXT, {})
+    assert audit(snap) == []
 
-    assert reg.reap("w0", force=True) == 1
-    other = reg.snapshot().gpus["h0:1"]
+    assert reg.reap(loader, force=True) == 1
+    other = reg.snapshot().gpus[far]
     assert (other.reserved, other.held, other.contexts) == (0, 0, {})
     assert audit(reg.snapshot()) == []
 
@@ -78,6 +82,7 @@ def test_whole_gpu_shards_leave_room_on_each_foreign_gpu_for_the_loaders_context
     reg: Registry,
 ) -> None:
     plan = reg.place(Demand("pair", gpus=2), rng=random.Random(0))
+    assert plan.worker == "w0"  # whole GPUs: the first GPU's worker loads
     assert plan.gpus == {"h0:0": 8 * GiB, "h0:1": 8 * GiB - CONTEXT}
     snap = reg.snapshot()
     assert [snap.gpus[g].reserved for g in ("h0:0", "h0:1")] == [8 * GiB, 8 * GiB]
@@ -89,7 +94,9 @@ def test_a_foreign_shard_waiting_for_its_victim_holds_its_context_only_once_admi
 ) -> None:
     place(reg, Demand("small", size=GiB), avoid="w0")  # 3 GiB on h0:1
     plan = reg.place(Demand("big", size=10 * GiB), rng=random.Random(0))
-    assert plan.worker == "w0" and plan.evictions  # 5.5 GiB + the context need the room
+    # w0 loads: h0:1 has room for the 5.5 GiB shard only once "small" leaves, and no room
+    # then for w1's context on h0:0 besides
+    assert plan.worker == "w0" and plan.evictions
     other = reg.snapshot().gpus["h0:1"]
     assert reg.deployment(plan.replica).level is Level.WAITING  # type: ignore[union-attr]
     assert other.contexts == {"w0": CONTEXT} and other.held_contexts == frozenset()
