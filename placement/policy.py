@@ -602,14 +602,17 @@ def _with_contexts(
     """The best `n` of `scored` once each also holds the CUDA context `loader` opens on
     it (`Gpu.charge_for`), evicting more where it must; None when fewer than `n` can."""
     chosen: list[_Shard] = []
-    for key, gpu, request, need, freed, victims in scored:
+    for found in scored:
+        key, gpu, request, need, _, _ = found
         context = gpu.charge_for(loader)
-        more = _victims(gpu, need + context, view, view.settings.victim_order)
-        if more is None:
-            continue
         if context:
-            freed = sum(v.gpus[gpu.id] for v in more)  # noqa: PLW2901 - the shard's own
-        chosen.append((key, gpu, request, need, freed, more if context else victims))
+            victims = _victims(gpu, need + context, view, view.settings.victim_order)
+            if victims is None:
+                continue
+            freed = sum(v.gpus[gpu.id] for v in victims)
+            chosen.append((key, gpu, request, need, freed, victims))
+        else:
+            chosen.append(found)
         if len(chosen) == n:
             return chosen
     return None
