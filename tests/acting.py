@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import random
+from collections.abc import Callable
+
+from placement.audit import audit
+from placement.ledger import apply_plan, settle_all
+from placement.policy import plan_replica
 from placement.registry import Plan, Registry
-from placement.state import Level
+from placement.state import Candidate, Demand, Level, Snapshot
 
 
 def settle_leaving(reg: Registry) -> None:
@@ -34,3 +40,48 @@ def evict_now(reg: Registry, replica: str, to: Level | None = None) -> Level:
     record = reg.deployment(replica)
     assert level is not Level.DRAINING and record is not None
     return record.level
+
+
+def replay_against_mirror(
+    reg: Registry,
+    rng: random.Random,
+    steps: int,
+    demand: Callable[[random.Random], Demand],
+    *,
+    settle_evicted: bool = False,
+) -> list[Snapshot]:
+    """Plan `steps` demands drawn by `demand`, commit each, and check before and after its
+    workers settle that the registry holds what `placement.ledger` predicts and passes the
+    audit. A demand already placed is evicted instead (its drop settled when
+    `settle_evicted`). Returns every snapshot checked."""
+    seen: list[Snapshot] = []
+    for step in range(steps):
+        snap = reg.snapshot()
+        try:
+            plan = plan_replica(demand(rng), snap, rng=rng)
+        except Exception:
+            continue
+        if plan.candidate is Candidate.DEPLOYED:
+            reg.evict(plan.replica)
+            if settle_evicted:
+                settle_leaving(reg)
+            continue
+        expected = apply_plan(snap, plan)
+        committed = reg.commit(plan, snap)
+        for settled in (False, True):
+            if settled:  # the workers move the victims and admit the newcomer
+                expected = settle_all(expected)
+                settle_leaving(reg)
+            actual = reg.snapshot()
+            assert actual.gpus == expected.gpus, step
+            assert actual.hosts == expected.hosts, step
+            assert {r: (d.level, d.epoch) for r, d in actual.deployments.items()} == {
+                r: (d.level, d.epoch) for r, d in expected.deployments.items()
+            }, step
+            assert {m: c for m, c in actual.active.items() if c} == {
+                m: c for m, c in expected.active.items() if c
+            }, step
+            assert audit(actual) == [], step
+            seen.append(actual)
+        assert reg.confirm(plan.replica, plan.worker, committed.epoch)
+    return seen

@@ -14,7 +14,16 @@ from placement.ledger import apply_plan
 from placement.policy import plan_replica
 from placement.settings import PolicySettings
 from placement.sizing import single_gpu_slot
-from placement.state import Candidate, Demand, Deployment, Host, Level, Snapshot
+from placement.state import (
+    Candidate,
+    Demand,
+    Deployment,
+    Gpu,
+    Host,
+    Level,
+    Plan,
+    Snapshot,
+)
 from tests.fleets import GiB, fleet, gpu, hot, warm
 
 SIZES = [8, 16, 24, 40, 80]
@@ -38,11 +47,26 @@ def fleets(draw: st.DrawFn) -> Snapshot:
         )
         for i in range(n)
     ]
+    deps = _filled(draw, gpus, GiB // 2, 8)
+    hosts = [Host(f"h{h}", warm_budget=draw(st.integers(0, 8)) * GiB) for h in range(3)]
+    for k in range(draw(st.integers(0, 3))):
+        host = hosts[draw(st.integers(0, 2))]
+        size = draw(st.integers(1, 4)) * GiB // 2
+        if host.warm_free >= size:
+            hosts[int(host.name[1:])] = replace(host, warm_used=host.warm_used + size)
+            deps.append(warm(f"w{k}", f"m{draw(st.integers(0, 9))}", size, host=host.name))
+    hosts = [replace(h, warm_used=0) for h in hosts]  # fleet() recounts warm usage
+    return fleet(gpus, deps, hosts)
+
+
+def _filled(draw: st.DrawFn, gpus: list[Gpu], unit: int, most: int) -> list[Deployment]:
+    """Up to three HOT replicas of models m0-m9 on each GPU, of 1 to `most` x `unit` bytes
+    each, while they fit: some dedicated, some busy, used at various times."""
     deps: list[Deployment] = []
     for i, g in enumerate(gpus):
         free = g.total
         for j in range(draw(st.integers(0, 3))):
-            nbytes = draw(st.integers(1, 8)) * GiB // 2
+            nbytes = draw(st.integers(1, most)) * unit
             if nbytes > free:
                 break
             free -= nbytes
@@ -58,15 +82,7 @@ def fleets(draw: st.DrawFn) -> Snapshot:
                     size=nbytes // 2,
                 )
             )
-    hosts = [Host(f"h{h}", warm_budget=draw(st.integers(0, 8)) * GiB) for h in range(3)]
-    for k in range(draw(st.integers(0, 3))):
-        host = hosts[draw(st.integers(0, 2))]
-        size = draw(st.integers(1, 4)) * GiB // 2
-        if host.warm_free >= size:
-            hosts[int(host.name[1:])] = replace(host, warm_used=host.warm_used + size)
-            deps.append(warm(f"w{k}", f"m{draw(st.integers(0, 9))}", size, host=host.name))
-    hosts = [replace(h, warm_used=0) for h in hosts]  # fleet() recounts warm usage
-    return fleet(gpus, deps, hosts)
+    return deps
 
 
 demands = st.one_of(
@@ -84,6 +100,14 @@ demands = st.one_of(
     ),
     st.builds(Demand, model=st.just("static"), gpus=st.sampled_from([0.25, 0.5, 1, 2])),
 )
+
+
+def _plan_unless_full(demand: Demand, snap: Snapshot, seed: int) -> Plan | None:
+    """The policy's plan, or None when it cannot place the demand now."""
+    try:
+        return plan_replica(demand, snap, rng=random.Random(seed))
+    except CantAccommodateError:
+        return None
 
 
 def _empty(snap: Snapshot) -> Snapshot:
@@ -148,9 +172,8 @@ def test_no_replica_is_evicted_when_some_gpu_has_room_already(
 def test_warm_destinations_never_overfill_a_hosts_cache(
     snap: Snapshot, demand: Demand, seed: int
 ) -> None:
-    try:
-        plan = plan_replica(demand, snap, rng=random.Random(seed))
-    except CantAccommodateError:
+    plan = _plan_unless_full(demand, snap, seed)
+    if plan is None:
         return
     after = apply_plan(snap, plan)
     for host in after.hosts.values():
@@ -168,17 +191,7 @@ def shared_hosts(draw: st.DrawFn) -> Snapshot:
     gpus = [
         replace(gpu(f"g{i}", 8 * GiB, index=i), context=GiB) for i in range(draw(st.integers(2, 4)))
     ]
-    deps: list[Deployment] = []
-    for i, g in enumerate(gpus):
-        free = g.total
-        for j in range(draw(st.integers(0, 3))):
-            nbytes = draw(st.integers(1, 40)) * GiB // 8
-            if nbytes > free:
-                break
-            free -= nbytes
-            deps.append(
-                hot(f"r{i}-{j}", f"x{i}-{j}", {g.id: nbytes}, dedicated=draw(st.booleans()))
-            )
+    deps = _filled(draw, gpus, GiB // 8, 40)
     size = draw(st.integers(1, 16)) * GiB // 8
     deps.append(warm("w", "m", size, worker="w-g0"))
     return fleet(gpus, deps, [Host("h0", warm_budget=64 * GiB)])
@@ -197,9 +210,8 @@ def shared_hosts(draw: st.DrawFn) -> Snapshot:
 def test_a_plan_leaves_room_for_every_cuda_context_its_loader_opens(
     snap: Snapshot, demand: Demand, seed: int
 ) -> None:
-    try:
-        plan = plan_replica(demand, snap, rng=random.Random(seed))
-    except CantAccommodateError:
+    plan = _plan_unless_full(demand, snap, seed)
+    if plan is None:
         return
     after = apply_plan(snap, plan)
     assert audit(after) == []  # no GPU reserves past its total, contexts included

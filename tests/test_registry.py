@@ -23,13 +23,12 @@ from placement.errors import (
     SettlingError,
 )
 from placement.keys import Keys
-from placement.ledger import apply_plan, settle_all
 from placement.policy import plan_replica
 from placement.redis_server import RedisServer
 from placement.registry import Registry
 from placement.scripts import NAMES, scripts_for
 from placement.state import Candidate, Demand, Gpu, Holding, Level
-from tests.acting import make_hot, settle_leaving
+from tests.acting import make_hot, replay_against_mirror, settle_leaving
 from tests.fleets import GiB
 
 LEASE_MS = 60_000
@@ -482,35 +481,10 @@ def test_a_learned_measurement_sizes_the_next_placement(two_gpus: Registry) -> N
 
 
 def test_the_python_ledger_and_the_lua_scripts_agree(two_gpus: Registry) -> None:
-    reg = two_gpus
-    rng = random.Random(3)
-    for step in range(30):
-        snap = reg.snapshot()
-        demand = Demand(f"m{rng.randrange(8)}", size=rng.randrange(1, 8) * GiB // 2)
-        try:
-            plan = plan_replica(demand, snap, rng=rng)
-        except Exception:
-            continue
-        if plan.candidate is Candidate.DEPLOYED:
-            reg.evict(plan.replica)
-            continue
-        expected = apply_plan(snap, plan)
-        committed = reg.commit(plan, snap)
-        for settled in (False, True):
-            if settled:  # the workers move the victims and admit the newcomer
-                expected = settle_all(expected)
-                settle_leaving(reg)
-            actual = reg.snapshot()
-            assert actual.gpus == expected.gpus, step
-            assert actual.hosts == expected.hosts, step
-            assert {r: (d.level, d.epoch) for r, d in actual.deployments.items()} == {
-                r: (d.level, d.epoch) for r, d in expected.deployments.items()
-            }, step
-            assert {m: c for m, c in actual.active.items() if c} == {
-                m: c for m, c in expected.active.items() if c
-            }
-            assert audit(actual) == []
-        assert reg.confirm(plan.replica, plan.worker, committed.epoch)
+    def demand(rng: random.Random) -> Demand:
+        return Demand(f"m{rng.randrange(8)}", size=rng.randrange(1, 8) * GiB // 2)
+
+    assert replay_against_mirror(two_gpus, random.Random(3), 30, demand)
 
 
 # --- keys and scripts -------------------------------------------------------------
