@@ -122,6 +122,28 @@ local function drop_warm(w, r, now)
   redis.call('SREM', K(w.worker_deps), w.replica)
 end
 
+-- The GPU ids of the CUDA contexts a worker keeps on GPUs it does not own: its
+-- `contexts` list, which commit.lua and register.lua extend and reap.lua releases.
+local function contexts_of(worker_key)
+  local listed = redis.call('HGET', worker_key, 'contexts')
+  if listed and listed ~= '' then return cjson.decode(listed) end
+  return {}
+end
+
+-- Add the GPU ids `ids` to a worker's `contexts` list, each once.
+local function list_contexts(worker_key, ids)
+  if #ids == 0 then return end
+  local contexts, known = contexts_of(worker_key), {}
+  for _, id in ipairs(contexts) do known[id] = true end
+  for _, id in ipairs(ids) do
+    if not known[id] then
+      table.insert(contexts, id)
+      known[id] = true
+    end
+  end
+  redis.call('HSET', worker_key, 'contexts', cjson.encode(contexts))
+end
+
 -- The bytes of the CUDA context `worker` keeps on the GPU at `key` (a GPU it does not own,
 -- charged by commit.lua as `ctx:<worker>`) that are not in `held` yet: they join it with
 -- the first of the worker's placements there that may be on the device (LOADING).

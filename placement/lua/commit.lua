@@ -135,13 +135,13 @@ end
 local level = 'WAITING'
 if on_device then level = 'LOADING' end
 local placed = {}
-local opened = {}
+local new_contexts = {}
 for _, g in ipairs(p.gpus) do
   local c = charge[g.id]
   redis.call('HINCRBY', K(g.key), 'reserved', g.bytes + c)
   if c > 0 then
     redis.call('HSET', K(g.key), context_field, c)
-    opened[g.id] = true
+    table.insert(new_contexts, g.id)
   end
   if level == 'LOADING' then
     redis.call('HINCRBY', K(g.key), 'held', g.bytes)
@@ -149,16 +149,7 @@ for _, g in ipairs(p.gpus) do
   end
   placed[g.id] = g.bytes
 end
-if next(opened) then
-  local listed = redis.call('HGET', K(p.worker_key), 'contexts')
-  local contexts, known = {}, {}
-  if listed and listed ~= '' then contexts = cjson.decode(listed) end
-  for _, id in ipairs(contexts) do known[id] = true end
-  for _, g in ipairs(p.gpus) do
-    if opened[g.id] and not known[g.id] then table.insert(contexts, g.id) end
-  end
-  redis.call('HSET', K(p.worker_key), 'contexts', cjson.encode(contexts))
-end
+list_contexts(K(p.worker_key), new_contexts)
 local epoch = redis.call('HINCRBY', dep, 'epoch', 1)
 redis.call('HSET', dep, 'replica', p.replica, 'model', p.model, 'level', level,
   'gpus', cjson.encode(placed), 'limit', p.limit, 'fraction', p.fraction, 'size', p.size,

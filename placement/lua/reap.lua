@@ -19,9 +19,7 @@ if not a.force and num(redis.call('HGET', wkey, 'lease_deadline')) > now then
 end
 local members = redis.call('SMEMBERS', K(a.worker_deps))
 if #members ~= #a.deps then return {0, 'STALE', 'deployment set changed'} end
-local listed = redis.call('HGET', wkey, 'contexts')
-local contexts = {}
-if listed and listed ~= '' then contexts = cjson.decode(listed) end
+local contexts = contexts_of(wkey)
 if #contexts ~= #a.contexts then return {0, 'STALE', 'context list changed'} end
 for i, id in ipairs(contexts) do
   if a.contexts[i].id ~= id then return {0, 'STALE', 'context list changed'} end

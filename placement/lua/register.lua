@@ -37,10 +37,7 @@ for _, g in ipairs(a.gpus) do
   redis.call('SADD', K(a.gpus_set), g.id)
   table.insert(ids, g.id)
 end
-local listed = redis.call('HGET', K(a.worker_key), 'contexts')
-local contexts, known = {}, {}
-if listed and listed ~= '' then contexts = cjson.decode(listed) end
-for _, id in ipairs(contexts) do known[id] = true end
+local new_contexts = {}
 for _, c in ipairs(a.contexts) do
   local key, field = K(c.key), 'ctx:' .. a.worker
   local owner, context, charged = unpack(redis.call('HMGET', key, 'worker', 'context', field))
@@ -48,13 +45,12 @@ for _, c in ipairs(a.contexts) do
     redis.call('HINCRBY', key, 'reserved', num(context))
     redis.call('HINCRBY', key, 'held', num(context))
     redis.call('HSET', key, field, num(context), 'ctx_held:' .. a.worker, 1)
-    if not known[c.id] then table.insert(contexts, c.id) end
-    known[c.id] = true
+    table.insert(new_contexts, c.id)
   end
 end
 redis.call('HSET', K(a.worker_key), 'id', a.worker, 'host', a.host, 'queue', a.queue,
   'lease_deadline', deadline, 'gpus', cjson.encode(ids), 'lineage', a.lineage)
-if #contexts > 0 then redis.call('HSET', K(a.worker_key), 'contexts', cjson.encode(contexts)) end
+list_contexts(K(a.worker_key), new_contexts)
 redis.call('SADD', K(a.workers), a.worker)
 redis.call('HSET', K(a.host_key), 'name', a.host, 'warm_budget', a.warm_budget)
 redis.call('HSETNX', K(a.host_key), 'warm_used', 0)
