@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from placement import accelerators
 from placement.accelerators import Accelerator
+from placement.memory import MiB
 from placement.state import Deployment, Gpu
 
 
@@ -90,6 +91,10 @@ class RoomIndex:
         self.type_room: dict[str, float] = {}  # GPU name -> summed free shares of its GPUs
         self.type_gpus: dict[str, int] = {}
         self.type_empty: dict[str, int] = {}  # GPU name -> how many of its GPUs are empty
+        # (GPU name, size) -> free bytes -> live GPUs with that much free, and the same by
+        # `gap_of` (`placement.policy` packs dedicated replicas by these gaps)
+        self.levels: dict[tuple[str, int], dict[int, int]] = {}
+        self.gaps: dict[tuple[str, int], dict[int, int]] = {}
         self.workers: set[str] = set()
         self.shapes: dict[Layout, Shape] = {}
         self.shape_of: dict[str, Shape] = {}
@@ -121,6 +126,13 @@ class RoomIndex:
         emptied = int(gpu.free == gpu.total) - int(old is not None and old.free == old.total)
         self.type_empty[gpu.name] = self.type_empty.get(gpu.name, 0) + emptied
         self.type_room[gpu.name] = self.type_room.get(gpu.name, 0.0) - before + gpu.free / gpu.total
+        kind = (gpu.name, gpu.total)
+        levels, gaps = self.levels.setdefault(kind, {}), self.gaps.setdefault(kind, {})
+        if old is not None:
+            _count(levels, old.free, -1)
+            _count(gaps, gap_of(old.free), -1)
+        _count(levels, gpu.free, +1)
+        _count(gaps, gap_of(gpu.free), +1)
         group.put(gpu, gpu.free + evictable)
         self._reshape(gpu.host)
 
@@ -208,6 +220,20 @@ class RoomIndex:
             found = [g for g in self.groups.values() if accelerators.matches(g.name, accelerator)]
             self._matching[accelerator] = found
         return found
+
+
+def gap_of(free: int) -> int:
+    """The gap `free` bytes leave, in whole MiB: room that differs by less (shares of a GPU
+    rounded to whole bytes) is the same gap."""
+    return (free + MiB // 2) // MiB
+
+
+def _count(counts: dict[int, int], key: int, change: int) -> None:
+    left = counts.get(key, 0) + change
+    if left:
+        counts[key] = left
+    else:
+        del counts[key]
 
 
 def _evictable(gpu: Gpu, replicas: Iterable[Deployment]) -> int:
