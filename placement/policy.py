@@ -8,13 +8,13 @@ the plan atomically, so a stale snapshot costs a retry, never a double booking.
 Candidates are ranked, best first (docs/placement.md, "Choosing a GPU"):
 1. a warm copy on the host, then room without evicting, then fewer victims, then
    victims used longer ago (NDIF's candidate levels, LRU);
-2. with the default best-fit: a GPU already in use before an empty one, then (for a
-   dedicated replica) one that strands no dead room (less than the smallest slot held
-   on a GPU of its size) in a hole that other slots would fill, then the tightest (for a
-   dedicated replica, to 1/BUCKETS of a GPU); for a dedicated replica an empty GPU of
-   the type with the most left (`_type_left`), for an evictable one the freest type; then
-   the host with the least room left; rooms compared as shares of each GPU. Empty GPUs
-   and empty hosts stay whole for the requests that need them;
+2. with the default best-fit, for a dedicated replica (which never moves): the GPU type
+   with the most left (`_type_left`), then a GPU where it strands no dead room (less
+   than the smallest slot held on a GPU of its size) in a hole that other slots would
+   fill, then the one that keeps the free room in the fewest distinct gaps (the
+   sum-of-squares rule, `_squares_change`), then the tightest; for an evictable one a
+   GPU already in use before an empty one, then the tightest, then the freest type;
+   then the host with the least room left; rooms compared as shares of each GPU;
 3. ties at random, never by index.
 The search runs over `placement.room` host shapes (hosts alike in every GPU's type, size
 and free bytes), so the common case costs one step per shape, not per GPU. Sizes come
@@ -34,7 +34,7 @@ from typing import TypeVar
 from placement import accelerators
 from placement.errors import CantAccommodateError, NeverFitsError, PlacementError, SettlingError
 from placement.memory import MiB, format_size, fraction_of
-from placement.room import Group, RoomIndex, Shape
+from placement.room import Group, RoomIndex, Shape, gap_of
 from placement.settings import GpuChoice, PolicySettings, VictimOrder
 from placement.sizing import scale, shard, single_gpu_slot, splittable
 from placement.state import (
@@ -55,10 +55,6 @@ ROUNDING = MiB  # less room than this is what rounding to whole bytes leaves: no
 # A hole has a better user than this request when slots that fill it without dead room are
 # held at least 1/RIVALS as often as this request's size (tuned on bench/packing.py)
 RIVALS = 2
-# For a dedicated replica, fits within about 1/BUCKETS of a GPU of each other are equally
-# tight, so the fullest host decides among them (tuned on bench/packing.py; evictable
-# replicas keep the tightest, see docs/placement.md)
-BUCKETS = 20
 # GPU types whose shares of empty GPUs left (`_type_left`) are within about 1/TYPES_EVEN of
 # each other are equally free, so the host with the least room decides (tuned likewise)
 TYPES_EVEN = 50
@@ -129,8 +125,9 @@ class _View:
 
     def type_rank(self, name: str, total: int, request: int) -> float:
         """Ranks GPU type `name` for a slot of `request` bytes on a GPU of `total` bytes,
-        computed once. A dedicated replica opens an empty GPU of the type with the most
-        left (`_type_left`): it never moves, so what it takes stays taken. An evictable
+        computed once. A dedicated replica goes to the type with the most left
+        (`_type_left`): it never moves, so what it takes stays taken, and requests pinned
+        to a type find room there as long as any type has some. An evictable
         one, a cache entry whose room comes back by eviction, goes to the freest type,
         in use or empty (the simulator's hit rate: `_type_left` cost azure-code 0.003)."""
         key = (name, total, request)
@@ -251,11 +248,13 @@ def _best_host(
     rng: random.Random,
     options: Callable[[Shape], Iterable[tuple[tuple[float, ...], T]]],
     floor: int = 0,
+    warm_options: Callable[[Shape], Iterable[tuple[tuple[float, ...], T]]] | None = None,
 ) -> tuple[str, T] | None:
     """The host with the lowest-keyed option among `options(shape)` over host shapes
-    (`placement.room`), hosts with a warm copy of the model first; ties are broken at
-    random in proportion to how many hosts share a shape. Shapes with no GPU of `floor`
-    free bytes are skipped unasked. None when nothing fits."""
+    (`placement.room`), hosts with a warm copy of the model first (their options from
+    `warm_options`, if given); ties are broken at random in proportion to how many hosts
+    share a shape. Shapes with no GPU of `floor` free bytes are skipped unasked. None
+    when nothing fits."""
     index = view.snap.room
     best: tuple[tuple[float, ...], Shape, str | None, T] | None = None
     ties = 0
@@ -263,12 +262,12 @@ def _best_host(
         (index.shape_of[h], h) for h in view.my_warm if h in index.shape_of
     ]
     every: Iterable[tuple[Shape, str | None]] = ((shape, None) for shape in index.shapes.values())
-    for candidates in (warm, every):
+    for candidates, ask in ((warm, warm_options or options), (every, options)):
         for shape, host in candidates:
             if shape.top < floor:
                 continue  # full hosts, the most common shape late in a fill
             weight = 1 if host is not None else len(shape.hosts)
-            for key, found in options(shape):
+            for key, found in ask(shape):
                 if best is None or key < best[0]:
                     best, ties = (key, shape, host, found), weight
                 elif key == best[0]:
@@ -290,65 +289,117 @@ def _free_single(
     index = view.snap.room
     allowed = index.names(demand.accelerator)
     choice = settings.gpu_choice
-
-    # per GPU size: this replica's slot, and the room it must not leave (see `_View.smallest`)
-    sizes: dict[int, tuple[int, int, int]] = {}
-    for total in index.totals(demand.accelerator):
-        slot = view.slot(total)
-        if slot is not None:
-            dead = view.smallest(total) if demand.dedicated else 0
-            sizes[total] = (*slot, dead)
-    dedicated = demand.dedicated
+    slots = {t: s for t in index.totals(demand.accelerator) if (s := view.slot(t)) is not None}
+    if not slots:
+        return None
+    if choice is GpuChoice.BEST_FIT and demand.dedicated:
+        return _packed_single(view, slots, allowed, rng)
 
     def options(shape: Shape) -> Iterator[tuple[tuple[float, ...], tuple[str, int, int]]]:
         for name, total, frees in shape.layout:
-            if name not in allowed:
+            slot = slots.get(total)
+            if name not in allowed or slot is None or frees[-1] < slot[1]:
                 continue
-            size = sizes.get(total)
-            if size is None or frees[-1] < size[1]:
-                continue
-            request, limit, dead = size
+            request, limit = slot
             if choice is GpuChoice.BEST_FIT:
-                tightest = bisect_left(frees, limit)
-                # the tightest GPU, and the tightest that leaves no room too small for use
-                roomy = bisect_left(frees, request + dead, tightest) if dead else tightest
-                for at in (tightest,) if roomy == tightest else (tightest, roomy):
-                    if at == len(frees):
-                        continue
-                    free = frees[at]
-                    left = (free - request) / total  # of the GPU, as a share
-                    # near enough for a dedicated replica; an evictable one takes the tightest
-                    tight = (round(left * BUCKETS) if dedicated else left) if free < total else 0
-                    yield (
-                        (
-                            float(free == total),  # fill a GPU in use before an empty one
-                            float(
-                                ROUNDING <= free - request < dead
-                                and view.wanted(total, free, request, dead)
-                            ),  # leaves dead room in a hole some other slot would fill
-                            float(tight),  # the tightest, near enough: fewer slivers
-                            # the type (`_View.type_rank`): for a dedicated replica, of
-                            # an empty GPU only
-                            view.type_rank(name, total, request)
-                            if free == total or not dedicated
-                            else 0.0,
-                            shape.room - request / total,  # then the host with least room
-                            left,  # then the GPU with least room left
-                        ),
-                        (name, total, free),
-                    )
+                free = frees[bisect_left(frees, limit)]  # the tightest
+                left = (free - request) / total  # of the GPU, as a share
+                yield (
+                    (
+                        float(free == total),  # fill a GPU in use before an empty one
+                        left if free < total else 0.0,
+                        view.type_rank(name, total, request),  # then the freest type
+                        shape.room - request / total,  # then the host with least room
+                        left,
+                    ),
+                    (name, total, free),
+                )
             elif choice is GpuChoice.MOST_FREE:
                 yield (-float(frees[-1]),), (name, total, frees[-1])
             else:
                 yield (), (name, total, -1)  # any GPU that fits
 
-    found = _best_host(view, rng, options, min((s[1] for s in sizes.values()), default=0))
-    if found is None:
+    found = _best_host(view, rng, options, min(limit for _, limit in slots.values()))
+    return None if found is None else _on_host(view, rng, *found)
+
+
+def _packed_single(
+    view: _View, slots: dict[int, tuple[int, int]], allowed: frozenset[str], rng: random.Random
+) -> _Option | None:
+    """The GPU for a dedicated replica, which never moves, so where it goes decides what
+    fits beside it for good: GPUs of the type with the most left (`_View.type_rank`),
+    then one where it strands no dead room in a hole that other slots would fill, then
+    the one that keeps free room in the fewest distinct gaps, then the tightest, then the
+    host with the least room (docs/placement.md, "Choosing a GPU")."""
+    index = view.snap.room
+    kinds = []  # GPU types and sizes that take a slot, the type with the most left first
+    for (name, total), levels in index.levels.items():
+        slot = slots.get(total)
+        if slot is not None and name in allowed:
+            kinds.append((view.type_rank(name, total, slot[0]), name, total, levels))
+    kinds.sort(key=lambda kind: kind[0])
+    keys: dict[tuple[str, int, int], tuple[float, ...]] = {}
+    for rank, name, total, levels in kinds:
+        if keys and not view.my_warm and rank > next(iter(keys.values()))[0]:
+            break  # a worse type than one that fits: none of its GPUs ranks first
+        request, limit = slots[total]
+        dead, gaps = view.smallest(total), index.gaps[(name, total)]
+        for free in levels:
+            if free < limit:
+                continue
+            left = free - request
+            keys[(name, total, free)] = (
+                rank,
+                float(ROUNDING <= left < dead and view.wanted(total, free, request, dead)),
+                float(_squares_change(gaps, free, left, total, dead)),
+                left / total,
+            )
+    if not keys:
         return None
-    host, (name, total, free) = found
+    best = min(keys.values())
+    chosen = {place for place, key in keys.items() if key == best}
+
+    def options(shape: Shape) -> Iterator[tuple[tuple[float, ...], tuple[str, int, int]]]:
+        for name, total, frees in shape.layout:
+            for free in set(frees):
+                if (name, total, free) in chosen:
+                    yield (shape.room,), (name, total, free)
+
+    def warm_options(shape: Shape) -> Iterator[tuple[tuple[float, ...], tuple[str, int, int]]]:
+        for name, total, frees in shape.layout:  # a warm copy's host: any place, ranked
+            for free in set(frees):
+                key = keys.get((name, total, free))
+                if key is not None:
+                    yield (*key, shape.room), (name, total, free)
+
+    found = _best_host(view, rng, options, min(limit for _, limit in slots.values()), warm_options)
+    return None if found is None else _on_host(view, rng, *found)
+
+
+def _squares_change(gaps: dict[int, int], free: int, left: int, total: int, dead: int) -> int:
+    """How a GPU going from `free` to `left` bytes free changes the sum, over gaps, of the
+    squared number of GPUs with that gap (`room.gap_of`). Keeping it low keeps many GPUs
+    with the same gap, which the same later slots fill, rather than many gaps that fit
+    nothing well (Csirik et al., "On the Sum-of-Squares algorithm for bin packing",
+    J. ACM 2006). Empty GPUs and dead room (under `dead` bytes) are not gaps."""
+    before, after = gap_of(free), gap_of(left)
+    if before == after:
+        return 0
+    change = 0
+    if dead <= free < total:
+        change += 1 - 2 * gaps[before]
+    if left >= dead:
+        change += 1 + 2 * gaps.get(after, 0)
+    return change
+
+
+def _on_host(view: _View, rng: random.Random, host: str, place: tuple[str, int, int]) -> _Option:
+    """The option on one GPU of `host` of `place` (GPU name, size, and its free bytes, or
+    -1 for any GPU that fits), the warm copy's holder's first, else one at random."""
+    name, total, free = place
     slot = view.slot(total)
     assert slot is not None
-    group = next(g for g in index.by_host[host] if (g.name, g.total) == (name, total))
+    group = next(g for g in view.snap.room.by_host[host] if (g.name, g.total) == (name, total))
     fits = [g for g in group.gpus.values() if (g.free == free if free >= 0 else g.free >= slot[1])]
     gpu = rng.choice(sorted(_holders_first(fits, view), key=lambda g: g.id))
     return _Option(_level(host in view.my_warm, evicts=False), {gpu.id: slot}, (), ())
@@ -369,11 +420,11 @@ def _foreign(gpu: Gpu, view: _View) -> bool:
 
 
 def _type_left(index: RoomIndex, name: str, total: int, request: int) -> float:
-    """How much of GPU type `name` (GPUs of `total` bytes) is left to open empty GPUs of.
-    Where whole GPUs are asked for on GPUs of this size (by this `request` or a replica
-    held), its share of empty GPUs, to 1/TYPES_EVEN: those are what a request pinned to the
-    type runs out of first, however much room its shared GPUs keep. Elsewhere its free
-    share: shares fit in any room."""
+    """How much of GPU type `name` (GPUs of `total` bytes) is left. Where whole GPUs are
+    asked for on GPUs of this size (by this `request` or a replica held), its share of
+    empty GPUs, to 1/TYPES_EVEN: those are what a request pinned to the type runs out of
+    first, however much room its shared GPUs keep. Elsewhere its free share: shares fit
+    in any room."""
     if request >= total or index.slot_count(total, total):
         return round(index.type_empties(name) * TYPES_EVEN) / TYPES_EVEN
     return index.type_free(name)
