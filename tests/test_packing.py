@@ -14,7 +14,8 @@ from bench import packing
 from placement import accelerators
 from placement.errors import CantAccommodateError
 from placement.live import LiveView
-from placement.policy import plan_replica
+from placement.memory import MiB
+from placement.policy import _squares_change, plan_replica
 from placement.room import RoomIndex
 from placement.state import Demand, Gpu, Level, Snapshot
 from tests.fleets import GiB, fleet, gpu, hot
@@ -362,3 +363,26 @@ def test_on_trace_shaped_shares_the_default_ends_well_ahead_of_every_baseline(se
     for choose in (packing.first_fit, packing.best_fit, packing.Fgd(asks)):
         theirs = packing.replay_baseline(copy(), asks, choose)["end_alloc"]
         assert ours >= theirs + 0.004, choose
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    others=st.dictionaries(st.integers(0, 16), st.integers(1, 5), max_size=8),
+    free=st.integers(1, 16),
+    take=st.integers(1, 16),
+    dead=st.integers(1, 8),
+)
+def test_the_squares_change_is_what_moving_one_gpu_between_gaps_does_to_the_sum_of_squares(
+    others: dict[int, int], free: int, take: int, dead: int
+) -> None:
+    # GPUs of 16 MiB, gaps in whole MiB; one GPU goes from `free` to `free - take` MiB free
+    take = min(take, free)
+    total = 16 * MiB
+
+    def squares(counts: Counter[int]) -> int:
+        return sum(n * n for gap, n in counts.items() if dead <= gap < 16)
+
+    before = Counter(others) + Counter({free: 1})
+    after = before - Counter({free: 1}) + Counter({free - take: 1})
+    change = _squares_change(dict(before), free * MiB, (free - take) * MiB, total, dead * MiB)
+    assert change == squares(after) - squares(before)
