@@ -54,7 +54,8 @@ def ledger_problems(snap: Snapshot, pending_bound_ms: int = PENDING_BOUND_MS) ->
     - each GPU: `reserved` equals the bytes of its RESERVING replicas and `held` those of
       its ON_DEVICE replicas, each plus the CUDA contexts other workers keep there (`held`
       those it counts), and neither passes `total`; every such context's worker is
-      registered;
+      registered, and a context no load opened yet is counted as waited on by exactly its
+      worker's WAITING placements there (none left: the context was never opened);
     - each host: `warm_used <= warm_budget`, and equals the cached bytes of its WARM and
       OFFLOADING replicas; its warm index lists exactly its WARM replicas;
     - WARM and COLD replicas hold no GPU bytes; the others hold some;
@@ -67,9 +68,13 @@ def ledger_problems(snap: Snapshot, pending_bound_ms: int = PENDING_BOUND_MS) ->
     warm: dict[str, int] = defaultdict(int)
     warm_ids: dict[str, set[str]] = defaultdict(set)
     active: dict[str, int] = defaultdict(int)
+    waiting: dict[tuple[str, str], int] = defaultdict(int)  # (GPU, worker) -> WAITING there
     for d in snap.deployments.values():
         if d.level in RESERVING:
             active[d.model] += 1
+        if d.level is Level.WAITING:
+            for gpu_id in d.gpus:
+                waiting[(gpu_id, d.worker)] += 1
         on_gpu = d.level in RESERVING or d.level in ON_DEVICE
         if on_gpu and not d.gpus:
             problems.append(f"replica {d.replica} is {d.level.value} but holds no GPU bytes")
@@ -95,6 +100,18 @@ def ledger_problems(snap: Snapshot, pending_bound_ms: int = PENDING_BOUND_MS) ->
         held[g.id] += sum(g.contexts.get(w, 0) for w in g.held_contexts)
         for worker in sorted(set(g.contexts) - set(snap.workers)) if snap.workers else ():
             problems.append(f"GPU {g.id} charges a CUDA context for unknown worker {worker}")
+        for worker in sorted(set(g.contexts) - g.held_contexts):  # no load opened it yet
+            relying, counted = waiting[(g.id, worker)], g.waiting_contexts.get(worker, 0)
+            if not relying:
+                problems.append(
+                    f"GPU {g.id} charges a CUDA context of worker {worker} that no placement "
+                    "opened or waits to open"
+                )
+            elif counted != relying:
+                problems.append(
+                    f"GPU {g.id} counts {counted} placements of worker {worker} waiting on "
+                    f"its CUDA context, but {relying} are WAITING there"
+                )
         for name, counted, actual in (
             ("reserves", g.reserved, reserved[g.id]),
             ("holds", g.held, held[g.id]),

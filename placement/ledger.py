@@ -71,6 +71,9 @@ class Draft:
         if dep.level in RESERVING:
             self.count(dep, -1, reserved=True, held=False)
             self.active[dep.model] = self.active.get(dep.model, 0) - 1
+        if dep.level is Level.WAITING:
+            for gpu_id in dep.gpus:
+                self.forget_context(gpu_id, dep.worker)
         if dep.level in ON_DEVICE:
             self.count(dep, -1, reserved=False, held=True)
         if dep.level in (Level.OFFLOADING, Level.WARM):
@@ -121,9 +124,37 @@ class Draft:
         bytes_ = self.unheld_context(gpu_id, worker)
         if bytes_:
             g = self.gpus[gpu_id]
+            waiting = {w: n for w, n in g.waiting_contexts.items() if w != worker}
             self.gpus[gpu_id] = replace(
-                g, held=g.held + bytes_, held_contexts=g.held_contexts | {worker}
+                g,
+                held=g.held + bytes_,
+                held_contexts=g.held_contexts | {worker},
+                waiting_contexts=waiting,
             )
+
+    def wait_context(self, gpu_id: str, worker: str) -> None:
+        """Like `wait_context` in _lib.lua."""
+        g = self.gpus[gpu_id]
+        waiting = {**g.waiting_contexts, worker: g.waiting_contexts.get(worker, 0) + 1}
+        self.gpus[gpu_id] = replace(g, waiting_contexts=waiting)
+
+    def forget_context(self, gpu_id: str, worker: str) -> None:
+        """Like `forget_context` in _lib.lua."""
+        g = self.gpus[gpu_id]
+        waiting = g.waiting_contexts.get(worker, 0)
+        if worker not in g.contexts or worker in g.held_contexts or not waiting:
+            return
+        if waiting > 1:
+            self.gpus[gpu_id] = replace(
+                g, waiting_contexts={**g.waiting_contexts, worker: waiting - 1}
+            )
+            return
+        self.gpus[gpu_id] = replace(
+            g,
+            reserved=g.reserved - g.contexts[worker],
+            contexts={w: b for w, b in g.contexts.items() if w != worker},
+            waiting_contexts={w: n for w, n in g.waiting_contexts.items() if w != worker},
+        )
 
 
 def apply_plan(snap: Snapshot, plan: Plan) -> Snapshot:
@@ -166,9 +197,11 @@ def commit(draft: Draft, plan: Plan, now: int) -> None:
         copy_bytes=old.copy_bytes if old is not None else 0,
     )
     draft.count(new, 1, reserved=True, held=level is Level.LOADING)
-    if level is Level.LOADING:
-        for gpu_id in plan.gpus:
+    for gpu_id in plan.gpus:
+        if level is Level.LOADING:
             draft.hold_context(gpu_id, plan.worker)
+        elif draft.unheld_context(gpu_id, plan.worker):
+            draft.wait_context(gpu_id, plan.worker)
     draft.deps[plan.replica] = new
     draft.active[plan.model] = draft.active.get(plan.model, 0) + 1
 
@@ -219,9 +252,14 @@ def settle_all(snap: Snapshot) -> Snapshot:
 
 
 def evict(snap: Snapshot, replica: str, to: Level) -> Snapshot:
-    """An idle placed replica starts leaving for `to` (WARM or COLD), as evict.lua does."""
+    """An idle placed replica starts leaving for `to` (WARM or COLD), as evict.lua does; a
+    WAITING one, with nothing on the device yet, goes COLD at once."""
     draft = Draft(snap)
-    draft.leave(draft.deps[replica], to, snap.now_ms)
+    dep = draft.deps[replica]
+    if dep.level is Level.WAITING:
+        draft.to_cold(dep, snap.now_ms)
+    else:
+        draft.leave(dep, to, snap.now_ms)
     return draft.freeze()
 
 

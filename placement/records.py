@@ -14,7 +14,7 @@ from placement.state import Deployment, Gpu, Holding, Host, Level, Report
 
 #: `gpu:<id>` hash fields of the CUDA context a worker keeps on a GPU it does not own:
 #: `ctx:<worker>` its bytes, `ctx_held:<worker>` set once they count in `held` (commit.lua).
-CONTEXT, CONTEXT_HELD = "ctx:", "ctx_held:"
+CONTEXT, CONTEXT_HELD, CONTEXT_WAIT = "ctx:", "ctx_held:", "ctx_wait:"
 
 
 def gpu(row: Mapping[str, str]) -> Gpu:
@@ -39,6 +39,11 @@ def gpu(row: Mapping[str, str]) -> Gpu:
         held_contexts=frozenset(
             name[len(CONTEXT_HELD) :] for name in row if name.startswith(CONTEXT_HELD)
         ),
+        waiting_contexts={
+            name[len(CONTEXT_WAIT) :]: int(v)
+            for name, v in row.items()
+            if name.startswith(CONTEXT_WAIT)
+        },
     )
 
 

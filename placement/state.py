@@ -89,6 +89,9 @@ class Gpu:
     # the workers of `contexts` whose context `held` counts: one of their placements here
     # has been LOADING (a context opens with the first load)
     held_contexts: frozenset[str] = frozenset()
+    # worker id -> its WAITING placements here relying on a charge no load opened yet: the
+    # last of them to go COLD unloaded gives the charge back
+    waiting_contexts: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def free(self) -> int:

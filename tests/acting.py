@@ -6,7 +6,7 @@ import random
 from collections.abc import Callable
 
 from placement.audit import audit
-from placement.ledger import apply_plan, settle_all
+from placement.ledger import apply_plan, evict, settle_all
 from placement.policy import plan_replica
 from placement.registry import Plan, Registry
 from placement.state import Candidate, Demand, Level, Snapshot
@@ -49,12 +49,28 @@ def replay_against_mirror(
     demand: Callable[[random.Random], Demand],
     *,
     settle_evicted: bool = False,
+    drop_waiting: float = 0.0,
 ) -> list[Snapshot]:
     """Plan `steps` demands drawn by `demand`, commit each, and check before and after its
     workers settle that the registry holds what `placement.ledger` predicts and passes the
     audit. A demand already placed is evicted instead (its drop settled when
-    `settle_evicted`). Returns every snapshot checked."""
+    `settle_evicted`); a placement that waits for its victims is dropped before it loads
+    with probability `drop_waiting`. Returns every snapshot checked."""
     seen: list[Snapshot] = []
+
+    def check(expected: Snapshot, step: int) -> None:
+        actual = reg.snapshot()
+        assert actual.gpus == expected.gpus, step
+        assert actual.hosts == expected.hosts, step
+        assert {r: (d.level, d.epoch) for r, d in actual.deployments.items()} == {
+            r: (d.level, d.epoch) for r, d in expected.deployments.items()
+        }, step
+        assert {m: c for m, c in actual.active.items() if c} == {
+            m: c for m, c in expected.active.items() if c
+        }, step
+        assert audit(actual) == [], step
+        seen.append(actual)
+
     for step in range(steps):
         snap = reg.snapshot()
         try:
@@ -68,20 +84,17 @@ def replay_against_mirror(
             continue
         expected = apply_plan(snap, plan)
         committed = reg.commit(plan, snap)
-        for settled in (False, True):
-            if settled:  # the workers move the victims and admit the newcomer
-                expected = settle_all(expected)
-                settle_leaving(reg)
-            actual = reg.snapshot()
-            assert actual.gpus == expected.gpus, step
-            assert actual.hosts == expected.hosts, step
-            assert {r: (d.level, d.epoch) for r, d in actual.deployments.items()} == {
-                r: (d.level, d.epoch) for r, d in expected.deployments.items()
-            }, step
-            assert {m: c for m, c in actual.active.items() if c} == {
-                m: c for m, c in expected.active.items() if c
-            }, step
-            assert audit(actual) == [], step
-            seen.append(actual)
-        assert reg.confirm(plan.replica, plan.worker, committed.epoch)
+        check(expected, step)
+        placed = reg.deployment(plan.replica)
+        dropped = placed is not None and placed.level is Level.WAITING
+        if dropped and rng.random() < drop_waiting:  # before its victims have left
+            expected = evict(expected, plan.replica, Level.COLD)
+            assert reg.evict(plan.replica, to=Level.COLD) is Level.COLD
+            check(expected, step)
+        else:
+            dropped = False
+        expected = settle_all(expected)  # the workers move the victims, admit the newcomer
+        settle_leaving(reg)
+        check(expected, step)
+        assert dropped or reg.confirm(plan.replica, plan.worker, committed.epoch)
     return seen

@@ -108,6 +108,22 @@ def test_a_foreign_shard_waiting_for_its_victim_holds_its_context_only_once_admi
     assert audit(reg.snapshot()) == []
 
 
+def test_a_foreign_shard_dropped_before_its_load_gives_back_the_context_it_never_opened(
+    reg: Registry,
+) -> None:
+    place(reg, Demand("small", size=GiB), avoid="w0")  # 3 GiB on h0:1
+    plan = reg.place(Demand("big", size=10 * GiB), rng=random.Random(0))
+    assert plan.worker == "w0" and reg.deployment(plan.replica).level is Level.WAITING  # type: ignore[union-attr]
+    assert reg.snapshot().gpus["h0:1"].waiting_contexts == {"w0": 1}
+
+    assert evict_now(reg, plan.replica, Level.COLD) is Level.COLD  # w0 never loaded it
+    other = reg.snapshot().gpus["h0:1"]
+    assert (other.reserved, other.contexts, other.waiting_contexts) == (0, {}, {})
+    assert audit(reg.snapshot()) == []
+    assert reg.reap("w0", force=True) == 0  # nothing of w0's is left to give back
+    assert reg.snapshot().gpus["h0:1"].reserved == 0
+
+
 def warm_on_w0(reg: Registry) -> str:
     """A warm copy of "m" (3 GiB placed) held by w0, whose GPU is then filled."""
     replica = place(reg, Demand("m", size=GiB), avoid="w1")
@@ -146,6 +162,9 @@ def test_the_python_ledger_and_the_lua_scripts_agree_on_contexts(reg: Registry) 
     def demand(rng: random.Random) -> Demand:
         return Demand(f"m{rng.randrange(6)}", size=rng.randrange(1, 24) * GiB // 2)
 
-    seen = replay_against_mirror(reg, random.Random(5), 40, demand, settle_evicted=True)
-    # the sequence did put a shard on another worker's GPU
+    seen = replay_against_mirror(
+        reg, random.Random(5), 60, demand, settle_evicted=True, drop_waiting=0.5
+    )
+    # the sequence did put a shard on another worker's GPU, and dropped one still waiting
     assert any(g.contexts for snap in seen for g in snap.gpus.values())
+    assert any(g.waiting_contexts for snap in seen for g in snap.gpus.values())

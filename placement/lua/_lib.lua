@@ -90,28 +90,6 @@ local function leave(v, r, to, now)
   end
 end
 
--- Forget a replica wherever it is: every counter its level contributes to is given
--- back, its request leases end (their calls are routed again) and it goes COLD with no
--- holder. `v` is a JSON reference:
--- {replica, dep, leases, active, worker_deps, host, host_warm, gpus=[{id, key}]}; `r` its
--- record.
-local function to_cold(v, r, now)
-  local level = r.level
-  if RESERVING[level] then
-    add_gpus(r, v.gpus, 'reserved', -1)
-    redis.call('HINCRBY', K(v.active), r.model, -1)
-  end
-  if ON_DEVICE[level] then add_gpus(r, v.gpus, 'held', -1) end
-  if level == 'OFFLOADING' or level == 'WARM' then
-    redis.call('HINCRBY', K(v.host), 'warm_used', -r.cached)
-    redis.call('SREM', K(v.host_warm), v.replica)
-  end
-  redis.call('HSET', K(v.dep), 'level', 'COLD', 'gpus', '{}', 'fraction', 0, 'limit', 0,
-    'worker', '', 'queue', '', 'host', '', 'since', now)
-  redis.call('SREM', K(v.worker_deps), v.replica)
-  redis.call('DEL', K(v.leases))
-end
-
 -- Drop a WARM copy to COLD and give its bytes back to the host's warm cache.
 -- `w` is a JSON reference: {replica, dep, worker_deps, host, host_warm}; `r` its record.
 local function drop_warm(w, r, now)
@@ -153,12 +131,63 @@ local function unheld_context(key, worker)
   return num(bytes)
 end
 
--- Count `bytes` of `worker`'s context on the GPU at `key` in `held` (see unheld_context).
+-- Count `bytes` of `worker`'s context on the GPU at `key` in `held` (see unheld_context):
+-- the context is open now, so no WAITING placement keeps the charge any more (wait_context).
 local function hold_context(key, worker, bytes)
   if bytes > 0 then
     redis.call('HINCRBY', key, 'held', bytes)
     redis.call('HSET', key, 'ctx_held:' .. worker, 1)
+    redis.call('HDEL', key, 'ctx_wait:' .. worker)
   end
+end
+
+-- One more WAITING placement of `worker` relies on its context charge at `key`, which no
+-- load has opened yet: `ctx_wait:<worker>` counts them, so the last to go COLD without a
+-- load gives the charge back (forget_context).
+local function wait_context(key, worker)
+  redis.call('HINCRBY', key, 'ctx_wait:' .. worker, 1)
+end
+
+-- A WAITING placement of `worker` on the GPU at `key` went COLD. If it was the last one
+-- relying on a context charge that no load opened, the context was never opened: the
+-- charge leaves `reserved`. (The GPU stays in the worker's `contexts` list; reap.lua
+-- finds no charge there.)
+local function forget_context(key, worker)
+  local bytes, joined, waiting = unpack(redis.call('HMGET', key, 'ctx:' .. worker,
+    'ctx_held:' .. worker, 'ctx_wait:' .. worker))
+  if not bytes or joined or not waiting then return end
+  if num(waiting) > 1 then
+    redis.call('HINCRBY', key, 'ctx_wait:' .. worker, -1)
+  else
+    redis.call('HINCRBY', key, 'reserved', -num(bytes))
+    redis.call('HDEL', key, 'ctx:' .. worker, 'ctx_wait:' .. worker)
+  end
+end
+
+-- Forget a replica wherever it is: every counter its level contributes to is given
+-- back, its request leases end (their calls are routed again) and it goes COLD with no
+-- holder; a WAITING one gives back a CUDA context charge no load opened (forget_context).
+-- `v` is a JSON reference:
+-- {replica, dep, leases, active, worker_deps, host, host_warm, gpus=[{id, key}]}; `r` its
+-- record.
+local function to_cold(v, r, now)
+  local level = r.level
+  if RESERVING[level] then
+    add_gpus(r, v.gpus, 'reserved', -1)
+    redis.call('HINCRBY', K(v.active), r.model, -1)
+  end
+  if level == 'WAITING' then
+    for _, g in ipairs(v.gpus) do forget_context(K(g.key), r.worker) end
+  end
+  if ON_DEVICE[level] then add_gpus(r, v.gpus, 'held', -1) end
+  if level == 'OFFLOADING' or level == 'WARM' then
+    redis.call('HINCRBY', K(v.host), 'warm_used', -r.cached)
+    redis.call('SREM', K(v.host_warm), v.replica)
+  end
+  redis.call('HSET', K(v.dep), 'level', 'COLD', 'gpus', '{}', 'fraction', 0, 'limit', 0,
+    'worker', '', 'queue', '', 'host', '', 'since', now)
+  redis.call('SREM', K(v.worker_deps), v.replica)
+  redis.call('DEL', K(v.leases))
 end
 
 -- True when a placement is admitted on the device now: every GPU's `held` bytes plus the

@@ -18,7 +18,8 @@
 -- there, which it keeps until it exits. The first such plan charges the GPU's `context`
 -- bytes to `reserved` under `ctx:<worker>` and lists the GPU in the worker's `contexts`;
 -- the charge joins `held` with the first of the worker's placements there that is LOADING
--- (now, or when admit.lua admits it). It stands until reap.lua gives it back.
+-- (now, or when admit.lua admits it). It stands until reap.lua gives it back, or until the
+-- last WAITING placement relying on it goes COLD unloaded (`ctx_wait:<worker>` counts them).
 -- Effects: victims go OFFLOADING (to WARM) or DROPPING (to COLD) and leave `reserved`;
 -- their copies stay in `held` until their workers settle. The replica is LOADING when the
 -- device has room for it now (`held` + limit <= total on every GPU), else WAITING until
@@ -146,6 +147,8 @@ for _, g in ipairs(p.gpus) do
   if level == 'LOADING' then
     redis.call('HINCRBY', K(g.key), 'held', g.bytes)
     hold_context(K(g.key), p.worker, unheld[g.id])
+  elseif unheld[g.id] > 0 then
+    wait_context(K(g.key), p.worker)
   end
   placed[g.id] = g.bytes
 end

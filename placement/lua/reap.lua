@@ -48,7 +48,8 @@ for _, c in ipairs(a.contexts) do
   if bytes then
     redis.call('HINCRBY', key, 'reserved', -num(bytes))
     if joined then redis.call('HINCRBY', key, 'held', -num(bytes)) end
-    redis.call('HDEL', key, 'ctx:' .. a.worker, 'ctx_held:' .. a.worker)
+    redis.call('HDEL', key, 'ctx:' .. a.worker, 'ctx_held:' .. a.worker,
+      'ctx_wait:' .. a.worker)
   end
   touched[c.id] = c.key
 end
