@@ -13,7 +13,8 @@ from typing import Any
 from placement.state import Deployment, Gpu, Holding, Host, Level, Report
 
 #: `gpu:<id>` hash fields of the CUDA context a worker keeps on a GPU it does not own:
-#: `ctx:<worker>` its bytes, `ctx_held:<worker>` set once they count in `held` (commit.lua).
+#: `ctx:<worker>` its bytes, `ctx_held:<worker>` set once they count in `held` (commit.lua),
+#: `ctx_wait:<worker>` the WAITING placements relying on them until then (_lib.lua).
 CONTEXT, CONTEXT_HELD, CONTEXT_WAIT = "ctx:", "ctx_held:", "ctx_wait:"
 
 

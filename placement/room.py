@@ -160,11 +160,8 @@ class RoomIndex:
         """Count (`change` +1) or uncount (-1) one replica's `slot` bytes on a GPU of
         `total` bytes."""
         counts = self._slots.setdefault(total, {})
-        left = counts.get(slot, 0) + change
-        if left:
-            counts[slot] = left
-        else:
-            counts.pop(slot, None)
+        _count(counts, slot, change)
+        left = counts.get(slot, 0)
         if not left or (change > 0 and left == 1):
             self._sizes.pop(total, None)  # a size came or went: sorted again on the next ask
         low = self._smallest.get(total)
