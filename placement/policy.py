@@ -6,37 +6,31 @@ benchmarks and the simulator all call it; the registry's commit script re-checks
 the plan atomically, so a stale snapshot costs a retry, never a double booking.
 
 Candidates are ranked, best first (docs/placement.md, "Choosing a GPU"):
-1. a warm copy on the host, then room without evicting, then fewer victims, then
+1. a warm copy on the host, then room without evicting (`placement.fitting`: packing
+   for a dedicated replica, best fit for an evictable one), then fewer victims, then
    victims used longer ago (NDIF's candidate levels, LRU);
-2. with the default best-fit, for a dedicated replica (which never moves): the GPU type
-   with the most left (`_type_left`), then a GPU where it strands no dead room (less
-   than the smallest slot held on a GPU of its size) in a hole that other slots would
-   fill, then the one that keeps the free room in the fewest distinct gaps (the
-   sum-of-squares rule, `_squares_change`), then the tightest; for an evictable one a
-   GPU already in use before an empty one, then the tightest, then the freest type;
-   then the host with the least room left; rooms compared as shares of each GPU;
-3. ties at random, never by index.
-The search runs over `placement.room` host shapes (hosts alike in every GPU's type, size
-and free bytes), so the common case costs one step per shape, not per GPU. Sizes come
-from `placement.sizing`.
+2. ties at random, never by index.
+Single-GPU places come before multi-GPU ones, which split a replica over the GPUs of
+one host (Helix). What a call reads of the snapshot is in `placement.planning`; sizes
+come from `placement.sizing`.
 """
 
 from __future__ import annotations
 
 import random
 import uuid
-from bisect import bisect_left, bisect_right
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, replace
-from typing import TypeVar
+from collections.abc import Iterable, Sequence
+from dataclasses import replace
 
 from placement import accelerators
 from placement.errors import CantAccommodateError, NeverFitsError, PlacementError, SettlingError
-from placement.memory import MiB, format_size, fraction_of
-from placement.room import Group, RoomIndex, Shape, gap_of
+from placement.fitting import foreign, free_single, free_whole
+from placement.memory import format_size, fraction_of
+from placement.planning import Option, Planning, candidate_level
+from placement.room import Group
 from placement.settings import GpuChoice, PolicySettings, VictimOrder
-from placement.sizing import scale, shard, single_gpu_slot, splittable
+from placement.sizing import scale, shard, splittable
 from placement.state import (
     LEAVING,
     RESERVING,
@@ -49,101 +43,6 @@ from placement.state import (
     Plan,
     Snapshot,
 )
-
-T = TypeVar("T")
-ROUNDING = MiB  # less room than this is what rounding to whole bytes leaves: no room at all
-# A hole has a better user than this request when slots that fill it without dead room are
-# held at least 1/RIVALS as often as this request's size (tuned on bench/packing.py)
-RIVALS = 2
-# GPU types whose shares of empty GPUs left (`_type_left`) are within about 1/TYPES_EVEN of
-# each other are equally free, so the host with the least room decides (tuned likewise)
-TYPES_EVEN = 50
-
-
-@dataclass(frozen=True)
-class _Option:
-    """One way to place the replica: GPUs with their slots and the victims they need."""
-
-    candidate: Candidate
-    slots: dict[str, tuple[int, int]]  # GPU id -> (request, limit)
-    victims: tuple[Deployment, ...]
-    sort_key: tuple[float, ...]
-    loader: str = ""  # the GPU whose worker loads it, if not the first GPU's (a split)
-
-
-class _View:
-    """What one planning call needs of a snapshot: its indexes and this model's replicas."""
-
-    def __init__(self, snap: Snapshot, demand: Demand, settings: PolicySettings) -> None:
-        self.snap = snap
-        self.by_gpu = snap.by_gpu
-        self.room = snap.room.room
-        self.mine = snap.replicas(demand.model)
-        self.demand, self.settings = demand, settings
-        self._slots: dict[int, tuple[int, int] | None] = {}
-        self._smallest: dict[int, int] = {}
-        self._wanted: dict[tuple[int, int], bool] = {}
-        self._ranks: dict[tuple[str, int, int], float] = {}
-        live = snap.room.workers
-        self.my_warm: dict[str, Deployment] = {}
-        for d in sorted(self.mine, key=lambda d: d.last_used_ms):
-            if d.level is Level.WARM and d.worker in live:  # its holder must restore it
-                self.my_warm[d.host] = d  # the most recently used one wins
-
-    def smallest(self, total: int) -> int:
-        """The smallest slot on a GPU of `total` bytes, this demand's included. A dedicated
-        replica that leaves less room than this beside it strands that room: no replica
-        in sight could use it, and pressure never moves the dedicated one. Room beside an
-        evictable replica comes back when it is evicted, so that room is not counted."""
-        if total not in self._smallest:
-            slot = self.slot(total)
-            held = self.snap.room.smallest(total)
-            mine = slot[0] if slot is not None else total
-            self._smallest[total] = mine if held is None else min(held, mine)
-        return self._smallest[total]
-
-    def wanted(self, total: int, free: int, request: int, dead: int) -> bool:
-        """Whether a hole of `free` bytes on a GPU of `total` bytes has a better user than
-        a slot of `request` bytes: larger slots, held on GPUs of this size at least
-        1/RIVALS as often as `request`'s, that fit it and leave no dead room (under `dead`
-        bytes). Only then is leaving dead room in it worth avoiding: a hole that only
-        slots like this one fit (0.19 of a GPU beside a 0.81 share, and shares of 0.11
-        and 0.16) has no other use, and filling it is the best it gets."""
-        key = (total, free)
-        found = self._wanted.get(key)
-        if found is None:
-            room = self.snap.room
-            sizes = room.slot_sizes(total)
-            users = 0
-            for size in sizes[bisect_right(sizes, request) : bisect_right(sizes, free)]:
-                left = free - size
-                if left < ROUNDING or left >= dead:
-                    users += room.slot_count(total, size)
-            found = users > 0 and users * RIVALS >= room.slot_count(total, request)
-            self._wanted[key] = found
-        return found
-
-    def type_rank(self, name: str, total: int, request: int) -> float:
-        """Ranks GPU type `name` for a slot of `request` bytes on a GPU of `total` bytes,
-        computed once. A dedicated replica goes to the type with the most left
-        (`_type_left`): it never moves, so what it takes stays taken, and requests pinned
-        to a type find room there as long as any type has some. An evictable
-        one, a cache entry whose room comes back by eviction, goes to the freest type,
-        in use or empty (the simulator's hit rate: `_type_left` cost azure-code 0.003)."""
-        key = (name, total, request)
-        found = self._ranks.get(key)
-        if found is None:
-            if self.demand.dedicated:
-                found = self._ranks[key] = -_type_left(self.snap.room, name, total, request)
-            else:
-                found = self._ranks[key] = -self.snap.room.type_free(name)
-        return found
-
-    def slot(self, total: int) -> tuple[int, int] | None:
-        """`single_gpu_slot` of this demand on a GPU of `total` bytes, computed once."""
-        if total not in self._slots:
-            self._slots[total] = single_gpu_slot(self.demand, total, self.settings)
-        return self._slots[total]
 
 
 def new_replica_id(rng: random.Random) -> str:
@@ -165,7 +64,7 @@ def plan_replica(
     """
     settings = settings or PolicySettings()
     rng = rng or random.Random()
-    view = _View(snap, demand, settings)
+    view = Planning(snap, demand, settings)
 
     active = [d for d in view.mine if d.level in RESERVING]
     if len(active) < demand.replicas:
@@ -215,11 +114,11 @@ def plan_replica(
             f"{demand.model} cannot be placed: no live GPU{what} in the fleet "
             f"({len(snap.gpus)} registered). Start a GPU worker, or check its heartbeat."
         )
-    option = _free_single(demand, view, settings, rng) or _best(
+    option = free_single(demand, view, settings, rng) or _best(
         _evicting_single(demand, groups, view, settings, rng)
     )
     if option is None and demand.gpus is not None and demand.gpus >= 2:
-        option = _free_whole(int(demand.gpus), view, rng)
+        option = free_whole(int(demand.gpus), view, rng)
     if option is None and splittable(demand):
         option = _best(_multi_gpu_options(demand, groups, view, settings, rng))
     if option is None:
@@ -240,237 +139,12 @@ def plan_offload(
     return evictions[0], drops
 
 
-# --- finding a place ------------------------------------------------------------
-
-
-def _best_host(
-    view: _View,
-    rng: random.Random,
-    options: Callable[[Shape], Iterable[tuple[tuple[float, ...], T]]],
-    floor: int = 0,
-    warm_options: Callable[[Shape], Iterable[tuple[tuple[float, ...], T]]] | None = None,
-) -> tuple[str, T] | None:
-    """The host with the lowest-keyed option among `options(shape)` over host shapes
-    (`placement.room`), hosts with a warm copy of the model first (their options from
-    `warm_options`, if given); ties are broken at random in proportion to how many hosts
-    share a shape. Shapes with no GPU of `floor` free bytes are skipped unasked. None
-    when nothing fits."""
-    index = view.snap.room
-    best: tuple[tuple[float, ...], Shape, str | None, T] | None = None
-    ties = 0
-    warm: list[tuple[Shape, str | None]] = [
-        (index.shape_of[h], h) for h in view.my_warm if h in index.shape_of
-    ]
-    every: Iterable[tuple[Shape, str | None]] = ((shape, None) for shape in index.shapes.values())
-    for candidates, ask in ((warm, warm_options or options), (every, options)):
-        for shape, host in candidates:
-            if shape.top < floor:
-                continue  # full hosts, the most common shape late in a fill
-            weight = 1 if host is not None else len(shape.hosts)
-            for key, found in ask(shape):
-                if best is None or key < best[0]:
-                    best, ties = (key, shape, host, found), weight
-                elif key == best[0]:
-                    ties += weight
-                    if rng.random() * ties < weight:  # every tied host equally likely
-                        best = (key, shape, host, found)
-        if best is not None:
-            break  # a warm host with room beats any other host
-    if best is None:
-        return None
-    _, shape, host, found = best
-    return (host if host is not None else shape.hosts[rng.randrange(len(shape.hosts))]), found
-
-
-def _free_single(
-    demand: Demand, view: _View, settings: PolicySettings, rng: random.Random
-) -> _Option | None:
-    """The best GPU that takes one replica without evicting anything, or None."""
-    index = view.snap.room
-    allowed = index.names(demand.accelerator)
-    choice = settings.gpu_choice
-    slots = {t: s for t in index.totals(demand.accelerator) if (s := view.slot(t)) is not None}
-    if not slots:
-        return None
-    if choice is GpuChoice.BEST_FIT and demand.dedicated:
-        return _packed_single(view, slots, allowed, rng)
-
-    def options(shape: Shape) -> Iterator[tuple[tuple[float, ...], tuple[str, int, int]]]:
-        for name, total, frees in shape.layout:
-            slot = slots.get(total)
-            if name not in allowed or slot is None or frees[-1] < slot[1]:
-                continue
-            request, limit = slot
-            if choice is GpuChoice.BEST_FIT:
-                free = frees[bisect_left(frees, limit)]  # the tightest
-                left = (free - request) / total  # of the GPU, as a share
-                yield (
-                    (
-                        float(free == total),  # fill a GPU in use before an empty one
-                        left if free < total else 0.0,
-                        view.type_rank(name, total, request),  # then the freest type
-                        shape.room - request / total,  # then the host with least room
-                        left,
-                    ),
-                    (name, total, free),
-                )
-            elif choice is GpuChoice.MOST_FREE:
-                yield (-float(frees[-1]),), (name, total, frees[-1])
-            else:
-                yield (), (name, total, -1)  # any GPU that fits
-
-    found = _best_host(view, rng, options, min(limit for _, limit in slots.values()))
-    return None if found is None else _on_host(view, rng, *found)
-
-
-def _packed_single(
-    view: _View, slots: dict[int, tuple[int, int]], allowed: frozenset[str], rng: random.Random
-) -> _Option | None:
-    """The GPU for a dedicated replica, which never moves, so where it goes decides what
-    fits beside it for good: GPUs of the type with the most left (`_View.type_rank`),
-    then one where it strands no dead room in a hole that other slots would fill, then
-    the one that keeps free room in the fewest distinct gaps, then the tightest, then the
-    host with the least room (docs/placement.md, "Choosing a GPU")."""
-    index = view.snap.room
-    kinds = []  # GPU types and sizes that take a slot, the type with the most left first
-    for (name, total), levels in index.levels.items():
-        slot = slots.get(total)
-        if slot is not None and name in allowed:
-            kinds.append((view.type_rank(name, total, slot[0]), name, total, levels))
-    kinds.sort(key=lambda kind: kind[0])
-    keys: dict[tuple[str, int, int], tuple[float, ...]] = {}
-    for rank, name, total, levels in kinds:
-        if keys and not view.my_warm and rank > next(iter(keys.values()))[0]:
-            break  # a worse type than one that fits: none of its GPUs ranks first
-        request, limit = slots[total]
-        dead, gaps = view.smallest(total), index.gaps[(name, total)]
-        for free in levels:
-            if free < limit:
-                continue
-            left = free - request
-            keys[(name, total, free)] = (
-                rank,
-                float(ROUNDING <= left < dead and view.wanted(total, free, request, dead)),
-                float(_squares_change(gaps, free, left, total, dead)),
-                left / total,
-            )
-    if not keys:
-        return None
-    best = min(keys.values())
-    chosen = {place for place, key in keys.items() if key == best}
-
-    def options(shape: Shape) -> Iterator[tuple[tuple[float, ...], tuple[str, int, int]]]:
-        for name, total, frees in shape.layout:
-            for free in set(frees):
-                if (name, total, free) in chosen:
-                    yield (shape.room,), (name, total, free)
-
-    def warm_options(shape: Shape) -> Iterator[tuple[tuple[float, ...], tuple[str, int, int]]]:
-        for name, total, frees in shape.layout:  # a warm copy's host: any place, ranked
-            for free in set(frees):
-                key = keys.get((name, total, free))
-                if key is not None:
-                    yield (*key, shape.room), (name, total, free)
-
-    found = _best_host(view, rng, options, min(limit for _, limit in slots.values()), warm_options)
-    return None if found is None else _on_host(view, rng, *found)
-
-
-def _squares_change(gaps: dict[int, int], free: int, left: int, total: int, dead: int) -> int:
-    """How a GPU going from `free` to `left` bytes free changes the sum, over gaps, of the
-    squared number of GPUs with that gap (`room.gap_of`). Keeping it low keeps many GPUs
-    with the same gap, which the same later slots fill, rather than many gaps that fit
-    nothing well (Csirik et al., "On the Sum-of-Squares algorithm for bin packing",
-    J. ACM 2006). Empty GPUs and dead room (under `dead` bytes) are not gaps."""
-    before, after = gap_of(free), gap_of(left)
-    if before == after:
-        return 0
-    change = 0
-    if dead <= free < total:
-        change += 1 - 2 * gaps[before]
-    if left >= dead:
-        change += 1 + 2 * gaps.get(after, 0)
-    return change
-
-
-def _on_host(view: _View, rng: random.Random, host: str, place: tuple[str, int, int]) -> _Option:
-    """The option on one GPU of `host` of `place` (GPU name, size, and its free bytes, or
-    -1 for any GPU that fits), the warm copy's holder's first, else one at random."""
-    name, total, free = place
-    slot = view.slot(total)
-    assert slot is not None
-    group = next(g for g in view.snap.room.by_host[host] if (g.name, g.total) == (name, total))
-    fits = [g for g in group.gpus.values() if (g.free == free if free >= 0 else g.free >= slot[1])]
-    gpu = rng.choice(sorted(_holders_first(fits, view), key=lambda g: g.id))
-    return _Option(_level(host in view.my_warm, evicts=False), {gpu.id: slot}, (), ())
-
-
-def _holders_first(gpus: list[Gpu], view: _View) -> list[Gpu]:
-    """Of equally good GPUs, those of the worker holding this model's warm copy on their
-    host, if any (`_foreign`)."""
-    return [g for g in gpus if not _foreign(g, view)] or gpus
-
-
-def _foreign(gpu: Gpu, view: _View) -> bool:
-    """Whether a warm copy on `gpu`'s host would be restored onto it by a worker that does
-    not own it: the holder restores its copy, and on another worker's GPU it would open a
-    second CUDA context, which the ledger does not count (docs/worker.md, "Devices")."""
-    holder = view.my_warm.get(gpu.host)
-    return holder is not None and gpu.worker != holder.worker
-
-
-def _type_left(index: RoomIndex, name: str, total: int, request: int) -> float:
-    """How much of GPU type `name` (GPUs of `total` bytes) is left. Where whole GPUs are
-    asked for on GPUs of this size (by this `request` or a replica held), its share of
-    empty GPUs, to 1/TYPES_EVEN: those are what a request pinned to the type runs out of
-    first, however much room its shared GPUs keep. Elsewhere its free share: shares fit
-    in any room."""
-    if request >= total or index.slot_count(total, total):
-        return round(index.type_empties(name) * TYPES_EVEN) / TYPES_EVEN
-    return index.type_free(name)
-
-
-def _free_whole(n: int, view: _View, rng: random.Random) -> _Option | None:
-    """`n` empty GPUs of one host: for a dedicated replica of the type with the most empty
-    GPUs left, then on the host with the least room left; or None."""
-    index = view.snap.room
-    allowed = index.names(view.demand.accelerator)
-    dedicated = view.demand.dedicated  # an evictable replica takes any type's (`type_rank`)
-
-    def options(shape: Shape) -> list[tuple[tuple[float, ...], None]]:
-        empty, rank = 0, 0.0
-        for name, total, frees in shape.layout:
-            if name in allowed and frees[-1] == total:
-                empty += len(frees) - bisect_left(frees, total)
-                if dedicated:
-                    rank = min(rank, view.type_rank(name, total, total))
-        return [((rank, shape.room), None)] if empty >= n else []
-
-    found = _best_host(view, rng, options, min(index.totals(view.demand.accelerator)))
-    if found is None:
-        return None
-    host = found[0]
-    by_type: dict[float, list[Gpu]] = defaultdict(list)  # a host may mix types: best first
-    for group in index.by_host[host]:
-        if group.name in allowed:
-            rank = view.type_rank(group.name, group.total, group.total) if dedicated else 0.0
-            by_type[rank].extend(g for g in group.gpus.values() if g.free == g.total)
-    chosen: list[Gpu] = []
-    for rank in sorted(by_type):
-        empty_gpus = sorted(by_type[rank], key=lambda g: g.id)
-        chosen += rng.sample(empty_gpus, min(n - len(chosen), len(empty_gpus)))
-        if len(chosen) == n:
-            break
-    slots = {g.id: (g.total, g.total) for g in chosen}
-    return _Option(_level(host in view.my_warm, evicts=False), slots, (), ())
-
-
-def _best(options: Iterable[_Option]) -> _Option | None:
+def _best(options: Iterable[Option]) -> Option | None:
     return min(options, key=lambda o: o.sort_key, default=None)
 
 
 def _victims(
-    gpu: Gpu, limit: int, view: _View, order: VictimOrder
+    gpu: Gpu, limit: int, view: Planning, order: VictimOrder
 ) -> tuple[Deployment, ...] | None:
     """The idle replicas to evict from `gpu` so that `limit` more bytes are admitted."""
     deficit = gpu.reserved + limit - gpu.total
@@ -500,7 +174,9 @@ def _victims(
     return tuple(taken)
 
 
-def _fit(gpu: Gpu, request: int, freed: int, view: _View, choice: GpuChoice) -> tuple[float, ...]:
+def _fit(
+    gpu: Gpu, request: int, freed: int, view: Planning, choice: GpuChoice
+) -> tuple[float, ...]:
     """How well `request` fits `gpu` once `freed` bytes leave it: lower is better."""
     if choice is GpuChoice.BEST_FIT:
         after = gpu.free + freed - request
@@ -509,12 +185,6 @@ def _fit(gpu: Gpu, request: int, freed: int, view: _View, choice: GpuChoice) -> 
     if choice is GpuChoice.MOST_FREE:
         return (-float(gpu.free + freed),)
     return ()
-
-
-def _level(cached: bool, evicts: bool) -> Candidate:
-    if evicts:
-        return Candidate.CACHED_AND_FULL if cached else Candidate.FULL
-    return Candidate.CACHED_AND_FREE if cached else Candidate.FREE
 
 
 def _recency(victims: Iterable[Deployment], settings: PolicySettings) -> float:
@@ -527,15 +197,15 @@ def _recency(victims: Iterable[Deployment], settings: PolicySettings) -> float:
 def _evicting_single(
     demand: Demand,
     groups: Sequence[Group],
-    view: _View,
+    view: Planning,
     settings: PolicySettings,
     rng: random.Random,
-) -> list[_Option]:
+) -> list[Option]:
     """One-GPU places that need evictions, on GPUs whose idle replicas free enough."""
     options = []
     for group in groups:
         if not group.idle:
-            continue  # nothing to evict here: `_free_single` has seen it
+            continue  # nothing to evict here: `free_single` has seen it
         slot = view.slot(group.total)
         if slot is None or group.max_reach < slot[1]:
             continue
@@ -544,32 +214,32 @@ def _evicting_single(
             if group.reaches[gpu.id] < limit:
                 continue
             victims = _victims(gpu, limit, view, settings.victim_order)
-            if not victims:  # None: not enough; (): it was free, and _free_single had it
+            if not victims:  # None: not enough; (): it was free, and free_single had it
                 continue
             freed = sum(v.gpus[gpu.id] for v in victims)
-            level = _level(gpu.host in view.my_warm, evicts=True)
+            level = candidate_level(gpu.host in view.my_warm, evicts=True)
             key = (
                 float(level),
                 float(len(victims)),
                 _recency(victims, settings),
                 *_fit(gpu, request, freed, view, settings.gpu_choice),
-                float(_foreign(gpu, view)),  # the warm copy's holder's own GPU first
+                float(foreign(gpu, view)),  # the warm copy's holder's own GPU first
                 rng.random(),
             )
-            options.append(_Option(level, {gpu.id: slot}, victims, key))
+            options.append(Option(level, {gpu.id: slot}, victims, key))
     return options
 
 
 def _multi_gpu_options(
     demand: Demand,
     groups: Sequence[Group],
-    view: _View,
+    view: Planning,
     settings: PolicySettings,
     rng: random.Random,
-) -> list[_Option]:
+) -> list[Option]:
     """Places on the fewest GPUs of one host that together hold the replica."""
     if demand.gpus is not None and not any(group.idle for group in groups):
-        return []  # whole GPUs and nothing to evict: `_free_whole` has seen every host
+        return []  # whole GPUs and nothing to evict: `free_whole` has seen every host
     by_host: dict[str, list[Group]] = defaultdict(list)
     for group in groups:
         by_host[group.host].append(group)
@@ -615,7 +285,7 @@ def _multi_gpu_options(
                     continue
                 chosen = found
             victims_all = tuple({v.replica: v for s in chosen for v in s[5]}.values())
-            level = _level(host in view.my_warm, bool(victims_all))
+            level = candidate_level(host in view.my_warm, bool(victims_all))
             left = view.room[host] + sum((s[4] - s[2]) / s[1].total for s in chosen)
             option_key = (
                 float(level),
@@ -626,7 +296,7 @@ def _multi_gpu_options(
                 rng.random(),
             )
             slots = {s[1].id: (s[2], s[3]) for s in chosen}
-            options.append(_Option(level, slots, victims_all, option_key, loader))
+            options.append(Option(level, slots, victims_all, option_key, loader))
             break  # the fewest GPUs that fit on this host
     return options
 
@@ -648,7 +318,7 @@ def _loading_gpu(scored: Sequence[_Shard], reaches: dict[str, int]) -> _Shard:
 
 
 def _with_contexts(
-    scored: Sequence[_Shard], n: int, loader: str, view: _View
+    scored: Sequence[_Shard], n: int, loader: str, view: Planning
 ) -> list[_Shard] | None:
     """The best `n` of `scored` once each also holds the CUDA context `loader` opens on
     it (`Gpu.charge_for`), evicting more where it must; None when fewer than `n` can."""
@@ -673,7 +343,7 @@ def _could_hold(demand: Demand, groups: Sequence[Group], settings: PolicySetting
     """A quick necessary test: could this host's GPUs, after evictions, take the shards?"""
     if demand.gpus is not None:
         if not any(grp.idle for grp in groups):
-            return False  # no evictions here: `_free_whole` has seen this host
+            return False  # no evictions here: `free_whole` has seen this host
         whole = sum(1 for grp in groups for reach in grp.reaches.values() if reach == grp.total)
         return whole >= demand.gpus
     need = scale(demand.learned or demand.size, settings.multi_gpu_overhead)
@@ -684,7 +354,7 @@ def _could_hold(demand: Demand, groups: Sequence[Group], settings: PolicySetting
 
 
 def _to_plan(
-    demand: Demand, option: _Option, view: _View, settings: PolicySettings, rng: random.Random
+    demand: Demand, option: Option, view: Planning, settings: PolicySettings, rng: random.Random
 ) -> Plan:
     snap = view.snap
     gpus = [snap.gpus[g] for g in option.slots]
@@ -695,7 +365,7 @@ def _to_plan(
         # Restoring would open a CUDA context on another worker's GPU without room for
         # it: the GPU's own worker loads the model instead.
         warm = None
-        option = replace(option, candidate=_level(False, evicts=bool(option.victims)))
+        option = replace(option, candidate=candidate_level(False, evicts=bool(option.victims)))
     cold = sorted(d.replica for d in view.mine if d.level is Level.COLD)
     if warm is not None:
         replica, reuse = warm.replica, Level.WARM
@@ -744,7 +414,7 @@ def _plan_limit(slots: dict[str, tuple[int, int]]) -> int:
     return max(request for request, _ in slots.values())
 
 
-def _room_for_contexts(option: _Option, loader: str, view: _View) -> bool:
+def _room_for_contexts(option: Option, loader: str, view: Planning) -> bool:
     """Whether each GPU of `option` admits its slot plus the CUDA context `loader` would
     open there (`Gpu.charge_for`) once the option's victims leave, as commit.lua checks."""
     for gpu_id, (request, limit) in option.slots.items():
@@ -808,7 +478,7 @@ def _destinations(
 
 
 def _why_not(
-    demand: Demand, groups: Sequence[Group], view: _View, settings: PolicySettings
+    demand: Demand, groups: Sequence[Group], view: Planning, settings: PolicySettings
 ) -> PlacementError:
     """Explain a refusal: it never fits (even on an empty fleet), or not now, and why."""
     what = f" of type {accelerators.describe(demand.accelerator)}" if demand.accelerator else ""

@@ -13,9 +13,10 @@ from hypothesis import strategies as st
 from bench import packing
 from placement import accelerators
 from placement.errors import CantAccommodateError
+from placement.fitting import _squares_change
 from placement.live import LiveView
 from placement.memory import MiB
-from placement.policy import _squares_change, plan_replica
+from placement.policy import plan_replica
 from placement.room import RoomIndex
 from placement.state import Demand, Gpu, Level, Snapshot
 from tests.fleets import GiB, fleet, gpu, hot
