@@ -194,7 +194,8 @@ def holders_first(gpus: list[Gpu], view: Planning) -> list[Gpu]:
 def foreign(gpu: Gpu, view: Planning) -> bool:
     """Whether a warm copy on `gpu`'s host would be restored onto it by a worker that does
     not own it: the holder restores its copy, and on another worker's GPU it would open a
-    second CUDA context, which the ledger does not count (docs/worker.md, "Devices")."""
+    second CUDA context there, which the ledger then charges (docs/placement.md, "CUDA
+    contexts")."""
     holder = view.my_warm.get(gpu.host)
     return holder is not None and gpu.worker != holder.worker
 
