@@ -102,12 +102,14 @@ demands = st.one_of(
 )
 
 
-def _plan_unless_full(demand: Demand, snap: Snapshot, seed: int) -> Plan | None:
-    """The policy's plan, or None when it cannot place the demand now."""
+def _applied_unless_full(demand: Demand, snap: Snapshot, seed: int) -> tuple[Plan, Snapshot] | None:
+    """The policy's plan and the snapshot once it commits, or None when it cannot place
+    the demand now."""
     try:
-        return plan_replica(demand, snap, rng=random.Random(seed))
+        plan = plan_replica(demand, snap, rng=random.Random(seed))
     except CantAccommodateError:
         return None
+    return plan, apply_plan(snap, plan)
 
 
 def _empty(snap: Snapshot) -> Snapshot:
@@ -172,10 +174,10 @@ def test_no_replica_is_evicted_when_some_gpu_has_room_already(
 def test_warm_destinations_never_overfill_a_hosts_cache(
     snap: Snapshot, demand: Demand, seed: int
 ) -> None:
-    plan = _plan_unless_full(demand, snap, seed)
-    if plan is None:
+    placed = _applied_unless_full(demand, snap, seed)
+    if placed is None:
         return
-    after = apply_plan(snap, plan)
+    plan, after = placed
     for host in after.hosts.values():
         assert 0 <= host.warm_used <= host.warm_budget
     dropped = {r for r in plan.warm_drops}
@@ -210,10 +212,10 @@ def shared_hosts(draw: st.DrawFn) -> Snapshot:
 def test_a_plan_leaves_room_for_every_cuda_context_its_loader_opens(
     snap: Snapshot, demand: Demand, seed: int
 ) -> None:
-    plan = _plan_unless_full(demand, snap, seed)
-    if plan is None:
+    placed = _applied_unless_full(demand, snap, seed)
+    if placed is None:
         return
-    after = apply_plan(snap, plan)
+    plan, after = placed
     assert audit(after) == []  # no GPU reserves past its total, contexts included
     opened = [g for g in plan.gpus if snap.gpus[g].worker != plan.worker]
     for gpu_id in opened:
