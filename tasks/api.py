@@ -38,7 +38,9 @@ from placement.registry import DEFAULT_REQUEST_LEASE_MS, Lease, Registry
 from placement.state import LEAVING, RESERVING, Candidate, Level, Plan
 from tasks import context, leases, metrics, presence
 from tasks.app import app
-from tasks.calls import Call, counted_of, fast_call, hops_of, time_limits_of
+from tasks.calls import Call, counted_of, fast_call, hops_of, infer_arguments, time_limits_of
+from tasks.config import INTERNAL_QUEUE
+from tasks.intake import is_name
 from worker.handlers import validate
 
 log = logging.getLogger(__name__)
@@ -51,7 +53,16 @@ PLACE_ATTEMPTS = 3  # placements in a row that moved on before the call pinned o
 EVICT_WAIT_S = 10.0  # how long `gpufleet.evict` waits for workers to settle their moves
 
 
-@app.task(name="gpufleet.infer", bind=True)
+def _infer_intake(headers: dict[str, Any], args: Any, kwargs: Any) -> None:
+    """What the consumer checks of a `gpufleet.infer` before it runs (`tasks.intake`): a
+    catalog model, a payload its task takes, and a lease header the fleet wrote."""
+    model, inputs, params = infer_arguments(*args, **kwargs)
+    spec = context.catalog().get(model)
+    validate(spec.task, inputs, params)
+    leases.from_header(model, headers.get(leases.HEADER))
+
+
+@app.task(name="gpufleet.infer", bind=True, intake=staticmethod(_infer_intake))
 def infer(
     self: Task, model: str, inputs: Any, params: dict[str, Any] | None = None
 ) -> dict[str, Any]:
@@ -127,7 +138,7 @@ def _place_and_hand_on(
                 _count(task, registry, model, cache)
                 _announce(task, plan)
     moving = PlanRejectedError(f"{model}: its replicas kept moving while the call was routed")
-    raise task.retry(exc=moving, countdown=0.25, max_retries=SETTLE_RETRIES)
+    raise _again(task, moving, 0.25, SETTLE_RETRIES)
 
 
 def _place(
@@ -142,17 +153,23 @@ def _place(
         _count(task, registry, model, "rejected")
         raise
     except SettlingError as exc:  # a copy is still leaving: restore it once it has left
-        raise task.retry(exc=exc, countdown=0.25, max_retries=SETTLE_RETRIES) from exc
+        raise _again(task, exc, 0.25, SETTLE_RETRIES) from exc
     except PlanRejectedError as exc:  # the fleet moved under every plan: try again shortly
-        raise task.retry(exc=exc, countdown=0.25, max_retries=SETTLE_RETRIES) from exc
+        raise _again(task, exc, 0.25, SETTLE_RETRIES) from exc
     except CantAccommodateError as exc:
         _count(task, registry, model, "busy")
-        raise task.retry(exc=exc, countdown=1, max_retries=BUSY_RETRIES) from exc
+        raise _again(task, exc, 1, BUSY_RETRIES) from exc
     if plan.candidate is Candidate.DEPLOYED:
         return plan, registry.hold(plan.replica, plan.epoch, plan.worker)
     deadline = int(time.time() * 1000) + DEFAULT_REQUEST_LEASE_MS  # commit.lua took it
     lease = Lease(lease_id, model, plan.replica, plan.queue, plan.worker, {}, deadline, plan.epoch)
     return plan, (lease, "warm" if plan.reuse is Level.WARM else "cold")
+
+
+def _again(task: Task, exc: Exception, countdown: float, max_retries: int) -> Retry:
+    """Retry the call later, on the router's internal queue, where its headers (re-route
+    count, counted) keep their meaning (a public queue takes them off: `tasks.intake`)."""
+    return task.retry(exc=exc, countdown=countdown, max_retries=max_retries, queue=INTERNAL_QUEUE)
 
 
 def _redelivered(task: Task) -> bool:
@@ -218,14 +235,8 @@ def _announce(task: Task, plan: Plan) -> None:
         log.warning("could not announce the placement of %s", plan.replica, exc_info=True)
 
 
-@app.task(name="gpufleet.deploy", bind=True)
-def deploy(self: Task, model: str, replicas: int = 1, dedicated: bool = False) -> dict[str, Any]:
-    """Make `replicas` replicas of `model` placed, without a call; workers load them now.
-
-    Replicas are placed one by one. When the fleet runs out of room, the ones placed stay
-    (and so do the evictions made for them) and the answer says how many are missing and
-    why (`missing`, `refused`); nothing is evicted for a replica that is then not placed.
-    """
+def _deploy_arguments(model: Any, replicas: Any = 1, dedicated: Any = None) -> ModelSpec:
+    """The model a `gpufleet.deploy` names, once its arguments are checked."""
     spec = context.catalog().get(model)
     cap = spec.max_replicas or context.settings().max_replicas
     if isinstance(replicas, bool) or not isinstance(replicas, int) or not 1 <= replicas <= cap:
@@ -233,8 +244,29 @@ def deploy(self: Task, model: str, replicas: int = 1, dedicated: bool = False) -
             f"replicas must be a whole number from 1 to {cap} for {model} (its max_replicas), "
             f"got {describe(replicas)}"
         )
-    if not isinstance(dedicated, bool):
-        raise PayloadError(f"dedicated must be true or false, got {describe(dedicated)}")
+    if dedicated is not None and not isinstance(dedicated, bool):
+        raise PayloadError(
+            f"dedicated must be true, false or null (the catalog's), got {describe(dedicated)}"
+        )
+    return spec
+
+
+@app.task(
+    name="gpufleet.deploy",
+    bind=True,
+    intake=staticmethod(lambda headers, args, kwargs: _deploy_arguments(*args, **kwargs)),
+)
+def deploy(
+    self: Task, model: str, replicas: int = 1, dedicated: bool | None = None
+) -> dict[str, Any]:
+    """Make `replicas` replicas of `model` placed, without a call; workers load them now.
+    `dedicated` is the catalog's unless the call says otherwise.
+
+    Replicas are placed one by one. When the fleet runs out of room, the ones placed stay
+    (and so do the evictions made for them) and the answer says how many are missing and
+    why (`missing`, `refused`); nothing is evicted for a replica that is then not placed.
+    """
+    spec = _deploy_arguments(model, replicas, dedicated)
     demand = context.demand(spec, replicas=replicas, dedicated=dedicated)
     registry = context.registry()
     placements = []
@@ -277,7 +309,19 @@ def deploy(self: Task, model: str, replicas: int = 1, dedicated: bool = False) -
     }
 
 
-@app.task(name="gpufleet.evict")
+def _evict_arguments(model: Any, replica: Any = None) -> None:
+    """Raise what is wrong with a `gpufleet.evict`'s arguments."""
+    context.catalog().get(model)
+    if replica is not None and not is_name(replica):
+        raise PayloadError(
+            f"replica must be a replica id (a string) or null, got {describe(replica)}"
+        )
+
+
+@app.task(
+    name="gpufleet.evict",
+    intake=staticmethod(lambda headers, args, kwargs: _evict_arguments(*args, **kwargs)),
+)
 def evict(model: str, replica: str | None = None) -> dict[str, Any]:
     """Drain, then offload (or drop) one replica of `model`, or all of them.
 
@@ -285,11 +329,7 @@ def evict(model: str, replica: str | None = None) -> dict[str, Any]:
     DRAINING while calls still run on it; a move its worker has not settled within
     `EVICT_WAIT_S` is reported as it stands (OFFLOADING or DROPPING).
     """
-    context.catalog().get(model)
-    if replica is not None and not isinstance(replica, str):
-        raise PayloadError(
-            f"replica must be a replica id (a string) or null, got {describe(replica)}"
-        )
+    _evict_arguments(model, replica)
     registry = context.registry()
     mine = registry.snapshot().replicas(model)
     known = {d.replica for d in mine}

@@ -10,9 +10,9 @@ from __future__ import annotations
 from typing import Any
 
 from celery import Celery
-from celery.signals import celeryd_init
+from celery.signals import celeryd_init, worker_init
 
-from tasks.config import celery_conf
+from tasks.config import INTERNAL_QUEUE, celery_conf
 from tasks.context import settings
 
 app = Celery("gpufleet", task_cls="tasks.checked:CheckedTask")
@@ -35,3 +35,12 @@ def _name_the_consumer(sender: str, conf: Any, **_: Any) -> None:
     if conf is not app.conf:
         return  # a worker of another app in this process
     conf.broker_transport_options = {**conf.broker_transport_options, "consumer_name": sender}
+
+
+@worker_init.connect
+def _consume_internal_queue(sender: Any = None, **_: Any) -> None:
+    """A router also takes the fleet's internal queue, whatever its `-Q` says: calls routed
+    again, its own retries and scaling decisions arrive there (`tasks.config`). Connected
+    here, before `tasks.presence` records the queues this worker consumes."""
+    if settings().role == "router" and sender is not None and sender.app is app:
+        sender.app.amqp.queues.select_add(INTERNAL_QUEUE)

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from celery.canvas import Signature
 
+from placement.errors import GpufleetError, PayloadError, describe
 from placement.registry import Lease
 from tasks import leases
 from tasks.app import app
-from tasks.config import ROUTER_QUEUE
+from tasks.config import INTERNAL_QUEUE
+from tasks.intake import is_count, is_name
 
 HOPS_HEADER = "gpufleet_hops"
 
@@ -107,21 +109,34 @@ class Call:
         )
 
     def rerouted(self, limits: TimeLimits = (None, None)) -> Signature:
-        """`gpufleet.infer` of this call back on the router, one hop further (the count
-        travels in a header: callers cannot set it through the task's arguments), counted
-        already."""
+        """`gpufleet.infer` of this call back on the router's internal queue, one hop
+        further (the count travels in a header, which only the fleet's queues keep:
+        `tasks.intake`), counted already."""
         hard, soft = limits
         return app.signature(
             "gpufleet.infer",
             args=(self.model, self.inputs, self.params),
-            queue=ROUTER_QUEUE,
+            queue=INTERNAL_QUEUE,
             headers={HOPS_HEADER: self.hops + 1, leases.COUNTED_HEADER: True},
             time_limit=hard,
             soft_time_limit=soft,
         )
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> Call:
+    def from_json(cls, data: Any) -> Call:
+        """The call a `gpufleet.run` carries; `PayloadError` naming the first field that
+        is missing or of the wrong type (its consumer refuses it, `tasks.intake`)."""
+        if not isinstance(data, dict):
+            raise PayloadError(f"gpufleet.run carries a call object, got {describe(data)}")
+        unknown = sorted(str(k)[:40] for k in data if k not in _FIELDS)
+        if unknown:
+            raise PayloadError(f"gpufleet.run's call has unknown fields: {', '.join(unknown)}")
+        for name, fits in _FIELDS.items():
+            if name in data and not fits(data[name]):
+                raise PayloadError(f"gpufleet.run's call field {name} is {describe(data[name])}")
+        missing = [name for name in _REQUIRED if name not in data]
+        if missing:
+            raise PayloadError(f"gpufleet.run's call lacks {', '.join(missing)}")
         return cls(**data)
 
     def as_json(self) -> dict[str, Any]:
@@ -133,13 +148,29 @@ class Call:
         )
 
 
+#: Each field of a `Call` in JSON, and what it may hold (inputs are the handlers' to check).
+_FIELDS: dict[str, Callable[[Any], bool]] = {
+    "model": is_name,
+    "inputs": lambda v: True,
+    "params": lambda v: v is None or isinstance(v, dict),
+    "replica": is_name,
+    "cache": lambda v: v in ("hot", "warm", "cold"),
+    "sent_ms": is_count,
+    "lease_id": lambda v: is_name(v, empty=True),
+    "lease_deadline_ms": is_count,
+    "hops": is_count,
+    "epoch": is_count,
+}
+_REQUIRED = ("model", "inputs", "params", "replica", "cache", "sent_ms")
+
+
 def fast_call(model: Any, inputs: Any, params: Any, header: Any, hops: int) -> Call | None:
     """The call of a fast-path `gpufleet.infer`: bound for the replica its lease header
     names; None without a lease (the call is the router's to place)."""
     lease = leases.from_header(model, header) if isinstance(model, str) else None
     if lease is None:
         return None
-    sent = int(header.get("sent_ms", 0))
+    sent = header.get("sent_ms", 0)
     return Call(model, inputs, params, lease.replica, "hot", sent, hops=hops).with_lease(lease)
 
 
@@ -156,7 +187,7 @@ def call_of(name: str, args: Any, kwargs: Any, headers: dict[str, Any]) -> Call 
             model, inputs, params = infer_arguments(*(args or ()), **(kwargs or {}))
             header = headers.get(leases.HEADER)
             return fast_call(model, inputs, params, header, _hops(headers.get(HOPS_HEADER)))
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, GpufleetError):
         return None
     return None
 

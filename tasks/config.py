@@ -12,6 +12,14 @@ from typing import Any
 from placement.config import Settings
 
 ROUTER_QUEUE = "celery"  # Celery's default: a client that imports nothing reaches the router
+#: The router's second queue, which only fleet processes write: calls a GPU worker routes
+#: again, the router's own retries, calls given back from a dead GPU worker, and scaling
+#: decisions. Every router consumes it (`tasks.app`).
+INTERNAL_QUEUE = "gpufleet.router"
+ROUTER_QUEUES = (ROUTER_QUEUE, INTERNAL_QUEUE)
+#: The queues any caller may write (docs/deploy.md, "Security"): what is taken from them
+#: is checked as a caller's (`tasks.intake`).
+PUBLIC_QUEUES = frozenset({ROUTER_QUEUE})
 #: Publishing retries for about 10 s (Celery's default gives up after 0.6 s).
 PUBLISH_RETRY_POLICY = {
     "max_retries": 25,
@@ -48,7 +56,8 @@ def celery_conf(settings: Settings) -> dict[str, Any]:
         "worker_send_task_events": True,
         "broker_connection_retry_on_startup": True,
         "result_expires": 24 * 3600,
-        "result_extended": True,
+        # No arguments in stored results: a refused 50 MB call must not keep its 50 MB there.
+        "result_extended": False,
         # A result stored while Redis restarts is retried, not lost (about half a minute).
         # A broker restart (the launcher restarts its Redis in about a second) must not fail
         # the calls that publish meanwhile: routed calls are published from inside tasks.

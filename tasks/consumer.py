@@ -21,6 +21,11 @@ fleet runs no beat, and Redis expires results itself, so `celery.backend_cleanup
 work here either. A call of any other name gets a stored `PayloadError`, like a call it
 cannot read, and its message is acknowledged.
 
+Nothing a message holds may stop the worker: each message is checked as it is taken
+(`tasks.intake`), and one that fails gets its error stored as its result here, without a
+pool job, so that a flood of bad calls does not stand in front of good ones. Any other
+error raised while Celery takes a message refuses that message, never the worker.
+
 On a router, a call for a model with a HOT replica is forwarded to its GPU worker from here,
 in the worker's main process, without a pool job (`tasks.forwarding`).
 
@@ -34,11 +39,14 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from celery.exceptions import InvalidTaskError
 from celery.worker.consumer import Consumer as CeleryConsumer
+from kombu.exceptions import ContentDisallowed, DecodeError
 
-from placement.errors import PayloadError
-from tasks import context, forwarding
+from placement.errors import GpufleetError, PayloadError
+from tasks import context, forwarding, intake
 from tasks.batching import Batcher
+from tasks.intake import PUBLIC_TASKS
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +54,6 @@ log = logging.getLogger(__name__)
 #: runs: a gpufleet worker runs its own `gpufleet.*` tasks only (an app built on the same
 #: configuration, such as bench/hotpath.py's bare worker, its own).
 BUILT_IN = "celery."
-#: What callers may send (`gpufleet.run` and `gpufleet.scale` are the fleet's own hops).
-PUBLIC_TASKS = ("gpufleet.infer", "gpufleet.deploy", "gpufleet.evict", "gpufleet.status")
 
 
 class _Strategies(dict[str, Any]):
@@ -101,11 +107,54 @@ class Consumer(CeleryConsumer):
         super().update_strategies()
         for name in [name for name in self.strategies if name.startswith(BUILT_IN)]:
             del self.strategies[name]
+        # the channel the task consumer is about to take calls on (Celery's `Tasks`)
+        channel = self.connection.default_channel
+        channel.refuse = self.refuse_taken
         if context.role() == "router" and forwarding.TASK in self.strategies:
-            # the channel the task consumer is about to take calls on (Celery's `Tasks`)
-            channel = self.connection.default_channel
             default = self.strategies[forwarding.TASK]
             self.strategies[forwarding.TASK] = forwarding.install(channel, default)
+        for name, strategy in list(self.strategies.items()):
+            self.strategies[name] = self._guarded(strategy)
+
+    def _guarded(self, strategy: Any) -> Any:
+        """`strategy`, run only for a message that passes `tasks.intake.check`; a message
+        that fails it, or that makes the strategy raise, is refused (see the module)."""
+        tasks = self.app.tasks
+        passed_on = (InvalidTaskError, ContentDisallowed, DecodeError, *self.connection_errors)
+
+        def task_message_handler(message: Any, body: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                intake.check(message, tasks)
+            except GpufleetError as exc:
+                return self.refuse(message, exc)
+            try:
+                return strategy(message, body, *args, **kwargs)
+            except passed_on:
+                raise  # Celery answers these itself, or reconnects
+            except Exception as exc:
+                log.exception("could not take call %.60s", message.headers.get("id"))
+                if message.acknowledged:
+                    return None
+                failed = PayloadError(f"gpufleet could not take this call ({type(exc).__name__})")
+                return self.refuse(message, failed)
+
+        return task_message_handler
+
+    def refuse(self, message: Any, error: GpufleetError) -> None:
+        """Answer a message that may not run with `error`, and drop it (acknowledged)."""
+        task_id = message.headers.get("id")
+        log.warning("refused call %.60s of %.80r: %s", task_id, message.headers.get("task"), error)
+        self._fail(task_id, error)
+        message.ack_log_error(log, self.connection_errors)
+        if self.event_dispatcher and isinstance(task_id, str):
+            self.event_dispatcher.send(
+                "task-failed", uuid=task_id, exception=f"{type(error).__name__}({str(error)!r})"
+            )
+
+    def refuse_taken(self, refusal: intake.Refused) -> None:
+        """Answer a message the transport refused as it took it (`tasks.intake.envelope`)."""
+        log.warning("refused call %.60s as it was taken: %s", refusal.task_id, refusal.why)
+        self._fail(refusal.task_id, PayloadError(refusal.why))
 
     def on_unknown_task(self, body: Any, message: Any, exc: Exception) -> None:
         """A task that is not gpufleet's (a Celery built-in, a name no one registered):
@@ -139,14 +188,10 @@ class Consumer(CeleryConsumer):
         super().on_decode_error(message, exc)
 
     def _unreadable(self, message: Any, exc: Exception) -> None:
-        refused = PayloadError(
-            f"gpufleet could not read this call ({type(exc).__name__}, content type "
-            f"{getattr(message, 'content_type', '?')!s:.60}); it accepts JSON only: send it "
-            f"with serializer='json'"
-        )
+        refused = intake.unreadable(exc, getattr(message, "content_type", "?"))
         self._fail(_field(message, None, "id"), refused)
 
-    def _fail(self, task_id: Any, refused: PayloadError) -> None:
+    def _fail(self, task_id: Any, refused: GpufleetError) -> None:
         """Store `refused` as the result of call `task_id`, so its caller learns at once."""
         if not isinstance(task_id, str) or not task_id:
             return

@@ -12,8 +12,8 @@ same transaction. The call is then exactly a fast-path call: same task id, name 
 so the caller's AsyncResult yields the GPU worker's answer, and Flower sees it received
 and answered there. Celery's strategy skips it (it is acknowledged already).
 
-Everything else takes Celery's path to the pool, as before: a miss, an unknown model or a
-bad payload (the pool stores the error), a revoked call, a call with an ETA, a retry, a
+Everything else takes Celery's path: a bad call (the consumer refuses it, `tasks.intake`),
+and to the pool a miss, a revoked call, a call with an ETA, a retry, a
 call given back after a router died (which must be looked for elsewhere first,
 `tasks.api`), and any call the registry could not lease. A move that did not happen ends
 its lease, and the call waits in the in-flight list, which the reconnecting consumer puts
@@ -34,10 +34,10 @@ from typing import Any
 from celery.worker import state as worker_state
 
 from placement.errors import GpufleetError
-from tasks import context, leases
+from tasks import context, intake, leases
+from tasks.app import app
 from tasks.calls import counted_in, infer_arguments
 from tasks.transport import Onward
-from worker.handlers import validate
 
 log = logging.getLogger(__name__)
 
@@ -96,15 +96,9 @@ def plain_call(message: Any) -> tuple[str, bool] | None:
     if headers.get("id") in worker_state.revoked:
         return None  # Celery's strategy drops it and says so
     try:
-        args, kwargs, _ = message.decode()
-        model, inputs, params = infer_arguments(*args, **kwargs)
-    except Exception:  # the pool says what is wrong with it
-        return None
-    spec = context.catalog().get(model, None) if isinstance(model, str) else None
-    if spec is None:
-        return None
-    try:
-        validate(spec.task, inputs, params)
+        intake.check(message, app.tasks)  # its model and payload, as the consumer checks them
     except GpufleetError:
-        return None
+        return None  # the consumer refuses it
+    args, kwargs, _ = message.decode()
+    model = infer_arguments(*args, **kwargs)[0]
     return model, counted_in(headers)

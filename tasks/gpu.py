@@ -31,7 +31,7 @@ from placement.errors import (
     RegistryError,
 )
 from placement.load import mark_batch
-from tasks import batching, context
+from tasks import batching, context, leases
 from tasks.app import app
 from tasks.calls import Call, time_limits_of
 from tasks.routing import gpu_queue
@@ -160,7 +160,14 @@ def limits_of(model: str) -> BatchLimits:
     return spec.batch_limits(context.settings().batch)
 
 
-@app.task(name="gpufleet.run", bind=True)
+def _run_intake(headers: dict[str, Any], args: Any, kwargs: Any) -> None:
+    """What the consumer checks of a `gpufleet.run` (`tasks.intake`): every field of its
+    call, and its lease header."""
+    call = Call.from_json(args[0] if args else kwargs["call"])
+    leases.from_header(call.model, headers.get(leases.HEADER))
+
+
+@app.task(name="gpufleet.run", bind=True, intake=staticmethod(_run_intake))
 def run(self: Task, call: dict[str, Any]) -> dict[str, Any]:
     """A call the router handed to this worker (internal)."""
     return serve(self, Call.from_json(call))

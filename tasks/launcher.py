@@ -57,7 +57,7 @@ from placement.errors import ConfigError, FleetStoppedError, GpufleetError
 from placement.redis_server import RedisServer, die_with_parent_preexec
 from placement.registry import Registry
 from tasks.broker import BrokerClaim
-from tasks.config import ROUTER_QUEUE
+from tasks.config import ROUTER_QUEUES
 from tasks.presence import take_waiting
 from tasks.routing import gpu_queue
 from worker.devices import Device, discover
@@ -178,9 +178,9 @@ class Launcher:
             }
         self._add(
             "router",
-            ["-Q", ROUTER_QUEUE, "-n", f"router@{self.host}", "-c", "2"],
+            ["-Q", ",".join(ROUTER_QUEUES), "-n", f"router@{self.host}", "-c", "2"],
             "router",
-            (ROUTER_QUEUE,) if self._redis is not None else (),  # the queue is ours alone
+            ROUTER_QUEUES if self._redis is not None else (),  # the queues are ours alone
             GPUFLEET_METRICS_ADDR="127.0.0.1",
             **metrics,
         )

@@ -23,9 +23,10 @@ from typing import Any
 
 from celery.signals import before_task_publish, task_revoked
 
-from placement.errors import GpufleetError
+from placement.errors import GpufleetError, PayloadError, describe
 from placement.registry import Lease
 from tasks import context
+from tasks.intake import is_count, is_name
 
 log = logging.getLogger(__name__)
 
@@ -53,19 +54,22 @@ def header(lease: Lease) -> dict[str, Any]:
 
 
 def from_header(model: str, value: Any) -> Lease | None:
-    """The lease a message carries, or None when it carries none."""
-    if not isinstance(value, dict) or not value.get("id") or not value.get("replica"):
+    """The lease a message carries, or None when it carries none; `PayloadError` for a
+    header that is not one `header` wrote (its consumer refuses the call, `tasks.intake`)."""
+    if value is None:
         return None
-    return Lease(
-        value["id"],
-        model,
-        value["replica"],
-        "",
-        "",
-        {},
-        int(value["deadline_ms"]),
-        int(value.get("epoch") or 0),
-    )
+    if not isinstance(value, dict):
+        raise PayloadError(f"header {HEADER} is {describe(value)}, not a lease")
+    for name, required in _LEASE_FIELDS.items():
+        field = value.get(name)
+        fits = is_name(field) if name in ("id", "replica") else is_count(field)
+        if not fits and (required or field is not None):
+            raise PayloadError(f"header {HEADER}: field {name} is {describe(field)}")
+    epoch = value.get("epoch") or 0
+    return Lease(value["id"], model, value["replica"], "", "", {}, value["deadline_ms"], epoch)
+
+
+_LEASE_FIELDS = {"id": True, "replica": True, "deadline_ms": True, "epoch": False, "sent_ms": False}
 
 
 def hold(lease: Lease) -> None:
@@ -108,7 +112,10 @@ def _release(sender: Any = None, request: Any = None, **_: Any) -> None:
         return
     args = getattr(request, "args", None) or ()
     model = args[0] if args and isinstance(args[0], str) else ""
-    lease = from_header(model, getattr(request, HEADER, None))
+    try:
+        lease = from_header(model, getattr(request, HEADER, None))
+    except PayloadError:
+        return  # not a lease this fleet wrote: nothing to end
     if lease is not None:
         log.info("ending lease %s of revoked task %s", lease.id, getattr(request, "id", "?"))
         end(lease)

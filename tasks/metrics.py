@@ -29,7 +29,7 @@ from placement.registry import Registry
 from placement.report import load_report, request_report, status_report
 from placement.state import OUTCOMES, PATHS
 from tasks import context, presence
-from tasks.config import ROUTER_QUEUE
+from tasks.config import ROUTER_QUEUES
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ def full_status(registry: Registry, broker_url: str) -> dict[str, Any]:
     report["requests"] = request_report(registry.stats(snap))
     placed = placed_replicas(snap.deployments.values(), snap.by_model)
     report["load"] = load_report(read_loads(registry, placed))
-    queues = {ROUTER_QUEUE} | {g.queue for g in snap.gpus.values() if g.queue}
+    queues = {*ROUTER_QUEUES} | {g.queue for g in snap.gpus.values() if g.queue}
     client = redis.Redis.from_url(broker_url)
     try:
         pipe = client.pipeline(transaction=False)

@@ -14,7 +14,7 @@ known by name. Then:
   its record, marked gone, for a day;
 - a GPU worker's queue whose worker is gone and whose GPUs hold no live lease in the
   ledger is handed to the router: every call waiting there, or held by the dead worker,
-  becomes a `gpufleet.infer` on the router's queue with the same task id, in order,
+  becomes a `gpufleet.infer` on the router's internal queue with the same task id, in order,
   first in line, and is placed again on a live GPU;
 - a call whose answer is already stored (its worker died after storing it, before the
   acknowledgement) is dropped, not run again;
@@ -52,7 +52,7 @@ from kombu.transport.redis import Channel as KombuChannel
 from placement.keys import CONSUMERS, KeyList, unacked_of
 from placement.scripts import scripts_for
 from tasks import context, leases
-from tasks.config import ROUTER_QUEUE
+from tasks.config import INTERNAL_QUEUE, ROUTER_QUEUES
 from tasks.transport import inflight
 
 log = logging.getLogger(__name__)
@@ -217,7 +217,7 @@ def sweep(
     ledger: AbstractSet[str] | None = None  # read only when something is to move
     moved: dict[str, int] = {}
     for rec in dead:
-        unserved = {q for q in rec.queues if q != ROUTER_QUEUE and q not in served}
+        unserved = {q for q in rec.queues if q not in ROUTER_QUEUES and q not in served}
         if rec.gone_ms and not _holds_anything(client, rec, unserved):
             if now - rec.gone_ms > KEEP_GONE_MS:
                 _redeliver(client, rec.node, {"delete": True}, _nothing)
@@ -252,7 +252,7 @@ def stranded(
     now = now_ms(client)
     served = {q for r in found.values() if r.alive(now) for q in r.queues}
     served |= set(live_gpu_queues)
-    queues = {ROUTER_QUEUE, *ledger_queues} | {q for r in found.values() for q in r.queues}
+    queues = {*ROUTER_QUEUES, *ledger_queues} | {q for r in found.values() for q in r.queues}
     counts: dict[str, int] = dict.fromkeys(sorted(queues - served), 0)
     pipe = client.pipeline(transaction=False)
     for queue in counts:
@@ -292,7 +292,7 @@ def stranded_problems(found: dict[str, dict[str, Any]]) -> list[str]:
     lines = []
     for queue, entry in found.items():
         n, worker = entry["calls"], entry["last_worker"]
-        if queue == ROUTER_QUEUE:
+        if queue in ROUTER_QUEUES:
             then = "start a router (`gpufleet up` on any host of this fleet) to place them"
         else:
             then = "a live router hands them over once the ledger lets the worker go"
@@ -311,7 +311,7 @@ def on_its_way(client: redis.Redis, task_id: str, own_tag: str, queues: Iterable
     router and the GPU worker the call went to), the one whose delivery tag sorts first
     goes on (`seen.lua`), so exactly one does."""
     found = records(client)
-    names = {ROUTER_QUEUE, *queues} | {q for r in found.values() for q in r.queues}
+    names = {*ROUTER_QUEUES, *queues} | {q for r in found.values() for q in r.queues}
     keys = [UNACKED]
     for queue in sorted(names):
         keys += lists(queue)
@@ -448,7 +448,7 @@ def _holdings(
             return _Move(source, tag, old, queue, "")
         if queue in orphaned:
             payload = for_router(payload)
-            queue = ROUTER_QUEUE
+            queue = INTERNAL_QUEUE
         _mark_redelivered(payload)
         return _Move(source, tag, old, list_for(queue, payload), json.dumps(payload))
 
@@ -523,7 +523,7 @@ def for_router(payload: dict[str, Any]) -> dict[str, Any]:
             headers.update(task="gpufleet.infer", argsrepr=repr(infer_args)[:1024])
             headers[HOPS_HEADER] = hops
     headers.pop(leases.HEADER, None)
-    properties["delivery_info"] = {"exchange": "", "routing_key": ROUTER_QUEUE}
+    properties["delivery_info"] = {"exchange": "", "routing_key": INTERNAL_QUEUE}
     return payload
 
 

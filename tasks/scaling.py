@@ -2,7 +2,8 @@
 
 Every router process looks at the load of each `replicas: {min, max}` model twice a
 second (`placement.load`) and applies `placement.scaling`'s rule. A decision is sent as
-a `gpufleet.scale` task to the routers' queue, so Flower lists every scale-out and
+a `gpufleet.scale` task to the routers' internal queue (which only fleet processes
+write: a caller's `gpufleet.scale` is refused), so Flower lists every scale-out and
 scale-in with its reason; the task logs the same line and the registry's event says it
 too (`why`). Several routers may decide the same thing at once: a scale-out places the
 replica only while the model has fewer than its target (commit.lua), and a scale-in
@@ -27,14 +28,15 @@ from typing import Any
 from celery import Task
 from celery.signals import worker_process_init
 
-from placement.errors import GpufleetError
+from placement.errors import GpufleetError, PayloadError, describe
 from placement.load import placed_replicas, read_loads
 from placement.registry import Registry
 from placement.scaling import Autoscale, ScaleIn, ScaleOut, Scaler
 from placement.state import Candidate, Demand, Level, Plan
 from tasks import context
 from tasks.app import app
-from tasks.config import ROUTER_QUEUE
+from tasks.config import INTERNAL_QUEUE
+from tasks.intake import is_count, is_name
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +85,7 @@ class ScalingLoop:
 
 
 def _send_task(kwargs: dict[str, Any]) -> None:
-    app.send_task("gpufleet.scale", kwargs=kwargs, queue=ROUTER_QUEUE)
+    app.send_task("gpufleet.scale", kwargs=kwargs, queue=INTERNAL_QUEUE)
 
 
 def scale_out(
@@ -112,7 +114,40 @@ def scale_in(
     return level, f"replica {replica} is {level.value}"
 
 
-@app.task(name="gpufleet.scale", bind=True)
+def _scale_arguments(
+    model: Any,
+    why: Any,
+    *,
+    target: Any = None,
+    avoid: Any = None,
+    protect: Any = None,
+    replica: Any = None,
+    epoch: Any = 0,
+    floor: Any = 0,
+) -> None:
+    """Raise `PayloadError` for a `gpufleet.scale` the scaling loop did not write."""
+    context.catalog().get(model)
+    fields = {"why": why, "replica": replica, "target": target, "epoch": epoch, "floor": floor}
+    fits = {
+        "why": isinstance(why, str),
+        "replica": replica is None or is_name(replica),
+        "target": target is None or (is_count(target) and target >= 1),
+        "epoch": is_count(epoch),
+        "floor": is_count(floor),
+    }
+    for name, value in (("avoid", avoid), ("protect", protect)):
+        fields[name] = value
+        fits[name] = value is None or (isinstance(value, list) and all(map(is_name, value)))
+    for name, ok in fits.items():
+        if not ok:
+            raise PayloadError(f"gpufleet.scale: {name} is {describe(fields[name])}")
+
+
+@app.task(
+    name="gpufleet.scale",
+    bind=True,
+    intake=staticmethod(lambda headers, args, kwargs: _scale_arguments(*args, **kwargs)),
+)
 def scale(
     self: Task,
     model: str,

@@ -49,12 +49,13 @@ from typing import Any
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
 from kombu.utils.encoding import bytes_to_str
-from kombu.utils.json import dumps, loads
+from kombu.utils.json import dumps
 from redis.exceptions import NoScriptError
 
 from placement import scripts
 from placement.keys import unacked_of
 from placement.scripts import scripts_for
+from tasks import intake
 
 #: How long a consumer waits for Redis to come back to give a message back.
 GIVE_BACK_S = 30.0
@@ -224,6 +225,9 @@ class Channel(kombu_redis.Channel):
     #: Asked of each message this channel takes, before it is recorded as unacknowledged:
     #: where to send it on instead, or None (a router's hot calls: tasks/forwarding.py).
     divert: Callable[[Any], Onward | None] | None = None
+    #: Answers a message this channel refuses as it takes it (`tasks.intake.envelope`):
+    #: the consumer stores its error as the call's result.
+    refuse: Callable[[intake.Refused], None] | None = None
 
     def _create_client(self, asynchronous: bool = False) -> Any:
         """Kombu builds a new Redis client, about 0.2 ms of CPU, for every publish, ack and
@@ -242,6 +246,40 @@ class Channel(kombu_redis.Channel):
         # kombu prefixes only the commands it sends itself: the script, BLMOVE, LMOVE and
         # LREM would miss a `global_keyprefix`, so such a channel keeps BRPOP.
         return bool(self.consumer_name and not self.global_keyprefix)
+
+    def _take(self, item: bytes, queue: str) -> None:
+        """Hand `item`, taken from `queue`, to the consumer, or refuse it: a message that
+        fails `tasks.intake.envelope`, or whose delivery raises before it is recorded, is
+        answered through `refuse` and left for `_brpop_read` to drop. Nothing a message
+        holds may stop the consumer (`tasks.intake`)."""
+        try:
+            payload = intake.envelope(item, queue)
+        except intake.Refused as exc:
+            self._refused(exc)
+            return
+        try:
+            self.connection._deliver(payload, queue)
+        except self.connection_errors:
+            raise
+        except Exception as exc:
+            if self.taken is None:  # recorded: it goes back when this worker starts again
+                log.exception("could not deliver a message taken from %s", queue)
+                return
+            task_id = (payload.get("headers") or {}).get("id")
+            why = f"gpufleet could not take this call ({type(exc).__name__})"
+            log.warning("refused a message taken from %s: %s", queue, why, exc_info=True)
+            self._refused(intake.Refused(why, task_id if isinstance(task_id, str) else None))
+
+    def _refused(self, refusal: intake.Refused) -> None:
+        if self.refuse is None:
+            log.warning("dropped a message: %s", refusal.why)
+            return
+        try:
+            self.refuse(refusal)
+        except self.connection_errors:
+            raise
+        except Exception:
+            log.exception("could not answer a refused call; dropping it")
 
     def _inflight(self, key: str) -> str:
         assert self.consumer_name is not None
@@ -312,8 +350,8 @@ class Channel(kombu_redis.Channel):
                 key, item = bytes_to_str(reply[0]), reply[1]  # type: ignore[no-untyped-call]
             self.taken = (self._inflight(key), item)  # QoS.append records it and clears this
             queue = key.rsplit(self.sep, 1)[0]  # kombu's name for a priority list's queue
-            self.connection._deliver(loads(bytes_to_str(item)), queue)  # type: ignore[no-untyped-call]
-            if self.taken is not None:  # a consumer that acknowledges nothing: no record
+            self._take(item, queue)
+            if self.taken is not None:  # refused, or a consumer that acknowledges nothing
                 self.client.lrem(self.taken[0], 1, item)
                 self.taken = None
             return True

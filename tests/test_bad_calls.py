@@ -58,7 +58,7 @@ CASES: list[tuple[str, str, tuple[Any, ...], dict[str, Any], str, str]] = [
     ("replicas as text", "gpufleet.deploy", ("a", "3"), {}, "PayloadError", "'3' (str)"),
     ("half a replica", "gpufleet.deploy", ("a", 1.5), {}, "PayloadError", "1.5 (float)"),
     ("a billion replicas", "gpufleet.deploy", ("big", 10**9), {}, "PayloadError", "from 1 to 4"),
-    ("dedicated as text", "gpufleet.deploy", ("a", 1, "yes"), {}, "PayloadError", "true or false"),
+    ("dedicated as text", "gpufleet.deploy", ("a", 1, "yes"), {}, "PayloadError", "true, false"),
     ("deploy, no model", "gpufleet.deploy", (), {}, "PayloadError", "model"),
     ("an unknown replica", "gpufleet.evict", ("a", "nope"), {}, "UnknownReplicaError", "nope"),
     ("a replica that is no id", "gpufleet.evict", ("a", 7), {}, "PayloadError", "replica"),

@@ -24,7 +24,7 @@ from placement.keys import CONSUMERS, unacked_of
 from placement.redis_server import RedisServer
 from tasks import leases, presence
 from tasks.calls import HOPS_HEADER
-from tasks.config import ROUTER_QUEUE
+from tasks.config import INTERNAL_QUEUE, ROUTER_QUEUE
 from tasks.transport import Transport, inflight
 
 LEASE_MS = 300
@@ -131,17 +131,17 @@ def test_a_lost_gpu_workers_calls_go_to_the_router_as_infer_calls_with_their_tas
 
     assert presence.sweep(client, lambda: {GPU_QUEUE}, _unanswered) == {"gpu0@h1": 2}
     assert [p["headers"]["id"] for p in _queued(client, GPU_QUEUE)] == [held.id, "x", waiting.id]
-    assert client.llen(ROUTER_QUEUE) == 0  # its GPU still holds a ledger lease: not yet
+    assert client.llen(INTERNAL_QUEUE) == 0  # its GPU still holds a ledger lease: not yet
 
     assert presence.sweep(client, _nothing_live, _unanswered) == {"gpu0@h1": 3}
-    routed = _queued(client, ROUTER_QUEUE)
+    routed = _queued(client, INTERNAL_QUEUE)  # the router's own queue: its headers hold
     assert [p["headers"]["id"] for p in routed] == [held.id, "x", waiting.id]
     assert [p["headers"]["task"] for p in routed] == ["gpufleet.infer"] * 3
     assert _args(routed[0]) == ["m", ["held"], {"k": 1}]
     assert routed[0]["headers"][HOPS_HEADER] == 1
     assert _args(routed[2]) == ["m", "waiting"]
     assert leases.HEADER not in routed[2]["headers"]
-    assert all(p["properties"]["delivery_info"]["routing_key"] == ROUTER_QUEUE for p in routed)
+    assert all(p["properties"]["delivery_info"]["routing_key"] == INTERNAL_QUEUE for p in routed)
     assert client.llen(GPU_QUEUE) == 0
     assert client.llen(inflight(GPU_QUEUE, "gpu0@h1")) == 0
 
@@ -155,7 +155,7 @@ def test_a_call_sent_to_a_lost_gpu_worker_later_still_reaches_the_router(
     late = _sender(url).send_task("gpufleet.infer", args=["m", "late"], queue=GPU_QUEUE)
 
     assert presence.sweep(client, _nothing_live, _unanswered) == {"gpu0@h1": 1}
-    assert [p["headers"]["id"] for p in _queued(client, ROUTER_QUEUE)] == [late.id]
+    assert [p["headers"]["id"] for p in _queued(client, INTERNAL_QUEUE)] == [late.id]
 
 
 def test_a_worker_back_under_its_name_keeps_its_queue_and_gets_what_it_held_first(
@@ -171,7 +171,7 @@ def test_a_worker_back_under_its_name_keeps_its_queue_and_gets_what_it_held_firs
     assert back.arrive() == 1
     assert presence.sweep(client, _nothing_live, _unanswered) == {}
     assert [p["headers"]["id"] for p in _queued(client, GPU_QUEUE)] == [first.id, second.id]
-    assert client.llen(ROUTER_QUEUE) == 0
+    assert client.llen(INTERNAL_QUEUE) == 0
     assert presence.records(client)["gpu0@h1"].alive(presence.now_ms(client))
 
 
@@ -256,7 +256,7 @@ def test_of_two_given_back_copies_of_one_call_exactly_one_goes_on(
     _held_by_a_killed_worker(url, client, "gpu0@h1", GPU_QUEUE, 0)
     presence.sweep(client, _nothing_live, _unanswered)  # both to the router, given back
 
-    tags = [p["properties"]["delivery_tag"] for p in _queued(client, ROUTER_QUEUE)]
+    tags = [p["properties"]["delivery_tag"] for p in _queued(client, INTERNAL_QUEUE)]
     assert len(set(tags)) == 2
     yields = [presence.on_its_way(client, call.id, tag, [GPU_QUEUE]) for tag in tags]
     assert sorted(yields) == [False, True]
