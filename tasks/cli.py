@@ -39,6 +39,14 @@ FleetName = Annotated[
 ]
 
 
+def _operator_urls(s: Settings) -> tuple[str, str]:
+    """The registry and broker URLs that `status` and `metrics` read with: the running
+    fleet's read-only `operator` user when its connection file gave one."""
+    if s.operator_url:
+        return s.operator_url, s.operator_url
+    return s.registry_url, s.broker_url
+
+
 def _settings(redis_url: str | None = None, fleet: str | None = None) -> Settings:
     """The settings, with the command line's overrides of the fleet and its URL."""
     env = dict(os.environ)
@@ -67,7 +75,8 @@ def status(
     from tasks.metrics import full_status  # the same object the gpufleet.status task returns
 
     s = _settings(redis_url, fleet)
-    report = _guard(lambda: full_status(Registry.from_url(s.registry_url, s.fleet), s.broker_url))
+    registry, broker = _operator_urls(s)
+    report = _guard(lambda: full_status(Registry.from_url(registry, s.fleet), broker))
     if as_json:
         typer.echo(json.dumps(report, indent=2))
         return
@@ -188,8 +197,9 @@ def up(
 def url(
     fleet: FleetName = None,
 ) -> None:
-    """Print the registry URL (with its password) of the fleet this machine runs, for a
-    Celery client: `Celery(broker=URL, backend=URL)`."""
+    """Print the URL (with its password) that callers of the fleet this machine runs use,
+    for a Celery client: `Celery(broker=URL, backend=URL)`. Its Redis user may send calls
+    and read results, nothing else (docs/deploy.md, "Security")."""
     s = _settings(fleet=fleet)
     if s.url_from == FROM_DEFAULT:
         _guard(_no_fleet(s))
@@ -225,7 +235,13 @@ def infer(
 def deploy(
     model: Annotated[str, typer.Argument(help="A model of the catalog.")],
     replicas: Annotated[int, typer.Option(min=1)] = 1,
-    dedicated: Annotated[bool, typer.Option(help="Never evict it under memory pressure.")] = False,
+    dedicated: Annotated[
+        bool | None,
+        typer.Option(
+            "--dedicated/--not-dedicated",
+            help="Never evict it under memory pressure (default: the catalog's `dedicated`).",
+        ),
+    ] = None,
 ) -> None:
     """Place replicas of a model without calling it; exit code 1 when some could not be."""
     result = _guard(lambda: _call("gpufleet.deploy", (model, replicas, dedicated), 300.0))
@@ -303,7 +319,8 @@ def metrics(
     from tasks.metrics import serve
 
     s = _settings(redis_url, fleet)
-    _guard(lambda: serve(port, addr, Registry.from_url(s.registry_url, s.fleet), s.broker_url))
+    registry, broker = _operator_urls(s)
+    _guard(lambda: serve(port, addr, Registry.from_url(registry, s.fleet), broker))
     console.print(f"metrics of fleet {s.fleet!r} on http://{addr}:{port}/metrics; Ctrl-C stops")
     try:
         while True:
@@ -313,13 +330,13 @@ def metrics(
 
 
 def _print_ready(launcher: Any) -> None:
-    """Where the fleet is, printed once: the registry URL in full (its password included),
+    """Where the fleet is, printed once: the callers' URL in full (its password included),
     so a plain Celery client on another machine can connect."""
     gpus = ", ".join(f"{d.name} #{d.index}" for d in launcher.devices)
     count = len(launcher.devices)
     console.print(
         f"[green]gpufleet is up[/]: {count} GPU{'' if count == 1 else 's'} ({gpus}), "
-        f"registry {launcher.redis_url}",
+        f"registry {launcher.caller_url}",
         highlight=False,
     )
     console.print("  call it:  gpufleet infer minilm 'hello'    (or: gpufleet status)")

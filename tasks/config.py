@@ -52,7 +52,9 @@ def celery_conf(settings: Settings) -> dict[str, Any]:
         "task_default_queue": ROUTER_QUEUE,
         # Answers the calls it cannot read (pickle, broken JSON) instead of dropping them.
         "worker_consumer": "tasks.consumer:Consumer",
-        "task_send_sent_event": True,
+        # Fleet processes tell Flower of the calls they send on; a client may hold a
+        # caller's URL, whose user may not publish events (placement.acl).
+        "task_send_sent_event": settings.role != "client",
         "worker_send_task_events": True,
         "broker_connection_retry_on_startup": True,
         "result_expires": 24 * 3600,

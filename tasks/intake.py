@@ -204,19 +204,64 @@ def _check(message: Any, tasks: Any, public_queue: bool | None) -> None:
     if task is None:
         return  # Celery's unknown-task path answers it
     try:
-        args, kwargs, _ = message.decode()
+        args, kwargs, embed = message.decode()
     except Exception as exc:  # pickle, YAML, broken JSON, a body of another shape
         raise unreadable(exc, message.content_type) from None
     if not isinstance(args, (list, tuple)) or not isinstance(kwargs, dict):
         raise PayloadError(f"{name}: its arguments are no JSON list and object")
-    if too_deep([args, kwargs], MAX_DEPTH):
+    if too_deep([args, kwargs, embed], MAX_DEPTH):
         raise PayloadError(
             f"{name}: its arguments nest deeper than {MAX_DEPTH} levels; send flat JSON"
         )
+    if public_queue:
+        _check_canvas(embed)
     bind(task, args, kwargs)
     inspect_arguments = getattr(task, "intake", None)
     if inspect_arguments is not None:
         inspect_arguments(headers, args, kwargs)
+
+
+#: The canvas primitives a caller's chain, group or chord nests (never run as tasks here).
+_CANVAS = frozenset({"celery.chain", "celery.group", "celery.chord"})
+_ROUTING_OPTIONS = ("queue", "exchange", "routing_key")
+
+
+def _check_canvas(embed: Any) -> None:
+    """Refuse a caller's call whose callbacks, errbacks, chain or chord would make a fleet
+    process send what a caller may not: the worker that ends a call sends what comes next
+    as the fleet, so each signature there must name a public task, route to a public queue
+    (or be routed by the fleet), and carry no fleet header."""
+    stack = [embed]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, (list, tuple)):
+            stack.extend(item)
+            continue
+        if not isinstance(item, dict):
+            continue
+        stack.extend(item.values())
+        name = item.get("task")
+        if name is None:
+            continue
+        if name not in PUBLIC_TASKS and name not in _CANVAS:
+            raise PayloadError(
+                f"a caller's chain, callback or chord may run only {', '.join(PUBLIC_TASKS)}, "
+                f"not {describe(name)}"
+            )
+        options = item.get("options")
+        options = options if isinstance(options, dict) else {}
+        for option in _ROUTING_OPTIONS:
+            value = options.get(option)
+            if value is not None and value not in PUBLIC_QUEUES:
+                raise PayloadError(
+                    f"a caller's chain, callback or chord may send only to the queue "
+                    f"{', '.join(sorted(PUBLIC_QUEUES))}, not {option} {describe(value)}"
+                )
+        headers = options.get("headers")
+        if isinstance(headers, dict) and any(
+            isinstance(h, str) and h.startswith(FLEET_HEADERS) for h in headers
+        ):
+            raise PayloadError(f"a caller may not set {FLEET_HEADERS}* headers")
 
 
 def unreadable(exc: Exception, content_type: Any) -> PayloadError:

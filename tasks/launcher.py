@@ -44,6 +44,7 @@ from typing import IO, Any
 
 import redis
 
+from placement.acl import CALLER, OPERATOR, Users
 from placement.config import (
     DEFAULT_FLOWER_PORT,
     DEFAULT_METRICS_PORT,
@@ -54,7 +55,7 @@ from placement.config import (
     safe_url,
 )
 from placement.errors import ConfigError, FleetStoppedError, GpufleetError
-from placement.redis_server import RedisServer, die_with_parent_preexec
+from placement.redis_server import RedisServer, die_with_parent_preexec, find_redis_server
 from placement.registry import Registry
 from tasks.broker import BrokerClaim
 from tasks.config import ROUTER_QUEUES
@@ -112,8 +113,13 @@ class Launcher:
     flower_port: int | None = None  # None: the default, or a free port when that is taken
     flower_auth: str = ""
     metrics_port: int | None = None  # None: the default, or a free port when taken; 0: none
-    redis_url: str = ""  # the registry
+    redis_url: str = ""  # the registry, as the fleet's own processes reach it
     broker_url: str = ""  # the Celery broker: the registry's Redis unless set apart
+    #: What callers use (`gpufleet url`), and what `gpufleet status` reads with: the
+    #: bundled Redis's `caller` and `operator` users (placement.acl); with a Redis of
+    #: yours, `redis_url` for both.
+    caller_url: str = ""
+    operator_url: str = ""
     devices: list[Device] = field(default_factory=list)
     children: dict[str, Child] = field(default_factory=dict)
     first_backoff_s: float = 1.0  # doubles with each death, up to MAX_BACKOFF_S
@@ -157,11 +163,19 @@ class Launcher:
         external = self.settings.url_from != FROM_DEFAULT
         self.redis_url = self.settings.registry_url if external else ""
         self.settings.fleet_dir().mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.caller_url = self.operator_url = self.redis_url
         if not self.redis_url:
             data = self.settings.fleet_dir() / "redis"
             shutil.rmtree(data, ignore_errors=True)  # a new fleet starts with a new ledger
-            self._redis = RedisServer(password=secrets.token_urlsafe(18), data_dir=data)
+            self._redis = RedisServer(
+                binary=self.settings.redis_server or find_redis_server(newest=True),
+                data_dir=data,
+                users=Users(*(secrets.token_urlsafe(18) for _ in range(3))),
+                maxmemory=self.settings.redis_maxmemory or default_maxmemory(),
+            )
             self.redis_url = self._redis.start().url
+            self.caller_url = self._redis.url_for(CALLER)
+            self.operator_url = self._redis.url_for(OPERATOR)
         self.broker_url = self.settings.broker_url if external else self.redis_url
         simulated = self.sim_gpus or self.settings.sim_gpus
         self.devices = discover(simulated or DEFAULT_SIM_GPUS, simulate=bool(simulated))
@@ -274,7 +288,9 @@ class Launcher:
         """How to reach this fleet, for `gpufleet` commands and clients on this machine."""
         path = self.connection_file  # in the fleet's directory, made by `start`
         record = {
-            "redis_url": self.redis_url,
+            "redis_url": self.caller_url,
+            "operator_url": self.operator_url,
+            "fleet_url": self.redis_url,
             "pid": os.getpid(),
             "fleet": self.fleet,
             "metrics": self.metrics_url,
@@ -435,6 +451,15 @@ class Launcher:
                 path.unlink()
         except (OSError, ValueError):
             pass
+
+
+def default_maxmemory() -> int:
+    """The bundled Redis's memory cap unless GPUFLEET_REDIS_MAXMEMORY sets one: 10% of RAM,
+    at least 256 MiB. A policy default, not a tuned figure: a tenth leaves the host's memory
+    to the warm cache (25%) and the models, and still holds hundreds of calls at their
+    size limit (`tasks.intake`)."""
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return max(256 * 2**20, ram // 10)
 
 
 def requeue_unacked(broker_url: str, queues: tuple[str, ...], before: float | None = None) -> int:

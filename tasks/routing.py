@@ -7,8 +7,10 @@ in the message headers (`tasks.leases` attaches it). Only misses (and clients th
 not import gpufleet, whose calls land on the default queue) pay for the router hop.
 
 When a call cannot take the fast path, the client says why, once per reason per
-process: the registry is unreachable, the fleet it names has no GPU worker (a
-`GPUFLEET_FLEET` that differs from the fleet's), or the model has no HOT replica yet.
+process: its URL has a caller's rights (leasing writes the ledger, which only fleet
+processes may: docs/deploy.md, "Security"), the registry is unreachable, the fleet it
+names has no GPU worker (a `GPUFLEET_FLEET` that differs from the fleet's), or the model
+has no HOT replica yet.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import logging
 from typing import Any
 
 from placement.config import safe_url
-from placement.errors import GpufleetError
+from placement.errors import AccessDeniedError, GpufleetError
 from tasks import context, leases
 from tasks.config import ROUTER_QUEUE
 
@@ -36,13 +38,16 @@ def route(
     name: str, args: Any, kwargs: Any, options: dict[str, Any], task: Any = None, **_: Any
 ) -> dict[str, Any] | None:
     """Send a call for a resident model straight to its GPU worker, with a lease."""
-    if name != "gpufleet.infer" or options.get("queue"):
-        return None  # everything else, and calls already routed, keep their queue
+    if name != "gpufleet.infer" or options.get("queue") or "caller" in _told:
+        return None  # everything else, calls already routed, and a caller's, keep theirs
     model = args[0] if args else (kwargs or {}).get("model")
     if not isinstance(model, str):
         return None
     try:
         lease = context.registry().pick(model, path="fast")
+    except AccessDeniedError:
+        _fall_back("caller", _CALLER)
+        return None
     except GpufleetError as exc:
         _fall_back("unreachable", f"the registry is unreachable ({exc})")
         return None
@@ -75,6 +80,11 @@ def _fall_back_on_miss(model: str) -> None:
         _fall_back("miss", _MISS.format(model=model))
 
 
+_CALLER = (
+    "this URL has a caller's rights (the one `gpufleet url` prints), which lease no replica: "
+    "the router forwards calls for resident models in about a millisecond; a client with the "
+    "fleet's own user takes the fast path"
+)
 _MISS = (
     "{model} has no HOT replica yet (normal for a model's first call or after an eviction: "
     "the router places it)"
@@ -85,4 +95,5 @@ def _fall_back(reason: str, why: str) -> None:
     if reason in _told:
         return
     _told.add(reason)
-    log.warning("gpufleet fast path not taken: %s; calls go through the router", why)
+    level = logging.INFO if reason == "caller" else logging.WARNING  # as designed, not a fault
+    log.log(level, "gpufleet fast path not taken: %s; calls go through the router", why)

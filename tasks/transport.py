@@ -50,7 +50,7 @@ from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
 from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import dumps
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, ResponseError
 
 from placement import scripts
 from placement.keys import unacked_of
@@ -205,6 +205,22 @@ def give_back(channel: Any, message: Any) -> bool:
         return True
 
 
+def repair_queue_keys(client: Any, keys: list[str]) -> list[str]:
+    """Delete those of `keys` (a queue's lists) that hold something other than a list, and
+    return them. On Redis 6.2 a caller's user, which may SADD to declare the queue `celery`,
+    can also SADD to `celery` itself while it is empty (placement.acl): every take and send
+    would then fail with WRONGTYPE. No call is lost: a call is only ever a list's item."""
+    pipe = client.pipeline(transaction=False)
+    for key in keys:
+        pipe.type(key)
+    kinds = [bytes_to_str(kind) for kind in pipe.execute()]  # type: ignore[no-untyped-call]
+    broken = [key for key, kind in zip(keys, kinds, strict=True) if kind not in ("list", "none")]
+    for key in broken:
+        client.delete(key)
+        log.error("queue key %r held a %s, not a list: deleted it", key, kinds[keys.index(key)])
+    return broken
+
+
 def inflight(key: str, consumer: str) -> str:
     """The list `consumer`'s messages from list `key` pass through between taken and
     recorded."""
@@ -341,6 +357,10 @@ class Channel(kombu_redis.Channel):
             except self.connection_errors:
                 self.client.connection.disconnect()
                 raise
+            except ResponseError as exc:
+                if not str(exc).startswith("WRONGTYPE") or not repair_queue_keys(self.client, keys):
+                    raise
+                raise Empty() from None  # a queue's key held a set or a string: take again
             self._idle = reply is None and kind == "EVALSHA"
             if reply is None:
                 raise Empty()

@@ -25,6 +25,7 @@ from celery import Celery
 from celery.result import AsyncResult
 
 from bench.fleet import TWO_MODELS  # noqa: F401  (the end-to-end tests' catalog)
+from placement.config import connection_path, read_connection
 from placement.registry import Registry
 
 REPO = Path(__file__).resolve().parents[1]
@@ -35,13 +36,16 @@ LARGE = (["y" * 2000] * 2, {"max_length": 512})
 
 @dataclass
 class RunningFleet:
-    """A started `gpufleet up`: its process, registry URL, a plain Celery client."""
+    """A started `gpufleet up`: its process, the callers' URL it printed with a plain
+    Celery client of it, and the registry as the fleet's own user reaches it."""
 
     proc: subprocess.Popen[str]
-    url: str
+    url: str  # the caller's (`gpufleet url`)
     client: Celery
     registry: Registry
     lines: list[str]  # what `gpufleet up` printed on stdout until it was ready
+    fleet_url: str = ""  # the fleet's own user (its connection file)
+    operator_url: str = ""
 
     def infer(self, model: str, inputs: Any, timeout: float = 120) -> dict[str, Any]:
         result: dict[str, Any] = self.client.send_task("gpufleet.infer", args=(model, inputs)).get(
@@ -141,8 +145,10 @@ def fleet_up(
         client.conf.update(
             task_serializer="json", accept_content=["json"], result_serializer="json"
         )
-        registry = Registry.from_url(url, fleet)
-        yield RunningFleet(proc, url, client, registry, lines)
+        known = read_connection(connection_path(Path(env["GPUFLEET_HOME"]).expanduser(), fleet))
+        assert known is not None and known.caller == url, (known, url)
+        registry = Registry.from_url(known.fleet, fleet)
+        yield RunningFleet(proc, url, client, registry, lines, known.fleet, known.operator)
         registry.client.close()
     finally:
         stop(proc)
