@@ -137,6 +137,9 @@ VARIABLES: tuple[Variable, ...] = (
              "which idle replicas to evict first: `lru` or `smallest` (NDIF)"),
     Variable("GPUFLEET_WARM_DROP_ORDER", "`lru`",
              "which warm copies to drop when the CPU cache is full"),
+    Variable("GPUFLEET_CRASH_ON_CALL", "none",
+             "tests only: a worker's main process exits as it takes the call with this task "
+             "id, as a call that kills its worker would (tasks/quarantine.py)"),
     Variable("GPUFLEET_SIM_DATA", "`../shared/data` beside the repository",
              "folder of the Azure traces for `gpufleet simulate`"),
 )  # fmt: skip
@@ -177,6 +180,7 @@ class Settings:
     batch: BatchLimits = field(default_factory=BatchLimits)
     policy: PolicySettings = field(default_factory=PolicySettings)
     sim_data: Path | None = None
+    crash_on_call: str | None = None  # tests only (tasks/quarantine.py)
     url_from: str = FROM_DEFAULT  # where the registry URL came from (FROM_*)
 
     @classmethod
@@ -260,6 +264,7 @@ class Settings:
             ),
             policy=_policy(env),
             sim_data=Path(sim_data).expanduser() if sim_data else None,
+            crash_on_call=env.get("GPUFLEET_CRASH_ON_CALL"),
             url_from=url_from,
         )
 

@@ -17,6 +17,11 @@ from placement.errors import ConfigError
 BROKER_CLAIM = "gpufleet:broker-fleet"
 #: The broker database's Celery workers (tasks/presence.py): node name -> record JSON.
 CONSUMERS = "gpufleet:consumers"
+#: The broker database's count of worker deaths per call (tasks/quarantine.py): task id ->
+#: how many consumers died while handling it.
+DEATHS = "gpufleet:deaths"
+#: The messages of calls that stopped their consumer twice, newest first (tasks/quarantine.py).
+QUARANTINE = "gpufleet:quarantine"
 
 
 def unacked_of(node: str) -> str:

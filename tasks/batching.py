@@ -35,7 +35,7 @@ from billiard.einfo import ExceptionInfo
 from celery.app import trace as celery_trace
 
 from placement.batching import BatchLimits, Waiting, input_chars, take_batch
-from tasks import results
+from tasks import quarantine, results
 from tasks.calls import Call, call_of
 
 if TYPE_CHECKING:
@@ -180,17 +180,18 @@ class Batcher:
                 request.on_timeout(is_soft, timeout)
 
         try:
-            self._pool.apply_async(
-                self._job,
-                args=(jobs,),
-                accept_callback=accepted,
-                callback=done,
-                error_callback=failed,
-                timeout_callback=timed_out,
-                soft_timeout=soft or first.task.soft_time_limit,
-                timeout=hard or first.task.time_limit,
-                correlation_id=uuid.uuid4().hex,
-            )
+            with quarantine.in_hand(r.id for r in requests):  # pickled for the pool here
+                self._pool.apply_async(
+                    self._job,
+                    args=(jobs,),
+                    accept_callback=accepted,
+                    callback=done,
+                    error_callback=failed,
+                    timeout_callback=timed_out,
+                    soft_timeout=soft or first.task.soft_time_limit,
+                    timeout=hard or first.task.time_limit,
+                    correlation_id=uuid.uuid4().hex,
+                )
         except BaseException:
             self._busy = False
             raise

@@ -28,7 +28,7 @@ from placement.load import placed_replicas, read_loads
 from placement.registry import Registry
 from placement.report import load_report, request_report, status_report
 from placement.state import OUTCOMES, PATHS
-from tasks import context, presence
+from tasks import context, presence, quarantine
 from tasks.config import ROUTER_QUEUES
 
 log = logging.getLogger(__name__)
@@ -53,7 +53,12 @@ def full_status(registry: Registry, broker_url: str) -> dict[str, Any]:
             q: sum(int(next(depths)) for _ in presence.PRIORITY_STEPS) for q in sorted(queues)
         }
         report["stranded"] = presence.stranded(client, queues, snap.live_queues)
-        report["problems"] = report["problems"] + presence.stranded_problems(report["stranded"])
+        report["quarantined"] = quarantine.count(client)
+        report["problems"] = (
+            report["problems"]
+            + presence.stranded_problems(report["stranded"])
+            + quarantine.problems(report["quarantined"])
+        )
     except redis.RedisError as exc:
         raise GpufleetError(f"broker unreachable: {exc}. Check GPUFLEET_BROKER_URL.") from exc
     finally:
@@ -98,7 +103,8 @@ class FleetCollector(Collector):
             stranded.add_metric([queue], entry["calls"])
         yield stranded
         problems = GaugeMetricFamily(
-            "gpufleet_ledger_problems", "Status problems: ledger audit findings, stranded calls (0)"
+            "gpufleet_ledger_problems",
+            "Status problems: ledger audit findings, stranded and quarantined calls (0)",
         )
         problems.add_metric([], len(report["problems"]))
         yield problems

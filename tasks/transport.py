@@ -55,7 +55,7 @@ from redis.exceptions import NoScriptError, ResponseError
 from placement import scripts
 from placement.keys import unacked_of
 from placement.scripts import scripts_for
-from tasks import intake
+from tasks import intake, quarantine
 
 #: How long a consumer waits for Redis to come back to give a message back.
 GIVE_BACK_S = 30.0
@@ -273,18 +273,23 @@ class Channel(kombu_redis.Channel):
         except intake.Refused as exc:
             self._refused(exc)
             return
+        task_id = payload["headers"].get("id")
+        if quarantine.holds(task_id):  # it stopped its worker twice
+            quarantine.put_aside(item, task_id)
+            self._refused(intake.Refused(quarantine.QUARANTINED, task_id))
+            return
         try:
-            self.connection._deliver(payload, queue)
+            with quarantine.in_hand([task_id] if task_id else []):
+                self.connection._deliver(payload, queue)
         except self.connection_errors:
             raise
         except Exception as exc:
             if self.taken is None:  # recorded: it goes back when this worker starts again
                 log.exception("could not deliver a message taken from %s", queue)
                 return
-            task_id = (payload.get("headers") or {}).get("id")
             why = f"gpufleet could not take this call ({type(exc).__name__})"
             log.warning("refused a message taken from %s: %s", queue, why, exc_info=True)
-            self._refused(intake.Refused(why, task_id if isinstance(task_id, str) else None))
+            self._refused(intake.Refused(why, task_id))
 
     def _refused(self, refusal: intake.Refused) -> None:
         if self.refuse is None:
