@@ -39,6 +39,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from celery.app.task import Context
 from celery.exceptions import InvalidTaskError
 from celery.worker.consumer import Consumer as CeleryConsumer
 from kombu.exceptions import ContentDisallowed, DecodeError
@@ -46,6 +47,7 @@ from kombu.exceptions import ContentDisallowed, DecodeError
 from placement.errors import GpufleetError, PayloadError
 from tasks import context, forwarding, intake
 from tasks.batching import Batcher
+from tasks.config import PUBLIC_QUEUES
 from tasks.intake import PUBLIC_TASKS
 
 log = logging.getLogger(__name__)
@@ -144,7 +146,7 @@ class Consumer(CeleryConsumer):
         """Answer a message that may not run with `error`, and drop it (acknowledged)."""
         task_id = message.headers.get("id")
         log.warning("refused call %.60s of %.80r: %s", task_id, message.headers.get("task"), error)
-        self._fail(task_id, error)
+        self._fail(task_id, error, _request_of(message))
         message.ack_log_error(log, self.connection_errors)
         if self.event_dispatcher and isinstance(task_id, str):
             self.event_dispatcher.send(
@@ -191,14 +193,32 @@ class Consumer(CeleryConsumer):
         refused = intake.unreadable(exc, getattr(message, "content_type", "?"))
         self._fail(_field(message, None, "id"), refused)
 
-    def _fail(self, task_id: Any, refused: GpufleetError) -> None:
-        """Store `refused` as the result of call `task_id`, so its caller learns at once."""
+    def _fail(self, task_id: Any, refused: GpufleetError, request: Context | None = None) -> None:
+        """Store `refused` as the result of call `task_id`, so its caller learns at once;
+        with the call's `request`, also as the result of the calls chained after it and as
+        its part of a chord, as Celery does for a task that fails (never its errbacks)."""
         if not isinstance(task_id, str) or not task_id:
             return
         try:
-            self.app.backend.mark_as_failure(task_id, refused)
+            self.app.backend.mark_as_failure(task_id, refused, request=request, call_errbacks=False)
         except Exception:  # the message is dropped either way; say why in the log
             log.warning("could not store the refusal of call %s", task_id, exc_info=True)
+
+
+def _request_of(message: Any) -> Context | None:
+    """The chain and chord a refused call belongs to, as Celery's backend reads them to
+    fail what waits on it; None where they cannot be read, or are a caller's that may not
+    run (`tasks.intake.check_canvas`: failing a chord part can send the chord's body)."""
+    try:
+        _, _, embed = message.decode()
+        if not isinstance(embed, dict):
+            return None
+        if (message.delivery_info or {}).get("routing_key") in PUBLIC_QUEUES:
+            intake.check_canvas(embed)
+    except Exception:
+        return None
+    parts = {key: embed.get(key) for key in ("callbacks", "errbacks", "chain", "chord")}
+    return Context({**message.headers, **parts})
 
 
 def _field(message: Any, body: Any, key: str) -> Any:

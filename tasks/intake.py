@@ -214,7 +214,7 @@ def _check(message: Any, tasks: Any, public_queue: bool | None) -> None:
             f"{name}: its arguments nest deeper than {MAX_DEPTH} levels; send flat JSON"
         )
     if public_queue:
-        _check_canvas(embed)
+        check_canvas(embed)
     bind(task, args, kwargs)
     inspect_arguments = getattr(task, "intake", None)
     if inspect_arguments is not None:
@@ -226,7 +226,7 @@ _CANVAS = frozenset({"celery.chain", "celery.group", "celery.chord"})
 _ROUTING_OPTIONS = ("queue", "exchange", "routing_key")
 
 
-def _check_canvas(embed: Any) -> None:
+def check_canvas(embed: Any) -> None:
     """Refuse a caller's call whose callbacks, errbacks, chain or chord would make a fleet
     process send what a caller may not: the worker that ends a call sends what comes next
     as the fleet, so each signature there must name a public task, route to a public queue

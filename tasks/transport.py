@@ -257,6 +257,17 @@ class Channel(kombu_redis.Channel):
             client = self._sync_client = super()._create_client()  # type: ignore[no-untyped-call]
         return client
 
+    def _size(self, queue: str) -> int:
+        """kombu's count of `queue`'s messages (its declaration asks for it), after
+        repairing its keys when a caller broke one (`repair_queue_keys`)."""
+        try:
+            return int(super()._size(queue))  # type: ignore[no-untyped-call]
+        except ResponseError as exc:
+            if "WRONGTYPE" not in str(exc):
+                raise
+            repair_queue_keys(self._create_client(), self._lists([queue]))
+            return int(super()._size(queue))  # type: ignore[no-untyped-call]
+
     @property
     def _takes_in_flight(self) -> bool:
         # kombu prefixes only the commands it sends itself: the script, BLMOVE, LMOVE and
@@ -363,7 +374,7 @@ class Channel(kombu_redis.Channel):
                 self.client.connection.disconnect()
                 raise
             except ResponseError as exc:
-                if not str(exc).startswith("WRONGTYPE") or not repair_queue_keys(self.client, keys):
+                if "WRONGTYPE" not in str(exc) or not repair_queue_keys(self.client, keys):
                     raise
                 raise Empty() from None  # a queue's key held a set or a string: take again
             self._idle = reply is None and kind == "EVALSHA"

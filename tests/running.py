@@ -46,6 +46,7 @@ class RunningFleet:
     lines: list[str]  # what `gpufleet up` printed on stdout until it was ready
     fleet_url: str = ""  # the fleet's own user (its connection file)
     operator_url: str = ""
+    log: Path | None = None  # where its processes' logs go, when the test asked
 
     def infer(self, model: str, inputs: Any, timeout: float = 120) -> dict[str, Any]:
         result: dict[str, Any] = self.client.send_task("gpufleet.infer", args=(model, inputs)).get(
@@ -148,7 +149,7 @@ def fleet_up(
         known = read_connection(connection_path(Path(env["GPUFLEET_HOME"]).expanduser(), fleet))
         assert known is not None and known.caller == url, (known, url)
         registry = Registry.from_url(known.fleet, fleet)
-        yield RunningFleet(proc, url, client, registry, lines, known.fleet, known.operator)
+        yield RunningFleet(proc, url, client, registry, lines, known.fleet, known.operator, log)
         registry.client.close()
     finally:
         stop(proc)
