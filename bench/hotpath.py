@@ -440,10 +440,8 @@ def run(calls: int, warmup: int, model_mib: int, directory: Path, gpu: bool) -> 
 
         from bench.router import pid_of, plain_client
 
-        settings = Settings.from_env()
-        plain = plain_client(
-            settings.broker_url, settings.result_backend, settings.visibility_timeout
-        )
+        settings = Settings.from_env()  # a plain client holds the caller's URL (placement.acl)
+        plain = plain_client(fleet.caller_url, fleet.caller_url, settings.visibility_timeout)
 
         def plain_send() -> AsyncResult:
             return plain.send_task("gpufleet.infer", args=(MODEL, INPUTS))

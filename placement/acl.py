@@ -55,14 +55,14 @@ _OPERATOR_RULES = f"~* resetchannels -@all {_CONNECTION} +@read -keys +time"
 #: grants one command group on the keys it needs.
 _CALLER_RULES_7 = (
     f"resetkeys {_PUBLIC_QUEUE_KEYS} resetchannels &celery-task-meta-* -@all {_CONNECTION} "
-    f"+lpush +llen +subscribe +unsubscribe (+sadd {_DECLARE_KEYS}) (+get +mget {_RESULT_KEYS}) "
-    f"(+set +del ~celery-taskset-meta-*)"
+    f"+lpush +llen +subscribe +unsubscribe (+sadd +smembers {_DECLARE_KEYS}) "
+    f"(+get +mget {_RESULT_KEYS}) (+set +del ~celery-taskset-meta-*)"
 )
 #: Redis 6.2: one set of keys for all of its commands (see the module).
 _CALLER_RULES_6 = (
     f"resetkeys {_PUBLIC_QUEUE_KEYS} {_DECLARE_KEYS} {_RESULT_KEYS} "
     f"resetchannels &celery-task-meta-* -@all {_CONNECTION} "
-    f"+lpush +llen +sadd +get +mget +subscribe +unsubscribe"
+    f"+lpush +llen +sadd +smembers +get +mget +subscribe +unsubscribe"
 )
 
 

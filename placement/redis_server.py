@@ -202,6 +202,11 @@ class RedisServer:
         return self._proc.pid
 
     @property
+    def binary(self) -> str:
+        """The redis-server it runs."""
+        return self._binary or find_redis_server()
+
+    @property
     def password(self) -> str | None:
         return self._password
 
@@ -245,7 +250,7 @@ class RedisServer:
             return self
         if self._proc is not None:  # it died on its own: clean up, then start afresh
             self.stop()
-        binary = self._binary or find_redis_server()
+        binary = self.binary
         attempts = 1 if self._requested_port is not None else _PORT_ATTEMPTS
         for attempt in range(1, attempts + 1):
             port = self._requested_port or _free_port()

@@ -179,12 +179,18 @@ def _redelivered(task: Task) -> bool:
 
 
 def _on_its_way(task: Task) -> bool:
-    """Whether a call given back to the router is answered already, or on its way in
-    another message (tasks.presence.on_its_way): then routing it again runs it twice."""
+    """`elsewhere`, for the call `task` runs."""
     task_id = task.request.id
-    if not task_id or _answered(task_id):
-        return bool(task_id)
     tag = str((task.request.delivery_info or {}).get("delivery_tag") or "")
+    return bool(task_id) and elsewhere(task_id, tag)
+
+
+def elsewhere(task_id: str, tag: str) -> bool:
+    """Whether a call given back to the router (its message's delivery tag `tag`) is
+    answered already, or on its way in another message (tasks.presence.on_its_way): then
+    routing it again runs it twice."""
+    if _answered(task_id):
+        return True
     try:
         return presence.on_its_way(_broker(), task_id, tag)
     except redis.RedisError:
@@ -198,6 +204,11 @@ def _broker() -> redis.Redis:
     return redis.Redis.from_url(
         context.settings().broker_url, socket_timeout=10, socket_connect_timeout=10
     )
+
+
+def release_hold(registry: Registry, model: str, call: str) -> None:
+    """Forget that a router held `call` (a dead router may have, before it was given back)."""
+    _hold(registry, model, call, False)
 
 
 def _hold(registry: Registry, model: str, call: str, held: bool) -> None:

@@ -217,6 +217,28 @@ def _no_fleet(s: Settings) -> Callable[[], None]:
 
 
 @app.command()
+def acl(
+    url: Annotated[
+        str, typer.Argument(help="Your Redis, as the fleet reaches it, e.g. redis://host:6379/1.")
+    ],
+    redis_major: Annotated[
+        int, typer.Option("--redis", help="The Redis major version (7 or later: selectors).")
+    ] = 7,
+) -> None:
+    """Print an ACL file with the fleet's users (fresh passwords) for a Redis of yours, and,
+    on stderr, the URL each user takes; load it with `aclfile` (docs/deploy.md, "Security")."""
+    import secrets
+
+    from placement.acl import USERS, Users, acl_lines, user_url
+
+    users = Users(*(secrets.token_hex(24) for _ in USERS))
+    for user in USERS:
+        err.print(f"{user}: {user_url(url, user, users.password(user))}", highlight=False)
+    for line in acl_lines(users, redis_major):
+        typer.echo(line)
+
+
+@app.command()
 def infer(
     model: Annotated[str, typer.Argument(help="A model of the catalog.")],
     text: Annotated[str, typer.Argument(help="The input text.")],

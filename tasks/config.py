@@ -10,6 +10,7 @@ import ssl
 from typing import Any
 
 from placement.config import Settings
+from tasks import results
 
 ROUTER_QUEUE = "celery"  # Celery's default: a client that imports nothing reaches the router
 #: The router's second queue, which only fleet processes write: calls a GPU worker routes
@@ -35,7 +36,7 @@ def celery_conf(settings: Settings) -> dict[str, Any]:
     conf: dict[str, Any] = {
         "broker_url": settings.broker_url,
         "broker_transport": "tasks.transport:Transport",  # redis(s):// that loses no message
-        "result_backend": settings.result_backend,
+        "result_backend": results.backend_url(settings.result_backend),
         # JSON only: pickle is refused on the way in and on the way out.
         "task_serializer": "json",
         "result_serializer": "json",
@@ -58,8 +59,8 @@ def celery_conf(settings: Settings) -> dict[str, Any]:
         "worker_send_task_events": True,
         "broker_connection_retry_on_startup": True,
         "result_expires": 24 * 3600,
-        # No arguments in stored results: a refused 50 MB call must not keep its 50 MB there.
-        "result_extended": False,
+        # Name, queue and worker in stored results, never the call's arguments (tasks.results).
+        "result_extended": True,
         # A result stored while Redis restarts is retried, not lost (about half a minute).
         # A broker restart (the launcher restarts its Redis in about a second) must not fail
         # the calls that publish meanwhile: routed calls are published from inside tasks.

@@ -12,10 +12,13 @@ same transaction. The call is then exactly a fast-path call: same task id, name 
 so the caller's AsyncResult yields the GPU worker's answer, and Flower sees it received
 and answered there. Celery's strategy skips it (it is acknowledged already).
 
+A call given back after a router died is looked for elsewhere first (`tasks.api.elsewhere`:
+two or three reads), so that a call already answered or on its way is not run twice, nor
+a flood of messages a caller marked redelivered held in the pool.
+
 Everything else takes Celery's path: a bad call (the consumer refuses it, `tasks.intake`),
-and to the pool a miss, a revoked call, a call with an ETA, a retry, a
-call given back after a router died (which must be looked for elsewhere first,
-`tasks.api`), and any call the registry could not lease. A move that did not happen ends
+and to the pool a miss, a revoked call, a call with an ETA, a retry, a given-back call
+found elsewhere, and any call the registry could not lease. A move that did not happen ends
 its lease, and the call waits in the in-flight list, which the reconnecting consumer puts
 back first in line. A router killed at any point leaves the call in its in-flight list or
 on the GPU worker's queue, never both (a lease it took lapses at its deadline). The
@@ -34,7 +37,7 @@ from typing import Any
 from celery.worker import state as worker_state
 
 from placement.errors import GpufleetError
-from tasks import context, intake, leases
+from tasks import api, context, intake, leases
 from tasks.app import app
 from tasks.calls import counted_in, infer_arguments
 from tasks.transport import Onward
@@ -70,13 +73,20 @@ class Forwarder:
         if plain is None:
             return None
         model, counted = plain
+        task_id = message.headers["id"]
+        given_back = bool((message.delivery_info or {}).get("redelivered"))
+        if given_back and api.elsewhere(task_id, str(message.delivery_tag)):
+            return None  # the pool drops it: its answer comes from elsewhere
+        registry = context.registry()
         try:
-            lease = context.registry().pick(model, path="" if counted else "router")
+            lease = registry.pick(model, path="" if counted else "router")
         except GpufleetError:
             log.warning("could not look for a HOT replica of %s; routing the call", model)
             return None
         if lease is None:
             return None  # a miss: the pool places the model
+        if given_back:
+            api.release_hold(registry, model, task_id)
         headers = dict(message.headers)
         headers[leases.HEADER] = leases.header(lease)
         headers[leases.COUNTED_HEADER] = True  # counted by this pick (or before)
@@ -91,7 +101,7 @@ def plain_call(message: Any) -> tuple[str, bool] | None:
         return None  # message protocol 1, or another task
     if headers.get(leases.HEADER) or headers.get("eta") or headers.get("retries"):
         return None
-    if (message.delivery_info or {}).get("redelivered") or message.content_type != JSON:
+    if message.content_type != JSON:
         return None
     if headers.get("id") in worker_state.revoked:
         return None  # Celery's strategy drops it and says so

@@ -1,4 +1,12 @@
-"""A batch's results, read together: one read for the whole batch, then Celery's writes.
+"""The fleet's result backend: Celery's Redis backend, whose results never copy a call's
+arguments; and a batch's results, read together.
+
+`result_extended` stores each result with its task's name, queue and worker, which callers
+read (`AsyncResult.name`, `.queue`), and with its arguments, which no caller needs back: a
+refused 50 MB call then kept its 50 MB in Redis for a day. `Backend` leaves them out, so a
+result holds what its call returned, or its short error.
+
+A batch's results, read together: one read for the whole batch, then Celery's writes.
 
 Celery's Redis result backend reads each task's stored meta before it writes the task's
 result (so that a lost worker's duplicate never overwrites a success), then writes it
@@ -25,6 +33,21 @@ from typing import Any
 from celery.backends.redis import RedisBackend
 
 log = logging.getLogger(__name__)
+
+
+class Backend(RedisBackend):
+    """Celery's Redis result backend, less the call's arguments in each result (above)."""
+
+    def _get_result_meta(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        meta: dict[str, Any] = super()._get_result_meta(*args, **kwargs)
+        meta.pop("args", None)
+        meta.pop("kwargs", None)
+        return meta
+
+
+def backend_url(url: str) -> str:
+    """`url` (redis:// or rediss://) as the `result_backend` setting that picks `Backend`."""
+    return f"{Backend.__module__}:{Backend.__name__}+{url}"
 
 
 @contextmanager

@@ -47,6 +47,16 @@ class RunningFleet:
     fleet_url: str = ""  # the fleet's own user (its connection file)
     operator_url: str = ""
     log: Path | None = None  # where its processes' logs go, when the test asked
+    _inside: Celery | None = None
+
+    @property
+    def inside(self) -> Celery:
+        """A Celery client with the fleet's own user: Celery's remote control (inspect,
+        ping) and the fleet's internal queues, which a caller's user may not reach."""
+        if self._inside is None:
+            self._inside = Celery(broker=self.fleet_url, backend=self.fleet_url)
+            self._inside.conf.update(task_serializer="json", accept_content=["json"])
+        return self._inside
 
     def infer(self, model: str, inputs: Any, timeout: float = 120) -> dict[str, Any]:
         result: dict[str, Any] = self.client.send_task("gpufleet.infer", args=(model, inputs)).get(
@@ -76,7 +86,7 @@ class RunningFleet:
         """The most calls any worker reports running at once. `workers` is how many the
         fleet has (a router and one GPU worker): inspect returns when all of them have
         answered, in milliseconds, rather than at its timeout."""
-        inspect = self.client.control.inspect(timeout=2.0, limit=workers)
+        inspect = self.inside.control.inspect(timeout=2.0, limit=workers)
         active: dict[str, list[Any]] = inspect.active() or {}
         return max((len(calls) for calls in active.values()), default=0)
 

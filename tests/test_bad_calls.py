@@ -134,17 +134,20 @@ FORGED = ["celery.backend_cleanup", "celery.chord_unlock", "celery.map", "no.suc
 def test_a_forged_celery_builtin_task_gets_a_stored_error_and_the_fleet_keeps_serving(
     fleet: RunningFleet,
 ) -> None:
-    """Only `gpufleet.*` tasks run, on the router and on a GPU worker alike."""
+    """Only `gpufleet.*` tasks run, on the router and on a GPU worker alike (a GPU queue
+    takes only what the fleet's own user sends, but it refuses the rest too)."""
     app = client(fleet)
     # A call of `a` puts a replica on the GPU worker, whose queue the ledger then names.
     assert app.send_task("gpufleet.infer", args=("a", "before")).get(timeout=60)["model"] == "a"
     gpu_queues = {d.queue for d in fleet.registry.snapshot().replicas("a") if d.queue}
     assert len(gpu_queues) == 1, gpu_queues
-    sent = [(name, "celery") for name in FORGED] + [("celery.backend_cleanup", gpu_queues.pop())]
-    for name, queue in sent:
+    inside = Celery(broker=fleet.fleet_url, backend=fleet.fleet_url)  # only it writes GPU queues
+    sent = [(app, name, "celery") for name in FORGED]
+    sent += [(inside, "celery.backend_cleanup", gpu_queues.pop())]
+    for sender, name, queue in sent:
         started = time.monotonic()
         with pytest.raises(Exception) as err:
-            app.send_task(name, args=(), queue=queue).get(timeout=ANSWER_S)
+            sender.send_task(name, args=(), queue=queue).get(timeout=ANSWER_S)
         message = str(err.value)
         assert type(err.value).__name__ == "PayloadError", (name, queue, message[:500])
         assert f"{name!r} is not one of them" in message

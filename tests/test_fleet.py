@@ -201,7 +201,8 @@ def test_fast_path_calls_leave_no_lease_behind_with_own_headers_or_when_expired(
         print(json.dumps({"queue": routed["queue"], "result": result, "late": late_state}))
         """
     )
-    out = run_client(script, cwd=REPO, redis_url=fleet_up.url)  # a client importing tasks.app
+    # a client importing tasks.app, with the fleet's own user (the fast path leases)
+    out = run_client(script, cwd=REPO, redis_url=fleet_up.running.fleet_url)
     assert out["queue"].startswith("gpufleet.")  # a GPU worker's queue, not the router's
     assert out["result"]["model"] == "leased"
     assert out["late"] == "revoked"
@@ -231,7 +232,8 @@ def test_status_counts_the_project_clients_fast_calls_apart_from_a_plain_clients
         print(json.dumps({}))
         """
     )
-    run_client(script, cwd=REPO, redis_url=fleet_up.url)  # a client importing tasks.app
+    # a client importing tasks.app, with the fleet's own user (the fast path leases)
+    run_client(script, cwd=REPO, redis_url=fleet_up.running.fleet_url)
     for _ in range(2):
         fleet_up.infer("paths", "plain")  # no routing hook: every call goes to the router
     report = fleet_up.client.send_task("gpufleet.status").get(timeout=30)
@@ -244,7 +246,7 @@ def test_a_plain_clients_calls_for_a_hot_model_are_forwarded_by_the_router_not_r
     fleet_up: Fleet,
 ) -> None:
     def router_ran() -> int:
-        stats = fleet_up.client.control.inspect(timeout=2.0).stats() or {}
+        stats = fleet_up.running.inside.control.inspect(timeout=2.0).stats() or {}
         (router,) = [s for node, s in stats.items() if node.startswith("router@")]
         return int(router.get("total", {}).get("gpufleet.infer", 0))
 
@@ -434,7 +436,8 @@ def test_a_call_that_reaches_an_evicted_replica_is_routed_again_not_failed(
     # A call already on its way to that worker for that replica, as the router sent it:
     stale = {"model": "c", "inputs": "x", "params": None, "replica": first["replica"],
              "cache": "hot", "sent_ms": 0}  # fmt: skip
-    result = fleet_up.client.send_task("gpufleet.run", args=(stale,), queue=queue).get(timeout=120)
+    inside = fleet_up.running.inside  # only the fleet writes a GPU worker's queue
+    result = inside.send_task("gpufleet.run", args=(stale,), queue=queue).get(timeout=120)
     assert result["outputs"] == first["outputs"]
     assert result["cache"] == "warm"  # the router restored the offloaded copy
     assert fleet_up.registry.stats()["c"] == counted  # counted when first routed, not again
