@@ -19,6 +19,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from placement.acl import Users
 from placement.errors import ConfigError, RegistryError
 from placement.redis_server import RedisServer, find_redis_server
 
@@ -316,3 +317,27 @@ def test_the_redis_client_fixture_talks_to_the_session_server(
 def test_each_test_gets_its_own_fleet_name(fleet: str) -> None:
     assert fleet.startswith("t-")
     assert len(fleet) == len("t-") + 12
+
+
+# -- memory and users ------------------------------------------------------------------
+
+
+def test_a_memory_cap_refuses_writes_past_it_and_evicts_nothing() -> None:
+    with RedisServer(maxmemory=8 * 2**20) as srv:
+        client = redis.Redis.from_url(srv.url)
+        assert client.config_get("maxmemory-policy") == {"maxmemory-policy": "noeviction"}
+        client.set("queued call", "kept", ex=3600)  # with a TTL: what volatile-* would evict
+        with pytest.raises(redis.exceptions.OutOfMemoryError):
+            for i in range(64):
+                client.set(f"filler-{i}", "x" * 2**20)
+        assert client.get("queued call") == b"kept"
+        client.close()
+
+
+def test_with_users_the_url_is_the_fleets_and_the_password_file_holds_only_digests() -> None:
+    users = Users(fleet="fleet-pw", operator="operator-pw", caller="caller-pw")
+    with RedisServer(users=users) as srv:
+        assert srv.url == f"redis://fleet:fleet-pw@127.0.0.1:{srv.port}/0"
+        assert redis.Redis.from_url(srv.url_for("caller")).ping() is True
+        conf = srv.log_path.with_name("redis.conf").read_text()
+        assert "user caller" in conf and "caller-pw" not in conf and "fleet-pw" not in conf
