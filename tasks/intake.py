@@ -166,7 +166,7 @@ def _envelope_problem(payload: dict[str, Any]) -> str:
     return ""
 
 
-def check(message: Any, tasks: Any, public_queue: bool | None = None) -> None:
+def check(message: Any, tasks: Any) -> None:
     """Step 2 of the module for a message the transport took: raise the `GpufleetError`
     its caller should get, or return when it may run. `tasks` is the app's task registry.
     A message's verdict is kept on it, so the router's forwarder and Celery's strategy
@@ -174,7 +174,7 @@ def check(message: Any, tasks: Any, public_queue: bool | None = None) -> None:
     verdict = getattr(message, "_gpufleet_verdict", None)
     if verdict is None:
         try:
-            _check(message, tasks, public_queue)
+            _check(message, tasks)
             verdict = ()
         except GpufleetError as exc:
             verdict = (exc,)
@@ -185,7 +185,7 @@ def check(message: Any, tasks: Any, public_queue: bool | None = None) -> None:
         raise verdict[0]
 
 
-def _check(message: Any, tasks: Any, public_queue: bool | None) -> None:
+def _check(message: Any, tasks: Any) -> None:
     headers = message.headers
     name = headers.get("task")
     if name is None or headers.get("id") is None:
@@ -193,8 +193,7 @@ def _check(message: Any, tasks: Any, public_queue: bool | None) -> None:
             "gpufleet takes Celery's message protocol 2 only (the default since Celery 4): "
             "send the call with a Celery client, protocol 2"
         )
-    if public_queue is None:
-        public_queue = (message.delivery_info or {}).get("routing_key") in PUBLIC_QUEUES
+    public_queue = (message.delivery_info or {}).get("routing_key") in PUBLIC_QUEUES
     if public_queue and name.startswith("gpufleet.") and name not in PUBLIC_TASKS:
         raise PayloadError(
             f"{name} is the fleet's own task and runs only when the fleet sends it; callers "
