@@ -16,7 +16,7 @@ file for a Redis of your own):
   key). Redis 6.2 has no selectors: there every command it has reaches every key it may
   touch, so it gets no SET or DEL (no chords), and SADD, which declaring a queue needs,
   also reaches the empty queue itself; a router repairs a queue key that is not a list
-  (`tasks.transport.repair_queue_keys`).
+  as it next takes from it (`tasks.transport.repair_queue_keys`).
 - `operator`, for `gpufleet status` and `gpufleet metrics`: read-only commands on every
   key; no writes, no channels, no admin commands.
 - `fleet`, for the fleet's own processes (router, GPU workers, Flower, the launcher):
@@ -40,10 +40,11 @@ OPERATOR = "operator"
 CALLER = "caller"
 USERS = (FLEET, OPERATOR, CALLER)
 
-#: The router's public queue and its priority lists (kombu names them `celery\x06\x16N`;
-#: `[^!-~]` matches that first control byte and no printable one, so `celery-task-meta-*`,
-#: `celeryev` and the in-flight lists `celery.inflight.*` stay out).
-_PUBLIC_QUEUE_KEYS = "~celery ~celery[^!-~]*"
+#: The router's public queue and its priority lists, exactly: kombu names them
+#: `celery\x06\x16N`, N a digit. `[^!-~]` matches a control byte and no printable one (an
+#: ACL file has no escapes), so `celery-task-meta-*`, `celeryev`, and every in-flight list
+#: (`celery.inflight.<node>`, `celery\x06\x163.inflight.<node>`) stay out.
+_PUBLIC_QUEUE_KEYS = "~celery ~celery[^!-~][^!-~][0-9]"
 #: What Celery's client declares before it sends to `celery` (kombu 5.7 writes the second).
 _DECLARE_KEYS = "~_kombu.binding.celery ~_kombu.binding_permanent.celery"
 _RESULT_KEYS = "~celery-task-meta-* ~celery-taskset-meta-*"

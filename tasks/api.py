@@ -20,7 +20,7 @@ from typing import Any, NoReturn
 import redis
 from celery import Task, states
 from celery.exceptions import Ignore, Retry
-from celery.signals import worker_init, worker_process_init
+from celery.signals import worker_process_init
 
 from placement.catalog import ModelSpec
 from placement.errors import (
@@ -38,10 +38,9 @@ from placement.registry import DEFAULT_REQUEST_LEASE_MS, Lease, Registry
 from placement.state import LEAVING, RESERVING, Candidate, Level, Plan
 from tasks import context, leases, metrics, presence
 from tasks.app import app
-from tasks.calls import Call, counted_of, fast_call, hops_of, infer_arguments, time_limits_of
-from tasks.config import INTERNAL_QUEUE, ROUTER_QUEUE
+from tasks.calls import Call, counted_of, fast_call, hops_of, time_limits_of
+from tasks.config import INTERNAL_QUEUE
 from tasks.intake import is_name
-from tasks.transport import repair_queue_keys
 from worker.handlers import validate
 
 log = logging.getLogger(__name__)
@@ -54,13 +53,12 @@ PLACE_ATTEMPTS = 3  # placements in a row that moved on before the call pinned o
 EVICT_WAIT_S = 10.0  # how long `gpufleet.evict` waits for workers to settle their moves
 
 
-def _infer_intake(headers: dict[str, Any], args: Any, kwargs: Any) -> None:
+def _infer_intake(headers: dict[str, Any], arguments: dict[str, Any]) -> None:
     """What the consumer checks of a `gpufleet.infer` before it runs (`tasks.intake`): a
     catalog model, a payload its task takes, and a lease header the fleet wrote."""
-    model, inputs, params = infer_arguments(*args, **kwargs)
-    spec = context.catalog().get(model)
-    validate(spec.task, inputs, params)
-    leases.from_header(model, headers.get(leases.HEADER))
+    spec = context.catalog().get(arguments["model"])
+    validate(spec.task, arguments["inputs"], arguments["params"])
+    leases.from_header(spec.name, headers.get(leases.HEADER))
 
 
 @app.task(name="gpufleet.infer", bind=True, intake=staticmethod(_infer_intake))
@@ -247,7 +245,7 @@ def _announce(task: Task, plan: Plan) -> None:
         log.warning("could not announce the placement of %s", plan.replica, exc_info=True)
 
 
-def _deploy_arguments(model: Any, replicas: Any = 1, dedicated: Any = None) -> ModelSpec:
+def _deploy_arguments(model: Any, replicas: Any, dedicated: Any) -> ModelSpec:
     """The model a `gpufleet.deploy` names, once its arguments are checked."""
     spec = context.catalog().get(model)
     cap = spec.max_replicas or context.settings().max_replicas
@@ -266,7 +264,9 @@ def _deploy_arguments(model: Any, replicas: Any = 1, dedicated: Any = None) -> M
 @app.task(
     name="gpufleet.deploy",
     bind=True,
-    intake=staticmethod(lambda headers, args, kwargs: _deploy_arguments(*args, **kwargs)),
+    intake=staticmethod(
+        lambda headers, a: _deploy_arguments(a["model"], a["replicas"], a["dedicated"])
+    ),
 )
 def deploy(
     self: Task, model: str, replicas: int = 1, dedicated: bool | None = None
@@ -321,7 +321,7 @@ def deploy(
     }
 
 
-def _evict_arguments(model: Any, replica: Any = None) -> None:
+def _evict_arguments(model: Any, replica: Any) -> None:
     """Raise what is wrong with a `gpufleet.evict`'s arguments."""
     context.catalog().get(model)
     if replica is not None and not is_name(replica):
@@ -332,7 +332,7 @@ def _evict_arguments(model: Any, replica: Any = None) -> None:
 
 @app.task(
     name="gpufleet.evict",
-    intake=staticmethod(lambda headers, args, kwargs: _evict_arguments(*args, **kwargs)),
+    intake=staticmethod(lambda headers, a: _evict_arguments(a["model"], a["replica"])),
 )
 def evict(model: str, replica: str | None = None) -> dict[str, Any]:
     """Drain, then offload (or drop) one replica of `model`, or all of them.
@@ -367,22 +367,6 @@ def status() -> dict[str, Any]:
     return metrics.full_status(context.registry(), context.settings().broker_url)
 
 
-@worker_init.connect
-def _repair_public_queues(**_: Any) -> None:
-    """A router repairs the public queue's keys before it consumes (see `_sweep_public`)."""
-    if context.role() == "router":
-        _sweep_public(_broker())
-
-
-def _sweep_public(broker: redis.Redis) -> None:
-    """Delete a public queue key that a caller made a set or a string (Redis 6.2 lets its
-    SADD reach it: `tasks.transport.repair_queue_keys`); never fail over it."""
-    try:
-        repair_queue_keys(broker, presence.lists(ROUTER_QUEUE))
-    except redis.RedisError:
-        log.warning("could not check the public queue's keys", exc_info=True)
-
-
 @worker_process_init.connect
 def _start_sweeper(**_: Any) -> None:
     """Routers reap dead workers and settle lapsed drains in the background."""
@@ -393,7 +377,6 @@ def _start_sweeper(**_: Any) -> None:
         broker = _broker()
         while True:
             time.sleep(SWEEP_EVERY_S)
-            _sweep_public(broker)
             try:
                 registry = context.registry()
                 swept = registry.sweep()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, replace
+from dataclasses import MISSING, asdict, dataclass, fields, replace
 from typing import Any
 
 from celery.canvas import Signature
@@ -161,7 +161,7 @@ _FIELDS: dict[str, Callable[[Any], bool]] = {
     "hops": is_count,
     "epoch": is_count,
 }
-_REQUIRED = ("model", "inputs", "params", "replica", "cache", "sent_ms")
+_REQUIRED = tuple(f.name for f in fields(Call) if f.default is MISSING)
 
 
 def fast_call(model: Any, inputs: Any, params: Any, header: Any, hops: int) -> Call | None:

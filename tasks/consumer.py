@@ -37,9 +37,9 @@ full batches: one running, the next one gathering.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
-from celery.app.task import Context
 from celery.exceptions import InvalidTaskError
 from celery.worker.consumer import Consumer as CeleryConsumer
 from kombu.exceptions import ContentDisallowed, DecodeError
@@ -47,8 +47,7 @@ from kombu.exceptions import ContentDisallowed, DecodeError
 from placement.errors import GpufleetError, PayloadError
 from tasks import context, forwarding, intake
 from tasks.batching import Batcher
-from tasks.config import PUBLIC_QUEUES
-from tasks.intake import PUBLIC_TASKS
+from tasks.intake import PUBLIC_TASKS, is_name
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +145,11 @@ class Consumer(CeleryConsumer):
         """Answer a message that may not run with `error`, and drop it (acknowledged)."""
         task_id = message.headers.get("id")
         log.warning("refused call %.60s of %.80r: %s", task_id, message.headers.get("task"), error)
-        self._fail(task_id, error, _request_of(message))
+        self._fail(task_id, error, _chained_ids(message))
+        self._dropped(message, task_id, error)
+
+    def _dropped(self, message: Any, task_id: Any, error: GpufleetError) -> None:
+        """Acknowledge a refused message, and tell Flower its call failed."""
         message.ack_log_error(log, self.connection_errors)
         if self.event_dispatcher and isinstance(task_id, str):
             self.event_dispatcher.send(
@@ -175,11 +178,7 @@ class Consumer(CeleryConsumer):
             f"one of them: send one of those by name"
         )
         self._fail(task_id, refused)
-        message.ack_log_error(log, self.connection_errors)
-        if self.event_dispatcher and isinstance(task_id, str):
-            self.event_dispatcher.send(
-                "task-failed", uuid=task_id, exception=f"PayloadError({str(refused)!r})"
-            )
+        self._dropped(message, task_id, refused)
 
     def on_invalid_task(self, body: Any, message: Any, exc: Exception) -> None:
         self._unreadable(message, exc)
@@ -193,32 +192,30 @@ class Consumer(CeleryConsumer):
         refused = intake.unreadable(exc, getattr(message, "content_type", "?"))
         self._fail(_field(message, None, "id"), refused)
 
-    def _fail(self, task_id: Any, refused: GpufleetError, request: Context | None = None) -> None:
-        """Store `refused` as the result of call `task_id`, so its caller learns at once;
-        with the call's `request`, also as the result of the calls chained after it and as
-        its part of a chord, as Celery does for a task that fails (never its errbacks)."""
-        if not isinstance(task_id, str) or not task_id:
-            return
-        try:
-            self.app.backend.mark_as_failure(task_id, refused, request=request, call_errbacks=False)
-        except Exception:  # the message is dropped either way; say why in the log
-            log.warning("could not store the refusal of call %s", task_id, exc_info=True)
+    def _fail(self, task_id: Any, refused: GpufleetError, chained: Sequence[Any] = ()) -> None:
+        """Store `refused` as the result of call `task_id`, so its caller learns at once,
+        and of the calls `chained` after it, which will not run either (as Celery fails a
+        chain after a failed task). Never a chord's part nor an errback: Celery runs those
+        inside the worker, and what a refused call carries may not run there."""
+        for failed in (task_id, *chained):
+            if not is_name(failed):
+                continue
+            try:
+                self.app.backend.mark_as_failure(failed, refused, call_errbacks=False)
+            except Exception:  # the message is dropped either way; say why in the log
+                log.warning("could not store the refusal of call %s", failed, exc_info=True)
 
 
-def _request_of(message: Any) -> Context | None:
-    """The chain and chord a refused call belongs to, as Celery's backend reads them to
-    fail what waits on it; None where they cannot be read, or are a caller's that may not
-    run (`tasks.intake.check_canvas`: failing a chord part can send the chord's body)."""
+def _chained_ids(message: Any) -> list[Any]:
+    """The task ids of the calls chained after a refused call (its body's `chain`; `_fail`
+    skips what is no id)."""
     try:
         _, _, embed = message.decode()
-        if not isinstance(embed, dict):
-            return None
-        if (message.delivery_info or {}).get("routing_key") in PUBLIC_QUEUES:
-            intake.check_canvas(embed)
-    except Exception:
-        return None
-    parts = {key: embed.get(key) for key in ("callbacks", "errbacks", "chain", "chord")}
-    return Context({**message.headers, **parts})
+        chain = embed.get("chain") if isinstance(embed, dict) else None
+        steps = [step.get("options") for step in chain or () if isinstance(step, dict)]
+        return [o.get("task_id") for o in steps if isinstance(o, dict)]
+    except Exception:  # nothing chained that can be read
+        return []
 
 
 def _field(message: Any, body: Any, key: str) -> Any:

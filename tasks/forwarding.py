@@ -13,8 +13,9 @@ so the caller's AsyncResult yields the GPU worker's answer, and Flower sees it r
 and answered there. Celery's strategy skips it (it is acknowledged already).
 
 A call given back after a router died is looked for elsewhere first (`tasks.api.elsewhere`:
-two or three reads), so that a call already answered or on its way is not run twice, nor
-a flood of messages a caller marked redelivered held in the pool.
+its result, then every queue and in-flight list), so that a call already answered or on
+its way is not run twice, and messages a caller marked redelivered are not held in the
+pool.
 
 Everything else takes Celery's path: a bad call (the consumer refuses it, `tasks.intake`),
 and to the pool a miss, a revoked call, a call with an ETA, a retry, a given-back call

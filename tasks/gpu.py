@@ -160,10 +160,10 @@ def limits_of(model: str) -> BatchLimits:
     return spec.batch_limits(context.settings().batch)
 
 
-def _run_intake(headers: dict[str, Any], args: Any, kwargs: Any) -> None:
+def _run_intake(headers: dict[str, Any], arguments: dict[str, Any]) -> None:
     """What the consumer checks of a `gpufleet.run` (`tasks.intake`): every field of its
     call, and its lease header."""
-    call = Call.from_json(args[0] if args else kwargs["call"])
+    call = Call.from_json(arguments["call"])
     leases.from_header(call.model, headers.get(leases.HEADER))
 
 

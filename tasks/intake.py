@@ -30,11 +30,13 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from kombu.utils.json import loads
 
 from placement.errors import GpufleetError, PayloadError, describe
+from tasks import context
 from tasks.config import PUBLIC_QUEUES
 
 #: What callers may send; the other `gpufleet.*` tasks (`gpufleet.run`, `gpufleet.scale`)
@@ -214,22 +216,27 @@ def _check(message: Any, tasks: Any) -> None:
         )
     if public_queue:
         check_canvas(embed)
-    bind(task, args, kwargs)
-    inspect_arguments = getattr(task, "intake", None)
-    if inspect_arguments is not None:
-        inspect_arguments(headers, args, kwargs)
+        _check_eta(headers.get("eta"))
+    arguments = bind(task, args, kwargs)
+    check_arguments = getattr(task, "intake", None)
+    if check_arguments is not None:
+        check_arguments(headers, arguments)
 
 
 #: The canvas primitives a caller's chain, group or chord nests (never run as tasks here).
 _CANVAS = frozenset({"celery.chain", "celery.group", "celery.chord"})
-_ROUTING_OPTIONS = ("queue", "exchange", "routing_key")
+#: What makes Celery run a signature inside the worker rather than send it: an errback of
+#: a task that takes more than one argument is called in place (as is a chord body's, when
+#: a part fails), in whichever process fails the call, its main one included.
+_ERRBACKS = ("errbacks", "link_error")
 
 
 def check_canvas(embed: Any) -> None:
-    """Refuse a caller's call whose callbacks, errbacks, chain or chord would make a fleet
-    process send what a caller may not: the worker that ends a call sends what comes next
-    as the fleet, so each signature there must name a public task, route to a public queue
-    (or be routed by the fleet), and carry no fleet header."""
+    """Refuse a caller's call whose callbacks, chain or chord would make a fleet process do
+    what a caller may not. The worker that ends a call sends what comes next as the fleet,
+    so each signature there must name a public task, be routed by the fleet or to a public
+    queue by name (an exchange would follow bindings a caller may add), and carry no fleet
+    header; and no errback is taken at all (`_ERRBACKS`)."""
     stack = [embed]
     while stack:
         item = stack.pop()
@@ -239,6 +246,13 @@ def check_canvas(embed: Any) -> None:
         if not isinstance(item, dict):
             continue
         stack.extend(item.values())
+        options = item.get("options")
+        options = options if isinstance(options, dict) else {}
+        if any(item.get(key) or options.get(key) for key in _ERRBACKS):
+            raise PayloadError(
+                "a caller's call may not carry errbacks (link_error): Celery runs them inside "
+                "the fleet's worker. Read the call's result for its error instead"
+            )
         name = item.get("task")
         if name is None:
             continue
@@ -247,20 +261,43 @@ def check_canvas(embed: Any) -> None:
                 f"a caller's chain, callback or chord may run only {', '.join(PUBLIC_TASKS)}, "
                 f"not {describe(name)}"
             )
-        options = item.get("options")
-        options = options if isinstance(options, dict) else {}
-        for option in _ROUTING_OPTIONS:
-            value = options.get(option)
-            if value is not None and value not in PUBLIC_QUEUES:
+        queue = options.get("queue")
+        if queue is not None and queue not in PUBLIC_QUEUES:
+            raise PayloadError(
+                f"a caller's chain, callback or chord may send only to the queue "
+                f"{', '.join(sorted(PUBLIC_QUEUES))}, not {describe(queue)}"
+            )
+        for option in ("exchange", "routing_key"):
+            if options.get(option) is not None:
                 raise PayloadError(
-                    f"a caller's chain, callback or chord may send only to the queue "
-                    f"{', '.join(sorted(PUBLIC_QUEUES))}, not {option} {describe(value)}"
+                    f"a caller's chain, callback or chord may not name an {option}: give its "
+                    f"queue ({', '.join(sorted(PUBLIC_QUEUES))}), or none"
                 )
         headers = options.get("headers")
         if isinstance(headers, dict) and any(
             isinstance(h, str) and h.startswith(FLEET_HEADERS) for h in headers
         ):
             raise PayloadError(f"a caller may not set {FLEET_HEADERS}* headers")
+
+
+def _check_eta(eta: str | None) -> None:
+    """Refuse a caller's call to run later than the visibility timeout: a worker holds it
+    (in memory, and unacknowledged in Redis) until then, and the broker gives it to another
+    worker once the timeout passes, so it would run twice."""
+    if eta is None:
+        return
+    try:
+        when = datetime.fromisoformat(eta)
+    except ValueError:
+        raise PayloadError(f"eta {describe(eta)} is no ISO 8601 time") from None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    limit = context.settings().visibility_timeout
+    if when > datetime.now(UTC) + timedelta(seconds=limit):
+        raise PayloadError(
+            f"a call may wait at most the visibility timeout ({limit} s) to run; send it later "
+            f"rather than with a far eta or countdown"
+        )
 
 
 def unreadable(exc: Exception, content_type: Any) -> PayloadError:
@@ -271,18 +308,21 @@ def unreadable(exc: Exception, content_type: Any) -> PayloadError:
     )
 
 
-def bind(task: Any, args: Any, kwargs: Any) -> None:
-    """Raise `PayloadError` when `args` and `kwargs` do not bind to `task`'s signature,
-    naming what it takes."""
+def bind(task: Any, args: Any, kwargs: Any) -> dict[str, Any]:
+    """`args` and `kwargs` by the name of each of `task`'s parameters, defaults filled in;
+    `PayloadError` naming what the task takes when they do not bind. A task's `intake`
+    (a static method: `intake(headers, arguments)`) checks the values."""
     signature = _signatures.get(task.name)
     if signature is None:
         signature = _signatures[task.name] = inspect.signature(task.run)
     try:
-        signature.bind(*args, **kwargs)
+        bound = signature.bind(*args, **kwargs)
     except TypeError as exc:
         raise PayloadError(
             f"{task.name} takes {shown(signature)}: {exc}; send the arguments it names"
         ) from None
+    bound.apply_defaults()
+    return bound.arguments
 
 
 _signatures: dict[str, inspect.Signature] = {}

@@ -442,6 +442,8 @@ def _holdings(
             else:
                 payload = json.loads(old)
         except (ValueError, TypeError):
+            payload = None
+        if not isinstance(payload, dict):
             log.warning("cannot read a message %s held; left where it is", rec.node)
             return None
         if answered is not None and _answered(payload, answered):

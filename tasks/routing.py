@@ -28,6 +28,15 @@ log = logging.getLogger(__name__)
 _told: set[str] = set()  # the fallback reasons this process has warned about
 
 
+class _Rights:
+    """Whether this process's registry URL has a caller's rights, which lease nothing."""
+
+    caller = False
+
+
+_rights = _Rights()
+
+
 def gpu_queue(host: str, indices: list[int]) -> str:
     """The queue of the GPU worker for `indices` on `host`; stable across restarts, so a
     message left by a dead worker reaches its successor (which re-routes it)."""
@@ -38,14 +47,15 @@ def route(
     name: str, args: Any, kwargs: Any, options: dict[str, Any], task: Any = None, **_: Any
 ) -> dict[str, Any] | None:
     """Send a call for a resident model straight to its GPU worker, with a lease."""
-    if name != "gpufleet.infer" or options.get("queue") or "caller" in _told:
+    if name != "gpufleet.infer" or options.get("queue") or _rights.caller:
         return None  # everything else, calls already routed, and a caller's, keep theirs
     model = args[0] if args else (kwargs or {}).get("model")
     if not isinstance(model, str):
         return None
     try:
         lease = context.registry().pick(model, path="fast")
-    except AccessDeniedError:
+    except AccessDeniedError:  # for good: a URL's user keeps its rights
+        _rights.caller = True
         _fall_back("caller", _CALLER)
         return None
     except GpufleetError as exc:

@@ -114,39 +114,29 @@ def scale_in(
     return level, f"replica {replica} is {level.value}"
 
 
-def _scale_arguments(
-    model: Any,
-    why: Any,
-    *,
-    target: Any = None,
-    avoid: Any = None,
-    protect: Any = None,
-    replica: Any = None,
-    epoch: Any = 0,
-    floor: Any = 0,
-) -> None:
-    """Raise `PayloadError` for a `gpufleet.scale` the scaling loop did not write."""
-    context.catalog().get(model)
-    fields = {"why": why, "replica": replica, "target": target, "epoch": epoch, "floor": floor}
+def _scale_intake(headers: dict[str, Any], a: dict[str, Any]) -> None:
+    """Refuse a `gpufleet.scale` the scaling loop did not write (`tasks.intake`)."""
+    context.catalog().get(a["model"])
     fits = {
-        "why": isinstance(why, str),
-        "replica": replica is None or is_name(replica),
-        "target": target is None or (is_count(target) and target >= 1),
-        "epoch": is_count(epoch),
-        "floor": is_count(floor),
+        "why": isinstance(a["why"], str),
+        "replica": a["replica"] is None or is_name(a["replica"]),
+        "target": a["target"] is None or (is_count(a["target"]) and a["target"] >= 1),
+        "epoch": is_count(a["epoch"]),
+        "floor": is_count(a["floor"]),
+        **{
+            name: a[name] is None or (isinstance(a[name], list) and all(map(is_name, a[name])))
+            for name in ("avoid", "protect")
+        },
     }
-    for name, value in (("avoid", avoid), ("protect", protect)):
-        fields[name] = value
-        fits[name] = value is None or (isinstance(value, list) and all(map(is_name, value)))
     for name, ok in fits.items():
         if not ok:
-            raise PayloadError(f"gpufleet.scale: {name} is {describe(fields[name])}")
+            raise PayloadError(f"gpufleet.scale: {name} is {describe(a[name])}")
 
 
 @app.task(
     name="gpufleet.scale",
     bind=True,
-    intake=staticmethod(lambda headers, args, kwargs: _scale_arguments(*args, **kwargs)),
+    intake=staticmethod(_scale_intake),
 )
 def scale(
     self: Task,

@@ -50,6 +50,7 @@ from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
 from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import dumps
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
 
 from placement import scripts
@@ -61,6 +62,8 @@ from tasks import intake, quarantine
 GIVE_BACK_S = 30.0
 #: The longest an idle consumer blocks on its first list before looking at the others.
 IDLE_POLL_S = 0.25
+#: How long a consumer waits after Redis refused a take (a full Redis) before the next.
+REFUSED_TAKE_WAIT_S = 0.5
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +106,12 @@ class QoS(kombu_redis.QoS):
             if taken is None:  # a taken message waits in the in-flight list instead
                 give_back(channel, message)
             raise  # the consumer reconnects, and puts back what is in flight
+        except ResponseError as exc:  # Redis refused the record (its memory cap reached)
+            if taken is None:
+                raise
+            # Still in flight: reconnect, which puts it back first in line once Redis takes
+            # writes again, rather than hold it here unrecorded.
+            raise RedisConnectionError(f"could not record a taken call: {exc}") from exc
         virtual.QoS.append(self, message, delivery_tag)  # type: ignore[no-untyped-call]
 
     def _diverted(self, message: Any, delivery_tag: str) -> bool:
@@ -203,6 +212,20 @@ def give_back(channel: Any, message: Any) -> bool:
             continue
         log.warning("gave back message %s taken as Redis died", message.delivery_tag)
         return True
+
+
+_last_refused_take = [0.0]
+
+
+def _refused_take(exc: Exception) -> None:
+    """Redis refused a take (its memory cap reached, a key of another type it could not
+    repair): say so at most every 10 s, and wait a little before taking again, rather than
+    stop the worker. No message moved: `take.lua` moves in one step."""
+    now = time.monotonic()
+    if now - _last_refused_take[0] > 10.0:
+        _last_refused_take[0] = now
+        log.error("Redis refused to hand this worker its next call (%s); trying again", exc)
+    time.sleep(REFUSED_TAKE_WAIT_S)
 
 
 def repair_queue_keys(client: Any, keys: list[str]) -> list[str]:
@@ -328,8 +351,11 @@ class Channel(kombu_redis.Channel):
         restored = 0
         with self.conn_or_acquire() as client:
             for key in self._lists([queue]):
-                while client.lmove(self._inflight(key), key, "LEFT", "RIGHT") is not None:
-                    restored += 1
+                try:
+                    while client.lmove(self._inflight(key), key, "LEFT", "RIGHT") is not None:
+                        restored += 1
+                except ResponseError as exc:  # a full Redis: they stay in flight, safe
+                    log.error("could not put back what %s left in flight (%s)", key, exc)
         if restored:
             log.warning("put back %d message(s) a dead consumer had taken from %s", restored, queue)
 
@@ -373,10 +399,10 @@ class Channel(kombu_redis.Channel):
             except self.connection_errors:
                 self.client.connection.disconnect()
                 raise
-            except ResponseError as exc:
+            except ResponseError as exc:  # never the consumer's end: nothing was taken
                 if "WRONGTYPE" not in str(exc) or not repair_queue_keys(self.client, keys):
-                    raise
-                raise Empty() from None  # a queue's key held a set or a string: take again
+                    _refused_take(exc)
+                raise Empty() from None
             self._idle = reply is None and kind == "EVALSHA"
             if reply is None:
                 raise Empty()

@@ -52,6 +52,7 @@ def test_a_caller_sends_calls_and_reads_results_and_nothing_else(server: RedisSe
         "another queue": lambda: c.lpush("gpufleet.h.gpu0", "call"),
         "the internal queue": lambda: c.lpush("gpufleet.router", "call"),
         "an in-flight list": lambda: c.lpush("celery.inflight.router@h", "call"),
+        "a priority's in-flight list": lambda: c.lpush("celery\x06\x163.inflight.r@h", "x"),
         "the ledger": lambda: c.hset("gpufleet:{default}:gpus", "x", "1"),
         "the ledger, read": lambda: c.smembers("gpufleet:{default}:gpus"),
         "a result, overwritten": lambda: c.set("celery-task-meta-1", "forged"),

@@ -225,6 +225,16 @@ def test_a_callers_chain_or_callback_cannot_make_the_fleet_send_its_own_tasks(
         app.signature(
             "gpufleet.status", immutable=True, link=app.signature("gpufleet.run", args=({},))
         ),
+        # an errback would run inside the worker that fails the call
+        app.signature(
+            "gpufleet.infer", args=("a", 5), link_error=app.signature("gpufleet.evict", ("a",))
+        ),
+        # an exchange would follow bindings a caller may add to the queue's declaration
+        app.signature(
+            "gpufleet.status",
+            immutable=True,
+            link=app.signature("gpufleet.status", exchange="celery", routing_key="celery"),
+        ),
     ]
     for signature in forged:
         result = signature.apply_async()

@@ -328,3 +328,27 @@ def test_a_divert_that_fails_keeps_its_message_recorded_as_unacked() -> None:
                     m.ack()
         assert client.hlen("unacked") == client.llen("work") == 0
         assert client.get("blocked") == b"a string, not a list"
+
+
+def test_a_take_that_redis_refuses_loses_nothing_whether_full_or_of_the_wrong_type() -> None:
+    """take.lua moves a message in one step (LMOVE), so Redis refusing the move (an
+    in-flight key of another type) leaves the message in its queue, and a full Redis
+    leaves it in its queue or in flight."""
+    from placement.scripts import scripts_for
+
+    with RedisServer(maxmemory=4 * 2**20) as server:
+        client = redis.Redis.from_url(server.url)
+        take = scripts_for(client)
+        client.lpush("q", "call")
+        client.sadd("q.inflight.n", "not a list")
+        with pytest.raises(redis.exceptions.ResponseError, match="WRONGTYPE"):
+            take("take", ["q", "q.inflight.n"], [])
+        assert client.lrange("q", 0, -1) == [b"call"]
+        client.delete("q.inflight.n")
+        with pytest.raises(redis.exceptions.OutOfMemoryError):
+            for i in range(16):
+                client.set(f"filler-{i}", "x" * 2**20)
+        with contextlib.suppress(redis.exceptions.ResponseError):  # refused, or moved
+            take("take", ["q", "q.inflight.n"], [])
+        where = client.lrange("q", 0, -1) + client.lrange("q.inflight.n", 0, -1)
+        assert where == [b"call"]  # in its queue or in flight, never gone

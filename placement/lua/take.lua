@@ -5,11 +5,13 @@
 -- KEYS[n+1..2n] = the in-flight list of each, in the same order
 -- ARGV: none
 -- Returns {list, message}, or nil when every list is empty.
+-- LMOVE moves in one step: it checks both keys' types and Redis's memory cap before it
+-- pops, so a key of another type or a full Redis fails the take and loses nothing (a pop
+-- then a push could fail between the two, and Redis does not undo a script's writes).
 local n = #KEYS / 2
 for i = 1, n do
-  local message = redis.call('RPOP', KEYS[i])
+  local message = redis.call('LMOVE', KEYS[i], KEYS[n + i], 'RIGHT', 'LEFT')
   if message then
-    redis.call('LPUSH', KEYS[n + i], message)
     return {KEYS[i], message}
   end
 end
