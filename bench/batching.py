@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.hotpath import exit_on_sigterm, percentile
+from bench.harness import exit_on_sigterm, percentile
 
 log = logging.getLogger("bench.batching")
 

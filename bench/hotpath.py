@@ -47,12 +47,21 @@ import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 from celery import Celery
 from celery.result import AsyncResult
 
+from bench.harness import (
+    exit_on_sigterm,
+    percentile,
+    pid_of,
+    plain_client,
+    router_cpu,
+    start_bare,
+    stop_bare,
+    wait_bare,
+)
 from placement.config import Settings
 from tasks.config import celery_conf
 
@@ -126,51 +135,6 @@ def bare_forward(model: str, inputs: Any, params: dict[str, Any] | None = None) 
 # Processes
 
 
-def start_bare(
-    app: str, queue: str, host: str, extra_env: dict[str, str]
-) -> subprocess.Popen[bytes]:
-    """A bare Celery worker of `app` ("module:attribute") on `queue`, flagged like a GPU
-    worker, as `bare@host`; it dies with this process."""
-    from placement.redis_server import die_with_parent_preexec
-
-    cmd = [sys.executable, "-m", "celery", "-A", app, "worker"]
-    cmd += ["-Q", queue, "-n", f"bare@{host}", "-c", "1", "-P", "prefork"]
-    cmd += ["--loglevel=INFO", "-E", "--without-gossip", "--without-mingle"]
-    env = {**os.environ, **extra_env, "HF_HUB_OFFLINE": "1"}
-    env.pop("GPUFLEET_ROLE", None)
-    log.info("starting the bare worker: %s", " ".join(cmd))
-    return subprocess.Popen(
-        cmd,
-        cwd=REPO,
-        env=env,
-        stdout=sys.stderr.fileno(),
-        preexec_fn=die_with_parent_preexec(),  # noqa: PLW1509
-    )
-
-
-def wait_bare(app: Celery, proc: subprocess.Popen[bytes], host: str, timeout: float) -> None:
-    """Return once `start_bare`'s worker answers a ping through `app`."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the bare worker exited with code {proc.returncode}")
-        if app.control.ping([f"bare@{host}"], timeout=1.0):
-            return
-        time.sleep(0.5)
-    raise RuntimeError(f"the bare worker did not answer a ping in {timeout:.0f} s")
-
-
-def stop_bare(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(STOP_GRACE_S)
-    except subprocess.TimeoutExpired:
-        log.warning("the bare worker did not stop in time; killing it")
-        proc.kill()
-        proc.wait()
-
-
 def router_infer_count(app: Celery, node: str) -> int:
     """How many `gpufleet.infer` the router has executed (its `stats()` totals)."""
     stats = app.control.inspect([node], timeout=2.0).stats() or {}
@@ -179,21 +143,6 @@ def router_infer_count(app: Celery, node: str) -> int:
 
 # ---------------------------------------------------------------------------------------
 # Measurement
-
-
-def percentile(values: list[float], q: float) -> float:
-    """The q-th percentile, linearly interpolated between ranks (numpy's default)."""
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100
-    low = int(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
-
-
-def exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
-    """A SIGTERM handler for the fleet benchmarks: it unwinds through `finally`, so every
-    fleet and child process the run started is stopped."""
-    raise SystemExit(128 + signum)
 
 
 def summary(values: list[float]) -> dict[str, float]:
@@ -343,7 +292,6 @@ def measure_plain(
     (ABBA); the router's CPU over the phase, per plain call."""
     plain_ms: list[float] = []
     project_ms: list[float] = []
-    from bench.router import router_cpu
 
     forwarded = 0
     ticks_before = router_cpu(router_pid)
@@ -437,8 +385,6 @@ def run(calls: int, warmup: int, model_mib: int, directory: Path, gpu: bool) -> 
 
         def bare_send() -> AsyncResult:
             return bare_app.send_task(BARE_TASK, args=(MODEL, INPUTS), queue=BARE_QUEUE)
-
-        from bench.router import pid_of, plain_client
 
         settings = Settings.from_env()  # a plain client holds the caller's URL (placement.acl)
         plain = plain_client(fleet.caller_url, fleet.caller_url, settings.visibility_timeout)

@@ -49,7 +49,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from bench.hotpath import exit_on_sigterm, percentile
+from bench.harness import exit_on_sigterm, percentile
 
 log = logging.getLogger("bench.miss")
 

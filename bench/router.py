@@ -61,6 +61,19 @@ from typing import IO, TYPE_CHECKING, Any
 
 from celery import Celery
 
+from bench.harness import (
+    children_of,
+    cpu_ticks,
+    exit_on_sigterm,
+    percentile,
+    pid_of,
+    plain_client,
+    router_cpu,
+    start_bare,
+    stop_bare,
+    wait_bare,
+)
+
 if TYPE_CHECKING:
     from tasks.launcher import Launcher
 
@@ -120,22 +133,6 @@ def bare_echo(model: str, inputs: Any, params: dict[str, Any] | None = None) -> 
 
 # ---------------------------------------------------------------------------------------
 # Client processes: Celery only, driven over stdin/stdout, one JSON line each way
-
-
-def plain_client(broker: str, backend: str, visibility_timeout: int) -> Celery:
-    """What a user who never installed gpufleet writes to call it."""
-    app = Celery("plain-client", broker=broker, backend=backend)
-    transport = {"visibility_timeout": visibility_timeout}
-    app.conf.update(
-        task_serializer="json",
-        result_serializer="json",
-        accept_content=["json"],
-        result_accept_content=["json"],
-        task_default_queue=ROUTER_QUEUE,
-        broker_transport_options=transport,
-        result_backend_transport_options=transport,
-    )
-    return app
 
 
 def one_call(app: Celery, cmd: dict[str, Any]) -> dict[str, Any]:
@@ -301,24 +298,6 @@ class Clients:
 # CPU accounting from /proc
 
 
-def cpu_ticks(pid: int) -> int:
-    """utime + stime of `pid` (every thread), in clock ticks; 0 when it is gone."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return 0
-    fields = text[text.rindex(")") + 2 :].split()  # fields from the 3rd (state) on
-    return int(fields[11]) + int(fields[12])  # fields 14 and 15
-
-
-def children_of(pid: int) -> list[int]:
-    """The child processes of `pid` (a Celery worker's pool); none when it is gone."""
-    try:
-        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except OSError:
-        return []
-
-
 def machine_busy_ticks() -> int:
     """Busy ticks of the whole machine (every core): /proc/stat's total less idle, iowait."""
     values = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
@@ -477,11 +456,6 @@ def drain_phase(
     }
 
 
-def router_cpu(pid: int) -> tuple[int, int]:
-    """CPU ticks of a Celery worker's main process and of its pool."""
-    return cpu_ticks(pid), sum(cpu_ticks(child) for child in children_of(pid))
-
-
 def per_call(phases: list[dict[str, Any]]) -> dict[str, float]:
     """CPU ms per answered call, per group, over `phases`."""
     calls = sum(p["answered"] for p in phases)
@@ -490,7 +464,6 @@ def per_call(phases: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def latency(values: list[float]) -> dict[str, float | None]:
-    from bench.hotpath import percentile
 
     if not values:
         return {"p50": None, "p90": None, "p99": None, "mean": None}
@@ -502,18 +475,10 @@ def latency(values: list[float]) -> dict[str, float | None]:
     }
 
 
-def pid_of(fleet: Launcher, child: str) -> int:
-    """The pid of the launcher's `child` now (a restarted child has a new one)."""
-    proc = fleet.children[child].proc
-    assert proc is not None
-    return proc.pid
-
-
 def run(  # noqa: PLR0917 - the command line's options
     callers: int, procs: int, seconds: float, warmup: float, drain_calls: int, directory: Path
 ) -> dict[str, Any]:
     from bench.fleet import bench_launcher, broker_in_use, loaded_machine
-    from bench.hotpath import start_bare, stop_bare, wait_bare
     from placement.config import Settings
     from tasks.routing import gpu_queue
 
@@ -677,7 +642,6 @@ def main() -> None:
         return
     if min(args.callers, args.procs, args.drain) < 1 or args.seconds <= 0 or args.warmup < 0:
         parser.error("--callers, --procs, --drain and --seconds must be positive")
-    from bench.hotpath import exit_on_sigterm
 
     signal.signal(signal.SIGTERM, exit_on_sigterm)
     procs = min(args.procs, args.callers)

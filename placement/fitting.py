@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
 
 from placement.planning import ROUNDING, Option, Planning, candidate_level
-from placement.room import Shape, gap_of
+from placement.room import Shape, gap_of, room_of
 from placement.settings import GpuChoice, PolicySettings
 from placement.state import Demand, Gpu
 
@@ -35,7 +35,7 @@ def best_host(
     `warm_options`, if given); ties are broken at random in proportion to how many hosts
     share a shape. Shapes with no GPU of `floor` free bytes are skipped unasked. None
     when nothing fits."""
-    index = view.snap.room
+    index = room_of(view.snap)
     best: tuple[tuple[float, ...], Shape, str | None, T] | None = None
     ties = 0
     warm: list[tuple[Shape, str | None]] = [
@@ -66,7 +66,7 @@ def free_single(
     demand: Demand, view: Planning, settings: PolicySettings, rng: random.Random
 ) -> Option | None:
     """The best GPU that takes one replica without evicting anything, or None."""
-    index = view.snap.room
+    index = room_of(view.snap)
     allowed = index.names(demand.accelerator)
     choice = settings.gpu_choice
     slots = {t: s for t in index.totals(demand.accelerator) if (s := view.slot(t)) is not None}
@@ -111,7 +111,7 @@ def _packed_single(
     then one where it strands no dead room in a hole that other slots would fill, then
     the one that keeps free room in the fewest distinct gaps, then the tightest, then the
     host with the least room (docs/placement.md, "Choosing a GPU")."""
-    index = view.snap.room
+    index = room_of(view.snap)
     kinds = []  # GPU types and sizes that take a slot, the type with the most left first
     for (name, total), levels in index.levels.items():
         slot = slots.get(total)
@@ -179,7 +179,7 @@ def _on_host(view: Planning, rng: random.Random, host: str, place: tuple[str, in
     name, total, free = place
     slot = view.slot(total)
     assert slot is not None
-    group = next(g for g in view.snap.room.by_host[host] if (g.name, g.total) == (name, total))
+    group = next(g for g in room_of(view.snap).by_host[host] if (g.name, g.total) == (name, total))
     fits = [g for g in group.gpus.values() if (g.free == free if free >= 0 else g.free >= slot[1])]
     gpu = rng.choice(sorted(holders_first(fits, view), key=lambda g: g.id))
     return Option(candidate_level(host in view.my_warm, evicts=False), {gpu.id: slot}, (), ())
@@ -203,7 +203,7 @@ def foreign(gpu: Gpu, view: Planning) -> bool:
 def free_whole(n: int, view: Planning, rng: random.Random) -> Option | None:
     """`n` empty GPUs of one host: for a dedicated replica of the type with the most empty
     GPUs left, then on the host with the least room left; or None."""
-    index = view.snap.room
+    index = room_of(view.snap)
     allowed = index.names(view.demand.accelerator)
     dedicated = view.demand.dedicated  # an evictable replica takes any type's (`type_rank`)
 

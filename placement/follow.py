@@ -24,15 +24,13 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from placement import records
+from placement.keys import Keys
 from placement.live import LiveView
 from placement.state import Deployment, Gpu, Host, Snapshot
 from placement.store import time_ms
-
-if TYPE_CHECKING:
-    from placement.registry import Registry
 
 #: Events that change the set of workers and GPUs: only a full read takes them in.
 MEMBERSHIP = frozenset({"registered", "reaped"})
@@ -41,10 +39,20 @@ MAX_AGE_S = 30.0
 FRESH_S = 1.0
 
 
+class Ledger(Protocol):
+    """What a follower reads: a registry (`placement.registry.Registry`, which holds one)."""
+
+    keys: Keys
+
+    def snapshot_at(self) -> tuple[Snapshot, str]: ...
+
+    def _read(self, commands: list[tuple[Any, ...]], *, atomic: bool = False) -> list[Any]: ...
+
+
 class Follower:
     """One process's current view of one registry; safe to share between threads."""
 
-    def __init__(self, registry: Registry) -> None:
+    def __init__(self, registry: Ledger) -> None:
         self._registry = registry
         self._lock = threading.Lock()
         self._view: LiveView | None = None

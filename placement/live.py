@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 from placement.ledger import Draft, commit
+from placement.room import room_of
 from placement.state import RESERVING, Candidate, Deployment, Gpu, Host, Level, Plan, Snapshot
 
 
@@ -25,8 +26,9 @@ class LiveView:
     def __init__(self, snap: Snapshot) -> None:
         self._draft = Draft(snap)
         self.snap = self._draft.freeze()  # shares the draft's maps, which change in place
-        for index in ("by_gpu", "by_model", "warm_by_host", "room"):
+        for index in ("by_gpu", "by_model", "warm_by_host"):
             getattr(self.snap, index)  # built now, kept current from here on
+        room_of(self.snap)
 
     def apply(self, plan: Plan) -> None:
         """Commit `plan` at the snapshot's clock, as commit.lua would."""
@@ -85,7 +87,7 @@ class LiveView:
                 continue
             if gpu.alive(snap.now_ms):
                 idle = sum(d.gpus[gpu_id] for d in by_gpu.get(gpu_id, ()) if d.evictable)
-                snap.room.put(gpu, idle)
+                room_of(snap).put(gpu, idle)
 
     def _hold(self, d: Deployment, change: int) -> None:
         """Keep the room index's slot counts in step with `by_gpu`."""
@@ -94,7 +96,7 @@ class LiveView:
         for gpu_id, nbytes in d.gpus.items():
             gpu = self.snap.gpus.get(gpu_id)
             if gpu is not None:
-                self.snap.room.hold(gpu.total, nbytes, change)
+                room_of(self.snap).hold(gpu.total, nbytes, change)
 
 
 def _discard(entries: Iterable[Deployment] | None, replica: str) -> None:

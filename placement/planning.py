@@ -12,7 +12,7 @@ from bisect import bisect_right
 from dataclasses import dataclass
 
 from placement.memory import MiB
-from placement.room import RoomIndex
+from placement.room import RoomIndex, room_of
 from placement.settings import PolicySettings
 from placement.sizing import single_gpu_slot
 from placement.state import Candidate, Demand, Deployment, Level, Snapshot
@@ -43,14 +43,14 @@ class Planning:
     def __init__(self, snap: Snapshot, demand: Demand, settings: PolicySettings) -> None:
         self.snap = snap
         self.by_gpu = snap.by_gpu
-        self.room = snap.room.room
+        self.room = room_of(snap).room
         self.mine = snap.replicas(demand.model)
         self.demand, self.settings = demand, settings
         self._slots: dict[int, tuple[int, int] | None] = {}
         self._smallest: dict[int, int] = {}
         self._wanted: dict[tuple[int, int], bool] = {}
         self._ranks: dict[tuple[str, int, int], float] = {}
-        live = snap.room.workers
+        live = room_of(snap).workers
         self.my_warm: dict[str, Deployment] = {}
         for d in sorted(self.mine, key=lambda d: d.last_used_ms):
             if d.level is Level.WARM and d.worker in live:  # its holder must restore it
@@ -63,7 +63,7 @@ class Planning:
         evictable replica comes back when it is evicted, so that room is not counted."""
         if total not in self._smallest:
             slot = self.slot(total)
-            held = self.snap.room.smallest(total)
+            held = room_of(self.snap).smallest(total)
             mine = slot[0] if slot is not None else total
             self._smallest[total] = mine if held is None else min(held, mine)
         return self._smallest[total]
@@ -78,7 +78,7 @@ class Planning:
         key = (total, free)
         found = self._wanted.get(key)
         if found is None:
-            room = self.snap.room
+            room = room_of(self.snap)
             sizes = room.slot_sizes(total)
             users = 0
             for size in sizes[bisect_right(sizes, request) : bisect_right(sizes, free)]:
@@ -100,9 +100,9 @@ class Planning:
         found = self._ranks.get(key)
         if found is None:
             if self.demand.dedicated:
-                found = self._ranks[key] = -type_left(self.snap.room, name, total, request)
+                found = self._ranks[key] = -type_left(room_of(self.snap), name, total, request)
             else:
-                found = self._ranks[key] = -self.snap.room.type_free(name)
+                found = self._ranks[key] = -room_of(self.snap).type_free(name)
         return found
 
     def slot(self, total: int) -> tuple[int, int] | None:

@@ -28,7 +28,7 @@ from placement.errors import CantAccommodateError, NeverFitsError, PlacementErro
 from placement.fitting import foreign, free_single, free_whole
 from placement.memory import format_size, fraction_of
 from placement.planning import Option, Planning, candidate_level
-from placement.room import Group
+from placement.room import Group, room_of
 from placement.settings import GpuChoice, PolicySettings, VictimOrder
 from placement.sizing import scale, shard, splittable
 from placement.state import (
@@ -107,7 +107,7 @@ def plan_replica(
         raise PlacementError(
             f"model {demand.model!r} has no memory figure: set `memory` or `gpus` in the catalog"
         )
-    groups = snap.room.matching(demand.accelerator)
+    groups = room_of(snap).matching(demand.accelerator)
     if not groups:
         what = f" of type {accelerators.describe(demand.accelerator)}" if demand.accelerator else ""
         raise CantAccommodateError(
@@ -483,9 +483,9 @@ def _why_not(
     """Explain a refusal: it never fits (even on an empty fleet), or not now, and why."""
     what = f" of type {accelerators.describe(demand.accelerator)}" if demand.accelerator else ""
     slots = [s for s in map(view.slot, {g.total for g in groups}) if s]
-    allowed = view.snap.room.names(demand.accelerator)
+    allowed = room_of(view.snap).names(demand.accelerator)
     free = max(
-        f[-1] for s in view.snap.room.shapes.values() for n, _, f in s.layout if n in allowed
+        f[-1] for s in room_of(view.snap).shapes.values() for n, _, f in s.layout if n in allowed
     )
     reach = max([free] + [g.max_reach for g in groups if g.idle])
     most_free, most_reach = format_size(free), format_size(reach)

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from placement import accelerators
 from placement.accelerators import Accelerator
 from placement.memory import MiB
-from placement.state import Deployment, Gpu
+from placement.state import Deployment, Gpu, Snapshot
 
 
 @dataclass
@@ -235,3 +235,12 @@ def _count(counts: dict[int, int], key: int, change: int) -> None:
 
 def _evictable(gpu: Gpu, replicas: Iterable[Deployment]) -> int:
     return sum(d.gpus[gpu.id] for d in replicas if d.evictable)
+
+
+def room_of(snap: Snapshot) -> RoomIndex:
+    """`snap`'s free room by host and GPU type, built once per snapshot (a snapshot never
+    changes, but a `placement.live.LiveView` changes its own room in place with it)."""
+    found: RoomIndex | None = snap.memo.get("room")
+    if found is None:
+        found = snap.memo["room"] = RoomIndex(snap.gpus.values(), snap.by_gpu, snap.now_ms)
+    return found

@@ -11,12 +11,9 @@ import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from functools import cached_property
-from typing import TYPE_CHECKING
+from typing import Any
 
 from placement.accelerators import Accelerator
-
-if TYPE_CHECKING:
-    from placement.room import RoomIndex
 
 
 class Level(str, enum.Enum):
@@ -189,6 +186,8 @@ class Snapshot:
     active: Mapping[str, int] = field(default_factory=dict)  # stored RESERVING-replica counters
     reports: Mapping[str, Report] = field(default_factory=dict)  # worker id -> its last report
     workers: Mapping[str, int] = field(default_factory=dict)  # worker id -> lease deadline (ms)
+    #: Indexes that modules built on these types keep once per snapshot (`room.room_of`).
+    memo: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     # Indexes, built once per snapshot on first use (a snapshot never changes).
 
@@ -221,13 +220,6 @@ class Snapshot:
     def live_queues(self) -> frozenset[str]:
         """The queues of GPU workers whose lease holds."""
         return frozenset(g.queue for g in self.gpus.values() if g.queue and g.alive(self.now_ms))
-
-    @cached_property
-    def room(self) -> RoomIndex:
-        """Free room by host and GPU type, for the policy's search."""
-        from placement.room import RoomIndex  # room.py is built on these types
-
-        return RoomIndex(self.gpus.values(), self.by_gpu, self.now_ms)
 
     def without_workers(self, workers: frozenset[str]) -> Snapshot:
         """This snapshot with the GPUs of `workers` left out: a plan on it goes elsewhere

@@ -11,6 +11,7 @@ import pytest
 from placement.errors import CantAccommodateError
 from placement.follow import FRESH_S
 from placement.registry import Registry
+from placement.room import room_of
 from placement.state import Demand, Gpu, Level, Snapshot
 from tests.acting import evict_now, make_hot, settle_leaving
 from tests.fleets import GiB
@@ -38,7 +39,7 @@ def _ledger(snap: Snapshot) -> tuple[object, ...]:
     )
     gpus = sorted((g.id, g.reserved, g.held, g.worker) for g in snap.gpus.values())
     hosts = sorted((h.name, h.warm_used, sorted(h.warm)) for h in snap.hosts.values())
-    shapes = sorted((s.layout, sorted(s.hosts)) for s in snap.room.shapes.values())
+    shapes = sorted((s.layout, sorted(s.hosts)) for s in room_of(snap).shapes.values())
     return deps, gpus, hosts, shapes, dict(snap.learned)
 
 
@@ -64,7 +65,7 @@ def test_a_worker_joining_makes_the_next_view_a_full_read_that_sees_its_gpus(
     reg.place(Demand("a", size=GiB))
     reg.register_worker("w9", "h9", "q9", [_gpu("h9:0", "h9", 0)])
     with reg.follower.current() as view:
-        assert "h9:0" in view.gpus and "h9" in view.room.shape_of
+        assert "h9:0" in view.gpus and "h9" in room_of(view).shape_of
     assert reg.follower.full_reads == 2
 
 

@@ -17,7 +17,7 @@ from placement.fitting import _squares_change
 from placement.live import LiveView
 from placement.memory import MiB
 from placement.policy import plan_replica
-from placement.room import RoomIndex
+from placement.room import RoomIndex, room_of
 from placement.state import Demand, Gpu, Level, Snapshot
 from tests.fleets import GiB, fleet, gpu, hot
 
@@ -269,15 +269,15 @@ def test_whole_gpus_on_a_host_of_two_types_come_from_the_type_with_more_empty_gp
 def test_the_room_index_knows_the_smallest_slot_on_each_gpu_size() -> None:
     gpus = [gpu("a", 16 * GiB, index=0), gpu("b", 80 * GiB, index=1)]
     view = LiveView(fleet(gpus, [hot("x", "x", {"a": 4 * GiB}), hot("y", "y", {"b": 20 * GiB})]))
-    assert view.snap.room.smallest(16 * GiB) == 4 * GiB
-    assert view.snap.room.smallest(80 * GiB) == 20 * GiB
+    assert room_of(view.snap).smallest(16 * GiB) == 4 * GiB
+    assert room_of(view.snap).smallest(80 * GiB) == 20 * GiB
     plan = plan_replica(Demand("s", gpus=0.125), view.snap)  # 2 GiB of "a" or 10 GiB of "b"
     view.apply(plan)
     (total,) = {view.snap.gpus[g].total for g in plan.gpus}
-    assert view.snap.room.smallest(total) == total // 8
+    assert room_of(view.snap).smallest(total) == total // 8
     view.update({"x": None, "y": None, plan.replica: None})
-    assert view.snap.room.smallest(16 * GiB) is None
-    assert view.snap.room.smallest(80 * GiB) is None
+    assert room_of(view.snap).smallest(16 * GiB) is None
+    assert room_of(view.snap).smallest(80 * GiB) is None
 
 
 def test_ties_between_equal_hosts_are_broken_at_random_not_by_index() -> None:
@@ -346,7 +346,7 @@ def test_placing_in_turn_never_overcommits_a_gpu_nor_splits_a_replica_over_hosts
         assert view.snap.deployments[plan.replica].level is Level.LOADING
     empty = [replace(g, reserved=0, held=0) for g in view.snap.gpus.values()]
     fresh = fleet(empty, view.snap.deployments.values())
-    assert _room(view.snap.room) == _room(fresh.room)  # kept current, not drifted
+    assert _room(room_of(view.snap)) == _room(room_of(fresh))  # kept current, not drifted
 
 
 @pytest.mark.parametrize("seed", [1, 2])
