@@ -41,7 +41,6 @@ import yaml
 from placement import accelerators
 from placement.accelerators import Accelerator
 from placement.batching import UNBATCHED_TASKS, BatchLimits, limits_for, parse_override
-from placement.config import Settings
 from placement.durations import parse_duration_ms
 from placement.errors import (
     CatalogError,
@@ -173,15 +172,10 @@ class Catalog(Mapping[str, ModelSpec]):
         self._models = dict(models)
         self.origin = origin
 
-    @staticmethod
-    def default_path() -> Path:
-        """The catalog named by `GPUFLEET_MODELS`, else models.yaml in the current directory."""
-        return Settings.from_env().models
-
     @classmethod
-    def load(cls, path: str | os.PathLike[str] | None = None) -> Catalog:
-        """Read and validate a catalog file (default: `default_path()`)."""
-        file = Path(path) if path is not None else cls.default_path()
+    def load(cls, path: str | os.PathLike[str]) -> Catalog:
+        """Read and validate a catalog file (a process's is `Settings.models`)."""
+        file = Path(path)
         origin = str(file)
         try:
             text = file.expanduser().read_text(encoding="utf-8")

@@ -26,12 +26,14 @@ from placement.batching import DEFAULT_CHARS, DEFAULT_SIZE, BatchLimits
 from placement.durations import parse_duration_ms
 from placement.errors import ConfigError, MemorySizeError
 from placement.keys import Keys
+from placement.membership import DEFAULT_WORKER_LEASE_MS
 from placement.memory import GiB, parse_size
 from placement.scaling import DEFAULT_KEEP_ALIVE_MS, DEFAULT_THRESHOLD, DEFAULT_WINDOW_MS
 from placement.settings import GpuChoice, PolicySettings, VictimOrder
 
 __all__ = [
     "DEFAULT_GPU_RESERVE",
+    "DEFAULT_WORKER_LEASE_MS",
     "DEFAULT_URL",
     "FROM_CONNECTION_FILE",
     "FROM_DEFAULT",
@@ -46,7 +48,6 @@ __all__ = [
 ]
 
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
-DEFAULT_WORKER_LEASE_MS = 15_000
 DEFAULT_VISIBILITY_TIMEOUT_S = 3600
 DEFAULT_MAX_REPLICAS = 8
 DEFAULT_METRICS_PORT = 9464  # `gpufleet up` and `gpufleet metrics`

@@ -15,13 +15,16 @@ from collections.abc import Iterable, Sequence
 import redis
 
 from placement import records
-from placement.config import DEFAULT_WORKER_LEASE_MS
 from placement.errors import GpuOwnedError, LeaseLostError, RegistryError
 from placement.keys import KeyList
 from placement.state import Gpu, Holding
 from placement.store import Store, unreachable
 
 log = logging.getLogger(__name__)
+
+#: A GPU worker's lease: a silent worker's reservations are released after it
+#: (GPUFLEET_WORKER_LEASE_MS).
+DEFAULT_WORKER_LEASE_MS = 15_000
 
 
 class Membership(Store):

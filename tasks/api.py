@@ -17,8 +17,7 @@ import time
 import uuid
 from typing import Any, NoReturn
 
-import redis
-from celery import Task, states
+from celery import Task
 from celery.exceptions import Ignore, Retry
 from celery.signals import worker_process_init
 
@@ -33,10 +32,10 @@ from placement.errors import (
     UnknownReplicaError,
     describe,
 )
-from placement.load import hold_routing
 from placement.registry import DEFAULT_REQUEST_LEASE_MS, Lease, Registry
 from placement.state import LEAVING, RESERVING, Candidate, Level, Plan
-from tasks import context, leases, metrics, presence
+from tasks import context, leases, presence, routed
+from tasks import status as status_report
 from tasks.app import app
 from tasks.calls import Call, counted_of, fast_call, hops_of, time_limits_of
 from tasks.config import INTERNAL_QUEUE
@@ -90,22 +89,22 @@ def dispatch(
     sent = int(time.time() * 1000)
     held = task.request.id or uuid.uuid4().hex
     if _redelivered(task) and _on_its_way(task):
-        _hold(registry, model, held, False)  # a dead router may have held it
+        routed.hold(registry, model, held, False)  # a dead router may have held it
         log.warning("call %s was handed on before its router died: not routing it again", held)
         raise Ignore()  # acknowledged, no result stored: the call's own answer comes
     lease = registry.pick(model, path="" if counted_of(task.request) else "router")
     if lease is not None:
         if task.request.retries or _redelivered(task):  # an earlier attempt held it here
-            _hold(registry, model, held, False)  # (a dead router's too: no wait for its TTL)
+            routed.hold(registry, model, held, False)  # (a dead router's too: no wait for its TTL)
         call = Call(model, inputs, params, lease.replica, "hot", sent, hops=hops)
         raise task.replace(call.with_lease(lease).to(lease.queue, time_limits_of(task.request)))
-    _hold(registry, model, held, True)  # part of the model's load while the router has it
+    routed.hold(registry, model, held, True)  # part of the model's load while the router has it
     try:
         _place_and_hand_on(task, registry, spec, inputs=inputs, params=params, sent=sent, hops=hops)
     except Retry:
         raise  # still held: the next attempt renews it
     except BaseException:
-        _hold(registry, model, held, False)  # handed on (`replace` raises Ignore), or failed
+        routed.hold(registry, model, held, False)  # handed on (`replace` raises Ignore), or failed
         raise
 
 
@@ -180,41 +179,7 @@ def _on_its_way(task: Task) -> bool:
     """`elsewhere`, for the call `task` runs."""
     task_id = task.request.id
     tag = str((task.request.delivery_info or {}).get("delivery_tag") or "")
-    return bool(task_id) and elsewhere(task_id, tag)
-
-
-def elsewhere(task_id: str, tag: str) -> bool:
-    """Whether a call given back to the router (its message's delivery tag `tag`) is
-    answered already, or on its way in another message (tasks.presence.on_its_way): then
-    routing it again runs it twice."""
-    if _answered(task_id):
-        return True
-    try:
-        return presence.on_its_way(_broker(), task_id, tag)
-    except redis.RedisError:
-        log.warning("could not look for call %s elsewhere; routing it", task_id, exc_info=True)
-        return False
-
-
-@functools.cache
-def _broker() -> redis.Redis:
-    """This process's client of the broker's own keys (not Celery's connection)."""
-    return redis.Redis.from_url(
-        context.settings().broker_url, socket_timeout=10, socket_connect_timeout=10
-    )
-
-
-def release_hold(registry: Registry, model: str, call: str) -> None:
-    """Forget that a router held `call` (a dead router may have, before it was given back)."""
-    _hold(registry, model, call, False)
-
-
-def _hold(registry: Registry, model: str, call: str, held: bool) -> None:
-    """Count the call as held by the router for `model`, or no longer; never fail it."""
-    try:
-        hold_routing(registry, model, call, held)
-    except GpufleetError:
-        log.warning("could not count a routed call of %s", model, exc_info=True)
+    return bool(task_id) and routed.elsewhere(task_id, tag)
 
 
 def _count(task: Task, registry: Registry, model: str, outcome: str) -> None:
@@ -364,7 +329,7 @@ def evict(model: str, replica: str | None = None) -> dict[str, Any]:
 @app.task(name="gpufleet.status")
 def status() -> dict[str, Any]:
     """The same object `gpufleet status --json` prints."""
-    return metrics.full_status(context.registry(), context.settings().broker_url)
+    return status_report.full_status(context.registry(), context.settings().broker_url)
 
 
 @worker_process_init.connect
@@ -374,7 +339,7 @@ def _start_sweeper(**_: Any) -> None:
         return
 
     def sweep() -> None:
-        broker = _broker()
+        broker = routed.broker()
         while True:
             time.sleep(SWEEP_EVERY_S)
             try:
@@ -383,7 +348,8 @@ def _start_sweeper(**_: Any) -> None:
                 if swept["reaped"] or swept["drained"]:
                     log.info("swept: %s", swept)
                 # after the reaping: a dead GPU worker's calls go back once its GPUs are free
-                presence.sweep(broker, functools.partial(_live_gpu_queues, registry), _answered)
+                live = functools.partial(_live_gpu_queues, registry)
+                presence.sweep(broker, live, routed.answered)
             except Exception:
                 log.exception("sweep failed; retrying")
 
@@ -393,8 +359,3 @@ def _start_sweeper(**_: Any) -> None:
 def _live_gpu_queues(registry: Registry) -> frozenset[str]:
     """The queues of GPU workers whose ledger lease holds."""
     return registry.snapshot().live_queues
-
-
-def _answered(task_id: str) -> bool:
-    """Whether a call's answer (or its error) is already stored."""
-    return app.AsyncResult(task_id).state in states.READY_STATES

@@ -18,14 +18,15 @@ from tasks.context import settings
 app = Celery("gpufleet", task_cls="tasks.checked:CheckedTask")
 app.conf.update(celery_conf(settings()))
 app.conf.task_routes = ("tasks.routing.route",)
-# tasks.broker: every worker claims the fleet's broker database (no tasks of its own),
+# tasks.metrics: a router serves /metrics. tasks.broker: every worker claims the fleet's
+# broker database (no tasks of its own),
 # after the other modules' start checks (signal handlers run in import order); then
 # tasks.quarantine counts the calls its predecessor died holding, and tasks.presence
 # records it, once it is sure the broker's calls are its fleet's.
 app.conf.include = (
     ["tasks.api", "tasks.scaling"]
     + (["tasks.gpu"] if settings().role == "gpu" else [])
-    + ["tasks.broker", "tasks.quarantine", "tasks.presence"]
+    + ["tasks.metrics", "tasks.broker", "tasks.quarantine", "tasks.presence"]
 )
 
 

@@ -13,9 +13,7 @@ from placement.registry import Lease
 from tasks import leases
 from tasks.app import app
 from tasks.config import INTERNAL_QUEUE
-from tasks.intake import is_count, is_name
-
-HOPS_HEADER = "gpufleet_hops"
+from tasks.intake import COUNTED_HEADER, HOPS_HEADER, is_count, is_name
 
 #: A task's time limits in seconds, (hard, soft), as Celery's `timelimit` carries them.
 TimeLimits = tuple[float | None, float | None]
@@ -35,16 +33,16 @@ def hops_of(request: Any) -> int:
 
 def counted_of(request: Any) -> bool:
     """Whether the call's outcome is counted already (docs/metrics.md): its message says so
-    (`leases.COUNTED_HEADER`), or it was routed again."""
+    (`COUNTED_HEADER`), or it was routed again."""
     return counted_in({name: _header(request, name) for name in _COUNTING})
 
 
 def counted_in(headers: Mapping[str, Any]) -> bool:
     """`counted_of`, from a message's headers."""
-    return headers.get(leases.COUNTED_HEADER) is True or _hops(headers.get(HOPS_HEADER)) > 0
+    return headers.get(COUNTED_HEADER) is True or _hops(headers.get(HOPS_HEADER)) > 0
 
 
-_COUNTING = (leases.COUNTED_HEADER, HOPS_HEADER)
+_COUNTING = (COUNTED_HEADER, HOPS_HEADER)
 
 
 def _header(request: Any, name: str) -> Any:
@@ -95,7 +93,7 @@ class Call:
         limits; its lease rides in a header too, so a worker that drops the message unrun
         can end it (`tasks.leases`)."""
         lease = self.lease
-        headers: dict[str, Any] = {leases.COUNTED_HEADER: True}  # counted on its way here
+        headers: dict[str, Any] = {COUNTED_HEADER: True}  # counted on its way here
         if lease is not None:
             headers[leases.HEADER] = leases.header(lease)
         hard, soft = limits
@@ -117,7 +115,7 @@ class Call:
             "gpufleet.infer",
             args=(self.model, self.inputs, self.params),
             queue=INTERNAL_QUEUE,
-            headers={HOPS_HEADER: self.hops + 1, leases.COUNTED_HEADER: True},
+            headers={HOPS_HEADER: self.hops + 1, COUNTED_HEADER: True},
             time_limit=hard,
             soft_time_limit=soft,
         )

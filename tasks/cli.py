@@ -72,7 +72,7 @@ def status(
     fleet: FleetName = None,
 ) -> None:
     """Show every GPU, what it holds, the warm caches, the queues and the hit rates."""
-    from tasks.metrics import full_status  # the same object the gpufleet.status task returns
+    from tasks.status import full_status  # the same object the gpufleet.status task returns
 
     s = _settings(redis_url, fleet)
     registry, broker = _operator_urls(s)
@@ -111,7 +111,7 @@ def catalog(
     ] = None,
 ) -> None:
     """Validate a model catalog and list its models."""
-    models = _guard(lambda: Catalog.load(path or Catalog.default_path()))
+    models = _guard(lambda: Catalog.load(path or _settings().models))
     table = Table(title=f"{models.origin}: {len(models)} models")
     for column in ("model", "task", "source", "memory", "dedicated", "replicas"):
         table.add_column(column)

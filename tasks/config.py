@@ -10,7 +10,6 @@ import ssl
 from typing import Any
 
 from placement.config import Settings
-from tasks import results
 
 ROUTER_QUEUE = "celery"  # Celery's default: a client that imports nothing reaches the router
 #: The router's second queue, which only fleet processes write: calls a GPU worker routes
@@ -18,6 +17,9 @@ ROUTER_QUEUE = "celery"  # Celery's default: a client that imports nothing reach
 #: decisions. Every router consumes it (`tasks.app`).
 INTERNAL_QUEUE = "gpufleet.router"
 ROUTER_QUEUES = (ROUTER_QUEUE, INTERNAL_QUEUE)
+#: The result backend every gpufleet process uses: Celery's Redis one, less the call's
+#: arguments in each result.
+RESULT_BACKEND = "tasks.results:Backend"
 #: The queues any caller may write (docs/deploy.md, "Security"): what is taken from them
 #: is checked as a caller's (`tasks.intake`).
 PUBLIC_QUEUES = frozenset({ROUTER_QUEUE})
@@ -36,7 +38,8 @@ def celery_conf(settings: Settings) -> dict[str, Any]:
     conf: dict[str, Any] = {
         "broker_url": settings.broker_url,
         "broker_transport": "tasks.transport:Transport",  # redis(s):// that loses no message
-        "result_backend": results.backend_url(settings.result_backend),
+        # Celery's `backend+url` form: this class (tasks/results.py) for a redis(s):// URL.
+        "result_backend": f"{RESULT_BACKEND}+{settings.result_backend}",
         # JSON only: pickle is refused on the way in and on the way out.
         "task_serializer": "json",
         "result_serializer": "json",

@@ -12,7 +12,7 @@ same transaction. The call is then exactly a fast-path call: same task id, name 
 so the caller's AsyncResult yields the GPU worker's answer, and Flower sees it received
 and answered there. Celery's strategy skips it (it is acknowledged already).
 
-A call given back after a router died is looked for elsewhere first (`tasks.api.elsewhere`:
+A call given back after a router died is looked for elsewhere first (`tasks.routed.elsewhere`:
 its result, then every queue and in-flight list), so that a call already answered or on
 its way is not run twice, and messages a caller marked redelivered are not held in the
 pool.
@@ -38,9 +38,10 @@ from typing import Any
 from celery.worker import state as worker_state
 
 from placement.errors import GpufleetError
-from tasks import api, context, intake, leases
+from tasks import context, intake, leases, routed
 from tasks.app import app
 from tasks.calls import counted_in, infer_arguments
+from tasks.intake import COUNTED_HEADER
 from tasks.transport import Onward
 
 log = logging.getLogger(__name__)
@@ -76,7 +77,7 @@ class Forwarder:
         model, counted = plain
         task_id = message.headers["id"]
         given_back = bool((message.delivery_info or {}).get("redelivered"))
-        if given_back and api.elsewhere(task_id, str(message.delivery_tag)):
+        if given_back and routed.elsewhere(task_id, str(message.delivery_tag)):
             return None  # the pool drops it: its answer comes from elsewhere
         registry = context.registry()
         try:
@@ -87,10 +88,10 @@ class Forwarder:
         if lease is None:
             return None  # a miss: the pool places the model
         if given_back:
-            api.release_hold(registry, model, task_id)
+            routed.hold(registry, model, task_id, False)
         headers = dict(message.headers)
         headers[leases.HEADER] = leases.header(lease)
-        headers[leases.COUNTED_HEADER] = True  # counted by this pick (or before)
+        headers[COUNTED_HEADER] = True  # counted by this pick (or before)
         return Onward(lease.queue, headers, functools.partial(leases.end, lease))
 
 

@@ -42,8 +42,18 @@ from tasks.config import PUBLIC_QUEUES
 #: What callers may send; the other `gpufleet.*` tasks (`gpufleet.run`, `gpufleet.scale`)
 #: are the fleet's own hops, taken only from fleet queues.
 PUBLIC_TASKS = ("gpufleet.infer", "gpufleet.deploy", "gpufleet.evict", "gpufleet.status")
-#: The prefix of the headers only fleet processes may set.
+#: The prefix of the headers only fleet processes may set, and those headers: a call's
+#: request lease (`tasks.leases`), whether its outcome is counted already, and how many
+#: times it was routed again (`tasks.calls`).
 FLEET_HEADERS = "gpufleet_"
+LEASE_HEADER = "gpufleet_lease"
+#: Set on every message of a call whose outcome is counted already (docs/metrics.md): the
+#: fast path's, attached with its lease (the client's `pick` counted the call), and every
+#: message bound for a GPU worker or routed again (`tasks.calls`). A retry keeps its
+#: headers, and so does a call given back from a dead GPU worker's queue to the router,
+#: so the router never counts such a call again.
+COUNTED_HEADER = "gpufleet_counted"
+HOPS_HEADER = "gpufleet_hops"
 #: How deeply a message's headers, properties and arguments may nest. Celery's own
 #: canvases (a chain of chords) stay under 12; pickling a request for the pool fails
 #: near 500 (the interpreter's recursion limit, less the consumer's own frames).

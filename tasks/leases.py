@@ -26,17 +26,11 @@ from celery.signals import before_task_publish, task_revoked
 from placement.errors import GpufleetError, PayloadError, describe
 from placement.registry import Lease
 from tasks import context
-from tasks.intake import is_count, is_name
+from tasks.intake import COUNTED_HEADER, LEASE_HEADER, is_count, is_name
 
 log = logging.getLogger(__name__)
 
-HEADER = "gpufleet_lease"
-#: Set on every message of a call whose outcome is counted already (docs/metrics.md): the
-#: fast path's, attached with its lease (the client's `pick` counted the call), and every
-#: message bound for a GPU worker or routed again (`tasks.calls`). A retry keeps its
-#: headers, and so does a call given back from a dead GPU worker's queue to the router,
-#: so the router never counts such a call again.
-COUNTED_HEADER = "gpufleet_counted"
+HEADER = LEASE_HEADER  # the lease a message carries (`header`)
 CARRIERS = frozenset({"gpufleet.infer", "gpufleet.run"})  # tasks whose messages carry leases
 
 _parked = threading.local()

@@ -1,4 +1,5 @@
-"""The operator numbers: the status object and the Prometheus metrics, read at each ask.
+"""The operator numbers as Prometheus metrics, built from the status object (`tasks.status`)
+at each scrape.
 
 Every figure comes from the registry and the broker when it is asked for, so any process
 can serve them and all agree: `gpufleet status`, the `gpufleet.status` task, `gpufleet
@@ -17,53 +18,18 @@ from collections.abc import Iterator
 from http.server import ThreadingHTTPServer
 from typing import Any
 
-import redis
 from celery.signals import worker_init
 from prometheus_client import CollectorRegistry, MetricsHandler, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from placement.errors import GpufleetError
-from placement.load import placed_replicas, read_loads
 from placement.registry import Registry
-from placement.report import load_report, request_report, status_report
 from placement.state import OUTCOMES, PATHS
-from tasks import context, presence, quarantine
-from tasks.config import ROUTER_QUEUES
+from tasks import context
+from tasks.status import full_status
 
 log = logging.getLogger(__name__)
-
-
-def full_status(registry: Registry, broker_url: str) -> dict[str, Any]:
-    """The registry's status report, request outcomes, and the depth of every fleet queue."""
-    snap = registry.snapshot()
-    report = status_report(snap)
-    report["requests"] = request_report(registry.stats(snap))
-    placed = placed_replicas(snap.deployments.values(), snap.by_model)
-    report["load"] = load_report(read_loads(registry, placed))
-    queues = {*ROUTER_QUEUES} | {g.queue for g in snap.gpus.values() if g.queue}
-    client = redis.Redis.from_url(broker_url)
-    try:
-        pipe = client.pipeline(transaction=False)
-        for queue in sorted(queues):
-            for name in presence.lists(queue):
-                pipe.llen(name)
-        depths = iter(pipe.execute())
-        report["queues"] = {
-            q: sum(int(next(depths)) for _ in presence.PRIORITY_STEPS) for q in sorted(queues)
-        }
-        report["stranded"] = presence.stranded(client, queues, snap.live_queues)
-        report["quarantined"] = quarantine.count(client)
-        report["problems"] = (
-            report["problems"]
-            + presence.stranded_problems(report["stranded"])
-            + quarantine.problems(report["quarantined"])
-        )
-    except redis.RedisError as exc:
-        raise GpufleetError(f"broker unreachable: {exc}. Check GPUFLEET_BROKER_URL.") from exc
-    finally:
-        client.close()
-    return report
 
 
 class FleetCollector(Collector):

@@ -51,8 +51,9 @@ from kombu.transport.redis import Channel as KombuChannel
 
 from placement.keys import CONSUMERS, KeyList, unacked_of
 from placement.scripts import scripts_for
-from tasks import context, leases
+from tasks import context
 from tasks.config import INTERNAL_QUEUE, ROUTER_QUEUES
+from tasks.intake import HOPS_HEADER, LEASE_HEADER
 from tasks.transport import inflight
 
 log = logging.getLogger(__name__)
@@ -507,8 +508,6 @@ def for_router(payload: dict[str, Any]) -> dict[str, Any]:
     A `gpufleet.run` (a call the router handed on) becomes the `infer` it came from,
     keeping its re-route count; a fast-path `infer` loses its request lease, which the
     ledger released with the dead worker. Anything else only changes queue."""
-    from tasks.calls import HOPS_HEADER  # not at import: it configures the Celery app
-
     headers = payload.setdefault("headers", {})
     properties = payload.setdefault("properties", {})
     if headers.get("task") == "gpufleet.run" and properties.get("body_encoding") == "base64":
@@ -524,7 +523,7 @@ def for_router(payload: dict[str, Any]) -> dict[str, Any]:
             payload["body"] = base64.b64encode(body).decode()
             headers.update(task="gpufleet.infer", argsrepr=repr(infer_args)[:1024])
             headers[HOPS_HEADER] = hops
-    headers.pop(leases.HEADER, None)
+    headers.pop(LEASE_HEADER, None)
     properties["delivery_info"] = {"exchange": "", "routing_key": INTERNAL_QUEUE}
     return payload
 

@@ -45,11 +45,6 @@ class Backend(RedisBackend):
         return meta
 
 
-def backend_url(url: str) -> str:
-    """`url` (redis:// or rediss://) as the `result_backend` setting that picks `Backend`."""
-    return f"{Backend.__module__}:{Backend.__name__}+{url}"
-
-
 @contextmanager
 def read_together(backend: Any, task_ids: Sequence[str]) -> Iterator[None]:
     """Within the block, `backend` answers the meta reads of `task_ids` from one MGET."""

@@ -247,17 +247,6 @@ def test_max_replicas_is_a_whole_number_at_least_replicas(tmp_path: Path) -> Non
             Catalog.load(path)
 
 
-def test_the_default_path_comes_from_the_environment(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.delenv("GPUFLEET_MODELS", raising=False)
-    assert Catalog.default_path() == Path("models.yaml")
-    path = write(tmp_path, "models:\n  m: {source: w, task: forward}\n", name="fleet.yaml")
-    monkeypatch.setenv("GPUFLEET_MODELS", str(path))
-    assert Catalog.default_path() == path
-    assert list(Catalog.load()) == ["m"]
-
-
 def test_from_mapping_validates_like_a_file(tmp_path: Path) -> None:
     catalog = Catalog.from_mapping(
         {"models": {"m": {"source": "w", "task": "forward"}}}, origin="inline", base_dir=tmp_path

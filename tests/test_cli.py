@@ -73,6 +73,17 @@ def test_the_demo_catalog_is_valid_and_lists_every_model() -> None:
         assert name in result.output
 
 
+def test_without_a_file_the_catalog_command_reads_gpufleet_models(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "fleet.yaml"
+    path.write_text("models:\n  only-this: {source: w, task: forward}\n")
+    monkeypatch.setenv("GPUFLEET_MODELS", str(path))
+    result = runner.invoke(app, ["catalog"])
+    assert result.exit_code == 0, result.output
+    assert "only-this" in result.output and "1 models" in result.output
+
+
 def test_a_bad_catalog_is_refused_naming_the_model_and_field(tmp_path: Path) -> None:
     bad = tmp_path / "models.yaml"
     bad.write_text(

@@ -27,6 +27,7 @@ from placement.report import request_report
 from placement.state import COUNTS, Demand, Gpu
 from tasks import context, leases, presence
 from tasks.calls import HOPS_HEADER, Call, counted_of
+from tasks.intake import COUNTED_HEADER
 from tests.fleets import GiB
 
 CATALOG = """
@@ -35,7 +36,7 @@ models:
   loading: {source: synthetic, task: forward, memory: 1GiB}
   huge: {source: synthetic, task: forward, memory: 20GiB}
 """
-COUNTED = {leases.COUNTED_HEADER: True}
+COUNTED = {COUNTED_HEADER: True}
 
 
 @pytest.fixture

@@ -32,7 +32,7 @@ from celery.exceptions import TimeoutError as CeleryTimeout
 
 from placement.audit import ledger_problems
 from placement.redis_server import RedisServer
-from tasks.metrics import full_status
+from tasks.status import full_status
 from tests.running import RunningFleet, descendants, fleet_env, fleet_up, with_signal
 from tests.test_chaos import expected_outputs, same, settled
 

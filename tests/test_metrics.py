@@ -22,7 +22,8 @@ from placement.report import request_report
 from placement.state import COUNTS, OUTCOMES, Demand, Gpu
 from tasks.cli import app as cli
 from tasks.config import ROUTER_QUEUE
-from tasks.metrics import FleetCollector, full_status, serve, serve_on
+from tasks.metrics import FleetCollector, serve, serve_on
+from tasks.status import full_status
 from tests.fleets import GiB
 from tests.ports import free_port
 
