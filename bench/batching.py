@@ -3,7 +3,7 @@
     python -m bench.batching [--threads 32] [--seconds 8] [--rounds 3] [--words 4-12]
         [--few 8] [--lone 200]
 
-Prints one JSON object. It starts a fleet (`tasks.launcher`: an embedded Redis unless
+Prints one JSON object. It starts a fleet (`tasks.operator.launcher`: an embedded Redis unless
 GPUFLEET_REDIS_URL is set, a router and one GPU worker on a simulated 4 GiB GPU) whose
 catalog holds MiniLM twice: `minilm`, batched with the fleet's defaults (up to 32 calls
 per pass, no wait), and `minilm-alone`, the same weights with `batch: false`, which runs

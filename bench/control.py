@@ -2,7 +2,7 @@
 
     python -m bench.control [--backlog 30] [--repeats 5]
 
-Prints one JSON object. It starts a fleet (`tasks.launcher.Fleet`: an embedded Redis, a
+Prints one JSON object. It starts a fleet (`tasks.operator.launcher.Fleet`: an embedded Redis, a
 router and one worker on a simulated 4 GiB GPU) serving two synthetic `forward` models:
 `a` (tiny) and `b` (a BERT of 4 layers whose large calls take a few hundred ms on the CPU).
 Both are made resident. Then, `--repeats` times:
@@ -64,7 +64,7 @@ def run(backlog: int, repeats: int, directory: Path) -> dict[str, Any]:
     try:
         fleet.start()
         fleet.wait_ready(TIMEOUT_S)
-        from placement.registry import Registry
+        from placement.ledger.registry import Registry
         from tasks.app import app
 
         registry = Registry.from_url(fleet.redis_url, fleet.fleet)

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from placement.config import Settings
-from tasks.launcher import Launcher
+from tasks.operator.launcher import Launcher
 
 #: Two small synthetic models: `a` (random weights), and `b`, a BERT whose forward pass on
 #: long inputs takes a few tenths of a second on a CPU, for building backlogs. Benchmarks

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from celery import Celery
 
 if TYPE_CHECKING:
-    from tasks.launcher import Launcher
+    from tasks.operator.launcher import Launcher
 
 log = logging.getLogger("bench.harness")
 
@@ -34,7 +34,7 @@ def start_bare(
 ) -> subprocess.Popen[bytes]:
     """A bare Celery worker of `app` ("module:attribute") on `queue`, flagged like a GPU
     worker, as `bare@host`; it dies with this process."""
-    from placement.redis_server import die_with_parent_preexec
+    from placement.server.redis_server import die_with_parent_preexec
 
     cmd = [sys.executable, "-m", "celery", "-A", app, "worker"]
     cmd += ["-Q", queue, "-n", f"bare@{host}", "-c", "1", "-P", "prefork"]

@@ -3,7 +3,7 @@
     python -m bench.hotpath [--calls 500] [--warmup 50] [--model-mib 64] [--gpu]
 
 Prints one JSON object. It writes a catalog with one synthetic `forward` model of
-`--model-mib` declared size, starts a fleet (`tasks.launcher.Fleet`: an embedded Redis
+`--model-mib` declared size, starts a fleet (`tasks.operator.launcher.Fleet`: an embedded Redis
 unless GPUFLEET_REDIS_URL is set, a router and one worker on a simulated 8 GiB GPU, or
 with `--gpu` one worker per real GPU, the model on the first), and
 next to it a *bare* Celery worker: `celery -A bench.hotpath:bare_app worker -Q bare -c 1
@@ -16,7 +16,7 @@ knows nothing of placement.
 One call through the router makes the model resident. Then one client sends calls one
 at a time, `send_task(...).get()`, alternating fleet and bare (ABBA order, so drift and
 noise fall on both): the fleet calls use `tasks.app.app`, so the fast path's routing
-function (`tasks.routing.route`: a request lease through `pick.lua`) runs in this
+function (`tasks.serving.routing.route`: a request lease through `pick.lua`) runs in this
 process and the call goes straight to the GPU worker's queue. After `--warmup` pairs,
 `--calls` pairs are timed.
 
@@ -109,7 +109,7 @@ def bare_forward(model: str, inputs: Any, params: dict[str, Any] | None = None) 
 
     held = _held.get(model)
     if held is None:
-        from placement.catalog import Catalog
+        from placement.catalog.catalog import Catalog
         from worker.synthetic import build_synthetic
 
         spec = Catalog.load(os.environ["GPUFLEET_MODELS"]).get(model)
@@ -230,7 +230,7 @@ def forward_once(catalog: Path, sim_gpus: int, device: str) -> Callable[[], floa
     for the GPU). Returns its timer (ms)."""
     import torch
 
-    from placement.catalog import Catalog
+    from placement.catalog.catalog import Catalog
     from worker.passes import dims_of, for_pass, share
     from worker.synthetic import build_synthetic
 
@@ -322,8 +322,9 @@ def measure_plain(
 
 def fast_path_parts(n: int) -> dict[str, float]:
     """The fast path's registry round trips on their own: route (pick), finish, PING."""
-    from tasks import context, leases
-    from tasks.routing import route
+    from tasks import context
+    from tasks.serving import leases
+    from tasks.serving.routing import route
 
     registry = context.registry()
     route_ms: list[float] = []
@@ -352,7 +353,7 @@ def fast_path_parts(n: int) -> dict[str, float]:
 
 def run(calls: int, warmup: int, model_mib: int, directory: Path, gpu: bool) -> dict[str, Any]:
     from bench.fleet import bench_launcher, broker_in_use, loaded_machine
-    from tasks.routing import gpu_queue
+    from tasks.serving.routing import gpu_queue
 
     spec = f"{{source: synthetic, task: forward, memory: {model_mib}MiB}}"
     one_model = f"models:\n  {MODEL}: {spec}\n"
@@ -386,7 +387,9 @@ def run(calls: int, warmup: int, model_mib: int, directory: Path, gpu: bool) -> 
         def bare_send() -> AsyncResult:
             return bare_app.send_task(BARE_TASK, args=(MODEL, INPUTS), queue=BARE_QUEUE)
 
-        settings = Settings.from_env()  # a plain client holds the caller's URL (placement.acl)
+        settings = (
+            Settings.from_env()
+        )  # a plain client holds the caller's URL (placement.server.acl)
         plain = plain_client(fleet.caller_url, fleet.caller_url, settings.visibility_timeout)
 
         def plain_send() -> AsyncResult:

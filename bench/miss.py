@@ -69,7 +69,7 @@ TEXT = "a miss evicts the least recently used model and loads this one"
 
 def raw_loads(loads: int) -> list[float]:
     """Milliseconds of `loading.build` of the bench's model on a simulated GPU, here."""
-    from placement.catalog import Catalog
+    from placement.catalog.catalog import Catalog
     from worker import loading
 
     spec = Catalog.from_mapping(

@@ -48,12 +48,12 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from placement import accelerators
 from placement.errors import PlacementError
-from placement.live import LiveView
-from placement.memory import GiB
-from placement.policy import plan_replica
-from placement.state import Demand, Gpu, Host, Snapshot
+from placement.policy.live import LiveView
+from placement.policy.place import plan_replica
+from placement.policy.state import Demand, Gpu, Host, Snapshot
+from placement.units import accelerators
+from placement.units.memory import GiB
 
 UNIT = 1000  # milli-GPUs: the baselines' integer unit
 TYPES = "NVIDIA A100-SXM4-80GB:80:3,NVIDIA A100-SXM4-40GB:40:2,Tesla V100-SXM2-32GB:32:2,"

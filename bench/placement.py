@@ -89,13 +89,13 @@ import redis.utils
 
 import placement
 from placement.errors import PlanRejectedError, RegistryError
-from placement.memory import GiB, fraction_of
-from placement.policy import plan_replica
-from placement.redis_server import RedisServer
-from placement.registry import Registry
-from placement.settings import PolicySettings
-from placement.sizing import single_gpu_slot
-from placement.state import Candidate, Demand, Deployment, Gpu, Level, Plan, Snapshot
+from placement.ledger.registry import Registry
+from placement.policy.place import plan_replica
+from placement.policy.settings import PolicySettings
+from placement.policy.sizing import single_gpu_slot
+from placement.policy.state import Candidate, Demand, Deployment, Gpu, Level, Plan, Snapshot
+from placement.server.redis_server import RedisServer
+from placement.units.memory import GiB, fraction_of
 
 log = logging.getLogger("bench.placement")
 

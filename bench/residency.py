@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 
-from placement.catalog import Catalog
+from placement.catalog.catalog import Catalog
 from worker.devices import Device, nvml_devices, simulated_devices
 from worker.loading import empty_host_cache
 from worker.residency import ResidencyManager

@@ -5,7 +5,7 @@
 
 Prints one JSON object. It writes a catalog with one trivially cheap synthetic `forward`
 model (`tiny`: a one-layer BERT of hidden size 8, about a millisecond a pass on a CPU),
-starts a fleet (`tasks.launcher.Launcher`: an embedded Redis unless GPUFLEET_REDIS_URL is
+starts a fleet (`tasks.operator.launcher.Launcher`: an embedded Redis unless GPUFLEET_REDIS_URL is
 set, a router and one worker on a simulated 8 GiB GPU), and next to it a *bare* Celery
 worker, `celery -A bench.router:bare_app worker -Q bench-router-bare -c 1 -P prefork`,
 with the fleet's Celery settings (`tasks.config.celery_conf`) and a GPU worker's flags,
@@ -17,7 +17,7 @@ threads on one `Celery(broker=..., backend=...)` app configured by hand (JSON on
 `task_default_queue="celery"`), as a user who never installed gpufleet would write it.
 Their `send_task("gpufleet.infer", args=(MODEL, INPUTS))` names no queue, so every call
 lands on the router's queue; the router forwards a call for the HOT model to the GPU
-worker from its consumer (`tasks.forwarding`), and runs anything else in its pool. One
+worker from its consumer (`tasks.serving.forwarding`), and runs anything else in its pool. One
 call makes the model HOT first. Each caller is a closed loop: send, `.get()`, send the
 next.
 
@@ -75,7 +75,7 @@ from bench.harness import (
 )
 
 if TYPE_CHECKING:
-    from tasks.launcher import Launcher
+    from tasks.operator.launcher import Launcher
 
 log = logging.getLogger("bench.router")
 
@@ -221,7 +221,7 @@ class Clients:
 
     def start(self, procs: int, setup: dict[str, Any]) -> None:
         """Start `procs` client processes; return once each is connected."""
-        from placement.redis_server import die_with_parent_preexec
+        from placement.server.redis_server import die_with_parent_preexec
 
         env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFLEET_")}
         cmd = [sys.executable, "-m", "bench.router", "--client"]
@@ -418,7 +418,7 @@ def drain_phase(
     GPU worker's queue; then start the GPU worker and check every answer."""
     import redis
 
-    from tasks.presence import lists
+    from tasks.broker.presence import lists
 
     (router_node, router_pid), (gpu_node, gpu_queue) = router, gpu
     broker = redis.Redis.from_url(plain.conf.broker_url)
@@ -480,7 +480,7 @@ def run(  # noqa: PLR0917 - the command line's options
 ) -> dict[str, Any]:
     from bench.fleet import bench_launcher, broker_in_use, loaded_machine
     from placement.config import Settings
-    from tasks.routing import gpu_queue
+    from tasks.serving.routing import gpu_queue
 
     fleet: Launcher = bench_launcher(directory, CATALOG, "router", SIM_GPUS, warm_cache="1GiB")
     bare: subprocess.Popen[bytes] | None = None

@@ -22,14 +22,14 @@ from pathlib import Path
 from typing import overload
 from urllib.parse import urlparse
 
-from placement.batching import DEFAULT_CHARS, DEFAULT_SIZE, BatchLimits
-from placement.durations import parse_duration_ms
 from placement.errors import ConfigError, MemorySizeError
-from placement.keys import Keys
-from placement.membership import DEFAULT_WORKER_LEASE_MS
-from placement.memory import GiB, parse_size
-from placement.scaling import DEFAULT_KEEP_ALIVE_MS, DEFAULT_THRESHOLD, DEFAULT_WINDOW_MS
-from placement.settings import GpuChoice, PolicySettings, VictimOrder
+from placement.ledger.keys import Keys
+from placement.ledger.membership import DEFAULT_WORKER_LEASE_MS
+from placement.policy.settings import GpuChoice, PolicySettings, VictimOrder
+from placement.rules.batching import DEFAULT_CHARS, DEFAULT_SIZE, BatchLimits
+from placement.rules.scaling import DEFAULT_KEEP_ALIVE_MS, DEFAULT_THRESHOLD, DEFAULT_WINDOW_MS
+from placement.units.durations import parse_duration_ms
+from placement.units.memory import GiB, parse_size
 
 __all__ = [
     "DEFAULT_GPU_RESERVE",
@@ -140,7 +140,7 @@ VARIABLES: tuple[Variable, ...] = (
              "which warm copies to drop when the CPU cache is full"),
     Variable("GPUFLEET_CRASH_ON_CALL", "none",
              "tests only: a worker's main process exits as it takes the call with this task "
-             "id, as a call that kills its worker would (tasks/quarantine.py)"),
+             "id, as a call that kills its worker would (tasks/broker/quarantine.py)"),
     Variable("GPUFLEET_SIM_DATA", "`../shared/data` beside the repository",
              "folder of the Azure traces for `gpufleet simulate`"),
 )  # fmt: skip
@@ -158,7 +158,8 @@ class Settings:
     redis_server: str | None = None  # None: the newest found (`find_redis_server`)
     redis_maxmemory: int | None = None  # bytes; None: `gpufleet up` takes 10% of RAM
     #: The URL `gpufleet status` and `gpufleet metrics` read the fleet with: the running
-    #: fleet's `operator` user (placement.acl), from its connection file; None: the registry's.
+    #: fleet's `operator` user (placement.server.acl), from its connection file; None: the
+    #: registry's.
     operator_url: str | None = None
     models: Path = Path("models.yaml")
     sim_gpus: str | None = None
@@ -181,7 +182,7 @@ class Settings:
     batch: BatchLimits = field(default_factory=BatchLimits)
     policy: PolicySettings = field(default_factory=PolicySettings)
     sim_data: Path | None = None
-    crash_on_call: str | None = None  # tests only (tasks/quarantine.py)
+    crash_on_call: str | None = None  # tests only (tasks/broker/quarantine.py)
     url_from: str = FROM_DEFAULT  # where the registry URL came from (FROM_*)
 
     @classmethod
@@ -281,7 +282,7 @@ def connection_path(home: Path, fleet: str) -> Path:
 
 @dataclass(frozen=True)
 class Connection:
-    """How a running `gpufleet up` is reached, per user of its Redis (`placement.acl`)."""
+    """How a running `gpufleet up` is reached, per user of its Redis (`placement.server.acl`)."""
 
     caller: str  # `gpufleet url`: send calls, read results
     operator: str  # `gpufleet status` and `gpufleet metrics`: read everything

@@ -21,7 +21,7 @@ from celery import Task
 from celery.exceptions import Ignore, Retry
 from celery.signals import worker_process_init
 
-from placement.catalog import ModelSpec
+from placement.catalog.catalog import ModelSpec
 from placement.errors import (
     CantAccommodateError,
     GpufleetError,
@@ -32,14 +32,16 @@ from placement.errors import (
     UnknownReplicaError,
     describe,
 )
-from placement.registry import DEFAULT_REQUEST_LEASE_MS, Lease, Registry
-from placement.state import LEAVING, RESERVING, Candidate, Level, Plan
-from tasks import context, leases, presence, routed
-from tasks import status as status_report
+from placement.ledger.registry import DEFAULT_REQUEST_LEASE_MS, Lease, Registry
+from placement.policy.state import LEAVING, RESERVING, Candidate, Level, Plan
+from tasks import context
 from tasks.app import app
-from tasks.calls import Call, counted_of, fast_call, hops_of, time_limits_of
+from tasks.broker import presence
+from tasks.broker.intake import is_name
 from tasks.config import INTERNAL_QUEUE
-from tasks.intake import is_name
+from tasks.serving import leases, routed
+from tasks.serving import status as status_report
+from tasks.serving.calls import Call, counted_of, fast_call, hops_of, time_limits_of
 from worker.handlers import validate
 
 log = logging.getLogger(__name__)
@@ -53,7 +55,7 @@ EVICT_WAIT_S = 10.0  # how long `gpufleet.evict` waits for workers to settle the
 
 
 def _infer_intake(headers: dict[str, Any], arguments: dict[str, Any]) -> None:
-    """What the consumer checks of a `gpufleet.infer` before it runs (`tasks.intake`): a
+    """What the consumer checks of a `gpufleet.infer` before it runs (`tasks.broker.intake`): a
     catalog model, a payload its task takes, and a lease header the fleet wrote."""
     spec = context.catalog().get(arguments["model"])
     validate(spec.task, arguments["inputs"], arguments["params"])
@@ -69,7 +71,7 @@ def infer(
     if context.role() == "gpu":
         call = fast_call(model, inputs, params, getattr(self.request, leases.HEADER, None), hops)
         if call is not None:
-            from tasks.gpu import serve  # only GPU workers import torch
+            from tasks.serving.gpu import serve  # only GPU workers import torch
 
             return serve(self, call)
     return dispatch(self, model, inputs, params, hops)
@@ -166,7 +168,7 @@ def _place(
 
 def _again(task: Task, exc: Exception, countdown: float, max_retries: int) -> Retry:
     """Retry the call later, on the router's internal queue, where its headers (re-route
-    count, counted) keep their meaning (a public queue takes them off: `tasks.intake`)."""
+    count, counted) keep their meaning (a public queue takes them off: `tasks.broker.intake`)."""
     return task.retry(exc=exc, countdown=countdown, max_retries=max_retries, queue=INTERNAL_QUEUE)
 
 

@@ -15,25 +15,31 @@ from celery.signals import celeryd_init, worker_init
 from tasks.config import INTERNAL_QUEUE, celery_conf
 from tasks.context import settings
 
-app = Celery("gpufleet", task_cls="tasks.checked:CheckedTask")
+app = Celery("gpufleet", task_cls="tasks.serving.checked:CheckedTask")
 app.conf.update(celery_conf(settings()))
-app.conf.task_routes = ("tasks.routing.route",)
-# tasks.metrics: a router serves /metrics. tasks.broker: every worker claims the fleet's
+app.conf.task_routes = ("tasks.serving.routing.route",)
+# tasks.operator.metrics: a router serves /metrics. tasks.broker.claim: every worker
+# claims the fleet's
 # broker database (no tasks of its own),
 # after the other modules' start checks (signal handlers run in import order); then
-# tasks.quarantine counts the calls its predecessor died holding, and tasks.presence
+# tasks.broker.quarantine counts the calls its predecessor died holding, and tasks.broker.presence
 # records it, once it is sure the broker's calls are its fleet's.
 app.conf.include = (
-    ["tasks.api", "tasks.scaling"]
-    + (["tasks.gpu"] if settings().role == "gpu" else [])
-    + ["tasks.metrics", "tasks.broker", "tasks.quarantine", "tasks.presence"]
+    ["tasks.api", "tasks.serving.scaling"]
+    + (["tasks.serving.gpu"] if settings().role == "gpu" else [])
+    + [
+        "tasks.operator.metrics",
+        "tasks.broker.claim",
+        "tasks.broker.quarantine",
+        "tasks.broker.presence",
+    ]
 )
 
 
 @celeryd_init.connect
 def _name_the_consumer(sender: str, conf: Any, **_: Any) -> None:
     """A worker takes its messages through in-flight lists named after its node
-    (`tasks.transport`): its successor of the same name puts back what it took."""
+    (`tasks.broker.transport`): its successor of the same name puts back what it took."""
     if conf is not app.conf:
         return  # a worker of another app in this process
     conf.broker_transport_options = {**conf.broker_transport_options, "consumer_name": sender}
@@ -43,6 +49,6 @@ def _name_the_consumer(sender: str, conf: Any, **_: Any) -> None:
 def _consume_internal_queue(sender: Any = None, **_: Any) -> None:
     """A router also takes the fleet's internal queue, whatever its `-Q` says: calls routed
     again, its own retries and scaling decisions arrive there (`tasks.config`). Connected
-    here, before `tasks.presence` records the queues this worker consumes."""
+    here, before `tasks.broker.presence` records the queues this worker consumes."""
     if settings().role == "router" and sender is not None and sender.app is app:
         sender.app.amqp.queues.select_add(INTERNAL_QUEUE)

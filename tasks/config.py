@@ -19,9 +19,9 @@ INTERNAL_QUEUE = "gpufleet.router"
 ROUTER_QUEUES = (ROUTER_QUEUE, INTERNAL_QUEUE)
 #: The result backend every gpufleet process uses: Celery's Redis one, less the call's
 #: arguments in each result.
-RESULT_BACKEND = "tasks.results:Backend"
+RESULT_BACKEND = "tasks.broker.results:Backend"
 #: The queues any caller may write (docs/deploy.md, "Security"): what is taken from them
-#: is checked as a caller's (`tasks.intake`).
+#: is checked as a caller's (`tasks.broker.intake`).
 PUBLIC_QUEUES = frozenset({ROUTER_QUEUE})
 #: Publishing retries for about 10 s (Celery's default gives up after 0.6 s).
 PUBLISH_RETRY_POLICY = {
@@ -37,8 +37,8 @@ def celery_conf(settings: Settings) -> dict[str, Any]:
     transport = {"visibility_timeout": settings.visibility_timeout}
     conf: dict[str, Any] = {
         "broker_url": settings.broker_url,
-        "broker_transport": "tasks.transport:Transport",  # redis(s):// that loses no message
-        # Celery's `backend+url` form: this class (tasks/results.py) for a redis(s):// URL.
+        "broker_transport": "tasks.broker.transport:Transport",  # redis(s):// that loses no message
+        # Celery's `backend+url` form: this class (tasks/broker/results.py) for a redis(s):// URL.
         "result_backend": f"{RESULT_BACKEND}+{settings.result_backend}",
         # JSON only: pickle is refused on the way in and on the way out.
         "task_serializer": "json",
@@ -55,14 +55,15 @@ def celery_conf(settings: Settings) -> dict[str, Any]:
         "result_backend_transport_options": transport,
         "task_default_queue": ROUTER_QUEUE,
         # Answers the calls it cannot read (pickle, broken JSON) instead of dropping them.
-        "worker_consumer": "tasks.consumer:Consumer",
+        "worker_consumer": "tasks.serving.consumer:Consumer",
         # Fleet processes tell Flower of the calls they send on; a client may hold a
-        # caller's URL, whose user may not publish events (placement.acl).
+        # caller's URL, whose user may not publish events (placement.server.acl).
         "task_send_sent_event": settings.role != "client",
         "worker_send_task_events": True,
         "broker_connection_retry_on_startup": True,
         "result_expires": 24 * 3600,
-        # Name, queue and worker in stored results, never the call's arguments (tasks.results).
+        # Name, queue and worker in stored results, never the call's arguments
+        # (tasks.broker.results).
         "result_extended": True,
         # A result stored while Redis restarts is retried, not lost (about half a minute).
         # A broker restart (the launcher restarts its Redis in about a second) must not fail

@@ -9,11 +9,11 @@ from __future__ import annotations
 import functools
 from dataclasses import replace
 
-from placement.catalog import Catalog, ModelSpec
+from placement.catalog.catalog import Catalog, ModelSpec
+from placement.catalog.estimate import estimate_bytes
 from placement.config import Settings
-from placement.estimate import estimate_bytes
-from placement.registry import Registry
-from placement.state import Demand
+from placement.ledger.registry import Registry
+from placement.policy.state import Demand
 
 
 @functools.cache

@@ -5,11 +5,11 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
-from placement.audit import audit
-from placement.ledger import apply_plan, evict, settle_all
-from placement.policy import plan_replica
-from placement.registry import Plan, Registry
-from placement.state import Candidate, Demand, Level, Snapshot
+from placement.ledger.audit import audit
+from placement.ledger.registry import Plan, Registry
+from placement.policy.mirror import apply_plan, evict, settle_all
+from placement.policy.place import plan_replica
+from placement.policy.state import Candidate, Demand, Level, Snapshot
 
 
 def settle_leaving(reg: Registry) -> None:
@@ -52,7 +52,7 @@ def replay_against_mirror(
     drop_waiting: float = 0.0,
 ) -> list[Snapshot]:
     """Plan `steps` demands drawn by `demand`, commit each, and check before and after its
-    workers settle that the registry holds what `placement.ledger` predicts and passes the
+    workers settle that the registry holds what `placement.policy.mirror` predicts and passes the
     audit. A demand already placed is evicted instead (its drop settled when
     `settle_evicted`); a placement that waits for its victims is dropped before it loads
     with probability `drop_waiting`. Returns every snapshot checked."""

@@ -21,8 +21,8 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from placement.keys import BROKER_CLAIM
-from placement.redis_server import RedisServer
+from placement.ledger.keys import BROKER_CLAIM
+from placement.server.redis_server import RedisServer
 
 REDIS_URL_ENV = "GPUFLEET_TEST_REDIS_URL"
 _HOME = pytest.StashKey[tuple[str, str | None]]()

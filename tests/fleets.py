@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import replace
 
-from placement.state import ON_DEVICE, RESERVING, Deployment, Gpu, Host, Level, Snapshot
+from placement.policy.state import ON_DEVICE, RESERVING, Deployment, Gpu, Host, Level, Snapshot
 
 GiB = 2**30
 GB = 10**9

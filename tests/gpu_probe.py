@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from placement.catalog import Catalog
+from placement.catalog.catalog import Catalog
 from worker.devices import Device, nvml_devices
 from worker.residency import ResidencyManager
 

@@ -1,6 +1,6 @@
 """A Celery app whose pool child stops the whole worker once it consumes, as a GPU
 worker's child does when it finds its GPUs owned after the main process's own check
-passed (`tasks.gpu.stop_worker`). Run by tests/test_control.py only."""
+passed (`tasks.serving.gpu.stop_worker`). Run by tests/test_control.py only."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any
 from celery import Celery
 from celery.signals import worker_process_init, worker_ready
 
-from tasks.gpu import stop_worker
+from tasks.serving.gpu import stop_worker
 
 app = Celery("refusing", broker=os.environ["REFUSING_BROKER"])
 READY = Path(os.environ["REFUSING_READY"])  # the main process writes it once it consumes

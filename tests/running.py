@@ -26,7 +26,7 @@ from celery.result import AsyncResult
 
 from bench.fleet import TWO_MODELS  # noqa: F401  (the end-to-end tests' catalog)
 from placement.config import connection_path, read_connection
-from placement.registry import Registry
+from placement.ledger.registry import Registry
 
 REPO = Path(__file__).resolve().parents[1]
 READY_S = 180.0
@@ -142,7 +142,7 @@ def fleet_up(
         home = tempfile.mkdtemp(prefix="gpufleet-home-")
         env["GPUFLEET_HOME"] = home
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tasks.cli", "up", "--models", str(catalog), *args],
+        [sys.executable, "-m", "tasks.operator.cli", "up", "--models", str(catalog), *args],
         cwd=REPO,
         env=env,
         stdout=subprocess.PIPE,

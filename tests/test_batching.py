@@ -12,11 +12,11 @@ from typing import Any
 import pytest
 import torch
 
-from placement.batching import BatchLimits, Waiting, input_chars, take_batch
-from placement.catalog import Catalog, ModelSpec
+from placement.catalog.catalog import Catalog, ModelSpec
 from placement.config import Settings
 from placement.errors import CatalogError, ConfigError, PayloadError
-from placement.memory import MiB
+from placement.rules.batching import BatchLimits, Waiting, input_chars, take_batch
+from placement.units.memory import MiB
 from tests.fleets import GiB
 from worker.devices import Device, simulated_devices
 from worker.residency import ResidencyManager
@@ -241,7 +241,7 @@ def test_a_pass_that_fails_is_run_again_one_call_at_a_time_so_only_its_culprit_f
     assert close(ran[0].outputs, manager.infer("r1", *requests[0]))
 
 
-# --- the worker's hold on calls (tasks.batching.Batcher) ----------------------------
+# --- the worker's hold on calls (tasks.serving.batching.Batcher) ----------------------------
 
 
 class _Request:
@@ -301,7 +301,7 @@ class _Pool:
 
 
 def test_the_batcher_sends_one_job_per_free_child_and_settles_each_call_of_it() -> None:
-    from tasks.batching import Batcher
+    from tasks.serving.batching import Batcher
 
     pool, passed = _Pool(), []
     batcher = Batcher(pool, None, passed.append, lambda _: BatchLimits(size=8), lambda _: [])
@@ -325,7 +325,7 @@ def test_the_batcher_sends_one_job_per_free_child_and_settles_each_call_of_it() 
 
 
 def test_a_job_the_pool_drops_with_a_lost_connection_does_not_hold_up_the_calls_after_it() -> None:
-    from tasks.batching import Batcher
+    from tasks.serving.batching import Batcher
 
     pool = _Pool()
     batcher = Batcher(pool, None, lambda _: None, lambda _: BatchLimits(size=8), lambda _: [])
@@ -343,7 +343,7 @@ def test_a_job_the_pool_drops_with_a_lost_connection_does_not_hold_up_the_calls_
 
 
 def test_calls_share_a_batch_only_with_calls_of_their_time_limits_which_the_batch_keeps() -> None:
-    from tasks.batching import Batcher
+    from tasks.serving.batching import Batcher
 
     pool = _Pool()
     batcher = Batcher(pool, None, lambda _: None, lambda _: BatchLimits(size=8), lambda _: [])

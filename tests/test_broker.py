@@ -15,8 +15,8 @@ import pytest
 import redis
 
 from placement.errors import BrokerInUseError
-from tasks import broker
-from tasks.broker import BrokerClaim
+from tasks.broker import claim as broker
+from tasks.broker.claim import BrokerClaim
 
 
 @pytest.fixture

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from placement.catalog import Catalog, ModelSpec
+from placement.catalog.catalog import Catalog, ModelSpec
 from placement.errors import CatalogError, PayloadError, UnknownModelError
-from placement.memory import GiB
-from placement.scaling import Autoscale
-from placement.state import Demand
+from placement.policy.state import Demand
+from placement.rules.scaling import Autoscale
+from placement.units.memory import GiB
 
 
 def write(tmp_path: Path, text: str, name: str = "models.yaml") -> Path:

@@ -31,10 +31,10 @@ import pytest
 import torch
 from celery.exceptions import TimeoutError as CeleryTimeout
 
-from placement.audit import ledger_problems, report_problems
-from placement.catalog import Catalog
-from placement.load import read_loads
-from placement.state import LEAVING, PENDING, Level, Snapshot
+from placement.catalog.catalog import Catalog
+from placement.ledger.audit import ledger_problems, report_problems
+from placement.ledger.load import read_loads
+from placement.policy.state import LEAVING, PENDING, Level, Snapshot
 from tests.running import RunningFleet, fleet_env, fleet_up, with_signal
 from worker import handlers
 from worker.synthetic import build_synthetic

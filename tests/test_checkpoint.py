@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from placement.catalog import Catalog, ModelSpec
+from placement.catalog.catalog import Catalog, ModelSpec
 from placement.errors import CheckpointError
 from tests.fleets import GiB
 from worker import checkpoint as checkpoint_module

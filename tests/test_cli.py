@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from placement.registry import Registry
-from placement.state import Demand, Gpu
-from tasks.cli import app
+from placement.ledger.registry import Registry
+from placement.policy.state import Demand, Gpu
+from tasks.operator.cli import app
 from tests.fleets import GiB
 
 REPO = Path(__file__).resolve().parents[1]
@@ -106,7 +106,7 @@ def test_the_gpufleet_console_entry_is_installed_and_runs(redis_url: str, fleet:
 
 
 def test_up_stops_on_sigint_sigterm_and_a_closed_terminal_but_not_under_nohup() -> None:
-    from tasks.cli import stop_on_signals
+    from tasks.operator.cli import stop_on_signals
 
     signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
     saved = {sig: signal.getsignal(sig) for sig in signals}

@@ -30,9 +30,9 @@ import pytest
 import redis
 import yaml
 
-from placement.redis_server import find_redis_server
+from placement.server.redis_server import find_redis_server
 from tasks.config import ROUTER_QUEUE
-from tasks.routing import gpu_queue
+from tasks.serving.routing import gpu_queue
 from tests.ports import free_port
 
 COMPOSE = Path(__file__).resolve().parents[1] / "compose.yaml"
@@ -264,7 +264,7 @@ def test_every_gpu_worker_runs_one_prefork_child_on_its_own_queue(
         env = resolve(environment(service))
         args = argv(service)
         assert args[:4] == ["celery", "-A", "tasks.app", "worker"], name
-        # The queue the worker registers (tasks.routing) is the queue Celery consumes.
+        # The queue the worker registers (tasks.serving.routing) is the queue Celery consumes.
         host = env["GPUFLEET_HOST"]
         assert host == "gpuhost", f"{name}: a fixed default host keeps queue names stable"
         queue = gpu_queue(host, [int(env["GPUFLEET_WORKER_GPUS"])])

@@ -24,9 +24,9 @@ from pathlib import Path
 
 import pytest
 
-from placement.audit import audit
-from placement.registry import Registry
-from placement.state import Demand, Gpu, Level, Snapshot
+from placement.ledger.audit import audit
+from placement.ledger.registry import Registry
+from placement.policy.state import Demand, Gpu, Level, Snapshot
 from tests.acting import evict_now, make_hot, settle_leaving
 from tests.soak import EVENTS_MAXLEN, SoakResult, run_soak
 from tests.soak_checks import ownership_problems

@@ -20,7 +20,7 @@ from placement.config import (
     connection_path,
 )
 from placement.errors import ConfigError
-from placement.settings import GpuChoice, VictimOrder
+from placement.policy.settings import GpuChoice, VictimOrder
 from worker.passes import share
 
 REPO = Path(__file__).resolve().parents[1]

@@ -12,10 +12,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from placement.audit import audit
-from placement.registry import Registry
-from placement.report import status_report
-from placement.state import Candidate, Demand, Gpu, Level
+from placement.ledger.audit import audit
+from placement.ledger.registry import Registry
+from placement.ledger.report import status_report
+from placement.policy.state import Candidate, Demand, Gpu, Level
 from tests.acting import evict_now, make_hot, replay_against_mirror, settle_leaving
 from tests.fleets import GiB
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from placement.audit import audit
-from placement.state import Level
+from placement.ledger.audit import audit
+from placement.policy.state import Level
 from tests.running import LARGE, REPO, TWO_MODELS, fleet_env, fleet_up
 
 pytestmark = pytest.mark.slow
@@ -97,7 +97,7 @@ def refused(*args: str, env: dict[str, str]) -> str:
 
 def up_refused(catalog: Path, env: dict[str, str]) -> str:
     """`gpufleet up` expected to refuse (a second fleet, GPUs owned)."""
-    return refused("tasks.cli", "up", "--models", str(catalog), *SHARED_ARGS, env=env)
+    return refused("tasks.operator.cli", "up", "--models", str(catalog), *SHARED_ARGS, env=env)
 
 
 def celery_worker_refused(env: dict[str, str]) -> str:

@@ -21,13 +21,15 @@ from celery.app.task import Context
 from celery.signals import before_task_publish
 
 import tasks.api
-import tasks.gpu  # `gpufleet.run` is registered, as on a GPU worker
-from placement.registry import Registry
-from placement.report import request_report
-from placement.state import COUNTS, Demand, Gpu
-from tasks import context, leases, presence
-from tasks.calls import HOPS_HEADER, Call, counted_of
-from tasks.intake import COUNTED_HEADER
+import tasks.serving.gpu  # `gpufleet.run` is registered, as on a GPU worker
+from placement.ledger.registry import Registry
+from placement.ledger.report import request_report
+from placement.policy.state import COUNTS, Demand, Gpu
+from tasks import context
+from tasks.broker import presence
+from tasks.broker.intake import COUNTED_HEADER
+from tasks.serving import leases
+from tasks.serving.calls import HOPS_HEADER, Call, counted_of
 from tests.fleets import GiB
 
 CATALOG = """

@@ -17,7 +17,7 @@ import pytest
 
 from placement.config import Settings
 from placement.errors import ConfigError
-from placement.state import Gpu
+from placement.policy.state import Gpu
 from worker.devices import (
     SIM_ENV,
     Device,

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
+from placement.catalog.estimate import estimate_bytes, weights_bytes_on_disk
 from placement.errors import EstimateError
-from placement.estimate import estimate_bytes, weights_bytes_on_disk
 
 TINY_BERT: dict[str, Any] = {
     "model_type": "bert",
@@ -196,7 +196,7 @@ def test_an_unknown_dtype_lists_the_valid_ones(minilm_dir: Path, tmp_path: Path)
 
 def test_importing_the_estimator_loads_no_heavy_package() -> None:
     code = (
-        "import sys, placement.estimate, placement.catalog; "
+        "import sys, placement.catalog.estimate, placement.catalog.catalog; "
         "print(sorted({'torch', 'transformers', 'accelerate'} & set(sys.modules)))"
     )
     root = Path(__file__).resolve().parents[1]

@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 from celery import Celery
 
-from placement.registry import Registry
-from placement.report import request_report, status_report
+from placement.ledger.registry import Registry
+from placement.ledger.report import request_report, status_report
 from tests.fleets import GiB
 from tests.ports import free_port
 from tests.running import LARGE, RunningFleet, alive, answered_after, descendants, fleet_env
@@ -180,9 +180,9 @@ def test_fast_path_calls_leave_no_lease_behind_with_own_headers_or_when_expired(
         import json
         from datetime import datetime, timedelta, timezone
         from celery.exceptions import TaskRevokedError
-        from tasks import leases
+        from tasks.serving import leases
         from tasks.app import app
-        from tasks.routing import route
+        from tasks.serving.routing import route
 
         app.send_task("gpufleet.infer", args=("leased", "warm up")).get(timeout=120)
         routed = route("gpufleet.infer", ("leased", "x"), {}, {})  # HOT now: the fast path
@@ -301,7 +301,7 @@ def test_a_model_that_can_never_fit_fails_at_once_saying_why(fleet_up: Fleet) ->
     assert time.monotonic() - start < 2.0
     assert type(err.value).__name__ == "NeverFitsError"
     assert "across the GPUs of one host" in str(err.value)
-    cli = [sys.executable, "-m", "tasks.cli", "deploy", "huge"]
+    cli = [sys.executable, "-m", "tasks.operator.cli", "deploy", "huge"]
     env = fleet_env(GPUFLEET_REDIS_URL=fleet_up.url)
     done = subprocess.run(
         cli, cwd=REPO, env=env, capture_output=True, text=True, timeout=120, check=False

@@ -9,10 +9,10 @@ from collections.abc import Iterator
 import pytest
 
 from placement.errors import CantAccommodateError
-from placement.follow import FRESH_S
-from placement.registry import Registry
-from placement.room import room_of
-from placement.state import Demand, Gpu, Level, Snapshot
+from placement.ledger.follow import FRESH_S
+from placement.ledger.registry import Registry
+from placement.policy.room import room_of
+from placement.policy.state import Demand, Gpu, Level, Snapshot
 from tests.acting import evict_now, make_hot, settle_leaving
 from tests.fleets import GiB
 

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from placement.config import DEFAULT_GPU_RESERVE
-from placement.report import status_report
+from placement.ledger.report import status_report
 from tests.running import RunningFleet, descendants, fleet_env, fleet_up
 
 pytestmark = pytest.mark.gpu

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from placement.catalog import TASKS, ModelSpec
+from placement.catalog.catalog import TASKS, ModelSpec
 from placement.errors import CatalogError, PayloadError
 from worker.handlers import MAX_BATCH, MAX_CHARS, auto_class, run, validate
 from worker.synthetic import build_synthetic

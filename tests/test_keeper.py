@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from placement.audit import audit
-from placement.catalog import Catalog
+from placement.catalog.catalog import Catalog
 from placement.errors import ConfigError, EvictedError
-from placement.registry import Registry
-from placement.state import Demand, Level
+from placement.ledger.audit import audit
+from placement.ledger.registry import Registry
+from placement.policy.state import Demand, Level
 from worker.devices import simulated_devices
 from worker.node import GpuWorker
 

@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from placement.config import Settings, connection_path
 from placement.errors import ConfigError
-from tasks.launcher import CRASH_LIMIT, Child, Launcher, _bound_port, _port
+from tasks.operator.launcher import CRASH_LIMIT, Child, Launcher, _bound_port, _port
 from tests.running import RunningFleet, fleet_env, fleet_up
 
 #: The smallest fleet: one model, nothing loaded by the tests here.

@@ -10,11 +10,12 @@ from celery.app.task import Context
 from celery.signals import before_task_publish, task_revoked
 
 import tasks.api
-import tasks.gpu
-from placement.registry import Lease, Registry
-from placement.state import Demand, Gpu
-from tasks import context, leases
+import tasks.serving.gpu
+from placement.ledger.registry import Lease, Registry
+from placement.policy.state import Demand, Gpu
+from tasks import context
 from tasks.app import app
+from tasks.serving import leases
 from tests.fleets import GiB
 
 
@@ -38,7 +39,7 @@ def registry(redis_url: str, fleet: str, monkeypatch: pytest.MonkeyPatch) -> Ite
         cached.cache_clear()
 
 
-REGISTERED = (tasks.api.infer, tasks.gpu.run)  # the real tasks, so the signals see them
+REGISTERED = (tasks.api.infer, tasks.serving.gpu.run)  # the real tasks, so the signals see them
 
 
 def held(reg: Registry) -> int:

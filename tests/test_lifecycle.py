@@ -21,10 +21,10 @@ from typing import Any
 import pytest
 import redis
 
-from placement.audit import audit
 from placement.errors import ConfigError, GpuOwnedError, RegistryError
-from placement.registry import Registry
-from placement.state import Demand, Gpu, Level
+from placement.ledger.audit import audit
+from placement.ledger.registry import Registry
+from placement.policy.state import Demand, Gpu, Level
 from worker.devices import Device, simulated_devices
 from worker.lifecycle import (
     EXIT_RESTART,
@@ -386,7 +386,7 @@ def test_ordinary_errors_are_not_fatal(exc: BaseException) -> None:
 
 _CHILD = """
 import sys
-from placement.registry import Registry
+from placement.ledger.registry import Registry
 from worker.devices import simulated_devices
 from worker.lifecycle import WorkerLease, exit_for_restart
 reg = Registry.from_url(sys.argv[1], sys.argv[2])

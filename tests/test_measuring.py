@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from placement.catalog import Catalog, ModelSpec
+from placement.catalog.catalog import Catalog, ModelSpec
 from tests.fleets import GiB
 from worker.devices import simulated_devices
 from worker.measuring import Spans

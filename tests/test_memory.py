@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from placement.errors import ConfigError, MemorySizeError
-from placement.memory import GiB, MiB, format_size, fraction_of, parse_size, process_fraction
+from placement.units.memory import GiB, MiB, format_size, fraction_of, parse_size, process_fraction
 
 # --- parse_size -------------------------------------------------------------------------------
 
@@ -213,7 +213,7 @@ def test_a_process_cap_stays_in_range_and_tracks_the_ratio_inside_it(
 
 
 def test_the_memory_module_imports_no_heavy_package() -> None:
-    code = "import sys, placement.memory; print('torch' in sys.modules)"
+    code = "import sys, placement.units.memory; print('torch' in sys.modules)"
     root = Path(__file__).resolve().parents[1]
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True

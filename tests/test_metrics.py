@@ -15,15 +15,15 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from typer.testing import CliRunner
 
-from placement.load import hold_routing
-from placement.redis_server import RedisServer
-from placement.registry import Registry
-from placement.report import request_report
-from placement.state import COUNTS, OUTCOMES, Demand, Gpu
-from tasks.cli import app as cli
+from placement.ledger.load import hold_routing
+from placement.ledger.registry import Registry
+from placement.ledger.report import request_report
+from placement.policy.state import COUNTS, OUTCOMES, Demand, Gpu
+from placement.server.redis_server import RedisServer
 from tasks.config import ROUTER_QUEUE
-from tasks.metrics import FleetCollector, serve, serve_on
-from tasks.status import full_status
+from tasks.operator.cli import app as cli
+from tasks.operator.metrics import FleetCollector, serve, serve_on
+from tasks.serving.status import full_status
 from tests.fleets import GiB
 from tests.ports import free_port
 

@@ -11,14 +11,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bench import packing
-from placement import accelerators
 from placement.errors import CantAccommodateError
-from placement.fitting import _squares_change
-from placement.live import LiveView
-from placement.memory import MiB
-from placement.policy import plan_replica
-from placement.room import RoomIndex, room_of
-from placement.state import Demand, Gpu, Level, Snapshot
+from placement.policy.fitting import _squares_change
+from placement.policy.live import LiveView
+from placement.policy.place import plan_replica
+from placement.policy.room import RoomIndex, room_of
+from placement.policy.state import Demand, Gpu, Level, Snapshot
+from placement.units import accelerators
+from placement.units.memory import MiB
 from tests.fleets import GiB, fleet, gpu, hot
 
 # --- exact arithmetic ----------------------------------------------------------------

@@ -7,11 +7,11 @@ from collections import Counter
 
 import pytest
 
-from placement import accelerators
 from placement.errors import CantAccommodateError, NeverFitsError, PlacementError
-from placement.policy import plan_offload, plan_replica
-from placement.settings import GpuChoice, PolicySettings, VictimOrder
-from placement.state import Candidate, Demand, Host, Level
+from placement.policy.place import plan_offload, plan_replica
+from placement.policy.settings import GpuChoice, PolicySettings, VictimOrder
+from placement.policy.state import Candidate, Demand, Host, Level
+from placement.units import accelerators
 from tests.fleets import GB, GiB, fleet, gpu, hot, warm
 
 # --- seed 003: admission control with request and limit ----------------------

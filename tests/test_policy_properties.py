@@ -8,13 +8,13 @@ from dataclasses import replace
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from placement.audit import audit
 from placement.errors import CantAccommodateError, NeverFitsError
-from placement.ledger import apply_plan
-from placement.policy import plan_replica
-from placement.settings import PolicySettings
-from placement.sizing import single_gpu_slot
-from placement.state import (
+from placement.ledger.audit import audit
+from placement.policy.mirror import apply_plan
+from placement.policy.place import plan_replica
+from placement.policy.settings import PolicySettings
+from placement.policy.sizing import single_gpu_slot
+from placement.policy.state import (
     Candidate,
     Demand,
     Deployment,

@@ -20,12 +20,13 @@ import redis
 from celery import Celery
 from kombu import Connection, Queue
 
-from placement.keys import CONSUMERS, unacked_of
-from placement.redis_server import RedisServer
-from tasks import leases, presence
-from tasks.calls import HOPS_HEADER
+from placement.ledger.keys import CONSUMERS, unacked_of
+from placement.server.redis_server import RedisServer
+from tasks.broker import presence
+from tasks.broker.transport import Transport, inflight
 from tasks.config import INTERNAL_QUEUE, ROUTER_QUEUE
-from tasks.transport import Transport, inflight
+from tasks.serving import leases
+from tasks.serving.calls import HOPS_HEADER
 
 LEASE_MS = 300
 GPU_QUEUE = "gpufleet.h1.gpu0"

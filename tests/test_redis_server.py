@@ -19,9 +19,9 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from placement.acl import Users
 from placement.errors import ConfigError, RegistryError
-from placement.redis_server import RedisServer, find_redis_server
+from placement.server.acl import Users
+from placement.server.redis_server import RedisServer, find_redis_server
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -248,7 +248,7 @@ def test_a_stopped_server_can_start_again() -> None:
 
 _CHILD = """
 import sys, time
-from placement.redis_server import RedisServer
+from placement.server.redis_server import RedisServer
 srv = RedisServer().start()
 print(srv.pid, srv.log_path.parent, flush=True)
 time.sleep(120)

@@ -14,7 +14,6 @@ from importlib import resources
 import pytest
 import redis
 
-from placement.audit import audit
 from placement.errors import (
     GpuOwnedError,
     LeaseLostError,
@@ -22,12 +21,13 @@ from placement.errors import (
     RegistryError,
     SettlingError,
 )
-from placement.keys import Keys
-from placement.policy import plan_replica
-from placement.redis_server import RedisServer
-from placement.registry import Registry
-from placement.scripts import NAMES, scripts_for
-from placement.state import Candidate, Demand, Gpu, Holding, Level
+from placement.ledger.audit import audit
+from placement.ledger.keys import Keys
+from placement.ledger.registry import Registry
+from placement.ledger.scripts import NAMES, scripts_for
+from placement.policy.place import plan_replica
+from placement.policy.state import Candidate, Demand, Gpu, Holding, Level
+from placement.server.redis_server import RedisServer
 from tests.acting import make_hot, replay_against_mirror, settle_leaving
 from tests.fleets import GiB
 
@@ -501,7 +501,7 @@ def test_every_key_of_a_fleet_shares_its_hash_tag(two_gpus: Registry, fleet: str
 
 
 def test_every_lua_script_opens_with_its_keys_and_argv_contract() -> None:
-    lua = resources.files("placement") / "lua"
+    lua = resources.files("placement.ledger") / "lua"
     for name in NAMES:
         head = (lua / f"{name}.lua").read_text().splitlines()[:12]
         assert head[0].startswith(f"-- {name}.lua: ")
@@ -612,7 +612,7 @@ def test_an_unreachable_registry_is_a_clear_error() -> None:
 
 
 def test_a_registry_plans_with_its_own_policy_settings(redis_url: str, fleet: str) -> None:
-    from placement.settings import PolicySettings
+    from placement.policy.settings import PolicySettings
 
     registry = Registry.from_url(redis_url, fleet, settings=PolicySettings(factor=1.5))
     registry.register_worker("w0", "h0", "q0", [sim_gpu("g", 8 * GiB)])

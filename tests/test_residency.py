@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 import torch
 
-from placement.catalog import Catalog, ModelSpec
+from placement.catalog.catalog import Catalog, ModelSpec
 from placement.errors import EvictedError, PayloadError, PlacementError
-from placement.memory import MiB, process_fraction
-from placement.registry import Registry
+from placement.ledger.registry import Registry
+from placement.units.memory import MiB, process_fraction
 from tests.fleets import GiB
 from worker import handlers, loading
 from worker.devices import Device, simulated_devices
@@ -212,8 +212,8 @@ def test_loading_a_replica_twice_is_refused(
 def test_every_demo_model_loads_and_serves_in_the_slot_the_policy_gives_it(
     catalog: Catalog, devices: list[Device], name: str
 ) -> None:
-    from placement.settings import PolicySettings
-    from placement.sizing import single_gpu_slot
+    from placement.policy.settings import PolicySettings
+    from placement.policy.sizing import single_gpu_slot
 
     spec = catalog.get(name)
     slot = single_gpu_slot(spec.demand(), devices[0].to_gpu(HOST).total, PolicySettings())

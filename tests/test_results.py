@@ -7,8 +7,8 @@ import json
 import redis
 from celery import Celery, states
 
-from placement.redis_server import RedisServer
-from tasks.results import read_together
+from placement.server.redis_server import RedisServer
+from tasks.broker.results import read_together
 
 
 def test_a_batchs_results_take_one_read_and_are_what_celery_writes() -> None:

@@ -7,10 +7,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from placement.registry import Registry
-from placement.state import Gpu
-from tasks import context, routing
+from placement.ledger.registry import Registry
+from placement.policy.state import Gpu
+from tasks import context
 from tasks.config import ROUTER_QUEUE
+from tasks.serving import routing
 from tests.fleets import GiB
 
 
@@ -38,7 +39,7 @@ def test_a_client_naming_a_fleet_with_no_worker_is_told_once_to_fix_its_fleet_na
 ) -> None:
     monkeypatch.setenv("GPUFLEET_REDIS_URL", redis_url)
     monkeypatch.setenv("GPUFLEET_FLEET", "nobody-runs-this-fleet")
-    caplog.set_level(logging.WARNING, logger="tasks.routing")
+    caplog.set_level(logging.WARNING, logger="tasks.serving.routing")
     for _ in range(3):
         assert routing.route("gpufleet.infer", ("m", "x"), {}, {}) == {"queue": ROUTER_QUEUE}
     (told,) = warnings(caplog)
@@ -55,7 +56,7 @@ def test_a_miss_in_a_live_fleet_is_told_once_as_a_miss(
     reg = Registry.from_url(redis_url, fleet)
     gpu = Gpu(id="g", host="", index=0, name="Sim", total=8 * GiB)
     reg.register_worker("w0", "h0", "q0", [gpu], warm_budget=GiB)
-    caplog.set_level(logging.WARNING, logger="tasks.routing")
+    caplog.set_level(logging.WARNING, logger="tasks.serving.routing")
     for model in ("a", "b", "a"):
         routing.route("gpufleet.infer", (model, "x"), {}, {})
     (told,) = warnings(caplog)
@@ -67,7 +68,7 @@ def test_an_unreachable_registry_is_told_once_and_the_call_keeps_its_default_que
     client_of: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setenv("GPUFLEET_REDIS_URL", "redis://127.0.0.1:1/0")
-    caplog.set_level(logging.WARNING, logger="tasks.routing")
+    caplog.set_level(logging.WARNING, logger="tasks.serving.routing")
     for _ in range(2):
         assert routing.route("gpufleet.infer", ("m", "x"), {}, {}) is None
     (told,) = warnings(caplog)

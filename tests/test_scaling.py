@@ -1,5 +1,5 @@
-"""Replicas that follow load: the rule (placement/scaling.py), the durations that configure
-it, and its decisions carried out against a real registry (tasks/scaling.py)."""
+"""Replicas that follow load: the rule (placement/rules/scaling.py), the durations that configure
+it, and its decisions carried out against a real registry (tasks/serving/scaling.py)."""
 
 from __future__ import annotations
 
@@ -10,14 +10,14 @@ from typing import Any
 
 import pytest
 
-from placement.audit import audit
-from placement.durations import format_duration_ms, parse_duration_ms
 from placement.errors import ConfigError
-from placement.load import hold_routing, mark_batch, read_loads
-from placement.registry import Registry
-from placement.scaling import Autoscale, ModelLoad, ReplicaLoad, ScaleIn, ScaleOut, Scaler
-from placement.state import RESERVING, Demand, Deployment, Gpu, Level
-from tasks.scaling import ScalingLoop, scale_in, scale_out
+from placement.ledger.audit import audit
+from placement.ledger.load import hold_routing, mark_batch, read_loads
+from placement.ledger.registry import Registry
+from placement.policy.state import RESERVING, Demand, Deployment, Gpu, Level
+from placement.rules.scaling import Autoscale, ModelLoad, ReplicaLoad, ScaleIn, ScaleOut, Scaler
+from placement.units.durations import format_duration_ms, parse_duration_ms
+from tasks.serving.scaling import ScalingLoop, scale_in, scale_out
 from tests.acting import evict_now, make_hot, settle_leaving
 from tests.fleets import GiB
 

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from placement.audit import audit
-from placement.state import RESERVING, Level
+from placement.ledger.audit import audit
+from placement.policy.state import RESERVING, Level
 from tests.running import LARGE, RunningFleet, fleet_env, fleet_up
 
 pytestmark = pytest.mark.slow

@@ -18,9 +18,10 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from placement import accelerators
-from placement.ledger import mark
-from placement.scaling import Scaler
+from placement.policy.mirror import mark
+from placement.policy.sizing import scale
+from placement.policy.state import Demand, Level
+from placement.rules.scaling import Scaler
 from placement.simulator import (
     POLICIES,
     Fleet,
@@ -39,9 +40,8 @@ from placement.simulator.policies import static_demand
 from placement.simulator.report import RunResult
 from placement.simulator.serving import ServingReplay
 from placement.simulator.workloads import azure, load_azure_times, tile
-from placement.sizing import scale
-from placement.state import Demand, Level
-from tasks.cli import app
+from placement.units import accelerators
+from tasks.operator.cli import app
 
 GB = 10**9
 TIME = TimeModel(compute_s=0.1, h2d_bytes_per_s=10 * GB, disk_bytes_per_s=1 * GB)

@@ -143,7 +143,7 @@ def test_a_client_needs_the_printed_url_with_its_password_and_status_needs_no_se
         def gpufleet(*args: str) -> str:
             """A `gpufleet` command run from / with no GPUFLEET_ setting: its output."""
             return subprocess.run(
-                [sys.executable, "-m", "tasks.cli", *args],
+                [sys.executable, "-m", "tasks.operator.cli", *args],
                 cwd="/",
                 env=bare | {"PYTHONPATH": str(REPO)},
                 capture_output=True,
@@ -168,7 +168,7 @@ def test_a_taken_metrics_port_fails_clearly_when_asked_for_and_moves_when_not(
         taken.listen()
         port = taken.getsockname()[1]
         asked = subprocess.run(
-            [sys.executable, "-m", "tasks.cli", "up", "--models", str(catalog),
+            [sys.executable, "-m", "tasks.operator.cli", "up", "--models", str(catalog),
              "--sim-gpus", "1x4GiB", "--metrics-port", str(port)],
             cwd=REPO,
             env=fleet_env(),
@@ -200,7 +200,7 @@ def test_sigint_to_a_background_fleets_job_stops_everything_it_started_with_redi
     home = tmp_path / "home"
     with log.open("w") as err:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "tasks.cli", "up", "--models", str(catalog), *ARGS],
+            [sys.executable, "-m", "tasks.operator.cli", "up", "--models", str(catalog), *ARGS],
             cwd=REPO,
             env=fleet_env(GPUFLEET_HOME=str(home)),
             stdout=subprocess.PIPE,

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from placement.catalog import TASKS, ModelSpec
+from placement.catalog.catalog import TASKS, ModelSpec
 from placement.errors import CatalogError
 from worker.handlers import auto_class, run
 from worker.synthetic import DEFAULT_CONFIGS, SyntheticTokenizer, build_synthetic, seed_for

@@ -16,9 +16,9 @@ import pytest
 from kombu import Connection
 
 from placement.config import Settings
-from placement.redis_server import find_redis_server
-from placement.registry import Registry
-from placement.state import Gpu
+from placement.ledger.registry import Registry
+from placement.policy.state import Gpu
+from placement.server.redis_server import find_redis_server
 from tasks.config import celery_conf
 from tests.fleets import GiB
 from tests.ports import free_port

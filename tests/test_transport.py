@@ -20,9 +20,9 @@ import pytest
 import redis
 from kombu import Connection, Exchange, Queue
 
-from placement.keys import unacked_of
-from placement.redis_server import RedisServer
-from tasks.transport import Channel, Onward, QoS, Transport
+from placement.ledger.keys import unacked_of
+from placement.server.redis_server import RedisServer
+from tasks.broker.transport import Channel, Onward, QoS, Transport
 
 SEP = Channel.sep
 
@@ -334,7 +334,7 @@ def test_a_take_that_redis_refuses_loses_nothing_whether_full_or_of_the_wrong_ty
     """take.lua moves a message in one step (LMOVE), so Redis refusing the move (an
     in-flight key of another type) leaves the message in its queue, and a full Redis
     leaves it in its queue or in flight."""
-    from placement.scripts import scripts_for
+    from placement.ledger.scripts import scripts_for
 
     with RedisServer(maxmemory=4 * 2**20) as server:
         client = redis.Redis.from_url(server.url)

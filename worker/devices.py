@@ -38,8 +38,8 @@ from typing import Any
 
 from placement.config import DEFAULT_GPU_RESERVE
 from placement.errors import ConfigError, MemorySizeError
-from placement.memory import format_size, parse_size
-from placement.state import Gpu
+from placement.policy.state import Gpu
+from placement.units.memory import format_size, parse_size
 
 __all__ = [
     "MAX_SIM_GPUS",

@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from placement.catalog import TASKS
+from placement.catalog.catalog import TASKS
 from placement.errors import CatalogError, PayloadError, describe
 
 if TYPE_CHECKING:

@@ -31,10 +31,10 @@ from dataclasses import dataclass, field
 
 import redis
 
-from placement.catalog import ModelSpec
+from placement.catalog.catalog import ModelSpec
 from placement.errors import EvictedError, PlacementError, RegistryError
-from placement.registry import Registry
-from placement.state import Deployment, Level
+from placement.ledger.registry import Registry
+from placement.policy.state import Deployment, Level
 from worker.lifecycle import exit_for_restart, is_fatal_cuda_error
 from worker.residency import ResidencyManager
 

@@ -40,8 +40,8 @@ import redis
 
 from placement.config import DEFAULT_WORKER_LEASE_MS
 from placement.errors import ConfigError, GpuOwnedError, LeaseLostError, RegistryError
-from placement.registry import Registry
-from placement.state import Holding
+from placement.ledger.registry import Registry
+from placement.policy.state import Holding
 from worker.devices import Device
 
 __all__ = [

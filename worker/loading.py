@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from placement.catalog import ModelSpec
+from placement.catalog.catalog import ModelSpec
 from placement.errors import ConfigError, PlacementError, UnsupportedCheckpointError
 from worker import handlers
 from worker.checkpoint import Checkpoint

@@ -1,6 +1,6 @@
 """One GPU worker process: its GPUs, its lease in the registry, its keeper and its models.
 
-`GpuWorker` is what a Celery pool child of a GPU worker runs (`tasks.gpu` binds it to
+`GpuWorker` is what a Celery pool child of a GPU worker runs (`tasks.serving.gpu` binds it to
 Celery): it registers the process's GPUs under a heartbeat lease that reports what the
 process holds, starts the keeper that follows the ledger, and serves calls on HOT
 replicas. It owns `devices` in the ledger, but may load onto any GPU of its host (`visible`):
@@ -15,9 +15,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from placement.catalog import ModelSpec
+from placement.catalog.catalog import ModelSpec
 from placement.config import DEFAULT_WORKER_LEASE_MS
-from placement.registry import Registry
+from placement.ledger.registry import Registry
 from worker.devices import Device
 from worker.keeper import Keeper
 from worker.lifecycle import WorkerLease, make_worker_id

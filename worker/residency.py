@@ -31,12 +31,12 @@ from typing import Any
 
 import torch
 
-from placement.batching import UNBATCHED_TASKS
-from placement.catalog import ModelSpec
+from placement.catalog.catalog import ModelSpec
 from placement.errors import EvictedError, GpufleetError, PayloadError, PlacementError
-from placement.memory import format_size, process_fraction
-from placement.registry import Registry
-from placement.state import Holding, Level
+from placement.ledger.registry import Registry
+from placement.policy.state import Holding, Level
+from placement.rules.batching import UNBATCHED_TASKS
+from placement.units.memory import format_size, process_fraction
 from worker import handlers, loading
 from worker.devices import Device
 from worker.lifecycle import exit_for_restart, is_fatal_cuda_error

@@ -25,7 +25,7 @@ from typing import Any, overload
 
 import torch
 
-from placement.catalog import ModelSpec
+from placement.catalog.catalog import ModelSpec
 from placement.errors import CatalogError
 
 log = logging.getLogger(__name__)

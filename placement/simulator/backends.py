@@ -25,12 +25,12 @@ from dataclasses import replace
 from typing import Protocol
 
 from placement.errors import GpufleetError
-from placement.ledger import apply_plan, evict, settle, settle_all
-from placement.policy import plan_offload
-from placement.registry import Registry
-from placement.settings import PolicySettings
+from placement.ledger.registry import Registry
+from placement.policy.mirror import apply_plan, evict, settle, settle_all
+from placement.policy.place import plan_offload
+from placement.policy.settings import PolicySettings
+from placement.policy.state import LEAVING, Level, Plan, Snapshot
 from placement.simulator.fleet import Fleet
-from placement.state import LEAVING, Level, Plan, Snapshot
 
 #: Worker leases in Redis mode: long enough for any simulation.
 SIM_WORKER_LEASE_MS = 24 * 3600 * 1000
@@ -57,7 +57,7 @@ class Ledger(Protocol):
 
 
 class MemoryLedger:
-    """The ledger as an in-memory `Snapshot`, changed by `placement.ledger` only.
+    """The ledger as an in-memory `Snapshot`, changed by `placement.policy.mirror` only.
 
     Hits must stay O(1), so recency updates (`touch`) and LOADING -> HOT marks
     (`ready`) are buffered and folded into the snapshot in one pass when the next

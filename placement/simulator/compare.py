@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from placement.errors import ConfigError
-from placement.redis_server import RedisServer
-from placement.scaling import Scaler
+from placement.rules.scaling import Scaler
+from placement.server.redis_server import RedisServer
 from placement.simulator.backends import Ledger, MemoryLedger, RedisLedger
 from placement.simulator.engine import Replay, TimeModel
 from placement.simulator.fleet import Fleet, default_fleet

@@ -34,13 +34,13 @@ from collections import deque
 from dataclasses import asdict, dataclass
 
 from placement.errors import CantAccommodateError, ConfigError, NeverFitsError
-from placement.policy import plan_replica
+from placement.policy.place import plan_replica
+from placement.policy.state import Candidate, Level
 from placement.simulator.backends import Ledger, SimulationError
 from placement.simulator.fleet import Fleet
 from placement.simulator.policies import NEVER, SimPolicy, belady_view, with_learned
 from placement.simulator.report import Recorder, RunResult
 from placement.simulator.workloads import Trace
-from placement.state import Candidate, Level
 
 
 @dataclass(frozen=True)

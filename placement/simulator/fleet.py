@@ -25,8 +25,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from placement.errors import ConfigError
-from placement.sizing import scale
-from placement.state import Gpu, Host, Snapshot
+from placement.policy.sizing import scale
+from placement.policy.state import Gpu, Host, Snapshot
 
 GB = 10**9
 

@@ -22,12 +22,12 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from placement import accelerators
 from placement.errors import ConfigError
-from placement.settings import GpuChoice, PolicySettings, VictimOrder
+from placement.policy.settings import GpuChoice, PolicySettings, VictimOrder
+from placement.policy.sizing import scale
+from placement.policy.state import Demand, Level, Snapshot
 from placement.simulator.fleet import Fleet, GpuType, SimModel
-from placement.sizing import scale
-from placement.state import Demand, Level, Snapshot
+from placement.units import accelerators
 
 #: The policies a run compares when none are named.
 DEFAULT_POLICIES = ("default", "ndif", "helix", "static", "oracle")

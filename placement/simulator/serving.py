@@ -3,7 +3,7 @@
 `engine.Replay` lets a replica serve any number of calls at once: it measures placement
 (hits, loads, memory). Here a replica runs one call at a time, first come first served,
 as a GPU worker does, so a popular model's calls queue behind each other; and the
-routers' scaling rule (`placement.scaling.Scaler`, the very object the routers run) may
+routers' scaling rule (`placement.rules.scaling.Scaler`, the very object the routers run) may
 add replicas. Calls go to the ready replica that frees up first (the least loaded); a
 model with none ready waits for the first to load. With `scaler=None` each model keeps
 one replica on GPU at most: the fixed single replicas to compare with.
@@ -11,7 +11,7 @@ one replica on GPU at most: the fixed single replicas to compare with.
 - Every `LOOK_S` of simulated time the rule looks at each model's replicas: calls in
   flight are those sent to a replica and not finished yet, idle time runs from its last
   call's end. A scale-out plans with the router's `plan_replica` on a view without the
-  workers that hold the model, protecting models under pressure, as `tasks/scaling.py`
+  workers that hold the model, protecting models under pressure, as `tasks/serving/scaling.py`
   does; a scale-in offloads the replica (`plan_offload`), down to the model's floor.
 - A replica with calls in flight is never evicted: the planning view carries them as
   request leases, as the registry does. A miss that finds no room waits (parked) and
@@ -28,17 +28,17 @@ from collections import defaultdict, deque
 from dataclasses import dataclass, field, replace
 
 from placement.errors import CantAccommodateError, ConfigError, NeverFitsError
-from placement.policy import plan_replica
-from placement.scaling import Autoscale, ModelLoad, ReplicaLoad, ScaleIn, ScaleOut, Scaler
+from placement.policy.place import plan_replica
+from placement.policy.state import Candidate, Demand, Level, Plan, Snapshot
+from placement.rules.scaling import Autoscale, ModelLoad, ReplicaLoad, ScaleIn, ScaleOut, Scaler
 from placement.simulator.backends import MemoryLedger
 from placement.simulator.engine import TimeModel
 from placement.simulator.fleet import Fleet
 from placement.simulator.policies import SimPolicy, with_learned
 from placement.simulator.report import Recorder, RunResult
 from placement.simulator.workloads import Trace
-from placement.state import Candidate, Demand, Level, Plan, Snapshot
 
-LOOK_S = 0.5  # as often as a router looks (tasks/scaling.py)
+LOOK_S = 0.5  # as often as a router looks (tasks/serving/scaling.py)
 CEILING = 4  # replicas a model may scale out to in the simulator
 
 

@@ -1,0 +1,113 @@
+"""Registry records as Redis stores them, turned into the values of `placement.policy.state`.
+
+One function per record kind. Redis hashes hold strings; numbers written by Lua may
+come back as floats ("1.0e+09"), so they are parsed through float where they can be.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from placement.policy.state import Deployment, Gpu, Holding, Host, Level, Report
+
+#: `gpu:<id>` hash fields of the CUDA context a worker keeps on a GPU it does not own:
+#: `ctx:<worker>` its bytes, `ctx_held:<worker>` set once they count in `held` (commit.lua),
+#: `ctx_wait:<worker>` the WAITING placements relying on them until then (_lib.lua).
+CONTEXT, CONTEXT_HELD, CONTEXT_WAIT = "ctx:", "ctx_held:", "ctx_wait:"
+
+
+def gpu(row: Mapping[str, str]) -> Gpu:
+    """A `gpu:<id>` hash."""
+    return Gpu(
+        id=row.get("id", ""),
+        host=row.get("host", ""),
+        index=int(row.get("index", 0)),
+        name=row.get("name", ""),
+        total=int(row.get("total", 0)),
+        reserved=int(row.get("reserved", 0)),
+        worker=row.get("worker", ""),
+        queue=row.get("queue", ""),
+        lease_deadline_ms=int(row.get("lease_deadline", 0)),
+        held=int(row.get("held", 0)),
+        context=int(row.get("context", 0)),
+        contexts={
+            name[len(CONTEXT) :]: int(float(v))
+            for name, v in row.items()
+            if name.startswith(CONTEXT)
+        },
+        held_contexts=frozenset(
+            name[len(CONTEXT_HELD) :] for name in row if name.startswith(CONTEXT_HELD)
+        ),
+        waiting_contexts={
+            name[len(CONTEXT_WAIT) :]: int(v)
+            for name, v in row.items()
+            if name.startswith(CONTEXT_WAIT)
+        },
+    )
+
+
+def deployment(row: Mapping[str, str], leases: int) -> Deployment:
+    """A `dep:<replica>` hash, with the number of its live request leases."""
+    return Deployment(
+        replica=row["replica"],
+        model=row["model"],
+        level=Level(row["level"]),
+        gpus={g: int(b) for g, b in json.loads(row.get("gpus") or "{}").items()},
+        limit=int(float(row.get("limit", 0))),
+        fraction=float(row.get("fraction", 0)),
+        dedicated=row.get("dedicated") == "1",
+        size=int(float(row.get("size", 0))),
+        last_used_ms=int(float(row.get("last_used", 0))),
+        host=row.get("host", ""),
+        worker=row.get("worker", ""),
+        queue=row.get("queue", ""),
+        leases=int(leases),
+        epoch=int(row.get("epoch", 0)),
+        since_ms=int(float(row.get("since", 0))),
+        copy_bytes=int(float(row.get("copy_bytes", 0))),
+    )
+
+
+def host(row: Mapping[str, str]) -> Host:
+    """A `host:<name>` hash (its warm index is read separately)."""
+    return Host(
+        name=row.get("name", ""),
+        warm_budget=int(row.get("warm_budget", 0)),
+        warm_used=int(row.get("warm_used", 0)),
+    )
+
+
+def report(worker: str, holds: str | None, at: str | None) -> Report | None:
+    """The holdings a worker's heartbeat stored, or None before its first report."""
+    if not holds or not at:
+        return None
+    return Report(worker, int(at), tuple(holding(h) for h in json.loads(holds)))
+
+
+def holding(data: Mapping[str, Any]) -> Holding:
+    """One entry of a holdings report."""
+    return Holding(
+        replica=str(data["replica"]),
+        epoch=int(data["epoch"]),
+        level=Level(data["level"]),
+        gpus={str(g): int(b) for g, b in dict(data.get("gpus") or {}).items()},
+        device_bytes=int(data.get("device_bytes", 0)),
+    )
+
+
+def holdings_json(holdings: Sequence[Holding]) -> str:
+    """A holdings report as heartbeat.lua stores it."""
+    return json.dumps(
+        [
+            {
+                "replica": h.replica,
+                "epoch": h.epoch,
+                "level": h.level.value,
+                "gpus": dict(h.gpus),
+                "device_bytes": h.device_bytes,
+            }
+            for h in holdings
+        ]
+    )

@@ -1,0 +1,627 @@
+"""The placement registry: per-GPU memory ledgers in Redis, changed only by Lua scripts.
+
+Reads are plain pipelined commands; every write is one atomic script, so any
+number of routers and workers may share a registry without Python-side locks.
+The commit protocol is optimistic: read a `Snapshot`, plan with the pure policy,
+and let `commit.lua` re-check the plan; on a refusal, plan again. Moves that need GPU
+work wait for the worker that does it (docs/placement.md has the state table).
+`Registry` adds placements and requests to `Membership` (the workers) and `Store` (the
+Redis client, keys and scripts).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import redis
+
+from placement.errors import (
+    AtFloorError,
+    CantAccommodateError,
+    NeverFitsError,
+    PlacementError,
+    PlanRejectedError,
+    RegistryError,
+    SettlingError,
+)
+from placement.ledger import records
+from placement.ledger.follow import Follower
+from placement.ledger.keys import KeyList
+from placement.ledger.membership import Membership
+from placement.ledger.scripts import sha
+from placement.ledger.store import DEFAULT_EVENTS_MAXLEN, time_ms
+from placement.policy.place import plan_offload, plan_replica
+from placement.policy.settings import PolicySettings
+from placement.policy.state import (
+    COUNTS,
+    LEAVING,
+    OUTCOMES,
+    Candidate,
+    Demand,
+    Deployment,
+    Level,
+    Plan,
+    Snapshot,
+)
+
+log = logging.getLogger(__name__)
+
+DEFAULT_REQUEST_LEASE_MS = 300_000
+#: How long `place` waits for a copy of the model to finish leaving its GPU before it
+#: gives up with `SettlingError` (a worker settles within about one call's time).
+SETTLE_WAIT_S = 2.0
+SETTLE_POLL_S = 0.02
+#: How `pick` counts the call it leases for: see `Registry.pick`.
+PICK_PATHS = ("fast", "router", "")
+#: What a worker reports settling: see settle.lua.
+OUTCOMES_OF_SETTLE = ("offloaded", "dropped", "failed", "lost")
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A routed request's pin on a replica, until `finish` or `deadline_ms`."""
+
+    id: str
+    model: str
+    replica: str
+    queue: str
+    worker: str
+    gpus: dict[str, int]
+    deadline_ms: int
+    epoch: int = 0  # the placement it pins (a call checks its copy is of this epoch)
+
+
+class Registry(Membership):
+    """One fleet's ledger in one Redis database: its workers, placements and requests."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        fleet: str = "default",
+        *,
+        settings: PolicySettings | None = None,
+        events_maxlen: int = DEFAULT_EVENTS_MAXLEN,
+    ) -> None:
+        super().__init__(client, fleet, settings=settings, events_maxlen=events_maxlen)
+        self._replicas: dict[str, tuple[list[str], list[str]]] = {}  # fast-path cache
+        self.follower = Follower(self)  # the miss path's view of the ledger
+
+    def sweep(self) -> dict[str, list[str]]:
+        """Housekeeping to run periodically: reap expired workers, and finish the drains
+        whose last request leases lapsed (their clients were lost, so no `finish` came)."""
+        reaped = self.reap_expired()
+        drained = [
+            d.replica
+            for d in self.snapshot().deployments.values()
+            if d.level is Level.DRAINING and d.leases == 0
+        ]
+        return {
+            "reaped": reaped,
+            "drained": [r for r in drained if self.evict(r) is not Level.DRAINING],
+        }
+
+    # --- reads --------------------------------------------------------------
+
+    def snapshot(self) -> Snapshot:
+        """Read the whole ledger as of one instant.
+
+        The index sets are read first; then every record, the sets again and the clock
+        are read in one MULTI/EXEC, which Redis runs atomically. If a set changed
+        between the two reads the snapshot is taken again.
+        """
+        return self.snapshot_at()[0]
+
+    def snapshot_at(self) -> tuple[Snapshot, str]:
+        """`snapshot()`, with the id of the last event it includes ("0-0" for none): the
+        point from which `placement.ledger.follow` keeps it current."""
+        k = self.keys
+        sets = (k.gpus, k.deployments, k.hosts, k.workers)
+        ids = [sorted(m) for m in self._read([("smembers", s) for s in sets])]
+        for _ in range(16):
+            gpu_ids, replicas, hosts, workers = ids
+            cmds: list[tuple[Any, ...]] = [("time",), ("hgetall", k.learned), ("hgetall", k.active)]
+            cmds += [("xrevrange", k.events, "+", "-", 1)]
+            cmds += [("smembers", s) for s in sets]
+            cmds += [("hgetall", k.gpu(g)) for g in gpu_ids]
+            cmds += [("hgetall", k.deployment(r)) for r in replicas]
+            cmds += [("zrange", k.leases(r), 0, -1, False, True) for r in replicas]  # with scores
+            cmds += [("hgetall", k.host(h)) for h in hosts]
+            cmds += [("smembers", k.host_warm(h)) for h in hosts]
+            cmds += [("hmget", k.worker(w), "holds", "holds_at", "lease_deadline") for w in workers]
+            rows = iter(self._read(cmds, atomic=True))
+            clock = next(rows)
+            learned, active = next(rows), next(rows)
+            last = next(rows)
+            cursor = str(last[0][0]) if last else "0-0"
+            now_ids = [sorted(next(rows)) for _ in sets]
+            if now_ids != ids:
+                ids = now_ids
+                continue  # a record appeared or went between the two reads
+            now = time_ms(clock)
+            gpu_rows = _take(rows, gpu_ids)
+            gpus = {g: records.gpu(row) for g, row in zip(gpu_ids, gpu_rows, strict=True)}
+            rows_of = _take(rows, replicas)
+            leases = _take(rows, replicas)
+            deployments = {
+                r: records.deployment(row, sum(1 for _, t in held if t > now))
+                for r, row, held in zip(replicas, rows_of, leases, strict=True)
+                if row
+            }
+            host_rows = _take(rows, hosts)
+            host_map = {
+                h: replace(records.host(row), warm=frozenset(warm))
+                for h, row, warm in zip(hosts, host_rows, _take(rows, hosts), strict=True)
+            }
+            reports, deadlines = {}, {}
+            for w, (holds, at, deadline) in zip(workers, _take(rows, workers), strict=True):
+                deadlines[w] = int(deadline or 0)
+                found = records.report(w, holds, at)
+                if found is not None:
+                    reports[w] = found
+            snap = Snapshot(
+                gpus={g: v for g, v in gpus.items() if v.total},
+                deployments=deployments,
+                hosts=host_map,
+                now_ms=now,
+                learned={m: int(v) for m, v in learned.items()},
+                active={m: int(v) for m, v in active.items()},
+                reports=reports,
+                workers=deadlines,
+            )
+            return snap, cursor
+        raise RegistryError("the registry changed under 16 snapshot attempts in a row")
+
+    # --- placement ----------------------------------------------------------
+
+    def commit(
+        self,
+        plan: Plan,
+        snap: Snapshot,
+        *,
+        lease_id: str = "",
+        lease_ms: int = DEFAULT_REQUEST_LEASE_MS,
+        why: str = "",
+    ) -> Plan:
+        """Apply `plan`, made from `snap`, atomically; raise `PlanRejectedError` if stale.
+
+        Returns the plan with its new epoch. `lease_id` pins the replica for the call that
+        caused the placement, so pressure cannot evict it before that call runs. `why`
+        goes into the placement's event (a scale-out says why it placed another replica).
+        """
+        k = self.keys
+        keys = KeyList()
+        old = snap.deployments.get(plan.replica)
+        payload: dict[str, Any] = {
+            "replica": plan.replica,
+            "model": plan.model,
+            "reuse": plan.reuse.value if plan.reuse else "",
+            "expect_worker": old.worker if old and plan.reuse else "",
+            "max_active": plan.max_active,
+            "dep": keys.add(k.deployment(plan.replica)),
+            "leases": keys.add(k.leases(plan.replica)),
+            "lease": lease_id,
+            "lease_ms": lease_ms,
+            "active": keys.add(k.active),
+            "replicas_key": keys.add(k.model_replicas(plan.model)),
+            "deps_key": keys.add(k.deployments),
+            "worker_deps": keys.add(k.worker_deployments(plan.worker)),
+            "worker_key": keys.add(k.worker(plan.worker)),
+            "control": keys.add(k.control(plan.worker)),
+            # A WARM replica is restored on its own host, and leaves its old holder.
+            "old_worker_deps": keys.add(k.worker_deployments(old.worker)) if old else 0,
+            "host_key": keys.add(k.host(plan.host)),
+            "host_warm_key": keys.add(k.host_warm(plan.host)),
+            "events": keys.add(k.events),
+            "limit": plan.limit,
+            "fraction": plan.fraction,
+            "size": plan.size,
+            "dedicated": plan.dedicated,
+            "host": plan.host,
+            "worker": plan.worker,
+            "queue": plan.queue,
+            "why": why,
+            "gpus": [
+                {
+                    "id": g,
+                    "key": keys.add(k.gpu(g)),
+                    "bytes": b,
+                    "limit": plan.limit if len(plan.gpus) == 1 else b,
+                    "worker": snap.gpus[g].worker,
+                }
+                for g, b in plan.gpus.items()
+            ],
+            "evictions": [
+                self._victim_ref(snap.deployments[e.replica], keys) | {"to": e.to.value}
+                for e in plan.evictions
+            ],
+            "drops": [self._warm_ref(snap.deployments[r], keys) for r in plan.warm_drops],
+        }
+        result = self._run_json("commit", keys, payload)
+        if result[0] != 1:
+            raise PlanRejectedError(f"{result[1]}: {result[2]}")
+        return replace(plan, epoch=int(result[2]))
+
+    def _warm_ref(self, d: Deployment, keys: KeyList) -> dict[str, Any]:
+        """A replica as the scripts' `drop_warm` takes it (_lib.lua)."""
+        k = self.keys
+        return {
+            "replica": d.replica,
+            "dep": keys.add(k.deployment(d.replica)),
+            "worker_deps": keys.add(k.worker_deployments(d.worker)),
+            "host": keys.add(k.host(d.host)),
+            "host_warm": keys.add(k.host_warm(d.host)),
+            "control": keys.add(k.control(d.worker)),
+            "expect_worker": d.worker,
+        }
+
+    def _victim_ref(self, d: Deployment, keys: KeyList) -> dict[str, Any]:
+        """A replica as the scripts' `leave` and `to_cold` take it (_lib.lua)."""
+        k = self.keys
+        return self._warm_ref(d, keys) | {
+            "leases": keys.add(k.leases(d.replica)),
+            "active": keys.add(k.active),
+            "gpus": [{"id": g, "key": keys.add(k.gpu(g))} for g in d.gpus],
+        }
+
+    def place(
+        self,
+        demand: Demand,
+        settings: PolicySettings | None = None,
+        rng: random.Random | None = None,
+        attempts: int = 8,
+        *,
+        lease_id: str = "",
+        settle_wait_s: float = SETTLE_WAIT_S,
+        avoid_workers: frozenset[str] = frozenset(),
+        why: str = "",
+    ) -> Plan:
+        """Snapshot, plan and commit one more replica, retrying on stale plans.
+
+        Returns the committed plan, with its epoch (or a DEPLOYED plan when enough
+        replicas are placed). Policy refusals (`CantAccommodateError`) propagate at once.
+        While a copy of the model is leaving its GPU, it waits up to `settle_wait_s` for
+        the move to settle (then the copy can be restored), else raises `SettlingError`.
+        `lease_id` pins the placed replica for the caller's request (see `commit`).
+        The replica goes to none of the GPUs of `avoid_workers`; `why` goes into its event.
+        """
+        last: PlanRejectedError | None = None
+        deadline = time.monotonic() + settle_wait_s
+        tries = 0
+        while tries < attempts:
+            with self.follower.current() as snap:
+                if demand.learned is None and demand.model in snap.learned:
+                    demand = replace(demand, learned=snap.learned[demand.model])
+                where = snap.without_workers(avoid_workers) if avoid_workers else snap
+                try:
+                    plan = plan_replica(demand, where, settings or self.settings, rng)
+                    tries += 1
+                    if plan.candidate is Candidate.DEPLOYED:
+                        return plan
+                    return self.commit(plan, snap, lease_id=lease_id, why=why)
+                except NeverFitsError:
+                    raise  # the fleet's shape: a fresher view would not change it
+                except CantAccommodateError:
+                    if self.follower.fresh():
+                        raise
+                    # The view may count request leases that ended since: read it all.
+                    last, moving = None, {}
+                    self.follower.invalidate()
+                    continue
+                except SettlingError:
+                    if time.monotonic() >= deadline:
+                        raise
+                    moving = {
+                        d.replica: d.level
+                        for d in snap.replicas(demand.model)
+                        if d.level in LEAVING or d.level is Level.DRAINING
+                    }
+                except PlanRejectedError as exc:
+                    last, moving = exc, {}
+                    log.debug("plan for %s rejected: %s", demand.model, exc)
+            if last is not None and not moving:
+                self.follower.invalidate()  # the view missed something: read it all
+            self._wait_moved(moving, deadline)
+        raise PlanRejectedError(
+            f"{demand.model}: the fleet changed under {attempts} plans in a row ({last})"
+        )
+
+    def _wait_moved(self, moving: dict[str, Level], deadline: float) -> None:
+        """Until one of the `moving` (draining or leaving) replicas changes level (its
+        worker settled it, its last call ended), or `deadline`: one small read per poll."""
+        while moving and time.monotonic() < deadline:
+            now = self.levels(list(moving))
+            if any(now.get(r) is not level for r, level in moving.items()):
+                return
+            time.sleep(SETTLE_POLL_S)
+
+    def hold(
+        self, replica: str, epoch: int, worker: str, ttl_ms: int = DEFAULT_REQUEST_LEASE_MS
+    ) -> tuple[Lease, str] | None:
+        """Lease a placed replica (WAITING, LOADING or HOT in `epoch` on live `worker`) for
+        a routed call.
+
+        Returns the lease and where the copy is coming from: "hot" (it is HOT), "warm" (a
+        restore), or "cold"; None when the replica moved on or its worker is dead.
+        """
+        lease_id = uuid.uuid4().hex
+        k = self.keys
+        keys = [k.deployment(replica), k.leases(replica), k.worker(worker)]
+        result = self._run("hold", keys, [lease_id, ttl_ms, epoch, worker])
+        if result[0] != 1:
+            return None
+        _, deadline, level, source = result
+        cache = "hot" if level == Level.HOT.value else "warm" if source == "WARM" else "cold"
+        return Lease(lease_id, "", replica, "", "", {}, int(deadline), epoch), cache
+
+    def confirm(self, replica: str, worker: str, epoch: int, copy_bytes: int = 0) -> bool:
+        """Mark this worker's LOADING placement of `epoch` HOT; False if it moved on.
+
+        `copy_bytes`, the bytes the worker measured its copy at, is what the copy will
+        take in the host's warm cache (0: not measured; its `size` is charged).
+        """
+        keys = [self.keys.deployment(replica), self.keys.events]
+        args = [replica, worker, epoch, self.events_maxlen, copy_bytes]
+        result = self._run("confirm", keys, args)
+        return bool(result[0] == 1)
+
+    def admit(self, dep: Deployment) -> Level | None:
+        """Admit a WAITING placement to its device once its victims left it.
+
+        Returns LOADING when admitted (or already), None while its GPUs are still full,
+        or the level it moved to when the record is no longer this WAITING placement.
+        """
+        k = self.keys
+        keys = KeyList()
+        payload = {
+            "replica": dep.replica,
+            "worker": dep.worker,
+            "epoch": dep.epoch,
+            "dep": keys.add(k.deployment(dep.replica)),
+            "events": keys.add(k.events),
+            "gpus": [
+                {
+                    "id": g,
+                    "key": keys.add(k.gpu(g)),
+                    "bytes": b,
+                    "limit": dep.limit if len(dep.gpus) == 1 else b,
+                }
+                for g, b in dep.gpus.items()
+            ],
+        }
+        result = self._run_json("admit", keys, payload)
+        if result[0] == 1:
+            return Level.LOADING
+        if result[1] == "FULL":
+            return None
+        level = result[2]
+        return Level(level) if level in Level.__members__ else Level.COLD
+
+    def settle(self, dep: Deployment, outcome: str) -> Level | None:
+        """Report the GPU work a pending move of `dep` needed, by the worker that did it.
+
+        `outcome` is one of `OUTCOMES_OF_SETTLE` (see settle.lua). Returns the level the
+        replica reached, or None when the record is no longer `dep`'s placement at a level
+        that outcome settles (nothing changed).
+        """
+        if outcome not in OUTCOMES_OF_SETTLE:
+            raise ValueError(f"unknown outcome {outcome!r}; expected one of {OUTCOMES_OF_SETTLE}")
+        keys = KeyList()
+        payload = self._victim_ref(dep, keys) | {
+            "worker": dep.worker,
+            "epoch": dep.epoch,
+            "outcome": outcome,
+            "events": keys.add(self.keys.events),
+        }
+        result = self._run_json("settle", keys, payload)
+        return Level(result[1]) if result[0] == 1 else None
+
+    def evict(
+        self,
+        replica: str,
+        settings: PolicySettings | None = None,
+        *,
+        to: Level | None = None,
+        seen: Deployment | None = None,
+        floor: int | None = None,
+        epoch: int = 0,
+        why: str = "",
+    ) -> Level:
+        """Drain, then offload (to WARM when the host cache has room) or drop a replica.
+
+        With `floor` it is a scale-in: only the HOT, idle replica of placement `epoch`
+        leaves, and only while its model keeps `floor` others placed (`AtFloorError`;
+        `PlacementError` when it moved or is busy), so scaling stays within the model's
+        bounds whichever routers run it. `why` goes into the eviction's event.
+
+        Returns the replica's level afterwards: DRAINING while requests are in flight
+        (call again when they finish), OFFLOADING or DROPPING while its worker moves it
+        (`wait_settled` waits for that), or WARM or COLD. `to=Level.COLD` forces a drop;
+        with it, `seen` (the record as the caller last saw it) saves reading the record
+        first. evict.lua checks the holder and GPUs; a stale `seen` costs a read and a retry.
+        """
+        for _ in range(8):
+            drops: tuple[str, ...] = ()
+            if to is Level.COLD:  # no warm cache to plan for: the record alone will do
+                record, seen = seen or self._record(replica), None
+                snap = Snapshot(gpus={}, deployments={replica: record}, hosts={})
+                target = Level.COLD
+            else:
+                snap = self._offload_view(replica)
+                eviction, drops = plan_offload(replica, snap, settings or self.settings)
+                target = eviction.to
+            dep = snap.deployments[replica]
+            k = self.keys
+            keys = KeyList()
+            payload = self._victim_ref(dep, keys) | {
+                "events": keys.add(k.events),
+                "to": target.value,
+                "drops": [self._warm_ref(snap.deployments[r], keys) for r in drops],
+                "floor": -1 if floor is None else floor,
+                "epoch": epoch,
+                "why": why,
+            }
+            result = self._run_json("evict", keys, payload)
+            if result[0] in (1, 2):
+                return Level(result[1])
+            if result[1] == "NOT_FOUND":
+                raise RegistryError(f"no replica {replica} in the registry")
+            if result[1] == "FLOOR":
+                raise AtFloorError(f"{replica} stays: {result[2]}")
+            if result[1] in ("MOVED", "BUSY"):
+                raise PlacementError(f"{replica} stays: {result[2]}")
+        raise PlanRejectedError(f"replica {replica} kept moving while being evicted")
+
+    def wait_settled(self, replica: str, timeout_s: float) -> Level:
+        """The replica's level once no move of it is pending, or as it is after `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            dep = self.deployment(replica)
+            level = dep.level if dep is not None else Level.COLD
+            if level not in LEAVING or time.monotonic() >= deadline:
+                return level
+            time.sleep(0.01)
+
+    def _record(self, replica: str) -> Deployment:
+        dep = self.deployment(replica)
+        if dep is None:
+            raise RegistryError(f"no replica {replica} in the registry; see `gpufleet status`")
+        return dep
+
+    def _offload_view(self, replica: str) -> Snapshot:
+        """All an eviction needs to plan: the replica, its host's cache and the copies in it.
+
+        Two small reads instead of a full snapshot; evict.lua re-checks what matters.
+        """
+        k = self.keys
+        dep = self._record(replica)
+        warm_ids = sorted(self._one("smembers", k.host_warm(dep.host))) if dep.host else []
+        rows = self._read(
+            [("hgetall", k.host(dep.host)), *(("hgetall", k.deployment(r)) for r in warm_ids)],
+            atomic=True,
+        )
+        warm = [records.deployment(r, 0) for r in rows[1:] if r]
+        return Snapshot(
+            gpus={},
+            deployments={d.replica: d for d in [*warm, dep]},
+            hosts={dep.host: records.host(rows[0])} if rows[0] else {},
+        )
+
+    def record_measurement(self, model: str, peak_bytes: int) -> int:
+        """Store a model's measured peak; returns the previous figure (0 if none)."""
+        keys = [self.keys.learned, self.keys.events]
+        return int(self._run("learn", keys, [model, int(peak_bytes), self.events_maxlen]))
+
+    # --- requests -----------------------------------------------------------
+
+    def pick(
+        self, model: str, ttl_ms: int = DEFAULT_REQUEST_LEASE_MS, path: str = ""
+    ) -> Lease | None:
+        """Lease the least busy HOT replica of `model` (ties to the first by id, so a surplus
+        replica idles out and can be scaled in), or None when none is ready.
+
+        `path` says how a lease counts the call in the model's stats, in the same step:
+        "fast" (a hit and a `fast` call: the client routes it), "router" (a hit and a
+        `routed` call: the router routes a call not counted yet) or "" (nothing: a call
+        counted already). A miss counts nothing: the router then counts the outcome of
+        the call's placement (`count`). docs/metrics.md has the rule.
+        """
+        if path not in PICK_PATHS:
+            raise ValueError(f"unknown path {path!r}; expected one of {PICK_PATHS}")
+        lease_id = uuid.uuid4().hex
+        for _ in range(4):
+            replicas, workers = self._replicas.get(model) or self._refresh_replicas(model)
+            k = self.keys
+            keys = [k.model_replicas(model)]
+            for r, w in zip(replicas, workers, strict=True):
+                keys += [k.deployment(r), k.leases(r), k.worker(w)]
+            keys.append(k.model_stats(model))
+            result = self._run("pick", keys, [lease_id, ttl_ms, path, *replicas, *workers])
+            if result[0] == 1:
+                _, replica, queue, worker, gpus, deadline, epoch = result
+                return Lease(
+                    lease_id,
+                    model,
+                    replica,
+                    queue,
+                    worker,
+                    json.loads(gpus),
+                    int(deadline),
+                    int(epoch),
+                )
+            if result[0] == 0:
+                self._replicas.pop(model, None)  # a later placement may add replicas
+                return None
+            self._refresh_replicas(model)
+        return None
+
+    def _refresh_replicas(self, model: str) -> tuple[list[str], list[str]]:
+        replicas = sorted(self._one("smembers", self.keys.model_replicas(model)))
+        workers = [
+            w or ""
+            for w in self._read([("hget", self.keys.deployment(r), "worker") for r in replicas])
+        ]
+        self._replicas[model] = (replicas, workers)
+        return replicas, workers
+
+    def finish(self, lease: Lease) -> Level:
+        """End a request's lease. A DRAINING replica left idle is evicted right away."""
+        keys = [self.keys.deployment(lease.replica), self.keys.leases(lease.replica)]
+        _, left, level = self._run("finish", keys, [lease.id])
+        return self._finished(lease, int(left), level)
+
+    def finish_all(self, leases: Sequence[Lease]) -> None:
+        """End several leases in one round trip (a batch's calls); as `finish` otherwise."""
+        commands: list[tuple[Any, ...]] = [
+            ("evalsha", sha("finish"), 2, self.keys.deployment(lease.replica),
+             self.keys.leases(lease.replica), lease.id)
+            for lease in leases
+        ]  # fmt: skip
+        try:
+            replies = self._read(commands)
+        except redis.exceptions.NoScriptError:  # a restarted Redis: `finish` loads it
+            replies = [self._run("finish", list(c[3:5]), [c[5]]) for c in commands]
+        for lease, (_, left, level) in zip(leases, replies, strict=True):
+            self._finished(lease, int(left), level)
+
+    def _finished(self, lease: Lease, left: int, level: str) -> Level:
+        if level == Level.DRAINING.value and left == 0:
+            return self.evict(lease.replica)
+        return Level(level)
+
+    # --- request outcomes ---------------------------------------------------
+
+    def count(self, model: str, outcome: str) -> None:
+        """Count the outcome the router's placement gave one call of `model` (`pick` counts
+        hits itself): a request outcome counts the call as `routed` too, in the same step;
+        `busy` counts one try, not a request, and no path."""
+        if outcome not in OUTCOMES:
+            raise ValueError(f"unknown outcome {outcome!r}; expected one of {OUTCOMES}")
+        stats = self.keys.model_stats(model)
+        routed = [("hincrby", stats, "routed", 1)] if outcome != "busy" else []
+        self._read([("hincrby", stats, outcome, 1), *routed, ("sadd", self.keys.counted, model)],
+                   atomic=True)  # fmt: skip
+
+    def stats(self, snap: Snapshot | None = None) -> dict[str, dict[str, int]]:
+        """Outcome and path counts per model since the fleet began: every model with a
+        replica record (they may have hits) or a counted outcome."""
+        snap = snap or self.snapshot()
+        names = sorted(
+            {d.model for d in snap.deployments.values()}
+            | set(self._one("smembers", self.keys.counted))
+        )
+        rows = self._read([("hgetall", self.keys.model_stats(m)) for m in names])
+        return {
+            model: {o: int(row.get(o, 0)) for o in COUNTS}
+            for model, row in zip(names, rows, strict=True)
+        }
+
+
+def _take(rows: Iterator[Any], like: Sequence[str]) -> list[Any]:
+    return [next(rows) for _ in like]

@@ -1,0 +1,246 @@
+"""Free room by host and GPU type: how the policy finds candidates without visiting every GPU.
+
+A group is the live GPUs of one host that share a name and a size. It keeps its GPUs'
+free bytes sorted, so the tightest GPU that takes a slot is one bisection away, and how
+much each could offer after evicting its idle replicas (its reach), so groups that
+cannot help an eviction are skipped at once. A shape is every host whose groups are
+alike (same types, sizes and free bytes): the policy looks for free room shape by shape,
+and a fleet of 6,200 GPUs on 1,200 hosts has a few hundred shapes, most hosts being
+empty or full. Each GPU type keeps its free share and its share of empty GPUs, so load
+can be spread over types, and each GPU size the smallest slot a replica holds on it, so
+the policy can tell room that no replica could use.
+
+A host's room is the sum of its live GPUs' free shares (free / total): rooms compare
+across GPU sizes. Shares are floats and only rank candidates; admission is decided in
+whole bytes.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, insort
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from placement.policy.state import Deployment, Gpu, Snapshot
+from placement.units import accelerators
+from placement.units.accelerators import Accelerator
+from placement.units.memory import MiB
+
+
+@dataclass
+class Group:
+    """The live GPUs of one host that share a name and a size."""
+
+    host: str
+    name: str
+    total: int
+    gpus: dict[str, Gpu] = field(default_factory=dict)
+    frees: list[int] = field(default_factory=list)  # each GPU's free bytes, ascending
+    reaches: dict[str, int] = field(default_factory=dict)  # free + idle evictable bytes
+    max_reach: int = 0
+    idle: set[str] = field(default_factory=set)  # GPUs with idle replicas to evict
+
+    def put(self, gpu: Gpu, reach: int) -> None:
+        old = self.gpus.get(gpu.id)
+        if old is not None:
+            del self.frees[bisect_left(self.frees, old.free)]
+        self.gpus[gpu.id] = gpu
+        insort(self.frees, gpu.free)
+        self.reaches[gpu.id] = reach
+        self.max_reach = max(self.reaches.values())
+        if reach > gpu.free:
+            self.idle.add(gpu.id)
+        else:
+            self.idle.discard(gpu.id)
+
+
+Layout = tuple[tuple[str, int, tuple[int, ...]], ...]  # per group: name, total, frees
+
+
+@dataclass
+class Shape:
+    """Hosts alike in every live GPU's type, size and free bytes: one candidate of the
+    search, however many hosts share it (a large fleet has far fewer shapes than hosts)."""
+
+    layout: Layout
+    room: float
+    top: int = 0  # the most free bytes of any of its GPUs: no slot above this fits
+    hosts: list[str] = field(default_factory=list)
+    _at: dict[str, int] = field(default_factory=dict)
+
+    def add(self, host: str) -> None:
+        self._at[host] = len(self.hosts)
+        self.hosts.append(host)
+
+    def remove(self, host: str) -> None:
+        i = self._at.pop(host)
+        last = self.hosts.pop()
+        if last != host:
+            self.hosts[i], self._at[last] = last, i
+
+
+class RoomIndex:
+    """The groups of one snapshot's live GPUs, with each host's room and shape."""
+
+    def __init__(
+        self, gpus: Iterable[Gpu], by_gpu: Mapping[str, Sequence[Deployment]], now_ms: int
+    ) -> None:
+        self.groups: dict[tuple[str, str, int], Group] = {}
+        self.by_host: dict[str, list[Group]] = {}
+        self.room: dict[str, float] = {}
+        self.type_room: dict[str, float] = {}  # GPU name -> summed free shares of its GPUs
+        self.type_gpus: dict[str, int] = {}
+        self.type_empty: dict[str, int] = {}  # GPU name -> how many of its GPUs are empty
+        # (GPU name, size) -> free bytes -> live GPUs with that much free, and the same by
+        # `gap_of` (`placement.policy.place` packs dedicated replicas by these gaps)
+        self.levels: dict[tuple[str, int], dict[int, int]] = {}
+        self.gaps: dict[tuple[str, int], dict[int, int]] = {}
+        self.workers: set[str] = set()
+        self.shapes: dict[Layout, Shape] = {}
+        self.shape_of: dict[str, Shape] = {}
+        self._matching: dict[Accelerator, list[Group]] = {}
+        self._kinds: dict[Accelerator, tuple[frozenset[str], frozenset[int]]] = {}
+        self._slots: dict[int, dict[int, int]] = {}  # GPU size -> slot bytes -> replicas
+        self._smallest: dict[int, int] = {}  # GPU size -> its smallest slot, when known
+        self._sizes: dict[int, list[int]] = {}  # GPU size -> its slots' sizes, ascending
+        for gpu in gpus:
+            for d in by_gpu.get(gpu.id, ()):
+                self.hold(gpu.total, d.gpus[gpu.id], +1)
+            if gpu.alive(now_ms):
+                self.workers.add(gpu.worker)
+                self.put(gpu, _evictable(gpu, by_gpu.get(gpu.id, ())))
+
+    def put(self, gpu: Gpu, evictable: int) -> None:
+        """Add or update one live GPU, with the bytes its idle replicas could free."""
+        key = (gpu.host, gpu.name, gpu.total)
+        group = self.groups.get(key)
+        if group is None:
+            group = self.groups[key] = Group(gpu.host, gpu.name, gpu.total)
+            self.by_host.setdefault(gpu.host, []).append(group)
+            self._matching.clear()
+            self._kinds.clear()
+        old = group.gpus.get(gpu.id)
+        before = old.free / old.total if old is not None else 0.0
+        if old is None:
+            self.type_gpus[gpu.name] = self.type_gpus.get(gpu.name, 0) + 1
+        emptied = int(gpu.free == gpu.total) - int(old is not None and old.free == old.total)
+        self.type_empty[gpu.name] = self.type_empty.get(gpu.name, 0) + emptied
+        self.type_room[gpu.name] = self.type_room.get(gpu.name, 0.0) - before + gpu.free / gpu.total
+        kind = (gpu.name, gpu.total)
+        levels, gaps = self.levels.setdefault(kind, {}), self.gaps.setdefault(kind, {})
+        if old is not None:
+            _count(levels, old.free, -1)
+            _count(gaps, gap_of(old.free), -1)
+        _count(levels, gpu.free, +1)
+        _count(gaps, gap_of(gpu.free), +1)
+        group.put(gpu, gpu.free + evictable)
+        self._reshape(gpu.host)
+
+    def _reshape(self, host: str) -> None:
+        groups = self.by_host[host]
+        layout = tuple(sorted((g.name, g.total, tuple(g.frees)) for g in groups))
+        old = self.shape_of.get(host)
+        if old is not None:
+            if old.layout == layout:
+                return
+            old.remove(host)
+            if not old.hosts:
+                del self.shapes[old.layout]
+        shape = self.shapes.get(layout)
+        if shape is None:
+            # summed from the layout, so equal hosts have equal rooms however they got there
+            room = sum(f / total for _, total, frees in layout for f in frees)
+            top = max((frees[-1] for _, _, frees in layout if frees), default=0)
+            shape = self.shapes[layout] = Shape(layout, room, top)
+        shape.add(host)
+        self.shape_of[host] = shape
+        self.room[host] = shape.room
+
+    def hold(self, total: int, slot: int, change: int) -> None:
+        """Count (`change` +1) or uncount (-1) one replica's `slot` bytes on a GPU of
+        `total` bytes."""
+        counts = self._slots.setdefault(total, {})
+        _count(counts, slot, change)
+        left = counts.get(slot, 0)
+        if not left or (change > 0 and left == 1):
+            self._sizes.pop(total, None)  # a size came or went: sorted again on the next ask
+        low = self._smallest.get(total)
+        if low is not None and (slot < low if change > 0 else slot == low and not left):
+            del self._smallest[total]  # found again on the next ask
+
+    def smallest(self, total: int) -> int | None:
+        """The smallest slot any replica holds on a GPU of `total` bytes, or None."""
+        low = self._smallest.get(total)
+        if low is None and self._slots.get(total):
+            low = self._smallest[total] = min(self._slots[total])
+        return low
+
+    def slot_sizes(self, total: int) -> list[int]:
+        """Every slot size replicas hold on GPUs of `total` bytes, ascending."""
+        sizes = self._sizes.get(total)
+        if sizes is None:
+            sizes = self._sizes[total] = sorted(self._slots.get(total, ()))
+        return sizes
+
+    def slot_count(self, total: int, size: int) -> int:
+        """How many replicas hold a slot of `size` bytes on GPUs of `total` bytes."""
+        return self._slots.get(total, {}).get(size, 0)
+
+    def type_free(self, name: str) -> float:
+        """The share of GPU type `name`'s capacity that is free, 0 to 1."""
+        return self.type_room[name] / self.type_gpus[name]
+
+    def type_empties(self, name: str) -> float:
+        """The share of GPU type `name`'s GPUs that are empty, 0 to 1."""
+        return self.type_empty[name] / self.type_gpus[name]
+
+    def names(self, accelerator: Accelerator) -> frozenset[str]:
+        """The GPU names in the fleet that `accelerator` allows."""
+        return self._kinds_of(accelerator)[0]
+
+    def totals(self, accelerator: Accelerator) -> frozenset[int]:
+        """The GPU sizes in the fleet among the types `accelerator` allows."""
+        return self._kinds_of(accelerator)[1]
+
+    def _kinds_of(self, accelerator: Accelerator) -> tuple[frozenset[str], frozenset[int]]:
+        found = self._kinds.get(accelerator)
+        if found is None:
+            groups = self.matching(accelerator)
+            found = frozenset(g.name for g in groups), frozenset(g.total for g in groups)
+            self._kinds[accelerator] = found
+        return found
+
+    def matching(self, accelerator: Accelerator) -> list[Group]:
+        """The groups whose GPU type `accelerator` allows."""
+        found = self._matching.get(accelerator)
+        if found is None:
+            found = [g for g in self.groups.values() if accelerators.matches(g.name, accelerator)]
+            self._matching[accelerator] = found
+        return found
+
+
+def gap_of(free: int) -> int:
+    """The gap `free` bytes leave, in whole MiB: room that differs by less (shares of a GPU
+    rounded to whole bytes) is the same gap."""
+    return (free + MiB // 2) // MiB
+
+
+def _count(counts: dict[int, int], key: int, change: int) -> None:
+    left = counts.get(key, 0) + change
+    if left:
+        counts[key] = left
+    else:
+        del counts[key]
+
+
+def _evictable(gpu: Gpu, replicas: Iterable[Deployment]) -> int:
+    return sum(d.gpus[gpu.id] for d in replicas if d.evictable)
+
+
+def room_of(snap: Snapshot) -> RoomIndex:
+    """`snap`'s free room by host and GPU type, built once per snapshot (a snapshot never
+    changes, but a `placement.policy.live.LiveView` changes its own room in place with it)."""
+    found: RoomIndex | None = snap.memo.get("room")
+    if found is None:
+        found = snap.memo["room"] = RoomIndex(snap.gpus.values(), snap.by_gpu, snap.now_ms)
+    return found

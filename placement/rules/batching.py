@@ -1,0 +1,146 @@
+"""Which waiting calls share one forward pass: the batching limits and the rule that groups.
+
+A GPU worker runs one pool job at a time. While it runs, the calls that reach its
+queue wait in the worker's main process; when the job ends, the next job takes the
+oldest waiting call and every other call for the same replica (and placement epoch)
+behind it, up to `size` calls and `chars` characters of input in all. With `wait_ms`
+above 0, a batch smaller than `size` waits up to that long after its oldest call
+arrived for more to come (Triton's `max_queue_delay`, Ray Serve's
+`batch_wait_timeout_s`); the default 0 never delays a lone call, and batches form from
+the calls that queue while the GPU is busy, as in text-embeddings-inference.
+
+Pure: the Celery side (`tasks.serving.batching`) keeps the queue and runs the jobs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from placement.errors import ConfigError
+from placement.units.durations import format_duration_ms, parse_duration_ms
+
+DEFAULT_SIZE = 32
+DEFAULT_CHARS = 32_768
+DEFAULT_WAIT_MS = 0
+UNBATCHED_TASKS = frozenset({"text-generation"})  # see docs/tasks.md, "Batched calls"
+
+_KEYS = ("size", "chars", "wait")
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class BatchLimits:
+    """How many calls (`size`) and input characters (`chars`) one batch may take, and how
+    long (`wait_ms`) a batch that is not full waits for more. `size` 1 turns batching off."""
+
+    size: int = DEFAULT_SIZE
+    chars: int = DEFAULT_CHARS
+    wait_ms: int = DEFAULT_WAIT_MS
+
+    def __post_init__(self) -> None:
+        if self.size < 1 or self.chars < 1 or self.wait_ms < 0:
+            raise ValueError(
+                f"batch limits need size >= 1, chars >= 1 and wait >= 0, got {self.size}, "
+                f"{self.chars}, {self.wait_ms} ms"
+            )
+
+    @property
+    def on(self) -> bool:
+        return self.size > 1
+
+    def describe(self) -> str:
+        if not self.on:
+            return "off"
+        return f"{self.size} calls, {self.chars} chars, wait {format_duration_ms(self.wait_ms)}"
+
+
+def parse_override(value: object) -> dict[str, int]:
+    """A catalog entry's `batch` field: `false` (off), or a mapping of `size`, `chars` and
+    `wait` (a duration), each optional. Returns the fields it sets; raises `ConfigError`."""
+    if value is False:
+        return {"size": 1}
+    if not isinstance(value, Mapping):
+        raise ConfigError(
+            f"expected false or a mapping of {', '.join(_KEYS)}, e.g. {{size: 16, wait: 5ms}}, "
+            f"got {value!r}"
+        )
+    unknown = sorted(map(str, set(value) - set(_KEYS)))
+    if unknown:
+        raise ConfigError(f"unknown keys {unknown}; a batch takes {', '.join(_KEYS)}")
+    out: dict[str, int] = {}
+    for key in ("size", "chars"):
+        if key in value:
+            number = value[key]
+            if isinstance(number, bool) or not isinstance(number, int) or number < 1:
+                raise ConfigError(f"{key} must be a whole number >= 1, got {number!r}")
+            out[key] = number
+    if "wait" in value:
+        out["wait_ms"] = parse_duration_ms(value["wait"])
+    return out
+
+
+def limits_for(task: str, fleet: BatchLimits, override: Mapping[str, int] | None) -> BatchLimits:
+    """A model's limits: the fleet's, changed by its catalog `batch` field; off for the
+    tasks that are never batched."""
+    if task in UNBATCHED_TASKS:
+        return BatchLimits(1, fleet.chars, 0)
+    fields: dict[str, Any] = {"size": fleet.size, "chars": fleet.chars, "wait_ms": fleet.wait_ms}
+    fields.update(override or {})
+    return BatchLimits(**fields)
+
+
+@dataclass
+class Waiting(Generic[T]):
+    """One call waiting for a batch: what it is, the replica it goes to, its input size."""
+
+    item: T
+    group: Hashable  # calls share a batch only within one group: (replica, epoch)
+    chars: int
+    since_ms: float  # when it began to wait
+
+
+def take_batch(
+    waiting: Sequence[Waiting[T]], limits_of: Callable[[Waiting[T]], BatchLimits], now_ms: float
+) -> tuple[list[int], float | None]:
+    """The positions in `waiting` (oldest first) of the next batch to run now, or none and
+    the time at which to look again, because every batch may still grow.
+
+    A batch is a group's oldest call and the calls of its group behind it, within its
+    limits; the group whose oldest call came first and whose batch is full or due goes
+    first, so a model that waits for company never holds up another's calls. A call that
+    alone passes `chars` runs as a batch of one.
+    """
+    heads: dict[Hashable, int] = {}
+    for index, entry in enumerate(waiting):
+        heads.setdefault(entry.group, index)
+    wake: float | None = None
+    for group, first in heads.items():
+        head = waiting[first]
+        limits = limits_of(head)
+        chosen = [first]
+        chars = head.chars
+        for index in range(first + 1, len(waiting)):
+            if len(chosen) >= limits.size:
+                break
+            other = waiting[index]
+            if other.group == group and chars + other.chars <= limits.chars:
+                chosen.append(index)
+                chars += other.chars
+        due = head.since_ms + limits.wait_ms
+        if len(chosen) >= limits.size or now_ms >= due:
+            return chosen, None
+        wake = due if wake is None else min(wake, due)
+    return [], wake
+
+
+def input_chars(inputs: object) -> int:
+    """Characters of a call's inputs (a string or a list of strings); 0 for anything else,
+    which the worker refuses before batching."""
+    if isinstance(inputs, str):
+        return len(inputs)
+    if isinstance(inputs, list):
+        return sum(len(text) for text in inputs if isinstance(text, str))
+    return 0

@@ -1,0 +1,116 @@
+"""The users of a fleet's Redis, and what each may do (Redis ACLs).
+
+One Redis is the fleet's broker, result store and ledger, so whoever holds its URL could
+otherwise rewrite the ledger, read every queue, send the fleet's internal tasks, steer
+workers through Celery's remote control, or `CONFIG SET dir` and `SAVE` a file of their
+choosing as the fleet's OS user. So a fleet's Redis has three users, and `gpufleet up`'s
+bundled Redis runs with exactly these rules (docs/deploy.md, "Security", gives the same
+file for a Redis of your own):
+
+- `caller`, the URL `gpufleet url` prints: send calls (LPUSH to the router's public queue
+  `celery`, and the queue declaration Celery's client makes first) and read results
+  (GET, MGET and SUBSCRIBE on `celery-task-meta-*`). Nothing else: no other queue, no
+  ledger key, no Celery remote-control channel, no admin command. On Redis 7 and later
+  its rights are split by command (ACL selectors), so it may write only the keys each
+  command needs, and may send chords (Celery's client sets a chord's size on a group
+  key). Redis 6.2 has no selectors: there every command it has reaches every key it may
+  touch, so it gets no SET or DEL (no chords), and SADD, which declaring a queue needs,
+  also reaches the empty queue itself; a router repairs a queue key that is not a list
+  as it next takes from it (`tasks.broker.transport.repair_queue_keys`).
+- `operator`, for `gpufleet status` and `gpufleet metrics`: read-only commands on every
+  key; no writes, no channels, no admin commands.
+- `fleet`, for the fleet's own processes (router, GPU workers, Flower, the launcher):
+  every key and channel, every command but Redis's `@dangerous` ones (CONFIG, DEBUG,
+  MODULE, SAVE, SHUTDOWN, FLUSHALL, REPLICAOF, KEYS, ...).
+
+The `default` user is off. Passwords are stored as SHA-256 digests (`#<hex>`), so the
+ACL file holds no password.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import urllib.parse
+from dataclasses import dataclass
+
+__all__ = ["CALLER", "FLEET", "OPERATOR", "USERS", "Users", "acl_lines", "user_url"]
+
+FLEET = "fleet"
+OPERATOR = "operator"
+CALLER = "caller"
+USERS = (FLEET, OPERATOR, CALLER)
+
+#: The router's public queue and its priority lists, exactly: kombu names them
+#: `celery\x06\x16N`, N a digit. `[^!-~]` matches a control byte and no printable one (an
+#: ACL file has no escapes), so `celery-task-meta-*`, `celeryev`, and every in-flight list
+#: (`celery.inflight.<node>`, `celery\x06\x163.inflight.<node>`) stay out.
+_PUBLIC_QUEUE_KEYS = "~celery ~celery[^!-~][^!-~][0-9]"
+#: What Celery's client declares before it sends to `celery` (kombu 5.7 writes the second).
+_DECLARE_KEYS = "~_kombu.binding.celery ~_kombu.binding_permanent.celery"
+_RESULT_KEYS = "~celery-task-meta-* ~celery-taskset-meta-*"
+_CONNECTION = "+ping +echo +select +hello +auth +multi +exec +discard"
+
+_FLEET_RULES = "~* &* +@all -@dangerous"
+_OPERATOR_RULES = f"~* resetchannels -@all {_CONNECTION} +@read -keys +time"
+#: Redis 7 and later: root rights send calls and wait for results; each selector
+#: grants one command group on the keys it needs.
+_CALLER_RULES_7 = (
+    f"resetkeys {_PUBLIC_QUEUE_KEYS} resetchannels &celery-task-meta-* -@all {_CONNECTION} "
+    f"+lpush +llen +subscribe +unsubscribe (+sadd +smembers {_DECLARE_KEYS}) "
+    f"(+get +mget {_RESULT_KEYS}) (+set +del ~celery-taskset-meta-*)"
+)
+#: Redis 6.2: one set of keys for all of its commands (see the module).
+_CALLER_RULES_6 = (
+    f"resetkeys {_PUBLIC_QUEUE_KEYS} {_DECLARE_KEYS} {_RESULT_KEYS} "
+    f"resetchannels &celery-task-meta-* -@all {_CONNECTION} "
+    f"+lpush +llen +sadd +smembers +get +mget +subscribe +unsubscribe"
+)
+
+
+@dataclass(frozen=True)
+class Users:
+    """The passwords of a fleet's three users."""
+
+    fleet: str
+    operator: str
+    caller: str
+
+    def password(self, user: str) -> str:
+        passwords: dict[str, str] = {
+            FLEET: self.fleet,
+            OPERATOR: self.operator,
+            CALLER: self.caller,
+        }
+        return passwords[user]
+
+
+def rules(user: str, redis_major: int) -> str:
+    """The ACL rules of `user` (one of `USERS`) for a Redis of version `redis_major`."""
+    if user == FLEET:
+        return _FLEET_RULES
+    if user == OPERATOR:
+        return _OPERATOR_RULES
+    if user == CALLER:
+        return _CALLER_RULES_7 if redis_major >= 7 else _CALLER_RULES_6
+    raise ValueError(f"no gpufleet user {user!r}; the users are {', '.join(USERS)}")
+
+
+def acl_lines(users: Users, redis_major: int) -> list[str]:
+    """The lines of an ACL file (or of redis.conf) for the fleet's users."""
+    lines = ["user default off resetkeys resetchannels -@all"]
+    for user in USERS:
+        digest = hashlib.sha256(users.password(user).encode()).hexdigest()
+        lines.append(f"user {user} reset on #{digest} {rules(user, redis_major)}")
+    return lines
+
+
+def user_url(url: str, user: str, password: str) -> str:
+    """`url` (redis:// or rediss://, any host, port and database) as `user`."""
+    parts = urllib.parse.urlsplit(url)
+    host = parts.hostname or "127.0.0.1"
+    if ":" in host:
+        host = f"[{host}]"
+    netloc = f"{urllib.parse.quote(user, safe='')}:{urllib.parse.quote(password, safe='')}@{host}"
+    if parts.port:
+        netloc += f":{parts.port}"
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))

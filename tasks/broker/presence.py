@@ -1,0 +1,564 @@
+"""Which Celery workers are alive, and what becomes of the calls of those that are not.
+
+Every gpufleet Celery worker (a router, a GPU worker) keeps a record in the broker
+database (`placement.ledger.keys.CONSUMERS`): its node name, the queues it consumes, and a
+deadline it pushes on every third of `GPUFLEET_WORKER_LEASE_MS`. The transport
+(`tasks.broker.transport`) records which worker holds each unacknowledged message, and each
+worker takes through in-flight lists named after it, so the calls a worker holds are
+known by name. Then:
+
+- a worker that starts under a dead one's node name (`gpufleet up` restarting it) first
+  puts back, first in line, what its predecessor held (`Presence.arrive`);
+- a router's sweep (`sweep`, every 2 s) does the same for a worker whose deadline passed
+  (a lost host, a SIGSTOP, a worker that left with something unacknowledged) and keeps
+  its record, marked gone, for a day;
+- a GPU worker's queue whose worker is gone and whose GPUs hold no live lease in the
+  ledger is handed to the router: every call waiting there, or held by the dead worker,
+  becomes a `gpufleet.infer` on the router's internal queue with the same task id, in order,
+  first in line, and is placed again on a live GPU;
+- a call whose answer is already stored (its worker died after storing it, before the
+  acknowledgement) is dropped, not run again;
+- a call given back to a router that is on its way in another message (its router died
+  after handing it on) is not routed again (`on_its_way`);
+- status counts the calls no live worker will take (`stranded`), and a bundled fleet
+  that stops takes out the calls still waiting, to fail them (`take_waiting`).
+
+Each message moves at most once (`redeliver.lua` checks it is still where the plan read
+it), and only while the dead worker's record is the one the plan read: a worker that
+comes back at that moment (its record renewed) keeps its queue. So a call is neither lost
+nor doubled by a sweep; it can still run twice when a worker dies between running it
+and storing its answer (docs/tasks.md, "A lost worker or host").
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import json
+import logging
+import re
+import secrets
+import threading
+from bisect import bisect
+from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+from celery.signals import worker_init, worker_shutdown
+from kombu.transport.redis import Channel as KombuChannel
+
+from placement.ledger.keys import CONSUMERS, KeyList, unacked_of
+from placement.ledger.scripts import scripts_for
+from tasks import context
+from tasks.broker.intake import HOPS_HEADER, LEASE_HEADER
+from tasks.broker.transport import inflight
+from tasks.config import INTERNAL_QUEUE, ROUTER_QUEUES
+
+log = logging.getLogger(__name__)
+
+#: How long a dead worker's record is kept, so calls sent to its queue late still go back.
+KEEP_GONE_MS = 24 * 3600 * 1000
+#: Attempts at one plan while the record it reads keeps changing.
+PLAN_ATTEMPTS = 5
+
+UNACKED = KombuChannel.unacked_key
+UNACKED_INDEX = KombuChannel.unacked_index_key
+PRIORITY_STEPS: list[int] = list(KombuChannel.priority_steps)
+
+
+def lists(queue: str) -> list[str]:
+    """A queue's lists in the order a consumer takes from them (kombu: one per priority)."""
+    return [queue if not p else f"{queue}{KombuChannel.sep}{p}" for p in PRIORITY_STEPS]
+
+
+def list_for(queue: str, payload: dict[str, Any]) -> str:
+    """The list of `queue` that a message with `payload`'s priority is published to."""
+    try:
+        priority = max(0, min(int(payload["properties"]["priority"]), 9))
+    except (KeyError, TypeError, ValueError):
+        priority = 0
+    step = PRIORITY_STEPS[bisect(PRIORITY_STEPS, priority) - 1]
+    return queue if not step else f"{queue}{KombuChannel.sep}{step}"
+
+
+@dataclass(frozen=True)
+class Record:
+    """One Celery worker as the broker knows it."""
+
+    node: str
+    raw: str  # the record as stored, which a plan must still find
+    role: str
+    queues: tuple[str, ...]
+    deadline_ms: int
+    gone_ms: int  # when a sweep found it dead (0: not yet)
+
+    def alive(self, now_ms: int) -> bool:
+        return not self.gone_ms and self.deadline_ms > now_ms
+
+    @classmethod
+    def parse(cls, node: str, raw: str) -> Record:
+        data = json.loads(raw)
+        queues = data.get("queues") or []  # cjson writes an empty list as {}
+        return cls(
+            node,
+            raw,
+            str(data.get("role", "")),
+            tuple(queues) if isinstance(queues, list) else (),
+            int(data.get("deadline", 0)),
+            int(data.get("gone_ms", 0)),
+        )
+
+
+def now_ms(client: redis.Redis) -> int:
+    """The broker's clock, which the scripts use too."""
+    seconds, micros = client.time()
+    return int(seconds) * 1000 + int(micros) // 1000
+
+
+def records(client: redis.Redis) -> dict[str, Record]:
+    """Every worker with a record in the broker, by node name."""
+    raw: dict[Any, Any] = client.hgetall(CONSUMERS)
+    return {_text(k): Record.parse(_text(k), _text(v)) for k, v in raw.items()}
+
+
+class Presence:
+    """This worker's record: made as it starts, renewed while it runs, ended as it stops."""
+
+    def __init__(
+        self, client: redis.Redis, node: str, role: str, queues: Iterable[str], lease_ms: int
+    ) -> None:
+        self.client = client
+        self.node = node
+        self.role = role
+        self.queues = tuple(sorted(queues))
+        self.lease_ms = lease_ms
+        self.token = secrets.token_hex(8)
+        self._stop = threading.Event()
+        self._arrived = False
+
+    def arrive(self) -> int:
+        """Put back what a predecessor of this node name held, then record this worker;
+        return how many calls went back."""
+        moved = _redeliver(self.client, self.node, self._record(), _holdings)
+        self._arrived = True
+        if moved:
+            log.warning("put back %d call(s) that %s held when it died", moved, self.node)
+        return moved
+
+    def keep(self) -> None:
+        """Renew the record every third of the lease, from a daemon thread."""
+        threading.Thread(target=self._renew, name="gpufleet-presence", daemon=True).start()
+
+    def _renew(self) -> None:
+        while not self._stop.wait(self.lease_ms / 3000):
+            try:
+                if not self._arrived:  # Redis did not answer as it started
+                    # It may hold calls of its own by now: record it, give nothing back (a
+                    # predecessor's unacknowledged calls wait for the visibility timeout).
+                    self._rejoin()
+                    self._arrived = True
+                    log.warning("%s recorded late: no predecessor's call put back", self.node)
+                elif not self._renewed(leaving=False):
+                    log.error(
+                        "%s was silent for longer than its lease (%d ms): a sweep gave its "
+                        "calls to other workers; recording it again",
+                        self.node,
+                        self.lease_ms,
+                    )
+                    self._rejoin()
+            except redis.RedisError as exc:
+                log.warning("could not renew %s's record (retrying): %s", self.node, exc)
+
+    def _rejoin(self) -> None:
+        _redeliver(self.client, self.node, self._record(), _nothing, rejoin=True)
+
+    def _record(self) -> dict[str, Any]:
+        return {
+            "token": self.token,
+            "role": self.role,
+            "queues": list(self.queues),
+            "lease_ms": self.lease_ms,
+        }
+
+    def leave(self) -> None:
+        """Stop renewing and end the record: a sweep gives back what is left."""
+        self._stop.set()
+        try:
+            self._renewed(leaving=True)
+        except redis.RedisError as exc:
+            log.warning("could not end %s's record; it lapses: %s", self.node, exc)
+
+    def _renewed(self, leaving: bool) -> bool:
+        reply = scripts_for(self.client)(
+            "renew", [CONSUMERS], [self.node, self.token, "1" if leaving else "0"]
+        )
+        return bool(reply)
+
+
+def sweep(
+    client: redis.Redis,
+    live_gpu_queues: Callable[[], AbstractSet[str]],
+    answered: Callable[[str], bool],
+) -> dict[str, int]:
+    """Give back what every dead worker held, and hand the router the calls waiting on
+    GPU queues that nobody serves; return how many moved per dead worker.
+
+    `live_gpu_queues` names the queues of GPUs whose ledger lease holds (read after the
+    records, so a GPU worker is handed over only once the ledger has let it go too);
+    `answered(task_id)` says whether a call's answer is already stored.
+    """
+    found = records(client)
+    now = now_ms(client)
+    dead = [r for r in found.values() if not r.alive(now)]
+    if not dead:
+        return {}
+    served = {q for r in found.values() if r.alive(now) for q in r.queues}
+    ledger: AbstractSet[str] | None = None  # read only when something is to move
+    moved: dict[str, int] = {}
+    for rec in dead:
+        unserved = {q for q in rec.queues if q not in ROUTER_QUEUES and q not in served}
+        if rec.gone_ms and not _holds_anything(client, rec, unserved):
+            if now - rec.gone_ms > KEEP_GONE_MS:
+                _redeliver(client, rec.node, {"delete": True}, _nothing)
+            continue
+        if ledger is None:
+            ledger = live_gpu_queues()
+        orphaned = unserved - ledger
+        count = _redeliver(
+            client,
+            rec.node,
+            {"gone": True},
+            functools.partial(_holdings, orphaned=orphaned, answered=answered),
+            expect_dead=True,
+        )
+        if count:
+            moved[rec.node] = count
+            where = f"the router ({', '.join(sorted(orphaned))})" if orphaned else "their queues"
+            log.warning("gave %d call(s) of silent worker %s back to %s", count, rec.node, where)
+    return moved
+
+
+def stranded(
+    client: redis.Redis, ledger_queues: Iterable[str], live_gpu_queues: Iterable[str] = ()
+) -> dict[str, dict[str, Any]]:
+    """The calls no live worker will take, by queue: those waiting on a queue with no live
+    worker (no live record, nor a GPU of `live_gpu_queues` in the ledger), and those a
+    dead worker held. Each entry says how many, and which worker last served the queue
+    (None if none did). A sweep (every 2 s on a live router) moves them once the worker's
+    record lapsed; what is left here has no router to go to, or waits for the ledger to
+    let a GPU worker go."""
+    found = records(client)
+    now = now_ms(client)
+    served = {q for r in found.values() if r.alive(now) for q in r.queues}
+    served |= set(live_gpu_queues)
+    queues = {*ROUTER_QUEUES, *ledger_queues} | {q for r in found.values() for q in r.queues}
+    counts: dict[str, int] = dict.fromkeys(sorted(queues - served), 0)
+    pipe = client.pipeline(transaction=False)
+    for queue in counts:
+        for name in lists(queue):
+            pipe.llen(name)
+    dead = [r for r in found.values() if not r.alive(now)]
+    for rec in dead:
+        for queue in rec.queues:
+            for name in lists(queue):
+                pipe.llen(inflight(name, rec.node))
+    replies = iter(pipe.execute())
+    for queue in counts:
+        counts[queue] += sum(next(replies) for _ in lists(queue))
+    for rec in dead:
+        for queue in rec.queues:
+            held = sum(next(replies) for _ in lists(queue))
+            counts[queue] = counts.get(queue, 0) + held
+        for _, raw in _unacked(client, rec.node):
+            try:
+                queue = json.loads(raw)[2]
+            except (ValueError, TypeError, IndexError):
+                continue
+            counts[queue] = counts.get(queue, 0) + 1
+    last: dict[str, str] = {}
+    for rec in sorted(found.values(), key=lambda r: r.deadline_ms):
+        for queue in rec.queues:
+            last[queue] = rec.node
+    return {
+        queue: {"calls": n, "last_worker": last.get(queue)}
+        for queue, n in sorted(counts.items())
+        if n
+    }
+
+
+def stranded_problems(found: dict[str, dict[str, Any]]) -> list[str]:
+    """One line per queue of `stranded`, saying what happens to its calls."""
+    lines = []
+    for queue, entry in found.items():
+        n, worker = entry["calls"], entry["last_worker"]
+        if queue in ROUTER_QUEUES:
+            then = "start a router (`gpufleet up` on any host of this fleet) to place them"
+        else:
+            then = "a live router hands them over once the ledger lets the worker go"
+        last = f" (last served by {worker})" if worker else ""
+        lines.append(f"{n} call(s) wait on {queue}, which no live worker takes{last}: {then}")
+    return lines
+
+
+def on_its_way(client: redis.Redis, task_id: str, own_tag: str, queues: Iterable[str] = ()) -> bool:
+    """Whether call `task_id`, whose message (delivery tag `own_tag`) came back after its
+    worker died, is on its way in another message that waits on a fleet queue (every
+    worker's, the router's and `queues`), in a worker's in-flight list, or is held
+    unacknowledged. A
+    router that died between handing a call on and acknowledging it leaves exactly that;
+    routing it again would run it twice. Of two given-back copies (a host lost with the
+    router and the GPU worker the call went to), the one whose delivery tag sorts first
+    goes on (`seen.lua`), so exactly one does."""
+    found = records(client)
+    names = {*ROUTER_QUEUES, *queues} | {q for r in found.values() for q in r.queues}
+    keys = [UNACKED]
+    for queue in sorted(names):
+        keys += lists(queue)
+        takers = [r.node for r in found.values() if queue in r.queues]
+        keys += [inflight(name, node) for node in takers for name in lists(queue)]
+    return bool(scripts_for(client)("seen", keys, [task_id, own_tag]))
+
+
+def take_waiting(client: redis.Redis, queues: Iterable[str]) -> list[str]:
+    """Take out every call waiting on `queues` or held unacknowledged or in flight by any
+    worker, and return their task ids, oldest first. Only for a broker about to go away
+    with its fleet (`gpufleet up`'s own Redis): the caller fails them, so that no caller
+    waits on a result store that is gone."""
+    ids: list[str] = []
+    for _, raw in _unacked(client, None):
+        ids.append(_task_id(json.loads(raw)[0]))
+    client.delete(UNACKED, UNACKED_INDEX)
+    for queue in queues:
+        pattern = re.sub(r"([*?\[\]\\])", r"\\\1", queue) + "*"  # its lists, and theirs in flight
+        for key in client.scan_iter(match=pattern, _type="list"):
+            ids += [_task_id(json.loads(raw)) for raw in reversed(client.lrange(key, 0, -1))]
+            client.delete(key)
+    return [i for i in ids if i]
+
+
+def _task_id(payload: Any) -> str:
+    headers = payload.get("headers") if isinstance(payload, dict) else None
+    task_id = headers.get("id") if isinstance(headers, dict) else None
+    return task_id if isinstance(task_id, str) else ""
+
+
+def _holds_anything(client: redis.Redis, rec: Record, orphaned: set[str]) -> bool:
+    """Whether a dead worker still holds a call, or one waits on its `orphaned` queues."""
+    if client.scard(unacked_of(rec.node)):
+        return True
+    pipe = client.pipeline(transaction=False)
+    for queue in rec.queues:
+        for name in lists(queue):
+            pipe.llen(inflight(name, rec.node))
+            if queue in orphaned:
+                pipe.llen(name)
+    return any(pipe.execute())
+
+
+@dataclass(frozen=True)
+class _Move:
+    """One message to give back: where it is, what it is, where it goes."""
+
+    source: str | None  # a list; None: kombu's unacked hash, under `tag`
+    tag: str
+    old: str
+    destination: str
+    new: str  # "" drops it
+
+
+#: A plan: the moves to make, from the broker and the record they are made against.
+Plan = Callable[[redis.Redis, Record | None], list[_Move]]
+
+
+def _redeliver(
+    client: redis.Redis,
+    node: str,
+    record: dict[str, Any],
+    plan: Plan,
+    *,
+    expect_dead: bool = False,
+    rejoin: bool = False,
+) -> int:
+    """Run `plan` against `node`'s current record and carry it out with `record` as the
+    new one, planning again while the record changes under it. Returns calls moved."""
+    for _ in range(PLAN_ATTEMPTS):
+        raw = client.hget(CONSUMERS, node)
+        current = Record.parse(node, _text(raw)) if raw is not None else None
+        if expect_dead and (current is None or current.alive(now_ms(client))):
+            return 0  # it came back (or another sweep forgot it): its queue is its own
+        moves = plan(client, current)
+        if not moves and current is not None and current.gone_ms and record.get("gone"):
+            return 0  # a dead worker's record, already marked, with nothing to move
+        keys = KeyList(CONSUMERS, UNACKED, UNACKED_INDEX, unacked_of(node))
+        payload = {
+            "node": node,
+            "expect": _text(raw) if raw is not None else "",
+            "record": record,
+            "rejoin": rejoin,
+            "moves": [_as_json(m, keys) for m in moves],
+        }
+        reply = scripts_for(client)("redeliver", keys.names, [json.dumps(payload)])
+        if reply[0] == 1:
+            dropped = int(reply[2])
+            if dropped:
+                log.warning("dropped %d call(s) of %s whose answers were stored", dropped, node)
+            return int(reply[1])
+    log.warning("the record of %s kept changing; its calls are given back by a later sweep", node)
+    return 0
+
+
+def _nothing(_client: redis.Redis, _record: Record | None) -> list[_Move]:
+    """The plan that moves nothing: only the record changes."""
+    return []
+
+
+def _as_json(move: _Move, keys: KeyList) -> dict[str, Any]:
+    out: dict[str, Any] = {"old": move.old, "to": keys.add(move.destination), "new": move.new}
+    if move.source is None:
+        out["tag"] = move.tag
+    else:
+        out["from"] = keys.add(move.source)
+    return out
+
+
+def _holdings(
+    client: redis.Redis,
+    rec: Record | None,
+    orphaned: AbstractSet[str] = frozenset(),
+    answered: Callable[[str], bool] | None = None,
+) -> list[_Move]:
+    """The moves that give back what the record's worker held, oldest first: its
+    unacknowledged messages, its in-flight ones, then (for `orphaned` queues, handed to
+    the router) every call waiting there."""
+    if rec is None:
+        return []
+
+    def move(source: str | None, tag: str, old: str, queue: str = "") -> _Move | None:
+        """Give back `old`, a message of `queue` (for the unacked hash: its record's)."""
+        try:
+            if source is None:
+                payload, _, queue = json.loads(old)
+            else:
+                payload = json.loads(old)
+        except (ValueError, TypeError):
+            payload = None
+        if not isinstance(payload, dict):
+            log.warning("cannot read a message %s held; left where it is", rec.node)
+            return None
+        if answered is not None and _answered(payload, answered):
+            return _Move(source, tag, old, queue, "")
+        if queue in orphaned:
+            payload = for_router(payload)
+            queue = INTERNAL_QUEUE
+        _mark_redelivered(payload)
+        return _Move(source, tag, old, list_for(queue, payload), json.dumps(payload))
+
+    found = [move(None, tag, old) for tag, old in _unacked(client, rec.node)]
+    for queue in rec.queues:
+        for name in lists(queue):
+            held = inflight(name, rec.node)
+            found += [move(held, "", _text(m), queue) for m in reversed(client.lrange(held, 0, -1))]
+    for queue in sorted(orphaned):
+        for name in lists(queue):
+            found += [move(name, "", _text(m), queue) for m in reversed(client.lrange(name, 0, -1))]
+    return [m for m in found if m is not None]
+
+
+def _unacked(client: redis.Redis, node: str | None) -> Iterator[tuple[str, str]]:
+    """(delivery tag, kombu's unacked record) of what `node` holds (None: every worker),
+    oldest first."""
+    if node is None:
+        tags = sorted(_text(t) for t in client.hkeys(UNACKED))
+    else:
+        tags = sorted(_text(t) for t in client.smembers(unacked_of(node)))
+    if not tags:
+        return
+    raws = client.hmget(UNACKED, tags)
+    scores = client.zmscore(UNACKED_INDEX, tags)
+    held = sorted(
+        (score or 0.0, tag, _text(raw))
+        for tag, raw, score in zip(tags, raws, scores, strict=True)
+        if raw is not None
+    )
+    for _, tag, raw in held:
+        yield tag, raw
+
+
+def _answered(payload: dict[str, Any], answered: Callable[[str], bool]) -> bool:
+    task_id = (payload.get("headers") or {}).get("id")
+    return isinstance(task_id, str) and answered(task_id)
+
+
+def _mark_redelivered(payload: dict[str, Any]) -> None:
+    """As kombu marks a message it restores (the router reads it: tasks/api.py)."""
+    headers = payload.get("headers")
+    if isinstance(headers, dict):
+        headers["redelivered"] = True
+    info = (payload.get("properties") or {}).get("delivery_info")
+    if isinstance(info, dict):
+        info["redelivered"] = True
+
+
+def for_router(payload: dict[str, Any]) -> dict[str, Any]:
+    """A message bound for a GPU worker, as a `gpufleet.infer` call for the router with
+    the same task id, so its caller's AsyncResult still yields the answer.
+
+    A `gpufleet.run` (a call the router handed on) becomes the `infer` it came from,
+    keeping its re-route count; a fast-path `infer` loses its request lease, which the
+    ledger released with the dead worker. Anything else only changes queue."""
+    headers = payload.setdefault("headers", {})
+    properties = payload.setdefault("properties", {})
+    if headers.get("task") == "gpufleet.run" and properties.get("body_encoding") == "base64":
+        try:
+            args, _kwargs, embed = json.loads(base64.b64decode(payload["body"]))
+            call = args[0]
+            infer_args = [call["model"], call["inputs"], call.get("params")]
+            hops = int(call.get("hops", 0))
+        except (ValueError, TypeError, KeyError, IndexError):
+            pass  # the router's consumer answers what it cannot read
+        else:
+            body = json.dumps([infer_args, {}, embed]).encode()
+            payload["body"] = base64.b64encode(body).decode()
+            headers.update(task="gpufleet.infer", argsrepr=repr(infer_args)[:1024])
+            headers[HOPS_HEADER] = hops
+    headers.pop(LEASE_HEADER, None)
+    properties["delivery_info"] = {"exchange": "", "routing_key": INTERNAL_QUEUE}
+    return payload
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class _This:
+    """This process's record, when it is a gpufleet Celery worker."""
+
+    presence: Presence | None = None
+
+
+_this = _This()
+
+
+@worker_init.connect
+def _arrive(sender: Any, **_: Any) -> None:
+    """A worker records itself, after putting back what a predecessor of its node name
+    held, before it consumes anything (after `tasks.broker.claim`'s claim: another fleet's
+    worker must not touch this broker's calls)."""
+    settings = context.settings()
+    client = redis.Redis.from_url(settings.broker_url, socket_timeout=10, socket_connect_timeout=10)
+    queues = list(sender.app.amqp.queues.consume_from or ())
+    presence = Presence(client, sender.hostname, settings.role, queues, settings.worker_lease_ms)
+    try:
+        presence.arrive()
+    except redis.RedisError as exc:
+        log.warning("could not record %s in the broker yet (%s); renewing will", presence.node, exc)
+    presence.keep()
+    _this.presence = presence
+
+
+@worker_shutdown.connect
+def _leave(**_: Any) -> None:
+    if _this.presence is not None:
+        _this.presence.leave()

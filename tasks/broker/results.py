@@ -1,0 +1,69 @@
+"""The fleet's result backend: Celery's Redis backend, whose results never copy a call's
+arguments; and a batch's results, read together.
+
+`result_extended` stores each result with its task's name, queue and worker, which callers
+read (`AsyncResult.name`, `.queue`), and with its arguments, which no caller needs back: a
+refused 50 MB call then kept its 50 MB in Redis for a day. `Backend` leaves them out, so a
+result holds what its call returned, or its short error.
+
+A batch's results, read together: one read for the whole batch, then Celery's writes.
+
+Celery's Redis result backend reads each task's stored meta before it writes the task's
+result (so that a lost worker's duplicate never overwrites a success), then writes it
+with its PUBLISH: two round trips per call, which a GPU worker's pool child waits out
+between a batch's forward pass and the next batch's. While a batch's tracers run
+(`tasks.serving.batching.run_batch`), the child reads every call's meta with one MGET first (a
+few milliseconds before Celery would read each); each tracer then writes its result as
+Celery does, at once, so each caller has its answer as soon as its tracer ran.
+
+Why not one write for the batch too: it saved a little more, but every caller of a batch
+then got its answer at the same moment and sent its next call at the same moment, so
+the next pass took one call and the rest queued behind it, and back: the waiting count
+the scaling rule reads swung under its threshold every other pass, and a burst no
+longer scaled out (tests/test_scaling_fleet.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from celery.backends.redis import RedisBackend
+
+log = logging.getLogger(__name__)
+
+
+class Backend(RedisBackend):
+    """Celery's Redis result backend, less the call's arguments in each result (above)."""
+
+    def _get_result_meta(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        meta: dict[str, Any] = super()._get_result_meta(*args, **kwargs)
+        meta.pop("args", None)
+        meta.pop("kwargs", None)
+        return meta
+
+
+@contextmanager
+def read_together(backend: Any, task_ids: Sequence[str]) -> Iterator[None]:
+    """Within the block, `backend` answers the meta reads of `task_ids` from one MGET."""
+    if len(task_ids) < 2 or not isinstance(backend, RedisBackend):
+        yield
+        return
+    try:
+        keys = [backend.get_key_for_task(task_id) for task_id in task_ids]
+        read = dict(zip(keys, backend.client.mget(keys), strict=True))
+    except Exception:
+        log.warning("could not read a batch's results at once; reading them one by one")
+        read = {}
+    read_one = backend.get
+
+    def get(key: Any) -> Any:
+        return read.pop(key) if key in read else read_one(key)
+
+    backend.get = get  # an instance attribute over the class's method
+    try:
+        yield
+    finally:
+        del backend.get

@@ -1,0 +1,447 @@
+"""Kombu's Redis transport, without its windows for losing a message when Redis or a
+worker dies.
+
+Kombu takes a message with BRPOP and records it as unacknowledged in a second round
+trip. Two gaps lie between, and a Redis crash (SIGKILL, the OOM killer) in either loses
+the message, which is then in neither place:
+
+- the unacked record fails: only the consumer holds the message, and drops it as it
+  reconnects. Here it puts the message back at the head of its queue once Redis answers
+  again (`QoS.append`);
+- the BRPOP reply arrives when the consumer has no prefetch credit left (Celery lowers
+  the prefetch count as countdown tasks run): kombu leaves the reply unread in the
+  socket until credit returns, and a reconnect throws it away. Here the reply is read at
+  once, one message past the prefetch count, and recorded as unacked (`Poller`).
+
+So a broker crash costs a redelivery, never a call. Every gpufleet process uses this
+transport (`broker_transport` in `tasks.config`); clients need nothing.
+
+The consumer dying between the two steps (SIGKILL, the OOM killer) loses the message
+the same way, and a busy consumer widens that window: Redis pops the message as soon as
+it arrives, while the reply may wait in the socket until the process reads it. So every
+gpufleet worker takes through in-flight lists instead (transport option
+`consumer_name`, its Celery node name, set as the worker starts):
+- while messages wait, `placement/ledger/lua/take.lua` moves the first one, in BRPOP's order
+  (each queue by priority), into that list's in-flight list for this consumer,
+  `<list>.inflight.<node name>`, and returns it;
+- when none waits, BLMOVE blocks on the first list (Redis 6.2 or later) for at most
+  `IDLE_POLL_S`, then the script looks at every list again, so a message in a priority
+  list waits at most that long on an idle worker;
+- recording the message as unacked removes it from the in-flight list in the same step
+  (`QoS.append`);
+- a consumer that starts on a queue puts back what its predecessor of the same node name
+  left in flight, first in line (`Channel.basic_consume`).
+
+A worker that never starts again under its node name (a lost host, a container
+replaced under a new hostname) has what it held, in flight or unacknowledged, given back
+by a router's sweep once its record lapses (`tasks.broker.presence`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from queue import Empty
+from typing import Any
+
+from kombu.transport import redis as kombu_redis
+from kombu.transport import virtual
+from kombu.utils.encoding import bytes_to_str
+from kombu.utils.json import dumps
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoScriptError, ResponseError
+
+from placement.ledger import scripts
+from placement.ledger.keys import unacked_of
+from placement.ledger.scripts import scripts_for
+from tasks.broker import intake, quarantine
+
+#: How long a consumer waits for Redis to come back to give a message back.
+GIVE_BACK_S = 30.0
+#: The longest an idle consumer blocks on its first list before looking at the others.
+IDLE_POLL_S = 0.25
+#: How long a consumer waits after Redis refused a take (a full Redis) before the next.
+REFUSED_TAKE_WAIT_S = 0.5
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Onward:
+    """Where a consumer sends a message it takes instead of keeping it (`Channel.divert`):
+    the queue, the message's new headers, and what undoes the decision if the move fails."""
+
+    queue: str
+    headers: dict[str, Any]
+    undo: Callable[[], None]
+
+
+class QoS(kombu_redis.QoS):
+    """Unacknowledged-message bookkeeping that gives back what it could not record, and
+    that says which worker holds each message (`placement.ledger.keys.unacked_of`), so a dead
+    one's messages go back without waiting for the visibility timeout (tasks/broker/presence.py).
+    A message its channel diverts is moved on instead, never recorded."""
+
+    def append(self, message: Any, delivery_tag: str) -> None:
+        channel = self.channel
+        diverting = channel.divert is not None and channel.taken is not None
+        if diverting and self._diverted(message, delivery_tag):
+            return
+        taken, channel.taken = channel.taken, None
+        info = message.delivery_info
+        record = dumps([message._raw, info["exchange"], info["routing_key"]])  # type: ignore[no-untyped-call]
+        holder = channel.consumer_name
+        try:
+            with self.pipe_or_acquire() as pipe:
+                pipe.zadd(self.unacked_index_key, {delivery_tag: time.time()})
+                pipe.hset(self.unacked_key, delivery_tag, record)
+                if holder:
+                    pipe.sadd(unacked_of(holder), delivery_tag)
+                if taken is not None:  # recorded: out of the in-flight list in the same step
+                    pipe.lrem(taken[0], 1, taken[1])
+                pipe.execute()
+        except channel.connection_errors:
+            if taken is None:  # a taken message waits in the in-flight list instead
+                give_back(channel, message)
+            raise  # the consumer reconnects, and puts back what is in flight
+        except ResponseError as exc:  # Redis refused the record (its memory cap reached)
+            if taken is None:
+                raise
+            # Still in flight: reconnect, which puts it back first in line once Redis takes
+            # writes again, rather than hold it here unrecorded.
+            raise RedisConnectionError(f"could not record a taken call: {exc}") from exc
+        virtual.QoS.append(self, message, delivery_tag)  # type: ignore[no-untyped-call]
+
+    def _diverted(self, message: Any, delivery_tag: str) -> bool:
+        """Whether the channel's `divert` sent `message` on (see `_move`); a divert that
+        fails keeps the message, as if it had said no."""
+        try:
+            onward = self.channel.divert(message)
+        except Exception:
+            log.exception("could not tell where message %s goes; keeping it", delivery_tag)
+            return False
+        return onward is not None and self._move(message, delivery_tag, onward)
+
+    def _move(self, message: Any, delivery_tag: str, onward: Onward) -> bool:
+        """Publish `message`, taken into an in-flight list, with `onward`'s headers to its
+        queue, out of the in-flight list in the same step (`move.lua`), and count it
+        delivered and acknowledged at once. A move that did not happen ends what `onward`
+        began: on a lost connection the message waits in flight, which the reconnecting
+        consumer puts back first in line; on any other error it is kept (False)."""
+        channel = self.channel
+        inflight, taken = channel.taken
+        try:
+            payload = {**message._raw, "headers": onward.headers}
+            properties = payload["properties"] = dict(payload["properties"])
+            properties["delivery_info"] = {"exchange": "", "routing_key": onward.queue}
+            properties["delivery_tag"] = channel._next_delivery_tag()
+            priority = channel._get_message_priority(payload, False)
+            message_json = dumps(payload)  # type: ignore[no-untyped-call]
+            moved = scripts_for(channel._create_client())(
+                "move",
+                [channel._q_for_pri(onward.queue, priority), inflight],
+                [message_json, taken],
+            )
+        except channel.connection_errors:
+            if self._still_in_flight(inflight, taken):  # else the move ran: keep its lease
+                _undo(onward)
+            raise
+        except Exception:
+            _undo(onward)
+            log.exception("could not move message %s on; keeping it", delivery_tag)
+            return False
+        channel.taken = None
+        if not moved:  # gone from the in-flight list (a sweep gave it back): not ours now
+            _undo(onward)
+        virtual.QoS.append(self, message, delivery_tag)  # type: ignore[no-untyped-call]
+        virtual.QoS.ack(self, delivery_tag)  # type: ignore[no-untyped-call]
+        message._state = "ACK"
+        return True
+
+    def _still_in_flight(self, inflight: str, taken: bytes) -> bool:
+        """Whether a move whose reply was lost did not happen; False when Redis cannot say
+        (the lease then lapses at its deadline rather than leave a moved call unpinned)."""
+        try:
+            return self.channel._create_client().lpos(inflight, taken) is not None
+        except Exception:
+            return False
+
+    def _remove_from_indices(self, delivery_tag: str, pipe: Any = None) -> Any:
+        with self.pipe_or_acquire(pipe) as batch:
+            batch.zrem(self.unacked_index_key, delivery_tag).hdel(self.unacked_key, delivery_tag)
+            if self.channel.consumer_name:
+                batch.srem(unacked_of(self.channel.consumer_name), delivery_tag)
+            return batch
+
+
+def _undo(onward: Onward) -> None:
+    """End what a divert began for a message that did not move; never fail the consumer."""
+    try:
+        onward.undo()
+    except Exception:
+        log.warning("could not undo the divert of a message; it lapses", exc_info=True)
+
+
+def give_back(channel: Any, message: Any) -> bool:
+    """Put `message` back at the head of its queue, waiting up to `GIVE_BACK_S` for Redis;
+    False (logged) when Redis did not come back in time."""
+    info = message.delivery_info
+    deadline = time.monotonic() + GIVE_BACK_S
+    delay = 0.1
+    while True:
+        try:
+            with channel.conn_or_acquire() as client, client.pipeline() as pipe:
+                # BRPOP takes from the right: rpush puts it first in line again
+                channel._do_restore_message(
+                    message._raw, info["exchange"], info["routing_key"], pipe, leftmost=False
+                )
+                pipe.execute()
+        except channel.connection_errors as exc:
+            if time.monotonic() + delay > deadline:
+                log.error(
+                    "message %s, taken as Redis died, is lost: Redis was not back in %.0f s (%s)",
+                    message.delivery_tag,
+                    GIVE_BACK_S,
+                    exc,
+                )
+                return False
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)
+            continue
+        log.warning("gave back message %s taken as Redis died", message.delivery_tag)
+        return True
+
+
+_last_refused_take = [0.0]
+
+
+def _refused_take(exc: Exception) -> None:
+    """Redis refused a take (its memory cap reached, a key of another type it could not
+    repair): say so at most every 10 s, and wait a little before taking again, rather than
+    stop the worker. No message moved: `take.lua` moves in one step."""
+    now = time.monotonic()
+    if now - _last_refused_take[0] > 10.0:
+        _last_refused_take[0] = now
+        log.error("Redis refused to hand this worker its next call (%s); trying again", exc)
+    time.sleep(REFUSED_TAKE_WAIT_S)
+
+
+def repair_queue_keys(client: Any, keys: list[str]) -> list[str]:
+    """Delete those of `keys` (a queue's lists) that hold something other than a list, and
+    return them. On Redis 6.2 a caller's user, which may SADD to declare the queue `celery`,
+    can also SADD to `celery` itself while it is empty (placement.server.acl): every take and send
+    would then fail with WRONGTYPE. No call is lost: a call is only ever a list's item."""
+    pipe = client.pipeline(transaction=False)
+    for key in keys:
+        pipe.type(key)
+    kinds = [bytes_to_str(kind) for kind in pipe.execute()]  # type: ignore[no-untyped-call]
+    broken = [key for key, kind in zip(keys, kinds, strict=True) if kind not in ("list", "none")]
+    for key in broken:
+        client.delete(key)
+        log.error("queue key %r held a %s, not a list: deleted it", key, kinds[keys.index(key)])
+    return broken
+
+
+def inflight(key: str, consumer: str) -> str:
+    """The list `consumer`'s messages from list `key` pass through between taken and
+    recorded."""
+    return f"{key}.inflight.{consumer}"
+
+
+class Channel(kombu_redis.Channel):
+    """kombu's Redis channel; with the transport option `consumer_name` (every gpufleet
+    worker), a consumer takes its messages through in-flight lists."""
+
+    QoS = QoS
+    from_transport_options = (*kombu_redis.Channel.from_transport_options, "consumer_name")  # type: ignore[assignment]
+    consumer_name: str | None = None
+    taken: tuple[str, bytes] | None = None  # (in-flight list, message) not yet recorded
+    _taking: tuple[str, list[str]] | None = None  # the take in flight: its kind, its lists
+    _idle = False  # the last take found every list empty: block next
+    _sync_client: Any = None  # see `_create_client`
+    #: Asked of each message this channel takes, before it is recorded as unacknowledged:
+    #: where to send it on instead, or None (a router's hot calls: tasks/serving/forwarding.py).
+    divert: Callable[[Any], Onward | None] | None = None
+    #: Answers a message this channel refuses as it takes it (`tasks.broker.intake.envelope`):
+    #: the consumer stores its error as the call's result.
+    refuse: Callable[[intake.Refused], None] | None = None
+
+    def _create_client(self, asynchronous: bool = False) -> Any:
+        """Kombu builds a new Redis client, about 0.2 ms of CPU, for every publish, ack and
+        delivery. The synchronous one is built once per connection pool here: it takes a
+        connection from the pool for each command, so it is as safe to share as the pool."""
+        if asynchronous:
+            return super()._create_client(asynchronous=True)  # type: ignore[no-untyped-call]
+        pool = self.pool
+        client = self._sync_client
+        if client is None or client.connection_pool is not pool:
+            client = self._sync_client = super()._create_client()  # type: ignore[no-untyped-call]
+        return client
+
+    def _size(self, queue: str) -> int:
+        """kombu's count of `queue`'s messages (its declaration asks for it), after
+        repairing its keys when a caller broke one (`repair_queue_keys`)."""
+        try:
+            return int(super()._size(queue))  # type: ignore[no-untyped-call]
+        except ResponseError as exc:
+            if "WRONGTYPE" not in str(exc):
+                raise
+            repair_queue_keys(self._create_client(), self._lists([queue]))
+            return int(super()._size(queue))  # type: ignore[no-untyped-call]
+
+    @property
+    def _takes_in_flight(self) -> bool:
+        # kombu prefixes only the commands it sends itself: the script, BLMOVE, LMOVE and
+        # LREM would miss a `global_keyprefix`, so such a channel keeps BRPOP.
+        return bool(self.consumer_name and not self.global_keyprefix)
+
+    def _take(self, item: bytes, queue: str) -> None:
+        """Hand `item`, taken from `queue`, to the consumer, or refuse it: a message that
+        fails `tasks.broker.intake.envelope`, or whose delivery raises before it is recorded, is
+        answered through `refuse` and left for `_brpop_read` to drop. Nothing a message
+        holds may stop the consumer (`tasks.broker.intake`)."""
+        try:
+            payload = intake.envelope(item, queue)
+        except intake.Refused as exc:
+            self._refused(exc)
+            return
+        task_id = payload["headers"].get("id")
+        if quarantine.holds(task_id):  # it stopped its worker twice
+            quarantine.put_aside(item, task_id)
+            self._refused(intake.Refused(quarantine.QUARANTINED, task_id))
+            return
+        try:
+            with quarantine.in_hand([task_id] if task_id else []):
+                self.connection._deliver(payload, queue)
+        except self.connection_errors:
+            raise
+        except Exception as exc:
+            if self.taken is None:  # recorded: it goes back when this worker starts again
+                log.exception("could not deliver a message taken from %s", queue)
+                return
+            why = f"gpufleet could not take this call ({type(exc).__name__})"
+            log.warning("refused a message taken from %s: %s", queue, why, exc_info=True)
+            self._refused(intake.Refused(why, task_id))
+
+    def _refused(self, refusal: intake.Refused) -> None:
+        if self.refuse is None:
+            log.warning("dropped a message: %s", refusal.why)
+            return
+        try:
+            self.refuse(refusal)
+        except self.connection_errors:
+            raise
+        except Exception:
+            log.exception("could not answer a refused call; dropping it")
+
+    def _inflight(self, key: str) -> str:
+        assert self.consumer_name is not None
+        return inflight(key, self.consumer_name)
+
+    def basic_consume(self, queue: str, *args: Any, **kwargs: Any) -> Any:
+        if self._takes_in_flight and queue not in self._fanout_queues:
+            self._put_back_in_flight(queue)
+        return super().basic_consume(queue, *args, **kwargs)  # type: ignore[no-untyped-call]
+
+    def _put_back_in_flight(self, queue: str) -> None:
+        """Return to the head of `queue`'s lists what this consumer's predecessor took and
+        did not record (it died in between), oldest first in line."""
+        restored = 0
+        with self.conn_or_acquire() as client:
+            for key in self._lists([queue]):
+                try:
+                    while client.lmove(self._inflight(key), key, "LEFT", "RIGHT") is not None:
+                        restored += 1
+                except ResponseError as exc:  # a full Redis: they stay in flight, safe
+                    log.error("could not put back what %s left in flight (%s)", key, exc)
+        if restored:
+            log.warning("put back %d message(s) a dead consumer had taken from %s", restored, queue)
+
+    def _lists(self, queues: list[str]) -> list[str]:
+        """The lists BRPOP would take from for `queues`, in its order."""
+        return [self._q_for_pri(q, pri) for pri in self.priority_steps for q in queues]  # type: ignore[no-untyped-call]
+
+    def _brpop_start(self, timeout: float | None = None) -> None:
+        if not self._takes_in_flight:
+            super()._brpop_start(timeout)  # type: ignore[no-untyped-call]
+            return
+        queues = self._queue_cycle.consume(len(self.active_queues))
+        if not queues:
+            return
+        keys = self._lists(queues)
+        connection = self.client.connection
+        if self._idle:
+            wait = IDLE_POLL_S if len(keys) > 1 else (timeout or self.brpop_timeout or 0)
+            self._taking = ("BLMOVE", keys[:1])
+            first = keys[0]
+            connection.send_command("BLMOVE", first, self._inflight(first), "RIGHT", "LEFT", wait)
+        else:
+            self._taking = ("EVALSHA", keys)
+            connection.send_command(
+                "EVALSHA", scripts.sha("take"), 2 * len(keys), *keys, *map(self._inflight, keys)
+            )
+        self._in_poll = connection
+        self._brpop_sent_at = time.monotonic()  # type: ignore[assignment]
+
+    def _brpop_read(self, **options: Any) -> bool:
+        taking, self._taking = self._taking, None
+        if taking is None:
+            return bool(super()._brpop_read(**options))  # type: ignore[no-untyped-call]
+        kind, keys = taking
+        try:
+            try:
+                reply = self.client.parse_response(self.client.connection, kind, **options)
+            except NoScriptError:  # first use, a Redis restart or SCRIPT FLUSH: take again
+                self.client.script_load(scripts.source("take"))
+                raise Empty() from None
+            except self.connection_errors:
+                self.client.connection.disconnect()
+                raise
+            except ResponseError as exc:  # never the consumer's end: nothing was taken
+                if "WRONGTYPE" not in str(exc) or not repair_queue_keys(self.client, keys):
+                    _refused_take(exc)
+                raise Empty() from None
+            self._idle = reply is None and kind == "EVALSHA"
+            if reply is None:
+                raise Empty()
+            if kind == "BLMOVE":
+                key, item = keys[0], reply
+            else:  # the script's {list, message}
+                key, item = bytes_to_str(reply[0]), reply[1]  # type: ignore[no-untyped-call]
+            self.taken = (self._inflight(key), item)  # QoS.append records it and clears this
+            queue = key.rsplit(self.sep, 1)[0]  # kombu's name for a priority list's queue
+            self._take(item, queue)
+            if self.taken is not None:  # refused, or a consumer that acknowledges nothing
+                self.client.lrem(self.taken[0], 1, item)
+                self.taken = None
+            return True
+        finally:
+            self._in_poll = None  # type: ignore[assignment]
+            self._flush_brpop_reauth()  # type: ignore[no-untyped-call]
+
+
+class Poller(kombu_redis.MultiChannelPoller):
+    """Reads every BRPOP reply as it arrives: a message Redis has popped is safe once
+    recorded as unacked, not while it waits in a socket buffer."""
+
+    def _pause_brpop(self, channel: Any, fileno: int) -> None:
+        return  # kombu would stop reading a reply that may hold a popped message
+
+    def on_readable(self, fileno: int) -> None:
+        found = self._fd_to_chan.get(fileno)
+        if found is not None and found[1] == "BRPOP" and found[0]._in_poll:
+            found[0].handlers["BRPOP"]()  # even without credit: see the module docstring
+            return
+        super().on_readable(fileno)  # type: ignore[no-untyped-call]
+
+
+class Transport(kombu_redis.Transport):
+    """`redis://` and `rediss://` as kombu serves them, with `QoS` and `Poller` above."""
+
+    Channel = Channel
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[no-untyped-call]
+        self.cycle = Poller()  # type: ignore[no-untyped-call,assignment]

@@ -1,0 +1,524 @@
+"""The `gpufleet` command line: look at a fleet's registry and its model catalog."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from placement.catalog.catalog import Catalog
+from placement.config import DEFAULT_FLOWER_PORT, DEFAULT_METRICS_PORT, FROM_DEFAULT, Settings
+from placement.errors import ConfigError, GpufleetError
+from placement.ledger.registry import Registry
+from placement.units.memory import format_size
+
+app = typer.Typer(help="gpufleet: many models sharing GPUs by memory.", no_args_is_help=True)
+console = Console(soft_wrap=True)
+err = Console(stderr=True, soft_wrap=True)  # errors stay on one line
+
+T = TypeVar("T")
+
+RedisUrl = Annotated[
+    str | None,
+    typer.Option(
+        help="Registry URL (redis:// or rediss://); default: GPUFLEET_REDIS_URL, else the "
+        "fleet `gpufleet up` runs on this machine."
+    ),
+]
+FleetName = Annotated[
+    str | None, typer.Option("--fleet", help="Fleet name; default: GPUFLEET_FLEET, else default.")
+]
+
+
+def _operator_urls(s: Settings) -> tuple[str, str]:
+    """The registry and broker URLs that `status` and `metrics` read with: the running
+    fleet's read-only `operator` user when its connection file gave one."""
+    if s.operator_url:
+        return s.operator_url, s.operator_url
+    return s.registry_url, s.broker_url
+
+
+def _settings(redis_url: str | None = None, fleet: str | None = None) -> Settings:
+    """The settings, with the command line's overrides of the fleet and its URL."""
+    env = dict(os.environ)
+    if fleet:
+        env["GPUFLEET_FLEET"] = fleet
+    if redis_url:
+        env["GPUFLEET_REDIS_URL"] = redis_url
+    return _guard(lambda: Settings.from_env(env))
+
+
+@app.callback()
+def _setup(verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False) -> None:
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+@app.command()
+def status(
+    as_json: Annotated[bool, typer.Option("--json", help="Print the status object.")] = False,
+    redis_url: RedisUrl = None,
+    fleet: FleetName = None,
+) -> None:
+    """Show every GPU, what it holds, the warm caches, the queues and the hit rates."""
+    from tasks.serving.status import full_status  # the same object the gpufleet.status task returns
+
+    s = _settings(redis_url, fleet)
+    registry, broker = _operator_urls(s)
+    report = _guard(lambda: full_status(Registry.from_url(registry, s.fleet), broker))
+    if as_json:
+        typer.echo(json.dumps(report, indent=2))
+        return
+    console.print(_gpu_table(report))
+    for host in report["hosts"]:
+        warm = [
+            f"{d['model']} {format_size(d['cached_bytes'])}"
+            for d in report["deployments"]
+            if d["level"] == "WARM" and d["host"] == host["name"]
+        ]
+        console.print(
+            f"[bold]{host['name']}[/] warm cache {format_size(host['warm_used_bytes'])}"
+            f" / {format_size(host['warm_budget_bytes'])}: {', '.join(warm) or '-'}"
+        )
+    for model, load in report["load"].items():
+        console.print(
+            f"[bold]{model}[/] {load['waiting']} waiting, {load['running']} running on "
+            f"{load['ready']} ready of {load['placed']} placed replicas"
+            + (f" ({load['routing']} held by the router)" if load["routing"] else "")
+        )
+    depths = ", ".join(f"{q} {n}" for q, n in report["queues"].items())
+    console.print(f"[bold]queues[/] {depths}")
+    console.print(_rates(report))
+    for problem in report["problems"]:
+        err.print(f"[red]ledger problem:[/] {problem}")
+
+
+@app.command()
+def catalog(
+    path: Annotated[
+        Path | None, typer.Argument(help="models.yaml (default: $GPUFLEET_MODELS).")
+    ] = None,
+) -> None:
+    """Validate a model catalog and list its models."""
+    models = _guard(lambda: Catalog.load(path or _settings().models))
+    table = Table(title=f"{models.origin}: {len(models)} models")
+    for column in ("model", "task", "source", "memory", "dedicated", "replicas"):
+        table.add_column(column)
+    for spec in models.values():
+        if spec.request is not None:
+            memory = (
+                f"{format_size(spec.request)} (limit {format_size(spec.limit or spec.request)})"
+            )
+        elif spec.memory is not None:
+            memory = format_size(spec.memory)
+        elif spec.gpus is not None:
+            memory = f"{spec.gpus:g} GPU"
+        else:
+            memory = "estimated"
+        scale = spec.autoscale
+        replicas = f"{scale.floor}..{scale.ceiling}" if scale else str(spec.replicas)
+        table.add_row(spec.name, spec.task, spec.source, memory, str(spec.dedicated), replicas)
+    console.print(table)
+
+
+@app.command()
+def up(
+    *,
+    models: Annotated[
+        Path | None, typer.Option(help="The model catalog; default: GPUFLEET_MODELS.")
+    ] = None,
+    sim_gpus: Annotated[
+        str | None, typer.Option(help="Simulate GPUs, e.g. 2x8GiB (default when none is found).")
+    ] = None,
+    flower: Annotated[
+        bool, typer.Option(help="Start Flower on 127.0.0.1, behind basic auth.")
+    ] = False,
+    flower_port: Annotated[
+        int | None,
+        typer.Option(help=f"Flower's port (default {DEFAULT_FLOWER_PORT}, or a free one)."),
+    ] = None,
+    metrics_port: Annotated[
+        int | None,
+        typer.Option(
+            help=f"Prometheus /metrics on 127.0.0.1 (default {DEFAULT_METRICS_PORT}, or a free "
+            "one when another process holds it; 0: off).",
+            min=0,
+            max=65535,
+        ),
+    ] = None,
+    demo: Annotated[bool, typer.Option(help="Make demo calls once the fleet is ready.")] = False,
+    once: Annotated[bool, typer.Option(help="Stop after the demo instead of serving.")] = False,
+) -> None:
+    """Start a fleet here: bundled Redis, a router, one worker per GPU, all supervised;
+    Ctrl-C (or SIGTERM) stops it all."""
+    from rich.progress import Progress, SpinnerColumn, TextColumn
+
+    from tasks.operator.launcher import Launcher
+
+    settings = _settings()
+    launcher = Launcher(
+        models or settings.models,
+        settings,
+        sim_gpus=sim_gpus,
+        flower=flower,
+        flower_port=flower_port,
+        metrics_port=metrics_port,
+    )
+    stop_on_signals()
+    try:
+        with Progress(SpinnerColumn(), TextColumn("{task.description}"), console=err) as bar:
+            bar.add_task("starting Redis, the router and the GPU workers...", total=None)
+            _guard(launcher.start)
+            _guard(launcher.wait_ready)
+        _print_ready(launcher)
+        if demo:
+            _guard(_demo)
+        while not once:
+            _guard(launcher.supervise)
+            time.sleep(1.0)
+    except KeyboardInterrupt:
+        err.print("stopping the fleet...")
+    finally:
+        launcher.stop()
+
+
+@app.command()
+def url(
+    fleet: FleetName = None,
+) -> None:
+    """Print the URL (with its password) that callers of the fleet this machine runs use,
+    for a Celery client: `Celery(broker=URL, backend=URL)`. Its Redis user may send calls
+    and read results, nothing else (docs/deploy.md, "Security")."""
+    s = _settings(fleet=fleet)
+    if s.url_from == FROM_DEFAULT:
+        _guard(_no_fleet(s))
+    typer.echo(s.registry_url)
+
+
+def _no_fleet(s: Settings) -> Callable[[], None]:
+    def fail() -> None:
+        raise ConfigError(
+            f"no running fleet {s.fleet!r} found on this machine (no connection file under "
+            f"{s.home}) and GPUFLEET_REDIS_URL is not set; start one with `gpufleet up`"
+        )
+
+    return fail
+
+
+@app.command()
+def acl(
+    url: Annotated[
+        str, typer.Argument(help="Your Redis, as the fleet reaches it, e.g. redis://host:6379/1.")
+    ],
+    redis_major: Annotated[
+        int, typer.Option("--redis", help="The Redis major version (7 or later: selectors).")
+    ] = 7,
+) -> None:
+    """Print an ACL file with the fleet's users (fresh passwords) for a Redis of yours, and,
+    on stderr, the URL each user takes; load it with `aclfile` (docs/deploy.md, "Security")."""
+    import secrets
+
+    from placement.server.acl import USERS, Users, acl_lines, user_url
+
+    users = Users(*(secrets.token_hex(24) for _ in USERS))
+    for user in USERS:
+        err.print(f"{user}: {user_url(url, user, users.password(user))}", highlight=False)
+    for line in acl_lines(users, redis_major):
+        typer.echo(line)
+
+
+@app.command()
+def infer(
+    model: Annotated[str, typer.Argument(help="A model of the catalog.")],
+    text: Annotated[str, typer.Argument(help="The input text.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print the whole result.")] = False,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait.")] = 300.0,
+) -> None:
+    """Call gpufleet.infer and print the answer."""
+    result = _guard(lambda: _call("gpufleet.infer", (model, text), timeout))
+    if as_json:
+        typer.echo(json.dumps(result, indent=2))
+        return
+    console.print(_summary(result))
+
+
+@app.command()
+def deploy(
+    model: Annotated[str, typer.Argument(help="A model of the catalog.")],
+    replicas: Annotated[int, typer.Option(min=1)] = 1,
+    dedicated: Annotated[
+        bool | None,
+        typer.Option(
+            "--dedicated/--not-dedicated",
+            help="Never evict it under memory pressure (default: the catalog's `dedicated`).",
+        ),
+    ] = None,
+) -> None:
+    """Place replicas of a model without calling it; exit code 1 when some could not be."""
+    result = _guard(lambda: _call("gpufleet.deploy", (model, replicas, dedicated), 300.0))
+    typer.echo(json.dumps(result, indent=2))
+    if result.get("missing"):  # the JSON still goes to stdout, for scripts
+        err.print(
+            f"[red]error:[/] {result['missing']} of {replicas} replica(s) of {model} could not "
+            f"be placed: {result.get('refused') or 'no reason given'}"
+        )
+        raise typer.Exit(1)
+
+
+@app.command()
+def evict(
+    model: Annotated[str, typer.Argument(help="A model of the catalog.")],
+    replica: Annotated[str | None, typer.Option(help="Only this replica.")] = None,
+) -> None:
+    """Drain, then offload or drop a model's replicas."""
+    result = _guard(lambda: _call("gpufleet.evict", (model, replica), 300.0))
+    typer.echo(json.dumps(result, indent=2))
+
+
+def _call(name: str, args: tuple[Any, ...], timeout: float) -> Any:
+    from tasks.app import app as celery_app
+
+    return celery_app.send_task(name, args=args).get(timeout=timeout)
+
+
+def _summary(result: dict[str, Any]) -> str:
+    outputs = result["outputs"]
+    if "embeddings" in outputs:
+        vector = outputs["embeddings"][0]
+        shown = f"{len(vector)}-d embedding [{', '.join(f'{x:+.4f}' for x in vector[:4])}, ...]"
+    else:
+        shown = json.dumps(outputs)[:200]
+    t = result["timings_ms"]
+    return (
+        f"[bold]{result['model']}[/] on {', '.join(result['gpus'])} ({result['cache']}): {shown}\n"
+        f"queue {t['queue']:.0f} ms, load {t['load']:.0f} ms, compute {t['compute']:.1f} ms"
+    )
+
+
+def _demo() -> None:
+    """Two calls to MiniLM: the first loads it (cold), the second takes the fast path (hot)."""
+    for text in ("gpufleet shares GPUs by memory.", "The second call finds the model resident."):
+        console.print(_summary(_call("gpufleet.infer", ("minilm", text), 300.0)))
+
+
+def _rates(report: dict[str, Any]) -> str:
+    """The operator numbers against their targets, e.g. `hit rate 93.0% (target > 80%)`."""
+    fleet = report["requests"]["fleet"]
+
+    def share(value: float | None) -> str:
+        return "-" if value is None else f"{value:.1%}"
+
+    return (
+        f"[bold]requests[/] {fleet['requests']}: hit rate {share(fleet['hit_rate'])} "
+        f"(target > 80%), reload rate {share(fleet['reload_rate'])} (target < 20%), "
+        f"GPU memory reserved {share(report['summary']['utilization'])} (target 70-85%)\n"
+        f"[bold]paths[/] {fleet['fast']} fast (client to GPU worker), "
+        f"{fleet['routed']} through the router"
+    )
+
+
+@app.command()
+def metrics(
+    port: Annotated[int, typer.Option(help="Port of /metrics.", min=1, max=65535)] = (
+        DEFAULT_METRICS_PORT
+    ),
+    addr: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
+    redis_url: RedisUrl = None,
+    fleet: FleetName = None,
+) -> None:
+    """Export the fleet's Prometheus metrics until Ctrl-C (routers can do it too)."""
+    from tasks.operator.metrics import serve
+
+    s = _settings(redis_url, fleet)
+    registry, broker = _operator_urls(s)
+    _guard(lambda: serve(port, addr, Registry.from_url(registry, s.fleet), broker))
+    console.print(f"metrics of fleet {s.fleet!r} on http://{addr}:{port}/metrics; Ctrl-C stops")
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+
+
+def _print_ready(launcher: Any) -> None:
+    """Where the fleet is, printed once: the callers' URL in full (its password included),
+    so a plain Celery client on another machine can connect."""
+    gpus = ", ".join(f"{d.name} #{d.index}" for d in launcher.devices)
+    count = len(launcher.devices)
+    console.print(
+        f"[green]gpufleet is up[/]: {count} GPU{'' if count == 1 else 's'} ({gpus}), "
+        f"registry {launcher.caller_url}",
+        highlight=False,
+    )
+    console.print("  call it:  gpufleet infer minilm 'hello'    (or: gpufleet status)")
+    console.print(
+        "  Python:   celery.Celery(broker=URL, backend=URL)"
+        ".send_task('gpufleet.infer', args=['minilm', 'hello']).get()   URL=$(gpufleet url)"
+    )
+    if launcher.metrics_url:
+        console.print(f"  metrics:  {launcher.metrics_url}")
+    if launcher.flower:
+        console.print(
+            f"  Flower:   http://127.0.0.1:{launcher.flower_port} "
+            f"(basic auth {launcher.flower_auth})"
+        )
+    console.print("  Ctrl-C stops everything.")
+
+
+def stop_on_signals() -> None:
+    """Make SIGINT, SIGTERM and SIGHUP stop the fleet as Ctrl-C does: workers first,
+    then the bundled Redis. SIGINT and SIGTERM do even when the parent ignored them (a
+    shell's `&` ignores SIGINT); SIGHUP (the terminal closed) does unless it was ignored
+    on purpose, as `nohup` does to keep the fleet running."""
+    signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGTERM, _interrupt)
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+        signal.signal(signal.SIGHUP, _interrupt)
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+@app.command()
+def simulate(
+    *,
+    workload: Annotated[
+        str, typer.Option(help="zipf, bursty, hotspot, azure-conv or azure-code.")
+    ] = "zipf",
+    alpha: Annotated[float, typer.Option(help="Zipf exponent of model popularity.")] = 1.0,
+    requests: Annotated[
+        int | None, typer.Option(help="Requests (default 100,000; Azure: the whole trace).")
+    ] = None,
+    seed: Annotated[int, typer.Option(help="Seed of the fleet, trace and policies.")] = 0,
+    policy: Annotated[
+        list[str] | None, typer.Option(help="Repeatable (default: all five compared policies).")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the report object.")] = False,
+    plot: Annotated[Path | None, typer.Option(help="Write a PNG of hit rate and use.")] = None,
+    registry: Annotated[str, typer.Option(help="memory, or redis (the Lua registry).")] = "memory",
+    redis_url: Annotated[
+        str | None, typer.Option(help="Redis for --registry redis (default: a private one).")
+    ] = None,
+    data_dir: Annotated[Path | None, typer.Option(help="Folder of the Azure CSVs.")] = None,
+    scaling: Annotated[
+        bool,
+        typer.Option(
+            "--scaling",
+            help="Replicas serve one call at a time; compare fixed single replicas with "
+            "replicas that follow load (the first --policy, default `default`).",
+        ),
+    ] = False,
+) -> None:
+    """Replay a workload through the placement policy; compare it with the seeds and an oracle."""
+    from placement import simulator as sim
+
+    def run() -> sim.SimulationReport:
+        trace, fleet = sim.scenario(
+            workload, alpha=alpha, requests=requests, seed=seed, data_dir=data_dir
+        )
+        if scaling:
+            return sim.compare_scaling(trace, fleet, (policy or ["default"])[0], seed=seed)
+        chosen = policy or list(sim.DEFAULT_POLICIES)
+        return sim.simulate(trace, fleet, chosen, seed=seed, registry=registry, redis_url=redis_url)
+
+    report = _guard(run)
+    if plot is not None:
+        _guard(lambda: report.plot(plot))
+    data = report.to_json()
+    if as_json:
+        typer.echo(json.dumps(data, indent=2))
+        return
+    table = Table(title=f"{workload}: {data['workload']['requests']:,} requests")
+    columns = {"hit_rate": "hit", "reload_rate": "reload", "utilization": "use"}
+    columns |= {"p50_ms": "p50 ms", "p95_ms": "p95 ms", "p99_ms": "p99 ms", "wall_s": "wall s"}
+    if scaling:
+        columns |= {"memory_gib_s": "GiB\u00b7s", "scale_outs": "outs", "scale_ins": "ins"}
+    for header in ("policy", *columns.values()):
+        table.add_column(header, justify="right")
+    for name, row in data["policies"].items():
+        cells = (
+            f"{row[c]:.3f}"
+            if c in ("hit_rate", "reload_rate", "utilization")
+            else f"{row[c]:,.0f}"
+            if c.endswith("_ms") or c in ("memory_gib_s", "scale_outs", "scale_ins")
+            else f"{row[c]:.1f}"
+            for c in columns
+        )
+        table.add_row(name, *cells)
+    console.print(table)
+
+
+def _gpu_table(report: dict[str, Any]) -> Table:
+    summary = report["summary"]
+    table = Table(title=f"gpufleet: {summary['gpus_alive']} of {summary['gpus']} GPUs alive")
+    for column in ("GPU", "name", "memory", "use", "worker", "models"):
+        # Ids are folded onto more lines, never cut short: a cut worker id names no process.
+        table.add_column(column, overflow="fold" if column in ("GPU", "worker") else "ellipsis")
+    for g in report["gpus"]:
+        share = g["reserved_bytes"] / g["total_bytes"] if g["total_bytes"] else 0.0
+        on_it = [
+            f"{d['model']} [dim]{d['level']} {format_size(d['gpus'][g['id']])}[/]"
+            for d in report["deployments"]
+            if g["id"] in d["gpus"]
+        ]
+        on_it += [
+            f"CUDA context [dim]of {worker} {format_size(nbytes)}[/]"
+            for worker, nbytes in g.get("contexts", {}).items()
+        ]
+        table.add_row(
+            f"{g['host']}:{g['index']}"
+            if g["alive"]
+            else f"[red]{g['host']}:{g['index']} (dead)[/]",
+            g["name"],
+            f"{format_size(g['reserved_bytes'])} / {format_size(g['total_bytes'])}"
+            + (  # copies still leaving (or not yet admitted) make the two differ
+                f"\n[dim]on device {format_size(g['held_bytes'])}[/]"
+                if g["held_bytes"] != g["reserved_bytes"]
+                else ""
+            ),
+            f"{share:.0%}",
+            _owner(g),
+            "\n".join(on_it) or "-",
+        )
+    return table
+
+
+def _owner(gpu: dict[str, Any]) -> str:
+    """The worker process that owns `gpu` (its id, as in `gpufleet status --json`), and
+    whether its lease still holds."""
+    if not gpu["worker"]:
+        return "-"
+    if gpu["alive"]:
+        return f"{gpu['worker']}\n[dim]alive[/]"
+    return f"[red]{gpu['worker']}\nlease expired[/]"
+
+
+def _guard(action: Callable[[], T]) -> T:
+    """Run `action`; a gpufleet error becomes one red line and exit code 1."""
+    try:
+        return action()
+    except GpufleetError as exc:
+        err.print(f"[red]error:[/] {exc}")
+        raise typer.Exit(1) from exc
+
+
+def main() -> None:
+    """Console entry point."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # gpufleet never downloads models
+    app()
+
+
+if __name__ == "__main__":
+    main()

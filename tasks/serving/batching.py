@@ -1,0 +1,281 @@
+"""Batched calls on a GPU worker: Celery's side of `placement.rules.batching`.
+
+A GPU worker's pool has one child, which runs one job at a time. Celery's consumer,
+in the worker's main process, hands each call it receives to `Batcher` instead of
+the pool. The batcher keeps the calls while the child is busy and, each time the child
+is free, sends it one job: the oldest call and the calls for the same replica behind it
+(`placement.rules.batching.take_batch`). The job (`run_batch`, in the child) computes every
+call's outputs in shared forward passes first (`GpuWorker.serve_batch`), then runs
+each call's own Celery tracer in turn, which finds its outputs ready (`prepared`):
+each call keeps its own message, task id, events, result and request lease.
+
+Acknowledgement stays Celery's, per call: the job's accept, success and failure
+callbacks call each request's own. So acks_late holds, and a child killed mid-batch
+fails the job with `WorkerLostError`, which makes every request of the batch reject
+its message back to the queue (`task_reject_on_worker_lost`): no call is lost.
+
+Why not `celery-batches`: it flushes on a timer rather than when the GPU is free,
+mixes every replica's calls in one list, leaves the messages of a lost child unacked
+until the visibility timeout, and leaves results and events to the task. See
+docs/tasks.md, "Batched calls".
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from billiard.einfo import ExceptionInfo
+from celery.app import trace as celery_trace
+
+from placement.rules.batching import BatchLimits, Waiting, input_chars, take_batch
+from tasks.broker import quarantine, results
+from tasks.serving.calls import Call, call_of
+
+if TYPE_CHECKING:
+    from worker.node import Served  # GPU workers only: it imports torch
+
+log = logging.getLogger(__name__)
+
+_Job = tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any], float]  # tracer, its args,
+# the call, when it began to wait
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A call's answer, computed by its batch before its tracer runs."""
+
+    outcome: Served | BaseException
+    started_ms: int  # when its batch began to run
+    batch_wait_ms: float  # from reaching the worker to its batch starting
+
+    def served(self) -> Served:
+        if isinstance(self.outcome, BaseException):
+            raise self.outcome
+        return self.outcome
+
+
+_prepared: dict[str, Prepared] = {}  # task id -> answer, in the child, while its job runs
+
+
+def take_prepared(task_id: str | None) -> Prepared | None:
+    """The answer a batch computed for this call, if it was batched (once)."""
+    return _prepared.pop(task_id, None) if task_id else None
+
+
+class Batcher:
+    """The worker main process's hold on calls waiting for the pool child (see the module).
+
+    `handle` is what Celery would have done with a request: it gets the ones this batcher
+    does not batch (other tasks, calls it cannot read, models with batching off).
+    """
+
+    def __init__(
+        self,
+        pool: Any,
+        timer: Any,
+        handle: Callable[[Any], Any],
+        limits_of: Callable[[str], BatchLimits],
+        job: Callable[[list[_Job]], list[Any]],
+    ) -> None:
+        self._pool = pool
+        self._timer = timer
+        self._handle = handle
+        self._limits_of = limits_of
+        self._job = job  # runs a batch in the child: importable, so the pool can send it
+        self._waiting: list[Waiting[tuple[Any, Call]]] = []
+        self._busy = False
+        self._connection = 0  # counts lost connections: a job tells whose it was
+        self._wake: Any = None  # the timer entry of a batch waiting to fill
+        self._lock = threading.RLock()
+
+    def __call__(self, request: Any) -> None:
+        call = _call_of(request)
+        if call is None or not self._limits_of(call.model).on:
+            self._handle(request)
+            return
+        # A redelivered call may be what killed the last child: it runs alone this time.
+        # Calls share a pass only with calls of the same time limits, the batch's own.
+        redelivered = (request.delivery_info or {}).get("redelivered")
+        limits = tuple(request.time_limits)
+        group = (call.replica, call.epoch, request.id if redelivered else "", limits)
+        entry = Waiting((request, call), group, input_chars(call.inputs), time.time() * 1000)
+        with self._lock:
+            self._waiting.append(entry)
+            self._next()
+
+    def forget(self) -> None:
+        """Drop the calls held here, unacked: the consumer lost its connection, so the
+        broker delivers them again (as Celery does with the requests it reserved). The job
+        the child may be running is let go too: Celery's pool drops a job whose start it
+        has not heard of yet without calling it back, and waiting for that job would hold
+        every later call here."""
+        with self._lock:
+            if self._busy:
+                log.info(
+                    "broker connection lost while a batch ran: later calls will not wait for it"
+                )
+            self._waiting = []
+            self._busy = False
+            self._connection += 1
+            if self._wake is not None:
+                self._wake.cancel()
+                self._wake = None
+
+    def _limits(self, entry: Waiting[tuple[Any, Call]]) -> BatchLimits:
+        return self._limits_of(entry.item[1].model)
+
+    def _next(self) -> None:
+        """Send the next batch to the child when it is free and a batch is due."""
+        while not self._busy and self._waiting:
+            picked, due = take_batch(self._waiting, self._limits, time.time() * 1000)
+            if not picked:
+                if due is not None:
+                    self._wake_at(due)
+                return
+            chosen = set(picked)
+            batch = [self._waiting[i] for i in picked]
+            self._waiting = [w for i, w in enumerate(self._waiting) if i not in chosen]
+            live = [w for w in batch if not w.item[0].revoked()]  # revoked: acked and told
+            if live:
+                self._send(live)
+
+    def _wake_at(self, due_ms: float) -> None:
+        if self._wake is not None:
+            self._wake.cancel()
+        delay = max(0.0, due_ms / 1000 - time.time())
+        self._wake = self._timer.call_after(delay, self._woken)
+
+    def _woken(self) -> None:
+        with self._lock:
+            self._wake = None
+            self._next()
+
+    def _send(self, batch: list[Waiting[tuple[Any, Call]]]) -> None:
+        requests = [w.item[0] for w in batch]
+        jobs = [_job(w.item[0], w.item[1], w.since_ms) for w in batch]
+        first = requests[0]
+        hard, soft = first.time_limits  # every call of a batch has the same (`__call__`)
+        self._busy = True
+        connection = self._connection
+
+        def accepted(pid: int, time_accepted: float) -> None:
+            for request in requests:
+                request.on_accepted(pid, time_accepted)
+
+        def done(results: list[Any]) -> None:
+            self._finished(lambda i, r: r.on_success(results[i]), requests, connection)
+
+        def failed(exc_info: Any) -> None:
+            self._finished(lambda _, r: r.on_failure(exc_info), requests, connection)
+
+        def timed_out(is_soft: bool, timeout: float) -> None:
+            for request in requests:  # as Celery does for one: warn, or fail it
+                request.on_timeout(is_soft, timeout)
+
+        try:
+            with quarantine.in_hand(r.id for r in requests):  # pickled for the pool here
+                self._pool.apply_async(
+                    self._job,
+                    args=(jobs,),
+                    accept_callback=accepted,
+                    callback=done,
+                    error_callback=failed,
+                    timeout_callback=timed_out,
+                    soft_timeout=soft or first.task.soft_time_limit,
+                    timeout=hard or first.task.time_limit,
+                    correlation_id=uuid.uuid4().hex,
+                )
+        except BaseException:
+            self._busy = False
+            raise
+
+    def _finished(
+        self, each: Callable[[int, Any], Any], requests: list[Any], connection: int
+    ) -> None:
+        """The child ended a job: tell each request how its call went, then go on. A job
+        sent before a lost connection does not free the child for the jobs sent since."""
+        with self._lock:
+            if connection == self._connection:
+                self._busy = False
+        stop: BaseException | None = None
+        for index, request in enumerate(requests):
+            try:
+                each(index, request)
+            except (SystemExit, KeyboardInterrupt) as exc:  # Celery's signal to stop
+                stop = exc
+            except Exception:
+                log.exception("could not settle call %s of a batch", request.id)
+        with self._lock:
+            self._next()
+        if stop is not None:
+            raise stop
+
+
+def _call_of(request: Any) -> Call | None:
+    try:
+        return call_of(request.name, request.args, request.kwargs, request.request_dict)
+    except Exception:  # a body Celery cannot decode: Celery's own path reports it
+        return None
+
+
+def _job(request: Any, call: Call, since_ms: float) -> _Job:
+    """What the child needs to run `request` as Celery would, plus its call."""
+    trace = (
+        celery_trace.fast_trace_task
+        if request._app.use_fast_trace_task
+        else celery_trace.trace_task_ret
+    )
+    args = (
+        request.type,
+        request.id,
+        request.request_dict,
+        request.body,
+        request.content_type,
+        request.content_encoding,
+    )
+    return trace, args, call.as_json(), since_ms
+
+
+def run_batch(
+    jobs: list[_Job], serve: Callable[[list[Call]], list[Any]], backend: Any = None
+) -> list[Any]:
+    """In the child: compute every call's answer in shared passes, then run each call's own
+    tracer, which stores its result (`backend`'s reads of them at once: `tasks.broker.results`).
+    Returns the tracers' returns, in order."""
+    started = time.time() * 1000
+    calls = [Call.from_json(job[2]) for job in jobs]
+    try:
+        outcomes = serve(calls)
+    except Exception as exc:
+        outcomes = [exc] * len(calls)
+    ids = [args[1] for _, args, _, _ in jobs]
+    with _ready(jobs, outcomes, started), results.read_together(backend, ids):
+        return [_traced(trace, args) for trace, args, _, _ in jobs]
+
+
+def _traced(trace: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+    """One call's tracer; an error of the tracer itself fails that call only (Celery's
+    tracer reports the task's own errors in its return already)."""
+    try:
+        return trace(*args)
+    except Exception:
+        log.exception("the tracer of call %s failed", args[1])
+        return (1, ExceptionInfo(), 0.0)
+
+
+@contextmanager
+def _ready(jobs: list[_Job], outcomes: list[Any], started: float) -> Iterator[None]:
+    for (_, args, _, since), outcome in zip(jobs, outcomes, strict=True):
+        _prepared[args[1]] = Prepared(outcome, int(started), max(0.0, started - since))
+    try:
+        yield
+    finally:
+        for _, args, _, _ in jobs:
+            _prepared.pop(args[1], None)

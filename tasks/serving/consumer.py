@@ -1,0 +1,237 @@
+"""The message consumer of every gpufleet worker: Celery's, which also answers a message it
+cannot read or may not run and, on a GPU worker, batches calls.
+
+Celery drops a message whose body it may not or cannot decode (a pickled call, broken
+JSON) after logging it, and its caller waits until its own timeout. When the task id can
+be read from the message's headers (Celery's message protocol 2 keeps it there), this
+consumer stores a `PayloadError` as that task's result first, so the caller learns at once
+what was wrong.
+
+Only gpufleet's own tasks (`gpufleet.*`) run here. Celery registers its built-in tasks
+(`celery.backend_cleanup`, `celery.chord_unlock`, `celery.map`, `celery.starmap`,
+`celery.chunks`, `celery.group`, `celery.chain`, `celery.chord`, `celery.accumulate`) in
+every app, so any client could otherwise run them on a router or a GPU worker. None is
+needed: a client's group, chain or chord of gpufleet tasks is sent by the client as the
+member tasks themselves (Celery's canvas runs `group`, `chain` and `chord` in the caller's
+process), and with the Redis result backend a chord's body is sent by the worker that
+finishes its header's last task (native join, `on_chord_part_return`), never through
+`celery.chord_unlock`, which only backends without native join use. `celery.accumulate`
+only serves `Task.replace` with a group, and gpufleet replaces a call with one task. The
+fleet runs no beat, and Redis expires results itself, so `celery.backend_cleanup` has no
+work here either. A call of any other name gets a stored `PayloadError`, like a call it
+cannot read, and its message is acknowledged.
+
+Nothing a message holds may stop the worker: each message is checked as it is taken
+(`tasks.broker.intake`), and one that fails gets its error stored as its result here, without a
+pool job, so that a flood of bad calls does not stand in front of good ones. Any other
+error raised while Celery takes a message refuses that message, never the worker.
+
+On a router, a call for a model with a HOT replica is forwarded to its GPU worker from here,
+in the worker's main process, without a pool job (`tasks.serving.forwarding`).
+
+On a GPU worker, the calls it receives go to a `tasks.serving.batching.Batcher` rather than
+straight to the pool, and the worker reserves enough messages (its prefetch) for two
+full batches: one running, the next one gathering.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from celery.exceptions import InvalidTaskError
+from celery.worker.consumer import Consumer as CeleryConsumer
+from kombu.exceptions import ContentDisallowed, DecodeError
+
+from placement.errors import GpufleetError, PayloadError
+from tasks import context
+from tasks.broker import intake
+from tasks.broker.intake import PUBLIC_TASKS, is_name
+from tasks.serving import forwarding
+from tasks.serving.batching import Batcher
+
+log = logging.getLogger(__name__)
+
+#: The prefix of Celery's built-in tasks, which every app registers and no worker here
+#: runs: a gpufleet worker runs its own `gpufleet.*` tasks only (an app built on the same
+#: configuration, such as bench/hotpath.py's bare worker, its own).
+BUILT_IN = "celery."
+
+
+class _Strategies(dict[str, Any]):
+    """Celery's task name -> strategy map; a name that is no string is an unknown task (a
+    dict would raise TypeError for an unhashable one, out of Celery's message handler)."""
+
+    def __getitem__(self, name: Any) -> Any:
+        if not isinstance(name, str):
+            raise KeyError(name)
+        return super().__getitem__(name)
+
+
+class Consumer(CeleryConsumer):
+    """Celery's consumer, failing the result of a message it cannot read or may not run."""
+
+    Strategies = _Strategies
+
+    def __init__(self, on_task_request: Any, *args: Any, **kwargs: Any) -> None:
+        if context.role() == "gpu":
+            on_task_request = self._batching(on_task_request, kwargs)
+        self._batcher = on_task_request if isinstance(on_task_request, Batcher) else None
+        super().__init__(on_task_request, *args, **kwargs)
+
+    def on_close(self) -> None:
+        if self._batcher is not None:
+            self._batcher.forget()
+        super().on_close()
+
+    @staticmethod
+    def _batching(on_task_request: Any, kwargs: dict[str, Any]) -> Any:
+        from tasks.serving import gpu  # GPU workers only: it imports torch
+
+        catalog = context.catalog()
+        largest = max((gpu.limits_of(name).size for name in catalog), default=1)
+        if largest <= 1:
+            return on_task_request
+        per_process = 2 * largest
+        # Celery passed processes x its multiplier; the pool has not started yet.
+        multiplier = max(1, kwargs.get("prefetch_multiplier") or 1)
+        processes = kwargs.get("initial_prefetch_count", 1) // multiplier
+        kwargs["prefetch_multiplier"] = per_process
+        kwargs["initial_prefetch_count"] = per_process * max(1, processes)
+        return Batcher(
+            kwargs["pool"], kwargs["timer"], on_task_request, gpu.limits_of, gpu.batch_job
+        )
+
+    def update_strategies(self) -> None:
+        """Celery's, less Celery's built-in tasks: a message for one of those goes to
+        `on_unknown_task`, as for a name no one registered. On a router, a call for a HOT
+        model is forwarded from here (`tasks.serving.forwarding`), never run in the pool."""
+        super().update_strategies()
+        for name in [name for name in self.strategies if name.startswith(BUILT_IN)]:
+            del self.strategies[name]
+        # the channel the task consumer is about to take calls on (Celery's `Tasks`)
+        channel = self.connection.default_channel
+        channel.refuse = self.refuse_taken
+        if context.role() == "router" and forwarding.TASK in self.strategies:
+            default = self.strategies[forwarding.TASK]
+            self.strategies[forwarding.TASK] = forwarding.install(channel, default)
+        for name, strategy in list(self.strategies.items()):
+            self.strategies[name] = self._guarded(strategy)
+
+    def _guarded(self, strategy: Any) -> Any:
+        """`strategy`, run only for a message that passes `tasks.broker.intake.check`; a message
+        that fails it, or that makes the strategy raise, is refused (see the module)."""
+        tasks = self.app.tasks
+        passed_on = (InvalidTaskError, ContentDisallowed, DecodeError, *self.connection_errors)
+
+        def task_message_handler(message: Any, body: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                intake.check(message, tasks)
+            except GpufleetError as exc:
+                return self.refuse(message, exc)
+            try:
+                return strategy(message, body, *args, **kwargs)
+            except passed_on:
+                raise  # Celery answers these itself, or reconnects
+            except Exception as exc:
+                log.exception("could not take call %.60s", message.headers.get("id"))
+                if message.acknowledged:
+                    return None
+                failed = PayloadError(f"gpufleet could not take this call ({type(exc).__name__})")
+                return self.refuse(message, failed)
+
+        return task_message_handler
+
+    def refuse(self, message: Any, error: GpufleetError) -> None:
+        """Answer a message that may not run with `error`, and drop it (acknowledged)."""
+        task_id = message.headers.get("id")
+        log.warning("refused call %.60s of %.80r: %s", task_id, message.headers.get("task"), error)
+        self._fail(task_id, error, _chained_ids(message))
+        self._dropped(message, task_id, error)
+
+    def _dropped(self, message: Any, task_id: Any, error: GpufleetError) -> None:
+        """Acknowledge a refused message, and tell Flower its call failed."""
+        message.ack_log_error(log, self.connection_errors)
+        if self.event_dispatcher and isinstance(task_id, str):
+            self.event_dispatcher.send(
+                "task-failed", uuid=task_id, exception=f"{type(error).__name__}({str(error)!r})"
+            )
+
+    def refuse_taken(self, refusal: intake.Refused) -> None:
+        """Answer a message the transport refused as it took it (`tasks.broker.intake.envelope`)."""
+        log.warning("refused call %.60s as it was taken: %s", refusal.task_id, refusal.why)
+        self._fail(refusal.task_id, PayloadError(refusal.why))
+
+    def on_unknown_task(self, body: Any, message: Any, exc: Exception) -> None:
+        """A task that is not gpufleet's (a Celery built-in, a name no one registered):
+        a stored `PayloadError` and one log line, not Celery's `NotRegistered` and
+        traceback; the message is acknowledged, never run nor redelivered."""
+        if body is None and _field(message, None, "task") is None:
+            body = _decoded(message)  # message protocol 1: the name is in the body
+        name = _field(message, body, "task")
+        task_id = _field(message, body, "id")
+        log.warning("refused call %.60s of task %.80r: not a task this worker runs", task_id, name)
+        shown = repr(name)
+        if len(shown) > 100:
+            shown = f"{shown[:97]}..."
+        refused = PayloadError(
+            f"gpufleet runs only its own tasks ({', '.join(PUBLIC_TASKS)}); {shown} is not "
+            f"one of them: send one of those by name"
+        )
+        self._fail(task_id, refused)
+        self._dropped(message, task_id, refused)
+
+    def on_invalid_task(self, body: Any, message: Any, exc: Exception) -> None:
+        self._unreadable(message, exc)
+        super().on_invalid_task(body, message, exc)
+
+    def on_decode_error(self, message: Any, exc: Exception) -> None:
+        self._unreadable(message, exc)
+        super().on_decode_error(message, exc)
+
+    def _unreadable(self, message: Any, exc: Exception) -> None:
+        refused = intake.unreadable(exc, getattr(message, "content_type", "?"))
+        self._fail(_field(message, None, "id"), refused)
+
+    def _fail(self, task_id: Any, refused: GpufleetError, chained: Sequence[Any] = ()) -> None:
+        """Store `refused` as the result of call `task_id`, so its caller learns at once,
+        and of the calls `chained` after it, which will not run either (as Celery fails a
+        chain after a failed task). Never a chord's part nor an errback: Celery runs those
+        inside the worker, and what a refused call carries may not run there."""
+        for failed in (task_id, *chained):
+            if not is_name(failed):
+                continue
+            try:
+                self.app.backend.mark_as_failure(failed, refused, call_errbacks=False)
+            except Exception:  # the message is dropped either way; say why in the log
+                log.warning("could not store the refusal of call %s", failed, exc_info=True)
+
+
+def _chained_ids(message: Any) -> list[Any]:
+    """The task ids of the calls chained after a refused call (its body's `chain`; `_fail`
+    skips what is no id)."""
+    try:
+        _, _, embed = message.decode()
+        chain = embed.get("chain") if isinstance(embed, dict) else None
+        steps = [step.get("options") for step in chain or () if isinstance(step, dict)]
+        return [o.get("task_id") for o in steps if isinstance(o, dict)]
+    except Exception:  # nothing chained that can be read
+        return []
+
+
+def _field(message: Any, body: Any, key: str) -> Any:
+    """`key` ("id", "task") of a message: from its headers (message protocol 2), else from
+    its already decoded body (protocol 1); None where neither has it."""
+    headers = getattr(message, "headers", None)
+    if isinstance(headers, dict) and key in headers:
+        return headers[key]
+    return body.get(key) if isinstance(body, dict) else None
+
+
+def _decoded(message: Any) -> Any:
+    """A protocol 1 message's body (Celery has decoded it already), or None."""
+    try:
+        return message.payload
+    except Exception:  # not for us to fail on: the call is refused either way
+        return None

@@ -1,0 +1,119 @@
+"""The router's hot path: a plain client's call for a HOT model goes on as it is taken.
+
+A client that does not import gpufleet sends `gpufleet.infer` to the router's queue. When
+the model has a HOT replica, running a task for it in a pool child (and handing the call on
+with `Task.replace`) costs the router 12 to 18 ms of CPU for what is one lease and one
+publish. So the router's task channel asks `Forwarder` about each message as it takes it,
+in the worker's main process, before recording it as unacknowledged
+(`tasks.broker.transport.Channel.divert`): when the call's arguments are valid and `pick.lua`
+leases a HOT replica, the message moves on, unchanged but for the lease and counted
+headers, to that replica's GPU worker queue, out of the router's in-flight list in the
+same transaction. The call is then exactly a fast-path call: same task id, name and body,
+so the caller's AsyncResult yields the GPU worker's answer, and Flower sees it received
+and answered there. Celery's strategy skips it (it is acknowledged already).
+
+A call given back after a router died is looked for elsewhere first
+(`tasks.serving.routed.elsewhere`:
+its result, then every queue and in-flight list), so that a call already answered or on
+its way is not run twice, and messages a caller marked redelivered are not held in the
+pool.
+
+Everything else takes Celery's path: a bad call (the consumer refuses it, `tasks.broker.intake`),
+and to the pool a miss, a revoked call, a call with an ETA, a retry, a given-back call
+found elsewhere, and any call the registry could not lease. A move that did not happen ends
+its lease, and the call waits in the in-flight list, which the reconnecting consumer puts
+back first in line. A router killed at any point leaves the call in its in-flight list or
+on the GPU worker's queue, never both (a lease it took lapses at its deadline). The
+lease is taken from the consumer's own thread: while the registry is away (a restart),
+`pick` retries for a few seconds before the call falls back to the pool, and the router
+takes no other message meanwhile. docs/tasks.md, "A call", says what a caller sees.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from celery.worker import state as worker_state
+
+from placement.errors import GpufleetError
+from tasks import context
+from tasks.app import app
+from tasks.broker import intake
+from tasks.broker.intake import COUNTED_HEADER
+from tasks.broker.transport import Onward
+from tasks.serving import leases, routed
+from tasks.serving.calls import counted_in, infer_arguments
+
+log = logging.getLogger(__name__)
+
+TASK = "gpufleet.infer"
+JSON = "application/json"
+
+_Strategy = Callable[..., Any]
+
+
+def install(channel: Any, strategy: _Strategy) -> _Strategy:
+    """Make `channel` (a router's task channel) forward hot calls as it takes them; returns
+    Celery's strategy for `gpufleet.infer`, which skips the calls forwarded."""
+    channel.divert = Forwarder()
+
+    def task_message_handler(
+        message: Any, body: Any, ack: Any, reject: Any, callbacks: Any, **kwargs: Any
+    ) -> Any:
+        if message.acknowledged:  # forwarded as it was taken
+            return None
+        return strategy(message, body, ack, reject, callbacks, **kwargs)
+
+    return task_message_handler
+
+
+class Forwarder:
+    """Says where a hot call goes on to (its replica's GPU worker queue, with a lease)."""
+
+    def __call__(self, message: Any) -> Onward | None:
+        plain = plain_call(message)
+        if plain is None:
+            return None
+        model, counted = plain
+        task_id = message.headers["id"]
+        given_back = bool((message.delivery_info or {}).get("redelivered"))
+        if given_back and routed.elsewhere(task_id, str(message.delivery_tag)):
+            return None  # the pool drops it: its answer comes from elsewhere
+        registry = context.registry()
+        try:
+            lease = registry.pick(model, path="" if counted else "router")
+        except GpufleetError:
+            log.warning("could not look for a HOT replica of %s; routing the call", model)
+            return None
+        if lease is None:
+            return None  # a miss: the pool places the model
+        if given_back:
+            routed.hold(registry, model, task_id, False)
+        headers = dict(message.headers)
+        headers[leases.HEADER] = leases.header(lease)
+        headers[COUNTED_HEADER] = True  # counted by this pick (or before)
+        return Onward(lease.queue, headers, functools.partial(leases.end, lease))
+
+
+def plain_call(message: Any) -> tuple[str, bool] | None:
+    """The model of a call the consumer may forward, and whether it is counted already;
+    None for a call that must take Celery's path (see the module)."""
+    headers = message.headers
+    if not isinstance(headers, dict) or headers.get("task") != TASK:
+        return None  # message protocol 1, or another task
+    if headers.get(leases.HEADER) or headers.get("eta") or headers.get("retries"):
+        return None
+    if message.content_type != JSON:
+        return None
+    if headers.get("id") in worker_state.revoked:
+        return None  # Celery's strategy drops it and says so
+    try:
+        intake.check(message, app.tasks)  # its model and payload, as the consumer checks them
+    except GpufleetError:
+        return None  # the consumer refuses it
+    args, kwargs, _ = message.decode()
+    model = infer_arguments(*args, **kwargs)[0]
+    return model, counted_in(headers)

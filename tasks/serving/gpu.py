@@ -1,0 +1,315 @@
+"""The GPU worker's Celery side: bind a `worker.node.GpuWorker` to a prefork pool child.
+
+One Celery worker per GPU, prefork with concurrency 1: the parent answers control
+commands and Flower while the child holds the models. The child registers its GPU
+and starts its keeper in `worker_process_init` (a few Redis calls; models load when the
+ledger places them here). The keeper follows the ledger on its own thread, so an
+eviction or a load never waits behind the calls in this worker's queue.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import signal
+import threading
+import time
+from typing import Any, NoReturn
+
+from celery import Task
+from celery.exceptions import SoftTimeLimitExceeded
+from celery.signals import worker_init, worker_process_init, worker_process_shutdown
+from celery.utils.log import mlevel
+
+from placement.errors import (
+    ConfigError,
+    EvictedError,
+    GpufleetError,
+    GpuOwnedError,
+    RegistryError,
+)
+from placement.ledger.load import mark_batch
+from placement.rules.batching import BatchLimits
+from tasks import context
+from tasks.app import app
+from tasks.serving import batching, leases
+from tasks.serving.calls import Call, time_limits_of
+from tasks.serving.routing import gpu_queue
+from worker import passes
+from worker.devices import Device, discover
+from worker.lifecycle import default_lineage
+from worker.node import GpuWorker, Served
+
+log = logging.getLogger(__name__)
+
+MAX_HOPS = 3  # re-routes of one call before it fails
+
+
+class _Process:
+    """The one GpuWorker of this pool child, made by `worker_process_init`."""
+
+    worker: GpuWorker | None = None
+
+
+_process = _Process()
+
+
+def this_worker() -> GpuWorker:
+    if _process.worker is None:
+        raise RuntimeError("not a GPU worker process: start it with GPUFLEET_ROLE=gpu")
+    return _process.worker
+
+
+def serve(task: Task, call: Call) -> dict[str, Any]:
+    """Run one call on its replica here (or take the answer its batch computed); if the
+    replica left this worker, route it again."""
+    worker = this_worker()
+    prepared = batching.take_prepared(task.request.id)
+    started = prepared.started_ms if prepared is not None else int(time.time() * 1000)
+    try:
+        if prepared is not None:
+            served = prepared.served()
+        else:
+            served = worker.serve(call.replica, call.epoch, call.inputs, call.params)
+    except EvictedError:
+        if call.hops >= MAX_HOPS:
+            raise
+        log.info("replica %s left; routing the call for %s again", call.replica, call.model)
+        raise task.replace(call.rerouted(time_limits_of(task.request))) from None
+    finally:
+        if call.lease is not None and prepared is None:  # a batch ends its calls' leases
+            try:
+                worker.registry.finish(call.lease)
+            except GpufleetError:  # the lease expires on its own; the answer stands
+                log.warning("could not end lease %s", call.lease.id, exc_info=True)
+    return {
+        "model": call.model,
+        "replica": call.replica,
+        "gpus": served.gpus,
+        "worker": worker.worker_id,
+        "cache": call.cache,
+        "outputs": served.outputs,
+        "timings_ms": {
+            "queue": max(0, started - call.sent_ms),
+            "batch_wait": round(prepared.batch_wait_ms, 3) if prepared is not None else 0.0,
+            "load": round(served.load_ms, 3),
+            "compute": round(served.compute_ms, 3),
+            "batch_calls": served.batch,
+        },
+    }
+
+
+def batch_job(jobs: list[Any]) -> list[Any]:
+    """A pool job of calls for one replica (`tasks.serving.batching`): shared passes, own
+    results."""
+    return batching.run_batch(jobs, _serve_batch, app.backend)
+
+
+def _serve_batch(calls: list[Call]) -> list[Served | BaseException]:
+    """The batch's answers; then its calls' leases end, in one round trip, as each call's
+    own would once its answer is known. A batch of several says its size while it runs,
+    so the scaling rule counts its calls as running (it assumes one otherwise)."""
+    first = calls[0]
+    worker = this_worker()
+    batched = len(calls) > 1
+    try:
+        if batched:
+            _say_batch(worker, first.replica, len(calls))
+            log.info("%d calls of %s share a pass on %s", len(calls), first.model, first.replica)
+        return worker.serve_batch(first.replica, first.epoch, [(c.inputs, c.params) for c in calls])
+    finally:
+        if batched:
+            _say_batch(worker, first.replica, 0)
+        try:
+            worker.registry.finish_all([c.lease for c in calls if c.lease is not None])
+        except GpufleetError:  # they expire on their own; the answers stand
+            log.warning("could not end the leases of a batch of %d", len(calls), exc_info=True)
+
+
+#: Celery's loggers of each call's "received" (the worker's main process) and "succeeded"
+#: (its pool child) lines.
+CALL_LOGGERS = ("celery.worker.strategy", "celery.app.trace")
+
+
+def _quiet_call_logs(loglevel: Any) -> None:
+    """Keep Celery's per-call INFO lines out of a GPU worker's log unless it runs at DEBUG:
+    at hundreds of calls a second they cost the worker more than a batch shares
+    (formatting, and the launcher relaying every line). Warnings and failures stay, a batch
+    of several logs one line, and Flower shows every call (docs/tasks.md). Set in the
+    parent before its pool forks: Celery reads the levels once, as it builds each child's
+    tracers and the consumer's strategies."""
+    if mlevel(loglevel or logging.WARNING) > logging.DEBUG:
+        for name in CALL_LOGGERS:
+            logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def _say_batch(worker: GpuWorker, replica: str, calls: int) -> None:
+    """Record the running pass's size (0: it ended); never fail the batch over it."""
+    try:
+        mark_batch(worker.registry, replica, calls)
+    except Exception:
+        log.warning("could not report a batch of %d on %s", calls, replica, exc_info=True)
+
+
+@functools.cache
+def limits_of(model: str) -> BatchLimits:
+    """How `model`'s calls are batched here; off for a model the catalog lacks (its call
+    then fails on its own, as unbatched)."""
+    spec = context.catalog().get(model, None)
+    if spec is None:
+        return BatchLimits(size=1)
+    return spec.batch_limits(context.settings().batch)
+
+
+def _run_intake(headers: dict[str, Any], arguments: dict[str, Any]) -> None:
+    """What the consumer checks of a `gpufleet.run` (`tasks.broker.intake`): every field of its
+    call, and its lease header."""
+    call = Call.from_json(arguments["call"])
+    leases.from_header(call.model, headers.get(leases.HEADER))
+
+
+@app.task(name="gpufleet.run", bind=True, intake=staticmethod(_run_intake))
+def run(self: Task, call: dict[str, Any]) -> dict[str, Any]:
+    """A call the router handed to this worker (internal)."""
+    return serve(self, Call.from_json(call))
+
+
+def _warm_budget() -> int:
+    """CPU memory this host lends to warm copies: GPUFLEET_WARM_CACHE, or 25% of RAM."""
+    configured = context.settings().warm_cache
+    if configured is not None:
+        return configured
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
+
+
+def _visible() -> list[Device]:
+    """Every GPU this host's workers see: NVML's, else the simulated ones."""
+    settings = context.settings()
+    return discover(settings.sim_gpus, reserve=settings.gpu_reserve)
+
+
+def _own_devices(devices: list[Device]) -> list[Device]:
+    """The GPUs of GPUFLEET_WORKER_GPUS (NVML indices) among `devices`, or all of them."""
+    wanted = context.settings().worker_gpus
+    if wanted is None:
+        return devices
+    mine = [d for d in devices if d.index in wanted]
+    if not mine:
+        visible = ", ".join(str(d.index) for d in devices) or "none"
+        raise ConfigError(
+            f"GPUFLEET_WORKER_GPUS={','.join(map(str, wanted))} names no visible GPU (visible: "
+            f"{visible}); check CUDA_VISIBLE_DEVICES or the container's device reservation"
+        )
+    return mine
+
+
+_main_pid = 0  # the Celery worker's main process, set there before its pool forks
+
+
+@worker_init.connect
+def _check(sender: Any = None, **_: Any) -> None:
+    """Refuse to start a GPU worker that would own no GPU, or GPUs that a live worker of
+    another fleet process owns on this registry (the parent, before any fork)."""
+    global _main_pid  # noqa: PLW0603 - one value per process, inherited by the pool
+    _main_pid = os.getpid()
+    if context.role() != "gpu":
+        return
+    _quiet_call_logs(getattr(sender, "loglevel", None))
+    try:
+        devices = _own_devices(_visible())  # NVML only: no CUDA context in the parent
+        _check_owners(devices)
+    except (ConfigError, GpuOwnedError) as exc:
+        # Celery logs and ignores exceptions of signal handlers; SystemExit stops it.
+        raise SystemExit(f"gpufleet worker cannot start: {exc}") from exc
+
+
+def _check_owners(devices: list[Device]) -> None:
+    registry = context.registry()
+    host = context.settings().host
+    mine = default_lineage(context.settings().lineage, parent=True)
+    try:
+        for device in devices:
+            owner = registry.owner(device.gpu_id(host))
+            if owner is not None and owner[1] != mine:
+                raise GpuOwnedError(
+                    f"GPU {device.gpu_id(host)} is owned by live worker {owner[0]} "
+                    f"of fleet {registry.keys.fleet!r} on this Redis. Stop that worker, or run "
+                    f"this one as another fleet on a Redis database of its own "
+                    f"(GPUFLEET_REDIS_URL=redis://<host>:<port>/<db>) or, for simulated GPUs, "
+                    f"as another host (GPUFLEET_HOST)"
+                )
+    except RegistryError as exc:
+        log.warning("cannot check who owns the GPUs yet (%s); the pool child will", exc)
+
+
+@worker_process_init.connect
+def _start(**_: Any) -> None:
+    if context.role() != "gpu":
+        return
+    try:
+        settings = context.settings()
+        visible = _visible()  # NVML enumerates once
+        devices = _own_devices(visible)
+        _process.worker = GpuWorker(
+            context.registry(),
+            devices,
+            visible,
+            settings.host,
+            gpu_queue(settings.host, [d.index for d in devices]),
+            spec_of=lambda model: context.catalog().get(model),
+            warm_budget=_warm_budget(),
+            lease_ms=settings.worker_lease_ms,
+            lineage=default_lineage(settings.lineage),
+            # A soft time limit is the batch's (its calls share their limits): fail them
+            # all, rather than run each again after the limit.
+            whole_pass_errors=(SoftTimeLimitExceeded,),
+            threads=passes.share(settings.torch_threads, len(visible)),
+        )
+    except Exception:
+        # Celery would log this and keep a child that fails every call: exit instead.
+        log.critical("GPU worker process cannot start", exc_info=True)
+        os._exit(1)
+    _register(_process.worker)
+
+
+def _register(worker: GpuWorker) -> None:
+    """Register before taking any call (`worker_process_init` must return within 4 s, so
+    while Redis is unreachable it keeps trying in the background). A GPU owned by another
+    fleet's live worker stops the whole Celery worker: two fleets must never consume the
+    same queues."""
+    if _try_register(worker):
+        return
+
+    def retry() -> None:
+        while not _try_register(worker):
+            time.sleep(1.0)
+
+    threading.Thread(target=retry, name="gpufleet-register", daemon=True).start()
+
+
+def _try_register(worker: GpuWorker) -> bool:
+    try:
+        worker.start()
+    except GpuOwnedError as exc:
+        stop_worker(f"gpufleet worker cannot start: {exc}")
+    except RegistryError as exc:
+        log.warning("cannot register yet (%s); retrying", exc)
+        return False
+    return True
+
+
+def stop_worker(why: str) -> NoReturn:
+    """Stop the whole Celery worker from one of its pool children, with a failing exit
+    status. SIGINT is Celery's warm shutdown with EX_FAILURE; a SIGTERM sent once the
+    worker consumes stops it with status 0, as if it had been asked to."""
+    log.critical("%s", why)
+    if _main_pid and os.getppid() == _main_pid:  # not whoever adopted an orphan (init)
+        os.kill(_main_pid, signal.SIGINT)
+    os._exit(1)
+
+
+@worker_process_shutdown.connect
+def _stop(**_: Any) -> None:
+    if _process.worker is not None:
+        _process.worker.stop()

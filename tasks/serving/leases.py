@@ -1,0 +1,115 @@
+"""Request leases that travel inside Celery messages: attached at publish, ended if never run.
+
+A lease pins a HOT replica from `pick` until the GPU worker that runs the call ends it
+(`finish`). Two gaps would otherwise leave it pinned until its deadline (300 s by
+default), during which memory pressure cannot evict the replica:
+
+- Celery lets a caller's own `headers=` replace the ones a router returns, so the fast
+  path does not return the lease as a header. `route` parks it with `hold`, and a
+  `before_task_publish` handler adds it to the message's headers, next to the caller's.
+  Routing and publishing run back to back in the sending thread, so the parked lease
+  belongs to the next `gpufleet.infer` that thread publishes. If that publish fails, the
+  lease stays parked, and the thread's next `hold` ends it.
+- A message that is revoked, or expires before a worker runs it, never reaches `finish`.
+  A `task_revoked` handler ends its lease in whichever worker process drops it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+from celery.signals import before_task_publish, task_revoked
+
+from placement.errors import GpufleetError, PayloadError, describe
+from placement.ledger.registry import Lease
+from tasks import context
+from tasks.broker.intake import COUNTED_HEADER, LEASE_HEADER, is_count, is_name
+
+log = logging.getLogger(__name__)
+
+HEADER = LEASE_HEADER  # the lease a message carries (`header`)
+CARRIERS = frozenset({"gpufleet.infer", "gpufleet.run"})  # tasks whose messages carry leases
+
+_parked = threading.local()
+
+
+def header(lease: Lease) -> dict[str, Any]:
+    """The lease as it travels in a message header."""
+    return {
+        "id": lease.id,
+        "replica": lease.replica,
+        "deadline_ms": lease.deadline_ms,
+        "epoch": lease.epoch,
+        "sent_ms": int(time.time() * 1000),
+    }
+
+
+def from_header(model: str, value: Any) -> Lease | None:
+    """The lease a message carries, or None when it carries none; `PayloadError` for a
+    header that is not one `header` wrote (its consumer refuses the call, `tasks.broker.intake`)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise PayloadError(f"header {HEADER} is {describe(value)}, not a lease")
+    for name, required in _LEASE_FIELDS.items():
+        field = value.get(name)
+        fits = is_name(field) if name in ("id", "replica") else is_count(field)
+        if not fits and (required or field is not None):
+            raise PayloadError(f"header {HEADER}: field {name} is {describe(field)}")
+    epoch = value.get("epoch") or 0
+    return Lease(value["id"], model, value["replica"], "", "", {}, value["deadline_ms"], epoch)
+
+
+_LEASE_FIELDS = {"id": True, "replica": True, "deadline_ms": True, "epoch": False, "sent_ms": False}
+
+
+def hold(lease: Lease) -> None:
+    """Park `lease` for the next `gpufleet.infer` this thread publishes."""
+    stale: Lease | None = getattr(_parked, "lease", None)
+    _parked.lease = lease
+    if stale is not None:  # its publish never happened
+        log.info("ending lease %s: its call was never published", stale.id)
+        end(stale)
+
+
+def take() -> Lease | None:
+    """Remove and return the lease parked in this thread, if any."""
+    lease: Lease | None = getattr(_parked, "lease", None)
+    _parked.lease = None
+    return lease
+
+
+def end(lease: Lease) -> None:
+    """End a lease whose call will not run; the registry forgets it either way at its deadline."""
+    try:
+        context.registry().finish(lease)
+    except GpufleetError:
+        log.warning("could not end lease %s; it lapses at its deadline", lease.id, exc_info=True)
+
+
+@before_task_publish.connect
+def _attach(sender: str | None = None, headers: dict[str, Any] | None = None, **_: Any) -> None:
+    if sender != "gpufleet.infer" or headers is None:
+        return
+    lease = take()
+    if lease is not None:
+        headers[HEADER] = header(lease)
+        headers[COUNTED_HEADER] = True  # `pick` counted the call with its lease
+
+
+@task_revoked.connect
+def _release(sender: Any = None, request: Any = None, **_: Any) -> None:
+    if getattr(sender, "name", None) not in CARRIERS or request is None:
+        return
+    args = getattr(request, "args", None) or ()
+    model = args[0] if args and isinstance(args[0], str) else ""
+    try:
+        lease = from_header(model, getattr(request, HEADER, None))
+    except PayloadError:
+        return  # not a lease this fleet wrote: nothing to end
+    if lease is not None:
+        log.info("ending lease %s of revoked task %s", lease.id, getattr(request, "id", "?"))
+        end(lease)

@@ -1,0 +1,58 @@
+"""What a router knows of a call it takes: whether it is answered already or on its way
+in another message (a call given back after its router died), and its hold on the model.
+
+`tasks.api` (the router's pool) and `tasks.serving.forwarding` (its consumer) both ask.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import redis
+from celery import states
+
+from placement.errors import GpufleetError
+from placement.ledger.load import hold_routing
+from placement.ledger.registry import Registry
+from tasks import context
+from tasks.app import app
+from tasks.broker import presence
+
+log = logging.getLogger(__name__)
+
+
+def elsewhere(task_id: str, tag: str) -> bool:
+    """Whether a call given back to the router (its message's delivery tag `tag`) is
+    answered already, or on its way in another message (tasks.broker.presence.on_its_way): then
+    routing it again runs it twice."""
+    if answered(task_id):
+        return True
+    try:
+        return presence.on_its_way(broker(), task_id, tag)
+    except redis.RedisError:
+        log.warning("could not look for call %s elsewhere; routing it", task_id, exc_info=True)
+        return False
+
+
+def answered(task_id: str) -> bool:
+    """Whether a call's answer (or its error) is already stored."""
+    return app.AsyncResult(task_id).state in states.READY_STATES
+
+
+@functools.cache
+def broker() -> redis.Redis:
+    """This process's client of the broker's own keys (not Celery's connection)."""
+    return redis.Redis.from_url(
+        context.settings().broker_url, socket_timeout=10, socket_connect_timeout=10
+    )
+
+
+def hold(registry: Registry, model: str, call: str, held: bool) -> None:
+    """Count `call` as held by a router for `model` (part of the model's load while it is
+    routed), or no longer (a dead router may have held it before it was given back); never
+    fail the call over it."""
+    try:
+        hold_routing(registry, model, call, held)
+    except GpufleetError:
+        log.warning("could not count a routed call of %s", model, exc_info=True)
