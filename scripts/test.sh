@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The test command of gpufleet: lint, type-check and run the test suite.
+# The test command of gpufleet: lint, type-check, check the layout's import rules, and run
+# the test suite.
 #
 #   scripts/test.sh [pytest args...]     e.g. scripts/test.sh -k redis -x
 #
@@ -51,6 +52,9 @@ ruff format --check .
 
 stage "mypy (config in pyproject.toml)"
 mypy
+
+stage "lint-imports (the layout's contracts in pyproject.toml, docs/architecture.md)"
+PYTHONPATH=. lint-imports --no-cache
 
 stage "pytest $*"
 rc=0

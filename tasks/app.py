@@ -18,12 +18,12 @@ from tasks.context import settings
 app = Celery("gpufleet", task_cls="tasks.serving.checked:CheckedTask")
 app.conf.update(celery_conf(settings()))
 app.conf.task_routes = ("tasks.serving.routing.route",)
-# tasks.operator.metrics: a router serves /metrics. tasks.broker.claim: every worker
-# claims the fleet's
-# broker database (no tasks of its own),
-# after the other modules' start checks (signal handlers run in import order); then
-# tasks.broker.quarantine counts the calls its predecessor died holding, and tasks.broker.presence
-# records it, once it is sure the broker's calls are its fleet's.
+# Modules with start-up hooks and no tasks, after the tasks' own start checks (signal
+# handlers run in import order): tasks.operator.metrics (a router serves /metrics);
+# tasks.broker.claim (every worker claims the fleet's broker database); then
+# tasks.broker.quarantine counts the calls its predecessor died holding, and
+# tasks.broker.presence records the worker, once it is sure the broker's calls are its
+# fleet's.
 app.conf.include = (
     ["tasks.api", "tasks.serving.scaling"]
     + (["tasks.serving.gpu"] if settings().role == "gpu" else [])

@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import math
-import subprocess
-import sys
 from fractions import Fraction
-from pathlib import Path
 
 import pytest
 from hypothesis import given
@@ -210,12 +207,3 @@ def test_a_process_cap_stays_in_range_and_tracks_the_ratio_inside_it(
     assert 0.01 <= cap <= 0.99
     if 0.01 <= reserved / total <= 0.99:
         assert math.isclose(cap, reserved / total)
-
-
-def test_the_memory_module_imports_no_heavy_package() -> None:
-    code = "import sys, placement.units.memory; print('torch' in sys.modules)"
-    root = Path(__file__).resolve().parents[1]
-    out = subprocess.run(
-        [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True
-    )
-    assert out.stdout.strip() == "False"

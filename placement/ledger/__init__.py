@@ -1,0 +1,12 @@
+"""The ledger: the fleet's state in Redis, changed only by the Lua scripts in `lua/`.
+
+`keys` (every key, under one hash tag per fleet), `scripts` (the Lua scripts, registered
+once per client), `store` (one client, plain reads), `records` (Redis records as the
+policy's values), `membership` (workers and their leases), `registry` (placements,
+evictions, request leases), `follow` (the router's view, kept current from the events
+stream), `load` (each model's load), `audit` (the ledger's invariants) and `report` (the
+status object).
+
+Imports `placement.rules`, `placement.policy` and `placement.errors` (the layers allow
+`placement.catalog` and `placement.units` too).
+"""
