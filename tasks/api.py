@@ -37,11 +37,11 @@ from placement.policy.state import LEAVING, RESERVING, Candidate, Level, Plan
 from tasks import context
 from tasks.app import app
 from tasks.broker import presence
-from tasks.broker.intake import is_name
+from tasks.broker.intake import LEASE_HEADER, is_name
 from tasks.config import INTERNAL_QUEUE
 from tasks.serving import leases, routed
-from tasks.serving import status as status_report
 from tasks.serving.calls import Call, counted_of, fast_call, hops_of, time_limits_of
+from tasks.serving.status import full_status
 from worker.handlers import validate
 
 log = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ def _infer_intake(headers: dict[str, Any], arguments: dict[str, Any]) -> None:
     catalog model, a payload its task takes, and a lease header the fleet wrote."""
     spec = context.catalog().get(arguments["model"])
     validate(spec.task, arguments["inputs"], arguments["params"])
-    leases.from_header(spec.name, headers.get(leases.HEADER))
+    leases.from_header(spec.name, headers.get(LEASE_HEADER))
 
 
 @app.task(name="gpufleet.infer", bind=True, intake=staticmethod(_infer_intake))
@@ -69,7 +69,7 @@ def infer(
     """Run `inputs` through `model`; returns outputs, the replica and GPUs used, and timings."""
     hops = hops_of(self.request)
     if context.role() == "gpu":
-        call = fast_call(model, inputs, params, getattr(self.request, leases.HEADER, None), hops)
+        call = fast_call(model, inputs, params, getattr(self.request, LEASE_HEADER, None), hops)
         if call is not None:
             from tasks.serving.gpu import serve  # only GPU workers import torch
 
@@ -331,7 +331,7 @@ def evict(model: str, replica: str | None = None) -> dict[str, Any]:
 @app.task(name="gpufleet.status")
 def status() -> dict[str, Any]:
     """The same object `gpufleet status --json` prints."""
-    return status_report.full_status(context.registry(), context.settings().broker_url)
+    return full_status(context.registry(), context.settings().broker_url)
 
 
 @worker_process_init.connect

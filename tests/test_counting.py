@@ -27,7 +27,7 @@ from placement.ledger.report import request_report
 from placement.policy.state import COUNTS, Demand, Gpu
 from tasks import context
 from tasks.broker import presence
-from tasks.broker.intake import COUNTED_HEADER
+from tasks.broker.intake import COUNTED_HEADER, LEASE_HEADER
 from tasks.serving import leases
 from tasks.serving.calls import HOPS_HEADER, Call, counted_of
 from tests.fleets import GiB
@@ -152,4 +152,4 @@ def test_every_message_of_a_counted_call_says_so_and_a_retry_keeps_it(router: Re
     assert routed_again[HOPS_HEADER] == 1
     stranded = {"headers": {"task": "gpufleet.infer", "id": "t", **fast}, "properties": {}}
     back = presence.for_router(stranded)["headers"]  # a dead GPU worker's call, for the router
-    assert leases.HEADER not in back and counted_of(Context({"id": "t", **back}))
+    assert LEASE_HEADER not in back and counted_of(Context({"id": "t", **back}))

@@ -15,6 +15,7 @@ from placement.ledger.registry import Lease, Registry
 from placement.policy.state import Demand, Gpu
 from tasks import context
 from tasks.app import app
+from tasks.broker.intake import LEASE_HEADER
 from tasks.serving import leases
 from tests.fleets import GiB
 
@@ -71,7 +72,7 @@ def test_the_publish_hook_adds_the_lease_next_to_the_callers_own_headers(
     headers = {"trace": "t-1"}
     before_task_publish.send(sender="gpufleet.infer", body=None, headers=headers)
     assert headers["trace"] == "t-1"
-    assert leases.from_header("m", headers[leases.HEADER]) == Lease(
+    assert leases.from_header("m", headers[LEASE_HEADER]) == Lease(
         lease.id, "m", lease.replica, "", "", {}, lease.deadline_ms, lease.epoch
     )
     assert lease.epoch == 1  # the call carries the placement it pins
@@ -90,7 +91,7 @@ def test_other_tasks_publish_without_taking_the_parked_lease(registry: Registry)
 @pytest.mark.parametrize("task", ["gpufleet.infer", "gpufleet.run"])
 def test_a_revoked_or_expired_call_ends_its_lease(task: str, registry: Registry) -> None:
     lease = pick(registry)
-    request = Context({"id": "t1", "args": ["m", "x"], leases.HEADER: leases.header(lease)})
+    request = Context({"id": "t1", "args": ["m", "x"], LEASE_HEADER: leases.header(lease)})
     task_revoked.send(
         sender=app.tasks[task], request=request, terminated=False, signum=None, expired=True
     )
@@ -99,6 +100,6 @@ def test_a_revoked_or_expired_call_ends_its_lease(task: str, registry: Registry)
 
 def test_a_malformed_lease_header_is_ignored(registry: Registry) -> None:
     pick(registry)
-    request = Context({"id": "t1", "args": ["m"], leases.HEADER: {"id": "", "replica": 3}})
+    request = Context({"id": "t1", "args": ["m"], LEASE_HEADER: {"id": "", "replica": 3}})
     task_revoked.send(sender=app.tasks["gpufleet.infer"], request=request, expired=True)
     assert held(registry) == 1  # nothing a stranger's header names is touched

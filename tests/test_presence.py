@@ -23,9 +23,9 @@ from kombu import Connection, Queue
 from placement.ledger.keys import CONSUMERS, unacked_of
 from placement.server.redis_server import RedisServer
 from tasks.broker import presence
+from tasks.broker.intake import LEASE_HEADER
 from tasks.broker.transport import Transport, inflight
 from tasks.config import INTERNAL_QUEUE, ROUTER_QUEUE
-from tasks.serving import leases
 from tasks.serving.calls import HOPS_HEADER
 
 LEASE_MS = 300
@@ -124,7 +124,7 @@ def test_a_lost_gpu_workers_calls_go_to_the_router_as_infer_calls_with_their_tas
     held = app.send_task("gpufleet.run", args=[call], queue=GPU_QUEUE)
     lease = {"id": "l1", "replica": "r", "deadline_ms": 1, "epoch": 1}
     waiting = app.send_task(
-        "gpufleet.infer", args=["m", "waiting"], queue=GPU_QUEUE, headers={leases.HEADER: lease}
+        "gpufleet.infer", args=["m", "waiting"], queue=GPU_QUEUE, headers={LEASE_HEADER: lease}
     )
     _held_by_a_killed_worker(url, client, "gpu0@h1", GPU_QUEUE, 1)
     in_flight = json.dumps({"headers": {"id": "x", "task": "gpufleet.infer"}, "properties": {}})
@@ -141,7 +141,7 @@ def test_a_lost_gpu_workers_calls_go_to_the_router_as_infer_calls_with_their_tas
     assert _args(routed[0]) == ["m", ["held"], {"k": 1}]
     assert routed[0]["headers"][HOPS_HEADER] == 1
     assert _args(routed[2]) == ["m", "waiting"]
-    assert leases.HEADER not in routed[2]["headers"]
+    assert LEASE_HEADER not in routed[2]["headers"]
     assert all(p["properties"]["delivery_info"]["routing_key"] == INTERNAL_QUEUE for p in routed)
     assert client.llen(GPU_QUEUE) == 0
     assert client.llen(inflight(GPU_QUEUE, "gpu0@h1")) == 0

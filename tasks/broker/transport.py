@@ -214,20 +214,6 @@ def give_back(channel: Any, message: Any) -> bool:
         return True
 
 
-_last_refused_take = [0.0]
-
-
-def _refused_take(exc: Exception) -> None:
-    """Redis refused a take (its memory cap reached, a key of another type it could not
-    repair): say so at most every 10 s, and wait a little before taking again, rather than
-    stop the worker. No message moved: `take.lua` moves in one step."""
-    now = time.monotonic()
-    if now - _last_refused_take[0] > 10.0:
-        _last_refused_take[0] = now
-        log.error("Redis refused to hand this worker its next call (%s); trying again", exc)
-    time.sleep(REFUSED_TAKE_WAIT_S)
-
-
 def repair_queue_keys(client: Any, keys: list[str]) -> list[str]:
     """Delete those of `keys` (a queue's lists) that hold something other than a list, and
     return them. On Redis 6.2 a caller's user, which may SADD to declare the queue `celery`,
@@ -261,6 +247,7 @@ class Channel(kombu_redis.Channel):
     _taking: tuple[str, list[str]] | None = None  # the take in flight: its kind, its lists
     _idle = False  # the last take found every list empty: block next
     _sync_client: Any = None  # see `_create_client`
+    _refused_take_logged = 0.0  # when a refused take was last logged (`_refused_take`)
     #: Asked of each message this channel takes, before it is recorded as unacknowledged:
     #: where to send it on instead, or None (a router's hot calls: tasks/serving/forwarding.py).
     divert: Callable[[Any], Onward | None] | None = None
@@ -324,6 +311,16 @@ class Channel(kombu_redis.Channel):
             why = f"gpufleet could not take this call ({type(exc).__name__})"
             log.warning("refused a message taken from %s: %s", queue, why, exc_info=True)
             self._refused(intake.Refused(why, task_id))
+
+    def _refused_take(self, exc: Exception) -> None:
+        """Redis refused a take (its memory cap reached, a key of another type it could not
+        repair): say so at most every 10 s, and wait a little before taking again, rather
+        than stop the worker. No message moved: `take.lua` moves in one step."""
+        now = time.monotonic()
+        if now - self._refused_take_logged > 10.0:
+            self._refused_take_logged = now
+            log.error("Redis refused to hand this worker its next call (%s); trying again", exc)
+        time.sleep(REFUSED_TAKE_WAIT_S)
 
     def _refused(self, refusal: intake.Refused) -> None:
         if self.refuse is None:
@@ -401,7 +398,7 @@ class Channel(kombu_redis.Channel):
                 raise
             except ResponseError as exc:  # never the consumer's end: nothing was taken
                 if "WRONGTYPE" not in str(exc) or not repair_queue_keys(self.client, keys):
-                    _refused_take(exc)
+                    self._refused_take(exc)
                 raise Empty() from None
             self._idle = reply is None and kind == "EVALSHA"
             if reply is None:

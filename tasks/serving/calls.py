@@ -11,7 +11,7 @@ from celery.canvas import Signature
 from placement.errors import GpufleetError, PayloadError, describe
 from placement.ledger.registry import Lease
 from tasks.app import app
-from tasks.broker.intake import COUNTED_HEADER, HOPS_HEADER, is_count, is_name
+from tasks.broker.intake import COUNTED_HEADER, HOPS_HEADER, LEASE_HEADER, is_count, is_name
 from tasks.config import INTERNAL_QUEUE
 from tasks.serving import leases
 
@@ -95,7 +95,7 @@ class Call:
         lease = self.lease
         headers: dict[str, Any] = {COUNTED_HEADER: True}  # counted on its way here
         if lease is not None:
-            headers[leases.HEADER] = leases.header(lease)
+            headers[LEASE_HEADER] = leases.header(lease)
         hard, soft = limits
         return app.signature(
             "gpufleet.run",
@@ -183,7 +183,7 @@ def call_of(name: str, args: Any, kwargs: Any, headers: dict[str, Any]) -> Call 
             return Call.from_json(args[0])
         if name == "gpufleet.infer":
             model, inputs, params = infer_arguments(*(args or ()), **(kwargs or {}))
-            header = headers.get(leases.HEADER)
+            header = headers.get(LEASE_HEADER)
             return fast_call(model, inputs, params, header, _hops(headers.get(HOPS_HEADER)))
     except (TypeError, ValueError, GpufleetError):
         return None

@@ -42,7 +42,7 @@ from placement.errors import GpufleetError
 from tasks import context
 from tasks.app import app
 from tasks.broker import intake
-from tasks.broker.intake import COUNTED_HEADER
+from tasks.broker.intake import COUNTED_HEADER, LEASE_HEADER
 from tasks.broker.transport import Onward
 from tasks.serving import leases, routed
 from tasks.serving.calls import counted_in, infer_arguments
@@ -93,7 +93,7 @@ class Forwarder:
         if given_back:
             routed.hold(registry, model, task_id, False)
         headers = dict(message.headers)
-        headers[leases.HEADER] = leases.header(lease)
+        headers[LEASE_HEADER] = leases.header(lease)
         headers[COUNTED_HEADER] = True  # counted by this pick (or before)
         return Onward(lease.queue, headers, functools.partial(leases.end, lease))
 
@@ -104,7 +104,7 @@ def plain_call(message: Any) -> tuple[str, bool] | None:
     headers = message.headers
     if not isinstance(headers, dict) or headers.get("task") != TASK:
         return None  # message protocol 1, or another task
-    if headers.get(leases.HEADER) or headers.get("eta") or headers.get("retries"):
+    if headers.get(LEASE_HEADER) or headers.get("eta") or headers.get("retries"):
         return None
     if message.content_type != JSON:
         return None

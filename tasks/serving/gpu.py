@@ -33,6 +33,7 @@ from placement.ledger.load import mark_batch
 from placement.rules.batching import BatchLimits
 from tasks import context
 from tasks.app import app
+from tasks.broker.intake import LEASE_HEADER
 from tasks.serving import batching, leases
 from tasks.serving.calls import Call, time_limits_of
 from tasks.serving.routing import gpu_queue
@@ -166,7 +167,7 @@ def _run_intake(headers: dict[str, Any], arguments: dict[str, Any]) -> None:
     """What the consumer checks of a `gpufleet.run` (`tasks.broker.intake`): every field of its
     call, and its lease header."""
     call = Call.from_json(arguments["call"])
-    leases.from_header(call.model, headers.get(leases.HEADER))
+    leases.from_header(call.model, headers.get(LEASE_HEADER))
 
 
 @app.task(name="gpufleet.run", bind=True, intake=staticmethod(_run_intake))

@@ -30,7 +30,6 @@ from tasks.broker.intake import COUNTED_HEADER, LEASE_HEADER, is_count, is_name
 
 log = logging.getLogger(__name__)
 
-HEADER = LEASE_HEADER  # the lease a message carries (`header`)
 CARRIERS = frozenset({"gpufleet.infer", "gpufleet.run"})  # tasks whose messages carry leases
 
 _parked = threading.local()
@@ -53,12 +52,12 @@ def from_header(model: str, value: Any) -> Lease | None:
     if value is None:
         return None
     if not isinstance(value, dict):
-        raise PayloadError(f"header {HEADER} is {describe(value)}, not a lease")
+        raise PayloadError(f"header {LEASE_HEADER} is {describe(value)}, not a lease")
     for name, required in _LEASE_FIELDS.items():
         field = value.get(name)
         fits = is_name(field) if name in ("id", "replica") else is_count(field)
         if not fits and (required or field is not None):
-            raise PayloadError(f"header {HEADER}: field {name} is {describe(field)}")
+            raise PayloadError(f"header {LEASE_HEADER}: field {name} is {describe(field)}")
     epoch = value.get("epoch") or 0
     return Lease(value["id"], model, value["replica"], "", "", {}, value["deadline_ms"], epoch)
 
@@ -96,7 +95,7 @@ def _attach(sender: str | None = None, headers: dict[str, Any] | None = None, **
         return
     lease = take()
     if lease is not None:
-        headers[HEADER] = header(lease)
+        headers[LEASE_HEADER] = header(lease)
         headers[COUNTED_HEADER] = True  # `pick` counted the call with its lease
 
 
@@ -107,7 +106,7 @@ def _release(sender: Any = None, request: Any = None, **_: Any) -> None:
     args = getattr(request, "args", None) or ()
     model = args[0] if args and isinstance(args[0], str) else ""
     try:
-        lease = from_header(model, getattr(request, HEADER, None))
+        lease = from_header(model, getattr(request, LEASE_HEADER, None))
     except PayloadError:
         return  # not a lease this fleet wrote: nothing to end
     if lease is not None:
