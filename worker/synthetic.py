@@ -26,36 +26,10 @@ from typing import Any, overload
 import torch
 
 from placement.catalog.catalog import ModelSpec
+from placement.catalog.kvcache import DEFAULT_CONFIGS
 from placement.errors import CatalogError
 
 log = logging.getLogger(__name__)
-
-# A small default model per task, for specs that carry no `config`. Tiny on purpose: a
-# synthetic model stands in for a real one in tests, it is accounted at its declared size.
-_TINY_BERT: dict[str, Any] = {
-    "model_type": "bert",
-    "hidden_size": 32,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 2,
-    "intermediate_size": 64,
-    "vocab_size": 512,
-    "max_position_embeddings": 128,
-}
-_TINY_GPT2: dict[str, Any] = {
-    "model_type": "gpt2",
-    "n_layer": 2,
-    "n_head": 2,
-    "n_embd": 32,
-    "vocab_size": 512,
-    "n_positions": 128,
-}
-DEFAULT_CONFIGS: dict[str, dict[str, Any]] = {
-    "feature-extraction": _TINY_BERT,
-    "fill-mask": _TINY_BERT,
-    "text-classification": _TINY_BERT,
-    "forward": _TINY_BERT,
-    "text-generation": _TINY_GPT2,
-}
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 

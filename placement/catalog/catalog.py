@@ -26,6 +26,7 @@ naming the file, the model and the field, instead of at the first request.
 from __future__ import annotations
 
 import difflib
+import functools
 import importlib.resources
 import logging
 import math
@@ -38,6 +39,7 @@ from typing import Any, TypeVar, overload
 
 import yaml
 
+from placement.catalog import kvcache
 from placement.errors import (
     CatalogError,
     ConfigError,
@@ -71,7 +73,8 @@ _FIELDS = frozenset(
     {
         "source", "task", "dtype", "memory", "dedicated", "replicas", "max_replicas", "gpus",
         "accelerator", "trust_remote_code", "factor", "fractional_threshold",
-        "min_free_fraction", "config", "loader", "keep_alive", "batch",
+        "min_free_fraction", "config", "loader", "keep_alive", "batch", "kv_cache",
+        "chat_template",
     }
 )  # fmt: skip
 
@@ -100,6 +103,11 @@ class ModelSpec:
     min_free_fraction: float | None = None
     config: Mapping[str, Any] | None = field(default=None, hash=False)
     batch: Mapping[str, int] | None = field(default=None, hash=False)  # the fleet's, changed
+    kv_cache_bytes: int | None = (
+        None  # text-generation: `kv_cache: SIZE` (placement.catalog.kvcache)
+    )
+    kv_cache_tokens: int | None = None  # or `kv_cache: {tokens: N}`
+    chat_template: str | None = None  # a Jinja chat template, over the tokenizer's own
     base_dir: Path = field(default_factory=Path.cwd, compare=False)
 
     @property
@@ -137,6 +145,14 @@ class ModelSpec:
             return root / sub if sub else root
         return self.base_dir / Path(self.source).expanduser()
 
+    def kv_budget(self) -> kvcache.Budget | None:
+        """A text-generation model's KV-cache budget (`placement.catalog.kvcache`); None for
+        other tasks. Raises CatalogError when `kv_cache` is in tokens and the model's
+        config cannot convert them."""
+        if self.task != "text-generation":
+            return None
+        return _kv_budget(self)
+
     def demand(self, estimated_size: int | None = None, learned: int | None = None) -> Demand:
         """Map this entry onto what one replica asks of the fleet.
 
@@ -149,9 +165,11 @@ class ModelSpec:
             size = self.request
         else:
             size = estimated_size or 0
+        kv = self.kv_budget()
         return Demand(
             model=self.name,
             size=size,
+            kv_cache=kv.bytes if kv is not None else 0,
             request=self.request,
             limit=self.limit,
             gpus=self.gpus,
@@ -163,6 +181,21 @@ class ModelSpec:
             min_free_fraction=self.min_free_fraction,
             learned=learned,
         )
+
+
+@functools.lru_cache(maxsize=256)
+def _kv_budget(spec: ModelSpec) -> kvcache.Budget:
+    config: Mapping[str, Any] | None
+    if spec.synthetic:
+        config = spec.config if spec.config is not None else kvcache.DEFAULT_CONFIGS[spec.task]
+    else:
+        try:
+            config = kvcache.read_config(spec.source_path())
+        except CatalogError:  # a package that is not installed here
+            config = None
+    return kvcache.budget_of(
+        spec.name, spec.dtype, config, spec.kv_cache_bytes, spec.kv_cache_tokens
+    )
 
 
 class Catalog(Mapping[str, ModelSpec]):
@@ -353,6 +386,13 @@ def _parse_entry(where: _Where, entry: object, base_dir: Path) -> ModelSpec:
         except ConfigError as exc:
             raise where.error("batch", str(exc)) from None
 
+    kv_bytes, kv_tokens = _kv_cache(where, entry, task)
+    chat_template = None
+    if "chat_template" in entry:
+        if task != "text-generation":
+            raise where.error("chat_template", "only a text-generation model takes messages")
+        chat_template = _string(where, entry, "chat_template")
+
     try:
         accelerator = accelerators.parse(entry.get("accelerator"))
     except ValueError as exc:
@@ -383,8 +423,30 @@ def _parse_entry(where: _Where, entry: object, base_dir: Path) -> ModelSpec:
         ),
         config=dict(config) if config is not None else None,
         batch=batch,
+        kv_cache_bytes=kv_bytes,
+        kv_cache_tokens=kv_tokens,
+        chat_template=chat_template,
         base_dir=base_dir,
     )
+
+
+def _kv_cache(where: _Where, entry: Mapping[str, Any], task: str) -> tuple[int | None, int | None]:
+    """`kv_cache` as (bytes, tokens), one of them set, or (None, None) for the default."""
+    if "kv_cache" not in entry:
+        return None, None
+    if task != "text-generation":
+        raise where.error("kv_cache", "only a text-generation model has a KV cache")
+    raw = entry["kv_cache"]
+    if isinstance(raw, Mapping):
+        tokens = raw.get("tokens")
+        if set(raw) != {"tokens"} or isinstance(tokens, bool) or not isinstance(tokens, int):
+            raise where.error(
+                "kv_cache", "give a size (e.g. 2GiB) or {tokens: N}, N a whole number"
+            )
+        if tokens < 1:
+            raise where.error("kv_cache", f"tokens must be at least 1, got {tokens}")
+        return None, tokens
+    return _size(where, "kv_cache", raw), None
 
 
 def _replicas(where: _Where, entry: Mapping[str, Any]) -> tuple[int, Autoscale | None]:

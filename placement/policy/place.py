@@ -28,7 +28,7 @@ from placement.policy.fitting import foreign, free_single, free_whole
 from placement.policy.planning import Option, Planning, candidate_level
 from placement.policy.room import Group, room_of
 from placement.policy.settings import GpuChoice, PolicySettings, VictimOrder
-from placement.policy.sizing import scale, shard, splittable
+from placement.policy.sizing import shard, splittable, spread_need
 from placement.policy.state import (
     LEAVING,
     RESERVING,
@@ -346,7 +346,7 @@ def _could_hold(demand: Demand, groups: Sequence[Group], settings: PolicySetting
             return False  # no evictions here: `free_whole` has seen this host
         whole = sum(1 for grp in groups for reach in grp.reaches.values() if reach == grp.total)
         return whole >= demand.gpus
-    need = scale(demand.learned or demand.size, settings.multi_gpu_overhead)
+    need = spread_need(demand, settings)
     return sum(reach for grp in groups for reach in grp.reaches.values()) >= need
 
 
@@ -518,7 +518,7 @@ def _why_not(
             f"{demand.model} needs {format_size(need)} on one GPU{what}; the largest GPU has "
             f"{format_size(largest)}. Lower its memory in the catalog or add a larger GPU."
         )
-    need = scale(demand.learned or demand.size, settings.multi_gpu_overhead)
+    need = spread_need(demand, settings)
     largest = max(sum(g.total for g in h) for h in per_host.values())
     context = max(g.context for h in per_host.values() for g in h)
     also = (

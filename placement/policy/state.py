@@ -257,6 +257,7 @@ class Demand:
     fractional_threshold: float | None = None
     min_free_fraction: float | None = None
     learned: int | None = None  # measured peak bytes; preferred over the factor
+    kv_cache: int = 0  # a generation model's KV-cache budget, beside its weights (in `learned`)
     protect: frozenset[str] = frozenset()  # models whose replicas this one may not evict
 
 
