@@ -309,8 +309,8 @@ BAD_REQUESTS = [
         "unknown-param",
         "text-generation",
         "x",
-        {"temperature": 0.7},
-        ["unknown param 'temperature'", "allowed: max_new_tokens"],
+        {"num_beams": 2},
+        ["unknown param 'num_beams'", "allowed: max_new_tokens, repetition_penalty, seed"],
     ),
     (
         "param-of-another-task",

@@ -16,7 +16,8 @@ is served as a batch of one, so the shapes never depend on how the caller sent i
 task                          result
 ============================  ===================================================
 feature-extraction            ``{"embeddings": [[float]*dim]*n, "dim": dim}``
-text-generation               ``{"texts": [str]*n, "tokens": [[int]]*n}``
+text-generation               ``{"texts": [str]*n, "tokens": [[int]]*n,``
+                              ``"finish_reasons": [str]*n}``
 text-classification           ``{"labels": [[{"label": str, "score": float}]]*n}``
 fill-mask                     ``{"predictions": [[{"token", "token_id", "score"}]]*n}``
 forward                       ``{"shape": [int], "mean": float, "std": float, "head": [float]}``
@@ -30,20 +31,20 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from placement.catalog.catalog import TASKS
-from placement.errors import CatalogError, PayloadError, describe
+from placement.errors import CatalogError, PayloadError
+from worker import payloads
+from worker.generation import params as generation_params
+from worker.payloads import MAX_BATCH, MAX_CHARS, Param, validate_inputs
 
 if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger(__name__)
 
-MAX_BATCH = 64  # strings per request
-MAX_CHARS = 8192  # characters per string
-MAX_TOKENS = 512  # the max_length and max_new_tokens ceiling
+MAX_TOKENS = 512  # the max_length ceiling (max_new_tokens: worker.generation.params)
 MAX_TOP_K = 50
 # Tokenizers without a real limit report a huge model_max_length (int(1e30)).
 _NO_LIMIT = 1_000_000
@@ -70,42 +71,11 @@ def auto_class(task: str) -> type:
 # Validation
 
 
-@dataclass(frozen=True)
-class Param:
-    """One request parameter: a bool, or a whole number within [low, high] (None if nullable)."""
-
-    kind: type
-    default: object
-    low: int = 0
-    high: int = 0
-    nullable: bool = False
-
-    def check(self, name: str, value: object) -> object:
-        """Return `value` if it is valid for this parameter, else raise PayloadError."""
-        if value is None and self.nullable:
-            return None
-        if self.kind is bool:
-            if isinstance(value, bool):
-                return value
-            raise PayloadError(f"param {name!r} must be true or false, got {describe(value)}")
-        in_range = (
-            isinstance(value, int)
-            and not isinstance(value, bool)
-            and self.low <= value <= self.high
-        )
-        if in_range:
-            return value
-        null = " or null" if self.nullable else ""
-        raise PayloadError(
-            f"param {name!r} must be a whole number from {self.low} to {self.high}{null},"
-            f" got {describe(value)}"
-        )
-
-
 _MAX_LENGTH = Param(int, 256, 1, MAX_TOKENS)
-PARAMS: dict[str, dict[str, Param]] = {
+#: Each task's params: what `check(name, value)` accepts, and the `default`.
+PARAMS: dict[str, Mapping[str, Any]] = {
     "feature-extraction": {"normalize": Param(bool, True), "max_length": _MAX_LENGTH},
-    "text-generation": {"max_new_tokens": Param(int, 16, 1, MAX_TOKENS)},
+    "text-generation": generation_params.PARAMS,
     # top_k null (the default) returns every label, best first.
     "text-classification": {
         "top_k": Param(int, None, 1, MAX_TOP_K, nullable=True),
@@ -116,86 +86,23 @@ PARAMS: dict[str, dict[str, Param]] = {
 }
 
 
-def _check_text(where: str, item: object) -> str:
-    if isinstance(item, (bytes, bytearray, memoryview)):
-        raise PayloadError(
-            f"{where} arrived as {type(item).__name__}; gpufleet accepts JSON only and never"
-            " unpickles: send text as a string"
-        )
-    if not isinstance(item, str):
-        raise PayloadError(f"{where} must be a string, got {describe(item)}")
-    if len(item) > MAX_CHARS:
-        raise PayloadError(
-            f"{where} is {len(item)} characters, over the limit of {MAX_CHARS} per string;"
-            " shorten it or split it into several strings"
-        )
-    try:
-        item.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise PayloadError(
-            f"{where} is not valid Unicode (a lone surrogate at position {exc.start});"
-            " send UTF-8 text"
-        ) from None
-    return str.__str__(item)  # a plain str, even from a str subclass
-
-
-def validate_inputs(inputs: object) -> list[str]:
-    """The texts of a request: a string, or a list of 1 to MAX_BATCH strings."""
-    if isinstance(inputs, str):
-        return [_check_text("inputs", inputs)]
-    if isinstance(inputs, (bytes, bytearray, memoryview)):
-        raise PayloadError(
-            f"inputs arrived as {type(inputs).__name__}; gpufleet accepts JSON only and never"
-            " unpickles: send a string or a list of strings"
-        )
-    if not isinstance(inputs, (list, tuple)):
-        raise PayloadError(f"inputs must be a string or a list of strings, got {describe(inputs)}")
-    if not inputs:
-        raise PayloadError(
-            f"inputs is an empty list; send a string or a list of 1 to {MAX_BATCH} strings"
-        )
-    if len(inputs) > MAX_BATCH:
-        raise PayloadError(
-            f"inputs holds {len(inputs)} strings, over the limit of {MAX_BATCH} per request;"
-            " split them into several requests"
-        )
-    return [_check_text(f"inputs[{i}]", item) for i, item in enumerate(inputs)]
-
-
 def validate_params(task: str, params: object) -> dict[str, Any]:
     """The request's params for `task`, checked, with every default filled in."""
     if task not in PARAMS:
         raise CatalogError(f"task {task!r} is not one of {', '.join(TASKS)}")
-    allowed = PARAMS[task]
-    if params is None:
-        params = {}
-    if not isinstance(params, dict):
-        raise PayloadError(
-            f"params must be a JSON object (a dict) or null, got {describe(params)};"
-            f" {task} takes {_allowed(allowed)}"
-        )
-    for key in params:
-        if not isinstance(key, str):
-            raise PayloadError(f"params keys must be strings, got {describe(key)}")
-        if key not in allowed:
-            raise PayloadError(f"unknown param {key!r} for {task}; allowed: {_allowed(allowed)}")
-    return {
-        name: param.check(name, params[name]) if name in params else param.default
-        for name, param in allowed.items()
-    }
+    return payloads.check_params(task, params, PARAMS[task])
 
 
-def _allowed(allowed: Mapping[str, Param]) -> str:
-    return ", ".join(sorted(allowed)) or "no params"
-
-
-def validate(task: str, inputs: object, params: object) -> tuple[list[str], dict[str, Any]]:
+def validate(task: str, inputs: object, params: object) -> tuple[list[Any], dict[str, Any]]:
     """Check a request without running it: the texts and the full params, or PayloadError.
 
-    Needs neither torch nor a model, so a caller or router can refuse a bad request before
-    it costs a GPU hop. Model-specific checks (the mask token, the context window) wait
-    for `run`.
+    The texts are strings, except a text-generation chat: one `Chat` (a list of role and
+    content messages, `worker.generation.params`). Needs neither torch nor a model, so a
+    caller or router can refuse a bad request before it costs a GPU hop. Model-specific
+    checks (the mask token, the context window) wait for `run`.
     """
+    if task == "text-generation":
+        return generation_params.validate(inputs, params)
     options = validate_params(task, params)
     return validate_inputs(inputs), options
 
@@ -253,8 +160,8 @@ def run_many(  # noqa: PLR0917 - as `run`
     """Run several calls' validated texts, all with the same `options`, in one forward pass;
     each call's result is what `run` returns for it alone (to float rounding).
 
-    text-generation runs the calls one after another: a batch would change what greedy
-    decoding picks (padding moves the arithmetic) and wait for the longest output.
+    text-generation runs the calls as one continuous batch (`worker.generation`): each
+    call's greedy tokens are those it gets alone.
     """
     import torch
 
@@ -262,7 +169,7 @@ def run_many(  # noqa: PLR0917 - as `run`
     net: Any = model
     with torch.inference_mode():
         if task == "text-generation":
-            results = [_text_generation(net, tokenizer, texts, options, target) for texts in calls]
+            results = _text_generation(net, tokenizer, calls, options, target)
         else:
             texts = [text for call in calls for text in call]
             sizes = [len(call) for call in calls]
@@ -360,63 +267,37 @@ def _feature_extraction(  # noqa: PLR0917
 
 
 def _text_generation(
-    model: Any, tokenizer: Any, texts: list[str], options: dict[str, Any], device: torch.device
-) -> dict[str, Any]:
-    """Greedy decoding; returns only the new text and tokens, cut after the first EOS."""
-    import torch
+    model: Any,
+    tokenizer: Any,
+    calls: Sequence[list[Any]],
+    options: dict[str, Any],
+    device: torch.device,
+) -> list[dict[str, Any]]:
+    """The calls on one engine with an unbounded budget (a caller without a ledger); the
+    fleet's workers run theirs with the model's budget (`worker.residency`)."""
+    from worker.generation.engine import Engine, eos_ids
+    from worker.generation.serving import GenCall, run_calls
 
-    # Tokenize one by one and left-pad by hand: works for tokenizers without a pad token.
-    prompts = []
-    for i, text in enumerate(texts):
-        ids = tokenizer(text, return_tensors="pt")["input_ids"].reshape(-1)
-        if ids.numel() == 0:
-            where = "inputs" if len(texts) == 1 else f"inputs[{i}]"
-            raise PayloadError(f"{where} encodes to no tokens; send a non-empty prompt")
-        prompts.append(ids)
-    width = max(len(ids) for ids in prompts)
-    new_tokens: int = options["max_new_tokens"]
-    window = _max_positions(model)
-    if window is not None and width + new_tokens > window:
-        raise PayloadError(
-            f"the prompt is {width} tokens and max_new_tokens is {new_tokens}, but the model"
-            f" holds {window} positions; shorten the prompt or lower max_new_tokens"
-        )
-
-    pad_id = tokenizer.pad_token_id
-    if pad_id is None:
-        pad_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
-    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for row, ids in enumerate(prompts):
-        input_ids[row, width - len(ids) :] = ids
-        attention_mask[row, width - len(ids) :] = 1
-    output = model.generate(
-        input_ids=input_ids.to(device),
-        attention_mask=attention_mask.to(device),
-        max_new_tokens=new_tokens,
-        do_sample=False,
-        num_beams=1,
-        pad_token_id=pad_id,
-    )
-    stops = _eos_ids(model, tokenizer)
-    tokens = []
-    for row in output[:, width:].cpu().tolist():
-        cut = next((i + 1 for i, token in enumerate(row) if token in stops), len(row))
-        tokens.append(row[:cut])
-    decoded = [tokenizer.decode(row, skip_special_tokens=True) for row in tokens]
-    return {"texts": decoded, "tokens": tokens}
+    engine = Engine(
+        model, tokenizer, device, budget=2**62, window=_max_positions(model),
+        eos=eos_ids(model, tokenizer),
+    )  # fmt: skip
+    gen_calls = [
+        GenCall(str(i), call[0].as_dicts() if _is_chat(call) else list(call), options)
+        for i, call in enumerate(calls)
+    ]
+    results = []
+    for outcome in run_calls(engine, gen_calls, None):
+        if isinstance(outcome, BaseException):
+            raise outcome
+        outputs = dict(outcome.outputs)
+        outputs.pop("batch", None)
+        results.append(outputs)
+    return results
 
 
-def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
-    """Every id that ends a generation: the tokenizer's EOS and the generation config's."""
-    ids: set[int] = set()
-    sources = (getattr(model, "generation_config", None), getattr(model, "config", None))
-    for value in (tokenizer.eos_token_id, *(getattr(s, "eos_token_id", None) for s in sources)):
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, (list, tuple)):
-            ids.update(v for v in value if isinstance(v, int))
-    return ids
+def _is_chat(call: list[Any]) -> bool:
+    return len(call) == 1 and isinstance(call[0], generation_params.Chat)
 
 
 def _text_classification(  # noqa: PLR0917

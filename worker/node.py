@@ -19,6 +19,7 @@ from placement.catalog.catalog import ModelSpec
 from placement.config import DEFAULT_WORKER_LEASE_MS
 from placement.ledger.registry import Registry
 from worker.devices import Device
+from worker.generation.serving import Feed
 from worker.keeper import Keeper
 from worker.lifecycle import WorkerLease, make_worker_id
 from worker.residency import ResidencyManager
@@ -37,6 +38,8 @@ class Served:
     load_ms: float  # waiting for the replica to be loaded or restored here
     compute_ms: float  # its forward pass, shared by `batch` calls
     batch: int = 1
+    first_token_ms: float | None = None  # a generating call: until its first token
+    inter_token_ms: float | None = None  # and the mean gap between its later tokens
 
 
 class GpuWorker:
@@ -115,6 +118,16 @@ class GpuWorker:
             else Served(r.outputs, gpus, load_ms, r.compute_ms, r.batch)
             for r in ran
         ]
+
+    def generate(
+        self, replica: str, epoch: int, feed: Feed, ready: Callable[[float, list[str]], None]
+    ) -> None:
+        """Run the generating calls `feed` brings on `replica` (`worker.generation`) until it
+        has no more. `ready` hears, before the first call starts, how long the replica took
+        to be loaded here and which GPUs it is on."""
+        load_ms, epoch = self.keeper.ensure(replica, epoch)
+        ready(load_ms, self.manager.gpus_of(replica))
+        self.manager.generate(replica, feed, epoch)
 
     def stop(self) -> None:
         """Stop following the ledger, release every GPU and replica, drop the models."""

@@ -39,6 +39,9 @@ from placement.rules.batching import UNBATCHED_TASKS
 from placement.units.memory import format_size, process_fraction
 from worker import handlers, loading
 from worker.devices import Device
+from worker.generation import serving as generation
+from worker.generation.replica import replica_engine
+from worker.generation.serving import Feed, GenCall
 from worker.lifecycle import exit_for_restart, is_fatal_cuda_error
 from worker.measuring import Span, Spans
 from worker.passes import Dims, dims_of, for_pass, longest_tokens, token_bound
@@ -377,6 +380,42 @@ class ResidencyManager:
             raise ran[0].error
         return ran[0].outputs, gpus
 
+    def gpus_of(self, replica: str) -> list[str]:
+        """The ledger GPU ids a HOT replica is on here (EvictedError when it is not)."""
+        return sorted(self._hot(replica).slots)
+
+    def generate(self, replica: str, feed: Feed, epoch: int = 0) -> list[str]:
+        """Run the generating calls `feed` brings on a HOT replica, as one continuous batch
+        (`worker.generation`), until the feed has no more: the GPUs they ran on.
+
+        The replica's lock is held throughout, so the keeper moves it only once the running
+        generations end (drain before evict). Raises `EvictedError` as `run` does.
+        """
+        resident = self._hot(replica)
+        with resident.lock:
+            if resident.warm or (epoch and resident.epoch != epoch):
+                raise EvictedError(
+                    f"replica {replica} left this worker's GPUs (or was placed again) before "
+                    f"the request reached it; route the request again"
+                )
+            plan, simulated = self._plan(resident.slots)
+            if not simulated:
+                torch.cuda.set_device(min(plan))
+            if self.threads and torch.get_num_threads() != self.threads:
+                torch.set_num_threads(self.threads)
+            engine = replica_engine(
+                resident.model, resident.tokenizer, resident.spec,
+                loading.torch_device(min(plan), simulated),
+            )  # fmt: skip
+            try:
+                generation.serve(engine, feed, resident.spec.chat_template)
+            except Exception as exc:
+                if is_fatal_cuda_error(exc):
+                    exit_for_restart(exc)
+                traceback.clear_frames(exc.__traceback__)
+                raise
+            return sorted(resident.slots)
+
     def run_batch(
         self, replica: str, requests: Sequence[tuple[object, object | None]], epoch: int = 0
     ) -> tuple[list[Ran], list[str]]:
@@ -390,6 +429,8 @@ class ResidencyManager:
         calls at once). Raises `EvictedError` as `run` does.
         """
         resident = self._hot(replica)
+        if resident.spec.task == "text-generation":
+            return self._generate_batch(replica, requests, epoch)
         with resident.lock:
             if resident.warm or (epoch and resident.epoch != epoch):
                 raise EvictedError(
@@ -418,6 +459,24 @@ class ResidencyManager:
                 for chunk in _chunks(resident, members, free):
                     self._run_chunk(resident, plan, simulated, chunk, options, ran)
             return [r for r in ran if r is not None], sorted(resident.slots)
+
+    def _generate_batch(
+        self, replica: str, requests: Sequence[tuple[object, object | None]], epoch: int
+    ) -> tuple[list[Ran], list[str]]:
+        """`run_batch` for a generation model: the calls as one continuous batch."""
+        calls = [GenCall(str(i), inputs, params) for i, (inputs, params) in enumerate(requests)]
+        feed = generation.Fixed(calls)
+        start = time.perf_counter()
+        gpus = self.generate(replica, feed, epoch)
+        ms = (time.perf_counter() - start) * 1000
+        ran = []
+        for call in calls:
+            outcome = feed.outcomes[call.key]
+            if isinstance(outcome, BaseException):
+                ran.append(Ran({}, outcome, len(calls), ms))
+            else:
+                ran.append(Ran(dict(outcome.outputs), None, len(calls), ms))
+        return ran, gpus
 
     def _run_chunk(  # noqa: PLR0917 - one pass's whole context
         self,
@@ -514,7 +573,7 @@ class ResidencyManager:
             return
         name = resident.spec.name
         reported = self._reported[name]
-        peak = self._weights.get(name, 0) + extra
+        peak = self._weights.get(name, 0) + extra + _kv_bytes(resident.spec)
         if peak > reported:
             self._reported[name] = peak
             try:
@@ -735,6 +794,7 @@ class ResidencyManager:
                 )
                 return peak
         self._warmed.add(built_as)
+        peak += _kv_bytes(resident.spec)  # learned memory holds the KV-cache budget too
         if self.registry is not None and not resident.spec.synthetic:
             self.registry.record_measurement(name, peak)
             self._reported[name] = max(peak, known or 0)  # the ledger's figure only grows
@@ -744,6 +804,12 @@ class ResidencyManager:
     def _free_cuda() -> None:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def _kv_bytes(spec: ModelSpec) -> int:
+    """A generation model's KV-cache budget, in bytes (0 for other models)."""
+    budget = spec.kv_budget()
+    return budget.bytes if budget is not None else 0
 
 
 def _local(device: Device) -> int:

@@ -1,0 +1,7 @@
+"""Text generation: calls that share decode steps, sampling, chats, stop strings and streamed
+text, inside the KV-cache budget the ledger reserves.
+
+`params` checks a call (no torch), `chat` renders messages, `sampling` picks tokens per row,
+`text` follows a sequence's text, `engine` runs the continuous batch, and `serving` feeds it
+calls and answers them. Imports `placement` and `worker.payloads` only.
+"""

@@ -1,0 +1,384 @@
+"""Continuous batching for one causal language model: calls share decode steps.
+
+An `Engine` holds one replica's running sequences as the rows of one batch. Each `step`
+first admits waiting sequences (their prompts prefilled in one left-padded pass, as
+`generate` prefills a batch), then runs one decode step for every row at once, then lets
+the rows that are done leave. A sequence joins at the next step and leaves when it is done:
+a short call never waits for a long one.
+
+The batch's KV cache is transformers' `DynamicCache`, with rows of different lengths
+left-padded inside it: a joining row's keys and values are padded on the left to the
+batch's width (or the batch to the row's), and the attention mask and explicit position ids
+keep the padding out of the arithmetic, as `generate` does for a left-padded batch. When
+rows leave, the columns no row needs any more are cut off. Models whose cache is not plain
+full attention (sliding windows, linear attention) run one row at a time.
+
+Memory: the engine never holds more than `budget` tokens of cache. A padded batch of `r`
+rows takes `r x` the longest row's reach (prompt plus max_new_tokens) at most, so a sequence
+is admitted only while that bound stays within the budget; the others wait, first come first
+served. A sequence that could never fit (longer than the model's window or the whole budget)
+is refused when it is added.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import time
+from collections import deque
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from placement.errors import PayloadError
+from worker.generation import sampling, slots
+from worker.generation.text import Detokenizer
+
+log = logging.getLogger(__name__)
+
+#: Prompt tokens prefilled in one step beyond its first prompt: a bound on how long the
+#: running rows wait for newcomers (a default, not tuned: vLLM's is 2,048 to 8,192).
+PREFILL_TOKENS = 4096
+#: A prefill pass holds prompts of similar lengths: its padded size stays within this
+#: multiple of its real tokens (so at most a quarter of the pass is padding).
+PADDING = 1.25
+
+
+@dataclass(frozen=True)
+class Options:
+    """A sequence's generation parameters (`worker.generation.params`), checked."""
+
+    max_new_tokens: int = 16
+    choice: sampling.Choice = field(default_factory=sampling.Choice)
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+    @classmethod
+    def from_params(cls, params: dict[str, Any]) -> Options:
+        return cls(
+            max_new_tokens=params["max_new_tokens"],
+            choice=sampling.Choice(
+                temperature=params["temperature"],
+                top_k=params["top_k"],
+                top_p=params["top_p"],
+                repetition_penalty=params["repetition_penalty"],
+            ),
+            stop=tuple(params["stop"]),
+            seed=params["seed"],
+        )
+
+
+@dataclass(eq=False)
+class Sequence_:
+    """One prompt being continued. `on_text` gets the streamable text as it grows."""
+
+    key: Hashable
+    prompt: list[int]
+    options: Options
+    on_text: Callable[[str], None] | None = None
+    deadline: float | None = None  # time.monotonic() after which it is cancelled
+    tokens: list[int] = field(default_factory=list)
+    finish: str = ""  # "stop", "length" or "cancelled" once done
+    cancelled: bool = False
+    first_token: float | None = None  # when its first token was made
+    text: Detokenizer | None = None
+    generator: torch.Generator | None = None
+
+    @property
+    def reach(self) -> int:
+        """The most cache positions it can take: its prompt and every token it may make."""
+        return len(self.prompt) + self.options.max_new_tokens
+
+    @property
+    def done(self) -> bool:
+        return bool(self.finish)
+
+
+class Engine:
+    """The running batch of one model (see the module). Not thread-safe: one thread steps it."""
+
+    def __init__(  # noqa: PLR0917 - what one batch needs
+        self,
+        model: Any,
+        tokenizer: Any,
+        device: torch.device,
+        budget: int,
+        window: int | None,
+        max_rows: int = 64,
+        eos: frozenset[int] = frozenset(),
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.device = device
+        self.budget = budget
+        self.window = window
+        self.eos = eos
+        self.max_rows = max_rows
+        self.vocab = int(model.get_output_embeddings().weight.shape[0])
+        # transformers 5.2x renamed the forward's `past_key_values` to `cache`
+        named = inspect.signature(model.forward).parameters
+        self._cache_arg = "cache" if "cache" in named else "past_key_values"
+        self.waiting: deque[Sequence_] = deque()
+        self.rows: list[Sequence_] = []
+        self._cache: Any = None
+        self._mask: torch.Tensor | None = None  # [rows, width]: 1 where a row has a token
+        self._seen: torch.Tensor | None = None  # [rows, vocab]: tokens each row has had
+        self._columns: sampling.Columns | None = None
+        self._merges = True  # rows of different lengths share the cache (`slots.supported`)
+        self.peak_tokens = 0  # the most cache positions held at once (rows x width)
+        self.steps = 0
+
+    # --- what callers do --------------------------------------------------------------
+
+    def add(self, sequence: Sequence_) -> None:
+        """Queue a sequence; PayloadError when it could never run on this replica."""
+        self.check(sequence)
+        sequence.text = Detokenizer(self.tokenizer, sequence.options.stop)
+        if sequence.options.choice.greedy:
+            sequence.generator = None
+        else:
+            seed = sequence.options.seed
+            if seed is None:
+                seed = int.from_bytes(os.urandom(8), "little") >> 1
+            sequence.generator = sampling.generator_for(seed, self.device)
+        self.waiting.append(sequence)
+
+    def check(self, sequence: Sequence_) -> None:
+        """PayloadError when `sequence` could never run on this replica."""
+        reach = sequence.reach
+        if self.window is not None and reach > self.window:
+            raise PayloadError(
+                f"the prompt is {len(sequence.prompt)} tokens and max_new_tokens is"
+                f" {sequence.options.max_new_tokens}, but the model holds {self.window}"
+                " positions; shorten the prompt or lower max_new_tokens"
+            )
+        if reach > self.budget:
+            raise PayloadError(
+                f"the prompt is {len(sequence.prompt)} tokens and max_new_tokens is"
+                f" {sequence.options.max_new_tokens}, over this model's KV-cache budget of"
+                f" {self.budget} tokens; shorten the prompt, lower max_new_tokens, or raise"
+                " the model's kv_cache in the catalog"
+            )
+        if not sequence.prompt:
+            raise PayloadError("the prompt encodes to no tokens; send a non-empty prompt")
+
+    def cancel(self, key: Hashable) -> None:
+        """Stop a sequence at the next step (waiting or running); it ends "cancelled"."""
+        for sequence in (*self.waiting, *self.rows):
+            if sequence.key == key:
+                sequence.cancelled = True
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.rows)
+
+    @property
+    def held_tokens(self) -> int:
+        """Cache positions the batch holds room for now (padding included)."""
+        if self._cache is None:
+            return 0
+        if self._merges:
+            return int(self._cache.layers[0].capacity())
+        return int(self._cache.get_seq_length())
+
+    def step(self) -> list[Sequence_]:
+        """Admit what fits, decode one token for every row, and return the sequences that
+        ended in this step (done, cancelled or failed)."""
+        ended = self._drop_cancelled()
+        with torch.inference_mode():
+            admitted = self._admit()
+            if admitted:
+                self._prefill(admitted)
+                ended += self._leave()
+            if self.rows:
+                self._decode()
+                ended += self._leave()
+        self.steps += 1
+        return ended
+
+    def run(self) -> None:
+        """Step until every sequence added has ended (what a one-shot caller wants)."""
+        while self.busy:
+            self.step()
+
+    # --- inside a step ----------------------------------------------------------------
+
+    def _drop_cancelled(self) -> list[Sequence_]:
+        now = time.monotonic()
+        for sequence in (*self.waiting, *self.rows):
+            if sequence.deadline is not None and now >= sequence.deadline:
+                sequence.cancelled = True
+        ended = [s for s in self.waiting if s.cancelled]
+        for sequence in ended:
+            sequence.finish = "cancelled"
+        self.waiting = deque(s for s in self.waiting if not s.cancelled)
+        for sequence in self.rows:
+            if sequence.cancelled:
+                sequence.finish = "cancelled"
+        return ended + self._leave()
+
+    def _admit(self) -> list[Sequence_]:
+        """The waiting sequences that fit now, oldest first (none jumps the queue), with at
+        most PREFILL_TOKENS of prompts in one step after the first."""
+        admitted: list[Sequence_] = []
+        reach = max((s.reach for s in self.rows), default=0)
+        count = len(self.rows)
+        prompts = 0
+        while self.waiting and count < (self.max_rows if self._merges else 1):
+            head = self.waiting[0]
+            wider = max(reach, head.reach)
+            if (count + 1) * wider > self.budget:
+                break
+            if admitted and prompts + len(head.prompt) > PREFILL_TOKENS:
+                break
+            admitted.append(self.waiting.popleft())
+            reach, count = wider, count + 1
+            prompts += len(head.prompt)
+        return admitted
+
+    def _prefill(self, admitted: list[Sequence_]) -> None:
+        """Prefill the new prompts in passes of similar lengths, shortest first."""
+        group: list[Sequence_] = []
+        for sequence in sorted(admitted, key=lambda s: len(s.prompt)):
+            wider = (len(group) + 1) * len(sequence.prompt)
+            if group and wider > PADDING * sum(len(s.prompt) for s in (*group, sequence)):
+                self._prefill_group(group)
+                group = []
+            group.append(sequence)
+        if group:
+            self._prefill_group(group)
+
+    def _prefill_group(self, sequences: list[Sequence_]) -> None:
+        """One pass over prompts, left-padded to the longest (as `generate` does), then
+        their rows join the batch with their first tokens."""
+        width = max(len(s.prompt) for s in sequences)
+        ids = torch.zeros((len(sequences), width), dtype=torch.long)
+        mask = torch.zeros((len(sequences), width), dtype=torch.long)
+        for row, sequence in enumerate(sequences):
+            ids[row, width - len(sequence.prompt) :] = torch.tensor(sequence.prompt)
+            mask[row, width - len(sequence.prompt) :] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        seen = torch.zeros((len(sequences), self.vocab), dtype=torch.bool, device=self.device)
+        seen.scatter_(1, ids, mask.bool())
+        columns = sampling.Columns([s.options.choice for s in sequences], self.device)
+        first = sampling.pick(out.logits[:, -1, :], columns, seen, [s.generator for s in sequences])
+        self._join(sequences, _cache_of(out), mask, seen)
+        for sequence, token in zip(sequences, first, strict=True):
+            self._take(sequence, token)
+
+    def _join(
+        self, sequences: list[Sequence_], cache: Any, mask: torch.Tensor, seen: torch.Tensor
+    ) -> None:
+        """Add prefilled rows to the batch, left-padding whichever side is narrower."""
+        if self._cache is None or self._mask is None or self._seen is None:
+            self._merges = slots.supported(cache)
+            self._cache = slots.from_prefill(cache, self.budget) if self._merges else cache
+            self._mask, self._seen = mask, seen
+        else:
+            width, length = self._mask.shape[1], mask.shape[1]
+            for mine, theirs in zip(self._cache.layers, cache.layers, strict=True):
+                mine.join(theirs.keys, theirs.values)
+            if length < width:
+                mask = torch.nn.functional.pad(mask, (width - length, 0))
+            elif width < length:
+                self._mask = torch.nn.functional.pad(self._mask, (length - width, 0))
+            self._mask = torch.cat([self._mask, mask], dim=0)
+            self._seen = torch.cat([self._seen, seen], dim=0)
+        self.rows.extend(sequences)
+        self._columns = None
+
+    def _decode(self) -> None:
+        assert self._mask is not None and self._seen is not None
+        rows = self.rows
+        ids = torch.tensor([[s.tokens[-1]] for s in rows], dtype=torch.long, device=self.device)
+        positions = self._mask.sum(dim=1, keepdim=True)
+        self._mask = torch.nn.functional.pad(self._mask, (0, 1), value=1)
+        out = self.model(
+            input_ids=ids,
+            attention_mask=self._mask,
+            position_ids=positions,
+            use_cache=True,
+            **{self._cache_arg: self._cache},
+        )
+        self._seen.scatter_(1, ids, True)
+        if self._columns is None:
+            self._columns = sampling.Columns([s.options.choice for s in rows], self.device)
+        picked = sampling.pick(
+            out.logits[:, -1, :], self._columns, self._seen, [s.generator for s in rows]
+        )
+        self.peak_tokens = max(self.peak_tokens, self.held_tokens)
+        if not self._merges:
+            self._cache = _cache_of(out)  # a plain cache grows by concatenation
+        for sequence, token in zip(rows, picked, strict=True):
+            self._take(sequence, token)
+
+    def _take(self, sequence: Sequence_, token: int) -> None:
+        """Append a sampled token and decide whether the sequence is done."""
+        if sequence.first_token is None:
+            sequence.first_token = time.monotonic()
+        sequence.tokens.append(token)
+        text = sequence.text
+        assert text is not None
+        text.update(sequence.tokens)
+        if token in self.eos or text.stopped:
+            sequence.finish = "stop"
+        elif len(sequence.tokens) >= sequence.options.max_new_tokens:
+            sequence.finish = "length"
+        if sequence.on_text is not None:
+            chunk = text.delta(final=sequence.done)
+            if chunk:
+                sequence.on_text(chunk)
+
+    def _leave(self) -> list[Sequence_]:
+        """Take the rows that are done out of the batch (the last rows fill their places,
+        so only those move), and the columns nobody needs."""
+        ended = [s for s in self.rows if s.done]
+        if not ended:
+            return []
+        count = len(self.rows) - len(ended)
+        self._columns = None
+        if not count:
+            self.rows = []
+            self._cache = self._mask = self._seen = None
+            return ended
+        holes = [i for i in range(count) if self.rows[i].done]
+        tail = [i for i in range(count, len(self.rows)) if not self.rows[i].done]
+        order = list(range(count))
+        for hole, source in zip(holes, tail, strict=True):
+            order[hole] = source
+        self.rows = [self.rows[i] for i in order]
+        assert self._mask is not None and self._seen is not None
+        index = torch.tensor(order, dtype=torch.long, device=self.device)
+        self._mask = self._mask.index_select(0, index)
+        self._seen = self._seen.index_select(0, index)
+        cut = int(self._mask.any(dim=0).nonzero()[0])  # columns of padding only
+        self._mask = self._mask[:, cut:]
+        if self._merges:
+            for layer in self._cache.layers:
+                layer.keep(order, cut)
+        return ended
+
+
+def _cache_of(output: Any) -> Any:
+    cache = getattr(output, "cache", None)
+    return cache if cache is not None else output.past_key_values
+
+
+def eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
+    """Every id that ends a generation: the tokenizer's EOS and the generation config's."""
+    ids: set[int] = set()
+    sources = (getattr(model, "generation_config", None), getattr(model, "config", None))
+    for value in (tokenizer.eos_token_id, *(getattr(s, "eos_token_id", None) for s in sources)):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(v for v in value if isinstance(v, int))
+    return frozenset(ids)
+
+
+__all__ = ["Engine", "Options", "Sequence_", "eos_ids"]
