@@ -1,4 +1,5 @@
-"""The public tasks: `gpufleet.infer`, `gpufleet.deploy`, `gpufleet.evict`, `gpufleet.status`.
+"""The public tasks: `gpufleet.infer`, `gpufleet.deploy`, `gpufleet.evict`, `gpufleet.status`,
+`gpufleet.cancel`; and `generate`, the project client's way to stream a generation.
 
 `infer` runs in two places. Sent with a lease header by the fast path, it runs on the
 GPU worker that holds the replica. Otherwise it runs on the router, which validates the
@@ -15,6 +16,7 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from typing import Any, NoReturn
 
 from celery import Task
@@ -39,7 +41,7 @@ from tasks.app import app
 from tasks.broker import presence
 from tasks.broker.intake import LEASE_HEADER, is_name
 from tasks.config import INTERNAL_QUEUE
-from tasks.serving import leases, routed
+from tasks.serving import leases, routed, streams
 from tasks.serving.calls import Call, counted_of, fast_call, hops_of, time_limits_of
 from tasks.serving.status import full_status
 from worker.handlers import validate
@@ -332,6 +334,57 @@ def evict(model: str, replica: str | None = None) -> dict[str, Any]:
 def status() -> dict[str, Any]:
     """The same object `gpufleet status --json` prints."""
     return full_status(context.registry(), context.settings().broker_url)
+
+
+def _cancel_arguments(task_id: Any) -> None:
+    if not is_name(task_id):
+        raise PayloadError(f"task_id must be a call's task id (a string), got {describe(task_id)}")
+
+
+@app.task(
+    name="gpufleet.cancel",
+    intake=staticmethod(lambda headers, a: _cancel_arguments(a["task_id"])),
+)
+def cancel(task_id: str) -> bool:
+    """Stop a call: Celery's revoke of `task_id`, sent by the router (a caller's Redis user
+    may not use Celery's remote control). A call still queued is discarded; a running
+    generation stops within a decode step and ends as revoked. True once sent."""
+    _cancel_arguments(task_id)
+    app.control.revoke(task_id)
+    return True
+
+
+class Generate:
+    """The project client's generating calls: `generate(model, prompt, **params)` returns
+    the whole result; `generate.stream(model, prompt, **params)` yields the text as the
+    model writes it (`tasks.serving.streams`), and cancels the call if the caller stops
+    reading before the end. `prompt` is a string or a chat (a list of role/content dicts);
+    params are those of text-generation (docs/tasks.md)."""
+
+    def __call__(
+        self, model: str, prompt: Any, *, timeout: float = 300.0, **params: Any
+    ) -> dict[str, Any]:
+        result: dict[str, Any] = infer.delay(model, prompt, params).get(timeout=timeout)
+        return result
+
+    def stream(
+        self, model: str, prompt: Any, *, timeout: float = 300.0, **params: Any
+    ) -> Iterator[str]:
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], dict):
+            raise PayloadError("stream takes one prompt (a string) or one chat; send it alone")
+        call = infer.apply_async((model, prompt, {**params, "stream": True}))
+        ended = False
+        try:
+            for _, text in streams.read(app.backend.client, call.id, call.ready, timeout):
+                yield text
+            ended = True
+        finally:
+            if not ended:
+                cancel.delay(call.id)
+        call.get(timeout=timeout)  # the call's error, if it failed
+
+
+generate = Generate()
 
 
 @worker_process_init.connect

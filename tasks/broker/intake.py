@@ -41,7 +41,13 @@ from tasks.config import PUBLIC_QUEUES
 
 #: What callers may send; the other `gpufleet.*` tasks (`gpufleet.run`, `gpufleet.scale`)
 #: are the fleet's own hops, taken only from fleet queues.
-PUBLIC_TASKS = ("gpufleet.infer", "gpufleet.deploy", "gpufleet.evict", "gpufleet.status")
+PUBLIC_TASKS = (
+    "gpufleet.infer",
+    "gpufleet.deploy",
+    "gpufleet.evict",
+    "gpufleet.status",
+    "gpufleet.cancel",
+)
 #: The prefix of the headers only fleet processes may set, and those headers: a call's
 #: request lease (`tasks.serving.leases`), whether its outcome is counted already, and how many
 #: times it was routed again (`tasks.serving.calls`).

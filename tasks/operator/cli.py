@@ -239,18 +239,58 @@ def acl(
 
 
 @app.command()
-def infer(
+def infer(  # noqa: PLR0917 - typer's options are keyword arguments to the user
     model: Annotated[str, typer.Argument(help="A model of the catalog.")],
-    text: Annotated[str, typer.Argument(help="The input text.")],
+    text: Annotated[
+        str, typer.Argument(help="The input text (a chat's user message with --chat).")
+    ],
+    params: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--param", "-p", help="A param as KEY=VALUE, VALUE in JSON or a plain string."
+        ),
+    ] = None,
+    chat: Annotated[
+        bool, typer.Option("--chat", help="Send TEXT as a user message of a chat.")
+    ] = False,
+    stream: Annotated[
+        bool, typer.Option("--stream", help="Print generated text as it comes.")
+    ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the whole result.")] = False,
     timeout: Annotated[float, typer.Option(help="Seconds to wait.")] = 300.0,
 ) -> None:
     """Call gpufleet.infer and print the answer."""
-    result = _guard(lambda: _call("gpufleet.infer", (model, text), timeout))
+    options = _params(params or [])
+    inputs: Any = [{"role": "user", "content": text}] if chat else text
+    if stream:
+        from tasks.api import generate
+
+        def printed() -> None:
+            for piece in generate.stream(model, inputs, timeout=timeout, **options):
+                typer.echo(piece, nl=False)
+            typer.echo()
+
+        _guard(printed)
+        return
+    result = _guard(lambda: _call("gpufleet.infer", (model, inputs, options or None), timeout))
     if as_json:
         typer.echo(json.dumps(result, indent=2))
         return
     console.print(_summary(result))
+
+
+def _params(pairs: list[str]) -> dict[str, Any]:
+    """`--param KEY=VALUE` options as a dict: VALUE read as JSON, else kept as a string."""
+    options: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise typer.BadParameter(f"{pair!r}: write KEY=VALUE, e.g. max_new_tokens=32")
+        try:
+            options[key] = json.loads(value)
+        except ValueError:
+            options[key] = value
+    return options
 
 
 @app.command()

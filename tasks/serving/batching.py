@@ -26,16 +26,18 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from billiard.einfo import ExceptionInfo
 from celery.app import trace as celery_trace
+from celery.worker.state import revoked as revoked_tasks
 
 from placement.rules.batching import BatchLimits, Waiting, input_chars, take_batch
 from tasks.broker import quarantine, results
+from tasks.serving import generating
 from tasks.serving.calls import Call, call_of
 
 if TYPE_CHECKING:
@@ -61,6 +63,21 @@ class Prepared:
         return self.outcome
 
 
+GENERATE = "generate"  # the last part of a generating call's group
+MAX_ROWS = 64  # generating calls one job starts with (as worker.generation.replica)
+WATCH_S = 0.05  # how often a running generation job's calls are checked for revokes
+
+
+@dataclass(frozen=True)
+class Generations:
+    """How a GPU worker runs generating calls (`tasks.serving.generating`)."""
+
+    generates: Callable[[str], bool]  # whether a model's calls generate
+    job: Callable[..., Any]  # the pool job that runs them (importable)
+    channel: Callable[[], generating.Channel | None]
+    window_s: float  # how long a job takes new calls
+
+
 _prepared: dict[str, Prepared] = {}  # task id -> answer, in the child, while its job runs
 
 
@@ -76,19 +93,23 @@ class Batcher:
     does not batch (other tasks, calls it cannot read, models with batching off).
     """
 
-    def __init__(
+    def __init__(  # noqa: PLR0917 - the worker's parts it works with
         self,
         pool: Any,
         timer: Any,
         handle: Callable[[Any], Any],
         limits_of: Callable[[str], BatchLimits],
         job: Callable[[list[_Job]], list[Any]],
+        generations: Generations | None = None,
     ) -> None:
         self._pool = pool
         self._timer = timer
         self._handle = handle
         self._limits_of = limits_of
         self._job = job  # runs a batch in the child: importable, so the pool can send it
+        self._gen = generations
+        self._generation: generating.Job | None = None  # the generation job running
+        self._watch: Any = None  # the timer entry that forwards revokes to it
         self._waiting: list[Waiting[tuple[Any, Call]]] = []
         self._busy = False
         self._connection = 0  # counts lost connections: a job tells whose it was
@@ -97,16 +118,20 @@ class Batcher:
 
     def __call__(self, request: Any) -> None:
         call = _call_of(request)
-        if call is None or not self._limits_of(call.model).on:
+        generates = call is not None and self._gen is not None and self._gen.generates(call.model)
+        if call is None or not (generates or self._limits_of(call.model).on):
             self._handle(request)
             return
         # A redelivered call may be what killed the last child: it runs alone this time.
         # Calls share a pass only with calls of the same time limits, the batch's own.
         redelivered = (request.delivery_info or {}).get("redelivered")
         limits = tuple(request.time_limits)
-        group = (call.replica, call.epoch, request.id if redelivered else "", limits)
+        group: tuple[Any, ...] = (call.replica, call.epoch, request.id if redelivered else "")
+        group += (GENERATE,) if generates else (limits,)
         entry = Waiting((request, call), group, input_chars(call.inputs), time.time() * 1000)
         with self._lock:
+            if generates and not redelivered and not self._waiting and self._join(request, call):
+                return
             self._waiting.append(entry)
             self._next()
 
@@ -127,6 +152,8 @@ class Batcher:
             if self._wake is not None:
                 self._wake.cancel()
                 self._wake = None
+            self._generation = None
+            self._stop_watching()
 
     def _limits(self, entry: Waiting[tuple[Any, Call]]) -> BatchLimits:
         return self._limits_of(entry.item[1].model)
@@ -134,7 +161,13 @@ class Batcher:
     def _next(self) -> None:
         """Send the next batch to the child when it is free and a batch is due."""
         while not self._busy and self._waiting:
-            picked, due = take_batch(self._waiting, self._limits, time.time() * 1000)
+            head = self._waiting[0].group
+            generation = _generates(head)
+            if generation:  # every call waiting for that replica, at once
+                picked = [i for i, w in enumerate(self._waiting) if w.group == head][:MAX_ROWS]
+                due = None
+            else:
+                picked, due = take_batch(self._waiting, self._limits, time.time() * 1000)
             if not picked:
                 if due is not None:
                     self._wake_at(due)
@@ -143,7 +176,9 @@ class Batcher:
             batch = [self._waiting[i] for i in picked]
             self._waiting = [w for i, w in enumerate(self._waiting) if i not in chosen]
             live = [w for w in batch if not w.item[0].revoked()]  # revoked: acked and told
-            if live:
+            if live and generation:
+                self._send_generation(live)
+            elif live:
                 self._send(live)
 
     def _wake_at(self, due_ms: float) -> None:
@@ -196,6 +231,108 @@ class Batcher:
             self._busy = False
             raise
 
+    # --- generation jobs (tasks.serving.generating) -----------------------------------
+
+    def _join(self, request: Any, call: Call) -> bool:
+        """Hand a generating call to the running generation job, if it may take it."""
+        job, gen = self._generation, self._gen
+        if job is None or gen is None or not job.joinable(call, gen.window_s):
+            return False
+        channel = gen.channel()
+        if channel is None or not channel.send(
+            ("call", job.id, _gen_job(request, call, time.time() * 1000))
+        ):
+            return False
+        job.requests.append(request)
+        if job.accepted is not None:
+            request.on_accepted(*job.accepted)
+        return True
+
+    def _send_generation(self, batch: list[Waiting[tuple[Any, Call]]]) -> None:
+        gen = self._gen
+        assert gen is not None
+        first = batch[0].item[1]
+        job = generating.Job(first.replica, first.epoch, [w.item[0] for w in batch])
+        jobs = [_gen_job(w.item[0], w.item[1], w.since_ms) for w in batch]
+        self._busy = True
+        self._generation = job
+        connection = self._connection
+
+        def accepted(pid: int, time_accepted: float) -> None:
+            job.accepted = (pid, time_accepted)
+            for request in list(job.requests):
+                request.on_accepted(pid, time_accepted)
+
+        def done(results: dict[str, Any]) -> None:
+            self._generation_ended(job, connection, results, None)
+
+        def failed(exc_info: Any) -> None:
+            self._generation_ended(job, connection, {}, exc_info)
+
+        try:
+            with quarantine.in_hand(r.id for r in job.requests):
+                self._pool.apply_async(
+                    gen.job,
+                    args=(job.id, jobs),
+                    accept_callback=accepted,
+                    callback=done,
+                    error_callback=failed,
+                    correlation_id=uuid.uuid4().hex,
+                )  # no pool time limits: each call's own ends it in the child
+        except BaseException:
+            self._busy = False
+            self._generation = None
+            raise
+        self._watch = self._timer.call_repeatedly(WATCH_S, self._forward_revokes)
+
+    def _forward_revokes(self) -> None:
+        """Tell the child of the running job's calls that Celery revoked since."""
+        with self._lock:
+            job, gen = self._generation, self._gen
+            if job is None or gen is None or (channel := gen.channel()) is None:
+                return
+            for request in job.requests:
+                fresh = request.id in revoked_tasks and request.id not in job.cancelled
+                if fresh and channel.send(("cancel", job.id, request.id)):
+                    job.cancelled.add(request.id)
+
+    def _stop_watching(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            self._watch = None
+
+    def _generation_ended(
+        self, job: generating.Job, connection: int, results: dict[str, Any], error: Any
+    ) -> None:
+        """Settle each call of an ended generation job; give back the ones it never read."""
+        with self._lock:
+            if self._generation is job:
+                self._generation = None
+                self._stop_watching()
+            requests = list(job.requests)
+            unread = [r for r in requests if error is None and r.id not in results]
+        settled = [r for r in requests if r not in unread]
+
+        def each(_: int, request: Any) -> Any:
+            if error is not None:
+                return request.on_failure(error)
+            outcome = results[request.id]
+            if outcome == generating.REVOKED:
+                return request.revoked()  # announces it, as Celery does for a revoked call
+            return request.on_success(outcome)
+
+        if unread:
+            log.debug("%d calls reached a generation job as it ended: they run next", len(unread))
+            with self._lock:
+                self._waiting[:0] = [self._entry(r) for r in unread]
+        self._finished(each, settled, connection)
+
+    def _entry(self, request: Any) -> Waiting[tuple[Any, Call]]:
+        call = _call_of(request)
+        assert call is not None
+        group = (call.replica, call.epoch, "", GENERATE)
+        return Waiting((request, call), group, input_chars(call.inputs), time.time() * 1000)
+
     def _finished(
         self, each: Callable[[int, Any], Any], requests: list[Any], connection: int
     ) -> None:
@@ -243,6 +380,17 @@ def _job(request: Any, call: Call, since_ms: float) -> _Job:
     return trace, args, call.as_json(), since_ms
 
 
+def _generates(group: Hashable) -> bool:
+    """Whether a waiting call's group is a generating call's."""
+    return isinstance(group, tuple) and bool(group) and group[-1] == GENERATE
+
+
+def _gen_job(request: Any, call: Call, since_ms: float) -> tuple[Any, ...]:
+    """A generating call for the child: `_job`'s, and its hard time limit in seconds."""
+    hard = request.time_limits[0] or request.task.time_limit
+    return (*_job(request, call, since_ms), hard)
+
+
 def run_batch(
     jobs: list[_Job], serve: Callable[[list[Call]], list[Any]], backend: Any = None
 ) -> list[Any]:
@@ -258,6 +406,22 @@ def run_batch(
     ids = [args[1] for _, args, _, _ in jobs]
     with _ready(jobs, outcomes, started), results.read_together(backend, ids):
         return [_traced(trace, args) for trace, args, _, _ in jobs]
+
+
+def run_one(
+    trace: Callable[..., Any],
+    args: tuple[Any, ...],
+    outcome: Served | BaseException,
+    started_ms: float,
+    batch_wait_ms: float,
+) -> Any:
+    """In the child: run one call's tracer with its answer computed already (a generating
+    call, as it ends: `tasks.serving.generating`)."""
+    _prepared[args[1]] = Prepared(outcome, int(started_ms), batch_wait_ms)
+    try:
+        return _traced(trace, args)
+    finally:
+        _prepared.pop(args[1], None)
 
 
 def _traced(trace: Callable[..., Any], args: tuple[Any, ...]) -> Any:

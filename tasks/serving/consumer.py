@@ -48,7 +48,7 @@ from placement.errors import GpufleetError, PayloadError
 from tasks import context
 from tasks.broker import intake
 from tasks.broker.intake import PUBLIC_TASKS, is_name
-from tasks.serving import forwarding
+from tasks.serving import batching, forwarding
 from tasks.serving.batching import Batcher
 
 log = logging.getLogger(__name__)
@@ -91,16 +91,31 @@ class Consumer(CeleryConsumer):
 
         catalog = context.catalog()
         largest = max((gpu.limits_of(name).size for name in catalog), default=1)
-        if largest <= 1:
+        generates = any(gpu.generates(name) for name in catalog)
+        if largest <= 1 and not generates:
             return on_task_request
-        per_process = 2 * largest
+        # Room to hold the next batch while one runs, and calls to join a generation.
+        per_process = max(2 * largest, 2 * batching.MAX_ROWS if generates else 0)
         # Celery passed processes x its multiplier; the pool has not started yet.
         multiplier = max(1, kwargs.get("prefetch_multiplier") or 1)
         processes = kwargs.get("initial_prefetch_count", 1) // multiplier
         kwargs["prefetch_multiplier"] = per_process
         kwargs["initial_prefetch_count"] = per_process * max(1, processes)
+        generations = batching.Generations(
+            gpu.generates,
+            gpu.generation_job,
+            gpu.channel,
+            # A job's calls are acknowledged as it ends: end it well within the time after
+            # which the broker delivers an unacknowledged message again.
+            window_s=context.settings().visibility_timeout / 4,
+        )
         return Batcher(
-            kwargs["pool"], kwargs["timer"], on_task_request, gpu.limits_of, gpu.batch_job
+            kwargs["pool"],
+            kwargs["timer"],
+            on_task_request,
+            gpu.limits_of,
+            gpu.batch_job,
+            generations if generates else None,
         )
 
     def update_strategies(self) -> None:

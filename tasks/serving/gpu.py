@@ -34,11 +34,12 @@ from placement.rules.batching import BatchLimits
 from tasks import context
 from tasks.app import app
 from tasks.broker.intake import LEASE_HEADER
-from tasks.serving import batching, leases
+from tasks.serving import batching, generating, leases, streams
 from tasks.serving.calls import Call, time_limits_of
 from tasks.serving.routing import gpu_queue
 from worker import passes
 from worker.devices import Device, discover
+from worker.generation.serving import GenCall, Generated
 from worker.lifecycle import default_lineage
 from worker.node import GpuWorker, Served
 
@@ -84,6 +85,16 @@ def serve(task: Task, call: Call) -> dict[str, Any]:
                 worker.registry.finish(call.lease)
             except GpufleetError:  # the lease expires on its own; the answer stands
                 log.warning("could not end lease %s", call.lease.id, exc_info=True)
+    timings: dict[str, Any] = {
+        "queue": max(0, started - call.sent_ms),
+        "batch_wait": round(prepared.batch_wait_ms, 3) if prepared is not None else 0.0,
+        "load": round(served.load_ms, 3),
+        "compute": round(served.compute_ms, 3),
+        "batch_calls": served.batch,
+    }
+    if served.first_token_ms is not None:
+        timings["first_token"] = round(served.first_token_ms, 3)
+        timings["inter_token"] = round(served.inter_token_ms or 0.0, 3)
     return {
         "model": call.model,
         "replica": call.replica,
@@ -91,13 +102,7 @@ def serve(task: Task, call: Call) -> dict[str, Any]:
         "worker": worker.worker_id,
         "cache": call.cache,
         "outputs": served.outputs,
-        "timings_ms": {
-            "queue": max(0, started - call.sent_ms),
-            "batch_wait": round(prepared.batch_wait_ms, 3) if prepared is not None else 0.0,
-            "load": round(served.load_ms, 3),
-            "compute": round(served.compute_ms, 3),
-            "batch_calls": served.batch,
-        },
+        "timings_ms": timings,
     }
 
 
@@ -126,6 +131,86 @@ def _serve_batch(calls: list[Call]) -> list[Served | BaseException]:
             worker.registry.finish_all([c.lease for c in calls if c.lease is not None])
         except GpufleetError:  # they expire on their own; the answers stand
             log.warning("could not end the leases of a batch of %d", len(calls), exc_info=True)
+
+
+def generation_job(job_id: str, jobs: list[Any]) -> dict[str, Any]:
+    """A pool job of generating calls for one replica, and of the calls its main process
+    hands it while it runs (`tasks.serving.generating`): each call's tracer return, by id."""
+    worker = this_worker()
+    first = Call.from_json(jobs[0][2])
+    writer = streams.Writer(worker.registry.client)
+    where: dict[str, Any] = {"load_ms": 0.0, "gpus": []}
+    count = [0]
+    entered: dict[str, float] = {}  # task id -> when its call reached this job
+
+    def gen_call(job: Any) -> tuple[GenCall, Any]:
+        _, args, call_json, _, hard = job
+        entered[args[1]] = time.time() * 1000
+        call = Call.from_json(call_json)
+        stream = isinstance(call.params, dict) and call.params.get("stream") is True
+        on_text = writer.for_call(args[1]) if stream else None
+        deadline = time.monotonic() + hard if hard else None
+        return GenCall(args[1], call.inputs, call.params, on_text, deadline), job
+
+    def finish(job: Any, gen_call: GenCall | None, outcome: Any) -> Any:
+        trace, args, call_json, since_ms, _ = job
+        call = Call.from_json(call_json)
+        if call.lease is not None:
+            try:
+                worker.registry.finish(call.lease)
+            except GpufleetError:  # the lease expires on its own; the answer stands
+                log.warning("could not end lease %s", call.lease.id, exc_info=True)
+        if isinstance(outcome, Generated):
+            served: Served | BaseException = Served(
+                outcome.outputs, where["gpus"], where["load_ms"], outcome.compute_ms,
+                outcome.outputs.get("batch", 1), outcome.first_token_ms, outcome.inter_token_ms,
+            )  # fmt: skip
+            reason = ",".join(outcome.outputs.get("finish_reasons", [])) or "stop"
+        else:
+            served, reason = outcome, "error"
+        if gen_call is not None and gen_call.on_text is not None:
+            writer.end(args[1], reason)
+        started = entered.pop(args[1], time.time() * 1000)
+        return batching.run_one(trace, args, served, started, max(0.0, started - since_ms))
+
+    def counted(open_calls: int) -> None:
+        writer.flush()
+        if open_calls != count[0]:
+            count[0] = open_calls
+            _say_batch(worker, first.replica, open_calls)
+
+    feed = generating.ChildFeed(job_id, jobs, _channel.get(), gen_call, finish, counted)
+
+    def ready(load_ms: float, gpus: list[str]) -> None:
+        where["load_ms"], where["gpus"] = load_ms, gpus
+
+    try:
+        worker.generate(first.replica, first.epoch, feed, ready)
+    except Exception as exc:
+        feed.unanswered(exc)
+    finally:
+        writer.flush()
+        if count[0]:
+            _say_batch(worker, first.replica, 0)
+    return feed.results
+
+
+class _Channel:
+    """The main process's line to its pool child (`tasks.serving.generating.Channel`), made
+    before the pool forks, so that every child, restarted ones too, has it."""
+
+    channel: generating.Channel | None = None
+
+    def get(self) -> generating.Channel | None:
+        return self.channel
+
+
+_channel = _Channel()
+
+
+def channel() -> generating.Channel | None:
+    """The worker's channel to its pool child, if this process is a GPU worker's."""
+    return _channel.get()
 
 
 #: Celery's loggers of each call's "received" (the worker's main process) and "succeeded"
@@ -161,6 +246,13 @@ def limits_of(model: str) -> BatchLimits:
     if spec is None:
         return BatchLimits(size=1)
     return spec.batch_limits(context.settings().batch)
+
+
+@functools.cache
+def generates(model: str) -> bool:
+    """Whether `model`'s calls generate text (a job of their own: `generation_job`)."""
+    spec = context.catalog().get(model, None)
+    return spec is not None and spec.task == "text-generation"
 
 
 def _run_intake(headers: dict[str, Any], arguments: dict[str, Any]) -> None:
@@ -216,6 +308,7 @@ def _check(sender: Any = None, **_: Any) -> None:
     _main_pid = os.getpid()
     if context.role() != "gpu":
         return
+    _channel.channel = generating.Channel()
     _quiet_call_logs(getattr(sender, "loglevel", None))
     try:
         devices = _own_devices(_visible())  # NVML only: no CUDA context in the parent
