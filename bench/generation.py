@@ -1,0 +1,312 @@
+"""Text generation through the fleet, 32 callers at once, against two baselines run here.
+
+    python -m bench.generation [--callers 32] [--gpu] [--seed 0]
+
+Prints one JSON object. It starts a fleet (`tasks.operator.launcher`: an embedded Redis
+unless GPUFLEET_REDIS_URL is set, a router and one GPU worker on a simulated 4 GiB GPU,
+or on the real GPU with `--gpu`) whose catalog holds one synthetic GPT-2-shaped model:
+4 layers, 256 wide, a 2,048-token vocabulary on the CPU; GPT-2 small (12 layers, 768
+wide, 50,257 tokens, bfloat16) with `--gpu`. Both hold 1,024 positions.
+
+The calls: `--callers` rows drawn (seeded) from the Azure LLM inference trace
+(`../shared/data/AzureLLMInferenceTrace_conv.csv`, ContextTokens and GeneratedTokens),
+scaled by one factor so that the longest prompt and the longest output together fill the
+window (so that (b) runs them as one batch); `--shape short` draws 16 to 64 prompt tokens
+and asks for 128 new tokens instead, the shape of issue 40's GPU table; each prompt is that many
+tokens of seeded text (the synthetic tokenizer takes one byte per token), each call asks
+for its GeneratedTokens, greedy.
+
+Figures, all measured in this run:
+- `fleet`: every call sent at once by its own caller thread (streamed, through the
+  project's client), tokens per second from the first send to the last answer, and each
+  call's time to its first streamed text (TTFT);
+- `one_at_a_time` (a): the same calls through the same fleet one after another, which is
+  what gpufleet did before continuous batching (one generating call per replica);
+- `library_batch` (b): transformers' `generate` on the same model and prompts in this
+  process, one left-padded batch of all calls, on the same device; each call's tokens
+  are counted up to its own GeneratedTokens (and EOS), as a server using it would return;
+- `served_ttft_p50_ms`: the same seen from the fleet in the plain run (the call's queue,
+  its wait for the job, and the engine's time to its first token), without the client
+  threads' share of this machine's CPUs;
+- `lone_ttft_ms`: one streamed call alone on the fleet, the median of `--lone` calls,
+  with the drawn call of median prompt length.
+Targets: `vs_one_at_a_time` >= 3 and `vs_library_batch` >= 0.8, `ttft_ratio` (fleet
+TTFT p50 / lone TTFT p50) <= 3. `outputs_equal` counts calls whose fleet tokens equal
+the library's (greedy, so they should all).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import logging
+import random
+import signal
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.harness import REPO, exit_on_sigterm, percentile
+
+log = logging.getLogger("bench.generation")
+
+MODEL = "bench-gpt"
+TRACE = REPO.parent / "shared" / "data" / "AzureLLMInferenceTrace_conv.csv"
+WINDOW = 1024
+CPU_CONFIG = {"model_type": "gpt2", "n_layer": 4, "n_head": 4, "n_embd": 256}
+GPU_CONFIG = {"model_type": "gpt2", "n_layer": 12, "n_head": 12, "n_embd": 768}
+CALL_TIMEOUT_S = 600.0
+TARGETS = {"vs_one_at_a_time": 3.0, "vs_library_batch": 0.8, "ttft_ratio": 3.0}
+_ALPHABET = "abcdefghijklmnopqrstuvwxyz      "
+
+
+def catalog(gpu: bool) -> str:
+    config = dict(GPU_CONFIG if gpu else CPU_CONFIG)
+    config.update(vocab_size=50257 if gpu else 2048, n_positions=WINDOW)
+    dtype = "bfloat16" if gpu else "float32"
+    return (
+        f"models:\n  {MODEL}:\n    source: synthetic\n    task: text-generation\n"
+        f"    dtype: {dtype}\n    memory: 2GiB\n    config: {json.dumps(config)}\n"
+        f"    kv_cache: {{tokens: {64 * WINDOW}}}\n"
+    )
+
+
+def workload(count: int, seed: int, shape: str = "trace") -> list[tuple[str, int]]:
+    """`count` (prompt, new tokens) pairs: trace rows scaled to the window (see the module),
+    or with `shape` "short", prompts of 16 to 64 tokens and 128 new tokens each."""
+    if shape == "short":
+        rng = random.Random(seed)
+        lengths = [rng.randint(16, 64) for _ in range(count)]
+        return [("".join(rng.choice(_ALPHABET) for _ in range(n - 1)), 128) for n in lengths]
+    with TRACE.open() as handle:
+        rows = [
+            (int(r["ContextTokens"]), int(r["GeneratedTokens"])) for r in csv.DictReader(handle)
+        ]
+    rng = random.Random(seed)
+    drawn = rng.sample(rows, count)
+    # One left-padded batch (b) holds the longest prompt and the longest output at once;
+    # the BOS token takes one position more.
+    factor = (WINDOW - 2) / (max(c for c, _ in drawn) + max(g for _, g in drawn))
+    calls = []
+    for context, generated in drawn:
+        prompt_tokens = max(1, int(context * factor))
+        new = max(1, int(generated * factor))
+        prompt = "".join(rng.choice(_ALPHABET) for _ in range(prompt_tokens - 1))
+        calls.append((prompt or "a", new))
+    return calls
+
+
+def library_batch(calls: list[tuple[str, int]], spec: Any, gpu: bool) -> dict[str, Any]:
+    """(b): `generate` on one left-padded batch of every call, in this process."""
+    import torch
+
+    from worker.synthetic import build_synthetic
+
+    model, tokenizer = build_synthetic(spec)
+    device = torch.device("cuda:0" if gpu else "cpu")
+    model = model.to(device)
+    encoded = tokenizer([p for p, _ in calls], padding=True, padding_side="left")
+    ids, mask = encoded["input_ids"].to(device), encoded["attention_mask"].to(device)
+    longest = max(n for _, n in calls)
+    eos = tokenizer.eos_token_id
+    best = None
+    tokens: list[list[int]] = []
+    for _ in range(2):  # the first warms up allocators and kernels
+        if gpu:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(
+                input_ids=ids, attention_mask=mask, max_new_tokens=longest, do_sample=False,
+                pad_token_id=tokenizer.pad_token_id, eos_token_id=eos,
+            )  # fmt: skip
+        if gpu:
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        best = seconds if best is None else min(best, seconds)
+        rows = out[:, ids.shape[1] :].cpu().tolist()
+        tokens = [_cut(row[:n], eos) for row, (_, n) in zip(rows, calls, strict=True)]
+    count = sum(len(t) for t in tokens)
+    assert best is not None
+    return {
+        "seconds": round(best, 3),
+        "tokens": count,
+        "tokens_per_s": round(count / best, 1),
+        "outputs": tokens,
+    }
+
+
+def _cut(row: list[int], eos: int) -> list[int]:
+    return row[: row.index(eos) + 1] if eos in row else row
+
+
+def streamed_once(calls: list[tuple[str, int]]) -> dict[str, Any]:
+    """Every call at once, streamed, timed; the answers come from the streams' calls."""
+    from tasks.api import generate
+
+    barrier = threading.Barrier(len(calls) + 1)
+    ttft = [0.0] * len(calls)
+    texts = [""] * len(calls)
+    errors: list[str] = []
+
+    def caller(index: int) -> None:
+        prompt, new = calls[index]
+        barrier.wait()
+        start = time.perf_counter()
+        try:
+            for piece in generate.stream(MODEL, prompt, max_new_tokens=new, timeout=CALL_TIMEOUT_S):
+                if not ttft[index]:
+                    ttft[index] = (time.perf_counter() - start) * 1000
+                texts[index] += piece
+        except Exception as exc:
+            errors.append(f"{type(exc).__name__}: {exc}"[:200])
+
+    threads = [threading.Thread(target=caller, args=(i,)) for i in range(len(calls))]
+    for thread in threads:
+        thread.start()
+    barrier.wait()
+    start = time.perf_counter()
+    for thread in threads:
+        thread.join()
+    seconds = time.perf_counter() - start
+    return {"seconds": seconds, "ttft_ms": ttft, "texts": texts, "errors": errors}
+
+
+def plain_at_once(calls: list[tuple[str, int]]) -> dict[str, Any]:
+    """Every call at once through the project's client, not streamed: the tokens."""
+    from tasks.api import infer
+
+    start = time.perf_counter()
+    handles = [infer.delay(MODEL, p, {"max_new_tokens": n}) for p, n in calls]
+    answers = [h.get(timeout=CALL_TIMEOUT_S) for h in handles]
+    seconds = time.perf_counter() - start
+    return {"seconds": seconds, "answers": answers}
+
+
+def one_at_a_time(calls: list[tuple[str, int]]) -> dict[str, Any]:
+    """(a): the same calls through the fleet, one after another."""
+    from tasks.api import infer
+
+    start = time.perf_counter()
+    answers = [
+        infer.delay(MODEL, p, {"max_new_tokens": n}).get(timeout=CALL_TIMEOUT_S) for p, n in calls
+    ]
+    return {"seconds": time.perf_counter() - start, "answers": answers}
+
+
+def lone_ttft(prompt: str, new: int, count: int) -> float:
+    from tasks.api import generate
+
+    times = []
+    for _ in range(count):
+        start = time.perf_counter()
+        for _piece in generate.stream(MODEL, prompt, max_new_tokens=new, timeout=CALL_TIMEOUT_S):
+            times.append((time.perf_counter() - start) * 1000)
+            break
+    return percentile(times, 50)
+
+
+def _tokens(answers: list[dict[str, Any]]) -> list[list[int]]:
+    return [a["outputs"]["tokens"][0] for a in answers]
+
+
+def run(  # noqa: PLR0917 - the command line's options
+    callers: int, gpu: bool, seed: int, lone: int, shape: str, directory: Path
+) -> dict[str, Any]:
+    from bench.fleet import bench_launcher, fleet_machine
+    from placement.catalog.catalog import Catalog
+
+    sim = "" if gpu else "1x4GiB"
+    text = catalog(gpu)
+    fleet = bench_launcher(directory, text, "generation", sim, warm_cache="4GiB")
+    calls = workload(callers, seed, shape)
+    spec = Catalog.load(directory / "models.yaml")[MODEL]
+    baseline = library_batch(calls, spec, gpu)
+    try:
+        fleet.start()
+        fleet.wait_ready(300.0)
+        one_at_a_time(calls[:2])  # loads the model; warms the path
+        together = plain_at_once(calls)
+        streamed = streamed_once(calls)
+        alone = one_at_a_time(calls)
+        median = sorted(calls, key=lambda c: len(c[0]))[len(calls) // 2]
+        ttft_alone = lone_ttft(median[0], median[1], lone)
+    finally:
+        fleet.stop()
+    fleet_tokens = _tokens(together["answers"])
+    count = sum(len(t) for t in fleet_tokens)
+    rate = count / together["seconds"]
+    alone_rate = sum(len(t) for t in _tokens(alone["answers"])) / alone["seconds"]
+    ttft = [t for t in streamed["ttft_ms"] if t]
+    served = [  # the worker's side of it: queue, wait for the job, and the engine's
+        a["timings_ms"]["queue"] + a["timings_ms"]["batch_wait"] + a["timings_ms"]["first_token"]
+        for a in together["answers"]
+    ]
+    ttft_p50 = percentile(ttft, 50) if ttft else float("inf")
+    equal = sum(a == b for a, b in zip(fleet_tokens, baseline["outputs"], strict=True))
+    streamed_equal = sum(
+        s == a["outputs"]["texts"][0]
+        for s, a in zip(streamed["texts"], together["answers"], strict=True)
+    )
+    result = {
+        "callers": callers,
+        "shape": shape,
+        "model": {"gpu": gpu, "window": WINDOW, **(GPU_CONFIG if gpu else CPU_CONFIG)},
+        "prompt_tokens_mean": round(sum(len(p) + 1 for p, _ in calls) / len(calls), 1),
+        "new_tokens_mean": round(sum(n for _, n in calls) / len(calls), 1),
+        "fleet": {
+            "seconds": round(together["seconds"], 3),
+            "tokens": count,
+            "tokens_per_s": round(rate, 1),
+        },
+        "one_at_a_time": {
+            "seconds": round(alone["seconds"], 3),
+            "tokens_per_s": round(alone_rate, 1),
+        },
+        "library_batch": {k: v for k, v in baseline.items() if k != "outputs"},
+        "vs_one_at_a_time": round(rate / alone_rate, 3),
+        "vs_library_batch": round(rate / baseline["tokens_per_s"], 3),
+        "streamed_seconds": round(streamed["seconds"], 3),
+        "ttft_p50_ms": round(ttft_p50, 2),
+        "ttft_p99_ms": round(percentile(ttft, 99), 2) if ttft else None,
+        "lone_ttft_ms": round(ttft_alone, 2),
+        "served_ttft_p50_ms": round(percentile(served, 50), 2),
+        "ttft_ratio": round(ttft_p50 / ttft_alone, 3),
+        "outputs_equal": f"{equal}/{callers}",
+        "streams_equal_answers": f"{streamed_equal}/{callers}",
+        "errors": streamed["errors"],
+        "targets": TARGETS,
+        "machine": fleet_machine(sim),
+    }
+    result["meets_targets"] = (
+        result["vs_one_at_a_time"] >= TARGETS["vs_one_at_a_time"]
+        and result["vs_library_batch"] >= TARGETS["vs_library_batch"]
+        and result["ttft_ratio"] <= TARGETS["ttft_ratio"]
+        and not streamed["errors"]
+    )
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--callers", type=int, default=32)
+    parser.add_argument("--gpu", action="store_true", help="the fleet and (b) on cuda:0")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lone", type=int, default=9, help="lone streamed calls for TTFT")
+    parser.add_argument(
+        "--shape", choices=("trace", "short"), default="trace",
+        help="trace lengths, or 16-64 prompt tokens x 128 new (issue 40's GPU table)",
+    )  # fmt: skip
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    signal.signal(signal.SIGTERM, exit_on_sigterm)
+    with tempfile.TemporaryDirectory(prefix="gpufleet-bench-generation-") as directory:
+        result = run(args.callers, args.gpu, args.seed, args.lone, args.shape, Path(directory))
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
