@@ -8,8 +8,9 @@ bundled Redis runs with exactly these rules (docs/deploy.md, "Security", gives t
 file for a Redis of your own):
 
 - `caller`, the URL `gpufleet url` prints: send calls (LPUSH to the router's public queue
-  `celery`, and the queue declaration Celery's client makes first) and read results
-  (GET, MGET and SUBSCRIBE on `celery-task-meta-*`). Nothing else: no other queue, no
+  `celery`, and the queue declaration Celery's client makes first), read results
+  (GET, MGET and SUBSCRIBE on `celery-task-meta-*`) and streamed text (XREAD on
+  `gpufleet-stream-*`: `tasks.serving.streams`). Nothing else: no other queue, no
   ledger key, no Celery remote-control channel, no admin command. On Redis 7 and later
   its rights are split by command (ACL selectors), so it may write only the keys each
   command needs, and may send chords (Celery's client sets a chord's size on a group
@@ -48,6 +49,7 @@ _PUBLIC_QUEUE_KEYS = "~celery ~celery[^!-~][^!-~][0-9]"
 #: What Celery's client declares before it sends to `celery` (kombu 5.7 writes the second).
 _DECLARE_KEYS = "~_kombu.binding.celery ~_kombu.binding_permanent.celery"
 _RESULT_KEYS = "~celery-task-meta-* ~celery-taskset-meta-*"
+_STREAM_KEYS = "~gpufleet-stream-*"  # tasks.serving.streams.PREFIX
 _CONNECTION = "+ping +echo +select +hello +auth +multi +exec +discard"
 
 _FLEET_RULES = "~* &* +@all -@dangerous"
@@ -57,13 +59,13 @@ _OPERATOR_RULES = f"~* resetchannels -@all {_CONNECTION} +@read -keys +time"
 _CALLER_RULES_7 = (
     f"resetkeys {_PUBLIC_QUEUE_KEYS} resetchannels &celery-task-meta-* -@all {_CONNECTION} "
     f"+lpush +llen +subscribe +unsubscribe (+sadd +smembers {_DECLARE_KEYS}) "
-    f"(+get +mget {_RESULT_KEYS}) (+set +del ~celery-taskset-meta-*)"
+    f"(+get +mget {_RESULT_KEYS}) (+set +del ~celery-taskset-meta-*) (+xread {_STREAM_KEYS})"
 )
 #: Redis 6.2: one set of keys for all of its commands (see the module).
 _CALLER_RULES_6 = (
-    f"resetkeys {_PUBLIC_QUEUE_KEYS} {_DECLARE_KEYS} {_RESULT_KEYS} "
+    f"resetkeys {_PUBLIC_QUEUE_KEYS} {_DECLARE_KEYS} {_RESULT_KEYS} {_STREAM_KEYS} "
     f"resetchannels &celery-task-meta-* -@all {_CONNECTION} "
-    f"+lpush +llen +sadd +smembers +get +mget +subscribe +unsubscribe"
+    f"+lpush +llen +sadd +smembers +get +mget +xread +subscribe +unsubscribe"
 )
 
 

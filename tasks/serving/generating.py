@@ -122,13 +122,13 @@ class ChildFeed:
         jobs: list[Any],
         channel: Channel | None,
         gen_call: Callable[[Any], Any],
-        finish: Callable[[Any, Any, Any], Any],
+        finish: Callable[[Any, Any, Any, bool], Any],
         counted: Callable[[int], None] = lambda _: None,
     ) -> None:
         self.job_id = job_id
         self._channel = channel
         self._gen_call = gen_call  # a job tuple -> (GenCall, its job tuple)
-        self._finish = finish  # (job tuple, GenCall, outcome) -> the tracer's return
+        self._finish = finish  # (job tuple, GenCall, outcome, revoked) -> the tracer's return
         self._counted = counted  # told the calls open after each take, once per step
         self._new = [gen_call(job) for job in jobs]
         self._jobs: dict[str, Any] = {}
@@ -166,12 +166,11 @@ class ChildFeed:
     def finished(self, call: Any, outcome: Any) -> None:
         self.open -= 1
         job = self._jobs.pop(call.key)
-        if call.key in self._revoked:
-            self.results[call.key] = REVOKED
-            return
-        if getattr(outcome, "cancelled", False) and _past(call.deadline):
+        revoked = call.key in self._revoked
+        if not revoked and getattr(outcome, "cancelled", False) and _past(call.deadline):
             outcome = TimeLimitExceeded("the call ran past its time limit")
-        self.results[call.key] = self._finish(job, call, outcome)
+        answer = self._finish(job, call, outcome, revoked)
+        self.results[call.key] = REVOKED if revoked else answer
 
     def more(self) -> bool:
         return False
@@ -182,7 +181,7 @@ class ChildFeed:
         for gen_call, job in new:
             self._jobs[gen_call.key] = job
         for key in list(self._jobs):
-            self.results[key] = self._finish(self._jobs.pop(key), None, error)
+            self.results[key] = self._finish(self._jobs.pop(key), None, error, False)
 
 
 def _past(deadline: float | None) -> bool:

@@ -29,7 +29,7 @@ from placement.errors import (
     GpuOwnedError,
     RegistryError,
 )
-from placement.ledger.load import mark_batch
+from placement.ledger.load import BATCH_TTL_MS, mark_batch
 from placement.rules.batching import BatchLimits
 from tasks import context
 from tasks.app import app
@@ -141,6 +141,7 @@ def generation_job(job_id: str, jobs: list[Any]) -> dict[str, Any]:
     writer = streams.Writer(worker.registry.client)
     where: dict[str, Any] = {"load_ms": 0.0, "gpus": []}
     count = [0]
+    said = [0.0]  # when the count was last said: it expires (`mark_batch`)
     entered: dict[str, float] = {}  # task id -> when its call reached this job
 
     def gen_call(job: Any) -> tuple[GenCall, Any]:
@@ -152,7 +153,9 @@ def generation_job(job_id: str, jobs: list[Any]) -> dict[str, Any]:
         deadline = time.monotonic() + hard if hard else None
         return GenCall(args[1], call.inputs, call.params, on_text, deadline), job
 
-    def finish(job: Any, gen_call: GenCall | None, outcome: Any) -> Any:
+    def finish(job: Any, gen_call: GenCall | None, outcome: Any, revoked: bool) -> Any:
+        """End a call's lease and stream; run its tracer (not for a revoked call: its
+        main process announces it as Celery does)."""
         trace, args, call_json, since_ms, _ = job
         call = Call.from_json(call_json)
         if call.lease is not None:
@@ -169,14 +172,17 @@ def generation_job(job_id: str, jobs: list[Any]) -> dict[str, Any]:
         else:
             served, reason = outcome, "error"
         if gen_call is not None and gen_call.on_text is not None:
-            writer.end(args[1], reason)
+            writer.end(args[1], "cancelled" if revoked else reason)
+        if revoked:
+            return None
         started = entered.pop(args[1], time.time() * 1000)
         return batching.run_one(trace, args, served, started, max(0.0, started - since_ms))
 
     def counted(open_calls: int) -> None:
         writer.flush()
-        if open_calls != count[0]:
-            count[0] = open_calls
+        now = time.monotonic()
+        if open_calls != count[0] or now - said[0] > BATCH_TTL_MS / 3000:
+            count[0], said[0] = open_calls, now
             _say_batch(worker, first.replica, open_calls)
 
     feed = generating.ChildFeed(job_id, jobs, _channel.get(), gen_call, finish, counted)

@@ -187,8 +187,8 @@ class Engine:
     def step(self) -> list[Sequence_]:
         """Admit what fits, decode one token for every row, and return the sequences that
         ended in this step (done, cancelled or failed)."""
-        ended = self._drop_cancelled()
         with torch.inference_mode():
+            ended = self._drop_cancelled()
             admitted = self._admit()
             if admitted:
                 self._prefill(admitted)

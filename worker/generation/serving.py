@@ -98,7 +98,8 @@ def serve(engine: Engine, feed: Feed, template: str | None) -> None:
             for sequence in entry.sequences:
                 engine.add(sequence)
         for key in feed.cancelled():
-            engine.cancel(key)
+            for sequence in running[key].sequences if key in running else ():
+                engine.cancel(sequence.key)
         if not engine.busy:
             if not feed.more():
                 return

@@ -1,0 +1,339 @@
+"""Text generation in one process: the continuous batch, sampling, chats, stop strings,
+streamed text and the KV-cache budget (`worker.generation`), on real synthetic GPT-2 models.
+
+The references are transformers' own `generate` and each call run alone; nothing is mocked.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+import torch
+
+from placement.catalog.catalog import Catalog, ModelSpec
+from placement.errors import CatalogError, PayloadError
+from worker import handlers
+from worker.generation import params as gen_params
+from worker.generation.engine import Engine, Options, Sequence_
+from worker.generation.replica import replica_engine
+from worker.generation.sampling import Choice
+from worker.generation.serving import GenCall, Generated, run_calls
+from worker.generation.text import Detokenizer
+from worker.synthetic import build_synthetic
+
+CPU = torch.device("cpu")
+CONFIG = {"model_type": "gpt2", "n_layer": 2, "n_head": 4, "n_embd": 64, "n_positions": 256}
+TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}<assistant>"
+
+
+def _spec(name: str = "gen", **fields: Any) -> ModelSpec:
+    entry = {"source": "synthetic", "task": "text-generation", "memory": "64MiB"}
+    entry["config"] = {**CONFIG, "vocab_size": 512}
+    entry.update(fields)
+    return Catalog.from_mapping({"models": {name: entry}})[name]
+
+
+@pytest.fixture(scope="module")
+def model() -> tuple[Any, Any]:
+    return build_synthetic(_spec())
+
+
+def _engine(model: tuple[Any, Any], budget: int = 10**6, rows: int = 64) -> Engine:
+    net, tokenizer = model
+    return Engine(net, tokenizer, CPU, budget=budget, window=256, max_rows=rows)
+
+
+def _prompts(count: int, seed: int = 0) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    return [
+        ([2, *(rng.randrange(5, 512) for _ in range(rng.randrange(3, 60)))], rng.randrange(4, 48))
+        for _ in range(count)
+    ]
+
+
+def _alone(model: tuple[Any, Any], prompt: list[int], options: Options) -> list[int]:
+    engine = _engine(model)
+    sequence = Sequence_("alone", prompt, options)
+    engine.add(sequence)
+    engine.run()
+    return sequence.tokens
+
+
+def test_greedy_calls_that_join_and_leave_a_running_batch_get_the_tokens_they_get_alone(
+    model: tuple[Any, Any],
+) -> None:
+    prompts = _prompts(20)
+    rng = random.Random(1)
+    engine = _engine(model)
+    sequences: dict[int, Sequence_] = {}
+    pending = list(range(len(prompts)))
+    joined_late = False
+    while pending or engine.busy:
+        for _ in range(rng.randrange(0, 3)):  # calls arrive while others run
+            if pending:
+                index = pending.pop(0)
+                joined_late |= bool(engine.rows)
+                prompt, new = prompts[index]
+                sequences[index] = Sequence_(index, prompt, Options(max_new_tokens=new))
+                engine.add(sequences[index])
+        engine.step()
+    assert joined_late
+    for index, (prompt, new) in enumerate(prompts):
+        assert sequences[index].tokens == _alone(model, prompt, Options(max_new_tokens=new))
+        assert sequences[index].finish in ("length", "stop")
+
+
+def test_a_call_alone_gets_what_transformers_generate_gives(model: tuple[Any, Any]) -> None:
+    net, _ = model
+    prompt, new = _prompts(1, seed=5)[0]
+    mine = _alone(model, prompt, Options(max_new_tokens=new))
+    theirs = net.generate(
+        torch.tensor([prompt]), max_new_tokens=new, do_sample=False, pad_token_id=0
+    )[0, len(prompt) :].tolist()
+    eos = net.generation_config.eos_token_id
+    assert mine == (theirs[: theirs.index(eos) + 1] if eos in theirs else theirs)
+
+
+def test_the_repetition_penalty_follows_transformers_rule(model: tuple[Any, Any]) -> None:
+    net, _ = model
+    prompt = [2, 9, 9, 9, 40, 41, 9, 9]
+    options = Options(max_new_tokens=30, choice=Choice(repetition_penalty=1.8))
+    theirs = net.generate(
+        torch.tensor([prompt]), max_new_tokens=30, do_sample=False, pad_token_id=0,
+        repetition_penalty=1.8,
+    )[0, len(prompt) :].tolist()  # fmt: skip
+    eos = net.generation_config.eos_token_id
+    assert _alone(model, prompt, options) == (
+        theirs[: theirs.index(eos) + 1] if eos in theirs else theirs
+    )
+    assert _alone(model, prompt, options) != _alone(model, prompt, Options(max_new_tokens=30))
+
+
+def test_a_seed_gives_the_same_sampled_tokens_whatever_shares_the_batch(
+    model: tuple[Any, Any],
+) -> None:
+    prompt = [2, 70, 71, 72, 73]
+    sampled = Options(max_new_tokens=40, choice=Choice(temperature=1.3), seed=7)
+    alone = _alone(model, prompt, sampled)
+    engine = _engine(model)
+    crowd = [Sequence_(i, p, Options(max_new_tokens=n)) for i, (p, n) in enumerate(_prompts(6))]
+    mine = Sequence_("mine", prompt, sampled)
+    for sequence in [*crowd[:3], mine, *crowd[3:]]:
+        engine.add(sequence)
+    engine.run()
+    assert mine.tokens == alone
+    other_seed = _alone(model, prompt, Options(40, Choice(temperature=1.3), seed=8))
+    assert other_seed != alone
+    greedy = _alone(model, prompt, Options(max_new_tokens=40))
+    assert alone != greedy  # it did sample
+
+
+@pytest.mark.parametrize(
+    "choice",
+    [Choice(temperature=1.5, top_k=1), Choice(temperature=1.5, top_p=1e-6)],
+    ids=["top-k-1", "tiny-top-p"],
+)
+def test_top_k_of_one_or_a_tiny_top_p_samples_only_the_best_token(
+    model: tuple[Any, Any], choice: Choice
+) -> None:
+    prompt = [2, 11, 12, 13]
+    narrowed = _alone(model, prompt, Options(max_new_tokens=30, choice=choice, seed=3))
+    assert narrowed == _alone(model, prompt, Options(max_new_tokens=30))
+
+
+def test_a_stop_string_ends_the_text_before_it_and_the_tokens_with_the_one_that_made_it(
+    model: tuple[Any, Any],
+) -> None:
+    _, tokenizer = model
+    prompt = [2, *tokenizer.encode("hello there", add_special_tokens=False)]
+    full = _alone(model, prompt, Options(max_new_tokens=40))
+    text = tokenizer.decode(full, skip_special_tokens=True)
+    stop = next(text[i : i + 2] for i in range(3, len(text) - 2) if "\ufffd" not in text[i : i + 2])
+    cut = text.index(stop)
+    engine = _engine(model)
+    pieces: list[str] = []
+    sequence = Sequence_("s", prompt, Options(max_new_tokens=40, stop=(stop,)), pieces.append)
+    engine.add(sequence)
+    engine.run()
+    assert sequence.finish == "stop"
+    assert sequence.text is not None and sequence.text.text == text[:cut]
+    assert "".join(pieces) == text[:cut]
+    assert full[: len(sequence.tokens)] == sequence.tokens
+    assert stop in tokenizer.decode(sequence.tokens, skip_special_tokens=True)
+    assert stop not in tokenizer.decode(sequence.tokens[:-1], skip_special_tokens=True)
+
+
+def test_streamed_pieces_join_into_the_final_text_and_hold_back_a_possible_stop() -> None:
+    class Chars:  # one character per token
+        def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+            return "".join(chr(i) for i in ids)
+
+    text = Detokenizer(Chars(), ["STOP"])
+    pieces = []
+    for i in range(1, 10):
+        text.update([ord(c) for c in "abcSTxyST"[:i]])
+        pieces.append(text.delta())
+    assert pieces[3:5] == ["", ""]  # "S", "ST": could begin "STOP"
+    assert "".join(pieces) + text.delta(final=True) == "abcSTxyST"
+    assert "".join(pieces).endswith("STxy")  # released once "STx" could no longer stop
+
+
+def test_a_chat_is_rendered_by_the_catalog_template_and_a_model_without_one_refuses_chats(
+    model: tuple[Any, Any],
+) -> None:
+    net, tokenizer = model
+    chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    with_template = replica_engine(net, tokenizer, _spec(chat_template=TEMPLATE), CPU)
+    [answer] = run_calls(with_template, [GenCall("c", chat, {"max_new_tokens": 5})], TEMPLATE)
+    assert isinstance(answer, Generated)
+    rendered = "<system>be brief\n<user>hi\n<assistant>"
+    plain = _alone(model, tokenizer.encode(rendered, add_special_tokens=False), Options(5))
+    assert answer.outputs["tokens"] == [plain]
+    [refused] = run_calls(_engine(model), [GenCall("c", chat, None)], None)
+    assert isinstance(refused, PayloadError)
+    assert "no chat template" in str(refused) and "chat_template" in str(refused)
+
+
+@pytest.mark.parametrize(
+    ("inputs", "params", "fragments"),
+    [
+        ("x", {"temperature": -0.5}, ["'temperature'", "from 0 to 2", "0 is greedy"]),
+        ("x", {"temperature": "hot"}, ["'temperature'", "a number", "'hot'"]),
+        ("x", {"top_p": 0}, ["'top_p'", "above 0 to 1"]),
+        ("x", {"top_k": 1.5}, ["'top_k'", "whole number"]),
+        ("x", {"repetition_penalty": 11}, ["'repetition_penalty'", "above 0 to 10"]),
+        ("x", {"seed": -1}, ["'seed'", "or null"]),
+        ("x", {"stop": ["a"] * 9}, ["'stop'", "up to 8 strings"]),
+        ("x", {"stop": [""]}, ["'stop'", "1 to 64 characters"]),
+        ("x", {"stream": "yes"}, ["'stream'", "true or false"]),
+        ("x", {"max_new_tokens": 513}, ["'max_new_tokens'", "from 1 to 512"]),
+        (
+            [{"role": "robot", "content": "hi"}],
+            None,
+            ["inputs[0]'s role", "system, user, assistant"],
+        ),
+        ([{"role": "user", "content": 3}], None, ["inputs[0]'s content must be a string"]),
+        ([{"role": "user"}], None, ["inputs[0] must be a message"]),
+        ([{"role": "user", "content": "x"}] * 65, None, ["65 messages", "limit of 64"]),
+    ],
+)
+def test_a_bad_generation_call_gets_a_payload_error_that_says_what_is_allowed(
+    inputs: Any, params: Any, fragments: list[str]
+) -> None:
+    with pytest.raises(PayloadError) as caught:
+        handlers.validate("text-generation", inputs, params)
+    for fragment in fragments:
+        assert fragment in str(caught.value), (fragment, str(caught.value))
+
+
+def test_generation_params_are_checked_with_their_defaults_filled_in() -> None:
+    prompts, options = gen_params.validate("hi", {"temperature": 1, "stop": "END"})
+    assert prompts == ["hi"]
+    assert options["temperature"] == 1.0 and isinstance(options["temperature"], float)
+    assert options["stop"] == ("END",)
+    assert options["max_new_tokens"] == gen_params.PARAMS["max_new_tokens"].default
+    assert options["seed"] is None
+
+
+def test_calls_wait_for_room_in_the_kv_budget_and_the_engine_never_holds_more(
+    model: tuple[Any, Any],
+) -> None:
+    prompt, new = [2, *range(10, 50)], 60  # a reach of 101 positions each
+    budget = 2 * 101 + 50  # room for two such calls at once, not three
+    engine = _engine(model, budget=budget)
+    calls = [Sequence_(i, prompt, Options(max_new_tokens=new)) for i in range(5)]
+    for sequence in calls:
+        engine.add(sequence)
+    most_rows = 0
+    while engine.busy:
+        engine.step()
+        most_rows = max(most_rows, len(engine.rows))
+        assert engine.held_tokens <= budget
+    assert most_rows == 2
+    assert all(s.finish == "length" and len(s.tokens) == new for s in calls)
+    assert engine.peak_tokens <= budget
+    assert calls[4].tokens == calls[0].tokens  # waiting changed nothing
+
+
+def test_a_call_that_could_never_fit_is_refused_at_once(model: tuple[Any, Any]) -> None:
+    engine = _engine(model, budget=100)
+    with pytest.raises(PayloadError, match="KV-cache budget of 100 tokens"):
+        engine.add(Sequence_(0, [2] * 60, Options(max_new_tokens=50)))
+    with pytest.raises(PayloadError, match="holds 256 positions"):
+        _engine(model).add(Sequence_(0, [2] * 250, Options(max_new_tokens=10)))
+    assert not engine.busy
+
+
+def test_a_cancelled_call_ends_at_the_next_step_and_frees_its_row(model: tuple[Any, Any]) -> None:
+    engine = _engine(model)
+    keep = Sequence_("keep", [2, 30, 31], Options(max_new_tokens=40))
+    stop = Sequence_("stop", [2, 40, 41, 42], Options(max_new_tokens=40))
+    engine.add(keep)
+    engine.add(stop)
+    engine.step()  # the prompts' pass makes a first token, a decode step the second
+    engine.step()
+    engine.cancel("stop")
+    ended = engine.step()
+    assert stop in ended and stop.finish == "cancelled" and len(stop.tokens) == 3
+    assert engine.rows == [keep]
+    engine.run()
+    assert keep.tokens == _alone(model, [2, 30, 31], Options(max_new_tokens=40))
+
+
+def test_a_generation_model_s_reservation_holds_its_kv_budget_in_bytes() -> None:
+    spec = _spec(kv_cache={"tokens": 1000})
+    budget = spec.kv_budget()
+    assert budget is not None
+    per_token = 2 * CONFIG["n_layer"] * CONFIG["n_embd"] * 4  # keys and values, float32
+    assert (budget.tokens, budget.per_token) == (1000, per_token)
+    assert spec.demand().kv_cache == 1000 * per_token
+    default = _spec().kv_budget()
+    assert default is not None and default.tokens == 8 * CONFIG["n_positions"]
+    in_bytes = _spec(kv_cache="1MiB").kv_budget()
+    assert in_bytes is not None and in_bytes.tokens == 2**20 // per_token
+    forward = {"source": "synthetic", "task": "forward", "memory": "1MiB", "kv_cache": "1MiB"}
+    with pytest.raises(CatalogError, match="only a text-generation model has a KV cache"):
+        Catalog.from_mapping({"models": {"e": forward}})
+
+
+class _CancellingFeed:
+    """A feed of two calls that asks to stop the second at its third take."""
+
+    def __init__(self) -> None:
+        self.calls = [
+            GenCall("a", "first call", {"max_new_tokens": 30}),
+            GenCall("b", ["second", "call"], {"max_new_tokens": 30}),
+        ]
+        self.takes = 0
+        self.outcomes: dict[str, Any] = {}
+
+    def take(self, wait: float) -> list[GenCall]:
+        self.takes += 1
+        calls, self.calls = self.calls, []
+        return calls
+
+    def cancelled(self) -> list[str]:
+        return ["b"] if self.takes == 3 else []
+
+    def finished(self, call: GenCall, outcome: Any) -> None:
+        self.outcomes[call.key] = outcome
+
+    def more(self) -> bool:
+        return False
+
+
+def test_a_call_its_feed_cancels_stops_every_prompt_and_the_others_run_on(
+    model: tuple[Any, Any],
+) -> None:
+    from worker.generation.serving import serve
+
+    feed = _CancellingFeed()
+    serve(_engine(model), feed, None)
+    stopped, whole = feed.outcomes["b"], feed.outcomes["a"]
+    assert isinstance(stopped, Generated) and stopped.cancelled
+    assert stopped.outputs["finish_reasons"] == ["cancelled", "cancelled"]
+    assert all(len(tokens) < 30 for tokens in stopped.outputs["tokens"])
+    assert isinstance(whole, Generated) and not whole.cancelled
+    assert len(whole.outputs["tokens"][0]) == 30 or whole.outputs["finish_reasons"] == ["stop"]

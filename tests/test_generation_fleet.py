@@ -1,0 +1,198 @@
+"""End to end: a real `gpufleet up` serves generating calls as one continuous batch, streams
+their text through its Redis, cancels them, and keeps them inside the KV-cache budget.
+
+Plain Celery clients with the callers' URL call a fleet on one simulated GPU; the reference
+for every answer is the same synthetic model run alone in this process (its weights come
+from its name, so they are the same bits here and in the worker).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from placement.catalog.catalog import Catalog
+from placement.policy.settings import PolicySettings
+from placement.policy.sizing import scale
+from tasks.serving import streams
+from tests.running import REPO, RunningFleet, fleet_env, fleet_up, until
+from worker.generation.replica import replica_engine
+from worker.generation.serving import GenCall, Generated, run_calls
+from worker.synthetic import build_synthetic
+
+pytestmark = pytest.mark.slow
+
+SMALL = "{model_type: gpt2, n_layer: 2, n_head: 2, n_embd: 64, vocab_size: 512, n_positions: 256}"
+SLOW = "{model_type: gpt2, n_layer: 6, n_head: 6, n_embd: 384, vocab_size: 2048, n_positions: 1024}"
+TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
+CATALOG = f"""
+models:
+  talker:
+    source: synthetic
+    task: text-generation
+    memory: 64MiB
+    config: {SMALL}
+    chat_template: "{TEMPLATE}"
+  slow-talker:  # a few ms a token here: a call of 500 tokens runs for a second or more
+    source: synthetic
+    task: text-generation
+    memory: 128MiB
+    config: {SLOW}
+  tight:  # room for two calls of 101 positions at once, not three
+    source: synthetic
+    task: text-generation
+    memory: 64MiB
+    config: {SMALL}
+    kv_cache: {{tokens: 250}}
+"""
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("generation-home")
+
+
+@pytest.fixture(scope="module")
+def catalog(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("generation") / "models.yaml"
+    path.write_text(CATALOG)
+    return path
+
+
+@pytest.fixture(scope="module")
+def fleet(catalog: Path, home: Path) -> Iterator[RunningFleet]:
+    args = ["--sim-gpus", "1x4GiB", "--metrics-port", "0"]
+    with fleet_up(catalog, args, fleet_env(GPUFLEET_HOME=str(home))) as running:
+        yield running
+
+
+def _send(fleet: RunningFleet, model: str, inputs: Any, **params: Any) -> Any:
+    return fleet.client.send_task("gpufleet.infer", args=(model, inputs, params))
+
+
+def _alone(catalog: Path, model: str, inputs: Any, **params: Any) -> dict[str, Any]:
+    """What `model` answers to this call alone, in this process."""
+    spec = Catalog.load(catalog)[model]
+    net, tokenizer = build_synthetic(spec)
+    engine = replica_engine(net, tokenizer, spec, build_device())
+    [answer] = run_calls(engine, [GenCall("alone", inputs, params)], spec.chat_template)
+    assert isinstance(answer, Generated), answer
+    return answer.outputs
+
+
+def build_device() -> Any:
+    import torch
+
+    return torch.device("cpu")
+
+
+def test_a_streamed_call_s_text_arrives_before_it_ends_and_joins_into_its_answer(
+    fleet: RunningFleet,
+) -> None:
+    call = _send(fleet, "slow-talker", "Once upon a time", max_new_tokens=500, stream=True)
+    reader = redis.Redis.from_url(fleet.url)  # the callers' own rights
+    pieces, ready_at_first = [], None
+    for _, text in streams.read(reader, call.id, call.ready, timeout=120):
+        if ready_at_first is None:
+            ready_at_first = call.ready()
+        pieces.append(text)
+    answer = call.get(timeout=120)
+    assert ready_at_first is False, "the first piece came only once the call had ended"
+    assert len(pieces) > 1
+    assert "".join(pieces) == answer["outputs"]["texts"][0]
+    assert answer["timings_ms"]["first_token"] < answer["timings_ms"]["compute"]
+
+
+def test_plain_clients_calling_at_once_each_get_the_tokens_their_call_gets_alone(
+    fleet: RunningFleet, catalog: Path
+) -> None:
+    fleet.infer("talker", "warm up")
+    calls = [(f"caller {i} says " + "la " * (i * 3), 10 + 9 * i) for i in range(12)]
+    with ThreadPoolExecutor(12) as pool:
+        answers = list(
+            pool.map(
+                lambda c: _send(fleet, "talker", c[0], max_new_tokens=c[1]).get(timeout=120),
+                calls,
+            )
+        )
+    for (prompt, new), answer in zip(calls, answers, strict=True):
+        alone = _alone(catalog, "talker", prompt, max_new_tokens=new)
+        assert answer["outputs"]["tokens"] == alone["tokens"], prompt
+        assert answer["outputs"]["texts"] == alone["texts"]
+
+
+def test_a_short_call_sent_after_a_long_one_is_answered_first(fleet: RunningFleet) -> None:
+    fleet.infer("slow-talker", "warm up")
+    long = _send(fleet, "slow-talker", "a long story", max_new_tokens=500)
+    until("the long call runs", lambda: fleet.active_calls() >= 1, 30)
+    short = _send(fleet, "slow-talker", "a short one", max_new_tokens=3)
+    short.get(timeout=60)
+    assert not long.ready(), "the short call waited for the long one"
+    assert len(long.get(timeout=120)["outputs"]["tokens"][0]) > 3
+
+
+def test_a_cancelled_call_stops_within_a_step_ends_revoked_and_the_worker_serves_on(
+    fleet: RunningFleet,
+) -> None:
+    call = _send(fleet, "slow-talker", "tell me everything", max_new_tokens=500, stream=True)
+    reader = redis.Redis.from_url(fleet.url)
+    pieces = streams.read(reader, call.id, call.ready, timeout=60)
+    next(pieces)
+    asked = time.monotonic()
+    fleet.client.send_task("gpufleet.cancel", args=(call.id,)).get(timeout=30)
+    rest = list(pieces)  # the stream ends once the worker stopped the call
+    stopped = time.monotonic() - asked
+    until("the call is revoked", lambda: call.state == "REVOKED", 10)
+    assert len(rest) < 250, f"{len(rest)} more pieces came in {stopped:.2f} s after the cancel"
+    assert fleet.infer("slow-talker", "still here")["outputs"]["finish_reasons"]
+
+
+def test_calls_past_the_kv_budget_wait_for_room_none_fails_and_the_ledger_holds_the_budget(
+    fleet: RunningFleet, catalog: Path
+) -> None:
+    fleet.infer("tight", "warm up")
+    prompt = "x" * 40  # 41 tokens with its BOS, + 60 new: a reach of 101 positions
+    with ThreadPoolExecutor(4) as pool:
+        handles = [_send(fleet, "tight", prompt, max_new_tokens=60) for _ in range(4)]
+        answers = list(pool.map(lambda h: h.get(timeout=120), handles))
+    alone = _alone(catalog, "tight", prompt, max_new_tokens=60)
+    assert all(a["outputs"]["tokens"] == alone["tokens"] for a in answers)
+    firsts = sorted(a["timings_ms"]["first_token"] for a in answers)
+    quickest = min(a["timings_ms"]["compute"] for a in answers)
+    assert firsts[2] >= 0.8 * quickest, (firsts, quickest)  # two waited for a call to end
+    spec = Catalog.load(catalog)["tight"]
+    budget = spec.kv_budget()
+    assert budget is not None and budget.tokens == 250
+    [replica] = fleet.registry.snapshot().replicas("tight")
+    factor = PolicySettings().factor
+    assert sum(replica.gpus.values()) == scale(64 * 2**20, factor) + budget.bytes
+
+
+def test_the_cli_streams_a_chat_and_prints_what_the_plain_call_answers(
+    fleet: RunningFleet, home: Path
+) -> None:
+    env = {**fleet_env(GPUFLEET_HOME=str(home)), "PYTHONPATH": str(REPO)}
+    base = [sys.executable, "-m", "tasks.operator.cli", "infer", "talker", "hello", "--chat"]
+    params = ["-p", "max_new_tokens=24", "-p", "temperature=0.9", "-p", "seed=4"]
+    streamed = subprocess.run(
+        [*base, *params, "--stream"],
+        env=env, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert streamed.returncode == 0, streamed.stderr
+    plain = subprocess.run(
+        [*base, *params, "--json"],
+        env=env, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert plain.returncode == 0, plain.stderr
+    answer = json.loads(plain.stdout)
+    assert streamed.stdout == answer["outputs"]["texts"][0] + "\n"
+    assert answer["outputs"]["finish_reasons"] in (["length"], ["stop"])
