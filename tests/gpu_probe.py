@@ -156,7 +156,58 @@ def read_vs_transformers(arg: str) -> dict[str, Any]:
     }
 
 
+def generate_on(arg: str) -> dict[str, Any]:
+    """Run 16 greedy calls of mixed lengths as one continuous batch on local device `arg`,
+    and each alone; report how many agree and where the cache lives (dtype float32)."""
+    import random
+
+    from worker.generation.engine import Engine, Options, Sequence_
+    from worker.synthetic import build_synthetic
+
+    config = {"model_type": "gpt2", "n_layer": 4, "n_head": 4, "n_embd": 256,
+              "vocab_size": 2048, "n_positions": 512}  # fmt: skip
+    entry = {"source": "synthetic", "task": "text-generation", "memory": "64MiB"}
+    spec = Catalog.from_mapping({"models": {"g": {**entry, "config": config}}})["g"]
+    model, tokenizer = build_synthetic(spec)
+    device = torch.device(f"cuda:{int(arg)}")
+    model = model.to(device)
+    rng = random.Random(0)
+    calls = [
+        (
+            [2, *(rng.randrange(5, 2048) for _ in range(rng.randrange(4, 200)))],
+            rng.randrange(8, 120),
+        )
+        for _ in range(16)
+    ]
+
+    def engine() -> Engine:
+        return Engine(model, tokenizer, device, budget=10**6, window=512)
+
+    together = engine()
+    sequences = [Sequence_(i, p, Options(max_new_tokens=n)) for i, (p, n) in enumerate(calls)]
+    for sequence in sequences[:8]:
+        together.add(sequence)
+    together.step()
+    for sequence in sequences[8:]:  # these join a running batch
+        together.add(sequence)
+    together.run()
+    alone = []
+    for prompt, new in calls:
+        one = engine()
+        sequence = Sequence_(0, prompt, Options(max_new_tokens=new))
+        one.add(sequence)
+        one.run()
+        alone.append(sequence.tokens)
+    return {
+        "equal": sum(s.tokens == a for s, a in zip(sequences, alone, strict=True)),
+        "calls": len(calls),
+        "steps": together.steps,
+        "peak_tokens": together.peak_tokens,
+    }
+
+
 PROBES: dict[str, Callable[[str], dict[str, Any]]] = {
+    "generate_on": generate_on,
     "fraction_cap": fraction_cap,
     "fill_to_cap": fill_to_cap,
     "load_on": load_on,

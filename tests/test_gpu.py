@@ -82,6 +82,12 @@ def test_two_processes_sharing_one_gpu_each_stay_under_their_own_cap() -> None:
         assert 0 < result["max_reserved"] <= result["cap"]
 
 
+def test_greedy_calls_sharing_decode_steps_on_the_gpu_get_the_tokens_they_get_alone() -> None:
+    result = probe("generate_on", str(gpu_count() - 1))
+    assert result["steps"] > 0 and result["peak_tokens"] > 0
+    assert result["equal"] == result["calls"], result
+
+
 def test_the_safetensors_reader_puts_the_same_weights_on_the_gpu_as_transformers() -> None:
     target = gpu_count() - 1
     result = probe("read_vs_transformers", str(target))
