@@ -323,6 +323,9 @@ class _CancellingFeed:
     def more(self) -> bool:
         return False
 
+    def holding(self, tokens: int) -> None:
+        pass
+
 
 def test_a_call_its_feed_cancels_stops_every_prompt_and_the_others_run_on(
     model: tuple[Any, Any],

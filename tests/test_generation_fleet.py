@@ -196,3 +196,32 @@ def test_the_cli_streams_a_chat_and_prints_what_the_plain_call_answers(
     answer = json.loads(plain.stdout)
     assert streamed.stdout == answer["outputs"]["texts"][0] + "\n"
     assert answer["outputs"]["finish_reasons"] in (["length"], ["stop"])
+
+
+def test_status_and_metrics_report_what_generating_calls_took_and_the_kv_budget(
+    fleet: RunningFleet,
+) -> None:
+    from placement.ledger.registry import Registry
+    from tasks.operator.metrics import FleetCollector
+
+    for new in (5, 9, 13):
+        fleet.infer("tight", "status " * new)
+        _send(fleet, "tight", "counted", max_new_tokens=new).get(timeout=60)
+    report = fleet.client.send_task("gpufleet.status").get(timeout=30)
+    tight = report["generation"]["tight"]
+    assert tight["kv_budget_tokens"] == 250 and tight["kv_budget_bytes"] > 0
+    assert tight["calls"] >= 6 and tight["tokens"] >= 5 + 9 + 13
+    assert tight["ttft_buckets"][-1] == ["+Inf", tight["calls"]]
+    assert tight["ttft_mean_ms"] > 0 and tight["inter_token_mean_ms"] > 0
+    assert tight["kv_held_tokens"] == 0  # nothing runs now
+    collector = FleetCollector(Registry.from_url(fleet.operator_url, "default"), fleet.operator_url)
+    families = {family.name: family for family in collector.collect()}
+    samples = {
+        (s.name, s.labels.get("le")): s.value
+        for s in families["gpufleet_time_to_first_token_seconds"].samples
+        if s.labels.get("model") == "tight"
+    }
+    assert samples[("gpufleet_time_to_first_token_seconds_count", None)] == tight["calls"]
+    tokens = families["gpufleet_generated_tokens"].samples
+    assert any(s.labels["model"] == "tight" and s.value == tight["tokens"] for s in tokens)
+    assert "gpufleet_inter_token_seconds" in families

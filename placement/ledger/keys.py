@@ -79,6 +79,11 @@ class Keys:
         return f"{self.prefix}:counted"
 
     @property
+    def generating(self) -> str:
+        """Set of models whose generating calls were recorded (`placement.ledger.generation`)."""
+        return f"{self.prefix}:generating"
+
+    @property
     def events(self) -> str:
         """Stream of placement changes."""
         return f"{self.prefix}:events"
@@ -108,6 +113,14 @@ class Keys:
     def batch(self, replica: str) -> str:
         """How many calls the pass its worker runs now holds (absent: at most one)."""
         return f"{self.prefix}:dep:{replica}:batch"
+
+    def kv_held(self, replica: str) -> str:
+        """KV-cache tokens the generating batch on a replica holds now (absent: none)."""
+        return f"{self.prefix}:dep:{replica}:kv"
+
+    def generation(self, model: str) -> str:
+        """Hash: a model's generating calls, tokens, and latency histogram buckets."""
+        return f"{self.prefix}:model:{model}:generation"
 
     def model_replicas(self, model: str) -> str:
         return f"{self.prefix}:model:{model}:replicas"

@@ -97,6 +97,23 @@ def status(
             f"{load['ready']} ready of {load['placed']} placed replicas"
             + (f" ({load['routing']} held by the router)" if load["routing"] else "")
         )
+    for model, gen in report["generation"].items():
+        budget = gen["kv_budget_tokens"]
+        console.print(
+            f"[bold]{model}[/] KV cache {gen['kv_held_tokens']} tokens held"
+            + (
+                f" of a {budget}-token budget ({format_size(gen['kv_budget_bytes'])})"
+                if budget
+                else ""
+            )
+            + f"; {gen['calls']} calls, {gen['tokens']} tokens"
+            + (f", first token {gen['ttft_mean_ms']:.0f} ms" if gen["ttft_mean_ms"] else "")
+            + (
+                f", {gen['inter_token_mean_ms']:.1f} ms a token"
+                if gen["inter_token_mean_ms"]
+                else ""
+            )
+        )
     depths = ", ".join(f"{q} {n}" for q, n in report["queues"].items())
     console.print(f"[bold]queues[/] {depths}")
     console.print(_rates(report))

@@ -20,7 +20,12 @@ from typing import Any
 
 from celery.signals import worker_init
 from prometheus_client import CollectorRegistry, MetricsHandler, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from placement.errors import GpufleetError
@@ -54,6 +59,7 @@ class FleetCollector(Collector):
         yield from _memory(report)
         yield from _replicas(report)
         yield from _load(report["load"])
+        yield from _generation(report["generation"])
         depth = GaugeMetricFamily(
             "gpufleet_queue_depth", "Messages waiting in a fleet queue", labels=["queue"]
         )
@@ -109,6 +115,40 @@ def _requests(requests: dict[str, Any]) -> Iterator[Metric]:
             gauge = GaugeMetricFamily(name, f"Since the fleet began (target {target})")
             gauge.add_metric([], fleet[key])
             yield gauge
+
+
+def _generation(models: dict[str, Any]) -> Iterator[Metric]:
+    """Generating calls: tokens (a counter: tokens/s is its rate), time to first token and
+    between tokens (histograms), and the KV cache held against its budget."""
+    tokens = CounterMetricFamily(
+        "gpufleet_generated_tokens",
+        "Tokens generated (rate(): tokens per second)",
+        labels=["model"],
+    )
+    ttft = HistogramMetricFamily(
+        "gpufleet_time_to_first_token_seconds",
+        "From a generating call reaching its replica's batch to its first token",
+        labels=["model"],
+    )
+    itl = HistogramMetricFamily(
+        "gpufleet_inter_token_seconds",
+        "Mean time between a generating call's tokens after its first, per call",
+        labels=["model"],
+    )
+    held = GaugeMetricFamily(
+        "gpufleet_kv_cache_tokens", "KV-cache tokens running batches hold now", labels=["model"]
+    )
+    budget = GaugeMetricFamily(
+        "gpufleet_kv_cache_budget_tokens", "A replica's KV-cache budget", labels=["model"]
+    )
+    for model, figures in models.items():
+        tokens.add_metric([model], figures["tokens"])
+        ttft.add_metric([model], figures["ttft_buckets"], figures["ttft_sum_s"])
+        itl.add_metric([model], figures["itl_buckets"], figures["itl_sum_s"])
+        held.add_metric([model], figures["kv_held_tokens"])
+        if figures["kv_budget_tokens"] is not None:
+            budget.add_metric([model], figures["kv_budget_tokens"])
+    yield from (tokens, ttft, itl, held, budget)
 
 
 def _memory(report: dict[str, Any]) -> Iterator[Metric]:

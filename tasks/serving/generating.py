@@ -124,12 +124,14 @@ class ChildFeed:
         gen_call: Callable[[Any], Any],
         finish: Callable[[Any, Any, Any, bool], Any],
         counted: Callable[[int], None] = lambda _: None,
+        holding: Callable[[int], None] = lambda _: None,
     ) -> None:
         self.job_id = job_id
         self._channel = channel
         self._gen_call = gen_call  # a job tuple -> (GenCall, its job tuple)
         self._finish = finish  # (job tuple, GenCall, outcome, revoked) -> the tracer's return
         self._counted = counted  # told the calls open after each take, once per step
+        self.holding = holding  # told the KV-cache tokens held after each step
         self._new = [gen_call(job) for job in jobs]
         self._jobs: dict[str, Any] = {}
         self._cancelled: list[str] = []

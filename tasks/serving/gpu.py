@@ -29,6 +29,7 @@ from placement.errors import (
     GpuOwnedError,
     RegistryError,
 )
+from placement.ledger import generation
 from placement.ledger.load import BATCH_TTL_MS, mark_batch
 from placement.rules.batching import BatchLimits
 from tasks import context
@@ -164,6 +165,7 @@ def generation_job(job_id: str, jobs: list[Any]) -> dict[str, Any]:
             except GpufleetError:  # the lease expires on its own; the answer stands
                 log.warning("could not end lease %s", call.lease.id, exc_info=True)
         if isinstance(outcome, Generated):
+            _record(worker, call.model, outcome)
             served: Served | BaseException = Served(
                 outcome.outputs, where["gpus"], where["load_ms"], outcome.compute_ms,
                 outcome.outputs.get("batch", 1), outcome.first_token_ms, outcome.inter_token_ms,
@@ -185,7 +187,15 @@ def generation_job(job_id: str, jobs: list[Any]) -> dict[str, Any]:
             count[0], said[0] = open_calls, now
             _say_batch(worker, first.replica, open_calls)
 
-    feed = generating.ChildFeed(job_id, jobs, _channel.get(), gen_call, finish, counted)
+    held = [0, 0.0]  # the KV tokens last said, and when
+
+    def holding(tokens: int) -> None:
+        now = time.monotonic()
+        if bool(tokens) != bool(held[0]) or now - held[1] > KV_SAID_EVERY_S:
+            held[0], held[1] = tokens, now
+            _say_kv(worker, first.replica, tokens)
+
+    feed = generating.ChildFeed(job_id, jobs, _channel.get(), gen_call, finish, counted, holding)
 
     def ready(load_ms: float, gpus: list[str]) -> None:
         where["load_ms"], where["gpus"] = load_ms, gpus
@@ -198,7 +208,30 @@ def generation_job(job_id: str, jobs: list[Any]) -> dict[str, Any]:
         writer.flush()
         if count[0]:
             _say_batch(worker, first.replica, 0)
+        if held[0]:
+            _say_kv(worker, first.replica, 0)
     return feed.results
+
+
+KV_SAID_EVERY_S = 1.0  # how often a generating batch's KV-cache use is said (status)
+
+
+def _record(worker: GpuWorker, model: str, generated: Generated) -> None:
+    """Count an ended generating call's tokens and latencies (status, metrics)."""
+    itl = generated.inter_token_ms / 1000 if generated.tokens > 1 else None
+    try:
+        generation.record(
+            worker.registry, model, generated.tokens, generated.first_token_ms / 1000, itl
+        )
+    except Exception:
+        log.warning("could not record a generating call of %s", model, exc_info=True)
+
+
+def _say_kv(worker: GpuWorker, replica: str, tokens: int) -> None:
+    try:
+        generation.mark_kv(worker.registry, replica, tokens)
+    except Exception:
+        log.warning("could not say the KV-cache use of %s", replica, exc_info=True)
 
 
 class _Channel:

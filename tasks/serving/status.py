@@ -3,8 +3,9 @@ returns and the Prometheus metrics are built from (`tasks.operator.metrics`).
 
 Every figure is read from the registry and the broker when it is asked for, so any process
 can build it and all agree: the ledger's report (`placement.ledger.report`), request outcomes,
-each model's load, the depth of every fleet queue, the calls no live worker will take
-(`stranded`) and the calls quarantined (`tasks.broker.quarantine`).
+each model's load, what generating calls took and the KV cache they hold
+(`placement.ledger.generation`), the depth of every fleet queue, the calls no live worker
+will take (`stranded`) and the calls quarantined (`tasks.broker.quarantine`).
 """
 
 from __future__ import annotations
@@ -14,9 +15,12 @@ from typing import Any
 import redis
 
 from placement.errors import GpufleetError
+from placement.ledger import generation
 from placement.ledger.load import placed_replicas, read_loads
 from placement.ledger.registry import Registry
 from placement.ledger.report import load_report, request_report, status_report
+from placement.policy.state import Snapshot
+from tasks import context
 from tasks.broker import presence, quarantine
 from tasks.config import ROUTER_QUEUES
 
@@ -28,6 +32,7 @@ def full_status(registry: Registry, broker_url: str) -> dict[str, Any]:
     report["requests"] = request_report(registry.stats(snap))
     placed = placed_replicas(snap.deployments.values(), snap.by_model)
     report["load"] = load_report(read_loads(registry, placed))
+    report["generation"] = generation_report(registry, snap)
     queues = {*ROUTER_QUEUES} | {g.queue for g in snap.gpus.values() if g.queue}
     client = redis.Redis.from_url(broker_url)
     try:
@@ -51,3 +56,40 @@ def full_status(registry: Registry, broker_url: str) -> dict[str, Any]:
     finally:
         client.close()
     return report
+
+
+def generation_report(registry: Registry, snap: Snapshot) -> dict[str, Any]:
+    """Per generation model: its KV-cache budget (from the catalog, when this process has
+    it), the tokens its running batches hold now, and what its calls took."""
+    figures = generation.read(registry)
+    replicas = {r: d.model for r, d in snap.deployments.items()}
+    held = generation.kv_held(registry, replicas)
+    report: dict[str, Any] = {}
+    for model in sorted({*figures, *(replicas[r] for r in held)}):
+        budget = _budget(model)
+        done = figures.get(model)
+        report[model] = {
+            "kv_budget_tokens": budget.tokens if budget else None,
+            "kv_budget_bytes": budget.bytes if budget else None,
+            "kv_held_tokens": sum(t for r, t in held.items() if replicas[r] == model),
+            "calls": done.calls if done else 0,
+            "tokens": done.tokens if done else 0,
+            "ttft_mean_ms": _mean_ms(done.ttft) if done else None,
+            "inter_token_mean_ms": _mean_ms(done.itl) if done else None,
+            "ttft_buckets": done.ttft.buckets if done else [],
+            "ttft_sum_s": done.ttft.sum if done else 0.0,
+            "itl_buckets": done.itl.buckets if done else [],
+            "itl_sum_s": done.itl.sum if done else 0.0,
+        }
+    return report
+
+
+def _budget(model: str) -> Any:
+    try:
+        return context.catalog().get(model).kv_budget()
+    except GpufleetError:  # no catalog here, or a model it does not list
+        return None
+
+
+def _mean_ms(histogram: generation.Histogram) -> float | None:
+    return round(histogram.sum / histogram.count * 1000, 3) if histogram.count else None

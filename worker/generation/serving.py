@@ -69,6 +69,10 @@ class Feed(Protocol):
         """Whether calls may still come (False: end once the engine is idle)."""
         ...
 
+    def holding(self, tokens: int) -> None:
+        """After each step: the KV-cache tokens the batch holds now."""
+        ...
+
 
 @dataclass
 class _Running:
@@ -110,6 +114,7 @@ def serve(engine: Engine, feed: Feed, template: str | None) -> None:
             for entry in running.values():
                 feed.finished(entry.call, exc)
             raise
+        feed.holding(engine.held_tokens)
         for sequence in ended:
             call_key, _ = cast(tuple[str, int], sequence.key)
             done = running.get(call_key)
@@ -184,6 +189,9 @@ class Fixed:
 
     def more(self) -> bool:
         return bool(self._calls)
+
+    def holding(self, tokens: int) -> None:
+        pass
 
 
 def run_calls(engine: Engine, calls: list[GenCall], template: str | None) -> list[Any]:

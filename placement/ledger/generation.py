@@ -1,0 +1,116 @@
+"""What generating calls took, per model, kept in the registry for status and metrics.
+
+A GPU worker records each generating call as it ends (`record`): its tokens, its time to
+first token and its mean time between tokens, as counts in the buckets of two histograms
+(Prometheus's cumulative form is built when read), plus their sums. While a replica
+generates, its worker also says how many KV-cache tokens its batch holds (`mark_kv`,
+expiring like `mark_batch`'s count), so `gpufleet status` shows the budget's use.
+Every figure comes from Redis at the time it is read, so any process reports the same.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from placement.ledger.load import BATCH_TTL_MS
+from placement.ledger.store import Store
+
+#: Upper bounds (seconds) of the histogram buckets: defaults, not tuned, spanning a small
+#: model on a GPU to a large one on a CPU.
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+
+
+def _bucket(value: float, bounds: Sequence[float]) -> str:
+    for bound in bounds:
+        if value <= bound:
+            return str(bound)
+    return "+Inf"
+
+
+def record(store: Store, model: str, tokens: int, ttft_s: float, itl_s: float | None) -> None:
+    """Count one ended generating call of `model`: its tokens and latencies."""
+    key = store.keys.generation(model)
+    commands: list[tuple[Any, ...]] = [
+        ("hincrby", key, "calls", 1),
+        ("hincrby", key, "tokens", tokens),
+        ("hincrby", key, f"ttft:{_bucket(ttft_s, TTFT_BUCKETS)}", 1),
+        ("hincrbyfloat", key, "ttft_sum", ttft_s),
+        ("sadd", store.keys.generating, model),
+    ]
+    if itl_s is not None:
+        commands += [
+            ("hincrby", key, f"itl:{_bucket(itl_s, ITL_BUCKETS)}", 1),
+            ("hincrby", key, "itl_count", 1),
+            ("hincrbyfloat", key, "itl_sum", itl_s),
+        ]
+    store._read(commands)
+
+
+def mark_kv(store: Store, replica: str, tokens: int) -> None:
+    """Say how many KV-cache tokens `replica`'s running batch holds now (0: none)."""
+    key = store.keys.kv_held(replica)
+    store._read([("psetex", key, BATCH_TTL_MS, tokens) if tokens else ("delete", key)])
+
+
+@dataclass(frozen=True)
+class Histogram:
+    """Cumulative bucket counts (Prometheus's form), with the sum and count of values."""
+
+    buckets: list[tuple[str, int]]  # (upper bound, values at or below it), "+Inf" last
+    sum: float
+    count: int
+
+
+@dataclass(frozen=True)
+class Figures:
+    """One model's generating calls since the fleet began."""
+
+    calls: int
+    tokens: int
+    ttft: Histogram
+    itl: Histogram
+
+
+def read(store: Store) -> dict[str, Figures]:
+    """Every model that generated: its figures, in one round trip after the model list."""
+    models = sorted(m.decode() if isinstance(m, bytes) else m for m in store._one(
+        "smembers", store.keys.generating
+    ))  # fmt: skip
+    rows = store._read([("hgetall", store.keys.generation(m)) for m in models])
+    return {model: _figures(_text(row)) for model, row in zip(models, rows, strict=True)}
+
+
+def kv_held(store: Store, replicas: Iterable[str]) -> dict[str, int]:
+    """KV-cache tokens each of `replicas` holds now (absent: none running)."""
+    names = list(replicas)
+    rows = store._read([("get", store.keys.kv_held(r)) for r in names])
+    return {r: int(v) for r, v in zip(names, rows, strict=True) if v is not None}
+
+
+def _text(row: dict[Any, Any]) -> dict[str, str]:
+    return {
+        (k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
+        for k, v in row.items()
+    }
+
+
+def _figures(row: dict[str, str]) -> Figures:
+    calls = int(row.get("calls", 0))
+    return Figures(
+        calls=calls,
+        tokens=int(row.get("tokens", 0)),
+        ttft=_histogram(row, "ttft", TTFT_BUCKETS, calls),
+        itl=_histogram(row, "itl", ITL_BUCKETS, int(row.get("itl_count", 0))),
+    )
+
+
+def _histogram(row: dict[str, str], name: str, bounds: Sequence[float], count: int) -> Histogram:
+    running, buckets = 0, []
+    for bound in bounds:
+        running += int(row.get(f"{name}:{bound}", 0))
+        buckets.append((str(bound), running))
+    buckets.append(("+Inf", count))
+    return Histogram(buckets, float(row.get(f"{name}_sum", 0.0)), count)
