@@ -41,8 +41,10 @@ from worker.generation.text import Detokenizer
 log = logging.getLogger(__name__)
 
 #: Prompt tokens prefilled in one step beyond its first prompt: a bound on how long the
-#: running rows wait for newcomers (a default, not tuned: vLLM's is 2,048 to 8,192).
-PREFILL_TOKENS = 4096
+#: running rows wait for newcomers, and on the first tokens of short prompts behind long
+#: ones. vLLM's default for chunked prefill (not tuned here; docs/worker.md has what 4,096
+#: did instead on this CPU).
+PREFILL_TOKENS = 2048
 #: A prefill pass holds prompts of similar lengths: its padded size stays within this
 #: multiple of its real tokens (so at most a quarter of the pass is padding).
 PADDING = 1.25
