@@ -311,6 +311,8 @@ class Batcher:
                 self._stop_watching()
             requests = list(job.requests)
             unread = [r for r in requests if error is None and r.id not in results]
+            # After a lost connection the broker delivers unread calls again: keep none.
+            keep = connection == self._connection
         settled = [r for r in requests if r not in unread]
 
         def each(_: int, request: Any) -> Any:
@@ -321,7 +323,7 @@ class Batcher:
                 return request.revoked()  # announces it, as Celery does for a revoked call
             return request.on_success(outcome)
 
-        if unread:
+        if unread and keep:
             log.debug("%d calls reached a generation job as it ended: they run next", len(unread))
             with self._lock:
                 self._waiting[:0] = [self._entry(r) for r in unread]
