@@ -113,8 +113,10 @@ class SlotLayer(DynamicLayer):  # type: ignore[no-untyped-call]  # transformers'
         used = self._hi - self._lo
         offset = max(used, length)
         shape = (new_rows, self._k.shape[1], new_width, self._k.shape[3])
-        k = torch.zeros(shape, dtype=self._k.dtype, device=self._k.device)
-        v = torch.zeros(shape, dtype=self._v.dtype, device=self._v.device)
+        # Not zeroed: a column is written (a step, a join) or zeroed (padding) before any
+        # row reads it, and zeroing the growth itself cost as much as the copies.
+        k = torch.empty(shape, dtype=self._k.dtype, device=self._k.device)
+        v = torch.empty(shape, dtype=self._v.dtype, device=self._v.device)
         k[: self._rows, :, offset - used : offset] = self._k[: self._rows, :, self._lo : self._hi]
         v[: self._rows, :, offset - used : offset] = self._v[: self._rows, :, self._lo : self._hi]
         self._k, self._v = k, v
