@@ -203,7 +203,7 @@ def test_a_chat_is_rendered_by_the_catalog_template_and_a_model_without_one_refu
         ("x", {"temperature": "hot"}, ["'temperature'", "a number", "'hot'"]),
         ("x", {"top_p": 0}, ["'top_p'", "above 0 to 1"]),
         ("x", {"top_k": 1.5}, ["'top_k'", "whole number"]),
-        ("x", {"repetition_penalty": 11}, ["'repetition_penalty'", "above 0 to 10"]),
+        ("x", {"repetition_penalty": 11}, ["'repetition_penalty'", "from 0.01 to 10"]),
         ("x", {"seed": -1}, ["'seed'", "or null"]),
         ("x", {"stop": ["a"] * 9}, ["'stop'", "up to 8 strings"]),
         ("x", {"stop": [""]}, ["'stop'", "1 to 64 characters"]),
@@ -340,3 +340,75 @@ def test_a_call_its_feed_cancels_stops_every_prompt_and_the_others_run_on(
     assert all(len(tokens) < 30 for tokens in stopped.outputs["tokens"])
     assert isinstance(whole, Generated) and not whole.cancelled
     assert len(whole.outputs["tokens"][0]) == 30 or whole.outputs["finish_reasons"] == ["stop"]
+
+
+def test_the_cache_never_grows_past_the_budget_when_a_long_prompt_joins_a_shrunk_batch(
+    model: tuple[Any, Any],
+) -> None:
+    budget = 1000
+    engine = _engine(model, budget=budget)
+    for i in range(31):  # 31 short rows, then 30 of them leave
+        engine.add(Sequence_(i, [2, 7, 8, 9, 10], Options(max_new_tokens=20 if i == 0 else 10)))
+    long, added, buffers = None, False, set()
+    while engine.busy:
+        engine.step()
+        assert engine.held_tokens <= budget
+        if engine.rows:
+            buffers.add(engine._cache.layers[0]._k.data_ptr())
+        if not added and len(engine.rows) == 1:
+            long = Sequence_("long", [2] + [11] * 199, Options(max_new_tokens=50))
+            engine.add(long)
+            added = True
+    assert long is not None and long.tokens == _alone(model, long.prompt, Options(50))
+    assert len(buffers) < 8  # the buffers grew a few times, not at every step
+
+
+def test_a_temperature_too_small_for_float32_is_greedy_and_fails_no_call(
+    model: tuple[Any, Any],
+) -> None:
+    prompt = [2, 50, 51, 52]
+    tiny = Options(max_new_tokens=20, choice=Choice(temperature=1e-40), seed=1)
+    assert _alone(model, prompt, tiny) == _alone(model, prompt, Options(max_new_tokens=20))
+
+
+@pytest.mark.parametrize(
+    ("params", "fragment"),
+    [
+        ({"repetition_penalty": 0.001}, "from 0.01 to 10"),
+        ({"temperature": 10**400}, "from 0 to 2"),
+        ({"seed": 2**70}, "or null"),
+    ],
+)
+def test_numbers_out_of_range_however_large_get_a_payload_error(
+    params: dict[str, Any], fragment: str
+) -> None:
+    with pytest.raises(PayloadError, match=fragment):
+        gen_params.validate("x", params)
+
+
+def test_a_model_with_sliding_window_layers_runs_its_calls_one_at_a_time_correctly() -> None:
+    config = {
+        "model_type": "mistral", "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "vocab_size": 512, "max_position_embeddings": 256, "sliding_window": 16,
+    }  # fmt: skip
+    entry = {"source": "synthetic", "task": "text-generation", "memory": "64MiB"}
+    spec = Catalog.from_mapping({"models": {"slide": {**entry, "config": config}}})["slide"]
+    net, tokenizer = build_synthetic(spec)
+    engine = Engine(net, tokenizer, CPU, budget=10**6, window=256)
+    calls = [Sequence_(i, [2] + [7] * (3 + 9 * i), Options(max_new_tokens=5 + i)) for i in range(4)]
+    for sequence in calls:
+        engine.add(sequence)
+    most = 0
+    while engine.busy:
+        engine.step()
+        most = max(most, len(engine.rows))
+    assert most == 1
+    for sequence in calls:
+        alone = Engine(net, tokenizer, CPU, budget=10**6, window=256)
+        again = Sequence_("a", sequence.prompt, sequence.options)
+        alone.add(again)
+        alone.run()
+        assert (
+            sequence.tokens == again.tokens and len(again.tokens) == sequence.options.max_new_tokens
+        )

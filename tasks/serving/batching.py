@@ -286,15 +286,16 @@ class Batcher:
         self._watch = self._timer.call_repeatedly(WATCH_S, self._forward_revokes)
 
     def _forward_revokes(self) -> None:
-        """Tell the child of the running job's calls that Celery revoked since."""
+        """Tell the child of the running job's calls that Celery revoked. Told again at
+        every look until the job ends: a job from before a lost connection may still hold
+        the child and read (and drop) what was meant for this one."""
         with self._lock:
             job, gen = self._generation, self._gen
             if job is None or gen is None or (channel := gen.channel()) is None:
                 return
             for request in job.requests:
-                fresh = request.id in revoked_tasks and request.id not in job.cancelled
-                if fresh and channel.send(("cancel", job.id, request.id)):
-                    job.cancelled.add(request.id)
+                if request.id in revoked_tasks:
+                    channel.send(("cancel", job.id, request.id))
 
     def _stop_watching(self) -> None:
         if self._watch is not None:
@@ -320,7 +321,11 @@ class Batcher:
                 return request.on_failure(error)
             outcome = results[request.id]
             if outcome == generating.REVOKED:
-                return request.revoked()  # announces it, as Celery does for a revoked call
+                # Announced as Celery does for a revoked call (even if its id has aged out
+                # of the worker's revoked set since: it must be acknowledged and told).
+                if not request.revoked():
+                    request._announce_revoked("revoked", False, None, False)
+                return None
             return request.on_success(outcome)
 
         if unread and keep:

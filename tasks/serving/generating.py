@@ -95,7 +95,6 @@ class Job:
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     started: float = field(default_factory=time.monotonic)
     accepted: tuple[int, float] | None = None  # the child's pid and when, once it took it
-    cancelled: set[str] = field(default_factory=set)
 
     def joinable(self, call: Call, window_s: float) -> bool:
         return (

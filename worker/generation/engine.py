@@ -124,13 +124,16 @@ class Engine:
         # transformers 5.2x renamed the forward's `past_key_values` to `cache`
         named = inspect.signature(model.forward).parameters
         self._cache_arg = "cache" if "cache" in named else "past_key_values"
+        # A prompt's pass needs the logits of its last position only, not [rows, width,
+        # vocabulary] of them (600 MB for 2,048 tokens of a 150k vocabulary).
+        self._last_logits = {"logits_to_keep": 1} if "logits_to_keep" in named else {}
         self.waiting: deque[Sequence_] = deque()
         self.rows: list[Sequence_] = []
         self._cache: Any = None
         self._mask: torch.Tensor | None = None  # [rows, width]: 1 where a row has a token
         self._seen: torch.Tensor | None = None  # [rows, vocab]: tokens each row has had
         self._columns: sampling.Columns | None = None
-        self._merges = True  # rows of different lengths share the cache (`slots.supported`)
+        self._merges = slots.supported(model)  # rows share one cache; else one at a time
         self.peak_tokens = 0  # the most cache positions held at once (rows x width)
         self.steps = 0
 
@@ -265,9 +268,13 @@ class Engine:
             mask[row, width - len(sequence.prompt) :] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        out = self.model(
+            input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+            **self._last_logits,
+        )  # fmt: skip
         seen = torch.zeros((len(sequences), self.vocab), dtype=torch.bool, device=self.device)
-        seen.scatter_(1, ids, mask.bool())
+        for row, sequence in enumerate(sequences):  # its own tokens, not the padding's
+            seen[row, torch.tensor(sequence.prompt, device=self.device)] = True
         columns = sampling.Columns([s.options.choice for s in sequences], self.device)
         first = sampling.pick(out.logits[:, -1, :], columns, seen, [s.generator for s in sequences])
         self._join(sequences, _cache_of(out), mask, seen)
@@ -279,7 +286,6 @@ class Engine:
     ) -> None:
         """Add prefilled rows to the batch, left-padding whichever side is narrower."""
         if self._cache is None or self._mask is None or self._seen is None:
-            self._merges = slots.supported(cache)
             self._cache = slots.from_prefill(cache, self.budget) if self._merges else cache
             self._mask, self._seen = mask, seen
         else:

@@ -11,7 +11,7 @@ max_new_tokens        1 to 512                   16
 temperature           0 to 2; 0 is greedy        0 (greedy: the same call, the same text)
 top_p                 above 0, up to 1           1 (off)
 top_k                 0 to 1000; 0 is off        0
-repetition_penalty    above 0, up to 10          1 (off); transformers' rule
+repetition_penalty    0.01 to 10                 1 (off); transformers' rule
 stop                  a string or up to 8        none; the text ends before the first one
                       strings of 1-64 chars
 seed                  0 to 2**63-1, or null      null (a fresh seed per call)
@@ -60,7 +60,7 @@ class Number:
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
         if number and self.whole and not isinstance(value, int):
             number = False
-        if number and math.isfinite(value):  # type: ignore[arg-type]
+        if number and (isinstance(value, int) or math.isfinite(value)):  # type: ignore[arg-type]
             above = value > self.low if self.open_low else value >= self.low  # type: ignore[operator]
             if above and value <= self.high:  # type: ignore[operator]
                 return value if self.whole else float(value)  # type: ignore[arg-type]
@@ -117,7 +117,7 @@ PARAMS: dict[str, Any] = {
     "temperature": Number(0.0, 0, 2, note="0 is greedy"),
     "top_p": Number(1.0, 0, 1, open_low=True),
     "top_k": Number(0, 0, MAX_TOP_K, whole=True, note="0 is off"),
-    "repetition_penalty": Number(1.0, 0, 10, open_low=True, note="1 is off"),
+    "repetition_penalty": Number(1.0, 0.01, 10, note="1 is off"),
     "stop": Stops(),
     "seed": Number(None, 0, MAX_SEED, whole=True, nullable=True),
     "stream": Flag(False),

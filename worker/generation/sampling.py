@@ -5,9 +5,10 @@ batch whose calls asked for different ones would run them per call; here each pa
 column of per-row values instead. The rules are transformers' own, in its order: the
 repetition penalty (on every token the row has seen, prompt included: a positive score is
 divided by it, a negative one multiplied), then temperature, top-k and top-p (the smallest
-set of tokens whose probability reaches `top_p`, never empty). A row with temperature 0 takes
-the highest score (greedy). Each sampling row draws from its own `torch.Generator`, seeded by
-its call, so a seed gives the same tokens whatever else shares the batch.
+set of tokens whose probability reaches `top_p`, never empty). A row with temperature 0
+(below `MIN_TEMPERATURE`) takes the highest score (greedy). Each sampling row draws from its
+own `torch.Generator`, seeded by its call, so a seed gives the same tokens whatever else
+shares the batch.
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+#: Temperatures below this are greedy: dividing float32 scores by less overflows them.
+MIN_TEMPERATURE = 1e-4
 
 
 @dataclass(frozen=True)
@@ -29,7 +33,8 @@ class Choice:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperature 0, or one so small that float32 scores would overflow by it."""
+        return self.temperature < MIN_TEMPERATURE
 
 
 class Columns:
@@ -41,7 +46,7 @@ class Columns:
         penalties = [c.repetition_penalty for c in choices]
         self.penalised = any(p != 1.0 for p in penalties)
         self.penalty = torch.tensor(penalties, dtype=torch.float32, device=device)[:, None]
-        temps = [c.temperature if c.temperature > 0 else 1.0 for c in choices]
+        temps = [1.0 if c.greedy else c.temperature for c in choices]
         self.temperature = torch.tensor(temps, dtype=torch.float32, device=device)[:, None]
         self.top_k = [c.top_k for c in choices]
         self.filter_k = any(k > 0 for k in self.top_k)
@@ -72,8 +77,9 @@ def pick(
         probs = _top_p(probs, columns.top_p)
     picked = greedy.tolist()
     for row, generator in enumerate(generators):
-        if not columns.greedy[row]:
+        if not columns.greedy[row] and bool(torch.isfinite(probs[row]).all()):
             picked[row] = int(torch.multinomial(probs[row], 1, generator=generator))
+        # (a row whose probabilities overflowed keeps its best token)
     return [int(t) for t in picked]
 
 

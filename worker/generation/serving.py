@@ -84,8 +84,8 @@ class _Running:
 def serve(engine: Engine, feed: Feed, template: str | None) -> None:
     """Run calls from `feed` on `engine` until the feed has no more and the engine is idle.
 
-    A bad payload fails its own call at once; an error of the model itself fails every call
-    running (the batch's state is unknown after it) and propagates.
+    A bad payload fails its own call at once; an error of the model itself propagates, and
+    the feed's owner fails the calls it fed (the batch's state is unknown after it).
     """
     running: dict[str, _Running] = {}
     while True:
@@ -108,12 +108,8 @@ def serve(engine: Engine, feed: Feed, template: str | None) -> None:
             if not feed.more():
                 return
             continue
-        try:
-            ended = engine.step()
-        except BaseException as exc:
-            for entry in running.values():
-                feed.finished(entry.call, exc)
-            raise
+        ended = engine.step()  # an error of the model propagates: the caller fails the
+        # calls it fed (after checking for a fatal CUDA error, which restarts the process)
         feed.holding(engine.held_tokens)
         for sequence in ended:
             call_key, _ = cast(tuple[str, int], sequence.key)

@@ -24,12 +24,14 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 GROWTH = 2  # a full buffer is reallocated this many times larger (amortised growth)
 
 
-def supported(cache: Any) -> bool:
-    """Whether a prefill's cache is plain full attention in every layer."""
-    layers = getattr(cache, "layers", None)
-    if not layers:
+def supported(model: Any) -> bool:
+    """Whether `model`'s cache is plain full attention in every layer (the cache
+    transformers would build for it, without tensors); False when that cannot be told."""
+    try:
+        layers = DynamicCache(config=model.config).layers
+    except Exception:  # a config transformers' cache cannot read
         return False
-    return all(type(layer) is DynamicLayer for layer in layers)
+    return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
 
 
 class SlotLayer(DynamicLayer):  # type: ignore[no-untyped-call]  # transformers' class
@@ -103,12 +105,18 @@ class SlotLayer(DynamicLayer):  # type: ignore[no-untyped-call]  # transformers'
         fits = rows <= have_rows and self._hi + new <= have_width and self._hi >= length
         if fits:
             return
-        new_rows = have_rows
-        if rows > have_rows:
-            new_rows = max(rows, min(have_rows * GROWTH, self.budget // max(width, 1)))
         new_width = have_width
         if width > have_width:
-            new_width = max(width, min(have_width * GROWTH, self.budget // new_rows))
+            new_width = max(width, min(have_width * GROWTH, self.budget // max(rows, 1)))
+        new_rows = have_rows
+        if rows > have_rows:
+            new_rows = max(rows, min(have_rows * GROWTH, self.budget // new_width))
+        # Within the budget: spare rows go first, then spare columns (what is needed,
+        # rows x width, fits it: the engine admits no more).
+        if new_rows * new_width > self.budget:
+            new_rows = max(rows, self.budget // new_width)
+        if new_rows * new_width > self.budget:
+            new_width = max(width, self.budget // new_rows)
         # Copy the used columns so that they end at `offset`, leaving room left of them.
         used = self._hi - self._lo
         offset = max(used, length)
