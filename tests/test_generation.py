@@ -7,7 +7,7 @@ The references are transformers' own `generate` and each call run alone; nothing
 from __future__ import annotations
 
 import random
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -412,3 +412,28 @@ def test_a_model_with_sliding_window_layers_runs_its_calls_one_at_a_time_correct
         assert (
             sequence.tokens == again.tokens and len(again.tokens) == sequence.options.max_new_tokens
         )
+
+
+def test_prompts_prefilled_in_one_padded_pass_still_get_the_tokens_they_get_alone(
+    model: tuple[Any, Any],
+) -> None:
+    class Counting(Engine):
+        passes: ClassVar[list[int]] = []
+
+        def _prefill_group(self, sequences: list[Sequence_]) -> None:
+            self.passes.append(len(sequences))
+            super()._prefill_group(sequences)
+
+    net, tokenizer = model
+    prompts = _prompts(12, seed=9)
+    for merge, most_passes in ((True, 1), (False, 12)):
+        Counting.passes = []
+        engine = Counting(net, tokenizer, CPU, budget=10**6, window=256, merge_prefill=merge)
+        calls = [Sequence_(i, p, Options(max_new_tokens=n)) for i, (p, n) in enumerate(prompts)]
+        for sequence in calls:
+            engine.add(sequence)
+        engine.run()
+        assert 1 <= len(Counting.passes) <= most_passes
+        for sequence, (prompt, new) in zip(calls, prompts, strict=True):
+            assert sequence.tokens == _alone(model, prompt, Options(max_new_tokens=new))
+    assert len(Counting.passes) > 1  # lengths from 4 to 60: more than one pass on a CPU

@@ -112,6 +112,7 @@ class Engine:
         window: int | None,
         max_rows: int = 64,
         eos: frozenset[int] = frozenset(),
+        merge_prefill: bool | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -120,6 +121,9 @@ class Engine:
         self.window = window
         self.eos = eos
         self.max_rows = max_rows
+        # On a GPU a pass of a model this engine serves is mostly kernel launches, so
+        # padding costs little next to another pass; on a CPU it is compute.
+        self.merge_prefill = device.type == "cuda" if merge_prefill is None else merge_prefill
         self.vocab = int(model.get_output_embeddings().weight.shape[0])
         # transformers 5.2x renamed the forward's `past_key_values` to `cache`
         named = inspect.signature(model.forward).parameters
@@ -246,11 +250,18 @@ class Engine:
         return admitted
 
     def _prefill(self, admitted: list[Sequence_]) -> None:
-        """Prefill the new prompts in passes of similar lengths, shortest first."""
+        """Prefill the new prompts in passes, shortest first: of similar lengths (at most
+        PADDING of a pass padding) where compute is what a pass costs, or as few passes of
+        up to PREFILL_TOKENS padded tokens as hold them where launching a pass is
+        (`merge_prefill`)."""
         group: list[Sequence_] = []
         for sequence in sorted(admitted, key=lambda s: len(s.prompt)):
-            wider = (len(group) + 1) * len(sequence.prompt)
-            if group and wider > PADDING * sum(len(s.prompt) for s in (*group, sequence)):
+            padded = (len(group) + 1) * len(sequence.prompt)
+            if self.merge_prefill:
+                full = padded > PREFILL_TOKENS
+            else:
+                full = padded > PADDING * sum(len(s.prompt) for s in (*group, sequence))
+            if group and full:
                 self._prefill_group(group)
                 group = []
             group.append(sequence)
