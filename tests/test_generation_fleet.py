@@ -147,6 +147,8 @@ def test_a_cancelled_call_stops_within_a_step_ends_revoked_and_the_worker_serves
     reader = redis.Redis.from_url(fleet.url)
     pieces = streams.read(reader, call.id, call.ready, timeout=60)
     next(pieces)
+    load = fleet.client.send_task("gpufleet.status").get(timeout=30)["load"]["slow-talker"]
+    assert load["running"] >= 1  # the scaling rule sees the generating call as load
     asked = time.monotonic()
     fleet.client.send_task("gpufleet.cancel", args=(call.id,)).get(timeout=30)
     rest = list(pieces)  # the stream ends once the worker stopped the call
