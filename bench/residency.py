@@ -16,12 +16,12 @@ workers run):
   loop above can pass 1.0, and this figure is its real ceiling;
 - `transformers_load_gbps`: the same load through transformers' `from_pretrained`
   (catalog `loader: transformers`), the loader gpufleet's reader replaces;
-- `offload_gbps`: GPU -> pinned CPU, against `d2h_gbps`, a raw device-to-host copy of the
-  same number of bytes into pinned memory allocated for it (the worker empties PyTorch's
-  pinned cache after a restore, so an offload allocates its pinned blocks afresh too). The
-  baseline allocates 64 MiB blocks, which the pinned allocator takes as they are, while an
-  offload allocates one block per tensor, each rounded up to a power of two: the ratio
-  errs low;
+- `offload_gbps`: GPU -> pinned CPU, into the worker's pinned arena (`worker.arena`, room
+  for two copies, allocated by the first offload and reused by the later ones; the median
+  of three is a reuse), against `d2h_prepinned_gbps`, a raw device-to-host copy of the
+  same bytes into memory pinned beforehand: what the bus carries. `d2h_fresh_pinned_gbps`
+  (pinned memory allocated on the way, in 64 MiB blocks, as every offload did before the
+  arena) is kept as a diagnostic: on an H200 it was 2.3 GB/s against 55;
 - `warm_restore_gbps`: pinned CPU -> GPU, against `h2d_gbps`, a raw pinned host-to-device
   copy of the same number of bytes (CUDA only; null here).
 
@@ -132,6 +132,23 @@ def h2d_gbps(nbytes: int, device: int) -> float:
     return nbytes / seconds / 1e9
 
 
+def d2h_prepinned_gbps(nbytes: int, device: int) -> float:
+    """Raw device-to-host copy of `nbytes` into memory pinned beforehand (what the bus
+    carries; the worker's pinned arena reuses its memory so), the pinning not timed."""
+    source = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{device}")
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    host.copy_(source, non_blocking=True)  # warm the path once
+    torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    host.copy_(source, non_blocking=True)
+    torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - start
+    del source, host
+    torch.cuda.empty_cache()
+    empty_host_cache()
+    return nbytes / seconds / 1e9
+
+
 def d2h_gbps(nbytes: int, device: int) -> float:
     """Raw device-to-host copy of `nbytes` into pinned memory allocated for it, as an offload
     must (the allocator's pinned cache emptied first, as the worker keeps it)."""
@@ -167,13 +184,15 @@ def run(mib: int, repeats: int) -> dict[str, Any]:
             for loader in ("auto", "transformers")
         }  # fmt: skip
         slots = {gpu.gpu_id(HOST): 2 * model_bytes}
-        manager = ResidencyManager(devices, HOST, warmup=False)
+        # a pinned arena of room for two copies, as a worker's share of its host's warm cache
+        manager = ResidencyManager(devices, HOST, warmup=False, arena_bytes=4 * model_bytes)
         for spec in specs.values():  # a worker imports its libraries once; time the loads only
             manager.load(spec, "imports", slots)
             manager.drop_all()
         disk, fill, cold, ratios, baseline, offload, restore, raw_h2d, raw_d2h = (
             [] for _ in range(9)
         )
+        prepinned: list[float] = []
         via = set()
         for i in range(repeats):
             before = disk_read_gbps(directory)
@@ -186,6 +205,7 @@ def run(mib: int, repeats: int) -> dict[str, Any]:
             if cuda:
                 raw_h2d.append(h2d_gbps(model_bytes, gpu.cuda_index or 0))
                 raw_d2h.append(d2h_gbps(model_bytes, gpu.cuda_index or 0))
+                prepinned.append(d2h_prepinned_gbps(model_bytes, gpu.cuda_index or 0))
             disk.append(max(before, disk_read_gbps(directory)))
             fill.append(page_cache_fill_gbps(directory))
             cold.append(report.gbps)
@@ -199,7 +219,7 @@ def run(mib: int, repeats: int) -> dict[str, Any]:
         return round(statistics.median(values), 3) if values else None
 
     restore_gbps, h2d = median(restore), median(raw_h2d)
-    offload_gbps, d2h = median(offload), median(raw_d2h)
+    offload_gbps, d2h = median(offload), median(prepinned)
     return {
         "device": torch.cuda.get_device_name(0) if cuda else f"cpu ({platform.processor()})",
         "model_bytes": model_bytes,
@@ -211,15 +231,16 @@ def run(mib: int, repeats: int) -> dict[str, Any]:
         "page_cache_fill_gbps": median(fill),
         "transformers_load_gbps": median(baseline),
         "offload_gbps": offload_gbps,
-        "d2h_gbps": d2h,
+        "d2h_prepinned_gbps": d2h,
         "offload_ratio": round(offload_gbps / d2h, 3) if offload_gbps and d2h else None,
+        "d2h_fresh_pinned_gbps": median(raw_d2h),  # a diagnostic: pinning on the way
         "warm_restore_gbps": restore_gbps,
         "h2d_gbps": h2d,
         "warm_restore_ratio": round(restore_gbps / h2d, 3) if restore_gbps and h2d else None,
         "targets": {
             "cold_load_ratio": ">= 0.7",
-            "offload_ratio": ">= 0.8 (CUDA)",
-            "warm_restore_ratio": ">= 0.8 (CUDA)",
+            "offload_ratio": ">= 0.8 (CUDA, against d2h_prepinned_gbps)",
+            "warm_restore_ratio": ">= 0.85 (CUDA)",
         },
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
     }

@@ -93,40 +93,43 @@ def load_on(arg: str) -> dict[str, Any]:
     }
 
 
-def _pinned_bytes() -> int:
-    """Pinned host memory PyTorch's allocator holds (blocks in use and cached)."""
-    return int(torch.cuda.host_memory_stats()["allocated_bytes.current"])
-
-
 def offload_restore(arg: str) -> dict[str, Any]:
-    """Load, offload and restore MiniLM; report device memory by torch and NVML at each step."""
+    """Load, offload and restore MiniLM, then offload it again; report device memory by
+    torch and NVML, and what the pinned arena held at each step."""
     devices = _devices()
     first, second = devices[0], devices[int(arg)]
-    manager = ResidencyManager(devices, HOST)
+    manager = ResidencyManager(devices, HOST, arena_bytes=GiB)
+    assert manager.arena is not None
     spec = Catalog.load(REPO / "models.yaml").get("minilm")
     manager.load(spec, "r1", {first.gpu_id(HOST): GiB})
     before = manager.infer("r1", "same input")
     loaded = (torch.cuda.memory_reserved(0), _nvml_used(first.index))
-    pinned = [_pinned_bytes()]
+    arena = [manager.arena.pinned]
     offload = manager.offload("r1")
     offloaded = (torch.cuda.memory_reserved(0), _nvml_used(first.index))
-    pinned.append(_pinned_bytes())
+    arena.append(manager.arena.pinned)
     copy_bytes = manager.copy_bytes("r1")
+    warm_pinned = all(p.is_pinned() for p in manager.residents["r1"].model.parameters())
     restore = manager.restore("r1", {second.gpu_id(HOST): GiB})
     manager.trim_host_cache()  # as the keeper does once the restore is confirmed
-    pinned.append(_pinned_bytes())
+    free_after_restore = manager.arena.free
     model = manager.residents["r1"].model
-    return {
-        "pinned_bytes": pinned,
+    result = {
         "copy_bytes": copy_bytes,
         "reserved": [loaded[0], offloaded[0]],
         "nvml_used": [loaded[1], offloaded[1]],
-        "pinned": all(p.is_cuda or p.is_pinned() for p in model.parameters()),
+        "pinned": warm_pinned,
         "param_devices": sorted({str(p.device) for p in model.parameters()}),
         "same_output": manager.infer("r1", "same input") == before,
         "offload_gbps": offload.gbps,
         "restore_gbps": restore.gbps,
+        "arena_free_after_restore": free_after_restore,
     }
+    again = manager.offload("r1")  # into the region the first copy gave back
+    arena.append(manager.arena.pinned)
+    result["arena_pinned"] = arena
+    result["offload_again_gbps"] = again.gbps
+    return result
 
 
 def read_vs_transformers(arg: str) -> dict[str, Any]:

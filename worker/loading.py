@@ -27,6 +27,7 @@ import torch
 from placement.catalog.catalog import ModelSpec
 from placement.errors import ConfigError, PlacementError, UnsupportedCheckpointError
 from worker import handlers
+from worker.arena import PinnedArena, Region, layout
 from worker.checkpoint import Checkpoint
 from worker.synthetic import build_synthetic
 
@@ -284,33 +285,52 @@ def place(model: Any, plan: Mapping[int, int], simulated: bool) -> Any:
     return model
 
 
-def to_cpu(model: Any, pin: bool) -> Any:
+def to_cpu(model: Any, pin: bool, arena: PinnedArena | None = None) -> tuple[Any, Region | None]:
     """Take a model off its GPUs: drop accelerate's hooks, move to CPU, pin for fast restores.
+    Returns the model and the arena region its copy took (None: it took none).
 
-    Pinned, each tensor is copied from the device straight into its own pinned block: going
-    through pageable memory first (`model.to("cpu")`, then `pin_memory()`) copies every
-    byte twice, and the device-to-pageable copy is the slow one."""
+    Pinned, each tensor is copied from the device straight into pinned memory: going through
+    pageable memory first (`model.to("cpu")`, then `pin_memory()`) copies every byte twice,
+    and the device-to-pageable copy is the slow one. With an `arena`, the copy takes one
+    region of memory pinned beforehand, each tensor a page-aligned slice of it
+    (`worker.arena`); without one, or when the arena has no room, each tensor gets a block
+    pinned for it, which costs more than the copy."""
     from accelerate.hooks import remove_hook_from_module
 
     remove_hook_from_module(model, recurse=True)
     if not pin:
-        return model.to("cpu")
+        return model.to("cpu"), None
+    tensors = [*model.parameters(), *model.buffers()]
+    # plain tensors only: a subclass (a quantized weight) keeps state `.data` drops
+    moving = [t for t in tensors if t.data.device.type == "cuda" and type(t.data) is torch.Tensor]
+    offsets, total = layout([t.data for t in moving])
+    region = arena.reserve(total) if arena is not None and moving else None
+    if arena is not None and moving and region is None:
+        log.warning("no room in the pinned arena for a %d-byte copy: pinning it apart", total)
     sources: set[torch.device] = set()
     try:
-        for tensor in (*model.parameters(), *model.buffers()):
+        for index, tensor in enumerate(moving):
             data = tensor.data
-            # plain tensors only: a subclass (a quantized weight) keeps state `.data` drops
-            if data.device.type == "cuda" and type(data) is torch.Tensor:
+            if region is not None and arena is not None:
+                host = arena.view(region, offsets[index], data.dtype, data.shape)
+            else:
                 host = torch.empty(data.shape, dtype=data.dtype, pin_memory=True)
-                host.copy_(data, non_blocking=True)
-                sources.add(data.device)
-                tensor.data = host
-            elif not data.is_pinned():
-                tensor.data = data.to("cpu").pin_memory()
+            host.copy_(data, non_blocking=True)
+            sources.add(data.device)
+            tensor.data = host
+        for tensor in tensors:
+            if tensor.data.device.type != "cpu" or not tensor.data.is_pinned():
+                tensor.data = tensor.data.to("cpu").pin_memory()
+    except BaseException:
+        if region is not None and arena is not None:
+            for device in sources:  # no copy may still write into the region once it is free
+                torch.cuda.synchronize(device)
+            arena.release(region)
+        raise
     finally:
         for device in sources:  # the copies are queued: the copy is whole once they ran
             torch.cuda.synchronize(device)
-    return model
+    return model, region
 
 
 def empty_host_cache() -> None:
@@ -358,11 +378,15 @@ def _normal(device: torch.device) -> tuple[str, int]:
     return device.type, index
 
 
-def pinned_bytes(model: Any) -> int:
-    """Host memory a pinned CPU copy of the model takes: PyTorch's pinned-memory allocator
-    rounds each tensor's block up to a power of two (`torch.cuda.host_memory_stats`), so a
-    copy may take up to twice its tensors' bytes."""
-    sizes = (t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+def pinned_bytes(model: Any, arena: bool = False) -> int:
+    """Host memory a pinned CPU copy of the model takes: in an arena, each device tensor's
+    bytes rounded up to a page (`worker.arena.layout`); pinned apart, each rounded up to a
+    power of two, as PyTorch's pinned-memory allocator does (`torch.cuda.host_memory_stats`),
+    so up to twice its tensors' bytes."""
+    tensors = [*model.parameters(), *model.buffers()]
+    if arena:
+        return layout([t.data for t in tensors])[1]
+    sizes = (t.numel() * t.element_size() for t in tensors)
     return sum(1 << (n - 1).bit_length() for n in sizes if n > 0)
 
 

@@ -66,8 +66,11 @@ class GpuWorker:
         self.queue = queue
         self.worker_id = make_worker_id(host, devices)
         self.manager = ResidencyManager(
-            visible, host, registry=registry, whole_pass_errors=whole_pass_errors, threads=threads
-        )
+            visible, host, registry=registry, whole_pass_errors=whole_pass_errors,
+            threads=threads,
+            # this process's share of the host's warm cache, as the GPUs it owns of the host's
+            arena_bytes=warm_budget * len(devices) // max(len(visible), 1),
+        )  # fmt: skip
         self.keeper = Keeper(registry, self.manager, self.worker_id, spec_of)
         self.lease = WorkerLease(
             registry,

@@ -38,6 +38,7 @@ from placement.policy.state import Holding, Level
 from placement.rules.batching import UNBATCHED_TASKS
 from placement.units.memory import format_size, process_fraction
 from worker import handlers, loading
+from worker.arena import PinnedArena, Region, pinned_chunk
 from worker.devices import Device
 from worker.generation import serving as generation
 from worker.generation.replica import replica_engine
@@ -63,6 +64,7 @@ class Resident:
     host_bytes: int  # what its copy takes in host memory once offloaded (pinned: rounded up)
     limit: int = 0  # the ledger's admission limit, when above the reservation
     epoch: int = 0  # the ledger placement it was loaded or restored for
+    region: Region | None = None  # where its warm copy lies in the pinned arena
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     @property
@@ -125,6 +127,7 @@ class ResidencyManager:
         warmup: bool = True,
         whole_pass_errors: tuple[type[BaseException], ...] = (),
         threads: int = 0,
+        arena_bytes: int = 0,
     ) -> None:
         self.host = host
         self.threads = threads  # torch's CPU threads for a pass (`worker.passes`); 0: as is
@@ -139,6 +142,9 @@ class ResidencyManager:
         self._charged: dict[int, int] = {}  # simulated device index -> accounted bytes
         self._capped: set[int] = set()  # real devices whose fraction this process set
         self._pin = torch.cuda.is_available() and not all(d.simulated for d in devices)
+        # Warm copies go to host memory pinned once and reused (`worker.arena`): this
+        # process's share of the host's warm cache.
+        self.arena = PinnedArena(arena_bytes, pinned_chunk) if self._pin and arena_bytes else None
         # Per model: its weights' bytes on the device, and the peak last reported as its
         # learned memory. A call that needs more reports more (`_learn_from`).
         self._weights: dict[str, int] = {}
@@ -209,7 +215,9 @@ class ResidencyManager:
             seconds = time.perf_counter() - start
             nbytes = loading.tensor_bytes(built.model)
             pinned = self._pin and not simulated  # its offloaded copy will be pinned
-            host_bytes = loading.pinned_bytes(built.model) if pinned else nbytes
+            host_bytes = (
+                loading.pinned_bytes(built.model, self.arena is not None) if pinned else nbytes
+            )
             with self._lock:
                 if simulated and not accounted:
                     accounted = nbytes
@@ -238,7 +246,9 @@ class ResidencyManager:
             plan, simulated = self._plan(resident.slots)
             start = time.perf_counter()
             if not simulated:  # a simulated GPU's copy is in CPU memory already
-                resident.model = loading.to_cpu(resident.model, pin=self._pin)
+                resident.model, resident.region = loading.to_cpu(
+                    resident.model, pin=self._pin, arena=self.arena
+                )
             seconds = time.perf_counter() - start
             with self._lock:
                 resident.slots = {}
@@ -277,10 +287,17 @@ class ResidencyManager:
                     self._arrived(replica)
                 raise
             seconds = time.perf_counter() - start
+            self._give_back(resident)  # `place` waited for its copies: the region is free
             with self._lock:
                 resident.slots, resident.limit, resident.epoch = dict(slots), limit, epoch
                 self._arrived(replica)
         return Report(replica, "restore", seconds, resident.nbytes, devices=_names(plan, simulated))
+
+    def _give_back(self, resident: Resident) -> None:
+        """Return a warm copy's arena region (its tensors are elsewhere, or dropped)."""
+        if resident.region is not None and self.arena is not None:
+            self.arena.release(resident.region)
+        resident.region = None
 
     def copy_bytes(self, replica: str) -> int:
         """Bytes a replica's copy takes in host memory once offloaded; 0 when not known.
@@ -340,6 +357,7 @@ class ResidencyManager:
                     self._uncharge(plan, resident.accounted)
             if resident.model is not None:
                 loading.release(resident.model)  # freed now, cycles or not
+            self._give_back(resident)
             resident.slots = {}  # a call that still holds it finds it gone...
             resident.model = None  # ...and cannot keep its tensors on the device
         return True
