@@ -373,15 +373,19 @@ class Generate:
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], dict):
             raise PayloadError("stream takes one prompt (a string) or one chat; send it alone")
         call = infer.apply_async((model, prompt, {**params, "stream": True}))
-        ended = False
+        ended, given = False, ""
         try:
             for _, text in streams.read(app.backend.client, call.id, call.ready, timeout):
+                given += text
                 yield text
             ended = True
         finally:
             if not ended:
                 cancel.delay(call.id)
-        call.get(timeout=timeout)  # the call's error, if it failed
+        answer = call.get(timeout=timeout)  # the call's error, if it failed
+        whole = answer["outputs"]["texts"][0]
+        if whole.startswith(given) and len(whole) > len(given):
+            yield whole[len(given) :]  # what the stream did not carry (it expired, say)
 
 
 generate = Generate()

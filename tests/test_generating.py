@@ -15,7 +15,7 @@ import pytest
 from celery.worker import state as worker_state
 
 from placement.rules.batching import BatchLimits
-from tasks.serving import generating
+from tasks.serving import generating, streams
 from tasks.serving.batching import Batcher, Generations
 from tasks.serving.generating import REVOKED, Channel, ChildFeed
 from tests.test_batching import _Request
@@ -172,3 +172,51 @@ def test_the_channel_carries_whole_messages_and_refuses_one_too_large(channel: C
     assert channel.receive(0.1) == [("call", "job", "x" * 100_000)]
     assert not channel.send(("call", "job", "x" * (generating.MAX_MESSAGE + 1)))
     assert channel.receive(0.0) == []
+
+
+def _stream(client: Any, task_id: str, entries: list[dict[str, str]]) -> None:
+    for fields in entries:
+        client.xadd(streams.key(task_id), fields)
+
+
+def test_a_stream_read_skips_what_a_rerun_of_its_call_writes_again(redis_client: Any) -> None:
+    run = [{"start": "1"}, {"i": "0", "t": "ab"}, {"i": "0", "t": "c"}]
+    rerun = [{"start": "1"}, {"i": "0", "t": "a"}, {"i": "0", "t": "bcd"}, {"i": "0", "t": "e"}]
+    _stream(redis_client, "t-rerun", [*run, *rerun, {"end": "length"}])
+    pieces = [text for _, text in streams.read(redis_client, "t-rerun", lambda: False, 10)]
+    assert pieces == ["ab", "c", "d", "e"]
+    redis_client.delete(streams.key("t-rerun"))
+
+
+def test_a_stream_whose_rerun_wrote_other_text_says_so(redis_client: Any) -> None:
+    entries = [{"start": "1"}, {"i": "0", "t": "abc"}, {"start": "1"}, {"i": "0", "t": "abX"}]
+    _stream(redis_client, "t-other", entries)
+    reader = streams.read(redis_client, "t-other", lambda: False, 10)
+    assert next(reader) == (0, "abc")
+    with pytest.raises(streams.StreamRestartedError, match=r"read its answer with \.get\(\)"):
+        next(reader)
+    redis_client.delete(streams.key("t-other"))
+
+
+def test_a_stream_that_never_ends_stops_once_its_call_is_answered(redis_client: Any) -> None:
+    _stream(redis_client, "t-open", [{"start": "1"}, {"i": "0", "t": "hi"}])
+    assert list(streams.read(redis_client, "t-open", lambda: True, 10)) == [(0, "hi")]
+    redis_client.delete(streams.key("t-open"))
+
+
+def test_a_job_of_calls_with_time_limits_has_one_and_takes_no_call_that_would_outlive_it(
+    channel: Channel,
+) -> None:
+    pool = _Pool()
+    batcher = _batcher(pool, channel)  # a job takes calls for 60 s
+    batcher(_Request("c1", "r1", time_limits=(5.0, None)))
+    assert pool.jobs[0]["timeout"] == 65.0  # its longest call, begun as late as one may join
+    batcher(_Request("c2", "r1", time_limits=(5.0, None)))  # fits what is left: joins
+    batcher(_Request("c3", "r1", time_limits=(100.0, None)))  # would outlive it: waits
+    batcher(_Request("c4", "r1"))  # no limit at all: waits too
+    assert len(pool.jobs) == 1
+    assert [call.key for call in _child(pool.jobs[0], channel).take(0.0)] == ["c1", "c2"]
+    pool.jobs[0]["timeout_callback"](False, 65.0)  # the pool ended a hung job
+    pool.jobs[0]["error_callback"]("lost")
+    assert pool.jobs[1]["timeout"] is None  # c3 and c4: one of them has no limit
+    assert pool.jobs[1]["ids"] == ["c3", "c4"]

@@ -250,7 +250,7 @@ def test_calls_wait_for_room_in_the_kv_budget_and_the_engine_never_holds_more(
     while engine.busy:
         engine.step()
         most_rows = max(most_rows, len(engine.rows))
-        assert engine.held_tokens <= budget
+        assert engine.capacity_tokens <= budget
     assert most_rows == 2
     assert all(s.finish == "length" and len(s.tokens) == new for s in calls)
     assert engine.peak_tokens <= budget
@@ -352,7 +352,7 @@ def test_the_cache_never_grows_past_the_budget_when_a_long_prompt_joins_a_shrunk
     long, added, buffers = None, False, set()
     while engine.busy:
         engine.step()
-        assert engine.held_tokens <= budget
+        assert engine.capacity_tokens <= budget
         if engine.rows:
             buffers.add(engine._cache.layers[0]._k.data_ptr())
         if not added and len(engine.rows) == 1:
@@ -437,3 +437,15 @@ def test_prompts_prefilled_in_one_padded_pass_still_get_the_tokens_they_get_alon
         for sequence, (prompt, new) in zip(calls, prompts, strict=True):
             assert sequence.tokens == _alone(model, prompt, Options(max_new_tokens=new))
     assert len(Counting.passes) > 1  # lengths from 4 to 60: more than one pass on a CPU
+
+
+def test_a_row_whose_scores_overflow_keeps_its_best_token_and_the_others_sample() -> None:
+    from worker.generation.sampling import Columns, pick
+
+    logits = torch.tensor([[0.0, 5.0, float("nan")], [1.0, 2.0, 3.0]])
+    columns = Columns([Choice(temperature=1.0), Choice(temperature=1.0)], CPU)
+    seen = torch.zeros((2, 3), dtype=torch.bool)
+    generators = [torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)]
+    picked = pick(logits, columns, seen, generators)
+    assert picked[0] == int(logits[0].nan_to_num(float("-inf")).argmax())
+    assert picked[1] in (0, 1, 2)

@@ -46,7 +46,7 @@ def record(store: Store, model: str, tokens: int, ttft_s: float, itl_s: float | 
             ("hincrby", key, "itl_count", 1),
             ("hincrbyfloat", key, "itl_sum", itl_s),
         ]
-    store._read(commands)
+    store._read(commands, atomic=True)  # a reader never sees a bucket past its count
 
 
 def mark_kv(store: Store, replica: str, tokens: int) -> None:
@@ -72,6 +72,11 @@ class Figures:
     tokens: int
     ttft: Histogram
     itl: Histogram
+
+
+def nothing() -> Figures:
+    """The figures of a model with no recorded call: zero in every bucket."""
+    return _figures({})
 
 
 def read(store: Store) -> dict[str, Figures]:

@@ -66,6 +66,7 @@ class Prepared:
 GENERATE = "generate"  # the last part of a generating call's group
 MAX_ROWS = 64  # generating calls one job starts with (as worker.generation.replica)
 WATCH_S = 0.05  # how often a running generation job's calls are checked for revokes
+RETELL_S = 1.0  # how often the child is told again of a revoke it has not acted on
 
 
 @dataclass(frozen=True)
@@ -236,7 +237,7 @@ class Batcher:
     def _join(self, request: Any, call: Call) -> bool:
         """Hand a generating call to the running generation job, if it may take it."""
         job, gen = self._generation, self._gen
-        if job is None or gen is None or not job.joinable(call, gen.window_s):
+        if job is None or gen is None or not job.joinable(call, _hard(request), gen.window_s):
             return False
         channel = gen.channel()
         if channel is None or not channel.send(
@@ -254,6 +255,11 @@ class Batcher:
         first = batch[0].item[1]
         job = generating.Job(first.replica, first.epoch, [w.item[0] for w in batch])
         jobs = [_gen_job(w.item[0], w.item[1], w.since_ms) for w in batch]
+        hards = [_hard(w.item[0]) for w in batch]
+        if all(hard is not None for hard in hards):  # else no limit, as for a batch
+            # a hung pass must not hold the child forever: the longest call, begun as late
+            # as a call may join (calls that would outlive it do not join)
+            job.timeout = gen.window_s + max(h for h in hards if h is not None)
         self._busy = True
         self._generation = job
         connection = self._connection
@@ -269,6 +275,10 @@ class Batcher:
         def failed(exc_info: Any) -> None:
             self._generation_ended(job, connection, {}, exc_info)
 
+        def timed_out(is_soft: bool, timeout: float) -> None:
+            for request in list(job.requests):  # as Celery does for one: fail it
+                request.on_timeout(is_soft, timeout)
+
         try:
             with quarantine.in_hand(r.id for r in job.requests):
                 self._pool.apply_async(
@@ -277,8 +287,10 @@ class Batcher:
                     accept_callback=accepted,
                     callback=done,
                     error_callback=failed,
+                    timeout_callback=timed_out,
+                    timeout=job.timeout,
                     correlation_id=uuid.uuid4().hex,
-                )  # no pool time limits: each call's own ends it in the child
+                )  # each call's own limit ends it in the child, between steps
         except BaseException:
             self._busy = False
             self._generation = None
@@ -293,9 +305,16 @@ class Batcher:
             job, gen = self._generation, self._gen
             if job is None or gen is None or (channel := gen.channel()) is None:
                 return
+            now = time.monotonic()
             for request in job.requests:
-                if request.id in revoked_tasks:
-                    channel.send(("cancel", job.id, request.id))
+                told = job.told.get(request.id)
+                due = told is None or now - told >= RETELL_S
+                if (
+                    request.id in revoked_tasks
+                    and due
+                    and channel.send(("cancel", job.id, request.id))
+                ):
+                    job.told[request.id] = now
 
     def _stop_watching(self) -> None:
         if self._watch is not None:
@@ -392,10 +411,15 @@ def _generates(group: Hashable) -> bool:
     return isinstance(group, tuple) and bool(group) and group[-1] == GENERATE
 
 
+def _hard(request: Any) -> float | None:
+    """A call's hard time limit in seconds: its own, else its task's (None: none)."""
+    hard: float | None = request.time_limits[0] or request.task.time_limit
+    return hard
+
+
 def _gen_job(request: Any, call: Call, since_ms: float) -> tuple[Any, ...]:
     """A generating call for the child: `_job`'s, and its hard time limit in seconds."""
-    hard = request.time_limits[0] or request.task.time_limit
-    return (*_job(request, call, since_ms), hard)
+    return (*_job(request, call, since_ms), _hard(request))
 
 
 def run_batch(

@@ -95,12 +95,16 @@ class Job:
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     started: float = field(default_factory=time.monotonic)
     accepted: tuple[int, float] | None = None  # the child's pid and when, once it took it
+    timeout: float | None = None  # the pool's hard limit on the whole job (None: none)
+    told: dict[str, float] = field(default_factory=dict)  # revoked call -> when last told
 
-    def joinable(self, call: Call, window_s: float) -> bool:
+    def joinable(self, call: Call, hard: float | None, window_s: float) -> bool:
+        """Whether a call (with hard time limit `hard`) may join: the same placement, the
+        job young enough, and the call's limit within what is left of the job's."""
+        age = time.monotonic() - self.started
+        within = self.timeout is None or (hard is not None and age + hard <= self.timeout)
         return (
-            call.replica == self.replica
-            and call.epoch == self.epoch
-            and time.monotonic() - self.started < window_s
+            call.replica == self.replica and call.epoch == self.epoch and age < window_s and within
         )
 
 
@@ -166,11 +170,12 @@ class ChildFeed:
 
     def finished(self, call: Any, outcome: Any) -> None:
         self.open -= 1
-        job = self._jobs.pop(call.key)
+        job = self._jobs[call.key]
         revoked = call.key in self._revoked
         if not revoked and getattr(outcome, "cancelled", False) and _past(call.deadline):
             outcome = TimeLimitExceeded("the call ran past its time limit")
         answer = self._finish(job, call, outcome, revoked)
+        del self._jobs[call.key]  # answered: a failure above left it to `unanswered`
         self.results[call.key] = REVOKED if revoked else answer
 
     def more(self) -> bool:

@@ -162,9 +162,9 @@ def generation_job(job_id: str, jobs: list[Any]) -> dict[str, Any]:
         if call.lease is not None:
             try:
                 worker.registry.finish(call.lease)
-            except GpufleetError:  # the lease expires on its own; the answer stands
+            except Exception:  # the lease expires on its own; the answer stands
                 log.warning("could not end lease %s", call.lease.id, exc_info=True)
-        if isinstance(outcome, Generated):
+        if isinstance(outcome, Generated) and outcome.tokens:
             _record(worker, call.model, outcome)
             served: Served | BaseException = Served(
                 outcome.outputs, where["gpus"], where["load_ms"], outcome.compute_ms,
@@ -173,7 +173,7 @@ def generation_job(job_id: str, jobs: list[Any]) -> dict[str, Any]:
             reason = ",".join(outcome.outputs.get("finish_reasons", [])) or "stop"
         else:
             served, reason = outcome, "error"
-        if gen_call is not None and gen_call.on_text is not None:
+        if isinstance(call.params, dict) and call.params.get("stream") is True:
             writer.end(args[1], "cancelled" if revoked else reason)
         if revoked:
             return None

@@ -67,19 +67,19 @@ def generation_report(registry: Registry, snap: Snapshot) -> dict[str, Any]:
     report: dict[str, Any] = {}
     for model in sorted({*figures, *(replicas[r] for r in held)}):
         budget = _budget(model)
-        done = figures.get(model)
+        done = figures.get(model) or generation.nothing()
         report[model] = {
             "kv_budget_tokens": budget.tokens if budget else None,
             "kv_budget_bytes": budget.bytes if budget else None,
             "kv_held_tokens": sum(t for r, t in held.items() if replicas[r] == model),
-            "calls": done.calls if done else 0,
-            "tokens": done.tokens if done else 0,
-            "ttft_mean_ms": _mean_ms(done.ttft) if done else None,
-            "inter_token_mean_ms": _mean_ms(done.itl) if done else None,
-            "ttft_buckets": done.ttft.buckets if done else [],
-            "ttft_sum_s": done.ttft.sum if done else 0.0,
-            "itl_buckets": done.itl.buckets if done else [],
-            "itl_sum_s": done.itl.sum if done else 0.0,
+            "calls": done.calls,
+            "tokens": done.tokens,
+            "ttft_mean_ms": _mean_ms(done.ttft),
+            "inter_token_mean_ms": _mean_ms(done.itl),
+            "ttft_buckets": done.ttft.buckets,
+            "ttft_sum_s": done.ttft.sum,
+            "itl_buckets": done.itl.buckets,
+            "itl_sum_s": done.itl.sum,
         }
     return report
 

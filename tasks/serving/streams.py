@@ -1,13 +1,15 @@
 """Streamed text of generating calls, carried through the fleet's Redis.
 
 A call sent with `params={"stream": true}` gets a Redis Stream named
-`gpufleet-stream-<task id>`: the GPU worker appends each new piece of text as an entry
-``{"i": prompt index, "t": text}`` (one pipeline per decode step for every streaming call of
-the batch), then an entry ``{"end": finish reason}`` when the call is done (``error`` when
-it failed). The stream expires `TTL_S` after its end. A caller reads it with XREAD
-(its Redis user may: docs/deploy.md, "Security") while the call runs; `read` does that and
-stops at the end entry, or raises the call's error. The call's result is stored as for any
-call, so a plain `.get()` still returns the whole answer.
+`gpufleet-stream-<task id>`: the GPU worker appends an entry ``{"start": "1"}``, then each
+new piece of text as an entry ``{"i": prompt index, "t": text}`` (one pipeline per decode
+step for every streaming call of the batch), then an entry ``{"end": finish reason}`` when
+the call is done (``error`` when it failed). The stream expires `TTL_S` after its last
+write. A call that runs again (its worker was lost) writes a second ``start`` and its text
+from the beginning; `read` skips what it already handed out. A caller reads the stream
+with XREAD (its Redis user may: docs/deploy.md, "Security") while the call runs; `read`
+does that and stops at the end entry. The call's result is stored as for any call, so a
+plain `.get()` still returns the whole answer.
 
 Nothing new is deployed for this: the stream rides on the fleet's Redis, and a caller that
 never reads costs one short-lived key.
@@ -39,7 +41,7 @@ class Writer:
     def __init__(self, client: redis.Redis) -> None:
         self._client = client
         self._pending: list[tuple[str, dict[Any, Any]]] = []
-        self._started: set[str] = set()  # streams written to and not ended
+        self._started: set[str] = set()  # streams this writer (an attempt) has begun
 
     def for_call(self, task_id: str) -> Callable[[int, str], None]:
         """Where the engine hands `task_id`'s new text (prompt index, text)."""
@@ -57,19 +59,20 @@ class Writer:
         pending, self._pending = self._pending, []
         pipe = self._client.pipeline(transaction=False)
         for task_id, fields in pending:
-            pipe.xadd(key(task_id), fields, maxlen=MAX_ENTRIES, approximate=True)
-        # A stream expires TTL_S after its first write and again after its end: a call
-        # lasts far less than TTL_S, and one EXPIRE per step would double the writes.
-        for task_id, fields in pending:
-            if "end" in fields or task_id not in self._started:
-                pipe.expire(key(task_id), TTL_S)
+            if task_id not in self._started:  # this attempt's first write (`read`)
+                pipe.xadd(key(task_id), {"start": "1"}, maxlen=MAX_ENTRIES, approximate=True)
                 self._started.add(task_id)
-            if "end" in fields:
-                self._started.discard(task_id)
+            pipe.xadd(key(task_id), fields, maxlen=MAX_ENTRIES, approximate=True)
+        for task_id in {t for t, _ in pending}:  # in the same round trip
+            pipe.expire(key(task_id), TTL_S)
         try:
             pipe.execute()
         except redis.RedisError as exc:
             log.warning("could not stream %d pieces of text: %s", len(pending), exc)
+
+
+class StreamRestartedError(RuntimeError):
+    """The call ran again (its worker was lost) and wrote other text than it streamed."""
 
 
 def read(
@@ -78,8 +81,10 @@ def read(
     """The (prompt index, text) pieces of `task_id` as they come, until its end entry.
 
     `done` says whether the call's result is stored: a call that ends without an end
-    entry (it failed before it streamed, or its worker died and it ran again elsewhere
-    under the same id) is then the caller's to read with `.get()`. Raises TimeoutError
+    entry (it failed before it streamed) is then the caller's to read with `.get()`. A call
+    run again after its worker was lost streams again from its start (a `start` entry
+    says so): the text already handed out is skipped, and if the new run wrote other text
+    (sampling without a seed), `StreamRestartedError` is raised. Raises TimeoutError
     after `timeout` seconds without the end.
     """
     import time
@@ -87,6 +92,9 @@ def read(
     name = key(task_id)
     last = "0-0"
     deadline = None if timeout is None else time.monotonic() + timeout
+    given: dict[int, str] = {}  # prompt index -> text handed out
+    replay: dict[int, str] | None = None  # after a restart: what is still to be skipped
+    starts = 0
     while True:
         answer: Any = client.xread({name: last}, block=READ_BLOCK_MS, count=256)
         for _, entries in answer or []:
@@ -95,11 +103,33 @@ def read(
                 fields = {_text(k): _text(v) for k, v in raw.items()}
                 if "end" in fields:
                     return
-                yield int(fields.get("i", 0)), fields.get("t", "")
+                if "start" in fields:
+                    starts += 1
+                    replay = dict(given) if starts > 1 else None
+                    continue
+                index, text = int(fields.get("i", 0)), fields.get("t", "")
+                if replay is not None and replay.get(index):
+                    text = _skip(replay, index, text, task_id)
+                if text:
+                    given[index] = given.get(index, "") + text
+                    yield index, text
         if not answer and done():
             return
         if deadline is not None and time.monotonic() > deadline:
             raise TimeoutError(f"call {task_id} did not finish streaming in {timeout} s")
+
+
+def _skip(replay: dict[int, str], index: int, text: str, task_id: str) -> str:
+    """`text` less what the earlier run already handed out of prompt `index`."""
+    pending = replay[index]
+    common = min(len(pending), len(text))
+    if pending[:common] != text[:common]:
+        raise StreamRestartedError(
+            f"call {task_id} ran again after its worker was lost and wrote other text than"
+            " it had streamed (sampling without a seed?); read its answer with .get()"
+        )
+    replay[index] = pending[common:]
+    return text[common:]
 
 
 def _text(value: Any) -> str:

@@ -138,7 +138,7 @@ class Engine:
         self._seen: torch.Tensor | None = None  # [rows, vocab]: tokens each row has had
         self._columns: sampling.Columns | None = None
         self._merges = slots.supported(model)  # rows share one cache; else one at a time
-        self.peak_tokens = 0  # the most cache positions held at once (rows x width)
+        self.peak_tokens = 0  # the most cache positions the buffers held room for at once
         self.steps = 0
 
     # --- what callers do --------------------------------------------------------------
@@ -187,12 +187,17 @@ class Engine:
 
     @property
     def held_tokens(self) -> int:
-        """Cache positions the batch holds room for now (padding included)."""
+        """Cache positions the running rows take now (rows x width, padding included)."""
+        return 0 if self._mask is None else int(self._mask.numel())
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Cache positions the batch's buffers hold room for (at most the budget)."""
         if self._cache is None:
             return 0
         if self._merges:
             return int(self._cache.layers[0].capacity())
-        return int(self._cache.get_seq_length())
+        return self.held_tokens
 
     def step(self) -> list[Sequence_]:
         """Admit what fits, decode one token for every row, and return the sequences that
@@ -228,6 +233,8 @@ class Engine:
         for sequence in self.rows:
             if sequence.cancelled:
                 sequence.finish = "cancelled"
+                if sequence.text is not None:
+                    sequence.text.finish(sequence.tokens)
         return ended + self._leave()
 
     def _admit(self) -> list[Sequence_]:
@@ -331,7 +338,7 @@ class Engine:
         picked = sampling.pick(
             out.logits[:, -1, :], self._columns, self._seen, [s.generator for s in rows]
         )
-        self.peak_tokens = max(self.peak_tokens, self.held_tokens)
+        self.peak_tokens = max(self.peak_tokens, self.capacity_tokens)
         if not self._merges:
             self._cache = _cache_of(out)  # a plain cache grows by concatenation
         for sequence, token in zip(rows, picked, strict=True):
@@ -349,6 +356,8 @@ class Engine:
             sequence.finish = "stop"
         elif len(sequence.tokens) >= sequence.options.max_new_tokens:
             sequence.finish = "length"
+        if sequence.done:
+            text.finish(sequence.tokens)
         if sequence.on_text is not None:
             chunk = text.delta(final=sequence.done)
             if chunk:

@@ -66,7 +66,7 @@ def pick(
     if columns.penalised:
         penalised = torch.where(scores > 0, scores / columns.penalty, scores * columns.penalty)
         scores = torch.where(seen, penalised, scores)
-    greedy = scores.argmax(dim=-1)
+    greedy = scores.nan_to_num(nan=float("-inf")).argmax(dim=-1)  # NaN is no one's best
     if columns.all_greedy:
         return [int(t) for t in greedy.tolist()]
     scores = scores / columns.temperature
@@ -75,12 +75,17 @@ def pick(
     probs = torch.softmax(scores, dim=-1)
     if columns.filter_p:
         probs = _top_p(probs, columns.top_p)
-    picked = greedy.tolist()
-    for row, generator in enumerate(generators):
-        if not columns.greedy[row] and bool(torch.isfinite(probs[row]).all()):
-            picked[row] = int(torch.multinomial(probs[row], 1, generator=generator))
-        # (a row whose probabilities overflowed keeps its best token)
-    return [int(t) for t in picked]
+    # One draw per sampling row (its own generator), then one read back to the host; a
+    # row whose probabilities overflowed keeps its best token.
+    finite = torch.isfinite(probs).all(dim=-1, keepdim=True)
+    best = torch.zeros_like(probs).scatter_(1, greedy[:, None], 1.0)
+    probs = torch.where(finite, probs, best)
+    rows = [row for row in range(len(generators)) if not columns.greedy[row]]
+    chosen = greedy.clone()
+    if rows:
+        draws = [torch.multinomial(probs[row], 1, generator=generators[row]) for row in rows]
+        chosen[torch.tensor(rows, device=greedy.device)] = torch.cat(draws)
+    return [int(t) for t in chosen.tolist()]
 
 
 def _top_k(scores: torch.Tensor, top_k: Sequence[int]) -> torch.Tensor:

@@ -1,13 +1,15 @@
 """A generated sequence's text as its tokens come: stop strings, and the part safe to stream.
 
-Each new token decodes the whole generated tail again (at most MAX_NEW_TOKENS tokens, fast
-next to a decode step), because a token's own text depends on its neighbours (multi-byte
-characters split over tokens, spaces a tokenizer merges). Text is streamed only once it
-cannot change: not the U+FFFD an incomplete character decodes to while it ends the text
-(at most three: a UTF-8 character's bytes before its last), and not the part that could
-still become the start of a stop string. So the chunks joined equal the final
-text. A stop string ends the text before it (OpenAI's rule; transformers' `stop_strings`
-keeps it); the tokens end with the one that completed it.
+A token's text depends on its neighbours (a multi-byte character split over tokens, spaces
+a tokenizer merges), so each new token is decoded with the few tokens before it, as vLLM
+and transformers' streamers do: the text of `tokens[prefix:]` less that of
+`tokens[prefix:read]` is the new piece, taken only once it does not end in an incomplete
+character (U+FFFD). A step thus decodes a handful of tokens, not the whole tail (which cost
+6 ms a step at 64 rows of 511 tokens with a 32k BPE tokenizer). The text is the pieces
+joined, so what was streamed is always a prefix of it; a sequence's last piece is decoded
+whatever it ends in (`finish`). A stop string ends the text before it (OpenAI's rule;
+transformers' `stop_strings` keeps it); the tokens end with the one that completed it.
+Text that could still grow into a stop string is held back from the stream.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ from collections.abc import Sequence
 from typing import Any
 
 _REPLACEMENT = "\ufffd"
-_PENDING = 3
 
 
 class Detokenizer:
@@ -26,16 +27,34 @@ class Detokenizer:
         self._tokenizer = tokenizer
         self._stops = tuple(stops)
         self._longest = max((len(s) for s in self._stops), default=0)
-        self.text = ""  # everything decoded so far (cut at a stop once one is seen)
+        self.text = ""  # the pieces so far (cut at a stop once one is seen)
         self.streamed = 0  # characters of `text` handed out by `delta`
         self.stopped = False
+        self._prefix = 0  # tokens[_prefix:_read] decode to the text's last piece
+        self._read = 0  # tokens before this are in `text`
 
     def update(self, tokens: Sequence[int]) -> None:
-        """Decode `tokens` (the whole generated tail) and look for a stop string."""
+        """Take the new tokens at the end of `tokens` (the whole generated tail) into the
+        text, unless they end in an incomplete character; look for a stop string."""
+        self._take(tokens, last=False)
+
+    def finish(self, tokens: Sequence[int]) -> None:
+        """Take whatever is left, complete or not: the sequence ended."""
+        self._take(tokens, last=True)
+
+    def _take(self, tokens: Sequence[int], last: bool) -> None:
+        if self.stopped or len(tokens) <= self._read:
+            return
+        decode = self._tokenizer.decode
+        known = decode(list(tokens[self._prefix : self._read]), skip_special_tokens=True)
+        fresh = decode(list(tokens[self._prefix :]), skip_special_tokens=True)
+        if len(fresh) <= len(known) or (fresh.endswith(_REPLACEMENT) and not last):
+            return  # nothing new yet, or the rest of a character is still to come
+        self._prefix, self._read = self._read, len(tokens)
         previous = len(self.text)
-        text = self._tokenizer.decode(list(tokens), skip_special_tokens=True)
+        text = self.text + fresh[len(known) :]
         if self._stops:
-            start = max(0, min(previous, len(text)) - self._longest)
+            start = max(0, previous - self._longest)
             found = [i for i in (text.find(s, start) for s in self._stops) if i >= 0]
             if found:
                 text = text[: min(found)]
@@ -52,15 +71,11 @@ class Detokenizer:
         return chunk
 
     def _stable_end(self) -> int:
-        text = self.text
-        end = len(text)
-        # An incomplete character decodes as U+FFFD until its last byte comes; one UTF-8
-        # character has at most 3 bytes before its last, so at most 3 are held back.
-        while end > max(self.streamed, len(text) - _PENDING) and text[end - 1] == _REPLACEMENT:
-            end -= 1
-        for stop in self._stops:  # hold back a tail that may grow into a stop
+        """Where the text may be streamed to: short of a tail that may grow into a stop."""
+        end = len(self.text)
+        for stop in self._stops:
             for size in range(min(len(stop) - 1, end), 0, -1):
-                if text.endswith(stop[:size], 0, end):
+                if self.text.endswith(stop[:size], 0, end):
                     end -= size
                     break
         return max(end, self.streamed)
