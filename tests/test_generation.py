@@ -449,3 +449,17 @@ def test_a_row_whose_scores_overflow_keeps_its_best_token_and_the_others_sample(
     picked = pick(logits, columns, seen, generators)
     assert picked[0] == int(logits[0].nan_to_num(float("-inf")).argmax())
     assert picked[1] in (0, 1, 2)
+
+
+def test_bytes_that_never_make_a_character_still_stream_within_four_tokens() -> None:
+    from worker.synthetic import SyntheticTokenizer
+
+    tokenizer = SyntheticTokenizer(512, causal=True)
+    lone = 5 + 0x9F  # a UTF-8 continuation byte with no lead: never a character
+    text = Detokenizer(tokenizer, [])
+    pieces = []
+    for count in range(1, 13):
+        text.update([lone] * count)
+        pieces.append(text.delta())
+    assert pieces[3] and not any(pieces[:3])  # held while a character might complete
+    assert "".join(pieces) == tokenizer.decode([lone] * 12) == "\ufffd" * 12

@@ -148,7 +148,7 @@ def test_a_cancelled_call_stops_within_a_step_ends_revoked_and_the_worker_serves
     pieces = streams.read(reader, call.id, call.ready, timeout=60)
     next(pieces)
     load = fleet.client.send_task("gpufleet.status").get(timeout=30)["load"]["slow-talker"]
-    assert load["running"] >= 1  # the scaling rule sees the generating call as load
+    assert load["running"] >= 1, (load, call.ready())  # the scaling rule sees it as load
     asked = time.monotonic()
     fleet.client.send_task("gpufleet.cancel", args=(call.id,)).get(timeout=30)
     rest = list(pieces)  # the stream ends once the worker stopped the call

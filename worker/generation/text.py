@@ -3,8 +3,8 @@
 A token's text depends on its neighbours (a multi-byte character split over tokens, spaces
 a tokenizer merges), so each new token is decoded with the few tokens before it, as vLLM
 and transformers' streamers do: the text of `tokens[prefix:]` less that of
-`tokens[prefix:read]` is the new piece, taken only once it does not end in an incomplete
-character (U+FFFD). A step thus decodes a handful of tokens, not the whole tail (which cost
+`tokens[prefix:read]` is the new piece, taken once it does not end in an incomplete
+character (U+FFFD), or after 4 tokens without one (bytes that never make a character). A step thus decodes a handful of tokens, not the whole tail (which cost
 6 ms a step at 64 rows of 511 tokens with a 32k BPE tokenizer). The text is the pieces
 joined, so what was streamed is always a prefix of it; a sequence's last piece is decoded
 whatever it ends in (`finish`). A stop string ends the text before it (OpenAI's rule;
@@ -18,6 +18,9 @@ from collections.abc import Sequence
 from typing import Any
 
 _REPLACEMENT = "\ufffd"
+#: A character's rest comes within this many tokens (UTF-8 takes at most 4 bytes, and a
+#: byte-level tokenizer at worst one token a byte); past it, U+FFFD is the text.
+_MAX_CHAR_TOKENS = 4
 
 
 class Detokenizer:
@@ -48,7 +51,9 @@ class Detokenizer:
         decode = self._tokenizer.decode
         known = decode(list(tokens[self._prefix : self._read]), skip_special_tokens=True)
         fresh = decode(list(tokens[self._prefix :]), skip_special_tokens=True)
-        if len(fresh) <= len(known) or (fresh.endswith(_REPLACEMENT) and not last):
+        waited = len(tokens) - self._read
+        incomplete = fresh.endswith(_REPLACEMENT) and waited < _MAX_CHAR_TOKENS
+        if len(fresh) <= len(known) or (incomplete and not last):
             return  # nothing new yet, or the rest of a character is still to come
         self._prefix, self._read = self._read, len(tokens)
         previous = len(self.text)
