@@ -4,12 +4,13 @@ A token's text depends on its neighbours (a multi-byte character split over toke
 a tokenizer merges), so each new token is decoded with the few tokens before it, as vLLM
 and transformers' streamers do: the text of `tokens[prefix:]` less that of
 `tokens[prefix:read]` is the new piece, taken once it does not end in an incomplete
-character (U+FFFD), or after 4 tokens without one (bytes that never make a character). A step thus decodes a handful of tokens, not the whole tail (which cost
-6 ms a step at 64 rows of 511 tokens with a 32k BPE tokenizer). The text is the pieces
-joined, so what was streamed is always a prefix of it; a sequence's last piece is decoded
-whatever it ends in (`finish`). A stop string ends the text before it (OpenAI's rule;
-transformers' `stop_strings` keeps it); the tokens end with the one that completed it.
-Text that could still grow into a stop string is held back from the stream.
+character (U+FFFD), or after 4 tokens without one (bytes that never make a character). A
+step thus decodes a handful of tokens, not the whole tail (which cost 6 ms a step at 64
+rows of 511 tokens with a 32k BPE tokenizer). The text is the pieces joined, so what was
+streamed is always a prefix of it; a sequence's last piece is decoded whatever it ends in
+(`finish`). A stop string ends the text before it (OpenAI's rule; transformers'
+`stop_strings` keeps it); the tokens end with the one that completed it. Text that could
+still grow into a stop string is held back from the stream.
 """
 
 from __future__ import annotations
