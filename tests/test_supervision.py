@@ -245,3 +245,35 @@ def _outcome(call: AsyncResult) -> str:
     except Exception as exc:
         return type(exc).__name__
     return "answered"
+
+
+def test_the_gpu_worker_rides_out_redis_killed_under_load_three_times(catalog: Path) -> None:
+    with fleet_up(catalog, ARGS, fleet_env()) as fleet:
+        fleet.infer("a", "warm up")
+        worker, child = fleet.child_named("gpu0@"), fleet.pool_child(0)
+        for round_ in range(3):
+            client = _client(fleet.url)
+            calls = [
+                client.send_task("gpufleet.infer", args=("a", f"round {round_} call {i}"))
+                for i in range(40)
+            ]
+            time.sleep(0.05 * round_)  # the kill lands at another point of the calls each time
+            with_signal(fleet.child_named("redis-server"), signal.SIGKILL)
+            assert _wait_for_redis(fleet.url), "redis-server was not started again"
+            client = _client(fleet.url)  # the old connections died with the server
+            for call in calls:  # none lost
+                assert AsyncResult(call.id, app=client).get(timeout=60)["model"] == "a"
+            # the worker rode it out: not restarted (a death also counts toward a stop)
+            assert fleet.child_named("gpu0@") == worker, f"restarted after kill {round_ + 1}"
+        assert alive(child)
+
+
+def _wait_for_redis(url: str, seconds: float = 60) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:  # the launcher starts it again on the same port
+        try:
+            if redis.Redis.from_url(url).ping():
+                return True
+        except redis.RedisError:
+            time.sleep(0.1)
+    return False

@@ -259,6 +259,15 @@ class Channel(kombu_redis.Channel):
         """Kombu builds a new Redis client, about 0.2 ms of CPU, for every publish, ack and
         delivery. The synchronous one is built once per connection pool here: it takes a
         connection from the pool for each command, so it is as safe to share as the pool."""
+        built = self._async_pool if asynchronous else self._pool
+        if built is None and getattr(self.connection, "client", None) is None:
+            # Celery collected the connection after Redis went away, then closes this
+            # channel, whose close restores its unacked messages: with no connection to
+            # build a pool from, kombu's `_connparams` raised AttributeError, out of Celery's
+            # connection-error handler, and the worker died (issue 43). A connection error
+            # is what this is; the messages stay recorded in Redis, and a consumer's sweep
+            # puts them back (`tasks.broker.presence`).
+            raise RedisConnectionError("the broker connection is closed")
         if asynchronous:
             return super()._create_client(asynchronous=True)  # type: ignore[no-untyped-call]
         pool = self.pool

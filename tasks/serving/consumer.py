@@ -36,6 +36,7 @@ full batches: one running, the next one gathering.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -52,6 +53,9 @@ from tasks.serving import batching, forwarding
 from tasks.serving.batching import Batcher
 
 log = logging.getLogger(__name__)
+
+RECONNECT_STEP_S = 0.25  # each try at the broker waits this much longer than the last...
+RECONNECT_MAX_S = 1.0  # ...up to this
 
 #: The prefix of Celery's built-in tasks, which every app registers and no worker here
 #: runs: a gpufleet worker runs its own `gpufleet.*` tasks only (an app built on the same
@@ -79,6 +83,22 @@ class Consumer(CeleryConsumer):
             on_task_request = self._batching(on_task_request, kwargs)
         self._batcher = on_task_request if isinstance(on_task_request, Batcher) else None
         super().__init__(on_task_request, *args, **kwargs)
+
+    def ensure_connected(self, conn: Any) -> Any:
+        """Celery's, but trying the broker again at most a second apart. Celery's default
+        waits 2, 4, 6, ... up to 30 s between tries, made for a broker far away; a fleet's
+        Redis that restarts (the launcher starts it again at once) then found workers asleep
+        for as long as it had been down: calls flowed again 3 to 53 s after it was back, in
+        five kills in a row. A refused connection costs microseconds, so the bounds here
+        are not tuned (issue 43)."""
+        ensure = conn.ensure_connection
+        conn.ensure_connection = functools.partial(
+            ensure, interval_start=0, interval_step=RECONNECT_STEP_S, interval_max=RECONNECT_MAX_S
+        )
+        try:
+            return super().ensure_connected(conn)
+        finally:
+            del conn.ensure_connection  # the class's method again
 
     def on_close(self) -> None:
         if self._batcher is not None:
