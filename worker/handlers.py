@@ -37,6 +37,7 @@ from placement.catalog.catalog import TASKS
 from placement.errors import CatalogError, PayloadError
 from worker import payloads
 from worker.generation import params as generation_params
+from worker.passes import max_positions
 from worker.payloads import MAX_BATCH, MAX_CHARS, Param, validate_inputs
 
 if TYPE_CHECKING:
@@ -188,15 +189,6 @@ def _model_device(model: torch.nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def _max_positions(model: Any) -> int | None:
-    config = getattr(model, "config", None)
-    for key in ("max_position_embeddings", "n_positions"):
-        value = getattr(config, key, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
-
-
 def _encode(
     model: Any, tokenizer: Any, texts: list[str], max_length: int, device: torch.device
 ) -> dict[str, torch.Tensor]:
@@ -205,7 +197,7 @@ def _encode(
     model_limit = getattr(tokenizer, "model_max_length", None)
     if isinstance(model_limit, int) and 0 < model_limit < _NO_LIMIT:
         limit = min(limit, model_limit)
-    positions = _max_positions(model)
+    positions = max_positions(getattr(model, "config", None))
     if positions is not None:
         limit = min(limit, positions)
     encoding = tokenizer(
@@ -278,10 +270,10 @@ def _text_generation(
     from worker.generation.engine import Engine, eos_ids
     from worker.generation.serving import GenCall, run_calls
 
+    window = max_positions(getattr(model, "config", None))
     engine = Engine(
-        model, tokenizer, device, budget=2**62, window=_max_positions(model),
-        eos=eos_ids(model, tokenizer),
-    )  # fmt: skip
+        model, tokenizer, device, budget=2**62, window=window, eos=eos_ids(model, tokenizer)
+    )
     gen_calls = [
         GenCall(str(i), call[0].as_dicts() if _is_chat(call) else list(call), options)
         for i, call in enumerate(calls)

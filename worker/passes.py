@@ -87,3 +87,12 @@ def for_pass(threads: int, dims: Dims, texts: Sequence[str]) -> int:
     `threads` (and for a model whose size the config does not say)."""
     small = dims.known and dims.work(len(texts), longest_tokens(texts)) < SMALL_PASS
     return 1 if small else threads
+
+
+def max_positions(config: Any) -> int | None:
+    """How many positions a model can embed, when its config says (None: no limit given)."""
+    for key in ("max_position_embeddings", "n_positions"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None

@@ -28,6 +28,7 @@ import torch
 from placement.catalog.catalog import ModelSpec
 from placement.catalog.kvcache import DEFAULT_CONFIGS
 from placement.errors import CatalogError
+from worker.passes import max_positions
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +87,7 @@ def build_synthetic(spec: ModelSpec) -> tuple[torch.nn.Module, SyntheticTokenize
     tokenizer = SyntheticTokenizer(
         vocab_size,
         causal=spec.task == "text-generation",
-        model_max_length=_max_positions(config) or 512,
+        model_max_length=max_positions(config) or 512,
     )
 
     dtype = _resolve_dtype(spec, declared_dtype)
@@ -134,15 +135,6 @@ def _resolve_dtype(spec: ModelSpec, declared: object) -> torch.dtype:
             f"model {spec.name!r}: dtype {name!r} is not supported; use one of {', '.join(_DTYPES)}"
         )
     return _DTYPES[name]
-
-
-def _max_positions(config: Any) -> int | None:
-    """How many positions the model can embed, when its config says."""
-    for key in ("max_position_embeddings", "n_positions"):
-        value = getattr(config, key, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
 
 
 class SyntheticTokenizer:

@@ -9,27 +9,18 @@ import torch
 
 from placement.catalog.catalog import ModelSpec
 from worker.generation.engine import Engine, eos_ids
+from worker.passes import max_positions
 
 log = logging.getLogger(__name__)
 
 MAX_ROWS = 64  # sequences one batch runs at once, as MAX_BATCH strings per call
 
 
-def window_of(model: Any) -> int | None:
-    """The positions the model holds, from its config (None: no limit it states)."""
-    config = getattr(model, "config", None)
-    for key in ("max_position_embeddings", "n_positions"):
-        value = getattr(config, key, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
-
-
 def replica_engine(model: Any, tokenizer: Any, spec: ModelSpec, device: torch.device) -> Engine:
     """An engine for `model` that holds at most its catalog KV-cache budget in tokens. A
     budget the config could not size (no readable config) holds one full-window call."""
     budget = spec.kv_budget()
-    window = window_of(model)
+    window = max_positions(getattr(model, "config", None))
     tokens = budget.tokens if budget is not None else 0
     if tokens <= 0:
         tokens = window or 2048
