@@ -411,14 +411,7 @@ class ResidencyManager:
         """
         resident = self._hot(replica)
         with resident.lock:
-            if resident.warm or (epoch and resident.epoch != epoch):
-                raise EvictedError(
-                    f"replica {replica} left this worker's GPUs (or was placed again) before "
-                    f"the request reached it; route the request again"
-                )
-            plan, simulated = self._plan(resident.slots)
-            if not simulated:
-                torch.cuda.set_device(min(plan))
+            plan, simulated = self._serving(resident, epoch)
             if self.threads and torch.get_num_threads() != self.threads:
                 torch.set_num_threads(self.threads)
             engine = replica_engine(
@@ -450,14 +443,7 @@ class ResidencyManager:
         if resident.spec.task == "text-generation":
             return self._generate_batch(replica, requests, epoch)
         with resident.lock:
-            if resident.warm or (epoch and resident.epoch != epoch):
-                raise EvictedError(
-                    f"replica {replica} left this worker's GPUs (or was placed again) before "
-                    f"the request reached it; route the request again"
-                )
-            plan, simulated = self._plan(resident.slots)
-            if not simulated:
-                torch.cuda.set_device(min(plan))  # this thread's kernels run on its GPU
+            plan, simulated = self._serving(resident, epoch)
             task = resident.spec.task
             ran: list[Ran | None] = [None] * len(requests)
             groups: dict[str, tuple[dict[str, Any], list[_Member]]] = {}
@@ -477,6 +463,19 @@ class ResidencyManager:
                 for chunk in _chunks(resident, members, free):
                     self._run_chunk(resident, plan, simulated, chunk, options, ran)
             return [r for r in ran if r is not None], sorted(resident.slots)
+
+    def _serving(self, resident: Resident, epoch: int) -> tuple[dict[int, int], bool]:
+        """Under the replica's lock: its plan, once it is still HOT here in placement `epoch`
+        (else `EvictedError`), with this thread's kernels on its first GPU."""
+        if resident.warm or (epoch and resident.epoch != epoch):
+            raise EvictedError(
+                f"replica {resident.replica} left this worker's GPUs (or was placed again) "
+                f"before the request reached it; route the request again"
+            )
+        plan, simulated = self._plan(resident.slots)
+        if not simulated:
+            torch.cuda.set_device(min(plan))
+        return plan, simulated
 
     def _generate_batch(
         self, replica: str, requests: Sequence[tuple[object, object | None]], epoch: int
