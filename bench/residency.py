@@ -117,19 +117,24 @@ def page_cache_fill_gbps(directory: Path) -> float:
     return total / (time.perf_counter() - start) / 1e9
 
 
+def _copy_gbps(target: torch.Tensor, source: torch.Tensor, device: int) -> float:
+    """One timed copy of `source` into `target`, after an untimed one that warms the path."""
+    target.copy_(source, non_blocking=True)
+    torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    target.copy_(source, non_blocking=True)
+    torch.cuda.synchronize(device)
+    return source.numel() / (time.perf_counter() - start) / 1e9
+
+
 def h2d_gbps(nbytes: int, device: int) -> float:
     """Raw pinned host-to-device copy of `nbytes`."""
     host = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
     target = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{device}")
-    target.copy_(host, non_blocking=True)  # warm the path once
-    torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    target.copy_(host, non_blocking=True)
-    torch.cuda.synchronize(device)
-    seconds = time.perf_counter() - start
+    gbps = _copy_gbps(target, host, device)
     del target
     torch.cuda.empty_cache()  # the next load starts from an empty device, as the first did
-    return nbytes / seconds / 1e9
+    return gbps
 
 
 def d2h_prepinned_gbps(nbytes: int, device: int) -> float:
@@ -137,16 +142,11 @@ def d2h_prepinned_gbps(nbytes: int, device: int) -> float:
     carries; the worker's pinned arena reuses its memory so), the pinning not timed."""
     source = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{device}")
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    host.copy_(source, non_blocking=True)  # warm the path once
-    torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    host.copy_(source, non_blocking=True)
-    torch.cuda.synchronize(device)
-    seconds = time.perf_counter() - start
+    gbps = _copy_gbps(host, source, device)
     del source, host
     torch.cuda.empty_cache()
     empty_host_cache()
-    return nbytes / seconds / 1e9
+    return gbps
 
 
 def d2h_gbps(nbytes: int, device: int) -> float:

@@ -18,6 +18,7 @@ never reads costs one short-lived key.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -87,8 +88,6 @@ def read(
     (sampling without a seed), `StreamRestartedError` is raised. Raises TimeoutError
     after `timeout` seconds without the end.
     """
-    import time
-
     name = key(task_id)
     last = "0-0"
     deadline = None if timeout is None else time.monotonic() + timeout
