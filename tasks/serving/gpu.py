@@ -137,80 +137,94 @@ def _serve_batch(calls: list[Call]) -> list[Served | BaseException]:
 def generation_job(job_id: str, jobs: list[Any]) -> dict[str, Any]:
     """A pool job of generating calls for one replica, and of the calls its main process
     hands it while it runs (`tasks.serving.generating`): each call's tracer return, by id."""
-    worker = this_worker()
-    first = Call.from_json(jobs[0][2])
-    writer = streams.Writer(worker.registry.client)
-    where: dict[str, Any] = {"load_ms": 0.0, "gpus": []}
-    count = [0]
-    said = [0.0]  # when the count was last said: it expires (`mark_batch`)
-    entered: dict[str, float] = {}  # task id -> when its call reached this job
+    return _Generation(this_worker(), Call.from_json(jobs[0][2])).run(job_id, jobs)
 
-    def gen_call(job: Any) -> tuple[GenCall, Any]:
+
+class _Generation:
+    """One generation job in the child: its calls' leases, streams, answers and figures."""
+
+    def __init__(self, worker: GpuWorker, first: Call) -> None:
+        self.worker = worker
+        self.first = first
+        self.writer = streams.Writer(worker.registry.client)
+        self.load_ms, self.gpus = 0.0, list[str]()  # the replica's, once it is ready here
+        self.calls: dict[str, tuple[Call, float]] = {}  # task id -> its call, when it came
+        self.count, self.said = 0, 0.0  # calls open as last said, and when (`mark_batch`)
+        self.held, self.held_said = 0, 0.0  # KV-cache tokens as last said, and when
+
+    def run(self, job_id: str, jobs: list[Any]) -> dict[str, Any]:
+        feed = generating.ChildFeed(
+            job_id, jobs, _channel.get(), self.gen_call, self.finish, self.counted, self.holding
+        )
+        try:
+            self.worker.generate(self.first.replica, self.first.epoch, feed, self.ready)
+        except Exception as exc:
+            feed.unanswered(exc)
+        finally:
+            self.writer.flush()
+            if self.count:
+                _say_batch(self.worker, self.first.replica, 0)
+            if self.held:
+                _say_kv(self.worker, self.first.replica, 0)
+        return feed.results
+
+    def ready(self, load_ms: float, gpus: list[str]) -> None:
+        self.load_ms, self.gpus = load_ms, gpus
+
+    def gen_call(self, job: Any) -> tuple[GenCall, Any]:
         _, args, call_json, _, hard = job
-        entered[args[1]] = time.time() * 1000
         call = Call.from_json(call_json)
-        stream = isinstance(call.params, dict) and call.params.get("stream") is True
-        on_text = writer.for_call(args[1]) if stream else None
+        self.calls[args[1]] = (call, time.time() * 1000)
+        on_text = self.writer.for_call(args[1]) if _streams(call) else None
         deadline = time.monotonic() + hard if hard else None
         return GenCall(args[1], call.inputs, call.params, on_text, deadline), job
 
-    def finish(job: Any, gen_call: GenCall | None, outcome: Any, revoked: bool) -> Any:
+    def finish(self, job: Any, gen_call: GenCall | None, outcome: Any, revoked: bool) -> Any:
         """End a call's lease and stream; run its tracer (not for a revoked call: its
         main process announces it as Celery does)."""
         trace, args, call_json, since_ms, _ = job
-        call = Call.from_json(call_json)
+        taken = self.calls.pop(args[1], None)  # None: a finish that failed once already
+        call, started = taken or (Call.from_json(call_json), time.time() * 1000)
         if call.lease is not None:
             try:
-                worker.registry.finish(call.lease)
+                self.worker.registry.finish(call.lease)
             except Exception:  # the lease expires on its own; the answer stands
                 log.warning("could not end lease %s", call.lease.id, exc_info=True)
         if isinstance(outcome, Generated) and outcome.tokens:
-            _record(worker, call.model, outcome)
+            _record(self.worker, call.model, outcome)
             served: Served | BaseException = Served(
-                outcome.outputs, where["gpus"], where["load_ms"], outcome.compute_ms,
+                outcome.outputs, self.gpus, self.load_ms, outcome.compute_ms,
                 outcome.outputs.get("batch", 1), outcome.first_token_ms, outcome.inter_token_ms,
             )  # fmt: skip
             reason = ",".join(outcome.outputs.get("finish_reasons", [])) or "stop"
         else:
             served, reason = outcome, "error"
-        if isinstance(call.params, dict) and call.params.get("stream") is True:
-            writer.end(args[1], "cancelled" if revoked else reason)
+        if _streams(call):
+            self.writer.end(args[1], "cancelled" if revoked else reason)
         if revoked:
             return None
-        started = entered.pop(args[1], time.time() * 1000)
         return batching.run_one(trace, args, served, started, max(0.0, started - since_ms))
 
-    def counted(open_calls: int) -> None:
-        writer.flush()
+    def counted(self, open_calls: int) -> None:
+        """Once a step: write the streamed text, and say the calls open when that changed
+        (or its record nears its expiry)."""
+        self.writer.flush()
         now = time.monotonic()
-        if open_calls != count[0] or now - said[0] > BATCH_TTL_MS / 3000:
-            count[0], said[0] = open_calls, now
-            _say_batch(worker, first.replica, open_calls)
+        if open_calls != self.count or now - self.said > BATCH_TTL_MS / 3000:
+            self.count, self.said = open_calls, now
+            _say_batch(self.worker, self.first.replica, open_calls)
 
-    held = [0, 0.0]  # the KV tokens last said, and when
-
-    def holding(tokens: int) -> None:
+    def holding(self, tokens: int) -> None:
+        """Once a step: say the KV-cache tokens held, at most once a second."""
         now = time.monotonic()
-        if bool(tokens) != bool(held[0]) or now - held[1] > KV_SAID_EVERY_S:
-            held[0], held[1] = tokens, now
-            _say_kv(worker, first.replica, tokens)
+        if bool(tokens) != bool(self.held) or now - self.held_said > KV_SAID_EVERY_S:
+            self.held, self.held_said = tokens, now
+            _say_kv(self.worker, self.first.replica, tokens)
 
-    feed = generating.ChildFeed(job_id, jobs, _channel.get(), gen_call, finish, counted, holding)
 
-    def ready(load_ms: float, gpus: list[str]) -> None:
-        where["load_ms"], where["gpus"] = load_ms, gpus
-
-    try:
-        worker.generate(first.replica, first.epoch, feed, ready)
-    except Exception as exc:
-        feed.unanswered(exc)
-    finally:
-        writer.flush()
-        if count[0]:
-            _say_batch(worker, first.replica, 0)
-        if held[0]:
-            _say_kv(worker, first.replica, 0)
-    return feed.results
+def _streams(call: Call) -> bool:
+    """Whether a call asked for its text as it comes (`tasks.serving.streams`)."""
+    return isinstance(call.params, dict) and call.params.get("stream") is True
 
 
 KV_SAID_EVERY_S = 1.0  # how often a generating batch's KV-cache use is said (status)
