@@ -154,7 +154,7 @@ class _Generation:
 
     def run(self, job_id: str, jobs: list[Any]) -> dict[str, Any]:
         feed = generating.ChildFeed(
-            job_id, jobs, _channel.get(), self.gen_call, self.finish, self.counted, self.holding
+            job_id, jobs, channel(), self.gen_call, self.finish, self.counted, self.holding
         )
         try:
             self.worker.generate(self.first.replica, self.first.epoch, feed, self.ready)
@@ -254,16 +254,13 @@ class _Channel:
 
     channel: generating.Channel | None = None
 
-    def get(self) -> generating.Channel | None:
-        return self.channel
-
 
 _channel = _Channel()
 
 
 def channel() -> generating.Channel | None:
     """The worker's channel to its pool child, if this process is a GPU worker's."""
-    return _channel.get()
+    return _channel.channel
 
 
 #: Celery's loggers of each call's "received" (the worker's main process) and "succeeded"
