@@ -74,7 +74,6 @@ class Budget:
     tokens: int
     bytes: int
     per_token: int  # bytes one token's keys and values take
-    window: int | None  # the positions the model holds, when its config says
 
 
 def budget_of(
@@ -91,7 +90,7 @@ def budget_of(
     window = _window(config) if config is not None else None
     if kv_bytes is not None:
         tokens = kv_bytes // per_token if per_token else 0
-        return Budget(tokens, kv_bytes, per_token or 0, window)
+        return Budget(tokens, kv_bytes, per_token or 0)
     if per_token is None:
         if kv_tokens is not None:
             raise CatalogError(
@@ -99,11 +98,11 @@ def budget_of(
                 " the model's config (layers, heads, hidden size); give kv_cache in bytes"
             )
         log.warning("model %s: no readable config, so no KV-cache budget is reserved", name)
-        return Budget(0, 0, 0, window)
+        return Budget(0, 0, 0)
     count = kv_tokens
     if count is None:
         count = min(DEFAULT_CALLS * (window or 2048), DEFAULT_MAX_TOKENS)
-    return Budget(count, count * per_token, per_token, window)
+    return Budget(count, count * per_token, per_token)
 
 
 def read_config(directory: Path | None) -> Mapping[str, Any] | None:
