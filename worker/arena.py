@@ -124,7 +124,7 @@ class PinnedArena:
         self, region: Region, offset: int, dtype: torch.dtype, shape: torch.Size
     ) -> torch.Tensor:
         """A tensor of `dtype` and `shape` at `offset` bytes into `region`."""
-        nbytes = shape.numel() * torch.empty(0, dtype=dtype).element_size()
+        nbytes = shape.numel() * dtype.itemsize
         if offset + nbytes > region.size:
             raise ValueError(f"{nbytes} bytes at {offset} do not fit region {region}")
         start = region.offset + offset
