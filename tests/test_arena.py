@@ -40,11 +40,20 @@ def test_the_arena_never_pins_past_its_capacity_and_has_room_again_once_copies_l
     assert arena.reserve(3 * MiB) == region
 
 
-def test_a_copy_larger_than_a_chunk_gets_a_chunk_of_its_own_size() -> None:
+def test_a_copy_larger_than_a_chunk_gets_a_power_of_two_chunk_whose_rest_serves_others() -> None:
     arena = _arena(64 * MiB, chunk=4 * MiB)
     big = arena.reserve(10 * MiB + 5)
-    assert big is not None and big.size == align(10 * MiB + 5) and arena.pinned == big.size
-    assert arena.free == 0
+    assert big is not None and big.size == align(10 * MiB + 5)
+    assert arena.pinned == 16 * MiB  # what PyTorch's pinned allocator pins for 10 MiB
+    assert arena.free == 16 * MiB - big.size
+    rest = arena.reserve(5 * MiB)  # fits in the big chunk's rest: no chunk added
+    assert rest is not None and rest.chunk == big.chunk and arena.pinned == 16 * MiB
+
+
+def test_a_chunk_that_would_pin_past_the_capacity_is_not_pinned() -> None:
+    arena = _arena(12 * MiB, chunk=4 * MiB)
+    assert arena.reserve(10 * MiB) is None  # its chunk would be 16 MiB
+    assert arena.pinned == 0
 
 
 def test_releasing_a_region_twice_is_refused() -> None:

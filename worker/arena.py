@@ -8,10 +8,12 @@ them and kept for the worker's life. An offload takes one region for the whole c
 copies each tensor into its own aligned slice of it; a restore or a drop gives the region
 back. Nothing is pinned again for the next eviction.
 
-Regions never span chunks. A chunk is `CHUNK` bytes, or as large as one copy that needs
-more; chunks stop being added at `capacity` (the worker's share of the host's warm cache,
-which the ledger already charges). Free space is kept per chunk as sorted, coalesced
-extents, and a region goes in the first extent it fits (first fit). When no extent fits
+Regions never span chunks. A chunk is `CHUNK` bytes, or the power of two that holds one
+copy that needs more (what PyTorch's pinned allocator would pin for it anyway; the rest of
+that chunk is room for other copies); chunks stop being added at `capacity` (the worker's
+share of the host's warm cache, which the ledger already charges). Free space is kept per
+chunk as sorted, coalesced extents, and a region goes in the first extent it fits (first
+fit). When no extent fits
 and no chunk may be added, `reserve` answers None, and the caller pins the copy the old
 way (`worker.loading.to_cpu`): slower, never refused.
 
@@ -40,6 +42,12 @@ def align(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
 
 
+def _power_of_two(nbytes: int) -> int:
+    """PyTorch's pinned allocator rounds every block up to a power of two: a chunk of any
+    other size would pin more than the arena counts."""
+    return 1 << (nbytes - 1).bit_length()
+
+
 @dataclass(frozen=True)
 class Region:
     """A reserved stretch of one chunk."""
@@ -61,7 +69,7 @@ class PinnedArena:
     ) -> None:
         self.capacity = capacity
         self._allocate = allocate
-        self._chunk = align(chunk)
+        self._chunk = _power_of_two(align(chunk))
         self._chunks: list[torch.Tensor] = []
         self._free: list[list[tuple[int, int]]] = []  # per chunk: sorted (offset, size)
         self._lock = threading.Lock()
@@ -89,7 +97,7 @@ class PinnedArena:
                         else:
                             extents[position] = (offset + size, room - size)
                         return Region(index, offset, size)
-            grow = max(self._chunk, size)
+            grow = _power_of_two(max(self._chunk, size))
             if self.pinned + grow > self.capacity:
                 return None
             try:
