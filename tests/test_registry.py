@@ -24,6 +24,7 @@ from placement.errors import (
 from placement.ledger.audit import audit
 from placement.ledger.keys import Keys
 from placement.ledger.registry import Registry
+from placement.ledger.report import status_report
 from placement.ledger.scripts import NAMES, scripts_for
 from placement.policy.place import plan_replica
 from placement.policy.state import Candidate, Demand, Gpu, Holding, Level
@@ -453,6 +454,24 @@ def test_a_heartbeat_carries_what_the_worker_holds_and_the_audit_compares_it(
     reg.heartbeat("w0", ["g"], holdings=[held, stray])
     (problem,) = audit(reg.snapshot(), grace_ms=0)
     assert "holds replica not-in-the-ledger" in problem and "nobody" in problem
+
+
+def test_status_sums_the_pinned_host_memory_each_live_worker_of_a_host_reports(
+    reg: Registry,
+) -> None:
+    reg.register_worker("w0", "h0", "q0", [sim_gpu("h0:0", 8 * GiB)])
+    reg.register_worker("w1", "h0", "q1", [sim_gpu("h0:1", 8 * GiB)])
+    reg.register_worker("w2", "h1", "q2", [sim_gpu("h1:0", 8 * GiB)])
+    for worker, gpu, pinned in (("w0", "h0:0", 3 * GiB), ("w1", "h0:1", GiB), ("w2", "h1:0", 0)):
+        lease_ms = 100 if worker == "w1" else 30_000
+        reg.heartbeat(worker, [gpu], lease_ms=lease_ms, holdings=[], pinned=pinned)
+    report = status_report(reg.snapshot())
+    assert {h["name"]: h["pinned_bytes"] for h in report["hosts"]} == {"h0": 4 * GiB, "h1": 0}
+    assert {w["id"]: w["pinned_bytes"] for w in report["workers"]}["w0"] == 3 * GiB
+    reg.heartbeat("w0", ["h0:0"], holdings=[])  # no figure: the last one stands
+    time.sleep(0.15)  # w1's lease lapses: its pinned memory is no longer counted
+    report = status_report(reg.snapshot())
+    assert {h["name"]: h["pinned_bytes"] for h in report["hosts"]}["h0"] == 3 * GiB
 
 
 def test_a_live_predecessor_of_the_same_lineage_is_replaced_any_other_refused(

@@ -90,6 +90,7 @@ class WorkerLease:
         lineage: str = "",
         report: Callable[[], Sequence[Holding]] | None = None,
         contexts: Callable[[], Sequence[str]] | None = None,
+        pinned: Callable[[], int] | None = None,
     ) -> None:
         if lease_ms < _MIN_LEASE_MS:
             raise ConfigError(
@@ -107,6 +108,7 @@ class WorkerLease:
         self.lineage = lineage
         self.report = report  # what the process holds, sent with every heartbeat
         self.contexts = contexts  # GPUs it keeps a CUDA context on, declared when it registers
+        self.pinned = pinned  # host memory it keeps pinned, sent with every heartbeat
         self._gpus = tuple(d.to_gpu(host) for d in devices)
         self._interval_s = lease_ms / 3000
         self._lock = threading.Lock()  # guards the fields below
@@ -295,8 +297,9 @@ class WorkerLease:
         if self.registered:
             sent = time.monotonic()
             holdings = self.report() if self.report is not None else None
+            pinned = self.pinned() if self.pinned is not None else None
             deadline = self.registry.heartbeat(
-                self.worker_id, self.gpu_ids, self.lease_ms, holdings=holdings
+                self.worker_id, self.gpu_ids, self.lease_ms, holdings=holdings, pinned=pinned
             )
             self._renewed(deadline, sent)
             return

@@ -84,6 +84,7 @@ class GpuWorker:
             lineage=lineage,
             report=self.manager.holdings,
             contexts=self.manager.contexts,
+            pinned=self.manager.pinned_bytes,
         )
 
     def start(self) -> None:

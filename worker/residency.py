@@ -617,6 +617,16 @@ class ResidencyManager:
                 for r in self.residents.values()
             ]
 
+    def pinned_bytes(self) -> int:
+        """Host memory this process keeps pinned: its arena's chunks, or what PyTorch's
+        pinned allocator holds, which counts those chunks and any copy pinned apart (each
+        rounded up to a power of two), cached blocks included. 0 with no CUDA."""
+        arena = self.arena.pinned if self.arena is not None else 0
+        if not self._pin:
+            return arena
+        stats = torch.cuda.host_memory_stats()
+        return max(arena, int(stats.get("allocated_bytes.current", 0)))
+
     def fraction(self, index: int) -> float:
         """This process's memory fraction on local device `index` (1.0 with nothing on it)."""
         device = next(d for d in self.devices.values() if _local(d) == index)

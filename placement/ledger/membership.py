@@ -109,12 +109,15 @@ class Membership(Store):
         gpu_ids: Iterable[str],
         lease_ms: int = DEFAULT_WORKER_LEASE_MS,
         holdings: Sequence[Holding] | None = None,
+        pinned: int | None = None,
     ) -> int:
-        """Renew the worker's lease and store what it holds; raise `LeaseLostError` if the
-        lease already expired."""
+        """Renew the worker's lease and store what it holds, and the host memory it keeps
+        pinned (None: leave the last figures); raise `LeaseLostError` if the lease already
+        expired."""
         keys = [self.keys.worker(worker), *(self.keys.gpu(g) for g in gpu_ids)]
         report = records.holdings_json(holdings) if holdings is not None else ""
-        result = self._run("heartbeat", keys, [worker, lease_ms, report])
+        pinned_arg = "" if pinned is None else str(int(pinned))
+        result = self._run("heartbeat", keys, [worker, lease_ms, report, pinned_arg])
         if result[0] != 1:
             raise LeaseLostError(
                 f"worker {worker} missed its lease; its reservations are released. "

@@ -79,11 +79,14 @@ def host(row: Mapping[str, str]) -> Host:
     )
 
 
-def report(worker: str, holds: str | None, at: str | None) -> Report | None:
+def report(
+    worker: str, holds: str | None, at: str | None, pinned: str | None = None
+) -> Report | None:
     """The holdings a worker's heartbeat stored, or None before its first report."""
     if not holds or not at:
         return None
-    return Report(worker, int(at), tuple(holding(h) for h in json.loads(holds)))
+    held = tuple(holding(h) for h in json.loads(holds))
+    return Report(worker, int(at), held, int(pinned or 0))
 
 
 def holding(data: Mapping[str, Any]) -> Holding:

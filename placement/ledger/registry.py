@@ -134,7 +134,10 @@ class Registry(Membership):
             cmds += [("zrange", k.leases(r), 0, -1, False, True) for r in replicas]  # with scores
             cmds += [("hgetall", k.host(h)) for h in hosts]
             cmds += [("smembers", k.host_warm(h)) for h in hosts]
-            cmds += [("hmget", k.worker(w), "holds", "holds_at", "lease_deadline") for w in workers]
+            cmds += [
+                ("hmget", k.worker(w), "holds", "holds_at", "lease_deadline", "pinned")
+                for w in workers
+            ]
             rows = iter(self._read(cmds, atomic=True))
             clock = next(rows)
             learned, active = next(rows), next(rows)
@@ -160,9 +163,9 @@ class Registry(Membership):
                 for h, row, warm in zip(hosts, host_rows, _take(rows, hosts), strict=True)
             }
             reports, deadlines = {}, {}
-            for w, (holds, at, deadline) in zip(workers, _take(rows, workers), strict=True):
+            for w, (holds, at, deadline, pinned) in zip(workers, _take(rows, workers), strict=True):
                 deadlines[w] = int(deadline or 0)
-                found = records.report(w, holds, at)
+                found = records.report(w, holds, at, pinned)
                 if found is not None:
                     reports[w] = found
             snap = Snapshot(

@@ -63,7 +63,12 @@ def status_report(snap: Snapshot) -> dict[str, Any]:
         "gpus": gpus,
         "deployments": deployments,
         "hosts": [
-            {"name": h.name, "warm_budget_bytes": h.warm_budget, "warm_used_bytes": h.warm_used}
+            {
+                "name": h.name,
+                "warm_budget_bytes": h.warm_budget,
+                "warm_used_bytes": h.warm_used,
+                "pinned_bytes": _pinned(snap).get(h.name, 0),
+            }
             for h in sorted(snap.hosts.values(), key=lambda h: h.name)
         ],
         "workers": [
@@ -71,6 +76,7 @@ def status_report(snap: Snapshot) -> dict[str, Any]:
                 "id": w,
                 "alive": deadline > snap.now_ms,
                 "reported_at": r.at_ms if (r := snap.reports.get(w)) else None,
+                "pinned_bytes": r.pinned if r else 0,
                 "holds": [
                     {
                         "replica": h.replica,
@@ -94,6 +100,18 @@ def status_report(snap: Snapshot) -> dict[str, Any]:
         },
         "problems": audit(snap),
     }
+
+
+def _pinned(snap: Snapshot) -> dict[str, int]:
+    """Host memory the live workers of each host report keeping pinned (their arenas and
+    PyTorch's pinned cache), beside the warm cache the ledger charges."""
+    host_of = {g.worker: g.host for g in snap.gpus.values() if g.worker}
+    pinned: dict[str, int] = {}
+    for worker, deadline in snap.workers.items():
+        report = snap.reports.get(worker)
+        if report is not None and deadline > snap.now_ms and worker in host_of:
+            pinned[host_of[worker]] = pinned.get(host_of[worker], 0) + report.pinned
+    return pinned
 
 
 def request_report(stats: Mapping[str, Mapping[str, int]]) -> dict[str, Any]:

@@ -172,6 +172,7 @@ class Report:
     worker: str
     at_ms: int
     holdings: tuple[Holding, ...] = ()
+    pinned: int = 0  # host memory the worker keeps pinned (its warm-copy arena), bytes
 
 
 @dataclass(frozen=True)

@@ -89,7 +89,8 @@ def status(
         ]
         console.print(
             f"[bold]{host['name']}[/] warm cache {format_size(host['warm_used_bytes'])}"
-            f" / {format_size(host['warm_budget_bytes'])}: {', '.join(warm) or '-'}"
+            f" / {format_size(host['warm_budget_bytes'])}"
+            f" (pinned {format_size(host['pinned_bytes'])}): {', '.join(warm) or '-'}"
         )
     for model, load in report["load"].items():
         console.print(

@@ -177,6 +177,7 @@ def _memory(report: dict[str, Any]) -> Iterator[Metric]:
     for host in report["hosts"]:
         warm.add_metric([host["name"], "used"], host["warm_used_bytes"])
         warm.add_metric([host["name"], "budget"], host["warm_budget_bytes"])
+        warm.add_metric([host["name"], "pinned"], host["pinned_bytes"])
     yield warm
 
 
