@@ -61,7 +61,7 @@ CHUNK = 16 * 2**20
 D2H_CHUNK = 64 * 2**20  # the raw offload baseline's pinned blocks: a power of two, not rounded
 
 
-def make_checkpoint(directory: Path, mib: int) -> int:
+def make_checkpoint(directory: Path, mib: int, vocab_size: int = 1024) -> int:
     """Save a randomly initialised BERT of about `mib` MiB; return its tensor bytes."""
     from transformers import BertConfig, BertModel
 
@@ -73,7 +73,7 @@ def make_checkpoint(directory: Path, mib: int) -> int:
         num_hidden_layers=layers,
         num_attention_heads=16,
         intermediate_size=4 * hidden,
-        vocab_size=1024,
+        vocab_size=vocab_size,
     )
     model = BertModel(config)
     model.save_pretrained(directory, safe_serialization=True)
