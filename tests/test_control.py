@@ -119,7 +119,7 @@ def test_a_second_fleet_on_the_first_fleets_redis_database_refuses_and_runs_from
     with fleet_up(catalog, SHARED_ARGS, env, fleet) as first:
         assert first.infer("a", "x")["model"] == "a"
         same = up_refused(catalog, env)
-        assert "owned by live worker" in same
+        assert "owned by live worker" in same and "still runs on this machine" in same
         assert "GPUFLEET_REDIS_URL" in same and "GPUFLEET_HOST" in same
 
         own_db, second_name = fleet_elsewhere

@@ -25,11 +25,13 @@ from placement.errors import ConfigError, GpuOwnedError, RegistryError
 from placement.ledger.audit import audit
 from placement.ledger.registry import Registry
 from placement.policy.state import Demand, Gpu, Level
+from worker import identity
 from worker.devices import Device, simulated_devices
 from worker.lifecycle import (
     EXIT_RESTART,
     WorkerLease,
     is_fatal_cuda_error,
+    live_owner,
     make_worker_id,
 )
 
@@ -184,6 +186,28 @@ def test_a_gpu_owned_by_a_live_worker_stops_the_start(reg: FlakyRegistry) -> Non
             other.start()
         assert not other.registered
         assert alive_gpus(reg, "w0") == ["h0:sim0", "h0:sim1"]
+
+
+def test_a_live_owner_whose_processes_are_gone_is_taken_over_at_once_a_running_one_is_not(
+    reg: FlakyRegistry,
+) -> None:
+    gpus = [d.to_gpu("h0") for d in simulated_devices("8GiB")]
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        crashed = identity.describe([proc.pid])
+    finally:
+        proc.kill()
+        proc.wait()
+    reg.register_worker("crashed", "h0", "q0", gpus, lease_ms=60_000, process=crashed)
+    replica = place_hot(reg)
+    assert live_owner(reg, "h0:sim0") is None  # its lease runs for a minute more
+    assert reg.owner("h0:sim0") is None  # reaped: its GPU is nobody's
+    assert reg.snapshot().deployments[replica].level is Level.COLD  # what it held, handed back
+    reg.register_worker("running", "h0", "q0", gpus, process=identity.current())
+    owner = live_owner(reg, "h0:sim0")
+    assert owner is not None and owner.worker == "running"
+    assert f"process {os.getpid()} still runs" in owner.why
+    assert reg.snapshot().gpus["h0:sim0"].worker == "running"
 
 
 def test_a_lease_cannot_be_started_twice(reg: FlakyRegistry) -> None:

@@ -32,6 +32,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import NoReturn
@@ -42,14 +43,17 @@ from placement.config import DEFAULT_WORKER_LEASE_MS
 from placement.errors import ConfigError, GpuOwnedError, LeaseLostError, RegistryError
 from placement.ledger.registry import Registry
 from placement.policy.state import Holding
+from worker import identity
 from worker.devices import Device
 
 __all__ = [
     "EXIT_RESTART",
+    "Owner",
     "WorkerLease",
     "default_lineage",
     "exit_for_restart",
     "is_fatal_cuda_error",
+    "live_owner",
     "make_worker_id",
 ]
 
@@ -240,6 +244,7 @@ class WorkerLease:
             lease_ms=self.lease_ms,
             lineage=self.lineage,
             contexts=opened,
+            process=identity.current(),
         )
         self._renewed(deadline, sent)
 
@@ -339,6 +344,36 @@ class WorkerLease:
                 self.on_lost()
             except Exception:
                 log.exception("worker %s: on_lost failed; registering again anyway", self.worker_id)
+
+
+@dataclass(frozen=True)
+class Owner:
+    """The live worker that owns a GPU in the ledger, its lineage, and why it is live."""
+
+    worker: str
+    lineage: str
+    why: str
+
+
+def live_owner(registry: Registry, gpu_id: str) -> Owner | None:
+    """The worker that owns `gpu_id` and may be alive; None when none does.
+
+    An owner whose lease still runs but whose processes are gone (`worker.identity`: a
+    crashed host started again on the same machine) is reaped here, at once, which hands
+    back what it held as a lapsed lease would; one that cannot be checked from here keeps
+    its GPUs until its lease lapses.
+    """
+    owner = registry.owner(gpu_id)
+    if owner is None:
+        return None
+    found = identity.verdict(registry.worker_process(owner[0]))
+    if found.dead:
+        log.warning(
+            "worker %s owns %s but is dead (%s): taking its GPUs over", owner[0], gpu_id, found.why
+        )
+        registry.reap(owner[0], force=True)
+        return None
+    return Owner(owner[0], owner[1], found.why)
 
 
 # --- names ---------------------------------------------------------------------------------

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import redis
 
@@ -41,6 +42,7 @@ class Membership(Store):
         lease_ms: int = DEFAULT_WORKER_LEASE_MS,
         lineage: str = "",
         contexts: Sequence[str] = (),
+        process: Mapping[str, Any] | None = None,
     ) -> int:
         """Own `gpus` (their id, index, name, total and context are read) and return the
         lease deadline.
@@ -50,6 +52,7 @@ class Membership(Store):
         child that died). A live owner of another lineage raises `GpuOwnedError`.
         `contexts` are other workers' GPUs this process keeps a CUDA context on (it
         registers again after losing its lease): each is charged as commit.lua would.
+        `process` is the worker's process identity, kept for `worker_process`.
         """
         for _ in range(3):
             k = self.keys
@@ -59,6 +62,7 @@ class Membership(Store):
                 "host": host,
                 "queue": queue,
                 "lineage": lineage,
+                "process": json.dumps(dict(process or {})),
                 "lease_ms": lease_ms,
                 "warm_budget": warm_budget,
                 "workers": keys.add(k.workers),
@@ -94,6 +98,15 @@ class Membership(Store):
                 )
             self.reap(owner, force=reason == "REPLACE")
         raise RegistryError(f"could not register worker {worker}: its GPUs keep changing owner")
+
+    def worker_process(self, worker: str) -> dict[str, Any] | None:
+        """The process identity `worker` recorded when it registered (None: none)."""
+        raw = self._one("hget", self.keys.worker(worker), "process")
+        try:
+            found = json.loads(raw) if raw else None
+        except ValueError:
+            return None
+        return found if isinstance(found, dict) and found else None
 
     def owner(self, gpu_id: str) -> tuple[str, str] | None:
         """The live worker that owns `gpu_id` and its lineage, or None when none does."""

@@ -62,6 +62,7 @@ from tasks.broker.presence import take_waiting
 from tasks.config import ROUTER_QUEUES
 from tasks.serving.routing import gpu_queue
 from worker.devices import Device, discover
+from worker.lifecycle import live_owner
 
 log = logging.getLogger(__name__)
 
@@ -230,16 +231,19 @@ class Launcher:
 
     def _check_owners(self) -> None:
         """Refuse to start on GPUs that live workers of this fleet own on this registry
-        (another `gpufleet up` with the same host name, fleet and Redis)."""
+        (another `gpufleet up` with the same host name, fleet and Redis). Workers of this
+        host that died with it (a crash, this machine, their processes gone) are taken
+        over at once (`worker.lifecycle.live_owner`), not waited out."""
         registry = Registry.from_url(self.redis_url, self.fleet)
         try:
             for d in self.devices:
-                owner = registry.owner(d.gpu_id(self.host))
+                owner = live_owner(registry, d.gpu_id(self.host))
                 if owner is not None:
                     raise ConfigError(
-                        f"GPU {d.gpu_id(self.host)} is owned by live worker {owner[0]} of "
-                        f"fleet {self.fleet!r} on {safe_url(self.redis_url)}: another gpufleet "
-                        f"runs here. Stop it, or start this one as a second fleet on a Redis "
+                        f"GPU {d.gpu_id(self.host)} is owned by live worker {owner.worker} "
+                        f"({owner.why}) of fleet {self.fleet!r} on {safe_url(self.redis_url)}: "
+                        f"another gpufleet runs here. Stop it, or start this one as a second "
+                        f"fleet on a Redis "
                         f"database of its own (GPUFLEET_REDIS_URL=redis://<host>:<port>/<db>) "
                         f"or, for simulated GPUs, as another host (GPUFLEET_HOST=<name>)"
                     )

@@ -41,7 +41,7 @@ from tasks.serving.routing import gpu_queue
 from worker import passes
 from worker.devices import Device, discover
 from worker.generation.serving import GenCall, Generated
-from worker.lifecycle import default_lineage
+from worker.lifecycle import default_lineage, live_owner
 from worker.node import GpuWorker, Served
 
 log = logging.getLogger(__name__)
@@ -374,11 +374,12 @@ def _check_owners(devices: list[Device]) -> None:
     mine = default_lineage(context.settings().lineage, parent=True)
     try:
         for device in devices:
-            owner = registry.owner(device.gpu_id(host))
-            if owner is not None and owner[1] != mine:
+            owner = live_owner(registry, device.gpu_id(host))  # a dead one is taken over
+            if owner is not None and owner.lineage != mine:
                 raise GpuOwnedError(
-                    f"GPU {device.gpu_id(host)} is owned by live worker {owner[0]} "
-                    f"of fleet {registry.keys.fleet!r} on this Redis. Stop that worker, or run "
+                    f"GPU {device.gpu_id(host)} is owned by live worker {owner.worker} "
+                    f"({owner.why}) of fleet {registry.keys.fleet!r} on this Redis. Stop that "
+                    f"worker, or run "
                     f"this one as another fleet on a Redis database of its own "
                     f"(GPUFLEET_REDIS_URL=redis://<host>:<port>/<db>) or, for simulated GPUs, "
                     f"as another host (GPUFLEET_HOST)"

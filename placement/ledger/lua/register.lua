@@ -1,6 +1,6 @@
 -- register.lua: a worker takes ownership of its GPUs and sets its host's warm-cache budget.
 -- KEYS: every key named in ARGV[1].
--- ARGV[1] = JSON {worker, host, queue, lineage, lease_ms, warm_budget, maxlen,
+-- ARGV[1] = JSON {worker, host, queue, lineage, process, lease_ms, warm_budget, maxlen,
 --                 workers, worker_key, gpus_set, hosts, host_key, events,
 --                 gpus=[{id, key, index, name, total, context}], contexts=[{id, key}]}
 -- `context` is the bytes one more process's CUDA context takes on the GPU: what a plan
@@ -10,6 +10,8 @@
 -- even past the GPU's total, since the context is there.
 -- `lineage` names the slot a worker process fills (a pool, or a launcher's worker slot):
 -- a live owner of the same lineage is a predecessor this process replaces.
+-- `process` is the worker's process identity (JSON, opaque here: `worker.identity`), which a
+-- host started again reads to tell a dead predecessor from a live one.
 -- Returns {1, lease_deadline_ms}
 --       | {0, 'OWNED', gpu_id, worker, lineage}  a live worker of another lineage owns it
 --       | {0, 'REAP', gpu_id, worker}   a dead worker still owns it: reap that worker first
@@ -49,7 +51,8 @@ for _, c in ipairs(a.contexts) do
   end
 end
 redis.call('HSET', K(a.worker_key), 'id', a.worker, 'host', a.host, 'queue', a.queue,
-  'lease_deadline', deadline, 'gpus', cjson.encode(ids), 'lineage', a.lineage)
+  'lease_deadline', deadline, 'gpus', cjson.encode(ids), 'lineage', a.lineage,
+  'process', a.process or '')
 list_contexts(K(a.worker_key), new_contexts)
 redis.call('SADD', K(a.workers), a.worker)
 redis.call('HSET', K(a.host_key), 'name', a.host, 'warm_budget', a.warm_budget)
