@@ -107,8 +107,15 @@ def role(service: Mapping[str, Any]) -> str | None:
     return environment(service).get("GPUFLEET_ROLE")
 
 
-def gpu_workers(services: Mapping[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    return {name: s for name, s in services.items() if role(s) == "gpu"}
+def gpu_workers(
+    services: Mapping[str, dict[str, Any]], profile: str | None = None
+) -> dict[str, dict[str, Any]]:
+    """The GPU workers (of one compose profile: `gpu`, real GPUs, or `sim`)."""
+    return {
+        name: s
+        for name, s in services.items()
+        if role(s) == "gpu" and (profile is None or s.get("profiles") == [profile])
+    }
 
 
 def gpufleet_services(services: Mapping[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -136,8 +143,25 @@ def test_the_fleet_is_redis_a_router_flower_and_one_worker_per_gpu(
 ) -> None:
     assert {"redis", "router", "flower"} <= set(services)
     assert role(services["router"]) == "router"
-    assert len(gpu_workers(services)) >= 2
+    assert len(gpu_workers(services, "gpu")) >= 2
     assert set(gpufleet_services(services)) == set(services) - {"redis"}
+
+
+def test_gpu_workers_start_in_a_profile_real_or_simulated_and_the_rest_always(
+    services: dict[str, dict[str, Any]],
+) -> None:
+    """`--profile gpu` on a GPU host, `--profile sim` on any host (no NVIDIA toolkit)."""
+    real, sim = gpu_workers(services, "gpu"), gpu_workers(services, "sim")
+    assert set(real) | set(sim) == set(gpu_workers(services)) and len(sim) >= 2
+    for name in ("redis", "router", "flower"):
+        assert "profiles" not in services[name], f"{name} must start in every profile"
+    for name, service in sim.items():
+        env = environment(service)
+        count = int(resolve(env["GPUFLEET_SIM_GPUS"]).split("x")[0])
+        assert int(env["GPUFLEET_WORKER_GPUS"]) < count, f"{name} claims a GPU it lacks"
+        assert not device_requests(service), f"{name} needs no GPU driver"
+    claimed = [environment(s)["GPUFLEET_WORKER_GPUS"] for s in sim.values()]
+    assert len(set(claimed)) == len(claimed), f"two simulated workers claim one GPU: {claimed}"
 
 
 def test_every_service_has_a_health_check(services: dict[str, dict[str, Any]]) -> None:
@@ -182,8 +206,10 @@ def test_every_gpufleet_process_reaches_redis_with_the_password_and_shares_setti
     for name, service in gpufleet_services(services).items():
         env = environment(service)
         assert re.fullmatch(
-            r"redis://:\$\{REDIS_PASSWORD:\?[^}]+\}@redis:6379/0", env["GPUFLEET_REDIS_URL"]
-        ), name
+            r"redis://:\$\{REDIS_PASSWORD:\?[^}]+\}@\$\{GPUFLEET_REDIS_ADDR:-redis:6379\}/0",
+            env["GPUFLEET_REDIS_URL"],
+        ), name  # this file's Redis unless a joining host names its fleet's
+        assert resolve(env["GPUFLEET_TORCH_THREADS"]) == "", name  # documented, passed
         assert env["GPUFLEET_MODELS"] == "/app/models.yaml", name
         assert resolve(env["GPUFLEET_FLEET"]) == "default", name
         assert "/app/models.yaml:ro" in [
@@ -216,7 +242,7 @@ def test_the_router_consumes_the_default_queue(services: dict[str, dict[str, Any
 def test_every_gpu_worker_reserves_nvidia_gpus_with_the_gpu_capability(
     services: dict[str, dict[str, Any]],
 ) -> None:
-    for name, service in gpu_workers(services).items():
+    for name, service in gpu_workers(services, "gpu").items():
         requests = device_requests(service)
         assert len(requests) == 1, f"{name}: {requests}"
         request = requests[0]
@@ -227,7 +253,7 @@ def test_every_gpu_worker_reserves_nvidia_gpus_with_the_gpu_capability(
         assert all(isinstance(i, str) and i.isdigit() for i in ids), f"{name}: quote ids"
         assert len(set(ids)) == len(ids), f"{name}: repeated device ids {ids}"
     for name, service in services.items():
-        if role(service) != "gpu":
+        if name not in gpu_workers(services, "gpu"):
             assert not device_requests(service), f"{name} reserves GPUs it does not use"
 
 
@@ -237,7 +263,7 @@ def test_every_gpu_worker_sees_the_gpu_it_claims_and_no_two_claim_the_same(
     """The container numbers its visible GPUs 0, 1, ... in PCI order, which is the order
     of their host indices; GPUFLEET_WORKER_GPUS is read inside the container."""
     claimed: dict[tuple[str, str], str] = {}
-    for name, service in gpu_workers(services).items():
+    for name, service in gpu_workers(services, "gpu").items():
         env = environment(service)
         index = int(env["GPUFLEET_WORKER_GPUS"])
         request = device_requests(service)[0]
@@ -259,7 +285,7 @@ def test_every_gpu_worker_sees_the_gpu_it_claims_and_no_two_claim_the_same(
 def test_every_gpu_worker_runs_one_prefork_child_on_its_own_queue(
     services: dict[str, dict[str, Any]],
 ) -> None:
-    queues = set()
+    queues: dict[str, set[str]] = {}  # per profile: gpu0 and sim0 never run together
     for name, service in gpu_workers(services).items():
         env = resolve(environment(service))
         args = argv(service)
@@ -272,8 +298,9 @@ def test_every_gpu_worker_runs_one_prefork_child_on_its_own_queue(
         assert option(args, "-n") == f"{name}@%h", name
         assert option(args, "-c") == "1", name
         assert option(args, "-P") == "prefork", name
-        queues.add(queue)
-    assert len(queues) == len(gpu_workers(services))
+        queues.setdefault(service["profiles"][0], set()).add(queue)
+    for profile, names in queues.items():
+        assert len(names) == len(gpu_workers(services, profile)), profile
 
 
 def test_worker_health_checks_ping_the_node_their_service_starts(
@@ -533,8 +560,8 @@ def test_docker_compose_resolves_credentials_and_keeps_the_gpu_reservations(
         assert resolved[name]["environment"]["GPUFLEET_REDIS_URL"] == url, name
     assert resolved["flower"]["environment"]["FLOWER_BASIC_AUTH"] == "admin:flowerpw"
     assert option(resolved["redis"]["command"], "--requirepass") == ENV["REDIS_PASSWORD"]
-    workers = gpu_workers(resolved)
-    assert set(workers) == set(gpu_workers(yaml.safe_load(COMPOSE.read_text())["services"]))
+    workers = gpu_workers(resolved, "gpu")
+    assert set(workers) == set(gpu_workers(yaml.safe_load(COMPOSE.read_text())["services"], "gpu"))
     for name, service in workers.items():
         (request,) = device_requests(service)
         assert request["driver"] == "nvidia", name
