@@ -13,9 +13,8 @@ copy that needs more (what PyTorch's pinned allocator would pin for it anyway; t
 that chunk is room for other copies); chunks stop being added at `capacity` (the worker's
 share of the host's warm cache, which the ledger already charges). Free space is kept per
 chunk as sorted, coalesced extents, and a region goes in the first extent it fits (first
-fit). When no extent fits
-and no chunk may be added, `reserve` answers None, and the caller pins the copy the old
-way (`worker.loading.to_cpu`): slower, never refused.
+fit). When no extent fits and no chunk may be added, `reserve` answers None, and the
+caller pins the copy the old way (`worker.loading.to_cpu`): slower, never refused.
 
 The arena is per process: warm copies live where the process that offloaded them can see
 them. A host-wide arena shared by the GPU workers of a host (memory registered with CUDA in

@@ -58,6 +58,7 @@ def status_report(snap: Snapshot) -> dict[str, Any]:
     ]
     total = sum(g.total for g in snap.gpus.values())
     reserved = sum(g.reserved for g in snap.gpus.values())
+    pinned = _pinned(snap)
     return {
         "now_ms": snap.now_ms,
         "gpus": gpus,
@@ -67,7 +68,7 @@ def status_report(snap: Snapshot) -> dict[str, Any]:
                 "name": h.name,
                 "warm_budget_bytes": h.warm_budget,
                 "warm_used_bytes": h.warm_used,
-                "pinned_bytes": _pinned(snap).get(h.name, 0),
+                "pinned_bytes": pinned.get(h.name, 0),
             }
             for h in sorted(snap.hosts.values(), key=lambda h: h.name)
         ],

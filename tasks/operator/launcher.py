@@ -243,9 +243,9 @@ class Launcher:
                         f"GPU {d.gpu_id(self.host)} is owned by live worker {owner.worker} "
                         f"({owner.why}) of fleet {self.fleet!r} on {safe_url(self.redis_url)}: "
                         f"another gpufleet runs here. Stop it, or start this one as a second "
-                        f"fleet on a Redis "
-                        f"database of its own (GPUFLEET_REDIS_URL=redis://<host>:<port>/<db>) "
-                        f"or, for simulated GPUs, as another host (GPUFLEET_HOST=<name>)"
+                        f"fleet on a Redis database of its own "
+                        f"(GPUFLEET_REDIS_URL=redis://<host>:<port>/<db>) or, for simulated "
+                        f"GPUs, as another host (GPUFLEET_HOST=<name>)"
                     )
         finally:
             registry.client.close()

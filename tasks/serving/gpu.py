@@ -379,8 +379,7 @@ def _check_owners(devices: list[Device]) -> None:
                 raise GpuOwnedError(
                     f"GPU {device.gpu_id(host)} is owned by live worker {owner.worker} "
                     f"({owner.why}) of fleet {registry.keys.fleet!r} on this Redis. Stop that "
-                    f"worker, or run "
-                    f"this one as another fleet on a Redis database of its own "
+                    f"worker, or run this one as another fleet on a Redis database of its own "
                     f"(GPUFLEET_REDIS_URL=redis://<host>:<port>/<db>) or, for simulated GPUs, "
                     f"as another host (GPUFLEET_HOST)"
                 )
