@@ -1,6 +1,7 @@
 """Packing at fleet scale: how much of a production-shaped fleet each policy fills.
 
-Run as ``python -m bench.packing [--workload mixed] [--seed 1] [--hosts 1200] ...``;
+Run as ``python -m bench.packing [--workload mixed] [--seed 1] [--hosts 1200] ...``, or
+``python -m bench.packing --trace openb:NAME [--seed 1]`` to replay a real trace (below);
 prints ONE JSON object.
 
 The fleet and the requests are generated from the seed, shaped like a production
@@ -19,7 +20,17 @@ been asked for. The workloads (``--workload``):
 - ``multi-heavy``: 40% trace shares, 35% whole GPUs, 25% 2, 4 or 8 GPUs of one host.
 
 (The Azure LLM trace in ../shared/data has arrival times and token counts but no GPU
-sizes, so no workload here uses it.) Every policy replays the same sequence:
+sizes, so no workload here uses it.)
+
+``--trace openb:NAME`` replays Alibaba's cluster-trace-gpu-v2023 itself, as FGD's paper
+does (../shared/data/openb, its README): the fleet is the trace's 1,213 hosts (6,212 GPUs,
+typed by the trace's model names), the requests its pod list `openb_pod_list_NAME.csv`
+(`default`, `gpushare20`..`80`, `multigpu20`..`40`, `gpuspec10`..`25`) in a seeded random
+order, shuffled again each time the list runs out, until `--arrive` x the fleet's GPUs
+were asked for; pods that need no GPU are left out, `gpu_spec` becomes the GPU types a pod
+allows. Allocation is also read as arrivals reach 90%, 100%, 110% and 120% of the fleet.
+
+Every policy replays the same sequence:
 
 - ``default``: gpufleet's shipped policy, `plan_replica` on a `LiveView` of the fleet;
 - ``first-fit``: the first host, then the first GPU, in index order, that fits;
@@ -31,14 +42,16 @@ sizes, so no workload here uses it.) Every policy replays the same sequence:
 The baselines are written here, plainly, over integer milli-GPU units.
 
 Reported per policy: the share of the fleet's GPU capacity allocated at the first
-refusal and at the end (capacity counts each GPU as 1, whatever its memory), and the
-milliseconds per decision, refusals included; `default_vs_best_baseline` is the default
-minus the best baseline at each.
+refusal, as arrivals reach 90% to 120% of it (`at_90`..`at_120`), and at the end
+(capacity counts each GPU as 1, whatever its memory), and the milliseconds per decision,
+refusals included; `default_vs_best_baseline` is the default minus the better of node
+first-fit and node best-fit at each (issue 42's bar; FGD is reported beside them).
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import os
 import platform
@@ -47,6 +60,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from placement.errors import PlacementError
 from placement.policy.live import LiveView
@@ -66,6 +80,12 @@ SHARES = "100,200,250,300,400,500,600,750"  # milli-GPUs, equally likely: `mixed
 # not an exact count). The fleet's GPU types stay `TYPES`, not the trace's.
 OPENB_SHARES = "110:1,160:3,220:1,230:6,320:13,330:0.5,350:0.5,370:2,460:5,470:21,480:1,"
 OPENB_SHARES += "550:1.5,590:5,650:7.5,810:33"
+
+OPENB = Path(__file__).resolve().parents[2] / "shared" / "data" / "openb"
+#: GiB of the trace's GPU models (the packing counts GPUs, not bytes: any sizes would do;
+#: G2 and G3 are undisclosed types).
+OPENB_GIB = {"A10": 24, "P100": 16, "T4": 16, "V100M16": 16, "V100M32": 32}
+CHECKPOINTS = (0.9, 1.0, 1.1, 1.2)  # arrivals, x the fleet's GPUs, where allocation is read
 
 # name -> (kinds as kind:weight, share sizes, share of typed requests, share of those
 # that name two types)
@@ -157,6 +177,52 @@ def make_requests(
         requests.append(req)
         asked += req.amount
     return requests
+
+
+def openb_fleet(directory: Path) -> list[Machine]:
+    """The trace's hosts with GPUs, each GPU free."""
+    with (directory / "openb_node_list_gpu_node.csv").open() as f:
+        return [
+            Machine(row["sn"], row["model"], OPENB_GIB.get(row["model"], 32), [UNIT] * n)
+            for row in csv.DictReader(f)
+            if (n := int(row["gpu"])) > 0
+        ]
+
+
+def openb_pods(directory: Path, name: str) -> list[Request]:
+    """The GPU pods of `openb_pod_list_<name>.csv`, in file order: a share of one GPU
+    (`gpu_milli` < 1000), else `num_gpu` whole GPUs of one host; `gpu_spec` as types."""
+    pods = []
+    with (directory / f"openb_pod_list_{name}.csv").open() as f:
+        for row in csv.DictReader(f):
+            gpus, milli = int(row["num_gpu"]), int(row["gpu_milli"])
+            if gpus == 0:
+                continue
+            types = tuple(dict.fromkeys(t for t in (row.get("gpu_spec") or "").split("|") if t))
+            allowed = None if not types else types[0] if len(types) == 1 else types
+            if gpus == 1 and milli < UNIT:
+                pods.append(Request(0, milli, allowed))
+            else:
+                pods.append(Request(gpus, 0, allowed))
+    return pods
+
+
+def arrivals(
+    rng: random.Random, pods: Sequence[Request], capacity: int, arrive: float
+) -> list[Request]:
+    """`pods` in seeded random orders, one after another, until `arrive` x `capacity`
+    milli-GPUs were asked for."""
+    out: list[Request] = []
+    asked = 0
+    while asked < arrive * capacity:
+        order = list(pods)
+        rng.shuffle(order)
+        for r in order:
+            out.append(r)
+            asked += r.amount
+            if asked >= arrive * capacity:
+                break
+    return out
 
 
 def _short(name: str) -> str:
@@ -255,14 +321,50 @@ class Fgd:
 # --- replay -------------------------------------------------------------------------
 
 
+@dataclass
+class Tally:
+    """What a replay allocated: at its first refusal, as arrivals pass each of
+    `CHECKPOINTS`, and at the end; and how long each decision took."""
+
+    capacity: int
+    allocated: int = 0
+    asked: int = 0
+    first_refusal: int | None = None
+    at: dict[float, int] = field(default_factory=dict)
+    times: list[float] = field(default_factory=list)
+
+    def arrived(self, r: Request, placed: bool, ms: float) -> None:
+        self.asked += r.amount
+        self.times.append(ms)
+        if placed:
+            self.allocated += r.amount
+        elif self.first_refusal is None:
+            self.first_refusal = self.allocated
+        for c in CHECKPOINTS:
+            if c not in self.at and self.asked >= c * self.capacity:
+                self.at[c] = self.allocated
+
+    def figures(self) -> dict[str, float | None]:
+        cuts = statistics.quantiles(self.times, n=100)
+        refused = self.allocated if self.first_refusal is None else self.first_refusal
+        at = {f"at_{round(c * 100)}": self.at.get(c) for c in CHECKPOINTS}
+        return {
+            "first_refusal_alloc": round(refused / self.capacity, 4),
+            **{k: None if v is None else round(v / self.capacity, 4) for k, v in at.items()},
+            "end_alloc": round(self.allocated / self.capacity, 4),
+            "plan_p50_ms": round(statistics.median(self.times), 4),
+            "plan_p99_ms": round(cuts[98], 4),
+            "decisions": len(self.times),
+        }
+
+
 def replay_baseline(
     machines: list[Machine],
     requests: Sequence[Request],
     choose: Callable[[Sequence[Machine], Request], Choice],
-) -> dict[str, float]:
-    capacity = sum(len(m.free) for m in machines) * UNIT
+) -> dict[str, float | None]:
+    tally = Tally(sum(len(m.free) for m in machines) * UNIT)
     by_family: dict[object, list[Machine]] = {}
-    allocated, first_refusal, times = 0, None, []
     for r in requests:
         allowed = by_family.get(r.accelerator)
         if allowed is None:
@@ -271,19 +373,19 @@ def replay_baseline(
             ]
         start = time.perf_counter()
         choice = choose(allowed, r)
-        times.append((time.perf_counter() - start) * 1000)
-        if choice is None:
-            first_refusal = allocated if first_refusal is None else first_refusal
-            continue
-        m, chosen = choice
-        for i in chosen:
-            m.free[i] -= UNIT if r.gpus else r.share
-            assert m.free[i] >= 0
-        allocated += r.amount
-    return _figures(allocated, first_refusal, capacity, times)
+        ms = (time.perf_counter() - start) * 1000
+        if choice is not None:
+            m, chosen = choice
+            for i in chosen:
+                m.free[i] -= UNIT if r.gpus else r.share
+                assert m.free[i] >= 0
+        tally.arrived(r, choice is not None, ms)
+    return tally.figures()
 
 
-def replay_default(machines: Sequence[Machine], requests: Sequence[Request]) -> dict[str, float]:
+def replay_default(
+    machines: Sequence[Machine], requests: Sequence[Request]
+) -> dict[str, float | None]:
     gpus: dict[str, Gpu] = {}
     for m in machines:
         for i in range(len(m.free)):
@@ -291,9 +393,8 @@ def replay_default(machines: Sequence[Machine], requests: Sequence[Request]) -> 
             gpus[gpu_id] = Gpu(gpu_id, m.name, i, m.type, m.gib * GiB, 0, worker, worker, 2**62)
     hosts = {m.name: Host(m.name) for m in machines}
     view = LiveView(Snapshot(gpus=gpus, deployments={}, hosts=hosts, now_ms=1))
-    capacity = len(gpus) * UNIT
+    tally = Tally(len(gpus) * UNIT)
     rng = random.Random(0)
-    allocated, first_refusal, times = 0, None, []
     for n, r in enumerate(requests):
         demand = Demand(
             f"m{n}",
@@ -305,28 +406,11 @@ def replay_default(machines: Sequence[Machine], requests: Sequence[Request]) -> 
         try:
             plan = plan_replica(demand, view.snap, rng=rng)
         except PlacementError:
-            times.append((time.perf_counter() - start) * 1000)
-            first_refusal = allocated if first_refusal is None else first_refusal
+            tally.arrived(r, False, (time.perf_counter() - start) * 1000)
             continue
-        times.append((time.perf_counter() - start) * 1000)
+        tally.arrived(r, True, (time.perf_counter() - start) * 1000)
         view.apply(plan)
-        allocated += r.amount
-    return _figures(allocated, first_refusal, capacity, times)
-
-
-def _figures(
-    allocated: int, first_refusal: int | None, capacity: int, times: list[float]
-) -> dict[str, float]:
-    cuts = statistics.quantiles(times, n=100)
-    return {
-        "first_refusal_alloc": round(
-            (allocated if first_refusal is None else first_refusal) / capacity, 4
-        ),
-        "end_alloc": round(allocated / capacity, 4),
-        "plan_p50_ms": round(statistics.median(times), 4),
-        "plan_p99_ms": round(cuts[98], 4),
-        "decisions": len(times),
-    }
+    return tally.figures()
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -340,15 +424,25 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--typed", type=float, help="share of typed requests (likewise)")
     parser.add_argument("--arrive", type=float, default=1.3, help="capacity asked for, x fleet")
     parser.add_argument("--policies", default="default,first-fit,best-fit,fgd")
+    parser.add_argument("--trace", help="openb:NAME replays the trace's pod list NAME")
+    parser.add_argument("--data", type=Path, default=OPENB, help="the openb trace's folder")
     args = parser.parse_args(argv)
 
-    mix, sizes, typed, pair = WORKLOADS[args.workload]
-    workload = (args.mix or mix, sizes, typed if args.typed is None else args.typed, pair)
     rng = random.Random(args.seed)
-    fleet = make_fleet(rng, args.hosts, args.host_sizes, args.types)
-    capacity = sum(len(m.free) for m in fleet) * UNIT
-    requests = make_requests(rng, fleet, workload, args.arrive)
-    policies: dict[str, dict[str, float]] = {}
+    if args.trace:
+        kind, _, name = args.trace.partition(":")
+        if kind != "openb" or not name:
+            parser.error("--trace takes openb:NAME, e.g. openb:default")
+        fleet = openb_fleet(args.data)
+        capacity = sum(len(m.free) for m in fleet) * UNIT
+        requests = arrivals(rng, openb_pods(args.data, name), capacity, args.arrive)
+    else:
+        mix, sizes, typed, pair = WORKLOADS[args.workload]
+        workload = (args.mix or mix, sizes, typed if args.typed is None else args.typed, pair)
+        fleet = make_fleet(rng, args.hosts, args.host_sizes, args.types)
+        capacity = sum(len(m.free) for m in fleet) * UNIT
+        requests = make_requests(rng, fleet, workload, args.arrive)
+    policies: dict[str, dict[str, float | None]] = {}
     for name in args.policies.split(","):
         machines = [Machine(m.name, m.type, m.gib, list(m.free)) for m in fleet]
         if name == "default":
@@ -361,10 +455,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             }
             choose = baselines[name]
             policies[name] = replay_baseline(machines, requests, choose)
-    others = [p for n, p in policies.items() if n != "default"]
-    out = {
-        "workload": args.workload,
-        "hosts": args.hosts,
+    others = [p for n, p in policies.items() if n in ("first-fit", "best-fit")]
+    out: dict[str, object] = {
+        "workload": args.trace or args.workload,
+        "hosts": len(fleet),
         "gpus": capacity // UNIT,
         "seed": args.seed,
         "requests": len(requests),
@@ -378,8 +472,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     if "default" in policies and others:
         d = policies["default"]
         out["default_vs_best_baseline"] = {
-            key: round(d[key] - max(b[key] for b in others), 4)
-            for key in ("first_refusal_alloc", "end_alloc")
+            key: round(value - max(float(b[key] or 0) for b in others), 4)
+            for key, value in d.items()
+            if key.endswith("_alloc") or key.startswith("at_")
+            if value is not None and all(b[key] is not None for b in others)
         }
     print(json.dumps(out))
 
