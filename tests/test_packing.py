@@ -103,6 +103,34 @@ def test_a_share_fills_a_gpu_in_use_before_it_opens_an_empty_one() -> None:
         assert set(plan.gpus) == {"h1-3"}  # not h0's lone empty GPU, nor h1's empty ones
 
 
+def _gaps_and_empty_gpus(whole: bool) -> Snapshot:
+    """GPUs of 10 GiB: a has 5 free, b and c 3 (beside 7 GiB shares: holes a held 3 GiB
+    share would fill), f 7, d is empty; with `whole`, e holds a whole-GPU replica (whole
+    GPUs are asked for on this size), else e is empty too."""
+    gpus = [gpu(n, 10 * GiB, host=f"h{n}") for n in "abcdef"]
+    held = [
+        hot(name, name, {on: size * GiB}, host=f"h{on}", dedicated=True)
+        for name, on, size in (("half", "a", 5), ("b7", "b", 7), ("c7", "c", 7), ("f3", "f", 3))
+    ]
+    if whole:
+        held.append(hot("whole", "whole", {"e": 10 * GiB}, host="he", dedicated=True))
+    return fleet(gpus, held)
+
+
+def test_a_share_keeps_empty_gpus_for_whole_gpu_requests_the_fleet_holds() -> None:
+    # A 2 GiB share: b and c would keep 1 GiB of dead room; a and f would each deepen a gap
+    # other GPUs share, so the sum-of-squares rule opens an empty GPU instead. Where whole
+    # GPUs are asked for, an empty GPU is worth keeping: on the openb trace, whole-GPU
+    # pods were refused once shares had spent the empty GPUs (issue 42). Where none are,
+    # the squares rule stands.
+    for seed in range(10):
+        demand = Demand("s", gpus=0.2, dedicated=True)
+        kept = plan_replica(demand, _gaps_and_empty_gpus(True), rng=random.Random(seed))
+        assert set(kept.gpus) == {"f"}
+        opened = plan_replica(demand, _gaps_and_empty_gpus(False), rng=random.Random(seed))
+        assert set(opened.gpus) <= {"d", "e"}
+
+
 def test_a_dedicated_share_strands_no_room_too_small_for_any_replica_if_it_can_help_it() -> None:
     gpus = [gpu("tight", 16 * GiB, index=0), gpu("roomy", 16 * GiB, index=1)]
     gpus.append(gpu("other", 16 * GiB, index=2))

@@ -2,7 +2,8 @@
 
 The policy (`placement.policy.place`) asks here first. A dedicated replica, which pressure
 never moves, is packed: the GPU type with the most left, then no dead room in a hole
-others would fill, then the sum-of-squares rule, then the tightest. An evictable one
+others would fill, then a GPU in use before an empty one where whole GPUs are asked for,
+then the sum-of-squares rule, then the tightest. An evictable one
 takes best fit (docs/placement.md, "Choosing a GPU"). The search runs over
 `placement.policy.room` host shapes, so the common case costs one step per shape, not per GPU.
 """
@@ -108,9 +109,11 @@ def _packed_single(
 ) -> Option | None:
     """The GPU for a dedicated replica, which never moves, so where it goes decides what
     fits beside it for good: GPUs of the type with the most left (`Planning.type_rank`),
-    then one where it strands no dead room in a hole that other slots would fill, then
-    the one that keeps free room in the fewest distinct gaps, then the tightest, then the
-    host with the least room (docs/placement.md, "Choosing a GPU")."""
+    then one where it strands no dead room in a hole that other slots would fill, then,
+    where whole GPUs are asked for on GPUs of that size, one in use before an empty one
+    (which a whole-GPU request needs), then the one that keeps free room in the fewest
+    distinct gaps, then the tightest, then the host with the least room (docs/placement.md,
+    "Choosing a GPU")."""
     index = room_of(view.snap)
     kinds = []  # GPU types and sizes that take a slot, the type with the most left first
     for (name, total), levels in index.levels.items():
@@ -124,6 +127,7 @@ def _packed_single(
             break  # a worse type than one that fits: none of its GPUs ranks first
         request, limit = slots[total]
         dead, gaps = view.smallest(total), index.gaps[(name, total)]
+        whole = index.slot_count(total, total) > 0  # whole GPUs of this size are held
         for free in levels:
             if free < limit:
                 continue
@@ -131,6 +135,7 @@ def _packed_single(
             keys[(name, total, free)] = (
                 rank,
                 float(ROUNDING <= left < dead and view.wanted(total, free, request, dead)),
+                float(free == total and whole),
                 float(_squares_change(gaps, free, left, total, dead)),
                 left / total,
             )
