@@ -110,6 +110,7 @@ def checkpoint_setup(directory: Path, gib: float, gpu: bool) -> Setup:
     reserving `RESERVE_SHARE` of the smallest GPU (real ones with `gpu`, else one
     simulated GPU of four times the checkpoint)."""
     from bench.residency import make_checkpoint
+    from worker.arena import CHUNK
     from worker.devices import nvml_devices
 
     path = directory / "checkpoint"
@@ -128,7 +129,10 @@ def checkpoint_setup(directory: Path, gib: float, gpu: bool) -> Setup:
     if nbytes > reserve:
         raise SystemExit(f"a {nbytes}-byte checkpoint does not fit {reserve} bytes: lower --gib")
     models = [f"m{i}" for i in range(2 * gpus + 2)]
-    chunk = 1 << (nbytes - 1).bit_length()  # what one copy's arena chunk pins
+    # what one copy's arena chunk pins: its tensors page-aligned (under 1/64 more here,
+    # tensors of at least 256 KiB), the power of two above, and never under one CHUNK
+    region = nbytes + nbytes // 64
+    chunk = max(CHUNK, 1 << (region - 1).bit_length())
     warm = f"{len(models) * chunk >> 20}MiB"
     return Setup(models, str(path), "forward", reserve, sim_gpus, warm, nbytes)
 

@@ -28,7 +28,9 @@ typed by the trace's model names), the requests its pod list `openb_pod_list_NAM
 (`default`, `gpushare20`..`80`, `multigpu20`..`40`, `gpuspec10`..`25`) in a seeded random
 order, shuffled again each time the list runs out, until `--arrive` x the fleet's GPUs
 were asked for; pods that need no GPU are left out, `gpu_spec` becomes the GPU types a pod
-allows. Allocation is also read as arrivals reach 90%, 100%, 110% and 120% of the fleet.
+allows. Only GPUs are packed: the pods' CPU and memory, which FGD's simulator also
+checks against each node, are not. Allocation is also read as arrivals reach 90%, 100%,
+110% and 120% of the fleet.
 
 Every policy replays the same sequence:
 
@@ -212,6 +214,8 @@ def arrivals(
 ) -> list[Request]:
     """`pods` in seeded random orders, one after another, until `arrive` x `capacity`
     milli-GPUs were asked for."""
+    if not pods:
+        raise SystemExit("the pod list holds no pod that needs a GPU")
     out: list[Request] = []
     asked = 0
     while asked < arrive * capacity:

@@ -28,8 +28,14 @@ PYTHON=${PYTHON:-$([[ -x .venv/bin/python ]] && echo .venv/bin/python || echo py
 say() { printf '\n==> %s\n' "$*"; }
 fail() { printf 'compose-check: %s\n' "$*" >&2; exit 1; }
 
+# The check's own settings only: a variable of the caller's shell (GPUFLEET_REDIS_ADDR, say)
+# would override its .env and could join its workers to a real fleet.
+while read -r name; do unset "$name"; done < <(compgen -e | grep -E '^(GPUFLEET_|REDIS_|FLOWER_|COMPOSE_)')
+[[ -e wheels ]] && fail "./wheels exists: move it away (the check builds its own wheels there)"
+
 started=$(date +%s)
 work=$(mktemp -d /tmp/gpufleet-compose-check.XXXXXX)
+made_wheels=""
 project="gpufleet-check-$(date +%s)"
 dockerd_pid=""
 compose=()
@@ -39,7 +45,8 @@ cleanup() {
   if ((${#compose[@]})); then
     "${compose[@]}" down -v --remove-orphans >/dev/null 2>&1 || true
   fi
-  rm -rf wheels "$work"
+  [[ -n "$made_wheels" ]] && rm -rf wheels
+  rm -rf "$work"
   if [[ -n "$dockerd_pid" ]]; then
     kill "$dockerd_pid" 2>/dev/null || true
     wait "$dockerd_pid" 2>/dev/null || true
@@ -99,6 +106,7 @@ else
     || fail "the wheels must be built by Python 3.11, the base image's: set PYTHON"
   # async-timeout: redis-py needs it below Python 3.11.3 (bookworm's is 3.11.2), where
   # this machine's Python may not
+  made_wheels=1
   "$python" -m pip wheel -q --wheel-dir wheels ".[flower,demo]" torch==2.13.0 \
     "setuptools>=69" "async-timeout>=4.0.3"
   rm -f wheels/gpufleet-*.whl  # the image installs gpufleet from its source

@@ -8,12 +8,14 @@ So a worker records, when it registers, who it is: the machine (`/etc/machine-id
 boot of it, its PID namespace, and the PIDs and start times of itself and of its parent
 (the Celery main process, for a pool child). A process started later on the same machine,
 in the same PID namespace and boot, can then check those processes: if none of them runs
-any more (a PID may be reused, so its start time must match), the worker is dead, whatever
-its lease says, and its GPUs may be taken over at once.
+any more (a PID may be reused, so its start time must match; a zombie runs no more), the
+worker is dead, whatever its lease says, and its GPUs may be taken over at once.
 
-Nothing is presumed dead that cannot be checked: a worker of another machine, namespace
-(another container) or without a recorded identity is left to its lease. Linux only;
-elsewhere the identity is empty and every verdict is "cannot tell".
+Nothing is presumed dead that cannot be checked: a worker of another machine or boot (a
+machine id is copied with VM and container images), another PID namespace (another
+container), a process this user cannot read, or one without a recorded identity, is left
+to its lease. Linux only; elsewhere the identity is empty and every verdict is "cannot
+tell".
 """
 
 from __future__ import annotations
@@ -51,8 +53,8 @@ def _pid_namespace() -> str:
 
 def start_time(pid: int) -> str | None:
     """When process `pid` started (clock ticks since boot, /proc/<pid>/stat field 22), or
-    None when no such process runs. A zombie (killed, not yet reaped by its new parent:
-    in a container, PID 1 may never reap it) runs no more."""
+    None when no running process of that pid can be read. A zombie (killed, not yet
+    reaped by its new parent: in a container, PID 1 may never reap it) runs no more."""
     stat = _read(Path(f"/proc/{pid}/stat"))
     if not stat:
         return None
@@ -60,6 +62,17 @@ def start_time(pid: int) -> str | None:
     if len(fields) <= 19 or fields[0] in ("Z", "X"):  # fields[0]: the state
         return None
     return fields[19]
+
+
+def _exists(pid: int) -> bool:
+    """Whether any process has `pid`, readable here or not (signal 0 checks only)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
 
 
 def describe(pids: Iterable[int]) -> dict[str, Any]:
@@ -89,17 +102,28 @@ def verdict(identity: Mapping[str, Any] | None) -> Verdict:
     if not identity or not identity.get("processes"):
         return Verdict(None, "it recorded no process identity; wait for its lease to lapse")
     here = describe([])
-    if not here or identity.get("machine") != here["machine"]:
+    # Another boot counts as another machine: machine ids are copied with VM and container
+    # images, and a host cannot restart within a lease of seconds anyway.
+    if not here or (identity.get("machine"), identity.get("boot")) != (
+        here["machine"],
+        here["boot"],
+    ):
         return Verdict(None, "it runs on another machine; wait for its lease to lapse")
-    if identity.get("boot") != here["boot"]:
-        return Verdict(True, "this machine restarted since it registered")
     if identity.get("pid_ns") != here["pid_ns"]:
         return Verdict(None, "it runs in another PID namespace (another container?)")
     for pid, started in identity["processes"]:
-        if start_time(int(pid)) == started:
+        now = start_time(int(pid))
+        if now == started:
             return Verdict(False, f"its process {pid} still runs on this machine")
+        if now is None and _exists(int(pid)) and not _zombie(int(pid)):
+            return Verdict(None, f"its process {pid} cannot be read here (another user's?)")
     pids = ", ".join(str(pid) for pid, _ in identity["processes"])
     return Verdict(True, f"its processes ({pids}) are gone")
+
+
+def _zombie(pid: int) -> bool:
+    stat = _read(Path(f"/proc/{pid}/stat"))
+    return bool(stat) and stat.rsplit(")", 1)[-1].split()[:1] in (["Z"], ["X"])
 
 
 __all__ = ["Verdict", "current", "describe", "start_time", "verdict"]

@@ -302,7 +302,7 @@ class WorkerLease:
         if self.registered:
             sent = time.monotonic()
             holdings = self.report() if self.report is not None else None
-            pinned = self.pinned() if self.pinned is not None else None
+            pinned = self._pinned()
             deadline = self.registry.heartbeat(
                 self.worker_id, self.gpu_ids, self.lease_ms, holdings=holdings, pinned=pinned
             )
@@ -314,6 +314,17 @@ class WorkerLease:
             return
         self._register()
         log.warning("worker %s registered again with a fresh lease", self.worker_id)
+
+    def _pinned(self) -> int | None:
+        """The pinned bytes to report, or None (the last figure stands): a figure that
+        cannot be read never keeps the lease from being renewed."""
+        if self.pinned is None:
+            return None
+        try:
+            return self.pinned()
+        except Exception:
+            log.debug("could not read the pinned host memory", exc_info=True)
+            return None
 
     def _failed(self, exc: BaseException, failures: int) -> None:
         """A transient failure: log it, and declare the lease lost once it surely lapsed."""

@@ -622,10 +622,13 @@ class ResidencyManager:
         pinned allocator holds, which counts those chunks and any copy pinned apart (each
         rounded up to a power of two), cached blocks included. 0 with no CUDA."""
         arena = self.arena.pinned if self.arena is not None else 0
-        if not self._pin:
+        stats = getattr(torch.cuda, "host_memory_stats", None)  # torch >= 2.7
+        if not self._pin or stats is None:
             return arena
-        stats = torch.cuda.host_memory_stats()
-        return max(arena, int(stats.get("allocated_bytes.current", 0)))
+        try:
+            return max(arena, int(stats().get("allocated_bytes.current", 0)))
+        except (RuntimeError, ValueError, TypeError):  # a version whose stats differ
+            return arena
 
     def fraction(self, index: int) -> float:
         """This process's memory fraction on local device `index` (1.0 with nothing on it)."""

@@ -2,8 +2,8 @@
 
 The policy (`placement.policy.place`) asks here first. A dedicated replica, which pressure
 never moves, is packed: the GPU type with the most left, then no dead room in a hole
-others would fill, then a GPU in use before an empty one where whole GPUs are asked for,
-then the sum-of-squares rule, then the tightest. An evictable one
+others would fill, then a GPU in use before an empty one where whole-GPU replicas are
+held, then the sum-of-squares rule, then the tightest. An evictable one
 takes best fit (docs/placement.md, "Choosing a GPU"). The search runs over
 `placement.policy.room` host shapes, so the common case costs one step per shape, not per GPU.
 """
@@ -110,8 +110,8 @@ def _packed_single(
     """The GPU for a dedicated replica, which never moves, so where it goes decides what
     fits beside it for good: GPUs of the type with the most left (`Planning.type_rank`),
     then one where it strands no dead room in a hole that other slots would fill, then,
-    where whole GPUs are asked for on GPUs of that size, one in use before an empty one
-    (which a whole-GPU request needs), then the one that keeps free room in the fewest
+    where whole-GPU replicas are held on GPUs of that size, one in use before an empty one
+    (which the next whole-GPU request needs), then the one that keeps free room in the fewest
     distinct gaps, then the tightest, then the host with the least room (docs/placement.md,
     "Choosing a GPU")."""
     index = room_of(view.snap)
