@@ -51,17 +51,20 @@ def _pid_namespace() -> str:
         return ""
 
 
-def start_time(pid: int) -> str | None:
-    """When process `pid` started (clock ticks since boot, /proc/<pid>/stat field 22), or
-    None when no running process of that pid can be read. A zombie (killed, not yet
-    reaped by its new parent: in a container, PID 1 may never reap it) runs no more."""
+def _stat(pid: int) -> tuple[str, str] | None:
+    """Process `pid`'s state and start time (clock ticks since boot, /proc/<pid>/stat
+    fields 3 and 22), or None when no process of that pid can be read here."""
     stat = _read(Path(f"/proc/{pid}/stat"))
-    if not stat:
-        return None
     fields = stat.rsplit(")", 1)[-1].split()  # the name in parentheses may hold spaces
-    if len(fields) <= 19 or fields[0] in ("Z", "X"):  # fields[0]: the state
-        return None
-    return fields[19]
+    return (fields[0], fields[19]) if len(fields) > 19 else None
+
+
+def start_time(pid: int) -> str | None:
+    """When process `pid` started, or None when no running process of that pid can be
+    read. A zombie (killed, not yet reaped by its new parent: in a container, PID 1 may
+    never reap it) runs no more."""
+    found = _stat(pid)
+    return None if found is None or found[0] in ("Z", "X") else found[1]
 
 
 def _exists(pid: int) -> bool:
@@ -112,18 +115,13 @@ def verdict(identity: Mapping[str, Any] | None) -> Verdict:
     if identity.get("pid_ns") != here["pid_ns"]:
         return Verdict(None, "it runs in another PID namespace (another container?)")
     for pid, started in identity["processes"]:
-        now = start_time(int(pid))
-        if now == started:
-            return Verdict(False, f"its process {pid} still runs on this machine")
-        if now is None and _exists(int(pid)) and not _zombie(int(pid)):
+        found = _stat(int(pid))
+        if found is None and _exists(int(pid)):
             return Verdict(None, f"its process {pid} cannot be read here (another user's?)")
+        if found is not None and found[0] not in ("Z", "X") and found[1] == started:
+            return Verdict(False, f"its process {pid} still runs on this machine")
     pids = ", ".join(str(pid) for pid, _ in identity["processes"])
     return Verdict(True, f"its processes ({pids}) are gone")
-
-
-def _zombie(pid: int) -> bool:
-    stat = _read(Path(f"/proc/{pid}/stat"))
-    return bool(stat) and stat.rsplit(")", 1)[-1].split()[:1] in (["Z"], ["X"])
 
 
 __all__ = ["Verdict", "current", "describe", "start_time", "verdict"]

@@ -625,10 +625,8 @@ class ResidencyManager:
         stats = getattr(torch.cuda, "host_memory_stats", None)  # torch >= 2.7
         if not self._pin or stats is None:
             return arena
-        try:
-            return max(arena, int(stats().get("allocated_bytes.current", 0)))
-        except (RuntimeError, ValueError, TypeError):  # a version whose stats differ
-            return arena
+        # a figure that cannot be read leaves the last one standing (`WorkerLease._pinned`)
+        return max(arena, int(stats().get("allocated_bytes.current", 0)))
 
     def fraction(self, index: int) -> float:
         """This process's memory fraction on local device `index` (1.0 with nothing on it)."""
