@@ -7,6 +7,7 @@ The references are transformers' own `generate` and each call run alone; nothing
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import pytest
@@ -43,6 +44,16 @@ def model() -> tuple[Any, Any]:
 def _engine(model: tuple[Any, Any], budget: int = 10**6, rows: int = 64) -> Engine:
     net, tokenizer = model
     return Engine(net, tokenizer, CPU, budget=budget, window=256, max_rows=rows)
+
+
+def _most_rows(engine: Engine, each_step: Callable[[], None] = lambda: None) -> int:
+    """Step `engine` until it is idle; the most rows a step held (`each_step` after each)."""
+    most = 0
+    while engine.busy:
+        engine.step()
+        most = max(most, len(engine.rows))
+        each_step()
+    return most
 
 
 def _prompts(count: int, seed: int = 0) -> list[tuple[list[int], int]]:
@@ -246,12 +257,11 @@ def test_calls_wait_for_room_in_the_kv_budget_and_the_engine_never_holds_more(
     calls = [Sequence_(i, prompt, Options(max_new_tokens=new)) for i in range(5)]
     for sequence in calls:
         engine.add(sequence)
-    most_rows = 0
-    while engine.busy:
-        engine.step()
-        most_rows = max(most_rows, len(engine.rows))
+
+    def within_budget() -> None:
         assert engine.capacity_tokens <= budget
-    assert most_rows == 2
+
+    assert _most_rows(engine, within_budget) == 2
     assert all(s.finish == "length" and len(s.tokens) == new for s in calls)
     assert engine.peak_tokens <= budget
     assert calls[4].tokens == calls[0].tokens  # waiting changed nothing
@@ -399,11 +409,7 @@ def test_a_model_with_sliding_window_layers_runs_its_calls_one_at_a_time_correct
     calls = [Sequence_(i, [2] + [7] * (3 + 9 * i), Options(max_new_tokens=5 + i)) for i in range(4)]
     for sequence in calls:
         engine.add(sequence)
-    most = 0
-    while engine.busy:
-        engine.step()
-        most = max(most, len(engine.rows))
-    assert most == 1
+    assert _most_rows(engine) == 1
     for sequence in calls:
         alone = Engine(net, tokenizer, CPU, budget=10**6, window=256)
         again = Sequence_("a", sequence.prompt, sequence.options)
