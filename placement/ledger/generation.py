@@ -81,11 +81,9 @@ def nothing() -> Figures:
 
 def read(store: Store) -> dict[str, Figures]:
     """Every model that generated: its figures, in one round trip after the model list."""
-    models = sorted(m.decode() if isinstance(m, bytes) else m for m in store._one(
-        "smembers", store.keys.generating
-    ))  # fmt: skip
+    models = sorted(store._one("smembers", store.keys.generating))  # str: decode_responses
     rows = store._read([("hgetall", store.keys.generation(m)) for m in models])
-    return {model: _figures(_text(row)) for model, row in zip(models, rows, strict=True)}
+    return {model: _figures(row) for model, row in zip(models, rows, strict=True)}
 
 
 def kv_held(store: Store, replicas: Iterable[str]) -> dict[str, int]:
@@ -93,13 +91,6 @@ def kv_held(store: Store, replicas: Iterable[str]) -> dict[str, int]:
     names = list(replicas)
     rows = store._read([("get", store.keys.kv_held(r)) for r in names])
     return {r: int(v) for r, v in zip(names, rows, strict=True) if v is not None}
-
-
-def _text(row: dict[Any, Any]) -> dict[str, str]:
-    return {
-        (k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
-        for k, v in row.items()
-    }
 
 
 def _figures(row: dict[str, str]) -> Figures:

@@ -38,6 +38,7 @@ MAX_STOPS = 8
 MAX_STOP_CHARS = 64
 MAX_MESSAGES = 64
 MAX_SEED = 2**63 - 1
+MAX_ROWS = 64  # sequences one job runs at once, as MAX_BATCH strings per call
 ROLES = ("system", "user", "assistant")
 
 
@@ -75,18 +76,6 @@ class Number:
 
 
 @dataclass(frozen=True)
-class Flag:
-    """A true/false parameter."""
-
-    default: bool
-
-    def check(self, name: str, value: object) -> object:
-        if isinstance(value, bool):
-            return value
-        raise PayloadError(f"param {name!r} must be true or false, got {describe(value)}")
-
-
-@dataclass(frozen=True)
 class Stops:
     """Stop strings: one string, or a list of up to MAX_STOPS; always a tuple once checked."""
 
@@ -120,7 +109,7 @@ PARAMS: dict[str, Any] = {
     "repetition_penalty": Number(1.0, 0.01, 10, note="1 is off"),
     "stop": Stops(),
     "seed": Number(None, 0, MAX_SEED, whole=True, nullable=True),
-    "stream": Flag(False),
+    "stream": payloads.Param(bool, False),
 }
 
 
