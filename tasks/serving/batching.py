@@ -39,6 +39,7 @@ from placement.rules.batching import BatchLimits, Waiting, input_chars, take_bat
 from tasks.broker import quarantine, results
 from tasks.serving import generating
 from tasks.serving.calls import Call, call_of
+from worker.generation.params import MAX_ROWS
 
 if TYPE_CHECKING:
     from worker.node import Served  # GPU workers only: it imports torch
@@ -64,7 +65,6 @@ class Prepared:
 
 
 GENERATE = "generate"  # the last part of a generating call's group
-MAX_ROWS = 64  # generating calls one job starts with (as worker.generation.replica)
 WATCH_S = 0.05  # how often a running generation job's calls are checked for revokes
 RETELL_S = 1.0  # how often the child is told again of a revoke it has not acted on
 

@@ -51,6 +51,7 @@ from tasks.broker import intake
 from tasks.broker.intake import PUBLIC_TASKS, is_name
 from tasks.serving import batching, forwarding
 from tasks.serving.batching import Batcher
+from worker.generation.params import MAX_ROWS
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +116,7 @@ class Consumer(CeleryConsumer):
         if largest <= 1 and not generates:
             return on_task_request
         # Room to hold the next batch while one runs, and calls to join a generation.
-        per_process = max(2 * largest, 2 * batching.MAX_ROWS if generates else 0)
+        per_process = max(2 * largest, 2 * MAX_ROWS if generates else 0)
         # Celery passed processes x its multiplier; the pool has not started yet.
         multiplier = max(1, kwargs.get("prefetch_multiplier") or 1)
         processes = kwargs.get("initial_prefetch_count", 1) // multiplier

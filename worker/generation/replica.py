@@ -9,11 +9,10 @@ import torch
 
 from placement.catalog.catalog import ModelSpec
 from worker.generation.engine import Engine, eos_ids
+from worker.generation.params import MAX_ROWS
 from worker.passes import max_positions
 
 log = logging.getLogger(__name__)
-
-MAX_ROWS = 64  # sequences one batch runs at once, as MAX_BATCH strings per call
 
 
 def replica_engine(model: Any, tokenizer: Any, spec: ModelSpec, device: torch.device) -> Engine:
