@@ -4,7 +4,9 @@ may do."""
 from __future__ import annotations
 
 import hashlib
+import os
 import re
+import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -117,3 +119,32 @@ def test_a_users_url_keeps_the_host_port_database_and_scheme() -> None:
     url = user_url("rediss://:old@[::1]:6380/3", "caller", "p@ss/word")
     assert url == "rediss://caller:p%40ss%2Fword@[::1]:6380/3"
     assert re.fullmatch(r"redis://fleet:x@h/0", user_url("redis://h/0", "fleet", "x"))
+
+
+@pytest.mark.parametrize("binary", BINARIES, ids=lambda b: f"redis-{redis_version(b)[0]}")
+def test_every_write_of_a_script_is_replayed_after_redis_is_killed_and_restarted(
+    binary: str, tmp_path: Path
+) -> None:
+    # Redis logs a script's writes to its append-only file as one MULTI/EXEC, and replays
+    # the file as the `default` user, whose rights EXEC checks again: with a default user
+    # that may run nothing, every such block would be refused on the restart, silently.
+    with RedisServer(binary=binary, users=USERS_OF_TESTS, data_dir=tmp_path / "redis") as srv:
+        fleet = as_user(srv, FLEET)
+        fleet.eval(
+            "redis.call('hset', KEYS[1], 'replica', 'r1', 'level', 'HOT');"
+            "redis.call('sadd', KEYS[2], 'r1')",
+            2,
+            "dep:{f}",
+            "replicas:{f}",
+        )
+        with fleet.pipeline(transaction=True) as pipe:
+            pipe.lpush("gpufleet.h.gpu0", "call").hset("unacked", "tag", "call").execute()
+        os.kill(srv.pid, signal.SIGKILL)
+        srv.restart()
+        fleet = as_user(srv, FLEET)
+        assert fleet.hgetall("dep:{f}") == {b"replica": b"r1", b"level": b"HOT"}
+        assert fleet.smembers("replicas:{f}") == {b"r1"}
+        assert fleet.lrange("gpufleet.h.gpu0", 0, -1) == [b"call"]
+        assert fleet.hgetall("unacked") == {b"tag": b"call"}
+        with pytest.raises(redis.exceptions.AuthenticationError):
+            redis.Redis(port=srv.port).ping()  # the default user stays off

@@ -23,6 +23,7 @@ from celery import Celery
 from celery.exceptions import TimeoutError as CeleryTimeout
 from celery.result import AsyncResult
 
+from placement.ledger.audit import audit
 from tests.running import (
     LARGE,
     REPO,
@@ -213,17 +214,19 @@ def _outcome(call: AsyncResult) -> str:
     return "answered"
 
 
-def test_the_bundled_redis_killed_under_load_three_times_loses_no_call_and_no_gpu_worker(
+def test_the_bundled_redis_killed_under_load_five_times_loses_no_call_no_worker_nor_ledger(
     catalog: Path,
 ) -> None:
     """Each kill lands at another point of a burst of calls (100 the first time, sent just
     before it); the launcher starts redis-server again on the same port, from its
-    append-only file. Every call is answered, a call sent afterwards too, and the GPU worker
-    rides it out: not restarted (a death also counts toward a stop)."""
+    append-only file. A call sent once Redis answers again is answered within 5 s (the
+    issue's bound; about 0.5 s here), every call of the burst is answered, the GPU worker
+    rides it out (not restarted: a death also counts toward a stop), and the ledger Redis
+    replays is whole: it agrees with itself and with what the worker holds."""
     with fleet_up(catalog, ARGS, fleet_env()) as fleet:
         fleet.infer("a", "warm up")
         worker, child = fleet.child_named("gpu0@"), fleet.pool_child(0)
-        for round_, burst in enumerate((100, 40, 40)):
+        for round_, burst in enumerate((100, 40, 40, 40, 40)):
             client = _client(fleet.url)
             calls = [
                 client.send_task("gpufleet.infer", args=("a", f"round {round_} call {i}"))
@@ -233,7 +236,12 @@ def test_the_bundled_redis_killed_under_load_three_times_loses_no_call_and_no_gp
             with_signal(fleet.child_named("redis-server"), signal.SIGKILL)
             killed = time.time()
             assert _wait_for_redis(fleet.url), "redis-server was not started again"
+            back = time.monotonic()
             client = _client(fleet.url)  # the old connections died with the server
+            fresh = client.send_task("gpufleet.infer", args=("a", f"after kill {round_ + 1}"))
+            assert fresh.get(timeout=60)["model"] == "a"
+            flow = time.monotonic() - back
+            assert flow < 5, f"calls flowed again {flow:.1f} s after kill {round_ + 1}"
             missing = []
             for call in calls:  # none lost
                 try:
@@ -242,9 +250,12 @@ def test_the_bundled_redis_killed_under_load_three_times_loses_no_call_and_no_gp
                     missing.append(call.id)
             assert not missing, _whereabouts(redis.Redis.from_url(fleet.url), missing, killed)
             assert fleet.child_named("gpu0@") == worker, f"restarted after kill {round_ + 1}"
-        after = client.send_task("gpufleet.infer", args=("a", "after the restarts"))
-        assert after.get(timeout=60)["model"] == "a"
         assert alive(child)
+        until(
+            "a ledger that agrees with itself and its worker",
+            lambda: not audit(fleet.registry.snapshot()),
+            15,
+        )
 
 
 def _wait_for_redis(url: str, seconds: float = 60) -> bool:

@@ -24,8 +24,12 @@ file for a Redis of your own):
   every key and channel, every command but Redis's `@dangerous` ones (CONFIG, DEBUG,
   MODULE, SAVE, SHUTDOWN, FLUSHALL, REPLICAOF, KEYS, ...).
 
-The `default` user is off. Passwords are stored as SHA-256 digests (`#<hex>`), so the
-ACL file holds no password.
+The `default` user is off and has no password, so no connection can be it. It may still
+run every command on every key: Redis replays its append-only file as `default`, and from
+Redis 7 EXEC checks the rights of each command it runs, so a `default` that may run
+nothing would make a restarted Redis drop, silently, every MULTI/EXEC block in the file,
+which is how Redis logs each Lua script's writes (the whole ledger; redis/redis#14541).
+Passwords are stored as SHA-256 digests (`#<hex>`), so the ACL file holds no password.
 """
 
 from __future__ import annotations
@@ -53,6 +57,8 @@ _STREAM_KEYS = "~gpufleet-stream-*"  # tasks.serving.streams.PREFIX
 _CONNECTION = "+ping +echo +select +hello +auth +multi +exec +discard"
 
 _FLEET_RULES = "~* &* +@all -@dangerous"
+#: What the append-only file's replay may run (see the module); the user itself is off.
+_DEFAULT_RULES = "~* &* +@all"
 _OPERATOR_RULES = f"~* resetchannels -@all {_CONNECTION} +@read -keys +time"
 #: Redis 7 and later: root rights send calls and wait for results; each selector
 #: grants one command group on the keys it needs.
@@ -99,7 +105,7 @@ def rules(user: str, redis_major: int) -> str:
 
 def acl_lines(users: Users, redis_major: int) -> list[str]:
     """The lines of an ACL file (or of redis.conf) for the fleet's users."""
-    lines = ["user default off resetkeys resetchannels -@all"]
+    lines = [f"user default off resetpass {_DEFAULT_RULES}"]
     for user in USERS:
         digest = hashlib.sha256(users.password(user).encode()).hexdigest()
         lines.append(f"user {user} reset on #{digest} {rules(user, redis_major)}")
