@@ -34,7 +34,8 @@ from placement.errors import (
     UnknownReplicaError,
     describe,
 )
-from placement.ledger.registry import DEFAULT_REQUEST_LEASE_MS, Lease, Registry
+from placement.ledger.hot import DEFAULT_REQUEST_LEASE_MS, Lease
+from placement.ledger.registry import Registry
 from placement.policy.state import LEAVING, RESERVING, Candidate, Level, Plan
 from tasks import context
 from tasks.app import app

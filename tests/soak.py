@@ -60,7 +60,8 @@ from placement.errors import (
     SettlingError,
 )
 from placement.ledger.audit import audit
-from placement.ledger.registry import Lease, Registry
+from placement.ledger.hot import Lease
+from placement.ledger.registry import Registry
 from placement.policy.settings import PolicySettings
 from placement.policy.state import RESERVING, Candidate, Demand, Deployment, Gpu, Level, Snapshot
 

@@ -11,7 +11,8 @@ from celery.signals import before_task_publish, task_revoked
 
 import tasks.api
 import tasks.serving.gpu
-from placement.ledger.registry import Lease, Registry
+from placement.ledger.hot import Lease
+from placement.ledger.registry import Registry
 from placement.policy.state import Demand, Gpu
 from tasks import context
 from tasks.app import app

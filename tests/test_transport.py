@@ -13,6 +13,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +21,10 @@ import pytest
 import redis
 from kombu import Connection, Exchange, Queue
 
+from placement.ledger.hot import Handover
 from placement.ledger.keys import unacked_of
 from placement.server.redis_server import RedisServer
-from tasks.broker.transport import Channel, Onward, QoS, Transport
+from tasks.broker.transport import Channel, Onward, Pick, QoS, Transport
 
 SEP = Channel.sep
 
@@ -328,6 +330,86 @@ def test_a_divert_that_fails_keeps_its_message_recorded_as_unacked() -> None:
                     m.ack()
         assert client.hlen("unacked") == client.llen("work") == 0
         assert client.get("blocked") == b"a string, not a list"
+
+
+def _moving_to(client: redis.Redis, queue: str) -> Callable[[Handover], bool | None]:
+    """A `Pick.move` that sends every message to `queue` with lease header {"x": 1}, as
+    forward.lua does, in one step."""
+
+    def move(handover: Handover) -> bool | None:
+        head, middle, tail = handover.parts
+        message = head + '{"x": 1}' + middle + json.dumps(queue) + tail
+        with client.pipeline() as pipe:
+            pipe.lpush(queue + handover.suffix, message).lrem(handover.inflight, 1, handover.taken)
+            pipe.execute()
+        return True
+
+    return move
+
+
+def test_a_picked_message_is_moved_by_its_pick_with_the_header_and_queue_it_writes() -> None:
+    with RedisServer() as server:
+        with Connection(server.url, transport=Transport) as conn:
+            producer = conn.Producer(serializer="json")
+            for n in (1, 2):
+                producer.publish(
+                    {"n": n}, exchange=WORK.exchange, routing_key="work", declare=[WORK],
+                    priority=6, headers={"id": f"call-{n}"},
+                )  # fmt: skip
+        client = redis.Redis.from_url(server.url)
+        move = _moving_to(client, "elsewhere")
+
+        def divert(message: Any) -> Pick | None:
+            if message.headers["id"] == "call-2":  # nowhere to go: kept, as any other
+                return Pick(dict(message.headers), "lease", lambda handover: None)
+            return Pick({**message.headers, "counted": True}, "lease", move)
+
+        seen: list[Any] = []
+        with Connection(server.url, transport=Transport, transport_options=NAMED) as conn:
+            conn.default_channel.divert = divert
+            with conn.Consumer(WORK, callbacks=[lambda body, m: seen.append((body, m))]):
+                conn.drain_events(timeout=5)
+                conn.drain_events(timeout=5)
+                (_, moved), (_, kept) = sorted(seen, key=lambda s: s[0]["n"])
+                assert moved.acknowledged and not kept.acknowledged
+                assert client.hkeys("unacked") == [kept.delivery_tag.encode()]
+                kept.ack()
+        assert client.keys("*inflight*") == []
+        (payload,) = [json.loads(raw) for raw in client.lrange(f"elsewhere{SEP}6", 0, -1)]
+        assert _body(payload) == {"n": 1}
+        assert payload["headers"] == {**moved.headers, "counted": True, "lease": {"x": 1}}
+        assert payload["properties"]["delivery_info"]["routing_key"] == "elsewhere"
+        assert payload["properties"]["delivery_tag"] != moved.delivery_tag
+
+
+def test_a_pick_that_raises_keeps_its_message_unless_it_moved_it_first() -> None:
+    with RedisServer() as server:
+        _publish(server.url, {"n": 1}, {"n": 2})
+        client = redis.Redis.from_url(server.url)
+        move = _moving_to(client, "elsewhere")
+
+        def raising(handover: Handover) -> bool | None:
+            if '"n": 1' in handover.parts[0]:  # the headers `divert` gave it
+                move(handover)  # moved, then the reply was lost, say
+            raise RuntimeError("no reply")
+
+        def divert(message: Any) -> Pick:
+            return Pick({**message.headers, "n": _body(message._raw)["n"]}, "lease", raising)
+
+        seen: list[Any] = []
+        with Connection(server.url, transport=Transport, transport_options=NAMED) as conn:
+            conn.default_channel.divert = divert
+            with conn.Consumer(WORK, callbacks=[lambda body, m: seen.append((body, m))]):
+                conn.drain_events(timeout=5)
+                conn.drain_events(timeout=5)
+                acked = {body["n"]: m.acknowledged for body, m in seen}
+                assert acked == {1: True, 2: False}  # moved: not ours; in flight: kept
+                assert client.hlen("unacked") == 1
+                for _, m in seen:
+                    if not m.acknowledged:
+                        m.ack()
+        assert client.llen("elsewhere") == 1 and client.llen("work") == 0
+        assert client.keys("*inflight*") == [] and client.hlen("unacked") == 0
 
 
 def test_a_take_that_redis_refuses_loses_nothing_whether_full_or_of_the_wrong_type() -> None:

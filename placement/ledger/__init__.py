@@ -3,7 +3,8 @@
 `keys` (every key, under one hash tag per fleet), `scripts` (the Lua scripts, registered
 once per client), `store` (one client, plain reads), `records` (Redis records as the
 policy's values), `membership` (workers and their leases), `registry` (placements,
-evictions, request leases), `follow` (the router's view, kept current from the events
+evictions, request leases), `hot` (the fast path's leases, and the router's one-step
+forward), `follow` (the router's view, kept current from the events
 stream), `load` (each model's load), `audit` (the ledger's invariants) and `report` (the
 status object).
 

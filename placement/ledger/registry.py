@@ -11,14 +11,13 @@ Redis client, keys and scripts).
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 import time
 import uuid
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import replace
+from typing import Any, Literal
 
 import redis
 
@@ -33,6 +32,7 @@ from placement.errors import (
 )
 from placement.ledger import records
 from placement.ledger.follow import Follower
+from placement.ledger.hot import DEFAULT_REQUEST_LEASE_MS, Handover, HotPath, Lease
 from placement.ledger.keys import KeyList
 from placement.ledger.membership import Membership
 from placement.ledger.scripts import sha
@@ -53,29 +53,12 @@ from placement.policy.state import (
 
 log = logging.getLogger(__name__)
 
-DEFAULT_REQUEST_LEASE_MS = 300_000
 #: How long `place` waits for a copy of the model to finish leaving its GPU before it
 #: gives up with `SettlingError` (a worker settles within about one call's time).
 SETTLE_WAIT_S = 2.0
 SETTLE_POLL_S = 0.02
-#: How `pick` counts the call it leases for: see `Registry.pick`.
-PICK_PATHS = ("fast", "router", "")
 #: What a worker reports settling: see settle.lua.
 OUTCOMES_OF_SETTLE = ("offloaded", "dropped", "failed", "lost")
-
-
-@dataclass(frozen=True)
-class Lease:
-    """A routed request's pin on a replica, until `finish` or `deadline_ms`."""
-
-    id: str
-    model: str
-    replica: str
-    queue: str
-    worker: str
-    gpus: dict[str, int]
-    deadline_ms: int
-    epoch: int = 0  # the placement it pins (a call checks its copy is of this epoch)
 
 
 class Registry(Membership):
@@ -90,7 +73,7 @@ class Registry(Membership):
         events_maxlen: int = DEFAULT_EVENTS_MAXLEN,
     ) -> None:
         super().__init__(client, fleet, settings=settings, events_maxlen=events_maxlen)
-        self._replicas: dict[str, tuple[list[str], list[str]]] = {}  # fast-path cache
+        self.hot = HotPath(self)  # the fast path's leases, and its replica lists
         self.follower = Follower(self)  # the miss path's view of the ledger
 
     def sweep(self) -> dict[str, list[str]]:
@@ -526,52 +509,15 @@ class Registry(Membership):
     def pick(
         self, model: str, ttl_ms: int = DEFAULT_REQUEST_LEASE_MS, path: str = ""
     ) -> Lease | None:
-        """Lease the least busy HOT replica of `model` (ties to the first by id, so a surplus
-        replica idles out and can be scaled in), or None when none is ready.
+        """Lease the least busy HOT replica of `model`, or None (`HotPath.pick`)."""
+        return self.hot.pick(model, ttl_ms, path)
 
-        `path` says how a lease counts the call in the model's stats, in the same step:
-        "fast" (a hit and a `fast` call: the client routes it), "router" (a hit and a
-        `routed` call: the router routes a call not counted yet) or "" (nothing: a call
-        counted already). A miss counts nothing: the router then counts the outcome of
-        the call's placement (`count`). docs/metrics.md has the rule.
-        """
-        if path not in PICK_PATHS:
-            raise ValueError(f"unknown path {path!r}; expected one of {PICK_PATHS}")
-        lease_id = uuid.uuid4().hex
-        for _ in range(4):
-            replicas, workers = self._replicas.get(model) or self._refresh_replicas(model)
-            k = self.keys
-            keys = [k.model_replicas(model)]
-            for r, w in zip(replicas, workers, strict=True):
-                keys += [k.deployment(r), k.leases(r), k.worker(w)]
-            keys.append(k.model_stats(model))
-            result = self._run("pick", keys, [lease_id, ttl_ms, path, *replicas, *workers])
-            if result[0] == 1:
-                _, replica, queue, worker, gpus, deadline, epoch = result
-                return Lease(
-                    lease_id,
-                    model,
-                    replica,
-                    queue,
-                    worker,
-                    json.loads(gpus),
-                    int(deadline),
-                    int(epoch),
-                )
-            if result[0] == 0:
-                self._replicas.pop(model, None)  # a later placement may add replicas
-                return None
-            self._refresh_replicas(model)
-        return None
-
-    def _refresh_replicas(self, model: str) -> tuple[list[str], list[str]]:
-        replicas = sorted(self._one("smembers", self.keys.model_replicas(model)))
-        workers = [
-            w or ""
-            for w in self._read([("hget", self.keys.deployment(r), "worker") for r in replicas])
-        ]
-        self._replicas[model] = (replicas, workers)
-        return replicas, workers
+    def forward(
+        self, model: str, handover: Handover, path: str = ""
+    ) -> Lease | Literal["gone"] | None:
+        """`pick`, and move a router's taken message onto the leased replica's queue in the
+        same step (`HotPath.forward`)."""
+        return self.hot.forward(model, handover, path=path)
 
     def finish(self, lease: Lease) -> Level:
         """End a request's lease. A DRAINING replica left idle is evicted right away."""

@@ -2,7 +2,8 @@
 
 Each `placement/ledger/lua/<name>.lua` opens with its KEYS/ARGV contract. `_lib.lua` holds
 helpers that are prepended to every script, since Redis 6 has no shared functions.
-`take.lua` and `move.lua` are the broker's, not the ledger's: `tasks.broker.transport` sends
+`take.lua` and `move.lua` are the broker's, not the ledger's, and `forward.lua` is both
+(pick.lua and move.lua in one step): `tasks.broker.transport` sends
 `take` by `sha` and `source` on a connection whose replies it reads itself.
 
 Scripts are called with EVALSHA over a connection each thread holds for itself, made
@@ -48,6 +49,7 @@ NAMES = (
     "renew",
     "seen",
     "move",
+    "forward",
 )
 
 

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from queue import Empty
@@ -54,6 +55,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
 
 from placement.ledger import scripts
+from placement.ledger.hot import Handover
 from placement.ledger.keys import unacked_of
 from placement.ledger.scripts import scripts_for
 from tasks.broker import intake, quarantine
@@ -76,6 +78,19 @@ class Onward:
     queue: str
     headers: dict[str, Any]
     undo: Callable[[], None]
+
+
+@dataclass(frozen=True)
+class Pick:
+    """A divert whose queue is picked by the step that moves the message
+    (`placement.ledger.hot.HotPath.forward`): the message's new headers, but for `header`,
+    whose value that step writes, and the step itself. `move` pushes the message a
+    `Handover` describes and says True (moved, out of the in-flight list), None (nowhere
+    to go, nothing changed: keep it) or False (no longer in flight: not ours now)."""
+
+    headers: dict[str, Any]
+    header: str
+    move: Callable[[Handover], bool | None]
 
 
 class QoS(kombu_redis.QoS):
@@ -115,14 +130,79 @@ class QoS(kombu_redis.QoS):
         virtual.QoS.append(self, message, delivery_tag)  # type: ignore[no-untyped-call]
 
     def _diverted(self, message: Any, delivery_tag: str) -> bool:
-        """Whether the channel's `divert` sent `message` on (see `_move`); a divert that
-        fails keeps the message, as if it had said no."""
+        """Whether the channel's `divert` sent `message` on (see `_move` and `_pick`); a
+        divert that fails keeps the message, as if it had said no."""
         try:
             onward = self.channel.divert(message)
         except Exception:
             log.exception("could not tell where message %s goes; keeping it", delivery_tag)
             return False
+        if isinstance(onward, Pick):
+            return self._pick(message, delivery_tag, onward)
         return onward is not None and self._move(message, delivery_tag, onward)
+
+    def _pick(self, message: Any, delivery_tag: str, pick: Pick) -> bool:
+        """Hand `message`, taken into an in-flight list, to `pick.move`, which chooses its
+        queue and moves it there in one step; count it delivered and acknowledged unless
+        it stays. A move that raised is looked for in the in-flight list: there, it stays;
+        gone, it moved (or a sweep gave it back); when Redis cannot say, the consumer
+        reconnects, which puts back what is in flight."""
+        channel = self.channel
+        inflight, taken = channel.taken
+        lease, queue = (f"gpufleet-{uuid.uuid4().hex}" for _ in range(2))  # placeholders
+        try:
+            payload, priority = self._onward(message, {**pick.headers, pick.header: lease}, queue)
+            text = dumps(payload)  # type: ignore[no-untyped-call]
+            head, rest = text.split(f'"{lease}"')  # a ValueError unless each is there once:
+            middle, tail = rest.split(f'"{queue}"')  # headers come before properties
+            handover = Handover(
+                inflight, taken, (head, middle, tail), channel._q_for_pri("", priority)
+            )
+        except Exception:
+            log.exception("could not prepare message %s to move on; keeping it", delivery_tag)
+            return False
+        try:
+            moved = pick.move(handover)
+        except Exception as exc:
+            moved = self._after_failed_move(inflight, taken, delivery_tag, exc)
+        if moved is None:
+            return False
+        channel.taken = None
+        virtual.QoS.append(self, message, delivery_tag)  # type: ignore[no-untyped-call]
+        virtual.QoS.ack(self, delivery_tag)  # type: ignore[no-untyped-call]
+        message._state = "ACK"
+        return True
+
+    def _after_failed_move(
+        self, inflight: str, taken: bytes, delivery_tag: str, exc: Exception
+    ) -> bool | None:
+        """`Pick.move`'s answer for a move that raised `exc`: None while the message is
+        still in flight (it stays), False once it is not (moved in one step, or given back
+        by a sweep: not ours either way); a connection error when Redis cannot say."""
+        try:
+            still = self.channel._create_client().lpos(inflight, taken) is not None
+        except Exception as lost:
+            raise RedisConnectionError(
+                f"could not tell whether message {delivery_tag} moved on ({exc}): {lost}"
+            ) from exc
+        if still:
+            log.warning("could not move message %s on (%s); keeping it", delivery_tag, exc)
+            return None
+        return False
+
+    def _onward(
+        self, message: Any, headers: dict[str, Any], queue: str
+    ) -> tuple[dict[str, Any], int]:
+        """`message`'s payload with `headers`, routed to `queue` under a new delivery tag
+        (its headers before its properties), and its priority."""
+        channel = self.channel
+        raw = message._raw
+        payload = {k: v for k, v in raw.items() if k not in ("headers", "properties")}
+        payload["headers"] = headers
+        properties = payload["properties"] = dict(raw["properties"])
+        properties["delivery_info"] = {"exchange": "", "routing_key": queue}
+        properties["delivery_tag"] = channel._next_delivery_tag()
+        return payload, channel._get_message_priority(payload, False)
 
     def _move(self, message: Any, delivery_tag: str, onward: Onward) -> bool:
         """Publish `message`, taken into an in-flight list, with `onward`'s headers to its
@@ -133,11 +213,7 @@ class QoS(kombu_redis.QoS):
         channel = self.channel
         inflight, taken = channel.taken
         try:
-            payload = {**message._raw, "headers": onward.headers}
-            properties = payload["properties"] = dict(payload["properties"])
-            properties["delivery_info"] = {"exchange": "", "routing_key": onward.queue}
-            properties["delivery_tag"] = channel._next_delivery_tag()
-            priority = channel._get_message_priority(payload, False)
+            payload, priority = self._onward(message, onward.headers, onward.queue)
             message_json = dumps(payload)  # type: ignore[no-untyped-call]
             moved = scripts_for(channel._create_client())(
                 "move",
@@ -250,7 +326,7 @@ class Channel(kombu_redis.Channel):
     _refused_take_logged = 0.0  # when a refused take was last logged (`_refused_take`)
     #: Asked of each message this channel takes, before it is recorded as unacknowledged:
     #: where to send it on instead, or None (a router's hot calls: tasks/serving/forwarding.py).
-    divert: Callable[[Any], Onward | None] | None = None
+    divert: Callable[[Any], Onward | Pick | None] | None = None
     #: Answers a message this channel refuses as it takes it (`tasks.broker.intake.envelope`):
     #: the consumer stores its error as the call's result.
     refuse: Callable[[intake.Refused], None] | None = None

@@ -9,7 +9,7 @@ from typing import Any
 from celery.canvas import Signature
 
 from placement.errors import GpufleetError, PayloadError, describe
-from placement.ledger.registry import Lease
+from placement.ledger.hot import Lease
 from tasks.app import app
 from tasks.broker.intake import COUNTED_HEADER, HOPS_HEADER, LEASE_HEADER, is_count, is_name
 from tasks.config import INTERNAL_QUEUE

@@ -5,12 +5,14 @@ the model has a HOT replica, running a task for it in a pool child (and handing 
 with `Task.replace`) costs the router 12 to 18 ms of CPU for what is one lease and one
 publish. So the router's task channel asks `Forwarder` about each message as it takes it,
 in the worker's main process, before recording it as unacknowledged
-(`tasks.broker.transport.Channel.divert`): when the call's arguments are valid and `pick.lua`
-leases a HOT replica, the message moves on, unchanged but for the lease and counted
+(`tasks.broker.transport.Channel.divert`): when the call's arguments are valid and a HOT
+replica can be leased, the message moves on, unchanged but for the lease and counted
 headers, to that replica's GPU worker queue, out of the router's in-flight list in the
-same transaction. The call is then exactly a fast-path call: same task id, name and body,
-so the caller's AsyncResult yields the GPU worker's answer, and Flower sees it received
-and answered there. Celery's strategy skips it (it is acknowledged already).
+same step. Where the broker is the registry's Redis, one script leases and moves
+(`forward.lua`, a `Pick`); otherwise `pick.lua` leases and `move.lua` moves (an
+`Onward`). The call is then exactly a fast-path call: same task id, name and body, so
+the caller's AsyncResult yields the GPU worker's answer, and Flower sees it received and
+answered there. Celery's strategy skips it (it is acknowledged already).
 
 A call given back after a router died is looked for elsewhere first
 (`tasks.serving.routed.elsewhere`:
@@ -21,12 +23,13 @@ pool.
 Everything else takes Celery's path: a bad call (the consumer refuses it, `tasks.broker.intake`),
 and to the pool a miss, a revoked call, a call with an ETA, a retry, a given-back call
 found elsewhere, and any call the registry could not lease. A move that did not happen ends
-its lease, and the call waits in the in-flight list, which the reconnecting consumer puts
-back first in line. A router killed at any point leaves the call in its in-flight list or
-on the GPU worker's queue, never both (a lease it took lapses at its deadline). The
-lease is taken from the consumer's own thread: while the registry is away (a restart),
-`pick` retries for a few seconds before the call falls back to the pool, and the router
-takes no other message meanwhile. docs/tasks.md, "A call", says what a caller sees.
+its lease (`forward.lua` takes none without moving), and the call waits in the in-flight
+list, which the reconnecting consumer puts back first in line. A router killed at any
+point leaves the call in its in-flight list or on the GPU worker's queue, never both (a
+lease it took lapses at its deadline). The lease is taken from the consumer's own
+thread: while the registry is away (a restart), `pick` or `forward` retries for a few
+seconds before the call falls back to the pool, and the router takes no other message
+meanwhile. docs/tasks.md, "A call", says what a caller sees.
 """
 
 from __future__ import annotations
@@ -39,11 +42,13 @@ from typing import Any
 from celery.worker import state as worker_state
 
 from placement.errors import GpufleetError
+from placement.ledger.hot import GONE, Handover
+from placement.ledger.registry import Registry
 from tasks import context
 from tasks.app import app
 from tasks.broker import intake
 from tasks.broker.intake import COUNTED_HEADER, LEASE_HEADER
-from tasks.broker.transport import Onward
+from tasks.broker.transport import Onward, Pick
 from tasks.serving import leases, routed
 from tasks.serving.calls import counted_in, infer_arguments
 
@@ -73,18 +78,22 @@ def install(channel: Any, strategy: _Strategy) -> _Strategy:
 class Forwarder:
     """Says where a hot call goes on to (its replica's GPU worker queue, with a lease)."""
 
-    def __call__(self, message: Any) -> Onward | None:
+    def __call__(self, message: Any) -> Onward | Pick | None:
         plain = plain_call(message)
         if plain is None:
             return None
         model, counted = plain
+        path = "" if counted else "router"
         task_id = message.headers["id"]
         given_back = bool((message.delivery_info or {}).get("redelivered"))
         if given_back and routed.elsewhere(task_id, str(message.delivery_tag)):
             return None  # the pool drops it: its answer comes from elsewhere
         registry = context.registry()
+        headers = {**message.headers, COUNTED_HEADER: True}  # counted by the pick (or before)
+        if not given_back and _one_redis():  # lease and move in one step
+            return Pick(headers, LEASE_HEADER, functools.partial(_forward, registry, model, path))
         try:
-            lease = registry.pick(model, path="" if counted else "router")
+            lease = registry.pick(model, path=path)
         except GpufleetError:
             log.warning("could not look for a HOT replica of %s; routing the call", model)
             return None
@@ -92,10 +101,24 @@ class Forwarder:
             return None  # a miss: the pool places the model
         if given_back:
             routed.hold(registry, model, task_id, False)
-        headers = dict(message.headers)
         headers[LEASE_HEADER] = leases.header(lease)
-        headers[COUNTED_HEADER] = True  # counted by this pick (or before)
         return Onward(lease.queue, headers, functools.partial(leases.end, lease))
+
+
+def _forward(registry: Registry, model: str, path: str, handover: Handover) -> bool | None:
+    """`Pick.move` for a call of `model`: True when it moved with a lease, None on a miss
+    (the pool places the model), False when its message is no longer in flight."""
+    outcome = registry.forward(model, handover, path=path)
+    if outcome == GONE:
+        return False
+    return None if outcome is None else True
+
+
+@functools.cache
+def _one_redis() -> bool:
+    """Whether the broker is the registry's Redis, so that `forward.lua` reaches both."""
+    settings = context.settings()
+    return settings.broker_url == settings.registry_url
 
 
 def plain_call(message: Any) -> tuple[str, bool] | None:

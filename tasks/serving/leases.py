@@ -24,7 +24,7 @@ from typing import Any
 from celery.signals import before_task_publish, task_revoked
 
 from placement.errors import GpufleetError, PayloadError, describe
-from placement.ledger.registry import Lease
+from placement.ledger.hot import Lease
 from tasks import context
 from tasks.broker.intake import COUNTED_HEADER, LEASE_HEADER, is_count, is_name
 

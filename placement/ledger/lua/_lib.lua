@@ -199,3 +199,45 @@ local function fits_device(gpus)
   end
   return true
 end
+
+-- pick.lua's rule, shared with forward.lua. `reps[i]` = {dep, leases, worker} keys of
+-- replica `ids[i]`, whose worker was `workers[i]` and, when `queues` is given, whose
+-- queue was `queues[i]` when the caller listed them. Returns the index of the least busy
+-- HOT replica whose worker's lease is live (ties to the first) and its row {level,
+-- worker, queue, gpus, epoch}; 0 when none is ready; -1 when the caller's list is stale
+-- (the model's set `set_key` holds other ids, or a replica's worker or queue changed).
+local function least_busy(set_key, reps, ids, workers, queues, now)
+  local members = redis.call('SMEMBERS', set_key)
+  if #members ~= #ids then return -1 end
+  local listed = {}
+  for _, id in ipairs(ids) do listed[id] = true end
+  for _, m in ipairs(members) do
+    if not listed[m] then return -1 end
+  end
+  local best, best_load, best_row = 0, nil, nil
+  for i, rep in ipairs(reps) do
+    local row = redis.call('HMGET', rep.dep, 'level', 'worker', 'queue', 'gpus', 'epoch')
+    if row[2] ~= workers[i] then return -1 end
+    if queues and row[1] == 'HOT' and row[3] ~= queues[i] then return -1 end
+    if row[1] == 'HOT' and num(redis.call('HGET', rep.worker, 'lease_deadline')) > now then
+      local load = live_leases(rep.leases, now)
+      if best_load == nil or load < best_load then best, best_load, best_row = i, load, row end
+    end
+  end
+  return best, best_row
+end
+
+-- Lease replica `rep` (keys as in least_busy) until `deadline` under `lease_id`, and
+-- count the call in the model's stats hash `stats_key` as `path` says (pick.lua's ARGV[3]).
+local function lease_replica(rep, lease_id, deadline, ttl, path, stats_key, now)
+  redis.call('ZREMRANGEBYSCORE', rep.leases, '-inf', now)
+  redis.call('ZADD', rep.leases, deadline, lease_id)
+  if redis.call('PTTL', rep.leases) < ttl then
+    redis.call('PEXPIRE', rep.leases, ttl)  -- lost clients leak nothing
+  end
+  redis.call('HSET', rep.dep, 'last_used', now)
+  if path == 'fast' or path == 'router' then
+    redis.call('HINCRBY', stats_key, 'hit', 1)
+    redis.call('HINCRBY', stats_key, path == 'fast' and 'fast' or 'routed', 1)
+  end
+end

@@ -1,0 +1,165 @@
+"""The fast path's request leases: a call for a HOT replica, pinned in one round trip.
+
+`pick` leases the least busy HOT replica of a model (`pick.lua`): a client's routing
+function and the router's consumer send the call on themselves. `forward` is `pick` and
+the broker's move in one script (`forward.lua`), for a router whose broker is the same
+Redis: the call's message, taken into the router's in-flight list, goes onto the leased
+replica's queue with the lease in its headers, in the same step.
+
+Both are made from the model's replica list, cached here: which replicas it has and the
+worker (and queue) each had. The scripts check the list against the ledger and say
+when it is stale; it is read again then, and after a miss (a later placement may add
+replicas).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from placement.ledger.store import Store
+
+#: How long a request lease pins its replica unless the call ends it first.
+DEFAULT_REQUEST_LEASE_MS = 300_000
+#: How `pick` counts the call it leases for: see `HotPath.pick`.
+PICK_PATHS = ("fast", "router", "")
+#: `forward`'s answer for a message that is no longer in flight: a sweep gave it back.
+GONE: Literal["gone"] = "gone"
+#: Tries against a stale replica list before giving up (a miss: the router places).
+_TRIES = 4
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A routed request's pin on a replica, until `finish` or `deadline_ms`."""
+
+    id: str
+    model: str
+    replica: str
+    queue: str
+    worker: str
+    gpus: dict[str, int]
+    deadline_ms: int
+    epoch: int = 0  # the placement it pins (a call checks its copy is of this epoch)
+
+
+@dataclass(frozen=True)
+class Handover:
+    """A call's message as a router's consumer took it, ready for `forward`: the
+    in-flight list it was taken into and the message as taken; the message to push, in
+    three parts around the two values only the script knows (the lease header's value,
+    a JSON object, and the queue's name, a JSON string); and what names a queue's list
+    for the message's priority (`queue + suffix`)."""
+
+    inflight: str
+    taken: bytes
+    parts: tuple[str, str, str]
+    suffix: str
+
+
+@dataclass(frozen=True)
+class _Replicas:
+    """A model's replicas as last read: ids (sorted), and each one's worker and queue."""
+
+    ids: list[str]
+    workers: list[str]
+    queues: list[str]
+
+
+class HotPath:
+    """The fast-path leases of one registry (see the module)."""
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+        self._cache: dict[str, _Replicas] = {}
+
+    def pick(
+        self, model: str, ttl_ms: int = DEFAULT_REQUEST_LEASE_MS, path: str = ""
+    ) -> Lease | None:
+        """Lease the least busy HOT replica of `model` (ties to the first by id, so a surplus
+        replica idles out and can be scaled in), or None when none is ready.
+
+        `path` says how a lease counts the call in the model's stats, in the same step:
+        "fast" (a hit and a `fast` call: the client routes it), "router" (a hit and a
+        `routed` call: the router routes a call not counted yet) or "" (nothing: a call
+        counted already). A miss counts nothing: the router then counts the outcome of
+        the call's placement (`Registry.count`). docs/metrics.md has the rule.
+        """
+        _check_path(path)
+        lease_id = uuid.uuid4().hex
+        for _ in range(_TRIES):
+            known = self._known(model)
+            args = [lease_id, ttl_ms, path, *known.ids, *known.workers]
+            result = self._store._run("pick", self._keys(model, known), args)
+            if result[0] == 1:
+                return _lease(lease_id, model, result)
+            if result[0] == 0:
+                self._cache.pop(model, None)
+                return None
+            self._refresh(model)
+        return None
+
+    def forward(
+        self,
+        model: str,
+        handover: Handover,
+        ttl_ms: int = DEFAULT_REQUEST_LEASE_MS,
+        path: str = "",
+    ) -> Lease | Literal["gone"] | None:
+        """`pick`, and in the same step move `handover`'s message onto the leased replica's
+        queue (out of its in-flight list), the lease in its headers; None when no replica
+        is ready (nothing changed), `GONE` when the message is no longer in flight.
+        Only for a broker that is the registry's Redis (`forward.lua`)."""
+        _check_path(path)
+        lease_id = uuid.uuid4().hex
+        for _ in range(_TRIES):
+            known = self._known(model)
+            keys = self._keys(model, known)
+            keys += [handover.inflight, *(q + handover.suffix for q in known.queues)]
+            args = [lease_id, ttl_ms, path, handover.taken, *handover.parts]
+            args += [*known.ids, *known.workers, *known.queues]
+            result = self._store._run("forward", keys, args)
+            if result[0] == 1:
+                return _lease(lease_id, model, result)
+            if result[0] == 0:
+                self._cache.pop(model, None)
+                return None
+            if result[0] == -2:
+                return GONE
+            self._refresh(model)
+        return None
+
+    def _known(self, model: str) -> _Replicas:
+        return self._cache.get(model) or self._refresh(model)
+
+    def _keys(self, model: str, known: _Replicas) -> list[str]:
+        """pick.lua's keys for `known` (forward.lua's begin with them)."""
+        k = self._store.keys
+        keys = [k.model_replicas(model)]
+        for r, w in zip(known.ids, known.workers, strict=True):
+            keys += [k.deployment(r), k.leases(r), k.worker(w)]
+        keys.append(k.model_stats(model))
+        return keys
+
+    def _refresh(self, model: str) -> _Replicas:
+        store, k = self._store, self._store.keys
+        ids = sorted(store._one("smembers", k.model_replicas(model)))
+        rows = store._read([("hmget", k.deployment(r), "worker", "queue") for r in ids])
+        known = _Replicas(ids, [w or "" for w, _ in rows], [q or "" for _, q in rows])
+        self._cache[model] = known
+        return known
+
+
+def _check_path(path: str) -> None:
+    if path not in PICK_PATHS:
+        raise ValueError(f"unknown path {path!r}; expected one of {PICK_PATHS}")
+
+
+def _lease(lease_id: str, model: str, result: list[Any]) -> Lease:
+    """The lease a script's {1, replica, queue, worker, gpus, deadline, epoch} reply names."""
+    _, replica, queue, worker, gpus, deadline, epoch = result
+    return Lease(
+        lease_id, model, replica, queue, worker, json.loads(gpus), int(deadline), int(epoch)
+    )
