@@ -9,6 +9,8 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
+from kombu.utils.json import dumps as kombu_dumps
+from kombu.utils.json import loads as kombu_loads
 
 from placement.errors import PayloadError
 from tasks.broker import intake
@@ -85,6 +87,17 @@ def test_depth_is_measured_without_recursion_at_any_depth() -> None:
     assert not intake.too_deep({"a": [[1, 2], {"b": "c"}]}, MAX_DEPTH)
 
 
+@pytest.mark.parametrize("levels, deep", [(3, False), (4, True)])
+def test_a_value_nesting_past_the_limit_is_too_deep_and_one_at_it_is_not(
+    levels: int, deep: bool
+) -> None:
+    value: Any = "leaf"
+    for level in range(levels):
+        value = {"k": value, "n": 1} if level % 2 else [value, 2]
+    assert intake.too_deep(value, 3) is deep
+    assert intake.too_deep("a scalar", 0) is False
+
+
 def signature(task: str, **options: Any) -> dict[str, Any]:
     return {"task": task, "args": [], "kwargs": {}, "options": options, "subtask_type": None}
 
@@ -144,3 +157,21 @@ def test_a_lease_header_is_one_the_fleet_wrote_or_refused() -> None:
                 {"id": "l", "replica": "r", "deadline_ms": 10**30}]:  # fmt: skip
         with pytest.raises(PayloadError, match="gpufleet_lease"):
             leases.from_header("a", bad)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        datetime(2026, 11, 27, 12, 0, tzinfo=UTC),  # kombu writes it as a typed object
+        2**70,  # past orjson's 64 bits
+        float("nan"),  # JSON has no NaN; Python's parser and kombu's writer take it
+        "naïve ✓ text",
+        "\ud800",  # a lone surrogate: orjson refuses it both ways
+    ],
+    ids=["kombu-typed", "big-int", "nan", "unicode", "lone-surrogate"],
+)
+def test_a_message_reads_and_writes_again_as_kombu_reads_and_writes_it(value: object) -> None:
+    item = kombu_dumps({"headers": {"id": "c", "x": value}, "body": "e30="}).encode()
+    parsed = intake.parse(item)
+    assert repr(parsed) == repr(kombu_loads(item))  # repr: a NaN equals no NaN
+    assert repr(kombu_loads(intake.dump(parsed, item))) == repr(kombu_loads(item))

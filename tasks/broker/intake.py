@@ -29,11 +29,13 @@ from __future__ import annotations
 
 import inspect
 import math
+import re
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from kombu.utils.json import loads
+import orjson
+from kombu.utils.json import dumps, loads
 
 from placement.errors import GpufleetError, PayloadError, describe
 from tasks import context
@@ -136,7 +138,7 @@ def envelope(item: bytes | str, queue: str) -> dict[str, Any]:
             _id_of_large(item),
         )
     try:
-        payload = loads(item)  # type: ignore[no-untyped-call]
+        payload = parse(item)
     except Exception as exc:  # broken JSON, or nested past the parser's recursion limit
         raise Refused(f"the call's message is not JSON ({type(exc).__name__})") from None
     if not isinstance(payload, dict):
@@ -161,6 +163,41 @@ def envelope(item: bytes | str, queue: str) -> dict[str, Any]:
     if redelivered is True:
         properties["delivery_info"]["redelivered"] = True
     return payload
+
+
+def parse(item: bytes | str) -> Any:
+    """A message's JSON, as kombu's parser reads it: by orjson (a fifth of the time, on the
+    router's hot path) where both read it alike (`_orjson_reads`)."""
+    raw = item.encode() if isinstance(item, str) else item
+    if _orjson_reads(raw):
+        try:
+            return orjson.loads(raw)
+        except orjson.JSONDecodeError:  # a lone surrogate, say: Python's parser takes it
+            pass
+    return loads(item)  # type: ignore[no-untyped-call]
+
+
+def dump(payload: Any, taken: bytes) -> str:
+    """`payload`, read by `parse` from message `taken`, as JSON again, as kombu writes it:
+    by orjson where `parse` could use it."""
+    if _orjson_reads(taken):
+        try:
+            return orjson.dumps(payload).decode()
+        except TypeError:  # a lone surrogate
+            pass
+    text: str = dumps(payload)  # type: ignore[no-untyped-call]
+    return text
+
+
+#: What orjson reads otherwise than kombu's parser: kombu's typed values (a datetime, a
+#: UUID: only kombu turns them back into objects), NaN and infinities (orjson refuses
+#: them, and would write null), and integers past 64 bits (orjson reads floats).
+_KOMBU_ONLY = (b'"__type__"', b"NaN", b"Infinity")
+_LONG_NUMBER = re.compile(rb"[0-9]{19}")
+
+
+def _orjson_reads(raw: bytes) -> bool:
+    return not any(word in raw for word in _KOMBU_ONLY) and _LONG_NUMBER.search(raw) is None
 
 
 def _envelope_problem(payload: dict[str, Any]) -> str:
@@ -357,19 +394,20 @@ def shown(signature: inspect.Signature) -> str:
 def too_deep(value: Any, limit: int) -> bool:
     """Whether JSON `value` nests lists and objects more than `limit` levels deep (checked
     without recursion, so any depth is safe to ask about)."""
-    stack: list[tuple[Any, int]] = [(value, 0)]
+    if not isinstance(value, _NESTING):
+        return False
+    stack: list[tuple[Any, int]] = [(value, 0)]  # containers only: scalars end nothing
     while stack:
         item, depth = stack.pop()
-        if isinstance(item, dict):
-            children: Any = item.values()
-        elif isinstance(item, (list, tuple)):
-            children = item
-        else:
-            continue
         if depth >= limit:
             return True
-        stack.extend((child, depth + 1) for child in children)
+        for child in item.values() if isinstance(item, dict) else item:
+            if isinstance(child, _NESTING):
+                stack.append((child, depth + 1))
     return False
+
+
+_NESTING = (dict, list, tuple)
 
 
 def _names(value: Any) -> bool:

@@ -149,10 +149,11 @@ class QoS(kombu_redis.QoS):
         reconnects, which puts back what is in flight."""
         channel = self.channel
         inflight, taken = channel.taken
-        lease, queue = (f"gpufleet-{uuid.uuid4().hex}" for _ in range(2))  # placeholders
+        mark = uuid.uuid4().hex
+        lease, queue = f"gpufleet-lease-{mark}", f"gpufleet-queue-{mark}"  # placeholders
         try:
             payload, priority = self._onward(message, {**pick.headers, pick.header: lease}, queue)
-            text = dumps(payload)  # type: ignore[no-untyped-call]
+            text = intake.dump(payload, taken)
             head, rest = text.split(f'"{lease}"')  # a ValueError unless each is there once:
             middle, tail = rest.split(f'"{queue}"')  # headers come before properties
             handover = Handover(
@@ -214,7 +215,7 @@ class QoS(kombu_redis.QoS):
         inflight, taken = channel.taken
         try:
             payload, priority = self._onward(message, onward.headers, onward.queue)
-            message_json = dumps(payload)  # type: ignore[no-untyped-call]
+            message_json = intake.dump(payload, taken)
             moved = scripts_for(channel._create_client())(
                 "move",
                 [channel._q_for_pri(onward.queue, priority), inflight],
