@@ -637,3 +637,15 @@ def test_a_registry_plans_with_its_own_policy_settings(redis_url: str, fleet: st
     registry.register_worker("w0", "h0", "q0", [sim_gpu("g", 8 * GiB)])
     assert registry.place(Demand("m", size=GiB)).gpus == {"g": 3 * GiB // 2}
     assert registry.gpu("g") is not None and registry.gpu("missing") is None
+
+
+def test_half_a_record_reads_as_none_and_crashes_no_reader(two_gpus: Registry) -> None:
+    # What a Redis that lost some writes leaves: a record of one field (records.whole).
+    reg = two_gpus
+    replica = place_hot(reg, Demand("m", size=GiB))
+    reg.client.delete(reg.keys.deployment(replica))
+    reg.client.hset(reg.keys.deployment(replica), "last_used", 1)
+    assert reg.deployment(replica) is None
+    assert replica not in reg.snapshot().deployments
+    with reg.follower.current() as view:
+        assert replica not in view.deployments

@@ -134,7 +134,9 @@ class Follower:
         deps: dict[str, Deployment | None] = {}
         for replica, row, held in zip(replicas, found, leases, strict=True):
             deps[replica] = (
-                records.deployment(row, sum(1 for _, t in held if t > now)) if row else None
+                records.deployment(row, sum(1 for _, t in held if t > now))
+                if records.whole(row)
+                else None
             )
         for model in models:
             value = next(rows)

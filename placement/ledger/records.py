@@ -48,6 +48,18 @@ def gpu(row: Mapping[str, str]) -> Gpu:
     )
 
 
+#: The fields every `dep:<replica>` record is written with (commit.lua), whatever its level.
+_IDENTITY = ("replica", "model", "level")
+
+
+def whole(row: Mapping[str, str]) -> bool:
+    """Whether a `dep:<replica>` hash holds a record. One missing a field of its identity
+    (half a record: a Redis that lost some writes, such as a restarted Redis 7 whose
+    `default` user could not replay them, placement.server.acl) reads as no record, so a
+    worker lets the replica go instead of failing on every read."""
+    return all(field in row for field in _IDENTITY)
+
+
 def deployment(row: Mapping[str, str], leases: int) -> Deployment:
     """A `dep:<replica>` hash, with the number of its live request leases."""
     return Deployment(

@@ -138,7 +138,7 @@ class Registry(Membership):
             deployments = {
                 r: records.deployment(row, sum(1 for _, t in held if t > now))
                 for r, row, held in zip(replicas, rows_of, leases, strict=True)
-                if row
+                if records.whole(row)
             }
             host_rows = _take(rows, hosts)
             host_map = {
@@ -492,7 +492,7 @@ class Registry(Membership):
             [("hgetall", k.host(dep.host)), *(("hgetall", k.deployment(r)) for r in warm_ids)],
             atomic=True,
         )
-        warm = [records.deployment(r, 0) for r in rows[1:] if r]
+        warm = [records.deployment(r, 0) for r in rows[1:] if records.whole(r)]
         return Snapshot(
             gpus={},
             deployments={d.replica: d for d in [*warm, dep]},

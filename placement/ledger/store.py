@@ -122,7 +122,7 @@ class Store:
             ],
             atomic=True,
         )
-        if not row:
+        if not records.whole(row):
             return None
         now = time_ms((sec, usec))
         return records.deployment(row, sum(1 for _, deadline in held if deadline > now))
