@@ -181,7 +181,8 @@ class _Generation:
 
     def finish(self, job: Any, gen_call: GenCall | None, outcome: Any, revoked: bool) -> Any:
         """End a call's lease and stream; run its tracer (not for a revoked call: its
-        main process announces it as Celery does)."""
+        main process announces it as Celery does); then count its tokens and latencies,
+        a round trip the caller does not wait for."""
         trace, args, call_json, since_ms, _ = job
         taken = self.calls.pop(args[1], None)  # None: a finish that failed once already
         call, started = taken or (Call.from_json(call_json), time.time() * 1000)
@@ -191,7 +192,6 @@ class _Generation:
             except Exception:  # the lease expires on its own; the answer stands
                 log.warning("could not end lease %s", call.lease.id, exc_info=True)
         if isinstance(outcome, Generated) and outcome.tokens:
-            _record(self.worker, call.model, outcome)
             served: Served | BaseException = Served(
                 outcome.outputs, self.gpus, self.load_ms, outcome.compute_ms,
                 outcome.outputs.get("batch", 1), outcome.first_token_ms, outcome.inter_token_ms,
@@ -201,9 +201,12 @@ class _Generation:
             served, reason = outcome, "error"
         if _streams(call):
             self.writer.end(args[1], "cancelled" if revoked else reason)
-        if revoked:
-            return None
-        return batching.run_one(trace, args, served, started, max(0.0, started - since_ms))
+        answer = None
+        if not revoked:
+            answer = batching.run_one(trace, args, served, started, max(0.0, started - since_ms))
+        if isinstance(outcome, Generated) and outcome.tokens:
+            _record(self.worker, call.model, outcome)  # after the answer: not the caller's wait
+        return answer
 
     def counted(self, open_calls: int) -> None:
         """Once a step: write the streamed text, and say the calls open when that changed
