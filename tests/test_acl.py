@@ -146,5 +146,6 @@ def test_every_write_of_a_script_is_replayed_after_redis_is_killed_and_restarted
         assert fleet.smembers("replicas:{f}") == {b"r1"}
         assert fleet.lrange("gpufleet.h.gpu0", 0, -1) == [b"call"]
         assert fleet.hgetall("unacked") == {b"tag": b"call"}
-        with pytest.raises(redis.exceptions.AuthenticationError):
-            redis.Redis(port=srv.port).ping()  # the default user stays off
+        for password in (None, "x"):  # the default user stays off, with no password
+            with pytest.raises(redis.exceptions.AuthenticationError):
+                redis.Redis(port=srv.port, username="default", password=password).ping()

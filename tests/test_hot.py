@@ -114,3 +114,23 @@ def test_a_forward_that_redis_refuses_changes_nothing(reg: Registry, fleet: str)
         reg.forward("m", handover)
     assert reg.client.lrange(handover.inflight, 0, -1) == [TAKEN.decode()]
     assert leases_held(reg) == 0
+
+
+def test_the_routers_move_says_moved_kept_or_gone(reg: Registry, fleet: str) -> None:
+    from tasks.serving.forwarding import _forward  # the router's `Pick.move`
+
+    handover = taken(reg, fleet)
+    assert _forward(reg, "other", "router", handover) is None  # no replica: the pool's
+    assert _forward(reg, "m", "router", handover) is True
+    assert _forward(reg, "m", "router", handover) is False  # no longer in flight
+
+
+def test_half_a_record_among_a_models_replicas_leaves_the_others_to_the_fast_path(
+    reg: Registry,
+) -> None:
+    (healthy,) = reg.snapshot().deployments
+    # What a Redis that lost some writes may leave: a replica listed, its record one field.
+    reg.client.sadd(reg.keys.model_replicas("m"), "half")
+    reg.client.hset(reg.keys.deployment("half"), "last_used", 1)
+    lease = reg.pick("m")
+    assert lease is not None and lease.replica == healthy

@@ -175,3 +175,19 @@ def test_a_message_reads_and_writes_again_as_kombu_reads_and_writes_it(value: ob
     parsed = intake.parse(item)
     assert repr(parsed) == repr(kombu_loads(item))  # repr: a NaN equals no NaN
     assert repr(kombu_loads(intake.dump(parsed, item))) == repr(kombu_loads(item))
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        b'{"headers": {"id": "c", "x": {"\\u005f_type__": "datetime",'
+        b' "__value__": "2026-11-27T12:00:00+00:00"}}}',
+        b'{"headers": {"id": "c", "x": [1e400, -1e400]}}',
+    ],
+    ids=["escaped-kombu-key", "past-a-float"],
+)
+def test_text_kombu_reads_otherwise_than_orjson_is_read_and_written_as_kombu_does(
+    text: bytes,
+) -> None:
+    assert repr(intake.parse(text)) == repr(kombu_loads(text))
+    assert intake.dump(intake.parse(text), text) == kombu_dumps(kombu_loads(text))

@@ -167,37 +167,42 @@ def envelope(item: bytes | str, queue: str) -> dict[str, Any]:
 
 def parse(item: bytes | str) -> Any:
     """A message's JSON, as kombu's parser reads it: by orjson (a fifth of the time, on the
-    router's hot path) where both read it alike (`_orjson_reads`)."""
+    router's hot path) where both read it alike (`_by_orjson`)."""
     raw = item.encode() if isinstance(item, str) else item
-    if _orjson_reads(raw):
-        try:
-            return orjson.loads(raw)
-        except orjson.JSONDecodeError:  # a lone surrogate, say: Python's parser takes it
-            pass
-    return loads(item)  # type: ignore[no-untyped-call]
+    read, value = _by_orjson(raw)
+    return value if read else loads(item)  # type: ignore[no-untyped-call]
 
 
 def dump(payload: Any, taken: bytes) -> str:
     """`payload`, read by `parse` from message `taken`, as JSON again, as kombu writes it:
-    by orjson where `parse` could use it."""
-    if _orjson_reads(taken):
+    by orjson exactly where `parse` read `taken` with it (so every value is JSON's own)."""
+    if _by_orjson(taken)[0]:
         try:
             return orjson.dumps(payload).decode()
-        except TypeError:  # a lone surrogate
+        except TypeError:  # not JSON's own after all: kombu's writer says what it is
             pass
     text: str = dumps(payload)  # type: ignore[no-untyped-call]
     return text
 
 
 #: What orjson reads otherwise than kombu's parser: kombu's typed values (a datetime, a
-#: UUID: only kombu turns them back into objects), NaN and infinities (orjson refuses
-#: them, and would write null), and integers past 64 bits (orjson reads floats).
+#: UUID: only kombu turns them back into objects; an escaped printable character could
+#: spell their key), NaN and infinities (orjson refuses them, and would write null), and
+#: integers past 64 bits (orjson reads floats). Lone surrogates and numbers too large for
+#: a float make orjson refuse the text.
 _KOMBU_ONLY = (b'"__type__"', b"NaN", b"Infinity")
-_LONG_NUMBER = re.compile(rb"[0-9]{19}")
+_KOMBU_ONLY_RE = re.compile(rb"[0-9]{19}|\\u00[2-7][0-9a-fA-F]")
 
 
-def _orjson_reads(raw: bytes) -> bool:
-    return not any(word in raw for word in _KOMBU_ONLY) and _LONG_NUMBER.search(raw) is None
+def _by_orjson(raw: bytes) -> tuple[bool, Any]:
+    """(True, orjson's reading of `raw`) where kombu's parser reads it alike, else
+    (False, None)."""
+    if any(word in raw for word in _KOMBU_ONLY) or _KOMBU_ONLY_RE.search(raw):
+        return False, None
+    try:
+        return True, orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return False, None
 
 
 def _envelope_problem(payload: dict[str, Any]) -> str:
@@ -426,15 +431,17 @@ def _time_limits(value: Any) -> bool:
     )
 
 
+_ID_FIELD = re.compile(r'"id":\s*"')
+
+
 def _id_of_large(item: bytes | str) -> str | None:
     """The task id of a message too large to parse, found in its first or last 8 KiB
     (kombu writes the body first and the headers after it); None when not found there."""
-    marker = '"id": "'
     for part in (item[-8192:], item[:8192]):
         text = part.decode("utf-8", "replace") if isinstance(part, bytes) else part
-        at = text.find(marker)
-        end = text.find('"', at + len(marker)) if at >= 0 else -1
-        found = text[at + len(marker) : end] if end > 0 else ""
+        match = _ID_FIELD.search(text)  # kombu writes `"id": "`, orjson `"id":"`
+        end = text.find('"', match.end()) if match else -1
+        found = text[match.end() : end] if match and end > 0 else ""
         if is_name(found) and "\\" not in found:
             return found
     return None

@@ -217,7 +217,7 @@ local function least_busy(set_key, reps, ids, workers, queues, now)
   local best, best_load, best_row = 0, nil, nil
   for i, rep in ipairs(reps) do
     local row = redis.call('HMGET', rep.dep, 'level', 'worker', 'queue', 'gpus', 'epoch')
-    if row[2] ~= workers[i] then return -1 end
+    if (row[2] or '') ~= workers[i] then return -1 end  -- the registry lists '' for none
     if queues and row[1] == 'HOT' and row[3] ~= queues[i] then return -1 end
     if row[1] == 'HOT' and num(redis.call('HGET', rep.worker, 'lease_deadline')) > now then
       local load = live_leases(rep.leases, now)

@@ -3,7 +3,7 @@
 -- the least busy HOT replica of a call's model, exactly as pick.lua does, and move the
 -- call's message, taken into the router's in-flight list, onto that replica's queue with
 -- the lease in its headers. One round trip instead of two, and never a lease without its
--- message moved, nor a message moved without its lease (tasks/serving/forwarding.py).
+-- message moved (tasks/serving/forwarding.py).
 -- Broker keys carry no fleet hash tag (see redeliver.lua): this script runs only where a
 -- single Redis, never a cluster, holds both (kombu's transport has no cluster support).
 -- KEYS[1] = the model's replica set
@@ -21,7 +21,8 @@
 --       | {-1, replica ids}  the caller's replica list is stale: here is the current one
 --       | {-2}               the message is no longer in flight (a sweep gave it back)
 -- Every write comes after the checks and the push first: a push that fails (a key of
--- another type) changes nothing, since Redis does not undo a failing script's writes.
+-- another type) changes nothing, since Redis does not undo a failing script's writes. The
+-- lease's writes that follow fail only on a ledger key of another type (a broken ledger).
 local n = (#ARGV - 7) / 3
 if not redis.call('LPOS', KEYS[3 * n + 3], ARGV[4]) then return {-2} end
 local reps, ids, workers, queues = {}, {}, {}, {}
