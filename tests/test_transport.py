@@ -14,7 +14,7 @@ import re
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -261,6 +261,19 @@ def test_a_worker_with_a_key_prefix_keeps_brpop_and_still_gets_its_messages() ->
         assert redis.Redis.from_url(server.url).keys("*inflight*") == []
 
 
+@contextlib.contextmanager
+def _two_taken(url: str, divert: Callable[[Any], Any]) -> Iterator[tuple[Any, list[Any]]]:
+    """A named consumer whose channel diverts with `divert`, once it took two messages:
+    its channel, and (body, message) for each one it kept for the application."""
+    seen: list[Any] = []
+    with Connection(url, transport=Transport, transport_options=NAMED) as conn:
+        conn.default_channel.divert = divert
+        with conn.Consumer(WORK, callbacks=[lambda body, m: seen.append((body, m))]):
+            conn.drain_events(timeout=5)
+            conn.drain_events(timeout=5)
+            yield conn.default_channel, seen
+
+
 def test_a_diverted_message_moves_on_from_in_flight_and_is_never_recorded_as_unacked() -> None:
     with RedisServer() as server:
         with Connection(server.url, transport=Transport) as conn:
@@ -271,7 +284,6 @@ def test_a_diverted_message_moves_on_from_in_flight_and_is_never_recorded_as_una
                     priority=priority, headers={"id": f"call-{n}"},
                 )  # fmt: skip
         client = redis.Redis.from_url(server.url)
-        seen: list[Any] = []
         undone: list[str] = []
 
         def divert(message: Any) -> Onward | None:
@@ -281,19 +293,15 @@ def test_a_diverted_message_moves_on_from_in_flight_and_is_never_recorded_as_una
             headers = {**message.headers, "lease": "L"}
             return Onward("elsewhere", headers, lambda: undone.append("lease"))
 
-        with Connection(server.url, transport=Transport, transport_options=NAMED) as conn:
-            conn.default_channel.divert = divert
-            with conn.Consumer(WORK, callbacks=[lambda body, m: seen.append((body, m))]):
-                conn.drain_events(timeout=5)
-                conn.drain_events(timeout=5)
-                (moved_body, moved), (kept_body, kept) = sorted(seen, key=lambda s: s[0]["n"])
-                assert (moved_body, kept_body) == ({"n": 1}, {"n": 2})
-                assert moved.acknowledged and not kept.acknowledged
-                qos = conn.default_channel.qos
-                assert len(qos._delivered) - len(qos._dirty) == 1  # only the kept one counts
-                assert client.hkeys("unacked") == [kept.delivery_tag.encode()]
-                assert client.smembers(unacked_of(NAME)) == {kept.delivery_tag.encode()}
-                kept.ack()
+        with _two_taken(server.url, divert) as (channel, seen):
+            (moved_body, moved), (kept_body, kept) = sorted(seen, key=lambda s: s[0]["n"])
+            assert (moved_body, kept_body) == ({"n": 1}, {"n": 2})
+            assert moved.acknowledged and not kept.acknowledged
+            qos = channel.qos
+            assert len(qos._delivered) - len(qos._dirty) == 1  # only the kept one counts
+            assert client.hkeys("unacked") == [kept.delivery_tag.encode()]
+            assert client.smembers(unacked_of(NAME)) == {kept.delivery_tag.encode()}
+            kept.ack()
         assert client.keys("*inflight*") == [] and undone == []
         (payload,) = [json.loads(raw) for raw in client.lrange(f"elsewhere{SEP}6", 0, -1)]
         assert _body(payload) == {"n": 1}
@@ -317,18 +325,13 @@ def test_a_divert_that_fails_keeps_its_message_recorded_as_unacked() -> None:
                 raise RuntimeError("a bug in the divert")
             return Onward("blocked", dict(message.headers), lambda: undone.append(n))
 
-        seen: list[Any] = []
-        with Connection(server.url, transport=Transport, transport_options=NAMED) as conn:
-            conn.default_channel.divert = divert
-            with conn.Consumer(WORK, callbacks=[lambda body, m: seen.append((body, m))]):
-                conn.drain_events(timeout=5)
-                conn.drain_events(timeout=5)
-                assert sorted(body["n"] for body, _ in seen) == [1, 2]
-                assert not any(m.acknowledged for _, m in seen)  # kept: Celery acks them
-                assert client.hlen("unacked") == 2 and undone == [2]
-                assert client.keys("*inflight*") == []
-                for _, m in seen:
-                    m.ack()
+        with _two_taken(server.url, divert) as (_, seen):
+            assert sorted(body["n"] for body, _ in seen) == [1, 2]
+            assert not any(m.acknowledged for _, m in seen)  # kept: Celery acks them
+            assert client.hlen("unacked") == 2 and undone == [2]
+            assert client.keys("*inflight*") == []
+            for _, m in seen:
+                m.ack()
         assert client.hlen("unacked") == client.llen("work") == 0
         assert client.get("blocked") == b"a string, not a list"
 
@@ -365,16 +368,11 @@ def test_a_picked_message_is_moved_by_its_pick_with_the_header_and_queue_it_writ
                 return Pick(dict(message.headers), "lease", lambda handover: None)
             return Pick({**message.headers, "counted": True}, "lease", move)
 
-        seen: list[Any] = []
-        with Connection(server.url, transport=Transport, transport_options=NAMED) as conn:
-            conn.default_channel.divert = divert
-            with conn.Consumer(WORK, callbacks=[lambda body, m: seen.append((body, m))]):
-                conn.drain_events(timeout=5)
-                conn.drain_events(timeout=5)
-                (_, moved), (_, kept) = sorted(seen, key=lambda s: s[0]["n"])
-                assert moved.acknowledged and not kept.acknowledged
-                assert client.hkeys("unacked") == [kept.delivery_tag.encode()]
-                kept.ack()
+        with _two_taken(server.url, divert) as (_, seen):
+            (_, moved), (_, kept) = sorted(seen, key=lambda s: s[0]["n"])
+            assert moved.acknowledged and not kept.acknowledged
+            assert client.hkeys("unacked") == [kept.delivery_tag.encode()]
+            kept.ack()
         assert client.keys("*inflight*") == []
         (payload,) = [json.loads(raw) for raw in client.lrange(f"elsewhere{SEP}6", 0, -1)]
         assert _body(payload) == {"n": 1}
@@ -397,18 +395,13 @@ def test_a_pick_that_raises_keeps_its_message_unless_it_moved_it_first() -> None
         def divert(message: Any) -> Pick:
             return Pick({**message.headers, "n": _body(message._raw)["n"]}, "lease", raising)
 
-        seen: list[Any] = []
-        with Connection(server.url, transport=Transport, transport_options=NAMED) as conn:
-            conn.default_channel.divert = divert
-            with conn.Consumer(WORK, callbacks=[lambda body, m: seen.append((body, m))]):
-                conn.drain_events(timeout=5)
-                conn.drain_events(timeout=5)
-                acked = {body["n"]: m.acknowledged for body, m in seen}
-                assert acked == {1: True, 2: False}  # moved: not ours; in flight: kept
-                assert client.hlen("unacked") == 1
-                for _, m in seen:
-                    if not m.acknowledged:
-                        m.ack()
+        with _two_taken(server.url, divert) as (_, seen):
+            acked = {body["n"]: m.acknowledged for body, m in seen}
+            assert acked == {1: True, 2: False}  # moved: not ours; in flight: kept
+            assert client.hlen("unacked") == 1
+            for _, m in seen:
+                if not m.acknowledged:
+                    m.ack()
         assert client.llen("elsewhere") == 1 and client.llen("work") == 0
         assert client.keys("*inflight*") == [] and client.hlen("unacked") == 0
 

@@ -200,34 +200,52 @@ local function fits_device(gpus)
   return true
 end
 
--- pick.lua's rule, shared with forward.lua. `reps[i]` = {dep, leases, worker} keys of
--- replica `ids[i]`, whose worker was `workers[i]` and, when `queues` is given, whose
--- queue was `queues[i]` when the caller listed them. Returns the index of the least busy
--- HOT replica whose worker's lease is live (ties to the first) and its row {level,
--- worker, queue, gpus, epoch}; 0 when none is ready; -1 when the caller's list is stale
--- (the model's set `set_key` holds other ids, or a replica's worker or queue changed).
-local function least_busy(set_key, reps, ids, workers, queues, now)
-  local members = redis.call('SMEMBERS', set_key)
-  if #members ~= #ids then return -1 end
+-- The replica list pick.lua and forward.lua are called with: per replica i of `n`, its
+-- keys {dep, leases, worker} at KEYS[3i - 1 .. 3i + 1], its id ARGV[a + i], the worker
+-- it had ARGV[a + n + i] and, when `with_queues`, the queue it had ARGV[a + 2n + i].
+local function listed_replicas(n, a, with_queues)
+  local reps, ids, workers, queues = {}, {}, {}, nil
+  if with_queues then queues = {} end
+  for i = 1, n do
+    local base = 1 + (i - 1) * 3
+    reps[i] = {dep = KEYS[base + 1], leases = KEYS[base + 2], worker = KEYS[base + 3]}
+    ids[i], workers[i] = ARGV[a + i], ARGV[a + n + i]
+    if queues then queues[i] = ARGV[a + 2 * n + i] end
+  end
+  return reps, ids, workers, queues
+end
+
+-- pick.lua's rule, shared with forward.lua. Of the replicas `listed_replicas` read (and,
+-- when `queues` is given, whose queue is still the one listed), the least busy HOT one
+-- whose worker's lease is live; ties to the first. Returns {i, row = {level, worker,
+-- queue, gpus, epoch}, now, deadline = now + `ttl`}, or nil and the script's reply: {0}
+-- when none is ready, {-1, the current ids} when the caller's list is stale (the model's
+-- set KEYS[1] holds other ids, or a replica's worker or queue changed).
+local function choose_replica(reps, ids, workers, queues, ttl)
+  local members = redis.call('SMEMBERS', KEYS[1])
+  local stale = {-1, unpack(members)}
+  if #members ~= #ids then return nil, stale end
   local listed = {}
   for _, id in ipairs(ids) do listed[id] = true end
   for _, m in ipairs(members) do
-    if not listed[m] then return -1 end
+    if not listed[m] then return nil, stale end
   end
-  local best, best_load, best_row = 0, nil, nil
+  local now = now_ms()
+  local best, best_load, best_row = nil, nil, nil
   for i, rep in ipairs(reps) do
     local row = redis.call('HMGET', rep.dep, 'level', 'worker', 'queue', 'gpus', 'epoch')
-    if (row[2] or '') ~= workers[i] then return -1 end  -- the registry lists '' for none
-    if queues and row[1] == 'HOT' and row[3] ~= queues[i] then return -1 end
+    if (row[2] or '') ~= workers[i] then return nil, stale end  -- '' lists no worker
+    if queues and row[1] == 'HOT' and row[3] ~= queues[i] then return nil, stale end
     if row[1] == 'HOT' and num(redis.call('HGET', rep.worker, 'lease_deadline')) > now then
       local load = live_leases(rep.leases, now)
       if best_load == nil or load < best_load then best, best_load, best_row = i, load, row end
     end
   end
-  return best, best_row
+  if best == nil then return nil, {0} end
+  return {i = best, row = best_row, now = now, deadline = now + ttl}
 end
 
--- Lease replica `rep` (keys as in least_busy) until `deadline` under `lease_id`, and
+-- Lease replica `rep` (keys as `listed_replicas` reads them) until `deadline` under `lease_id`, and
 -- count the call in the model's stats hash `stats_key` as `path` says (pick.lua's ARGV[3]).
 local function lease_replica(rep, lease_id, deadline, ttl, path, stats_key, now)
   redis.call('ZREMRANGEBYSCORE', rep.leases, '-inf', now)

@@ -25,22 +25,14 @@
 -- lease's writes that follow fail only on a ledger key of another type (a broken ledger).
 local n = (#ARGV - 7) / 3
 if not redis.call('LPOS', KEYS[3 * n + 3], ARGV[4]) then return {-2} end
-local reps, ids, workers, queues = {}, {}, {}, {}
-for i = 1, n do
-  local base = 1 + (i - 1) * 3
-  reps[i] = {dep = KEYS[base + 1], leases = KEYS[base + 2], worker = KEYS[base + 3]}
-  ids[i], workers[i], queues[i] = ARGV[7 + i], ARGV[7 + n + i], ARGV[7 + 2 * n + i]
-end
-local now = now_ms()
-local best, row = least_busy(KEYS[1], reps, ids, workers, queues, now)
-if best == -1 then return {-1, unpack(redis.call('SMEMBERS', KEYS[1]))} end
-if best == 0 then return {0} end
+local reps, ids, workers, queues = listed_replicas(n, 7, true)
 local ttl = tonumber(ARGV[2])
-local deadline = now + ttl
-local epoch = num(row[5])
+local c, reply = choose_replica(reps, ids, workers, queues, ttl)
+if not c then return reply end
+local epoch = num(c.row[5])
 local lease = string.format('{"id": %s, "replica": %s, "deadline_ms": %d, "epoch": %d, "sent_ms": %d}',
-  cjson.encode(ARGV[1]), cjson.encode(ids[best]), deadline, epoch, now)
-redis.call('LPUSH', KEYS[3 * n + 3 + best], ARGV[5] .. lease .. ARGV[6] .. cjson.encode(row[3]) .. ARGV[7])
+  cjson.encode(ARGV[1]), cjson.encode(ids[c.i]), c.deadline, epoch, c.now)
+redis.call('LPUSH', KEYS[3 * n + 3 + c.i], ARGV[5] .. lease .. ARGV[6] .. cjson.encode(c.row[3]) .. ARGV[7])
 redis.call('LREM', KEYS[3 * n + 3], 1, ARGV[4])
-lease_replica(reps[best], ARGV[1], deadline, ttl, ARGV[3], KEYS[3 * n + 2], now)
-return {1, ids[best], row[3], workers[best], row[4], deadline, epoch}
+lease_replica(reps[c.i], ARGV[1], c.deadline, ttl, ARGV[3], KEYS[3 * n + 2], c.now)
+return {1, ids[c.i], c.row[3], workers[c.i], c.row[4], c.deadline, epoch}

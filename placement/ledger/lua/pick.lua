@@ -13,18 +13,9 @@
 -- Returns {1, replica, queue, worker, gpus_json, lease_deadline_ms, epoch}
 --       | {0}                no replica is ready: take the router path
 --       | {-1, replica ids}  the caller's replica list is stale: here is the current one
-local n = (#ARGV - 3) / 2
-local reps, ids, workers = {}, {}, {}
-for i = 1, n do
-  local base = 1 + (i - 1) * 3
-  reps[i] = {dep = KEYS[base + 1], leases = KEYS[base + 2], worker = KEYS[base + 3]}
-  ids[i], workers[i] = ARGV[3 + i], ARGV[3 + n + i]
-end
-local now = now_ms()
-local best, row = least_busy(KEYS[1], reps, ids, workers, nil, now)
-if best == -1 then return {-1, unpack(redis.call('SMEMBERS', KEYS[1]))} end
-if best == 0 then return {0} end
+local reps, ids, workers = listed_replicas((#ARGV - 3) / 2, 3, false)
 local ttl = tonumber(ARGV[2])
-local deadline = now + ttl
-lease_replica(reps[best], ARGV[1], deadline, ttl, ARGV[3], KEYS[#KEYS], now)
-return {1, ids[best], row[3], workers[best], row[4], deadline, num(row[5])}
+local c, reply = choose_replica(reps, ids, workers, nil, ttl)
+if not c then return reply end
+lease_replica(reps[c.i], ARGV[1], c.deadline, ttl, ARGV[3], KEYS[#KEYS], c.now)
+return {1, ids[c.i], c.row[3], workers[c.i], c.row[4], c.deadline, num(c.row[5])}
