@@ -29,6 +29,7 @@ from placement.policy.state import Level
 from placement.server.redis_server import find_redis_server, redis_version
 from tasks.broker.intake import MAX_MESSAGE_BYTES
 from tasks.config import INTERNAL_QUEUE
+from tasks.serving.leases import header
 from tasks.serving.routing import gpu_queue
 from tests.running import RunningFleet, fleet_env, fleet_up, parents, until
 
@@ -155,6 +156,34 @@ def test_malformed_internal_messages_on_a_gpu_queue_are_refused_and_the_worker_s
     )
     assert type(error).__name__ == "PayloadError"
     served_and_clean(fleet, before)
+
+
+def test_a_refused_call_on_a_gpu_queue_ends_the_lease_it_carries(fleet: RunningFleet) -> None:
+    """A call refused as the worker takes it will not run: its replica is not left pinned
+    (and counted busy) until the lease's deadline."""
+    inside = Celery(broker=fleet.fleet_url, backend=fleet.fleet_url)
+    replica = fleet.registry.snapshot().replicas("a")[0]
+    lease = fleet.registry.pick("a")
+    assert lease is not None and lease.replica == replica.replica
+    held = fleet.registry.deployment(replica.replica)
+    assert held is not None and held.leases >= 1
+    error = refused(
+        inside,
+        "gpufleet.infer",
+        "a",
+        nested(40),  # deeper than a worker takes
+        queue=gpu_queue(replica.host, [0]),
+        headers={"gpufleet_lease": header(lease)},
+    )
+    assert type(error).__name__ == "PayloadError"
+    until(
+        "the refused call's lease ended",
+        lambda: (
+            (d := fleet.registry.deployment(replica.replica)) is not None
+            and d.leases == held.leases - 1
+        ),
+        10,
+    )
 
 
 def test_the_callers_url_cannot_administer_redis_nor_touch_the_fleets_keys(

@@ -48,8 +48,8 @@ from kombu.exceptions import ContentDisallowed, DecodeError
 from placement.errors import GpufleetError, PayloadError
 from tasks import context
 from tasks.broker import intake
-from tasks.broker.intake import PUBLIC_TASKS, is_name
-from tasks.serving import batching, forwarding
+from tasks.broker.intake import LEASE_HEADER, PUBLIC_TASKS, is_name
+from tasks.serving import batching, forwarding, leases
 from tasks.serving.batching import Batcher
 from worker.generation.params import MAX_ROWS
 
@@ -180,10 +180,13 @@ class Consumer(CeleryConsumer):
         return task_message_handler
 
     def refuse(self, message: Any, error: GpufleetError) -> None:
-        """Answer a message that may not run with `error`, and drop it (acknowledged)."""
+        """Answer a message that may not run with `error`, and drop it (acknowledged),
+        ending the request lease it carries: the call will not run, so its replica is not
+        to stay pinned (and counted busy) until the lease's deadline."""
         task_id = message.headers.get("id")
         log.warning("refused call %.60s of %.80r: %s", task_id, message.headers.get("task"), error)
         self._fail(task_id, error, _chained_ids(message))
+        _end_lease(message.headers)
         self._dropped(message, task_id, error)
 
     def _dropped(self, message: Any, task_id: Any, error: GpufleetError) -> None:
@@ -242,6 +245,17 @@ class Consumer(CeleryConsumer):
                 self.app.backend.mark_as_failure(failed, refused, call_errbacks=False)
             except Exception:  # the message is dropped either way; say why in the log
                 log.warning("could not store the refusal of call %s", failed, exc_info=True)
+
+
+def _end_lease(headers: Any) -> None:
+    """End the request lease in a refused message's headers, when it holds a readable one
+    (a public queue's messages hold none: `tasks.broker.intake` takes fleet headers off)."""
+    try:
+        lease = leases.from_header("", headers.get(LEASE_HEADER))
+    except GpufleetError:  # a malformed lease: nothing it names can be ended
+        return
+    if lease is not None:
+        leases.end(lease)
 
 
 def _chained_ids(message: Any) -> list[Any]:
