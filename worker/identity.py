@@ -61,9 +61,14 @@ def _stat(pid: int) -> tuple[str, str] | None:
 
 def start_time(pid: int) -> str | None:
     """When process `pid` started, or None when no running process of that pid can be
-    read. A zombie (killed, not yet reaped by its new parent: in a container, PID 1 may
-    never reap it) runs no more."""
-    found = _stat(pid)
+    read."""
+    return _running_since(_stat(pid))
+
+
+def _running_since(found: tuple[str, str] | None) -> str | None:
+    """The start time in `_stat`'s answer, unless it is none or a zombie's (killed, not
+    yet reaped by its new parent: in a container, PID 1 may never reap it), which runs no
+    more."""
     return None if found is None or found[0] in ("Z", "X") else found[1]
 
 
@@ -118,7 +123,7 @@ def verdict(identity: Mapping[str, Any] | None) -> Verdict:
         found = _stat(int(pid))
         if found is None and _exists(int(pid)):
             return Verdict(None, f"its process {pid} cannot be read here (another user's?)")
-        if found is not None and found[0] not in ("Z", "X") and found[1] == started:
+        if _running_since(found) == started:
             return Verdict(False, f"its process {pid} still runs on this machine")
     pids = ", ".join(str(pid) for pid, _ in identity["processes"])
     return Verdict(True, f"its processes ({pids}) are gone")

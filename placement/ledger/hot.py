@@ -87,19 +87,8 @@ class HotPath:
         counted already). A miss counts nothing: the router then counts the outcome of
         the call's placement (`Registry.count`). docs/metrics.md has the rule.
         """
-        _check_path(path)
-        lease_id = uuid.uuid4().hex
-        for _ in range(_TRIES):
-            known = self._known(model)
-            args = [lease_id, ttl_ms, path, *known.ids, *known.workers]
-            result = self._store._run("pick", self._keys(model, known), args)
-            if result[0] == 1:
-                return _lease(lease_id, model, result)
-            if result[0] == 0:
-                self._cache.pop(model, None)
-                return None
-            self._refresh(model)
-        return None
+        lease = self._lease(model, ttl_ms, path, None)
+        return None if lease == GONE else lease
 
     def forward(
         self,
@@ -112,19 +101,30 @@ class HotPath:
         queue (out of its in-flight list), the lease in its headers; None when no replica
         is ready (nothing changed), `GONE` when the message is no longer in flight.
         Only for a broker that is the registry's Redis (`forward.lua`)."""
+        return self._lease(model, ttl_ms, path, handover)
+
+    def _lease(
+        self, model: str, ttl_ms: int, path: str, handover: Handover | None
+    ) -> Lease | Literal["gone"] | None:
+        """`pick.lua`, or `forward.lua` with a `handover`, against the cached replica list,
+        read again while the script says it is stale."""
         _check_path(path)
         lease_id = uuid.uuid4().hex
         for _ in range(_TRIES):
             known = self._known(model)
             keys = self._keys(model, known)
-            keys += [handover.inflight, *(q + handover.suffix for q in known.queues)]
-            args = [lease_id, ttl_ms, path, handover.taken, *handover.parts]
-            args += [*known.ids, *known.workers, *known.queues]
-            result = self._store._run("forward", keys, args)
+            args: list[Any] = [lease_id, ttl_ms, path]
+            if handover is not None:
+                keys += [handover.inflight, *(q + handover.suffix for q in known.queues)]
+                args += [handover.taken, *handover.parts]
+            args += [*known.ids, *known.workers]
+            if handover is not None:
+                args += known.queues
+            result = self._store._run("pick" if handover is None else "forward", keys, args)
             if result[0] == 1:
-                return _lease(lease_id, model, result)
+                return _lease_of(lease_id, model, result)
             if result[0] == 0:
-                self._cache.pop(model, None)
+                self._cache.pop(model, None)  # a later placement may add replicas
                 return None
             if result[0] == -2:
                 return GONE
@@ -157,7 +157,7 @@ def _check_path(path: str) -> None:
         raise ValueError(f"unknown path {path!r}; expected one of {PICK_PATHS}")
 
 
-def _lease(lease_id: str, model: str, result: list[Any]) -> Lease:
+def _lease_of(lease_id: str, model: str, result: list[Any]) -> Lease:
     """The lease a script's {1, replica, queue, worker, gpus, deadline, epoch} reply names."""
     _, replica, queue, worker, gpus, deadline, epoch = result
     return Lease(

@@ -191,12 +191,14 @@ class _Generation:
                 self.worker.registry.finish(call.lease)
             except Exception:  # the lease expires on its own; the answer stands
                 log.warning("could not end lease %s", call.lease.id, exc_info=True)
-        if isinstance(outcome, Generated) and outcome.tokens:
+        generated = outcome if isinstance(outcome, Generated) and outcome.tokens else None
+        if generated is not None:
             served: Served | BaseException = Served(
-                outcome.outputs, self.gpus, self.load_ms, outcome.compute_ms,
-                outcome.outputs.get("batch", 1), outcome.first_token_ms, outcome.inter_token_ms,
+                generated.outputs, self.gpus, self.load_ms, generated.compute_ms,
+                generated.outputs.get("batch", 1), generated.first_token_ms,
+                generated.inter_token_ms,
             )  # fmt: skip
-            reason = ",".join(outcome.outputs.get("finish_reasons", [])) or "stop"
+            reason = ",".join(generated.outputs.get("finish_reasons", [])) or "stop"
         else:
             served, reason = outcome, "error"
         if _streams(call):
@@ -204,8 +206,8 @@ class _Generation:
         answer = None
         if not revoked:
             answer = batching.run_one(trace, args, served, started, max(0.0, started - since_ms))
-        if isinstance(outcome, Generated) and outcome.tokens:
-            _record(self.worker, call.model, outcome)  # after the answer: not the caller's wait
+        if generated is not None:
+            _record(self.worker, call.model, generated)  # after the answer: not the caller's wait
         return answer
 
     def counted(self, open_calls: int) -> None:
