@@ -360,6 +360,24 @@ def test_an_explicit_evict_of_a_waiting_or_loading_replica(reg: Registry) -> Non
     assert audit(snap) == []
 
 
+def test_a_replica_record_keeps_the_gpu_types_its_model_may_use(
+    reg: Registry, redis_url: str, fleet: str
+) -> None:
+    # the policy weighs the room each type must keep for requests pinned to it by these
+    for i, name in enumerate(("Tesla T4", "NVIDIA A10")):
+        gpu = Gpu(id=f"g{i}", host="h0", index=i, name=name, total=8 * GiB)
+        reg.register_worker(f"w{i}", "h0", f"q{i}", [gpu])
+    either = reg.place(Demand("either", size=GiB, accelerator=("T4", "A10")))
+    one = reg.place(Demand("one", size=GiB, accelerator="A10"))
+    anywhere = reg.place(Demand("anywhere", size=GiB))
+    reader = Registry.from_url(redis_url, fleet)  # reads the records, not a plan's mirror
+    deployments = reader.snapshot().deployments
+    reader.client.close()
+    assert deployments[either.replica].accelerator == ("T4", "A10")
+    assert deployments[one.replica].accelerator == "A10"
+    assert deployments[anywhere.replica].accelerator is None
+
+
 def test_every_worker_a_change_concerns_is_told_on_its_control_list(reg: Registry) -> None:
     for i in range(2):
         reg.register_worker(f"w{i}", "h0", f"q{i}", [sim_gpu(f"g{i}", 8 * GiB, i)])

@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from placement.policy.state import Deployment, Gpu, Holding, Host, Level, Report
+from placement.units import accelerators
 
 #: `gpu:<id>` hash fields of the CUDA context a worker keeps on a GPU it does not own:
 #: `ctx:<worker>` its bytes, `ctx_held:<worker>` set once they count in `held` (commit.lua),
@@ -79,6 +80,7 @@ def deployment(row: Mapping[str, str], leases: int) -> Deployment:
         epoch=int(row.get("epoch", 0)),
         since_ms=int(float(row.get("since", 0))),
         copy_bytes=int(float(row.get("copy_bytes", 0))),
+        accelerator=accelerators.load(row.get("accelerator", "")),
     )
 
 

@@ -50,6 +50,7 @@ from placement.policy.state import (
     Plan,
     Snapshot,
 )
+from placement.units import accelerators
 
 log = logging.getLogger(__name__)
 
@@ -209,6 +210,7 @@ class Registry(Membership):
             "fraction": plan.fraction,
             "size": plan.size,
             "dedicated": plan.dedicated,
+            "accelerator": accelerators.dump(plan.accelerator),
             "host": plan.host,
             "worker": plan.worker,
             "queue": plan.queue,

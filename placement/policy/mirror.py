@@ -195,6 +195,7 @@ def commit(draft: Draft, plan: Plan, now: int) -> None:
         epoch=(old.epoch if old is not None else 0) + 1,
         since_ms=now,
         copy_bytes=old.copy_bytes if old is not None else 0,
+        accelerator=plan.accelerator,
     )
     draft.count(new, 1, reserved=True, held=level is Level.LOADING)
     for gpu_id in plan.gpus:

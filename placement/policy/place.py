@@ -97,6 +97,7 @@ def plan_replica(
             max_active=demand.replicas,
             reason="already resident",
             epoch=best.epoch,
+            accelerator=best.accelerator,
         )
 
     if demand.gpus is not None and demand.request is not None:
@@ -404,6 +405,7 @@ def _to_plan(
         size=size,
         max_active=demand.replicas,
         reason=option.candidate.name,
+        accelerator=demand.accelerator,
     )
 
 

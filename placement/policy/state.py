@@ -124,6 +124,7 @@ class Deployment:
     epoch: int = 0  # which placement of the replica this is; every commit starts a new one
     since_ms: int = 0  # when it reached its level (the registry's clock)
     copy_bytes: int = 0  # its copy's bytes, measured by its worker at its last load; 0: not yet
+    accelerator: Accelerator = None  # the GPU types its model may use (its demand's)
 
     @property
     def cached(self) -> int:
@@ -297,3 +298,4 @@ class Plan:
     max_active: int = 1
     reason: str = ""  # why this place was chosen, for events and logs
     epoch: int = 0  # the placement's epoch, once committed (0 before)
+    accelerator: Accelerator = None  # the GPU types the model may use (its demand's)

@@ -15,6 +15,7 @@ A list of patterns matches when any one of them does: `[V100-16GB, V100-32GB]`.
 from __future__ import annotations
 
 import functools
+import json
 import re
 from collections.abc import Sequence
 
@@ -72,3 +73,24 @@ def parse(value: object) -> Accelerator:
         if len(names) == len(value):
             return tuple(v.strip() for v in names)
     raise ValueError(f"expected a GPU type name or a list of them, got {value!r}")
+
+
+def dump(accelerator: Accelerator) -> str:
+    """`accelerator` as a ledger record stores it: its patterns as a JSON list, "" for any
+    GPU (`load` reads it back)."""
+    patterns = alternatives(accelerator)
+    return json.dumps(list(patterns)) if patterns else ""
+
+
+def load(text: str) -> Accelerator:
+    """What `dump` wrote: one pattern as a string, several as a tuple, "" as None. A value
+    that is not such a list reads as None (any GPU), so a record from before the field
+    existed reads as unconstrained."""
+    try:
+        patterns = json.loads(text) if text else None
+    except ValueError:
+        return None
+    if not isinstance(patterns, list) or not patterns:
+        return None
+    names = tuple(p for p in patterns if isinstance(p, str))
+    return names[0] if len(names) == 1 else names or None

@@ -4,7 +4,8 @@
 --   {replica, model, reuse ('' | 'WARM' | 'COLD'), expect_worker, max_active, maxlen,
 --    dep, active, replicas_key, deps_key, worker_deps, worker_key, control, old_worker_deps,
 --    host_key, host_warm_key, events, leases, lease ('' or a request lease id), lease_ms,
---    limit, fraction, size, dedicated, host, worker, queue, why ('' or the reason),
+--    limit, fraction, size, dedicated, accelerator ('' or the GPU types allowed, a JSON
+--    list), host, worker, queue, why ('' or the reason),
 --    gpus=[{id, key, bytes, limit, worker}],
 --    evictions=[{replica, dep, leases, active, worker_deps, host, host_warm, control,
 --                expect_worker, to, gpus=[{id, key}]}],
@@ -156,7 +157,7 @@ list_contexts(K(p.worker_key), new_contexts)
 local epoch = redis.call('HINCRBY', dep, 'epoch', 1)
 redis.call('HSET', dep, 'replica', p.replica, 'model', p.model, 'level', level,
   'gpus', cjson.encode(placed), 'limit', p.limit, 'fraction', p.fraction, 'size', p.size,
-  'dedicated', p.dedicated and 1 or 0, 'host', p.host, 'worker', p.worker, 'queue', p.queue,
+  'dedicated', p.dedicated and 1 or 0, 'accelerator', p.accelerator, 'host', p.host, 'worker', p.worker, 'queue', p.queue,
   'last_used', now, 'since', now, 'source', p.reuse)
 if p.reuse == '' then  -- a record, once made, stays in both sets (nothing removes it)
   redis.call('SADD', K(p.deps_key), p.replica)
