@@ -6,6 +6,7 @@ from collections.abc import Iterable
 from dataclasses import replace
 
 from placement.policy.state import ON_DEVICE, RESERVING, Deployment, Gpu, Host, Level, Snapshot
+from placement.units.accelerators import Accelerator
 
 GiB = 2**30
 GB = 10**9
@@ -37,6 +38,7 @@ def hot(
     leases: int = 0,
     size: int | None = None,
     level: Level = Level.HOT,
+    accelerator: Accelerator = None,
 ) -> Deployment:
     first = next(iter(on))
     return Deployment(
@@ -52,6 +54,7 @@ def hot(
         worker=f"w-{first}",
         queue=f"q-{first}",
         leases=leases,
+        accelerator=accelerator,
     )
 
 

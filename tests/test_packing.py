@@ -60,6 +60,21 @@ def test_a_gpu_type_matches_whole_tokens_of_the_gpu_name(
     assert accelerators.matches(name, pattern) is matches
 
 
+@pytest.mark.parametrize("accelerator", [None, "A10", ("V100-16GB", "V100|32GB"), ('a "b"',)])
+def test_a_gpu_type_constraint_reads_back_from_a_record_as_it_was_written(
+    accelerator: str | tuple[str, ...] | None,
+) -> None:
+    stored = accelerators.dump(accelerator)
+    read = accelerators.load(stored)
+    assert accelerators.alternatives(read) == accelerators.alternatives(accelerator)
+    assert isinstance(read, type(accelerator)) or isinstance(accelerator, tuple)
+
+
+@pytest.mark.parametrize("stored", ["", "not json", "[]", '{"a": 1}', "[1, 2]"])
+def test_a_record_without_a_readable_gpu_type_constraint_reads_as_any_gpu(stored: str) -> None:
+    assert accelerators.load(stored) is None
+
+
 def test_a_demand_may_name_several_gpu_types_and_lands_only_on_those() -> None:
     snap = fleet(
         [
@@ -214,6 +229,54 @@ def test_a_dedicated_share_goes_to_the_gpu_type_with_the_most_room_left_before_a
         assert set(pinned.gpus) <= {"a0", "a1", "a2", "a3"}  # requests pinned to T4 need its
         t4 = plan_replica(Demand("q", gpus=0.2, accelerator="T4", dedicated=True), snap, rng=rng)
         assert set(t4.gpus) == {"t0"}
+
+
+def _pinned_t4(pinned: bool) -> Snapshot:
+    """T4: two of four GPUs half held (three quarters of its room free), by a model pinned
+    to T4 when `pinned`; A10: 0.9 and 0.5 of two of four held, by models that may run
+    anywhere (0.65 of its room free)."""
+    gpus = [gpu(f"t{i}", 10**9, host="ht", name="Tesla T4", index=i) for i in range(4)]
+    gpus += [gpu(f"a{i}", 10**9, host="ha", name="NVIDIA A10", index=i) for i in range(4)]
+    on_t4 = "T4" if pinned else None
+    held = [
+        hot(f"t{i}", "t4", {f"t{i}": 500_000_000}, host="ht", dedicated=True, accelerator=on_t4)
+        for i in (0, 1)
+    ]
+    held += [
+        hot("a0", "a0", {"a0": 900_000_000}, host="ha", dedicated=True),
+        hot("a1", "a1", {"a1": 500_000_000}, host="ha", dedicated=True),
+    ]
+    return fleet(gpus, held)
+
+
+def test_a_share_that_may_run_anywhere_leaves_a_type_to_the_requests_pinned_to_it() -> None:
+    # Of the 2.4 GPUs held, 1.0 (0.42) is pinned to T4: of the 5.6 GPUs free, T4's pinned
+    # requests will ask about 2.3 more, so T4 has 0.17 a GPU left for others against
+    # A10's 0.65. With the same replicas unpinned, T4 is the roomier type and is taken.
+    for seed in range(10):
+        anywhere = Demand("q", gpus=0.3, dedicated=True)
+        plan = plan_replica(anywhere, _pinned_t4(pinned=True), rng=random.Random(seed))
+        assert set(plan.gpus) <= {"a0", "a1", "a2", "a3"}
+        plan = plan_replica(anywhere, _pinned_t4(pinned=False), rng=random.Random(seed))
+        assert set(plan.gpus) <= {"t0", "t1", "t2", "t3"}
+        on_t4 = replace(anywhere, accelerator="T4")
+        plan = plan_replica(on_t4, _pinned_t4(pinned=True), rng=random.Random(seed))
+        assert set(plan.gpus) <= {"t0", "t1", "t2", "t3"}
+
+
+def test_the_room_index_counts_the_demand_each_constraint_holds_as_replicas_come_and_go() -> None:
+    view = LiveView(_pinned_t4(pinned=True))
+    index = room_of(view.snap)
+    assert index.pinned_share("Tesla T4") == pytest.approx(1.0 / 2.4)
+    assert index.pinned_share("NVIDIA A10") == 0.0
+    both = Demand("either", gpus=0.6, accelerator=("T4", "A10"), dedicated=True)
+    view.apply(plan_replica(both, view.snap, rng=random.Random(0)))
+    # its 0.6 is split over the two types it allows
+    assert index.pinned_share("NVIDIA A10") == pytest.approx(0.3 / 3.0)
+    assert index.pinned_share("Tesla T4") == pytest.approx(1.3 / 3.0)
+    empty = [replace(g, reserved=0, held=0) for g in view.snap.gpus.values()]
+    fresh = room_of(fleet(empty, view.snap.deployments.values()))
+    assert fresh.pinned_share("Tesla T4") == pytest.approx(1.3 / 3.0)
 
 
 def _two_types(a10_first: int) -> Snapshot:

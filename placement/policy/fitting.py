@@ -10,6 +10,7 @@ takes best fit (docs/placement.md, "Choosing a GPU"). The search runs over
 
 from __future__ import annotations
 
+import math
 import random
 from bisect import bisect_left
 from collections import defaultdict
@@ -213,7 +214,7 @@ def free_whole(n: int, view: Planning, rng: random.Random) -> Option | None:
     dedicated = view.demand.dedicated  # an evictable replica takes any type's (`type_rank`)
 
     def options(shape: Shape) -> list[tuple[tuple[float, ...], None]]:
-        empty, rank = 0, 0.0
+        empty, rank = 0, math.inf
         for name, total, frees in shape.layout:
             if name in allowed and frees[-1] == total:
                 empty += len(frees) - bisect_left(frees, total)

@@ -120,11 +120,22 @@ def candidate_level(cached: bool, evicts: bool) -> Candidate:
 
 
 def type_left(index: RoomIndex, name: str, total: int, request: int) -> float:
-    """How much of GPU type `name` (GPUs of `total` bytes) is left. Where whole GPUs are
-    asked for on GPUs of this size (by this `request` or a replica held), its share of
-    empty GPUs, to 1/TYPES_EVEN: those are what a request pinned to the type runs out of
-    first, however much room its shared GPUs keep. Elsewhere its free share: shares fit
-    in any room."""
+    """How much of GPU type `name` (GPUs of `total` bytes) is left, per GPU of the type,
+    once the room that requests pinned to it will still ask for is set aside. Where whole
+    GPUs are asked for on GPUs of this size (by this `request` or a replica held), the
+    room counted is its empty GPUs, to 1/TYPES_EVEN: those are what a request pinned to
+    the type runs out of first, however much room its shared GPUs keep. Elsewhere its
+    free room: shares fit in any room.
+
+    The room set aside is the type's part of the demand observed (`RoomIndex.pinned_share`:
+    of the slots held, those of models only some types may serve) times the fleet's free
+    room: if requests keep arriving as they have, that is what the pinned ones will ask of
+    this type before the fleet is full. So a type that its own pinned requests will need
+    whole (a fifth of the calls pinned to a seventh of the fleet) is the last that other
+    requests fill, and a type pinned in proportion to its size ranks as before
+    (docs/placement.md, "Choosing a GPU")."""
+    gpus = index.type_gpus[name]
+    reserve = index.pinned_share(name) * index.free_room()
     if request >= total or index.slot_count(total, total):
-        return round(index.type_empties(name) * TYPES_EVEN) / TYPES_EVEN
-    return index.type_free(name)
+        return round((index.type_empty[name] - reserve) / gpus * TYPES_EVEN) / TYPES_EVEN
+    return (index.type_room[name] - reserve) / gpus

@@ -103,9 +103,13 @@ class RoomIndex:
         self._slots: dict[int, dict[int, int]] = {}  # GPU size -> slot bytes -> replicas
         self._smallest: dict[int, int] = {}  # GPU size -> its smallest slot, when known
         self._sizes: dict[int, list[int]] = {}  # GPU size -> its slots' sizes, ascending
+        # The demand observed: GPUs' worth of slots held (shares summed), and of those the
+        # part each accelerator constraint holds (`pinned_share`).
+        self.held = 0.0
+        self._pinned: dict[Accelerator, float] = {}
         for gpu in gpus:
             for d in by_gpu.get(gpu.id, ()):
-                self.hold(gpu.total, d.gpus[gpu.id], +1)
+                self.hold(gpu.total, d.gpus[gpu.id], +1, d.accelerator)
             if gpu.alive(now_ms):
                 self.workers.add(gpu.worker)
                 self.put(gpu, _evictable(gpu, by_gpu.get(gpu.id, ())))
@@ -156,9 +160,13 @@ class RoomIndex:
         self.shape_of[host] = shape
         self.room[host] = shape.room
 
-    def hold(self, total: int, slot: int, change: int) -> None:
+    def hold(self, total: int, slot: int, change: int, pin: Accelerator = None) -> None:
         """Count (`change` +1) or uncount (-1) one replica's `slot` bytes on a GPU of
-        `total` bytes."""
+        `total` bytes, held by a model `pin` allows (None: any GPU)."""
+        share = slot / total * change
+        self.held += share
+        if pin is not None:
+            self._pinned[pin] = self._pinned.get(pin, 0.0) + share
         counts = self._slots.setdefault(total, {})
         _count(counts, slot, change)
         left = counts.get(slot, 0)
@@ -190,9 +198,22 @@ class RoomIndex:
         """The share of GPU type `name`'s capacity that is free, 0 to 1."""
         return self.type_room[name] / self.type_gpus[name]
 
-    def type_empties(self, name: str) -> float:
-        """The share of GPU type `name`'s GPUs that are empty, 0 to 1."""
-        return self.type_empty[name] / self.type_gpus[name]
+    def free_room(self) -> float:
+        """GPUs' worth of free room in the fleet (free shares summed)."""
+        return sum(self.type_room.values())
+
+    def pinned_share(self, name: str) -> float:
+        """The share of the demand observed (slots held) that only some GPU types may
+        serve, and type `name` among them: a constraint's part split evenly over the
+        fleet's types it allows."""
+        if self.held <= 0:
+            return 0.0
+        part = 0.0
+        for pin, held in self._pinned.items():
+            names = self.names(pin)
+            if name in names:
+                part += held / len(names)
+        return part / self.held
 
     def names(self, accelerator: Accelerator) -> frozenset[str]:
         """The GPU names in the fleet that `accelerator` allows."""
