@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from placement.ledger.hot import GONE, Handover, Lease
+from placement.ledger.hot import GONE, Forwarded, Handover
 from placement.ledger.registry import Registry
 from placement.policy.state import Demand, Gpu
 from tasks.serving import leases
@@ -41,10 +41,11 @@ def reg(redis_url: str, fleet: str) -> Iterator[Registry]:
 
 
 def taken(reg: Registry, fleet: str) -> Handover:
-    """`TAKEN`, pushed into a router's in-flight list, ready to go on."""
+    """`TAKEN`, pushed into a router's in-flight list, ready to go on; the router takes
+    from `<fleet>.calls` and `<fleet>.internal`."""
     inflight = f"{fleet}.inflight.router@h0"
     reg.client.lpush(inflight, TAKEN)
-    return Handover(inflight, TAKEN, PARTS, "")
+    return Handover(inflight, TAKEN, PARTS, "", (f"{fleet}.calls", f"{fleet}.internal"))
 
 
 def leases_held(reg: Registry) -> int:
@@ -56,8 +57,9 @@ def test_a_forwarded_call_lands_on_its_replicas_queue_with_its_lease_in_one_step
     reg: Registry, fleet: str
 ) -> None:
     handover = taken(reg, fleet)
-    lease = reg.forward("m", handover, path="router")
-    assert isinstance(lease, Lease) and lease.queue == f"{fleet}.q0"
+    forwarded = reg.forward("m", handover, path="router")
+    assert isinstance(forwarded, Forwarded) and forwarded.lease.queue == f"{fleet}.q0"
+    lease = forwarded.lease
     assert reg.client.llen(handover.inflight) == 0
     (raw,) = reg.client.lrange(f"{fleet}.q0", 0, -1)
     message = json.loads(raw)
@@ -99,11 +101,11 @@ def test_with_no_hot_replica_the_message_stays_in_flight_and_nothing_is_leased(
 def test_a_replica_whose_queue_changed_since_it_was_listed_is_read_again(
     reg: Registry, fleet: str
 ) -> None:
-    assert isinstance(reg.forward("m", taken(reg, fleet)), Lease)  # lists the replica
+    assert isinstance(reg.forward("m", taken(reg, fleet)), Forwarded)  # lists the replica
     (replica,) = reg.snapshot().deployments
     reg.client.hset(reg.keys.deployment(replica), "queue", f"{fleet}.q1")
-    lease = reg.forward("m", taken(reg, fleet))
-    assert isinstance(lease, Lease) and lease.queue == f"{fleet}.q1"
+    forwarded = reg.forward("m", taken(reg, fleet))
+    assert isinstance(forwarded, Forwarded) and forwarded.lease.queue == f"{fleet}.q1"
     assert reg.client.llen(f"{fleet}.q1") == reg.client.llen(f"{fleet}.q0") == 1
 
 
@@ -116,13 +118,29 @@ def test_a_forward_that_redis_refuses_changes_nothing(reg: Registry, fleet: str)
     assert leases_held(reg) == 0
 
 
-def test_the_routers_move_says_moved_kept_or_gone(reg: Registry, fleet: str) -> None:
+def test_a_forward_says_whether_the_routers_lists_were_left_empty(
+    reg: Registry, fleet: str
+) -> None:
+    # the router then blocks for its next call at once, or takes what waits
+    first = reg.forward("m", taken(reg, fleet))
+    assert isinstance(first, Forwarded) and first.drained
+    reg.client.lpush(f"{fleet}.internal", b"a call routed again")
+    second = reg.forward("m", taken(reg, fleet))
+    assert isinstance(second, Forwarded) and not second.drained
+    assert reg.client.llen(f"{fleet}.q0") == 2  # both moved all the same
+
+
+def test_the_routers_move_says_kept_or_not_ours_and_whether_anything_waits(
+    reg: Registry, fleet: str
+) -> None:
     from tasks.serving.forwarding import _forward  # the router's `Pick.move`
 
     handover = taken(reg, fleet)
     assert _forward(reg, "other", "router", handover) is None  # no replica: the pool's
-    assert _forward(reg, "m", "router", handover) is True
+    assert _forward(reg, "m", "router", handover) is True  # moved; nothing waits
     assert _forward(reg, "m", "router", handover) is False  # no longer in flight
+    reg.client.lpush(f"{fleet}.calls", b"the next call")
+    assert _forward(reg, "m", "router", taken(reg, fleet)) is False  # moved; a call waits
 
 
 def test_half_a_record_among_a_models_replicas_leaves_the_others_to_the_fast_path(

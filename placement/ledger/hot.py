@@ -51,12 +51,25 @@ class Handover:
     in-flight list it was taken into and the message as taken; the message to push, in
     three parts around the two values only the script knows (the lease header's value,
     a JSON object, and the queue's name, a JSON string); and what names a queue's list
-    for the message's priority (`queue + suffix`)."""
+    for the message's priority (`queue + suffix`). `watched`: the lists the consumer
+    takes from, which the move looks at once it is done (`Forwarded.drained`)."""
 
     inflight: str
     taken: bytes
     parts: tuple[str, str, str]
     suffix: str
+    watched: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Forwarded:
+    """A message `forward` moved: the lease it carries, and whether every list of its
+    `Handover.watched` was empty just after. A consumer told so blocks for its next
+    message at once, rather than make a round trip to find nothing (the router's
+    consumer, between a plain client's calls)."""
+
+    lease: Lease
+    drained: bool
 
 
 @dataclass(frozen=True)
@@ -88,7 +101,7 @@ class HotPath:
         the call's placement (`Registry.count`). docs/metrics.md has the rule.
         """
         lease = self._lease(model, ttl_ms, path, None)
-        return None if lease == GONE else lease
+        return lease if isinstance(lease, Lease) else None
 
     def forward(
         self,
@@ -96,16 +109,18 @@ class HotPath:
         handover: Handover,
         ttl_ms: int = DEFAULT_REQUEST_LEASE_MS,
         path: str = "",
-    ) -> Lease | Literal["gone"] | None:
+    ) -> Forwarded | Literal["gone"] | None:
         """`pick`, and in the same step move `handover`'s message onto the leased replica's
         queue (out of its in-flight list), the lease in its headers; None when no replica
         is ready (nothing changed), `GONE` when the message is no longer in flight.
         Only for a broker that is the registry's Redis (`forward.lua`)."""
-        return self._lease(model, ttl_ms, path, handover)
+        found = self._lease(model, ttl_ms, path, handover)
+        assert not isinstance(found, Lease)  # with a handover, a lease comes as `Forwarded`
+        return found
 
     def _lease(
         self, model: str, ttl_ms: int, path: str, handover: Handover | None
-    ) -> Lease | Literal["gone"] | None:
+    ) -> Lease | Forwarded | Literal["gone"] | None:
         """`pick.lua`, or `forward.lua` with a `handover`, against the cached replica list,
         read again while the script says it is stale."""
         _check_path(path)
@@ -116,13 +131,15 @@ class HotPath:
             args: list[Any] = [lease_id, ttl_ms, path]
             if handover is not None:
                 keys += [handover.inflight, *(q + handover.suffix for q in known.queues)]
+                keys += handover.watched
                 args += [handover.taken, *handover.parts]
             args += [*known.ids, *known.workers]
             if handover is not None:
                 args += known.queues
             result = self._store._run("pick" if handover is None else "forward", keys, args)
             if result[0] == 1:
-                return _lease_of(lease_id, model, result)
+                lease = _lease_of(lease_id, model, result[:7])
+                return lease if handover is None else Forwarded(lease, bool(result[7]))
             if result[0] == 0:
                 self._cache.pop(model, None)  # a later placement may add replicas
                 return None

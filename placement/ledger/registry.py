@@ -32,7 +32,13 @@ from placement.errors import (
 )
 from placement.ledger import records
 from placement.ledger.follow import Follower
-from placement.ledger.hot import DEFAULT_REQUEST_LEASE_MS, Handover, HotPath, Lease
+from placement.ledger.hot import (
+    DEFAULT_REQUEST_LEASE_MS,
+    Forwarded,
+    Handover,
+    HotPath,
+    Lease,
+)
 from placement.ledger.keys import KeyList
 from placement.ledger.membership import Membership
 from placement.ledger.scripts import sha
@@ -516,7 +522,7 @@ class Registry(Membership):
 
     def forward(
         self, model: str, handover: Handover, path: str = ""
-    ) -> Lease | Literal["gone"] | None:
+    ) -> Forwarded | Literal["gone"] | None:
         """`pick`, and move a router's taken message onto the leased replica's queue in the
         same step (`HotPath.forward`)."""
         return self.hot.forward(model, handover, path=path)

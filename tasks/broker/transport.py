@@ -85,8 +85,10 @@ class Pick:
     """A divert whose queue is picked by the step that moves the message
     (`placement.ledger.hot.HotPath.forward`): the message's new headers, but for `header`,
     whose value that step writes, and the step itself. `move` pushes the message a
-    `Handover` describes and says True (moved, out of the in-flight list), None (nowhere
-    to go, nothing changed: keep it) or False (no longer in flight: not ours now)."""
+    `Handover` describes and says None (nowhere to go, nothing changed: keep it), or that
+    the message is not ours now (moved out of the in-flight list, or given back by a
+    sweep) and whether the lists the consumer takes from were all empty then (True: its
+    next take blocks at once, `Handover.watched`)."""
 
     headers: dict[str, Any]
     header: str
@@ -157,7 +159,11 @@ class QoS(kombu_redis.QoS):
             head, rest = text.split(f'"{lease}"')  # a ValueError unless each is there once:
             middle, tail = rest.split(f'"{queue}"')  # headers come before properties
             handover = Handover(
-                inflight, taken, (head, middle, tail), channel._q_for_pri("", priority)
+                inflight,
+                taken,
+                (head, middle, tail),
+                channel._q_for_pri("", priority),
+                tuple(channel._lists(channel._queue_cycle.consume(len(channel.active_queues)))),
             )
         except Exception:
             log.exception("could not prepare message %s to move on; keeping it", delivery_tag)
@@ -169,6 +175,7 @@ class QoS(kombu_redis.QoS):
         if moved is None:
             return False
         channel.taken = None
+        channel._idle = moved  # nothing else waits: block for the next call (`_brpop_start`)
         virtual.QoS.append(self, message, delivery_tag)  # type: ignore[no-untyped-call]
         virtual.QoS.ack(self, delivery_tag)  # type: ignore[no-untyped-call]
         message._state = "ACK"

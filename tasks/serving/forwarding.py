@@ -9,10 +9,12 @@ in the worker's main process, before recording it as unacknowledged
 replica can be leased, the message moves on, unchanged but for the lease and counted
 headers, to that replica's GPU worker queue, out of the router's in-flight list in the
 same step. Where the broker is the registry's Redis, one script leases and moves
-(`forward.lua`, a `Pick`); otherwise `pick.lua` leases and `move.lua` moves (an
-`Onward`). The call is then exactly a fast-path call: same task id, name and body, so
-the caller's AsyncResult yields the GPU worker's answer, and Flower sees it received and
-answered there. Celery's strategy skips it (it is acknowledged already).
+(`forward.lua`, a `Pick`), and says whether the router's lists were left empty: then its
+consumer blocks for the next call at once, without a round trip that finds nothing
+(between a plain client's calls, the common case). Otherwise `pick.lua` leases and
+`move.lua` moves (an `Onward`). The call is then exactly a fast-path call: same task id,
+name and body, so the caller's AsyncResult yields the GPU worker's answer, and Flower
+sees it received and answered there. Celery's strategy skips it (it is acknowledged already).
 
 A call given back after a router died is looked for elsewhere first
 (`tasks.serving.routed.elsewhere`:
@@ -106,12 +108,13 @@ class Forwarder:
 
 
 def _forward(registry: Registry, model: str, path: str, handover: Handover) -> bool | None:
-    """`Pick.move` for a call of `model`: True when it moved with a lease, None on a miss
-    (the pool places the model), False when its message is no longer in flight."""
+    """`Pick.move` for a call of `model`: None on a miss (the pool places the model), else
+    whether the router's lists were all empty once it moved with a lease (False too when
+    its message is no longer in flight: not ours either way)."""
     outcome = registry.forward(model, handover, path=path)
-    if outcome == GONE:
-        return False
-    return None if outcome is None else True
+    if outcome is None:
+        return None
+    return outcome != GONE and outcome.drained
 
 
 @functools.cache

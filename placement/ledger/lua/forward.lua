@@ -10,13 +10,15 @@
 -- KEYS[2..3n+1] = per replica, in ARGV order: deployment hash, leases zset, worker hash
 -- KEYS[3n+2] = the model's stats hash, KEYS[3n+3] = the in-flight list the call was taken into
 -- KEYS[3n+4..4n+3] = per replica, the list of its queue the message goes to (its priority)
+-- KEYS[4n+4..] = the lists the router's consumer takes from (none: not asked)
 -- ARGV[1] = lease id, ARGV[2] = lease length (ms), ARGV[3] = how the lease counts the call
 --   (pick.lua's ARGV[3]), ARGV[4] = the message as taken,
 -- ARGV[5..7] = the message to push, in three parts: the lease header's value (a JSON
 --   object: tasks/serving/leases.header's fields) goes between the first two, the queue's
 --   name (a JSON string: the message's routing key) between the last two
 -- ARGV[8..] = replica ids, then the worker id each had, then the queue each had, in order
--- Returns {1, replica, queue, worker, gpus_json, lease_deadline_ms, epoch}: moved
+-- Returns {1, replica, queue, worker, gpus_json, lease_deadline_ms, epoch, drained}: moved;
+--         drained is 1 when every list of KEYS[4n+4..] is empty after the move, else 0
 --       | {0}                no replica is ready: nothing changed, the call takes the pool's path
 --       | {-1, replica ids}  the caller's replica list is stale: here is the current one
 --       | {-2}               the message is no longer in flight (a sweep gave it back)
@@ -35,4 +37,8 @@ local lease = string.format('{"id": %s, "replica": %s, "deadline_ms": %d, "epoch
 redis.call('LPUSH', KEYS[3 * n + 3 + c.i], ARGV[5] .. lease .. ARGV[6] .. cjson.encode(c.row[3]) .. ARGV[7])
 redis.call('LREM', KEYS[3 * n + 3], 1, ARGV[4])
 lease_replica(reps[c.i], ARGV[1], c.deadline, ttl, ARGV[3], KEYS[3 * n + 2], c.now)
-return {1, ids[c.i], c.row[3], workers[c.i], c.row[4], c.deadline, epoch}
+local drained = 1
+for i = 4 * n + 4, #KEYS do
+  if redis.call('LLEN', KEYS[i]) > 0 then drained = 0 break end
+end
+return {1, ids[c.i], c.row[3], workers[c.i], c.row[4], c.deadline, epoch, drained}
