@@ -22,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from placement.config import Settings, connection_path
 from placement.errors import ConfigError
+from tasks.broker import quarantine
 from tasks.operator.launcher import CRASH_LIMIT, Child, Launcher, _bound_port, _port
 from tests.running import RunningFleet, fleet_env, fleet_up
 
@@ -153,6 +154,22 @@ def test_two_fleets_started_at_once_each_print_the_metrics_and_flower_they_serve
             )
             with urllib.request.urlopen(request, timeout=10) as response:
                 assert response.status == 200
+    for home in homes.values():  # stopped between calls: nothing of either fleet is left
+        assert not (home / "default").exists(), sorted((home / "default").rglob("*"))
+
+
+def test_a_stopped_fleet_keeps_only_the_in_hand_records_that_name_a_call(tmp_path: Path) -> None:
+    # a worker stopped between calls leaves an empty record; one killed holding a call
+    # leaves its id, which its next start under that name counts as a death
+    folder = tmp_path / quarantine.IN_HAND
+    folder.mkdir()
+    (folder / "router@h").write_bytes(b"[]\0")
+    (folder / "gpu0@h").write_bytes(b'["call-1"]\0"]')
+    quarantine.tidy(folder)
+    assert sorted(p.name for p in folder.iterdir()) == ["gpu0@h"]
+    (folder / "gpu0@h").write_bytes(b"[]\0")
+    quarantine.tidy(folder)
+    assert not folder.exists()
 
 
 def _printed(fleet: RunningFleet, pattern: str) -> tuple[str, ...]:

@@ -48,6 +48,8 @@ COUNT_TTL_S = 24 * 3600
 RECORD_BYTES = 64 * 1024
 #: How often a worker reads the death counts again (other workers' deaths).
 REFRESH_S = 5.0
+#: The folder, in a fleet's home, of its workers' in-hand records (one per node name).
+IN_HAND = "inhand"
 
 QUARANTINED = (
     "this call stopped the gpufleet worker that took it, twice; it is quarantined and will "
@@ -75,11 +77,7 @@ class InHand:
             log.warning("no in-hand record at %s (%s): no call is quarantined", self.path, exc)
             self._fd = None
             return []
-        try:
-            ids = json.loads(left.split(b"\0", 1)[0].strip() or b"[]")
-        except ValueError:
-            return []
-        return [i for i in ids if isinstance(i, str)] if isinstance(ids, list) else []
+        return _ids(left)
 
     @contextlib.contextmanager
     def holding(self, task_ids: Iterable[str]) -> Iterator[None]:
@@ -98,6 +96,31 @@ class InHand:
         data = json.dumps(list(ids)).encode()[:RECORD_BYTES]
         with contextlib.suppress(OSError):  # a full disk only loses the net
             os.pwrite(self._fd, data + b"\0", 0)  # the record ends at its first NUL
+
+
+def _ids(record: bytes) -> list[str]:
+    """The task ids an in-hand record names (none for a record that cannot be read)."""
+    try:
+        ids = json.loads(record.split(b"\0", 1)[0].strip() or b"[]")
+    except ValueError:
+        return []
+    return [i for i in ids if isinstance(i, str)] if isinstance(ids, list) else []
+
+
+def tidy(folder: Path) -> None:
+    """Remove the in-hand records in `folder` that name no call, and the folder once it is
+    empty: what a fleet whose workers all stopped between calls leaves. A record that names
+    a call stays for the worker's next start under its name (see the module)."""
+    try:
+        records = list(folder.iterdir())
+    except OSError:
+        return
+    for path in records:
+        with contextlib.suppress(OSError):
+            if not _ids(path.read_bytes()):
+                path.unlink()
+    with contextlib.suppress(OSError):
+        folder.rmdir()  # only when every record went
 
 
 class Quarantine:
@@ -238,5 +261,5 @@ def _start(sender: Any = None, **_: Any) -> None:
     if settings.role not in ("router", "gpu") or sender is None:
         return
     client = redis.Redis.from_url(settings.broker_url, socket_timeout=10, socket_connect_timeout=10)
-    path = settings.fleet_dir() / "inhand" / sender.hostname
+    path = settings.fleet_dir() / IN_HAND / sender.hostname
     start(client, path, settings.crash_on_call)

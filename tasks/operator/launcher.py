@@ -57,6 +57,7 @@ from placement.errors import ConfigError, FleetStoppedError, GpufleetError
 from placement.ledger.registry import Registry
 from placement.server.acl import CALLER, OPERATOR, Users
 from placement.server.redis_server import RedisServer, die_with_parent_preexec, find_redis_server
+from tasks.broker import quarantine
 from tasks.broker.claim import BrokerClaim
 from tasks.broker.presence import take_waiting
 from tasks.config import ROUTER_QUEUES
@@ -416,6 +417,10 @@ class Launcher:
                 sock.close()
         self._metrics_socket = self._flower_socket = None
         self._remove_connection()
+        home = self.settings.fleet_dir()
+        quarantine.tidy(home / quarantine.IN_HAND)
+        with contextlib.suppress(OSError):
+            home.rmdir()  # a fleet that left nothing behind leaves no folder either
 
     def _fail_waiting(self, queues: tuple[str, ...]) -> None:
         """Answer the calls still waiting with `FleetStoppedError` before the bundled Redis,
