@@ -264,6 +264,37 @@ def test_a_share_that_may_run_anywhere_leaves_a_type_to_the_requests_pinned_to_i
         assert set(plan.gpus) <= {"t0", "t1", "t2", "t3"}
 
 
+def test_a_type_whose_empty_gpus_its_pinned_requests_need_is_never_tied_with_one_to_spare() -> None:
+    # 30 T4 and 30 A10 hosts of four GPUs, each held whole: T4s by a model pinned to T4,
+    # A10s by one that may run anywhere. Left: two empty T4s on one host, which T4's pinned
+    # requests will need (half the demand seen is theirs: 2.2 of the 4.5 GPUs free), and
+    # one empty A10 beside three half-held ones. Both shares of empty GPUs round to 0, and
+    # the T4 host has less room; a request that may run anywhere still takes the A10.
+    gpus, held = [], []
+    for name, short in (("Tesla T4", "t"), ("NVIDIA A10", "a")):
+        for h in range(30):
+            host = f"{short}{h}"
+            gpus += [gpu(f"{host}-{i}", 10**9, host=host, name=name, index=i) for i in range(4)]
+    pin = {"t": "T4", "a": None}
+    for short in ("t", "a"):
+        for h in range(30):
+            for i in range(4):
+                on = f"{short}{h}-{i}"
+                if on in ("t0-0", "t0-1", "a0-0"):
+                    continue  # empty
+                share = 500_000_000 if on in ("a0-1", "a0-2", "a0-3") else 10**9
+                held.append(
+                    hot(on, f"{short}-model", {on: share}, host=f"{short}{h}",
+                        dedicated=True, accelerator=pin[short])
+                )  # fmt: skip
+    snap = fleet(gpus, held)
+    for seed in range(10):
+        plan = plan_replica(Demand("w", gpus=1.0, dedicated=True), snap, rng=random.Random(seed))
+        assert set(plan.gpus) == {"a0-0"}
+        pinned = Demand("w", gpus=1.0, accelerator="T4", dedicated=True)
+        assert set(plan_replica(pinned, snap, rng=random.Random(seed)).gpus) <= {"t0-0", "t0-1"}
+
+
 def test_the_room_index_counts_the_demand_each_constraint_holds_as_replicas_come_and_go() -> None:
     view = LiveView(_pinned_t4(pinned=True))
     index = room_of(view.snap)

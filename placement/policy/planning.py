@@ -133,9 +133,15 @@ def type_left(index: RoomIndex, name: str, total: int, request: int) -> float:
     this type before the fleet is full. So a type that its own pinned requests will need
     whole (a fifth of the calls pinned to a seventh of the fleet) is the last that other
     requests fill, and a type pinned in proportion to its size ranks as before
-    (docs/placement.md, "Choosing a GPU")."""
+    (docs/placement.md, "Choosing a GPU"). The rounding to 1/TYPES_EVEN lets the host decide
+    between types about as free; a type whose empty GPUs are all set aside is never one of
+    them: near the end of a fill every share rounds to 0, and its last empty GPUs went to
+    requests that may run anywhere."""
     gpus = index.type_gpus[name]
     reserve = index.pinned_share(name) * index.free_room()
     if request >= total or index.slot_count(total, total):
-        return round((index.type_empty[name] - reserve) / gpus * TYPES_EVEN) / TYPES_EVEN
+        left = (index.type_empty[name] - reserve) / gpus
+        if reserve > 0 and left <= 0:
+            return left  # none to spare: below every type that has some, rounding or not
+        return round(left * TYPES_EVEN) / TYPES_EVEN
     return (index.type_room[name] - reserve) / gpus
