@@ -6,8 +6,10 @@ Celery client, as users call it.
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -81,16 +83,22 @@ def shared_redis(tmp_path: Path, redis_url: str, fleet: str) -> tuple[Path, dict
 
 
 def refused(*args: str, env: dict[str, str]) -> str:
-    """`python -m *args` from the repository, expected to refuse on its own: what it printed."""
-    done = subprocess.run(
-        [sys.executable, "-m", *args],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    """`python -m *args` from the repository, expected to refuse on its own: what it printed.
+    It runs with a home of its own, removed afterwards (a worker writes its in-hand record
+    there before it refuses)."""
+    home = tempfile.mkdtemp(prefix="gpufleet-refused-")
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", *args],
+            cwd=REPO,
+            env={"GPUFLEET_HOME": home} | env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
     assert done.returncode != 0, done.stdout
     return done.stderr + done.stdout
 
