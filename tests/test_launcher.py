@@ -158,17 +158,20 @@ def test_two_fleets_started_at_once_each_print_the_metrics_and_flower_they_serve
         assert not (home / "default").exists(), sorted((home / "default").rglob("*"))
 
 
-def test_a_stopped_fleet_keeps_only_the_in_hand_records_that_name_a_call(tmp_path: Path) -> None:
+def test_a_stopped_fleet_keeps_only_its_in_hand_records_that_name_a_call(tmp_path: Path) -> None:
     # a worker stopped between calls leaves an empty record; one killed holding a call
     # leaves its id, which its next start under that name counts as a death
     folder = tmp_path / quarantine.IN_HAND
     folder.mkdir()
     (folder / "router@h").write_bytes(b"[]\0")
     (folder / "gpu0@h").write_bytes(b'["call-1"]\0"]')
-    quarantine.tidy(folder)
-    assert sorted(p.name for p in folder.iterdir()) == ["gpu0@h"]
+    (folder / "gpu0@other").write_bytes(b"[]\0")  # another host's worker, on a shared home
+    quarantine.tidy(folder, ["router@h", "gpu0@h"])
+    assert sorted(p.name for p in folder.iterdir()) == ["gpu0@h", "gpu0@other"]
     (folder / "gpu0@h").write_bytes(b"[]\0")
-    quarantine.tidy(folder)
+    quarantine.tidy(folder, ["router@h", "gpu0@h"])
+    assert sorted(p.name for p in folder.iterdir()) == ["gpu0@other"]
+    quarantine.tidy(folder, ["gpu0@other"])
     assert not folder.exists()
 
 

@@ -107,15 +107,14 @@ def _ids(record: bytes) -> list[str]:
     return [i for i in ids if isinstance(i, str)] if isinstance(ids, list) else []
 
 
-def tidy(folder: Path) -> None:
-    """Remove the in-hand records in `folder` that name no call, and the folder once it is
-    empty: what a fleet whose workers all stopped between calls leaves. A record that names
-    a call stays for the worker's next start under its name (see the module)."""
-    try:
-        records = list(folder.iterdir())
-    except OSError:
-        return
-    for path in records:
+def tidy(folder: Path, nodes: Iterable[str]) -> None:
+    """Remove the in-hand records in `folder` of the workers named `nodes` (stopped) that
+    name no call, and the folder once it is empty: what a fleet whose workers all stopped
+    between calls leaves. A record that names a call stays for the worker's next start
+    under its name (see the module); other workers' records (another host's, on a shared
+    home) are left alone."""
+    for node in nodes:
+        path = folder / node
         with contextlib.suppress(OSError):
             if not _ids(path.read_bytes()):
                 path.unlink()

@@ -97,6 +97,11 @@ class Child:
     restart_at: float | None = None
     pass_fds: tuple[int, ...] = ()  # listening sockets it serves on (the launcher keeps them)
 
+    @property
+    def node(self) -> str | None:
+        """Its Celery node name (`-n`), or None for a process that is no Celery worker."""
+        return self.cmd[self.cmd.index("-n") + 1] if "-n" in self.cmd else None
+
     def describe_exit(self) -> str:
         code = self.proc.returncode if self.proc is not None else None
         if code is not None and code < 0:
@@ -403,6 +408,7 @@ class Launcher:
                 child.proc.wait()
             _kill_group(child.proc.pid)
         queues = tuple(q for child in self.children.values() for q in child.queues)
+        nodes = [node for child in self.children.values() if (node := child.node)]
         self.children.clear()
         if self._claim is not None:
             self._claim.close(release=not self._runs_elsewhere())
@@ -418,7 +424,7 @@ class Launcher:
         self._metrics_socket = self._flower_socket = None
         self._remove_connection()
         home = self.settings.fleet_dir()
-        quarantine.tidy(home / quarantine.IN_HAND)
+        quarantine.tidy(home / quarantine.IN_HAND, nodes)
         with contextlib.suppress(OSError):
             home.rmdir()  # a fleet that left nothing behind leaves no folder either
 

@@ -157,8 +157,8 @@ list_contexts(K(p.worker_key), new_contexts)
 local epoch = redis.call('HINCRBY', dep, 'epoch', 1)
 redis.call('HSET', dep, 'replica', p.replica, 'model', p.model, 'level', level,
   'gpus', cjson.encode(placed), 'limit', p.limit, 'fraction', p.fraction, 'size', p.size,
-  'dedicated', p.dedicated and 1 or 0, 'accelerator', p.accelerator, 'host', p.host, 'worker', p.worker, 'queue', p.queue,
-  'last_used', now, 'since', now, 'source', p.reuse)
+  'dedicated', p.dedicated and 1 or 0, 'accelerator', p.accelerator, 'host', p.host,
+  'worker', p.worker, 'queue', p.queue, 'last_used', now, 'since', now, 'source', p.reuse)
 if p.reuse == '' then  -- a record, once made, stays in both sets (nothing removes it)
   redis.call('SADD', K(p.deps_key), p.replica)
   redis.call('SADD', K(p.replicas_key), p.replica)
