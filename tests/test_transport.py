@@ -337,18 +337,45 @@ def test_a_divert_that_fails_keeps_its_message_recorded_as_unacked() -> None:
 
 
 def _moving_to(client: redis.Redis, queue: str) -> Callable[[Handover], bool | None]:
-    """A `Pick.move` that sends every message to `queue` with lease header {"x": 1}, as
-    forward.lua does, in one step."""
+    """A `Pick.move` that sends every message to `queue` with lease header {"x": 1}, and
+    says whether the consumer's lists were left empty, as forward.lua does, in one step."""
 
     def move(handover: Handover) -> bool | None:
         head, middle, tail = handover.parts
         message = head + '{"x": 1}' + middle + json.dumps(queue) + tail
         with client.pipeline() as pipe:
             pipe.lpush(queue + handover.suffix, message).lrem(handover.inflight, 1, handover.taken)
-            pipe.execute()
-        return True
+            for key in handover.watched:
+                pipe.llen(key)
+            lengths = pipe.execute()[2:]
+        return bool(lengths) and not any(lengths)
 
     return move
+
+
+def test_a_consumer_blocks_for_its_next_message_at_once_only_after_a_move_that_left_none() -> None:
+    with RedisServer() as server:
+        _publish(server.url, {"n": 1}, {"n": 2})
+        client = redis.Redis.from_url(server.url)
+        move = _moving_to(client, "elsewhere")
+        watched: list[tuple[str, ...]] = []
+
+        def moving(handover: Handover) -> bool | None:
+            watched.append(handover.watched)
+            return move(handover)
+
+        idle = []
+        with Connection(server.url, transport=Transport, transport_options=NAMED) as conn:
+            channel = conn.default_channel
+            channel.divert = lambda message: Pick(dict(message.headers), "lease", moving)
+            with conn.Consumer(WORK, callbacks=[lambda body, message: None]):
+                for _ in range(2):
+                    conn.drain_events(timeout=5)
+                    idle.append(channel._idle)
+                lists = tuple(channel._lists(["work"]))
+        assert idle == [False, True]  # the second call waited behind the first
+        assert watched == [lists, lists] and len(lists) == 4  # each priority list of the queue
+        assert client.llen("elsewhere") == 2 and client.keys("*inflight*") == []
 
 
 def test_a_picked_message_is_moved_by_its_pick_with_the_header_and_queue_it_writes() -> None:

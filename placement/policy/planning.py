@@ -132,8 +132,9 @@ def type_left(index: RoomIndex, name: str, total: int, request: int) -> float:
     room: if requests keep arriving as they have, that is what the pinned ones will ask of
     this type before the fleet is full. So a type that its own pinned requests will need
     whole (a fifth of the calls pinned to a seventh of the fleet) is the last that other
-    requests fill, and a type pinned in proportion to its size ranks as before
-    (docs/placement.md, "Choosing a GPU"). The rounding to 1/TYPES_EVEN lets the host decide
+    requests fill; where every type is pinned in proportion to its size, every type's
+    share moves by the same amount and they rank as before (docs/placement.md, "Choosing
+    a GPU"). The rounding to 1/TYPES_EVEN lets the host decide
     between types about as free; a type whose empty GPUs are all set aside is never one of
     them: near the end of a fill every share rounds to 0, and its last empty GPUs went to
     requests that may run anywhere."""

@@ -20,11 +20,14 @@ from __future__ import annotations
 from bisect import bisect_left, insort
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from placement.policy.state import Deployment, Gpu, Snapshot
 from placement.units import accelerators
 from placement.units.accelerators import Accelerator
 from placement.units.memory import MiB
+
+K = TypeVar("K")
 
 
 @dataclass
@@ -103,10 +106,11 @@ class RoomIndex:
         self._slots: dict[int, dict[int, int]] = {}  # GPU size -> slot bytes -> replicas
         self._smallest: dict[int, int] = {}  # GPU size -> its smallest slot, when known
         self._sizes: dict[int, list[int]] = {}  # GPU size -> its slots' sizes, ascending
-        # The demand observed: GPUs' worth of slots held (shares summed), and of those the
-        # part each accelerator constraint holds (`pinned_share`).
-        self.held = 0.0
-        self._pinned: dict[Accelerator, float] = {}
+        # The demand observed (`pinned_share`), in whole bytes so that it never drifts: slot
+        # bytes held on GPUs of each size, and of those the bytes of models that a GPU-type
+        # constraint (its patterns) allows.
+        self._held: dict[int, int] = {}
+        self._pinned: dict[tuple[tuple[str, ...], int], int] = {}
         for gpu in gpus:
             for d in by_gpu.get(gpu.id, ()):
                 self.hold(gpu.total, d.gpus[gpu.id], +1, d.accelerator)
@@ -163,10 +167,9 @@ class RoomIndex:
     def hold(self, total: int, slot: int, change: int, pin: Accelerator = None) -> None:
         """Count (`change` +1) or uncount (-1) one replica's `slot` bytes on a GPU of
         `total` bytes, held by a model `pin` allows (None: any GPU)."""
-        share = slot / total * change
-        self.held += share
+        _add(self._held, total, slot * change)
         if pin is not None:
-            self._pinned[pin] = self._pinned.get(pin, 0.0) + share
+            _add(self._pinned, (accelerators.alternatives(pin), total), slot * change)
         counts = self._slots.setdefault(total, {})
         _count(counts, slot, change)
         left = counts.get(slot, 0)
@@ -203,17 +206,21 @@ class RoomIndex:
         return sum(self.type_room.values())
 
     def pinned_share(self, name: str) -> float:
-        """The share of the demand observed (slots held) that only some GPU types may
-        serve, and type `name` among them: a constraint's part split evenly over the
-        fleet's types it allows."""
-        if self.held <= 0:
+        """The share of the demand observed (slots held, as GPUs' worth) that only some GPU
+        types may serve, type `name` among them: each constraint's part spread over the
+        fleet's types it allows in proportion to their GPUs. A constraint that allows every
+        type in the fleet pins nothing."""
+        held = sum(nbytes / total for total, nbytes in self._held.items())
+        if held <= 0:
             return 0.0
+        every = self.names(None)
         part = 0.0
-        for pin, held in self._pinned.items():
-            names = self.names(pin)
-            if name in names:
-                part += held / len(names)
-        return part / self.held
+        for (patterns, total), nbytes in self._pinned.items():
+            names = self.names(patterns)
+            if name in names and names != every:
+                gpus = sum(self.type_gpus.get(n, 0) for n in names)
+                part += nbytes / total * self.type_gpus[name] / gpus
+        return part / held
 
     def names(self, accelerator: Accelerator) -> frozenset[str]:
         """The GPU names in the fleet that `accelerator` allows."""
@@ -244,6 +251,15 @@ def gap_of(free: int) -> int:
     """The gap `free` bytes leave, in whole MiB: room that differs by less (shares of a GPU
     rounded to whole bytes) is the same gap."""
     return (free + MiB // 2) // MiB
+
+
+def _add(totals: dict[K, int], key: K, change: int) -> None:
+    """Add `change` to `totals[key]`, dropping the key at 0."""
+    left = totals.get(key, 0) + change
+    if left:
+        totals[key] = left
+    else:
+        del totals[key]
 
 
 def _count(counts: dict[int, int], key: int, change: int) -> None:

@@ -18,7 +18,8 @@
 --   name (a JSON string: the message's routing key) between the last two
 -- ARGV[8..] = replica ids, then the worker id each had, then the queue each had, in order
 -- Returns {1, replica, queue, worker, gpus_json, lease_deadline_ms, epoch, drained}: moved;
---         drained is 1 when every list of KEYS[4n+4..] is empty after the move, else 0
+--         drained is 1 when KEYS[4n+4..] name lists and every one is empty after the
+--         move, else 0
 --       | {0}                no replica is ready: nothing changed, the call takes the pool's path
 --       | {-1, replica ids}  the caller's replica list is stale: here is the current one
 --       | {-2}               the message is no longer in flight (a sweep gave it back)
@@ -37,7 +38,7 @@ local lease = string.format('{"id": %s, "replica": %s, "deadline_ms": %d, "epoch
 redis.call('LPUSH', KEYS[3 * n + 3 + c.i], ARGV[5] .. lease .. ARGV[6] .. cjson.encode(c.row[3]) .. ARGV[7])
 redis.call('LREM', KEYS[3 * n + 3], 1, ARGV[4])
 lease_replica(reps[c.i], ARGV[1], c.deadline, ttl, ARGV[3], KEYS[3 * n + 2], c.now)
-local drained = 1
+local drained = #KEYS > 4 * n + 3 and 1 or 0  -- no lists given: not known, so not drained
 for i = 4 * n + 4, #KEYS do
   if redis.call('LLEN', KEYS[i]) > 0 then drained = 0 break end
 end
