@@ -137,10 +137,10 @@ class RoomIndex:
         kind = (gpu.name, gpu.total)
         levels, gaps = self.levels.setdefault(kind, {}), self.gaps.setdefault(kind, {})
         if old is not None:
-            _count(levels, old.free, -1)
-            _count(gaps, gap_of(old.free), -1)
-        _count(levels, gpu.free, +1)
-        _count(gaps, gap_of(gpu.free), +1)
+            _add(levels, old.free, -1)
+            _add(gaps, gap_of(old.free), -1)
+        _add(levels, gpu.free, +1)
+        _add(gaps, gap_of(gpu.free), +1)
         group.put(gpu, gpu.free + evictable)
         self._reshape(gpu.host)
 
@@ -171,7 +171,7 @@ class RoomIndex:
         if pin is not None:
             _add(self._pinned, (accelerators.alternatives(pin), total), slot * change)
         counts = self._slots.setdefault(total, {})
-        _count(counts, slot, change)
+        _add(counts, slot, change)
         left = counts.get(slot, 0)
         if not left or (change > 0 and left == 1):
             self._sizes.pop(total, None)  # a size came or went: sorted again on the next ask
@@ -262,12 +262,6 @@ def _add(totals: dict[K, int], key: K, change: int) -> None:
         del totals[key]
 
 
-def _count(counts: dict[int, int], key: int, change: int) -> None:
-    left = counts.get(key, 0) + change
-    if left:
-        counts[key] = left
-    else:
-        del counts[key]
 
 
 def _evictable(gpu: Gpu, replicas: Iterable[Deployment]) -> int:
