@@ -262,8 +262,6 @@ def _add(totals: dict[K, int], key: K, change: int) -> None:
         del totals[key]
 
 
-
-
 def _evictable(gpu: Gpu, replicas: Iterable[Deployment]) -> int:
     return sum(d.gpus[gpu.id] for d in replicas if d.evictable)
 
