@@ -163,7 +163,7 @@ class QoS(kombu_redis.QoS):
                 taken,
                 (head, middle, tail),
                 channel._q_for_pri("", priority),
-                tuple(channel._lists(channel._queue_cycle.consume(len(channel.active_queues)))),
+                tuple(channel._taken_from()),
             )
         except Exception:
             log.exception("could not prepare message %s to move on; keeping it", delivery_tag)
@@ -188,7 +188,7 @@ class QoS(kombu_redis.QoS):
         still in flight (it stays), False once it is not (moved in one step, or given back
         by a sweep: not ours either way); a connection error when Redis cannot say."""
         try:
-            still = self.channel._create_client().lpos(inflight, taken) is not None
+            still = self._in_flight(inflight, taken)
         except Exception as lost:
             raise RedisConnectionError(
                 f"could not tell whether message {delivery_tag} moved on ({exc}): {lost}"
@@ -248,9 +248,13 @@ class QoS(kombu_redis.QoS):
         """Whether a move whose reply was lost did not happen; False when Redis cannot say
         (the lease then lapses at its deadline rather than leave a moved call unpinned)."""
         try:
-            return self.channel._create_client().lpos(inflight, taken) is not None
+            return self._in_flight(inflight, taken)
         except Exception:
             return False
+
+    def _in_flight(self, inflight: str, taken: bytes) -> bool:
+        """Whether message `taken` is still in list `inflight` (raises when Redis cannot say)."""
+        return self.channel._create_client().lpos(inflight, taken) is not None
 
     def _remove_from_indices(self, delivery_tag: str, pipe: Any = None) -> Any:
         with self.pipe_or_acquire(pipe) as batch:
@@ -453,14 +457,17 @@ class Channel(kombu_redis.Channel):
         """The lists BRPOP would take from for `queues`, in its order."""
         return [self._q_for_pri(q, pri) for pri in self.priority_steps for q in queues]  # type: ignore[no-untyped-call]
 
+    def _taken_from(self) -> list[str]:
+        """The lists this channel's next take reads, in order (none: it consumes nothing)."""
+        return self._lists(self._queue_cycle.consume(len(self.active_queues)))
+
     def _brpop_start(self, timeout: float | None = None) -> None:
         if not self._takes_in_flight:
             super()._brpop_start(timeout)  # type: ignore[no-untyped-call]
             return
-        queues = self._queue_cycle.consume(len(self.active_queues))
-        if not queues:
+        keys = self._taken_from()
+        if not keys:
             return
-        keys = self._lists(queues)
         connection = self.client.connection
         if self._idle:
             wait = IDLE_POLL_S if len(keys) > 1 else (timeout or self.brpop_timeout or 0)
