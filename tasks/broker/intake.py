@@ -170,13 +170,18 @@ def parse(item: bytes | str) -> Any:
     router's hot path) where both read it alike (`_by_orjson`)."""
     raw = item.encode() if isinstance(item, str) else item
     read, value = _by_orjson(raw)
+    _last.read = (raw, read)  # one assignment: another thread never sees half of it
     return value if read else loads(item)  # type: ignore[no-untyped-call]
 
 
 def dump(payload: Any, taken: bytes) -> str:
     """`payload`, read by `parse` from message `taken`, as JSON again, as kombu writes it:
-    by orjson exactly where `parse` read `taken` with it (so every value is JSON's own)."""
-    if _by_orjson(taken)[0]:
+    by orjson exactly where `parse` read `taken` with it (so every value is JSON's own).
+    The consumer dumps the message it parsed last, whose verdict `parse` kept: it is not
+    read a second time on the router's hot path."""
+    last = _last.read
+    by_orjson = last[1] if last is not None and last[0] is taken else _by_orjson(taken)[0]
+    if by_orjson:
         try:
             return orjson.dumps(payload).decode()
         except TypeError:  # not JSON's own after all: kombu's writer says what it is
@@ -192,6 +197,15 @@ def dump(payload: Any, taken: bytes) -> str:
 #: a float make orjson refuse the text.
 _KOMBU_ONLY = (b'"__type__"', b"NaN", b"Infinity")
 _KOMBU_ONLY_RE = re.compile(rb"[0-9]{19}|\\u00[2-7][0-9a-fA-F]")
+
+
+class _LastRead:
+    """The message `parse` read last, and whether orjson read it (`dump` asks)."""
+
+    read: tuple[bytes, bool] | None = None
+
+
+_last = _LastRead()
 
 
 def _by_orjson(raw: bytes) -> tuple[bool, Any]:
