@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import itertools
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ import torch
 from placement.catalog.catalog import ModelSpec
 from placement.errors import ConfigError, PlacementError, UnsupportedCheckpointError
 from worker import handlers
-from worker.arena import PinnedArena, Region, layout
+from worker.arena import PinnedArena, Region, align, layout
 from worker.checkpoint import Checkpoint
 from worker.synthetic import build_synthetic
 
@@ -271,22 +272,25 @@ def place(model: Any, plan: Mapping[int, int], simulated: bool) -> Any:
         return model  # a simulated GPU keeps its models in CPU memory, where this one is
     if len(plan) == 1:
         model = model.to(torch.device("cuda", min(plan)), non_blocking=True)
+        verify(model, targets(plan, simulated), type(model).__name__)  # while the copies run
         torch.cuda.synchronize(min(plan))  # that device's copies, not the current device's
-    else:
-        from accelerate import dispatch_model, infer_auto_device_map
+        return model
+    from accelerate import dispatch_model, infer_auto_device_map
 
-        device_map = infer_auto_device_map(
-            model,
-            max_memory=max_memory(plan),
-            no_split_module_classes=list(getattr(model, "_no_split_modules", None) or []),
-        )
-        model = dispatch_model(model, device_map=device_map)
+    device_map = infer_auto_device_map(
+        model,
+        max_memory=max_memory(plan),
+        no_split_module_classes=list(getattr(model, "_no_split_modules", None) or []),
+    )
+    model = dispatch_model(model, device_map=device_map)
     verify(model, targets(plan, simulated), type(model).__name__)
     return model
 
 
-def to_cpu(model: Any, pin: bool, arena: PinnedArena | None = None) -> tuple[Any, Region | None]:
-    """Take a model off its GPUs: drop accelerate's hooks, move to CPU, pin for fast restores.
+def to_cpu(
+    model: Any, pin: bool, arena: PinnedArena | None = None, size: int = 0
+) -> tuple[Any, Region | None]:
+    """Take a model off its GPUs: move to CPU, pin for fast restores, drop accelerate's hooks.
     Returns the model and the arena region its copy took (None: it took none).
 
     Pinned, each tensor is copied from the device straight into pinned memory: going through
@@ -294,31 +298,44 @@ def to_cpu(model: Any, pin: bool, arena: PinnedArena | None = None) -> tuple[Any
     and the device-to-pageable copy is the slow one. With an `arena`, the copy takes one
     region of memory pinned beforehand, each tensor a page-aligned slice of it
     (`worker.arena`); without one, or when the arena has no room, each tensor gets a block
-    pinned for it, which costs more than the copy."""
-    from accelerate.hooks import remove_hook_from_module
+    pinned for it, which costs more than the copy.
 
-    remove_hook_from_module(model, recurse=True)
+    The first copy starts before any other walk over the model: `size` is the region the
+    copy needs (`pinned_bytes(model, arena=True)`, which the caller measured when the model
+    arrived; 0: measured here), and the hooks leave while the copies run. On an H200 the two
+    walks cost 9 ms before the first byte moved, a fifth of a 2 GiB offload."""
     if not pin:
+        _remove_hooks(model)
         return model.to("cpu"), None
-    tensors = [*model.parameters(), *model.buffers()]
-    # plain tensors only: a subclass (a quantized weight) keeps state `.data` drops
-    moving = [t for t in tensors if t.data.device.type == "cuda" and type(t.data) is torch.Tensor]
-    offsets, total = layout([t.data for t in moving])
-    region = arena.reserve(total) if arena is not None and moving else None
-    if arena is not None and moving and region is None:
-        log.warning("no room in the pinned arena for a %d-byte copy: pinning it apart", total)
+    region = None
+    if arena is not None:
+        size = size or pinned_bytes(model, arena=True)
+        region = arena.reserve(size)
+        if region is None:
+            log.warning("no room in the pinned arena for a %d-byte copy: pinning it apart", size)
+    offset = 0  # where the next tensor goes in the region
+    rest: list[torch.Tensor] = []  # tensors not copied from a device here
     sources: set[torch.device] = set()
     try:
-        for index, tensor in enumerate(moving):
+        for tensor in itertools.chain(model.parameters(), model.buffers()):
             data = tensor.data
-            if region is not None and arena is not None:
-                host = arena.view(region, offsets[index], data.dtype, data.shape)
-            else:
+            # plain tensors only: a subclass (a quantized weight) keeps state `.data` drops
+            if data.device.type != "cuda" or type(data) is not torch.Tensor:
+                rest.append(tensor)
+                continue
+            nbytes = data.numel() * data.element_size()
+            if region is not None and arena is not None and offset + nbytes <= region.size:
+                host = arena.view(region, offset, data.dtype, data.shape)
+                offset += align(nbytes)
+            else:  # no arena, or a model grown past the size measured when it arrived
                 host = torch.empty(data.shape, dtype=data.dtype, pin_memory=True)
             host.copy_(data, non_blocking=True)
             sources.add(data.device)
             tensor.data = host
-        for tensor in tensors:
+        # Our placements give the CPU no bytes, so a hook moves activations, never weights:
+        # it can leave while the copies run.
+        _remove_hooks(model)
+        for tensor in rest:
             if tensor.data.device.type != "cpu" or not tensor.data.is_pinned():
                 tensor.data = tensor.data.to("cpu").pin_memory()
     except BaseException:
@@ -330,7 +347,16 @@ def to_cpu(model: Any, pin: bool, arena: PinnedArena | None = None) -> tuple[Any
     finally:
         for device in sources:  # the copies are queued: the copy is whole once they ran
             torch.cuda.synchronize(device)
+    if region is not None and arena is not None and offset == 0:  # nothing went into it
+        arena.release(region)
+        region = None
     return model, region
+
+
+def _remove_hooks(model: Any) -> None:
+    from accelerate.hooks import remove_hook_from_module
+
+    remove_hook_from_module(model, recurse=True)
 
 
 def empty_host_cache() -> None:
@@ -358,11 +384,9 @@ def targets(plan: Mapping[int, int], simulated: bool) -> set[torch.device]:
 
 def verify(model: Any, allowed: set[torch.device], name: str) -> None:
     """Raise if any parameter or buffer sits outside `allowed` (NDIF's placement check)."""
-    stray = {
-        str(t.device)
-        for t in (*model.parameters(), *model.buffers())
-        if _normal(t.device) not in {_normal(d) for d in allowed}
-    }
+    devices = {t.device for t in itertools.chain(model.parameters(), model.buffers())}
+    wanted = {_normal(d) for d in allowed}
+    stray = {str(d) for d in devices if _normal(d) not in wanted}
     if stray:
         raise PlacementError(
             f"{name}: weights landed on {sorted(stray)}, outside the planned "

@@ -247,7 +247,7 @@ class ResidencyManager:
             start = time.perf_counter()
             if not simulated:  # a simulated GPU's copy is in CPU memory already
                 resident.model, resident.region = loading.to_cpu(
-                    resident.model, pin=self._pin, arena=self.arena
+                    resident.model, pin=self._pin, arena=self.arena, size=resident.host_bytes
                 )
             seconds = time.perf_counter() - start
             with self._lock:
