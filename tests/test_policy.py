@@ -378,6 +378,27 @@ def test_only_idle_non_dedicated_replicas_are_evicted() -> None:
     assert [e.replica for e in plan.evictions] == ["idle"]
 
 
+def test_a_second_replica_never_makes_room_by_evicting_the_first() -> None:
+    """Evicting a sibling would leave the model with as many replicas as before: a deploy of
+    two replicas once evicted the first to place the second, and said one was missing."""
+    snap = fleet(
+        [gpu("g0", 8 * GiB), gpu("g1", 8 * GiB, index=1)],
+        [
+            hot("first", "m", {"g0": 6 * GiB}, used=1),  # the least recently used of all
+            hot("other", "o", {"g1": 4 * GiB}, used=5),
+        ],
+    )
+    plan = plan_replica(Demand("m", size=2 * GiB, replicas=2), snap)  # 6 GiB each
+    assert plan.gpus == {"g1": 6 * GiB}
+    assert [e.replica for e in plan.evictions] == ["other"]
+
+
+def test_a_model_whose_only_room_is_its_own_replica_gets_no_second_one() -> None:
+    snap = fleet([gpu("g", 8 * GiB)], [hot("first", "m", {"g": 6 * GiB})])
+    with pytest.raises(CantAccommodateError, match="m's own, which a further replica never"):
+        plan_replica(Demand("m", size=2 * GiB, replicas=2), snap)
+
+
 def test_lru_evicts_the_least_recently_used_idle_replica_first() -> None:
     snap = fleet(
         [gpu("g", 8 * GiB)],

@@ -151,7 +151,8 @@ def _victims(
     deficit = gpu.reserved + limit - gpu.total
     if deficit <= 0:
         return ()
-    keep = view.demand.protect
+    # A replica of the model itself is no victim: evicting it would leave as many as before.
+    keep = view.demand.protect | {view.demand.model}
     pool = [d for d in view.by_gpu.get(gpu.id, []) if d.evictable and d.model not in keep]
     if order is VictimOrder.LRU:
         pool.sort(key=lambda d: (d.last_used_ms, d.replica))
@@ -496,8 +497,8 @@ def _why_not(
             f"{demand.model} needs {format_size(min(limit for _, limit in slots))} on one "
             f"GPU{what}; the most any has free now is {most_free}, and {most_reach} after "
             f"evicting idle replicas: the rest is held by replicas that may not be evicted "
-            f"(dedicated, busy, loading or draining). Retry when calls finish, evict a model, "
-            f"or add GPUs."
+            f"(dedicated, busy, loading or draining, or {demand.model}'s own, which a further "
+            f"replica never evicts). Retry when calls finish, evict a model, or add GPUs."
         )
     per_host: dict[str, list[Gpu]] = defaultdict(list)
     for g in groups:
