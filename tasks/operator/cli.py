@@ -13,6 +13,7 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from placement.catalog.catalog import Catalog
@@ -285,7 +286,7 @@ def infer(  # noqa: PLR0917 - typer's options are keyword arguments to the user
 
         def printed() -> None:
             for piece in generate.stream(model, inputs, timeout=timeout, **options):
-                typer.echo(piece, nl=False)
+                typer.echo(printable(piece), nl=False)
             typer.echo()
 
         _guard(printed)
@@ -295,6 +296,17 @@ def infer(  # noqa: PLR0917 - typer's options are keyword arguments to the user
         typer.echo(json.dumps(result, indent=2))
         return
     console.print(_summary(result))
+
+
+#: C0 and C1 control characters but newline and tab, each shown as its escape.
+_CONTROLS = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0)) if chr(c) not in "\n\t"}
+
+
+def printable(text: str) -> str:
+    """A model's text as a terminal should show it: its control characters escaped, so that
+    no output (an ANSI escape sequence, a carriage return) can move the cursor, recolour or
+    retitle the caller's terminal. `--json` and the Python client keep the text as it is."""
+    return text.translate(_CONTROLS)
 
 
 def _params(pairs: list[str]) -> dict[str, Any]:
@@ -359,7 +371,8 @@ def _summary(result: dict[str, Any]) -> str:
         shown = json.dumps(outputs)[:200]
     t = result["timings_ms"]
     return (
-        f"[bold]{result['model']}[/] on {', '.join(result['gpus'])} ({result['cache']}): {shown}\n"
+        f"[bold]{escape(result['model'])}[/] on {escape(', '.join(result['gpus']))} "
+        f"({result['cache']}): {escape(printable(shown))}\n"
         f"queue {t['queue']:.0f} ms, load {t['load']:.0f} ms, compute {t['compute']:.1f} ms"
     )
 
