@@ -272,8 +272,10 @@ def place(model: Any, plan: Mapping[int, int], simulated: bool) -> Any:
         return model  # a simulated GPU keeps its models in CPU memory, where this one is
     if len(plan) == 1:
         model = model.to(torch.device("cuda", min(plan)), non_blocking=True)
-        verify(model, targets(plan, simulated), type(model).__name__)  # while the copies run
-        torch.cuda.synchronize(min(plan))  # that device's copies, not the current device's
+        try:
+            verify(model, targets(plan, simulated), type(model).__name__)  # as the copies run
+        finally:  # no copy may still read the warm copy once this returns or raises
+            torch.cuda.synchronize(min(plan))  # that device's copies, not the current one's
         return model
     from accelerate import dispatch_model, infer_auto_device_map
 
