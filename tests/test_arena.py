@@ -50,6 +50,22 @@ def test_a_copy_larger_than_a_chunk_gets_a_power_of_two_chunk_whose_rest_serves_
     assert rest is not None and rest.chunk == big.chunk and arena.pinned == 16 * MiB
 
 
+def test_a_trimmed_region_keeps_what_its_copy_used_and_the_rest_serves_others() -> None:
+    arena = _arena(16 * MiB)
+    bound = arena.reserve(3 * MiB)  # reserved for the most a copy may need
+    assert bound is not None
+    used = arena.trim(bound, MiB + 1)  # what the copy took
+    assert used == Region(bound.chunk, bound.offset, align(MiB + 1))
+    assert arena.free == 4 * MiB - used.size
+    other = arena.reserve(2 * MiB)  # in the trimmed tail: no chunk added
+    assert other is not None and other.offset == used.offset + used.size
+    assert arena.pinned == 4 * MiB
+    assert arena.trim(used, 2 * MiB) == used  # nothing to give back
+    arena.release(used)
+    arena.release(other)
+    assert arena.free == 4 * MiB
+
+
 def test_a_chunk_that_would_pin_past_the_capacity_is_not_pinned() -> None:
     arena = _arena(12 * MiB, chunk=4 * MiB)
     assert arena.reserve(10 * MiB) is None  # its chunk would be 16 MiB

@@ -127,6 +127,15 @@ class PinnedArena:
                 position -= 1
             extents.insert(position, (start, size))
 
+    def trim(self, region: Region, nbytes: int) -> Region:
+        """Keep the first `nbytes` of `region` (rounded up to a page) and give the rest back:
+        a copy reserves what it may need and keeps what it used."""
+        keep = align(max(nbytes, 1))
+        if keep >= region.size:
+            return region
+        self.release(Region(region.chunk, region.offset + keep, region.size - keep))
+        return Region(region.chunk, region.offset, keep)
+
     def view(
         self, region: Region, offset: int, dtype: torch.dtype, shape: torch.Size
     ) -> torch.Tensor:
