@@ -493,12 +493,17 @@ def _why_not(
     reach = max([free] + [g.max_reach for g in groups if g.idle])
     most_free, most_reach = format_size(free), format_size(reach)
     if slots:
+        own = (
+            f", or {demand.model}'s own, which a further replica never evicts"
+            if any(d.level is Level.HOT for d in view.mine)
+            else ""
+        )
         return CantAccommodateError(
             f"{demand.model} needs {format_size(min(limit for _, limit in slots))} on one "
             f"GPU{what}; the most any has free now is {most_free}, and {most_reach} after "
             f"evicting idle replicas: the rest is held by replicas that may not be evicted "
-            f"(dedicated, busy, loading or draining, or {demand.model}'s own, which a further "
-            f"replica never evicts). Retry when calls finish, evict a model, or add GPUs."
+            f"(dedicated, busy, loading or draining{own}). Retry when calls finish, evict a "
+            f"model, or add GPUs."
         )
     per_host: dict[str, list[Gpu]] = defaultdict(list)
     for g in groups:
