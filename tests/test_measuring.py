@@ -95,6 +95,67 @@ def test_each_load_move_and_pass_runs_in_one_span_and_a_warm_up_in_its_loads() -
         manager.drop_all()
 
 
+class _LookingFeed:
+    """A generation feed with no calls that, from inside the generation, begins a span as
+    a load beside it would."""
+
+    def __init__(self, spans: Spans) -> None:
+        self.spans = spans
+        self.seen: list[bool] = []  # whether each such span began alone
+
+    def take(self, wait: float) -> list[Any]:
+        with self.spans.span() as beside:
+            self.seen.append(beside.alone)
+        return []
+
+    def cancelled(self) -> list[str]:
+        return []
+
+    def finished(self, call: Any, outcome: Any) -> None:
+        raise AssertionError("no call was fed")
+
+    def more(self) -> bool:
+        return False
+
+    def holding(self, tokens: int) -> None:
+        pass
+
+
+def test_a_generation_runs_in_one_span_so_a_load_beside_it_keeps_no_figure() -> None:
+    devices = simulated_devices("1x8GiB")
+    manager = ResidencyManager(devices, HOST)
+    spec = Catalog.from_mapping(
+        {"models": {"g": {"source": "synthetic", "task": "text-generation", "memory": "256MiB",
+                          "config": {"model_type": "gpt2", "n_layer": 1, "n_head": 2,
+                                     "n_embd": 32, "vocab_size": 300, "n_positions": 64}}}}
+    ).get("g")  # fmt: skip
+    try:
+        manager.load(spec, "r", {devices[0].gpu_id(HOST): GiB})
+        feed = _LookingFeed(manager._spans)
+        manager.generate("r", feed)
+        assert feed.seen == [False]  # the generation's own span was running
+        with manager._spans.span() as after:
+            assert after.alone  # and it ended with the generation
+    finally:
+        manager.drop_all()
+
+
+def test_a_calls_thread_reads_the_caps_under_the_keepers_lock() -> None:
+    manager = ResidencyManager(simulated_devices("1x8GiB"), HOST)
+    read = threading.Event()
+
+    def call() -> None:
+        manager._reserved(0)  # what a batch's room is computed from
+        read.set()
+
+    with manager._lock:  # the keeper, adding or removing a replica
+        reader = threading.Thread(target=call)
+        reader.start()
+        assert not read.wait(0.2)  # the call waits: no dict changes size under its walk
+    assert read.wait(5)
+    reader.join(5)
+
+
 class _Device:
     """torch.cuda's memory statistics of one device, as a pass changes them."""
 

@@ -410,7 +410,9 @@ class ResidencyManager:
         generations end (drain before evict). Raises `EvictedError` as `run` does.
         """
         resident = self._hot(replica)
-        with resident.lock:
+        # One span for the whole generation: its KV cache and activations come and go
+        # while it runs, so no load or pass beside it may keep a figure (`measuring`).
+        with resident.lock, self._spans.span():
             plan, simulated = self._serving(resident, epoch)
             if self.threads and torch.get_num_threads() != self.threads:
                 torch.set_num_threads(self.threads)
@@ -682,8 +684,10 @@ class ResidencyManager:
         return {_local(self.devices[g]): int(b) for g, b in slots.items()}, kinds.pop()
 
     def _all_caps(self) -> list[dict[str, int]]:
-        """The caps of every replica held, loading or restoring here."""
-        return [r.caps for r in self.residents.values()] + list(self._arriving.values())
+        """The caps of every replica held, loading or restoring here. Read under the lock:
+        a call's thread asks (`_free_for_calls`) while the keeper adds and removes them."""
+        with self._lock:
+            return [r.caps for r in self.residents.values()] + list(self._arriving.values())
 
     def _arrived(self, replica: str) -> None:
         """A load or restore ended (done or failed): its caps are a resident's, or none."""
