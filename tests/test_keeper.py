@@ -133,6 +133,24 @@ def test_an_eviction_is_settled_while_a_call_runs_on_another_model(node: GpuWork
     assert call_still_running, f"the offload waited for the calls ({settled_in:.2f} s)"
 
 
+def test_an_offload_that_fails_drops_the_replica_and_its_bytes_and_the_worker_serves_on(
+    node: GpuWorker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a = hot(node, "a")
+
+    def fails(replica: str) -> None:  # pinning the host copy failed, say
+        raise RuntimeError("cudaHostAlloc failed")
+
+    monkeypatch.setattr(node.manager, "offload", fails)
+    assert node.registry.evict(a) is Level.OFFLOADING
+    assert node.registry.wait_settled(a, 10) is Level.COLD  # no copy is kept: none was made
+    assert a not in node.manager.residents
+    snap = node.registry.snapshot()
+    assert (snap.gpus["h0:sim0"].reserved, snap.hosts["h0"].warm_used) == (0, 0)
+    assert audit(snap) == []
+    assert node.serve(hot(node, "b"), 0, "x", None).outputs["shape"]  # it keeps serving
+
+
 def test_a_copy_the_ledger_no_longer_gives_the_worker_is_dropped(node: GpuWorker) -> None:
     a = hot(node, "a")
     record = node.registry.deployment(a)

@@ -309,8 +309,8 @@ class Keeper:
             resident = self.manager.residents.get(replica)
             if resident is None:
                 self._settle(dep, "lost")
-            elif not resident.warm:
-                self.manager.offload(replica)  # the ledger has it in CPU memory: make it so
+            elif not resident.warm and not self._offloaded(replica):
+                self._settle(dep, "lost")  # the ledger had it in CPU memory; it is nowhere
             self._resolve(replica, error=self._gone(replica, dep))
 
     def _load(self, dep: Deployment, depth: int) -> None:
@@ -354,19 +354,20 @@ class Keeper:
 
     def _offload(self, dep: Deployment) -> None:
         resident = self.manager.residents.get(dep.replica)
-        outcome = "dropped"
-        if resident is not None and resident.warm:
-            outcome = "offloaded"
-        elif resident is not None:
-            try:
-                self.manager.offload(dep.replica)
-                outcome = "offloaded"
-            except Exception as exc:
-                if is_fatal_cuda_error(exc):
-                    exit_for_restart(exc)
-                log.warning("could not offload %s, dropping it: %s", dep.replica, exc)
-                self.manager.abandon(dep.replica, exc)
-        self._settle(dep, outcome)
+        kept = resident is not None and (resident.warm or self._offloaded(dep.replica))
+        self._settle(dep, "offloaded" if kept else "dropped")
+
+    def _offloaded(self, replica: str) -> bool:
+        """Offload a HOT replica here; when that fails, drop it (its half-made copy too)."""
+        try:
+            self.manager.offload(replica)
+        except Exception as exc:
+            if is_fatal_cuda_error(exc):
+                exit_for_restart(exc)
+            log.warning("could not offload %s, dropping it: %s", replica, exc)
+            self.manager.abandon(replica, exc)
+            return False
+        return True
 
     def _lost_copy(self, dep: Deployment) -> None:
         """The ledger keeps `dep` on this worker, which does not hold it so: release it."""

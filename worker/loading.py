@@ -293,7 +293,8 @@ def to_cpu(
     model: Any, pin: bool, arena: PinnedArena | None = None, size: int = 0
 ) -> tuple[Any, Region | None]:
     """Take a model off its GPUs: move to CPU, pin for fast restores, drop accelerate's hooks.
-    Returns the model and the arena region its copy took (None: it took none).
+    Returns the model and the arena region its copy took (None: it took none). When it
+    raises after taking a region, the model's weights are released with it: drop the model.
 
     Pinned, each tensor is copied from the device straight into pinned memory: going through
     pageable memory first (`model.to("cpu")`, then `pin_memory()`) copies every byte twice,
@@ -352,6 +353,7 @@ def to_cpu(
         if region is not None and arena is not None:
             for device in sources:  # no copy may still write into the region once it is free
                 torch.cuda.synchronize(device)
+            release(model)  # nor may a tensor still point into it: the half-made copy goes
             arena.release(region)
         raise
     finally:
