@@ -377,3 +377,23 @@ def test_a_model_loaded_again_another_way_is_warmed_up_again(
     again = manager.load(replace(spec, loader="transformers"), "r2", {gpu(devices, 1): GiB})
     assert again.via == "transformers"
     assert passes == ["r2"]
+
+
+def test_a_model_restored_over_several_gpus_is_spread_as_its_load_spread_it() -> None:
+    from accelerate import infer_auto_device_map
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers.integrations.accelerate import _get_device_map
+
+    config = GPT2Config(n_layer=8, n_embd=256, n_head=4, vocab_size=2000, n_positions=128)
+    model = GPT2LMHeadModel(config)
+    nbytes = loading.tensor_bytes(model)
+    limits: dict[int | str, int] = {0: int(nbytes * 0.8), 1: int(nbytes * 0.8), "cpu": 0}
+    spread = loading.device_map(model, limits)
+    # what from_pretrained(device_map="auto") does at load, not the first GPU filled first
+    assert spread == _get_device_map(model, "auto", dict(limits), None)
+    greedy = infer_auto_device_map(model, max_memory=dict(limits))
+    assert spread != greedy and set(spread.values()) == {0, 1}
+    # a load's own map is kept, on the GPUs of the new plan in the same order
+    model.hf_device_map = spread
+    elsewhere = loading.device_map(model, {2: limits[0], 3: limits[1], "cpu": 0})
+    assert elsewhere == {name: {0: 2, 1: 3}[gpu] for name, gpu in spread.items()}

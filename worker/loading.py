@@ -277,16 +277,37 @@ def place(model: Any, plan: Mapping[int, int], simulated: bool) -> Any:
         finally:  # no copy may still read the warm copy once this returns or raises
             torch.cuda.synchronize(min(plan))  # that device's copies, not the current one's
         return model
-    from accelerate import dispatch_model, infer_auto_device_map
+    from accelerate import dispatch_model
 
-    device_map = infer_auto_device_map(
-        model,
-        max_memory=max_memory(plan),
-        no_split_module_classes=list(getattr(model, "_no_split_modules", None) or []),
-    )
-    model = dispatch_model(model, device_map=device_map)
+    model = dispatch_model(model, device_map=device_map(model, max_memory(plan)))
     verify(model, targets(plan, simulated), type(model).__name__)
     return model
+
+
+def device_map(model: Any, limits: Mapping[int | str, int]) -> dict[str, int]:
+    """Where each module of a model restored over several GPUs goes (`limits`: accelerate's
+    `max_memory`, bytes per GPU index): where its load put it, the load's GPUs replaced in
+    order by the plan's, or else spread as the load spreads a model.
+
+    The load is `from_pretrained(device_map="auto")`, which balances the weights over the
+    GPUs (transformers' `get_balanced_memory`). `infer_auto_device_map` on the plain limits
+    fills the first GPU up to its whole slot instead (for a 186 MB GPT-2 over two 149 MB
+    slots, 132 MB and 54 MB against the load's 82 and 105), leaving that GPU no room for the
+    activations its cap was sized for."""
+    from transformers.integrations.accelerate import get_balanced_memory, infer_auto_device_map
+
+    gpus = sorted(i for i, nbytes in limits.items() if isinstance(i, int) and nbytes > 0)
+    loaded = getattr(model, "hf_device_map", None) or {}
+    used = sorted({d for d in loaded.values() if isinstance(d, int)})
+    if loaded and len(used) == len(gpus) and all(isinstance(d, int) for d in loaded.values()):
+        moved = dict(zip(used, gpus, strict=True))
+        return {name: moved[d] for name, d in loaded.items()}
+    no_split = set(getattr(model, "_no_split_modules", None) or [])
+    balanced = get_balanced_memory(model, max_memory=dict(limits), no_split_module_classes=no_split)
+    found: dict[str, int] = infer_auto_device_map(
+        model, max_memory=balanced, no_split_module_classes=no_split
+    )
+    return found
 
 
 def to_cpu(
