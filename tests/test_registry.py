@@ -132,6 +132,20 @@ def test_a_placed_replica_loads_then_serves_after_confirmation(two_gpus: Registr
     assert reg.snapshot().deployments[plan.replica].leases == 0
 
 
+def test_a_half_written_record_is_named_by_the_audit_and_read_as_no_record(
+    two_gpus: Registry,
+) -> None:
+    reg = two_gpus
+    replica = place_hot(reg, Demand("m", size=GiB))
+    assert audit(reg.snapshot()) == []
+    reg.client.hdel(reg.keys.deployment(replica), "model", "level")  # writes Redis lost
+    snap = reg.snapshot()
+    assert replica not in snap.deployments
+    assert snap.partial == {replica: ("model", "level")}
+    problems = audit(snap)
+    assert f"replica {replica}'s record lacks model, level (half written" in problems[0]
+
+
 def test_two_plans_from_one_snapshot_cannot_double_book_a_gpu(reg: Registry) -> None:
     reg.register_worker("w0", "h0", "q0", [sim_gpu("g", 8 * GiB)])
     snap = reg.snapshot()

@@ -60,9 +60,14 @@ def ledger_problems(snap: Snapshot, pending_bound_ms: int = PENDING_BOUND_MS) ->
       OFFLOADING replicas; its warm index lists exactly its WARM replicas;
     - WARM and COLD replicas hold no GPU bytes; the others hold some;
     - each model's stored `active` counter equals its RESERVING replicas;
-    - no move waits for a worker longer than `pending_bound_ms`.
+    - no move waits for a worker longer than `pending_bound_ms`;
+    - no record the ledger lists is half written (`Snapshot.partial`).
     """
-    problems: list[str] = []
+    problems: list[str] = [
+        f"replica {r}'s record lacks {', '.join(lacks)} (half written: a Redis that lost"
+        f" writes?); workers read it as no record"
+        for r, lacks in sorted(snap.partial.items())
+    ]
     reserved: dict[str, int] = defaultdict(int)
     held: dict[str, int] = defaultdict(int)
     warm: dict[str, int] = defaultdict(int)

@@ -57,8 +57,14 @@ def whole(row: Mapping[str, str]) -> bool:
     """Whether a `dep:<replica>` hash holds a record. One missing a field of its identity
     (half a record: a Redis that lost some writes, such as a restarted Redis 7 whose
     `default` user could not replay them, placement.server.acl) reads as no record, so a
-    worker lets the replica go instead of failing on every read."""
-    return all(field in row for field in _IDENTITY)
+    worker lets the replica go instead of failing on every read; the audit names it
+    (`missing`)."""
+    return not missing(row)
+
+
+def missing(row: Mapping[str, str]) -> tuple[str, ...]:
+    """The identity fields a `dep:<replica>` hash lacks (all of them: no hash at all)."""
+    return tuple(field for field in _IDENTITY if field not in row)
 
 
 def deployment(row: Mapping[str, str], leases: int) -> Deployment:

@@ -167,6 +167,11 @@ class Registry(Membership):
                 active={m: int(v) for m, v in active.items()},
                 reports=reports,
                 workers=deadlines,
+                partial={
+                    r: lacks
+                    for r, row in zip(replicas, rows_of, strict=True)
+                    if (lacks := records.missing(row))
+                },
             )
             return snap, cursor
         raise RegistryError("the registry changed under 16 snapshot attempts in a row")

@@ -188,6 +188,9 @@ class Snapshot:
     active: Mapping[str, int] = field(default_factory=dict)  # stored RESERVING-replica counters
     reports: Mapping[str, Report] = field(default_factory=dict)  # worker id -> its last report
     workers: Mapping[str, int] = field(default_factory=dict)  # worker id -> lease deadline (ms)
+    #: Replicas the ledger lists whose records lack identity fields (half written): not in
+    #: `deployments`, named by the audit.
+    partial: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     #: Indexes that modules built on these types keep once per snapshot (`room.room_of`).
     memo: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
