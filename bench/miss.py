@@ -26,7 +26,9 @@ medians of the parts the worker reported (`queue`: from the router's dispatch to
 worker's start, `load`: the wait for the load or restore, `compute`: the forward pass).
 `hot_call_p50_ms` is the floor of any call on this machine: the warm fleet's last model,
 resident, called `--calls` times more (a miss also runs the call's own forward pass), and
-`hot_timings_p50_ms` its parts.
+`hot_timings_p50_ms` its parts. `cold_slowest` and `warm_slowest` are the slowest timed
+miss of each fleet, its latency (`ms`) and the parts its worker reported: where a tail
+came from (a load, or the wait for a victim's offload, is `load`).
 With `--gib N` the models are a saved BERT checkpoint of about N GiB (float32, MiniLM's
 tokenizer beside it, `task: forward`) instead of MiniLM, each reserving 0.4 of a GPU: two
 fit on a GPU, a third does not, and 2 x GPUs + 2 of them are called round robin, so every
@@ -182,9 +184,13 @@ def run_fleet(directory: Path, setup: Setup, warm_cache: str, calls: int) -> dic
         fleet.wait_ready(READY_TIMEOUT_S)
         for model in setup.models:  # each model's first load: not timed
             _call(model, [], {})
+        slowest: dict[str, Any] = {"ms": 0.0}
         for i in range(calls):
             model = setup.models[i % len(setup.models)]
-            served[_call(model, misses, parts)["cache"]] += 1
+            answer = _call(model, misses, parts)
+            served[answer["cache"]] += 1
+            if misses[-1] > slowest["ms"]:
+                slowest = {"ms": round(misses[-1], 1), **_rounded(answer["timings_ms"])}
         for _ in range(calls):
             _call(model, hot, hot_parts)
         fleet.supervise()
@@ -194,6 +200,7 @@ def run_fleet(directory: Path, setup: Setup, warm_cache: str, calls: int) -> dic
         "p50_ms": round(percentile(misses, 50), 1),
         "p99_ms": round(percentile(misses, 99), 1),
         "timings_p50_ms": _medians(parts),
+        "slowest": slowest,
         "hot_p50_ms": round(percentile(hot, 50), 1),
         "hot_timings_p50_ms": _medians(hot_parts),
         "cache": dict(served),
@@ -217,6 +224,10 @@ def _call(model: str, latencies: list[float], parts: dict[str, list[float]]) -> 
 
 def _medians(parts: dict[str, list[float]]) -> dict[str, float]:
     return {part: round(percentile(ms, 50), 1) for part, ms in sorted(parts.items())}
+
+
+def _rounded(timings: dict[str, float]) -> dict[str, float]:
+    return {part: round(ms, 1) for part, ms in sorted(timings.items())}
 
 
 def alone(job: Callable[..., Any], *args: Any) -> Any:
@@ -263,6 +274,8 @@ def run(calls: int, loads: int, directory: Path, setup: Setup) -> dict[str, Any]
         "cold_timings_p50_ms": cold["timings_p50_ms"],
         "warm_timings_p50_ms": warm["timings_p50_ms"],
         "hot_timings_p50_ms": warm["hot_timings_p50_ms"],
+        "cold_slowest": cold["slowest"],
+        "warm_slowest": warm["slowest"],
         "cold_cache": cold["cache"],
         "warm_cache": warm["cache"],
         "targets": TARGETS,
