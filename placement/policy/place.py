@@ -151,9 +151,7 @@ def _victims(
     deficit = gpu.reserved + limit - gpu.total
     if deficit <= 0:
         return ()
-    # A replica of the model itself is no victim: evicting it would leave as many as before.
-    keep = view.demand.protect | {view.demand.model}
-    pool = [d for d in view.by_gpu.get(gpu.id, []) if d.evictable and d.model not in keep]
+    pool = _evictable(gpu, view)
     if order is VictimOrder.LRU:
         pool.sort(key=lambda d: (d.last_used_ms, d.replica))
     else:
@@ -174,6 +172,13 @@ def _victims(
             taken.remove(d)
             deficit += d.gpus[gpu.id]
     return tuple(taken)
+
+
+def _evictable(gpu: Gpu, view: Planning) -> list[Deployment]:
+    """The replicas on `gpu` this placement may evict: idle, not dedicated, and of no model
+    it protects. A replica of the model itself is none: evicting it would leave as many."""
+    keep = view.demand.protect | {view.demand.model}
+    return [d for d in view.by_gpu.get(gpu.id, []) if d.evictable and d.model not in keep]
 
 
 def _fit(
@@ -490,7 +495,15 @@ def _why_not(
     free = max(
         f[-1] for s in room_of(view.snap).shapes.values() for n, _, f in s.layout if n in allowed
     )
-    reach = max([free] + [g.max_reach for g in groups if g.idle])
+    reach = max(
+        [free]
+        + [
+            gpu.free + sum(d.gpus[gpu.id] for d in _evictable(gpu, view))
+            for g in groups
+            if g.idle
+            for gpu in g.gpus.values()
+        ]
+    )
     most_free, most_reach = format_size(free), format_size(reach)
     if slots:
         own = (
