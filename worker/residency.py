@@ -631,9 +631,11 @@ class ResidencyManager:
         return max(arena, int(stats().get("allocated_bytes.current", 0)))
 
     def fraction(self, index: int) -> float:
-        """This process's memory fraction on local device `index` (1.0 with nothing on it)."""
+        """This process's memory fraction on local device `index`, as `_set_caps` sets it
+        on a real GPU (1.0 with nothing on it)."""
         device = next(d for d in self.devices.values() if _local(d) == index)
-        return process_fraction(self._reserved(index), device.total)
+        total = device.total if device.simulated else _cap_total(index)
+        return process_fraction(self._reserved(index), total)
 
     def summary(self) -> list[dict[str, Any]]:
         """What this process holds, for status and logs."""
@@ -715,8 +717,7 @@ class ResidencyManager:
             if not self.devices[g].simulated
         }
         for index in sorted(using | self._capped):
-            total = torch.cuda.get_device_properties(index).total_memory
-            share = process_fraction(self._reserved(index), total)
+            share = process_fraction(self._reserved(index), _cap_total(index))
             torch.cuda.set_per_process_memory_fraction(share, index)
         self._capped = using
 
@@ -836,6 +837,12 @@ class ResidencyManager:
     def _free_cuda() -> None:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def _cap_total(index: int) -> int:
+    """What torch's memory fraction on a real GPU is a fraction of: the device's whole
+    memory as CUDA reports it (not NVML's total less what the driver keeps)."""
+    return int(torch.cuda.get_device_properties(index).total_memory)
 
 
 def _kv_bytes(spec: ModelSpec) -> int:
