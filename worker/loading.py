@@ -291,9 +291,9 @@ def device_map(model: Any, limits: Mapping[int | str, int]) -> dict[str, int]:
 
     The load is `from_pretrained(device_map="auto")`, which balances the weights over the
     GPUs (transformers' `get_balanced_memory`). `infer_auto_device_map` on the plain limits
-    fills the first GPU up to its whole slot instead (for a 186 MB GPT-2 over two 149 MB
-    slots, 132 MB and 54 MB against the load's 82 and 105), leaving that GPU no room for the
-    activations its cap was sized for."""
+    fills the first GPU up to its whole slot instead (for a 27.6 MB GPT-2 over two slots of
+    0.8 of it, 18.0 and 9.5 MB against the load's 11.7 and 15.8), leaving that GPU no room
+    for the activations its cap was sized for."""
     from transformers.integrations.accelerate import get_balanced_memory, infer_auto_device_map
 
     gpus = sorted(i for i, nbytes in limits.items() if isinstance(i, int) and nbytes > 0)
