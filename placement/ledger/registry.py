@@ -142,11 +142,13 @@ class Registry(Membership):
             gpus = {g: records.gpu(row) for g, row in zip(gpu_ids, gpu_rows, strict=True)}
             rows_of = _take(rows, replicas)
             leases = _take(rows, replicas)
-            deployments = {
-                r: records.deployment(row, sum(1 for _, t in held if t > now))
-                for r, row, held in zip(replicas, rows_of, leases, strict=True)
-                if records.whole(row)
-            }
+            deployments: dict[str, Deployment] = {}
+            partial: dict[str, tuple[str, ...]] = {}  # half-written records, for the audit
+            for r, row, held in zip(replicas, rows_of, leases, strict=True):
+                if lacks := records.missing(row):
+                    partial[r] = lacks
+                else:
+                    deployments[r] = records.deployment(row, sum(1 for _, t in held if t > now))
             host_rows = _take(rows, hosts)
             host_map = {
                 h: replace(records.host(row), warm=frozenset(warm))
@@ -167,11 +169,7 @@ class Registry(Membership):
                 active={m: int(v) for m, v in active.items()},
                 reports=reports,
                 workers=deadlines,
-                partial={
-                    r: lacks
-                    for r, row in zip(replicas, rows_of, strict=True)
-                    if (lacks := records.missing(row))
-                },
+                partial=partial,
             )
             return snap, cursor
         raise RegistryError("the registry changed under 16 snapshot attempts in a row")
