@@ -151,7 +151,7 @@ def _victims(
     deficit = gpu.reserved + limit - gpu.total
     if deficit <= 0:
         return ()
-    pool = _evictable(gpu, view)
+    pool = _victim_pool(gpu, view)
     if order is VictimOrder.LRU:
         pool.sort(key=lambda d: (d.last_used_ms, d.replica))
     else:
@@ -174,7 +174,7 @@ def _victims(
     return tuple(taken)
 
 
-def _evictable(gpu: Gpu, view: Planning) -> list[Deployment]:
+def _victim_pool(gpu: Gpu, view: Planning) -> list[Deployment]:
     """The replicas on `gpu` this placement may evict: idle, not dedicated, and of no model
     it protects. A replica of the model itself is none: evicting it would leave as many."""
     keep = view.demand.protect | {view.demand.model}
@@ -498,7 +498,7 @@ def _why_not(
     reach = max(
         [free]
         + [
-            gpu.free + sum(d.gpus[gpu.id] for d in _evictable(gpu, view))
+            gpu.free + sum(d.gpus[gpu.id] for d in _victim_pool(gpu, view))
             for g in groups
             if g.idle
             for gpu in g.gpus.values()
