@@ -134,10 +134,10 @@ def type_left(index: RoomIndex, name: str, total: int, request: int) -> float:
     whole (a fifth of the calls pinned to a seventh of the fleet) is the last that other
     requests fill; where every type is pinned in proportion to its size, every type's
     share moves by the same amount and they rank as before (docs/placement.md, "Choosing
-    a GPU"). The rounding to 1/TYPES_EVEN lets the host decide
-    between types about as free; a type whose empty GPUs are all set aside is never one of
-    them: near the end of a fill every share rounds to 0, and its last empty GPUs went to
-    requests that may run anywhere."""
+    a GPU"). The rounding to 1/TYPES_EVEN lets the host decide between types about as
+    free; a type whose empty GPUs are all set aside is never one of them: near the end of
+    a fill every share rounds to 0, and its last empty GPUs went to requests that may run
+    anywhere."""
     gpus = index.type_gpus[name]
     reserve = index.pinned_share(name) * index.free_room()
     if request >= total or index.slot_count(total, total):

@@ -372,7 +372,7 @@ def _summary(result: dict[str, Any]) -> str:
     t = result["timings_ms"]
     return (
         f"[bold]{escape(result['model'])}[/] on {escape(', '.join(result['gpus']))} "
-        f"({result['cache']}): {escape(printable(shown))}\n"
+        f"({result['cache']}): {escape(shown)}\n"
         f"queue {t['queue']:.0f} ms, load {t['load']:.0f} ms, compute {t['compute']:.1f} ms"
     )
 
