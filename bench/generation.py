@@ -27,7 +27,7 @@ Figures, all measured in this run:
   are counted up to its own GeneratedTokens (and EOS), as a server using it would return;
 - `served_ttft_p50_ms`: the same seen from the fleet in the plain run (the call's queue,
   its wait for the job, and the engine's time to its first token), without the client
-  threads' share of this machine's CPUs;
+  threads' share of this machine's CPUs; `served_parts_p50_ms` gives each part's p50;
 - `lone_ttft_ms`: one streamed call alone on the fleet, the median of `--lone` calls,
   with the drawn call of median prompt length.
 Targets: `vs_one_at_a_time` >= 3 and `vs_library_batch` >= 0.8, `ttft_ratio` (fleet
@@ -257,10 +257,8 @@ def run(  # noqa: PLR0917 - the command line's options
     rate = count / together["seconds"]
     alone_rate = sum(len(t) for t in _tokens(alone["answers"])) / alone["seconds"]
     ttft = [t for t in streamed["ttft_ms"] if t]
-    served = [  # the worker's side of it: queue, wait for the job, and the engine's
-        a["timings_ms"]["queue"] + a["timings_ms"]["batch_wait"] + a["timings_ms"]["first_token"]
-        for a in together["answers"]
-    ]
+    parts = ("queue", "batch_wait", "first_token")  # the worker's side of a call's TTFT
+    served = [sum(a["timings_ms"][p] for p in parts) for a in together["answers"]]
     ttft_p50 = percentile(ttft, 50) if ttft else float("inf")
     equal = sum(a == b for a, b in zip(fleet_tokens, baseline["outputs"], strict=True))
     streamed_equal = sum(streamed["joined_right"])
@@ -287,6 +285,10 @@ def run(  # noqa: PLR0917 - the command line's options
         "ttft_p99_ms": round(percentile(ttft, 99), 2) if ttft else None,
         "lone_ttft_ms": round(ttft_alone, 2),
         "served_ttft_p50_ms": round(percentile(served, 50), 2),
+        "served_parts_p50_ms": {
+            p: round(percentile([a["timings_ms"][p] for a in together["answers"]], 50), 2)
+            for p in parts
+        },
         "ttft_ratio": round(ttft_p50 / ttft_alone, 3),
         "outputs_equal": f"{equal}/{callers}",
         "streams_join_into_answers": f"{streamed_equal}/{callers}",

@@ -336,6 +336,9 @@ class _CancellingFeed:
     def holding(self, tokens: int) -> None:
         pass
 
+    def streamed(self) -> None:
+        pass
+
 
 def test_a_call_its_feed_cancels_stops_every_prompt_and_the_others_run_on(
     model: tuple[Any, Any],
@@ -443,6 +446,27 @@ def test_prompts_prefilled_in_one_padded_pass_still_get_the_tokens_they_get_alon
         for sequence, (prompt, new) in zip(calls, prompts, strict=True):
             assert sequence.tokens == _alone(model, prompt, Options(max_new_tokens=new))
     assert len(Counting.passes) > 1  # lengths from 4 to 60: more than one pass on a CPU
+
+
+def test_a_step_admits_prompts_up_to_its_prefill_budget_and_streams_them_before_decoding(
+    model: tuple[Any, Any],
+) -> None:
+    net, tokenizer = model
+    engine = Engine(net, tokenizer, CPU, budget=10**6, window=256, prefill_tokens=45)
+    texts: list[str] = []
+    calls = [
+        Sequence_(i, [2] + [7 + i] * 14, Options(max_new_tokens=4), on_text=texts.append)
+        for i in range(5)
+    ]  # 15 tokens each: three fit in 45
+    for sequence in calls:
+        engine.add(sequence)
+    seen: list[list[int]] = []  # tokens each running row held when the hook ran
+    engine.after_prefill = lambda: seen.append([len(s.tokens) for s in engine.rows])
+    engine.step()
+    assert seen == [[1, 1, 1]] and len(engine.waiting) == 2
+    assert [len(s.tokens) for s in engine.rows] == [2, 2, 2]  # then it decoded
+    engine.step()
+    assert seen[1] == [2, 2, 2, 1, 1]
 
 
 def test_a_row_whose_scores_overflow_keeps_its_best_token_and_the_others_sample() -> None:

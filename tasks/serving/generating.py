@@ -119,7 +119,7 @@ class ChildFeed:
     """A `worker.generation.serving.Feed` of a job's calls: the ones it was sent with, then
     the ones its main process hands over while it runs."""
 
-    def __init__(  # noqa: PLR0917 - a job and the four things it is run with
+    def __init__(  # noqa: PLR0917 - a job and the callbacks it is run with
         self,
         job_id: str,
         jobs: list[Any],
@@ -128,6 +128,7 @@ class ChildFeed:
         finish: Callable[[Any, Any, Any, bool], Any],
         counted: Callable[[int], None] = lambda _: None,
         holding: Callable[[int], None] = lambda _: None,
+        streamed: Callable[[], None] = lambda: None,
     ) -> None:
         self.job_id = job_id
         self._channel = channel
@@ -135,6 +136,7 @@ class ChildFeed:
         self._finish = finish  # (job tuple, GenCall, outcome, revoked) -> the tracer's return
         self._counted = counted  # told the calls open after each take, once per step
         self.holding = holding  # told the KV-cache tokens held after each step
+        self.streamed = streamed  # told after a step's prefill: send the text so far
         self._new = [gen_call(job) for job in jobs]
         self._jobs: dict[str, Any] = {}
         self._cancelled: list[str] = []

@@ -154,8 +154,9 @@ class _Generation:
 
     def run(self, job_id: str, jobs: list[Any]) -> dict[str, Any]:
         feed = generating.ChildFeed(
-            job_id, jobs, channel(), self.gen_call, self.finish, self.counted, self.holding
-        )
+            job_id, jobs, channel(), self.gen_call, self.finish, self.counted, self.holding,
+            self.writer.flush,
+        )  # fmt: skip
         try:
             self.worker.generate(self.first.replica, self.first.epoch, feed, self.ready)
         except Exception as exc:

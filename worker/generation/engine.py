@@ -40,11 +40,13 @@ from worker.generation.text import Detokenizer
 
 log = logging.getLogger(__name__)
 
-#: Prompt tokens prefilled in one step beyond its first prompt: a bound on how long the
+#: Prompt tokens prefilled in one step (its first prompt always goes): a bound on how long the
 #: running rows wait for newcomers, and on the first tokens of short prompts behind long
-#: ones. vLLM's default for chunked prefill (not tuned here; docs/worker.md has what 4,096
-#: did instead on this CPU).
+#: ones. vLLM's serving defaults for chunked prefill (not tuned here; docs/worker.md has
+#: what 4,096 did instead on this CPU): 2,048, and 8,192 on a GPU of 70 GiB or more other
+#: than an A100 (`prefill_tokens`).
 PREFILL_TOKENS = 2048
+PREFILL_TOKENS_LARGE_GPU = 8192
 #: A prefill pass holds prompts of similar lengths: its padded size stays within this
 #: multiple of its real tokens (so at most a quarter of the pass is padding).
 PADDING = 1.25
@@ -113,6 +115,7 @@ class Engine:
         max_rows: int = 64,
         eos: frozenset[int] = frozenset(),
         merge_prefill: bool | None = None,
+        prefill_tokens: int | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -124,6 +127,10 @@ class Engine:
         # On a GPU a pass of a model this engine serves is mostly kernel launches, so
         # padding costs little next to another pass; on a CPU it is compute.
         self.merge_prefill = device.type == "cuda" if merge_prefill is None else merge_prefill
+        self.prefill_tokens = prefill_tokens or default_prefill_tokens(device)
+        # Told after a step's prefill, before its decode: newcomers' first tokens can go
+        # out a decode step sooner (a stream's writer flushes here).
+        self.after_prefill: Callable[[], None] | None = None
         self.vocab = int(model.get_output_embeddings().weight.shape[0])
         # transformers 5.2x renamed the forward's `past_key_values` to `cache`
         named = inspect.signature(model.forward).parameters
@@ -208,6 +215,8 @@ class Engine:
             if admitted:
                 self._prefill(admitted)
                 ended += self._leave()
+                if self.after_prefill is not None:
+                    self.after_prefill()
             if self.rows:
                 self._decode()
                 ended += self._leave()
@@ -239,7 +248,7 @@ class Engine:
 
     def _admit(self) -> list[Sequence_]:
         """The waiting sequences that fit now, oldest first (none jumps the queue), with at
-        most PREFILL_TOKENS of prompts in one step after the first."""
+        most `prefill_tokens` of prompts in one step (the first goes however long)."""
         admitted: list[Sequence_] = []
         reach = max((s.reach for s in self.rows), default=0)
         count = len(self.rows)
@@ -249,7 +258,7 @@ class Engine:
             wider = max(reach, head.reach)
             if (count + 1) * wider > self.budget:
                 break
-            if admitted and prompts + len(head.prompt) > PREFILL_TOKENS:
+            if admitted and prompts + len(head.prompt) > self.prefill_tokens:
                 break
             admitted.append(self.waiting.popleft())
             reach, count = wider, count + 1
@@ -259,13 +268,13 @@ class Engine:
     def _prefill(self, admitted: list[Sequence_]) -> None:
         """Prefill the new prompts in passes, shortest first: of similar lengths (at most
         PADDING of a pass padding) where compute is what a pass costs, or as few passes of
-        up to PREFILL_TOKENS padded tokens as hold them where launching a pass is
+        up to `prefill_tokens` padded tokens as hold them where launching a pass is
         (`merge_prefill`)."""
         group: list[Sequence_] = []
         for sequence in sorted(admitted, key=lambda s: len(s.prompt)):
             padded = (len(group) + 1) * len(sequence.prompt)
             if self.merge_prefill:
-                full = padded > PREFILL_TOKENS
+                full = padded > self.prefill_tokens
             else:
                 full = padded > PADDING * sum(len(s.prompt) for s in (*group, sequence))
             if group and full:
@@ -393,6 +402,17 @@ class Engine:
         return ended
 
 
+def default_prefill_tokens(device: torch.device) -> int:
+    """vLLM's rule for its serving default: more prompt tokens a step on a large GPU, where
+    a pass of that many costs little more than launching it (its authors found larger
+    steps slowed an A100, so it keeps the smaller value there)."""
+    if device.type != "cuda":
+        return PREFILL_TOKENS
+    properties = torch.cuda.get_device_properties(device)
+    large = properties.total_memory >= 70 * 2**30 and "a100" not in properties.name.lower()
+    return PREFILL_TOKENS_LARGE_GPU if large else PREFILL_TOKENS
+
+
 def _attention_kernels(device: torch.device) -> AbstractContextManager[Any]:
     """On CUDA, scaled-dot-product attention without its cuDNN kernel: cuDNN builds a plan
     for each new shape, and a decode step's keys grow by one position every step (on an
@@ -424,4 +444,4 @@ def eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
     return frozenset(ids)
 
 
-__all__ = ["Engine", "Options", "Sequence_", "eos_ids"]
+__all__ = ["Engine", "Options", "Sequence_", "default_prefill_tokens", "eos_ids"]

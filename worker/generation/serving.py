@@ -73,6 +73,10 @@ class Feed(Protocol):
         """After each step: the KV-cache tokens the batch holds now."""
         ...
 
+    def streamed(self) -> None:
+        """Mid-step, after new prompts' first tokens: send the streamed text so far."""
+        ...
+
 
 @dataclass
 class _Running:
@@ -88,6 +92,7 @@ def serve(engine: Engine, feed: Feed, template: str | None) -> None:
     the feed's owner fails the calls it fed (the batch's state is unknown after it).
     """
     running: dict[str, _Running] = {}
+    engine.after_prefill = feed.streamed
     while True:
         arrived = []
         for call in feed.take(0.0 if engine.busy else IDLE_WAIT_S):
@@ -187,6 +192,9 @@ class Fixed:
         return bool(self._calls)
 
     def holding(self, tokens: int) -> None:
+        pass
+
+    def streamed(self) -> None:
         pass
 
 
