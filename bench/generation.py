@@ -17,9 +17,11 @@ tokens of seeded text (the synthetic tokenizer takes one byte per token), each c
 for its GeneratedTokens, greedy.
 
 Figures, all measured in this run:
-- `fleet`: every call sent at once by its own caller thread (streamed, through the
-  project's client), tokens per second from the first send to the last answer, and each
-  call's time to its first streamed text (TTFT);
+- `fleet`: every call sent at once through the project's client, tokens per second from
+  the first send to the last answer; then the same calls streamed, each by its own thread
+  in one of `--processes` client processes (separate clients, as callers are; by default
+  half the machine's cores, so 1 on a 2-core machine, the rest left to the fleet), and
+  each call's time to its first streamed text (TTFT);
 - `one_at_a_time` (a): the same calls through the same fleet one after another, which is
   what gpufleet did before continuous batching (one generating call per replica);
 - `library_batch` (b): transformers' `generate` on the same model and prompts in this
@@ -30,7 +32,7 @@ Figures, all measured in this run:
   first token), without the client threads' share of this machine's CPUs;
   `served_parts_p50_ms` gives each part's p50 (`batch_wait` is part of `queue`);
 - `lone_ttft_ms`: one streamed call alone on the fleet, the median of `--lone` calls,
-  with the drawn call of median prompt length.
+  with the drawn call of median prompt length, each read to its end before the next.
 Targets: `vs_one_at_a_time` >= 3 and `vs_library_batch` >= 0.8, `ttft_ratio` (fleet
 TTFT p50 / lone TTFT p50) <= 3. `outputs_equal` counts calls whose fleet tokens equal
 the library's (greedy: all of them in float32; in bfloat16 a batch's different arithmetic
@@ -44,6 +46,8 @@ import argparse
 import csv
 import json
 import logging
+import multiprocessing
+import os
 import random
 import signal
 import tempfile
@@ -148,42 +152,93 @@ def _cut(row: list[int], eos: int) -> list[int]:
     return row[: row.index(eos) + 1] if eos in row else row
 
 
-def streamed_once(calls: list[tuple[str, int]]) -> dict[str, Any]:
-    """Every call at once, streamed (through the project's client and Redis), timed: each
-    call's time to its first text, and whether its pieces join into its own answer."""
+def _stream_one(prompt: str, new: int, go: threading.Barrier) -> tuple[float, bool, str]:
+    """One streamed call, sent once `go` opens: its TTFT (ms, from its own send), whether
+    its pieces joined equal its answer, and its error ("" when none)."""
     from tasks.api import infer
     from tasks.app import app
     from tasks.serving import streams
 
-    barrier = threading.Barrier(len(calls) + 1)
+    go.wait()
+    start = time.perf_counter()
+    ttft = 0.0
+    try:
+        call = infer.apply_async((MODEL, prompt, {"max_new_tokens": new, "stream": True}))
+        pieces = []
+        for _, piece in streams.read(app.backend.client, call.id, call.ready, CALL_TIMEOUT_S):
+            if not ttft:
+                ttft = (time.perf_counter() - start) * 1000
+            pieces.append(piece)
+        answer = call.get(timeout=CALL_TIMEOUT_S)
+        return ttft, "".join(pieces) == answer["outputs"]["texts"][0], ""
+    except Exception as exc:
+        return ttft, False, f"{type(exc).__name__}: {exc}"[:200]
+
+
+def _callers(calls: list[tuple[str, int]], indices: list[int], ready: Any, out: Any) -> None:
+    """A caller process (`streamed_once`): a thread per call, all sent once every
+    process is `ready`; puts (index, TTFT, joined right, error) on `out` for each."""
+    go = threading.Barrier(len(indices) + 1)
+    done: list[tuple[int, float, bool, str]] = []
+
+    def caller(index: int) -> None:
+        done.append((index, *_stream_one(*calls[index], go)))
+
+    threads = [threading.Thread(target=caller, args=(i,)) for i in indices]
+    for thread in threads:
+        thread.start()
+    ready.wait()
+    go.wait()
+    for thread in threads:
+        thread.join()
+    for row in done:
+        out.put(row)
+
+
+def streamed_once(calls: list[tuple[str, int]], processes: int) -> dict[str, Any]:
+    """Every call at once, streamed (through the project's client and Redis), timed: each
+    call's time to its first text, and whether its pieces join into its own answer. The
+    callers are threads of `processes` client processes (started first, then released
+    together), as separate clients are: 32 threads of one process wait for one another's
+    interpreter lock, which a fleet's TTFT should not count. With 1, threads of this one."""
     ttft = [0.0] * len(calls)
     joined_right = [False] * len(calls)
     errors: list[str] = []
+    if processes <= 1:
+        go = threading.Barrier(len(calls) + 1)
+        results: list[tuple[int, float, bool, str]] = []
 
-    def caller(index: int) -> None:
-        prompt, new = calls[index]
-        barrier.wait()
+        def caller(index: int) -> None:
+            results.append((index, *_stream_one(*calls[index], go)))
+
+        threads = [threading.Thread(target=caller, args=(i,)) for i in range(len(calls))]
+        for thread in threads:
+            thread.start()
+        go.wait()
         start = time.perf_counter()
-        try:
-            call = infer.apply_async((MODEL, prompt, {"max_new_tokens": new, "stream": True}))
-            pieces = []
-            for _, piece in streams.read(app.backend.client, call.id, call.ready, CALL_TIMEOUT_S):
-                if not ttft[index]:
-                    ttft[index] = (time.perf_counter() - start) * 1000
-                pieces.append(piece)
-            answer = call.get(timeout=CALL_TIMEOUT_S)
-            joined_right[index] = "".join(pieces) == answer["outputs"]["texts"][0]
-        except Exception as exc:
-            errors.append(f"{type(exc).__name__}: {exc}"[:200])
-
-    threads = [threading.Thread(target=caller, args=(i,)) for i in range(len(calls))]
-    for thread in threads:
-        thread.start()
-    barrier.wait()
-    start = time.perf_counter()
-    for thread in threads:
-        thread.join()
+        for thread in threads:
+            thread.join()
+    else:
+        spawn = multiprocessing.get_context("spawn")  # a fresh client, not a fork of this one
+        ready, out = spawn.Barrier(processes + 1), spawn.Queue()
+        workers = [
+            spawn.Process(
+                target=_callers, args=(calls, list(range(p, len(calls), processes)), ready, out)
+            )
+            for p in range(processes)
+        ]
+        for worker in workers:
+            worker.start()
+        ready.wait()
+        start = time.perf_counter()
+        results = [out.get(timeout=CALL_TIMEOUT_S) for _ in calls]
+        for worker in workers:
+            worker.join()
     seconds = time.perf_counter() - start
+    for index, first, joined, error in results:
+        ttft[index], joined_right[index] = first, joined
+        if error:
+            errors.append(error)
     return {"seconds": seconds, "ttft_ms": ttft, "joined_right": joined_right, "errors": errors}
 
 
@@ -210,14 +265,17 @@ def one_at_a_time(calls: list[tuple[str, int]]) -> dict[str, Any]:
 
 
 def lone_ttft(prompt: str, new: int, count: int) -> float:
+    """The p50 TTFT of `count` streamed calls, each read to its end before the next is
+    sent, so that none shares the replica with the one before it."""
     from tasks.api import generate
 
     times = []
     for _ in range(count):
         start = time.perf_counter()
+        first = 0.0
         for _piece in generate.stream(MODEL, prompt, max_new_tokens=new, timeout=CALL_TIMEOUT_S):
-            times.append((time.perf_counter() - start) * 1000)
-            break
+            first = first or (time.perf_counter() - start) * 1000
+        times.append(first)
     return percentile(times, 50)
 
 
@@ -226,7 +284,14 @@ def _tokens(answers: list[dict[str, Any]]) -> list[list[int]]:
 
 
 def run(  # noqa: PLR0917 - the command line's options
-    callers: int, gpu: bool, seed: int, lone: int, shape: str, trace: Path, directory: Path
+    callers: int,
+    gpu: bool,
+    seed: int,
+    lone: int,
+    shape: str,
+    trace: Path,
+    directory: Path,
+    processes: int,
 ) -> dict[str, Any]:
     from bench.fleet import bench_launcher, fleet_machine
     from placement.catalog.catalog import Catalog
@@ -245,7 +310,7 @@ def run(  # noqa: PLR0917 - the command line's options
         one_at_a_time(calls[:2])  # loads the model; warms the path
         log.info("fleet ready and warm at %.1f s", time.monotonic() - began)
         together = plain_at_once(calls)
-        streamed = streamed_once(calls)
+        streamed = streamed_once(calls, processes)
         log.info("calls at once done at %.1f s", time.monotonic() - began)
         alone = one_at_a_time(calls)
         log.info("(a) done at %.1f s", time.monotonic() - began)
@@ -267,6 +332,7 @@ def run(  # noqa: PLR0917 - the command line's options
     streamed_equal = sum(streamed["joined_right"])
     result = {
         "callers": callers,
+        "caller_processes": max(1, processes),
         "shape": shape,
         "model": {"gpu": gpu, "window": WINDOW, **(GPU_CONFIG if gpu else CPU_CONFIG)},
         "prompt_tokens_mean": round(sum(len(p) + 1 for p, _ in calls) / len(calls), 1),
@@ -317,6 +383,11 @@ def main() -> None:
     parser.add_argument("--trace", type=Path, default=TRACE, help="the Azure trace's CSV")
     parser.add_argument("--lone", type=int, default=9, help="lone streamed calls for TTFT")
     parser.add_argument(
+        "--processes", type=int, default=max(1, (os.cpu_count() or 2) // 2),
+        help="client processes the streamed callers are spread over (1: threads of this one);"
+        " half the machine's cores, the other half left to the fleet",
+    )  # fmt: skip
+    parser.add_argument(
         "--shape", choices=("trace", "short"), default="trace",
         help="trace lengths, or 16-64 prompt tokens x 128 new (issue 40's GPU table)",
     )  # fmt: skip
@@ -325,8 +396,9 @@ def main() -> None:
     signal.signal(signal.SIGTERM, exit_on_sigterm)
     with tempfile.TemporaryDirectory(prefix="gpufleet-bench-generation-") as directory:
         result = run(
-            args.callers, args.gpu, args.seed, args.lone, args.shape, args.trace, Path(directory)
-        )
+            args.callers, args.gpu, args.seed, args.lone, args.shape, args.trace,
+            Path(directory), args.processes,
+        )  # fmt: skip
     print(json.dumps(result, indent=2))
 
 
