@@ -469,6 +469,40 @@ def test_a_step_admits_prompts_up_to_its_prefill_budget_and_streams_them_before_
     assert seen[1] == [2, 2, 2, 1, 1]
 
 
+class _Tight(Engine):
+    """An engine on a device with room for prefill passes of at most `room` tokens."""
+
+    room = 0
+    passes: ClassVar[list[int]] = []
+
+    def _forward_prompts(self, ids: torch.Tensor, mask: torch.Tensor, p: torch.Tensor) -> Any:
+        if ids.numel() > self.room:
+            raise torch.OutOfMemoryError(f"{ids.numel()} tokens do not fit {self.room}")
+        self.passes.append(int(ids.shape[0]))
+        return super()._forward_prompts(ids, mask, p)
+
+
+def test_a_prefill_pass_that_runs_out_of_memory_runs_in_halves_with_the_same_tokens(
+    model: tuple[Any, Any],
+) -> None:
+    net, tokenizer = model
+    prompts = [([2] + [9 + i] * 19, 6) for i in range(8)]  # 20 tokens each
+    _Tight.room, _Tight.passes = 45, []  # two prompts a pass
+    engine = _Tight(net, tokenizer, CPU, budget=10**6, window=256, merge_prefill=True)
+    calls = [Sequence_(i, p, Options(max_new_tokens=n)) for i, (p, n) in enumerate(prompts)]
+    for sequence in calls:
+        engine.add(sequence)
+    engine.run()
+    assert _Tight.passes == [2, 2, 2, 2]  # 8 did not fit, nor 4: halved twice
+    for sequence, (prompt, new) in zip(calls, prompts, strict=True):
+        assert sequence.tokens == _alone(model, prompt, Options(max_new_tokens=new))
+    _Tight.room = 10
+    lone = _Tight(net, tokenizer, CPU, budget=10**6, window=256)
+    lone.add(Sequence_("x", prompts[0][0], Options(max_new_tokens=2)))
+    with pytest.raises(torch.OutOfMemoryError):  # one prompt that never fits fails as before
+        lone.step()
+
+
 def test_a_row_whose_scores_overflow_keeps_its_best_token_and_the_others_sample() -> None:
     from worker.generation.sampling import Columns, pick
 

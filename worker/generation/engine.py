@@ -286,7 +286,9 @@ class Engine:
 
     def _prefill_group(self, sequences: list[Sequence_]) -> None:
         """One pass over prompts, left-padded to the longest (as `generate` does), then
-        their rows join the batch with their first tokens."""
+        their rows join the batch with their first tokens. A pass of several prompts that
+        runs out of device memory runs again in two halves (nothing joined the batch yet);
+        one prompt that does not fit alone raises, as any error of the model does."""
         width = max(len(s.prompt) for s in sequences)
         ids = torch.zeros((len(sequences), width), dtype=torch.long)
         mask = torch.zeros((len(sequences), width), dtype=torch.long)
@@ -295,10 +297,24 @@ class Engine:
             mask[row, width - len(sequence.prompt) :] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
-        out = self.model(
-            input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-            **self._last_logits,
-        )  # fmt: skip
+        try:
+            out = self._forward_prompts(ids, mask, positions)
+        except torch.OutOfMemoryError:
+            if len(sequences) == 1:
+                raise
+            out = None  # split below, once the error (and the frames it holds) is gone
+        if out is None:
+            del ids, mask, positions
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            half = len(sequences) // 2
+            log.warning(
+                "a prefill pass of %d prompts (%d tokens wide) ran out of memory; running"
+                " it as two passes", len(sequences), width,
+            )  # fmt: skip
+            self._prefill_group(sequences[:half])
+            self._prefill_group(sequences[half:])
+            return
         seen = torch.zeros((len(sequences), self.vocab), dtype=torch.bool, device=self.device)
         for row, sequence in enumerate(sequences):  # its own tokens, not the padding's
             seen[row, torch.tensor(sequence.prompt, device=self.device)] = True
@@ -307,6 +323,15 @@ class Engine:
         self._join(sequences, _cache_of(out), mask, seen)
         for sequence, token in zip(sequences, first, strict=True):
             self._take(sequence, token)
+
+    def _forward_prompts(
+        self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor
+    ) -> Any:
+        """The model's pass over left-padded prompts, keeping their cache."""
+        return self.model(
+            input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+            **self._last_logits,
+        )  # fmt: skip
 
     def _join(
         self, sequences: list[Sequence_], cache: Any, mask: torch.Tensor, seen: torch.Tensor
