@@ -53,6 +53,7 @@ import signal
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -175,9 +176,11 @@ def _stream_one(prompt: str, new: int, go: threading.Barrier) -> tuple[float, bo
         return ttft, False, f"{type(exc).__name__}: {exc}"[:200]
 
 
-def _callers(calls: list[tuple[str, int]], indices: list[int], ready: Any, out: Any) -> None:
-    """A caller process (`streamed_once`): a thread per call, all sent once every
-    process is `ready`; puts (index, TTFT, joined right, error) on `out` for each."""
+def _call_threads(
+    calls: list[tuple[str, int]], indices: list[int], before: Callable[[], object]
+) -> tuple[list[tuple[int, float, bool, str]], float]:
+    """A thread per call of `indices`, all sent at once after `before()` returns: each
+    one's (index, TTFT, joined right, error), and when they were let go."""
     go = threading.Barrier(len(indices) + 1)
     done: list[tuple[int, float, bool, str]] = []
 
@@ -187,10 +190,18 @@ def _callers(calls: list[tuple[str, int]], indices: list[int], ready: Any, out: 
     threads = [threading.Thread(target=caller, args=(i,)) for i in indices]
     for thread in threads:
         thread.start()
-    ready.wait()
+    before()
     go.wait()
+    start = time.perf_counter()
     for thread in threads:
         thread.join()
+    return done, start
+
+
+def _callers(calls: list[tuple[str, int]], indices: list[int], ready: Any, out: Any) -> None:
+    """A caller process (`streamed_once`): its calls sent once every process is `ready`;
+    puts each one's (index, TTFT, joined right, error) on `out`."""
+    done, _ = _call_threads(calls, indices, ready.wait)
     for row in done:
         out.put(row)
 
@@ -205,19 +216,7 @@ def streamed_once(calls: list[tuple[str, int]], processes: int) -> dict[str, Any
     joined_right = [False] * len(calls)
     errors: list[str] = []
     if processes <= 1:
-        go = threading.Barrier(len(calls) + 1)
-        results: list[tuple[int, float, bool, str]] = []
-
-        def caller(index: int) -> None:
-            results.append((index, *_stream_one(*calls[index], go)))
-
-        threads = [threading.Thread(target=caller, args=(i,)) for i in range(len(calls))]
-        for thread in threads:
-            thread.start()
-        go.wait()
-        start = time.perf_counter()
-        for thread in threads:
-            thread.join()
+        results, start = _call_threads(calls, list(range(len(calls))), lambda: None)
     else:
         spawn = multiprocessing.get_context("spawn")  # a fresh client, not a fork of this one
         ready, out = spawn.Barrier(processes + 1), spawn.Queue()
