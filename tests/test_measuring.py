@@ -120,6 +120,9 @@ class _LookingFeed:
     def holding(self, tokens: int) -> None:
         pass
 
+    def streamed(self) -> None:
+        pass
+
 
 def test_a_generation_runs_in_one_span_so_a_load_beside_it_keeps_no_figure() -> None:
     devices = simulated_devices("1x8GiB")
