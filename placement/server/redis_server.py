@@ -5,8 +5,14 @@ get a real server per session. The server it starts:
 
 * listens on 127.0.0.1 only, with ``protected-mode yes``;
 * keeps nothing (no RDB snapshots, no AOF) in a fresh temporary directory (``dir``), or,
-  given a `data_dir`, an append-only file there (``appendfsync everysec``), so that a
-  crashed server started again with `restart` replays every write it acknowledged;
+  given a `data_dir`, an append-only file there, so that a crashed server started again
+  with `restart` replays every write it acknowledged. ``appendfsync no``: Redis then
+  writes each write to the file before it answers, and leaves flushing to the kernel.
+  With ``everysec`` it postpones that write, for up to 2 s, while an fsync of its own is
+  still running (a busy disk), yet answers the clients: a kill in that window lost
+  acknowledged writes (a test saw it). What ``no`` gives up, writes in the kernel's cache
+  when the machine itself goes down, matters not here: a new `gpufleet up` starts an
+  empty fleet anyway;
 * keeps in that directory its log (``redis.log``: stdout and stderr of the server) and,
   when a password is set, a 0600 config file with ``requirepass`` so the password is not
   visible in ``ps``;
@@ -340,7 +346,7 @@ class RedisServer:
             "--protected-mode", "yes",
             "--save", "",
             "--appendonly", "yes" if self._data_dir is not None else "no",
-            "--appendfsync", "everysec",
+            "--appendfsync", "no",  # written before it answers (see the module)
             "--dir", str(tmpdir),
             "--daemonize", "no",
             "--logfile", "",  # log to stdout, which goes to redis.log
