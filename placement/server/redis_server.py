@@ -10,9 +10,9 @@ get a real server per session. The server it starts:
   writes each write to the file before it answers, and leaves flushing to the kernel.
   With ``everysec`` it postpones that write, for up to 2 s, while an fsync of its own is
   still running (a busy disk), yet answers the clients: a kill in that window lost
-  acknowledged writes (a test saw it). What ``no`` gives up, writes in the kernel's cache
-  when the machine itself goes down, matters not here: a new `gpufleet up` starts an
-  empty fleet anyway;
+  acknowledged writes (a test saw it). The price: on a busy disk a write may make Redis
+  wait. What ``no`` gives up, writes in the kernel's cache when the machine itself goes
+  down, matters not here: a new `gpufleet up` starts an empty fleet anyway;
 * keeps in that directory its log (``redis.log``: stdout and stderr of the server) and,
   when a password is set, a 0600 config file with ``requirepass`` so the password is not
   visible in ``ps``;
