@@ -156,11 +156,11 @@ def _cut(row: list[int], eos: int) -> list[int]:
 def _stream_one(prompt: str, new: int, go: threading.Barrier) -> tuple[float, bool, str]:
     """One streamed call, sent once `go` opens: its TTFT (ms, from its own send), whether
     its pieces joined equal its answer, and its error ("" when none)."""
-    from tasks.api import infer
+    from tasks.api import infer  # imported by `_call_threads` before any thread starts
     from tasks.app import app
     from tasks.serving import streams
 
-    go.wait()
+    go.wait(timeout=CALL_TIMEOUT_S)
     start = time.perf_counter()
     ttft = 0.0
     try:
@@ -181,6 +181,8 @@ def _call_threads(
 ) -> tuple[list[tuple[int, float, bool, str]], float]:
     """A thread per call of `indices`, all sent at once after `before()` returns: each
     one's (index, TTFT, joined right, error), and when they were let go."""
+    import tasks.api  # noqa: F401 - before the threads: none may still be importing at `go`
+
     go = threading.Barrier(len(indices) + 1)
     done: list[tuple[int, float, bool, str]] = []
 
@@ -191,7 +193,7 @@ def _call_threads(
     for thread in threads:
         thread.start()
     before()
-    go.wait()
+    go.wait(timeout=CALL_TIMEOUT_S)
     start = time.perf_counter()
     for thread in threads:
         thread.join()
@@ -200,8 +202,12 @@ def _call_threads(
 
 def _callers(calls: list[tuple[str, int]], indices: list[int], ready: Any, out: Any) -> None:
     """A caller process (`streamed_once`): its calls sent once every process is `ready`;
-    puts each one's (index, TTFT, joined right, error) on `out`."""
-    done, _ = _call_threads(calls, indices, ready.wait)
+    puts each one's (index, TTFT, joined right, error) on `out`. One short call first
+    opens its connections (broker, results, registry), as the parent's are open already."""
+    from tasks.api import infer
+
+    infer.delay(MODEL, "warm", {"max_new_tokens": 1}).get(timeout=CALL_TIMEOUT_S)
+    done, _ = _call_threads(calls, indices, lambda: ready.wait(timeout=CALL_TIMEOUT_S))
     for row in done:
         out.put(row)
 
@@ -226,13 +232,17 @@ def streamed_once(calls: list[tuple[str, int]], processes: int) -> dict[str, Any
             )
             for p in range(processes)
         ]
-        for worker in workers:
-            worker.start()
-        ready.wait()
-        start = time.perf_counter()
-        results = [out.get(timeout=CALL_TIMEOUT_S) for _ in calls]
-        for worker in workers:
-            worker.join()
+        try:
+            for worker in workers:
+                worker.start()
+            ready.wait(timeout=CALL_TIMEOUT_S)
+            start = time.perf_counter()
+            results = [out.get(timeout=CALL_TIMEOUT_S) for _ in calls]
+        finally:
+            for worker in workers:
+                worker.join(timeout=CALL_TIMEOUT_S)
+                if worker.is_alive():
+                    worker.terminate()
     seconds = time.perf_counter() - start
     for index, first, joined, error in results:
         ttft[index], joined_right[index] = first, joined
@@ -274,8 +284,9 @@ def lone_ttft(prompt: str, new: int, count: int) -> float:
         first = 0.0
         for _piece in generate.stream(MODEL, prompt, max_new_tokens=new, timeout=CALL_TIMEOUT_S):
             first = first or (time.perf_counter() - start) * 1000
-        times.append(first)
-    return percentile(times, 50)
+        if first:  # a call that streamed no text has no TTFT
+            times.append(first)
+    return percentile(times, 50) if times else float("nan")
 
 
 def _tokens(answers: list[dict[str, Any]]) -> list[list[int]]:

@@ -494,6 +494,7 @@ def test_a_prefill_pass_that_runs_out_of_memory_runs_in_halves_with_the_same_tok
         engine.add(sequence)
     engine.run()
     assert _Tight.passes == [2, 2, 2, 2]  # 8 did not fit, nor 4: halved twice
+    assert engine.prefill_tokens == 40  # half the 80 padded tokens that did not fit last
     for sequence, (prompt, new) in zip(calls, prompts, strict=True):
         assert sequence.tokens == _alone(model, prompt, Options(max_new_tokens=new))
     _Tight.room = 10

@@ -6,7 +6,8 @@ get a real server per session. The server it starts:
 * listens on 127.0.0.1 only, with ``protected-mode yes``;
 * keeps nothing (no RDB snapshots, no AOF) in a fresh temporary directory (``dir``), or,
   given a `data_dir`, an append-only file there, so that a crashed server started again
-  with `restart` replays every write it acknowledged. ``appendfsync no``: Redis then
+  with `restart` replays every write it acknowledged (barring a write to the file that
+  failed: a full disk, after which Redis refuses writes). ``appendfsync no``: Redis then
   writes each write to the file before it answers, and leaves flushing to the kernel.
   With ``everysec`` it postpones that write, for up to 2 s, while an fsync of its own is
   still running (a busy disk), yet answers the clients: a kill in that window lost

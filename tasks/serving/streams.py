@@ -2,8 +2,9 @@
 
 A call sent with `params={"stream": true}` gets a Redis Stream named
 `gpufleet-stream-<task id>`: the GPU worker appends an entry ``{"start": "1"}``, then each
-new piece of text as an entry ``{"i": prompt index, "t": text}`` (one pipeline per decode
-step for every streaming call of the batch), then an entry ``{"end": finish reason}`` when
+new piece of text as an entry ``{"i": prompt index, "t": text}`` (one pipeline for every
+streaming call of the batch after a step's prefill, when it had one, and one after the
+step), then an entry ``{"end": finish reason}`` when
 the call is done (``error`` when it failed). The stream expires `TTL_S` after its last
 write. A call that runs again (its worker was lost) writes a second ``start`` and its text
 from the beginning; `read` skips what it already handed out. A caller reads the stream
@@ -37,7 +38,8 @@ def key(task_id: str) -> str:
 
 
 class Writer:
-    """Collects the text pieces of a batch's streaming calls and writes them once per step."""
+    """Collects the text pieces of a batch's streaming calls and writes them in one round
+    trip, after a step's prefill and after the step."""
 
     def __init__(self, client: redis.Redis) -> None:
         self._client = client

@@ -127,6 +127,8 @@ class Engine:
         # On a GPU a pass of a model this engine serves is mostly kernel launches, so
         # padding costs little next to another pass; on a CPU it is compute.
         self.merge_prefill = device.type == "cuda" if merge_prefill is None else merge_prefill
+        if prefill_tokens is not None and prefill_tokens < 1:
+            raise ValueError(f"prefill_tokens must be at least 1, got {prefill_tokens}")
         self.prefill_tokens = prefill_tokens or default_prefill_tokens(device)
         # Told after a step's prefill, before its decode: newcomers' first tokens can go
         # out a decode step sooner (a stream's writer flushes here).
@@ -287,8 +289,10 @@ class Engine:
     def _prefill_group(self, sequences: list[Sequence_]) -> None:
         """One pass over prompts, left-padded to the longest (as `generate` does), then
         their rows join the batch with their first tokens. A pass of several prompts that
-        runs out of device memory runs again in two halves (nothing joined the batch yet);
-        one prompt that does not fit alone raises, as any error of the model does."""
+        runs out of device memory runs again in two halves (nothing joined the batch yet,
+        no token was drawn), and this engine's later steps take at most half that pass's
+        padded tokens; one prompt that does not fit alone raises, as any error of the
+        model does."""
         width = max(len(s.prompt) for s in sequences)
         ids = torch.zeros((len(sequences), width), dtype=torch.long)
         mask = torch.zeros((len(sequences), width), dtype=torch.long)
@@ -303,14 +307,15 @@ class Engine:
             if len(sequences) == 1:
                 raise
             out = None  # split below, once the error (and the frames it holds) is gone
-        if out is None:
+        if out is None:  # the allocator freed its cached blocks before it raised
             del ids, mask, positions
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
             half = len(sequences) // 2
+            padded = len(sequences) * width
+            self.prefill_tokens = max(1, min(self.prefill_tokens, padded // 2))
             log.warning(
                 "a prefill pass of %d prompts (%d tokens wide) ran out of memory; running"
-                " it as two passes", len(sequences), width,
+                " it as two passes, and later steps take at most %d prompt tokens",
+                len(sequences), width, self.prefill_tokens,
             )  # fmt: skip
             self._prefill_group(sequences[:half])
             self._prefill_group(sequences[half:])
