@@ -22,7 +22,7 @@ stage "activating .venv"
 . .venv/bin/activate
 
 # torch first: here it resolves to a local CPU wheel. Installed before the project, it
-# satisfies the `torch>=2.3` dependency, so pip does not pull a multi-GB CUDA build.
+# satisfies the `torch>=2.5` dependency, so pip does not pull a multi-GB CUDA build.
 stage "pip install torch==2.13.0 (CPU wheel, before the project)"
 python -m pip install -q torch==2.13.0
 
