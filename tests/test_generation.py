@@ -20,7 +20,7 @@ from worker.generation import params as gen_params
 from worker.generation.engine import Engine, Options, Sequence_
 from worker.generation.replica import replica_engine
 from worker.generation.sampling import Choice
-from worker.generation.serving import GenCall, Generated, run_calls
+from worker.generation.serving import Fixed, GenCall, Generated, run_calls
 from worker.generation.text import Detokenizer
 from worker.synthetic import build_synthetic
 
@@ -308,36 +308,24 @@ def test_a_generation_model_s_reservation_holds_its_kv_budget_in_bytes() -> None
         Catalog.from_mapping({"models": {"e": forward}})
 
 
-class _CancellingFeed:
+class _CancellingFeed(Fixed):
     """A feed of two calls that asks to stop the second at its third take."""
 
     def __init__(self) -> None:
-        self.calls = [
-            GenCall("a", "first call", {"max_new_tokens": 30}),
-            GenCall("b", ["second", "call"], {"max_new_tokens": 30}),
-        ]
+        super().__init__(
+            [
+                GenCall("a", "first call", {"max_new_tokens": 30}),
+                GenCall("b", ["second", "call"], {"max_new_tokens": 30}),
+            ]
+        )
         self.takes = 0
-        self.outcomes: dict[str, Any] = {}
 
     def take(self, wait: float) -> list[GenCall]:
         self.takes += 1
-        calls, self.calls = self.calls, []
-        return calls
+        return super().take(wait)
 
     def cancelled(self) -> list[str]:
         return ["b"] if self.takes == 3 else []
-
-    def finished(self, call: GenCall, outcome: Any) -> None:
-        self.outcomes[call.key] = outcome
-
-    def more(self) -> bool:
-        return False
-
-    def holding(self, tokens: int) -> None:
-        pass
-
-    def streamed(self) -> None:
-        pass
 
 
 def test_a_call_its_feed_cancels_stops_every_prompt_and_the_others_run_on(

@@ -12,6 +12,7 @@ import torch
 from placement.catalog.catalog import Catalog, ModelSpec
 from tests.fleets import GiB
 from worker.devices import simulated_devices
+from worker.generation.serving import Fixed
 from worker.measuring import Spans
 from worker.residency import ResidencyManager
 
@@ -95,11 +96,12 @@ def test_each_load_move_and_pass_runs_in_one_span_and_a_warm_up_in_its_loads() -
         manager.drop_all()
 
 
-class _LookingFeed:
+class _LookingFeed(Fixed):
     """A generation feed with no calls that, from inside the generation, begins a span as
     a load beside it would."""
 
     def __init__(self, spans: Spans) -> None:
+        super().__init__([])
         self.spans = spans
         self.seen: list[bool] = []  # whether each such span began alone
 
@@ -108,20 +110,8 @@ class _LookingFeed:
             self.seen.append(beside.alone)
         return []
 
-    def cancelled(self) -> list[str]:
-        return []
-
     def finished(self, call: Any, outcome: Any) -> None:
         raise AssertionError("no call was fed")
-
-    def more(self) -> bool:
-        return False
-
-    def holding(self, tokens: int) -> None:
-        pass
-
-    def streamed(self) -> None:
-        pass
 
 
 def test_a_generation_runs_in_one_span_so_a_load_beside_it_keeps_no_figure() -> None:
