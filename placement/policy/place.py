@@ -181,6 +181,11 @@ def _victim_pool(gpu: Gpu, view: Planning) -> list[Deployment]:
     return [d for d in view.by_gpu.get(gpu.id, []) if d.evictable and d.model not in keep]
 
 
+def _reach(gpu: Gpu, view: Planning) -> int:
+    """What `gpu` could hold for this placement: its free bytes and its victims'."""
+    return gpu.free + sum(d.gpus[gpu.id] for d in _victim_pool(gpu, view))
+
+
 def _fit(
     gpu: Gpu, request: int, freed: int, view: Planning, choice: GpuChoice
 ) -> tuple[float, ...]:
@@ -495,15 +500,7 @@ def _why_not(
     free = max(
         f[-1] for s in room_of(view.snap).shapes.values() for n, _, f in s.layout if n in allowed
     )
-    reach = max(
-        [free]
-        + [
-            gpu.free + sum(d.gpus[gpu.id] for d in _victim_pool(gpu, view))
-            for g in groups
-            if g.idle
-            for gpu in g.gpus.values()
-        ]
-    )
+    reach = max([free, *(_reach(gpu, view) for g in groups if g.idle for gpu in g.gpus.values())])
     most_free, most_reach = format_size(free), format_size(reach)
     if slots:
         own = (
