@@ -35,7 +35,7 @@ fit on a GPU, a third does not, and 2 x GPUs + 2 of them are called round robin,
 call still misses. `--gpu` (N defaults to 2) serves them on the real GPUs, one worker per
 GPU, the raw load onto `cuda:0`, and adds `raw_h2d_ms`, one raw pinned host-to-device copy
 of the checkpoint's bytes: the floor of a warm miss. The warm fleet's cache holds every
-copy (each the power-of-two arena chunk it takes, `worker.arena`); issue 41.
+copy (each the arena chunk it takes, `worker.arena`); issue 41.
 
 Targets: `cold_miss_ratio` (cold miss p50 / raw load p50) <= 1.5, `warm_miss_ratio`
 (warm miss p50 / raw load p50) <= 0.5. Since a miss runs its call too, and on a CPU the
@@ -132,9 +132,8 @@ def checkpoint_setup(directory: Path, gib: float, gpu: bool) -> Setup:
         raise SystemExit(f"a {nbytes}-byte checkpoint does not fit {reserve} bytes: lower --gib")
     models = [f"m{i}" for i in range(2 * gpus + 2)]
     # what one copy's arena chunk pins: its tensors page-aligned (under 1/64 more here,
-    # tensors of at least 256 KiB), the power of two above, and never under one CHUNK
-    region = nbytes + nbytes // 64
-    chunk = max(CHUNK, 1 << (region - 1).bit_length())
+    # tensors of at least 256 KiB), and never under one CHUNK
+    chunk = max(CHUNK, nbytes + nbytes // 64)
     warm = f"{len(models) * chunk >> 20}MiB"
     return Setup(models, str(path), "forward", reserve, sim_gpus, warm, nbytes)
 

@@ -95,16 +95,19 @@ def load_on(arg: str) -> dict[str, Any]:
 
 def offload_restore(arg: str) -> dict[str, Any]:
     """Load, offload and restore MiniLM, then offload it again; report device memory by
-    torch and NVML, and what the pinned arena held at each step."""
+    torch and NVML, and what the pinned arena held at each step (before the load, once it
+    pinned ahead after the load, after each offload)."""
     devices = _devices()
     first, second = devices[0], devices[int(arg)]
     manager = ResidencyManager(devices, HOST, arena_bytes=GiB)
     assert manager.arena is not None
     spec = Catalog.load(REPO / "models.yaml").get("minilm")
+    arena = [manager.arena.pinned]
     manager.load(spec, "r1", {first.gpu_id(HOST): GiB})
     before = manager.infer("r1", "same input")
     loaded = (torch.cuda.memory_reserved(0), _nvml_used(first.index))
-    arena = [manager.arena.pinned]
+    assert manager.arena.settle(30)  # room for its copy, pinned ahead on the arena's thread
+    arena.append(manager.arena.pinned)
     offload = manager.offload("r1")
     offloaded = (torch.cuda.memory_reserved(0), _nvml_used(first.index))
     arena.append(manager.arena.pinned)

@@ -1,15 +1,18 @@
 """The pinned arena's bookkeeping (`worker.arena`), on plain host memory: what a CUDA host
-pins is the same bytes, so the regions, reuse, limits and fragmentation are tested here;
-the pinned copies themselves run in tests/test_gpu.py."""
+pins is the same bytes, so the regions, reuse, limits, fragmentation and the pinning
+thread are tested here; the pinned copies themselves run in tests/test_gpu.py."""
 
 from __future__ import annotations
 
+import gc
 import itertools
 import random
+import threading
 
 import pytest
 import torch
 
+from worker import arena as arena_module
 from worker.arena import ALIGN, PinnedArena, Region, align, layout
 
 MiB = 2**20
@@ -40,14 +43,13 @@ def test_the_arena_never_pins_past_its_capacity_and_has_room_again_once_copies_l
     assert arena.reserve(3 * MiB) == region
 
 
-def test_a_copy_larger_than_a_chunk_gets_a_power_of_two_chunk_whose_rest_serves_others() -> None:
+def test_a_copy_larger_than_a_chunk_gets_a_chunk_of_its_own_size() -> None:
     arena = _arena(64 * MiB, chunk=4 * MiB)
     big = arena.reserve(10 * MiB + 5)
     assert big is not None and big.size == align(10 * MiB + 5)
-    assert arena.pinned == 16 * MiB  # what PyTorch's pinned allocator pins for 10 MiB
-    assert arena.free == 16 * MiB - big.size
-    rest = arena.reserve(5 * MiB)  # fits in the big chunk's rest: no chunk added
-    assert rest is not None and rest.chunk == big.chunk and arena.pinned == 16 * MiB
+    assert arena.pinned == big.size and arena.free == 0  # registered memory needs no rounding
+    small = arena.reserve(MiB)  # a chunk of the usual size
+    assert small is not None and small.chunk != big.chunk and arena.pinned == big.size + 4 * MiB
 
 
 def test_a_trimmed_region_keeps_what_its_copy_used_and_the_rest_serves_others() -> None:
@@ -67,9 +69,10 @@ def test_a_trimmed_region_keeps_what_its_copy_used_and_the_rest_serves_others() 
 
 
 def test_a_chunk_that_would_pin_past_the_capacity_is_not_pinned() -> None:
-    arena = _arena(12 * MiB, chunk=4 * MiB)
-    assert arena.reserve(10 * MiB) is None  # its chunk would be 16 MiB
-    assert arena.pinned == 0
+    arena = _arena(8 * MiB, chunk=4 * MiB)
+    assert arena.reserve(10 * MiB) is None
+    arena.prepare(10 * MiB)
+    assert arena.settle(5) and arena.pinned == 0
 
 
 def test_releasing_a_region_twice_is_refused() -> None:
@@ -131,3 +134,117 @@ def test_tensors_copied_into_a_region_s_slices_come_back_intact() -> None:
         assert view.dtype == tensor.dtype and torch.equal(view, tensor)
     with pytest.raises(ValueError, match="do not fit"):
         arena.view(region, total, torch.float32, torch.Size([1]))
+
+
+class _Recording:
+    """Makes plain chunks, noting the thread of each; `gate` holds each until set, and
+    `called` is set once the first is asked for."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.threads: list[str] = []
+        self.gate = threading.Event()
+        self.gate.set()
+        self.called = threading.Event()
+        self.fail = fail
+
+    def __call__(self, nbytes: int) -> torch.Tensor:
+        self.threads.append(threading.current_thread().name)
+        self.called.set()
+        self.gate.wait(10)
+        if self.fail:
+            raise RuntimeError("cudaHostRegister failed")
+        return torch.zeros(nbytes, dtype=torch.uint8)
+
+
+def _reserving(arena: PinnedArena, nbytes: int, got: list[Region | None]) -> threading.Thread:
+    thread = threading.Thread(target=lambda: got.append(arena.reserve(nbytes)))
+    thread.start()
+    return thread
+
+
+def test_prepared_room_is_pinned_on_the_arena_s_thread_and_the_next_copy_pins_nothing() -> None:
+    chunks = _Recording()
+    arena = PinnedArena(64 * MiB, chunks, 4 * MiB)
+    arena.prepare(3 * MiB)
+    assert arena.settle(5) and arena.pinned == 4 * MiB
+    region = arena.reserve(3 * MiB)
+    assert region is not None and region.chunk == 0
+    assert arena.settle(5) and arena.pinned == 4 * MiB  # nothing pinned while the copy runs
+    arena.prepare(3 * MiB)  # as the worker asks once its offload ran: room for the next one
+    assert arena.settle(5) and arena.pinned == 8 * MiB
+    assert chunks.threads == ["gpufleet-pinning"] * 2
+
+
+def test_a_copy_with_no_room_waits_for_the_arena_s_thread_and_never_pins_itself() -> None:
+    chunks = _Recording()
+    chunks.gate.clear()
+    arena = PinnedArena(64 * MiB, chunks, 4 * MiB)
+    got: list[Region | None] = []
+    copy = _reserving(arena, 6 * MiB, got)
+    assert chunks.called.wait(5)  # the arena's thread pins the copy's chunk...
+    copy.join(0.2)
+    assert copy.is_alive() and not got  # ...while the copy waits for it
+    chunks.gate.set()
+    copy.join(5)
+    assert got and got[0] is not None and got[0].size == 6 * MiB
+    assert chunks.threads == ["gpufleet-pinning"]
+
+
+def test_a_copy_waits_for_the_prepared_chunk_being_pinned_even_when_no_other_would_fit() -> None:
+    chunks = _Recording()
+    chunks.gate.clear()
+    arena = PinnedArena(12 * MiB, chunks, 4 * MiB)  # room for one 10 MiB chunk, not two
+    arena.prepare(10 * MiB)
+    assert chunks.called.wait(5)
+    got: list[Region | None] = []
+    copy = _reserving(arena, 10 * MiB, got)
+    copy.join(0.2)
+    assert copy.is_alive() and not got
+    chunks.gate.set()
+    copy.join(5)
+    assert got == [Region(0, 0, 10 * MiB)] and arena.pinned == 10 * MiB
+
+
+def test_two_copies_waiting_for_room_both_get_a_chunk() -> None:
+    chunks = _Recording()
+    chunks.gate.clear()
+    arena = PinnedArena(64 * MiB, chunks, 4 * MiB)
+    got: list[Region | None] = []
+    copies = [_reserving(arena, 6 * MiB, got) for _ in range(2)]
+    assert chunks.called.wait(5)
+    chunks.gate.set()
+    for copy in copies:
+        copy.join(5)
+    assert len(got) == 2 and all(region is not None for region in got)
+    assert {region.chunk for region in got if region is not None} == {0, 1}
+
+
+def test_a_host_that_refuses_to_pin_leaves_copies_to_be_pinned_apart_then_is_asked_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    chunks = _Recording(fail=True)
+    arena = PinnedArena(64 * MiB, chunks, 4 * MiB)
+    assert arena.reserve(MiB) is None  # the caller pins this copy apart
+    arena.prepare(MiB)
+    assert arena.settle(5)
+    assert arena.reserve(MiB) is None and chunks.threads == ["gpufleet-pinning"]  # tried once
+    assert arena.pinned == 0
+    monkeypatch.setattr(arena_module, "RETRY_S", 0.0)  # the back-off is over
+    chunks.fail = False
+    region = arena.reserve(MiB)
+    assert region is not None and arena.pinned == 4 * MiB and len(chunks.threads) == 2
+
+
+def test_no_room_is_pinned_while_none_is_wanted_and_a_dropped_arena_ends_its_thread() -> None:
+    chunks = _Recording()
+    arena = PinnedArena(64 * MiB, chunks, 4 * MiB)
+    arena.prepare(0)
+    assert arena.settle(5) and arena.pinned == 0 and arena._thread is None
+    arena.prepare(MiB)
+    assert arena.settle(5) and arena.pinned == 4 * MiB
+    thread = arena._thread
+    assert thread is not None
+    del arena
+    gc.collect()
+    thread.join(5)
+    assert not thread.is_alive()

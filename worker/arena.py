@@ -1,31 +1,44 @@
-"""A pinned arena for warm copies: host memory pinned once, in large chunks, and reused.
+"""A pinned arena for warm copies: host memory pinned ahead of need, in large chunks, and reused.
 
-Pinning host memory (`cudaHostAlloc`) is slow, about 0.5 s a GiB on an H200 host, and an
+Pinning host memory is slow (`cudaHostAlloc`: about 0.5 s a GiB on an H200 host), and an
 offload that pins a fresh block for every tensor spends most of its time there: 2.1 GB/s
 against 55 GB/s for a copy into memory pinned beforehand (issue 41). So a GPU worker keeps
-its warm copies in an arena: chunks of pinned memory allocated when the arena first needs
-them and kept for the worker's life. An offload takes one region for the whole copy and
-copies each tensor into its own aligned slice of it; a restore or a drop gives the region
-back. Nothing is pinned again for the next eviction.
+its warm copies in an arena: chunks of pinned memory kept for the worker's life. An offload
+takes one region for the whole copy and copies each tensor into its own aligned slice of
+it; a restore or a drop gives the region back. Nothing is pinned again for the next eviction.
 
-Regions never span chunks. A chunk is `CHUNK` bytes, or the power of two that holds one
-copy that needs more (what PyTorch's pinned allocator would pin for it anyway; the rest of
-that chunk is room for other copies); chunks stop being added at `capacity` (the worker's
-share of the host's warm cache, which the ledger already charges). Free space is kept per
-chunk as sorted, coalesced extents, and a region goes in the first extent it fits (first
-fit). When no extent fits and no chunk may be added, `reserve` answers None, and the
-caller pins the copy the old way (`worker.loading.to_cpu`): slower, never refused.
+Pinning happens off the call path, on the arena's own thread:
+- `prepare(nbytes)` asks it to keep room for one copy of `nbytes` (the worker asks for the
+  largest copy it holds on a GPU, so the next eviction finds its room pinned);
+- `reserve` waits for that thread only when no free extent holds the copy; it never pins
+  on the caller's thread.
+A chunk is memory mapped by the process and registered with CUDA (`cudaHostRegister`, as
+PyTorch's own checkpoint stager pins), not `cudaHostAlloc`'d: issue 41 measured 0.12 s to
+register a 2 GiB mapping against 1.08 s to allocate as much pinned, with copies at the same
+55 GB/s. A failed CUDA runtime call leaves its error in the calling thread's last-error
+slot, which PyTorch's next kernel-launch check would read as its own; on the arena's
+thread no kernel is launched. When the host refuses a chunk, the arena stops growing for
+`RETRY_S`, and copies that find no room meanwhile are pinned apart.
+
+Regions never span chunks. A chunk is `CHUNK` bytes, or the size of the one copy that
+needs more; chunks stop being added at `capacity` (the worker's share of the host's warm
+cache, which the ledger already charges). Free space is kept per chunk as sorted,
+coalesced extents, and a region goes in the first extent it fits (first fit). When no
+extent fits and no chunk may be added, `reserve` answers None, and the caller pins the
+copy the old way (`worker.loading.to_cpu`): slower, never refused.
 
 The arena is per process: warm copies live where the process that offloaded them can see
-them. A host-wide arena shared by the GPU workers of a host (memory registered with CUDA in
-each) would let another worker restore a copy onto its own GPU; it is not built yet.
+them (docs/worker.md says why a host-wide arena is not built).
 """
 
 from __future__ import annotations
 
 import bisect
 import logging
+import mmap
 import threading
+import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -33,18 +46,13 @@ import torch
 
 log = logging.getLogger(__name__)
 
-CHUNK = 256 * 2**20  # bytes pinned at a time (a default, not tuned: 0.1-0.2 s of pinning)
+CHUNK = 256 * 2**20  # bytes pinned at a time at least (a default, not tuned)
 ALIGN = 4096  # every region and slice starts on a page
+RETRY_S = 60.0  # after the host refused a chunk, how long the arena stops growing (not tuned)
 
 
 def align(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
-
-
-def _power_of_two(nbytes: int) -> int:
-    """PyTorch's pinned allocator rounds every block up to a power of two: a chunk of any
-    other size would pin more than the arena counts."""
-    return 1 << (nbytes - 1).bit_length()
 
 
 @dataclass(frozen=True)
@@ -59,8 +67,10 @@ class Region:
 class PinnedArena:
     """Chunks of (pinned) host memory and their free extents (see the module).
 
-    `allocate(nbytes)` makes one chunk: pinned memory on a CUDA host, plain memory in tests.
-    Thread-safe: the keeper offloads and drops, a load's failure may drop.
+    `allocate(nbytes)` makes one chunk: pinned memory on a CUDA host, plain memory in tests;
+    it runs on the arena's thread only, and may raise (the host could not map or pin it: the
+    arena then stops growing for `RETRY_S`). Thread-safe: the keeper offloads and drops, a load's
+    failure may drop, the worker prepares.
     """
 
     def __init__(
@@ -68,49 +78,63 @@ class PinnedArena:
     ) -> None:
         self.capacity = capacity
         self._allocate = allocate
-        self._chunk = _power_of_two(align(chunk))
+        self._chunk = align(chunk)
         self._chunks: list[torch.Tensor] = []
         self._free: list[list[tuple[int, int]]] = []  # per chunk: sorted (offset, size)
-        self._lock = threading.Lock()
+        self._changed = threading.Condition()  # guards all of the below and the above
+        self._wanted = 0  # the copy to keep room for (`prepare`)
+        self._waiting: list[int] = []  # sizes `reserve` waits for, oldest first
+        self._pinning = 0  # bytes the arena's thread pins now
+        self._asked = False  # `prepare` asked for room that is not pinned yet
+        self._refused_at: float | None = None  # when the host last refused a chunk
+        self._thread: threading.Thread | None = None
 
     @property
     def pinned(self) -> int:
         """Bytes the arena holds (its chunks), used or not."""
-        return sum(int(c.numel()) for c in self._chunks)
+        with self._changed:
+            return sum(int(c.numel()) for c in self._chunks)
 
     @property
     def free(self) -> int:
-        with self._lock:
+        with self._changed:
             return sum(size for extents in self._free for _, size in extents)
+
+    def prepare(self, nbytes: int) -> None:
+        """Keep room for one copy of `nbytes` pinned ahead, on the arena's thread (0: none).
+        Returns at once."""
+        with self._changed:
+            self._wanted = align(nbytes) if nbytes > 0 else 0
+            if self._wanted:
+                self._asked = True
+                self._wake()
+
+    def settle(self, timeout: float | None = None) -> bool:
+        """Wait until the arena's thread has pinned what it was asked to; False on timeout."""
+        with self._changed:
+            return self._changed.wait_for(lambda: not self._asked and not self._pinning, timeout)
 
     def reserve(self, nbytes: int) -> Region | None:
         """A region of at least `nbytes`, or None when neither a free extent nor a new
-        chunk within the capacity can hold it."""
+        chunk within the capacity can hold it. Waits only while the arena's thread pins
+        the chunk that will hold it."""
         size = align(max(nbytes, 1))
-        with self._lock:
-            for index, extents in enumerate(self._free):
-                for position, (offset, room) in enumerate(extents):
-                    if room >= size:
-                        if room == size:
-                            del extents[position]
-                        else:
-                            extents[position] = (offset + size, room - size)
-                        return Region(index, offset, size)
-            grow = _power_of_two(max(self._chunk, size))
-            if self.pinned + grow > self.capacity:
-                return None
+        with self._changed:
+            region = self._fit(size)
+            self._waiting.append(size)
             try:
-                chunk = self._allocate(grow)
-            except (RuntimeError, torch.OutOfMemoryError) as exc:  # the host could not pin it
-                log.warning("could not pin %d more bytes for warm copies: %s", grow, exc)
-                return None
-            self._chunks.append(chunk)
-            self._free.append([(size, grow - size)] if grow > size else [])
-            return Region(len(self._chunks) - 1, 0, size)
+                # the chunk being pinned may be the room this copy needs
+                while region is None and (self._pinning or self._may_grow(size)):
+                    self._wake()  # again each time: another copy may have taken the chunk
+                    self._changed.wait()
+                    region = self._fit(size)
+                return region
+            finally:
+                self._waiting.remove(size)
 
     def release(self, region: Region) -> None:
         """Give a region back; it joins the free extents around it."""
-        with self._lock:
+        with self._changed:
             extents = self._free[region.chunk]
             start, size = region.offset, region.size
             position = bisect.bisect_left(extents, (start, 0))
@@ -126,6 +150,7 @@ class PinnedArena:
                 del extents[position - 1]
                 position -= 1
             extents.insert(position, (start, size))
+            self._changed.notify_all()
 
     def trim(self, region: Region, nbytes: int) -> Region:
         """Keep the first `nbytes` of `region` (rounded up to a page) and give the rest back:
@@ -147,6 +172,104 @@ class PinnedArena:
         raw = self._chunks[region.chunk][start : start + nbytes]
         return raw.view(dtype).view(shape)
 
+    # --- under `_changed` -----------------------------------------------------
+
+    def _fit(self, size: int) -> Region | None:
+        """Take `size` bytes from the first free extent that holds them."""
+        for index, extents in enumerate(self._free):
+            for position, (offset, room) in enumerate(extents):
+                if room >= size:
+                    if room == size:
+                        del extents[position]
+                    else:
+                        extents[position] = (offset + size, room - size)
+                    return Region(index, offset, size)
+        return None
+
+    def _grow(self, size: int) -> int:
+        return max(self._chunk, size)
+
+    def _may_grow(self, size: int) -> bool:
+        """Whether a chunk for `size` may still be added (after the one being pinned): not
+        for `RETRY_S` after the host refused one, nor past the capacity."""
+        if self._refused_at is not None and time.monotonic() - self._refused_at < RETRY_S:
+            return False
+        held = sum(int(c.numel()) for c in self._chunks) + self._pinning
+        return held + self._grow(size) <= self.capacity
+
+    def _wake(self) -> None:
+        """Wake the arena's thread (started on the first call)."""
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=_pin_ahead,
+                args=(weakref.ref(self), self._changed),
+                name="gpufleet-pinning",
+                daemon=True,
+            )
+            self._thread.start()
+            weakref.finalize(self, _notify, self._changed)  # a dropped arena ends it
+        self._changed.notify_all()
+
+    def _take_due(self) -> int | None:
+        """The chunk the thread should pin now, marked as being pinned, or None: for the
+        oldest waiting copy that no free extent holds, else once for each `prepare` whose
+        copy no free extent holds. A copy that takes the prepared room asks for nothing:
+        no chunk is pinned while its copies run, and the worker prepares again after."""
+        largest = max((room for extents in self._free for _, room in extents), default=0)
+        grow = next(
+            (self._grow(n) for n in self._waiting if n > largest and self._may_grow(n)), None
+        )
+        if grow is None and self._asked:
+            wanted = self._wanted
+            if wanted > largest and self._may_grow(wanted):
+                grow = self._grow(wanted)
+            self._asked = False  # this ask is served (or cannot be)
+        self._pinning = grow or 0
+        return grow
+
+    def _pinned(self, grow: int, chunk: torch.Tensor | None) -> None:
+        """Add the chunk the thread pinned (None: the host refused it)."""
+        self._pinning = 0
+        if chunk is None:
+            self._refused_at = time.monotonic()
+        else:
+            self._chunks.append(chunk)
+            self._free.append([(0, grow)])
+        self._changed.notify_all()
+
+
+def _pin_ahead(ref: weakref.ref[PinnedArena], changed: threading.Condition) -> None:
+    """The arena's thread: pin the chunks it is asked for, one at a time outside the lock,
+    then wait for the next ask. It holds the arena only weakly while it waits, so a
+    dropped arena ends it."""
+    while True:
+        with changed:
+            arena = ref()
+            if arena is None:
+                return
+            grow = arena._take_due()
+            if grow is None:
+                del arena  # may be the last reference: its finalizer then notified no one
+                if ref() is None:
+                    return
+                changed.notify_all()  # `settle`
+                changed.wait()
+                continue
+        chunk: torch.Tensor | None = None
+        try:
+            chunk = arena._allocate(grow)
+        except Exception as exc:  # the host could not map or pin it
+            log.warning("could not pin %d more bytes for warm copies: %s", grow, exc)
+        finally:  # whatever happened, no copy waits for this chunk any more
+            with changed:
+                arena._pinned(grow, chunk)
+        del arena, chunk
+
+
+def _notify(changed: threading.Condition) -> None:
+    with changed:
+        changed.notify_all()
+
 
 def layout(tensors: list[torch.Tensor]) -> tuple[list[int], int]:
     """Each tensor's offset in one region, each slice page-aligned, and the region's size."""
@@ -157,9 +280,41 @@ def layout(tensors: list[torch.Tensor]) -> tuple[list[int], int]:
     return offsets, total
 
 
-def pinned_chunk(nbytes: int) -> torch.Tensor:
-    """One chunk of pinned host memory."""
-    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+def registered_chunk(nbytes: int) -> torch.Tensor:
+    """One chunk of pinned host memory: a private anonymous mapping registered with CUDA
+    for every context (`cudaHostRegisterPortable`), unregistered when the chunk is collected.
+
+    Both run on a device where the process already has a context (as PyTorch's pinned
+    allocator does), so pinning never opens one on another worker's GPU; with no context
+    anywhere yet it raises instead.
+    """
+    cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+    device = _opened_device()
+    chunk = torch.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE), dtype=torch.uint8)
+    with torch.cuda.device(device):
+        error = int(cudart.cudaHostRegister(chunk.data_ptr(), nbytes, 1))
+    if error:
+        raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed: CUDA error {error}")
+    # unregistered before the mapping can go: no later mapping at the same address finds
+    # it registered still
+    finalizer = weakref.finalize(chunk, _unregister, chunk.data_ptr(), device)
+    finalizer.atexit = False  # the CUDA context may be gone by then
+    return chunk
 
 
-__all__ = ["ALIGN", "CHUNK", "PinnedArena", "Region", "align", "layout", "pinned_chunk"]
+def _opened_device() -> int:
+    """A CUDA device on which this process has a context already."""
+    opened = getattr(torch._C, "_cuda_hasPrimaryContext", None)
+    if opened is not None:
+        for index in range(torch.cuda.device_count()):
+            if opened(index):
+                return index
+    raise RuntimeError("no CUDA context in this process yet: nothing to pin memory for")
+
+
+def _unregister(pointer: int, device: int) -> None:
+    with torch.cuda.device(device):  # the context it was registered in, not a new one
+        torch.cuda.cudart().cudaHostUnregister(pointer)  # type: ignore[no-untyped-call]
+
+
+__all__ = ["ALIGN", "CHUNK", "PinnedArena", "Region", "align", "layout", "registered_chunk"]

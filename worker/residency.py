@@ -38,7 +38,7 @@ from placement.policy.state import Holding, Level
 from placement.rules.batching import UNBATCHED_TASKS
 from placement.units.memory import format_size, process_fraction
 from worker import handlers, loading
-from worker.arena import PinnedArena, Region, pinned_chunk
+from worker.arena import PinnedArena, Region, registered_chunk
 from worker.devices import Device
 from worker.generation import serving as generation
 from worker.generation.replica import replica_engine
@@ -142,9 +142,11 @@ class ResidencyManager:
         self._charged: dict[int, int] = {}  # simulated device index -> accounted bytes
         self._capped: set[int] = set()  # real devices whose fraction this process set
         self._pin = torch.cuda.is_available() and not all(d.simulated for d in devices)
-        # Warm copies go to host memory pinned once and reused (`worker.arena`): this
-        # process's share of the host's warm cache.
-        self.arena = PinnedArena(arena_bytes, pinned_chunk) if self._pin and arena_bytes else None
+        # Warm copies go to host memory pinned ahead of need and reused (`worker.arena`):
+        # this process's share of the host's warm cache.
+        self.arena = (
+            PinnedArena(arena_bytes, registered_chunk) if self._pin and arena_bytes else None
+        )
         # Per model: its weights' bytes on the device, and the peak last reported as its
         # learned memory. A call that needs more reports more (`_learn_from`).
         self._weights: dict[str, int] = {}
@@ -233,6 +235,7 @@ class ResidencyManager:
                 self.residents[replica] = resident
                 self._arrived(replica)
             peak = self._measure(resident, plan, simulated, baseline, built.via, span)
+        self._keep_room()
         log.info(
             "loaded %s (%s) in %.2fs via %s, peak %s",
             spec.name, replica, seconds, built.via, format_size(peak),
@@ -256,6 +259,7 @@ class ResidencyManager:
                     self._uncharge(plan, resident.accounted)
                 self._free_cuda()
                 self._set_caps()
+        self._keep_room()
         return Report(replica, "offload", seconds, resident.nbytes, devices=["cpu"])
 
     def restore(
@@ -291,6 +295,7 @@ class ResidencyManager:
             with self._lock:
                 resident.slots, resident.limit, resident.epoch = dict(slots), limit, epoch
                 self._arrived(replica)
+        self._keep_room()
         return Report(replica, "restore", seconds, resident.nbytes, devices=_names(plan, simulated))
 
     def _give_back(self, resident: Resident) -> None:
@@ -299,11 +304,29 @@ class ResidencyManager:
             self.arena.release(resident.region)
         resident.region = None
 
+    def _keep_room(self) -> None:
+        """Have the arena keep room pinned ahead for the next eviction: the largest copy
+        this process holds on a real GPU. One eviction then pins nothing on its path; the
+        arena pins again for the next one once it took that room (docs/worker.md)."""
+        if self.arena is None:
+            return
+        with self._lock:
+            largest = max(
+                (
+                    r.host_bytes
+                    for r in self.residents.values()
+                    if not r.warm and not self._plan(r.slots)[1]
+                ),
+                default=0,
+            )
+        self.arena.prepare(largest)
+
     def copy_bytes(self, replica: str) -> int:
         """Bytes a replica's copy takes in host memory once offloaded; 0 when not known.
 
-        A pinned copy (a real GPU's) counts its pinned blocks, which PyTorch rounds up to a
-        power of two each. A synthetic stand-in counts as its declared size, as on the
+        A pinned copy (a real GPU's) counts what it pins: in the arena, its tensors each
+        rounded up to a page; pinned apart, PyTorch's blocks, each rounded up to a power of
+        two. A synthetic stand-in counts as its declared size, as on the
         device, so it reports 0 and the ledger keeps charging that size.
         """
         resident = self.residents.get(replica)
@@ -360,6 +383,7 @@ class ResidencyManager:
             self._give_back(resident)
             resident.slots = {}  # a call that still holds it finds it gone...
             resident.model = None  # ...and cannot keep its tensors on the device
+        self._keep_room()
         return True
 
     def _release(self) -> None:
@@ -620,15 +644,15 @@ class ResidencyManager:
             ]
 
     def pinned_bytes(self) -> int:
-        """Host memory this process keeps pinned: its arena's chunks, or what PyTorch's
-        pinned allocator holds, which counts those chunks and any copy pinned apart (each
-        rounded up to a power of two), cached blocks included. 0 with no CUDA."""
+        """Host memory this process keeps pinned: its arena's chunks (registered with CUDA,
+        outside PyTorch's pinned allocator) and what that allocator holds: any copy pinned
+        apart (each rounded up to a power of two), cached blocks included. 0 with no CUDA."""
         arena = self.arena.pinned if self.arena is not None else 0
         stats = getattr(torch.cuda, "host_memory_stats", None)  # torch >= 2.7
         if not self._pin or stats is None:
             return arena
         # a figure that cannot be read leaves the last one standing (`WorkerLease._pinned`)
-        return max(arena, int(stats().get("allocated_bytes.current", 0)))
+        return arena + int(stats().get("allocated_bytes.current", 0))
 
     def fraction(self, index: int) -> float:
         """This process's memory fraction on local device `index`, as `_set_caps` sets it
