@@ -138,7 +138,7 @@ def test_a_calls_thread_reads_the_caps_under_the_keepers_lock() -> None:
     read = threading.Event()
 
     def call() -> None:
-        manager._reserved(0)  # what a batch's room is computed from
+        manager.device_caps.reserved(0)  # what a batch's room is computed from
         read.set()
 
     with manager._lock:  # the keeper, adding or removing a replica

@@ -36,9 +36,10 @@ from placement.errors import EvictedError, GpufleetError, PayloadError, Placemen
 from placement.ledger.registry import Registry
 from placement.policy.state import Holding, Level
 from placement.rules.batching import UNBATCHED_TASKS
-from placement.units.memory import format_size, process_fraction
+from placement.units.memory import format_size
 from worker import handlers, loading
 from worker.arena import PinnedArena, Region, registered_chunk
+from worker.caps import DeviceCaps, allocated, local, replica_caps
 from worker.devices import Device
 from worker.generation import serving as generation
 from worker.generation.replica import replica_engine
@@ -78,7 +79,7 @@ class Resident:
 
     @property
     def caps(self) -> dict[str, int]:
-        return _caps(self.slots, self.limit)
+        return replica_caps(self.slots, self.limit)
 
 
 @dataclass(frozen=True)
@@ -136,11 +137,11 @@ class ResidencyManager:
         self.warmup = warmup
         self.residents: dict[str, Resident] = {}
         self._lock = threading.RLock()  # guards the books below and `residents`
-        # Caps of replicas being loaded or restored: the ledger admitted them, so they
-        # count in the process's reservation from the first byte they put on a device.
-        self._arriving: dict[str, dict[str, int]] = {}
-        self._charged: dict[int, int] = {}  # simulated device index -> accounted bytes
-        self._capped: set[int] = set()  # real devices whose fraction this process set
+        # What the process may use on each device: the caps of what it holds and of what
+        # it is loading or restoring (`worker.caps`).
+        self.device_caps = DeviceCaps(
+            self.devices, self._lock, lambda: [r.caps for r in self.residents.values()]
+        )
         self._pin = torch.cuda.is_available() and not all(d.simulated for d in devices)
         # Warm copies go to host memory pinned ahead of need and reused (`worker.arena`):
         # this process's share of the host's warm cache.
@@ -192,18 +193,18 @@ class ResidencyManager:
         """
         if replica in self.residents:
             raise PlacementError(f"replica {replica} is already held by this worker")
-        plan, simulated = self._plan(slots)
-        caps = _caps(slots, limit)
+        plan, simulated = self.device_caps.plan(slots)
+        caps = replica_caps(slots, limit)
         accounted = _declared(spec) if spec.synthetic else 0
         with self._spans.span() as span:
             with self._lock:
-                self._arriving[replica] = caps
-                self._set_caps()
+                self.device_caps.arriving(replica, caps)
                 if simulated and accounted:
                     try:
-                        self._charge(slots, accounted, spec.name)  # before building, as CUDA would
+                        # before building, as CUDA would
+                        self.device_caps.charge(slots, accounted, spec.name)
                     except torch.OutOfMemoryError:
-                        self._arrived(replica)
+                        self.device_caps.arrived(replica)
                         raise
             baseline = {} if simulated else self._cuda_allocated(plan, reset=span.alone)
             start = time.perf_counter()
@@ -211,8 +212,8 @@ class ResidencyManager:
                 built = loading.build(spec, plan, simulated)
             except BaseException:
                 with self._lock:
-                    self._uncharge(plan, accounted)
-                    self._arrived(replica)
+                    self.device_caps.uncharge(plan, accounted)
+                    self.device_caps.arrived(replica)
                 raise
             seconds = time.perf_counter() - start
             nbytes = loading.tensor_bytes(built.model)
@@ -224,16 +225,16 @@ class ResidencyManager:
                 if simulated and not accounted:
                     accounted = nbytes
                     try:
-                        self._charge(slots, accounted, spec.name)
+                        self.device_caps.charge(slots, accounted, spec.name)
                     except torch.OutOfMemoryError:
-                        self._arrived(replica)
+                        self.device_caps.arrived(replica)
                         raise
                 resident = Resident(
                     replica, spec, built.model, built.tokenizer, dict(slots), accounted, nbytes,
                     host_bytes, limit, epoch,
                 )  # fmt: skip
                 self.residents[replica] = resident
-                self._arrived(replica)
+                self.device_caps.arrived(replica)
             peak = self._measure(resident, plan, simulated, baseline, built.via, span)
         self._keep_room()
         log.info(
@@ -246,7 +247,7 @@ class ResidencyManager:
         """Move a HOT replica to CPU memory (WARM) and give its GPU memory back."""
         resident = self._hot(replica)
         with resident.lock, self._spans.span():
-            plan, simulated = self._plan(resident.slots)
+            plan, simulated = self.device_caps.plan(resident.slots)
             start = time.perf_counter()
             if not simulated:  # a simulated GPU's copy is in CPU memory already
                 resident.model, resident.region = loading.to_cpu(
@@ -256,9 +257,9 @@ class ResidencyManager:
             with self._lock:
                 resident.slots = {}
                 if simulated:
-                    self._uncharge(plan, resident.accounted)
+                    self.device_caps.uncharge(plan, resident.accounted)
                 self._free_cuda()
-                self._set_caps()
+                self.device_caps.apply()
         self._keep_room()
         return Report(replica, "offload", seconds, resident.nbytes, devices=["cpu"])
 
@@ -269,17 +270,16 @@ class ResidencyManager:
         resident = self.residents.get(replica)
         if resident is None or not resident.warm:
             raise PlacementError(f"replica {replica} is not warm on this worker; load it instead")
-        plan, simulated = self._plan(slots)
-        caps = _caps(slots, limit)
+        plan, simulated = self.device_caps.plan(slots)
+        caps = replica_caps(slots, limit)
         with resident.lock, self._spans.span():
             with self._lock:
-                self._arriving[replica] = caps
-                self._set_caps()
+                self.device_caps.arriving(replica, caps)
                 if simulated:
                     try:
-                        self._charge(slots, resident.accounted, resident.spec.name)
+                        self.device_caps.charge(slots, resident.accounted, resident.spec.name)
                     except torch.OutOfMemoryError:
-                        self._arrived(replica)
+                        self.device_caps.arrived(replica)
                         raise
             start = time.perf_counter()
             try:
@@ -287,14 +287,14 @@ class ResidencyManager:
             except BaseException:
                 with self._lock:
                     if simulated:
-                        self._uncharge(plan, resident.accounted)
-                    self._arrived(replica)
+                        self.device_caps.uncharge(plan, resident.accounted)
+                    self.device_caps.arrived(replica)
                 raise
             seconds = time.perf_counter() - start
             self._give_back(resident)  # `place` waited for its copies: the region is free
             with self._lock:
                 resident.slots, resident.limit, resident.epoch = dict(slots), limit, epoch
-                self._arrived(replica)
+                self.device_caps.arrived(replica)
         self._keep_room()
         return Report(replica, "restore", seconds, resident.nbytes, devices=_names(plan, simulated))
 
@@ -315,7 +315,7 @@ class ResidencyManager:
                 (
                     r.host_bytes
                     for r in self.residents.values()
-                    if not r.warm and not self._plan(r.slots)[1]
+                    if not r.warm and not self.device_caps.plan(r.slots)[1]
                 ),
                 default=0,
             )
@@ -375,9 +375,9 @@ class ResidencyManager:
         with resident.lock, self._spans.span(), self._lock:  # a span once its call is done
             self.residents.pop(replica, None)
             if not resident.warm:
-                plan, simulated = self._plan(resident.slots)
+                plan, simulated = self.device_caps.plan(resident.slots)
                 if simulated:
-                    self._uncharge(plan, resident.accounted)
+                    self.device_caps.uncharge(plan, resident.accounted)
             if resident.model is not None:
                 loading.release(resident.model)  # freed now, cycles or not
             self._give_back(resident)
@@ -393,7 +393,7 @@ class ResidencyManager:
         about 165 ms with torch and transformers loaded, on the miss's critical path)."""
         with self._lock:
             self._free_cuda()
-            self._set_caps()
+            self.device_caps.apply()
         self.trim_host_cache()  # a dropped warm copy's pinned blocks
 
     def drop_all(self) -> None:
@@ -484,7 +484,7 @@ class ResidencyManager:
                 groups.setdefault(key, (options, []))[1].append((index, texts))
             # The room for activations sizes batches only: one call runs alone anyway.
             batched = sum(len(members) for _, members in groups.values()) > 1
-            free = self._free_for_calls(plan, simulated) if batched else 0
+            free = self.device_caps.free(min(plan), simulated) if batched else 0
             for options, members in groups.values():
                 for chunk in _chunks(resident, members, free):
                     self._run_chunk(resident, plan, simulated, chunk, options, ran)
@@ -498,7 +498,7 @@ class ResidencyManager:
                 f"replica {resident.replica} left this worker's GPUs (or was placed again) "
                 f"before the request reached it; route the request again"
             )
-        plan, simulated = self._plan(resident.slots)
+        plan, simulated = self.device_caps.plan(resident.slots)
         if not simulated:
             torch.cuda.set_device(min(plan))
         return plan, simulated
@@ -540,7 +540,8 @@ class ResidencyManager:
             try:
                 if simulated:
                     with self._lock:
-                        self._check_activations(resident, plan, flat)
+                        need = _activation_bytes(resident.dims, flat)
+                        self.device_caps.check_activations(need, min(plan))
                 # On CUDA, read the memory statistics only for a pass that may report a
                 # learned figure: each read builds a dict of every allocator counter.
                 learning = span is not None and not simulated and self._learns(resident)
@@ -591,13 +592,6 @@ class ResidencyManager:
         wanted = for_pass(self.threads, resident.dims, texts)
         if wanted != torch.get_num_threads():
             torch.set_num_threads(wanted)
-
-    def _free_for_calls(self, plan: Mapping[int, int], simulated: bool) -> int:
-        """Bytes of this process's reservation on the replica's first GPU not in use now:
-        the room a pass's activations have."""
-        index = min(plan)
-        used = self._charged.get(index, 0) if simulated else _allocated(index)
-        return self._reserved(index) - used
 
     def _learns(self, resident: Resident) -> bool:
         """Whether a pass of this replica may report a learned peak: a catalog model whose
@@ -655,11 +649,8 @@ class ResidencyManager:
         return arena + int(stats().get("allocated_bytes.current", 0))
 
     def fraction(self, index: int) -> float:
-        """This process's memory fraction on local device `index`, as `_set_caps` sets it
-        on a real GPU (1.0 with nothing on it)."""
-        device = next(d for d in self.devices.values() if _local(d) == index)
-        total = device.total if device.simulated else _cap_total(index)
-        return process_fraction(self._reserved(index), total)
+        """This process's memory fraction on local device `index` (`DeviceCaps.fraction`)."""
+        return self.device_caps.fraction(index)
 
     def summary(self) -> list[dict[str, Any]]:
         """What this process holds, for status and logs."""
@@ -682,7 +673,7 @@ class ResidencyManager:
         real = [d for d in self.devices.values() if not d.simulated]
         if not real:
             return 0
-        return loading.tensor_bytes(resident.model, [torch.device("cuda", _local(d)) for d in real])
+        return loading.tensor_bytes(resident.model, [torch.device("cuda", local(d)) for d in real])
 
     # --- internals ----------------------------------------------------------
 
@@ -695,93 +686,6 @@ class ResidencyManager:
             )
         return resident
 
-    def _plan(self, slots: Mapping[str, int]) -> tuple[dict[int, int], bool]:
-        """Ledger slots as {device index: bytes}, and whether those devices are simulated."""
-        unknown = sorted(set(slots) - set(self.devices))
-        if unknown or not slots:
-            raise PlacementError(
-                f"plan names GPUs {unknown or '(none)'} that this worker does not own "
-                f"(it owns {sorted(self.devices)})"
-            )
-        chosen = [self.devices[g] for g in slots]
-        kinds = {d.simulated for d in chosen}
-        if len(kinds) > 1:
-            raise PlacementError("a plan cannot mix simulated and real GPUs")
-        return {_local(self.devices[g]): int(b) for g, b in slots.items()}, kinds.pop()
-
-    def _all_caps(self) -> list[dict[str, int]]:
-        """The caps of every replica held, loading or restoring here. Read under the lock:
-        a call's thread asks (`_free_for_calls`) while the keeper adds and removes them."""
-        with self._lock:
-            return [r.caps for r in self.residents.values()] + list(self._arriving.values())
-
-    def _arrived(self, replica: str) -> None:
-        """A load or restore ended (done or failed): its caps are a resident's, or none."""
-        self._arriving.pop(replica, None)
-        self._set_caps()
-
-    def _reserved(self, index: int) -> int:
-        """This process's cap on device `index`: the caps there of what it holds or loads."""
-        reserved = 0
-        for slots in self._all_caps():
-            for gpu_id, nbytes in slots.items():
-                if _local(self.devices[gpu_id]) == index:
-                    reserved += nbytes
-        return reserved
-
-    def _set_caps(self) -> None:
-        """Cap each real GPU this process uses at its reservation there (1.0 once empty).
-
-        GPUs it never used are left alone, so no CUDA context is made on them.
-        """
-        using = {
-            _local(self.devices[g])
-            for slots in self._all_caps()
-            for g in slots
-            if not self.devices[g].simulated
-        }
-        for index in sorted(using | self._capped):
-            share = process_fraction(self._reserved(index), _cap_total(index))
-            torch.cuda.set_per_process_memory_fraction(share, index)
-        self._capped = using
-
-    def _charge(self, slots: Mapping[str, int], accounted: int, name: str) -> None:
-        """Book `accounted` bytes on simulated GPUs, in proportion to the plan's slots.
-
-        The cap on each is this process's cap there, replicas still arriving included.
-        """
-        plan, _ = self._plan(slots)
-        shares = _split(accounted, plan)
-        for index, share in shares.items():
-            cap = self._reserved(index)
-            used = self._charged.get(index, 0)
-            if used + share > cap:
-                raise torch.OutOfMemoryError(
-                    f"simulated GPU {index} out of memory: {name} tried to allocate "
-                    f"{format_size(share)}; this process reserved {format_size(cap)} there "
-                    f"and {format_size(used)} is in use"
-                )
-        for index, share in shares.items():
-            self._charged[index] = self._charged.get(index, 0) + share
-
-    def _uncharge(self, plan: Mapping[int, int], accounted: int) -> None:
-        for index, share in _split(accounted, plan).items():
-            self._charged[index] = max(0, self._charged.get(index, 0) - share)
-
-    def _check_activations(
-        self, resident: Resident, plan: Mapping[int, int], inputs: object
-    ) -> None:
-        """A call whose activations would pass the reservation fails as on a capped GPU."""
-        need = _activation_bytes(resident.dims, inputs)
-        index = min(plan)
-        free = self._reserved(index) - self._charged.get(index, 0)
-        if need > free:
-            raise torch.OutOfMemoryError(
-                f"simulated GPU {index} out of memory: the call needs about "
-                f"{format_size(need)} of activations but {format_size(max(free, 0))} of this "
-                f"process's reservation is free; send a smaller batch"
-            )
-
     @staticmethod
     def _cuda_allocated(plan: Mapping[int, int], *, reset: bool) -> dict[int, int]:
         """Bytes allocated on each planned GPU before a load or a pass; with `reset`, the
@@ -789,7 +693,7 @@ class ResidencyManager:
         if reset:
             for index in plan:
                 torch.cuda.reset_peak_memory_stats(index)
-        return {index: _allocated(index) for index in plan}
+        return {index: allocated(index) for index in plan}
 
     def _pass_span(self, outer: Span | None) -> AbstractContextManager[Span | None]:
         """A pass's span: a new one, or `outer`, the failed pass's that a retry runs in;
@@ -821,7 +725,7 @@ class ResidencyManager:
         else:
             for index in plan:  # every planned device, not only the current one
                 torch.cuda.synchronize(index)
-            weights = sum(_allocated(i) - baseline.get(i, 0) for i in plan)
+            weights = sum(allocated(i) - baseline.get(i, 0) for i in plan)
         if simulated or self._spans.clean(span):
             self._weights[name] = weights
         known = self._reported.get(name)
@@ -863,39 +767,14 @@ class ResidencyManager:
             torch.cuda.empty_cache()
 
 
-def _cap_total(index: int) -> int:
-    """What torch's memory fraction on a real GPU is a fraction of: the device's whole
-    memory as CUDA reports it (not NVML's total less what the driver keeps)."""
-    return int(torch.cuda.get_device_properties(index).total_memory)
-
-
 def _kv_bytes(spec: ModelSpec) -> int:
     """A generation model's KV-cache budget, in bytes (0 for other models)."""
     budget = spec.kv_budget()
     return budget.bytes if budget is not None else 0
 
 
-def _local(device: Device) -> int:
-    """The index this process uses for a device: torch's CUDA index, or the simulated one."""
-    if device.simulated or device.cuda_index is None:
-        return device.index
-    return device.cuda_index
-
-
-def _caps(slots: Mapping[str, int], limit: int) -> dict[str, int]:
-    """Per-GPU caps of a replica: its reservation, or its limit on a single GPU."""
-    if len(slots) == 1:
-        return {gpu_id: max(nbytes, limit) for gpu_id, nbytes in slots.items()}
-    return dict(slots)
-
-
 def _declared(spec: ModelSpec) -> int:
     return spec.memory or spec.request or 0
-
-
-def _split(accounted: int, plan: Mapping[int, int]) -> dict[int, int]:
-    total = sum(plan.values()) or 1
-    return {index: accounted * nbytes // total for index, nbytes in plan.items()}
 
 
 def _names(plan: Mapping[int, int], simulated: bool) -> list[str]:
@@ -907,13 +786,6 @@ def _warmup_input(resident: Resident) -> str:
     if resident.spec.task == "fill-mask" and mask:
         return f"The capital of France is {mask}."
     return "gpufleet warms this model up."
-
-
-def _allocated(index: int) -> int:
-    """Bytes torch has allocated on CUDA device `index` now (`torch.cuda.memory_allocated`
-    flattens and sorts every allocator counter in Python first: about 70 µs a read)."""
-    stats = torch.cuda.memory_stats_as_nested_dict(index)
-    return int(stats.get("allocated_bytes", {}).get("all", {}).get("current", 0))
 
 
 def _peak(index: int) -> int:
