@@ -185,6 +185,23 @@ class Soak:
                         self.longest_pending = (waited, f"{d.model} {d.level.value}")
 
 
+def draining_leases(fleet: RunningFleet, snap: Snapshot) -> dict[str, list[tuple[str, float]]]:
+    """The request leases (id, deadline) that keep each DRAINING replica from leaving: what
+    to look for in the fleet's log when one stays."""
+    client, keys = fleet.registry.client, fleet.registry.keys
+    return {
+        d.replica: [
+            (_text(i), s) for i, s in client.zrange(keys.leases(d.replica), 0, -1, withscores=True)
+        ]
+        for d in snap.deployments.values()
+        if d.level is Level.DRAINING
+    }
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
 def settled(snap: Snapshot) -> list[str]:
     """Differences between each live worker's report and the ledger, once nothing moves."""
     problems = []
@@ -224,7 +241,9 @@ def test_a_fleet_under_chaos_answers_right_and_its_ledger_matches_its_workers(
     want = expected_outputs(catalog)
     env = fleet_env(GPUFLEET_WARM_CACHE="3GiB", GPUFLEET_WORKER_LEASE_MS=str(LEASE_MS))
     seed = int(os.environ.get("GPUFLEET_CHAOS_SEED") or random.SystemRandom().randrange(10**6))
-    with fleet_up(catalog, ["--sim-gpus", "2x4GiB", "--metrics-port", "0"], env) as fleet:
+    log = tmp_path / "fleet.log"  # kept by pytest for a few runs: where to read a failure
+    args = ["--sim-gpus", "2x4GiB", "--metrics-port", "0"]
+    with fleet_up(catalog, args, env, log=log) as fleet:
         soak = Soak(fleet, want)
         threads = [threading.Thread(target=soak.client, args=(seed + i,)) for i in range(CLIENTS)]
         threads += [
@@ -271,8 +290,11 @@ def test_a_fleet_under_chaos_answers_right_and_its_ledger_matches_its_workers(
             f"pending move {soak.longest_pending[0]:.1f} s ({soak.longest_pending[1]}); "
             f"{soak.audits} audits; reports equal the ledger {waited:.1f} s after the load"
         )
-        assert not left, f"{SETTLE_BOUND_S:.0f} s after the load: {left[:10]}"
-        assert not soak.failures, soak.failures[:10]
+        assert not left, (
+            f"{SETTLE_BOUND_S:.0f} s after the load: {left[:10]}; "
+            f"calls: {soak.failures[:5]}; leases: {draining_leases(fleet, snap)}; log {log}"
+        )
+        assert not soak.failures, (soak.failures[:10], f"log {log}")
         assert soak.longest_pending[0] <= PENDING_BOUND_S, soak.longest_pending
         assert soak.counts["calls"] >= 200  # it did serve
         assert min(kills.values()) >= 1, kills  # each target died at least once
