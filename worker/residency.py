@@ -39,7 +39,7 @@ from placement.rules.batching import UNBATCHED_TASKS
 from placement.units.memory import format_size
 from worker import handlers, loading
 from worker.arena import PinnedArena, Region, registered_chunk
-from worker.caps import DeviceCaps, allocated, local, replica_caps
+from worker.caps import DeviceCaps, allocated, local, peak_allocated, replica_caps
 from worker.devices import Device
 from worker.generation import serving as generation
 from worker.generation.replica import replica_engine
@@ -581,7 +581,7 @@ class ResidencyManager:
             if simulated:
                 self._learn_from(resident, _activation_bytes(resident.dims, flat))
             elif learning and span is not None and self._spans.clean(span):  # its own peak
-                self._learn_from(resident, sum(_peak(i) - before[i] for i in plan))
+                self._learn_from(resident, sum(peak_allocated(i) - before[i] for i in plan))
             for (index, _), result in zip(chunk, results, strict=True):
                 ran[index] = Ran(result, None, len(chunk), compute_ms)
 
@@ -733,7 +733,7 @@ class ResidencyManager:
         if known is not None and built_as in self._warmed:
             return known
         # The load's own peak on CUDA, read now (the warm-up pass adds its own to it).
-        loaded = 0 if simulated else sum(_peak(i) - baseline.get(i, 0) for i in plan)
+        loaded = 0 if simulated else sum(peak_allocated(i) - baseline.get(i, 0) for i in plan)
         if self.warmup:
             self._warming.load = True  # its pass runs in this load's span
             try:
@@ -745,7 +745,7 @@ class ResidencyManager:
         else:
             for index in plan:  # every planned device, not only the current one
                 torch.cuda.synchronize(index)
-            warm = sum(_peak(i) - baseline.get(i, 0) for i in plan)
+            warm = sum(peak_allocated(i) - baseline.get(i, 0) for i in plan)
             peak = max(loaded, warm)
             if not self._spans.clean(span):
                 log.info(
@@ -786,13 +786,6 @@ def _warmup_input(resident: Resident) -> str:
     if resident.spec.task == "fill-mask" and mask:
         return f"The capital of France is {mask}."
     return "gpufleet warms this model up."
-
-
-def _peak(index: int) -> int:
-    """The most torch has had allocated on CUDA device `index` since its peaks were reset
-    (`torch.cuda.max_memory_allocated`, read the same cheaper way)."""
-    stats = torch.cuda.memory_stats_as_nested_dict(index)
-    return int(stats.get("allocated_bytes", {}).get("all", {}).get("peak", 0))
 
 
 def _chunks(resident: Resident, members: list[_Member], free: int) -> Iterator[list[_Member]]:
