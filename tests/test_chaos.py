@@ -188,18 +188,12 @@ class Soak:
 def draining_leases(fleet: RunningFleet, snap: Snapshot) -> dict[str, list[tuple[str, float]]]:
     """The request leases (id, deadline) that keep each DRAINING replica from leaving: what
     to look for in the fleet's log when one stays."""
-    client, keys = fleet.registry.client, fleet.registry.keys
+    client, keys = fleet.registry.client, fleet.registry.keys  # str replies
     return {
-        d.replica: [
-            (_text(i), s) for i, s in client.zrange(keys.leases(d.replica), 0, -1, withscores=True)
-        ]
+        d.replica: client.zrange(keys.leases(d.replica), 0, -1, withscores=True)
         for d in snap.deployments.values()
         if d.level is Level.DRAINING
     }
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
 
 
 def settled(snap: Snapshot) -> list[str]:

@@ -194,8 +194,7 @@ class PinnedArena:
         for `RETRY_S` after the host refused one, nor past the capacity."""
         if self._refused_at is not None and time.monotonic() - self._refused_at < RETRY_S:
             return False
-        held = sum(int(c.numel()) for c in self._chunks) + self._pinning
-        return held + self._grow(size) <= self.capacity
+        return self.pinned + self._pinning + self._grow(size) <= self.capacity
 
     def _wake(self) -> None:
         """Wake the arena's thread (started on the first call)."""
