@@ -149,7 +149,7 @@ def _place(
 ) -> tuple[Plan, tuple[Lease, str] | None]:
     """A placed replica for the call, the request lease that pins it there, and where its
     copy comes from (hot, warm or cold)."""
-    lease_id = uuid.uuid4().hex
+    lease_id = registry.new_lease_id()
     try:
         plan = registry.place(context.demand(spec), lease_id=lease_id)
     except NeverFitsError:
@@ -409,7 +409,7 @@ def _start_sweeper(**_: Any) -> None:
                     log.info("swept: %s", swept)
                 # after the reaping: a dead GPU worker's calls go back once its GPUs are free
                 live = functools.partial(_live_gpu_queues, registry)
-                presence.sweep(broker, live, routed.answered)
+                presence.sweep(broker, live, routed.answered, registry.end_leases_of)
             except Exception:
                 log.exception("sweep failed; retrying")
 

@@ -10,11 +10,17 @@ Both are made from the model's replica list, cached here: which replicas it has 
 worker (and queue) each had. The scripts check the list against the ledger and say
 when it is stale; it is read again then, and after a miss (a later placement may add
 replicas).
+
+A lease's id names the worker run (`Store.taker`) and the process that took it
+(`new_lease_id`), so the leases of a process that died before it sent their calls can be
+found and ended (`Registry.end_leases_of`) instead of pinning replicas until their
+deadlines.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -29,6 +35,20 @@ PICK_PATHS = ("fast", "router", "")
 GONE: Literal["gone"] = "gone"
 #: Tries against a stale replica list before giving up (a miss: the router places).
 _TRIES = 4
+
+
+def new_lease_id(taker: str = "") -> str:
+    """A fresh lease id: with a `taker` (a worker run's token), "<taker>.<pid>.<own part>",
+    this process's pid in the middle; without one (a client), its own part alone."""
+    own = uuid.uuid4().hex
+    return f"{taker}.{os.getpid()}.{own}" if taker else own
+
+
+def taker_of(lease_id: str) -> tuple[str, int] | None:
+    """The taker and pid a `new_lease_id` put in `lease_id`, or None if it names none."""
+    taker, _, rest = lease_id.partition(".")
+    pid, _, own = rest.partition(".")
+    return (taker, int(pid)) if taker and pid.isdigit() and own else None
 
 
 @dataclass(frozen=True)
@@ -124,7 +144,7 @@ class HotPath:
         """`pick.lua`, or `forward.lua` with a `handover`, against the cached replica list,
         read again while the script says it is stale."""
         _check_path(path)
-        lease_id = uuid.uuid4().hex
+        lease_id = new_lease_id(self._store.taker)
         for _ in range(_TRIES):
             known = self._known(model)
             keys = self._keys(model, known)

@@ -14,8 +14,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any, Literal
 
@@ -38,6 +37,8 @@ from placement.ledger.hot import (
     Handover,
     HotPath,
     Lease,
+    new_lease_id,
+    taker_of,
 )
 from placement.ledger.keys import KeyList
 from placement.ledger.membership import Membership
@@ -347,7 +348,7 @@ class Registry(Membership):
         Returns the lease and where the copy is coming from: "hot" (it is HOT), "warm" (a
         restore), or "cold"; None when the replica moved on or its worker is dead.
         """
-        lease_id = uuid.uuid4().hex
+        lease_id = self.new_lease_id()
         k = self.keys
         keys = [k.deployment(replica), k.leases(replica), k.worker(worker)]
         result = self._run("hold", keys, [lease_id, ttl_ms, epoch, worker])
@@ -549,6 +550,34 @@ class Registry(Membership):
             replies = [self._run("finish", list(c[3:5]), [c[5]]) for c in commands]
         for lease, (_, left, level) in zip(leases, replies, strict=True):
             self._finished(lease, int(left), level)
+
+    def new_lease_id(self) -> str:
+        """A lease id for a call this client routes, naming its taker (`Store.taker`)."""
+        return new_lease_id(self.taker)
+
+    def end_leases_of(self, taker: str, dead: Callable[[int], bool] | None = None) -> int:
+        """End the request leases that worker run `taker` took (`Store.taker`), only those
+        of its processes that `dead(pid)` says died when given; return how many.
+
+        A lease a dead process took for a call it never sent would pin its replica (keep
+        pressure from evicting it, keep a drain from ending) until its deadline, minutes
+        away. Ending the leases of calls it did send is safe too: such a call still runs
+        on its replica if the replica is there, and is routed again if it left."""
+        if not taker:
+            return 0
+        replicas = sorted(self._one("smembers", self.keys.deployments))
+        held = self._read([("zrange", self.keys.leases(r), 0, -1) for r in replicas])
+        ended = [
+            Lease(lease_id, "", replica, "", "", {}, 0)
+            for replica, ids in zip(replicas, held, strict=True)
+            for lease_id in ids
+            if (took := taker_of(lease_id)) is not None
+            and took[0] == taker
+            and (dead is None or dead(took[1]))
+        ]
+        if ended:
+            self.finish_all(ended)
+        return len(ended)
 
     def _finished(self, lease: Lease, left: int, level: str) -> Level:
         if level == Level.DRAINING.value and left == 0:

@@ -52,6 +52,9 @@ class Store:
         self.events_maxlen = events_maxlen
         self._scripts: Scripts = scripts_for(client)
         self._answered = False  # has this registry answered once? Then outages are waited out
+        #: Who takes this client's request leases: a Celery worker's presence token (its
+        #: process and its pool's), which starts every lease id it makes (`hot.new_lease_id`).
+        self.taker = ""
 
     @classmethod
     def from_url(cls: type[S], url: str, fleet: str = "default", **kwargs: Any) -> S:
