@@ -18,13 +18,25 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 from celery import Celery
 
 from placement.ledger.registry import Registry
 from placement.ledger.report import request_report, status_report
+from placement.policy.state import Level
+from tasks.broker import presence
 from tests.fleets import GiB
 from tests.ports import free_port
-from tests.running import LARGE, RunningFleet, alive, answered_after, descendants, fleet_env
+from tests.running import (
+    LARGE,
+    RunningFleet,
+    alive,
+    answered_after,
+    descendants,
+    fleet_env,
+    until,
+    with_signal,
+)
 from tests.running import fleet_up as running_fleet
 
 pytestmark = pytest.mark.slow
@@ -44,6 +56,7 @@ models:
   leased: {source: synthetic, task: forward, memory: 256MiB, dedicated: true}
   paths: {source: synthetic, task: forward, memory: 256MiB, dedicated: true}
   forwarded: {source: synthetic, task: forward, memory: 64MiB}
+  orphaned: {source: synthetic, task: forward, memory: 64MiB}
   huge: {source: synthetic, task: forward, memory: 20GiB}
   split: {source: synthetic, task: forward, memory: 10GiB}
   broken: {source: /nonexistent/model, task: forward, memory: 1GiB}
@@ -359,6 +372,32 @@ def test_a_worker_killed_mid_call_loses_its_bytes_within_the_lease(fleet_up: Fle
     # Each call counted once, as the router first routed it: not again when the dead
     # worker's calls came back to be routed again.
     assert fleet_up.requests("b", settled=requests + 8) == requests + 8
+
+
+def test_a_router_killed_before_it_sent_a_call_leaves_no_lease_to_hold_a_drain(
+    fleet_up: Fleet,
+) -> None:
+    fleet_up.infer("orphaned", "x")
+    broker = redis.Redis.from_url(fleet_up.running.fleet_url)
+    (router,) = [r for n, r in presence.records(broker).items() if n.startswith("router@")]
+    broker.close()
+    taker = Registry.from_url(fleet_up.running.fleet_url, fleet_up.registry.keys.fleet)
+    taker.taker = router.token  # a lease as the router's pool takes one, before it sends
+    lease = taker.pick("orphaned")
+    taker.client.close()
+    assert lease is not None
+    assert fleet_up.registry.evict(lease.replica) is Level.DRAINING  # the lease holds it
+
+    with_signal(fleet_up.running.child_named("router@"), signal.SIGKILL)
+
+    # The launcher starts the router again, which ends the leases its predecessor took:
+    # the drain ends at once, not at the lease's deadline (300 s).
+    until(
+        "the drain ended",
+        lambda: fleet_up.registry.snapshot().deployments[lease.replica].level is not Level.DRAINING,
+        seconds=60,
+    )
+    assert fleet_up.infer("orphaned", "after the router came back")["model"] == "orphaned"
 
 
 def test_the_status_task_returns_the_status_object(fleet_up: Fleet) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 import random
 from collections.abc import Iterator
 
@@ -11,14 +13,15 @@ from celery.signals import before_task_publish, task_revoked
 
 import tasks.api
 import tasks.serving.gpu
-from placement.ledger.hot import Lease
+from placement.ledger.hot import Lease, taker_of
 from placement.ledger.registry import Registry
-from placement.policy.state import Demand, Gpu
+from placement.policy.state import Demand, Gpu, Level
 from tasks import context
 from tasks.app import app
 from tasks.broker.intake import LEASE_HEADER
 from tasks.serving import leases
 from tests.fleets import GiB
+from tests.running import until
 
 
 @pytest.fixture
@@ -104,3 +107,57 @@ def test_a_malformed_lease_header_is_ignored(registry: Registry) -> None:
     request = Context({"id": "t1", "args": ["m"], LEASE_HEADER: {"id": "", "replica": 3}})
     task_revoked.send(sender=app.tasks["gpufleet.infer"], request=request, expired=True)
     assert held(registry) == 1  # nothing a stranger's header names is touched
+
+
+def test_the_leases_a_dead_takers_processes_took_end_and_the_drain_they_pinned_finishes(
+    registry: Registry,
+) -> None:
+    registry.taker = "deadbeef"  # a worker run's token, as its record holds it
+    picked, placed = pick(registry), registry.hold(*_placement(registry))
+    assert placed is not None and taker_of(picked.id) == ("deadbeef", os.getpid())
+    registry.taker = "deadbeef0"  # another run, whose token begins with the first one's
+    other = pick(registry)
+    registry.taker = ""
+    anonymous = pick(registry)  # a client's: it names no taker
+    assert taker_of(anonymous.id) is None
+    (replica,) = registry.snapshot().deployments
+    assert registry.evict(replica) is Level.DRAINING
+
+    assert registry.end_leases_of("deadbeef", dead=lambda pid: pid != os.getpid()) == 0
+    assert registry.end_leases_of("deadbeef", dead=lambda pid: pid == os.getpid()) == 2
+    assert registry.end_leases_of("deadbeef") == 0  # once
+    assert held(registry) == 2
+    registry.finish(other)
+    assert registry.snapshot().deployments[replica].level is Level.DRAINING
+    assert registry.finish(anonymous) is Level.DROPPING  # the last lease: the drain ends
+
+
+def test_a_pool_child_as_it_starts_ends_the_leases_its_dead_siblings_took(
+    registry: Registry, redis_url: str, fleet: str
+) -> None:
+    registry.taker = "cafe"
+    own = pick(registry)
+    sibling = multiprocessing.get_context("spawn").Process(
+        target=_pick_and_die, args=(redis_url, fleet, "cafe")
+    )
+    sibling.start()
+    sibling.join(timeout=60)
+    assert sibling.exitcode == 0 and held(registry) == 2
+
+    leases._end_lost_siblings()  # what Celery's worker_process_init runs in a new child
+
+    until("the dead sibling's lease ended", lambda: held(registry) == 1)
+    registry.finish(own)  # the live process's own lease was the one left
+    assert held(registry) == 0
+
+
+def _pick_and_die(url: str, fleet: str, taker: str) -> None:
+    """A pool process of worker run `taker` that leases a replica of "m", then exits."""
+    reg = Registry.from_url(url, fleet)
+    reg.taker = taker
+    assert reg.pick("m") is not None
+
+
+def _placement(reg: Registry) -> tuple[str, int, str]:
+    (d,) = reg.snapshot().deployments.values()
+    return d.replica, d.epoch, d.worker

@@ -207,6 +207,55 @@ def test_a_worker_found_silent_that_comes_back_records_itself_again(
     assert client.hexists(CONSUMERS, "router@h1")
 
 
+def test_a_dead_workers_request_leases_are_ended_once_as_a_sweep_finds_it_dead(
+    broker: tuple[str, redis.Redis],
+) -> None:
+    _, client = broker
+    worker = presence.Presence(client, "router@h1", "router", [ROUTER_QUEUE], LEASE_MS)
+    worker.arrive()
+    released: list[str] = []
+
+    def release(token: str) -> int:
+        released.append(token)
+        return 1
+
+    presence.sweep(client, _nothing_live, _unanswered, release)
+    assert released == []  # alive: its leases are its own
+    time.sleep(LEASE_MS / 1000 + 0.1)
+    presence.sweep(client, _nothing_live, _unanswered, release)
+    presence.sweep(client, _nothing_live, _unanswered, release)
+    assert released == [worker.token]
+
+
+def test_a_worker_back_under_its_name_ends_the_leases_its_predecessor_took(
+    broker: tuple[str, redis.Redis],
+) -> None:
+    _, client = broker
+    first = presence.Presence(client, "router@h1", "router", [ROUTER_QUEUE], 60_000)
+    first.arrive()  # then killed: the launcher starts the next under the same name
+    released: list[str] = []
+    second = presence.Presence(client, "router@h1", "router", [ROUTER_QUEUE], 60_000)
+
+    second.arrive(lambda token: released.append(token) or 0)
+
+    assert released == [first.token] and first.token != second.token
+    assert presence.records(client)["router@h1"].token == second.token
+
+
+def test_a_release_that_fails_neither_fails_the_sweep_nor_keeps_the_calls(
+    broker: tuple[str, redis.Redis],
+) -> None:
+    url, client = broker
+    sent = _sender(url).send_task("gpufleet.infer", args=["m", "held"])
+    _held_by_a_killed_worker(url, client, "router@h1", ROUTER_QUEUE, 1)
+
+    def unreachable(_token: str) -> int:
+        raise redis.ConnectionError("the registry is down")
+
+    assert presence.sweep(client, _nothing_live, _unanswered, unreachable) == {"router@h1": 1}
+    assert [p["headers"]["id"] for p in _queued(client, ROUTER_QUEUE)] == [sent.id]
+
+
 def test_status_counts_per_queue_the_calls_no_live_worker_will_take(
     broker: tuple[str, redis.Redis],
 ) -> None:

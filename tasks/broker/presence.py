@@ -12,6 +12,10 @@ known by name. Then:
 - a router's sweep (`sweep`, every 2 s) does the same for a worker whose deadline passed
   (a lost host, a SIGSTOP, a worker that left with something unacknowledged) and keeps
   its record, marked gone, for a day;
+- either of them ends the request leases the dead worker took (each lease id begins with
+  its taker's record token, `placement.ledger.hot.new_lease_id`): a router killed
+  between leasing a replica and sending the call would otherwise pin that replica, and
+  keep its drain from ending, until the lease's deadline;
 - a GPU worker's queue whose worker is gone and whose GPUs hold no live lease in the
   ledger is handed to the router: every call waiting there, or held by the dead worker,
   becomes a `gpufleet.infer` on the router's internal queue with the same task id, in order,
@@ -67,6 +71,9 @@ UNACKED = KombuChannel.unacked_key
 UNACKED_INDEX = KombuChannel.unacked_index_key
 PRIORITY_STEPS: list[int] = list(KombuChannel.priority_steps)
 
+#: Ends the request leases a dead worker took, given its record's token; says how many.
+Release = Callable[[str], int]
+
 
 def lists(queue: str) -> list[str]:
     """A queue's lists in the order a consumer takes from them (kombu: one per priority)."""
@@ -93,6 +100,7 @@ class Record:
     queues: tuple[str, ...]
     deadline_ms: int
     gone_ms: int  # when a sweep found it dead (0: not yet)
+    token: str = ""  # this run of the worker: its request leases' taker
 
     def alive(self, now_ms: int) -> bool:
         return not self.gone_ms and self.deadline_ms > now_ms
@@ -108,6 +116,7 @@ class Record:
             tuple(queues) if isinstance(queues, list) else (),
             int(data.get("deadline", 0)),
             int(data.get("gone_ms", 0)),
+            str(data.get("token", "")),
         )
 
 
@@ -138,9 +147,13 @@ class Presence:
         self._stop = threading.Event()
         self._arrived = False
 
-    def arrive(self) -> int:
+    def arrive(self, release: Release | None = None) -> int:
         """Put back what a predecessor of this node name held, then record this worker;
-        return how many calls went back."""
+        return how many calls went back. `release` ends the request leases the
+        predecessor took (given its token)."""
+        raw = self.client.hget(CONSUMERS, self.node)
+        if raw is not None and release is not None:
+            _release(release, Record.parse(self.node, _text(raw)))
         moved = _redeliver(self.client, self.node, self._record(), _holdings)
         self._arrived = True
         if moved:
@@ -201,13 +214,15 @@ def sweep(
     client: redis.Redis,
     live_gpu_queues: Callable[[], AbstractSet[str]],
     answered: Callable[[str], bool],
+    release: Release | None = None,
 ) -> dict[str, int]:
     """Give back what every dead worker held, and hand the router the calls waiting on
     GPU queues that nobody serves; return how many moved per dead worker.
 
     `live_gpu_queues` names the queues of GPUs whose ledger lease holds (read after the
     records, so a GPU worker is handed over only once the ledger has let it go too);
-    `answered(task_id)` says whether a call's answer is already stored.
+    `answered(task_id)` says whether a call's answer is already stored; `release(token)`
+    ends the request leases a dead worker took, once, as its record is first found dead.
     """
     found = records(client)
     now = now_ms(client)
@@ -223,6 +238,8 @@ def sweep(
             if now - rec.gone_ms > KEEP_GONE_MS:
                 _redeliver(client, rec.node, {"delete": True}, _nothing)
             continue
+        if not rec.gone_ms and release is not None:
+            _release(release, rec)
         if ledger is None:
             ledger = live_gpu_queues()
         orphaned = unserved - ledger
@@ -409,6 +426,20 @@ def _redeliver(
     return 0
 
 
+def _release(release: Release, rec: Record) -> None:
+    """End the request leases `rec`'s worker took; never fail a sweep or a start over it
+    (the leases lapse at their deadlines)."""
+    if not rec.token:
+        return
+    try:
+        ended = release(rec.token)
+    except Exception:
+        log.warning("could not end the request leases of %s", rec.node, exc_info=True)
+        return
+    if ended:
+        log.warning("ended %d request lease(s) that %s took before it died", ended, rec.node)
+
+
 def _nothing(_client: redis.Redis, _record: Record | None) -> list[_Move]:
     """The plan that moves nothing: only the record changes."""
     return []
@@ -550,8 +581,10 @@ def _arrive(sender: Any, **_: Any) -> None:
     client = redis.Redis.from_url(settings.broker_url, socket_timeout=10, socket_connect_timeout=10)
     queues = list(sender.app.amqp.queues.consume_from or ())
     presence = Presence(client, sender.hostname, settings.role, queues, settings.worker_lease_ms)
+    registry = context.registry()
+    registry.taker = presence.token  # its pool's children, forked after this, take it too
     try:
-        presence.arrive()
+        presence.arrive(registry.end_leases_of)
     except redis.RedisError as exc:
         log.warning("could not record %s in the broker yet (%s); renewing will", presence.node, exc)
     presence.keep()

@@ -12,16 +12,23 @@ default), during which memory pressure cannot evict the replica:
   lease stays parked, and the thread's next `hold` ends it.
 - A message that is revoked, or expires before a worker runs it, never reaches `finish`.
   A `task_revoked` handler ends its lease in whichever worker process drops it.
+- A process killed between taking a lease and publishing its call leaves a lease no call
+  carries. Each lease id names its taker, the worker's run and the process
+  (`placement.ledger.hot.new_lease_id`). A worker that dies has its leases ended by the
+  next run under its name or by a router's sweep (`tasks.broker.presence`). A pool child
+  that dies while its worker lives has them ended by the child that replaces it
+  (`_end_lost_siblings`).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from typing import Any
 
-from celery.signals import before_task_publish, task_revoked
+from celery.signals import before_task_publish, task_revoked, worker_process_init
 
 from placement.errors import GpufleetError, PayloadError, describe
 from placement.ledger.hot import Lease
@@ -112,3 +119,35 @@ def _release(sender: Any = None, request: Any = None, **_: Any) -> None:
     if lease is not None:
         log.info("ending lease %s of revoked task %s", lease.id, getattr(request, "id", "?"))
         end(lease)
+
+
+@worker_process_init.connect
+def _end_lost_siblings(**_: Any) -> None:
+    """A pool child, as it starts, ends the leases that dead processes of its own worker
+    run took (the child it replaces, killed before it sent a call). In the background:
+    `worker_process_init` must return within 4 s, and Redis may be slow to answer."""
+    registry = context.registry()
+    if not registry.taker:  # not a worker that recorded itself (`tasks.broker.presence`)
+        return
+
+    def end() -> None:
+        try:
+            ended = registry.end_leases_of(registry.taker, dead=_gone)
+        except GpufleetError:
+            log.warning("could not end the leases of this worker's dead processes", exc_info=True)
+            return
+        if ended:
+            log.warning("ended %d request lease(s) that a dead pool process took", ended)
+
+    threading.Thread(target=end, name="gpufleet-lost-leases", daemon=True).start()
+
+
+def _gone(pid: int) -> bool:
+    """Whether no process `pid` runs (a pool's processes share their worker's host)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
