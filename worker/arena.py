@@ -121,7 +121,10 @@ class PinnedArena:
         size = align(max(nbytes, 1))
         with self._changed:
             region = self._fit(size)
+            if region is not None:
+                return region
             self._waiting.append(size)
+            start = time.monotonic()
             try:
                 # the chunk being pinned may be the room this copy needs
                 while region is None and (self._pinning or self._may_grow(size)):
@@ -131,6 +134,10 @@ class PinnedArena:
                 return region
             finally:
                 self._waiting.remove(size)
+                log.info(
+                    "a copy of %d bytes waited %.3fs for room in the arena (%s)",
+                    size, time.monotonic() - start, "found" if region else "none",
+                )  # fmt: skip
 
     def release(self, region: Region) -> None:
         """Give a region back; it joins the free extents around it."""
@@ -255,8 +262,11 @@ def _pin_ahead(ref: weakref.ref[PinnedArena], changed: threading.Condition) -> N
                 changed.wait()
                 continue
         chunk: torch.Tensor | None = None
+        start = time.monotonic()
         try:
             chunk = arena._allocate(grow)
+            seconds = time.monotonic() - start
+            log.info("pinned %d more bytes for warm copies in %.3fs", grow, seconds)
         except Exception as exc:  # the host could not map or pin it
             log.warning("could not pin %d more bytes for warm copies: %s", grow, exc)
         finally:  # whatever happened, no copy waits for this chunk any more
