@@ -6,14 +6,16 @@ from __future__ import annotations
 
 import gc
 import itertools
+import mmap
 import random
 import threading
+from pathlib import Path
 
 import pytest
 import torch
 
 from worker import arena as arena_module
-from worker.arena import ALIGN, PinnedArena, Region, align, layout
+from worker.arena import ALIGN, PinnedArena, Region, align, layout, populated_mapping
 
 MiB = 2**20
 
@@ -248,3 +250,21 @@ def test_no_room_is_pinned_while_none_is_wanted_and_a_dropped_arena_ends_its_thr
     gc.collect()
     thread.join(5)
     assert not thread.is_alive()
+
+
+def test_a_chunks_mapping_has_every_page_present_before_anything_registers_it() -> None:
+    nbytes = 64 * 2**20
+    before = _resident_bytes()
+    mapping = populated_mapping(nbytes)
+    try:
+        assert _resident_bytes() - before >= nbytes * 0.95  # faulted in, not at first use
+        view = torch.frombuffer(mapping, dtype=torch.uint8)
+        assert view.numel() == nbytes and not view.any()  # fresh memory reads as zeros
+        del view
+    finally:
+        mapping.close()
+
+
+def _resident_bytes() -> int:
+    """This process's resident memory (`/proc/self/statm`'s second field, in pages)."""
+    return int(Path("/proc/self/statm").read_text().split()[1]) * mmap.PAGESIZE
