@@ -132,13 +132,13 @@ class PinnedArena:
                     self._wake()  # again each time: another copy may have taken the chunk
                     self._changed.wait()
                     region = self._fit(size)
-                return region
             finally:
                 self._waiting.remove(size)
-                log.info(
-                    "a copy of %d bytes waited %.3fs for room in the arena (%s)",
-                    size, time.monotonic() - start, "found" if region else "none",
-                )  # fmt: skip
+        log.info(
+            "a copy of %d bytes waited %.3fs for room in the arena (%s)",
+            size, time.monotonic() - start, "found" if region else "none",
+        )  # fmt: skip
+        return region
 
     def release(self, region: Region) -> None:
         """Give a region back; it joins the free extents around it."""
