@@ -23,7 +23,6 @@ default), during which memory pressure cannot evict the replica:
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from typing import Any
@@ -34,6 +33,7 @@ from placement.errors import GpufleetError, PayloadError, describe
 from placement.ledger.hot import Lease
 from tasks import context
 from tasks.broker.intake import COUNTED_HEADER, LEASE_HEADER, is_count, is_name
+from worker import identity
 
 log = logging.getLogger(__name__)
 
@@ -143,11 +143,7 @@ def _end_lost_siblings(**_: Any) -> None:
 
 
 def _gone(pid: int) -> bool:
-    """Whether no process `pid` runs (a pool's processes share their worker's host)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False
+    """Whether process `pid` of this worker runs no more (its pool's processes share its
+    host and user; a zombie runs no more; a pid taken again by a live process of ours
+    counts as running, and its lease lapses at its deadline)."""
+    return identity.start_time(pid) is None
