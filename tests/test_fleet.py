@@ -21,6 +21,7 @@ import pytest
 import redis
 from celery import Celery
 
+from placement.ledger.hot import taker_of
 from placement.ledger.registry import Registry
 from placement.ledger.report import request_report, status_report
 from placement.policy.state import Level
@@ -377,10 +378,19 @@ def test_a_worker_killed_mid_call_loses_its_bytes_within_the_lease(fleet_up: Fle
 def test_a_router_killed_before_it_sent_a_call_leaves_no_lease_to_hold_a_drain(
     fleet_up: Fleet,
 ) -> None:
-    fleet_up.infer("orphaned", "x")
     broker = redis.Redis.from_url(fleet_up.running.fleet_url)
     (router,) = [r for n, r in presence.records(broker).items() if n.startswith("router@")]
     broker.close()
+    first = fleet_up.client.send_task("gpufleet.infer", args=("orphaned", *LARGE))
+    # its router's pool places the model and leases the replica for it: the lease names the
+    # router's run and the pool process, which inherited the run's token
+    taken = [
+        taker_of(lease) for lease in _leases_while_running("orphaned", fleet_up.registry, first)
+    ]
+    router_pid = fleet_up.running.child_named("router@")
+    pool = descendants(router_pid)
+    assert taken and all(t is not None and t[0] == router.token and t[1] in pool for t in taken)
+    assert first.get(timeout=60)["model"] == "orphaned"
     taker = Registry.from_url(fleet_up.running.fleet_url, fleet_up.registry.keys.fleet)
     taker.taker = router.token  # a lease as the router's pool takes one, before it sends
     lease = taker.pick("orphaned")
@@ -388,7 +398,7 @@ def test_a_router_killed_before_it_sent_a_call_leaves_no_lease_to_hold_a_drain(
     assert lease is not None
     assert fleet_up.registry.evict(lease.replica) is Level.DRAINING  # the lease holds it
 
-    with_signal(fleet_up.running.child_named("router@"), signal.SIGKILL)
+    with_signal(router_pid, signal.SIGKILL)
 
     # The launcher starts the router again, which ends the leases its predecessor took:
     # the drain ends at once, not at the lease's deadline (300 s).
@@ -398,6 +408,19 @@ def test_a_router_killed_before_it_sent_a_call_leaves_no_lease_to_hold_a_drain(
         seconds=60,
     )
     assert fleet_up.infer("orphaned", "after the router came back")["model"] == "orphaned"
+
+
+def _leases_while_running(model: str, registry: Registry, call: Any) -> list[str]:
+    """The lease ids on `model`'s replica, read as soon as there are any while `call` runs."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not call.ready():
+        for d in registry.snapshot().deployments.values():
+            if d.model == model and (
+                ids := registry.client.zrange(registry.keys.leases(d.replica), 0, -1)
+            ):
+                return list(ids)
+        time.sleep(0.01)
+    raise AssertionError(f"no lease seen on {model}'s replica while its first call ran")
 
 
 def test_the_status_task_returns_the_status_object(fleet_up: Fleet) -> None:
