@@ -327,8 +327,10 @@ def populated_mapping(nbytes: int) -> mmap.mmap:
     through `mmap.madvise` held it: 0.36 s of stall in the other threads per GiB on a
     2-core VM)."""
     mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
-    with contextlib.suppress(OSError):  # a hint: fewer pages to fault in and to pin
-        mapping.madvise(mmap.MADV_HUGEPAGE)
+    huge = getattr(mmap, "MADV_HUGEPAGE", None)  # Linux only
+    if huge is not None:
+        with contextlib.suppress(OSError):  # a hint: fewer pages to fault in and to pin
+            mapping.madvise(huge)
     torch.frombuffer(mapping, dtype=torch.uint8)[:: mmap.PAGESIZE].zero_()
     return mapping
 
