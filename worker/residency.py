@@ -261,7 +261,7 @@ class ResidencyManager:
                 self._free_cuda()
                 self.device_caps.apply()
         self._keep_room()
-        _log_move("offloaded", resident, seconds)
+        _log_move("offloaded", resident, seconds, simulated)
         return Report(replica, "offload", seconds, resident.nbytes, devices=["cpu"])
 
     def restore(
@@ -297,7 +297,7 @@ class ResidencyManager:
                 resident.slots, resident.limit, resident.epoch = dict(slots), limit, epoch
                 self.device_caps.arrived(replica)
         self._keep_room()
-        _log_move("restored", resident, seconds)
+        _log_move("restored", resident, seconds, simulated)
         return Report(replica, "restore", seconds, resident.nbytes, devices=_names(plan, simulated))
 
     def _give_back(self, resident: Resident) -> None:
@@ -779,13 +779,14 @@ def _declared(spec: ModelSpec) -> int:
     return spec.memory or spec.request or 0
 
 
-def _log_move(done: str, resident: Resident, seconds: float) -> None:
+def _log_move(done: str, resident: Resident, seconds: float, simulated: bool) -> None:
     """One line per offload or restore: evictions are rare next to calls, and their speed
-    is what a miss waits for."""
-    rate = resident.nbytes / seconds / 1e9 if seconds > 0 else 0.0
+    is what a miss waits for (a simulated GPU's copy stays in CPU memory: nothing moves)."""
+    gbps = resident.nbytes / max(seconds, 1e-9) / 1e9
+    speed = "simulated GPU" if simulated else f"{gbps:.1f} GB/s"
     log.info(
-        "%s %s (%s, %s) in %.3fs (%.1f GB/s)",
-        done, resident.spec.name, resident.replica, format_size(resident.nbytes), seconds, rate,
+        "%s %s (%s, %s) in %.3fs (%s)",
+        done, resident.spec.name, resident.replica, format_size(resident.nbytes), seconds, speed,
     )  # fmt: skip
 
 
