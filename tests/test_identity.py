@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from worker.identity import current, describe, start_time, verdict
+from worker.identity import current, describe, gone, start_time, verdict
 
 
 @pytest.fixture
@@ -73,3 +73,18 @@ def test_a_killed_process_not_yet_reaped_counts_as_gone() -> None:
         assert verdict(recorded).dead is True
     finally:
         proc.wait()
+
+
+def test_a_pid_is_gone_once_its_process_exits_or_is_a_zombie_and_never_while_it_runs(
+    sleeper: subprocess.Popen[bytes],
+) -> None:
+    assert not gone(os.getpid()) and not gone(sleeper.pid)
+    sleeper.kill()  # a zombie until waited for
+    for _ in range(100):
+        if gone(sleeper.pid):
+            break
+        time.sleep(0.02)
+    assert gone(sleeper.pid)
+    sleeper.wait()
+    assert gone(sleeper.pid)
+    assert not gone(1)  # another user's or an unreadable process is never presumed gone

@@ -83,6 +83,16 @@ def _exists(pid: int) -> bool:
     return True
 
 
+def gone(pid: int) -> bool:
+    """Whether process `pid` of this machine runs no more: no process has it, or it is a
+    zombie. False wherever that cannot be told (no `/proc`; a process this user cannot
+    read)."""
+    found = _stat(pid)
+    if found is not None:
+        return found[0] in ("Z", "X")
+    return Path("/proc/self").is_dir() and not _exists(pid)
+
+
 def describe(pids: Iterable[int]) -> dict[str, Any]:
     """The identity of processes `pids` of this machine (empty off Linux)."""
     machine, boot, namespace = _machine(), _read(BOOT_ID), _pid_namespace()
@@ -129,4 +139,4 @@ def verdict(identity: Mapping[str, Any] | None) -> Verdict:
     return Verdict(True, f"its processes ({pids}) are gone")
 
 
-__all__ = ["Verdict", "current", "describe", "start_time", "verdict"]
+__all__ = ["Verdict", "current", "describe", "gone", "start_time", "verdict"]

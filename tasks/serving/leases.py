@@ -132,18 +132,11 @@ def _end_lost_siblings(**_: Any) -> None:
 
     def end() -> None:
         try:
-            ended = registry.end_leases_of(registry.taker, dead=_gone)
-        except GpufleetError:
+            ended = registry.end_leases_of(registry.taker, dead=identity.gone)
+        except Exception:  # a thread of its own: say why, and let the leases lapse
             log.warning("could not end the leases of this worker's dead processes", exc_info=True)
             return
         if ended:
             log.warning("ended %d request lease(s) that a dead pool process took", ended)
 
     threading.Thread(target=end, name="gpufleet-lost-leases", daemon=True).start()
-
-
-def _gone(pid: int) -> bool:
-    """Whether process `pid` of this worker runs no more (its pool's processes share its
-    host and user; a zombie runs no more; a pid taken again by a live process of ours
-    counts as running, and its lease lapses at its deadline)."""
-    return identity.start_time(pid) is None
