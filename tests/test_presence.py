@@ -227,6 +227,43 @@ def test_a_dead_workers_request_leases_are_ended_once_as_a_sweep_finds_it_dead(
     assert released == [worker.token]
 
 
+def test_a_worker_that_renews_as_a_sweep_finds_it_silent_keeps_its_leases(
+    broker: tuple[str, redis.Redis],
+) -> None:
+    _, client = broker
+    worker = presence.Presence(client, "router@h1", "router", [ROUTER_QUEUE], LEASE_MS)
+    worker.arrive()
+    time.sleep(LEASE_MS / 1000 + 0.1)
+    released: list[str] = []
+
+    def renewed_meanwhile() -> set[str]:  # the sweep reads the ledger after the records
+        assert worker._renewed(leaving=False)
+        return set()
+
+    presence.sweep(client, renewed_meanwhile, _unanswered, lambda t: released.append(t) or 1)
+
+    assert released == []
+    assert presence.records(client)["router@h1"].alive(presence.now_ms(client))
+
+
+def test_a_worker_that_stopped_on_its_own_keeps_the_leases_of_the_calls_it_sent(
+    broker: tuple[str, redis.Redis],
+) -> None:
+    _, client = broker
+    worker = presence.Presence(client, "router@h1", "router", [ROUTER_QUEUE], 60_000)
+    worker.arrive()
+    worker.leave()  # a warm shutdown: its pool finished and sent what it took
+    released: list[str] = []
+
+    presence.sweep(client, _nothing_live, _unanswered, lambda t: released.append(t) or 1)
+    assert presence.records(client)["router@h1"].gone_ms > 0  # swept, as before
+    presence.Presence(client, "router@h1", "router", [ROUTER_QUEUE], 60_000).arrive(
+        lambda t: released.append(t) or 1
+    )
+
+    assert released == []
+
+
 def test_a_worker_back_under_its_name_ends_the_leases_its_predecessor_took(
     broker: tuple[str, redis.Redis],
 ) -> None:

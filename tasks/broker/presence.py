@@ -101,6 +101,7 @@ class Record:
     deadline_ms: int
     gone_ms: int  # when a sweep found it dead (0: not yet)
     token: str = ""  # this run of the worker: its request leases' taker
+    left: bool = False  # it stopped on its own (warm shutdown), not killed
 
     def alive(self, now_ms: int) -> bool:
         return not self.gone_ms and self.deadline_ms > now_ms
@@ -117,6 +118,7 @@ class Record:
             int(data.get("deadline", 0)),
             int(data.get("gone_ms", 0)),
             str(data.get("token", "")),
+            bool(data.get("left", False)),
         )
 
 
@@ -238,8 +240,6 @@ def sweep(
             if now - rec.gone_ms > KEEP_GONE_MS:
                 _redeliver(client, rec.node, {"delete": True}, _nothing)
             continue
-        if not rec.gone_ms and release is not None:
-            _release(release, rec)
         if ledger is None:
             ledger = live_gpu_queues()
         orphaned = unserved - ledger
@@ -250,6 +250,8 @@ def sweep(
             functools.partial(_holdings, orphaned=orphaned, answered=answered),
             expect_dead=True,
         )
+        if not rec.gone_ms and release is not None and _marked_gone(client, rec):
+            _release(release, rec)  # once, by the sweep that found it dead, not one it fooled
         if count:
             moved[rec.node] = count
             where = f"the router ({', '.join(sorted(orphaned))})" if orphaned else "their queues"
@@ -426,10 +428,20 @@ def _redeliver(
     return 0
 
 
+def _marked_gone(client: redis.Redis, rec: Record) -> bool:
+    """Whether `rec`'s run is now marked gone (a worker that renewed meanwhile is not)."""
+    raw = client.hget(CONSUMERS, rec.node)
+    if raw is None:
+        return False
+    now = Record.parse(rec.node, _text(raw))
+    return now.token == rec.token and now.gone_ms > 0
+
+
 def _release(release: Release, rec: Record) -> None:
-    """End the request leases `rec`'s worker took; never fail a sweep or a start over it
-    (the leases lapse at their deadlines)."""
-    if not rec.token:
+    """End the request leases `rec`'s worker took, unless it stopped on its own (its pool
+    finished what it took: each call is on its way with its lease); never fail a sweep
+    or a start over it (the leases lapse at their deadlines)."""
+    if not rec.token or rec.left:
         return
     try:
         ended = release(rec.token)
@@ -581,10 +593,15 @@ def _arrive(sender: Any, **_: Any) -> None:
     client = redis.Redis.from_url(settings.broker_url, socket_timeout=10, socket_connect_timeout=10)
     queues = list(sender.app.amqp.queues.consume_from or ())
     presence = Presence(client, sender.hostname, settings.role, queues, settings.worker_lease_ms)
-    registry = context.registry()
-    registry.taker = presence.token  # its pool's children, forked after this, take it too
+    release: Release | None = None
     try:
-        presence.arrive(registry.end_leases_of)
+        registry = context.registry()
+        registry.taker = presence.token  # its pool's children, forked after this, take it too
+        release = registry.end_leases_of
+    except Exception:  # its leases then name no taker: they lapse at their deadlines
+        log.warning("no registry for %s's request leases", presence.node, exc_info=True)
+    try:
+        presence.arrive(release)
     except redis.RedisError as exc:
         log.warning("could not record %s in the broker yet (%s); renewing will", presence.node, exc)
     presence.keep()

@@ -2,7 +2,8 @@
 -- record's deadline on while the record is still its own (tasks/broker/presence.py).
 -- KEYS[1] = the consumers hash (node name -> record JSON)
 -- ARGV[1] = node name, ARGV[2] = its token, ARGV[3] = '1' when it leaves (its deadline
---   becomes now, so the next sweep gives back whatever it still holds), else '0'
+--   becomes now, so the next sweep gives back whatever it still holds, and it is marked
+--   `left`: it stopped on its own, so its request leases are its sent calls'), else '0'
 -- Returns 1 | 0 when the record is another's or gone (a sweep found the node silent and
 --   gave its calls back)
 local raw = redis.call('HGET', KEYS[1], ARGV[1])
@@ -12,6 +13,7 @@ if rec.token ~= ARGV[2] or num(rec.gone_ms) > 0 then return 0 end
 local now = now_ms()
 if ARGV[3] == '1' then
   rec.deadline = now
+  rec.left = true
 else
   rec.deadline = now + num(rec.lease_ms)
 end
