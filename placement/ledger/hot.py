@@ -40,6 +40,8 @@ _TRIES = 4
 def new_lease_id(taker: str = "") -> str:
     """A fresh lease id: with a `taker` (a worker run's token), "<taker>.<pid>.<own part>",
     this process's pid in the middle; without one (a client), its own part alone."""
+    if "." in taker:
+        raise ValueError(f"a lease taker has no '.': {taker!r}")
     own = uuid.uuid4().hex
     return f"{taker}.{os.getpid()}.{own}" if taker else own
 
@@ -48,7 +50,7 @@ def taker_of(lease_id: str) -> tuple[str, int] | None:
     """The taker and pid a `new_lease_id` put in `lease_id`, or None if it names none."""
     taker, _, rest = lease_id.partition(".")
     pid, _, own = rest.partition(".")
-    return (taker, int(pid)) if taker and pid.isdigit() and own else None
+    return (taker, int(pid)) if taker and pid.isascii() and pid.isdigit() and own else None
 
 
 @dataclass(frozen=True)
