@@ -381,16 +381,15 @@ def test_a_router_killed_before_it_sent_a_call_leaves_no_lease_to_hold_a_drain(
     broker = redis.Redis.from_url(fleet_up.running.fleet_url)
     (router,) = [r for n, r in presence.records(broker).items() if n.startswith("router@")]
     broker.close()
-    first = fleet_up.client.send_task("gpufleet.infer", args=("orphaned", *LARGE))
-    # its router's pool places the model and leases the replica for it: the lease names the
-    # router's run and the pool process, which inherited the run's token
-    taken = [
-        taker_of(lease) for lease in _leases_while_running("orphaned", fleet_up.registry, first)
-    ]
+    first = [fleet_up.client.send_task("gpufleet.infer", args=("orphaned", *LARGE)) for _ in "abc"]
+    # its router's pool places the model and leases the replica for the first call, its
+    # consumer the next ones: each lease names the router's run and the process that took it
+    seen = _leases_while_running("orphaned", fleet_up.registry, first)
     router_pid = fleet_up.running.child_named("router@")
-    pool = descendants(router_pid)
-    assert taken and all(t is not None and t[0] == router.token and t[1] in pool for t in taken)
-    assert first.get(timeout=60)["model"] == "orphaned"
+    processes = {router_pid} | descendants(router_pid)
+    taken = [taker_of(lease) for lease in seen]
+    assert all(t is not None and t[0] == router.token and t[1] in processes for t in taken), taken
+    assert [call.get(timeout=60)["model"] for call in first] == ["orphaned"] * 3
     taker = Registry.from_url(fleet_up.running.fleet_url, fleet_up.registry.keys.fleet)
     taker.taker = router.token  # a lease as the router's pool takes one, before it sends
     lease = taker.pick("orphaned")
@@ -410,17 +409,17 @@ def test_a_router_killed_before_it_sent_a_call_leaves_no_lease_to_hold_a_drain(
     assert fleet_up.infer("orphaned", "after the router came back")["model"] == "orphaned"
 
 
-def _leases_while_running(model: str, registry: Registry, call: Any) -> list[str]:
-    """The lease ids on `model`'s replica, read as soon as there are any while `call` runs."""
+def _leases_while_running(model: str, registry: Registry, calls: list[Any]) -> list[str]:
+    """The lease ids on `model`'s replica, read as soon as there are any while `calls` run."""
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and not call.ready():
+    while time.monotonic() < deadline and not all(call.ready() for call in calls):
         for d in registry.snapshot().deployments.values():
             if d.model == model and (
                 ids := registry.client.zrange(registry.keys.leases(d.replica), 0, -1)
             ):
                 return list(ids)
         time.sleep(0.01)
-    raise AssertionError(f"no lease seen on {model}'s replica while its first call ran")
+    raise AssertionError(f"no lease seen on {model}'s replica while its first calls ran")
 
 
 def test_the_status_task_returns_the_status_object(fleet_up: Fleet) -> None:
