@@ -90,11 +90,22 @@ class RunningFleet:
         active: dict[str, list[Any]] = inspect.active() or {}
         return max((len(calls) for calls in active.values()), default=0)
 
-    def kill_mid_call(self, pid: int, running: int = 1, workers: int = 2) -> datetime:
+    def kill_mid_call(
+        self,
+        pid: int,
+        running: int = 1,
+        workers: int = 2,
+        calls: Sequence[AsyncResult] = (),
+        batch: int = 0,
+    ) -> datetime:
         """SIGKILL `pid` once `running` calls run at once on one of the fleet's `workers`
-        Celery workers; return when (for `answered_after`)."""
+        Celery workers and, with `calls`, more of them than one `batch` takes are still
+        unanswered (so one waits behind the running ones, and is answered after the kill
+        however soon they end); return when (for `answered_after`)."""
         deadline = time.monotonic() + 30
-        while self.active_calls(workers) < running:
+        while self.active_calls(workers) < running or (
+            calls and sum(not c.ready() for c in calls) <= batch
+        ):
             assert time.monotonic() < deadline, f"{running} calls never ran at once"
         killed = datetime.now(UTC)
         with_signal(pid, signal.SIGKILL)

@@ -15,16 +15,19 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import redis
 from celery import Celery
 
+from placement.ledger import hot
 from placement.ledger.hot import taker_of
 from placement.ledger.registry import Registry
 from placement.ledger.report import request_report, status_report
 from placement.policy.state import Level
+from placement.rules.batching import DEFAULT_CHARS
 from tasks.broker import presence
 from tests.fleets import GiB
 from tests.ports import free_port
@@ -35,6 +38,7 @@ from tests.running import (
     answered_after,
     descendants,
     fleet_env,
+    parents,
     until,
     with_signal,
 )
@@ -351,13 +355,14 @@ def test_a_worker_killed_mid_call_loses_its_bytes_within_the_lease(fleet_up: Fle
     b = next(d for d in snap.deployments.values() if d.model == "b" and d.level.value == "HOT")
     gpu_id = next(iter(b.gpus))
     child = fleet_up.running.pool_child(int(gpu_id.rsplit("sim", 1)[1]))
-    calls = [fleet_up.client.send_task("gpufleet.infer", args=("b", *LARGE)) for _ in range(6)]
-    killed = fleet_up.running.kill_mid_call(child, workers=3)  # the router and two GPUs
+    batch = DEFAULT_CHARS // sum(map(len, LARGE[0]))  # LARGE calls one batch takes: 8
+    calls = [fleet_up.client.send_task("gpufleet.infer", args=("b", *LARGE)) for _ in range(24)]
+    killed = fleet_up.running.kill_mid_call(child, workers=3, calls=calls, batch=batch)
     killed_at = time.monotonic()
     # The running call is redelivered to the replacement process, which releases its dead
     # predecessor at once and routes the call again: it completes on a fresh replica.
     answers = [call.get(timeout=90) for call in calls]
-    assert [a["model"] for a in answers] == ["b"] * 6
+    assert [a["model"] for a in answers] == ["b"] * 24
     assert answered_after(calls, killed) >= 1, "every call was answered before the kill"
     assert answers[-1]["worker"] != b.worker
     # Within the lease (plus a sweep), nothing is left reserved for the dead worker.
@@ -372,7 +377,7 @@ def test_a_worker_killed_mid_call_loses_its_bytes_within_the_lease(fleet_up: Fle
     assert fleet_up.infer("b", "after the crash")["model"] == "b"
     # Each call counted once, as the router first routed it: not again when the dead
     # worker's calls came back to be routed again.
-    assert fleet_up.requests("b", settled=requests + 8) == requests + 8
+    assert fleet_up.requests("b", settled=requests + 26) == requests + 26
 
 
 def test_a_router_killed_before_it_sent_a_call_leaves_no_lease_to_hold_a_drain(
@@ -407,6 +412,36 @@ def test_a_router_killed_before_it_sent_a_call_leaves_no_lease_to_hold_a_drain(
         seconds=60,
     )
     assert fleet_up.infer("orphaned", "after the router came back")["model"] == "orphaned"
+
+
+def test_a_routers_pool_child_killed_before_it_sent_a_call_leaves_no_lease_to_hold_a_drain(
+    fleet_up: Fleet, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fleet_up.infer("orphaned", "x")
+    broker = redis.Redis.from_url(fleet_up.running.fleet_url)
+    (router,) = [r for n, r in presence.records(broker).items() if n.startswith("router@")]
+    broker.close()
+    router_pid = fleet_up.running.child_named("router@")
+    child = min(pid for pid, parent in parents().items() if parent == router_pid)
+    taker = Registry.from_url(fleet_up.running.fleet_url, fleet_up.registry.keys.fleet)
+    taker.taker = router.token
+    monkeypatch.setattr(hot, "os", SimpleNamespace(getpid=lambda: child))
+    lease = taker.pick("orphaned")  # as that pool child takes one, before it sends the call
+    monkeypatch.undo()
+    taker.client.close()
+    assert lease is not None and taker_of(lease.id) == (router.token, child)
+    assert fleet_up.registry.evict(lease.replica) is Level.DRAINING
+
+    with_signal(child, signal.SIGKILL)
+
+    # The router's pool starts a child in its place, which ends the dead one's leases.
+    until(
+        "the drain ended",
+        lambda: fleet_up.registry.snapshot().deployments[lease.replica].level is not Level.DRAINING,
+        seconds=30,
+    )
+    assert fleet_up.running.child_named("router@") == router_pid  # the router lived on
+    assert fleet_up.infer("orphaned", "after its pool child died")["model"] == "orphaned"
 
 
 def _leases_while_running(model: str, registry: Registry, calls: list[Any]) -> list[str]:
