@@ -15,7 +15,8 @@ known by name. Then:
 - either of them ends the request leases the dead worker took (each lease id begins with
   its taker's record token, `placement.ledger.hot.new_lease_id`): a router killed
   between leasing a replica and sending the call would otherwise pin that replica, and
-  keep its drain from ending, until the lease's deadline;
+  keep its drain from ending, until the lease's deadline. A worker that stopped on its
+  own (its record marked `left`) keeps them: its pool sent every call it took;
 - a GPU worker's queue whose worker is gone and whose GPUs hold no live lease in the
   ledger is handed to the router: every call waiting there, or held by the dead worker,
   becomes a `gpufleet.infer` on the router's internal queue with the same task id, in order,
@@ -224,7 +225,8 @@ def sweep(
     `live_gpu_queues` names the queues of GPUs whose ledger lease holds (read after the
     records, so a GPU worker is handed over only once the ledger has let it go too);
     `answered(task_id)` says whether a call's answer is already stored; `release(token)`
-    ends the request leases a dead worker took, once, as its record is first found dead.
+    ends the request leases a dead worker took, once, in the sweep that marks its record
+    gone (never those of a worker that stopped on its own).
     """
     found = records(client)
     now = now_ms(client)
