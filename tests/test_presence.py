@@ -94,6 +94,13 @@ def _unanswered(_: str) -> bool:
     return False
 
 
+def _arrived(client: redis.Redis, lease_ms: int = LEASE_MS) -> presence.Presence:
+    """A router, router@h1, that recorded itself (and is never renewed unless a test does)."""
+    worker = presence.Presence(client, "router@h1", "router", [ROUTER_QUEUE], lease_ms)
+    worker.arrive()
+    return worker
+
+
 def test_a_dead_routers_unacknowledged_calls_go_back_first_in_line_in_order_once(
     broker: tuple[str, redis.Redis],
 ) -> None:
@@ -194,8 +201,7 @@ def test_a_worker_found_silent_that_comes_back_records_itself_again(
     broker: tuple[str, redis.Redis],
 ) -> None:
     _, client = broker
-    worker = presence.Presence(client, "router@h1", "router", [ROUTER_QUEUE], LEASE_MS)
-    worker.arrive()
+    worker = _arrived(client)
     time.sleep(LEASE_MS / 1000 + 0.1)
     presence.sweep(client, _nothing_live, _unanswered)
     assert not worker._renewed(leaving=False)  # a sweep marked it gone: not its record now
@@ -211,8 +217,7 @@ def test_a_dead_workers_request_leases_are_ended_once_as_a_sweep_finds_it_dead(
     broker: tuple[str, redis.Redis],
 ) -> None:
     _, client = broker
-    worker = presence.Presence(client, "router@h1", "router", [ROUTER_QUEUE], LEASE_MS)
-    worker.arrive()
+    worker = _arrived(client)
     released: list[str] = []
 
     def release(token: str) -> int:
@@ -231,8 +236,7 @@ def test_a_worker_that_renews_as_a_sweep_finds_it_silent_keeps_its_leases(
     broker: tuple[str, redis.Redis],
 ) -> None:
     _, client = broker
-    worker = presence.Presence(client, "router@h1", "router", [ROUTER_QUEUE], LEASE_MS)
-    worker.arrive()
+    worker = _arrived(client)
     time.sleep(LEASE_MS / 1000 + 0.1)
     released: list[str] = []
 
@@ -250,8 +254,7 @@ def test_a_worker_that_stopped_on_its_own_keeps_the_leases_of_the_calls_it_sent(
     broker: tuple[str, redis.Redis],
 ) -> None:
     _, client = broker
-    worker = presence.Presence(client, "router@h1", "router", [ROUTER_QUEUE], 60_000)
-    worker.arrive()
+    worker = _arrived(client, 60_000)
     worker.leave()  # a warm shutdown: its pool finished and sent what it took
     released: list[str] = []
 
@@ -268,8 +271,7 @@ def test_a_worker_back_under_its_name_ends_the_leases_its_predecessor_took(
     broker: tuple[str, redis.Redis],
 ) -> None:
     _, client = broker
-    first = presence.Presence(client, "router@h1", "router", [ROUTER_QUEUE], 60_000)
-    first.arrive()  # then killed: the launcher starts the next under the same name
+    first = _arrived(client, 60_000)  # then killed: the launcher starts the next under its name
     released: list[str] = []
     second = presence.Presence(client, "router@h1", "router", [ROUTER_QUEUE], 60_000)
 
