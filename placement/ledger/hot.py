@@ -41,7 +41,7 @@ def new_lease_id(taker: str = "") -> str:
     """A fresh lease id: with a `taker` (a worker run's token), "<taker>.<pid>.<own part>",
     this process's pid in the middle; without one (a client), its own part alone."""
     if "." in taker:
-        raise ValueError(f"a lease taker has no '.': {taker!r}")
+        raise ValueError(f"a lease taker may not contain '.': {taker!r}")
     own = uuid.uuid4().hex
     return f"{taker}.{os.getpid()}.{own}" if taker else own
 
