@@ -261,8 +261,10 @@ class ResidencyManager:
                 self._free_cuda()
                 self.device_caps.apply()
         self._keep_room()
-        _log_move("offloaded", resident, seconds, simulated)
-        return Report(replica, "offload", seconds, resident.nbytes, devices=["cpu"])
+        return _logged(
+            Report(replica, "offload", seconds, resident.nbytes, devices=["cpu"]),
+            resident.spec.name, simulated,
+        )  # fmt: skip
 
     def restore(
         self, replica: str, slots: Mapping[str, int], limit: int = 0, epoch: int = 0
@@ -297,8 +299,11 @@ class ResidencyManager:
                 resident.slots, resident.limit, resident.epoch = dict(slots), limit, epoch
                 self.device_caps.arrived(replica)
         self._keep_room()
-        _log_move("restored", resident, seconds, simulated)
-        return Report(replica, "restore", seconds, resident.nbytes, devices=_names(plan, simulated))
+        devices = _names(plan, simulated)
+        return _logged(
+            Report(replica, "restore", seconds, resident.nbytes, devices=devices),
+            resident.spec.name, simulated,
+        )  # fmt: skip
 
     def _give_back(self, resident: Resident) -> None:
         """Return a warm copy's arena region (its tensors are elsewhere, or dropped)."""
@@ -779,15 +784,16 @@ def _declared(spec: ModelSpec) -> int:
     return spec.memory or spec.request or 0
 
 
-def _log_move(done: str, resident: Resident, seconds: float, simulated: bool) -> None:
-    """One line per offload or restore: evictions are rare next to calls, and their speed
-    is what a miss waits for (a simulated GPU's copy stays in CPU memory: nothing moves)."""
-    gbps = resident.nbytes / max(seconds, 1e-9) / 1e9
-    speed = "simulated GPU" if simulated else f"{gbps:.1f} GB/s"
+def _logged(report: Report, model: str, simulated: bool) -> Report:
+    """`report`, logged: one line per offload or restore, rare next to calls, and their
+    speed is what a miss waits for (a simulated GPU's copy stays in CPU memory: nothing
+    moves)."""
+    speed = "simulated GPU" if simulated else f"{report.gbps:.1f} GB/s"
     log.info(
         "%s %s (%s, %s) in %.3fs (%s)",
-        done, resident.spec.name, resident.replica, format_size(resident.nbytes), seconds, speed,
+        report.action, model, report.replica, format_size(report.nbytes), report.seconds, speed,
     )  # fmt: skip
+    return report
 
 
 def _names(plan: Mapping[int, int], simulated: bool) -> list[str]:
