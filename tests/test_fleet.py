@@ -381,11 +381,9 @@ def test_a_worker_killed_mid_call_loses_its_bytes_within_the_lease(fleet_up: Fle
 
 
 def test_a_router_killed_before_it_sent_a_call_leaves_no_lease_to_hold_a_drain(
-    fleet_up: Fleet,
+    fleet_up: Fleet, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    broker = redis.Redis.from_url(fleet_up.running.fleet_url)
-    (router,) = [r for n, r in presence.records(broker).items() if n.startswith("router@")]
-    broker.close()
+    token = _router_token(fleet_up)
     first = [fleet_up.client.send_task("gpufleet.infer", args=("orphaned", *LARGE)) for _ in "abc"]
     # its router's pool places the model and leases the replica for the first call, its
     # consumer the next ones: each lease names the router's run and the process that took it
@@ -393,24 +391,15 @@ def test_a_router_killed_before_it_sent_a_call_leaves_no_lease_to_hold_a_drain(
     router_pid = fleet_up.running.child_named("router@")
     processes = {router_pid} | descendants(router_pid)
     taken = [taker_of(lease) for lease in seen]
-    assert all(t is not None and t[0] == router.token and t[1] in processes for t in taken), taken
+    assert all(t is not None and t[0] == token and t[1] in processes for t in taken), taken
     assert [call.get(timeout=60)["model"] for call in first] == ["orphaned"] * 3
-    taker = Registry.from_url(fleet_up.running.fleet_url, fleet_up.registry.keys.fleet)
-    taker.taker = router.token  # a lease as the router's pool takes one, before it sends
-    lease = taker.pick("orphaned")
-    taker.client.close()
-    assert lease is not None
-    assert fleet_up.registry.evict(lease.replica) is Level.DRAINING  # the lease holds it
+    replica = _drain_held_by(fleet_up, token, router_pid, monkeypatch)
 
     with_signal(router_pid, signal.SIGKILL)
 
     # The launcher starts the router again, which ends the leases its predecessor took:
     # the drain ends at once, not at the lease's deadline (300 s).
-    until(
-        "the drain ended",
-        lambda: fleet_up.registry.snapshot().deployments[lease.replica].level is not Level.DRAINING,
-        seconds=60,
-    )
+    _until_drained(fleet_up, replica, seconds=60)
     assert fleet_up.infer("orphaned", "after the router came back")["model"] == "orphaned"
 
 
@@ -418,30 +407,46 @@ def test_a_routers_pool_child_killed_before_it_sent_a_call_leaves_no_lease_to_ho
     fleet_up: Fleet, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     fleet_up.infer("orphaned", "x")
-    broker = redis.Redis.from_url(fleet_up.running.fleet_url)
-    (router,) = [r for n, r in presence.records(broker).items() if n.startswith("router@")]
-    broker.close()
     router_pid = fleet_up.running.child_named("router@")
     child = min(pid for pid, parent in parents().items() if parent == router_pid)
-    taker = Registry.from_url(fleet_up.running.fleet_url, fleet_up.registry.keys.fleet)
-    taker.taker = router.token
-    monkeypatch.setattr(hot, "os", SimpleNamespace(getpid=lambda: child))
-    lease = taker.pick("orphaned")  # as that pool child takes one, before it sends the call
-    monkeypatch.undo()
-    taker.client.close()
-    assert lease is not None and taker_of(lease.id) == (router.token, child)
-    assert fleet_up.registry.evict(lease.replica) is Level.DRAINING
+    replica = _drain_held_by(fleet_up, _router_token(fleet_up), child, monkeypatch)
 
     with_signal(child, signal.SIGKILL)
 
     # The router's pool starts a child in its place, which ends the dead one's leases.
-    until(
-        "the drain ended",
-        lambda: fleet_up.registry.snapshot().deployments[lease.replica].level is not Level.DRAINING,
-        seconds=30,
-    )
+    _until_drained(fleet_up, replica, seconds=30)
     assert fleet_up.running.child_named("router@") == router_pid  # the router lived on
     assert fleet_up.infer("orphaned", "after its pool child died")["model"] == "orphaned"
+
+
+def _router_token(fleet: Fleet) -> str:
+    """The router's run, as its presence record names it (its leases' taker)."""
+    broker = redis.Redis.from_url(fleet.running.fleet_url)
+    (router,) = [r for n, r in presence.records(broker).items() if n.startswith("router@")]
+    broker.close()
+    return router.token
+
+
+def _drain_held_by(fleet: Fleet, token: str, pid: int, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Evict "orphaned" while a lease holds it, taken as process `pid` of run `token` takes
+    one before it sends its call; return the DRAINING replica."""
+    taker = Registry.from_url(fleet.running.fleet_url, fleet.registry.keys.fleet)
+    taker.taker = token
+    monkeypatch.setattr(hot, "os", SimpleNamespace(getpid=lambda: pid))
+    lease = taker.pick("orphaned")
+    monkeypatch.undo()
+    taker.client.close()
+    assert lease is not None and taker_of(lease.id) == (token, pid)
+    assert fleet.registry.evict(lease.replica) is Level.DRAINING  # the lease holds it
+    return lease.replica
+
+
+def _until_drained(fleet: Fleet, replica: str, seconds: float) -> None:
+    until(
+        "the drain ended",
+        lambda: fleet.registry.snapshot().deployments[replica].level is not Level.DRAINING,
+        seconds=seconds,
+    )
 
 
 def _leases_while_running(model: str, registry: Registry, calls: list[Any]) -> list[str]:

@@ -94,10 +94,15 @@ def _unanswered(_: str) -> bool:
     return False
 
 
-def _arrived(client: redis.Redis, lease_ms: int = LEASE_MS) -> presence.Presence:
-    """A router, router@h1, that recorded itself (and is never renewed unless a test does)."""
+def _arrived(
+    client: redis.Redis, lease_ms: int = LEASE_MS, *, lapsed: bool = False
+) -> presence.Presence:
+    """A router, router@h1, that recorded itself (and is never renewed unless a test does);
+    `lapsed`: once its record's deadline has passed."""
     worker = presence.Presence(client, "router@h1", "router", [ROUTER_QUEUE], lease_ms)
     worker.arrive()
+    if lapsed:
+        time.sleep(lease_ms / 1000 + 0.1)
     return worker
 
 
@@ -201,8 +206,7 @@ def test_a_worker_found_silent_that_comes_back_records_itself_again(
     broker: tuple[str, redis.Redis],
 ) -> None:
     _, client = broker
-    worker = _arrived(client)
-    time.sleep(LEASE_MS / 1000 + 0.1)
+    worker = _arrived(client, lapsed=True)
     presence.sweep(client, _nothing_live, _unanswered)
     assert not worker._renewed(leaving=False)  # a sweep marked it gone: not its record now
 
@@ -236,8 +240,7 @@ def test_a_worker_that_renews_as_a_sweep_finds_it_silent_keeps_its_leases(
     broker: tuple[str, redis.Redis],
 ) -> None:
     _, client = broker
-    worker = _arrived(client)
-    time.sleep(LEASE_MS / 1000 + 0.1)
+    worker = _arrived(client, lapsed=True)
     released: list[str] = []
 
     def renewed_meanwhile() -> set[str]:  # the sweep reads the ledger after the records
