@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import os
 import random
 import threading
 from pathlib import Path
@@ -14,13 +15,13 @@ import pytest
 import torch
 
 from worker import arena as arena_module
-from worker.arena import ALIGN, PinnedArena, Region, align, layout, populated_mapping
+from worker.arena import ALIGN, Chunk, PinnedArena, Region, align, layout, shared_mapping
 
 MiB = 2**20
 
 
 def _arena(capacity: int, chunk: int = 4 * MiB) -> PinnedArena:
-    return PinnedArena(capacity, lambda n: torch.zeros(n, dtype=torch.uint8), chunk)
+    return PinnedArena(capacity, lambda n: Chunk(torch.zeros(n, dtype=torch.uint8)), chunk)
 
 
 def test_a_released_region_is_reused_without_pinning_more() -> None:
@@ -112,7 +113,7 @@ def test_mixed_sizes_over_many_cycles_never_overlap_and_fail_only_without_room()
     assert refused > 0  # the run did press the arena
     for region in live:
         arena.release(region)
-    sizes = [int(chunk.numel()) for chunk in arena._chunks]
+    sizes = [int(chunk.data.numel()) for chunk in arena._chunks]
     assert arena._free == [[(0, size)] for size in sizes]  # every chunk one extent again
 
 
@@ -148,13 +149,13 @@ class _Recording:
         self.called = threading.Event()
         self.fail = fail
 
-    def __call__(self, nbytes: int) -> torch.Tensor:
+    def __call__(self, nbytes: int) -> Chunk:
         self.threads.append(threading.current_thread().name)
         self.called.set()
         self.gate.wait(10)
         if self.fail:
             raise RuntimeError("cudaHostRegister failed")
-        return torch.zeros(nbytes, dtype=torch.uint8)
+        return Chunk(torch.zeros(nbytes, dtype=torch.uint8))
 
 
 def _reserving(arena: PinnedArena, nbytes: int, got: list[Region | None]) -> threading.Thread:
@@ -253,11 +254,12 @@ def test_no_room_is_pinned_while_none_is_wanted_and_a_dropped_arena_ends_its_thr
 
 def test_a_chunks_mapping_has_every_page_present_before_anything_registers_it() -> None:
     nbytes = 64 * 2**20
-    mapping = populated_mapping(nbytes)
+    mapping, fd = shared_mapping(nbytes, populate=True)
     view = torch.frombuffer(mapping, dtype=torch.uint8)
     resident, untouched = _resident_bytes(view.data_ptr()), bool(view.any())
     del view  # before `close`, which refuses while a view of it lives
     mapping.close()
+    os.close(fd)
     assert resident >= nbytes  # faulted in as it was made, not at first use
     assert not untouched  # fresh memory reads as zeros
 

@@ -27,8 +27,11 @@ coalesced extents, and a region goes in the first extent it fits (first fit). Wh
 extent fits and no chunk may be added, `reserve` answers None, and the caller pins the
 copy the old way (`worker.loading.to_cpu`): slower, never refused.
 
-The arena is per process: warm copies live where the process that offloaded them can see
-them (docs/worker.md says why a host-wide arena is not built).
+A chunk is a `memfd` mapping shared with nothing, but which the host's other GPU workers
+may map read-only through `/proc/<pid>/fd/<n>` (`where`): a neighbour reads a warm copy
+there as the source of its own load (`worker.sharing`). The holder still owns its copy;
+the memory goes with the last process that maps it. Simulated GPUs keep their warm copies
+in chunks of the same kind, unregistered (`shared_chunk`).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import bisect
 import contextlib
 import logging
 import mmap
+import os
 import threading
 import time
 import weakref
@@ -50,10 +54,20 @@ log = logging.getLogger(__name__)
 CHUNK = 256 * 2**20  # bytes pinned at a time at least (a default, not tuned)
 ALIGN = 4096  # every region and slice starts on a page
 RETRY_S = 60.0  # after the host refused a chunk, how long the arena stops growing (not tuned)
+MEMFD = "gpufleet-warm"  # the name every chunk's memfd carries (`/proc/<pid>/fd/<n>` shows it)
 
 
 def align(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One chunk's memory, and the memfd other processes of the host may map it by (-1:
+    none, the chunk is private to this process)."""
+
+    data: torch.Tensor
+    fd: int = -1
 
 
 @dataclass(frozen=True)
@@ -68,19 +82,18 @@ class Region:
 class PinnedArena:
     """Chunks of (pinned) host memory and their free extents (see the module).
 
-    `allocate(nbytes)` makes one chunk: pinned memory on a CUDA host, plain memory in tests;
+    `allocate(nbytes)` makes one chunk: pinned memory on a CUDA host, unpinned for simulated
+    GPUs, plain memory in tests;
     it runs on the arena's thread only, and may raise (the host could not map or pin it: the
     arena then stops growing for `RETRY_S`). Thread-safe: the keeper offloads and drops, a load's
     failure may drop, the worker prepares.
     """
 
-    def __init__(
-        self, capacity: int, allocate: Callable[[int], torch.Tensor], chunk: int = CHUNK
-    ) -> None:
+    def __init__(self, capacity: int, allocate: Callable[[int], Chunk], chunk: int = CHUNK) -> None:
         self.capacity = capacity
         self._allocate = allocate
         self._chunk = align(chunk)
-        self._chunks: list[torch.Tensor] = []
+        self._chunks: list[Chunk] = []
         self._free: list[list[tuple[int, int]]] = []  # per chunk: sorted (offset, size)
         self._changed = threading.Condition()  # guards all of the below and the above
         self._wanted = 0  # the copy to keep room for (`prepare`)
@@ -94,7 +107,7 @@ class PinnedArena:
     def pinned(self) -> int:
         """Bytes the arena holds (its chunks), used or not."""
         with self._changed:
-            return sum(int(c.numel()) for c in self._chunks)
+            return sum(int(c.data.numel()) for c in self._chunks)
 
     @property
     def free(self) -> int:
@@ -177,8 +190,17 @@ class PinnedArena:
         if offset + nbytes > region.size:
             raise ValueError(f"{nbytes} bytes at {offset} do not fit region {region}")
         start = region.offset + offset
-        raw = self._chunks[region.chunk][start : start + nbytes]
+        raw = self._chunks[region.chunk].data[start : start + nbytes]
         return raw.view(dtype).view(shape)
+
+    def raw(self, region: Region) -> torch.Tensor:
+        """The region's bytes, as one uint8 tensor."""
+        return self._chunks[region.chunk].data[region.offset : region.offset + region.size]
+
+    def where(self, region: Region) -> tuple[int, int]:
+        """Where another process of the host finds `region`: its chunk's memfd in this
+        process (-1: the chunk is private), and the region's offset in it."""
+        return self._chunks[region.chunk].fd, region.offset
 
     # --- under `_changed` -----------------------------------------------------
 
@@ -234,7 +256,7 @@ class PinnedArena:
         self._pinning = grow or 0
         return grow
 
-    def _pinned(self, grow: int, chunk: torch.Tensor | None) -> None:
+    def _pinned(self, grow: int, chunk: Chunk | None) -> None:
         """Add the chunk the thread pinned (None: the host refused it)."""
         self._pinning = 0
         if chunk is None:
@@ -262,14 +284,14 @@ def _pin_ahead(ref: weakref.ref[PinnedArena], changed: threading.Condition) -> N
                 changed.notify_all()  # `settle`
                 changed.wait()
                 continue
-        chunk: torch.Tensor | None = None
+        chunk: Chunk | None = None
         start = time.monotonic()
         try:
             chunk = arena._allocate(grow)
             seconds = time.monotonic() - start
-            log.info("pinned %d more bytes for warm copies in %.3fs", grow, seconds)
+            log.info("added %d bytes for warm copies in %.3fs", grow, seconds)
         except Exception as exc:  # the host could not map or pin it
-            log.warning("could not pin %d more bytes for warm copies: %s", grow, exc)
+            log.warning("could not add %d bytes for warm copies: %s", grow, exc)
         finally:  # whatever happened, no copy waits for this chunk any more
             with changed:
                 arena._pinned(grow, chunk)
@@ -290,9 +312,10 @@ def layout(tensors: list[torch.Tensor]) -> tuple[list[int], int]:
     return offsets, total
 
 
-def registered_chunk(nbytes: int) -> torch.Tensor:
-    """One chunk of pinned host memory: a private anonymous mapping registered with CUDA
-    for every context (`cudaHostRegisterPortable`), unregistered when the chunk is collected.
+def registered_chunk(nbytes: int) -> Chunk:
+    """One chunk of pinned host memory: a shared mapping (`shared_mapping`) registered with
+    CUDA for every context (`cudaHostRegisterPortable`), unregistered when the chunk is
+    collected.
 
     Both run on a device where the process already has a context (as PyTorch's pinned
     allocator does), so pinning never opens one on another worker's GPU; with no context
@@ -300,39 +323,69 @@ def registered_chunk(nbytes: int) -> torch.Tensor:
     """
     cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
     device = _opened_device()
-    chunk = torch.frombuffer(populated_mapping(nbytes), dtype=torch.uint8)
-    with torch.cuda.device(device):
-        error = int(cudart.cudaHostRegister(chunk.data_ptr(), nbytes, 1))
-    if error:
-        raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed: CUDA error {error}")
+    mapping, fd = shared_mapping(nbytes, populate=True)
+    try:
+        data = torch.frombuffer(mapping, dtype=torch.uint8)
+        with torch.cuda.device(device):
+            error = int(cudart.cudaHostRegister(data.data_ptr(), nbytes, 1))
+        if error:
+            raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed: CUDA error {error}")
+    except BaseException:
+        os.close(fd)
+        raise
     # unregistered before the mapping can go: no later mapping at the same address finds
     # it registered still
-    finalizer = weakref.finalize(chunk, _unregister, chunk.data_ptr(), device)
+    finalizer = weakref.finalize(data, _unregister, data.data_ptr(), device)
     finalizer.atexit = False  # the CUDA context may be gone by then
-    return chunk
+    return _owning_fd(data, fd)
 
 
-def populated_mapping(nbytes: int) -> mmap.mmap:
-    """A private anonymous mapping of `nbytes` whose pages are all present, in huge pages
-    where the kernel gives them.
+def shared_chunk(nbytes: int) -> Chunk:
+    """One chunk of plain shared memory, for the warm copies of simulated GPUs: nothing to
+    pin, and its pages are allocated as copies first write them."""
+    mapping, fd = shared_mapping(nbytes, populate=False)
+    return _owning_fd(torch.frombuffer(mapping, dtype=torch.uint8), fd)
 
-    Why: registering a mapping whose pages are not there yet makes `cudaHostRegister`
-    fault in and zero every page itself, and while it runs other threads' copies stall
-    (it takes a driver lock). On an H200 host a 2.30 GB chunk took 0.72 to 1.19 s to
-    register that way, and a restore beside it ran at 1.9 GB/s instead of 52
-    (docs/gpu-validation.md, seventh session); issue 41 measured 0.12 s for 2 GiB.
+
+def _owning_fd(data: torch.Tensor, fd: int) -> Chunk:
+    """`data` as a chunk whose memfd closes when the chunk is collected."""
+    weakref.finalize(data, os.close, fd)
+    return Chunk(data, fd)
+
+
+def shared_mapping(nbytes: int, *, populate: bool) -> tuple[mmap.mmap, int]:
+    """A shared mapping of `nbytes` over a new `memfd` named `MEMFD`, and the memfd.
+
+    The other processes of the host (same user, same PID namespace) may map it through
+    `/proc/<pid>/fd/<n>` while this process keeps the memfd open; its memory goes with the
+    last process that maps it, so a worker that dies, however it dies, gives it back with
+    its process unless a reader still maps it: nothing is named in `/dev/shm` to unlink.
+
+    With `populate`, every page is present before this returns, in huge pages where the
+    kernel gives them. Why: registering a mapping whose pages are not there yet makes
+    `cudaHostRegister` fault in and zero every page itself, and while it runs other
+    threads' copies stall (it takes a driver lock). On an H200 host a 2.30 GB chunk took
+    0.72 to 1.19 s to register that way, and a restore beside it ran at 1.9 GB/s instead
+    of 52 (docs/gpu-validation.md, seventh session); issue 41 measured 0.12 s for 2 GiB.
     Faulting the pages in first, on the arena's thread and outside CUDA, leaves the
     registration only the pinning. They are faulted in by writing a byte of each page
     from torch, which releases the interpreter lock (`madvise(MADV_POPULATE_WRITE)`
     through `mmap.madvise` held it: 0.36 s of stall in the other threads per GiB on a
     2-core VM)."""
-    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
-    huge = getattr(mmap, "MADV_HUGEPAGE", None)  # Linux only
-    if huge is not None:
-        with contextlib.suppress(OSError):  # a hint: fewer pages to fault in and to pin
-            mapping.madvise(huge)
-    torch.frombuffer(mapping, dtype=torch.uint8)[:: mmap.PAGESIZE].zero_()
-    return mapping
+    fd = os.memfd_create(MEMFD, os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, nbytes)
+        mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
+    except BaseException:
+        os.close(fd)
+        raise
+    if populate:
+        huge = getattr(mmap, "MADV_HUGEPAGE", None)  # Linux only
+        if huge is not None:
+            with contextlib.suppress(OSError):  # a hint: fewer pages to fault in and to pin
+                mapping.madvise(huge)
+        torch.frombuffer(mapping, dtype=torch.uint8)[:: mmap.PAGESIZE].zero_()
+    return mapping, fd
 
 
 def _opened_device() -> int:
@@ -353,10 +406,13 @@ def _unregister(pointer: int, device: int) -> None:
 __all__ = [
     "ALIGN",
     "CHUNK",
+    "MEMFD",
+    "Chunk",
     "PinnedArena",
     "Region",
     "align",
     "layout",
-    "populated_mapping",
     "registered_chunk",
+    "shared_chunk",
+    "shared_mapping",
 ]
