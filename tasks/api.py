@@ -166,7 +166,9 @@ def _place(
         return plan, registry.hold(plan.replica, plan.epoch, plan.worker)
     deadline = int(time.time() * 1000) + DEFAULT_REQUEST_LEASE_MS  # commit.lua took it
     lease = Lease(lease_id, model, plan.replica, plan.queue, plan.worker, {}, deadline, plan.epoch)
-    return plan, (lease, "warm" if plan.reuse is Level.WARM else "cold")
+    # a restore, or a load that reads another worker's warm copy, comes from CPU memory
+    warm = plan.reuse is Level.WARM or bool(plan.read_from)
+    return plan, (lease, "warm" if warm else "cold")
 
 
 def _again(task: Task, exc: Exception, countdown: float, max_retries: int) -> Retry:

@@ -12,13 +12,13 @@ from placement.policy.place import plan_replica
 from placement.policy.state import Candidate, Demand, Level, Snapshot
 
 
-def settle_leaving(reg: Registry) -> None:
-    """Every leaving copy is moved (OFFLOADING -> WARM, DROPPING -> COLD) and every waiting
-    placement admitted, as if each worker's keeper had just run."""
+def settle_leaving(reg: Registry, copy_at: str = "") -> None:
+    """Every leaving copy is moved (OFFLOADING -> WARM, published at `copy_at`, DROPPING ->
+    COLD) and every waiting placement admitted, as if each worker's keeper had just run."""
     snap = reg.snapshot()
     for d in snap.deployments.values():
         if d.level is Level.OFFLOADING:
-            assert reg.settle(d, "offloaded") is Level.WARM
+            assert reg.settle(d, "offloaded", copy_at) is Level.WARM
         elif d.level is Level.DROPPING:
             assert reg.settle(d, "dropped") is Level.COLD
     for d in reg.snapshot().deployments.values():

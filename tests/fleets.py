@@ -59,9 +59,17 @@ def hot(
 
 
 def warm(
-    replica: str, model: str, size: int, *, host: str = "h0", used: int = 0, worker: str = "w-warm"
+    replica: str,
+    model: str,
+    size: int,
+    *,
+    host: str = "h0",
+    used: int = 0,
+    worker: str = "w-warm",
+    copy_at: str = "",
 ) -> Deployment:
-    """A WARM copy held by `worker` (the worker of GPU g is `w-g`; the default holds no GPU)."""
+    """A WARM copy held by `worker` (the worker of GPU g is `w-g`; the default holds no GPU),
+    published to the host's other workers at `copy_at` ('' not)."""
     return Deployment(
         replica=replica,
         model=model,
@@ -71,6 +79,7 @@ def warm(
         host=host,
         worker=worker,
         queue=f"q-{worker}",
+        copy_at=copy_at,
     )
 
 

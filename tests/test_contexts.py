@@ -29,7 +29,9 @@ def reg(redis_url: str, fleet: str) -> Iterator[Registry]:
     registry = Registry.from_url(redis_url, fleet)
     for i in range(2):
         gpu = Gpu(id=f"h0:{i}", host="h0", index=i, name="Sim", total=8 * GiB, context=CONTEXT)
-        registry.register_worker(f"w{i}", "h0", f"q{i}", [gpu], warm_budget=8 * GiB)
+        registry.register_worker(
+            f"w{i}", "h0", f"q{i}", [gpu], warm_budget=8 * GiB, domain="h0-processes"
+        )
     yield registry
     registry.client.close()
 
@@ -124,10 +126,13 @@ def test_a_foreign_shard_dropped_before_its_load_gives_back_the_context_it_never
     assert reg.snapshot().gpus["h0:1"].reserved == 0
 
 
-def warm_on_w0(reg: Registry) -> str:
-    """A warm copy of "m" (3 GiB placed) held by w0, whose GPU is then filled."""
+def warm_on_w0(reg: Registry, copy_at: str = "") -> str:
+    """A warm copy of "m" (3 GiB placed) held by w0, published to w1 at `copy_at` ('' not),
+    whose GPU is then filled."""
     replica = place(reg, Demand("m", size=GiB), avoid="w1")
-    assert evict_now(reg, replica) is Level.WARM
+    assert reg.evict(replica) is Level.OFFLOADING
+    settle_leaving(reg, copy_at)
+    assert reg.snapshot().deployments[replica].level is Level.WARM
     place(reg, Demand("filler", request=7 * GiB, dedicated=True), avoid="w1")
     return replica
 
@@ -141,6 +146,22 @@ def test_a_warm_copy_restored_onto_another_workers_gpu_charges_its_holders_conte
     assert plan.candidate is Candidate.CACHED_AND_FREE and set(plan.gpus) == {"h0:1"}
     assert reg.snapshot().gpus["h0:1"].contexts == {"w0": CONTEXT}
     assert audit(reg.snapshot()) == []
+
+
+def test_a_published_warm_copy_is_read_by_the_gpus_owner_and_no_context_is_opened(
+    reg: Registry,
+) -> None:
+    replica = warm_on_w0(reg, copy_at="4242:5:0:8192:4096:7")
+    plan = reg.place(Demand("m", size=GiB), rng=random.Random(0))
+    assert (plan.worker, plan.reuse, set(plan.gpus)) == ("w1", None, {"h0:1"})
+    snap = reg.snapshot()
+    assert snap.gpus["h0:1"].contexts == {}
+    assert snap.deployments[plan.replica].read_from == "4242:5:0:8192:4096:7"  # for w1's load
+    held_for_call = reg.hold(plan.replica, plan.epoch, "w1")
+    assert held_for_call is not None and held_for_call[1] == "warm"  # a call's `cache` label
+    held = snap.deployments[replica]
+    assert (held.level, held.copy_at) == (Level.WARM, "4242:5:0:8192:4096:7")  # stays w0's
+    assert audit(snap) == []
 
 
 def test_a_warm_copy_is_loaded_afresh_by_the_gpus_owner_when_its_context_would_not_fit(

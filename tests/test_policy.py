@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 
 from placement.errors import CantAccommodateError, NeverFitsError, PlacementError
 from placement.policy.place import plan_offload, plan_replica
 from placement.policy.settings import GpuChoice, PolicySettings, VictimOrder
-from placement.policy.state import Candidate, Demand, Host, Level
+from placement.policy.state import Candidate, Demand, Host, Level, Snapshot
 from placement.units import accelerators
 from tests.fleets import GB, GiB, fleet, gpu, hot, warm
 
@@ -312,6 +313,48 @@ def test_a_warm_copy_restored_after_evictions_goes_to_its_holders_gpu_of_equal_o
         plan = plan_replica(Demand("m", size=GiB), snap, rng=random.Random(seed))
         assert plan.reuse is Level.WARM and set(plan.gpus) == {"g1"}
         assert [e.replica for e in plan.evictions] == ["x1"]
+
+
+def _holder_full(
+    copy_at: str, victim_size: int = 0, domains: tuple[str, str] = ("d", "d")
+) -> Snapshot:
+    """GPU g0's worker holds a warm copy of "m" but has no room for it; g1's worker would
+    have to host the holder's CUDA context (1 GiB) for a restore. With `victim_size`, g1
+    is full of an idle replica that size, and the warm cache has room for the copy and 1 GiB.
+    `domains` are the GPUs' workers' (`Gpu.domain`)."""
+    gpus = [
+        replace(gpu(f"g{i}", 8 * GiB, index=i), context=GiB, domain=domains[i]) for i in range(2)
+    ]
+    deployments = [
+        hot("filler", "filler", {"g0": 8 * GiB}, dedicated=True),
+        warm("old", "m", GiB, used=1, worker="w-g0", copy_at=copy_at),
+    ]
+    if victim_size:
+        deployments.append(hot("v", "v", {"g1": 8 * GiB}, size=victim_size, used=50))
+    return fleet(gpus, deployments, [Host("h0", warm_budget=2 * GiB)])
+
+
+def test_a_published_warm_copy_is_read_by_the_gpus_worker_not_restored_by_its_holder() -> None:
+    read = plan_replica(Demand("m", size=GiB), _holder_full("4242:5:0:8192:4096:7"))
+    assert (read.worker, read.reuse, read.read_from) == ("w-g1", None, "4242:5:0:8192:4096:7")
+    assert read.replica != "old" and read.candidate is Candidate.CACHED_AND_FREE
+    for snap in (
+        _holder_full(""),  # not published
+        _holder_full("4242:5:0:8192:4096:7", domains=("d", "other")),  # g1's worker can't map it
+        _holder_full("4242:5:0:8192:4096:7", domains=("", "")),  # nor can a worker of no domain
+    ):
+        restored = plan_replica(Demand("m", size=GiB), snap)
+        assert (restored.worker, restored.reuse, restored.replica) == ("w-g0", Level.WARM, "old")
+        assert restored.read_from == ""
+
+
+def test_the_warm_copy_a_placement_reads_is_never_dropped_to_make_room_for_its_victims() -> None:
+    """Under LRU the victim (used at 50) would displace the older copy (used at 1) to go
+    warm; that copy is the one the load reads, so the victim goes cold instead."""
+    plan = plan_replica(Demand("m", size=GiB), _holder_full("4242:5:0:8192:4096:7", 2 * GiB))
+    assert plan.read_from and plan.worker == "w-g1"
+    assert plan.warm_drops == ()
+    assert [(e.replica, e.to) for e in plan.evictions] == [("v", Level.COLD)]
 
 
 def test_a_warm_copy_whose_holder_is_dead_is_not_a_cache_hit() -> None:

@@ -102,6 +102,16 @@ def describe(pids: Iterable[int]) -> dict[str, Any]:
     return {"machine": machine, "boot": boot, "pid_ns": namespace, "processes": processes}
 
 
+def domain() -> str:
+    """The processes that may map this one's memory through `/proc/<pid>/fd` (a warm
+    copy, `worker.sharing`): those of this boot of this machine, in this PID namespace,
+    run by this user. '' off Linux."""
+    boot, namespace = _read(BOOT_ID), _pid_namespace()
+    if not (boot and namespace):
+        return ""
+    return f"{boot}/{namespace}/{os.getuid()}"
+
+
 def current() -> dict[str, Any]:
     """This process's identity, and its parent's (a pool child's Celery main process)."""
     return describe(dict.fromkeys([os.getpid(), os.getppid()]))
@@ -139,4 +149,4 @@ def verdict(identity: Mapping[str, Any] | None) -> Verdict:
     return Verdict(True, f"its processes ({pids}) are gone")
 
 
-__all__ = ["Verdict", "current", "describe", "gone", "start_time", "verdict"]
+__all__ = ["Verdict", "current", "describe", "domain", "gone", "start_time", "verdict"]

@@ -245,6 +245,7 @@ class WorkerLease:
             lineage=self.lineage,
             contexts=opened,
             process=identity.current(),
+            domain=identity.domain(),
         )
         self._renewed(deadline, sent)
 

@@ -43,6 +43,7 @@ class Membership(Store):
         lineage: str = "",
         contexts: Sequence[str] = (),
         process: Mapping[str, Any] | None = None,
+        domain: str = "",
     ) -> int:
         """Own `gpus` (their id, index, name, total and context are read) and return the
         lease deadline.
@@ -52,7 +53,8 @@ class Membership(Store):
         child that died). A live owner of another lineage raises `GpuOwnedError`.
         `contexts` are other workers' GPUs this process keeps a CUDA context on (it
         registers again after losing its lease): each is charged as commit.lua would.
-        `process` is the worker's process identity, kept for `worker_process`.
+        `process` is the worker's process identity, kept for `worker_process`. `domain`
+        names the processes that may read this worker's warm copies (`Gpu.domain`).
         """
         for _ in range(3):
             k = self.keys
@@ -63,6 +65,7 @@ class Membership(Store):
                 "queue": queue,
                 "lineage": lineage,
                 "process": json.dumps(dict(process or {})),
+                "domain": domain,
                 "lease_ms": lease_ms,
                 "warm_budget": warm_budget,
                 "workers": keys.add(k.workers),

@@ -46,6 +46,7 @@ def gpu(row: Mapping[str, str]) -> Gpu:
             for name, v in row.items()
             if name.startswith(CONTEXT_WAIT)
         },
+        domain=row.get("domain", ""),
     )
 
 
@@ -87,6 +88,8 @@ def deployment(row: Mapping[str, str], leases: int) -> Deployment:
         since_ms=int(float(row.get("since", 0))),
         copy_bytes=int(float(row.get("copy_bytes", 0))),
         accelerator=accelerators.load(row.get("accelerator", "")),
+        copy_at=row.get("copy_at", ""),
+        read_from=row.get("read_from", ""),
     )
 
 

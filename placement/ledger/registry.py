@@ -225,6 +225,7 @@ class Registry(Membership):
             "worker": plan.worker,
             "queue": plan.queue,
             "why": why,
+            "read_from": plan.read_from,
             "gpus": [
                 {
                     "id": g,
@@ -346,7 +347,8 @@ class Registry(Membership):
         a routed call.
 
         Returns the lease and where the copy is coming from: "hot" (it is HOT), "warm" (a
-        restore), or "cold"; None when the replica moved on or its worker is dead.
+        restore, or a read of another worker's warm copy), or "cold"; None when the replica
+        moved on or its worker is dead.
         """
         lease_id = self.new_lease_id()
         k = self.keys
@@ -401,12 +403,13 @@ class Registry(Membership):
         level = result[2]
         return Level(level) if level in Level.__members__ else Level.COLD
 
-    def settle(self, dep: Deployment, outcome: str) -> Level | None:
+    def settle(self, dep: Deployment, outcome: str, copy_at: str = "") -> Level | None:
         """Report the GPU work a pending move of `dep` needed, by the worker that did it.
 
-        `outcome` is one of `OUTCOMES_OF_SETTLE` (see settle.lua). Returns the level the
-        replica reached, or None when the record is no longer `dep`'s placement at a level
-        that outcome settles (nothing changed).
+        `outcome` is one of `OUTCOMES_OF_SETTLE` (see settle.lua). `copy_at`, with
+        'offloaded', says where the host's other workers may read the copy
+        (`worker.sharing`). Returns the level the replica reached, or None when the record
+        is no longer `dep`'s placement at a level that outcome settles (nothing changed).
         """
         if outcome not in OUTCOMES_OF_SETTLE:
             raise ValueError(f"unknown outcome {outcome!r}; expected one of {OUTCOMES_OF_SETTLE}")
@@ -416,6 +419,7 @@ class Registry(Membership):
             "epoch": dep.epoch,
             "outcome": outcome,
             "events": keys.add(self.keys.events),
+            "copy_at": copy_at,
         }
         result = self._run_json("settle", keys, payload)
         return Level(result[1]) if result[0] == 1 else None

@@ -196,6 +196,7 @@ def commit(draft: Draft, plan: Plan, now: int) -> None:
         since_ms=now,
         copy_bytes=old.copy_bytes if old is not None else 0,
         accelerator=plan.accelerator,
+        read_from=plan.read_from,
     )
     draft.count(new, 1, reserved=True, held=level is Level.LOADING)
     for gpu_id in plan.gpus:
@@ -232,7 +233,7 @@ def settle(snap: Snapshot, replica: str, outcome: str) -> Snapshot:
         draft.count(dep, -1, reserved=False, held=True)
         draft.warm(dep.host, 0, replica, add=True)  # charged when it started leaving
         draft.deps[replica] = replace(
-            dep, level=Level.WARM, gpus={}, fraction=0.0, limit=0, since_ms=snap.now_ms
+            dep, level=Level.WARM, gpus={}, fraction=0.0, limit=0, since_ms=snap.now_ms, copy_at=""
         )
     else:
         draft.to_cold(dep, snap.now_ms)

@@ -373,7 +373,12 @@ def _to_plan(
     primary = snap.gpus[option.loader] if option.loader else min(gpus, key=lambda g: g.index)
     warm = view.my_warm.get(primary.host)
     whole = demand.gpus is not None and len(option.slots) > 1  # shards shrink, below
-    if warm is not None and not whole and not _room_for_contexts(option, warm.worker, view):
+    read_from, kept = "", None
+    if warm is not None and _read_instead(option, warm, view):
+        # The GPU is another worker's: that worker loads the model, and reads the holder's
+        # copy instead of the disk.
+        read_from, kept, warm = warm.copy_at, warm.replica, None
+    elif warm is not None and not whole and not _room_for_contexts(option, warm.worker, view):
         # Restoring would open a CUDA context on another worker's GPU without room for
         # it: the GPU's own worker loads the model instead.
         warm = None
@@ -386,7 +391,11 @@ def _to_plan(
     else:
         replica, reuse = new_replica_id(rng), None
     evictions, drops = _destinations(
-        option.victims, snap, settings.warm_drop_order, restoring=replica if warm else None
+        option.victims,
+        snap,
+        settings.warm_drop_order,
+        restoring=replica if warm else None,
+        kept=kept,
     )
     size = demand.size or demand.request or demand.learned or 0
     # The process that holds a warm copy restores it (onto any GPU of its host);
@@ -417,6 +426,23 @@ def _to_plan(
         max_active=demand.replicas,
         reason=option.candidate.name,
         accelerator=demand.accelerator,
+        read_from=read_from,
+    )
+
+
+def _read_instead(option: Option, warm: Deployment, view: Planning) -> bool:
+    """Whether the GPU's own worker should read `warm`'s copy rather than its holder
+    restore it: the copy is published (`copy_at`), the replica takes one GPU, another
+    worker's, and that worker may map the holder's memory (the same `Gpu.domain`). The
+    replica then lives in the process that owns its GPU, and the holder opens no CUDA
+    context on a GPU it does not own (about 0.7 GB there, kept until it exits). The copy
+    stays WARM, where the drop rule may take it."""
+    if not warm.copy_at or len(option.slots) != 1:
+        return False
+    gpus = view.snap.gpus
+    domain = next((g.domain for g in gpus.values() if g.worker == warm.worker), "")
+    return bool(domain) and all(
+        gpus[g].worker != warm.worker and gpus[g].domain == domain for g in option.slots
     )
 
 
@@ -445,12 +471,14 @@ def _destinations(
     snap: Snapshot,
     drop_order: VictimOrder,
     restoring: str | None,
+    kept: str | None = None,
 ) -> tuple[tuple[Eviction, ...], tuple[str, ...]]:
     """Send each victim to its host's warm cache when it fits, else drop it to COLD.
 
     Warm copies are dropped to make room by `drop_order`; under LRU only copies
     used longer ago than the victim are dropped, so a cold victim never displaces
-    a warmer copy.
+    a warmer copy. `restoring` leaves the cache (its bytes are room); `kept` is read
+    by the placement, so it is never dropped for room.
     """
     if not victims:
         return (), ()
@@ -460,7 +488,7 @@ def _destinations(
         for d in snap.warm_by_host.get(host, ()):
             if d.replica == restoring:
                 free[host] = free.get(host, 0) + d.cached
-            else:
+            elif d.replica != kept:
                 warm[host].append(d)
     for entries in warm.values():
         if drop_order is VictimOrder.LRU:

@@ -89,6 +89,9 @@ class Gpu:
     # worker id -> its WAITING placements here relying on a charge no load opened yet: the
     # last of them to go COLD unloaded gives the charge back
     waiting_contexts: Mapping[str, int] = field(default_factory=dict)
+    # where its worker's processes run: workers of one domain may read each other's warm
+    # copies (docs/placement.md, "Warm copies another worker reads"); '' unknown
+    domain: str = ""
 
     @property
     def free(self) -> int:
@@ -125,6 +128,8 @@ class Deployment:
     since_ms: int = 0  # when it reached its level (the registry's clock)
     copy_bytes: int = 0  # its copy's bytes, measured by its worker at its last load; 0: not yet
     accelerator: Accelerator = None  # the GPU types its model may use (its demand's)
+    copy_at: str = ""  # WARM: where the host's other workers may read its copy ('' nowhere)
+    read_from: str = ""  # LOADING: another replica's `copy_at` its load reads weights from
 
     @property
     def cached(self) -> int:
@@ -302,3 +307,4 @@ class Plan:
     reason: str = ""  # why this place was chosen, for events and logs
     epoch: int = 0  # the placement's epoch, once committed (0 before)
     accelerator: Accelerator = None  # the GPU types the model may use (its demand's)
+    read_from: str = ""  # a neighbour's warm copy the load reads weights from (`copy_at`)

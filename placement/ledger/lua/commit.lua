@@ -5,7 +5,8 @@
 --    dep, active, replicas_key, deps_key, worker_deps, worker_key, control, old_worker_deps,
 --    host_key, host_warm_key, events, leases, lease ('' or a request lease id), lease_ms,
 --    limit, fraction, size, dedicated, accelerator ('' or the GPU types allowed, a JSON
---    list), host, worker, queue, why ('' or the reason),
+--    list), host, worker, queue, why ('' or the reason), read_from ('' or where a warm
+--    copy of another worker lies that the load reads its weights from),
 --    gpus=[{id, key, bytes, limit, worker}],
 --    evictions=[{replica, dep, leases, active, worker_deps, host, host_warm, control,
 --                expect_worker, to, gpus=[{id, key}]}],
@@ -158,7 +159,8 @@ local epoch = redis.call('HINCRBY', dep, 'epoch', 1)
 redis.call('HSET', dep, 'replica', p.replica, 'model', p.model, 'level', level,
   'gpus', cjson.encode(placed), 'limit', p.limit, 'fraction', p.fraction, 'size', p.size,
   'dedicated', p.dedicated and 1 or 0, 'accelerator', p.accelerator, 'host', p.host,
-  'worker', p.worker, 'queue', p.queue, 'last_used', now, 'since', now, 'source', p.reuse)
+  'worker', p.worker, 'queue', p.queue, 'last_used', now, 'since', now, 'source', p.reuse,
+  'read_from', p.read_from)
 if p.reuse == '' then  -- a record, once made, stays in both sets (nothing removes it)
   redis.call('SADD', K(p.deps_key), p.replica)
   redis.call('SADD', K(p.replicas_key), p.replica)

@@ -4,9 +4,11 @@
 -- ARGV[4] = the worker the router saw
 -- The replica must still be WAITING, LOADING or HOT in that epoch, on that worker, whose
 -- lease is live: a lease on it keeps pressure from evicting it before the call runs.
--- Returns {1, lease_deadline_ms, level, source ('WARM' for a restore)} | {0, level}
-local level, epoch, source, worker = unpack(redis.call('HMGET', KEYS[1], 'level', 'epoch',
-  'source', 'worker'))
+-- Returns {1, lease_deadline_ms, level, source ('WARM' for a restore, or a load that reads
+-- another worker's warm copy)} | {0, level}
+local level, epoch, source, worker, read_from = unpack(redis.call('HMGET', KEYS[1], 'level',
+  'epoch', 'source', 'worker', 'read_from'))
+if read_from and read_from ~= '' then source = 'WARM' end
 local placed = {WAITING = true, LOADING = true, HOT = true}
 if not placed[level] or num(epoch) ~= tonumber(ARGV[3]) or worker ~= ARGV[4] then
   return {0, level or 'COLD'}

@@ -1,7 +1,7 @@
 -- register.lua: a worker takes ownership of its GPUs and sets its host's warm-cache budget.
 -- KEYS: every key named in ARGV[1].
--- ARGV[1] = JSON {worker, host, queue, lineage, process, lease_ms, warm_budget, maxlen,
---                 workers, worker_key, gpus_set, hosts, host_key, events,
+-- ARGV[1] = JSON {worker, host, queue, lineage, process, domain, lease_ms, warm_budget,
+--                 maxlen, workers, worker_key, gpus_set, hosts, host_key, events,
 --                 gpus=[{id, key, index, name, total, context}], contexts=[{id, key}]}
 -- `context` is the bytes one more process's CUDA context takes on the GPU: what a plan
 -- loaded by a worker that does not own it is charged there (commit.lua). `contexts` are
@@ -11,7 +11,8 @@
 -- `lineage` names the slot a worker process fills (a pool, or a launcher's worker slot):
 -- a live owner of the same lineage is a predecessor this process replaces.
 -- `process` is the worker's process identity (JSON, opaque here: `worker.identity`), which a
--- host started again reads to tell a dead predecessor from a live one.
+-- host started again reads to tell a dead predecessor from a live one. `domain` ('' none)
+-- goes on each GPU: workers of one domain may read each other's warm copies.
 -- Returns {1, lease_deadline_ms}
 --       | {0, 'OWNED', gpu_id, worker, lineage}  a live worker of another lineage owns it
 --       | {0, 'REAP', gpu_id, worker}   a dead worker still owns it: reap that worker first
@@ -33,7 +34,7 @@ for _, g in ipairs(a.gpus) do
   local key = K(g.key)
   redis.call('HSET', key, 'id', g.id, 'host', a.host, 'index', g.index, 'name', g.name,
     'total', g.total, 'worker', a.worker, 'queue', a.queue, 'lease_deadline', deadline,
-    'lineage', a.lineage, 'context', g.context)
+    'lineage', a.lineage, 'context', g.context, 'domain', a.domain or '')
   redis.call('HSETNX', key, 'reserved', 0)
   redis.call('HSETNX', key, 'held', 0)
   redis.call('SADD', K(a.gpus_set), g.id)

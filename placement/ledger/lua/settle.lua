@@ -1,9 +1,10 @@
 -- settle.lua: the worker that holds a replica reports the GPU work a pending move needed.
 -- KEYS: every key named in ARGV[1].
 -- ARGV[1] = JSON {replica, worker, epoch, outcome, maxlen, dep, leases, active, worker_deps,
---                 host, host_warm, events, gpus=[{id, key}]}
+--                 host, host_warm, events, copy_at, gpus=[{id, key}]}
 -- outcome:
---   'offloaded'  OFFLOADING -> WARM: the copy is in CPU memory, its device bytes are free
+--   'offloaded'  OFFLOADING -> WARM: the copy is in CPU memory, its device bytes are free;
+--                `copy_at` says where the host's other workers may read it ('' nowhere)
 --   'dropped'    OFFLOADING or DROPPING -> COLD: the copy is gone
 --   'failed'     WAITING or LOADING -> COLD: the load failed; nothing is left on the device
 --   'lost'       HOT, DRAINING or WARM -> COLD: the worker does not hold the copy it has
@@ -31,7 +32,8 @@ local to = 'COLD'
 if a.outcome == 'offloaded' then
   add_gpus(r, a.gpus, 'held', -1)
   redis.call('SADD', K(a.host_warm), a.replica)
-  redis.call('HSET', dep, 'level', 'WARM', 'gpus', '{}', 'fraction', 0, 'limit', 0, 'since', now)
+  redis.call('HSET', dep, 'level', 'WARM', 'gpus', '{}', 'fraction', 0, 'limit', 0, 'since', now,
+    'copy_at', a.copy_at or '')
   to = 'WARM'
 else
   to_cold(a, r, now)
