@@ -68,6 +68,10 @@ class AtFloorError(PlacementError):
     """Scaling in would take a model below its `replicas: {min}`; the replica stays."""
 
 
+class WarmCopyGoneError(PlacementError):
+    """A neighbour's warm copy was gone or changed while it was read; the load reads the disk."""
+
+
 class RegistryError(GpufleetError):
     """The registry refused an operation or could not be reached."""
 

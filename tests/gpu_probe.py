@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import replace
@@ -135,6 +136,50 @@ def offload_restore(arg: str) -> dict[str, Any]:
     return result
 
 
+def cross_worker_read(arg: str) -> dict[str, Any]:
+    """Worker A (this process) loads MiniLM on the first GPU and offloads it into its
+    arena; worker B (a child process, `read_warm_copy`) loads it onto local device `arg`
+    from A's copy. Reports how B loaded it, where, and whether it answers as A did."""
+    devices = _devices()
+    holder = ResidencyManager(devices[:1], HOST, arena_bytes=GiB, publish=True)
+    minilm = Catalog.load(REPO / "models.yaml").get("minilm")
+    holder.load(minilm, "a", {devices[0].gpu_id(HOST): GiB})
+    before = holder.infer("a", "same input")
+    holder.offload("a")
+    locator = holder.locator("a")
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.gpu_probe", "read_warm_copy", f"{locator},{arg}"],
+        cwd=REPO, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    if done.returncode:
+        raise SystemExit(done.stderr[-3000:])
+    read = json.loads(done.stdout.strip().splitlines()[-1])
+    return {
+        "published": bool(locator),
+        "via": read["via"],
+        "param_devices": read["param_devices"],
+        "same_output": read["output"] == before,
+        "read_gbps": read["gbps"],
+    }
+
+
+def read_warm_copy(arg: str) -> dict[str, Any]:
+    """Worker B of `cross_worker_read`: `arg` is "<locator>,<local device>"."""
+    locator, target = arg.rsplit(",", 1)
+    devices = _devices()
+    reader = ResidencyManager(devices, HOST, warmup=False)
+    minilm = Catalog.load(REPO / "models.yaml").get("minilm")
+    slots = {devices[int(target)].gpu_id(HOST): GiB}
+    report = reader.load(minilm, "b", slots, source=locator)
+    model = reader.residents["b"].model
+    return {
+        "via": report.via,
+        "param_devices": sorted({str(p.device) for p in model.parameters()}),
+        "output": reader.infer("b", "same input"),
+        "gbps": report.gbps,
+    }
+
+
 def read_vs_transformers(arg: str) -> dict[str, Any]:
     """Load MiniLM on local device `arg` by gpufleet's reader and by transformers; compare."""
     devices = _devices()
@@ -219,6 +264,8 @@ PROBES: dict[str, Callable[[str], dict[str, Any]]] = {
     "load_on": load_on,
     "offload_restore": offload_restore,
     "read_vs_transformers": read_vs_transformers,
+    "cross_worker_read": cross_worker_read,
+    "read_warm_copy": read_warm_copy,
 }
 
 if __name__ == "__main__":

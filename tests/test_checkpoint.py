@@ -142,16 +142,46 @@ def test_minilm_read_by_gpufleet_gives_the_embeddings_transformers_gives(
 def test_a_head_stored_apart_from_tied_embeddings_stays_apart_as_in_transformers(
     tmp_path: Path, manager: ResidencyManager, devices: list[Device]
 ) -> None:
-    from safetensors.torch import load_file, save_file
-
     cls_name, task, config = ARCHITECTURES["gpt2-tied-head"]
     directory = save(tmp_path / "untied", cls_name, config)  # the config ties the head
-    weights = load_file(directory / "model.safetensors")
-    weights["lm_head.weight"] = torch.randn_like(weights["transformer.wte.weight"])
-    save_file(weights, directory / "model.safetensors", metadata={"format": "pt"})
+    _store_head_apart(directory)
     ours, theirs = load_both(manager, devices, directory, task)
     assert ours.lm_head.weight is not ours.transformer.wte.weight
     assert_same_model(ours, theirs)
+
+
+@pytest.mark.parametrize("name", [*sorted(ARCHITECTURES), "gpt2-head-apart"])
+def test_a_model_read_from_a_neighbours_warm_copy_is_the_model_read_from_disk(
+    name: str, tmp_path: Path, manager: ResidencyManager, devices: list[Device]
+) -> None:
+    cls_name, task, config = ARCHITECTURES.get(name, ARCHITECTURES["gpt2-tied-head"])
+    directory = save(tmp_path / name, cls_name, config)
+    if name == "gpt2-head-apart":
+        _store_head_apart(directory)
+    model = spec(directory, task)
+    holder = ResidencyManager(devices, HOST, warmup=False, arena_bytes=GiB, publish=True)
+    slots = {devices[0].gpu_id(HOST): GiB}
+    try:
+        holder.load(model, "held", slots)
+        holder.offload("held")
+        read = manager.load(model, "read", slots, source=holder.locator("held"))
+    finally:
+        holder.drop_all()
+    disk = manager.load(model, "disk", slots)
+    assert (read.via, disk.via) == ("warm copy", "safetensors")
+    ours, theirs = manager.residents["read"].model, manager.residents["disk"].model
+    assert_same_model(ours, theirs)
+    # tied as the disk's model is tied: a tied pair is one parameter
+    assert len(list(ours.parameters())) == len(list(theirs.parameters()))
+
+
+def _store_head_apart(directory: Path) -> None:
+    """Give a tied-head GPT-2 checkpoint a head of its own."""
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(directory / "model.safetensors")
+    weights["lm_head.weight"] = torch.randn_like(weights["transformer.wte.weight"])
+    save_file(weights, directory / "model.safetensors", metadata={"format": "pt"})
 
 
 def test_generation_settings_come_from_config_json_when_there_is_no_generation_config(

@@ -78,6 +78,14 @@ def test_a_warm_copy_lies_in_room_the_arena_pinned_ahead_and_the_arena_is_reused
     assert again == ahead  # nor did the next offload
 
 
+def test_a_worker_loads_another_workers_warm_copy_onto_its_own_gpu() -> None:
+    target = gpu_count() - 1
+    result = probe("cross_worker_read", str(target))
+    assert result["published"] and result["via"] == "warm copy"
+    assert result["param_devices"] == [f"cuda:{target}"]
+    assert result["same_output"]
+
+
 def test_two_processes_sharing_one_gpu_each_stay_under_their_own_cap() -> None:
     with ThreadPoolExecutor(2) as pool:
         results = list(pool.map(lambda share: probe("fill_to_cap", share), ["0.1", "0.15"]))

@@ -269,3 +269,52 @@ def test_the_warm_cache_holds_as_many_copies_as_their_real_bytes_allow(
     finally:
         worker.stop()
         registry.client.close()
+
+
+def test_a_warm_copy_one_worker_offloaded_is_loaded_by_another_onto_its_own_gpu(
+    redis_url: str, fleet: str
+) -> None:
+    """Worker w0 offloads MiniLM, then fills its GPU; the next placement of MiniLM goes to
+    w1's GPU, and w1 loads it from w0's warm copy, which stays w0's."""
+    memory = {"request": "1500MiB", "limit": "1500MiB"}
+    catalog = Catalog.from_mapping(
+        {
+            "models": {
+                "m": {"source": MINILM, "task": "feature-extraction", "memory": memory},
+                "filler": {"source": "synthetic", "task": "forward", "memory": "1500MiB"},
+            }
+        }
+    )
+    registry = Registry.from_url(redis_url, fleet)
+    devices = simulated_devices("2x2GiB")  # one replica on each device at a time
+    w0, w1 = workers = [
+        GpuWorker(registry, [d], devices, "h0", f"q{i}", spec_of=catalog.get, warm_budget=GiB)
+        for i, d in enumerate(devices)
+    ]
+    for worker in workers:
+        worker.start()
+    sentence = "A man is eating food."
+    try:
+        not_w1 = frozenset({w1.worker_id})
+        first = registry.place(catalog.get("m").demand(), avoid_workers=not_w1)
+        expected = w0.serve(first.replica, first.epoch, sentence, None).outputs
+        registry.evict(first.replica)
+        assert registry.wait_settled(first.replica, 10) is Level.WARM
+        held = registry.deployment(first.replica)
+        assert held is not None and held.worker == w0.worker_id and held.copy_at
+        filler = registry.place(catalog.get("filler").demand(), avoid_workers=not_w1)
+        w0.keeper.ensure(filler.replica, filler.epoch, timeout_s=30)
+
+        again = registry.place(catalog.get("m").demand())
+        assert (again.worker, again.read_from) == (w1.worker_id, held.copy_at)
+        served = w1.serve(again.replica, again.epoch, sentence, None)
+        assert served.outputs == expected
+        assert w1.manager.residents[again.replica].via == "warm copy"
+        snap = registry.snapshot()
+        assert snap.deployments[first.replica].level is Level.WARM  # still w0's copy
+        assert first.replica in w0.manager.residents
+        eventually(lambda: audit(registry.snapshot(), grace_ms=0) == [])
+    finally:
+        for worker in workers:
+            worker.stop()
+        registry.client.close()

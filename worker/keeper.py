@@ -330,7 +330,9 @@ class Keeper:
                 self.manager.restore(replica, dep.gpus, dep.limit, dep.epoch)
             elif resident is None:
                 spec = self.spec_of(dep.model)
-                self.manager.load(spec, replica, dep.gpus, dep.limit, dep.epoch)
+                self.manager.load(
+                    spec, replica, dep.gpus, dep.limit, dep.epoch, source=dep.read_from
+                )
         except Exception as exc:
             if is_fatal_cuda_error(exc):
                 exit_for_restart(exc)
@@ -355,7 +357,10 @@ class Keeper:
     def _offload(self, dep: Deployment) -> None:
         resident = self.manager.residents.get(dep.replica)
         kept = resident is not None and (resident.warm or self._offloaded(dep.replica))
-        self._settle(dep, "offloaded" if kept else "dropped")
+        if kept:
+            self._settle(dep, "offloaded", self.manager.locator(dep.replica))
+        else:
+            self._settle(dep, "dropped")
 
     def _offloaded(self, replica: str) -> bool:
         """Offload a HOT replica here; when that fails, drop it (its half-made copy too)."""
@@ -380,8 +385,8 @@ class Keeper:
             dep.level.value,
         )
 
-    def _settle(self, dep: Deployment, outcome: str) -> None:
-        level = self.registry.settle(dep, outcome)
+    def _settle(self, dep: Deployment, outcome: str, copy_at: str = "") -> None:
+        level = self.registry.settle(dep, outcome, copy_at)
         if level is None:
             self.poke(dep.replica)  # the record moved on meanwhile: look again
         self._resolve(dep.replica, error=self._gone(dep.replica, dep))

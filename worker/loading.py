@@ -26,10 +26,16 @@ from typing import Any
 import torch
 
 from placement.catalog.catalog import ModelSpec
-from placement.errors import ConfigError, PlacementError, UnsupportedCheckpointError
-from worker import handlers
+from placement.errors import (
+    ConfigError,
+    PlacementError,
+    UnsupportedCheckpointError,
+    WarmCopyGoneError,
+)
+from worker import handlers, sharing
 from worker.arena import PinnedArena, Region, align, layout
-from worker.checkpoint import Checkpoint
+from worker.checkpoint import Checkpoint, Entry
+from worker.sharing import Slot
 from worker.synthetic import build_synthetic
 
 log = logging.getLogger(__name__)
@@ -59,12 +65,15 @@ class Built:
     via: str  # "safetensors" (gpufleet's reader), "transformers", or "synthetic"
 
 
-def build(spec: ModelSpec, plan: Mapping[int, int], simulated: bool) -> Built:
+def build(spec: ModelSpec, plan: Mapping[int, int], simulated: bool, source: str = "") -> Built:
     """Load `spec` (from disk, a package, or synthetic) onto the planned devices, in eval mode.
 
     `plan` maps CUDA device index to planned bytes. A checkpoint goes through gpufleet's
     safetensors reader when the model has one GPU (or simulated ones) and its weights map
     one to one onto the model; anything else goes through transformers' `from_pretrained`.
+    `source` locates a warm copy of the model that another worker of the host published
+    (`worker.sharing`): the same reader takes the weights from there instead, and from
+    the disk when the copy is gone, changed while it was read, or does not match.
     """
     if not plan:
         raise PlacementError(f"{spec.name}: a load needs at least one target GPU")
@@ -82,6 +91,14 @@ def build(spec: ModelSpec, plan: Mapping[int, int], simulated: bool) -> Built:
         )
     stamp = _stamp(path)  # once per load: the config and the tokenizer are cached by it
     if spec.loader == "auto" and (simulated or len(plan) == 1):
+        if source:
+            try:
+                model = _read_warm_copy(spec, path, stamp, plan, simulated, source)
+            except (UnsupportedCheckpointError, WarmCopyGoneError) as why:
+                log.info("%s: read from disk, not from a warm copy: %s", spec.name, why)
+            else:
+                tokenizer = _tokenizer(str(path), spec.trust_remote_code, stamp)
+                return Built(model, tokenizer, "warm copy")
         try:
             model = _read_pretrained(spec, path, stamp, plan, simulated)
         except UnsupportedCheckpointError as why:
@@ -101,32 +118,78 @@ def _read_pretrained(
     the weights (renamed or fused keys, dtype casts, fp32-kept modules, quantization,
     missing weights it would initialise, remote code) raises `UnsupportedCheckpointError`.
     """
-    from transformers.conversion_mapping import get_model_conversion_mapping
-
-    if spec.trust_remote_code:
-        raise UnsupportedCheckpointError("remote code decides how its weights load")
+    _refuse_remote_code(spec)
     checkpoint = Checkpoint.open(path)
     with checkpoint.prefetch() as prefetch:  # the disk works while the skeleton is built
-        config = copy.deepcopy(_config(str(path), stamp))  # the skeleton may change it
-        if getattr(config, "quantization_config", None):
-            raise UnsupportedCheckpointError("the checkpoint is quantized")
-        if getattr(config, "transformers_weights", None) or getattr(config, "extra_files", None):
-            raise UnsupportedCheckpointError("the config names other weight files")
-        dtype = DTYPES.get(spec.dtype) or _checkpoint_dtype(config, checkpoint)
-        model = _skeleton(handlers.auto_class(spec.task), config, dtype)
-        if get_model_conversion_mapping(model, add_legacy=False) or model._get_dtype_plan(dtype):
-            raise UnsupportedCheckpointError(
-                f"transformers converts {type(model).__name__} weights"
-            )
-        names = _match(model, checkpoint)
+        model = _built_empty(spec, path, stamp, {e.dtype for e in checkpoint.entries.values()})
+        names = _match(model, checkpoint.entries)
         wanted = set(names.values())
         if simulated:
             tensors = checkpoint.to_cpu(wanted, prefetch)
         else:
             tensors = checkpoint.to_cuda(wanted, torch.device("cuda", min(plan)), prefetch)
-    model.load_state_dict({k: tensors[n] for k, n in names.items()}, strict=False, assign=True)
+    state = {k: tensors[n] for k, n in names.items()}
+    return _filled(model, state, spec.name, path, plan=plan, simulated=simulated)
+
+
+def _read_warm_copy(  # noqa: PLR0917 - `_read_pretrained`'s context and the copy
+    spec: ModelSpec,
+    path: Path,
+    stamp: Stamp,
+    plan: Mapping[int, int],
+    simulated: bool,
+    source: str,
+) -> Any:
+    """`_read_pretrained`, with the weights copied from a neighbour's warm copy instead of
+    the checkpoint: the skeleton and the checks are the same, so the result is too (a
+    copy whose tensors do not match the skeleton raises `UnsupportedCheckpointError`)."""
+    _refuse_remote_code(spec)
+    device = torch_device(min(plan), simulated)
+    with sharing.opened(source) as warm:
+        model = _built_empty(spec, path, stamp, {s.dtype for s in warm.entries.values()})
+        names = _match(model, warm.entries)
+        tensors = warm.read(set(names.values()), device)
+    state = {k: tensors[n] for k, n in names.items()}
+    return _filled(model, state, spec.name, path, plan=plan, simulated=simulated)
+
+
+def _refuse_remote_code(spec: ModelSpec) -> None:
+    if spec.trust_remote_code:
+        raise UnsupportedCheckpointError("remote code decides how its weights load")
+
+
+def _built_empty(spec: ModelSpec, path: Path, stamp: Stamp, dtypes: set[torch.dtype]) -> Any:
+    """The skeleton gpufleet's reader fills (`_skeleton`), once it is sure transformers
+    would load the weights as they are stored: `UnsupportedCheckpointError` otherwise.
+    `dtypes` are the stored weights' (for a dtype "auto" that the config does not name)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+
+    config = copy.deepcopy(_config(str(path), stamp))  # the skeleton may change it
+    if getattr(config, "quantization_config", None):
+        raise UnsupportedCheckpointError("the checkpoint is quantized")
+    if getattr(config, "transformers_weights", None) or getattr(config, "extra_files", None):
+        raise UnsupportedCheckpointError("the config names other weight files")
+    dtype = DTYPES.get(spec.dtype) or _checkpoint_dtype(config, dtypes)
+    model = _skeleton(handlers.auto_class(spec.task), config, dtype)
+    if get_model_conversion_mapping(model, add_legacy=False) or model._get_dtype_plan(dtype):
+        raise UnsupportedCheckpointError(f"transformers converts {type(model).__name__} weights")
+    return model
+
+
+def _filled(
+    model: Any,
+    state: dict[str, torch.Tensor],
+    name: str,
+    path: Path,
+    *,
+    plan: Mapping[int, int],
+    simulated: bool,
+) -> Any:
+    """The skeleton with the weights of `state` in it, tied as from_pretrained ties them,
+    on the planned device, in eval mode."""
+    model.load_state_dict(state, strict=False, assign=True)
     # As from_pretrained: tie only what the file lacks; a stored, different head stays apart.
-    model.tie_weights(missing_keys=set(model.state_dict()) - set(names), recompute_mapping=False)
+    model.tie_weights(missing_keys=set(model.state_dict()) - set(state), recompute_mapping=False)
     empty = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
     if empty:
         raise UnsupportedCheckpointError(f"the checkpoint has no weights for {empty[:3]}")
@@ -134,7 +197,7 @@ def _read_pretrained(
         model.to(torch.device("cuda", min(plan)))  # buffers the checkpoint lacks were built on CPU
     _generation_config(model, path)
     model.eval()
-    verify(model, targets(plan, simulated), spec.name)
+    verify(model, targets(plan, simulated), name)
     return model
 
 
@@ -178,27 +241,27 @@ def _generation_config(model: Any, path: Path) -> None:
         raise UnsupportedCheckpointError(f"cannot read the generation config: {exc}") from exc
 
 
-def _checkpoint_dtype(config: Any, checkpoint: Checkpoint) -> torch.dtype:
+def _checkpoint_dtype(config: Any, dtypes: set[torch.dtype]) -> torch.dtype:
     """dtype "auto": the config's dtype, else the one floating dtype of the weights."""
     declared = getattr(config, "dtype", None)
     if isinstance(declared, str):
         declared = getattr(torch, declared, None)
     if isinstance(declared, torch.dtype):
         return declared
-    floats = {e.dtype for e in checkpoint.entries.values() if e.dtype.is_floating_point}
+    floats = {dtype for dtype in dtypes if dtype.is_floating_point}
     if len(floats) != 1:
         raise UnsupportedCheckpointError(f"the weights mix dtypes {sorted(map(str, floats))}")
     return floats.pop()
 
 
-def _match(model: Any, checkpoint: Checkpoint) -> dict[str, str]:
-    """Model state-dict key -> checkpoint tensor, with or without the base-model prefix.
+def _match(model: Any, entries: Mapping[str, Entry | Slot]) -> dict[str, str]:
+    """Model state-dict key -> stored tensor (a checkpoint's or a warm copy's), with or
+    without the base-model prefix.
 
     Every match must have the skeleton's shape and dtype (transformers would cast or
     refuse it otherwise), and every parameter must match or be tied to one that does.
     """
     prefix = getattr(model, "base_model_prefix", "")
-    entries = checkpoint.entries
     names: dict[str, str] = {}
     for key, skeleton in model.state_dict().items():
         candidates = (key, key.removeprefix(f"{prefix}."), f"{prefix}.{key}") if prefix else (key,)
@@ -311,7 +374,7 @@ def device_map(model: Any, limits: Mapping[int | str, int]) -> dict[str, int]:
 
 
 def to_cpu(
-    model: Any, pin: bool, arena: PinnedArena | None = None, size: int = 0
+    model: Any, pin: bool, arena: PinnedArena | None = None, size: int = 0, tail: int = 0
 ) -> tuple[Any, Region | None]:
     """Take a model off its GPUs: move to CPU, pin for fast restores, drop accelerate's hooks.
     Returns the model and the arena region its copy took (None: it took none). When it
@@ -322,17 +385,22 @@ def to_cpu(
     and the device-to-pageable copy is the slow one. With an `arena`, the copy takes one
     region of memory pinned beforehand, each tensor a page-aligned slice of it
     (`worker.arena`); without one, or when the arena has no room, each tensor gets a block
-    pinned for it, which costs more than the copy.
+    pinned for it, which costs more than the copy. Not pinned but with an `arena` (a
+    simulated GPU's model, whose tensors are in CPU memory already), the tensors are copied
+    into a region all the same, so that the host's other workers may read the copy
+    (`worker.sharing`); a model the region cannot hold whole stays where it is.
 
     The first copy starts before any other walk over the model: `size` bounds the region
     the copy needs (`pinned_bytes(model, arena=True)`, which the caller measured when the
     model arrived; 0: measured here), the region is reserved when the walk meets the first
-    tensor it holds and trimmed to what the copy used, and the hooks leave while the copies
-    run. On an H200 the walks cost 9 ms before the first byte moved, a fifth of a 2 GiB
+    tensor it holds and trimmed to what the copy used plus `tail` bytes (room for what
+    `worker.sharing` writes after the tensors), and the hooks leave while the copies run.
+    On an H200 the walks cost 9 ms before the first byte moved, a fifth of a 2 GiB
     offload."""
-    if not pin:
+    if not pin and arena is None:
         _remove_hooks(model)
         return model.to("cpu"), None
+    moving = "cuda" if pin else "cpu"  # the tensors whose bytes go into the copy
     region = None
     reserving = arena is not None  # until the first tensor the arena holds
     offset = 0  # where the next tensor goes in the region
@@ -342,34 +410,44 @@ def to_cpu(
         for tensor in itertools.chain(model.parameters(), model.buffers()):
             data = tensor.data
             # plain tensors only: a subclass (a quantized weight) keeps state `.data` drops
-            if data.device.type != "cuda" or type(data) is not torch.Tensor:
+            if data.device.type != moving or type(data) is not torch.Tensor:
                 rest.append(tensor)
                 continue
             if reserving and arena is not None:
                 reserving = False
                 size = size or pinned_bytes(model, arena=True)
-                region = arena.reserve(size)
+                region = arena.reserve(size + tail)
                 if region is None:
                     log.warning(
-                        "no room in the pinned arena for a %d-byte copy: pinned apart", size
-                    )
+                        "no room in the %s arena for a %d-byte copy: %s", moving, size,
+                        "pinned apart" if pin else "kept where it is",
+                    )  # fmt: skip
             nbytes = data.numel() * data.element_size()
             if region is not None and arena is not None and offset + nbytes <= region.size:
                 host = arena.view(region, offset, data.dtype, data.shape)
                 offset += align(nbytes)
-            else:  # no arena, or a model grown past the size measured when it arrived
+            elif pin:  # no arena, or a model grown past the size measured when it arrived
                 host = torch.empty(data.shape, dtype=data.dtype, pin_memory=True)
-            host.copy_(data, non_blocking=True)
-            sources.add(data.device)
+            else:  # unpinned: only a whole copy goes into the region
+                raise _NoRoom
+            host.copy_(data, non_blocking=pin)
+            if pin:
+                sources.add(data.device)
             tensor.data = host
         if region is not None and arena is not None and offset:
-            region = arena.trim(region, offset)  # no copy writes past `offset`
+            region = arena.trim(region, offset + tail)  # no copy writes past `offset`
         # Our placements give the CPU no bytes, so a hook moves activations, never weights:
         # it can leave while the copies run.
         _remove_hooks(model)
         for tensor in rest:
-            if tensor.data.device.type != "cpu" or not tensor.data.is_pinned():
+            if pin and (tensor.data.device.type != "cpu" or not tensor.data.is_pinned()):
                 tensor.data = tensor.data.to("cpu").pin_memory()
+    except _NoRoom:
+        if region is not None and arena is not None:
+            own_memory(model)  # the tensors copied so far leave the region
+            arena.release(region)
+        _remove_hooks(model)
+        return model, None
     except BaseException:
         if region is not None and arena is not None:
             for device in sources:  # no copy may still write into the region once it is free
@@ -384,6 +462,18 @@ def to_cpu(
         arena.release(region)
         region = None
     return model, region
+
+
+class _NoRoom(Exception):
+    """An unpinned copy that its region cannot hold whole (`to_cpu`)."""
+
+
+def own_memory(model: Any) -> None:
+    """Give every tensor of a CPU model memory of its own: a simulated GPU's restore, whose
+    tensors lay in an arena region that is given back next."""
+    for tensor in (*model.parameters(), *model.buffers()):
+        if tensor.data.device.type == "cpu":
+            tensor.data = tensor.data.clone()
 
 
 def _remove_hooks(model: Any) -> None:

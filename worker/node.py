@@ -70,6 +70,7 @@ class GpuWorker:
             threads=threads,
             # this process's share of the host's warm cache, as the GPUs it owns of the host's
             arena_bytes=warm_budget * len(devices) // max(len(visible), 1),
+            publish=len(devices) < len(visible),  # other workers of the host may read copies
         )  # fmt: skip
         self.keeper = Keeper(registry, self.manager, self.worker_id, spec_of)
         self.lease = WorkerLease(

@@ -37,8 +37,8 @@ from placement.ledger.registry import Registry
 from placement.policy.state import Holding, Level
 from placement.rules.batching import UNBATCHED_TASKS
 from placement.units.memory import format_size
-from worker import handlers, loading
-from worker.arena import PinnedArena, Region, registered_chunk
+from worker import handlers, loading, sharing
+from worker.arena import PinnedArena, Region, registered_chunk, shared_chunk
 from worker.caps import DeviceCaps, allocated, local, peak_allocated, replica_caps
 from worker.devices import Device
 from worker.generation import serving as generation
@@ -47,6 +47,7 @@ from worker.generation.serving import Feed, GenCall
 from worker.lifecycle import exit_for_restart, is_fatal_cuda_error
 from worker.measuring import Span, Spans
 from worker.passes import Dims, dims_of, for_pass, longest_tokens, token_bound
+from worker.sharing import Locator
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +66,10 @@ class Resident:
     host_bytes: int  # what its copy takes in host memory once offloaded (pinned: rounded up)
     limit: int = 0  # the ledger's admission limit, when above the reservation
     epoch: int = 0  # the ledger placement it was loaded or restored for
-    region: Region | None = None  # where its warm copy lies in the pinned arena
+    via: str = ""  # where its load read the weights (`Report.via`)
+    header: int = 0  # of `host_bytes`, the room its copy keeps for `worker.sharing`'s header
+    region: Region | None = None  # where its warm copy lies in the arena
+    shared: Locator | None = None  # where the host's other workers may read its warm copy
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     @property
@@ -105,7 +109,8 @@ class Report:
     nbytes: int
     peak_bytes: int | None = None
     devices: list[str] = field(default_factory=list)
-    via: str | None = None  # a load's reader: "safetensors", "transformers" or "synthetic"
+    # a load's source: "safetensors", "warm copy", "transformers" or "synthetic"
+    via: str | None = None
 
     @property
     def gbps(self) -> float:
@@ -129,6 +134,7 @@ class ResidencyManager:
         whole_pass_errors: tuple[type[BaseException], ...] = (),
         threads: int = 0,
         arena_bytes: int = 0,
+        publish: bool = False,
     ) -> None:
         self.host = host
         self.threads = threads  # torch's CPU threads for a pass (`worker.passes`); 0: as is
@@ -144,10 +150,14 @@ class ResidencyManager:
         )
         self._pin = torch.cuda.is_available() and not all(d.simulated for d in devices)
         # Warm copies go to host memory pinned ahead of need and reused (`worker.arena`):
-        # this process's share of the host's warm cache.
-        self.arena = (
-            PinnedArena(arena_bytes, registered_chunk) if self._pin and arena_bytes else None
-        )
+        # this process's share of the host's warm cache. Simulated GPUs keep theirs in
+        # unpinned chunks of the same kind, so that a neighbour can read them too.
+        allocate = registered_chunk if self._pin else shared_chunk
+        self.arena = PinnedArena(arena_bytes, allocate) if arena_bytes else None
+        # Whether warm copies are published to the host's other workers (`worker.sharing`):
+        # only where there are some to read them, since a simulated GPU's copy is then
+        # copied where it would not move at all.
+        self.publish = publish
         # Per model: its weights' bytes on the device, and the peak last reported as its
         # learned memory. A call that needs more reports more (`_learn_from`).
         self._weights: dict[str, int] = {}
@@ -184,12 +194,15 @@ class ResidencyManager:
         slots: Mapping[str, int],
         limit: int = 0,
         epoch: int = 0,
+        *,
+        source: str = "",
     ) -> Report:
         """Load a replica onto the GPUs of `slots`, warm it up and measure its peak.
 
         `limit` is the ledger's admission limit of a one-GPU replica: the process may
         grow to it (admission guaranteed it fits), not only to the reservation. `epoch`
-        is the ledger placement it is loaded for.
+        is the ledger placement it is loaded for. `source` locates a neighbour's warm copy
+        to read the weights from instead of the disk (`worker.sharing`; '' for none).
         """
         if replica in self.residents:
             raise PlacementError(f"replica {replica} is already held by this worker")
@@ -209,7 +222,7 @@ class ResidencyManager:
             baseline = {} if simulated else self._cuda_allocated(plan, reset=span.alone)
             start = time.perf_counter()
             try:
-                built = loading.build(spec, plan, simulated)
+                built = loading.build(spec, plan, simulated, source)
             except BaseException:
                 with self._lock:
                     self.device_caps.uncharge(plan, accounted)
@@ -217,10 +230,13 @@ class ResidencyManager:
                 raise
             seconds = time.perf_counter() - start
             nbytes = loading.tensor_bytes(built.model)
-            pinned = self._pin and not simulated  # its offloaded copy will be pinned
-            host_bytes = (
-                loading.pinned_bytes(built.model, self.arena is not None) if pinned else nbytes
-            )
+            header = sharing.header_room(built.model) if self._shares(spec, simulated) else 0
+            if self._pin and not simulated:  # its offloaded copy will be pinned
+                host_bytes = loading.pinned_bytes(built.model, self.arena is not None) + header
+            elif header:  # a simulated GPU's copy, in the arena all the same
+                host_bytes = loading.pinned_bytes(built.model, arena=True) + header
+            else:
+                host_bytes = nbytes
             with self._lock:
                 if simulated and not accounted:
                     accounted = nbytes
@@ -231,7 +247,7 @@ class ResidencyManager:
                         raise
                 resident = Resident(
                     replica, spec, built.model, built.tokenizer, dict(slots), accounted, nbytes,
-                    host_bytes, limit, epoch,
+                    host_bytes, limit, epoch, built.via, header,
                 )  # fmt: skip
                 self.residents[replica] = resident
                 self.device_caps.arrived(replica)
@@ -249,11 +265,16 @@ class ResidencyManager:
         with resident.lock, self._spans.span():
             plan, simulated = self.device_caps.plan(resident.slots)
             start = time.perf_counter()
-            if not simulated:  # a simulated GPU's copy is in CPU memory already
+            # a simulated GPU's copy is in CPU memory already: it goes into the arena only
+            # to be shared
+            if not simulated or resident.header:
                 resident.model, resident.region = loading.to_cpu(
-                    resident.model, pin=self._pin, arena=self.arena, size=resident.host_bytes
-                )
+                    resident.model, pin=self._pin and not simulated, arena=self.arena,
+                    size=resident.host_bytes - resident.header, tail=resident.header,
+                )  # fmt: skip
             seconds = time.perf_counter() - start
+            if resident.region is not None and self.arena is not None and resident.header:
+                resident.shared = sharing.publish(self.arena, resident.region, resident.model)
             with self._lock:
                 resident.slots = {}
                 if simulated:
@@ -287,6 +308,8 @@ class ResidencyManager:
             start = time.perf_counter()
             try:
                 resident.model = loading.place(resident.model, plan, simulated)
+                if simulated and resident.region is not None:
+                    loading.own_memory(resident.model)  # out of the region given back below
             except BaseException:
                 with self._lock:
                     if simulated:
@@ -306,10 +329,26 @@ class ResidencyManager:
         )  # fmt: skip
 
     def _give_back(self, resident: Resident) -> None:
-        """Return a warm copy's arena region (its tensors are elsewhere, or dropped)."""
+        """Return a warm copy's arena region (its tensors are elsewhere, or dropped),
+        withdrawn first from the neighbours that may read it."""
         if resident.region is not None and self.arena is not None:
+            if resident.shared is not None:
+                sharing.withdraw(self.arena, resident.region, resident.shared)
             self.arena.release(resident.region)
-        resident.region = None
+        resident.region, resident.shared = None, None
+
+    def _shares(self, spec: ModelSpec, simulated: bool) -> bool:
+        """Whether a copy of `spec` offloaded here is published to the host's other
+        workers (`worker.sharing`), and so keeps room for a header: every copy in an
+        arena, when this process publishes, but a synthetic stand-in's on a simulated GPU,
+        which a reader builds anew anyway."""
+        return self.publish and self.arena is not None and not (simulated and spec.synthetic)
+
+    def locator(self, replica: str) -> str:
+        """Where the host's other workers may read a replica's warm copy ('' nowhere)."""
+        resident = self.residents.get(replica)
+        shared = resident.shared if resident is not None and resident.warm else None
+        return str(shared) if shared is not None else ""
 
     def _keep_room(self) -> None:
         """Have the arena keep room pinned ahead for the next eviction: the largest copy
@@ -648,7 +687,7 @@ class ResidencyManager:
         """Host memory this process keeps pinned: its arena's chunks (registered with CUDA,
         outside PyTorch's pinned allocator) and what that allocator holds: any copy pinned
         apart (each rounded up to a power of two), cached blocks included. 0 with no CUDA."""
-        arena = self.arena.pinned if self.arena is not None else 0
+        arena = self.arena.pinned if self.arena is not None and self._pin else 0
         stats = getattr(torch.cuda, "host_memory_stats", None)  # torch >= 2.7
         if not self._pin or stats is None:
             return arena
