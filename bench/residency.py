@@ -23,7 +23,17 @@ workers run):
   (pinned memory allocated on the way, in 64 MiB blocks, as every offload did before the
   arena) is kept as a diagnostic: on an H200 it was 2.3 GB/s against 55;
 - `warm_restore_gbps`: pinned CPU -> GPU, against `h2d_gbps`, a raw pinned host-to-device
-  copy of the same number of bytes (CUDA only; null here).
+  copy of the same number of bytes (CUDA only; null here). Without CUDA, `offload_gbps`
+  and `warm_restore_gbps` are a simulated GPU's copies into and out of the arena, which it
+  makes only where its warm copies are published (`worker.sharing`), with no baseline of
+  their own but `host_copy_gbps` below;
+- `neighbour_read_gbps`: a load that reads the warm copy another worker published
+  (`via: warm copy`, docs/worker.md, "Warm copies another worker reads"): the skeleton,
+  the checks, and one copy of each tensor from the holder's memory into memory of its own
+  on the device, against `host_copy_gbps`, one raw copy of the same bytes from pageable
+  host memory into memory faulted in beforehand (the bandwidth alone; on the CPU, the new
+  memory's page faults and the skeleton cost the read more than its copy):
+  `neighbour_read_ratio`. Compare it with `cold_load_gbps` too: the disk load it replaces.
 
 Both sides of each ratio start from the same page-cache state: before every cold
 measurement the files are dropped from the page cache with posix_fadvise(DONTNEED),
@@ -169,6 +179,24 @@ def d2h_gbps(nbytes: int, device: int) -> float:
     return nbytes / seconds / 1e9
 
 
+def host_copy_gbps(nbytes: int, device: torch.device) -> float:
+    """Raw copy of `nbytes` from pageable host memory to `device` (a memory copy when it is
+    the CPU), after an untimed one that faults both sides in: the bandwidth alone."""
+    source = torch.ones(nbytes, dtype=torch.uint8)
+    target = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    seconds = 0.0
+    for _ in range(2):
+        start = time.perf_counter()
+        target.copy_(source)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        seconds = time.perf_counter() - start
+    del source, target
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return nbytes / seconds / 1e9
+
+
 def run(mib: int, repeats: int) -> dict[str, Any]:
     cuda = torch.cuda.is_available()
     devices: list[Device] = nvml_devices() if cuda else simulated_devices("1x64GiB")
@@ -184,24 +212,37 @@ def run(mib: int, repeats: int) -> dict[str, Any]:
             for loader in ("auto", "transformers")
         }  # fmt: skip
         slots = {gpu.gpu_id(HOST): 2 * model_bytes}
-        # a pinned arena of room for two copies, as a worker's share of its host's warm cache
-        manager = ResidencyManager(devices, HOST, warmup=False, arena_bytes=4 * model_bytes)
+        # a pinned arena of room for two copies, as a worker's share of its host's warm cache,
+        # whose copies another worker of the host (`reader`) may read
+        manager = ResidencyManager(
+            devices, HOST, warmup=False, arena_bytes=4 * model_bytes, publish=True
+        )
+        reader = ResidencyManager(devices, HOST, warmup=False)
+        target = torch.device("cuda", gpu.cuda_index or 0) if cuda else torch.device("cpu")
         for spec in specs.values():  # a worker imports its libraries once; time the loads only
             manager.load(spec, "imports", slots)
             manager.drop_all()
         disk, fill, cold, ratios, baseline, offload, restore, raw_h2d, raw_d2h = (
             [] for _ in range(9)
         )
+        neighbour: list[float] = []
+        host_copy: list[float] = []
+        neighbour_ratios: list[float] = []
         prepinned: list[float] = []
         via = set()
         for i in range(repeats):
             before = disk_read_gbps(directory)
             drop_page_cache(directory)
             report = manager.load(specs["auto"], f"r{i}", slots)
-            if cuda:
-                offload.append(manager.offload(f"r{i}").gbps)
-                restore.append(manager.restore(f"r{i}", slots).gbps)
+            offload.append(manager.offload(f"r{i}").gbps)
+            read = reader.load(specs["auto"], f"n{i}", slots, source=manager.locator(f"r{i}"))
+            via.add(read.via)
+            reader.drop_all()
+            restore.append(manager.restore(f"r{i}", slots).gbps)
             manager.drop_all()  # the raw copy runs uncapped, with the GPU empty
+            neighbour.append(read.gbps)
+            host_copy.append(host_copy_gbps(model_bytes, target))
+            neighbour_ratios.append(read.gbps / host_copy[-1])
             if cuda:
                 raw_h2d.append(h2d_gbps(model_bytes, gpu.cuda_index or 0))
                 raw_d2h.append(d2h_gbps(model_bytes, gpu.cuda_index or 0))
@@ -237,6 +278,9 @@ def run(mib: int, repeats: int) -> dict[str, Any]:
         "warm_restore_gbps": restore_gbps,
         "h2d_gbps": h2d,
         "warm_restore_ratio": round(restore_gbps / h2d, 3) if restore_gbps and h2d else None,
+        "neighbour_read_gbps": median(neighbour),
+        "host_copy_gbps": median(host_copy),
+        "neighbour_read_ratio": median(neighbour_ratios),
         "targets": {
             "cold_load_ratio": ">= 0.7",
             "offload_ratio": ">= 0.8 (CUDA, against d2h_prepinned_gbps)",
