@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from worker import arena as arena_module
-from worker.arena import ALIGN, Chunk, PinnedArena, Region, align, layout, shared_mapping
+from worker.arena import ALIGN, Chunk, PinnedArena, Region, align, host_mapping, layout
 
 MiB = 2**20
 
@@ -252,14 +252,19 @@ def test_no_room_is_pinned_while_none_is_wanted_and_a_dropped_arena_ends_its_thr
     assert not thread.is_alive()
 
 
-def test_a_chunks_mapping_has_every_page_present_before_anything_registers_it() -> None:
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_chunks_mapping_has_every_page_present_before_anything_registers_it(
+    shared: bool,
+) -> None:
     nbytes = 64 * 2**20
-    mapping, fd = shared_mapping(nbytes, populate=True)
+    mapping, fd = host_mapping(nbytes, shared=shared, populate=True)
+    assert (fd >= 0) is shared
     view = torch.frombuffer(mapping, dtype=torch.uint8)
     resident, untouched = _resident_bytes(view.data_ptr()), bool(view.any())
     del view  # before `close`, which refuses while a view of it lives
     mapping.close()
-    os.close(fd)
+    if fd >= 0:
+        os.close(fd)
     assert resident >= nbytes  # faulted in as it was made, not at first use
     assert not untouched  # fresh memory reads as zeros
 

@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 import redis
+import torch
 import yaml
 from celery import Celery
 
@@ -579,7 +580,9 @@ def test_a_warm_copy_is_loaded_onto_another_workers_gpu_by_that_worker(fleet_up:
         served = fleet_up.infer("shared", "a warm copy")  # routed as any call is
         placed.append(served["replica"])
         assert served["gpus"] == [other_gpu.id] and served["replica"] != plan.replica
-        assert served["cache"] == "warm" and served["outputs"] == first["outputs"]
+        assert served["cache"] == "warm"
+        embeddings = [torch.tensor(r["outputs"]["embeddings"]) for r in (first, served)]
+        assert torch.allclose(*embeddings, atol=1e-6)  # another process: the same weights
         log = fleet_up.running.log
         assert log is not None
         mine = [line for line in log.read_text().splitlines() if f"({served['replica']})" in line]

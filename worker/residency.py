@@ -152,12 +152,16 @@ class ResidencyManager:
         # Warm copies go to host memory pinned ahead of need and reused (`worker.arena`):
         # this process's share of the host's warm cache. Simulated GPUs keep theirs in
         # unpinned chunks of the same kind, so that a neighbour can read them too.
-        allocate = registered_chunk if self._pin else shared_chunk
-        self.arena = PinnedArena(arena_bytes, allocate) if arena_bytes else None
         # Whether warm copies are published to the host's other workers (`worker.sharing`):
         # only where there are some to read them, since a simulated GPU's copy is then
-        # copied where it would not move at all.
+        # copied where it would not move at all, and a published chunk is shared memory.
         self.publish = publish
+        self.arena: PinnedArena | None = None
+        if arena_bytes and self._pin:
+            pin = functools.partial(registered_chunk, shared=publish)
+            self.arena = PinnedArena(arena_bytes, pin)
+        elif arena_bytes and publish:
+            self.arena = PinnedArena(arena_bytes, shared_chunk)
         # Per model: its weights' bytes on the device, and the peak last reported as its
         # learned memory. A call that needs more reports more (`_learn_from`).
         self._weights: dict[str, int] = {}
@@ -230,7 +234,7 @@ class ResidencyManager:
                 raise
             seconds = time.perf_counter() - start
             nbytes = loading.tensor_bytes(built.model)
-            header = sharing.header_room(built.model) if self._shares(spec, simulated) else 0
+            header = sharing.header_room(built.model) if self._shares(spec, built.via) else 0
             if self._pin and not simulated:  # its offloaded copy will be pinned
                 host_bytes = loading.pinned_bytes(built.model, self.arena is not None) + header
             elif header:  # a simulated GPU's copy, in the arena all the same
@@ -308,8 +312,9 @@ class ResidencyManager:
             start = time.perf_counter()
             try:
                 resident.model = loading.place(resident.model, plan, simulated)
-                if simulated and resident.region is not None:
-                    loading.own_memory(resident.model)  # out of the region given back below
+                if simulated and resident.region is not None and self.arena is not None:
+                    # out of the region given back below
+                    loading.own_memory(resident.model, self.arena.raw(resident.region))
             except BaseException:
                 with self._lock:
                     if simulated:
@@ -337,12 +342,14 @@ class ResidencyManager:
             self.arena.release(resident.region)
         resident.region, resident.shared = None, None
 
-    def _shares(self, spec: ModelSpec, simulated: bool) -> bool:
+    def _shares(self, spec: ModelSpec, via: str) -> bool:
         """Whether a copy of `spec` offloaded here is published to the host's other
-        workers (`worker.sharing`), and so keeps room for a header: every copy in an
-        arena, when this process publishes, but a synthetic stand-in's on a simulated GPU,
-        which a reader builds anew anyway."""
-        return self.publish and self.arena is not None and not (simulated and spec.synthetic)
+        workers (`worker.sharing`), and so keeps room for a header: when this process
+        publishes, a copy of a model gpufleet's reader built, which a neighbour's reader
+        can build again from the copy (`via` "safetensors" or "warm copy"). Anything else
+        (remote code, conversions, several GPUs, a synthetic stand-in) it could not, and
+        its holder restoring it beats the neighbour's load from disk."""
+        return self.publish and self.arena is not None and via in ("safetensors", "warm copy")
 
     def locator(self, replica: str) -> str:
         """Where the host's other workers may read a replica's warm copy ('' nowhere)."""
@@ -775,7 +782,8 @@ class ResidencyManager:
         if simulated or self._spans.clean(span):
             self._weights[name] = weights
         known = self._reported.get(name)
-        built_as = (name, via, len(plan))
+        # a read of a neighbour's warm copy builds the model as gpufleet's reader does
+        built_as = (name, "safetensors" if via == "warm copy" else via, len(plan))
         if known is not None and built_as in self._warmed:
             return known
         # The load's own peak on CUDA, read now (the warm-up pass adds its own to it).

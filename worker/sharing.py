@@ -3,7 +3,7 @@
 A warm copy stays its holder's: the holder alone restores it, drops it, or reuses its
 region. What another worker of the host may do is *read* it, as the source of an ordinary
 load onto its own GPU, instead of reading the model's files (docs/worker.md, "Warm copies
-a neighbour reads"). The ledger needs no new transition for that: the copy stays a WARM
+another worker reads"). The ledger needs no new transition for that: the copy stays a WARM
 record, and the reader's replica is loaded like any other.
 
 The holder publishes a copy once it is whole (`publish`): after the copy's tensors, in its
@@ -17,7 +17,15 @@ a drop) it writes 0 there (`withdraw`). A reader checks the nonce, copies the te
 wants, waits for its copies, and checks the nonce again (`WarmCopy.read`): if it changed,
 the region may have been reused under the copy, and the reader loads from disk instead.
 A copy whose holder died, or that lives in another container's PID namespace, cannot be
-opened, and the reader loads from disk as well.
+opened, and the reader loads from disk as well. The manifest lists the tensors of the
+model's state dict (parameters and persistent buffers, each once): what a checkpoint
+holds, and what the reader fills its skeleton with.
+
+Ordering: the nonce is written last and read first and last by plain loads and stores.
+x86 keeps them in order; elsewhere the holder's arena lock, released after the nonce is
+zeroed and before a region can be reused, and on the reader's side the interpreter lock
+that torch releases and takes again around each copy (and, on CUDA, the device
+synchronisation), order the copies between the two reads.
 
 The reader maps the holder's chunk read-only through `/proc/<pid>/fd/<n>`, which the
 kernel allows to processes of the same user (ptrace's read access), and checks the link
@@ -98,9 +106,11 @@ def header_room(model: Any) -> int:
     offload lays it (`worker.arena.layout`): what its arena region must hold beyond them."""
     named = _named(model)
     offsets, _ = layout([t.data for t in named.values()])
+    listed = _listed(model)
     entries = [
         [name, _DTYPE_NAMES.get(t.dtype, "?"), list(t.shape), offset]
         for (name, t), offset in zip(named.items(), offsets, strict=True)
+        if name in listed
     ]
     return align(HEAD.size + len(_encode(entries)))
 
@@ -189,8 +199,11 @@ class WarmCopy:
             }
         except (ValueError, KeyError, TypeError) as exc:
             raise WarmCopyGoneError(f"the warm copy's manifest is malformed: {exc}") from None
-        if any(s.offset < 0 or s.offset + s.nbytes > self.locator.header for s in entries.values()):
-            raise WarmCopyGoneError("the warm copy's manifest points outside its tensors")
+        for slot in entries.values():
+            if min(slot.shape, default=0) < 0 or slot.offset % slot.dtype.itemsize:
+                raise WarmCopyGoneError("the warm copy's manifest is malformed")
+            if slot.offset < 0 or slot.offset + slot.nbytes > self.locator.header:
+                raise WarmCopyGoneError("the warm copy's manifest points outside its tensors")
         return entries
 
 
@@ -225,11 +238,19 @@ def _named(model: Any) -> dict[str, torch.Tensor]:
     return {**dict(model.named_parameters()), **dict(model.named_buffers())}
 
 
+def _listed(model: Any) -> set[str]:
+    """The names the manifest lists: those of the model's state dict. Its non-persistent
+    buffers (rotary frequencies, position ids) are left out, as a checkpoint leaves them:
+    a reader's skeleton computes them, and their dtype is not the weights'."""
+    return set(model.state_dict(keep_vars=True))
+
+
 def _entries(model: Any, base: int, size: int) -> tuple[list[list[Any]], int] | None:
     """The manifest of a copy whose region starts at address `base`, and where its last
     tensor ends; None when a tensor lies outside the region or cannot be described."""
     entries: list[list[Any]] = []
     end = 0
+    listed = _listed(model)
     for name, tensor in _named(model).items():
         data = tensor.data
         dtype = _DTYPE_NAMES.get(data.dtype)
@@ -239,8 +260,9 @@ def _entries(model: Any, base: int, size: int) -> tuple[list[list[Any]], int] | 
         offset = data.data_ptr() - base if nbytes else 0
         if nbytes and (offset < 0 or offset + nbytes > size or not data.is_contiguous()):
             return None
-        entries.append([name, dtype, list(data.shape), offset])
-        end = max(end, offset + nbytes)
+        if name in listed:
+            entries.append([name, dtype, list(data.shape), offset])
+        end = max(end, offset + nbytes)  # the header goes after every tensor of the copy
     return entries, end
 
 

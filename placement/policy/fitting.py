@@ -198,10 +198,10 @@ def holders_first(gpus: list[Gpu], view: Planning) -> list[Gpu]:
 
 
 def foreign(gpu: Gpu, view: Planning) -> bool:
-    """Whether a warm copy on `gpu`'s host would be restored onto it by a worker that does
-    not own it: the holder restores its copy, and on another worker's GPU it would open a
-    second CUDA context there, which the ledger then charges (docs/placement.md, "CUDA
-    contexts")."""
+    """Whether a warm copy on `gpu`'s host is not its own worker's: there the holder would
+    open a second CUDA context to restore it, which the ledger then charges (docs/placement.md,
+    "CUDA contexts"), or that GPU's worker would read the copy, leaving it beside the new
+    replica ("Warm copies another worker reads"). The holder's own GPU does neither."""
     holder = view.my_warm.get(gpu.host)
     return holder is not None and gpu.worker != holder.worker
 

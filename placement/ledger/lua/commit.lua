@@ -160,7 +160,7 @@ redis.call('HSET', dep, 'replica', p.replica, 'model', p.model, 'level', level,
   'gpus', cjson.encode(placed), 'limit', p.limit, 'fraction', p.fraction, 'size', p.size,
   'dedicated', p.dedicated and 1 or 0, 'accelerator', p.accelerator, 'host', p.host,
   'worker', p.worker, 'queue', p.queue, 'last_used', now, 'since', now, 'source', p.reuse,
-  'read_from', p.read_from)
+  'read_from', p.read_from, 'copy_at', '')
 if p.reuse == '' then  -- a record, once made, stays in both sets (nothing removes it)
   redis.call('SADD', K(p.deps_key), p.replica)
   redis.call('SADD', K(p.replicas_key), p.replica)
