@@ -288,7 +288,7 @@ class ResidencyManager:
         self._keep_room()
         return _logged(
             Report(replica, "offload", seconds, resident.nbytes, devices=["cpu"]),
-            resident.spec.name, simulated,
+            resident.spec.name, moved=not simulated or resident.region is not None,
         )  # fmt: skip
 
     def restore(
@@ -322,6 +322,7 @@ class ResidencyManager:
                     self.device_caps.arrived(replica)
                 raise
             seconds = time.perf_counter() - start
+            moved = not simulated or resident.region is not None
             self._give_back(resident)  # `place` waited for its copies: the region is free
             with self._lock:
                 resident.slots, resident.limit, resident.epoch = dict(slots), limit, epoch
@@ -330,7 +331,7 @@ class ResidencyManager:
         devices = _names(plan, simulated)
         return _logged(
             Report(replica, "restore", seconds, resident.nbytes, devices=devices),
-            resident.spec.name, simulated,
+            resident.spec.name, moved=moved,
         )  # fmt: skip
 
     def _give_back(self, resident: Resident) -> None:
@@ -831,11 +832,11 @@ def _declared(spec: ModelSpec) -> int:
     return spec.memory or spec.request or 0
 
 
-def _logged(report: Report, model: str, simulated: bool) -> Report:
+def _logged(report: Report, model: str, *, moved: bool) -> Report:
     """`report`, logged: one line per offload or restore, rare next to calls, and their
-    speed is what a miss waits for (a simulated GPU's copy stays in CPU memory: nothing
-    moves)."""
-    speed = "simulated GPU" if simulated else f"{report.gbps:.1f} GB/s"
+    speed is what a miss waits for. A simulated GPU's copy that is not published stays
+    where it is: nothing `moved`, and no speed is logged."""
+    speed = f"{report.gbps:.1f} GB/s" if moved else "simulated GPU"
     log.info(
         "%s %s (%s, %s) in %.3fs (%s)",
         report.action, model, report.replica, format_size(report.nbytes), report.seconds, speed,
