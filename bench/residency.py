@@ -127,13 +127,16 @@ def page_cache_fill_gbps(directory: Path) -> float:
     return total / (time.perf_counter() - start) / 1e9
 
 
-def _copy_gbps(target: torch.Tensor, source: torch.Tensor, device: int) -> float:
-    """One timed copy of `source` into `target`, after an untimed one that warms the path."""
-    target.copy_(source, non_blocking=True)
-    torch.cuda.synchronize(device)
+def _copy_gbps(target: torch.Tensor, source: torch.Tensor, device: int | None) -> float:
+    """One timed copy of `source` into `target`, after an untimed one that warms the path
+    (faults both sides in); `device` is the CUDA device to wait for (None: a CPU copy)."""
+    target.copy_(source, non_blocking=device is not None)
+    if device is not None:
+        torch.cuda.synchronize(device)
     start = time.perf_counter()
-    target.copy_(source, non_blocking=True)
-    torch.cuda.synchronize(device)
+    target.copy_(source, non_blocking=device is not None)
+    if device is not None:
+        torch.cuda.synchronize(device)
     return source.numel() / (time.perf_counter() - start) / 1e9
 
 
@@ -181,20 +184,14 @@ def d2h_gbps(nbytes: int, device: int) -> float:
 
 def host_copy_gbps(nbytes: int, device: torch.device) -> float:
     """Raw copy of `nbytes` from pageable host memory to `device` (a memory copy when it is
-    the CPU), after an untimed one that faults both sides in: the bandwidth alone."""
+    the CPU): the bandwidth alone."""
     source = torch.ones(nbytes, dtype=torch.uint8)
     target = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    seconds = 0.0
-    for _ in range(2):
-        start = time.perf_counter()
-        target.copy_(source)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        seconds = time.perf_counter() - start
+    gbps = _copy_gbps(target, source, device.index if device.type == "cuda" else None)
     del source, target
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return nbytes / seconds / 1e9
+    return gbps
 
 
 def run(mib: int, repeats: int) -> dict[str, Any]:

@@ -89,7 +89,7 @@ def gone(pid: int) -> bool:
     read)."""
     found = _stat(pid)
     if found is not None:
-        return found[0] in ("Z", "X")
+        return _running_since(found) is None
     return Path("/proc/self").is_dir() and not _exists(pid)
 
 

@@ -234,12 +234,10 @@ class ResidencyManager:
                 raise
             seconds = time.perf_counter() - start
             nbytes = loading.tensor_bytes(built.model)
-            header = sharing.header_room(built.model) if self._shares(spec, built.via) else 0
-            if self._pin and not simulated:  # its offloaded copy will be pinned
+            header = sharing.header_room(built.model) if self._shares(built.via) else 0
+            if header or (self._pin and not simulated):  # pinned, or a published copy
                 host_bytes = loading.pinned_bytes(built.model, self.arena is not None) + header
-            elif header:  # a simulated GPU's copy, in the arena all the same
-                host_bytes = loading.pinned_bytes(built.model, arena=True) + header
-            else:
+            else:  # a simulated GPU's copy stays where it is
                 host_bytes = nbytes
             with self._lock:
                 if simulated and not accounted:
@@ -343,11 +341,11 @@ class ResidencyManager:
             self.arena.release(resident.region)
         resident.region, resident.shared = None, None
 
-    def _shares(self, spec: ModelSpec, via: str) -> bool:
-        """Whether a copy of `spec` offloaded here is published to the host's other
-        workers (`worker.sharing`), and so keeps room for a header: when this process
-        publishes, a copy of a model gpufleet's reader built, which a neighbour's reader
-        can build again from the copy (`via` "safetensors" or "warm copy"). Anything else
+    def _shares(self, via: str) -> bool:
+        """Whether the copy of a model built `via` is published to the host's other workers
+        once offloaded here (`worker.sharing`), and so keeps room for a header: when this
+        process publishes, a copy of a model gpufleet's reader built, which a neighbour's
+        reader can build again from the copy ("safetensors" or "warm copy"). Anything else
         (remote code, conversions, several GPUs, a synthetic stand-in) it could not, and
         its holder restoring it beats the neighbour's load from disk."""
         return self.publish and self.arena is not None and via in ("safetensors", "warm copy")

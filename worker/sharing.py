@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import mmap
 import os
 import secrets
@@ -95,10 +96,7 @@ class Slot:
 
     @property
     def nbytes(self) -> int:
-        count = 1
-        for dim in self.shape:
-            count *= dim
-        return count * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 def header_room(model: Any) -> int:
