@@ -35,7 +35,7 @@ fit on a GPU, a third does not, and 2 x GPUs + 2 of them are called round robin,
 call still misses. `--gpu` (N defaults to 2) serves them on the real GPUs, one worker per
 GPU, the raw load onto `cuda:0`, and adds `raw_h2d_ms`, one raw pinned host-to-device copy
 of the checkpoint's bytes: the floor of a warm miss. The warm fleet's cache holds every
-copy (each the arena chunk it takes, `worker.arena`); issue 41.
+copy (each the arena chunk it takes, `worker.warm.arena`); issue 41.
 
 Targets: `cold_miss_ratio` (cold miss p50 / raw load p50) <= 1.5, `warm_miss_ratio`
 (warm miss p50 / raw load p50) <= 0.5. Since a miss runs its call too, and on a CPU the
@@ -112,8 +112,8 @@ def checkpoint_setup(directory: Path, gib: float, gpu: bool) -> Setup:
     reserving `RESERVE_SHARE` of the smallest GPU (real ones with `gpu`, else one
     simulated GPU of four times the checkpoint)."""
     from bench.residency import make_checkpoint
-    from worker.arena import CHUNK
     from worker.devices import nvml_devices
+    from worker.warm.arena import CHUNK
 
     path = directory / "checkpoint"
     nbytes = make_checkpoint(path, max(1, round(gib * 1024)), vocab_size=MINILM_VOCAB)

@@ -16,7 +16,7 @@ workers run):
   loop above can pass 1.0, and this figure is its real ceiling;
 - `transformers_load_gbps`: the same load through transformers' `from_pretrained`
   (catalog `loader: transformers`), the loader gpufleet's reader replaces;
-- `offload_gbps`: GPU -> pinned CPU, into the worker's pinned arena (`worker.arena`, room
+- `offload_gbps`: GPU -> pinned CPU, into the worker's pinned arena (`worker.warm.arena`, room
   for two copies, allocated by the first offload and reused by the later ones; the median
   of three is a reuse), against `d2h_prepinned_gbps`, a raw device-to-host copy of the
   same bytes into memory pinned beforehand: what the bus carries. `d2h_fresh_pinned_gbps`
@@ -25,7 +25,7 @@ workers run):
 - `warm_restore_gbps`: pinned CPU -> GPU, against `h2d_gbps`, a raw pinned host-to-device
   copy of the same number of bytes (CUDA only; null here). Without CUDA, `offload_gbps`
   and `warm_restore_gbps` are a simulated GPU's copies into and out of the arena, which it
-  makes only where its warm copies are published (`worker.sharing`), with no baseline of
+  makes only where its warm copies are published (`worker.warm.sharing`), with no baseline of
   their own but `host_copy_gbps` below;
 - `neighbour_read_gbps`: a load that reads the warm copy another worker published
   (`via: warm copy`, docs/worker.md, "Warm copies another worker reads"): the skeleton,

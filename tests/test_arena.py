@@ -1,4 +1,4 @@
-"""The pinned arena's bookkeeping (`worker.arena`), on plain host memory: what a CUDA host
+"""The pinned arena's bookkeeping (`worker.warm.arena`), on plain host memory: what a CUDA host
 pins is the same bytes, so the regions, reuse, limits, fragmentation and the pinning
 thread are tested here; the pinned copies themselves run in tests/test_gpu.py."""
 
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from worker import arena as arena_module
-from worker.arena import ALIGN, Chunk, PinnedArena, Region, align, host_mapping, layout
+from worker.warm import arena as arena_module
+from worker.warm.arena import ALIGN, Chunk, PinnedArena, Region, align, host_mapping, layout
 
 MiB = 2**20
 

@@ -1,4 +1,4 @@
-"""Warm copies another worker of the host reads (`worker.sharing`): published in the
+"""Warm copies another worker of the host reads (`worker.warm.sharing`): published in the
 holder's arena, read by name from another process, and refused whenever they may have
 changed, so that a reader falls back to the disk rather than load torn weights."""
 
@@ -19,11 +19,12 @@ import torch
 from placement.catalog.catalog import Catalog
 from placement.errors import WarmCopyGoneError
 from tests.fleets import GiB
-from worker import loading, sharing
-from worker.arena import ALIGN, Chunk, PinnedArena, Region, shared_chunk
+from worker import loading
 from worker.devices import simulated_devices
 from worker.residency import ResidencyManager
-from worker.sharing import Locator
+from worker.warm import sharing
+from worker.warm.arena import ALIGN, Chunk, PinnedArena, Region, shared_chunk
+from worker.warm.sharing import Locator
 
 REPO = Path(__file__).resolve().parents[1]
 MiB = 2**20
@@ -81,7 +82,7 @@ def test_another_process_reads_the_copy_through_the_holders_memfd(arena: PinnedA
     script = textwrap.dedent(
         """
         import json, sys, torch
-        from worker import sharing
+        from worker.warm import sharing
         with sharing.opened(sys.argv[1]) as warm:
             read = warm.read(warm.entries, torch.device("cpu"))
         print(json.dumps({k: v.float().sum().item() for k, v in read.items()}))

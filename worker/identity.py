@@ -104,7 +104,7 @@ def describe(pids: Iterable[int]) -> dict[str, Any]:
 
 def domain() -> str:
     """The processes that may map this one's memory through `/proc/<pid>/fd` (a warm
-    copy, `worker.sharing`): those of this boot of this machine, in this PID namespace,
+    copy, `worker.warm.sharing`): those of this boot of this machine, in this PID namespace,
     run by this user and group (the kernel's check for reading another process's
     descriptors). '' off Linux."""
     boot, namespace = _read(BOOT_ID), _pid_namespace()

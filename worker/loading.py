@@ -32,11 +32,12 @@ from placement.errors import (
     UnsupportedCheckpointError,
     WarmCopyGoneError,
 )
-from worker import handlers, sharing
-from worker.arena import PinnedArena, Region, align, layout
+from worker import handlers
 from worker.checkpoint import Checkpoint, Entry
-from worker.sharing import Slot
 from worker.synthetic import build_synthetic
+from worker.warm import sharing
+from worker.warm.arena import PinnedArena, Region, align, layout
+from worker.warm.sharing import Slot
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +73,7 @@ def build(spec: ModelSpec, plan: Mapping[int, int], simulated: bool, source: str
     safetensors reader when the model has one GPU (or simulated ones) and its weights map
     one to one onto the model; anything else goes through transformers' `from_pretrained`.
     `source` locates a warm copy of the model that another worker of the host published
-    (`worker.sharing`): the same reader takes the weights from there instead, and from
+    (`worker.warm.sharing`): the same reader takes the weights from there instead, and from
     the disk when the copy is gone, changed while it was read, or does not match.
     """
     if not plan:
@@ -384,17 +385,17 @@ def to_cpu(
     pageable memory first (`model.to("cpu")`, then `pin_memory()`) copies every byte twice,
     and the device-to-pageable copy is the slow one. With an `arena`, the copy takes one
     region of memory pinned beforehand, each tensor a page-aligned slice of it
-    (`worker.arena`); without one, or when the arena has no room, each tensor gets a block
+    (`worker.warm.arena`); without one, or when the arena has no room, each tensor gets a block
     pinned for it, which costs more than the copy. Not pinned but with an `arena` (a
     simulated GPU's model, whose tensors are in CPU memory already), the tensors are copied
     into a region all the same, so that the host's other workers may read the copy
-    (`worker.sharing`); a model the region cannot hold whole stays where it is.
+    (`worker.warm.sharing`); a model the region cannot hold whole stays where it is.
 
     The first copy starts before any other walk over the model: `size` bounds the region
     the copy needs (`pinned_bytes(model, arena=True)`, which the caller measured when the
     model arrived; 0: measured here), the region is reserved when the walk meets the first
     tensor it holds and trimmed to what the copy used plus `tail` bytes (room for what
-    `worker.sharing` writes after the tensors), and the hooks leave while the copies run.
+    `worker.warm.sharing` writes after the tensors), and the hooks leave while the copies run.
     On an H200 the walks cost 9 ms before the first byte moved, a fifth of a 2 GiB
     offload."""
     if not pin and arena is None:
@@ -529,7 +530,7 @@ def _normal(device: torch.device) -> tuple[str, int]:
 
 def pinned_bytes(model: Any, arena: bool = False) -> int:
     """Host memory a pinned CPU copy of the model takes: in an arena, each device tensor's
-    bytes rounded up to a page (`worker.arena.layout`); pinned apart, each rounded up to a
+    bytes rounded up to a page (`worker.warm.arena.layout`); pinned apart, each rounded up to a
     power of two, as PyTorch's pinned-memory allocator does (`torch.cuda.host_memory_stats`),
     so up to twice its tensors' bytes."""
     tensors = [*model.parameters(), *model.buffers()]

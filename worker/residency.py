@@ -37,8 +37,7 @@ from placement.ledger.registry import Registry
 from placement.policy.state import Holding, Level
 from placement.rules.batching import UNBATCHED_TASKS
 from placement.units.memory import format_size
-from worker import handlers, loading, sharing
-from worker.arena import PinnedArena, Region, registered_chunk, shared_chunk
+from worker import handlers, loading
 from worker.caps import DeviceCaps, allocated, local, peak_allocated, replica_caps
 from worker.devices import Device
 from worker.generation import serving as generation
@@ -47,7 +46,9 @@ from worker.generation.serving import Feed, GenCall
 from worker.lifecycle import exit_for_restart, is_fatal_cuda_error
 from worker.measuring import Span, Spans
 from worker.passes import Dims, dims_of, for_pass, longest_tokens, token_bound
-from worker.sharing import Locator
+from worker.warm import sharing
+from worker.warm.arena import PinnedArena, Region, registered_chunk, shared_chunk
+from worker.warm.sharing import Locator
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +68,7 @@ class Resident:
     limit: int = 0  # the ledger's admission limit, when above the reservation
     epoch: int = 0  # the ledger placement it was loaded or restored for
     via: str = ""  # where its load read the weights (`Report.via`)
-    header: int = 0  # of `host_bytes`, the room its copy keeps for `worker.sharing`'s header
+    header: int = 0  # of `host_bytes`, the room its copy keeps for `worker.warm.sharing`'s header
     region: Region | None = None  # where its warm copy lies in the arena
     shared: Locator | None = None  # where the host's other workers may read its warm copy
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
@@ -149,10 +150,10 @@ class ResidencyManager:
             self.devices, self._lock, lambda: [r.caps for r in self.residents.values()]
         )
         self._pin = torch.cuda.is_available() and not all(d.simulated for d in devices)
-        # Warm copies go to host memory pinned ahead of need and reused (`worker.arena`):
+        # Warm copies go to host memory pinned ahead of need and reused (`worker.warm.arena`):
         # this process's share of the host's warm cache. Simulated GPUs keep theirs in
         # unpinned chunks of the same kind, so that a neighbour can read them too.
-        # Whether warm copies are published to the host's other workers (`worker.sharing`):
+        # Whether warm copies are published to the host's other workers (`worker.warm.sharing`):
         # only where there are some to read them, since a simulated GPU's copy is then
         # copied where it would not move at all, and a published chunk is shared memory.
         self.publish = publish
@@ -206,7 +207,7 @@ class ResidencyManager:
         `limit` is the ledger's admission limit of a one-GPU replica: the process may
         grow to it (admission guaranteed it fits), not only to the reservation. `epoch`
         is the ledger placement it is loaded for. `source` locates a neighbour's warm copy
-        to read the weights from instead of the disk (`worker.sharing`; '' for none).
+        to read the weights from instead of the disk (`worker.warm.sharing`; '' for none).
         """
         if replica in self.residents:
             raise PlacementError(f"replica {replica} is already held by this worker")
@@ -343,7 +344,7 @@ class ResidencyManager:
 
     def _shares(self, via: str) -> bool:
         """Whether the copy of a model built `via` is published to the host's other workers
-        once offloaded here (`worker.sharing`), and so keeps room for a header: when this
+        once offloaded here (`worker.warm.sharing`), and so keeps room for a header: when this
         process publishes, a copy of a model gpufleet's reader built, which a neighbour's
         reader can build again from the copy ("safetensors" or "warm copy"). Anything else
         (remote code, conversions, several GPUs, a synthetic stand-in) it could not, and

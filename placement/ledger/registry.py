@@ -408,7 +408,7 @@ class Registry(Membership):
 
         `outcome` is one of `OUTCOMES_OF_SETTLE` (see settle.lua). `copy_at`, with
         'offloaded', says where the host's other workers may read the copy
-        (`worker.sharing`). Returns the level the replica reached, or None when the record
+        (`worker.warm.sharing`). Returns the level the replica reached, or None when the record
         is no longer `dep`'s placement at a level that outcome settles (nothing changed).
         """
         if outcome not in OUTCOMES_OF_SETTLE:

@@ -29,7 +29,7 @@ synchronisation), order the copies between the two reads.
 
 The reader maps the holder's chunk read-only through `/proc/<pid>/fd/<n>`, which the
 kernel allows to processes of the same user (ptrace's read access), and checks the link
-names an arena chunk (`worker.arena.MEMFD`) before it maps anything.
+names an arena chunk (`worker.warm.arena.MEMFD`) before it maps anything.
 """
 
 from __future__ import annotations
@@ -50,8 +50,8 @@ from typing import Any
 import torch
 
 from placement.errors import WarmCopyGoneError
-from worker.arena import MEMFD, PinnedArena, Region, align, layout
 from worker.checkpoint import DTYPES
+from worker.warm.arena import MEMFD, PinnedArena, Region, align, layout
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ class Slot:
 
 def header_room(model: Any) -> int:
     """Bytes a copy of `model` needs after its tensors for its header, laid out as an
-    offload lays it (`worker.arena.layout`): what its arena region must hold beyond them."""
+    offload lays it (`worker.warm.arena.layout`): what its arena region must hold beyond them."""
     named = _named(model)
     offsets, _ = layout([t.data for t in named.values()])
     listed = _listed(model)

@@ -27,7 +27,7 @@ coalesced extents, and a region goes in the first extent it fits (first fit). Wh
 extent fits and no chunk may be added, `reserve` answers None, and the caller pins the
 copy the old way (`worker.loading.to_cpu`): slower, never refused.
 
-A worker whose warm copies the host's other GPU workers may read (`worker.sharing`) makes
+A worker whose warm copies the host's other GPU workers may read (`worker.warm.sharing`) makes
 its chunks over a sealed `memfd`, which they map read-only through `/proc/<pid>/fd/<n>`
 (`where`); any other worker's chunks are private. The holder still owns its copies; the
 memory goes with the last process that maps it. Simulated GPUs keep published warm copies
