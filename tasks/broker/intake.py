@@ -73,6 +73,10 @@ MAX_DEPTH = 32
 MAX_MESSAGE_BYTES = 8 * 2**20
 #: The longest id, name or delivery tag a message may carry.
 MAX_NAME = 256
+#: The most signatures a caller's callbacks, chain and chord may hold in all. Each step a
+#: worker ends sends the rest of the chain on in the next message, so a chain costs the
+#: fleet its length squared; Celery's own canvases of a few steps stay far below.
+MAX_CANVAS = 16
 
 
 def is_name(value: Any, *, empty: bool = False) -> bool:
@@ -308,8 +312,10 @@ def check_canvas(embed: Any) -> None:
     what a caller may not. The worker that ends a call sends what comes next as the fleet,
     so each signature there must name a public task, be routed by the fleet or to a public
     queue by name (an exchange would follow bindings a caller may add), and carry no fleet
-    header; and no errback is taken at all (`_ERRBACKS`)."""
+    header; no errback is taken at all (`_ERRBACKS`); and there are at most `MAX_CANVAS`
+    signatures (the walk stops at the first past it: a refusal costs no more)."""
     stack = [embed]
+    signatures = 0
     while stack:
         item = stack.pop()
         if isinstance(item, (list, tuple)):
@@ -317,6 +323,13 @@ def check_canvas(embed: Any) -> None:
             continue
         if not isinstance(item, dict):
             continue
+        if "task" in item:
+            signatures += 1
+            if signatures > MAX_CANVAS:
+                raise PayloadError(
+                    f"a caller's chain, callbacks and chord may hold at most {MAX_CANVAS} "
+                    f"calls in all; send longer sequences as separate calls"
+                )
         stack.extend(item.values())
         options = item.get("options")
         options = options if isinstance(options, dict) else {}

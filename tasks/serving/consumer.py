@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Sequence
 from typing import Any
 
 from celery.exceptions import InvalidTaskError
@@ -185,7 +184,7 @@ class Consumer(CeleryConsumer):
         to stay pinned (and counted busy) until the lease's deadline."""
         task_id = message.headers.get("id")
         log.warning("refused call %.60s of %.80r: %s", task_id, message.headers.get("task"), error)
-        self._fail(task_id, error, _chained_ids(message))
+        self._fail(task_id, error)
         _end_lease(message.headers)
         self._dropped(message, task_id, error)
 
@@ -233,18 +232,16 @@ class Consumer(CeleryConsumer):
         refused = intake.unreadable(exc, getattr(message, "content_type", "?"))
         self._fail(_field(message, None, "id"), refused)
 
-    def _fail(self, task_id: Any, refused: GpufleetError, chained: Sequence[Any] = ()) -> None:
-        """Store `refused` as the result of call `task_id`, so its caller learns at once,
-        and of the calls `chained` after it, which will not run either (as Celery fails a
-        chain after a failed task). Never a chord's part nor an errback: Celery runs those
-        inside the worker, and what a refused call carries may not run there."""
-        for failed in (task_id, *chained):
-            if not is_name(failed):
-                continue
-            try:
-                self.app.backend.mark_as_failure(failed, refused, call_errbacks=False)
-            except Exception:  # the message is dropped either way; say why in the log
-                log.warning("could not store the refusal of call %s", failed, exc_info=True)
+    def _fail(self, task_id: Any, refused: GpufleetError) -> None:
+        """Store `refused` as the result of call `task_id`, so its caller learns at once.
+        Under that id only: the ids of what the call chains after it are the caller's words,
+        and could name another caller's call (`tasks.broker.results.Backend`)."""
+        if not is_name(task_id):
+            return
+        try:
+            self.app.backend.mark_as_failure(task_id, refused, call_errbacks=False)
+        except Exception:  # the message is dropped either way; say why in the log
+            log.warning("could not store the refusal of call %s", task_id, exc_info=True)
 
 
 def _end_lease(headers: Any) -> None:
@@ -256,18 +253,6 @@ def _end_lease(headers: Any) -> None:
         return
     if lease is not None:
         leases.end(lease)
-
-
-def _chained_ids(message: Any) -> list[Any]:
-    """The task ids of the calls chained after a refused call (its body's `chain`; `_fail`
-    skips what is no id)."""
-    try:
-        _, _, embed = message.decode()
-        chain = embed.get("chain") if isinstance(embed, dict) else None
-        steps = [step.get("options") for step in chain or () if isinstance(step, dict)]
-        return [o.get("task_id") for o in steps if isinstance(o, dict)]
-    except Exception:  # nothing chained that can be read
-        return []
 
 
 def _field(message: Any, body: Any, key: str) -> Any:
