@@ -349,14 +349,23 @@ def take_waiting(client: redis.Redis, queues: Iterable[str]) -> list[str]:
     waits on a result store that is gone."""
     ids: list[str] = []
     for _, raw in _unacked(client, None):
-        ids.append(_task_id(json.loads(raw)[0]))
+        record = _json(raw)
+        ids.append(_task_id(record[0] if isinstance(record, list) and record else None))
     client.delete(UNACKED, UNACKED_INDEX)
     for queue in queues:
         pattern = re.sub(r"([*?\[\]\\])", r"\\\1", queue) + "*"  # its lists, and theirs in flight
         for key in client.scan_iter(match=pattern, _type="list"):
-            ids += [_task_id(json.loads(raw)) for raw in reversed(client.lrange(key, 0, -1))]
+            ids += [_task_id(_json(raw)) for raw in reversed(client.lrange(key, 0, -1))]
             client.delete(key)
     return [i for i in ids if i]
+
+
+def _json(raw: str | bytes) -> Any:
+    """`raw` read as JSON; None for anything else (whatever was pushed, it is taken out)."""
+    try:
+        return json.loads(raw)
+    except ValueError:  # JSONDecodeError, and bytes that are no UTF-8
+        return None
 
 
 def _task_id(payload: Any) -> str:

@@ -440,7 +440,7 @@ class Launcher:
             waiting = take_waiting(client, queues)
             for task_id in waiting:
                 backend.mark_as_failure(task_id, FleetStoppedError(STOPPED))
-        except redis.RedisError as exc:
+        except Exception as exc:  # whatever a list holds, the stop goes on and leaves nothing
             log.warning("could not answer the calls still waiting: %s", exc)
             return
         finally:
