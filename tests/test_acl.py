@@ -13,7 +13,16 @@ from pathlib import Path
 import pytest
 import redis
 
-from placement.server.acl import CALLER, FLEET, OPERATOR, USERS, Users, acl_lines, user_url
+from placement.server.acl import (
+    CALLER,
+    FLEET,
+    OPERATOR,
+    PRIORITY_LISTS,
+    USERS,
+    Users,
+    acl_lines,
+    user_url,
+)
 from placement.server.redis_server import RedisServer, find_redis_server, redis_version
 
 REPO = Path(__file__).resolve().parents[1]
@@ -68,6 +77,30 @@ def test_a_caller_sends_calls_and_reads_results_and_nothing_else(server: RedisSe
     }
     assert {what: allowed(action) for what, action in can.items()} == dict.fromkeys(can, True)
     assert {what: allowed(act) for what, act in cannot.items()} == dict.fromkeys(cannot, False)
+
+
+def test_the_caller_may_fill_exactly_the_lists_a_router_reads(server: RedisServer) -> None:
+    from tasks.broker.presence import PRIORITY_STEPS, lists
+
+    assert [0, *PRIORITY_LISTS] == PRIORITY_STEPS
+    c = as_user(server, CALLER)
+    assert all(allowed(lambda name=name: c.lpush(name, "call")) for name in lists("celery"))
+    nobody_reads = ["celery\x01\x023", "celery\x06\x164", "celery\x06\x16\x06\x163", "celery3"]
+    assert not any(allowed(lambda name=name: c.lpush(name, "x")) for name in nobody_reads)
+    as_user(server, FLEET).delete(*lists("celery"))
+
+
+def test_the_fleet_counts_and_closes_connections_and_no_one_else_does(
+    server: RedisServer,
+) -> None:
+    fleet, c = as_user(server, FLEET), as_user(server, CALLER)
+    ids = [client["id"] for client in fleet.client_list() if client["user"] == "fleet"]
+    assert int(fleet.info("clients")["connected_clients"]) >= 1 and ids
+    for denied in (c.client_list, lambda: c.info("clients")):
+        assert not allowed(denied)
+    c.ping()
+    (mine,) = [client["id"] for client in fleet.client_list() if client["user"] == CALLER]
+    assert fleet.client_kill_filter(_id=mine) == 1
 
 
 def test_on_redis_7_a_caller_writes_only_the_keys_each_command_needs(server: RedisServer) -> None:

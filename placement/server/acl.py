@@ -22,7 +22,9 @@ file for a Redis of your own):
   key; no writes, no channels, no admin commands.
 - `fleet`, for the fleet's own processes (router, GPU workers, Flower, the launcher):
   every key and channel, every command but Redis's `@dangerous` ones (CONFIG, DEBUG,
-  MODULE, SAVE, SHUTDOWN, FLUSHALL, REPLICAOF, KEYS, ...).
+  MODULE, SAVE, SHUTDOWN, FLUSHALL, REPLICAOF, KEYS, ...), less INFO, CLIENT LIST and
+  CLIENT KILL, with which the launcher keeps callers' connections within their share
+  (`placement.server.connections`).
 
 The `default` user is off and has no password, so no connection can be it. It may still
 run every command on every key: Redis replays its append-only file as `default`, and from
@@ -45,18 +47,21 @@ OPERATOR = "operator"
 CALLER = "caller"
 USERS = (FLEET, OPERATOR, CALLER)
 
-#: The router's public queue and its priority lists, exactly: kombu names them
-#: `celery\x06\x16N`, N a digit. `[^!-~]` matches a control byte and no printable one (an
-#: ACL file has no escapes), so `celery-task-meta-*`, `celeryev`, and every in-flight list
-#: (`celery.inflight.<node>`, `celery\x06\x163.inflight.<node>`) stay out.
-_PUBLIC_QUEUE_KEYS = "~celery ~celery[^!-~][^!-~][0-9]"
+#: kombu's priority steps above 0 (`tasks.broker.presence.PRIORITY_STEPS`, which a test
+#: keeps equal): a queue's list for each, `celery\x06\x16N`, is one a router reads.
+PRIORITY_LISTS = (3, 6, 9)
+#: The router's public queue and its priority lists, exactly: no other list a caller could
+#: fill and no router would read (a list nobody empties holds its junk for ever). Written
+#: quoted with `\xHH` escapes, which redis.conf, an ACL file and ACL SETUSER all read, so
+#: `celery-task-meta-*`, `celeryev`, and every in-flight list stay out.
+_PUBLIC_QUEUE_KEYS = "~celery " + " ".join(f'"~celery\\x06\\x16{n}"' for n in PRIORITY_LISTS)
 #: What Celery's client declares before it sends to `celery` (kombu 5.7 writes the second).
 _DECLARE_KEYS = "~_kombu.binding.celery ~_kombu.binding_permanent.celery"
 _RESULT_KEYS = "~celery-task-meta-* ~celery-taskset-meta-*"
 _STREAM_KEYS = "~gpufleet-stream-*"  # tasks.serving.streams.PREFIX
 _CONNECTION = "+ping +echo +select +hello +auth +multi +exec +discard"
 
-_FLEET_RULES = "~* &* +@all -@dangerous"
+_FLEET_RULES = "~* &* +@all -@dangerous +info +client|list +client|kill"
 #: What the append-only file's replay may run (see the module); the user itself is off.
 _DEFAULT_RULES = "~* &* +@all"
 _OPERATOR_RULES = f"~* resetchannels -@all {_CONNECTION} +@read -keys +time"

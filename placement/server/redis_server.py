@@ -157,6 +157,7 @@ class RedisServer:
     (`placement.server.acl`), and `url` is the `fleet` user's (`url_for` gives the others').
     `maxmemory` (bytes) caps its memory with the ``noeviction`` policy: when full it
     refuses writes rather than evict a queued call, a ledger key or a result.
+    `maxclients` sets how many connections it takes at once (`placement.server.connections`).
     """
 
     def __init__(
@@ -168,6 +169,7 @@ class RedisServer:
         *,
         users: Users | None = None,
         maxmemory: int | None = None,
+        maxclients: int | None = None,
     ) -> None:
         if port is not None and not 0 < port < 65536:
             raise ConfigError(f"redis port must be in 1..65535, got {port}")
@@ -178,6 +180,7 @@ class RedisServer:
             raise ConfigError("redis password must be non-empty and contain no NUL byte")
         self._users = users
         self._maxmemory = maxmemory
+        self._maxclients = maxclients
         self._requested_port = port
         self._password = password
         self._binary = binary
@@ -341,6 +344,8 @@ class RedisServer:
             args.append(str(conf))  # the config file must be the first argument
         if self._maxmemory is not None:
             args += ["--maxmemory", str(self._maxmemory), "--maxmemory-policy", "noeviction"]
+        if self._maxclients is not None:
+            args += ["--maxclients", str(self._maxclients)]
         args += [
             "--port", str(port),
             "--bind", HOST,

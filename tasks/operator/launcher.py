@@ -56,6 +56,7 @@ from placement.config import (
 from placement.errors import ConfigError, FleetStoppedError, GpufleetError
 from placement.ledger.registry import Registry
 from placement.server.acl import CALLER, OPERATOR, Users
+from placement.server.connections import CALLER_SHARE, ConnectionGuard, max_clients
 from placement.server.redis_server import RedisServer, die_with_parent_preexec, find_redis_server
 from tasks.broker import quarantine
 from tasks.broker.claim import BrokerClaim
@@ -131,6 +132,7 @@ class Launcher:
     children: dict[str, Child] = field(default_factory=dict)
     first_backoff_s: float = 1.0  # doubles with each death, up to MAX_BACKOFF_S
     _redis: RedisServer | None = None
+    _guard: ConnectionGuard | None = None  # callers' connections on the bundled Redis
     _claim: BrokerClaim | None = None  # the broker database, ours while we run (tasks.broker.claim)
     # Bound and listening from `start` on, for the router's /metrics and for Flower: the
     # children serve on these (passed down), so the ports printed are theirs for good.
@@ -179,10 +181,13 @@ class Launcher:
                 data_dir=data,
                 users=Users(*(secrets.token_urlsafe(18) for _ in range(3))),
                 maxmemory=self.settings.redis_maxmemory or default_maxmemory(),
+                maxclients=max_clients(),
             )
             self.redis_url = self._redis.start().url
             self.caller_url = self._redis.url_for(CALLER)
             self.operator_url = self._redis.url_for(OPERATOR)
+            self._guard = ConnectionGuard(self.redis_url, int(CALLER_SHARE * max_clients()))
+            self._guard.start()
         self.broker_url = self.settings.broker_url if external else self.redis_url
         simulated = self.sim_gpus or self.settings.sim_gpus
         self.devices = discover(simulated or DEFAULT_SIM_GPUS, simulate=bool(simulated))
@@ -413,6 +418,9 @@ class Launcher:
         if self._claim is not None:
             self._claim.close(release=not self._runs_elsewhere())
             self._claim = None
+        if self._guard is not None:
+            self._guard.stop()
+            self._guard = None
         if self._redis is not None:
             self._fail_waiting(queues)
             self._redis.stop()
