@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import functools
 import logging
+from typing import Any
 
 import redis
 from celery import states
+from celery.signals import task_revoked
 
 from placement.errors import GpufleetError
 from placement.ledger.load import hold_routing
@@ -56,3 +58,18 @@ def hold(registry: Registry, model: str, call: str, held: bool) -> None:
         hold_routing(registry, model, call, held)
     except GpufleetError:
         log.warning("could not count a routed call of %s", model, exc_info=True)
+
+
+@task_revoked.connect
+def _unhold(sender: Any = None, request: Any = None, **_: Any) -> None:
+    """A call revoked while a router held it (waiting for its retry, say) leaves the model's
+    load at once, not when its hold lapses (`ROUTING_TTL_MS`): it would count as waiting,
+    and toward a scale-out, for minutes after it ended."""
+    if getattr(sender, "name", None) != "gpufleet.infer" or context.role() != "router":
+        return
+    args = getattr(request, "args", None) or ()
+    model, task_id = (args[0] if args else None), getattr(request, "id", None)
+    if not isinstance(model, str) or not isinstance(task_id, str):
+        return
+    if context.catalog().get(model, None) is not None:
+        hold(context.registry(), model, task_id, False)
