@@ -42,7 +42,7 @@ from tasks.app import app
 from tasks.broker import presence
 from tasks.broker.intake import LEASE_HEADER, is_name
 from tasks.config import INTERNAL_QUEUE
-from tasks.serving import leases, routed, streams
+from tasks.serving import cancelling, leases, routed, streams
 from tasks.serving.calls import Call, counted_of, fast_call, hops_of, time_limits_of
 from tasks.serving.status import full_status
 from worker.handlers import validate
@@ -349,11 +349,15 @@ def _cancel_arguments(task_id: Any) -> None:
     intake=staticmethod(lambda headers, a: _cancel_arguments(a["task_id"])),
 )
 def cancel(task_id: str) -> bool:
-    """Stop a call: Celery's revoke of `task_id`, sent by the router (a caller's Redis user
-    may not use Celery's remote control). A call still queued is discarded; a running
-    generation stops within a decode step and ends as revoked. True once sent."""
+    """Stop a call, sent on by the router (a caller's Redis user may not use Celery's remote
+    control): a call still queued is discarded as a worker takes it, a running generation
+    stops within a decode step, and either ends as revoked. True once sent; False for a
+    call already answered. A router answers it in its consumer (`tasks.serving.cancelling`);
+    this runs it anywhere else."""
     _cancel_arguments(task_id)
-    app.control.revoke(task_id)
+    if routed.answered(task_id):
+        return False
+    cancelling.cancel_calls(app, [task_id])
     return True
 
 

@@ -27,7 +27,8 @@ pool job, so that a flood of bad calls does not stand in front of good ones. Any
 error raised while Celery takes a message refuses that message, never the worker.
 
 On a router, a call for a model with a HOT replica is forwarded to its GPU worker from here,
-in the worker's main process, without a pool job (`tasks.serving.forwarding`).
+in the worker's main process, without a pool job (`tasks.serving.forwarding`), and so is a
+`gpufleet.cancel` answered (`tasks.serving.cancelling`).
 
 On a GPU worker, the calls it receives go to a `tasks.serving.batching.Batcher` rather than
 straight to the pool, and the worker reserves enough messages (its prefetch) for two
@@ -48,8 +49,9 @@ from placement.errors import GpufleetError, PayloadError
 from tasks import context
 from tasks.broker import intake
 from tasks.broker.intake import LEASE_HEADER, PUBLIC_TASKS, is_name
-from tasks.serving import batching, forwarding, leases
+from tasks.serving import batching, cancelling, forwarding, leases
 from tasks.serving.batching import Batcher
+from tasks.serving.cancelling import Cancels
 from worker.generation.params import MAX_ROWS
 
 log = logging.getLogger(__name__)
@@ -83,6 +85,9 @@ class Consumer(CeleryConsumer):
             on_task_request = self._batching(on_task_request, kwargs)
         self._batcher = on_task_request if isinstance(on_task_request, Batcher) else None
         super().__init__(on_task_request, *args, **kwargs)
+        self._cancels: Cancels | None = None
+        if context.role() == "router":
+            self._cancels = Cancels(self.app, lambda: self.qos)
 
     def ensure_connected(self, conn: Any) -> Any:
         """Celery's, but trying the broker again at most a second apart. Celery's default
@@ -103,6 +108,8 @@ class Consumer(CeleryConsumer):
     def on_close(self) -> None:
         if self._batcher is not None:
             self._batcher.forget()
+        if self._cancels is not None:
+            self._cancels.forget()
         super().on_close()
 
     @staticmethod
@@ -151,6 +158,8 @@ class Consumer(CeleryConsumer):
         if context.role() == "router" and forwarding.TASK in self.strategies:
             default = self.strategies[forwarding.TASK]
             self.strategies[forwarding.TASK] = forwarding.install(channel, default)
+        if self._cancels is not None and cancelling.TASK in self.strategies:
+            self.strategies[cancelling.TASK] = self._cancels.install(self.timer)
         for name, strategy in list(self.strategies.items()):
             self.strategies[name] = self._guarded(strategy)
 
