@@ -233,18 +233,35 @@ def _deploy_arguments(model: Any, replicas: Any, dedicated: Any) -> ModelSpec:
     return spec
 
 
+def _caller_deploy(model: str, dedicated: bool | None) -> None:
+    """A caller may not override the catalog's `dedicated`: a dedicated replica is never
+    evicted by pressure, so one caller's `deploy(m, 8, dedicated=True)` walled other
+    callers' models off the GPUs, and `dedicated=False` would expose a model the operator
+    protected. Setting it is the operator's right (docs/deploy.md, "Who may do what")."""
+    spec = context.catalog().get(model)
+    if dedicated is not None and dedicated != spec.dedicated:
+        raise PayloadError(
+            f"dedicated is the operator's to set: {model} is{'' if spec.dedicated else ' not'} "
+            f"dedicated in the catalog. Send dedicated=null (the catalog's), or ask an "
+            f"operator: `gpufleet deploy {model} --{'' if dedicated else 'not-'}dedicated` on "
+            f"the fleet's host, or the catalog's `dedicated`"
+        )
+
+
 @app.task(
     name="gpufleet.deploy",
     bind=True,
     intake=staticmethod(
         lambda headers, a: _deploy_arguments(a["model"], a["replicas"], a["dedicated"])
     ),
+    caller_intake=staticmethod(lambda a: _caller_deploy(a["model"], a["dedicated"])),
 )
 def deploy(
     self: Task, model: str, replicas: int = 1, dedicated: bool | None = None
 ) -> dict[str, Any]:
     """Make `replicas` replicas of `model` placed, without a call; workers load them now.
-    `dedicated` is the catalog's unless the call says otherwise.
+    `dedicated` is the catalog's unless the fleet's own user says otherwise (a caller may
+    not: `_caller_deploy`).
 
     Replicas are placed one by one. When the fleet runs out of room, the ones placed stay
     (and so do the evictions made for them) and the answer says how many are missing and

@@ -283,14 +283,18 @@ def test_a_callers_chain_or_callback_cannot_make_the_fleet_send_its_own_tasks(
     assert len(fleet.registry.snapshot().replicas("a")) == 1
 
 
-def test_deploy_keeps_the_catalogs_dedicated_unless_the_call_says_otherwise(
+def test_deploy_keeps_the_catalogs_dedicated_and_only_the_fleets_user_overrides_it(
     fleet: RunningFleet,
 ) -> None:
     app = caller(fleet)
     answer = app.send_task("gpufleet.deploy", args=("pinned",)).get(timeout=60)
     assert [r["dedicated"] for r in answer["replicas"]] == [True]
-    answer = app.send_task("gpufleet.deploy", args=("a", 1, True)).get(timeout=60)
-    assert [r["dedicated"] for r in answer["replicas"]] == [False]  # placed before the call
+    for dedicated in (True, False):  # a caller's override of the catalog, either way
+        error = refused(app, "gpufleet.deploy", "a" if dedicated else "pinned", 1, dedicated)
+        assert type(error).__name__ == "PayloadError" and "operator" in str(error)
+    inside = Celery(broker=fleet.fleet_url, backend=fleet.fleet_url)
+    answer = inside.send_task("gpufleet.deploy", args=("a", 1, True), queue=INTERNAL_QUEUE)
+    assert [r["dedicated"] for r in answer.get(timeout=60)["replicas"]] == [False]  # placed before
     app.send_task("gpufleet.evict", args=("pinned",)).get(timeout=60)
 
 

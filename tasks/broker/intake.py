@@ -16,8 +16,9 @@ steps, and one that fails either is refused: its caller gets a `PayloadError` (o
    are the fleet's own, and a caller may not set them.
 2. `check`, in the consumer, before Celery's strategy (and, on a router, before a hot
    call is forwarded): Celery's protocol-2 headers, the task name (a public queue takes
-   only `PUBLIC_TASKS`), the arguments against the task's signature, a call's model and
-   payload, and every field of the fleet's internal messages.
+   only `PUBLIC_TASKS`), the arguments against the task's signature (a task's `intake`),
+   what only the fleet may ask for (a task's `caller_intake`, for a public queue's
+   message), a call's model and payload, and every field of the fleet's internal messages.
 
 Public queues are those any caller may write (`celery`, the router's); the fleet's other
 queues (the router's `gpufleet.router`, GPU workers' `gpufleet.<host>.gpuN`) are written by
@@ -297,6 +298,9 @@ def _check(message: Any, tasks: Any) -> None:
     check_arguments = getattr(task, "intake", None)
     if check_arguments is not None:
         check_arguments(headers, arguments)
+    check_caller = getattr(task, "caller_intake", None)
+    if public_queue and check_caller is not None:
+        check_caller(arguments)
 
 
 #: The canvas primitives a caller's chain, group or chord nests (never run as tasks here).

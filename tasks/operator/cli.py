@@ -335,8 +335,14 @@ def deploy(
         ),
     ] = None,
 ) -> None:
-    """Place replicas of a model without calling it; exit code 1 when some could not be."""
-    result = _guard(lambda: _call("gpufleet.deploy", (model, replicas, dedicated), 300.0))
+    """Place replicas of a model without calling it; exit code 1 when some could not be.
+    `--dedicated/--not-dedicated` is an operator's override of the catalog: it is sent with
+    the fleet's own user (a caller's may not set it)."""
+    args = (model, replicas, dedicated)
+    if dedicated is None:
+        result = _guard(lambda: _call("gpufleet.deploy", args, 300.0))
+    else:
+        result = _guard(lambda: _call_as_fleet("gpufleet.deploy", args, 300.0))
     typer.echo(json.dumps(result, indent=2))
     if result.get("missing"):  # the JSON still goes to stdout, for scripts
         err.print(
@@ -360,6 +366,33 @@ def _call(name: str, args: tuple[Any, ...], timeout: float) -> Any:
     from tasks.app import app as celery_app
 
     return celery_app.send_task(name, args=args).get(timeout=timeout)
+
+
+def _call_as_fleet(name: str, args: tuple[Any, ...], timeout: float) -> Any:
+    """A call only the fleet's own user may make: sent on the router's internal queue,
+    which a caller's user may not write, with the fleet user's URL (the running fleet's
+    connection file's, else GPUFLEET_REDIS_URL)."""
+    from celery import Celery
+    from redis.exceptions import NoPermissionError
+
+    from placement.config import connection_path, read_connection
+    from tasks.config import INTERNAL_QUEUE, RESULT_BACKEND, celery_conf
+
+    s = _settings()
+    known = read_connection(connection_path(s.home, s.fleet))
+    url = known.fleet if known is not None else s.registry_url
+    client = Celery(set_as_current=False)
+    conf = celery_conf(s)
+    conf.update(broker_url=url, result_backend=f"{RESULT_BACKEND}+{url}")
+    client.conf.update(conf)
+    try:
+        return client.send_task(name, args=args, queue=INTERNAL_QUEUE).get(timeout=timeout)
+    except NoPermissionError:
+        raise ConfigError(
+            "overriding the catalog's `dedicated` is the operator's: it needs the fleet's own "
+            "user, not a caller's. Run it on the fleet's host, or set GPUFLEET_REDIS_URL to "
+            "the `fleet` user's URL"
+        ) from None
 
 
 def _summary(result: dict[str, Any]) -> str:
