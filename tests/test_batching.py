@@ -253,12 +253,13 @@ class _Request:
         replica: str,
         revoked: bool = False,
         time_limits: tuple[float | None, float | None] = (None, None),
+        model: str = "m",
     ) -> None:
         self.id = task_id
         self.time_limits = time_limits  # (hard, soft), from the message's `timelimit`
         self.task = SimpleNamespace(time_limit=None, soft_time_limit=None)  # no defaults
         self.name = "gpufleet.run"
-        self.args = [{"model": "m", "inputs": "x" * 10, "params": None, "replica": replica,
+        self.args = [{"model": model, "inputs": "x" * 10, "params": None, "replica": replica,
                       "cache": "hot", "sent_ms": 0}]  # fmt: skip
         self.kwargs: dict[str, Any] = {}
         self.request_dict: dict[str, Any] = {}
@@ -288,6 +289,9 @@ class _Request:
 
     def on_timeout(self, soft: bool, timeout: float) -> None:
         self.seen.append(f"{'soft' if soft else 'hard'} timeout {timeout}")
+
+    def reject(self, requeue: bool = False) -> None:
+        self.seen.append("rejected")
 
 
 class _Pool:

@@ -1,6 +1,6 @@
-"""Generating calls below Celery: a GPU worker's batcher hands calls to the running
-generation job over a real socket pair, the child's feed reads them, and each call is
-settled once (`tasks.serving.generating`, `tasks.serving.batching`).
+"""Sessions below Celery: a GPU worker's batcher hands every call to the running session
+over a real socket pair, the child's feed reads them, and each call is settled once, as it
+ends (`tasks.serving.generating`, `tasks.serving.batching`).
 
 The requests and the pool are the same stand-ins as tests/test_batching.py's (what the
 batcher reads of them and the callbacks it fans out); the end-to-end tests with real
@@ -9,6 +9,7 @@ Celery workers are in tests/test_generation_fleet.py.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -17,7 +18,7 @@ from celery.worker import state as worker_state
 from placement.rules.batching import BatchLimits
 from tasks.serving import generating, streams
 from tasks.serving.batching import Batcher, Generations
-from tasks.serving.generating import REVOKED, Channel, ChildFeed
+from tasks.serving.generating import Channel, ChildFeed
 from tests.test_batching import _Request
 
 
@@ -58,15 +59,41 @@ def channel() -> Channel:
 
 
 def _batcher(pool: _Pool, channel: Channel, timer: _Timer | None = None) -> Batcher:
-    generations = Generations(lambda _: True, lambda *_: {}, lambda: channel, window_s=60.0)
+    """A batcher whose models `g*` generate and the others batch, 8 calls at most."""
+    generations = Generations(
+        lambda model: model.startswith("g"), lambda *_: {}, lambda: channel, window_s=60.0
+    )
     return Batcher(
         pool, timer or _Timer(), lambda _: None, lambda _: BatchLimits(size=8), lambda _: [],
         generations,
     )  # fmt: skip
 
 
-def _child(job: dict[str, Any], channel: Channel) -> ChildFeed:
-    return ChildFeed(job["id"], job["jobs"], channel, lambda j: (_Key(j[1][1]), j), _finish)
+def _gen(task_id: str, replica: str, **options: Any) -> _Request:
+    return _Request(task_id, replica, model="gen", **options)
+
+
+@dataclass
+class _Shot:
+    replica: str
+    epoch: int
+    run: Any
+    fail: Any
+
+
+def _child(
+    job: dict[str, Any], channel: Channel, ran: list[list[str]] | None = None, size: int = 8
+) -> ChildFeed:
+    def batch(jobs: list[Any], error: BaseException | None) -> dict[str, Any]:
+        ids = [j[1][1] for j in jobs]
+        if ran is not None:
+            ran.append(ids)
+        return {i: (0, f"answer of {i}", 0.0) for i in ids}
+
+    return ChildFeed(
+        job["id"], job["jobs"], channel, lambda j: _Key(j[1][1]), _Shot, _finish, batch,
+        lambda _: BatchLimits(size=size),
+    )  # fmt: skip
 
 
 class _Key:
@@ -78,52 +105,114 @@ def _finish(job: Any, call: Any, outcome: Any, revoked: bool) -> Any:
     return (0, f"answer of {job[1][1]}", 0.0)
 
 
-def test_calls_arriving_while_a_generation_job_runs_join_it_and_each_is_settled_once(
+def _keys(items: list[Any]) -> list[Any]:
+    return [item.key if isinstance(item, _Key) else item.replica for item in items]
+
+
+def test_every_call_reaching_the_worker_while_a_session_runs_joins_it_any_replicas(
     channel: Channel,
 ) -> None:
     pool = _Pool()
     batcher = _batcher(pool, channel)
-    first, second, elsewhere = _Request("c1", "r1"), _Request("c2", "r1"), _Request("c3", "r2")
-    batcher(first)  # the child is free: a generation job starts with it
+    first, same, other = _gen("c1", "r1"), _gen("c2", "r1"), _gen("c3", "r2")
+    encoder = [_Request("e1", "r3"), _Request("e2", "r3")]
+    batcher(first)  # the child is free: a session starts with it
     assert [job["ids"] for job in pool.jobs] == [["c1"]]
     pool.jobs[0]["accept_callback"](7, 0.0)
-    batcher(second)  # joins the running job, through the channel
-    assert len(pool.jobs) == 1 and second.seen == ["accepted"]
+    for request in (same, other, *encoder):  # each joins the session, through the channel
+        batcher(request)
+    assert len(pool.jobs) == 1
+    assert all(r.seen == ["accepted"] for r in (same, other, *encoder))
+    ran: list[list[str]] = []
+    feed = _child(pool.jobs[0], channel, ran)
+    taken = feed.take(0.0)
+    assert _keys(taken) == ["c1", "c2", "c3", "r3"]  # the encoder's two calls: one batch
+    taken[-1].run()
+    assert ran == [["e1", "e2"]]
+
+
+def test_each_call_of_a_session_is_settled_as_it_ends_not_when_the_session_does(
+    channel: Channel,
+) -> None:
+    pool, timer = _Pool(), _Timer()
+    batcher = _batcher(pool, channel, timer)
+    first, encoder, late = _gen("c1", "r1"), _Request("e1", "r3"), _gen("c2", "r1")
+    batcher(first)
+    batcher(encoder)
     feed = _child(pool.jobs[0], channel)
-    assert [call.key for call in feed.take(0.0)] == ["c1", "c2"]
-    batcher(elsewhere)  # another replica's call waits for the child
-    for call in (_Key("c1"), _Key("c2")):
-        feed.finished(call, None)
-    pool.jobs[0]["callback"](feed.results)
-    assert first.seen == ["accepted", "success (0, 'answer of c1', 0.0)"]
-    assert second.seen == ["accepted", "success (0, 'answer of c2', 0.0)"]
-    assert [job["ids"] for job in pool.jobs][-1] == ["c3"]
+    taken = feed.take(0.0)
+    taken[1].run()  # the encoder's pass, between two steps
+    for look in timer.repeating:
+        look()
+    assert encoder.seen == ["success (0, 'answer of e1', 0.0)"]  # while c1 still runs
+    assert first.seen == []
+    batcher(late)
+    feed.take(0.0)
+    feed.finished(_Key("c1"), None)
+    feed.finished(_Key("c2"), None)
+    pool.jobs[0]["callback"](feed.results)  # the session ended; its return carries nothing
+    assert first.seen == ["success (0, 'answer of c1', 0.0)"]
+    assert late.seen == ["success (0, 'answer of c2', 0.0)"]
+    assert timer.repeating == []  # no session left to look at
 
 
-def test_a_waiting_call_stops_the_running_job_from_taking_more(channel: Channel) -> None:
+def test_on_a_generating_worker_a_model_with_batching_off_joins_a_session_too(
+    channel: Channel,
+) -> None:
+    pool, passed = _Pool(), []
+    generations = Generations(
+        lambda model: model.startswith("g"), lambda *_: {}, lambda: channel, window_s=60.0
+    )
+    batcher = Batcher(
+        pool, _Timer(), passed.append, lambda _: BatchLimits(size=1), lambda _: [], generations
+    )
+    batcher(_gen("c1", "r1"))
+    batcher(_Request("e1", "r3"))
+    batcher(_Request("e2", "r3"))
+    assert passed == [] and len(pool.jobs) == 1  # not to the pool, which the session holds
+    assert _keys(_child(pool.jobs[0], channel, size=1).take(0.0)) == ["c1", "r3", "r3"]
+
+
+def test_a_call_that_may_not_join_waits_and_so_do_the_calls_behind_it(channel: Channel) -> None:
     pool = _Pool()
     batcher = _batcher(pool, channel)
-    batcher(_Request("c1", "r1"))
-    batcher(_Request("c2", "r2"))  # another replica's: waits
-    batcher(_Request("c3", "r1"))  # would join, but c2 goes first
-    assert _child(pool.jobs[0], channel).take(0.0)[0].key == "c1"
-    assert channel.receive(0.0) == []
+    batcher(_gen("c1", "r1"))
+    stuck = _gen("c2", "r2")
+    stuck.delivery_info = {"redelivered": True}  # it may have killed the last child: alone
+    batcher(stuck)
+    batcher(_gen("c3", "r1"))  # would join, but c2 goes first
+    assert _keys(_child(pool.jobs[0], channel).take(0.0)) == ["c1"]
     pool.jobs[0]["callback"]({"c1": (0, "ok", 0.0)})
     assert [job["ids"] for job in pool.jobs][1:] == [["c2"]]
     pool.jobs[1]["callback"]({"c2": (0, "ok", 0.0)})
     assert [job["ids"] for job in pool.jobs][2:] == [["c3"]]
 
 
-def test_a_call_handed_over_as_the_job_ended_runs_in_the_next_job(channel: Channel) -> None:
+def test_a_second_message_with_a_held_task_id_is_dropped_at_once(channel: Channel) -> None:
     pool = _Pool()
     batcher = _batcher(pool, channel)
-    late = _Request("c2", "r1")
-    batcher(_Request("c1", "r1"))
+    first, twin = _gen("same", "r1"), _gen("same", "r1")
+    batcher(first)
+    batcher(twin)
+    assert twin.seen == ["rejected"]  # not run, not left waiting
+    assert _keys(_child(pool.jobs[0], channel).take(0.0)) == ["same"]
+    pool.jobs[0]["callback"]({"same": (0, "ok", 0.0)})
+    assert first.seen == ["success (0, 'ok', 0.0)"]
+    again = _gen("same", "r1")  # once the first is settled, the id is free again
+    batcher(again)
+    assert again.seen == [] and [job["ids"] for job in pool.jobs][1:] == [["same"]]
+
+
+def test_a_call_handed_over_as_the_session_ended_runs_in_the_next_job(channel: Channel) -> None:
+    pool = _Pool()
+    batcher = _batcher(pool, channel)
+    late = _gen("c2", "r1")
+    batcher(_gen("c1", "r1"))
     batcher(late)  # sent over the channel, but the child ends the job without reading it
     pool.jobs[0]["callback"]({"c1": (0, "ok", 0.0)})
     assert late.seen == [] and [job["ids"] for job in pool.jobs][1:] == [["c2"]]
     next_feed = _child(pool.jobs[1], channel)
-    assert [call.key for call in next_feed.take(0.0)] == ["c2"]  # the stale message dropped
+    assert _keys(next_feed.take(0.0)) == ["c2"]  # the stale message dropped
 
 
 def test_a_revoked_running_call_is_stopped_in_the_child_and_announced_revoked(
@@ -131,22 +220,21 @@ def test_a_revoked_running_call_is_stopped_in_the_child_and_announced_revoked(
 ) -> None:
     pool, timer = _Pool(), _Timer()
     batcher = _batcher(pool, channel, timer)
-    doomed, other = _Revocable("c1", "r1"), _Revocable("c2", "r1")
+    doomed, other = _Revocable("c1", "r1", model="gen"), _Revocable("c2", "r1", model="gen")
     batcher(doomed)
     batcher(other)
     feed = _child(pool.jobs[0], channel)
     feed.take(0.0)
     worker_state.revoked.add("c1")
     try:
-        for forward in timer.repeating:
-            forward()
-        for forward in timer.repeating:  # told again until the job ends: harmless
-            forward()
+        for look in timer.repeating:
+            look()
+        for look in timer.repeating:  # told again until the job ends: harmless
+            look()
         feed.take(0.0)
         assert set(feed.cancelled()) == {"c1"}
         feed.finished(_Key("c1"), None)
         feed.finished(_Key("c2"), None)
-        assert feed.results["c1"] == REVOKED
         pool.jobs[0]["callback"](feed.results)
         assert doomed.seen == ["revoked"] and other.seen == ["success (0, 'answer of c2', 0.0)"]
         assert timer.repeating == []  # the job ended: nothing more to watch
@@ -154,24 +242,36 @@ def test_a_revoked_running_call_is_stopped_in_the_child_and_announced_revoked(
         worker_state.revoked.discard("c1")
 
 
-def test_a_lost_child_fails_every_call_of_its_job_so_each_goes_back_to_the_queue(
+def test_a_lost_child_fails_every_call_it_still_held_so_each_goes_back_to_the_queue(
     channel: Channel,
 ) -> None:
-    pool = _Pool()
-    batcher = _batcher(pool, channel)
-    calls = [_Request("c1", "r1"), _Request("c2", "r1")]
+    pool, timer = _Pool(), _Timer()
+    batcher = _batcher(pool, channel, timer)
+    calls = [_gen("c1", "r1"), _gen("c2", "r1"), _gen("c3", "r1")]
     for request in calls:
         batcher(request)
+    feed = _child(pool.jobs[0], channel)
+    feed.take(0.0)
+    feed.finished(_Key("c1"), None)  # settled before the child was lost
     pool.jobs[0]["error_callback"]("lost")
-    assert [request.seen for request in calls] == [["failure"], ["failure"]]
+    assert [r.seen for r in calls] == [
+        ["success (0, 'answer of c1', 0.0)"],
+        ["failure"],
+        ["failure"],
+    ]
 
 
-def test_the_channel_carries_whole_messages_and_refuses_one_too_large(channel: Channel) -> None:
+def test_the_channel_carries_whole_messages_both_ways_and_refuses_one_too_large(
+    channel: Channel,
+) -> None:
     assert channel.receive(0.0) == []
     assert channel.send(("call", "job", "x" * 100_000))
     assert channel.receive(0.1) == [("call", "job", "x" * 100_000)]
     assert not channel.send(("call", "job", "x" * (generating.MAX_MESSAGE + 1)))
     assert channel.receive(0.0) == []
+    assert channel.tell_parent(("settled", "job", {"c": 1}))
+    assert channel.from_child() == [("settled", "job", {"c": 1})]
+    assert channel.from_child() == []
 
 
 def _stream(client: Any, task_id: str, entries: list[dict[str, str]]) -> None:
@@ -204,18 +304,18 @@ def test_a_stream_that_never_ends_stops_once_its_call_is_answered(redis_client: 
     redis_client.delete(streams.key("t-open"))
 
 
-def test_a_job_of_calls_with_time_limits_has_one_and_takes_no_call_that_would_outlive_it(
+def test_a_session_of_calls_with_time_limits_has_one_and_takes_no_call_that_would_outlive_it(
     channel: Channel,
 ) -> None:
     pool = _Pool()
-    batcher = _batcher(pool, channel)  # a job takes calls for 60 s
-    batcher(_Request("c1", "r1", time_limits=(5.0, None)))
+    batcher = _batcher(pool, channel)  # a session takes calls for 60 s
+    batcher(_gen("c1", "r1", time_limits=(5.0, None)))
     assert pool.jobs[0]["timeout"] == 65.0  # its longest call, begun as late as one may join
-    batcher(_Request("c2", "r1", time_limits=(5.0, None)))  # fits what is left: joins
-    batcher(_Request("c3", "r1", time_limits=(100.0, None)))  # would outlive it: waits
-    batcher(_Request("c4", "r1"))  # no limit at all: waits too
+    batcher(_gen("c2", "r1", time_limits=(5.0, None)))  # fits what is left: joins
+    batcher(_gen("c3", "r1", time_limits=(100.0, None)))  # would outlive it: waits
+    batcher(_gen("c4", "r1"))  # no limit at all: waits too
     assert len(pool.jobs) == 1
-    assert [call.key for call in _child(pool.jobs[0], channel).take(0.0)] == ["c1", "c2"]
+    assert _keys(_child(pool.jobs[0], channel).take(0.0)) == ["c1", "c2"]
     pool.jobs[0]["timeout_callback"](False, 65.0)  # the pool ended a hung job
     pool.jobs[0]["error_callback"]("lost")
     assert pool.jobs[1]["timeout"] is None  # c3 and c4: one of them has no limit

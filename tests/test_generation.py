@@ -20,7 +20,7 @@ from worker.generation import params as gen_params
 from worker.generation.engine import Engine, Options, Sequence_
 from worker.generation.replica import replica_engine
 from worker.generation.sampling import Choice
-from worker.generation.serving import Fixed, GenCall, Generated, run_calls
+from worker.generation.serving import Driver, GenCall, Generated, run_calls
 from worker.generation.text import Detokenizer
 from worker.synthetic import build_synthetic
 
@@ -308,34 +308,24 @@ def test_a_generation_model_s_reservation_holds_its_kv_budget_in_bytes() -> None
         Catalog.from_mapping({"models": {"e": forward}})
 
 
-class _CancellingFeed(Fixed):
-    """A feed of two calls that asks to stop the second at its third take."""
-
-    def __init__(self) -> None:
-        super().__init__(
-            [
-                GenCall("a", "first call", {"max_new_tokens": 30}),
-                GenCall("b", ["second", "call"], {"max_new_tokens": 30}),
-            ]
-        )
-        self.takes = 0
-
-    def take(self, wait: float) -> list[GenCall]:
-        self.takes += 1
-        return super().take(wait)
-
-    def cancelled(self) -> list[str]:
-        return ["b"] if self.takes == 3 else []
-
-
-def test_a_call_its_feed_cancels_stops_every_prompt_and_the_others_run_on(
+def test_a_cancelled_call_stops_every_prompt_and_the_others_run_on(
     model: tuple[Any, Any],
 ) -> None:
-    from worker.generation.serving import serve
-
-    feed = _CancellingFeed()
-    serve(_engine(model), feed, None)
-    stopped, whole = feed.outcomes["b"], feed.outcomes["a"]
+    outcomes: dict[str, Any] = {}
+    driver = Driver(_engine(model), None, lambda call, out: outcomes.__setitem__(call.key, out))
+    driver.add(
+        [
+            GenCall("a", "first call", {"max_new_tokens": 30}),
+            GenCall("b", ["second", "call"], {"max_new_tokens": 30}),
+        ]
+    )
+    steps = 0
+    while driver.busy:
+        driver.step()
+        steps += 1
+        if steps == 3:
+            driver.cancel("b")
+    stopped, whole = outcomes["b"], outcomes["a"]
     assert isinstance(stopped, Generated) and stopped.cancelled
     assert stopped.outputs["finish_reasons"] == ["cancelled", "cancelled"]
     assert all(len(tokens) < 30 for tokens in stopped.outputs["tokens"])
@@ -516,3 +506,21 @@ def test_bytes_that_never_make_a_character_still_stream_within_four_tokens() -> 
         pieces.append(text.delta())
     assert pieces[3] and not any(pieces[:3])  # held while a character might complete
     assert "".join(pieces) == tokenizer.decode([lone] * 12) == "\ufffd" * 12
+
+
+def test_a_call_of_many_prompts_gets_its_share_of_rows_not_all_of_them_ahead_of_a_later_call(
+    model: tuple[Any, Any],
+) -> None:
+    engine = _engine(model, rows=2)  # two rows at a time
+    options = Options(max_new_tokens=4)
+    for index in range(6):
+        engine.add(Sequence_(("many", index), [2, 7, 8, 9], options))
+    engine.step()  # the first two run
+    admitted: list[Any] = [s.key for s in engine.rows]
+    engine.add(Sequence_(("later", 0), [2, 7, 8, 9], options))  # another call, arriving now
+    while engine.busy:
+        engine.step()
+        admitted += [s.key for s in engine.rows if s.key not in admitted]
+    # the later call takes the next free row, as a separate call would (not after all six)
+    assert admitted.index(("later", 0)) == 2, admitted
+    assert [k for k in admitted if k[0] == "many"] == [("many", i) for i in range(6)]

@@ -12,7 +12,6 @@ import torch
 from placement.catalog.catalog import Catalog, ModelSpec
 from tests.fleets import GiB
 from worker.devices import simulated_devices
-from worker.generation.serving import Fixed
 from worker.measuring import Spans
 from worker.residency import ResidencyManager
 
@@ -96,24 +95,6 @@ def test_each_load_move_and_pass_runs_in_one_span_and_a_warm_up_in_its_loads() -
         manager.drop_all()
 
 
-class _LookingFeed(Fixed):
-    """A generation feed with no calls that, from inside the generation, begins a span as
-    a load beside it would."""
-
-    def __init__(self, spans: Spans) -> None:
-        super().__init__([])
-        self.spans = spans
-        self.seen: list[bool] = []  # whether each such span began alone
-
-    def take(self, wait: float) -> list[Any]:
-        with self.spans.span() as beside:
-            self.seen.append(beside.alone)
-        return []
-
-    def finished(self, call: Any, outcome: Any) -> None:
-        raise AssertionError("no call was fed")
-
-
 def test_a_generation_runs_in_one_span_so_a_load_beside_it_keeps_no_figure() -> None:
     devices = simulated_devices("1x8GiB")
     manager = ResidencyManager(devices, HOST)
@@ -124,9 +105,10 @@ def test_a_generation_runs_in_one_span_so_a_load_beside_it_keeps_no_figure() -> 
     ).get("g")  # fmt: skip
     try:
         manager.load(spec, "r", {devices[0].gpu_id(HOST): GiB})
-        feed = _LookingFeed(manager._spans)
-        manager.generate("r", feed)
-        assert feed.seen == [False]  # the generation's own span was running
+        opened = manager.open_engine("r")
+        assert opened is not None
+        with opened, manager._spans.span() as beside:
+            assert not beside.alone  # the generation's own span is running
         with manager._spans.span() as after:
             assert after.alone  # and it ended with the generation
     finally:

@@ -38,7 +38,7 @@ from placement.policy.state import Deployment, Level
 from worker.lifecycle import exit_for_restart, is_fatal_cuda_error
 from worker.residency import ResidencyManager
 
-__all__ = ["ADMIT_POLL_S", "LOAD_WAIT_S", "RECONCILE_EVERY_S", "Keeper"]
+__all__ = ["ADMIT_POLL_S", "LOAD_WAIT_S", "RECONCILE_EVERY_S", "Keeper", "Readiness", "not_ready"]
 
 log = logging.getLogger(__name__)
 
@@ -57,14 +57,31 @@ RETRY_S = 0.25
 _TICK = ""  # an inbox item that only wakes the keeper
 
 
+def not_ready(replica: str, worker_id: str, timeout_s: float) -> PlacementError:
+    """The error of a call whose replica did not become HOT here in time."""
+    return PlacementError(
+        f"replica {replica} did not become ready on worker {worker_id} within "
+        f"{timeout_s:.0f} s; see the worker's log"
+    )
+
+
 @dataclass
-class _Waiter:
-    """A call waiting for its replica to be HOT here in `epoch` (0: whichever is current)."""
+class Readiness:
+    """A call waiting for its replica to be HOT here in `epoch` (0: whichever is current):
+    `done` once it is (`hot`: the epoch it became HOT in) or cannot be (`error`)."""
 
     epoch: int
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
     hot: int = 0  # the epoch it became HOT in
+    since: float = field(default_factory=time.perf_counter)
+    waited: bool = True  # False: it was HOT when asked
+
+    def result(self) -> tuple[float, int]:
+        """Once done: the milliseconds waited and the epoch it is HOT in; or its error."""
+        if self.error is not None:
+            raise self.error
+        return ((time.perf_counter() - self.since) * 1000 if self.waited else 0.0), self.hot
 
 
 class Keeper:
@@ -85,7 +102,7 @@ class Keeper:
         self.spec_of = spec_of
         self.reconcile_every_s = reconcile_every_s
         self._inbox: queue.Queue[str | None] = queue.Queue()
-        self._waiters: dict[str, list[_Waiter]] = defaultdict(list)
+        self._waiters: dict[str, list[Readiness]] = defaultdict(list)
         self._waiters_lock = threading.Lock()
         self._waiting: set[str] = set()  # WAITING placements not admitted yet
         # Why recent loads failed, by (replica, epoch): a call routed to a placement whose
@@ -144,27 +161,35 @@ class Keeper:
         Raises `EvictedError` when the ledger places the replica elsewhere (route the
         call again), or the error that failed its load.
         """
+        ready = self.watch(replica, epoch)
+        if not ready.done.wait(timeout_s):
+            self.unwatch(replica, ready)
+            raise not_ready(replica, self.worker_id, timeout_s)
+        return ready.result()
+
+    def watch(self, replica: str, epoch: int = 0) -> Readiness:
+        """`ensure` without the wait: a `Readiness` that is done once `replica` is HOT here
+        in `epoch`, or cannot be (a session looks at it between decode steps)."""
+        ready = Readiness(epoch)
         if epoch and self.manager.hot(replica, epoch):
-            return 0.0, epoch
+            ready.hot, ready.waited = epoch, False
+            ready.done.set()
+            return ready
         failed = self._failures.get((replica, epoch))
         if failed is not None:
-            raise failed
-        start = time.perf_counter()
-        waiter = _Waiter(epoch)
+            ready.error = failed
+            ready.done.set()
+            return ready
         with self._waiters_lock:
-            self._waiters[replica].append(waiter)
+            self._waiters[replica].append(ready)
         self.poke(replica)
-        if not waiter.done.wait(timeout_s):
-            with self._waiters_lock:
-                if waiter in self._waiters.get(replica, []):
-                    self._waiters[replica].remove(waiter)
-            raise PlacementError(
-                f"replica {replica} did not become ready on worker {self.worker_id} within "
-                f"{timeout_s:.0f} s; see the worker's log"
-            )
-        if waiter.error is not None:
-            raise waiter.error
-        return (time.perf_counter() - start) * 1000, waiter.hot
+        return ready
+
+    def unwatch(self, replica: str, ready: Readiness) -> None:
+        """Stop waiting for `replica` (a wait that timed out)."""
+        with self._waiters_lock:
+            if ready in self._waiters.get(replica, []):
+                self._waiters[replica].remove(ready)
 
     # --- the keeper thread -------------------------------------------------------------
 

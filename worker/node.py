@@ -19,10 +19,10 @@ from placement.catalog.catalog import ModelSpec
 from placement.config import DEFAULT_WORKER_LEASE_MS
 from placement.ledger.registry import Registry
 from worker.devices import Device
-from worker.generation.serving import Feed
 from worker.keeper import Keeper
 from worker.lifecycle import WorkerLease, make_worker_id
 from worker.residency import ResidencyManager
+from worker.session import Session, SessionFeed
 
 __all__ = ["GpuWorker", "Served"]
 
@@ -124,15 +124,10 @@ class GpuWorker:
             for r in ran
         ]
 
-    def generate(
-        self, replica: str, epoch: int, feed: Feed, ready: Callable[[float, list[str]], None]
-    ) -> None:
-        """Run the generating calls `feed` brings on `replica` (`worker.generation`) until it
-        has no more. `ready` hears, before the first call starts, how long the replica took
-        to be loaded here and which GPUs it is on."""
-        load_ms, epoch = self.keeper.ensure(replica, epoch)
-        ready(load_ms, self.manager.gpus_of(replica))
-        self.manager.generate(replica, feed, epoch)
+    def serve_session(self, feed: SessionFeed) -> None:
+        """Run the calls `feed` brings, on any of this process's replicas, generations a
+        step at a time beside everything else, until it has no more (`worker.session`)."""
+        Session(self.manager, self.keeper, feed).run()
 
     def stop(self) -> None:
         """Stop following the ledger, release every GPU and replica, drop the models."""

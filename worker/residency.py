@@ -25,7 +25,7 @@ import threading
 import time
 import traceback
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,8 +41,9 @@ from worker import handlers, loading
 from worker.caps import DeviceCaps, allocated, local, peak_allocated, replica_caps
 from worker.devices import Device
 from worker.generation import serving as generation
+from worker.generation.engine import Engine
 from worker.generation.replica import replica_engine
-from worker.generation.serving import Feed, GenCall
+from worker.generation.serving import GenCall
 from worker.lifecycle import exit_for_restart, is_fatal_cuda_error
 from worker.measuring import Span, Spans
 from worker.passes import Dims, dims_of, for_pass, longest_tokens, token_bound
@@ -116,6 +117,37 @@ class Report:
     @property
     def gbps(self) -> float:
         return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+@dataclass
+class OpenEngine:
+    """A generation replica held for its calls (`ResidencyManager.open_engine`): its engine,
+    its chat template and GPUs; `close` (or leaving a `with`) gives the replica back."""
+
+    replica: str
+    epoch: int
+    engine: Engine
+    template: str | None
+    gpus: list[str]
+    _held: ExitStack = field(repr=False)
+
+    def close(self) -> None:
+        self._held.close()
+
+    def __enter__(self) -> OpenEngine:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+
+def fail_for(exc: BaseException) -> None:
+    """What an error of a model's pass means for the process: a fatal CUDA error restarts
+    it (the context is lost); any other leaves the error to its calls, its frames freed
+    (they hold the pass's tensors)."""
+    if is_fatal_cuda_error(exc):
+        exit_for_restart(exc)
+    traceback.clear_frames(exc.__traceback__)
 
 
 class ResidencyManager:
@@ -479,17 +511,21 @@ class ResidencyManager:
         """The ledger GPU ids a HOT replica is on here (EvictedError when it is not)."""
         return sorted(self._hot(replica).slots)
 
-    def generate(self, replica: str, feed: Feed, epoch: int = 0) -> list[str]:
-        """Run the generating calls `feed` brings on a HOT replica, as one continuous batch
-        (`worker.generation`), until the feed has no more: the GPUs they ran on.
-
-        The replica's lock is held throughout, so the keeper moves it only once the running
-        generations end (drain before evict). Raises `EvictedError` as `run` does.
-        """
+    def open_engine(self, replica: str, epoch: int = 0, *, wait: bool = True) -> OpenEngine | None:
+        """Hold a HOT replica of a generation model for its calls: its lock (so the keeper
+        moves it only once its generations end: drain before evict) and one span, until
+        the `OpenEngine` is closed; with it, its engine. Raises `EvictedError` as `run`
+        does. Without `wait`, None while the keeper holds the lock (it is moving the
+        replica): a session does not stall its other engines for that."""
         resident = self._hot(replica)
-        # One span for the whole generation: its KV cache and activations come and go
-        # while it runs, so no load or pass beside it may keep a figure (`measuring`).
-        with resident.lock, self._spans.span():
+        if not resident.lock.acquire(blocking=wait):
+            return None
+        held = ExitStack()
+        held.callback(resident.lock.release)
+        try:
+            # One span for the whole generation: its KV cache and activations come and go
+            # while it runs, so no load or pass beside it may keep a figure (`measuring`).
+            held.enter_context(self._spans.span())
             plan, simulated = self._serving(resident, epoch)
             if self.threads and torch.get_num_threads() != self.threads:
                 torch.set_num_threads(self.threads)
@@ -497,14 +533,13 @@ class ResidencyManager:
                 resident.model, resident.tokenizer, resident.spec,
                 loading.torch_device(min(plan), simulated),
             )  # fmt: skip
-            try:
-                generation.serve(engine, feed, resident.spec.chat_template)
-            except Exception as exc:
-                if is_fatal_cuda_error(exc):
-                    exit_for_restart(exc)
-                traceback.clear_frames(exc.__traceback__)
-                raise
-            return sorted(resident.slots)
+        except BaseException:
+            held.close()
+            raise
+        return OpenEngine(
+            replica, resident.epoch, engine, resident.spec.chat_template, sorted(resident.slots),
+            held,
+        )  # fmt: skip
 
     def run_batch(
         self, replica: str, requests: Sequence[tuple[object, object | None]], epoch: int = 0
@@ -561,18 +596,23 @@ class ResidencyManager:
     ) -> tuple[list[Ran], list[str]]:
         """`run_batch` for a generation model: the calls as one continuous batch."""
         calls = [GenCall(str(i), inputs, params) for i, (inputs, params) in enumerate(requests)]
-        feed = generation.Fixed(calls)
         start = time.perf_counter()
-        gpus = self.generate(replica, feed, epoch)
+        opened = self.open_engine(replica, epoch)
+        assert opened is not None  # it waited for the lock
+        with opened:
+            try:
+                outcomes = generation.run_calls(opened.engine, calls, opened.template)
+            except Exception as exc:
+                fail_for(exc)
+                raise
         ms = (time.perf_counter() - start) * 1000
         ran = []
-        for call in calls:
-            outcome = feed.outcomes[call.key]
+        for outcome in outcomes:
             if isinstance(outcome, BaseException):
                 ran.append(Ran({}, outcome, len(calls), ms))
             else:
                 ran.append(Ran(dict(outcome.outputs), None, len(calls), ms))
-        return ran, gpus
+        return ran, opened.gpus
 
     def _run_chunk(  # noqa: PLR0917 - one pass's whole context
         self,
@@ -613,11 +653,9 @@ class ResidencyManager:
                     loading.torch_device(min(plan), simulated),
                 )
             except Exception as exc:
-                if is_fatal_cuda_error(exc):
-                    exit_for_restart(exc)  # the CUDA context is unusable: start a clean process
                 # The pass's frames hold its activations (on the GPU) for as long as the error
                 # lives, which is until Celery has answered every call it fails.
-                traceback.clear_frames(exc.__traceback__)
+                fail_for(exc)
                 if len(chunk) == 1 or isinstance(exc, self.whole_pass_errors):
                     ms = (time.perf_counter() - start) * 1000
                     for index, _ in chunk:

@@ -14,6 +14,16 @@ callbacks call each request's own. So acks_late holds, and a child killed mid-ba
 fails the job with `WorkerLostError`, which makes every request of the batch reject
 its message back to the queue (`task_reject_on_worker_lost`): no call is lost.
 
+While the child runs a session (a job that generates: `tasks.serving.generating`), the
+batcher hands it every call it can, generating ones one by one and the others in the
+batches it forms as usual, so that they run between two decode steps rather than after
+the longest generation.
+
+A worker holds one call per task id at a time: a second message with the id of a call it
+holds (waiting, or in a job) is dropped at once, its request lease ended, and the call
+held answers for both (they share one result). Reusing an id otherwise made one call's
+answer settle another's message and left request leases pinning the replica for minutes.
+
 Why not `celery-batches`: it flushes on a timer rather than when the GPU is free,
 mixes every replica's calls in one list, leaves the messages of a lost child unacked
 until the visibility timeout, and leaves results and events to the task. See
@@ -23,6 +33,7 @@ docs/tasks.md, "Batched calls".
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 import uuid
@@ -37,7 +48,7 @@ from celery.worker.state import revoked as revoked_tasks
 
 from placement.rules.batching import BatchLimits, Waiting, input_chars, take_batch
 from tasks.broker import quarantine, results
-from tasks.serving import generating
+from tasks.serving import generating, leases
 from tasks.serving.calls import Call, call_of
 from worker.generation.params import MAX_ROWS
 
@@ -65,7 +76,7 @@ class Prepared:
 
 
 GENERATE = "generate"  # the last part of a generating call's group
-WATCH_S = 0.05  # how often a running generation job's calls are checked for revokes
+WATCH_S = 0.05  # how often a session's ended calls are settled and its revokes told
 RETELL_S = 1.0  # how often the child is told again of a revoke it has not acted on
 
 
@@ -74,9 +85,9 @@ class Generations:
     """How a GPU worker runs generating calls (`tasks.serving.generating`)."""
 
     generates: Callable[[str], bool]  # whether a model's calls generate
-    job: Callable[..., Any]  # the pool job that runs them (importable)
+    job: Callable[..., Any]  # the pool job of a session (importable)
     channel: Callable[[], generating.Channel | None]
-    window_s: float  # how long a job takes new calls
+    window_s: float  # how long a session with a time limit takes new calls
 
 
 _prepared: dict[str, Prepared] = {}  # task id -> answer, in the child, while its job runs
@@ -91,7 +102,9 @@ class Batcher:
     """The worker main process's hold on calls waiting for the pool child (see the module).
 
     `handle` is what Celery would have done with a request: it gets the ones this batcher
-    does not batch (other tasks, calls it cannot read, models with batching off).
+    does not batch (other tasks, calls it cannot read, and, on a worker whose models do not
+    generate, models with batching off; where they do, those run as batches of one, so
+    that a session takes them too).
     """
 
     def __init__(  # noqa: PLR0917 - the worker's parts it works with
@@ -109,9 +122,11 @@ class Batcher:
         self._limits_of = limits_of
         self._job = job  # runs a batch in the child: importable, so the pool can send it
         self._gen = generations
-        self._generation: generating.Job | None = None  # the generation job running
-        self._watch: Any = None  # the timer entry that forwards revokes to it
+        self._session: generating.Job | None = None  # the session running, if one is
+        self._sessions: dict[str, generating.Job] = {}  # by id, until each ends
+        self._watch: Any = None  # the timer entry that settles calls and forwards revokes
         self._waiting: list[Waiting[tuple[Any, Call]]] = []
+        self._held: set[str] = set()  # task ids of the calls waiting here or in a job
         self._busy = False
         self._connection = 0  # counts lost connections: a job tells whose it was
         self._wake: Any = None  # the timer entry of a batch waiting to fill
@@ -120,7 +135,8 @@ class Batcher:
     def __call__(self, request: Any) -> None:
         call = _call_of(request)
         generates = call is not None and self._gen is not None and self._gen.generates(call.model)
-        if call is None or not (generates or self._limits_of(call.model).on):
+        # Where calls generate, every call comes here, batched or not: a session takes it.
+        if call is None or (self._gen is None and not self._limits_of(call.model).on):
             self._handle(request)
             return
         # A redelivered call may be what killed the last child: it runs alone this time.
@@ -131,10 +147,23 @@ class Batcher:
         group += (GENERATE,) if generates else (limits,)
         entry = Waiting((request, call), group, input_chars(call.inputs), time.time() * 1000)
         with self._lock:
-            if generates and not redelivered and not self._waiting and self._join(request, call):
+            if request.id in self._held:
+                self._refuse_twin(request, call)
                 return
+            self._held.add(request.id)
             self._waiting.append(entry)
             self._next()
+
+    def _refuse_twin(self, request: Any, call: Call) -> None:
+        """Drop a message whose task id is a call's this worker holds (see the module)."""
+        log.warning(
+            "dropped a second message of call %s: a call with that task id runs here, and its "
+            "answer is the id's; send each call with a task id of its own",
+            request.id,
+        )
+        if call.lease is not None:
+            leases.end(call.lease)
+        request.reject(requeue=False)
 
     def forget(self) -> None:
         """Drop the calls held here, unacked: the consumer lost its connection, so the
@@ -148,39 +177,54 @@ class Batcher:
                     "broker connection lost while a batch ran: later calls will not wait for it"
                 )
             self._waiting = []
+            self._held = set()
             self._busy = False
             self._connection += 1
             if self._wake is not None:
                 self._wake.cancel()
                 self._wake = None
-            self._generation = None
-            self._stop_watching()
+            self._session = None  # a session of the lost connection settles what it ends
 
     def _limits(self, entry: Waiting[tuple[Any, Call]]) -> BatchLimits:
         return self._limits_of(entry.item[1].model)
 
     def _next(self) -> None:
-        """Send the next batch to the child when it is free and a batch is due."""
-        while not self._busy and self._waiting:
+        """Send the next batch to the child when it is free and a batch is due; while it
+        runs a session, hand the session what it may take, in order."""
+        while self._waiting and (not self._busy or self._session is not None):
             head = self._waiting[0].group
             generation = _generates(head)
             if generation:  # every call waiting for that replica, at once
                 picked = [i for i, w in enumerate(self._waiting) if w.group == head][:MAX_ROWS]
                 due = None
-            else:
-                picked, due = take_batch(self._waiting, self._limits, time.time() * 1000)
+                if self._busy:
+                    picked = picked[:1]  # a session takes them one by one
+            else:  # a session takes a batch at once: it would only wait for the GPU
+                now = math.inf if self._busy else time.time() * 1000
+                picked, due = take_batch(self._waiting, self._limits, now)
             if not picked:
                 if due is not None:
                     self._wake_at(due)
                 return
-            chosen = set(picked)
             batch = [self._waiting[i] for i in picked]
+            if self._busy and not self._hand_over(batch, generation):
+                return  # it waits for the session to end, and so does all behind it
+            chosen = set(picked)
             self._waiting = [w for i, w in enumerate(self._waiting) if i not in chosen]
-            live = [w for w in batch if not w.item[0].revoked()]  # revoked: acked and told
+            if self._busy:
+                continue
+            live = [w for w in batch if not self._dropped_revoked(w.item[0])]
             if live and generation:
                 self._send_generation(live)
             elif live:
                 self._send(live)
+
+    def _dropped_revoked(self, request: Any) -> bool:
+        """Whether `request` was revoked (Celery acknowledges and announces it there)."""
+        if request.revoked():
+            self._held.discard(request.id)
+            return True
+        return False
 
     def _wake_at(self, due_ms: float) -> None:
         if self._wake is not None:
@@ -232,28 +276,36 @@ class Batcher:
             self._busy = False
             raise
 
-    # --- generation jobs (tasks.serving.generating) -----------------------------------
+    # --- sessions (tasks.serving.generating) ----------------------------------------
 
-    def _join(self, request: Any, call: Call) -> bool:
-        """Hand a generating call to the running generation job, if it may take it."""
-        job, gen = self._generation, self._gen
-        if job is None or gen is None or not job.joinable(call, _hard(request), gen.window_s):
+    def _hand_over(self, batch: list[Waiting[tuple[Any, Call]]], generation: bool) -> bool:
+        """Hand the running session one generating call, or one batch; False when it may
+        not take them (a redelivered call, a time limit past its own, a full channel)."""
+        job, gen = self._session, self._gen
+        requests = [w.item[0] for w in batch]
+        if job is None or gen is None or any(_redelivered(r) for r in requests):
+            return False
+        if not job.joinable(_hard(requests[0])):  # a batch's calls share their limits
             return False
         channel = gen.channel()
-        if channel is None or not channel.send(
-            ("call", job.id, _gen_job(request, call, time.time() * 1000))
-        ):
+        payload: Any = (
+            _gen_job(*batch[0].item, batch[0].since_ms)
+            if generation
+            else {"group": batch[0].group, "jobs": [_job(*w.item, w.since_ms) for w in batch]}
+        )
+        if channel is None or not channel.send(("call", job.id, payload)):
             return False
-        job.requests.append(request)
-        if job.accepted is not None:
-            request.on_accepted(*job.accepted)
+        for request in requests:
+            job.requests[request.id] = request
+            if job.accepted is not None:
+                request.on_accepted(*job.accepted)
         return True
 
     def _send_generation(self, batch: list[Waiting[tuple[Any, Call]]]) -> None:
+        """Start a session with the generating calls `batch` (the next ones go to it)."""
         gen = self._gen
         assert gen is not None
-        first = batch[0].item[1]
-        job = generating.Job(first.replica, first.epoch, [w.item[0] for w in batch])
+        job = generating.Job({w.item[0].id: w.item[0] for w in batch})
         jobs = [_gen_job(w.item[0], w.item[1], w.since_ms) for w in batch]
         hards = [_hard(w.item[0]) for w in batch]
         if all(hard is not None for hard in hards):  # else no limit, as for a batch
@@ -261,26 +313,27 @@ class Batcher:
             # as a call may join (calls that would outlive it do not join)
             job.timeout = gen.window_s + max(h for h in hards if h is not None)
         self._busy = True
-        self._generation = job
+        self._session = job
+        self._sessions[job.id] = job
         connection = self._connection
 
         def accepted(pid: int, time_accepted: float) -> None:
             job.accepted = (pid, time_accepted)
-            for request in list(job.requests):
+            for request in list(job.requests.values()):
                 request.on_accepted(pid, time_accepted)
 
         def done(results: dict[str, Any]) -> None:
-            self._generation_ended(job, connection, results, None)
+            self._session_ended(job, connection, results, None)
 
         def failed(exc_info: Any) -> None:
-            self._generation_ended(job, connection, {}, exc_info)
+            self._session_ended(job, connection, {}, exc_info)
 
         def timed_out(is_soft: bool, timeout: float) -> None:
-            for request in list(job.requests):  # as Celery does for one: fail it
+            for request in list(job.requests.values()):  # as Celery does for one: fail it
                 request.on_timeout(is_soft, timeout)
 
         try:
-            with quarantine.in_hand(r.id for r in job.requests):
+            with quarantine.in_hand(job.requests):
                 self._pool.apply_async(
                     gen.job,
                     args=(job.id, jobs),
@@ -293,52 +346,44 @@ class Batcher:
                 )  # each call's own limit ends it in the child, between steps
         except BaseException:
             self._busy = False
-            self._generation = None
+            self._session = None
+            del self._sessions[job.id]
             raise
-        self._watch = self._timer.call_repeatedly(WATCH_S, self._forward_revokes)
+        if self._watch is None:
+            self._watch = self._timer.call_repeatedly(WATCH_S, self._look_at_sessions)
 
-    def _forward_revokes(self) -> None:
-        """Tell the child of the running job's calls that Celery revoked. Told again at
-        every look until the job ends: a job from before a lost connection may still hold
-        the child and read (and drop) what was meant for this one."""
+    def _look_at_sessions(self) -> None:
+        """Settle the calls the child says ended, and tell it of the running calls Celery
+        revoked (again at every look until the session ends: a session from before a lost
+        connection may still hold the child and read, and drop, what was meant for this)."""
         with self._lock:
-            job, gen = self._generation, self._gen
+            self._collect()
+            job, gen = self._session, self._gen
             if job is None or gen is None or (channel := gen.channel()) is None:
                 return
             now = time.monotonic()
-            for request in job.requests:
-                told = job.told.get(request.id)
+            for task_id in job.requests:
+                told = job.told.get(task_id)
                 due = told is None or now - told >= RETELL_S
-                if (
-                    request.id in revoked_tasks
-                    and due
-                    and channel.send(("cancel", job.id, request.id))
-                ):
-                    job.told[request.id] = now
+                if task_id in revoked_tasks and due and channel.send(("cancel", job.id, task_id)):
+                    job.told[task_id] = now
 
-    def _stop_watching(self) -> None:
-        if self._watch is not None:
-            self._watch.cancel()
-            self._watch = None
+    def _collect(self) -> None:
+        """Settle what the child said it ended, for every session still known."""
+        channel = self._gen.channel() if self._gen is not None else None
+        for message in channel.from_child() if channel is not None else ():
+            kind, job_id, returns = message
+            job = self._sessions.get(job_id)
+            if kind != generating.SETTLED or job is None:
+                continue
+            settled = [(job.requests.pop(i), r) for i, r in returns.items() if i in job.requests]
+            self._settle(settled)
 
-    def _generation_ended(
-        self, job: generating.Job, connection: int, results: dict[str, Any], error: Any
-    ) -> None:
-        """Settle each call of an ended generation job; give back the ones it never read."""
-        with self._lock:
-            if self._generation is job:
-                self._generation = None
-                self._stop_watching()
-            requests = list(job.requests)
-            unread = [r for r in requests if error is None and r.id not in results]
-            # After a lost connection the broker delivers unread calls again: keep none.
-            keep = connection == self._connection
-        settled = [r for r in requests if r not in unread]
+    def _settle(self, settled: list[tuple[Any, Any]]) -> None:
+        """Settle each (request, tracer return) as the pool's callback would."""
 
-        def each(_: int, request: Any) -> Any:
-            if error is not None:
-                return request.on_failure(error)
-            outcome = results[request.id]
+        def each(index: int, request: Any) -> Any:
+            outcome = settled[index][1]
             if outcome == generating.REVOKED:
                 # Announced as Celery does for a revoked call (even if its id has aged out
                 # of the worker's revoked set since: it must be acknowledged and told).
@@ -347,36 +392,69 @@ class Batcher:
                 return None
             return request.on_success(outcome)
 
-        if unread and keep:
-            log.debug("%d calls reached a generation job as it ended: they run next", len(unread))
-            with self._lock:
+        self._each(each, [request for request, _ in settled])
+
+    def _session_ended(
+        self, job: generating.Job, connection: int, results: dict[str, Any], error: Any
+    ) -> None:
+        """Settle each call of an ended session; give back the ones it never read."""
+        with self._lock:
+            self._collect()  # what it told before it returned: read before its return
+            self._sessions.pop(job.id, None)
+            if self._session is job:
+                self._session = None
+            if not self._sessions and self._watch is not None:
+                self._watch.cancel()
+                self._watch = None
+            requests = list(job.requests.values())
+            unread = [r for r in requests if error is None and r.id not in results]
+            # After a lost connection the broker delivers unread calls again: keep none.
+            keep = connection == self._connection
+            if unread and keep:
+                log.debug("%d calls reached a session as it ended: they run next", len(unread))
                 self._waiting[:0] = [self._entry(r) for r in unread]
-        self._finished(each, settled, connection)
+            if connection == self._connection:
+                self._busy = False
+        if error is not None:
+            self._each(lambda _, r: r.on_failure(error), requests)
+        else:
+            self._settle([(r, results[r.id]) for r in requests if r not in unread])
+        with self._lock:
+            self._next()
 
     def _entry(self, request: Any) -> Waiting[tuple[Any, Call]]:
         call = _call_of(request)
         assert call is not None
-        group = (call.replica, call.epoch, "", GENERATE)
+        generates = self._gen is not None and self._gen.generates(call.model)
+        kind = GENERATE if generates else tuple(request.time_limits)
+        group = (call.replica, call.epoch, "", kind)
         return Waiting((request, call), group, input_chars(call.inputs), time.time() * 1000)
 
     def _finished(
         self, each: Callable[[int, Any], Any], requests: list[Any], connection: int
     ) -> None:
-        """The child ended a job: tell each request how its call went, then go on. A job
-        sent before a lost connection does not free the child for the jobs sent since."""
+        """The child ended a batch job: tell each request how its call went, then go on.
+        A job sent before a lost connection does not free the child for the jobs sent since."""
         with self._lock:
             if connection == self._connection:
                 self._busy = False
+        self._each(each, requests)
+        with self._lock:
+            self._next()
+
+    def _each(self, each: Callable[[int, Any], Any], requests: list[Any]) -> None:
+        """`each(index, request)` for every request, which this worker then no longer holds;
+        an error settles the others first (Celery's signal to stop, raised last)."""
         stop: BaseException | None = None
         for index, request in enumerate(requests):
+            with self._lock:
+                self._held.discard(request.id)
             try:
                 each(index, request)
             except (SystemExit, KeyboardInterrupt) as exc:  # Celery's signal to stop
                 stop = exc
             except Exception:
                 log.exception("could not settle call %s of a batch", request.id)
-        with self._lock:
-            self._next()
         if stop is not None:
             raise stop
 
@@ -404,6 +482,10 @@ def _job(request: Any, call: Call, since_ms: float) -> _Job:
         request.content_encoding,
     )
     return trace, args, call.as_json(), since_ms
+
+
+def _redelivered(request: Any) -> bool:
+    return bool((request.delivery_info or {}).get("redelivered"))
 
 
 def _generates(group: Hashable) -> bool:

@@ -130,10 +130,10 @@ class Consumer(CeleryConsumer):
         kwargs["initial_prefetch_count"] = per_process * max(1, processes)
         generations = batching.Generations(
             gpu.generates,
-            gpu.generation_job,
+            gpu.session_job,
             gpu.channel,
-            # A job's calls are acknowledged as it ends: end it well within the time after
-            # which the broker delivers an unacknowledged message again.
+            # A session of calls with time limits has one of its own: the longest of them,
+            # begun as late as this (a quarter of the broker's visibility timeout).
             window_s=context.settings().visibility_timeout / 4,
         )
         return Batcher(

@@ -1,31 +1,37 @@
-"""Generating calls on a GPU worker: Celery's side of `worker.generation`.
+"""Sessions on a GPU worker: Celery's side of `worker.session`.
 
-A GPU worker's pool child runs one job at a time, and a generation is long: a job that ran
-only the calls it started with would make every later call wait for its longest one. So a
-generation job stays open: while it runs, the worker's main process (`Batcher`) hands the
-calls that arrive for the same replica straight to it, over a `Channel` (a Unix
-`SOCK_SEQPACKET` socket pair made before the pool forks: one whole message per read, so a
-child killed mid-read leaves no half message for the next), and they join the running batch
-at its next step. Each call's own Celery tracer runs in the child as soon as its generation
-ends, so its result is stored then, not when the job ends.
+A GPU worker's pool child runs one job at a time, and a generation is long. So a job that
+generates is a *session*: while it runs, the worker's main process (`Batcher`) hands it
+every call that reaches the worker, any replica's (generating calls one by one, the others
+as the batches it formed), over a `Channel`: a Unix `SOCK_SEQPACKET` socket pair made before
+the pool forks, one whole message per read, so a child killed mid-read leaves no half
+message for the next. The child interleaves them: a call of another model runs between two
+decode steps, not after the longest generation (`worker.session`).
 
-Acknowledgement stays Celery's, per call, as for batches (`tasks.serving.batching`): the
-job's callbacks settle every call it ran (acks_late), and a child lost mid-job fails the
-job with `WorkerLostError`, which puts every call it held back in the queue. A call handed
-over as the job was ending, which the child never read, is given back to the batcher and
-runs in the next job; the child drops such a stale message by its job id.
+Each call is settled as it ends, not when the session does: its Celery tracer runs in the
+child (which stores its result, so its caller has the answer then), and the child tells
+the main process over the same channel, which settles that request as the pool's callback
+would (`acks_late`: acknowledged once its result is stored). So no message of a finished
+call waits unacknowledged for the session (it would hold the worker's prefetch, and the
+broker would deliver it again after the visibility timeout), and a session may run as long
+as calls keep coming. A child lost mid-session fails the job with `WorkerLostError`, which
+puts every call it still held back in the queue. A call handed over as the session was
+ending, which the child never read, is given back to the batcher and runs in the next job;
+the child drops such a stale message by its session id. An answer too large for the
+channel travels in the job's own return instead.
 
-The main process stops handing calls to a job once other calls wait (they go next: a long
-stream of generations never starves another model), once the job is older than a quarter
-of the broker's visibility timeout (a message is not left unacknowledged until the broker
-delivers it again), and for redelivered calls (which run alone, as in batches). It forwards
-a Celery `revoke` of a running call to the child, which stops that call within a step; the
-call then ends as revoked.
+The main process hands a session no redelivered call (it runs alone, as in batches), no
+call that waits behind one it may not hand over (order is kept), and no call whose time
+limit would outlive the session's (`Job.joinable`). It forwards a Celery `revoke` of a
+running call to the child, which stops that call within a step; the call then ends as
+revoked.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import math
 import pickle
 import select
 import socket
@@ -33,21 +39,27 @@ import time
 import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from celery.exceptions import TimeLimitExceeded
 
+from placement.rules.batching import BatchLimits, Waiting, input_chars, take_batch
 from tasks.serving.calls import Call
+
+if TYPE_CHECKING:  # GPU workers only: they import torch
+    from worker.generation.serving import GenCall
+    from worker.session import OneShot
 
 log = logging.getLogger(__name__)
 
-MAX_MESSAGE = 4 * 2**20  # bytes of one handed-over call; a larger one waits for a new job
+MAX_MESSAGE = 4 * 2**20  # bytes of one message; a larger call waits for a new job
 _BUFFER = 8 * 2**20
 REVOKED = "gpufleet-revoked"  # a job's return for a call it stopped because it was revoked
+SETTLED = "settled"  # the child's message: ("settled", session id, {task id: tracer return})
 
 
 class Channel:
-    """The worker main process's line to its pool child (see the module)."""
+    """The worker main process's line to its pool child, both ways (see the module)."""
 
     def __init__(self) -> None:
         self._parent, self._child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -59,137 +71,217 @@ class Channel:
     def send(self, message: tuple[Any, ...]) -> bool:
         """From the main process; False when the message cannot go now (too large, or the
         child's side is full), never blocking."""
-        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-        if len(data) > MAX_MESSAGE:
-            return False
-        try:
-            self._parent.send(data)
-        except OSError:
-            return False
-        return True
+        return _send(self._parent, message)
 
     def receive(self, wait: float) -> list[tuple[Any, ...]]:
         """In the child: every message waiting (after up to `wait` s for a first one)."""
-        messages = []
-        ready, _, _ = select.select([self._child], [], [], wait)
-        while ready:
-            try:
-                # MSG_TRUNC makes a peek of one byte say the whole message's length
-                size = self._child.recv_into(bytearray(1), 1, socket.MSG_PEEK | socket.MSG_TRUNC)
-                data = self._child.recv(max(size, 1))
-            except BlockingIOError:
-                break
-            # Our own main process wrote it, as billiard pickles jobs to the same child.
-            messages.append(pickle.loads(data))
-            ready, _, _ = select.select([self._child], [], [], 0)
-        return messages
+        return _receive(self._child, wait)
+
+    def tell_parent(self, message: tuple[Any, ...]) -> bool:
+        """From the child; False when the message cannot go now, never blocking."""
+        return _send(self._child, message)
+
+    def from_child(self) -> list[tuple[Any, ...]]:
+        """In the main process: every message the child sent, without waiting."""
+        return _receive(self._parent, 0.0)
+
+
+def _send(end: socket.socket, message: tuple[Any, ...]) -> bool:
+    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    if len(data) > MAX_MESSAGE:
+        return False
+    try:
+        end.send(data)
+    except OSError:
+        return False
+    return True
+
+
+def _receive(end: socket.socket, wait: float) -> list[tuple[Any, ...]]:
+    messages = []
+    ready, _, _ = select.select([end], [], [], wait)
+    while ready:
+        try:
+            # MSG_TRUNC makes a peek of one byte say the whole message's length
+            size = end.recv_into(bytearray(1), 1, socket.MSG_PEEK | socket.MSG_TRUNC)
+            data = end.recv(max(size, 1))
+        except BlockingIOError:
+            break
+        # Our own processes wrote it, as billiard pickles jobs to the same child.
+        messages.append(pickle.loads(data))
+        ready, _, _ = select.select([end], [], [], 0)
+    return messages
 
 
 @dataclass
 class Job:
-    """A generation job the child runs, as the main process sees it."""
+    """A session the child runs, as the main process sees it."""
 
-    replica: str
-    epoch: int
-    requests: list[Any]
+    requests: dict[str, Any]  # task id -> request, until settled
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     started: float = field(default_factory=time.monotonic)
     accepted: tuple[int, float] | None = None  # the child's pid and when, once it took it
     timeout: float | None = None  # the pool's hard limit on the whole job (None: none)
     told: dict[str, float] = field(default_factory=dict)  # revoked call -> when last told
 
-    def joinable(self, call: Call, hard: float | None, window_s: float) -> bool:
-        """Whether a call (with hard time limit `hard`) may join: the same placement, the
-        job young enough, and the call's limit within what is left of the job's."""
+    def joinable(self, hard: float | None) -> bool:
+        """Whether a call with hard time limit `hard` may join: within what is left of the
+        job's own limit (a job without one takes any call)."""
         age = time.monotonic() - self.started
-        within = self.timeout is None or (hard is not None and age + hard <= self.timeout)
-        return (
-            call.replica == self.replica and call.epoch == self.epoch and age < window_s and within
-        )
+        return self.timeout is None or (hard is not None and age + hard <= self.timeout)
 
 
 # ---------------------------------------------------------------------------------------
 # In the child
 
 
-_Run = Callable[[list[Any]], Any]
+_Finish = Callable[[Any, Any, Any, bool], Any]  # (job tuple, GenCall, outcome, revoked)
+_Batch = Callable[[list[Any], BaseException | None], dict[str, Any]]  # (jobs, error) -> returns
+
+
+class Figures(Protocol):
+    """What a session says of its engines as it runs (`worker.session.SessionFeed`'s)."""
+
+    def opened(self, replica: str, load_ms: float, gpus: list[str]) -> None: ...
+
+    def stepped(self, replica: str, calls: int, tokens: int) -> None: ...
+
+    def streamed(self) -> None: ...
 
 
 class ChildFeed:
-    """A `worker.generation.serving.Feed` of a job's calls: the ones it was sent with, then
-    the ones its main process hands over while it runs."""
+    """A `worker.session.SessionFeed` of a session's calls: the ones it was sent with, then
+    those its main process hands over while it runs. Settles each call as it ends (see
+    the module); `results` keeps what the channel could not carry."""
 
     def __init__(  # noqa: PLR0917 - a job and the callbacks it is run with
         self,
         job_id: str,
         jobs: list[Any],
         channel: Channel | None,
-        gen_call: Callable[[Any], Any],
-        finish: Callable[[Any, Any, Any, bool], Any],
-        counted: Callable[[int], None] = lambda _: None,
-        holding: Callable[[int], None] = lambda _: None,
-        streamed: Callable[[], None] = lambda: None,
+        gen_call: Callable[[Any], GenCall],
+        one_shot: Callable[..., OneShot],
+        finish: _Finish,
+        batch: _Batch,
+        limits_of: Callable[[str], BatchLimits],
+        figures: Figures | None = None,
     ) -> None:
         self.job_id = job_id
         self._channel = channel
-        self._gen_call = gen_call  # a job tuple -> (GenCall, its job tuple)
-        self._finish = finish  # (job tuple, GenCall, outcome, revoked) -> the tracer's return
-        self._counted = counted  # told the calls open after each take, once per step
-        self.holding = holding  # told the KV-cache tokens held after each step
-        self.streamed = streamed  # told after a step's prefill: send the text so far
-        self._new = [gen_call(job) for job in jobs]
-        self._jobs: dict[str, Any] = {}
+        self._gen_call = gen_call  # a generating call's job tuple -> its GenCall
+        self._one_shot = one_shot  # OneShot's constructor (replica, epoch, run, fail)
+        self._finish = finish  # runs a generating call's tracer: its return
+        self._batch = batch  # runs a batch's tracers (with an error: unrun): their returns
+        self._limits_of = limits_of  # a model's batch limits
+        self.figures = figures  # opened/stepped/streamed, as `SessionFeed` has them
+        self._jobs: dict[str, Any] = {}  # a generating call's key -> its job tuple
+        self._new: list[GenCall | OneShot] = []
+        self._arrivals: list[Waiting[Any]] = []  # calls to batch, taken this turn
+        self._unrun: dict[int, list[Any]] = {}  # batches formed and not run yet
         self._cancelled: list[str] = []
         self._revoked: set[str] = set()
         self.results: dict[str, Any] = {}
-        self.open = 0  # calls taken and not answered yet
+        for job in jobs:
+            self._arrived(job)
 
-    def take(self, wait: float) -> list[Any]:
+    def take(self, wait: float) -> list[GenCall | OneShot]:
         if self._channel is not None:
-            for message in self._channel.receive(wait if not self._new else 0.0):
+            waiting = not (self._new or self._arrivals)
+            for message in self._channel.receive(wait if waiting else 0.0):
                 self._read(message)
+        self._form_batches()
         new, self._new = self._new, []
-        for gen_call, job in new:
-            self._jobs[gen_call.key] = job
-        self.open += len(new)
-        self._counted(self.open)
-        return [gen_call for gen_call, _ in new]
+        return new
 
     def _read(self, message: tuple[Any, ...]) -> None:
         kind, job_id, payload = message
         if job_id != self.job_id:
             log.debug("dropped a %s message of an ended job", kind)
             return
-        if kind == "call":
-            self._new.append(self._gen_call(payload))
-        elif kind == "cancel":
+        if kind == "cancel":
             self._cancelled.append(payload)
             self._revoked.add(payload)
+        else:
+            self._arrived(payload)
+
+    def _arrived(self, payload: Any) -> None:
+        """A generating call's job tuple, or a batch: its group and its job tuples."""
+        if not isinstance(payload, dict):
+            call = self._gen_call(payload)
+            self._jobs[call.key] = payload
+            self._new.append(call)
+            return
+        for job in payload["jobs"]:
+            chars = input_chars(Call.from_json(job[2]).inputs)
+            self._arrivals.append(Waiting(job, tuple(payload["group"]), chars, job[3]))
+
+    def _form_batches(self) -> None:
+        """The calls to batch that arrived together, in batches as the main process forms
+        them (`placement.rules.batching`): what queued during a step shares one pass."""
+        while self._arrivals:
+            picked, _ = take_batch(self._arrivals, self._limits, math.inf)
+            chosen = set(picked)
+            jobs = [self._arrivals[i].item for i in picked]
+            self._arrivals = [w for i, w in enumerate(self._arrivals) if i not in chosen]
+            self._unrun[id(jobs)] = jobs
+            first = Call.from_json(jobs[0][2])
+            self._new.append(
+                self._one_shot(
+                    first.replica,
+                    first.epoch,
+                    functools.partial(self._run, jobs, None),
+                    functools.partial(self._run, jobs),
+                )
+            )
+
+    def _limits(self, entry: Waiting[Any]) -> BatchLimits:
+        return self._limits_of(Call.from_json(entry.item[2]).model)
+
+    def _run(self, batch: list[Any], error: BaseException | None) -> None:
+        if self._unrun.pop(id(batch), None) is not None:
+            self._settle(self._batch(batch, error))
 
     def cancelled(self) -> Iterable[str]:
         cancelled, self._cancelled = self._cancelled, []
         return cancelled
 
-    def finished(self, call: Any, outcome: Any) -> None:
-        self.open -= 1
+    def finished(self, call: GenCall, outcome: Any) -> None:
         job = self._jobs[call.key]
         revoked = call.key in self._revoked
         if not revoked and getattr(outcome, "cancelled", False) and _past(call.deadline):
             outcome = TimeLimitExceeded("the call ran past its time limit")
         answer = self._finish(job, call, outcome, revoked)
         del self._jobs[call.key]  # answered: a failure above left it to `unanswered`
-        self.results[call.key] = REVOKED if revoked else answer
+        self._settle({call.key: REVOKED if revoked else answer})
+
+    def _settle(self, returns: dict[str, Any]) -> None:
+        """Tell the main process these calls ended (or keep them for the job's return)."""
+        if self._channel is None or not self._channel.tell_parent((SETTLED, self.job_id, returns)):
+            self.results.update(returns)
 
     def more(self) -> bool:
         return False
 
+    def opened(self, replica: str, load_ms: float, gpus: list[str]) -> None:
+        if self.figures is not None:
+            self.figures.opened(replica, load_ms, gpus)
+
+    def stepped(self, replica: str, calls: int, tokens: int) -> None:
+        if self.figures is not None:
+            self.figures.stepped(replica, calls, tokens)
+
+    def streamed(self) -> None:
+        if self.figures is not None:
+            self.figures.streamed()
+
     def unanswered(self, error: BaseException) -> None:
-        """Fail every call the job holds and has not answered (the job itself failed)."""
-        new, self._new = self._new, []
-        for gen_call, job in new:
-            self._jobs[gen_call.key] = job
+        """Fail every call the session holds and has not answered (it failed itself)."""
+        self._form_batches()
+        self._new = []
         for key in list(self._jobs):
-            self.results[key] = self._finish(self._jobs.pop(key), None, error, False)
+            self._settle({key: self._finish(self._jobs.pop(key), None, error, False)})
+        for batch in list(self._unrun.values()):
+            self._run(batch, error)
 
 
 def _past(deadline: float | None) -> bool:

@@ -43,6 +43,7 @@ from worker.devices import Device, discover
 from worker.generation.serving import GenCall, Generated
 from worker.lifecycle import default_lineage, live_owner
 from worker.node import GpuWorker, Served
+from worker.session import OneShot
 
 log = logging.getLogger(__name__)
 
@@ -134,51 +135,57 @@ def _serve_batch(calls: list[Call]) -> list[Served | BaseException]:
             log.warning("could not end the leases of a batch of %d", len(calls), exc_info=True)
 
 
-def generation_job(job_id: str, jobs: list[Any]) -> dict[str, Any]:
-    """A pool job of generating calls for one replica, and of the calls its main process
-    hands it while it runs (`tasks.serving.generating`): each call's tracer return, by id."""
-    return _Generation(this_worker(), Call.from_json(jobs[0][2])).run(job_id, jobs)
+def session_job(job_id: str, jobs: list[Any]) -> dict[str, Any]:
+    """A pool job that generates: a session, which also runs every call its main process
+    hands it meanwhile, any replica's (`tasks.serving.generating`). Each call is settled
+    as it ends; returns the tracer returns the channel could not carry, by task id."""
+    return _Session(this_worker()).run(job_id, jobs)
 
 
-class _Generation:
-    """One generation job in the child: its calls' leases, streams, answers and figures."""
+class _Session:
+    """One session in the child: its calls' leases, streams, answers and figures."""
 
-    def __init__(self, worker: GpuWorker, first: Call) -> None:
+    def __init__(self, worker: GpuWorker) -> None:
         self.worker = worker
-        self.first = first
         self.writer = streams.Writer(worker.registry.client)
-        self.load_ms, self.gpus = 0.0, list[str]()  # the replica's, once it is ready here
+        self.ready: dict[str, tuple[float, list[str]]] = {}  # replica -> load_ms, its GPUs
         self.calls: dict[str, tuple[Call, float]] = {}  # task id -> its call, when it came
-        self.count, self.said = 0, 0.0  # calls open as last said, and when (`mark_batch`)
-        self.held, self.held_said = 0, 0.0  # KV-cache tokens as last said, and when
+        self.counts: dict[str, tuple[int, float]] = {}  # replica -> calls open as said, when
+        self.held: dict[str, tuple[int, float]] = {}  # replica -> KV-cache tokens said, when
 
     def run(self, job_id: str, jobs: list[Any]) -> dict[str, Any]:
         feed = generating.ChildFeed(
-            job_id, jobs, channel(), self.gen_call, self.finish, self.counted, self.holding,
-            self.writer.flush,
+            job_id, jobs, channel(), self.gen_call, OneShot, self.finish, self.batch,
+            limits_of, self,
         )  # fmt: skip
         try:
-            self.worker.generate(self.first.replica, self.first.epoch, feed, self.ready)
+            self.worker.serve_session(feed)
         except Exception as exc:
             feed.unanswered(exc)
         finally:
             self.writer.flush()
-            if self.count:
-                _say_batch(self.worker, self.first.replica, 0)
-            if self.held:
-                _say_kv(self.worker, self.first.replica, 0)
+            for replica in [r for r, (calls, _) in self.counts.items() if calls]:
+                _say_batch(self.worker, replica, 0)
+            for replica in [r for r, (tokens, _) in self.held.items() if tokens]:
+                _say_kv(self.worker, replica, 0)
         return feed.results
 
-    def ready(self, load_ms: float, gpus: list[str]) -> None:
-        self.load_ms, self.gpus = load_ms, gpus
-
-    def gen_call(self, job: Any) -> tuple[GenCall, Any]:
+    def gen_call(self, job: Any) -> GenCall:
         _, args, call_json, _, hard = job
         call = Call.from_json(call_json)
         self.calls[args[1]] = (call, time.time() * 1000)
         on_text = self.writer.for_call(args[1]) if _streams(call) else None
         deadline = time.monotonic() + hard if hard else None
-        return GenCall(args[1], call.inputs, call.params, on_text, deadline), job
+        return GenCall(
+            args[1], call.inputs, call.params, on_text, deadline, call.replica, call.epoch
+        )
+
+    def batch(self, jobs: list[Any], error: BaseException | None) -> dict[str, Any]:
+        """Run a batch of one-shot calls (or, with `error`, answer them with it unrun):
+        each call's tracer return, by task id."""
+        serve = _serve_batch if error is None else (lambda calls: [error] * len(calls))
+        returns = batching.run_batch(jobs, serve, app.backend)
+        return {job[1][1]: ret for job, ret in zip(jobs, returns, strict=True)}
 
     def finish(self, job: Any, gen_call: GenCall | None, outcome: Any, revoked: bool) -> Any:
         """End a call's lease and stream; run its tracer (not for a revoked call: its
@@ -194,8 +201,9 @@ class _Generation:
                 log.warning("could not end lease %s", call.lease.id, exc_info=True)
         generated = outcome if isinstance(outcome, Generated) and outcome.tokens else None
         if generated is not None:
+            load_ms, gpus = self.ready.get(call.replica, (0.0, []))
             served: Served | BaseException = Served(
-                generated.outputs, self.gpus, self.load_ms, generated.compute_ms,
+                generated.outputs, gpus, load_ms, generated.compute_ms,
                 generated.outputs.get("batch", 1), generated.first_token_ms,
                 generated.inter_token_ms,
             )  # fmt: skip
@@ -211,21 +219,28 @@ class _Generation:
             _record(self.worker, call.model, generated)  # after the answer: not the caller's wait
         return answer
 
-    def counted(self, open_calls: int) -> None:
-        """Once a step: write the streamed text, and say the calls open when that changed
-        (or its record nears its expiry)."""
+    # --- what the session says as it runs (`generating.Figures`) --------------------
+
+    def opened(self, replica: str, load_ms: float, gpus: list[str]) -> None:
+        self.ready[replica] = (load_ms, gpus)
+
+    def stepped(self, replica: str, calls: int, tokens: int) -> None:
+        """After each step: write the streamed text; say the replica's calls open when
+        that changed (or its record nears its expiry), and its KV-cache tokens at most once
+        a second."""
         self.writer.flush()
         now = time.monotonic()
-        if open_calls != self.count or now - self.said > BATCH_TTL_MS / 3000:
-            self.count, self.said = open_calls, now
-            _say_batch(self.worker, self.first.replica, open_calls)
+        said, when = self.counts.get(replica, (0, 0.0))
+        if calls != said or (calls and now - when > BATCH_TTL_MS / 3000):
+            self.counts[replica] = (calls, now)
+            _say_batch(self.worker, replica, calls)
+        held, when = self.held.get(replica, (0, 0.0))
+        if bool(tokens) != bool(held) or (tokens and now - when > KV_SAID_EVERY_S):
+            self.held[replica] = (tokens, now)
+            _say_kv(self.worker, replica, tokens)
 
-    def holding(self, tokens: int) -> None:
-        """Once a step: say the KV-cache tokens held, at most once a second."""
-        now = time.monotonic()
-        if bool(tokens) != bool(self.held) or now - self.held_said > KV_SAID_EVERY_S:
-            self.held, self.held_said = tokens, now
-            _say_kv(self.worker, self.first.replica, tokens)
+    def streamed(self) -> None:
+        self.writer.flush()
 
 
 def _streams(call: Call) -> bool:
@@ -306,7 +321,7 @@ def limits_of(model: str) -> BatchLimits:
 
 @functools.cache
 def generates(model: str) -> bool:
-    """Whether `model`'s calls generate text (a job of their own: `generation_job`)."""
+    """Whether `model`'s calls generate text (a session of their own: `session_job`)."""
     spec = context.catalog().get(model, None)
     return spec is not None and spec.task == "text-generation"
 

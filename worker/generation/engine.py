@@ -15,18 +15,28 @@ full attention (sliding windows, linear attention) run one row at a time.
 
 Memory: the engine never holds more than `budget` tokens of cache. A padded batch of `r`
 rows takes `r x` the longest row's reach (prompt plus max_new_tokens) at most, so a sequence
-is admitted only while that bound stays within the budget; the others wait, first come first
-served. A sequence that could never fit (longer than the model's window or the whole budget)
-is refused when it is added.
+is admitted only while that bound stays within the budget; the others wait. A sequence that
+could never fit (longer than the model's window or the whole budget) is refused when it is
+added.
+
+Fairness: waiting sequences are admitted in start-time fair queueing order (Goyal et al.,
+SIGCOMM 1996), each call a flow (a sequence's key is `(call, prompt index)`) and a
+sequence's cost its reach. A call's first sequence starts at the engine's virtual time (the
+start tag of the last one admitted), and each further one after its call's previous
+finish. So a call of 64 prompts gets its share of rows, not all of them ahead of a call that
+arrives after it: the newcomer's sequence is admitted at the next free row. Calls that
+arrive together keep their order (ties go to the first added), and within a call the
+prompts keep theirs.
 """
 
 from __future__ import annotations
 
+import bisect
 import inspect
+import itertools
 import logging
 import os
 import time
-from collections import deque
 from collections.abc import Callable, Hashable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
@@ -91,6 +101,12 @@ class Sequence_:
     first_token: float | None = None  # when its first token was made
     text: Detokenizer | None = None
     generator: torch.Generator | None = None
+    tag: tuple[float, int] = (0.0, 0)  # its place in the fair queue: start tag, then order
+
+    @property
+    def flow(self) -> Hashable:
+        """The call the sequence belongs to (fairness is between calls)."""
+        return self.key[0] if isinstance(self.key, tuple) and self.key else self.key
 
     @property
     def reach(self) -> int:
@@ -140,7 +156,10 @@ class Engine:
         # A prompt's pass needs the logits of its last position only, not [rows, width,
         # vocabulary] of them (600 MB for 2,048 tokens of a 150k vocabulary).
         self._last_logits = {"logits_to_keep": 1} if "logits_to_keep" in named else {}
-        self.waiting: deque[Sequence_] = deque()
+        self.waiting: list[Sequence_] = []  # in their fair order (the module)
+        self._virtual = 0.0  # the start tag of the last sequence admitted
+        self._finishes: dict[Hashable, tuple[float, int]] = {}  # flow -> last finish, waiting
+        self._order = itertools.count()
         self.rows: list[Sequence_] = []
         self._cache: Any = None
         self._mask: torch.Tensor | None = None  # [rows, width]: 1 where a row has a token
@@ -163,7 +182,12 @@ class Engine:
             if seed is None:
                 seed = int.from_bytes(os.urandom(8), "little") >> 1
             sequence.generator = sampling.generator_for(seed, self.device)
-        self.waiting.append(sequence)
+        flow = sequence.flow
+        last, queued = self._finishes.get(flow, (0.0, 0))
+        start = max(self._virtual, last)
+        self._finishes[flow] = (start + sequence.reach, queued + 1)
+        sequence.tag = (start, next(self._order))
+        bisect.insort(self.waiting, sequence, key=lambda s: s.tag)
 
     def check(self, sequence: Sequence_) -> None:
         """PayloadError when `sequence` could never run on this replica."""
@@ -211,7 +235,7 @@ class Engine:
     def step(self) -> list[Sequence_]:
         """Admit what fits, decode one token for every row, and return the sequences that
         ended in this step (done, cancelled or failed)."""
-        with torch.inference_mode(), _attention_kernels(self.device):
+        with torch.inference_mode(), _on(self.device), _attention_kernels(self.device):
             ended = self._drop_cancelled()
             admitted = self._admit()
             if admitted:
@@ -240,7 +264,8 @@ class Engine:
         ended = [s for s in self.waiting if s.cancelled]
         for sequence in ended:
             sequence.finish = "cancelled"
-        self.waiting = deque(s for s in self.waiting if not s.cancelled)
+            self._dequeued(sequence)
+        self.waiting = [s for s in self.waiting if not s.cancelled]
         for sequence in self.rows:
             if sequence.cancelled:
                 sequence.finish = "cancelled"
@@ -249,23 +274,35 @@ class Engine:
         return ended + self._leave()
 
     def _admit(self) -> list[Sequence_]:
-        """The waiting sequences that fit now, oldest first (none jumps the queue), with at
-        most `prefill_tokens` of prompts in one step (the first goes however long)."""
+        """The waiting sequences that fit now, in their fair order (none jumps the queue),
+        with at most `prefill_tokens` of prompts in one step (the first goes however long)."""
         admitted: list[Sequence_] = []
         reach = max((s.reach for s in self.rows), default=0)
         count = len(self.rows)
         prompts = 0
-        while self.waiting and count < (self.max_rows if self._merges else 1):
-            head = self.waiting[0]
+        while len(admitted) < len(self.waiting) and count < (self.max_rows if self._merges else 1):
+            head = self.waiting[len(admitted)]
             wider = max(reach, head.reach)
             if (count + 1) * wider > self.budget:
                 break
             if admitted and prompts + len(head.prompt) > self.prefill_tokens:
                 break
-            admitted.append(self.waiting.popleft())
+            admitted.append(head)
             reach, count = wider, count + 1
             prompts += len(head.prompt)
+        del self.waiting[: len(admitted)]
+        for sequence in admitted:
+            self._virtual = max(self._virtual, sequence.tag[0])
+            self._dequeued(sequence)
         return admitted
+
+    def _dequeued(self, sequence: Sequence_) -> None:
+        """A sequence left the queue: its flow's entry goes once none of it waits."""
+        last, queued = self._finishes[sequence.flow]
+        if queued > 1:
+            self._finishes[sequence.flow] = (last, queued - 1)
+        else:
+            del self._finishes[sequence.flow]
 
     def _prefill(self, admitted: list[Sequence_]) -> None:
         """Prefill the new prompts in passes, shortest first: of similar lengths (at most
@@ -441,6 +478,12 @@ def default_prefill_tokens(device: torch.device) -> int:
     properties = torch.cuda.get_device_properties(device)
     large = properties.total_memory >= 70 * 2**30 and "a100" not in properties.name.lower()
     return PREFILL_TOKENS_LARGE_GPU if large else PREFILL_TOKENS
+
+
+def _on(device: torch.device) -> AbstractContextManager[Any]:
+    """On CUDA, `device` as the current one: a process may step engines on several GPUs in
+    turn (`worker.session`). Elsewhere, nothing."""
+    return torch.cuda.device(device) if device.type == "cuda" else nullcontext()
 
 
 def _attention_kernels(device: torch.device) -> AbstractContextManager[Any]:

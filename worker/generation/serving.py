@@ -2,10 +2,10 @@
 it ends.
 
 A call holds one or more prompts (or one chat); each prompt is a sequence of the engine
-(`worker.generation.engine`), and the call is answered when its last sequence ends. Where
-calls come from, and where answers and streamed text go, is the caller's `Feed`: the Celery
-side feeds calls that reach the worker while the batch runs (`tasks.serving.batching`), a
-one-shot caller feeds a fixed list (`run_calls`).
+(`worker.generation.engine`), and the call is answered when its last sequence ends. A
+`Driver` does this for one engine; who steps it, and where calls come from, is its owner's:
+a GPU worker's session steps every engine it holds in turn (`worker.session`), a one-shot
+caller runs a fixed list to its end (`run_calls`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Protocol, cast
+from typing import Any, cast
 
 from placement.errors import PayloadError
 from worker.generation.chat import prompt_ids
@@ -22,9 +22,6 @@ from worker.generation.engine import Engine, Options, Sequence_
 from worker.generation.params import validate
 
 log = logging.getLogger(__name__)
-
-#: How long an idle engine waits for a new call before asking its feed whether to go on.
-IDLE_WAIT_S = 0.005
 
 
 @dataclass
@@ -36,6 +33,8 @@ class GenCall:
     params: object
     on_text: Callable[[int, str], None] | None = None  # (prompt index, new text)
     deadline: float | None = None  # time.monotonic() after which it ends "cancelled"
+    replica: str = ""  # where it runs, as placed in `epoch` (0: as placed now)
+    epoch: int = 0
 
 
 @dataclass(frozen=True)
@@ -50,34 +49,6 @@ class Generated:
     cancelled: bool = False
 
 
-class Feed(Protocol):
-    """Where an engine's calls come from and its answers go."""
-
-    def take(self, wait: float) -> list[GenCall]:
-        """Calls that arrived since the last take (waiting up to `wait` s when none)."""
-        ...
-
-    def cancelled(self) -> Iterable[str]:
-        """Keys of calls to stop now."""
-        ...
-
-    def finished(self, call: GenCall, outcome: Generated | BaseException) -> None:
-        """A call ended: its answer, or the error that fails it."""
-        ...
-
-    def more(self) -> bool:
-        """Whether calls may still come (False: end once the engine is idle)."""
-        ...
-
-    def holding(self, tokens: int) -> None:
-        """After each step: the KV-cache tokens the batch holds now."""
-        ...
-
-    def streamed(self) -> None:
-        """Mid-step, after new prompts' first tokens: send the streamed text so far."""
-        ...
-
-
 @dataclass
 class _Running:
     call: GenCall
@@ -85,43 +56,66 @@ class _Running:
     since: float = field(default_factory=time.monotonic)
 
 
-def serve(engine: Engine, feed: Feed, template: str | None) -> None:
-    """Run calls from `feed` on `engine` until the feed has no more and the engine is idle.
+class Driver:
+    """One engine's calls: each goes in as its prompts' sequences, and is answered by
+    `finished` (its `Generated`, or the error that fails it) once its last sequence ends.
+    A bad payload fails its own call at once; an error of the model itself propagates
+    from `step` (the batch's state is unknown after it: `fail` answers every call left)."""
 
-    A bad payload fails its own call at once; an error of the model itself propagates, and
-    the feed's owner fails the calls it fed (the batch's state is unknown after it).
-    """
-    running: dict[str, _Running] = {}
-    engine.after_prefill = feed.streamed
-    while True:
+    def __init__(
+        self,
+        engine: Engine,
+        template: str | None,
+        finished: Callable[[GenCall, Generated | BaseException], None],
+    ) -> None:
+        self.engine = engine
+        self.template = template
+        self._finished = finished
+        self._running: dict[str, _Running] = {}
+
+    @property
+    def busy(self) -> bool:
+        return self.engine.busy
+
+    @property
+    def calls(self) -> int:
+        """Calls added and not answered yet."""
+        return len(self._running)
+
+    def add(self, calls: Iterable[GenCall]) -> None:
+        """Queue calls that arrived together, shortest prompt first (the least mean time
+        to first token); none overtakes a call added before it."""
         arrived = []
-        for call in feed.take(0.0 if engine.busy else IDLE_WAIT_S):
+        for call in calls:
             try:
-                arrived.append(_Running(call, _sequences(engine, call, template)))
+                arrived.append(_Running(call, _sequences(self.engine, call, self.template)))
             except PayloadError as exc:
-                feed.finished(call, exc)
-        # Calls that arrived together queue shortest prompt first (the least mean time to
-        # first token); none overtakes a call that arrived before it.
+                self._finished(call, exc)
         for entry in sorted(arrived, key=lambda e: sum(len(s.prompt) for s in e.sequences)):
-            running[entry.call.key] = entry
+            self._running[entry.call.key] = entry
             for sequence in entry.sequences:
-                engine.add(sequence)
-        for key in feed.cancelled():
-            for sequence in running[key].sequences if key in running else ():
-                engine.cancel(sequence.key)
-        if not engine.busy:
-            if not feed.more():
-                return
-            continue
-        ended = engine.step()  # an error of the model propagates: the caller fails the
-        # calls it fed (after checking for a fatal CUDA error, which restarts the process)
-        feed.holding(engine.held_tokens)
-        for sequence in ended:
+                self.engine.add(sequence)
+
+    def cancel(self, key: str) -> None:
+        """Stop call `key` at the next step, if it is one of these."""
+        entry = self._running.get(key)
+        for sequence in entry.sequences if entry is not None else ():
+            self.engine.cancel(sequence.key)
+
+    def step(self) -> None:
+        """One step of the engine; answer the calls whose last sequence ended in it."""
+        for sequence in self.engine.step():
             call_key, _ = cast(tuple[str, int], sequence.key)
-            done = running.get(call_key)
+            done = self._running.get(call_key)
             if done is not None and all(s.done for s in done.sequences):
-                del running[call_key]
-                feed.finished(done.call, _answer(done))
+                del self._running[call_key]
+                self._finished(done.call, _answer(done))
+
+    def fail(self, error: BaseException) -> None:
+        """Answer every call left with `error` (the engine failed)."""
+        running, self._running = self._running, {}
+        for entry in running.values():
+            self._finished(entry.call, error)
 
 
 def _sequences(engine: Engine, call: GenCall, template: str | None) -> list[Sequence_]:
@@ -171,35 +165,11 @@ def _answer(entry: _Running) -> Generated:
     )
 
 
-class Fixed:
-    """A feed of a fixed list of calls: a one-shot batch (`run_calls`)."""
-
-    def __init__(self, calls: list[GenCall]) -> None:
-        self._calls = calls
-        self.outcomes: dict[str, Generated | BaseException] = {}
-
-    def take(self, wait: float) -> list[GenCall]:
-        calls, self._calls = self._calls, []
-        return calls
-
-    def cancelled(self) -> Iterable[str]:
-        return ()
-
-    def finished(self, call: GenCall, outcome: Generated | BaseException) -> None:
-        self.outcomes[call.key] = outcome
-
-    def more(self) -> bool:
-        return bool(self._calls)
-
-    def holding(self, tokens: int) -> None:
-        pass
-
-    def streamed(self) -> None:
-        pass
-
-
 def run_calls(engine: Engine, calls: list[GenCall], template: str | None) -> list[Any]:
     """Run `calls` together to their end: each one's `Generated` or error, in order."""
-    feed = Fixed(calls)
-    serve(engine, feed, template)
-    return [feed.outcomes[call.key] for call in calls]
+    outcomes: dict[str, Generated | BaseException] = {}
+    driver = Driver(engine, template, lambda call, outcome: outcomes.__setitem__(call.key, outcome))
+    driver.add(calls)
+    while driver.busy:
+        driver.step()
+    return [outcomes[call.key] for call in calls]

@@ -1,0 +1,144 @@
+"""A worker process's session (`worker.session`): long generations, another generation
+model and another model's one-shot calls share the process a step at a time.
+
+One `GpuWorker` (simulated GPU, synthetic models, no Celery) on a real redis-server; the
+registry calls stand in for a router, and the feed for the Celery side.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator
+
+import pytest
+
+from placement.catalog.catalog import Catalog
+from placement.errors import EvictedError
+from placement.ledger.registry import Registry
+from worker.devices import simulated_devices
+from worker.generation.serving import GenCall, Generated
+from worker.node import GpuWorker
+from worker.session import OneShot
+
+GiB = 2**30
+GPT = {"model_type": "gpt2", "n_layer": 2, "n_head": 2, "n_embd": 64, "vocab_size": 512,
+       "n_positions": 256}  # fmt: skip
+GENERATES = {"source": "synthetic", "task": "text-generation", "memory": "64MiB", "config": GPT}
+CATALOG = Catalog.from_mapping(
+    {
+        "models": {
+            "long": GENERATES,
+            "short": GENERATES,
+            "encoder": {"source": "synthetic", "task": "forward", "memory": "128MiB"},
+        }
+    }
+)
+
+
+@pytest.fixture
+def node(redis_url: str, fleet: str) -> Iterator[GpuWorker]:
+    registry = Registry.from_url(redis_url, fleet)
+    devices = simulated_devices("1x4GiB")
+    worker = GpuWorker(registry, devices, devices, "h0", "q0", spec_of=CATALOG.get,
+                       warm_budget=4 * GiB, lease_ms=3000)  # fmt: skip
+    worker.start()
+    yield worker
+    worker.stop()
+    registry.client.close()
+
+
+def hot(node: GpuWorker, model: str) -> tuple[str, int]:
+    """Place `model` as a router would; its replica and epoch once HOT here."""
+    plan = node.registry.place(CATALOG.get(model).demand())
+    node.keeper.ensure(plan.replica, plan.epoch, timeout_s=30)
+    return plan.replica, plan.epoch
+
+
+class _Feed:
+    """Hands the session what `arrivals` says at each take; records what happened when."""
+
+    def __init__(self, arrivals: list[list[GenCall | OneShot]]) -> None:
+        self.arrivals = arrivals
+        self.events: list[tuple[str, str]] = []  # (what, key or replica), in order
+        self.outcomes: dict[str, Generated | BaseException] = {}
+        self.steps: dict[str, int] = {}
+
+    def take(self, wait: float) -> list[GenCall | OneShot]:
+        return self.arrivals.pop(0) if self.arrivals else []
+
+    def cancelled(self) -> Iterable[str]:
+        return ()
+
+    def finished(self, call: GenCall, outcome: Generated | BaseException) -> None:
+        self.outcomes[call.key] = outcome
+        self.events.append(("finished", call.key))
+
+    def more(self) -> bool:
+        return bool(self.arrivals)
+
+    def opened(self, replica: str, load_ms: float, gpus: list[str]) -> None:
+        self.events.append(("opened", replica))
+
+    def stepped(self, replica: str, calls: int, tokens: int) -> None:
+        self.steps[replica] = self.steps.get(replica, 0) + 1
+        if not calls:
+            self.events.append(("closed", replica))
+
+    def streamed(self) -> None:
+        pass
+
+
+def test_another_models_calls_run_between_the_steps_of_a_long_generation(
+    node: GpuWorker,
+) -> None:
+    long, long_epoch = hot(node, "long")
+    short, short_epoch = hot(node, "short")
+    encoder, encoder_epoch = hot(node, "encoder")
+    ran: list[tuple[int, bool]] = []  # (steps of `long` by then, whether `long` was locked)
+
+    def one_shot() -> None:
+        served = node.serve_batch(encoder, encoder_epoch, [("a short call", None)])
+        assert not isinstance(served[0], BaseException)
+        ran.append((feed.steps.get(long, 0), node.manager.residents[long].lock.locked()))
+
+    def shot() -> OneShot:
+        return OneShot(encoder, encoder_epoch, one_shot, lambda error: None)
+
+    prompts = [f"prompt {i}" for i in range(16)]
+    feed = _Feed(
+        [
+            [GenCall("story", prompts, {"max_new_tokens": 100}, replica=long, epoch=long_epoch)],
+            [],
+            [shot(), GenCall("hi", "hi", {"max_new_tokens": 4}, replica=short, epoch=short_epoch)],
+            [shot()],
+        ]
+    )
+    node.serve_session(feed)
+    assert isinstance(feed.outcomes["story"], Generated)
+    assert isinstance(feed.outcomes["hi"], Generated)
+    # The one-shot calls ran while the long generation held its engine, a step or two in.
+    assert len(ran) == 2 and all(locked and 0 < steps < 10 for steps, locked in ran), ran
+    order = feed.events
+    # The short generation ran beside the long one, and gave its replica back at once.
+    assert order.index(("finished", "hi")) < order.index(("finished", "story"))
+    assert order.index(("closed", short)) < order.index(("finished", "story"))
+    assert not node.manager.residents[long].lock.locked()  # every replica given back
+
+
+def test_a_call_for_a_replica_placed_elsewhere_fails_alone_and_the_session_goes_on(
+    node: GpuWorker,
+) -> None:
+    long, epoch = hot(node, "long")
+    feed = _Feed(
+        [
+            [
+                GenCall("fine", "hi", {"max_new_tokens": 8}, replica=long, epoch=epoch),
+                GenCall("stale", "hi", {"max_new_tokens": 8}, replica=long, epoch=epoch + 7),
+            ]
+        ]
+    )
+    started = time.monotonic()
+    node.serve_session(feed)
+    assert isinstance(feed.outcomes["stale"], EvictedError)
+    assert isinstance(feed.outcomes["fine"], Generated)
+    assert time.monotonic() - started < 30
