@@ -253,14 +253,16 @@ class _Request:
         replica: str,
         revoked: bool = False,
         time_limits: tuple[float | None, float | None] = (None, None),
+        *,
         model: str = "m",
+        hops: int = 0,
     ) -> None:
         self.id = task_id
         self.time_limits = time_limits  # (hard, soft), from the message's `timelimit`
         self.task = SimpleNamespace(time_limit=None, soft_time_limit=None)  # no defaults
         self.name = "gpufleet.run"
         self.args = [{"model": model, "inputs": "x" * 10, "params": None, "replica": replica,
-                      "cache": "hot", "sent_ms": 0}]  # fmt: skip
+                      "cache": "hot", "sent_ms": 0, "hops": hops}]  # fmt: skip
         self.kwargs: dict[str, Any] = {}
         self.request_dict: dict[str, Any] = {}
         self.delivery_info: dict[str, Any] = {}

@@ -30,7 +30,13 @@ class _Pool:
 
     def apply_async(self, target: Any, args: tuple[Any, ...], **callbacks: Any) -> None:
         job_id, jobs = args
-        self.jobs.append({"id": job_id, "jobs": jobs, "ids": [j[1][1] for j in jobs], **callbacks})
+        ids = [j.task_id for j in jobs]
+        self.jobs.append({"id": job_id, "jobs": jobs, "ids": ids, **callbacks})
+
+
+def _answers(job: dict[str, Any], **by_id: Any) -> dict[str, Any]:
+    """A session's return for the calls it started with, by their task ids."""
+    return {j.key: by_id[j.task_id] for j in job["jobs"] if j.task_id in by_id}
 
 
 class _Timer:
@@ -85,28 +91,36 @@ def _child(
     job: dict[str, Any], channel: Channel, ran: list[list[str]] | None = None, size: int = 8
 ) -> ChildFeed:
     def batch(jobs: list[Any], error: BaseException | None) -> dict[str, Any]:
-        ids = [j[1][1] for j in jobs]
         if ran is not None:
-            ran.append(ids)
-        return {i: (0, f"answer of {i}", 0.0) for i in ids}
+            ran.append([j.task_id for j in jobs])
+        return {j.key: (0, f"answer of {j.task_id}", 0.0) for j in jobs}
 
     return ChildFeed(
-        job["id"], job["jobs"], channel, lambda j: _Key(j[1][1]), _Shot, _finish, batch,
+        job["id"], job["jobs"], channel, lambda j: _Key(j.key), _Shot, _finish, batch,
         lambda _: BatchLimits(size=size),
     )  # fmt: skip
 
 
 class _Key:
+    """A generating call as the child's feed makes it: its message's key."""
+
     def __init__(self, key: str) -> None:
         self.key, self.deadline = key, None
 
 
 def _finish(job: Any, call: Any, outcome: Any, revoked: bool) -> Any:
-    return (0, f"answer of {job[1][1]}", 0.0)
+    return (0, f"answer of {job.task_id}", 0.0)
 
 
 def _keys(items: list[Any]) -> list[Any]:
-    return [item.key if isinstance(item, _Key) else item.replica for item in items]
+    """What a take brought: each generating call's task id, each batch's replica."""
+    return [item.key.split("/")[0] if isinstance(item, _Key) else item.replica for item in items]
+
+
+def _ended(feed: ChildFeed, task_id: str) -> None:
+    """The child's engine ended the call of `task_id`."""
+    (key,) = [k for k in feed._jobs if k.split("/")[0] == task_id]
+    feed.finished(_Key(key), None)
 
 
 def test_every_call_reaching_the_worker_while_a_session_runs_joins_it_any_replicas(
@@ -148,8 +162,8 @@ def test_each_call_of_a_session_is_settled_as_it_ends_not_when_the_session_does(
     assert first.seen == []
     batcher(late)
     feed.take(0.0)
-    feed.finished(_Key("c1"), None)
-    feed.finished(_Key("c2"), None)
+    _ended(feed, "c1")
+    _ended(feed, "c2")
     pool.jobs[0]["callback"](feed.results)  # the session ended; its return carries nothing
     assert first.seen == ["success (0, 'answer of c1', 0.0)"]
     assert late.seen == ["success (0, 'answer of c2', 0.0)"]
@@ -182,9 +196,11 @@ def test_a_call_that_may_not_join_waits_and_so_do_the_calls_behind_it(channel: C
     batcher(stuck)
     batcher(_gen("c3", "r1"))  # would join, but c2 goes first
     assert _keys(_child(pool.jobs[0], channel).take(0.0)) == ["c1"]
-    pool.jobs[0]["callback"]({"c1": (0, "ok", 0.0)})
+    pool.jobs[0]["callback"](_answers(pool.jobs[0], c1=(0, "ok", 0.0)))
     assert [job["ids"] for job in pool.jobs][1:] == [["c2"]]
-    pool.jobs[1]["callback"]({"c2": (0, "ok", 0.0)})
+    batcher(_Request("e1", "r3"))  # nothing joins the session of a redelivered call
+    assert _keys(_child(pool.jobs[1], channel).take(0.0)) == ["c2"]
+    pool.jobs[1]["callback"](_answers(pool.jobs[1], c2=(0, "ok", 0.0)))
     assert [job["ids"] for job in pool.jobs][2:] == [["c3"]]
 
 
@@ -196,11 +212,31 @@ def test_a_second_message_with_a_held_task_id_is_dropped_at_once(channel: Channe
     batcher(twin)
     assert twin.seen == ["rejected"]  # not run, not left waiting
     assert _keys(_child(pool.jobs[0], channel).take(0.0)) == ["same"]
-    pool.jobs[0]["callback"]({"same": (0, "ok", 0.0)})
+    pool.jobs[0]["callback"](_answers(pool.jobs[0], same=(0, "ok", 0.0)))
     assert first.seen == ["success (0, 'ok', 0.0)"]
     again = _gen("same", "r1")  # once the first is settled, the id is free again
     batcher(again)
     assert again.seen == [] and [job["ids"] for job in pool.jobs][1:] == [["same"]]
+
+
+def test_a_call_routed_again_to_this_worker_before_its_first_message_settled_runs_as_its_own(
+    channel: Channel,
+) -> None:
+    """Its replica left while it ran here (say): the call comes back under its task id,
+    one hop further, possibly before the child has said the first message ended."""
+    pool = _Pool()
+    batcher = _batcher(pool, channel)
+    first, again = _gen("c1", "r1"), _gen("c1", "r2", hops=1)
+    batcher(first)
+    batcher(again)
+    assert again.seen == []  # not dropped: a call of its own
+    feed = _child(pool.jobs[0], channel)
+    assert _keys(feed.take(0.0)) == ["c1", "c1"]
+    for key in list(feed._jobs):
+        feed.finished(_Key(key), None)
+    pool.jobs[0]["callback"](feed.results)
+    answered = "success (0, 'answer of c1', 0.0)"
+    assert first.seen == [answered] and again.seen == [answered]  # each settled, once
 
 
 def test_a_call_handed_over_as_the_session_ended_runs_in_the_next_job(channel: Channel) -> None:
@@ -209,7 +245,7 @@ def test_a_call_handed_over_as_the_session_ended_runs_in_the_next_job(channel: C
     late = _gen("c2", "r1")
     batcher(_gen("c1", "r1"))
     batcher(late)  # sent over the channel, but the child ends the job without reading it
-    pool.jobs[0]["callback"]({"c1": (0, "ok", 0.0)})
+    pool.jobs[0]["callback"](_answers(pool.jobs[0], c1=(0, "ok", 0.0)))
     assert late.seen == [] and [job["ids"] for job in pool.jobs][1:] == [["c2"]]
     next_feed = _child(pool.jobs[1], channel)
     assert _keys(next_feed.take(0.0)) == ["c2"]  # the stale message dropped
@@ -232,9 +268,9 @@ def test_a_revoked_running_call_is_stopped_in_the_child_and_announced_revoked(
         for look in timer.repeating:  # told again until the job ends: harmless
             look()
         feed.take(0.0)
-        assert set(feed.cancelled()) == {"c1"}
-        feed.finished(_Key("c1"), None)
-        feed.finished(_Key("c2"), None)
+        assert {key.split("/")[0] for key in feed.cancelled()} == {"c1"}
+        _ended(feed, "c1")
+        _ended(feed, "c2")
         pool.jobs[0]["callback"](feed.results)
         assert doomed.seen == ["revoked"] and other.seen == ["success (0, 'answer of c2', 0.0)"]
         assert timer.repeating == []  # the job ended: nothing more to watch
@@ -252,7 +288,7 @@ def test_a_lost_child_fails_every_call_it_still_held_so_each_goes_back_to_the_qu
         batcher(request)
     feed = _child(pool.jobs[0], channel)
     feed.take(0.0)
-    feed.finished(_Key("c1"), None)  # settled before the child was lost
+    _ended(feed, "c1")  # settled before the child was lost
     pool.jobs[0]["error_callback"]("lost")
     assert [r.seen for r in calls] == [
         ["success (0, 'answer of c1', 0.0)"],

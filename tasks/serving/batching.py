@@ -19,10 +19,14 @@ batcher hands it every call it can, generating ones one by one and the others in
 batches it forms as usual, so that they run between two decode steps rather than after
 the longest generation.
 
-A worker holds one call per task id at a time: a second message with the id of a call it
-holds (waiting, or in a job) is dropped at once, its request lease ended, and the call
-held answers for both (they share one result). Reusing an id otherwise made one call's
-answer settle another's message and left request leases pinning the replica for minutes.
+Each message the batcher holds has a key of its own (`Held.key`): a task id may reach
+a worker twice, and keyed by it one call's answer settled another's message, which left
+request leases pinning the replica for minutes (a caller that reused one id). A call
+routed again comes back under its task id too, one hop further, possibly before its first
+message is settled. So the worker tells the two apart by (task id, hops) (`Held.twin`): a
+second message of a call it holds at the same hop, a caller's reuse of the id, is dropped
+at once, its request lease ended, and the call held answers for both (they share one
+result); a call routed again is its own call.
 
 Why not `celery-batches`: it flushes on a timer rather than when the GPU is free,
 mixes every replica's calls in one list, leaves the messages of a lost child unacked
@@ -32,6 +36,7 @@ docs/tasks.md, "Batched calls".
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import threading
@@ -40,7 +45,7 @@ import uuid
 from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from billiard.einfo import ExceptionInfo
 from celery.app import trace as celery_trace
@@ -57,8 +62,37 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_Job = tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any], float]  # tracer, its args,
-# the call, when it began to wait
+
+class ChildCall(NamedTuple):
+    """What the pool child needs to run one call as Celery would: its tracer and the
+    tracer's arguments, the call, when it began to wait, the message's own key
+    (`Held.key`), and its hard time limit in seconds (a generating call's deadline)."""
+
+    trace: Callable[..., Any]
+    args: tuple[Any, ...]
+    call: dict[str, Any]
+    since_ms: float
+    key: str
+    hard: float | None = None
+
+    @property
+    def task_id(self) -> str:
+        task_id: str = self.args[1]
+        return task_id
+
+
+@dataclass(frozen=True, eq=False)
+class Held:
+    """A message the batcher holds: its request, its call, and a key of its own."""
+
+    request: Any
+    call: Call
+    key: str
+
+    @property
+    def twin(self) -> tuple[str, int]:
+        """What a second message of the same call at the same hop shares (the module)."""
+        return self.request.id, self.call.hops
 
 
 @dataclass(frozen=True)
@@ -113,7 +147,7 @@ class Batcher:
         timer: Any,
         handle: Callable[[Any], Any],
         limits_of: Callable[[str], BatchLimits],
-        job: Callable[[list[_Job]], list[Any]],
+        job: Callable[[list[ChildCall]], list[Any]],
         generations: Generations | None = None,
     ) -> None:
         self._pool = pool
@@ -125,8 +159,9 @@ class Batcher:
         self._session: generating.Job | None = None  # the session running, if one is
         self._sessions: dict[str, generating.Job] = {}  # by id, until each ends
         self._watch: Any = None  # the timer entry that settles calls and forwards revokes
-        self._waiting: list[Waiting[tuple[Any, Call]]] = []
-        self._held: set[str] = set()  # task ids of the calls waiting here or in a job
+        self._waiting: list[Waiting[Held]] = []
+        self._twins: dict[tuple[str, int], str] = {}  # `Held.twin` -> key, while it is held
+        self._keys = itertools.count()
         self._busy = False
         self._connection = 0  # counts lost connections: a job tells whose it was
         self._wake: Any = None  # the timer entry of a batch waiting to fill
@@ -145,25 +180,30 @@ class Batcher:
         limits = tuple(request.time_limits)
         group: tuple[Any, ...] = (call.replica, call.epoch, request.id if redelivered else "")
         group += (GENERATE,) if generates else (limits,)
-        entry = Waiting((request, call), group, input_chars(call.inputs), time.time() * 1000)
         with self._lock:
-            if request.id in self._held:
-                self._refuse_twin(request, call)
+            held = Held(request, call, f"{request.id}/{next(self._keys)}")
+            if held.twin in self._twins:
+                self._refuse_twin(held)
                 return
-            self._held.add(request.id)
-            self._waiting.append(entry)
+            self._twins[held.twin] = held.key
+            self._waiting.append(Waiting(held, group, input_chars(call.inputs), time.time() * 1000))
             self._next()
 
-    def _refuse_twin(self, request: Any, call: Call) -> None:
-        """Drop a message whose task id is a call's this worker holds (see the module)."""
+    def _refuse_twin(self, held: Held) -> None:
+        """Drop a second message of a call this worker holds (see the module)."""
         log.warning(
             "dropped a second message of call %s: a call with that task id runs here, and its "
             "answer is the id's; send each call with a task id of its own",
-            request.id,
+            held.request.id,
         )
-        if call.lease is not None:
-            leases.end(call.lease)
-        request.reject(requeue=False)
+        if held.call.lease is not None:
+            leases.end(held.call.lease)
+        held.request.reject(requeue=False)
+
+    def _let_go(self, held: Held) -> None:
+        """`held` is settled: a message of its call at its hop is a call again."""
+        if self._twins.get(held.twin) == held.key:
+            del self._twins[held.twin]
 
     def forget(self) -> None:
         """Drop the calls held here, unacked: the consumer lost its connection, so the
@@ -177,7 +217,7 @@ class Batcher:
                     "broker connection lost while a batch ran: later calls will not wait for it"
                 )
             self._waiting = []
-            self._held = set()
+            self._twins = {}
             self._busy = False
             self._connection += 1
             if self._wake is not None:
@@ -185,8 +225,8 @@ class Batcher:
                 self._wake = None
             self._session = None  # a session of the lost connection settles what it ends
 
-    def _limits(self, entry: Waiting[tuple[Any, Call]]) -> BatchLimits:
-        return self._limits_of(entry.item[1].model)
+    def _limits(self, entry: Waiting[Held]) -> BatchLimits:
+        return self._limits_of(entry.item.call.model)
 
     def _next(self) -> None:
         """Send the next batch to the child when it is free and a batch is due; while it
@@ -213,16 +253,16 @@ class Batcher:
             self._waiting = [w for i, w in enumerate(self._waiting) if i not in chosen]
             if self._busy:
                 continue
-            live = [w for w in batch if not self._dropped_revoked(w.item[0])]
+            live = [w for w in batch if not self._dropped_revoked(w.item)]
             if live and generation:
                 self._send_generation(live)
             elif live:
                 self._send(live)
 
-    def _dropped_revoked(self, request: Any) -> bool:
-        """Whether `request` was revoked (Celery acknowledges and announces it there)."""
-        if request.revoked():
-            self._held.discard(request.id)
+    def _dropped_revoked(self, held: Held) -> bool:
+        """Whether `held` was revoked (Celery acknowledges and announces it there)."""
+        if held.request.revoked():
+            self._let_go(held)
             return True
         return False
 
@@ -237,9 +277,10 @@ class Batcher:
             self._wake = None
             self._next()
 
-    def _send(self, batch: list[Waiting[tuple[Any, Call]]]) -> None:
-        requests = [w.item[0] for w in batch]
-        jobs = [_job(w.item[0], w.item[1], w.since_ms) for w in batch]
+    def _send(self, batch: list[Waiting[Held]]) -> None:
+        helds = [w.item for w in batch]
+        requests = [h.request for h in helds]
+        jobs = [_child_call(w.item, w.since_ms) for w in batch]
         first = requests[0]
         hard, soft = first.time_limits  # every call of a batch has the same (`__call__`)
         self._busy = True
@@ -250,10 +291,10 @@ class Batcher:
                 request.on_accepted(pid, time_accepted)
 
         def done(results: list[Any]) -> None:
-            self._finished(lambda i, r: r.on_success(results[i]), requests, connection)
+            self._finished(lambda i, r: r.on_success(results[i]), helds, connection)
 
         def failed(exc_info: Any) -> None:
-            self._finished(lambda _, r: r.on_failure(exc_info), requests, connection)
+            self._finished(lambda _, r: r.on_failure(exc_info), helds, connection)
 
         def timed_out(is_soft: bool, timeout: float) -> None:
             for request in requests:  # as Celery does for one: warn, or fail it
@@ -278,36 +319,37 @@ class Batcher:
 
     # --- sessions (tasks.serving.generating) ----------------------------------------
 
-    def _hand_over(self, batch: list[Waiting[tuple[Any, Call]]], generation: bool) -> bool:
+    def _hand_over(self, batch: list[Waiting[Held]], generation: bool) -> bool:
         """Hand the running session one generating call, or one batch; False when it may
         not take them (a redelivered call, a time limit past its own, a full channel)."""
         job, gen = self._session, self._gen
-        requests = [w.item[0] for w in batch]
-        if job is None or gen is None or any(_redelivered(r) for r in requests):
+        helds = [w.item for w in batch]
+        if job is None or gen is None or any(_redelivered(h.request) for h in helds):
             return False
-        if not job.joinable(_hard(requests[0])):  # a batch's calls share their limits
+        if not job.joinable(_hard(helds[0].request)):  # a batch's calls share their limits
             return False
         channel = gen.channel()
         payload: Any = (
-            _gen_job(*batch[0].item, batch[0].since_ms)
+            _child_call(helds[0], batch[0].since_ms, timed=True)
             if generation
-            else {"group": batch[0].group, "jobs": [_job(*w.item, w.since_ms) for w in batch]}
+            else {"group": batch[0].group, "jobs": [_child_call(w.item, w.since_ms) for w in batch]}
         )
         if channel is None or not channel.send(("call", job.id, payload)):
             return False
-        for request in requests:
-            job.requests[request.id] = request
+        for held in helds:
+            job.requests[held.key] = held
             if job.accepted is not None:
-                request.on_accepted(*job.accepted)
+                held.request.on_accepted(*job.accepted)
         return True
 
-    def _send_generation(self, batch: list[Waiting[tuple[Any, Call]]]) -> None:
+    def _send_generation(self, batch: list[Waiting[Held]]) -> None:
         """Start a session with the generating calls `batch` (the next ones go to it)."""
         gen = self._gen
         assert gen is not None
-        job = generating.Job({w.item[0].id: w.item[0] for w in batch})
-        jobs = [_gen_job(w.item[0], w.item[1], w.since_ms) for w in batch]
-        hards = [_hard(w.item[0]) for w in batch]
+        job = generating.Job({w.item.key: w.item for w in batch})
+        job.alone = any(_redelivered(w.item.request) for w in batch)  # alone, as in batches
+        jobs = [_child_call(w.item, w.since_ms, timed=True) for w in batch]
+        hards = [_hard(w.item.request) for w in batch]
         if all(hard is not None for hard in hards):  # else no limit, as for a batch
             # a hung pass must not hold the child forever: the longest call, begun as late
             # as a call may join (calls that would outlive it do not join)
@@ -319,8 +361,8 @@ class Batcher:
 
         def accepted(pid: int, time_accepted: float) -> None:
             job.accepted = (pid, time_accepted)
-            for request in list(job.requests.values()):
-                request.on_accepted(pid, time_accepted)
+            for held in list(job.requests.values()):
+                held.request.on_accepted(pid, time_accepted)
 
         def done(results: dict[str, Any]) -> None:
             self._session_ended(job, connection, results, None)
@@ -329,11 +371,11 @@ class Batcher:
             self._session_ended(job, connection, {}, exc_info)
 
         def timed_out(is_soft: bool, timeout: float) -> None:
-            for request in list(job.requests.values()):  # as Celery does for one: fail it
-                request.on_timeout(is_soft, timeout)
+            for held in list(job.requests.values()):  # as Celery does for one: fail it
+                held.request.on_timeout(is_soft, timeout)
 
         try:
-            with quarantine.in_hand(job.requests):
+            with quarantine.in_hand(w.item.request.id for w in batch):
                 self._pool.apply_async(
                     gen.job,
                     args=(job.id, jobs),
@@ -362,11 +404,15 @@ class Batcher:
             if job is None or gen is None or (channel := gen.channel()) is None:
                 return
             now = time.monotonic()
-            for task_id in job.requests:
-                told = job.told.get(task_id)
+            for key, held in job.requests.items():
+                told = job.told.get(key)
                 due = told is None or now - told >= RETELL_S
-                if task_id in revoked_tasks and due and channel.send(("cancel", job.id, task_id)):
-                    job.told[task_id] = now
+                if (
+                    held.request.id in revoked_tasks
+                    and due
+                    and channel.send(("cancel", job.id, key))
+                ):
+                    job.told[key] = now
 
     def _collect(self) -> None:
         """Settle what the child said it ended, for every session still known."""
@@ -376,11 +422,11 @@ class Batcher:
             job = self._sessions.get(job_id)
             if kind != generating.SETTLED or job is None:
                 continue
-            settled = [(job.requests.pop(i), r) for i, r in returns.items() if i in job.requests]
+            settled = [(job.requests.pop(k), r) for k, r in returns.items() if k in job.requests]
             self._settle(settled)
 
-    def _settle(self, settled: list[tuple[Any, Any]]) -> None:
-        """Settle each (request, tracer return) as the pool's callback would."""
+    def _settle(self, settled: list[tuple[Held, Any]]) -> None:
+        """Settle each (call, tracer return) as the pool's callback would."""
 
         def each(index: int, request: Any) -> Any:
             outcome = settled[index][1]
@@ -392,7 +438,7 @@ class Batcher:
                 return None
             return request.on_success(outcome)
 
-        self._each(each, [request for request, _ in settled])
+        self._each(each, [held for held, _ in settled])
 
     def _session_ended(
         self, job: generating.Job, connection: int, results: dict[str, Any], error: Any
@@ -406,55 +452,53 @@ class Batcher:
             if not self._sessions and self._watch is not None:
                 self._watch.cancel()
                 self._watch = None
-            requests = list(job.requests.values())
-            unread = [r for r in requests if error is None and r.id not in results]
+            helds: list[Held] = list(job.requests.values())
+            unread = [h for h in helds if error is None and h.key not in results]
             # After a lost connection the broker delivers unread calls again: keep none.
             keep = connection == self._connection
             if unread and keep:
                 log.debug("%d calls reached a session as it ended: they run next", len(unread))
-                self._waiting[:0] = [self._entry(r) for r in unread]
+                self._waiting[:0] = [self._entry(h) for h in unread]
             if connection == self._connection:
                 self._busy = False
         if error is not None:
-            self._each(lambda _, r: r.on_failure(error), requests)
+            self._each(lambda _, r: r.on_failure(error), helds)
         else:
-            self._settle([(r, results[r.id]) for r in requests if r not in unread])
+            self._settle([(h, results[h.key]) for h in helds if h not in unread])
         with self._lock:
             self._next()
 
-    def _entry(self, request: Any) -> Waiting[tuple[Any, Call]]:
-        call = _call_of(request)
-        assert call is not None
-        generates = self._gen is not None and self._gen.generates(call.model)
-        kind = GENERATE if generates else tuple(request.time_limits)
-        group = (call.replica, call.epoch, "", kind)
-        return Waiting((request, call), group, input_chars(call.inputs), time.time() * 1000)
+    def _entry(self, held: Held) -> Waiting[Held]:
+        generates = self._gen is not None and self._gen.generates(held.call.model)
+        kind = GENERATE if generates else tuple(held.request.time_limits)
+        group = (held.call.replica, held.call.epoch, "", kind)
+        return Waiting(held, group, input_chars(held.call.inputs), time.time() * 1000)
 
     def _finished(
-        self, each: Callable[[int, Any], Any], requests: list[Any], connection: int
+        self, each: Callable[[int, Any], Any], helds: list[Held], connection: int
     ) -> None:
         """The child ended a batch job: tell each request how its call went, then go on.
         A job sent before a lost connection does not free the child for the jobs sent since."""
         with self._lock:
             if connection == self._connection:
                 self._busy = False
-        self._each(each, requests)
+        self._each(each, helds)
         with self._lock:
             self._next()
 
-    def _each(self, each: Callable[[int, Any], Any], requests: list[Any]) -> None:
-        """`each(index, request)` for every request, which this worker then no longer holds;
+    def _each(self, each: Callable[[int, Any], Any], helds: list[Held]) -> None:
+        """`each(index, request)` for every call, which this worker then no longer holds;
         an error settles the others first (Celery's signal to stop, raised last)."""
         stop: BaseException | None = None
-        for index, request in enumerate(requests):
+        for index, held in enumerate(helds):
             with self._lock:
-                self._held.discard(request.id)
+                self._let_go(held)
             try:
-                each(index, request)
+                each(index, held.request)
             except (SystemExit, KeyboardInterrupt) as exc:  # Celery's signal to stop
                 stop = exc
             except Exception:
-                log.exception("could not settle call %s of a batch", request.id)
+                log.exception("could not settle call %s of a batch", held.request.id)
         if stop is not None:
             raise stop
 
@@ -466,8 +510,10 @@ def _call_of(request: Any) -> Call | None:
         return None
 
 
-def _job(request: Any, call: Call, since_ms: float) -> _Job:
-    """What the child needs to run `request` as Celery would, plus its call."""
+def _child_call(held: Held, since_ms: float, *, timed: bool = False) -> ChildCall:
+    """What the child needs to run `held` as Celery would (`ChildCall`); `timed`: with its
+    hard time limit, which a generating call's engine keeps as a deadline."""
+    request = held.request
     trace = (
         celery_trace.fast_trace_task
         if request._app.use_fast_trace_task
@@ -481,7 +527,8 @@ def _job(request: Any, call: Call, since_ms: float) -> _Job:
         request.content_type,
         request.content_encoding,
     )
-    return trace, args, call.as_json(), since_ms
+    hard = _hard(request) if timed else None
+    return ChildCall(trace, args, held.call.as_json(), since_ms, held.key, hard)
 
 
 def _redelivered(request: Any) -> bool:
@@ -499,26 +546,21 @@ def _hard(request: Any) -> float | None:
     return hard
 
 
-def _gen_job(request: Any, call: Call, since_ms: float) -> tuple[Any, ...]:
-    """A generating call for the child: `_job`'s, and its hard time limit in seconds."""
-    return (*_job(request, call, since_ms), _hard(request))
-
-
 def run_batch(
-    jobs: list[_Job], serve: Callable[[list[Call]], list[Any]], backend: Any = None
+    jobs: list[ChildCall], serve: Callable[[list[Call]], list[Any]], backend: Any = None
 ) -> list[Any]:
     """In the child: compute every call's answer in shared passes, then run each call's own
     tracer, which stores its result (`backend`'s reads of them at once: `tasks.broker.results`).
     Returns the tracers' returns, in order."""
     started = time.time() * 1000
-    calls = [Call.from_json(job[2]) for job in jobs]
+    calls = [Call.from_json(job.call) for job in jobs]
     try:
         outcomes = serve(calls)
     except Exception as exc:
         outcomes = [exc] * len(calls)
-    ids = [args[1] for _, args, _, _ in jobs]
+    ids = [job.task_id for job in jobs]
     with _ready(jobs, outcomes, started), results.read_together(backend, ids):
-        return [_traced(trace, args) for trace, args, _, _ in jobs]
+        return [_traced(job.trace, job.args) for job in jobs]
 
 
 def run_one(
@@ -548,11 +590,11 @@ def _traced(trace: Callable[..., Any], args: tuple[Any, ...]) -> Any:
 
 
 @contextmanager
-def _ready(jobs: list[_Job], outcomes: list[Any], started: float) -> Iterator[None]:
-    for (_, args, _, since), outcome in zip(jobs, outcomes, strict=True):
-        _prepared[args[1]] = Prepared(outcome, int(started), max(0.0, started - since))
+def _ready(jobs: list[ChildCall], outcomes: list[Any], started: float) -> Iterator[None]:
+    for job, outcome in zip(jobs, outcomes, strict=True):
+        _prepared[job.task_id] = Prepared(outcome, int(started), max(0.0, started - job.since_ms))
     try:
         yield
     finally:
-        for _, args, _, _ in jobs:
-            _prepared.pop(args[1], None)
+        for job in jobs:
+            _prepared.pop(job.task_id, None)

@@ -117,26 +117,29 @@ def _receive(end: socket.socket, wait: float) -> list[tuple[Any, ...]]:
 class Job:
     """A session the child runs, as the main process sees it."""
 
-    requests: dict[str, Any]  # task id -> request, until settled
+    requests: dict[str, Any]  # a message's key -> its `batching.Held`, until settled
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     started: float = field(default_factory=time.monotonic)
     accepted: tuple[int, float] | None = None  # the child's pid and when, once it took it
     timeout: float | None = None  # the pool's hard limit on the whole job (None: none)
+    alone: bool = False  # it runs a redelivered call, which may have killed the last child
     told: dict[str, float] = field(default_factory=dict)  # revoked call -> when last told
 
     def joinable(self, hard: float | None) -> bool:
-        """Whether a call with hard time limit `hard` may join: within what is left of the
-        job's own limit (a job without one takes any call)."""
+        """Whether a call with hard time limit `hard` may join: not while a redelivered
+        call runs, and within what is left of the job's own limit (a job without one takes
+        any call)."""
         age = time.monotonic() - self.started
-        return self.timeout is None or (hard is not None and age + hard <= self.timeout)
+        within = self.timeout is None or (hard is not None and age + hard <= self.timeout)
+        return within and not self.alone
 
 
 # ---------------------------------------------------------------------------------------
 # In the child
 
 
-_Finish = Callable[[Any, Any, Any, bool], Any]  # (job tuple, GenCall, outcome, revoked)
-_Batch = Callable[[list[Any], BaseException | None], dict[str, Any]]  # (jobs, error) -> returns
+_Finish = Callable[[Any, Any, Any, bool], Any]  # (ChildCall, GenCall, outcome, revoked)
+_Batch = Callable[[list[Any], BaseException | None], dict[str, Any]]  # (calls, error) -> returns
 
 
 class Figures(Protocol):
@@ -168,13 +171,13 @@ class ChildFeed:
     ) -> None:
         self.job_id = job_id
         self._channel = channel
-        self._gen_call = gen_call  # a generating call's job tuple -> its GenCall
+        self._gen_call = gen_call  # a generating call's `ChildCall` -> its GenCall (its key)
         self._one_shot = one_shot  # OneShot's constructor (replica, epoch, run, fail)
         self._finish = finish  # runs a generating call's tracer: its return
         self._batch = batch  # runs a batch's tracers (with an error: unrun): their returns
         self._limits_of = limits_of  # a model's batch limits
         self.figures = figures  # opened/stepped/streamed, as `SessionFeed` has them
-        self._jobs: dict[str, Any] = {}  # a generating call's key -> its job tuple
+        self._jobs: dict[str, Any] = {}  # a generating call's key -> its `ChildCall`
         self._new: list[GenCall | OneShot] = []
         self._arrivals: list[Waiting[Any]] = []  # calls to batch, taken this turn
         self._unrun: dict[int, list[Any]] = {}  # batches formed and not run yet
@@ -205,15 +208,15 @@ class ChildFeed:
             self._arrived(payload)
 
     def _arrived(self, payload: Any) -> None:
-        """A generating call's job tuple, or a batch: its group and its job tuples."""
+        """A generating call's `ChildCall`, or a batch: its group and its `ChildCall`s."""
         if not isinstance(payload, dict):
             call = self._gen_call(payload)
             self._jobs[call.key] = payload
             self._new.append(call)
             return
         for job in payload["jobs"]:
-            chars = input_chars(Call.from_json(job[2]).inputs)
-            self._arrivals.append(Waiting(job, tuple(payload["group"]), chars, job[3]))
+            chars = input_chars(Call.from_json(job.call).inputs)
+            self._arrivals.append(Waiting(job, tuple(payload["group"]), chars, job.since_ms))
 
     def _form_batches(self) -> None:
         """The calls to batch that arrived together, in batches as the main process forms
@@ -224,7 +227,7 @@ class ChildFeed:
             jobs = [self._arrivals[i].item for i in picked]
             self._arrivals = [w for i, w in enumerate(self._arrivals) if i not in chosen]
             self._unrun[id(jobs)] = jobs
-            first = Call.from_json(jobs[0][2])
+            first = Call.from_json(jobs[0].call)
             self._new.append(
                 self._one_shot(
                     first.replica,
@@ -235,7 +238,7 @@ class ChildFeed:
             )
 
     def _limits(self, entry: Waiting[Any]) -> BatchLimits:
-        return self._limits_of(Call.from_json(entry.item[2]).model)
+        return self._limits_of(Call.from_json(entry.item.call).model)
 
     def _run(self, batch: list[Any], error: BaseException | None) -> None:
         if self._unrun.pop(id(batch), None) is not None:

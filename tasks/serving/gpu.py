@@ -108,7 +108,7 @@ def serve(task: Task, call: Call) -> dict[str, Any]:
     }
 
 
-def batch_job(jobs: list[Any]) -> list[Any]:
+def batch_job(jobs: list[batching.ChildCall]) -> list[Any]:
     """A pool job of calls for one replica (`tasks.serving.batching`): shared passes, own
     results."""
     return batching.run_batch(jobs, _serve_batch, app.backend)
@@ -135,10 +135,10 @@ def _serve_batch(calls: list[Call]) -> list[Served | BaseException]:
             log.warning("could not end the leases of a batch of %d", len(calls), exc_info=True)
 
 
-def session_job(job_id: str, jobs: list[Any]) -> dict[str, Any]:
+def session_job(job_id: str, jobs: list[batching.ChildCall]) -> dict[str, Any]:
     """A pool job that generates: a session, which also runs every call its main process
     hands it meanwhile, any replica's (`tasks.serving.generating`). Each call is settled
-    as it ends; returns the tracer returns the channel could not carry, by task id."""
+    as it ends; returns the tracer returns the channel could not carry, by message key."""
     return _Session(this_worker()).run(job_id, jobs)
 
 
@@ -149,11 +149,11 @@ class _Session:
         self.worker = worker
         self.writer = streams.Writer(worker.registry.client)
         self.ready: dict[str, tuple[float, list[str]]] = {}  # replica -> load_ms, its GPUs
-        self.calls: dict[str, tuple[Call, float]] = {}  # task id -> its call, when it came
+        self.calls: dict[str, tuple[Call, float]] = {}  # message key -> its call, when it came
         self.counts: dict[str, tuple[int, float]] = {}  # replica -> calls open as said, when
         self.held: dict[str, tuple[int, float]] = {}  # replica -> KV-cache tokens said, when
 
-    def run(self, job_id: str, jobs: list[Any]) -> dict[str, Any]:
+    def run(self, job_id: str, jobs: list[batching.ChildCall]) -> dict[str, Any]:
         feed = generating.ChildFeed(
             job_id, jobs, channel(), self.gen_call, OneShot, self.finish, self.batch,
             limits_of, self,
@@ -170,30 +170,30 @@ class _Session:
                 _say_kv(self.worker, replica, 0)
         return feed.results
 
-    def gen_call(self, job: Any) -> GenCall:
-        _, args, call_json, _, hard = job
-        call = Call.from_json(call_json)
-        self.calls[args[1]] = (call, time.time() * 1000)
-        on_text = self.writer.for_call(args[1]) if _streams(call) else None
-        deadline = time.monotonic() + hard if hard else None
+    def gen_call(self, job: batching.ChildCall) -> GenCall:
+        call = Call.from_json(job.call)
+        self.calls[job.key] = (call, time.time() * 1000)
+        on_text = self.writer.for_call(job.task_id) if _streams(call) else None
+        deadline = time.monotonic() + job.hard if job.hard else None
         return GenCall(
-            args[1], call.inputs, call.params, on_text, deadline, call.replica, call.epoch
+            job.key, call.inputs, call.params, on_text, deadline, call.replica, call.epoch
         )
 
-    def batch(self, jobs: list[Any], error: BaseException | None) -> dict[str, Any]:
+    def batch(self, jobs: list[batching.ChildCall], error: BaseException | None) -> dict[str, Any]:
         """Run a batch of one-shot calls (or, with `error`, answer them with it unrun):
-        each call's tracer return, by task id."""
+        each call's tracer return, by its message's key."""
         serve = _serve_batch if error is None else (lambda calls: [error] * len(calls))
         returns = batching.run_batch(jobs, serve, app.backend)
-        return {job[1][1]: ret for job, ret in zip(jobs, returns, strict=True)}
+        return {job.key: ret for job, ret in zip(jobs, returns, strict=True)}
 
-    def finish(self, job: Any, gen_call: GenCall | None, outcome: Any, revoked: bool) -> Any:
+    def finish(
+        self, job: batching.ChildCall, gen_call: GenCall | None, outcome: Any, revoked: bool
+    ) -> Any:
         """End a call's lease and stream; run its tracer (not for a revoked call: its
         main process announces it as Celery does); then count its tokens and latencies,
         a round trip the caller does not wait for."""
-        trace, args, call_json, since_ms, _ = job
-        taken = self.calls.pop(args[1], None)  # None: a finish that failed once already
-        call, started = taken or (Call.from_json(call_json), time.time() * 1000)
+        taken = self.calls.pop(job.key, None)  # None: a finish that failed once already
+        call, started = taken or (Call.from_json(job.call), time.time() * 1000)
         if call.lease is not None:
             try:
                 self.worker.registry.finish(call.lease)
@@ -211,10 +211,11 @@ class _Session:
         else:
             served, reason = outcome, "error"
         if _streams(call):
-            self.writer.end(args[1], "cancelled" if revoked else reason)
+            self.writer.end(job.task_id, "cancelled" if revoked else reason)
         answer = None
         if not revoked:
-            answer = batching.run_one(trace, args, served, started, max(0.0, started - since_ms))
+            waited = max(0.0, started - job.since_ms)
+            answer = batching.run_one(job.trace, job.args, served, started, waited)
         if generated is not None:
             _record(self.worker, call.model, generated)  # after the answer: not the caller's wait
         return answer
