@@ -99,6 +99,7 @@ def timed(work: Callable[[], Any]) -> float:
 
 
 def raw_call(task: str, args: list[Any], task_id: str, chain: list[Any]) -> bytes:
+    """A Celery message (protocol 2) as a client writes it, with `chain` after it."""
     body = json.dumps([args, {}, {"callbacks": None, "errbacks": None, "chord": None,
                                   "chain": chain}])  # fmt: skip
     return json.dumps(
@@ -112,9 +113,14 @@ def raw_call(task: str, args: list[Any], task_id: str, chain: list[Any]) -> byte
     ).encode()
 
 
+def step(task_id: str) -> dict[str, Any]:
+    """One step of a chain, naming `task_id` (what Celery reads of one, and no more)."""
+    return {"task": "gpufleet.status", "options": {"task_id": task_id}}
+
+
 def attack_chain(url: str, fleet_url: str, _: argparse.Namespace) -> dict[str, Any]:
     chained = [uuid.uuid4().hex for _ in range(50_000)]
-    steps = [{"task": "gpufleet.status", "options": {"task_id": i}} for i in chained]
+    steps = [step(i) for i in chained]
     refused = uuid.uuid4().hex
     message = raw_call("gpufleet.infer", ["no-such-model", "x"], refused, steps)
     started = time.monotonic()

@@ -20,6 +20,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ import redis
 from celery import Celery
 from celery.result import AsyncResult
 
+from bench.callers import raw_call, step
 from placement.server.connections import CALLER_SHARE, max_clients
 from tasks.broker.intake import MAX_CANVAS
 from tests.running import REPO, RunningFleet, fleet_env, fleet_up, until
@@ -97,23 +99,23 @@ def timed(call: Callable[[], Any]) -> float:
     return time.monotonic() - started
 
 
-def raw_call(task: str, args: list[Any], task_id: str, embed: dict[str, Any]) -> bytes:
-    """A Celery message (protocol 2) as a client writes it, with `embed` (its chain)."""
-    body = json.dumps([args, {}, {"callbacks": None, "errbacks": None, "chord": None, **embed}])
-    return json.dumps(
-        {
-            "body": base64.b64encode(body.encode()).decode(),
-            "content-encoding": "utf-8",
-            "content-type": "application/json",
-            "headers": {"lang": "py", "task": task, "id": task_id},
-            "properties": {"delivery_tag": uuid.uuid4().hex, "body_encoding": "base64"},
-        }
-    ).encode()
+@contextmanager
+def others_meanwhile(fleet: RunningFleet) -> Iterator[list[float]]:
+    """Another caller's calls of the encoder, one after another, timed until the block ends."""
+    times: list[float] = []
+    done = threading.Event()
 
+    def other_caller() -> None:
+        while not done.is_set():
+            times.append(timed(lambda: fleet.infer("encoder", "meanwhile", timeout=ANSWER_S)))
 
-def step(task_id: str) -> dict[str, Any]:
-    """One step of a chain, naming `task_id` (what Celery reads of one, and no more)."""
-    return {"task": "gpufleet.status", "options": {"task_id": task_id}}
+    thread = threading.Thread(target=other_caller)
+    thread.start()
+    try:
+        yield times
+    finally:
+        done.set()
+        thread.join()
 
 
 # --- 1. a refusal answers the refused call's own id only --------------------------------
@@ -124,7 +126,7 @@ def test_a_refused_call_cannot_answer_the_call_its_chain_names(fleet: RunningFle
     victim = app.send_task("gpufleet.infer", args=("talker", "a story", {"max_new_tokens": 200}))
     forged = uuid.uuid4().hex
     client.lpush("celery", raw_call("gpufleet.infer", ["no-such-model", "x"], forged,
-                                    {"chain": [step(victim.id)]}))  # fmt: skip
+                                    [step(victim.id)]))  # fmt: skip
     with pytest.raises(Exception) as err:
         AsyncResult(forged, app=app).get(timeout=ANSWER_S)
     assert type(err.value).__name__ == "UnknownModelError"
@@ -139,26 +141,14 @@ def test_a_chain_past_the_bound_is_refused_as_one_error_and_costs_the_router_lit
     chained = [uuid.uuid4().hex for _ in range(50_000)]
     refused_id = uuid.uuid4().hex
     message = raw_call("gpufleet.infer", ["no-such-model", "x"], refused_id,
-                       {"chain": [step(i) for i in chained]})  # fmt: skip
+                       [step(i) for i in chained])  # fmt: skip
     assert 5 * 2**20 < len(message) < 8 * 2**20  # the review's call: 5.3 MiB
-    hot: list[float] = []
-    done = threading.Event()
-
-    def other_callers() -> None:
-        while not done.is_set():
-            hot.append(timed(lambda: fleet.infer("encoder", "meanwhile", timeout=ANSWER_S)))
-
-    thread = threading.Thread(target=other_callers)
-    thread.start()
-    try:
+    with others_meanwhile(fleet) as hot:
         time.sleep(0.5)
         client.lpush("celery", message)
         with pytest.raises(Exception) as err:
             AsyncResult(refused_id, app=app).get(timeout=ANSWER_S)
         time.sleep(0.5)
-    finally:
-        done.set()
-        thread.join()
     assert type(err.value).__name__ == "PayloadError"
     assert f"at most {MAX_CANVAS} calls" in str(err.value)
     inside = redis.Redis.from_url(fleet.fleet_url)
@@ -295,23 +285,11 @@ def test_a_storm_of_cancels_for_made_up_ids_is_answered_in_bulk_and_hot_calls_go
     app = caller(fleet)
     watcher = redis.Redis.from_url(fleet.fleet_url).pubsub()
     watcher.psubscribe("*pidbox*")  # Celery's remote control: every revoke broadcast
-    hot: list[float] = []
-    done = threading.Event()
-
-    def other_callers() -> None:
-        while not done.is_set():
-            hot.append(timed(lambda: fleet.infer("encoder", "meanwhile", timeout=ANSWER_S)))
-
-    thread = threading.Thread(target=other_callers)
-    thread.start()
-    try:
+    with others_meanwhile(fleet) as hot:
         started = time.monotonic()
         cancels = [app.send_task("gpufleet.cancel", args=(uuid.uuid4().hex,)) for _ in range(3000)]
         answers = [c.get(timeout=60) for c in cancels]
         took = time.monotonic() - started
-    finally:
-        done.set()
-        thread.join()
     commands: list[str] = []
     while (message := watcher.get_message(timeout=0.2)) is not None:
         if message["type"] == "pmessage":
