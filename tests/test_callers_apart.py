@@ -4,7 +4,7 @@ starve another caller's calls (issue 55, the second hostile review).
 Each test reproduces one finding against a real `gpufleet up` (its bundled Redis, the
 newest one found: Redis 7 with Debian's, one simulated GPU so that every model shares one
 worker) and checks what must hold instead, timing the other callers' calls meanwhile.
-The module's last test stops the fleet itself.
+The last test that uses the fleet stops it.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from celery.result import AsyncResult
 from bench.callers import raw_call, step
 from placement.server.connections import CALLER_SHARE, max_clients
 from tasks.broker.intake import MAX_CANVAS
+from tasks.serving.cancelling import Cancels
 from tests.running import REPO, RunningFleet, fleet_env, fleet_up, until
 
 pytestmark = pytest.mark.slow
@@ -374,3 +375,27 @@ def test_the_caller_may_push_only_to_lists_a_router_reads_and_the_stop_survives_
 
 def _routing_key(fleet: RunningFleet) -> str:
     return fleet.registry.keys.model_routing("big")
+
+
+def test_the_routers_cancel_flush_is_made_anew_on_every_connection() -> None:
+    """Celery cancels the timer entries a connection made when it fails; the flush, made
+    with the consumer's strategies, must come back with them (it once did not)."""
+
+    class Entry:
+        def __init__(self) -> None:
+            self.cancelled = False
+
+        def cancel(self) -> None:
+            self.cancelled = True
+
+    made: list[Entry] = []
+
+    class Timer:
+        def call_repeatedly(self, seconds: float, fun: Any) -> Entry:
+            made.append(Entry())
+            return made[-1]
+
+    cancels = Cancels(Celery(), lambda: None)
+    cancels.install(Timer())
+    cancels.install(Timer())  # the consumer reconnected
+    assert [entry.cancelled for entry in made] == [True, False]

@@ -9,7 +9,9 @@ Celery workers are in tests/test_generation_fleet.py.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -66,9 +68,7 @@ def channel() -> Channel:
 
 def _batcher(pool: _Pool, channel: Channel, timer: _Timer | None = None) -> Batcher:
     """A batcher whose models `g*` generate and the others batch, 8 calls at most."""
-    generations = Generations(
-        lambda model: model.startswith("g"), lambda *_: {}, lambda: channel, window_s=60.0
-    )
+    generations = Generations(lambda model: model.startswith("g"), lambda *_: {}, lambda: channel)
     return Batcher(
         pool, timer or _Timer(), lambda _: None, lambda _: BatchLimits(size=8), lambda _: [],
         generations,
@@ -77,6 +77,11 @@ def _batcher(pool: _Pool, channel: Channel, timer: _Timer | None = None) -> Batc
 
 def _gen(task_id: str, replica: str, **options: Any) -> _Request:
     return _Request(task_id, replica, model="gen", **options)
+
+
+def _started(pool: _Pool, index: int = 0) -> None:
+    """The child took session `index`: calls go to it from now on."""
+    pool.jobs[index]["accept_callback"](7, 0.0)
 
 
 @dataclass
@@ -152,21 +157,22 @@ def test_each_call_of_a_session_is_settled_as_it_ends_not_when_the_session_does(
     batcher = _batcher(pool, channel, timer)
     first, encoder, late = _gen("c1", "r1"), _Request("e1", "r3"), _gen("c2", "r1")
     batcher(first)
+    _started(pool)
     batcher(encoder)
     feed = _child(pool.jobs[0], channel)
     taken = feed.take(0.0)
     taken[1].run()  # the encoder's pass, between two steps
     for look in timer.repeating:
         look()
-    assert encoder.seen == ["success (0, 'answer of e1', 0.0)"]  # while c1 still runs
-    assert first.seen == []
+    assert encoder.seen == ["accepted", "success (0, 'answer of e1', 0.0)"]  # c1 still runs
+    assert first.seen == ["accepted"]
     batcher(late)
     feed.take(0.0)
     _ended(feed, "c1")
     _ended(feed, "c2")
-    pool.jobs[0]["callback"](feed.results)  # the session ended; its return carries nothing
-    assert first.seen == ["success (0, 'answer of c1', 0.0)"]
-    assert late.seen == ["success (0, 'answer of c2', 0.0)"]
+    pool.jobs[0]["callback"](feed.leftover())  # the session ended; its return carries none
+    assert first.seen == ["accepted", "success (0, 'answer of c1', 0.0)"]
+    assert late.seen == ["accepted", "success (0, 'answer of c2', 0.0)"]
     assert timer.repeating == []  # no session left to look at
 
 
@@ -174,13 +180,12 @@ def test_on_a_generating_worker_a_model_with_batching_off_joins_a_session_too(
     channel: Channel,
 ) -> None:
     pool, passed = _Pool(), []
-    generations = Generations(
-        lambda model: model.startswith("g"), lambda *_: {}, lambda: channel, window_s=60.0
-    )
+    generations = Generations(lambda model: model.startswith("g"), lambda *_: {}, lambda: channel)
     batcher = Batcher(
         pool, _Timer(), passed.append, lambda _: BatchLimits(size=1), lambda _: [], generations
     )
     batcher(_gen("c1", "r1"))
+    _started(pool)
     batcher(_Request("e1", "r3"))
     batcher(_Request("e2", "r3"))
     assert passed == [] and len(pool.jobs) == 1  # not to the pool, which the session holds
@@ -191,6 +196,7 @@ def test_a_call_that_may_not_join_waits_and_so_do_the_calls_behind_it(channel: C
     pool = _Pool()
     batcher = _batcher(pool, channel)
     batcher(_gen("c1", "r1"))
+    _started(pool)
     stuck = _gen("c2", "r2")
     stuck.delivery_info = {"redelivered": True}  # it may have killed the last child: alone
     batcher(stuck)
@@ -209,11 +215,12 @@ def test_a_second_message_with_a_held_task_id_is_dropped_at_once(channel: Channe
     batcher = _batcher(pool, channel)
     first, twin = _gen("same", "r1"), _gen("same", "r1")
     batcher(first)
+    _started(pool)
     batcher(twin)
     assert twin.seen == ["rejected"]  # not run, not left waiting
     assert _keys(_child(pool.jobs[0], channel).take(0.0)) == ["same"]
     pool.jobs[0]["callback"](_answers(pool.jobs[0], same=(0, "ok", 0.0)))
-    assert first.seen == ["success (0, 'ok', 0.0)"]
+    assert first.seen == ["accepted", "success (0, 'ok', 0.0)"]
     again = _gen("same", "r1")  # once the first is settled, the id is free again
     batcher(again)
     assert again.seen == [] and [job["ids"] for job in pool.jobs][1:] == [["same"]]
@@ -228,15 +235,16 @@ def test_a_call_routed_again_to_this_worker_before_its_first_message_settled_run
     batcher = _batcher(pool, channel)
     first, again = _gen("c1", "r1"), _gen("c1", "r2", hops=1)
     batcher(first)
+    _started(pool)
     batcher(again)
-    assert again.seen == []  # not dropped: a call of its own
+    assert again.seen == ["accepted"]  # not dropped: a call of its own, in the session
     feed = _child(pool.jobs[0], channel)
     assert _keys(feed.take(0.0)) == ["c1", "c1"]
     for key in list(feed._jobs):
         feed.finished(_Key(key), None)
     pool.jobs[0]["callback"](feed.results)
-    answered = "success (0, 'answer of c1', 0.0)"
-    assert first.seen == [answered] and again.seen == [answered]  # each settled, once
+    answered = ["accepted", "success (0, 'answer of c1', 0.0)"]
+    assert first.seen == answered and again.seen == answered  # each settled, once
 
 
 def test_a_call_handed_over_as_the_session_ended_runs_in_the_next_job(channel: Channel) -> None:
@@ -244,9 +252,10 @@ def test_a_call_handed_over_as_the_session_ended_runs_in_the_next_job(channel: C
     batcher = _batcher(pool, channel)
     late = _gen("c2", "r1")
     batcher(_gen("c1", "r1"))
+    _started(pool)
     batcher(late)  # sent over the channel, but the child ends the job without reading it
     pool.jobs[0]["callback"](_answers(pool.jobs[0], c1=(0, "ok", 0.0)))
-    assert late.seen == [] and [job["ids"] for job in pool.jobs][1:] == [["c2"]]
+    assert late.seen == ["accepted"] and [job["ids"] for job in pool.jobs][1:] == [["c2"]]
     next_feed = _child(pool.jobs[1], channel)
     assert _keys(next_feed.take(0.0)) == ["c2"]  # the stale message dropped
 
@@ -258,6 +267,7 @@ def test_a_revoked_running_call_is_stopped_in_the_child_and_announced_revoked(
     batcher = _batcher(pool, channel, timer)
     doomed, other = _Revocable("c1", "r1", model="gen"), _Revocable("c2", "r1", model="gen")
     batcher(doomed)
+    _started(pool)
     batcher(other)
     feed = _child(pool.jobs[0], channel)
     feed.take(0.0)
@@ -272,7 +282,8 @@ def test_a_revoked_running_call_is_stopped_in_the_child_and_announced_revoked(
         _ended(feed, "c1")
         _ended(feed, "c2")
         pool.jobs[0]["callback"](feed.results)
-        assert doomed.seen == ["revoked"] and other.seen == ["success (0, 'answer of c2', 0.0)"]
+        assert doomed.seen == ["accepted", "revoked"]
+        assert other.seen == ["accepted", "success (0, 'answer of c2', 0.0)"]
         assert timer.repeating == []  # the job ended: nothing more to watch
     finally:
         worker_state.revoked.discard("c1")
@@ -284,16 +295,18 @@ def test_a_lost_child_fails_every_call_it_still_held_so_each_goes_back_to_the_qu
     pool, timer = _Pool(), _Timer()
     batcher = _batcher(pool, channel, timer)
     calls = [_gen("c1", "r1"), _gen("c2", "r1"), _gen("c3", "r1")]
-    for request in calls:
+    batcher(calls[0])
+    _started(pool)
+    for request in calls[1:]:
         batcher(request)
     feed = _child(pool.jobs[0], channel)
     feed.take(0.0)
     _ended(feed, "c1")  # settled before the child was lost
     pool.jobs[0]["error_callback"]("lost")
     assert [r.seen for r in calls] == [
-        ["success (0, 'answer of c1', 0.0)"],
-        ["failure"],
-        ["failure"],
+        ["accepted", "success (0, 'answer of c1', 0.0)"],
+        ["accepted", "failure"],
+        ["accepted", "failure"],
     ]
 
 
@@ -340,19 +353,66 @@ def test_a_stream_that_never_ends_stops_once_its_call_is_answered(redis_client: 
     redis_client.delete(streams.key("t-open"))
 
 
-def test_a_session_of_calls_with_time_limits_has_one_and_takes_no_call_that_would_outlive_it(
+def test_a_session_has_no_pool_limit_and_each_call_carries_the_end_of_its_own(
+    channel: Channel,
+) -> None:
+    """A session may run as long as calls come, so a pool limit would kill other calls
+    with it: each call's hard limit ends where it runs (the engine's deadline, or before
+    a batch's pass), counted from its hand-over."""
+    pool = _Pool()
+    batcher = _batcher(pool, channel)
+    batcher(_gen("c1", "r1", time_limits=(5.0, None)))
+    assert pool.jobs[0].get("timeout") is None
+    _started(pool)
+    before = time.time()
+    batcher(_gen("c2", "r1", time_limits=(100.0, None)))  # joins, whatever its limit
+    batcher(_gen("c3", "r1"))  # no limit at all: joins too
+    feed = _child(pool.jobs[0], channel)
+    feed.take(0.0)
+    jobs = {j.task_id: j for j in feed._jobs.values()}
+    assert set(jobs) == {"c1", "c2", "c3"} and len(pool.jobs) == 1
+    assert jobs["c3"].deadline is None
+    assert before + 100 <= jobs["c2"].deadline <= time.time() + 100
+    assert jobs["c1"].deadline <= time.time() + 5
+
+
+def test_calls_wait_for_the_child_to_take_the_session_then_go_to_it(channel: Channel) -> None:
+    """A session queued behind one the child still runs (after a lost connection) would
+    have that one drop the calls as stale: they go once the child took it."""
+    pool = _Pool()
+    batcher = _batcher(pool, channel)
+    batcher(_gen("c1", "r1"))
+    waiting = _gen("c2", "r1")
+    batcher(waiting)
+    assert channel.receive(0.0) == [] and waiting.seen == []
+    _started(pool)
+    assert waiting.seen == ["accepted"]
+    assert _keys(_child(pool.jobs[0], channel).take(0.0)) == ["c1", "c2"]
+
+
+def test_a_batch_too_large_for_one_message_goes_to_the_session_in_parts(channel: Channel) -> None:
+    pool = _Pool()
+    batcher = _batcher(pool, channel)
+    batcher(_gen("c1", "r1"))
+    _started(pool)
+    # room for about two calls a message
+    channel.limit = 2 * len(channel.encode(("call", pool.jobs[0]["id"], pool.jobs[0]["jobs"][0])))
+    calls = [_Request(f"e{i}", "r3") for i in range(4)]
+    for request in calls:
+        batcher(request)
+    assert all(r.seen == ["accepted"] for r in calls)
+    messages = [m for m in channel.receive(0.0) if m[0] == "call"]
+    assert sum(len(m[2]["jobs"]) for m in messages) == 4 and len(messages) >= 2
+
+
+def test_the_same_message_delivered_again_while_held_is_left_to_its_first_delivery(
     channel: Channel,
 ) -> None:
     pool = _Pool()
-    batcher = _batcher(pool, channel)  # a session takes calls for 60 s
-    batcher(_gen("c1", "r1", time_limits=(5.0, None)))
-    assert pool.jobs[0]["timeout"] == 65.0  # its longest call, begun as late as one may join
-    batcher(_gen("c2", "r1", time_limits=(5.0, None)))  # fits what is left: joins
-    batcher(_gen("c3", "r1", time_limits=(100.0, None)))  # would outlive it: waits
-    batcher(_gen("c4", "r1"))  # no limit at all: waits too
-    assert len(pool.jobs) == 1
-    assert _keys(_child(pool.jobs[0], channel).take(0.0)) == ["c1", "c2"]
-    pool.jobs[0]["timeout_callback"](False, 65.0)  # the pool ended a hung job
-    pool.jobs[0]["error_callback"]("lost")
-    assert pool.jobs[1]["timeout"] is None  # c3 and c4: one of them has no limit
-    assert pool.jobs[1]["ids"] == ["c3", "c4"]
+    batcher = _batcher(pool, channel)
+    first, again = _gen("c1", "r1"), _gen("c1", "r1")
+    first.message = again.message = SimpleNamespace(delivery_tag="tag-1")
+    batcher(first)
+    batcher(again)
+    assert again.seen == []  # neither rejected (its tag is the first's) nor run twice
+    assert pool.jobs[0]["ids"] == ["c1"]

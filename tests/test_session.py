@@ -142,3 +142,22 @@ def test_a_call_for_a_replica_placed_elsewhere_fails_alone_and_the_session_goes_
     assert isinstance(feed.outcomes["stale"], EvictedError)
     assert isinstance(feed.outcomes["fine"], Generated)
     assert time.monotonic() - started < 30
+
+
+def test_each_replica_gets_one_pass_a_turn_so_a_flood_of_batches_does_not_stall_a_generation(
+    node: GpuWorker,
+) -> None:
+    long, long_epoch = hot(node, "long")
+    encoder, encoder_epoch = hot(node, "encoder")
+    ran: list[int] = []  # steps of `long` before each pass
+
+    def pass_() -> None:
+        node.serve_batch(encoder, encoder_epoch, [("a call", None)])
+        ran.append(feed.steps.get(long, 0))
+
+    flood = [OneShot(encoder, encoder_epoch, pass_, lambda error: None) for _ in range(4)]
+    call = GenCall("story", "a prompt", {"max_new_tokens": 40}, replica=long, epoch=long_epoch)
+    feed = _Feed([[call], [], flood])
+    node.serve_session(feed)
+    assert isinstance(feed.outcomes["story"], Generated)
+    assert len(ran) == 4 and ran == sorted(set(ran)), ran  # one a turn, a step between each

@@ -13,7 +13,7 @@ and the session interleaves them. Each turn of its loop:
 2. opens an engine for each generation replica that has calls and is HOT here, holding
    its lock while it has work; a replica not HOT yet is looked at again next turn
    (`Keeper.watch`), never waited on while anything else can run;
-3. runs the one-shot batches that arrived;
+3. runs one waiting one-shot batch of each replica;
 4. runs one step of every engine with work, then closes the engines left idle, which
    gives their replicas back to the keeper at once: an eviction drains a replica as its
    own calls end, not when the whole session does.
@@ -138,8 +138,7 @@ class Session:
                     for engine in self._engines.values():
                         engine.driver.cancel(key)
                 self._look_again()
-                shots, self._shots = self._shots, []
-                for shot in shots:
+                for shot in self._next_shots():
                     shot.run()
                 for engine in list(self._engines.values()):
                     self._step(engine)
@@ -149,6 +148,20 @@ class Session:
             for engine in list(self._engines.values()):
                 self._close(engine)
 
+    def _next_shots(self) -> list[OneShot]:
+        """This turn's one-shot batches: the first waiting of each replica. Each replica
+        gets one pass or one step a turn, so a flood of one model's calls does not stall
+        the others' generations for its whole backlog."""
+        now: dict[str, OneShot] = {}
+        later: list[OneShot] = []
+        for shot in self._shots:
+            if shot.replica in now:
+                later.append(shot)
+            else:
+                now[shot.replica] = shot
+        self._shots = later
+        return list(now.values())
+
     def _busy(self) -> bool:
         return bool(self._shots) or any(e.driver.busy for e in self._engines.values())
 
@@ -156,7 +169,7 @@ class Session:
         engine = self._engines.get(item.replica) if isinstance(item, GenCall) else None
         if isinstance(item, GenCall) and engine is not None:
             if item.epoch and item.epoch != engine.opened.epoch:
-                self.feed.finished(item, _moved(item.replica))
+                self._finished(item, _moved(item.replica))
             else:
                 arrived[item.replica].append(item)
             return
@@ -198,7 +211,7 @@ class Session:
                 opened = self.manager.open_engine(replica, epoch, wait=False)
             except Exception as exc:  # it left meanwhile: route its calls again
                 for call in waiting.calls:
-                    self.feed.finished(call, exc)
+                    self._finished(call, exc)
                 waiting.calls = []
                 return True
             if opened is None:
@@ -210,14 +223,21 @@ class Session:
             self.feed.opened(replica, load_ms, opened.gpus)
         moved = [c for c in waiting.calls if c.epoch and c.epoch != engine.opened.epoch]
         for call in moved:
-            self.feed.finished(call, _moved(replica))
+            self._finished(call, _moved(replica))
         engine.driver.add(c for c in waiting.calls if c not in moved)
         waiting.calls = []
         return True
 
+    def _finished(self, call: GenCall, outcome: Generated | BaseException) -> None:
+        """`feed.finished`, whose own failure is that call's alone."""
+        try:
+            self.feed.finished(call, outcome)
+        except Exception:
+            log.exception("could not answer generating call %s", call.key)
+
     def _fail(self, waiting: _NotReady, error: BaseException) -> None:
         for call in waiting.calls:
-            self.feed.finished(call, error)
+            self._finished(call, error)
         for shot in waiting.shots:
             shot.fail(error)
 

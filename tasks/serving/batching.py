@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from billiard.einfo import ExceptionInfo
 from celery.app import trace as celery_trace
 from celery.worker.state import revoked as revoked_tasks
+from celery.worker.state import task_ready
 
 from placement.rules.batching import BatchLimits, Waiting, input_chars, take_batch
 from tasks.broker import quarantine, results
@@ -66,14 +67,14 @@ log = logging.getLogger(__name__)
 class ChildCall(NamedTuple):
     """What the pool child needs to run one call as Celery would: its tracer and the
     tracer's arguments, the call, when it began to wait, the message's own key
-    (`Held.key`), and its hard time limit in seconds (a generating call's deadline)."""
+    (`Held.key`), and in a session the time (epoch seconds) its hard time limit ends."""
 
     trace: Callable[..., Any]
     args: tuple[Any, ...]
     call: dict[str, Any]
     since_ms: float
     key: str
-    hard: float | None = None
+    deadline: float | None = None
 
     @property
     def task_id(self) -> str:
@@ -121,7 +122,6 @@ class Generations:
     generates: Callable[[str], bool]  # whether a model's calls generate
     job: Callable[..., Any]  # the pool job of a session (importable)
     channel: Callable[[], generating.Channel | None]
-    window_s: float  # how long a session with a time limit takes new calls
 
 
 _prepared: dict[str, Prepared] = {}  # task id -> answer, in the child, while its job runs
@@ -160,7 +160,7 @@ class Batcher:
         self._sessions: dict[str, generating.Job] = {}  # by id, until each ends
         self._watch: Any = None  # the timer entry that settles calls and forwards revokes
         self._waiting: list[Waiting[Held]] = []
-        self._twins: dict[tuple[str, int], str] = {}  # `Held.twin` -> key, while it is held
+        self._twins: dict[tuple[str, int], Held] = {}  # `Held.twin` -> the one held
         self._keys = itertools.count()
         self._busy = False
         self._connection = 0  # counts lost connections: a job tells whose it was
@@ -182,27 +182,35 @@ class Batcher:
         group += (GENERATE,) if generates else (limits,)
         with self._lock:
             held = Held(request, call, f"{request.id}/{next(self._keys)}")
-            if held.twin in self._twins:
-                self._refuse_twin(held)
+            first = self._twins.get(held.twin)
+            if first is not None:
+                self._refuse_twin(held, first)
                 return
-            self._twins[held.twin] = held.key
+            self._twins[held.twin] = held
             self._waiting.append(Waiting(held, group, input_chars(call.inputs), time.time() * 1000))
             self._next()
 
-    def _refuse_twin(self, held: Held) -> None:
-        """Drop a second message of a call this worker holds (see the module)."""
+    def _refuse_twin(self, held: Held, first: Held) -> None:
+        """Drop `held`, a second message of `first`'s call (see the module). The same
+        message delivered again (the broker restored it while it was held) is left to its
+        first delivery, whose acknowledgement and lease it shares."""
+        task_ready(held.request)  # Celery's strategy reserved it
+        if _tag(held.request) is not None and _tag(held.request) == _tag(first.request):
+            log.warning("call %s was delivered again while it is held here", held.request.id)
+            return
         log.warning(
             "dropped a second message of call %s: a call with that task id runs here, and its "
             "answer is the id's; send each call with a task id of its own",
             held.request.id,
         )
-        if held.call.lease is not None:
-            leases.end(held.call.lease)
+        lease, held_lease = held.call.lease, first.call.lease
+        if lease is not None and (held_lease is None or lease.id != held_lease.id):
+            leases.end(lease)
         held.request.reject(requeue=False)
 
     def _let_go(self, held: Held) -> None:
         """`held` is settled: a message of its call at its hop is a call again."""
-        if self._twins.get(held.twin) == held.key:
+        if self._twins.get(held.twin) is held:
             del self._twins[held.twin]
 
     def forget(self) -> None:
@@ -246,13 +254,18 @@ class Batcher:
                 if due is not None:
                     self._wake_at(due)
                 return
+            if self._busy:  # a session's: the revoked ones leave, the others go to it
+                revoked = {i for i in picked if self._dropped_revoked(self._waiting[i].item)}
+                kept = [i for i in picked if i not in revoked]
+                handed = self._hand_over([self._waiting[i] for i in kept], generation)
+                gone = revoked | set(kept[:handed])
+                self._waiting = [w for i, w in enumerate(self._waiting) if i not in gone]
+                if kept and not handed:
+                    return  # it waits for the session, and so does all behind it (order)
+                continue
             batch = [self._waiting[i] for i in picked]
-            if self._busy and not self._hand_over(batch, generation):
-                return  # it waits for the session to end, and so does all behind it
             chosen = set(picked)
             self._waiting = [w for i, w in enumerate(self._waiting) if i not in chosen]
-            if self._busy:
-                continue
             live = [w for w in batch if not self._dropped_revoked(w.item)]
             if live and generation:
                 self._send_generation(live)
@@ -319,41 +332,48 @@ class Batcher:
 
     # --- sessions (tasks.serving.generating) ----------------------------------------
 
-    def _hand_over(self, batch: list[Waiting[Held]], generation: bool) -> bool:
-        """Hand the running session one generating call, or one batch; False when it may
-        not take them (a redelivered call, a time limit past its own, a full channel)."""
+    def _hand_over(self, batch: list[Waiting[Held]], generation: bool) -> int:
+        """Hand the running session one generating call, or as much of one batch as one
+        message holds: how many calls it took (0: none now; a redelivered call, a session
+        not started yet or alone, a full channel, or one call too large to hand over)."""
         job, gen = self._session, self._gen
-        helds = [w.item for w in batch]
-        if job is None or gen is None or any(_redelivered(h.request) for h in helds):
-            return False
-        if not job.joinable(_hard(helds[0].request)):  # a batch's calls share their limits
-            return False
-        channel = gen.channel()
-        payload: Any = (
-            _child_call(helds[0], batch[0].since_ms, timed=True)
-            if generation
-            else {"group": batch[0].group, "jobs": [_child_call(w.item, w.since_ms) for w in batch]}
-        )
-        if channel is None or not channel.send(("call", job.id, payload)):
-            return False
-        for held in helds:
-            job.requests[held.key] = held
+        channel = gen.channel() if gen is not None else None
+        if not batch or job is None or channel is None or not job.joinable:
+            return 0
+        if any(_redelivered(w.item.request) for w in batch):
+            return 0
+        count = len(batch)
+        while count:
+            handed = batch[:count]
+            payload: Any = (
+                _child_call(handed[0].item, handed[0].since_ms, timed=True)
+                if generation
+                else {"group": handed[0].group,
+                      "jobs": [_child_call(w.item, w.since_ms, timed=True) for w in handed]}
+            )  # fmt: skip
+            data = channel.encode(("call", job.id, payload))
+            if len(data) <= channel.limit:
+                break
+            count //= 2  # too large for one message: fewer calls
+        if not count:
+            return 0
+        with quarantine.in_hand(w.item.request.id for w in handed):
+            if not channel.send_encoded(data):
+                return 0  # the child's side is full: tried again at the next look
+        for w in handed:
+            job.requests[w.item.key] = w.item
             if job.accepted is not None:
-                held.request.on_accepted(*job.accepted)
-        return True
+                w.item.request.on_accepted(*job.accepted)
+        return count
 
     def _send_generation(self, batch: list[Waiting[Held]]) -> None:
-        """Start a session with the generating calls `batch` (the next ones go to it)."""
+        """Start a session with the generating calls `batch` (the next ones go to it once
+        the child took it)."""
         gen = self._gen
         assert gen is not None
         job = generating.Job({w.item.key: w.item for w in batch})
         job.alone = any(_redelivered(w.item.request) for w in batch)  # alone, as in batches
         jobs = [_child_call(w.item, w.since_ms, timed=True) for w in batch]
-        hards = [_hard(w.item.request) for w in batch]
-        if all(hard is not None for hard in hards):  # else no limit, as for a batch
-            # a hung pass must not hold the child forever: the longest call, begun as late
-            # as a call may join (calls that would outlive it do not join)
-            job.timeout = gen.window_s + max(h for h in hards if h is not None)
         self._busy = True
         self._session = job
         self._sessions[job.id] = job
@@ -363,16 +383,14 @@ class Batcher:
             job.accepted = (pid, time_accepted)
             for held in list(job.requests.values()):
                 held.request.on_accepted(pid, time_accepted)
+            with self._lock:
+                self._next()  # what waited for it to start goes to it now
 
         def done(results: dict[str, Any]) -> None:
             self._session_ended(job, connection, results, None)
 
         def failed(exc_info: Any) -> None:
             self._session_ended(job, connection, {}, exc_info)
-
-        def timed_out(is_soft: bool, timeout: float) -> None:
-            for held in list(job.requests.values()):  # as Celery does for one: fail it
-                held.request.on_timeout(is_soft, timeout)
 
         try:
             with quarantine.in_hand(w.item.request.id for w in batch):
@@ -382,10 +400,8 @@ class Batcher:
                     accept_callback=accepted,
                     callback=done,
                     error_callback=failed,
-                    timeout_callback=timed_out,
-                    timeout=job.timeout,
                     correlation_id=uuid.uuid4().hex,
-                )  # each call's own limit ends it in the child, between steps
+                )  # no pool limit: each call's own limit ends it in the child
         except BaseException:
             self._busy = False
             self._session = None
@@ -400,6 +416,7 @@ class Batcher:
         connection may still hold the child and read, and drop, what was meant for this)."""
         with self._lock:
             self._collect()
+            self._next()  # a hand-over the channel had no room for goes again
             job, gen = self._session, self._gen
             if job is None or gen is None or (channel := gen.channel()) is None:
                 return
@@ -511,8 +528,9 @@ def _call_of(request: Any) -> Call | None:
 
 
 def _child_call(held: Held, since_ms: float, *, timed: bool = False) -> ChildCall:
-    """What the child needs to run `held` as Celery would (`ChildCall`); `timed`: with its
-    hard time limit, which a generating call's engine keeps as a deadline."""
+    """What the child needs to run `held` as Celery would (`ChildCall`); `timed`: with the
+    end of its hard time limit, counted from now, which a session keeps (it has no pool
+    limit)."""
     request = held.request
     trace = (
         celery_trace.fast_trace_task
@@ -528,7 +546,13 @@ def _child_call(held: Held, since_ms: float, *, timed: bool = False) -> ChildCal
         request.content_encoding,
     )
     hard = _hard(request) if timed else None
-    return ChildCall(trace, args, held.call.as_json(), since_ms, held.key, hard)
+    deadline = time.time() + hard if hard is not None else None
+    return ChildCall(trace, args, held.call.as_json(), since_ms, held.key, deadline)
+
+
+def _tag(request: Any) -> Any:
+    """A request's delivery tag (None where it has no message)."""
+    return getattr(getattr(request, "message", None), "delivery_tag", None)
 
 
 def _redelivered(request: Any) -> bool:

@@ -70,9 +70,12 @@ class Cancels:
         self._flushing: Any = None  # the timer entry, once started
 
     def install(self, timer: Any) -> _Strategy:
-        """The strategy of `gpufleet.cancel` messages, and the flush on `timer` (once)."""
-        if self._flushing is None:
-            self._flushing = timer.call_repeatedly(FLUSH_S, self.flush)
+        """The strategy of `gpufleet.cancel` messages, and the flush on `timer`. Called on
+        every connection: Celery cancels the timer entries a connection made when it fails,
+        so the flush is made anew each time."""
+        if self._flushing is not None:
+            self._flushing.cancel()
+        self._flushing = timer.call_repeatedly(FLUSH_S, self.flush)
 
         def task_message_handler(message: Any, *_: Any, **__: Any) -> None:
             args, kwargs, _ = message.decode()  # checked already (`tasks.broker.intake`)

@@ -128,14 +128,7 @@ class Consumer(CeleryConsumer):
         processes = kwargs.get("initial_prefetch_count", 1) // multiplier
         kwargs["prefetch_multiplier"] = per_process
         kwargs["initial_prefetch_count"] = per_process * max(1, processes)
-        generations = batching.Generations(
-            gpu.generates,
-            gpu.session_job,
-            gpu.channel,
-            # A session of calls with time limits has one of its own: the longest of them,
-            # begun as late as this (a quarter of the broker's visibility timeout).
-            window_s=context.settings().visibility_timeout / 4,
-        )
+        generations = batching.Generations(gpu.generates, gpu.session_job, gpu.channel)
         return Batcher(
             kwargs["pool"],
             kwargs["timer"],

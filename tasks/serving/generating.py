@@ -52,10 +52,10 @@ if TYPE_CHECKING:  # GPU workers only: they import torch
 
 log = logging.getLogger(__name__)
 
-MAX_MESSAGE = 4 * 2**20  # bytes of one message; a larger call waits for a new job
+MAX_MESSAGE = 4 * 2**20  # bytes of one message at most; a larger call waits for a new job
 _BUFFER = 8 * 2**20
 REVOKED = "gpufleet-revoked"  # a job's return for a call it stopped because it was revoked
-SETTLED = "settled"  # the child's message: ("settled", session id, {task id: tracer return})
+SETTLED = "settled"  # the child's message: ("settled", session id, {key: tracer return})
 
 
 class Channel:
@@ -67,11 +67,23 @@ class Channel:
             end.setblocking(False)
             end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _BUFFER)
             end.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _BUFFER)
+        # The kernel caps the buffer (net.core.wmem_max, 208 KiB on many hosts) and reports
+        # twice what it keeps; one message must fit what it keeps.
+        sent = self._parent.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+        self.limit = min(MAX_MESSAGE, sent // 2)  # the largest message, in bytes
+
+    def encode(self, message: tuple[Any, ...]) -> bytes:
+        """`message` as `send_encoded` sends it (its size says whether it fits `limit`)."""
+        return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
 
     def send(self, message: tuple[Any, ...]) -> bool:
         """From the main process; False when the message cannot go now (too large, or the
         child's side is full), never blocking."""
-        return _send(self._parent, message)
+        return self.send_encoded(self.encode(message))
+
+    def send_encoded(self, data: bytes) -> bool:
+        """`send` for a message `encode` made."""
+        return _send(self._parent, data, self.limit)
 
     def receive(self, wait: float) -> list[tuple[Any, ...]]:
         """In the child: every message waiting (after up to `wait` s for a first one)."""
@@ -79,16 +91,15 @@ class Channel:
 
     def tell_parent(self, message: tuple[Any, ...]) -> bool:
         """From the child; False when the message cannot go now, never blocking."""
-        return _send(self._child, message)
+        return _send(self._child, self.encode(message), self.limit)
 
     def from_child(self) -> list[tuple[Any, ...]]:
         """In the main process: every message the child sent, without waiting."""
         return _receive(self._parent, 0.0)
 
 
-def _send(end: socket.socket, message: tuple[Any, ...]) -> bool:
-    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-    if len(data) > MAX_MESSAGE:
+def _send(end: socket.socket, data: bytes, limit: int) -> bool:
+    if len(data) > limit:
         return False
     try:
         end.send(data)
@@ -115,23 +126,22 @@ def _receive(end: socket.socket, wait: float) -> list[tuple[Any, ...]]:
 
 @dataclass
 class Job:
-    """A session the child runs, as the main process sees it."""
+    """A session the child runs, as the main process sees it. It has no pool time limit:
+    it runs as long as calls come, and each call's own limit holds in the child (a
+    generating call's at every step, a batched call's before its pass)."""
 
     requests: dict[str, Any]  # a message's key -> its `batching.Held`, until settled
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
-    started: float = field(default_factory=time.monotonic)
     accepted: tuple[int, float] | None = None  # the child's pid and when, once it took it
-    timeout: float | None = None  # the pool's hard limit on the whole job (None: none)
     alone: bool = False  # it runs a redelivered call, which may have killed the last child
-    told: dict[str, float] = field(default_factory=dict)  # revoked call -> when last told
+    told: dict[str, float] = field(default_factory=dict)  # revoked call's key -> when told
 
-    def joinable(self, hard: float | None) -> bool:
-        """Whether a call with hard time limit `hard` may join: not while a redelivered
-        call runs, and within what is left of the job's own limit (a job without one takes
-        any call)."""
-        age = time.monotonic() - self.started
-        within = self.timeout is None or (hard is not None and age + hard <= self.timeout)
-        return within and not self.alone
+    @property
+    def joinable(self) -> bool:
+        """Whether calls may join it now: once the child took it (a job queued behind a
+        session of a lost connection would have that one drop them as stale), and never
+        beside a redelivered call."""
+        return self.accepted is not None and not self.alone
 
 
 # ---------------------------------------------------------------------------------------
@@ -183,11 +193,13 @@ class ChildFeed:
         self._unrun: dict[int, list[Any]] = {}  # batches formed and not run yet
         self._cancelled: list[str] = []
         self._revoked: set[str] = set()
+        self._unsent: dict[str, Any] = {}  # ended calls the channel had no room to tell of
         self.results: dict[str, Any] = {}
         for job in jobs:
             self._arrived(job)
 
     def take(self, wait: float) -> list[GenCall | OneShot]:
+        self._tell()
         if self._channel is not None:
             waiting = not (self._new or self._arrivals)
             for message in self._channel.receive(wait if waiting else 0.0):
@@ -241,8 +253,14 @@ class ChildFeed:
         return self._limits_of(Call.from_json(entry.item.call).model)
 
     def _run(self, batch: list[Any], error: BaseException | None) -> None:
-        if self._unrun.pop(id(batch), None) is not None:
-            self._settle(self._batch(batch, error))
+        if self._unrun.pop(id(batch), None) is None:
+            return
+        try:
+            returns = self._batch(batch, error)
+        except Exception as exc:  # not the model's (its errors are its calls'): say so to them
+            log.exception("could not run a batch of %d call(s)", len(batch))
+            returns = self._batch(batch, exc)
+        self._settle(returns)
 
     def cancelled(self) -> Iterable[str]:
         cancelled, self._cancelled = self._cancelled, []
@@ -258,9 +276,28 @@ class ChildFeed:
         self._settle({call.key: REVOKED if revoked else answer})
 
     def _settle(self, returns: dict[str, Any]) -> None:
-        """Tell the main process these calls ended (or keep them for the job's return)."""
-        if self._channel is None or not self._channel.tell_parent((SETTLED, self.job_id, returns)):
-            self.results.update(returns)
+        """Tell the main process these calls ended (at the next turn, if the channel has no
+        room now; in the job's return, if it never has)."""
+        self._unsent.update(returns)
+        self._tell()
+
+    def _tell(self) -> None:
+        if not self._unsent or self._channel is None:
+            return
+        if self._channel.tell_parent((SETTLED, self.job_id, self._unsent)):
+            self._unsent = {}
+            return
+        for key in list(self._unsent):  # too large together (or no room): one at a time
+            if not self._channel.tell_parent((SETTLED, self.job_id, {key: self._unsent[key]})):
+                return
+            del self._unsent[key]
+
+    def leftover(self) -> dict[str, Any]:
+        """As the session ends: what it must return, the ended calls it could not tell of."""
+        self._tell()
+        self.results.update(self._unsent)
+        self._unsent = {}
+        return self.results
 
     def more(self) -> bool:
         return False

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 import signal
 import threading
@@ -18,7 +19,7 @@ import time
 from typing import Any, NoReturn
 
 from celery import Task
-from celery.exceptions import SoftTimeLimitExceeded
+from celery.exceptions import SoftTimeLimitExceeded, TimeLimitExceeded
 from celery.signals import worker_init, worker_process_init, worker_process_shutdown
 from celery.utils.log import mlevel
 
@@ -129,10 +130,16 @@ def _serve_batch(calls: list[Call]) -> list[Served | BaseException]:
     finally:
         if batched:
             _say_batch(worker, first.replica, 0)
-        try:
-            worker.registry.finish_all([c.lease for c in calls if c.lease is not None])
-        except GpufleetError:  # they expire on their own; the answers stand
-            log.warning("could not end the leases of a batch of %d", len(calls), exc_info=True)
+        _end_leases(worker, calls)
+
+
+def _end_leases(worker: GpuWorker, calls: list[Call]) -> None:
+    """End the request leases of `calls`, in one round trip, as each call's own would end
+    once its answer is known (or once it will not run)."""
+    try:
+        worker.registry.finish_all([c.lease for c in calls if c.lease is not None])
+    except GpufleetError:  # they expire on their own; the answers stand
+        log.warning("could not end the leases of %d call(s)", len(calls), exc_info=True)
 
 
 def session_job(job_id: str, jobs: list[batching.ChildCall]) -> dict[str, Any]:
@@ -168,21 +175,34 @@ class _Session:
                 _say_batch(self.worker, replica, 0)
             for replica in [r for r, (tokens, _) in self.held.items() if tokens]:
                 _say_kv(self.worker, replica, 0)
-        return feed.results
+        return feed.leftover()
 
     def gen_call(self, job: batching.ChildCall) -> GenCall:
         call = Call.from_json(job.call)
         self.calls[job.key] = (call, time.time() * 1000)
         on_text = self.writer.for_call(job.task_id) if _streams(call) else None
-        deadline = time.monotonic() + job.hard if job.hard else None
+        deadline = None  # the engine's clock: time.monotonic()
+        if job.deadline is not None:
+            deadline = time.monotonic() + (job.deadline - time.time())
         return GenCall(
             job.key, call.inputs, call.params, on_text, deadline, call.replica, call.epoch
         )
 
     def batch(self, jobs: list[batching.ChildCall], error: BaseException | None) -> dict[str, Any]:
         """Run a batch of one-shot calls (or, with `error`, answer them with it unrun):
-        each call's tracer return, by its message's key."""
-        serve = _serve_batch if error is None else (lambda calls: [error] * len(calls))
+        each call's tracer return, by its message's key. A call whose time limit ended
+        while it waited fails with `TimeLimitExceeded`, unrun (a session has no pool limit
+        to stop it); the leases of the calls that do not run end here."""
+
+        def serve(calls: list[Call]) -> list[Served | BaseException]:
+            now = time.time()
+            late = [error is not None or (j.deadline or math.inf) <= now for j in jobs]
+            _end_leases(self.worker, [c for c, skip in zip(calls, late, strict=True) if skip])
+            run = [c for c, skip in zip(calls, late, strict=True) if not skip]
+            served = iter(_serve_batch(run) if run else [])
+            expired = TimeLimitExceeded("the call's time limit ended before it ran")
+            return [(error or expired) if skip else next(served) for skip in late]
+
         returns = batching.run_batch(jobs, serve, app.backend)
         return {job.key: ret for job, ret in zip(jobs, returns, strict=True)}
 
@@ -211,7 +231,10 @@ class _Session:
         else:
             served, reason = outcome, "error"
         if _streams(call):
-            self.writer.end(job.task_id, "cancelled" if revoked else reason)
+            try:
+                self.writer.end(job.task_id, "cancelled" if revoked else reason)
+            except Exception:  # the stream expires on its own; the answer stands
+                log.warning("could not end the stream of %s", job.task_id, exc_info=True)
         answer = None
         if not revoked:
             waited = max(0.0, started - job.since_ms)

@@ -90,7 +90,7 @@ class Driver:
             try:
                 arrived.append(_Running(call, _sequences(self.engine, call, self.template)))
             except PayloadError as exc:
-                self._finished(call, exc)
+                self._reply(call, exc)
         for entry in sorted(arrived, key=lambda e: sum(len(s.prompt) for s in e.sequences)):
             self._running[entry.call.key] = entry
             for sequence in entry.sequences:
@@ -103,19 +103,27 @@ class Driver:
             self.engine.cancel(sequence.key)
 
     def step(self) -> None:
-        """One step of the engine; answer the calls whose last sequence ended in it."""
+        """One step of the engine (its model's error propagates: `fail`); answer the calls
+        whose last sequence ended in it."""
         for sequence in self.engine.step():
             call_key, _ = cast(tuple[str, int], sequence.key)
             done = self._running.get(call_key)
             if done is not None and all(s.done for s in done.sequences):
                 del self._running[call_key]
-                self._finished(done.call, _answer(done))
+                self._reply(done.call, _answer(done))
 
     def fail(self, error: BaseException) -> None:
         """Answer every call left with `error` (the engine failed)."""
         running, self._running = self._running, {}
         for entry in running.values():
-            self._finished(entry.call, error)
+            self._reply(entry.call, error)
+
+    def _reply(self, call: GenCall, outcome: Generated | BaseException) -> None:
+        """`finished`, whose own failure is that call's alone, never the engine's."""
+        try:
+            self._finished(call, outcome)
+        except Exception:
+            log.exception("could not answer generating call %s", call.key)
 
 
 def _sequences(engine: Engine, call: GenCall, template: str | None) -> list[Sequence_]:
