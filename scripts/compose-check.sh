@@ -6,7 +6,8 @@
 #
 # 1. A Docker engine: the running one, else dockerd started here (installed with apt when
 #    missing; `--bridge=none --iptables=false`, which runs in a container sandbox), and
-#    stopped at the end.
+#    stopped at the end; and compose (Debian's docker-compose, installed when neither
+#    `docker compose` nor docker-compose is there).
 # 2. Images, without a registry when none answers: the base from debootstrap (Debian
 #    bookworm: Python 3.11, redis-server), imported as gpufleet-base:bookworm and kept for
 #    the next run; the gpufleet image built with no network from wheels prepared here
@@ -73,6 +74,13 @@ if ! docker info >/dev/null 2>&1; then
   dockerd_pid=$!
   for _ in $(seq 60); do docker info >/dev/null 2>&1 && break; sleep 1; done
   docker info >/dev/null 2>&1 || { tail -20 "$work/dockerd.log"; fail "dockerd did not start"; }
+fi
+if ! docker compose version >/dev/null 2>&1 && ! command -v docker-compose >/dev/null; then
+  # A fresh Debian host: docker.io brings the engine, not compose (Debian's package of it)
+  command -v apt-get >/dev/null || fail "neither 'docker compose' nor docker-compose is installed"
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+    docker-compose >/dev/null
 fi
 if docker compose version >/dev/null 2>&1; then
   compose=(docker compose)
