@@ -20,9 +20,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import overload
-from urllib.parse import urlparse
 
 from placement.errors import ConfigError, MemorySizeError
+from placement.ledger import endpoint
 from placement.ledger.keys import Keys
 from placement.ledger.membership import DEFAULT_WORKER_LEASE_MS
 from placement.policy.settings import GpuChoice, PolicySettings, VictimOrder
@@ -73,7 +73,8 @@ class Variable:
 
 VARIABLES: tuple[Variable, ...] = (
     Variable("GPUFLEET_REDIS_URL", f"the running fleet's, else `{DEFAULT_URL}`",
-             "the registry; `rediss://` and passwords in the URL work"),
+             "the registry; `rediss://`, passwords in the URL and Sentinels "
+             "(`sentinel://HOST:PORT;...?master_name=NAME`, docs/deploy.md) work"),
     Variable("GPUFLEET_BROKER_URL", "`GPUFLEET_REDIS_URL`",
              "the Celery broker: Redis 6.2 or later (workers take with `BLMOVE`, docs/tasks.md)"),
     Variable("GPUFLEET_RESULT_BACKEND", "the broker", "the Celery result backend"),
@@ -215,10 +216,10 @@ class Settings:
             ("GPUFLEET_BROKER_URL", broker),
             ("GPUFLEET_RESULT_BACKEND", backend),
         ):
-            if urlparse(url).scheme not in ("redis", "rediss"):
-                raise ConfigError(
-                    f"{name}: {safe_url(url)!r} must start with redis:// or rediss://"
-                )
+            try:
+                endpoint.parse(url)
+            except ConfigError as exc:
+                raise ConfigError(f"{name}: {exc}") from None
         role = env.text("GPUFLEET_ROLE", "client")
         if role not in ROLES:
             raise ConfigError(f"GPUFLEET_ROLE={role!r} must be one of {', '.join(ROLES)}")
@@ -310,12 +311,8 @@ def read_connection(path: Path) -> Connection | None:
 
 
 def safe_url(url: str) -> str:
-    """`url` with its password masked, for output and logs."""
-    parts = urlparse(url)
-    if not parts.password:
-        return url
-    user = parts.username or ""
-    return parts._replace(netloc=f"{user}:***@{parts.hostname}:{parts.port}").geturl()
+    """`url` with its password masked, for output and logs (each part of a Sentinel URL)."""
+    return ";".join(endpoint.masked(part) for part in url.split(";"))
 
 
 class _Env:

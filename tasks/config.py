@@ -10,6 +10,7 @@ import ssl
 from typing import Any
 
 from placement.config import Settings
+from placement.ledger import endpoint
 
 ROUTER_QUEUE = "celery"  # Celery's default: a client that imports nothing reaches the router
 #: The router's second queue, which only fleet processes write: calls a GPU worker routes
@@ -18,8 +19,9 @@ ROUTER_QUEUE = "celery"  # Celery's default: a client that imports nothing reach
 INTERNAL_QUEUE = "gpufleet.router"
 ROUTER_QUEUES = (ROUTER_QUEUE, INTERNAL_QUEUE)
 #: The result backend every gpufleet process uses: Celery's Redis one, less the call's
-#: arguments in each result.
+#: arguments in each result; and the same through Sentinels.
 RESULT_BACKEND = "tasks.broker.results:Backend"
+SENTINEL_BACKEND = "tasks.broker.results:SentinelBackend"
 #: The queues any caller may write (docs/deploy.md, "Security"): what is taken from them
 #: is checked as a caller's (`tasks.broker.intake`).
 PUBLIC_QUEUES = frozenset({ROUTER_QUEUE})
@@ -34,12 +36,8 @@ PUBLISH_RETRY_POLICY = {
 
 def celery_conf(settings: Settings) -> dict[str, Any]:
     """The Celery configuration every gpufleet process shares."""
-    transport = {"visibility_timeout": settings.visibility_timeout}
     conf: dict[str, Any] = {
-        "broker_url": settings.broker_url,
-        "broker_transport": "tasks.broker.transport:Transport",  # redis(s):// that loses no message
-        # Celery's `backend+url` form: this class (tasks/broker/results.py) for a redis(s):// URL.
-        "result_backend": f"{RESULT_BACKEND}+{settings.result_backend}",
+        **redis_conf(settings.broker_url, settings.result_backend, settings.visibility_timeout),
         # JSON only: pickle is refused on the way in and on the way out.
         "task_serializer": "json",
         "result_serializer": "json",
@@ -49,10 +47,6 @@ def celery_conf(settings: Settings) -> dict[str, Any]:
         "task_acks_late": True,
         "task_reject_on_worker_lost": True,
         "worker_prefetch_multiplier": 1,
-        # One visibility timeout, the same for the broker and the result backend. A worker
-        # adds its node name as it starts (`tasks.app`): it takes through in-flight lists.
-        "broker_transport_options": transport,
-        "result_backend_transport_options": transport,
         "task_default_queue": ROUTER_QUEUE,
         # Answers the calls it cannot read (pickle, broken JSON) instead of dropping them.
         "worker_consumer": "tasks.serving.consumer:Consumer",
@@ -73,11 +67,85 @@ def celery_conf(settings: Settings) -> dict[str, Any]:
         "result_backend_max_retries": 30,
         "result_backend_max_sleep_between_retries_ms": 2000,
     }
-    if _tls(settings.broker_url):
-        conf["broker_use_ssl"] = {"ssl_cert_reqs": ssl.CERT_REQUIRED}
-    if _tls(settings.result_backend):
-        conf["redis_backend_use_ssl"] = {"ssl_cert_reqs": ssl.CERT_REQUIRED}
     return conf
+
+
+def redis_conf(broker_url: str, backend_url: str, visibility_timeout: int) -> dict[str, Any]:
+    """A fleet process's broker and result backend at these URLs: `redis://`, `rediss://`
+    or `sentinel://` (`placement.ledger.endpoint`), with the fleet's own transport
+    (`tasks.broker.transport`, which loses no message) and backend (`tasks.broker.results`)."""
+    broker, backend = endpoint.parse(broker_url), endpoint.parse(backend_url)
+    transport = "SentinelTransport" if broker.watched else "Transport"
+    conf: dict[str, Any] = {
+        # One Sentinel's URL, all of them in the transport options (`SentinelChannel`)
+        "broker_url": broker.parts()[0] if broker.watched else broker.url,
+        "broker_transport": f"tasks.broker.transport:{transport}",
+        # Celery's `backend+url` form: the class, then the URL
+        "result_backend": f"{SENTINEL_BACKEND if backend.watched else RESULT_BACKEND}"
+        f"+{_celery_url(backend)}",
+        # One visibility timeout, the same for the broker and the result backend. A worker
+        # adds its node name as it starts (`tasks.app`): it takes through in-flight lists.
+        "broker_transport_options": {
+            "visibility_timeout": visibility_timeout,
+            **_sentinel_options(broker),
+            **({"sentinels": [list(s) for s in broker.sentinels]} if broker.watched else {}),
+        },
+        "result_backend_transport_options": {
+            "visibility_timeout": visibility_timeout,
+            **_sentinel_options(backend),
+        },
+    }
+    if _tls(broker_url):
+        conf["broker_use_ssl"] = {"ssl_cert_reqs": ssl.CERT_REQUIRED}
+    if _tls(backend_url):
+        conf["redis_backend_use_ssl"] = {"ssl_cert_reqs": ssl.CERT_REQUIRED}
+    if backend.watched:  # a primary that stops answering is left, as the broker's is
+        conf["redis_socket_timeout"] = endpoint.FAILOVER_SOCKET_TIMEOUT_S
+        conf["redis_socket_connect_timeout"] = endpoint.FAILOVER_SOCKET_TIMEOUT_S
+    return conf
+
+
+def caller_conf(url: str) -> dict[str, Any]:
+    """What a plain Celery client passes to `app.conf.update(**conf)` to call the fleet
+    whose caller URL is `url` (`gpufleet url --json`): Celery's own transport and backend,
+    JSON, and retries that carry it through a Redis restart or a failover."""
+    found = endpoint.parse(url)
+    where = _celery_url(found)
+    conf: dict[str, Any] = {
+        "broker_url": where,
+        "result_backend": where,
+        "task_serializer": "json",
+        "result_serializer": "json",
+        "accept_content": ["json"],
+        "result_accept_content": ["json"],
+        "broker_connection_retry_on_startup": True,
+        "task_publish_retry_policy": PUBLISH_RETRY_POLICY,
+        "result_backend_always_retry": True,
+        "result_backend_max_retries": 30,
+    }
+    if found.watched:
+        conf["broker_transport_options"] = _sentinel_options(found)
+        conf["result_backend_transport_options"] = found.transport_options()
+        conf["redis_socket_timeout"] = endpoint.FAILOVER_SOCKET_TIMEOUT_S
+        conf["redis_socket_connect_timeout"] = endpoint.FAILOVER_SOCKET_TIMEOUT_S
+    return conf
+
+
+def _celery_url(found: endpoint.Endpoint) -> str:
+    """The URL Celery's broker and backend read: as given, or Sentinels joined by `;`."""
+    return ";".join(found.parts()) if found.watched else found.url
+
+
+def _sentinel_options(found: endpoint.Endpoint) -> dict[str, Any]:
+    """The broker's transport options that find a Sentinel-watched primary, and leave one
+    that stops answering; none for one server."""
+    if not found.watched:
+        return {}
+    return {
+        **found.transport_options(),
+        "socket_timeout": endpoint.FAILOVER_SOCKET_TIMEOUT_S,
+        "socket_connect_timeout": endpoint.FAILOVER_SOCKET_TIMEOUT_S,
+    }
 
 
 def _tls(url: str) -> bool:

@@ -1,7 +1,8 @@
 """The ledger: the fleet's state in Redis, changed only by the Lua scripts in `lua/`.
 
-`keys` (every key, under one hash tag per fleet), `scripts` (the Lua scripts, registered
-once per client), `store` (one client, plain reads), `records` (Redis records as the
+`endpoint` (where the fleet's Redis is: one server or Sentinels, and its clients), `keys`
+(every key, under one hash tag per fleet), `scripts` (the Lua scripts, registered once
+per client), `store` (one client, plain reads), `records` (Redis records as the
 policy's values), `membership` (workers and their leases), `registry` (placements,
 evictions, request leases), `hot` (the fast path's leases, and the router's one-step
 forward), `follow` (the router's view, kept current from the events

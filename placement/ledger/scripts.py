@@ -11,7 +11,8 @@ with the client's own connection settings (password, TLS, database). redis-py's
 command path (pool checkout, observability hooks, generic packing) adds about 85 µs to
 a 50 µs round trip on the 2-core test machine, and every call of the fast path (`pick`,
 `finish`) and of the router's miss path is a script call (docs/placement.md). A script unknown to
-the server (NOSCRIPT: after a restart or a SCRIPT FLUSH) is loaded and called again.
+the server (NOSCRIPT: after a restart, a failover or a SCRIPT FLUSH) is loaded and called
+again; a demoted primary's READONLY drops the connection (`placement.ledger.endpoint`).
 """
 
 from __future__ import annotations
@@ -25,8 +26,11 @@ from importlib import resources
 from typing import Any
 
 import redis
-from redis.exceptions import NoScriptError
+import redis.sentinel
+from redis.exceptions import NoScriptError, ResponseError
 from redis.utils import HIREDIS_AVAILABLE
+
+from placement.ledger import endpoint
 
 if HIREDIS_AVAILABLE:
     import hiredis
@@ -73,16 +77,27 @@ class Scripts:
         pool = client.connection_pool
         self._connect = functools.partial(pool.connection_class, **pool.connection_kwargs)
         self._mine = threading.local()
+        # A Sentinel-managed connection finds the primary in `connect`, which redis-py's
+        # pool calls and its send path does not: a closed one would dial its default host.
+        self._dials = isinstance(pool, redis.sentinel.SentinelConnectionPool)
 
     def __call__(self, name: str, keys: list[str], args: list[Any]) -> Any:
         """Run script `name` and return its reply; a Redis error reply is raised."""
         conn = self._connection()
+        if self._dials:
+            conn.connect()  # a no-op while connected
         try:
-            return self._call(conn, sha(name), keys, args)
-        except NoScriptError:
-            conn.send_command("SCRIPT", "LOAD", source(name))
-            conn.read_response()
-            return self._call(conn, sha(name), keys, args)
+            try:
+                return self._call(conn, sha(name), keys, args)
+            except NoScriptError:  # a restarted or new primary: load it there
+                conn.send_command("SCRIPT", "LOAD", source(name))
+                conn.read_response()
+                return self._call(conn, sha(name), keys, args)
+        except ResponseError as exc:
+            if not endpoint.is_readonly(exc):
+                raise
+            conn.disconnect()  # a demoted primary: the next call connects to the new one
+            raise redis.ConnectionError(f"the primary was demoted ({exc})") from exc
 
     @staticmethod
     def _call(conn: Any, digest: str, keys: list[str], args: list[Any]) -> Any:

@@ -16,7 +16,7 @@ import redis
 from redis.exceptions import NoPermissionError
 
 from placement.errors import AccessDeniedError, ConfigError, RegistryError
-from placement.ledger import records
+from placement.ledger import endpoint, records
 from placement.ledger.keys import KeyList, Keys
 from placement.ledger.scripts import Scripts, scripts_for
 from placement.policy.settings import PolicySettings
@@ -52,14 +52,19 @@ class Store:
         self.events_maxlen = events_maxlen
         self._scripts: Scripts = scripts_for(client)
         self._answered = False  # has this registry answered once? Then outages are waited out
+        self.outage_s = RECONNECT_S  # how long: a restart (from_url: a failover too)
         #: Who takes this client's request leases: a Celery worker's presence token (its
         #: process and its pool's), which starts every lease id it makes (`hot.new_lease_id`).
         self.taker = ""
 
     @classmethod
     def from_url(cls: type[S], url: str, fleet: str = "default", **kwargs: Any) -> S:
-        """Connect with a `redis://` or `rediss://` URL (passwords in the URL work)."""
-        return cls(redis.Redis.from_url(url, decode_responses=True), fleet, **kwargs)
+        """Connect with a `redis://`, `rediss://` or `sentinel://` URL (passwords in the URL
+        work; `placement.ledger.endpoint`)."""
+        found = endpoint.parse(url)
+        store = cls(found.client(decode_responses=True), fleet, **kwargs)
+        store.outage_s = found.outage_s or RECONNECT_S
+        return store
 
     def _run(self, name: str, keys: list[str], args: list[Any]) -> Any:
         return self._reaching(lambda: self._scripts(name, keys, args))
@@ -79,11 +84,13 @@ class Store:
 
     def _reaching(self, call: Callable[[], T]) -> T:
         """`call`, tried again while a Redis that answered before is briefly away (a
-        restart replaying its append-only file) for up to `RECONNECT_S`; a Redis that never
-        answered fails at once. A script whose reply was lost may thus run twice: the
-        ledger's scripts check their preconditions, so a second run changes nothing or is
-        refused (a `pick` may hold a second lease until its deadline)."""
-        deadline = time.monotonic() + RECONNECT_S
+        restart replaying its append-only file, a failover) for up to `outage_s`; a Redis
+        that never answered fails at once. A demoted primary's refusal (READONLY) counts
+        as away: the next try connects to the new one. A script whose reply was lost may
+        thus run twice: the ledger's scripts check their preconditions, so a second run
+        changes nothing or is refused (a `pick` may hold a second lease until its
+        deadline)."""
+        deadline = time.monotonic() + self.outage_s
         delay = 0.05
         while True:
             try:
@@ -93,7 +100,11 @@ class Store:
                     f"this registry URL's Redis user may not do that ({exc}); the URL "
                     f"`gpufleet url` prints has a caller's rights: send calls and read results"
                 ) from None
-            except redis.ConnectionError as exc:
+            except (redis.ConnectionError, redis.ResponseError) as exc:
+                if not isinstance(exc, redis.ConnectionError):
+                    if not endpoint.is_readonly(exc):
+                        raise
+                    self.client.connection_pool.disconnect()  # off the demoted primary
                 if not self._answered or time.monotonic() + delay > deadline:
                     raise unreachable(exc) from exc
                 log.warning("registry unreachable (%s); trying again", exc)
@@ -150,7 +161,7 @@ def time_ms(reply: Sequence[Any]) -> int:
     return int(seconds) * 1000 + int(micros) // 1000
 
 
-def unreachable(exc: redis.ConnectionError) -> RegistryError:
+def unreachable(exc: redis.RedisError) -> RegistryError:
     """The error for a registry that does not answer, saying what to do."""
     why = str(exc).strip().rstrip(".")
     return RegistryError(

@@ -35,6 +35,7 @@ from typing import Any
 
 import redis
 
+from placement.ledger import endpoint
 from placement.server.acl import CALLER, FLEET, OPERATOR
 
 __all__ = ["CALLER_SHARE", "GUARD_EVERY_S", "MAX_CLIENTS", "ConnectionGuard", "max_clients"]
@@ -67,7 +68,7 @@ class ConnectionGuard:
 
     def __init__(self, url: str, limit: int, every_s: float = GUARD_EVERY_S) -> None:
         self.limit = limit
-        self._client = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
+        self._client = endpoint.connect(url, socket_timeout=5, socket_connect_timeout=5)
         self._every_s = every_s
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None

@@ -63,7 +63,7 @@ from types import TracebackType
 from placement.errors import ConfigError, RegistryError
 from placement.server.acl import FLEET, USERS, Users, acl_lines, user_url
 
-__all__ = ["RedisServer", "find_redis_server"]
+__all__ = ["RedisServer", "conf_quote", "find_redis_server", "free_port", "ping", "stop_process"]
 
 log = logging.getLogger(__name__)
 
@@ -158,6 +158,8 @@ class RedisServer:
     `maxmemory` (bytes) caps its memory with the ``noeviction`` policy: when full it
     refuses writes rather than evict a queued call, a ledger key or a result.
     `maxclients` sets how many connections it takes at once (`placement.server.connections`).
+    `replica_of` (a port on 127.0.0.1) makes it a replica of that server, which has the
+    same password (`placement.server.sentinel`).
     """
 
     def __init__(
@@ -170,17 +172,21 @@ class RedisServer:
         users: Users | None = None,
         maxmemory: int | None = None,
         maxclients: int | None = None,
+        replica_of: int | None = None,
     ) -> None:
         if port is not None and not 0 < port < 65536:
             raise ConfigError(f"redis port must be in 1..65535, got {port}")
         if password is not None and users is not None:
             raise ConfigError("give a redis server a password or users, not both")
+        if replica_of is not None and users is not None:
+            raise ConfigError("a replica signs in with a password, not the fleet's users")
         given = [password] if users is None else [users.password(u) for u in USERS]
         if any(p is not None and (p == "" or "\x00" in p) for p in given):
             raise ConfigError("redis password must be non-empty and contain no NUL byte")
         self._users = users
         self._maxmemory = maxmemory
         self._maxclients = maxclients
+        self.replica_of = replica_of
         self._requested_port = port
         self._password = password
         self._binary = binary
@@ -263,7 +269,7 @@ class RedisServer:
         binary = self.binary
         attempts = 1 if self._requested_port is not None else _PORT_ATTEMPTS
         for attempt in range(1, attempts + 1):
-            port = self._requested_port or _free_port()
+            port = self._requested_port or free_port()
             try:
                 self._launch(binary, port)
                 self._wait_ready(START_TIMEOUT_S)
@@ -304,10 +310,10 @@ class RedisServer:
         if proc is not None:
             log.debug("stopping redis-server pid %d", proc.pid)
         if self._data_dir is not None and tmpdir is not None:
-            _stop_process(proc, None)
+            stop_process(proc, None)
             (tmpdir / _CONF_NAME).unlink(missing_ok=True)
             return
-        _stop_process(proc, tmpdir)
+        stop_process(proc, tmpdir)
 
     def __enter__(self) -> RedisServer:
         return self.start()
@@ -333,9 +339,12 @@ class RedisServer:
         args = [binary]
         conf_lines = []
         if self._password is not None:
-            conf_lines.append(f"requirepass {_conf_quote(self._password)}")
+            conf_lines.append(f"requirepass {conf_quote(self._password)}")
+            conf_lines.append(f"masterauth {conf_quote(self._password)}")  # as a replica
         if self._users is not None:
             conf_lines += acl_lines(self._users, redis_version(binary)[0])
+        if self.replica_of is not None:
+            conf_lines.append(f"replicaof {HOST} {self.replica_of}")
         if conf_lines:
             conf = tmpdir / _CONF_NAME
             fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -379,7 +388,7 @@ class RedisServer:
         self._proc = proc
         self._port = port
         owned = tmpdir if self._data_dir is None else None
-        self._finalizer = weakref.finalize(self, _stop_process, proc, owned)
+        self._finalizer = weakref.finalize(self, stop_process, proc, owned)
 
     def _wait_ready(self, timeout: float) -> None:
         proc = self._proc
@@ -391,7 +400,7 @@ class RedisServer:
             code = proc.poll()
             if code is not None:
                 raise RegistryError(f"redis-server exited with code {code} during startup")
-            reply = _ping(port, self._auth())
+            reply = ping(port, self._auth())
             if reply == "PONG":
                 return
             last_error = reply
@@ -419,7 +428,7 @@ class RedisServer:
         return "\n".join(lines[-max_lines:]) if lines else "(log is empty)"
 
 
-def _stop_process(proc: subprocess.Popen[bytes] | None, tmpdir: Path | None) -> None:
+def stop_process(proc: subprocess.Popen[bytes] | None, tmpdir: Path | None) -> None:
     """Terminate *proc* (then kill it) and remove *tmpdir*; also the GC/atexit finalizer."""
     if proc is not None and proc.poll() is None:
         with contextlib.suppress(ProcessLookupError):
@@ -435,7 +444,7 @@ def _stop_process(proc: subprocess.Popen[bytes] | None, tmpdir: Path | None) -> 
         shutil.rmtree(tmpdir, ignore_errors=True)
 
 
-def _free_port() -> int:
+def free_port() -> int:
     """A port that was free on 127.0.0.1 a moment ago (start() retries if it is taken)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((HOST, 0))
@@ -443,7 +452,7 @@ def _free_port() -> int:
         return port
 
 
-def _ping(port: int, auth: tuple[str, ...]) -> str:
+def ping(port: int, auth: tuple[str, ...]) -> str:
     """PING the server over a raw socket, AUTH first with `auth` when it is not empty;
     ``"PONG"`` on success, else what went wrong."""
     try:
@@ -471,7 +480,7 @@ def _resp_command(*parts: str) -> bytes:
     return b"".join(out)
 
 
-def _conf_quote(value: str) -> str:
+def conf_quote(value: str) -> str:
     r"""Quote *value* for redis.conf (sdssplitargs: ``\\``, ``\"`` and ``\xHH`` escapes)."""
     out = []
     for byte in value.encode("utf-8"):

@@ -30,6 +30,7 @@ from celery.signals import worker_init
 
 from placement.config import safe_url
 from placement.errors import BrokerInUseError
+from placement.ledger import endpoint
 from placement.ledger.keys import BROKER_CLAIM
 from placement.ledger.scripts import scripts_for
 from tasks import context
@@ -47,7 +48,7 @@ class BrokerClaim:
     def __init__(self, url: str, fleet: str) -> None:
         self.url = url
         self.fleet = fleet
-        self.client = redis.Redis.from_url(
+        self.client = endpoint.connect(
             url, decode_responses=True, socket_timeout=5, socket_connect_timeout=5
         )
         self._stop = threading.Event()

@@ -54,6 +54,7 @@ import redis
 from celery.signals import worker_init, worker_shutdown
 from kombu.transport.redis import Channel as KombuChannel
 
+from placement.ledger import endpoint
 from placement.ledger.keys import CONSUMERS, KeyList, unacked_of
 from placement.ledger.scripts import scripts_for
 from tasks import context
@@ -601,7 +602,7 @@ def _arrive(sender: Any, **_: Any) -> None:
     held, before it consumes anything (after `tasks.broker.claim`'s claim: another fleet's
     worker must not touch this broker's calls)."""
     settings = context.settings()
-    client = redis.Redis.from_url(settings.broker_url, socket_timeout=10, socket_connect_timeout=10)
+    client = endpoint.connect(settings.broker_url, socket_timeout=10, socket_connect_timeout=10)
     queues = list(sender.app.amqp.queues.consume_from or ())
     presence = Presence(client, sender.hostname, settings.role, queues, settings.worker_lease_ms)
     release: Release | None = None

@@ -33,6 +33,7 @@ from typing import Any
 import redis
 from celery.signals import worker_init
 
+from placement.ledger import endpoint
 from placement.ledger.keys import DEATHS, QUARANTINE
 from tasks import context
 
@@ -259,6 +260,6 @@ def _start(sender: Any = None, **_: Any) -> None:
     settings = context.settings()
     if settings.role not in ("router", "gpu") or sender is None:
         return
-    client = redis.Redis.from_url(settings.broker_url, socket_timeout=10, socket_connect_timeout=10)
+    client = endpoint.connect(settings.broker_url, socket_timeout=10, socket_connect_timeout=10)
     path = settings.fleet_dir() / IN_HAND / sender.hostname
     start(client, path, settings.crash_on_call)

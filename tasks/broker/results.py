@@ -31,6 +31,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+from celery.backends import redis as celery_redis
 from celery.backends.redis import RedisBackend
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,12 @@ class Backend(RedisBackend):
         of 50,000 steps cost 50,000 writes). The fleet honours no id it did not create: a
         chain's later steps are left unanswered, and the caller's `.get()` on the chain
         learns the error from its parent, which Celery's client follows (`follow_parents`)."""
+
+
+class SentinelBackend(Backend, celery_redis.SentinelBackend):
+    """`Backend` on a primary that Sentinels watch (`sentinel://`,
+    `placement.ledger.endpoint`): Celery's Sentinel backend finds the primary as each
+    connection opens, so a write after a failover reaches the new one."""
 
 
 @contextmanager

@@ -42,11 +42,14 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from queue import Empty
 from typing import Any
 
+import redis
+import redis.sentinel
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
 from kombu.utils.encoding import bytes_to_str
@@ -54,7 +57,7 @@ from kombu.utils.json import dumps
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
 
-from placement.ledger import scripts
+from placement.ledger import endpoint, scripts
 from placement.ledger.hot import Handover
 from placement.ledger.keys import unacked_of
 from placement.ledger.scripts import scripts_for
@@ -275,6 +278,10 @@ class QoS(kombu_redis.QoS):
             return batch
 
 
+#: The channels of this process that may still consume (`Channel._give_back_unheld`).
+_open_channels: weakref.WeakSet[Channel] = weakref.WeakSet()
+
+
 def _undo(onward: Onward) -> None:
     """End what a divert began for a message that did not move; never fail the consumer."""
     try:
@@ -445,10 +452,39 @@ class Channel(kombu_redis.Channel):
         assert self.consumer_name is not None
         return inflight(key, self.consumer_name)
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[no-untyped-call]
+        _open_channels.add(self)
+
     def basic_consume(self, queue: str, *args: Any, **kwargs: Any) -> Any:
         if self._takes_in_flight and queue not in self._fanout_queues:
             self._put_back_in_flight(queue)
+            self._give_back_unheld()
         return super().basic_consume(queue, *args, **kwargs)  # type: ignore[no-untyped-call]
+
+    def _give_back_unheld(self) -> None:
+        """Put back, first in line, every message recorded as unacknowledged by this
+        consumer that no open channel of this process holds: a channel that closed as
+        Redis went away could not give back what it held (kombu restores it on close),
+        and after a failover the new primary may lack the last acknowledgements, whose
+        messages nobody holds any more (docs/deploy.md, "Redis Sentinel"). A message still
+        running from the closed channel goes back too, as kombu's restore would have sent
+        it: it may run twice, and its first stored answer stays (`tasks.broker.results`)."""
+        assert self.consumer_name is not None
+        with self.conn_or_acquire() as client:
+            tags = client.smembers(unacked_of(self.consumer_name))
+        recorded = {bytes_to_str(t) for t in tags}  # type: ignore[no-untyped-call]
+        held = {
+            tag
+            for channel in list(_open_channels)
+            if channel.consumer_name == self.consumer_name and not channel.closed
+            for tag in channel.qos._delivered
+        }
+        lost = sorted(recorded - held)
+        for tag in lost:
+            self.qos.restore_by_tag(tag)
+        if lost:
+            log.warning("put back %d message(s) recorded as held here but not held", len(lost))
 
     def _put_back_in_flight(self, queue: str) -> None:
         """Return to the head of `queue`'s lists what this consumer's predecessor took and
@@ -508,6 +544,9 @@ class Channel(kombu_redis.Channel):
                 self.client.connection.disconnect()
                 raise
             except ResponseError as exc:  # never the consumer's end: nothing was taken
+                if endpoint.is_readonly(exc):  # a demoted primary (Redis 6): find the new one
+                    self.client.connection.disconnect()
+                    raise RedisConnectionError(f"the primary was demoted ({exc})") from exc
                 if "WRONGTYPE" not in str(exc) or not repair_queue_keys(self.client, keys):
                     self._refused_take(exc)
                 raise Empty() from None
@@ -553,3 +592,53 @@ class Transport(kombu_redis.Transport):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[no-untyped-call]
         self.cycle = Poller()  # type: ignore[no-untyped-call,assignment]
+
+
+class SentinelChannel(Channel, kombu_redis.SentinelChannel):
+    """`Channel` on a primary that Sentinels watch: its pools ask a Sentinel for the
+    primary as each connection opens (kombu's `SentinelChannel`), so a consumer that lost
+    its connection in a failover, or met a demoted primary (READONLY), connects to the new
+    one as it reconnects."""
+
+    from_transport_options = tuple(  # type: ignore[assignment]
+        dict.fromkeys(
+            (
+                *Channel.from_transport_options,
+                *kombu_redis.SentinelChannel.from_transport_options,
+                "sentinels",
+            )
+        )
+    )
+    #: Every Sentinel, as (host, port) pairs: the transport option `tasks.config` sets.
+    sentinels: Any = ()
+    master_name: str | None = None
+
+    def _sentinel_managed_pool(self, asynchronous: bool = False) -> Any:
+        """The primary's pool, found through `sentinels`. kombu reads the Sentinels from
+        the broker URL's alternates (`;`), but a connection with alternates switches to
+        the next one's own transport, kombu's, on its first failed try: a worker then
+        lost this transport's in-flight lists for the rest of its run. So the fleet's
+        broker URL names one Sentinel, and this option all of them."""
+        params = self._connparams(asynchronous)  # type: ignore[no-untyped-call]
+        params.pop("host", None)
+        params.pop("port", None)
+        manager = redis.sentinel.Sentinel(  # type: ignore[no-untyped-call]
+            [(host, int(port)) for host, port in self.sentinels],
+            min_other_sentinels=getattr(self, "min_other_sentinels", 0),
+            sentinel_kwargs=getattr(self, "sentinel_kwargs", None),
+            **params,
+        )
+        if asynchronous:  # closed with the channel (kombu's `_disconnect_pools`)
+            self._async_sentinel_manager = manager
+        else:
+            self._sentinel_manager = manager
+        sign_in = {k: params[k] for k in ("username", "password") if k in params}
+        primary = manager.master_for(self.master_name, redis.Redis, **sign_in)  # type: ignore[no-untyped-call]
+        return primary.connection_pool
+
+
+class SentinelTransport(Transport):
+    """`sentinel://` (`placement.ledger.endpoint`): `Transport` through Sentinels."""
+
+    Channel = SentinelChannel
+    default_port = endpoint.SENTINEL_PORT  # type: ignore[assignment]

@@ -215,13 +215,26 @@ def up(
 @app.command()
 def url(
     fleet: FleetName = None,
+    as_json: Annotated[
+        bool,
+        typer.Option(
+            "--json",
+            help='Print {"celery": CONF}: the settings a plain Celery client passes to '
+            "app.conf.update(**CONF), Sentinels' transport options included.",
+        ),
+    ] = False,
 ) -> None:
     """Print the URL (with its password) that callers of the fleet this machine runs use,
     for a Celery client: `Celery(broker=URL, backend=URL)`. Its Redis user may send calls
     and read results, nothing else (docs/deploy.md, "Security")."""
+    from tasks.config import caller_conf
+
     s = _settings(fleet=fleet)
     if s.url_from == FROM_DEFAULT:
         _guard(_no_fleet(s))
+    if as_json:
+        typer.echo(json.dumps({"celery": caller_conf(s.registry_url)}, indent=2))
+        return
     typer.echo(s.registry_url)
 
 
@@ -376,14 +389,14 @@ def _call_as_fleet(name: str, args: tuple[Any, ...], timeout: float) -> Any:
     from redis.exceptions import NoPermissionError
 
     from placement.config import connection_path, read_connection
-    from tasks.config import INTERNAL_QUEUE, RESULT_BACKEND, celery_conf
+    from tasks.config import INTERNAL_QUEUE, celery_conf, redis_conf
 
     s = _settings()
     known = read_connection(connection_path(s.home, s.fleet))
     url = known.fleet if known is not None else s.registry_url
     client = Celery(set_as_current=False)
     conf = celery_conf(s)
-    conf.update(broker_url=url, result_backend=f"{RESULT_BACKEND}+{url}")
+    conf.update(redis_conf(url, url, s.visibility_timeout))
     client.conf.update(conf)
     try:
         return client.send_task(name, args=args, queue=INTERNAL_QUEUE).get(timeout=timeout)

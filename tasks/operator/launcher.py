@@ -54,6 +54,7 @@ from placement.config import (
     safe_url,
 )
 from placement.errors import ConfigError, FleetStoppedError, GpufleetError
+from placement.ledger import endpoint
 from placement.ledger.registry import Registry
 from placement.server.acl import CALLER, OPERATOR, Users
 from placement.server.connections import CALLER_SHARE, ConnectionGuard, max_clients
@@ -61,7 +62,7 @@ from placement.server.redis_server import RedisServer, die_with_parent_preexec, 
 from tasks.broker import quarantine
 from tasks.broker.claim import BrokerClaim
 from tasks.broker.presence import take_waiting
-from tasks.config import ROUTER_QUEUES
+from tasks.config import ROUTER_QUEUES, redis_conf
 from tasks.serving.routing import gpu_queue
 from worker.devices import Device, discover
 from worker.lifecycle import live_owner
@@ -442,8 +443,12 @@ class Launcher:
         losing the result store's connection (docs/tasks.md, "When the fleet stops")."""
         from celery import Celery
 
-        client = redis.Redis.from_url(self.broker_url)
-        backend = Celery(backend=self.redis_url, set_as_current=False).backend
+        client = endpoint.connect(self.broker_url)
+        results = Celery(set_as_current=False)
+        results.conf.update(
+            redis_conf(self.broker_url, self.redis_url, self.settings.visibility_timeout)
+        )
+        backend = results.backend
         try:
             waiting = take_waiting(client, queues)
             for task_id in waiting:

@@ -15,6 +15,7 @@ from celery import states
 from celery.signals import task_revoked
 
 from placement.errors import GpufleetError
+from placement.ledger import endpoint
 from placement.ledger.load import hold_routing
 from placement.ledger.registry import Registry
 from tasks import context
@@ -45,7 +46,7 @@ def answered(task_id: str) -> bool:
 @functools.cache
 def broker() -> redis.Redis:
     """This process's client of the broker's own keys (not Celery's connection)."""
-    return redis.Redis.from_url(
+    return endpoint.connect(
         context.settings().broker_url, socket_timeout=10, socket_connect_timeout=10
     )
 

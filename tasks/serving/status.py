@@ -15,7 +15,7 @@ from typing import Any
 import redis
 
 from placement.errors import GpufleetError
-from placement.ledger import generation
+from placement.ledger import endpoint, generation
 from placement.ledger.load import placed_replicas, read_loads
 from placement.ledger.registry import Registry
 from placement.ledger.report import load_report, request_report, status_report
@@ -34,7 +34,7 @@ def full_status(registry: Registry, broker_url: str) -> dict[str, Any]:
     report["load"] = load_report(read_loads(registry, placed))
     report["generation"] = generation_report(registry, snap)
     queues = {*ROUTER_QUEUES} | {g.queue for g in snap.gpus.values() if g.queue}
-    client = redis.Redis.from_url(broker_url)
+    client = endpoint.connect(broker_url)
     try:
         pipe = client.pipeline(transaction=False)
         for queue in sorted(queues):

@@ -1,0 +1,210 @@
+"""Where the fleet's Redis is: one server, or a group that Redis Sentinel watches.
+
+A fleet's Redis is named by one URL (`GPUFLEET_REDIS_URL`, the connection file):
+
+* ``redis://`` or ``rediss://``: one server, as redis-py and Celery read it;
+* ``sentinel://``: a primary and its replicas, found through Sentinels, in the form kombu
+  reads (one ``sentinel://`` URL per Sentinel, joined by ``;``) with the group's name as
+  ``master_name``::
+
+      sentinel://USER:PASSWORD@10.0.0.1:26379/0;sentinel://10.0.0.2:26379;sentinel://10.0.0.3:26379?master_name=gpufleet
+
+  The user, password, database and ``master_name`` may be written on any one of the parts
+  (or repeated, alike). The user and password sign in to the Sentinels and to the primary
+  alike: give the Sentinels the fleet's users too (`gpufleet up --redis-ha` does).
+
+Every fleet process connects through `connect`: for Sentinels, a client whose
+connections ask a Sentinel for the primary as they connect, and connect again after a
+failover, when the server they reach was demoted (``READONLY``), or when it stops
+answering (`FAILOVER_SOCKET_TIMEOUT_S`). The lookup happens as a connection opens, never
+per command: the call path is unchanged.
+"""
+
+from __future__ import annotations
+
+import urllib.parse
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+import redis.sentinel
+from redis.exceptions import ResponseError
+
+from placement.errors import ConfigError
+
+#: The schemes of a fleet's Redis URL.
+SCHEMES = ("redis", "rediss", "sentinel")
+#: The Sentinel port a part without one is read with (Redis Sentinel's own default).
+SENTINEL_PORT = 26379
+#: How long a command waits for a Sentinel-watched primary's answer before its connection
+#: counts as lost and is made again through the Sentinels: a primary that stops answering
+#: (a SIGSTOP, a host cut off) is failed over, and its clients must leave it. Above every
+#: fleet command's own time (blocking takes wait at most a second: `tasks.broker.transport`).
+FAILOVER_SOCKET_TIMEOUT_S = 5.0
+#: How long a Sentinel-watched fleet waits out a missing primary: the Sentinels' failover
+#: (`placement.server.sentinel`: down after 1 s, promoted in about 2 s more) with room to spare.
+FAILOVER_WAIT_S = 30.0
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """A parsed fleet Redis URL. `sentinels` is empty for one server (`url` as given)."""
+
+    url: str
+    sentinels: tuple[tuple[str, int], ...] = ()
+    master_name: str = ""
+    username: str | None = None
+    password: str | None = None
+    db: int = 0
+
+    @property
+    def watched(self) -> bool:
+        """Whether Sentinels find the primary (a ``sentinel://`` URL)."""
+        return bool(self.sentinels)
+
+    @property
+    def outage_s(self) -> float | None:
+        """How long a fleet client waits for this Redis to answer again; None: its own
+        default (a plain server's restart)."""
+        return FAILOVER_WAIT_S if self.watched else None
+
+    def parts(self, *, secret: bool = True) -> list[str]:
+        """One ``sentinel://`` URL per Sentinel, each with the credentials and database, as
+        Celery's broker and result backend read them (joined by ``;``); `secret`=False
+        masks the password."""
+        auth = ""
+        if self.username or self.password:
+            user = urllib.parse.quote(self.username or "", safe="")
+            word = urllib.parse.quote(self.password or "", safe="") if secret else "***"
+            auth = f"{user}:{word}@" if self.password else f"{user}@"
+        return [f"sentinel://{auth}{host}:{port}/{self.db}" for host, port in self.sentinels]
+
+    def transport_options(self) -> dict[str, Any]:
+        """What Celery's broker and result backend need beside `parts` to find the primary:
+        the group's name and the Sentinels' own sign-in."""
+        return {"master_name": self.master_name, "sentinel_kwargs": self.sign_in()}
+
+    def shown(self) -> str:
+        """The URL with its password masked, for output and logs."""
+        if not self.watched:
+            return masked(self.url)
+        return ";".join(self.parts(secret=False)) + f"?master_name={self.master_name}"
+
+    def sign_in(self) -> dict[str, Any]:
+        """The user and password the URL gives, as redis-py's connection options."""
+        return {k: v for k, v in (("username", self.username), ("password", self.password)) if v}
+
+    def client(self, **kwargs: Any) -> redis.Redis:
+        """A redis-py client of the primary (`kwargs`: redis-py's connection options)."""
+        if not self.watched:
+            return redis.Redis.from_url(self.url, **kwargs)
+        kwargs.setdefault("socket_timeout", FAILOVER_SOCKET_TIMEOUT_S)
+        kwargs.setdefault("socket_connect_timeout", FAILOVER_SOCKET_TIMEOUT_S)
+        sign_in = self.sign_in()
+        sentinel = redis.sentinel.Sentinel(  # type: ignore[no-untyped-call]
+            list(self.sentinels),
+            sentinel_kwargs={
+                **sign_in,
+                "socket_timeout": kwargs["socket_connect_timeout"],
+                "socket_connect_timeout": kwargs["socket_connect_timeout"],
+            },
+            db=self.db,
+            **sign_in,
+            **kwargs,
+        )
+        primary: redis.Redis = sentinel.master_for(self.master_name)  # type: ignore[no-untyped-call]
+        return primary
+
+    def sentinel_clients(self, **kwargs: Any) -> list[redis.Redis]:
+        """One client per Sentinel, signed in as the URL says."""
+        sign_in = self.sign_in()
+        kwargs.setdefault("socket_timeout", 2.0)
+        kwargs.setdefault("socket_connect_timeout", 2.0)
+        return [redis.Redis(host, port, **sign_in, **kwargs) for host, port in self.sentinels]
+
+
+def parse(url: str) -> Endpoint:
+    """Read a fleet Redis URL (the module's forms); `ConfigError` says what is wrong."""
+    scheme = urllib.parse.urlsplit(url).scheme
+    if scheme not in SCHEMES:
+        raise ConfigError(
+            f"{masked(url)!r} must start with redis://, rediss:// or sentinel:// "
+            f"(Sentinels: sentinel://HOST:PORT;sentinel://HOST:PORT?master_name=NAME)"
+        )
+    if scheme != "sentinel":
+        return Endpoint(url)
+    found: dict[str, Any] = {}
+    sentinels: list[tuple[str, int]] = []
+    for chunk in url.split(";"):
+        part = urllib.parse.urlsplit(chunk.strip())
+        if part.scheme != "sentinel" or not part.hostname:
+            raise ConfigError(
+                f"{masked(chunk)!r}: each part of a Sentinel URL is sentinel://HOST:PORT"
+            )
+        try:
+            sentinels.append((part.hostname, part.port or SENTINEL_PORT))
+        except ValueError as exc:  # a port out of range, or not a number
+            raise ConfigError(f"{masked(chunk)!r}: {exc}") from None
+        query = dict(urllib.parse.parse_qsl(part.query))
+        unknown = set(query) - {"master_name"}
+        if unknown:
+            raise ConfigError(f"a Sentinel URL takes only master_name, not {sorted(unknown)}")
+        _agree(found, "master_name", query.get("master_name"))
+        _agree(found, "username", _unquote(part.username))
+        _agree(found, "password", _unquote(part.password))
+        _agree(found, "db", _db(part.path, chunk))
+    if not found.get("master_name"):
+        raise ConfigError(
+            f"{masked(url)!r} names no primary: add ?master_name=NAME, the name the "
+            f"Sentinels monitor it by"
+        )
+    return Endpoint(
+        url,
+        tuple(sentinels),
+        master_name=found["master_name"],
+        username=found.get("username"),
+        password=found.get("password"),
+        db=found.get("db") or 0,
+    )
+
+
+def connect(url: str, **kwargs: Any) -> redis.Redis:
+    """A redis-py client of the fleet's Redis at `url`, plain or through Sentinels."""
+    return parse(url).client(**kwargs)
+
+
+def is_readonly(exc: BaseException) -> bool:
+    """Whether `exc` is a demoted primary's refusal to write: its clients must find the
+    new primary. Redis 7 answers ``READONLY``; Redis 6 fails a writing script with
+    ``... -READONLY ...`` inside an ``ERR`` reply."""
+    return isinstance(exc, ResponseError) and "READONLY" in str(exc)
+
+
+def _agree(found: dict[str, Any], name: str, value: Any) -> None:
+    if value in (None, ""):
+        return
+    if found.get(name) not in (None, value):
+        raise ConfigError(f"the parts of a Sentinel URL give different {name}s")
+    found[name] = value
+
+
+def _unquote(text: str | None) -> str | None:
+    return urllib.parse.unquote(text) if text else None
+
+
+def _db(path: str, chunk: str) -> int | None:
+    text = path.strip("/")
+    if not text:
+        return None
+    if not text.isdigit():
+        raise ConfigError(f"{masked(chunk)!r}: the database must be a number, not {text!r}")
+    return int(text)
+
+
+def masked(url: str) -> str:
+    """`url` (one server's, or one part of a Sentinel URL) with its password masked."""
+    parts = urllib.parse.urlsplit(url)
+    if not parts.password:
+        return url
+    netloc = parts.netloc.rsplit("@", 1)[1]
+    return parts._replace(netloc=f"{parts.username or ''}:***@{netloc}").geturl()

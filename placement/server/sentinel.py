@@ -1,0 +1,318 @@
+"""A primary, its replicas and three Redis Sentinels on 127.0.0.1: a fleet's Redis that
+outlives the loss of its primary.
+
+`SentinelGroup` starts `RedisServer`s (the first the primary, the others its replicas)
+and Sentinel processes (`redis-server --sentinel`) that monitor the primary under
+`master_name`; its `url` is the ``sentinel://`` URL every fleet process and caller
+connects with (`placement.ledger.endpoint`). When the Sentinels agree the primary is
+down (a quorum of 2 of 3), one of them promotes a replica, and every client connects to
+it as it reconnects. The failover itself is Redis Sentinel's, not ours.
+
+The Sentinels' timings (`DOWN_AFTER_MS`, `FAILOVER_TIMEOUT_MS`) set how fast a lost
+primary is replaced; each Sentinel keeps its config file (which it rewrites as it
+learns the group) in its own temporary directory. With a password, the data nodes and
+the Sentinels all take it: `requirepass`, `masterauth` for replication, `auth-pass` for
+the Sentinels' own connections to the data nodes and `sentinel-pass` between Sentinels.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import subprocess
+import tempfile
+import time
+import urllib.parse
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import redis
+
+from placement.errors import ConfigError, RegistryError
+from placement.server.redis_server import (
+    HOST,
+    RedisServer,
+    conf_quote,
+    die_with_parent_preexec,
+    find_redis_server,
+    free_port,
+    ping,
+    stop_process,
+)
+
+__all__ = ["SentinelGroup", "SentinelServer"]
+
+log = logging.getLogger(__name__)
+
+#: How long a primary may not answer before a Sentinel counts it down. Tuned constant:
+#: short enough that a lost primary is replaced in a few seconds, long enough that a busy
+#: primary (a forked AOF rewrite, a long script) is not failed over by mistake.
+DOWN_AFTER_MS = 1000
+#: Redis Sentinel's failover timeout (also the wait before the same primary is failed over
+#: again); Redis's default is 3 minutes, too slow for a second failover in one test run.
+FAILOVER_TIMEOUT_MS = 5000
+#: How many Sentinels must agree a primary is down.
+QUORUM = 2
+#: How long `SentinelGroup.start` waits for the Sentinels to find each other and the
+#: replicas (they announce themselves every 2 s).
+FORMED_S = 20.0
+
+#: How many random ports `SentinelServer.start` tries when another process takes the one
+#: it picked.
+PORT_ATTEMPTS = 5
+
+_CONF_NAME = "sentinel.conf"
+_LOG_NAME = "sentinel.log"
+
+
+class SentinelServer:
+    """One Redis Sentinel process on 127.0.0.1 that monitors `master_name` at `primary`."""
+
+    def __init__(
+        self,
+        master_name: str,
+        primary: int,
+        *,
+        port: int | None = None,
+        password: str | None = None,
+        binary: str | None = None,
+    ) -> None:
+        self.master_name = master_name
+        self.primary = primary
+        self.password = password
+        self._binary = binary
+        self._requested_port = port
+        self.port = 0
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._dir: Path | None = None
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def pid(self) -> int:
+        if self._proc is None:
+            raise RegistryError("the sentinel is not started; call start() first")
+        return self._proc.pid
+
+    def start(self) -> SentinelServer:
+        """Start the Sentinel and wait until it answers PING (another port when the one
+        picked was taken meanwhile)."""
+        if self.running:
+            return self
+        attempts = 1 if self._requested_port else PORT_ATTEMPTS
+        for attempt in range(1, attempts + 1):
+            try:
+                return self._start(self._requested_port or free_port())
+            except RegistryError as exc:
+                if attempt == attempts or "Address already in use" not in str(exc):
+                    raise
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _start(self, port: int) -> SentinelServer:
+        self.stop()
+        self.port = port
+        self._dir = Path(tempfile.mkdtemp(prefix="gpufleet-sentinel-"))
+        name = self.master_name
+        lines = [
+            f"port {self.port}",
+            f"bind {HOST}",
+            f"dir {self._dir}",
+            'logfile ""',
+            f"sentinel monitor {name} {HOST} {self.primary} {QUORUM}",
+            f"sentinel down-after-milliseconds {name} {DOWN_AFTER_MS}",
+            f"sentinel failover-timeout {name} {FAILOVER_TIMEOUT_MS}",
+            f"sentinel parallel-syncs {name} 1",
+        ]
+        if self.password is not None:
+            word = conf_quote(self.password)
+            lines += [f"requirepass {word}", f"sentinel auth-pass {name} {word}"]
+            lines.append(f"sentinel sentinel-pass {word}")
+        conf = self._dir / _CONF_NAME
+        fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write("".join(f"{line}\n" for line in lines))
+        binary = self._binary or find_redis_server()
+        with open(self._dir / _LOG_NAME, "ab") as logfh:
+            self._proc = subprocess.Popen(
+                [binary, str(conf), "--sentinel"],
+                stdin=subprocess.DEVNULL,
+                stdout=logfh,
+                stderr=subprocess.STDOUT,
+                cwd=self._dir,
+                close_fds=True,
+                start_new_session=True,
+                preexec_fn=die_with_parent_preexec(),  # noqa: PLW1509
+            )
+        auth = (self.password,) if self.password is not None else ()
+        deadline = time.monotonic() + 10.0
+        while (reply := ping(self.port, auth)) != "PONG":
+            if self._proc.poll() is not None or time.monotonic() > deadline:
+                tail = (self._dir / _LOG_NAME).read_text(errors="replace")[-2000:]
+                self.stop()
+                raise RegistryError(f"redis sentinel did not start ({reply}):\n{tail}")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        """Stop the Sentinel and remove its directory; safe to call more than once."""
+        proc, folder = self._proc, self._dir
+        self._proc = self._dir = None
+        stop_process(proc, folder)
+
+
+class SentinelGroup:
+    """A primary, `replicas` replicas and `sentinels` Sentinels on 127.0.0.1 (above).
+
+    ::
+
+        with SentinelGroup() as group:
+            client = placement.ledger.endpoint.connect(group.url)
+    """
+
+    def __init__(
+        self,
+        master_name: str = "gpufleet",
+        *,
+        replicas: int = 1,
+        sentinels: int = 3,
+        password: str | None = None,
+        binary: str | None = None,
+    ) -> None:
+        if sentinels < QUORUM:
+            raise ConfigError(f"a Sentinel group needs at least {QUORUM} Sentinels")
+        self.master_name = master_name
+        self.password = password
+        self._binary = binary or find_redis_server()
+        self._count = replicas
+        self._sentinel_count = sentinels
+        #: Every data node, the first started as the primary (`primary_port` says which is now).
+        self.nodes: list[RedisServer] = []
+        self.sentinels: list[SentinelServer] = []
+
+    @property
+    def url(self) -> str:
+        """The ``sentinel://`` URL of the group (`placement.ledger.endpoint`)."""
+        auth = f":{urllib.parse.quote(self.password, safe='')}@" if self.password else ""
+        parts = [f"sentinel://{auth}{HOST}:{s.port}/0" for s in self.sentinels]
+        return ";".join(parts) + f"?master_name={urllib.parse.quote(self.master_name)}"
+
+    def start(self) -> SentinelGroup:
+        """Start every node and Sentinel, and wait until the Sentinels know each other and
+        the replicas (before that, a failover could not happen)."""
+        try:
+            primary = RedisServer(password=self.password, binary=self._binary).start()
+            self.nodes = [primary]
+            for _ in range(self._count):
+                self.nodes.append(
+                    RedisServer(
+                        password=self.password, binary=self._binary, replica_of=primary.port
+                    ).start()
+                )
+            for _ in range(self._sentinel_count):
+                self.sentinels.append(
+                    SentinelServer(
+                        self.master_name,
+                        primary.port,
+                        password=self.password,
+                        binary=self._binary,
+                    ).start()
+                )
+            self._wait_formed()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_formed(self) -> None:
+        deadline = time.monotonic() + FORMED_S
+        while True:
+            formed = all(self._knows_group(s) for s in self.sentinels)
+            if formed:
+                return
+            if time.monotonic() > deadline:
+                raise RegistryError(
+                    f"the Sentinels did not find each other and the replicas in {FORMED_S:g} s"
+                )
+            time.sleep(0.1)
+
+    def _knows_group(self, sentinel: SentinelServer) -> bool:
+        client = self._sentinel_client(sentinel)
+        try:
+            others: Any = client.sentinel_sentinels(self.master_name)
+            replicas: Any = client.sentinel_slaves(self.master_name)
+        except redis.RedisError:
+            return False
+        finally:
+            client.close()
+        up = [r for r in replicas if "s_down" not in str(r.get("flags", ""))]
+        return len(others) >= self._sentinel_count - 1 and len(up) >= self._count
+
+    def _sentinel_client(self, sentinel: SentinelServer) -> redis.Redis:
+        return redis.Redis(
+            HOST, sentinel.port, password=self.password, socket_timeout=2, decode_responses=True
+        )
+
+    def primary_port(self) -> int:
+        """The port of the primary, as the first Sentinel that answers says."""
+        for sentinel in self.sentinels:
+            client = self._sentinel_client(sentinel)
+            try:
+                found: Any = client.sentinel_get_master_addr_by_name(self.master_name)
+            except redis.RedisError:
+                continue
+            finally:
+                client.close()
+            if found:
+                return int(found[1])
+        raise RegistryError("no Sentinel answers with the primary")
+
+    def node(self, port: int) -> RedisServer:
+        """The data node listening on `port`."""
+        for node in self.nodes:
+            if node.running and node.port == port:
+                return node
+        raise RegistryError(f"no running node on port {port}")
+
+    def wait_failover(self, old_port: int, timeout: float = 30.0) -> int:
+        """Wait until the Sentinels name a primary other than `old_port` that takes
+        writes; its port."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with contextlib.suppress(RegistryError):
+                port = self.primary_port()
+                if port != old_port and self._is_primary(port):
+                    return port
+            time.sleep(0.1)
+        raise RegistryError(f"no failover away from port {old_port} in {timeout:g} s")
+
+    def _is_primary(self, port: int) -> bool:
+        client = redis.Redis(HOST, port, password=self.password, socket_timeout=2)
+        try:
+            return client.info("replication").get("role") == "master"
+        except redis.RedisError:
+            return False
+        finally:
+            client.close()
+
+    def stop(self) -> None:
+        """Stop every Sentinel, then every node."""
+        for sentinel in self.sentinels:
+            sentinel.stop()
+        for node in self.nodes:
+            node.stop()
+        self.sentinels, self.nodes = [], []
+
+    def __enter__(self) -> SentinelGroup:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()

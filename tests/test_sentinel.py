@@ -1,0 +1,247 @@
+"""A fleet whose Redis is a primary, a replica and three Sentinels: URLs, clients that follow
+a failover, and a fleet that loses no call when its primary is killed (docs/deploy.md,
+"Redis Sentinel")."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+
+from placement.config import Settings, safe_url
+from placement.errors import ConfigError
+from placement.ledger import endpoint
+from placement.ledger.audit import ledger_problems
+from placement.ledger.registry import Registry
+from placement.policy.state import Gpu
+from placement.server.sentinel import SentinelGroup
+from tasks.config import caller_conf, celery_conf
+from tests.running import REPO, TWO_MODELS, descendants, fleet_env, stop, wait_ready
+from tests.test_chaos import settled
+
+_CLI = (sys.executable, "-m", "tasks.operator.cli")
+GROUP = "sentinel://u:p%40ss@10.0.0.1:26379/2;sentinel://10.0.0.2:26380;sentinel://10.0.0.3?master_name=ha"
+
+
+@pytest.fixture
+def group() -> Iterator[SentinelGroup]:
+    with SentinelGroup(password="s3cret") as started:
+        yield started
+
+
+def test_a_sentinel_url_names_every_sentinel_the_primary_and_one_sign_in() -> None:
+    found = endpoint.parse(GROUP)
+    assert found.sentinels == (("10.0.0.1", 26379), ("10.0.0.2", 26380), ("10.0.0.3", 26379))
+    assert (found.master_name, found.username, found.password, found.db) == ("ha", "u", "p@ss", 2)
+    assert found.parts()[1] == "sentinel://u:p%40ss@10.0.0.2:26380/2"
+    assert "p%40ss" not in safe_url(GROUP) and "p@ss" not in found.shown()
+
+
+@pytest.mark.parametrize(
+    ("url", "says"),
+    [
+        ("sentinel://10.0.0.1:26379", "master_name=NAME"),
+        ("sentinel://:a@h1?master_name=x;sentinel://:b@h2", "different passwords"),
+        ("sentinel://h1?master_name=x;redis://h2", "each part"),
+        ("sentinel://h1:99999?master_name=x", "out of range"),
+        ("sentinel://h1/zero?master_name=x", "must be a number"),
+        ("sentinel://h1?master_name=x&ssl=1", "only master_name"),
+        ("memcache://h1", "must start with redis://, rediss:// or sentinel://"),
+    ],
+)
+def test_a_malformed_redis_url_is_refused_with_what_to_write(url: str, says: str) -> None:
+    with pytest.raises(ConfigError, match=says.replace("?", r"\?")):
+        endpoint.parse(url)
+    with pytest.raises(ConfigError, match="GPUFLEET_REDIS_URL"):
+        Settings.from_env({"GPUFLEET_REDIS_URL": url})
+
+
+def test_fleet_processes_take_the_sentinels_from_their_options_and_callers_from_the_url() -> None:
+    """kombu switches a connection with `;` alternates to the URL's own transport after a
+    failed try: the fleet's broker URL names one Sentinel and its option all of them."""
+    conf = celery_conf(Settings.from_env({"GPUFLEET_REDIS_URL": GROUP}))
+    assert ";" not in conf["broker_url"]
+    assert conf["broker_transport"] == "tasks.broker.transport:SentinelTransport"
+    options = conf["broker_transport_options"]
+    assert options["sentinels"] == [["10.0.0.1", 26379], ["10.0.0.2", 26380], ["10.0.0.3", 26379]]
+    assert options["master_name"] == "ha"
+    assert options["sentinel_kwargs"] == {"username": "u", "password": "p@ss"}
+    assert conf["result_backend"].startswith("tasks.broker.results:SentinelBackend+sentinel://")
+    plain = caller_conf(GROUP)
+    assert plain["broker_url"].count(";") == 2 and plain["broker_url"] == plain["result_backend"]
+    assert plain["result_backend_transport_options"]["master_name"] == "ha"
+    one = caller_conf("redis://:pw@127.0.0.1:6379/0")
+    assert "broker_transport_options" not in one
+    assert one["broker_url"] == "redis://:pw@127.0.0.1:6379/0"
+
+
+def test_the_registry_follows_a_killed_primary_to_the_replica_the_sentinels_promote(
+    group: SentinelGroup,
+) -> None:
+    registry = Registry.from_url(group.url, "ha")
+    registry.register_worker("w1", "h1", "q1", [_gpu()], lease_ms=60_000)
+    _replicated(group)
+    old = group.primary_port()
+    os.kill(group.node(old).pid, signal.SIGKILL)
+    began = time.monotonic()
+    snap = registry.snapshot()  # waits out the failover, then reads the new primary
+    assert group.primary_port() != old
+    assert snap.gpus["h1:0"].worker == "w1"
+    assert registry.heartbeat("w1", ["h1:0"], lease_ms=60_000)  # a script, loaded anew there
+    assert time.monotonic() - began < endpoint.FAILOVER_WAIT_S
+
+
+def test_a_client_on_a_demoted_primary_writes_to_the_new_one(group: SentinelGroup) -> None:
+    """A graceful failover leaves the old primary running as a replica: writes there fail
+    with READONLY, and the client must connect again through the Sentinels."""
+    client = endpoint.connect(group.url, decode_responses=True)
+    registry = Registry.from_url(group.url, "ha")
+    registry.register_worker("w1", "h1", "q1", [_gpu()], lease_ms=60_000)
+    client.set("before", "1")
+    old = group.primary_port()
+    sentinel = redis.Redis("127.0.0.1", group.sentinels[0].port, password="s3cret")
+    sentinel.execute_command("SENTINEL", "FAILOVER", group.master_name)
+    new = group.wait_failover(old)
+    _until_replica(old)
+    assert registry.heartbeat("w1", ["h1:0"], lease_ms=60_000)
+    client.set("after", "2")
+    on_new = redis.Redis("127.0.0.1", new, password="s3cret", decode_responses=True)
+    assert on_new.get("before") == "1" and on_new.get("after") == "2"
+
+
+def test_a_fleet_on_sentinels_loses_no_call_when_its_primary_is_killed_under_load(
+    group: SentinelGroup, tmp_path: Path
+) -> None:
+    catalog = tmp_path / "models.yaml"
+    catalog.write_text(TWO_MODELS)
+    env = fleet_env(GPUFLEET_REDIS_URL=group.url, GPUFLEET_HOME=str(tmp_path / "home"))
+    with _fleet(catalog, env, tmp_path / "fleet.log") as (proc, client):
+        processes = descendants(proc.pid)
+        load = _Load(client)
+        load.start(threads=6)
+        load.until(answered=60)
+        old = group.primary_port()
+        os.kill(group.node(old).pid, signal.SIGKILL)
+        killed = time.time()
+        group.wait_failover(old)
+        load.until(answered=60, after=killed)
+        load.stop()
+        assert not load.errors, load.errors[:5]
+        assert load.sent == len(load.answered)
+        assert min(t for t in load.answered if t > killed) - killed < 10
+        registry = Registry.from_url(group.url, "default")
+
+        def unsettled() -> list[str]:
+            snap = registry.snapshot()
+            return settled(snap) + ledger_problems(snap)
+
+        deadline = time.monotonic() + 30
+        while problems := unsettled():
+            assert time.monotonic() < deadline, problems
+            time.sleep(0.5)
+        assert descendants(proc.pid) == processes, "a fleet process restarted"
+
+
+class _Load:
+    """Threads that call the fleet one call after another, as a plain Celery client."""
+
+    def __init__(self, client: Celery) -> None:
+        self.client = client
+        self.sent = 0
+        self.answered: list[float] = []
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+
+    def start(self, threads: int) -> None:
+        for i in range(threads):
+            thread = threading.Thread(target=self._run, args=(i,), daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def _run(self, i: int) -> None:
+        model = "ab"[i % 2]
+        while not self._stop.is_set():
+            with self._lock:
+                self.sent += 1
+            try:
+                result = self.client.send_task("gpufleet.infer", args=[model, [f"call {i}"]])
+                answer = result.get(timeout=60)
+                assert answer["model"] == model, answer
+                with self._lock:
+                    self.answered.append(time.time())
+            except Exception as exc:
+                with self._lock:
+                    self.errors.append(repr(exc))
+
+    def until(self, answered: int, after: float = 0.0, seconds: float = 60.0) -> None:
+        """Wait until `answered` calls were answered after `after` (a time.time())."""
+        deadline = time.monotonic() + seconds
+        while len([t for t in self.answered if t > after]) < answered:
+            assert time.monotonic() < deadline, (len(self.answered), self.errors[:3])
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(90)
+        assert not any(t.is_alive() for t in self._threads)
+
+
+@contextmanager
+def _fleet(catalog: Path, env: dict[str, str], log: Path) -> Iterator[tuple[Any, Celery]]:
+    """`gpufleet up` on the group, and a plain Celery client from `gpufleet url --json`."""
+    proc = subprocess.Popen(
+        [*_CLI, "up", "--models", str(catalog), "--sim-gpus", "2x4GiB", "--metrics-port", "0"],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=log.open("a"),
+        text=True,
+    )
+    try:
+        wait_ready(proc)
+        printed = subprocess.run(
+            [*_CLI, "url", "--json"],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        client = Celery(set_as_current=False)
+        client.conf.update(**json.loads(printed)["celery"])
+        yield proc, client
+    finally:
+        stop(proc)
+
+
+def _gpu() -> Gpu:
+    return Gpu(id="h1:0", host="h1", index=0, name="Sim", total=4 * 2**30)
+
+
+def _replicated(group: SentinelGroup) -> None:
+    """Wait until the replica has every write the primary took (WAIT)."""
+    primary = redis.Redis("127.0.0.1", group.primary_port(), password="s3cret")
+    assert primary.execute_command("WAIT", 1, 5000) == 1
+
+
+def _until_replica(port: int) -> None:
+    node = redis.Redis("127.0.0.1", port, password="s3cret", decode_responses=True)
+    deadline = time.monotonic() + 20
+    while node.info("replication").get("role") != "slave":
+        assert time.monotonic() < deadline, "the old primary did not become a replica"
+        time.sleep(0.1)
