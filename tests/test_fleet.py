@@ -12,6 +12,7 @@ import sys
 import textwrap
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -480,6 +481,8 @@ def test_the_status_task_returns_the_status_object(fleet_up: Fleet) -> None:
     }
     assert "celery" in report["queues"]
     assert all(g["total_bytes"] == 8 * GiB for g in report["gpus"])
+    port = urllib.parse.urlsplit(fleet_up.url).port
+    assert report["redis"] == {"primary": f"127.0.0.1:{port}", "replicas": [], "sentinels": []}
 
 
 def test_the_router_exports_hit_counts_and_memory_to_prometheus(fleet_up: Fleet) -> None:

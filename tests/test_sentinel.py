@@ -34,6 +34,8 @@ from tests.test_chaos import settled
 _CLI = (sys.executable, "-m", "tasks.operator.cli")
 GROUP = "sentinel://u:p%40ss@10.0.0.1:26379/2;sentinel://10.0.0.2:26380;sentinel://10.0.0.3?master_name=ha"
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture
 def group() -> Iterator[SentinelGroup]:
@@ -133,10 +135,14 @@ def test_a_fleet_on_sentinels_loses_no_call_when_its_primary_is_killed_under_loa
         load.start(threads=6)
         load.until(answered=60)
         old = group.primary_port()
+        assert _status(env)["redis"]["primary"] == f"127.0.0.1:{old}"
         os.kill(group.node(old).pid, signal.SIGKILL)
         killed = time.time()
-        group.wait_failover(old)
+        new = group.wait_failover(old)
         load.until(answered=60, after=killed)
+        where = _status(env)["redis"]
+        assert where["primary"] == f"127.0.0.1:{new}"
+        assert len(where["sentinels"]) == 3 and f"127.0.0.1:{old}" not in where["replicas"]
         load.stop()
         assert not load.errors, load.errors[:5]
         assert load.sent == len(load.answered)
@@ -227,6 +233,14 @@ def _fleet(catalog: Path, env: dict[str, str], log: Path) -> Iterator[tuple[Any,
         yield proc, client
     finally:
         stop(proc)
+
+
+def _status(env: dict[str, str]) -> dict[str, Any]:
+    printed = subprocess.run(
+        [*_CLI, "status", "--json"], cwd=REPO, env=env, capture_output=True, text=True, check=True
+    )
+    report: dict[str, Any] = json.loads(printed.stdout)
+    return report
 
 
 def _gpu() -> Gpu:

@@ -115,6 +115,31 @@ class Endpoint:
         primary: redis.Redis = sentinel.master_for(self.master_name)  # type: ignore[no-untyped-call]
         return primary
 
+    def topology(self) -> dict[str, Any]:
+        """Where the data is now, as `gpufleet status` shows it: the primary, its replicas
+        and the Sentinels that answer, each as "HOST:PORT" (for one server, the primary
+        alone; "" when no Sentinel names one)."""
+        if not self.watched:
+            part = urllib.parse.urlsplit(self.url)
+            where = f"{part.hostname}:{part.port or 6379}"
+            return {"primary": where, "replicas": [], "sentinels": []}
+        found: dict[str, Any] = {"primary": "", "replicas": [], "sentinels": []}
+        for (host, port), client in zip(self.sentinels, self.sentinel_clients(), strict=True):
+            try:
+                primary: Any = client.sentinel_get_master_addr_by_name(self.master_name)
+                replicas: Any = client.sentinel_slaves(self.master_name)
+            except redis.RedisError:
+                continue
+            finally:
+                client.close()
+            found["sentinels"].append(f"{host}:{port}")
+            if primary and not found["primary"]:
+                found["primary"] = f"{primary[0]}:{primary[1]}"
+                found["replicas"] = sorted(
+                    f"{r['ip']}:{r['port']}" for r in replicas if "down" not in str(r.get("flags"))
+                )
+        return found
+
     def sentinel_clients(self, **kwargs: Any) -> list[redis.Redis]:
         """One client per Sentinel, signed in as the URL says."""
         sign_in = self.sign_in()

@@ -118,6 +118,13 @@ def status(
         )
     depths = ", ".join(f"{q} {n}" for q, n in report["queues"].items())
     console.print(f"[bold]queues[/] {depths}")
+    where = report["redis"]
+    others = "".join(
+        f", {name} {', '.join(where[name]) or 'none'}"
+        for name in ("replicas", "sentinels")
+        if where[name] or (name == "replicas" and where["sentinels"])
+    )
+    console.print(f"[bold]redis[/] primary {where['primary'] or 'none found'}{others}")
     console.print(_rates(report))
     for problem in report["problems"]:
         err.print(f"[red]ledger problem:[/] {problem}")
@@ -227,6 +234,7 @@ def url(
     """Print the URL (with its password) that callers of the fleet this machine runs use,
     for a Celery client: `Celery(broker=URL, backend=URL)`. Its Redis user may send calls
     and read results, nothing else (docs/deploy.md, "Security")."""
+    from placement.ledger import endpoint
     from tasks.config import caller_conf
 
     s = _settings(fleet=fleet)
@@ -235,6 +243,12 @@ def url(
     if as_json:
         typer.echo(json.dumps({"celery": caller_conf(s.registry_url)}, indent=2))
         return
+    if endpoint.parse(s.registry_url).watched:
+        err.print(
+            "Sentinels find this fleet's Redis: a Celery client needs their transport "
+            "options too; `gpufleet url --json` prints its whole configuration",
+            highlight=False,
+        )
     typer.echo(s.registry_url)
 
 

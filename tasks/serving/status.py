@@ -5,7 +5,8 @@ Every figure is read from the registry and the broker when it is asked for, so a
 can build it and all agree: the ledger's report (`placement.ledger.report`), request outcomes,
 each model's load, what generating calls took and the KV cache they hold
 (`placement.ledger.generation`), the depth of every fleet queue, the calls no live worker
-will take (`stranded`) and the calls quarantined (`tasks.broker.quarantine`).
+will take (`stranded`), the calls quarantined (`tasks.broker.quarantine`), and where the
+broker's Redis is now (`redis`: its primary, replicas and Sentinels).
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ def full_status(registry: Registry, broker_url: str) -> dict[str, Any]:
         raise GpufleetError(f"broker unreachable: {exc}. Check GPUFLEET_BROKER_URL.") from exc
     finally:
         client.close()
+    report["redis"] = endpoint.parse(broker_url).topology()
     return report
 
 
