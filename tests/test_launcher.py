@@ -29,6 +29,8 @@ from tests.running import RunningFleet, fleet_env, fleet_up
 #: The smallest fleet: one model, nothing loaded by the tests here.
 CATALOG = "models:\n  a: {source: synthetic, task: forward, memory: 256MiB}\n"
 
+pytestmark = pytest.mark.slow
+
 
 def launcher(tmp_path: Path) -> Launcher:
     settings = Settings.from_env({"GPUFLEET_HOME": str(tmp_path)})
