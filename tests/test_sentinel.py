@@ -119,6 +119,8 @@ def test_a_client_on_a_demoted_primary_writes_to_the_new_one(group: SentinelGrou
     _until_replica(old)
     assert registry.heartbeat("w1", ["h1:0"], lease_ms=60_000)
     client.set("after", "2")
+    where = endpoint.parse(group.url).topology()
+    assert where["primary"] == f"127.0.0.1:{new}" and len(where["sentinels"]) == 3
     on_new = redis.Redis("127.0.0.1", new, password="s3cret", decode_responses=True)
     assert on_new.get("before") == "1" and on_new.get("after") == "2"
 

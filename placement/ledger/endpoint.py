@@ -124,7 +124,8 @@ class Endpoint:
             where = f"{part.hostname}:{part.port or 6379}"
             return {"primary": where, "replicas": [], "sentinels": []}
         found: dict[str, Any] = {"primary": "", "replicas": [], "sentinels": []}
-        for (host, port), client in zip(self.sentinels, self.sentinel_clients(), strict=True):
+        clients = self.sentinel_clients(decode_responses=True)
+        for (host, port), client in zip(self.sentinels, clients, strict=True):
             try:
                 primary: Any = client.sentinel_get_master_addr_by_name(self.master_name)
                 replicas: Any = client.sentinel_slaves(self.master_name)
