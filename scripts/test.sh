@@ -65,7 +65,9 @@ workers=${GPUFLEET_TEST_WORKERS:-2}
 [[ -n ${GPUFLEET_TEST_REDIS_URL:-} ]] && workers=0
 stage "pytest -n $workers --dist loadfile $*"
 rc=0
-python -m pytest -n "$workers" --dist loadfile "$@" || rc=$?
+# --no-loadscope-reorder: in the order tests/conftest.py sorts them (the longest first),
+# not by how many tests each file has
+python -m pytest -n "$workers" --dist loadfile --no-loadscope-reorder "$@" || rc=$?
 if [[ $rc -eq 5 ]]; then
   echo "error: pytest collected no tests (exit code 5); that is a failure, not a pass" >&2
   exit 5
