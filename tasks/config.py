@@ -145,6 +145,11 @@ def _sentinel_options(found: endpoint.Endpoint) -> dict[str, Any]:
         **found.transport_options(),
         "socket_timeout": endpoint.FAILOVER_SOCKET_TIMEOUT_S,
         "socket_connect_timeout": endpoint.FAILOVER_SOCKET_TIMEOUT_S,
+        # A consumer's blocking take whose reply is this late (past its own wait) has a
+        # primary that stopped answering: kombu drops the connection, and the consumer
+        # reconnects through the Sentinels. Also how long a pooled connection may idle
+        # before it is PINGed first.
+        "health_check_interval": endpoint.FAILOVER_SOCKET_TIMEOUT_S,
     }
 
 

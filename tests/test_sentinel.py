@@ -105,6 +105,27 @@ def test_the_registry_follows_a_killed_primary_to_the_replica_the_sentinels_prom
     assert time.monotonic() - began < endpoint.FAILOVER_WAIT_S
 
 
+def test_the_registry_leaves_a_primary_that_stops_answering_for_the_one_promoted(
+    group: SentinelGroup,
+) -> None:
+    """A SIGSTOPped primary accepts connections and never answers: each try times out,
+    drops its connection (its late reply must not be read as the next call's), and the
+    next asks the Sentinels again."""
+    registry = Registry.from_url(group.url, "ha")
+    registry.register_worker("w1", "h1", "q1", [_gpu()], lease_ms=60_000)
+    _replicated(group)
+    old = group.primary_port()
+    stopped = group.node(old)
+    os.kill(stopped.pid, signal.SIGSTOP)
+    try:
+        for _ in range(3):  # several calls: none reads another's reply
+            assert registry.heartbeat("w1", ["h1:0"], lease_ms=60_000)
+            assert registry.snapshot().gpus["h1:0"].worker == "w1"
+        assert group.primary_port() != old
+    finally:
+        os.kill(stopped.pid, signal.SIGCONT)
+
+
 def test_a_client_on_a_demoted_primary_writes_to_the_new_one(group: SentinelGroup) -> None:
     """A graceful failover leaves the old primary running as a replica: writes there fail
     with READONLY, and the client must connect again through the Sentinels."""

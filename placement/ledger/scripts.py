@@ -98,6 +98,11 @@ class Scripts:
                 raise
             conn.disconnect()  # a demoted primary: the next call connects to the new one
             raise redis.ConnectionError(f"the primary was demoted ({exc})") from exc
+        except (redis.ConnectionError, redis.TimeoutError):
+            # Its reply may still come: the next call on this connection would read it as
+            # its own (a Sentinel-managed connection does not drop itself on a timeout).
+            conn.disconnect()
+            raise
 
     @staticmethod
     def _call(conn: Any, digest: str, keys: list[str], args: list[Any]) -> Any:

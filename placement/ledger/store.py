@@ -85,11 +85,12 @@ class Store:
     def _reaching(self, call: Callable[[], T]) -> T:
         """`call`, tried again while a Redis that answered before is briefly away (a
         restart replaying its append-only file, a failover) for up to `outage_s`; a Redis
-        that never answered fails at once. A demoted primary's refusal (READONLY) counts
-        as away: the next try connects to the new one. A script whose reply was lost may
-        thus run twice: the ledger's scripts check their preconditions, so a second run
-        changes nothing or is refused (a `pick` may hold a second lease until its
-        deadline)."""
+        that never answered fails at once. A demoted primary's refusal (READONLY), and a
+        primary that stops answering (a timeout: Sentinel clients have one), count as
+        away: the next try connects to the primary the Sentinels name then. A script
+        whose reply was lost may thus run twice: the ledger's scripts check their
+        preconditions, so a second run changes nothing or is refused (a `pick` may hold a
+        second lease until its deadline)."""
         deadline = time.monotonic() + self.outage_s
         delay = 0.05
         while True:
@@ -100,8 +101,8 @@ class Store:
                     f"this registry URL's Redis user may not do that ({exc}); the URL "
                     f"`gpufleet url` prints has a caller's rights: send calls and read results"
                 ) from None
-            except (redis.ConnectionError, redis.ResponseError) as exc:
-                if not isinstance(exc, redis.ConnectionError):
+            except (redis.ConnectionError, redis.TimeoutError, redis.ResponseError) as exc:
+                if isinstance(exc, redis.ResponseError):
                     if not endpoint.is_readonly(exc):
                         raise
                     self.client.connection_pool.disconnect()  # off the demoted primary

@@ -40,6 +40,7 @@ by a router's sweep once its record lapses (`tasks.broker.presence`).
 from __future__ import annotations
 
 import logging
+import select
 import time
 import uuid
 import weakref
@@ -575,6 +576,34 @@ class Poller(kombu_redis.MultiChannelPoller):
 
     def _pause_brpop(self, channel: Any, fileno: int) -> None:
         return  # kombu would stop reading a reply that may hold a popped message
+
+    def maybe_check_brpop_health(self) -> None:
+        """A take whose reply is overdue (its own wait plus `health_check_interval`) has
+        a primary that stopped answering: its channel is marked, and the next poll raises
+        a connection error, so the consumer reconnects as after any lost connection, to
+        the primary the Sentinels name by then. kombu drops the connection instead and
+        takes again on one opened on the spot, which met the same stopped primary (the
+        Sentinels had not failed it over yet) and hung there until it came back."""
+        now = time.monotonic()
+        for channel in self._channels:
+            connection = channel._in_poll
+            sent = channel._brpop_sent_at
+            if not connection or sent is None or not channel.health_check_interval:
+                continue
+            if now - sent < (channel.brpop_timeout or 0) + channel.health_check_interval:
+                continue
+            sock = getattr(connection, "_sock", None)
+            if sock is None or select.select([sock], [], [], 0)[0]:
+                continue
+            log.warning("Redis did not answer a take for %.0f s; reconnecting", now - sent)
+            channel.stalled = True
+
+    def on_poll_start(self) -> None:
+        for channel in self._channels:
+            if getattr(channel, "stalled", False):
+                channel.stalled = False
+                raise RedisConnectionError("Redis did not answer a take in time")
+        super().on_poll_start()  # type: ignore[no-untyped-call]
 
     def on_readable(self, fileno: int) -> None:
         found = self._fd_to_chan.get(fileno)
