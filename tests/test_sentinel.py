@@ -146,41 +146,44 @@ def test_a_client_on_a_demoted_primary_writes_to_the_new_one(group: SentinelGrou
     assert on_new.get("before") == "1" and on_new.get("after") == "2"
 
 
-def test_a_fleet_on_sentinels_loses_no_call_when_its_primary_is_killed_under_load(
-    group: SentinelGroup, tmp_path: Path
+def test_a_fleet_on_sentinels_loses_no_call_when_its_primary_is_killed_twice_under_load(
+    tmp_path: Path,
 ) -> None:
     catalog = tmp_path / "models.yaml"
     catalog.write_text(TWO_MODELS)
-    env = fleet_env(GPUFLEET_REDIS_URL=group.url, GPUFLEET_HOME=str(tmp_path / "home"))
-    with _fleet(catalog, env, tmp_path / "fleet.log") as (proc, client):
-        processes = descendants(proc.pid)
-        load = _Load(client)
-        load.start(threads=6)
-        load.until(answered=60)
-        old = group.primary_port()
-        assert _status(env)["redis"]["primary"] == f"127.0.0.1:{old}"
-        os.kill(group.node(old).pid, signal.SIGKILL)
-        killed = time.time()
-        new = group.wait_failover(old)
-        load.until(answered=60, after=killed)
-        where = _status(env)["redis"]
-        assert where["primary"] == f"127.0.0.1:{new}"
-        assert len(where["sentinels"]) == 3 and f"127.0.0.1:{old}" not in where["replicas"]
-        load.stop()
-        assert not load.errors, load.errors[:5]
-        assert load.sent == len(load.answered)
-        assert min(t for t in load.answered if t > killed) - killed < 10
-        registry = Registry.from_url(group.url, "default")
+    with SentinelGroup(password="s3cret", replicas=2) as group:
+        env = fleet_env(GPUFLEET_REDIS_URL=group.url, GPUFLEET_HOME=str(tmp_path / "home"))
+        with _fleet(catalog, env, tmp_path / "fleet.log") as (proc, client):
+            processes = descendants(proc.pid)
+            load = _Load(client)
+            load.start(threads=6)
+            load.until(answered=60)
+            for _ in range(2):  # the second kills the primary the first promoted
+                old = group.primary_port()
+                assert _status(env)["redis"]["primary"] == f"127.0.0.1:{old}"
+                os.kill(group.node(old).pid, signal.SIGKILL)
+                killed = time.time()
+                new = group.wait_failover(old)
+                load.until(answered=60, after=killed)
+                where = _status(env)["redis"]
+                assert where["primary"] == f"127.0.0.1:{new}", where
+                assert len(where["sentinels"]) == 3 and f"127.0.0.1:{old}" not in where["replicas"]
+                sent_after = [done for sent, done in load.calls if sent > killed]
+                assert min(sent_after) - killed < 10, "no call sent after the kill answered in 10 s"
+            load.stop()
+            assert not load.errors, load.errors[:5]
+            assert load.sent == len(load.calls)
+            registry = Registry.from_url(group.url, "default")
 
-        def unsettled() -> list[str]:
-            snap = registry.snapshot()
-            return settled(snap) + ledger_problems(snap)
+            def unsettled() -> list[str]:
+                snap = registry.snapshot()
+                return settled(snap) + ledger_problems(snap)
 
-        deadline = time.monotonic() + 30
-        while problems := unsettled():
-            assert time.monotonic() < deadline, problems
-            time.sleep(0.5)
-        assert descendants(proc.pid) == processes, "a fleet process restarted"
+            deadline = time.monotonic() + 30
+            while problems := unsettled():
+                assert time.monotonic() < deadline, problems
+                time.sleep(0.5)
+            assert descendants(proc.pid) == processes, "a fleet process restarted"
 
 
 class _Load:
@@ -189,7 +192,7 @@ class _Load:
     def __init__(self, client: Celery) -> None:
         self.client = client
         self.sent = 0
-        self.answered: list[float] = []
+        self.calls: list[tuple[float, float]] = []  # (sent, answered), time.time()
         self.errors: list[str] = []
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -206,12 +209,13 @@ class _Load:
         while not self._stop.is_set():
             with self._lock:
                 self.sent += 1
+            sent = time.time()
             try:
                 result = self.client.send_task("gpufleet.infer", args=[model, [f"call {i}"]])
                 answer = result.get(timeout=60)
                 assert answer["model"] == model, answer
                 with self._lock:
-                    self.answered.append(time.time())
+                    self.calls.append((sent, time.time()))
             except Exception as exc:
                 with self._lock:
                     self.errors.append(repr(exc))
@@ -219,8 +223,8 @@ class _Load:
     def until(self, answered: int, after: float = 0.0, seconds: float = 60.0) -> None:
         """Wait until `answered` calls were answered after `after` (a time.time())."""
         deadline = time.monotonic() + seconds
-        while len([t for t in self.answered if t > after]) < answered:
-            assert time.monotonic() < deadline, (len(self.answered), self.errors[:3])
+        while len([done for _, done in self.calls if done > after]) < answered:
+            assert time.monotonic() < deadline, (len(self.calls), self.errors[:3])
             time.sleep(0.1)
 
     def stop(self) -> None:
