@@ -149,7 +149,7 @@ def _sentinel_options(found: endpoint.Endpoint) -> dict[str, Any]:
         # primary that stopped answering: kombu drops the connection, and the consumer
         # reconnects through the Sentinels. Also how long a pooled connection may idle
         # before it is PINGed first.
-        "health_check_interval": endpoint.FAILOVER_SOCKET_TIMEOUT_S,
+        "health_check_interval": endpoint.FAILOVER_CHECK_S,
     }
 
 

@@ -163,10 +163,10 @@ def test_a_fleet_on_sentinels_loses_no_call_when_its_primary_is_killed_twice_und
                 assert _status(env)["redis"]["primary"] == f"127.0.0.1:{old}"
                 os.kill(group.node(old).pid, signal.SIGKILL)
                 killed = time.time()
-                new = group.wait_failover(old)
+                group.wait_failover(old)
                 load.until(answered=60, after=killed)
-                where = _status(env)["redis"]
-                assert where["primary"] == f"127.0.0.1:{new}", where
+                where = _status(env)["redis"]  # the Sentinels' word (a second vote may differ)
+                assert where["primary"] == f"127.0.0.1:{group.primary_port()}", where
                 assert len(where["sentinels"]) == 3 and f"127.0.0.1:{old}" not in where["replicas"]
                 sent_after = [done for sent, done in load.calls if sent > killed]
                 assert min(sent_after) - killed < 10, "no call sent after the kill answered in 10 s"

@@ -41,6 +41,12 @@ SENTINEL_PORT = 26379
 #: (a SIGSTOP, a host cut off) is failed over, and its clients must leave it. Above every
 #: fleet command's own time (blocking takes wait at most a second: `tasks.broker.transport`).
 FAILOVER_SOCKET_TIMEOUT_S = 5.0
+#: How often a fleet process checks, on a Sentinel-watched primary, the connections that
+#: wait rather than ask: a blocking take overdue by this much, or a caller's result
+#: connection silent this long, is opened again through the Sentinels. Tuned constant:
+#: small against the 10 s a caller may wait through a failover, large against a take's
+#: own wait (1 s) and a live primary's replies (milliseconds).
+FAILOVER_CHECK_S = 2.0
 #: How long a Sentinel-watched fleet waits out a missing primary: the Sentinels' failover
 #: (`placement.server.sentinel`: down after 1 s, promoted in about 2 s more) with room to spare.
 FAILOVER_WAIT_S = 30.0

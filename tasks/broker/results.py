@@ -27,6 +27,7 @@ longer scaled out (tests/test_scaling_fleet.py).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -34,7 +35,13 @@ from typing import Any
 from celery.backends import redis as celery_redis
 from celery.backends.redis import RedisBackend
 
+from placement.ledger.endpoint import FAILOVER_CHECK_S
+
 log = logging.getLogger(__name__)
+
+#: How long a caller's result connection on a Sentinel-watched primary may stay silent
+#: while calls wait before it is opened again (`placement.ledger.endpoint`).
+SILENT_S = FAILOVER_CHECK_S
 
 
 class Backend(RedisBackend):
@@ -56,10 +63,37 @@ class Backend(RedisBackend):
         learns the error from its parent, which Celery's client follows (`follow_parents`)."""
 
 
+class _FollowingConsumer(celery_redis.ResultConsumer):
+    """Celery's result consumer, which opens its pub/sub connection again (through the
+    Sentinels) when it has heard nothing for `SILENT_S` while calls wait. A pub/sub
+    connection has no liveness check: on a primary that stopped answering (SIGSTOP, a
+    host cut off) a caller's `.get()` heard nothing until that server came back, long
+    after the Sentinels had promoted another. Opening it again first reads the results
+    stored meanwhile (Celery's `_reconnect_pubsub`); on a live primary it costs one MGET
+    and one SUBSCRIBE per `SILENT_S` of waiting."""
+
+    _heard = 0.0
+
+    def on_state_change(self, meta: Any, message: Any) -> None:
+        self._heard = time.monotonic()
+        super().on_state_change(meta, message)
+
+    def drain_events(self, timeout: float | None = None) -> Any:
+        now = time.monotonic()
+        if self.subscribed_to and now - self._heard > SILENT_S:
+            self._heard = now
+            with self.reconnect_on_error():
+                self._reconnect_pubsub()
+        return super().drain_events(timeout)
+
+
 class SentinelBackend(Backend, celery_redis.SentinelBackend):
     """`Backend` on a primary that Sentinels watch (`sentinel://`,
     `placement.ledger.endpoint`): Celery's Sentinel backend finds the primary as each
-    connection opens, so a write after a failover reaches the new one."""
+    connection opens, so a write after a failover reaches the new one, and a caller
+    waiting for results leaves a primary that stopped answering (`_FollowingConsumer`)."""
+
+    ResultConsumer = _FollowingConsumer
 
 
 @contextmanager
