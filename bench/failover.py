@@ -14,7 +14,8 @@ the primary, `stop` SIGSTOPs it for `--stop-s` seconds and lets it go. After eac
 stopped or killed node is started again (an empty server on its old port, which the
 Sentinels turn into a replica of the new primary) and the run waits for a clean audit.
 
-Per run and in all: calls sent in the run's window, lost (never answered, not even after
+Per run and in all (and `whole_run`: every call, those sent between windows too): calls
+sent in the run's window, lost (never answered, not even after
 the callers' 60 s), failed (an error reached the caller), run twice (more than one
 `task-succeeded`; a lower bound: events sent to a dead primary are lost), the time from
 the fault to the first answer of a call sent after it, and to a clean audit
@@ -232,17 +233,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             load.stop()
             runs.stop()
             out["runs"] = per_run
+            # every call of the run, those sent between windows included
+            out["whole_run"] = figures(load.between(0.0, time.time()), runs)
             out["all"] = {
                 kind: {
                     key: sum(r[key] for r in per_run if r["fault"] == kind)
                     for key in ("sent", "lost", "failed", "run_twice")
                 }
                 | {
-                    "first_new_answer_s_max": max(
-                        (r["first_new_answer_s"] or 0) for r in per_run if r["fault"] == kind
+                    "first_new_answer_s_max": _worst(
+                        [r["first_new_answer_s"] for r in per_run if r["fault"] == kind]
                     ),
-                    "clean_audit_s_max": max(
-                        (r["clean_audit_s"] or 0) for r in per_run if r["fault"] == kind
+                    "clean_audit_s_max": _worst(
+                        [r["clean_audit_s"] for r in per_run if r["fault"] == kind]
                     ),
                 }
                 for kind in args.faults
@@ -251,6 +254,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             up.send_signal(signal.SIGTERM)
             up.wait(timeout=120)
     return out
+
+
+def _worst(values: list[float | None]) -> float | None:
+    """The largest of `values`; None when one is missing (no answer, no clean audit)."""
+    return None if None in values else max(v for v in values if v is not None)
 
 
 def main() -> None:
