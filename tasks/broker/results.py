@@ -80,6 +80,8 @@ class _FollowingConsumer(celery_redis.ResultConsumer):
 
     def drain_events(self, timeout: float | None = None) -> Any:
         now = time.monotonic()
+        if not self._heard:  # its first wait: silent from now
+            self._heard = now
         if self.subscribed_to and now - self._heard > SILENT_S:
             self._heard = now
             with self.reconnect_on_error():

@@ -30,7 +30,9 @@ gpufleet worker takes through in-flight lists instead (transport option
 - recording the message as unacked removes it from the in-flight list in the same step
   (`QoS.append`);
 - a consumer that starts on a queue puts back what its predecessor of the same node name
-  left in flight, first in line (`Channel.basic_consume`).
+  left in flight, first in line, and every message recorded as unacknowledged under its
+  name that no open channel of its process holds (`Channel.basic_consume`: a reconnect
+  after a Redis restart or a failover, docs/deploy.md "Redis Sentinel").
 
 A worker that never starts again under its node name (a lost host, a container
 replaced under a new hostname) has what it held, in flight or unacknowledged, given back
