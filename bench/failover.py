@@ -15,10 +15,11 @@ stopped or killed node is started again (an empty server on its old port, which 
 Sentinels turn into a replica of the new primary) and the run waits for a clean audit.
 
 Per run and in all (and `whole_run`: every call, those sent between windows too): calls
-sent in the run's window, lost (never answered, not even after
-the callers' 60 s), failed (an error reached the caller), run twice (more than one
-`task-succeeded`; a lower bound: events sent to a dead primary are lost), the time from
-the fault to the first answer of a call sent after it, and to a clean audit
+sent in the run's window, lost (never answered, not even after the callers' 60 s; in
+`whole_run`, `unheard` when the answer is stored but its caller never heard it), failed
+(an error reached the caller), run twice (more than one `task-succeeded`; a lower bound:
+events sent to a dead primary are lost), the time from the fault to the first answer of
+a call sent after it, and to a clean audit
 (`placement.ledger.audit`) once the new primary is named.
 """
 
@@ -40,6 +41,7 @@ from typing import Any
 
 from celery import Celery
 
+from placement.ledger import endpoint
 from placement.ledger.audit import audit
 from placement.ledger.registry import Registry
 from placement.server.sentinel import SentinelGroup
@@ -136,16 +138,34 @@ class Runs:
         self._stop.set()
 
 
-def figures(rows: list[tuple[float, float | None, str, str]], runs: Runs) -> dict[str, Any]:
+def figures(
+    rows: list[tuple[float, float | None, str, str]], runs: Runs, stored: set[str] | None = None
+) -> dict[str, Any]:
+    """The figures of `rows`; with `stored` (the task ids whose answer Redis holds), a call
+    the caller gave up on counts as unheard when its answer is there, else as lost."""
     answered = [done - sent for sent, done, _, _ in rows if done is not None]
+    gave_up = [task_id for _, done, task_id, why in rows if done is None and why == "TimeoutError"]
+    unheard = [t for t in gave_up if stored is not None and t in stored]
     return {
         "sent": len(rows),
-        "lost": sum(1 for _, done, _, why in rows if done is None and why == "TimeoutError"),
+        "lost": len(gave_up) - len(unheard),
+        "unheard": len(unheard),
         "failed": sum(1 for _, done, _, why in rows if done is None and why != "TimeoutError"),
         "run_twice": sum(1 for _, _, task_id, _ in rows if runs.count[task_id] > 1),
         "p50_s": round(statistics.median(answered), 4) if answered else None,
         "max_s": round(max(answered), 4) if answered else None,
     }
+
+
+def stored_answers(url: str, rows: list[tuple[float, float | None, str, str]]) -> set[str]:
+    """The task ids among `rows` given up on whose answers the primary holds."""
+    ids = [task_id for _, done, task_id, _ in rows if done is None]
+    if not ids:
+        return set()
+    client = endpoint.connect(url)
+    found = client.mget([f"celery-task-meta-{task_id}" for task_id in ids])
+    client.close()
+    return {task_id for task_id, meta in zip(ids, found, strict=True) if meta is not None}
 
 
 def fault(group: SentinelGroup, kind: str, stop_s: float) -> tuple[float, int]:
@@ -234,7 +254,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             runs.stop()
             out["runs"] = per_run
             # every call of the run, those sent between windows included
-            out["whole_run"] = figures(load.between(0.0, time.time()), runs)
+            rows = load.between(0.0, time.time())
+            out["whole_run"] = figures(rows, runs, stored_answers(group.url, rows))
             out["all"] = {
                 kind: {
                     key: sum(r[key] for r in per_run if r["fault"] == kind)
