@@ -31,6 +31,7 @@ from typing import Any
 import redis
 
 from placement.errors import ConfigError, RegistryError
+from placement.ledger import endpoint
 from placement.server.redis_server import (
     HOST,
     RedisServer,
@@ -230,7 +231,8 @@ class SentinelGroup:
     def _wait_formed(self) -> None:
         deadline = time.monotonic() + FORMED_S
         while True:
-            formed = all(self._knows_group(s) for s in self.sentinels)
+            clients = endpoint.parse(self.url).sentinel_clients(decode_responses=True)
+            formed = all([self._knows_group(client) for client in clients])
             if formed:
                 return
             if time.monotonic() > deadline:
@@ -239,8 +241,7 @@ class SentinelGroup:
                 )
             time.sleep(0.1)
 
-    def _knows_group(self, sentinel: SentinelServer) -> bool:
-        client = self._sentinel_client(sentinel)
+    def _knows_group(self, client: redis.Redis) -> bool:
         try:
             others: Any = client.sentinel_sentinels(self.master_name)
             replicas: Any = client.sentinel_slaves(self.master_name)
@@ -251,24 +252,12 @@ class SentinelGroup:
         up = [r for r in replicas if "s_down" not in str(r.get("flags", ""))]
         return len(others) >= self._sentinel_count - 1 and len(up) >= self._count
 
-    def _sentinel_client(self, sentinel: SentinelServer) -> redis.Redis:
-        return redis.Redis(
-            HOST, sentinel.port, password=self.password, socket_timeout=2, decode_responses=True
-        )
-
     def primary_port(self) -> int:
         """The port of the primary, as the first Sentinel that answers says."""
-        for sentinel in self.sentinels:
-            client = self._sentinel_client(sentinel)
-            try:
-                found: Any = client.sentinel_get_master_addr_by_name(self.master_name)
-            except redis.RedisError:
-                continue
-            finally:
-                client.close()
-            if found:
-                return int(found[1])
-        raise RegistryError("no Sentinel answers with the primary")
+        found = endpoint.parse(self.url).topology()["primary"]
+        if not found:
+            raise RegistryError("no Sentinel answers with the primary")
+        return int(found.rsplit(":", 1)[1])
 
     def node(self, port: int) -> RedisServer:
         """The data node listening on `port`."""
