@@ -26,7 +26,9 @@ from celery.result import AsyncResult
 
 from bench.fleet import TWO_MODELS  # noqa: F401  (the end-to-end tests' catalog)
 from placement.config import connection_path, read_connection
+from placement.ledger import endpoint
 from placement.ledger.registry import Registry
+from tasks.config import caller_conf
 
 REPO = Path(__file__).resolve().parents[1]
 READY_S = 180.0
@@ -54,8 +56,7 @@ class RunningFleet:
         """A Celery client with the fleet's own user: Celery's remote control (inspect,
         ping) and the fleet's internal queues, which a caller's user may not reach."""
         if self._inside is None:
-            self._inside = Celery(broker=self.fleet_url, backend=self.fleet_url)
-            self._inside.conf.update(task_serializer="json", accept_content=["json"])
+            self._inside = _client(self.fleet_url)
         return self._inside
 
     def infer(self, model: str, inputs: Any, timeout: float = 120) -> dict[str, Any]:
@@ -71,13 +72,15 @@ class RunningFleet:
         assert len(children) == 1, (gpu_index, worker, children)
         return children[0]
 
-    def child_named(self, needle: str) -> int:
+    def child_named(self, needle: str, *, word: bool = False) -> int:
         """The pid of the launcher's direct child whose command line has `needle`: a
-        Celery worker's main process (`"gpu0@"`, `"router@"`) or the `"redis-server"`."""
+        Celery worker's main process (`"gpu0@"`, `"router@"`) or the `"redis-server"`;
+        with `word`, as one of its words (a bundled Redis node's `127.0.0.1:PORT`)."""
         found = [
             pid
             for pid, parent in parents().items()
-            if parent == self.proc.pid and needle in _cmdline(pid)
+            if parent == self.proc.pid
+            and (needle in _cmdline(pid).split() if word else needle in _cmdline(pid))
         ]
         assert len(found) == 1, (needle, found)
         return found[0]
@@ -163,10 +166,7 @@ def fleet_up(
     try:
         lines = wait_ready(proc)
         url = next(m.group(1) for line in lines if (m := re.search(r"registry (\S+)", line)))
-        client = Celery(broker=url, backend=url)
-        client.conf.update(
-            task_serializer="json", accept_content=["json"], result_serializer="json"
-        )
+        client = _client(url)
         known = read_connection(connection_path(Path(env["GPUFLEET_HOME"]).expanduser(), fleet))
         assert known is not None and known.caller == url, (known, url)
         registry = Registry.from_url(known.fleet, fleet)
@@ -176,6 +176,15 @@ def fleet_up(
         stop(proc)
         if home is not None:
             shutil.rmtree(home, ignore_errors=True)
+
+
+def _client(url: str) -> Celery:
+    """A plain Celery client of `url`; of Sentinels, as `gpufleet url --json` configures it."""
+    client = Celery(broker=url, backend=url)
+    client.conf.update(task_serializer="json", accept_content=["json"], result_serializer="json")
+    if endpoint.parse(url).watched:
+        client.conf.update(**caller_conf(url))
+    return client
 
 
 def wait_ready(proc: subprocess.Popen[str], marker: str = "Ctrl-C stops") -> list[str]:

@@ -4,6 +4,7 @@ a failover, and a fleet that loses no call when its primary is killed (docs/depl
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -12,7 +13,6 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +26,11 @@ from placement.ledger import endpoint
 from placement.ledger.audit import ledger_problems
 from placement.ledger.registry import Registry
 from placement.policy.state import Gpu
-from placement.server.sentinel import SentinelGroup
+from placement.server.acl import CALLER, Users
+from placement.server.redis_server import HOST
+from placement.server.sentinel import SentinelGroup, replicas_ready
 from tasks.config import caller_conf, celery_conf
-from tests.running import REPO, TWO_MODELS, descendants, fleet_env, stop, wait_ready
+from tests.running import REPO, TWO_MODELS, RunningFleet, fleet_env, fleet_up, until, with_signal
 from tests.test_chaos import settled
 
 _CLI = (sys.executable, "-m", "tasks.operator.cli")
@@ -146,44 +148,128 @@ def test_a_client_on_a_demoted_primary_writes_to_the_new_one(group: SentinelGrou
     assert on_new.get("before") == "1" and on_new.get("after") == "2"
 
 
-def test_a_fleet_on_sentinels_loses_no_call_when_its_primary_is_killed_twice_under_load(
+def test_a_group_with_users_lets_the_fleets_users_look_it_up_and_nothing_more(
     tmp_path: Path,
 ) -> None:
+    """`--redis-ha`'s group: the callers' user may find the primary through a Sentinel but
+    not fail the group over or reconfigure it; the `replication` user reads no key."""
+    users = Users("f-pw", "o-pw", "c-pw", replication="r-pw", sentinel="s-pw")
+    with SentinelGroup(users=users, data_root=tmp_path / "redis") as group:
+        fleet = endpoint.connect(group.url)
+        assert fleet.lpush("celery", "{}") == 1 and fleet.execute_command("WAIT", 1, 5000) == 1
+        caller = endpoint.connect(group.url_for(CALLER))
+        assert caller.llen("celery") == 1  # through the Sentinels, to the primary
+        found = endpoint.parse(group.url_for(CALLER)).topology()
+        assert found["primary"] == f"{HOST}:{group.primary_port()}" and found["replicas"]
+        sentinel = redis.Redis(HOST, group.sentinels[0].port, username=CALLER, password="c-pw")
+        for command in (("FAILOVER", group.master_name), ("REMOVE", group.master_name)):
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                sentinel.execute_command("SENTINEL", *command)
+        replication = redis.Redis(
+            HOST, group.primary_port(), username="replication", password="r-pw"
+        )
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            replication.get("celery")
+        assert (tmp_path / "redis" / "node0").is_dir()  # each node's append-only file
+        old = group.primary_port()
+        os.kill(group.node(old).pid, signal.SIGKILL)
+        group.wait_failover(old)
+        assert group.supervise() == [
+            f"redis node {HOST}:{old} as a replica of {group.primary_port()}"
+        ]
+        group.wait_replicas()
+        assert endpoint.connect(group.url).llen("celery") == 1  # the failover lost nothing
+
+
+def test_a_fleet_started_with_redis_ha_loses_no_call_when_its_primary_is_killed_twice(
+    tmp_path: Path,
+) -> None:
+    """`gpufleet up --redis-ha` under a plain client's load: its primary SIGKILLed, then
+    the one the Sentinels promoted. The launcher starts each killed node again as a
+    replica of the new primary (its old data does not win), and a killed Sentinel again;
+    no router or GPU worker restarts."""
     catalog = tmp_path / "models.yaml"
     catalog.write_text(TWO_MODELS)
-    with SentinelGroup(password="s3cret", replicas=2) as group:
-        env = fleet_env(GPUFLEET_REDIS_URL=group.url, GPUFLEET_HOME=str(tmp_path / "home"))
-        with _fleet(catalog, env, tmp_path / "fleet.log") as (proc, client):
-            processes = descendants(proc.pid)
-            load = _Load(client)
-            load.start(threads=6)
-            load.until(answered=60)
-            for _ in range(2):  # the second kills the primary the first promoted
-                old = group.primary_port()
-                assert _status(env)["redis"]["primary"] == f"127.0.0.1:{old}"
-                os.kill(group.node(old).pid, signal.SIGKILL)
-                killed = time.time()
-                group.wait_failover(old)
-                load.until(answered=60, after=killed)
-                where = _status(env)["redis"]  # the Sentinels' word (a second vote may differ)
-                assert where["primary"] == f"127.0.0.1:{group.primary_port()}", where
-                assert len(where["sentinels"]) == 3 and f"127.0.0.1:{old}" not in where["replicas"]
-                sent_after = [done for sent, done in load.calls if sent > killed]
-                assert min(sent_after) - killed < 10, "no call sent after the kill answered in 10 s"
-            load.stop()
-            assert not load.errors, load.errors[:5]
-            assert load.sent == len(load.calls)
-            registry = Registry.from_url(group.url, "default")
+    env = fleet_env(GPUFLEET_HOME=str(tmp_path / "home"))
+    args = ["--redis-ha", "--sim-gpus", "2x4GiB", "--metrics-port", "0"]
+    with fleet_up(catalog, args, env, log=tmp_path / "fleet.log") as fleet:
+        workers = _workers(fleet)
+        load = _Load(fleet.client)
+        load.start(threads=4)
+        load.until(answered=40)
+        for _ in range(2):  # the second kills the primary the first promoted
+            old = _synced(fleet)
+            with_signal(fleet.child_named(f"{HOST}:{old}", word=True), signal.SIGKILL)
+            killed = time.time()
+            load.until(answered=40, after=killed)
+            sent_after = [done for sent, done in load.calls if sent > killed]
+            assert min(sent_after) - killed < 10, "no call sent after the kill answered in 10 s"
+            back = functools.partial(_replicates, fleet, old)
+            until("the killed primary is a replica again", back, 30)
+        sentinel = _status(env)["redis"]["sentinels"][0]
+        with_signal(fleet.child_named(sentinel, word=True), signal.SIGKILL)
+        until("the killed Sentinel is back", lambda: _answers_as_sentinel(fleet, sentinel), 15)
+        load.stop()
+        assert not load.errors, load.errors[:5]
+        assert load.sent == len(load.calls)
 
-            def unsettled() -> list[str]:
-                snap = registry.snapshot()
-                return settled(snap) + ledger_problems(snap)
+        def unsettled() -> list[str]:
+            snap = fleet.registry.snapshot()
+            return settled(snap) + ledger_problems(snap)
 
-            deadline = time.monotonic() + 30
-            while problems := unsettled():
-                assert time.monotonic() < deadline, problems
-                time.sleep(0.5)
-            assert descendants(proc.pid) == processes, "a fleet process restarted"
+        deadline = time.monotonic() + 30
+        while problems := unsettled():
+            assert time.monotonic() < deadline, problems
+            time.sleep(0.5)
+        assert _workers(fleet) == workers, "a router or GPU worker restarted"
+
+
+def _workers(fleet: RunningFleet) -> list[int]:
+    """The pids of the fleet's Celery workers and the GPU workers' pool children."""
+    mains = [fleet.child_named(name) for name in ("router@", "gpu0@", "gpu1@")]
+    return [*mains, fleet.pool_child(0), fleet.pool_child(1)]
+
+
+def _node(fleet: RunningFleet, address: str) -> redis.Redis:
+    """A client of one data node of an HA fleet, as the fleet's own user."""
+    found = endpoint.parse(fleet.fleet_url)
+    host, port = address.rsplit(":", 1)
+    return redis.Redis(
+        host, int(port), username=found.username, password=found.password, socket_timeout=2
+    )
+
+
+def _synced(fleet: RunningFleet) -> int:
+    """Wait until the Sentinels see the replica in sync with the primary (a kill before
+    then is a second fault); the primary's port."""
+    until("a replica the Sentinels trust", lambda: replicas_ready(fleet.fleet_url), 30)
+    return int(endpoint.parse(fleet.fleet_url).topology()["primary"].rsplit(":", 1)[1])
+
+
+def _in_sync(fleet: RunningFleet, replica: str, primary: str) -> bool:
+    try:
+        info: Any = _node(fleet, replica).info("replication")
+    except redis.RedisError:
+        return False
+    return (
+        info.get("role") == "slave"
+        and f"{info.get('master_host')}:{info.get('master_port')}" == primary
+        and info.get("master_link_status") == "up"
+        and int(info.get("master_sync_in_progress", 1)) == 0
+    )
+
+
+def _replicates(fleet: RunningFleet, port: int) -> bool:
+    primary = endpoint.parse(fleet.fleet_url).topology()["primary"]
+    return bool(primary) and _in_sync(fleet, f"{HOST}:{port}", str(primary))
+
+
+def _answers_as_sentinel(fleet: RunningFleet, address: str) -> bool:
+    try:
+        fleet.child_named(address, word=True)  # started again, on its port
+        return bool(_node(fleet, address).execute_command("SENTINEL", "MASTERS"))
+    except (AssertionError, redis.RedisError):
+        return False
 
 
 class _Load:
@@ -232,34 +318,6 @@ class _Load:
         for thread in self._threads:
             thread.join(90)
         assert not any(t.is_alive() for t in self._threads)
-
-
-@contextmanager
-def _fleet(catalog: Path, env: dict[str, str], log: Path) -> Iterator[tuple[Any, Celery]]:
-    """`gpufleet up` on the group, and a plain Celery client from `gpufleet url --json`."""
-    proc = subprocess.Popen(
-        [*_CLI, "up", "--models", str(catalog), "--sim-gpus", "2x4GiB", "--metrics-port", "0"],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=log.open("a"),
-        text=True,
-    )
-    try:
-        wait_ready(proc)
-        printed = subprocess.run(
-            [*_CLI, "url", "--json"],
-            cwd=REPO,
-            env=env,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
-        client = Celery(set_as_current=False)
-        client.conf.update(**json.loads(printed)["celery"])
-        yield proc, client
-    finally:
-        stop(proc)
 
 
 def _status(env: dict[str, str]) -> dict[str, Any]:

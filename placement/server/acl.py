@@ -26,6 +26,15 @@ file for a Redis of your own):
   CLIENT KILL, with which the launcher keeps callers' connections within their share
   (`placement.server.connections`).
 
+A bundled Redis with Sentinels (`gpufleet up --redis-ha`, `placement.server.sentinel`)
+has two more users, whose passwords no process but the launcher's Redis nodes and
+Sentinels ever sees: `replication`, with which a replica reads its primary's stream
+(PSYNC, REPLCONF), and `sentinel`, with which the Sentinels watch and reconfigure the
+data nodes (INFO, REPLICAOF, CONFIG REWRITE, ...) and sign in to each other. On the
+Sentinels themselves the fleet's three users may only ask where the primary, the
+replicas and the other Sentinels are (`SENTINEL_LOOKUP_RULES`): none may reconfigure,
+fail over or remove the group.
+
 The `default` user is off and has no password, so no connection can be it. It may still
 run every command on every key: Redis replays its append-only file as `default`, and from
 Redis 7 EXEC checks the rights of each command it runs, so a `default` that may run
@@ -40,12 +49,25 @@ import hashlib
 import urllib.parse
 from dataclasses import dataclass
 
-__all__ = ["CALLER", "FLEET", "OPERATOR", "USERS", "Users", "acl_lines", "user_url"]
+__all__ = [
+    "CALLER",
+    "FLEET",
+    "OPERATOR",
+    "REPLICATION",
+    "SENTINEL",
+    "USERS",
+    "Users",
+    "acl_lines",
+    "sentinel_acl_lines",
+    "user_url",
+]
 
 FLEET = "fleet"
 OPERATOR = "operator"
 CALLER = "caller"
 USERS = (FLEET, OPERATOR, CALLER)
+REPLICATION = "replication"
+SENTINEL = "sentinel"
 
 #: kombu's priority steps above 0 (`tasks.broker.presence.PRIORITY_STEPS`, which a test
 #: keeps equal): a queue's list for each, `celery\x06\x16N`, is one a router reads.
@@ -80,21 +102,45 @@ _CALLER_RULES_6 = (
 )
 
 
+#: A replica reading its primary (Redis's replication handshake).
+_REPLICATION_RULES = "resetchannels -@all +ping +auth +psync +sync +replconf"
+#: A Sentinel on a data node: the rights Redis's Sentinel documentation lists.
+_SENTINEL_RULES = (
+    "allchannels -@all +auth +hello +ping +multi +exec +slaveof +replicaof +config|rewrite "
+    "+role +publish +subscribe +info +client|setname +client|kill +script|kill"
+)
+#: The fleet's users on a Sentinel: where the group's nodes are, nothing more.
+SENTINEL_LOOKUP_RULES = (
+    "-@all +auth +hello +ping +client|setname +sentinel|masters "
+    "+sentinel|master +sentinel|slaves +sentinel|replicas +sentinel|sentinels "
+    "+sentinel|get-master-addr-by-name"
+)
+
+
 @dataclass(frozen=True)
 class Users:
-    """The passwords of a fleet's three users."""
+    """The passwords of a fleet's three users, and with Sentinels those of `replication`
+    and `sentinel` ("" where the fleet has none)."""
 
     fleet: str
     operator: str
     caller: str
+    replication: str = ""
+    sentinel: str = ""
 
     def password(self, user: str) -> str:
         passwords: dict[str, str] = {
             FLEET: self.fleet,
             OPERATOR: self.operator,
             CALLER: self.caller,
+            REPLICATION: self.replication,
+            SENTINEL: self.sentinel,
         }
         return passwords[user]
+
+    def internal(self) -> tuple[str, ...]:
+        """The users of a replicated group this has passwords for."""
+        return tuple(u for u in (REPLICATION, SENTINEL) if self.password(u))
 
 
 def rules(user: str, redis_major: int) -> str:
@@ -110,11 +156,28 @@ def rules(user: str, redis_major: int) -> str:
 
 def acl_lines(users: Users, redis_major: int) -> list[str]:
     """The lines of an ACL file (or of redis.conf) for the fleet's users."""
+    internal = {REPLICATION: _REPLICATION_RULES, SENTINEL: _SENTINEL_RULES}
     lines = [f"user default off resetpass {_DEFAULT_RULES}"]
     for user in USERS:
-        digest = hashlib.sha256(users.password(user).encode()).hexdigest()
-        lines.append(f"user {user} reset on #{digest} {rules(user, redis_major)}")
+        lines.append(_user_line(user, users.password(user), rules(user, redis_major)))
+    for user in users.internal():
+        lines.append(_user_line(user, users.password(user), internal[user]))
     return lines
+
+
+def sentinel_acl_lines(users: Users) -> list[str]:
+    """The lines of a Sentinel's config for the fleet's users: the fleet's three may look
+    the group up, `sentinel` (the other Sentinels) may do all."""
+    lines = ["user default off resetpass -@all"]
+    for user in USERS:
+        lines.append(_user_line(user, users.password(user), SENTINEL_LOOKUP_RULES))
+    lines.append(_user_line(SENTINEL, users.sentinel, "allchannels +@all"))
+    return lines
+
+
+def _user_line(user: str, password: str, user_rules: str) -> str:
+    digest = hashlib.sha256(password.encode()).hexdigest()
+    return f"user {user} reset on #{digest} {user_rules}"
 
 
 def user_url(url: str, user: str, password: str) -> str:

@@ -61,7 +61,7 @@ from pathlib import Path
 from types import TracebackType
 
 from placement.errors import ConfigError, RegistryError
-from placement.server.acl import FLEET, USERS, Users, acl_lines, user_url
+from placement.server.acl import FLEET, REPLICATION, USERS, Users, acl_lines, user_url
 
 __all__ = ["RedisServer", "conf_quote", "find_redis_server", "free_port", "ping", "stop_process"]
 
@@ -159,7 +159,7 @@ class RedisServer:
     refuses writes rather than evict a queued call, a ledger key or a result.
     `maxclients` sets how many connections it takes at once (`placement.server.connections`).
     `replica_of` (a port on 127.0.0.1) makes it a replica of that server, which has the
-    same password (`placement.server.sentinel`).
+    same password or users (it signs in as `replication`; `placement.server.sentinel`).
     """
 
     def __init__(
@@ -178,8 +178,8 @@ class RedisServer:
             raise ConfigError(f"redis port must be in 1..65535, got {port}")
         if password is not None and users is not None:
             raise ConfigError("give a redis server a password or users, not both")
-        if replica_of is not None and users is not None:
-            raise ConfigError("a replica signs in with a password, not the fleet's users")
+        if replica_of is not None and users is not None and not users.replication:
+            raise ConfigError("a replica of a server with users needs the replication user's")
         given = [password] if users is None else [users.password(u) for u in USERS]
         if any(p is not None and (p == "" or "\x00" in p) for p in given):
             raise ConfigError("redis password must be non-empty and contain no NUL byte")
@@ -343,6 +343,9 @@ class RedisServer:
             conf_lines.append(f"masterauth {conf_quote(self._password)}")  # as a replica
         if self._users is not None:
             conf_lines += acl_lines(self._users, redis_version(binary)[0])
+            if self._users.replication:  # as a replica now, or once a Sentinel demotes it
+                conf_lines.append(f"masteruser {REPLICATION}")
+                conf_lines.append(f"masterauth {conf_quote(self._users.replication)}")
         if self.replica_of is not None:
             conf_lines.append(f"replicaof {HOST} {self.replica_of}")
         if conf_lines:

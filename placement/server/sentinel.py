@@ -18,6 +18,7 @@ the Sentinels' own connections to the data nodes and `sentinel-pass` between Sen
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import subprocess
@@ -32,6 +33,7 @@ import redis
 
 from placement.errors import ConfigError, RegistryError
 from placement.ledger import endpoint
+from placement.server.acl import FLEET, SENTINEL, Users, sentinel_acl_lines
 from placement.server.redis_server import (
     HOST,
     RedisServer,
@@ -43,7 +45,7 @@ from placement.server.redis_server import (
     stop_process,
 )
 
-__all__ = ["SentinelGroup", "SentinelServer"]
+__all__ = ["SentinelGroup", "SentinelServer", "replicas_ready"]
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +70,37 @@ _CONF_NAME = "sentinel.conf"
 _LOG_NAME = "sentinel.log"
 
 
+def replicas_ready(url: str) -> bool:
+    """Whether every Sentinel of `url` that answers sees a replica of the primary it names
+    with its link up and no flag but "slave". A Sentinel reads a replica's INFO only every
+    10 s: until it has seen the link up, it promotes no replica (its failover aborts, and
+    waits twice the failover timeout), so a primary lost just after a replica (re)joined
+    goes unreplaced for that long."""
+    found = endpoint.parse(url)
+    answered = 0
+    for client in found.sentinel_clients(decode_responses=True):
+        try:
+            primary: Any = client.sentinel_get_master_addr_by_name(found.master_name)
+            replicas: Any = client.sentinel_slaves(found.master_name)
+        except redis.RedisError:
+            continue
+        finally:
+            client.close()
+        answered += 1
+        if not primary or not any(_follows(r, f"{primary[0]}:{primary[1]}") for r in replicas):
+            return False
+    return answered > 0
+
+
+def _follows(replica: dict[str, Any], primary: str) -> bool:
+    return (
+        replica.get("flags") == "slave"
+        and replica.get("master-link-status") == "ok"
+        and str(replica.get("master-link-down-time")) == "0"
+        and f"{replica.get('master-host')}:{replica.get('master-port')}" == primary
+    )
+
+
 class SentinelServer:
     """One Redis Sentinel process on 127.0.0.1 that monitors `master_name` at `primary`."""
 
@@ -78,11 +111,15 @@ class SentinelServer:
         *,
         port: int | None = None,
         password: str | None = None,
+        users: Users | None = None,
         binary: str | None = None,
     ) -> None:
+        if users is not None and not users.sentinel:
+            raise ConfigError("a Sentinel of a group with users needs the sentinel user's")
         self.master_name = master_name
         self.primary = primary
         self.password = password
+        self.users = users
         self._binary = binary
         self._requested_port = port
         self.port = 0
@@ -128,7 +165,12 @@ class SentinelServer:
             f"sentinel failover-timeout {name} {FAILOVER_TIMEOUT_MS}",
             f"sentinel parallel-syncs {name} 1",
         ]
-        if self.password is not None:
+        if self.users is not None:
+            word = conf_quote(self.users.sentinel)
+            lines += sentinel_acl_lines(self.users)
+            lines += [f"sentinel auth-user {name} {SENTINEL}", f"sentinel auth-pass {name} {word}"]
+            lines += [f"sentinel sentinel-user {SENTINEL}", f"sentinel sentinel-pass {word}"]
+        elif self.password is not None:
             word = conf_quote(self.password)
             lines += [f"requirepass {word}", f"sentinel auth-pass {name} {word}"]
             lines.append(f"sentinel sentinel-pass {word}")
@@ -148,7 +190,9 @@ class SentinelServer:
                 start_new_session=True,
                 preexec_fn=die_with_parent_preexec(),  # noqa: PLW1509
             )
-        auth = (self.password,) if self.password is not None else ()
+        auth: tuple[str, ...] = (self.password,) if self.password is not None else ()
+        if self.users is not None:
+            auth = (FLEET, self.users.fleet)
         deadline = time.monotonic() + 10.0
         while (reply := ping(self.port, auth)) != "PONG":
             if self._proc.poll() is not None or time.monotonic() > deadline:
@@ -157,6 +201,14 @@ class SentinelServer:
                 raise RegistryError(f"redis sentinel did not start ({reply}):\n{tail}")
             time.sleep(0.02)
         return self
+
+    def restart(self, primary: int) -> SentinelServer:
+        """Start a Sentinel that died again on its port (the URL names it), watching
+        `primary`: it learns the replicas and the other Sentinels from there."""
+        self._requested_port = self.port or self._requested_port
+        self.primary = primary
+        self.stop()
+        return self.start()
 
     def stop(self) -> None:
         """Stop the Sentinel and remove its directory; safe to call more than once."""
@@ -172,6 +224,11 @@ class SentinelGroup:
 
         with SentinelGroup() as group:
             client = placement.ledger.endpoint.connect(group.url)
+
+    With `users` (`gpufleet up --redis-ha`), every node has the fleet's users and the
+    `replication` and `sentinel` ones (`placement.server.acl`), `url` is the `fleet`
+    user's and `url_for` gives the others'; with `data_root`, each node keeps its
+    append-only file in a folder of its own there. `supervise` starts again what died.
     """
 
     def __init__(
@@ -181,12 +238,21 @@ class SentinelGroup:
         replicas: int = 1,
         sentinels: int = 3,
         password: str | None = None,
+        users: Users | None = None,
+        data_root: Path | None = None,
+        maxmemory: int | None = None,
+        maxclients: int | None = None,
         binary: str | None = None,
     ) -> None:
         if sentinels < QUORUM:
             raise ConfigError(f"a Sentinel group needs at least {QUORUM} Sentinels")
+        if users is not None and not (users.replication and users.sentinel):
+            raise ConfigError("a Sentinel group with users needs replication and sentinel ones")
         self.master_name = master_name
         self.password = password
+        self.users = users
+        self._data_root = data_root
+        self._node_options: dict[str, Any] = {"maxmemory": maxmemory, "maxclients": maxclients}
         self._binary = binary or find_redis_server()
         self._count = replicas
         self._sentinel_count = sentinels
@@ -196,8 +262,21 @@ class SentinelGroup:
 
     @property
     def url(self) -> str:
-        """The ``sentinel://`` URL of the group (`placement.ledger.endpoint`)."""
+        """The ``sentinel://`` URL of the group (`placement.ledger.endpoint`); with users,
+        the `fleet` user's."""
+        if self.users is not None:
+            return self.url_for(FLEET)
         auth = f":{urllib.parse.quote(self.password, safe='')}@" if self.password else ""
+        return self._url(auth)
+
+    def url_for(self, user: str) -> str:
+        """The ``sentinel://`` URL of one of the group's `users`."""
+        if self.users is None:
+            raise ConfigError("this Sentinel group has no users; use its url")
+        quote = functools.partial(urllib.parse.quote, safe="")
+        return self._url(f"{quote(user)}:{quote(self.users.password(user))}@")
+
+    def _url(self, auth: str) -> str:
         parts = [f"sentinel://{auth}{HOST}:{s.port}/0" for s in self.sentinels]
         return ";".join(parts) + f"?master_name={urllib.parse.quote(self.master_name)}"
 
@@ -205,20 +284,17 @@ class SentinelGroup:
         """Start every node and Sentinel, and wait until the Sentinels know each other and
         the replicas (before that, a failover could not happen)."""
         try:
-            primary = RedisServer(password=self.password, binary=self._binary).start()
+            primary = self._node(0, None).start()
             self.nodes = [primary]
-            for _ in range(self._count):
-                self.nodes.append(
-                    RedisServer(
-                        password=self.password, binary=self._binary, replica_of=primary.port
-                    ).start()
-                )
+            for i in range(1, self._count + 1):
+                self.nodes.append(self._node(i, primary.port).start())
             for _ in range(self._sentinel_count):
                 self.sentinels.append(
                     SentinelServer(
                         self.master_name,
                         primary.port,
                         password=self.password,
+                        users=self.users,
                         binary=self._binary,
                     ).start()
                 )
@@ -227,6 +303,16 @@ class SentinelGroup:
             self.stop()
             raise
         return self
+
+    def _node(self, i: int, replica_of: int | None) -> RedisServer:
+        return RedisServer(
+            password=self.password,
+            users=self.users,
+            binary=self._binary,
+            data_dir=self._data_root / f"node{i}" if self._data_root is not None else None,
+            replica_of=replica_of,
+            **self._node_options,
+        )
 
     def _wait_formed(self) -> None:
         deadline = time.monotonic() + FORMED_S
@@ -278,14 +364,61 @@ class SentinelGroup:
             time.sleep(0.1)
         raise RegistryError(f"no failover away from port {old_port} in {timeout:g} s")
 
+    def wait_replicas(self, timeout: float = 30.0) -> None:
+        """Wait until the Sentinels see a replica in sync with the primary (`replicas_ready`):
+        a primary lost before then waits longer for its failover, or takes with it what no
+        replica has yet."""
+        deadline = time.monotonic() + timeout
+        while not replicas_ready(self.url):
+            if time.monotonic() > deadline:
+                raise RegistryError(f"no replica the Sentinels trust within {timeout:g} s")
+            time.sleep(0.2)
+
     def _is_primary(self, port: int) -> bool:
-        client = redis.Redis(HOST, port, password=self.password, socket_timeout=2)
+        client = self._node_client(port)
         try:
             return client.info("replication").get("role") == "master"
         except redis.RedisError:
             return False
         finally:
             client.close()
+
+    def _node_client(self, port: int) -> redis.Redis:
+        if self.users is not None:
+            return redis.Redis(
+                HOST, port, username=FLEET, password=self.users.fleet, socket_timeout=2
+            )
+        return redis.Redis(HOST, port, password=self.password, socket_timeout=2)
+
+    def supervise(self) -> list[str]:
+        """Start again each node and Sentinel that died, on its port: a node as a replica
+        of the primary the Sentinels name (its old data does not win: it syncs anew), a
+        Sentinel watching that primary. A dead primary waits for its failover, unless no
+        node is left to take over. What it started, in words."""
+        started: list[str] = []
+        dead = [node for node in self.nodes if not node.running]
+        if dead:
+            try:
+                primary: int | None = self.primary_port()
+            except RegistryError:
+                primary = None
+            alive = [node.port for node in self.nodes if node.running]
+            for node in dead:
+                if primary is None or primary == node.port:
+                    if alive:  # the Sentinels have yet to fail it over
+                        continue
+                    node.replica_of = None  # nothing else holds the data: its own file
+                else:
+                    node.replica_of = primary
+                node.restart()
+                role = "the primary" if node.replica_of is None else f"a replica of {primary}"
+                started.append(f"redis node {HOST}:{node.port} as {role}")
+        for sentinel in self.sentinels:
+            if not sentinel.running:
+                with contextlib.suppress(RegistryError):
+                    sentinel.restart(self.primary_port())
+                    started.append(f"sentinel {HOST}:{sentinel.port}")
+        return started
 
     def stop(self) -> None:
         """Stop every Sentinel, then every node."""

@@ -183,6 +183,14 @@ def up(
             max=65535,
         ),
     ] = None,
+    redis_ha: Annotated[
+        bool,
+        typer.Option(
+            "--redis-ha",
+            help="Bundle a Redis primary, a replica and three Sentinels: the fleet outlives "
+            'its primary\'s loss (docs/deploy.md, "Redis Sentinel").',
+        ),
+    ] = False,
     demo: Annotated[bool, typer.Option(help="Make demo calls once the fleet is ready.")] = False,
     once: Annotated[bool, typer.Option(help="Stop after the demo instead of serving.")] = False,
 ) -> None:
@@ -200,6 +208,7 @@ def up(
         flower=flower,
         flower_port=flower_port,
         metrics_port=metrics_port,
+        redis_ha=redis_ha,
     )
     stop_on_signals()
     try:

@@ -16,7 +16,10 @@ It supervises every child (`supervise`, called about once a second):
   and not acknowledged (`tasks.broker.presence`; else they would wait out the visibility
   timeout);
 - the bundled Redis restarts on the same port and replays its append-only file, so no
-  acknowledged write (no queued call) is lost.
+  acknowledged write (no queued call) is lost;
+- with `--redis-ha` the bundled Redis is a primary, a replica and three Sentinels
+  (`placement.server.sentinel`): the Sentinels fail a lost primary over, and the launcher
+  starts each dead node again as a replica of the new primary, and each dead Sentinel.
 
 Children also die with the launcher (PR_SET_PDEATHSIG on Linux), and `stop` ends them
 in order, so nothing is left behind.
@@ -56,9 +59,10 @@ from placement.config import (
 from placement.errors import ConfigError, FleetStoppedError, GpufleetError
 from placement.ledger import endpoint
 from placement.ledger.registry import Registry
-from placement.server.acl import CALLER, OPERATOR, Users
+from placement.server.acl import CALLER, FLEET, OPERATOR, Users
 from placement.server.connections import CALLER_SHARE, ConnectionGuard, max_clients
 from placement.server.redis_server import RedisServer, die_with_parent_preexec, find_redis_server
+from placement.server.sentinel import SentinelGroup
 from tasks.broker import quarantine
 from tasks.broker.claim import BrokerClaim
 from tasks.broker.presence import take_waiting
@@ -132,7 +136,10 @@ class Launcher:
     devices: list[Device] = field(default_factory=list)
     children: dict[str, Child] = field(default_factory=dict)
     first_backoff_s: float = 1.0  # doubles with each death, up to MAX_BACKOFF_S
+    #: A primary, a replica and three Sentinels instead of one bundled Redis (--redis-ha).
+    redis_ha: bool = False
     _redis: RedisServer | None = None
+    _group: SentinelGroup | None = None  # the bundled Redis with --redis-ha
     _guard: ConnectionGuard | None = None  # callers' connections on the bundled Redis
     _claim: BrokerClaim | None = None  # the broker database, ours while we run (tasks.broker.claim)
     # Bound and listening from `start` on, for the router's /metrics and for Flower: the
@@ -148,6 +155,11 @@ class Launcher:
     @property
     def host(self) -> str:
         return self.settings.host
+
+    @property
+    def _bundled(self) -> bool:
+        """Whether the fleet's Redis is this launcher's own."""
+        return self._redis is not None or self._group is not None
 
     @property
     def connection_file(self) -> Path:
@@ -171,24 +183,16 @@ class Launcher:
                 f"{self.connection_file}); stop it, or start this one with GPUFLEET_FLEET=<name>"
             )
         external = self.settings.url_from != FROM_DEFAULT
+        if external and self.redis_ha:
+            raise ConfigError(
+                "--redis-ha bundles its own Redis and Sentinels, but GPUFLEET_REDIS_URL names "
+                "a Redis of yours; drop one of the two"
+            )
         self.redis_url = self.settings.registry_url if external else ""
         self.settings.fleet_dir().mkdir(mode=0o700, parents=True, exist_ok=True)
         self.caller_url = self.operator_url = self.redis_url
         if not self.redis_url:
-            data = self.settings.fleet_dir() / "redis"
-            shutil.rmtree(data, ignore_errors=True)  # a new fleet starts with a new ledger
-            self._redis = RedisServer(
-                binary=self.settings.redis_server or find_redis_server(newest=True),
-                data_dir=data,
-                users=Users(*(secrets.token_urlsafe(18) for _ in range(3))),
-                maxmemory=self.settings.redis_maxmemory or default_maxmemory(),
-                maxclients=max_clients(),
-            )
-            self.redis_url = self._redis.start().url
-            self.caller_url = self._redis.url_for(CALLER)
-            self.operator_url = self._redis.url_for(OPERATOR)
-            self._guard = ConnectionGuard(self.redis_url, int(CALLER_SHARE * max_clients()))
-            self._guard.start()
+            self._start_bundled_redis()
         self.broker_url = self.settings.broker_url if external else self.redis_url
         simulated = self.sim_gpus or self.settings.sim_gpus
         self.devices = discover(simulated or DEFAULT_SIM_GPUS, simulate=bool(simulated))
@@ -207,7 +211,7 @@ class Launcher:
             "router",
             ["-Q", ",".join(ROUTER_QUEUES), "-n", f"router@{self.host}", "-c", "2"],
             "router",
-            ROUTER_QUEUES if self._redis is not None else (),  # the queues are ours alone
+            ROUTER_QUEUES if self._bundled else (),  # the queues are ours alone
             GPUFLEET_METRICS_ADDR="127.0.0.1",
             **metrics,
         )
@@ -240,6 +244,32 @@ class Launcher:
         self._write_connection()
         # This process talks to the fleet too (readiness pings, the demo call).
         os.environ.update(GPUFLEET_REDIS_URL=self.redis_url, GPUFLEET_FLEET=self.fleet)
+
+    def _start_bundled_redis(self) -> None:
+        """One Redis, or with `redis_ha` a primary, a replica and three Sentinels, each
+        with the fleet's users and an append-only file in the fleet's directory."""
+        data = self.settings.fleet_dir() / "redis"
+        shutil.rmtree(data, ignore_errors=True)  # a new fleet starts with a new ledger
+        binary = self.settings.redis_server or find_redis_server(newest=True)
+        options: dict[str, Any] = {
+            "binary": binary,
+            "maxmemory": self.settings.redis_maxmemory or default_maxmemory(),
+            "maxclients": max_clients(),
+        }
+        words = [secrets.token_urlsafe(18) for _ in range(5)]
+        # Kept once started (a start that fails stops what it started itself).
+        if self.redis_ha:
+            group = SentinelGroup(users=Users(*words), data_root=data, **options).start()
+            urls = {user: group.url_for(user) for user in (FLEET, CALLER, OPERATOR)}
+            self._group = group
+        else:
+            server = RedisServer(data_dir=data, users=Users(*words[:3]), **options).start()
+            urls = {user: server.url_for(user) for user in (FLEET, CALLER, OPERATOR)}
+            self._redis = server
+        self.redis_url, self.caller_url = urls[FLEET], urls[CALLER]
+        self.operator_url = urls[OPERATOR]
+        self._guard = ConnectionGuard(self.redis_url, int(CALLER_SHARE * max_clients()))
+        self._guard.start()
 
     def _check_owners(self) -> None:
         """Refuse to start on GPUs that live workers of this fleet own on this registry
@@ -369,6 +399,9 @@ class Launcher:
             restored = requeue_unacked(self.broker_url, queues, before=died)
             if restored:
                 log.warning("requeued %d call(s) taken before Redis restarted", restored)
+        if self._group is not None and not self._stopping:
+            for what in self._group.supervise():  # the fleet follows the Sentinels meanwhile
+                log.error("a bundled Redis process died; started %s", what)
         for child in self.children.values():
             if child.proc is None or child.proc.poll() is None or self._stopping:
                 continue
@@ -422,10 +455,12 @@ class Launcher:
         if self._guard is not None:
             self._guard.stop()
             self._guard = None
-        if self._redis is not None:
+        if self._bundled:
             self._fail_waiting(queues)
-            self._redis.stop()
-            self._redis = None
+            for server in (self._redis, self._group):
+                if server is not None:
+                    server.stop()
+            self._redis = self._group = None
             shutil.rmtree(self.settings.fleet_dir() / "redis", ignore_errors=True)
         for sock in (self._metrics_socket, self._flower_socket):
             if sock is not None:
