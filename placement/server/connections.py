@@ -91,6 +91,8 @@ class ConnectionGuard:
                 self.check()
             except redis.RedisError as exc:  # a restart, say: look again at the next tick
                 log.debug("connection guard: %s", exc)
+            except Exception:  # a guard that stopped would leave the flood in: look again
+                log.exception("connection guard: the look failed; looking again")
 
     def check(self) -> int:
         """Close the callers' connections past the limit; returns how many it closed."""
