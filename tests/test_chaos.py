@@ -1,7 +1,7 @@
 """The chaos soak: a real fleet under eviction pressure, explicit moves and killed workers.
 
 `gpufleet up` on two small simulated GPUs serves synthetic models whose slots together
-exceed the fleet, so every few calls evict and restore. Eight client threads call them at
+exceed the fleet, so every few calls evict and restore. Four client threads call them at
 random through plain Celery while a chaos thread evicts and deploys models and SIGKILLs,
 in turn, a GPU worker's pool child, a GPU worker's main process and the router's (only
 this fleet's). Synthetic weights are deterministic, so every answer is checked against
@@ -12,7 +12,7 @@ none hangs (a call a killed worker lost would); the ledger's own invariants hold
 audit; no move stays pending longer than `PENDING_BOUND_S`; once the load stops and
 `SETTLE_BOUND_S` passed, every live worker's reported holdings equal the ledger, the audit
 finds nothing, nothing is reserved for a dead worker, and no call counts as held by a
-router. `GPUFLEET_CHAOS_SECONDS` sets the load's length (default 50).
+router. `GPUFLEET_CHAOS_SECONDS` sets the load's length (default 30).
 """
 
 from __future__ import annotations
@@ -41,11 +41,11 @@ from worker.synthetic import build_synthetic
 
 pytestmark = pytest.mark.slow
 
-#: 50 s holds a SIGKILL of each target (the first within 12 s, then every 6-12 s: the
-#: third by 36 s plus the chaos thread's own calls) and keeps the suite, with the host-loss
-#: test beside it, under its 10 minutes; set GPUFLEET_CHAOS_SECONDS for a longer soak.
-SECONDS = float(os.environ.get("GPUFLEET_CHAOS_SECONDS") or 50)
-CLIENTS = 8
+#: The load's length (tuned to the suite's 10 minutes): 30 s mostly holds a SIGKILL of
+#: each target (the first within 8 s, then every 4-8 s: the third by 24 s), and the load
+#: goes on until each died once. Set GPUFLEET_CHAOS_SECONDS for a longer soak.
+SECONDS = float(os.environ.get("GPUFLEET_CHAOS_SECONDS") or 30)
+CLIENTS = 4
 LEASE_MS = 3000
 CALL_TIMEOUT_S = 120.0  # a call that has not answered by then hangs
 #: The longest a move may wait for a worker: a killed worker's moves wait for its
@@ -59,7 +59,7 @@ DOCUMENTED = {"CantAccommodateError", "SettlingError", "EvictedError", "PlanReje
 #: What the chaos kills, in turn from a random start: the process that holds a GPU worker's
 #: models, a GPU worker's consumer, and the router's consumer (the launcher restarts both).
 TARGETS = ("pool child", "GPU worker", "router")
-KILL_EVERY_S = (6.0, 12.0)
+KILL_EVERY_S = (4.0, 8.0)
 
 MODELS = {f"s{i}": "512MiB" for i in range(4)} | {f"l{i}": "1GiB" for i in range(2)}
 CATALOG = "models:\n" + "".join(
@@ -247,6 +247,9 @@ def test_a_fleet_under_chaos_answers_right_and_its_ledger_matches_its_workers(
         for t in threads:
             t.start()
         time.sleep(SECONDS)
+        ends = time.monotonic() + 60  # and on until each target died once
+        while min(soak.counts[f"sigkill:{t}"] for t in TARGETS) < 1 and time.monotonic() < ends:
+            time.sleep(0.5)
         soak.stop.set()
         for t in threads:
             t.join(CALL_TIMEOUT_S + 60)
@@ -290,6 +293,7 @@ def test_a_fleet_under_chaos_answers_right_and_its_ledger_matches_its_workers(
         )
         assert not soak.failures, (soak.failures[:10], f"log {log}")
         assert soak.longest_pending[0] <= PENDING_BOUND_S, soak.longest_pending
-        assert soak.counts["calls"] >= 200  # it did serve
+        # It did serve and evict: floors a loaded 2-core machine clears several times over.
+        assert soak.counts["calls"] >= 100
         assert min(kills.values()) >= 1, kills  # each target died at least once
-        assert soak.counts["cache:warm"] + soak.counts["cache:cold"] >= 50  # it did evict
+        assert soak.counts["cache:warm"] + soak.counts["cache:cold"] >= 25

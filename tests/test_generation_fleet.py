@@ -171,7 +171,10 @@ def test_calls_past_the_kv_budget_wait_for_room_none_fails_and_the_ledger_holds_
     assert all(a["outputs"]["tokens"] == alone["tokens"] for a in answers)
     firsts = sorted(a["timings_ms"]["first_token"] for a in answers)
     quickest = min(a["timings_ms"]["compute"] for a in answers)
-    assert firsts[2] >= 0.8 * quickest, (firsts, quickest)  # two waited for a call to end
+    # Two waited for a call to end: their first token comes about a call's compute later,
+    # not a step's (the first two: a few ms). Half: a loaded machine stretches one call's
+    # steps more than another's.
+    assert firsts[2] >= 0.5 * quickest, (firsts, quickest)
     spec = Catalog.load(catalog)["tight"]
     budget = spec.kv_budget()
     assert budget is not None and budget.tokens == 250

@@ -214,7 +214,7 @@ def _outcome(call: AsyncResult) -> str:
     return "answered"
 
 
-def test_the_bundled_redis_killed_under_load_five_times_loses_no_call_no_worker_nor_ledger(
+def test_the_bundled_redis_killed_under_load_three_times_loses_no_call_no_worker_nor_ledger(
     catalog: Path,
 ) -> None:
     """Each kill lands at another point of a burst of calls (100 the first time, sent just
@@ -226,7 +226,7 @@ def test_the_bundled_redis_killed_under_load_five_times_loses_no_call_no_worker_
     with fleet_up(catalog, ARGS, fleet_env()) as fleet:
         fleet.infer("a", "warm up")
         worker, child = fleet.child_named("gpu0@"), fleet.pool_child(0)
-        for round_, burst in enumerate((100, 40, 40, 40, 40)):
+        for round_, burst in enumerate((100, 40, 40)):
             client = _client(fleet.url)
             calls = [
                 client.send_task("gpufleet.infer", args=("a", f"round {round_} call {i}"))
