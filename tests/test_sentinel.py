@@ -5,6 +5,7 @@ a failover, and a fleet that loses no call when its primary is killed (docs/depl
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import os
 import signal
@@ -146,6 +147,38 @@ def test_a_client_on_a_demoted_primary_writes_to_the_new_one(group: SentinelGrou
     assert where["primary"] == f"127.0.0.1:{new}" and len(where["sentinels"]) == 3
     on_new = redis.Redis("127.0.0.1", new, password="s3cret", decode_responses=True)
     assert on_new.get("before") == "1" and on_new.get("after") == "2"
+
+
+def test_a_primary_no_replica_follows_refuses_writes_and_its_clients_look_again() -> None:
+    """With `min_replicas`, a primary cut off from its replicas (here: its one replica
+    stopped) refuses writes: a fleet client's connection drops as at a failover
+    (`endpoint.PrimaryConnection`), so its caller retries, and nothing was written."""
+    with SentinelGroup(password="s3cret", min_replicas=1) as group:
+        client = endpoint.connect(group.url)
+        client.set("before", "1")
+        (replica,) = [n for n in group.nodes if n.port != group.primary_port()]
+        os.kill(replica.pid, signal.SIGSTOP)
+        try:
+            deadline = time.monotonic() + 20  # past MIN_REPLICAS_MAX_LAG_S
+            for tried in itertools.count():
+                try:
+                    client.set(f"during {tried}", "2")
+                except redis.ConnectionError as exc:
+                    assert "NOREPLICAS" in str(exc)
+                    break
+                assert time.monotonic() < deadline, "the primary kept taking writes"
+                time.sleep(0.5)
+        finally:
+            os.kill(replica.pid, signal.SIGCONT)
+        assert client.get(f"during {tried}") is None  # the refused write was not made
+        until("writes taken again", lambda: _writes(client), 20)
+
+
+def _writes(client: redis.Redis) -> bool:
+    try:
+        return bool(client.set("after", "3"))
+    except redis.ConnectionError:
+        return False
 
 
 def test_a_group_with_users_lets_the_fleets_users_look_it_up_and_nothing_more(

@@ -14,10 +14,11 @@ A fleet's Redis is named by one URL (`GPUFLEET_REDIS_URL`, the connection file):
   alike: give the Sentinels the fleet's users too (`gpufleet up --redis-ha` does).
 
 Every fleet process connects through `connect`: for Sentinels, a client whose
-connections ask a Sentinel for the primary as they connect, and connect again after a
-failover, when the server they reach was demoted (``READONLY``), or when it stops
-answering (`FAILOVER_SOCKET_TIMEOUT_S`). The lookup happens as a connection opens, never
-per command: the call path is unchanged.
+connections (`PrimaryConnection`) ask a Sentinel for the primary as they connect, and
+connect again after a failover, when the server they reach refuses writes (demoted:
+``READONLY``; cut off from its replicas: ``NOREPLICAS``), or when it stops answering
+(`FAILOVER_SOCKET_TIMEOUT_S`). The lookup happens as a connection opens, never per
+command: the call path is unchanged.
 """
 
 from __future__ import annotations
@@ -118,7 +119,9 @@ class Endpoint:
             **sign_in,
             **kwargs,
         )
-        primary: redis.Redis = sentinel.master_for(self.master_name)  # type: ignore[no-untyped-call]
+        primary: redis.Redis = sentinel.master_for(  # type: ignore[no-untyped-call]
+            self.master_name, connection_class=PrimaryConnection
+        )
         return primary
 
     def topology(self) -> dict[str, Any]:
@@ -205,11 +208,32 @@ def connect(url: str, **kwargs: Any) -> redis.Redis:
     return parse(url).client(**kwargs)
 
 
-def is_readonly(exc: BaseException) -> bool:
-    """Whether `exc` is a demoted primary's refusal to write: its clients must find the
-    new primary. Redis 7 answers ``READONLY``; Redis 6 fails a writing script with
-    ``... -READONLY ...`` inside an ``ERR`` reply."""
-    return isinstance(exc, ResponseError) and "READONLY" in str(exc)
+def refuses_writes(exc: BaseException) -> bool:
+    """Whether `exc` is a server's refusal to write because it is no primary to write to
+    now: demoted (``READONLY``; on Redis 6 a writing script's ``ERR`` holds it), or cut off
+    from its replicas (``NOREPLICAS``: ``min-replicas-to-write``, as a primary that was
+    stopped and let go after its failover is). Its clients must find the primary anew."""
+    return isinstance(exc, ResponseError) and any(
+        word in str(exc) for word in ("READONLY", "NOREPLICAS")
+    )
+
+
+class PrimaryConnection(redis.sentinel.SentinelManagedConnection):
+    """A connection to the primary the Sentinels name that leaves a server refusing writes
+    (`refuses_writes`): it disconnects and raises `ConnectionError`, which every fleet
+    client retries on a connection that asks the Sentinels again. redis-py does this for
+    a plain ``READONLY`` only; a primary stopped past its failover and let go still takes
+    connections as a primary until the Sentinels demote it, and a write it took then
+    would be lost with its data."""
+
+    def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().read_response(*args, **kwargs)
+        except ResponseError as exc:
+            if not refuses_writes(exc):
+                raise
+            self.disconnect()  # type: ignore[no-untyped-call]
+            raise redis.ConnectionError(f"no primary to write to here: {exc}") from exc
 
 
 def _agree(found: dict[str, Any], name: str, value: Any) -> None:

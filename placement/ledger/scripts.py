@@ -94,7 +94,7 @@ class Scripts:
                 conn.read_response()
                 return self._call(conn, sha(name), keys, args)
         except ResponseError as exc:
-            if not endpoint.is_readonly(exc):
+            if not endpoint.refuses_writes(exc):
                 raise
             conn.disconnect()  # a demoted primary: the next call connects to the new one
             raise redis.ConnectionError(f"the primary was demoted ({exc})") from exc

@@ -103,7 +103,7 @@ class Store:
                 ) from None
             except (redis.ConnectionError, redis.TimeoutError, redis.ResponseError) as exc:
                 if isinstance(exc, redis.ResponseError):
-                    if not endpoint.is_readonly(exc):
+                    if not endpoint.refuses_writes(exc):
                         raise
                     self.client.connection_pool.disconnect()  # off the demoted primary
                 if not self._answered or time.monotonic() + delay > deadline:

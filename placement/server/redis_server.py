@@ -71,6 +71,9 @@ HOST = "127.0.0.1"
 
 #: How long `RedisServer.start` waits for the first PONG.
 START_TIMEOUT_S = 10.0
+#: Redis's `min-replicas-max-lag` with `min_replicas` (seconds; a replica acknowledges
+#: every second). Tuned: long enough for a replica busy with a sync not to stop writes.
+MIN_REPLICAS_MAX_LAG_S = 5
 #: How long `RedisServer.stop` waits after SIGTERM before it sends SIGKILL.
 STOP_TIMEOUT_S = 5.0
 #: How many random ports `start` tries when another process grabs the one it picked.
@@ -160,6 +163,9 @@ class RedisServer:
     `maxclients` sets how many connections it takes at once (`placement.server.connections`).
     `replica_of` (a port on 127.0.0.1) makes it a replica of that server, which has the
     same password or users (it signs in as `replication`; `placement.server.sentinel`).
+    With `min_replicas`, as a primary it refuses writes (``NOREPLICAS``) while fewer
+    replicas than that have acknowledged its stream within `MIN_REPLICAS_MAX_LAG_S`: a
+    primary cut off from its group takes no write its replicas would never see.
     """
 
     def __init__(
@@ -173,6 +179,7 @@ class RedisServer:
         maxmemory: int | None = None,
         maxclients: int | None = None,
         replica_of: int | None = None,
+        min_replicas: int = 0,
     ) -> None:
         if port is not None and not 0 < port < 65536:
             raise ConfigError(f"redis port must be in 1..65535, got {port}")
@@ -187,6 +194,7 @@ class RedisServer:
         self._maxmemory = maxmemory
         self._maxclients = maxclients
         self.replica_of = replica_of
+        self._min_replicas = min_replicas
         self._requested_port = port
         self._password = password
         self._binary = binary
@@ -348,6 +356,10 @@ class RedisServer:
                 conf_lines.append(f"masterauth {conf_quote(self._users.replication)}")
         if self.replica_of is not None:
             conf_lines.append(f"replicaof {HOST} {self.replica_of}")
+        if self._min_replicas:  # as a primary: no write it could lose alone
+            conf_lines.append(f"min-replicas-to-write {self._min_replicas}")
+            conf_lines.append(f"min-replicas-max-lag {MIN_REPLICAS_MAX_LAG_S}")
+            conf_lines.append("repl-diskless-sync-delay 0")  # a replica back is one at once
         if conf_lines:
             conf = tmpdir / _CONF_NAME
             fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)

@@ -228,7 +228,9 @@ class SentinelGroup:
     With `users` (`gpufleet up --redis-ha`), every node has the fleet's users and the
     `replication` and `sentinel` ones (`placement.server.acl`), `url` is the `fleet`
     user's and `url_for` gives the others'; with `data_root`, each node keeps its
-    append-only file in a folder of its own there. `supervise` starts again what died.
+    append-only file in a folder of its own there; with `min_replicas`, a primary takes
+    writes only while that many replicas follow it (`RedisServer`). `supervise` starts
+    again what died.
     """
 
     def __init__(
@@ -242,6 +244,7 @@ class SentinelGroup:
         data_root: Path | None = None,
         maxmemory: int | None = None,
         maxclients: int | None = None,
+        min_replicas: int = 0,
         binary: str | None = None,
     ) -> None:
         if sentinels < QUORUM:
@@ -252,7 +255,11 @@ class SentinelGroup:
         self.password = password
         self.users = users
         self._data_root = data_root
-        self._node_options: dict[str, Any] = {"maxmemory": maxmemory, "maxclients": maxclients}
+        self._node_options: dict[str, Any] = {
+            "maxmemory": maxmemory,
+            "maxclients": maxclients,
+            "min_replicas": min_replicas,
+        }
         self._binary = binary or find_redis_server()
         self._count = replicas
         self._sentinel_count = sentinels

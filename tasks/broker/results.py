@@ -35,6 +35,7 @@ from typing import Any
 from celery.backends import redis as celery_redis
 from celery.backends.redis import RedisBackend
 
+from placement.ledger import endpoint
 from placement.ledger.endpoint import FAILOVER_CHECK_S
 
 log = logging.getLogger(__name__)
@@ -96,6 +97,11 @@ class SentinelBackend(Backend, celery_redis.SentinelBackend):
     waiting for results leaves a primary that stopped answering (`_FollowingConsumer`)."""
 
     ResultConsumer = _FollowingConsumer
+
+    def _get_pool(self, **params: Any) -> Any:
+        """Celery's pool, of connections that leave a server refusing writes
+        (`endpoint.PrimaryConnection`): a result stored there would be lost."""
+        return super()._get_pool(**params, connection_class=endpoint.PrimaryConnection)
 
 
 @contextmanager

@@ -547,7 +547,7 @@ class Channel(kombu_redis.Channel):
                 self.client.connection.disconnect()
                 raise
             except ResponseError as exc:  # never the consumer's end: nothing was taken
-                if endpoint.is_readonly(exc):  # a demoted primary (Redis 6): find the new one
+                if endpoint.refuses_writes(exc):  # no primary now (one server): find it again
                     self.client.connection.disconnect()
                     raise RedisConnectionError(f"the primary was demoted ({exc})") from exc
                 if "WRONGTYPE" not in str(exc) or not repair_queue_keys(self.client, keys):
@@ -640,6 +640,8 @@ class SentinelChannel(Channel, kombu_redis.SentinelChannel):
             )
         )
     )
+    #: Leaves a server that refuses writes (`endpoint.PrimaryConnection`).
+    connection_class = endpoint.PrimaryConnection
     #: Every Sentinel, as (host, port) pairs: the transport option `tasks.config` sets.
     sentinels: Any = ()
     master_name: str | None = None

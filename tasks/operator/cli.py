@@ -187,7 +187,7 @@ def up(
         bool,
         typer.Option(
             "--redis-ha",
-            help="Bundle a Redis primary, a replica and three Sentinels: the fleet outlives "
+            help="Bundle a Redis primary, two replicas and three Sentinels: the fleet outlives "
             'its primary\'s loss (docs/deploy.md, "Redis Sentinel").',
         ),
     ] = False,

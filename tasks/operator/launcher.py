@@ -17,7 +17,7 @@ It supervises every child (`supervise`, called about once a second):
   timeout);
 - the bundled Redis restarts on the same port and replays its append-only file, so no
   acknowledged write (no queued call) is lost;
-- with `--redis-ha` the bundled Redis is a primary, a replica and three Sentinels
+- with `--redis-ha` the bundled Redis is a primary, two replicas and three Sentinels
   (`placement.server.sentinel`): the Sentinels fail a lost primary over, and the launcher
   starts each dead node again as a replica of the new primary, and each dead Sentinel.
 
@@ -74,6 +74,10 @@ from worker.lifecycle import live_owner
 log = logging.getLogger(__name__)
 
 DEFAULT_SIM_GPUS = "2x8GiB"
+#: --redis-ha's replicas. Its primary takes a write only while a replica follows it, so
+#: that a primary stopped past its failover and let go loses no write; with two, the
+#: promoted one still has a replica as the other primary is lost or stopped.
+HA_REPLICAS = 2
 STOP_GRACE_S = 15.0
 #: A child that dies this many times within the window is given up on.
 CRASH_LIMIT = 5
@@ -136,7 +140,7 @@ class Launcher:
     devices: list[Device] = field(default_factory=list)
     children: dict[str, Child] = field(default_factory=dict)
     first_backoff_s: float = 1.0  # doubles with each death, up to MAX_BACKOFF_S
-    #: A primary, a replica and three Sentinels instead of one bundled Redis (--redis-ha).
+    #: A primary, two replicas and three Sentinels instead of one bundled Redis (--redis-ha).
     redis_ha: bool = False
     _redis: RedisServer | None = None
     _group: SentinelGroup | None = None  # the bundled Redis with --redis-ha
@@ -246,7 +250,7 @@ class Launcher:
         os.environ.update(GPUFLEET_REDIS_URL=self.redis_url, GPUFLEET_FLEET=self.fleet)
 
     def _start_bundled_redis(self) -> None:
-        """One Redis, or with `redis_ha` a primary, a replica and three Sentinels, each
+        """One Redis, or with `redis_ha` a primary, two replicas and three Sentinels, each
         with the fleet's users and an append-only file in the fleet's directory."""
         data = self.settings.fleet_dir() / "redis"
         shutil.rmtree(data, ignore_errors=True)  # a new fleet starts with a new ledger
@@ -259,7 +263,13 @@ class Launcher:
         words = [secrets.token_urlsafe(18) for _ in range(5)]
         # Kept once started (a start that fails stops what it started itself).
         if self.redis_ha:
-            group = SentinelGroup(users=Users(*words), data_root=data, **options).start()
+            group = SentinelGroup(
+                users=Users(*words),
+                data_root=data,
+                replicas=HA_REPLICAS,
+                min_replicas=1,
+                **options,
+            ).start()
             urls = {user: group.url_for(user) for user in (FLEET, CALLER, OPERATOR)}
             self._group = group
         else:
