@@ -1,9 +1,10 @@
-"""A fleet whose Redis is a primary, a replica and three Sentinels, through failovers under load.
+"""A fleet whose Redis is a primary, two replicas and three Sentinels, through failovers under load.
 
     python -m bench.failover [--runs 3] [--faults kill,stop] [--threads 8] > bench/out/failover.json
 
-Prints one JSON object. It starts a Sentinel group (`placement.server.sentinel`: down
-after 1 s), then `gpufleet up` on it with 2 simulated GPUs and a catalog of two encoders
+Prints one JSON object. It starts a Sentinel group as `--redis-ha` does
+(`placement.server.sentinel`: down after 1 s, writes only with a replica following), then
+`gpufleet up` on it with 2 simulated GPUs and a catalog of two encoders
 and a small generation model. Callers, `--threads` in all, call one after another: half
 are plain Celery clients configured from `gpufleet url --json`, half use the project's
 client (`tasks.api.infer`). An event listener counts each call's `task-succeeded` events.
@@ -203,7 +204,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     home = Path(tempfile.mkdtemp(prefix="bench-failover-"))
     catalog = home / "models.yaml"
     catalog.write_text(CATALOG)
-    with SentinelGroup(password="bench-failover") as group:
+    # As `gpufleet up --redis-ha` runs it: two replicas, a primary that needs one to write
+    with SentinelGroup(password="bench-failover", replicas=2, min_replicas=1) as group:
         os.environ["GPUFLEET_REDIS_URL"] = group.url
         os.environ["GPUFLEET_HOME"] = str(home)
         env = {**os.environ}

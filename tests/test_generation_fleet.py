@@ -169,12 +169,11 @@ def test_calls_past_the_kv_budget_wait_for_room_none_fails_and_the_ledger_holds_
         answers = list(pool.map(lambda h: h.get(timeout=120), handles))
     alone = _alone(catalog, "tight", prompt, max_new_tokens=60)
     assert all(a["outputs"]["tokens"] == alone["tokens"] for a in answers)
+    # Two waited for a call to end: their first token came several times later than that
+    # of the two admitted at once (a few ms). Not against a call's compute: each call's
+    # times start as it arrives, and a loaded machine spreads the arrivals.
     firsts = sorted(a["timings_ms"]["first_token"] for a in answers)
-    quickest = min(a["timings_ms"]["compute"] for a in answers)
-    # Two waited for a call to end: their first token comes about a call's compute later,
-    # not a step's (the first two: a few ms). Half: a loaded machine stretches one call's
-    # steps more than another's.
-    assert firsts[2] >= 0.5 * quickest, (firsts, quickest)
+    assert firsts[2] >= 4 * max(firsts[:2]), firsts
     spec = Catalog.load(catalog)["tight"]
     budget = spec.kv_budget()
     assert budget is not None and budget.tokens == 250
