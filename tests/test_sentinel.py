@@ -13,7 +13,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -214,53 +214,67 @@ def test_a_group_with_users_lets_the_fleets_users_look_it_up_and_nothing_more(
         assert endpoint.connect(group.url).llen("celery") == 1  # the failover lost nothing
 
 
-def test_a_fleet_started_with_redis_ha_loses_no_call_when_its_primary_is_killed_twice(
+def test_two_hosts_on_a_redis_ha_fleet_lose_no_call_when_its_primary_is_killed_twice(
     tmp_path: Path,
 ) -> None:
-    """`gpufleet up --redis-ha` under a plain client's load: its primary SIGKILLed, then
-    the one the Sentinels promoted. The launcher starts each killed node again as a
-    replica of the new primary (its old data does not win), and a killed Sentinel again;
-    no router or GPU worker restarts."""
+    """`gpufleet up --redis-ha` on host h1 and a second `gpufleet up` (h2) joining its
+    Redis through the Sentinels, one model served on each, under a plain client's load:
+    the primary SIGKILLed, then the one the Sentinels promoted. Both hosts answer calls
+    sent after each kill; h1's launcher starts each killed node again as a replica of the
+    new primary (its old data does not win), and a killed Sentinel again; no router or
+    GPU worker restarts."""
     catalog = tmp_path / "models.yaml"
     catalog.write_text(TWO_MODELS)
-    env = fleet_env(GPUFLEET_HOME=str(tmp_path / "home"))
-    args = ["--redis-ha", "--sim-gpus", "2x4GiB", "--metrics-port", "0"]
-    with fleet_up(catalog, args, env, log=tmp_path / "fleet.log") as fleet:
-        workers = _workers(fleet)
-        load = _Load(fleet.client)
-        load.start(threads=4)
-        load.until(answered=40)
-        for _ in range(2):  # the second kills the primary the first promoted
-            old = _synced(fleet)
-            with_signal(fleet.child_named(f"{HOST}:{old}", word=True), signal.SIGKILL)
-            killed = time.time()
-            load.until(answered=40, after=killed)
-            sent_after = [done for sent, done in load.calls if sent > killed]
-            assert min(sent_after) - killed < 10, "no call sent after the kill answered in 10 s"
-            back = functools.partial(_replicates, fleet, old)
-            until("the killed primary is a replica again", back, 30)
-        sentinel = _status(env)["redis"]["sentinels"][0]
-        with_signal(fleet.child_named(sentinel, word=True), signal.SIGKILL)
-        until("the killed Sentinel is back", lambda: _answers_as_sentinel(fleet, sentinel), 15)
-        load.stop()
-        assert not load.errors, load.errors[:5]
-        assert load.sent == len(load.calls)
+    env = fleet_env(GPUFLEET_HOME=str(tmp_path / "h1"), GPUFLEET_HOST="h1")
+    args = ["--sim-gpus", "1x1GiB", "--metrics-port", "0"]
+    log = tmp_path / "fleet.log"
+    with fleet_up(catalog, ["--redis-ha", *args], env, log=log) as h1:
+        joining = fleet_env(
+            GPUFLEET_REDIS_URL=h1.fleet_url, GPUFLEET_HOME=str(tmp_path / "h2"), GPUFLEET_HOST="h2"
+        )
+        with fleet_up(catalog, args, joining, log=log) as h2:
+            hosts = set()  # a 1 GiB GPU holds one of the two: each host serves one model
+            for model in "ab":
+                placed = h1.client.send_task("gpufleet.deploy", args=(model,)).get(timeout=120)
+                hosts |= {gpu.split(":")[0] for p in placed["placed"] for gpu in p["gpus"]}
+            assert hosts == {"h1", "h2"}, hosts
+            workers = _workers(h1) + _workers(h2)
+            load = _Load(h1.client)
+            load.start(threads=4)
+            load.until(answered=40)
+            for _ in range(2):  # the second kills the primary the first promoted
+                old = _synced(h1)
+                with_signal(h1.child_named(f"{HOST}:{old}", word=True), signal.SIGKILL)
+                killed = time.time()
+                load.until(answered=40, after=killed)
+                sent_after = [(done, host) for sent, done, host in load.calls if sent > killed]
+                assert min(sent_after)[0] - killed < 10, (
+                    "no call sent after the kill answered in 10 s"
+                )
+                until("both hosts answer calls sent after the kill", load.both_hosts(killed), 30)
+                back = functools.partial(_replicates, h1, old)
+                until("the killed primary is a replica again", back, 30)
+            sentinel = _status(env)["redis"]["sentinels"][0]
+            with_signal(h1.child_named(sentinel, word=True), signal.SIGKILL)
+            until("the killed Sentinel is back", lambda: _answers_as_sentinel(h1, sentinel), 15)
+            load.stop()
+            assert not load.errors, load.errors[:5]
+            assert load.sent == len(load.calls)
 
-        def unsettled() -> list[str]:
-            snap = fleet.registry.snapshot()
-            return settled(snap) + ledger_problems(snap)
+            def unsettled() -> list[str]:
+                snap = h1.registry.snapshot()
+                return settled(snap) + ledger_problems(snap)
 
-        deadline = time.monotonic() + 30
-        while problems := unsettled():
-            assert time.monotonic() < deadline, problems
-            time.sleep(0.5)
-        assert _workers(fleet) == workers, "a router or GPU worker restarted"
+            deadline = time.monotonic() + 30
+            while problems := unsettled():
+                assert time.monotonic() < deadline, problems
+                time.sleep(0.5)
+            assert _workers(h1) + _workers(h2) == workers, "a router or GPU worker restarted"
 
 
 def _workers(fleet: RunningFleet) -> list[int]:
-    """The pids of the fleet's Celery workers and the GPU workers' pool children."""
-    mains = [fleet.child_named(name) for name in ("router@", "gpu0@", "gpu1@")]
-    return [*mains, fleet.pool_child(0), fleet.pool_child(1)]
+    """The pids of a one-GPU fleet's Celery workers and its GPU worker's pool child."""
+    return [fleet.child_named("router@"), fleet.child_named("gpu0@"), fleet.pool_child(0)]
 
 
 def _node(fleet: RunningFleet, address: str) -> redis.Redis:
@@ -311,7 +325,7 @@ class _Load:
     def __init__(self, client: Celery) -> None:
         self.client = client
         self.sent = 0
-        self.calls: list[tuple[float, float]] = []  # (sent, answered), time.time()
+        self.calls: list[tuple[float, float, str]] = []  # (sent, answered, host), time.time()
         self.errors: list[str] = []
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -333,8 +347,9 @@ class _Load:
                 result = self.client.send_task("gpufleet.infer", args=[model, [f"call {i}"]])
                 answer = result.get(timeout=60)
                 assert answer["model"] == model, answer
+                host = answer["worker"].split("@")[1].split("-")[0]
                 with self._lock:
-                    self.calls.append((sent, time.time()))
+                    self.calls.append((sent, time.time(), host))
             except Exception as exc:
                 with self._lock:
                     self.errors.append(repr(exc))
@@ -342,9 +357,13 @@ class _Load:
     def until(self, answered: int, after: float = 0.0, seconds: float = 60.0) -> None:
         """Wait until `answered` calls were answered after `after` (a time.time())."""
         deadline = time.monotonic() + seconds
-        while len([done for _, done in self.calls if done > after]) < answered:
+        while len([done for _, done, _ in self.calls if done > after]) < answered:
             assert time.monotonic() < deadline, (len(self.calls), self.errors[:3])
             time.sleep(0.1)
+
+    def both_hosts(self, after: float) -> Callable[[], bool]:
+        """Whether h1 and h2 each answered a call sent after `after` (a time.time())."""
+        return lambda: {host for sent, _, host in list(self.calls) if sent > after} == {"h1", "h2"}
 
     def stop(self) -> None:
         self._stop.set()
