@@ -21,6 +21,7 @@ import contextlib
 import functools
 import logging
 import os
+import signal
 import subprocess
 import tempfile
 import time
@@ -30,6 +31,8 @@ from types import TracebackType
 from typing import Any
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from placement.errors import ConfigError, RegistryError
 from placement.ledger import endpoint
@@ -56,6 +59,10 @@ DOWN_AFTER_MS = 1000
 #: Redis Sentinel's failover timeout (also the wait before the same primary is failed over
 #: again); Redis's default is 3 minutes, too slow for a second failover in one test run.
 FAILOVER_TIMEOUT_MS = 5000
+#: How long a node that is not the primary may leave a PING unanswered before
+#: `SentinelGroup.supervise` kills it (and so starts it again as a replica). Tuned: far
+#: above a PING's time on 127.0.0.1 under load, well inside a caller's 10 s.
+SILENT_NODE_S = 2.0
 #: How many Sentinels must agree a primary is down.
 QUORUM = 2
 #: How long `SentinelGroup.start` waits for the Sentinels to find each other and the
@@ -390,25 +397,42 @@ class SentinelGroup:
         finally:
             client.close()
 
-    def _node_client(self, port: int) -> redis.Redis:
-        if self.users is not None:
-            return redis.Redis(
-                HOST, port, username=FLEET, password=self.users.fleet, socket_timeout=2
-            )
-        return redis.Redis(HOST, port, password=self.password, socket_timeout=2)
+    def _node_client(self, port: int, timeout: float = 2.0) -> redis.Redis:
+        sign_in = (
+            {"username": FLEET, "password": self.users.fleet}
+            if self.users is not None
+            else {"password": self.password}
+        )
+        return redis.Redis(  # one try: a silent node is the answer, not an error to retry
+            HOST,
+            port,
+            socket_timeout=timeout,
+            socket_connect_timeout=timeout,
+            retry=Retry(NoBackoff(), 0),
+            **sign_in,
+        )
 
     def supervise(self) -> list[str]:
         """Start again each node and Sentinel that died, on its port: a node as a replica
         of the primary the Sentinels name (its old data does not win: it syncs anew), a
         Sentinel watching that primary. A dead primary waits for its failover, unless no
-        node is left to take over. What it started, in words."""
+        node is left to take over. A node that is not the primary and does not answer a
+        PING within `SILENT_NODE_S` (stopped, hung) is killed first, and so started again:
+        its clients' connections break at once, where a stopped server's keep them waiting
+        (a plain Celery client's result connection would wait until it came back). What it
+        did, in words."""
         started: list[str] = []
+        try:
+            primary: int | None = self.primary_port()
+        except RegistryError:
+            primary = None
+        for node in self.nodes:
+            others = primary is not None and node.running and node.port != primary
+            if others and not self._answers(node.port):
+                self._kill(node)
+                started.append(f"killed redis node {HOST}:{node.port}: it did not answer a PING")
         dead = [node for node in self.nodes if not node.running]
         if dead:
-            try:
-                primary: int | None = self.primary_port()
-            except RegistryError:
-                primary = None
             alive = [node.port for node in self.nodes if node.running]
             for node in dead:
                 if primary is None or primary == node.port:
@@ -419,13 +443,33 @@ class SentinelGroup:
                     node.replica_of = primary
                 node.restart()
                 role = "the primary" if node.replica_of is None else f"a replica of {primary}"
-                started.append(f"redis node {HOST}:{node.port} as {role}")
+                started.append(f"started redis node {HOST}:{node.port} as {role}")
         for sentinel in self.sentinels:
             if not sentinel.running:
                 with contextlib.suppress(RegistryError):
                     sentinel.restart(self.primary_port())
-                    started.append(f"sentinel {HOST}:{sentinel.port}")
+                    started.append(f"started sentinel {HOST}:{sentinel.port}")
         return started
+
+    def _answers(self, port: int) -> bool:
+        client = self._node_client(port, timeout=SILENT_NODE_S)
+        try:
+            client.ping()
+        except (redis.TimeoutError, redis.ConnectionError):
+            return False
+        except redis.RedisError:  # an error reply (LOADING, ...) is an answer
+            return True
+        finally:
+            client.close()
+        return True
+
+    @staticmethod
+    def _kill(node: RedisServer) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(node.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while node.running and time.monotonic() < deadline:
+            time.sleep(0.01)
 
     def stop(self) -> None:
         """Stop every Sentinel, then every node."""

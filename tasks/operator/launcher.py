@@ -411,7 +411,7 @@ class Launcher:
                 log.warning("requeued %d call(s) taken before Redis restarted", restored)
         if self._group is not None and not self._stopping:
             for what in self._group.supervise():  # the fleet follows the Sentinels meanwhile
-                log.error("a bundled Redis process died; started %s", what)
+                log.error("bundled Redis: %s", what)
         for child in self.children.values():
             if child.proc is None or child.proc.poll() is None or self._stopping:
                 continue
