@@ -1,6 +1,6 @@
-"""A fleet whose Redis is a primary, a replica and three Sentinels: URLs, clients that follow
-a failover, and a fleet that loses no call when its primary is killed (docs/deploy.md,
-"Redis Sentinel")."""
+"""A fleet whose Redis is a primary, replicas and three Sentinels: URLs, clients that follow
+a failover, the users of `gpufleet up --redis-ha`'s group, and two hosts that lose no call
+when its primary is killed or stopped (docs/deploy.md, "Redis Sentinel")."""
 
 from __future__ import annotations
 
