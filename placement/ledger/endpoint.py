@@ -24,6 +24,7 @@ command: the call path is unchanged.
 from __future__ import annotations
 
 import urllib.parse
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -133,6 +134,19 @@ class Endpoint:
             where = f"{part.hostname}:{part.port or 6379}"
             return {"primary": where, "replicas": [], "sentinels": []}
         found: dict[str, Any] = {"primary": "", "replicas": [], "sentinels": []}
+        for sentinel, primary, replicas in self.sentinel_views():
+            found["sentinels"].append(sentinel)
+            if primary and not found["primary"]:
+                found["primary"] = primary
+                found["replicas"] = sorted(
+                    f"{r['ip']}:{r['port']}" for r in replicas if "down" not in str(r.get("flags"))
+                )
+        return found
+
+    def sentinel_views(self) -> Iterator[tuple[str, str, list[dict[str, Any]]]]:
+        """What each Sentinel that answers says, in the URL's order: its own "HOST:PORT",
+        the primary as "HOST:PORT" ("" when it names none), and its replicas as
+        `SENTINEL REPLICAS` describes them."""
         clients = self.sentinel_clients(decode_responses=True)
         for (host, port), client in zip(self.sentinels, clients, strict=True):
             try:
@@ -142,13 +156,7 @@ class Endpoint:
                 continue
             finally:
                 client.close()
-            found["sentinels"].append(f"{host}:{port}")
-            if primary and not found["primary"]:
-                found["primary"] = f"{primary[0]}:{primary[1]}"
-                found["replicas"] = sorted(
-                    f"{r['ip']}:{r['port']}" for r in replicas if "down" not in str(r.get("flags"))
-                )
-        return found
+            yield f"{host}:{port}", f"{primary[0]}:{primary[1]}" if primary else "", replicas
 
     def sentinel_clients(self, **kwargs: Any) -> list[redis.Redis]:
         """One client per Sentinel, signed in as the URL says."""

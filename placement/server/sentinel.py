@@ -83,18 +83,10 @@ def replicas_ready(url: str) -> bool:
     10 s: until it has seen the link up, it promotes no replica (its failover aborts, and
     waits twice the failover timeout), so a primary lost just after a replica (re)joined
     goes unreplaced for that long."""
-    found = endpoint.parse(url)
     answered = 0
-    for client in found.sentinel_clients(decode_responses=True):
-        try:
-            primary: Any = client.sentinel_get_master_addr_by_name(found.master_name)
-            replicas: Any = client.sentinel_slaves(found.master_name)
-        except redis.RedisError:
-            continue
-        finally:
-            client.close()
+    for _, primary, replicas in endpoint.parse(url).sentinel_views():
         answered += 1
-        if not primary or not any(_follows(r, f"{primary[0]}:{primary[1]}") for r in replicas):
+        if not primary or not any(_follows(r, primary) for r in replicas):
             return False
     return answered > 0
 
