@@ -9,9 +9,12 @@ fleet restarts, status shows no problem, and other callers' calls are answered.
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
+import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -508,4 +511,85 @@ def test_calls_a_caller_marks_redelivered_are_forwarded_by_the_consumer_not_held
     assert fleet.log is not None
     received = [line for line in fleet.log.read_text().splitlines() if " received" in line]
     assert not [i for i in ids if any(i in line for line in received)]  # never the pool's
+    served_and_clean(fleet, before)
+
+
+def raw_call(task_id: str, model: str, redelivered: bool) -> str:
+    """A `gpufleet.infer` message as kombu stores it, marked given back or not."""
+    body = json.dumps([[model, "again"], {}, {"callbacks": None, "chain": None}])
+    info = {"exchange": "", "routing_key": "x", "redelivered": redelivered}
+    return json.dumps(
+        {
+            "body": base64.b64encode(body.encode()).decode(),
+            "content-encoding": "utf-8",
+            "content-type": "application/json",
+            "headers": {"lang": "py", "task": "gpufleet.infer", "id": task_id},
+            "properties": {"delivery_tag": uuid.uuid4().hex, "body_encoding": "base64",
+                           "delivery_info": info},
+        }
+    )  # fmt: skip
+
+
+def succeeded_while(fleet: RunningFleet, task_ids: set[str], block: Any) -> Counter[str]:
+    """Each of `task_ids`' `task-succeeded` events (every worker sends events: -E) while
+    `block()` runs, and for 2 s after."""
+    seen: Counter[str] = Counter()
+    stop, ready = threading.Event(), threading.Event()
+
+    inside = Celery(broker=fleet.fleet_url)  # a caller's user may not read events
+
+    def listen() -> None:
+        with inside.connection_for_read() as conn:
+
+            def on_event(event: dict[str, Any]) -> None:
+                if event.get("uuid") in task_ids:
+                    seen[event["uuid"]] += 1
+
+            receiver = inside.events.Receiver(conn, handlers={"task-succeeded": on_event})
+            ready.set()
+            while not stop.is_set():
+                with contextlib.suppress(TimeoutError):
+                    receiver.capture(limit=None, timeout=0.5, wakeup=False)
+
+    thread = threading.Thread(target=listen, daemon=True)
+    thread.start()
+    assert ready.wait(30)
+    time.sleep(0.5)  # the receiver's queue is bound
+    try:
+        block()
+        time.sleep(2.0)
+    finally:
+        stop.set()
+        thread.join(10)
+    return seen
+
+
+def test_a_call_given_back_after_it_was_answered_is_acknowledged_not_run_again(
+    fleet: RunningFleet,
+) -> None:
+    """After a failover a worker gives back what it holds by the records, and a record
+    whose acknowledgement was lost names a call that ran (docs/deploy.md). A copy of an
+    answered call marked given back, on the router's queue and on the GPU worker's, is
+    acknowledged unrun; an unanswered one given back runs; an unmarked copy of an answered
+    call is a caller's reused id, and runs as before."""
+    before = processes(fleet)
+    app = caller(fleet)
+    answered = app.send_task("gpufleet.infer", args=("a", "first")).id
+    assert app.AsyncResult(answered).get(timeout=ANSWER_S)["model"] == "a"
+    reused = app.send_task("gpufleet.infer", args=("a", "reused")).id
+    assert app.AsyncResult(reused).get(timeout=ANSWER_S)["model"] == "a"
+    fresh = uuid.uuid4().hex
+    gpu = fleet.registry.snapshot().replicas("a")[0].queue
+    inside = redis.Redis.from_url(fleet.fleet_url)
+
+    def give_back() -> None:
+        inside.lpush("celery", raw_call(answered, "a", True), raw_call(fresh, "a", True))
+        inside.lpush(gpu, raw_call(answered, "a", True), raw_call(reused, "a", False))
+        assert app.AsyncResult(fresh).get(timeout=ANSWER_S)["model"] == "a"
+        until("the copies were taken", lambda: not inside.llen("celery") + inside.llen(gpu))
+
+    runs = succeeded_while(fleet, {answered, fresh, reused}, give_back)
+    assert runs[answered] == 0 and runs[fresh] >= 1 and runs[reused] >= 1, runs
+    assert fleet.log is not None
+    assert fleet.log.read_text().count(f"call {answered} came back after it was answered") == 2
     served_and_clean(fleet, before)

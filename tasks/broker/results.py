@@ -32,6 +32,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+from celery import states
 from celery.backends import redis as celery_redis
 from celery.backends.redis import RedisBackend
 
@@ -102,6 +103,11 @@ class SentinelBackend(Backend, celery_redis.SentinelBackend):
         """Celery's pool, of connections that leave a server refusing writes
         (`endpoint.PrimaryConnection`): a result stored there would be lost."""
         return super()._get_pool(**params, connection_class=endpoint.PrimaryConnection)
+
+
+def answered(backend: Any, task_id: str) -> bool:
+    """Whether call `task_id`'s answer (or its error) is stored in `backend`."""
+    return backend.get_task_meta(task_id)["status"] in states.READY_STATES
 
 
 @contextmanager

@@ -42,12 +42,13 @@ import logging
 from typing import Any
 
 from celery.exceptions import InvalidTaskError
+from celery.worker import state as worker_state
 from celery.worker.consumer import Consumer as CeleryConsumer
 from kombu.exceptions import ContentDisallowed, DecodeError
 
 from placement.errors import GpufleetError, PayloadError
 from tasks import context
-from tasks.broker import intake
+from tasks.broker import intake, results
 from tasks.broker.intake import LEASE_HEADER, PUBLIC_TASKS, is_name
 from tasks.serving import batching, cancelling, forwarding, leases
 from tasks.serving.batching import Batcher
@@ -148,6 +149,7 @@ class Consumer(CeleryConsumer):
         # the channel the task consumer is about to take calls on (Celery's `Tasks`)
         channel = self.connection.default_channel
         channel.refuse = self.refuse_taken
+        channel.running = _running_tags
         if context.role() == "router" and forwarding.TASK in self.strategies:
             default = self.strategies[forwarding.TASK]
             self.strategies[forwarding.TASK] = forwarding.install(channel, default)
@@ -167,6 +169,8 @@ class Consumer(CeleryConsumer):
                 intake.check(message, tasks)
             except GpufleetError as exc:
                 return self.refuse(message, exc)
+            if self._answered_already(message):
+                return self._settle_answered(message)
             try:
                 return strategy(message, body, *args, **kwargs)
             except passed_on:
@@ -179,6 +183,30 @@ class Consumer(CeleryConsumer):
                 return self.refuse(message, failed)
 
         return task_message_handler
+
+    def _answered_already(self, message: Any) -> bool:
+        """Whether `message` is a call given back (a broker restore, a sweep: marked
+        redelivered) whose answer is stored: its first run ended, and only its
+        acknowledgement was lost (sent as Redis failed over, or on a connection that
+        closed first). Running it again would run it twice. One read, for given-back calls
+        only; when Redis cannot say, the call runs again (its first stored answer stays)."""
+        task_id = message.headers.get("id")
+        if not (message.delivery_info or {}).get("redelivered") or not is_name(task_id):
+            return False
+        try:
+            return results.answered(self.app.backend, task_id)
+        except Exception:
+            log.warning("could not tell whether call %s was answered; running it", task_id)
+            return False
+
+    def _settle_answered(self, message: Any) -> None:
+        """Acknowledge a given-back call that was answered, ending the request lease it
+        carries, without running it (`_answered_already`)."""
+        log.info(
+            "call %s came back after it was answered; not running it again", message.headers["id"]
+        )
+        _end_lease(message.headers)
+        message.ack_log_error(log, self.connection_errors)
 
     def refuse(self, message: Any, error: GpufleetError) -> None:
         """Answer a message that may not run with `error`, and drop it (acknowledged),
@@ -244,6 +272,15 @@ class Consumer(CeleryConsumer):
             self.app.backend.mark_as_failure(task_id, refused, call_errbacks=False)
         except Exception:  # the message is dropped either way; say why in the log
             log.warning("could not store the refusal of call %s", task_id, exc_info=True)
+
+
+def _running_tags() -> set[str]:
+    """The delivery tags of the calls this worker runs now (Celery's active requests)."""
+    return {
+        str(request.message.delivery_tag)
+        for request in list(worker_state.active_requests)
+        if request.message is not None
+    }
 
 
 def _end_lease(headers: Any) -> None:

@@ -11,7 +11,6 @@ import logging
 from typing import Any
 
 import redis
-from celery import states
 from celery.signals import task_revoked
 
 from placement.errors import GpufleetError
@@ -20,7 +19,7 @@ from placement.ledger.load import hold_routing
 from placement.ledger.registry import Registry
 from tasks import context
 from tasks.app import app
-from tasks.broker import presence
+from tasks.broker import presence, results
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +39,7 @@ def elsewhere(task_id: str, tag: str) -> bool:
 
 def answered(task_id: str) -> bool:
     """Whether a call's answer (or its error) is already stored."""
-    return app.AsyncResult(task_id).state in states.READY_STATES
+    return results.answered(app.backend, task_id)
 
 
 @functools.cache
