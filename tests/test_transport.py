@@ -455,3 +455,38 @@ def test_a_take_that_redis_refuses_loses_nothing_whether_full_or_of_the_wrong_ty
             take("take", ["q", "q.inflight.n"], [])
         where = client.lrange("q", 0, -1) + client.lrange("q.inflight.n", 0, -1)
         assert where == [b"call"]  # in its queue or in flight, never gone
+
+
+def test_a_reconnecting_consumer_gives_back_only_what_this_process_neither_runs_nor_acked() -> None:
+    """Three messages held; the channel closes (as after a failover) while two still run:
+    only the third goes back. One of the two is acknowledged on the closed channel, the
+    other once the next channel consumes: both records are dropped, neither goes back."""
+    with RedisServer() as server:
+        _publish(server.url, {"n": 1}, {"n": 2}, {"n": 3})
+        client = redis.Redis.from_url(server.url)
+        held: list[Any] = []
+        running: set[str] = set()
+        with Connection(server.url, transport=Transport, transport_options=NAMED) as first:
+            first.default_channel.running = lambda: set(running)
+            with first.Consumer(WORK, callbacks=[lambda _b, m: held.append(m)]):
+                for _ in range(3):
+                    first.drain_events(timeout=5)
+                running.update(str(m.delivery_tag) for m in held[:2])
+        assert [_body(json.loads(r)) for r in client.lrange("work", 0, -1)] == [{"n": 3}]
+        assert client.hlen("unacked") == 2  # the two it runs stay recorded
+        held[0].ack()  # on the closed channel: kept for the next one
+        running.discard(str(held[0].delivery_tag))
+        assert client.hlen("unacked") == 2
+        seen: list[Any] = []
+        with Connection(server.url, transport=Transport, transport_options=NAMED) as second:
+            second.default_channel.running = lambda: set(running)
+            with second.Consumer(WORK, callbacks=[lambda body, m: (seen.append(body), m.ack())]):
+                second.drain_events(timeout=5)
+                assert seen == [{"n": 3}]  # the first's ack dropped its record: not given back
+                assert [_body(json.loads(r)[0]) for r in client.hvals("unacked")] == [{"n": 2}]
+                held[1].ack()  # still on the closed channel, settled through this one
+                running.clear()
+                assert client.hlen("unacked") == 0
+                with pytest.raises(TimeoutError):
+                    second.drain_events(timeout=1)
+        assert client.llen("work") == 0 and client.scard(unacked_of(NAME)) == 0

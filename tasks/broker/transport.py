@@ -262,6 +262,24 @@ class QoS(kombu_redis.QoS):
         """Whether message `taken` is still in list `inflight` (raises when Redis cannot say)."""
         return self.channel._create_client().lpos(inflight, taken) is not None
 
+    def ack(self, delivery_tag: str) -> None:
+        """kombu's; on a channel that closed as Redis went away (a failover, a restart),
+        the acknowledgement of a message that ran here is kept for this consumer's next
+        channel (`_ack_after_close`), which settles its record rather than give it back."""
+        channel = self.channel
+        if channel.closed and channel.consumer_name:
+            _ack_after_close(channel.consumer_name, delivery_tag)
+            virtual.QoS.ack(self, delivery_tag)  # type: ignore[no-untyped-call]
+            return
+        super().ack(delivery_tag)  # type: ignore[no-untyped-call]
+
+    def restore_unacked(self, client: Any = None) -> Any:
+        """kombu's give-back as its channel closes, less the messages this process still
+        runs (`Channel.running`): their acknowledgement settles them when they end."""
+        for tag in self.channel.running_tags() & set(self._delivered):
+            del self._delivered[tag]
+        return super().restore_unacked(client)  # type: ignore[no-untyped-call]
+
     def ack_all(self, messages: list[Any]) -> None:
         """Acknowledge `messages` in one round trip, each as `ack` would (a router settles
         the cancels it took together: `tasks.serving.cancelling`)."""
@@ -283,6 +301,26 @@ class QoS(kombu_redis.QoS):
 
 #: The channels of this process that may still consume (`Channel._give_back_unheld`).
 _open_channels: weakref.WeakSet[Channel] = weakref.WeakSet()
+#: Per consumer name, acknowledgements made on a channel that had closed, whose records
+#: Redis still holds (`QoS.ack`).
+_acks_due: dict[str, set[str]] = {}
+
+
+def _ack_after_close(consumer: str, delivery_tag: str) -> None:
+    """Settle the record of `delivery_tag`, acknowledged on a closed channel of `consumer`,
+    through an open one of its channels; while none can (Redis still away), keep it for
+    the next channel's start (`Channel._give_back_unheld`)."""
+    pending = _acks_due.setdefault(consumer, set())
+    pending.add(delivery_tag)
+    for channel in list(_open_channels):
+        if channel.consumer_name != consumer or channel.closed or not channel._consumers:
+            continue
+        try:
+            channel.drop_records(pending)
+        except channel.connection_errors:
+            return  # still pending: the next channel settles it
+        pending.clear()
+        return
 
 
 def _undo(onward: Onward) -> None:
@@ -363,6 +401,9 @@ class Channel(kombu_redis.Channel):
     #: Answers a message this channel refuses as it takes it (`tasks.broker.intake.envelope`):
     #: the consumer stores its error as the call's result.
     refuse: Callable[[intake.Refused], None] | None = None
+    #: The delivery tags of the messages this process runs now (`running_tags`): never
+    #: given back by it, since their acknowledgements settle them (`QoS.ack`).
+    running: Callable[[], set[str]] | None = None
 
     def _create_client(self, asynchronous: bool = False) -> Any:
         """Kombu builds a new Redis client, about 0.2 ms of CPU, for every publish, ack and
@@ -459,6 +500,18 @@ class Channel(kombu_redis.Channel):
         super().__init__(*args, **kwargs)  # type: ignore[no-untyped-call]
         _open_channels.add(self)
 
+    def running_tags(self) -> set[str]:
+        """The delivery tags of the messages this process runs now, whichever channel
+        delivered them (`running`, which the worker's consumer sets)."""
+        return self.running() if self.running is not None else set()
+
+    def drop_records(self, tags: set[str]) -> None:
+        """Remove the unacknowledged records of `tags`, as their acknowledgements would."""
+        with self.qos.pipe_or_acquire() as pipe:
+            for tag in tags:
+                self.qos._remove_from_indices(tag, pipe)
+            pipe.execute()
+
     def basic_consume(self, queue: str, *args: Any, **kwargs: Any) -> Any:
         if self._takes_in_flight and queue not in self._fanout_queues:
             self._put_back_in_flight(queue)
@@ -467,23 +520,30 @@ class Channel(kombu_redis.Channel):
 
     def _give_back_unheld(self) -> None:
         """Put back, first in line, every message recorded as unacknowledged by this
-        consumer that no open channel of this process holds: a channel that closed as
-        Redis went away could not give back what it held (kombu restores it on close),
-        and after a failover the new primary may lack the last acknowledgements, whose
-        messages nobody holds any more (docs/deploy.md, "Redis Sentinel"). A message still
-        running from the closed channel goes back too, as kombu's restore would have sent
-        it: it may run twice, and its first stored answer stays (`tasks.broker.results`)."""
+        consumer that this process neither holds (in an open channel), nor runs, nor
+        acknowledged: a channel that closed as Redis went away could not give back what
+        it held (kombu restores it on close), and after a failover the new primary may lack
+        the last acknowledgements, whose messages nobody holds any more (docs/deploy.md,
+        "Redis Sentinel"). What this process acknowledged on a closed channel is settled
+        here; what it still runs stays recorded until its acknowledgement settles it."""
         assert self.consumer_name is not None
-        with self.conn_or_acquire() as client:
-            tags = client.smembers(unacked_of(self.consumer_name))
-        recorded = {bytes_to_str(t) for t in tags}  # type: ignore[no-untyped-call]
-        held = {
+        acked = _acks_due.pop(self.consumer_name, set())
+        try:
+            with self.conn_or_acquire() as client:
+                tags = client.smembers(unacked_of(self.consumer_name))
+            recorded = {bytes_to_str(t) for t in tags}  # type: ignore[no-untyped-call]
+            if recorded & acked:
+                self.drop_records(recorded & acked)
+        except self.connection_errors:
+            _acks_due.setdefault(self.consumer_name, set()).update(acked)
+            raise
+        held = self.running_tags() | {
             tag
             for channel in list(_open_channels)
             if channel.consumer_name == self.consumer_name and not channel.closed
             for tag in channel.qos._delivered
         }
-        lost = sorted(recorded - held)
+        lost = sorted(recorded - held - acked)
         for tag in lost:
             self.qos.restore_by_tag(tag)
         if lost:
