@@ -31,8 +31,9 @@ gpufleet worker takes through in-flight lists instead (transport option
   (`QoS.append`);
 - a consumer that starts on a queue puts back what its predecessor of the same node name
   left in flight, first in line, and every message recorded as unacknowledged under its
-  name that no open channel of its process holds (`Channel.basic_consume`: a reconnect
-  after a Redis restart or a failover, docs/deploy.md "Redis Sentinel").
+  name that its process neither holds in an open channel, nor runs, nor acknowledged
+  while Redis was away (`Channel.basic_consume`: a reconnect after a Redis restart or a
+  failover, docs/deploy.md "Redis Sentinel").
 
 A worker that never starts again under its node name (a lost host, a container
 replaced under a new hostname) has what it held, in flight or unacknowledged, given back
@@ -263,19 +264,26 @@ class QoS(kombu_redis.QoS):
         return self.channel._create_client().lpos(inflight, taken) is not None
 
     def ack(self, delivery_tag: str) -> None:
-        """kombu's; on a channel that closed as Redis went away (a failover, a restart),
-        the acknowledgement of a message that ran here is kept for this consumer's next
-        channel (`_ack_after_close`), which settles its record rather than give it back."""
+        """kombu's; an acknowledgement Redis could not take (its channel closed as Redis
+        went away, or the write failed: a failover, a restart) is kept for this
+        consumer's next channel (`_ack_later`), which drops the message's record rather
+        than give it back: it ran here."""
         channel = self.channel
-        if channel.closed and channel.consumer_name:
-            _ack_after_close(channel.consumer_name, delivery_tag)
-            virtual.QoS.ack(self, delivery_tag)  # type: ignore[no-untyped-call]
+        if not channel.consumer_name:
+            super().ack(delivery_tag)  # type: ignore[no-untyped-call]
             return
-        super().ack(delivery_tag)  # type: ignore[no-untyped-call]
+        if not channel.closed:
+            try:
+                super().ack(delivery_tag)  # type: ignore[no-untyped-call]
+                return
+            except channel.connection_errors:
+                log.warning("Redis did not take acknowledgement %s; it is kept", delivery_tag)
+        _ack_later(channel.consumer_name, delivery_tag)
+        virtual.QoS.ack(self, delivery_tag)  # type: ignore[no-untyped-call]
 
     def restore_unacked(self, client: Any = None) -> Any:
         """kombu's give-back as its channel closes, less the messages this process still
-        runs (`Channel.running`): their acknowledgement settles them when they end."""
+        runs (`Channel.running`): their acknowledgements drop their records (`ack`)."""
         for tag in self.channel.running_tags() & set(self._delivered):
             del self._delivered[tag]
         return super().restore_unacked(client)  # type: ignore[no-untyped-call]
@@ -301,15 +309,15 @@ class QoS(kombu_redis.QoS):
 
 #: The channels of this process that may still consume (`Channel._give_back_unheld`).
 _open_channels: weakref.WeakSet[Channel] = weakref.WeakSet()
-#: Per consumer name, acknowledgements made on a channel that had closed, whose records
-#: Redis still holds (`QoS.ack`).
+#: Per consumer name, acknowledgements Redis could not take, whose records it may still
+#: hold (`QoS.ack`).
 _acks_due: dict[str, set[str]] = {}
 
 
-def _ack_after_close(consumer: str, delivery_tag: str) -> None:
-    """Settle the record of `delivery_tag`, acknowledged on a closed channel of `consumer`,
-    through an open one of its channels; while none can (Redis still away), keep it for
-    the next channel's start (`Channel._give_back_unheld`)."""
+def _ack_later(consumer: str, delivery_tag: str) -> None:
+    """Drop the record of `delivery_tag`, acknowledged while Redis was away, through an
+    open channel of `consumer`; while none can (Redis still away), keep it for the next
+    channel's start (`Channel._give_back_unheld`)."""
     pending = _acks_due.setdefault(consumer, set())
     pending.add(delivery_tag)
     for channel in list(_open_channels):
@@ -318,7 +326,7 @@ def _ack_after_close(consumer: str, delivery_tag: str) -> None:
         try:
             channel.drop_records(pending)
         except channel.connection_errors:
-            return  # still pending: the next channel settles it
+            return  # still due: the next channel's start drops it
         pending.clear()
         return
 
@@ -524,8 +532,8 @@ class Channel(kombu_redis.Channel):
         acknowledged: a channel that closed as Redis went away could not give back what
         it held (kombu restores it on close), and after a failover the new primary may lack
         the last acknowledgements, whose messages nobody holds any more (docs/deploy.md,
-        "Redis Sentinel"). What this process acknowledged on a closed channel is settled
-        here; what it still runs stays recorded until its acknowledgement settles it."""
+        "Redis Sentinel"). What this process acknowledged while Redis was away has its
+        record dropped here; what it still runs stays recorded until it is acknowledged."""
         assert self.consumer_name is not None
         acked = _acks_due.pop(self.consumer_name, set())
         try:
