@@ -25,6 +25,7 @@ from kombu import Connection, Exchange, Queue
 from placement.ledger.hot import Handover
 from placement.ledger.keys import unacked_of
 from placement.server.redis_server import RedisServer
+from tasks.broker import transport
 from tasks.broker.transport import Channel, Onward, Pick, QoS, Transport
 
 SEP = Channel.sep
@@ -196,7 +197,7 @@ def test_what_a_dead_worker_took_is_first_in_line_for_its_successor_of_the_same_
             for _ in range(3):
                 conn.drain_events(timeout=5)
         assert seen == [{"n": 3}, {"n": 1}, {"n": 2}, {"n": 4}]  # back first, in sent order
-        assert "put back 2 message(s) a dead consumer had taken from work" in caplog.text
+        assert "put back 2 message(s) taken from work and never recorded" in caplog.text
         assert client.llen(IN_FLIGHT) == client.llen("work") == client.hlen("unacked") == 0
 
 
@@ -490,3 +491,29 @@ def test_a_reconnecting_consumer_gives_back_only_what_this_process_neither_runs_
                 with pytest.raises(TimeoutError):
                     second.drain_events(timeout=1)
         assert client.llen("work") == 0 and client.scard(unacked_of(NAME)) == 0
+
+
+def test_a_take_whose_reply_was_lost_is_put_back_by_the_live_consumer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A message in a live consumer's in-flight list between two takes (the reply of the
+    take that moved it never arrived) is first in line again within `STRAY_CHECK_S`."""
+    monkeypatch.setattr(transport, "STRAY_CHECK_S", 0.2)
+    seen: list[Any] = []
+    with RedisServer() as server:
+        client = redis.Redis.from_url(server.url)
+        with (
+            Connection(server.url, transport=Transport, transport_options=NAMED) as conn,
+            conn.Consumer(WORK, callbacks=[lambda body, m: (seen.append(body), m.ack())]),
+        ):
+            with pytest.raises(TimeoutError):
+                conn.drain_events(timeout=0.5)  # consuming, and its in-flight list looked in
+            _publish(server.url, {"n": 1})
+            client.blmove("work", IN_FLIGHT, 1, "RIGHT", "LEFT")  # as a lost take left it
+            deadline = time.monotonic() + 10
+            while not seen:
+                assert time.monotonic() < deadline, "the stray was not put back"
+                with contextlib.suppress(TimeoutError):
+                    conn.drain_events(timeout=0.5)
+        assert seen == [{"n": 1}]
+        assert client.llen(IN_FLIGHT) == client.llen("work") == client.hlen("unacked") == 0

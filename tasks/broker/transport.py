@@ -73,6 +73,9 @@ GIVE_BACK_S = 30.0
 IDLE_POLL_S = 0.25
 #: How long a consumer waits after Redis refused a take (a full Redis) before the next.
 REFUSED_TAKE_WAIT_S = 0.5
+#: How often a consumer looks in its own in-flight lists between two takes
+#: (`Channel._put_back_strays`): the longest a take whose reply was lost strands its call.
+STRAY_CHECK_S = 5.0
 
 log = logging.getLogger(__name__)
 
@@ -403,6 +406,7 @@ class Channel(kombu_redis.Channel):
     _idle = False  # the last take found every list empty: block next
     _sync_client: Any = None  # see `_create_client`
     _refused_take_logged = 0.0  # when a refused take was last logged (`_refused_take`)
+    _strays_checked = 0.0  # when its in-flight lists were last looked in (`_put_back_strays`)
     #: Asked of each message this channel takes, before it is recorded as unacknowledged:
     #: where to send it on instead, or None (a router's hot calls: tasks/serving/forwarding.py).
     divert: Callable[[Any], Onward | Pick | None] | None = None
@@ -557,9 +561,29 @@ class Channel(kombu_redis.Channel):
         if lost:
             log.warning("put back %d message(s) recorded as held here but not held", len(lost))
 
+    def _put_back_strays(self, keys: list[str]) -> None:
+        """Between two takes this consumer's in-flight lists are empty: each message it
+        takes is recorded, moved on or dropped, out of its list in the same step, before
+        the next take. One found there is a take whose reply never arrived (its connection
+        dropped as a failover or a stopped primary's return went on, and a server kept the
+        move): put back first in line. One LLEN per list, every `STRAY_CHECK_S`."""
+        now = time.monotonic()
+        if now - self._strays_checked < STRAY_CHECK_S:
+            return
+        self._strays_checked = now
+        client = self._create_client()
+        with client.pipeline(transaction=False) as pipe:
+            for key in keys:
+                pipe.llen(self._inflight(key))
+            counts = pipe.execute()
+        stranded = {key.rsplit(self.sep, 1)[0] for key, n in zip(keys, counts, strict=True) if n}
+        for queue in sorted(stranded):
+            self._put_back_in_flight(queue)
+
     def _put_back_in_flight(self, queue: str) -> None:
         """Return to the head of `queue`'s lists what this consumer's predecessor took and
-        did not record (it died in between), oldest first in line."""
+        did not record (it died in between), or a take of its own left (`_put_back_strays`),
+        oldest first in line."""
         restored = 0
         with self.conn_or_acquire() as client:
             for key in self._lists([queue]):
@@ -569,7 +593,7 @@ class Channel(kombu_redis.Channel):
                 except ResponseError as exc:  # a full Redis: they stay in flight, safe
                     log.error("could not put back what %s left in flight (%s)", key, exc)
         if restored:
-            log.warning("put back %d message(s) a dead consumer had taken from %s", restored, queue)
+            log.warning("put back %d message(s) taken from %s and never recorded", restored, queue)
 
     def _lists(self, queues: list[str]) -> list[str]:
         """The lists BRPOP would take from for `queues`, in its order."""
@@ -586,6 +610,7 @@ class Channel(kombu_redis.Channel):
         keys = self._taken_from()
         if not keys:
             return
+        self._put_back_strays(keys)
         connection = self.client.connection
         if self._idle:
             wait = IDLE_POLL_S if len(keys) > 1 else (timeout or self.brpop_timeout or 0)
