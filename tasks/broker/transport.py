@@ -269,7 +269,7 @@ class QoS(kombu_redis.QoS):
     def ack(self, delivery_tag: str) -> None:
         """kombu's; an acknowledgement Redis could not take (its channel closed as Redis
         went away, or the write failed: a failover, a restart) is kept for this
-        consumer's next channel (`_ack_later`), which drops the message's record rather
+        consumer's next channel (`_settle_later`), which drops the message's record rather
         than give it back: it ran here."""
         channel = self.channel
         if not channel.consumer_name:
@@ -281,7 +281,23 @@ class QoS(kombu_redis.QoS):
                 return
             except channel.connection_errors:
                 log.warning("Redis did not take acknowledgement %s; it is kept", delivery_tag)
-        _ack_later(channel.consumer_name, delivery_tag)
+        _settle_later(channel.consumer_name, delivery_tag, requeue=False)
+        virtual.QoS.ack(self, delivery_tag)  # type: ignore[no-untyped-call]
+
+    def reject(self, delivery_tag: str, requeue: bool = False) -> None:
+        """kombu's, kept for later as `ack` is when Redis cannot take it (a call whose
+        child died, given back after a failover, would otherwise stay recorded)."""
+        channel = self.channel
+        if not channel.consumer_name:
+            super().reject(delivery_tag, requeue)  # type: ignore[no-untyped-call]
+            return
+        if not channel.closed:
+            try:
+                super().reject(delivery_tag, requeue)  # type: ignore[no-untyped-call]
+                return
+            except channel.connection_errors:
+                log.warning("Redis did not take rejection %s; it is kept", delivery_tag)
+        _settle_later(channel.consumer_name, delivery_tag, requeue=requeue)
         virtual.QoS.ack(self, delivery_tag)  # type: ignore[no-untyped-call]
 
     def restore_unacked(self, client: Any = None) -> Any:
@@ -312,24 +328,24 @@ class QoS(kombu_redis.QoS):
 
 #: The channels of this process that may still consume (`Channel._give_back_unheld`).
 _open_channels: weakref.WeakSet[Channel] = weakref.WeakSet()
-#: Per consumer name, acknowledgements Redis could not take, whose records it may still
-#: hold (`QoS.ack`).
-_acks_due: dict[str, set[str]] = {}
+#: Per consumer name, the acknowledgements (False) and rejections with requeue (True)
+#: Redis could not take, by delivery tag (`QoS.ack`, `QoS.reject`).
+_due: dict[str, dict[str, bool]] = {}
 
 
-def _ack_later(consumer: str, delivery_tag: str) -> None:
-    """Drop the record of `delivery_tag`, acknowledged while Redis was away, through an
-    open channel of `consumer`; while none can (Redis still away), keep it for the next
-    channel's start (`Channel._give_back_unheld`)."""
-    pending = _acks_due.setdefault(consumer, set())
-    pending.add(delivery_tag)
+def _settle_later(consumer: str, delivery_tag: str, *, requeue: bool) -> None:
+    """Settle `delivery_tag` (drop its record, or with `requeue` give it back), which
+    Redis could not take, through an open channel of `consumer`; while none can (Redis
+    still away), keep it for the next channel's start (`Channel._give_back_unheld`)."""
+    pending = _due.setdefault(consumer, {})
+    pending[delivery_tag] = requeue
     for channel in list(_open_channels):
         if channel.consumer_name != consumer or channel.closed or not channel._consumers:
             continue
         try:
-            channel.drop_records(pending)
+            channel.settle(pending)
         except channel.connection_errors:
-            return  # still due: the next channel's start drops it
+            return  # still due: the next channel's start settles it
         pending.clear()
         return
 
@@ -524,6 +540,14 @@ class Channel(kombu_redis.Channel):
                 self.qos._remove_from_indices(tag, pipe)
             pipe.execute()
 
+    def settle(self, due: dict[str, bool]) -> None:
+        """What other channels of this consumer could not: drop the records of the tags
+        `due` maps to False (acknowledged), give back those it maps to True (rejected
+        with requeue), as kombu's reject does."""
+        self.drop_records({tag for tag, requeue in due.items() if not requeue})
+        for tag in [tag for tag, requeue in due.items() if requeue]:
+            self.qos.restore_by_tag(tag, leftmost=True)
+
     def basic_consume(self, queue: str, *args: Any, **kwargs: Any) -> Any:
         if self._takes_in_flight and queue not in self._fanout_queues:
             self._put_back_in_flight(queue)
@@ -539,7 +563,8 @@ class Channel(kombu_redis.Channel):
         "Redis Sentinel"). What this process acknowledged while Redis was away has its
         record dropped here; what it still runs stays recorded until it is acknowledged."""
         assert self.consumer_name is not None
-        acked = _acks_due.pop(self.consumer_name, set())
+        due = _due.pop(self.consumer_name, {})
+        acked = {tag for tag, requeue in due.items() if not requeue}
         try:
             with self.conn_or_acquire() as client:
                 tags = client.smembers(unacked_of(self.consumer_name))
@@ -547,7 +572,7 @@ class Channel(kombu_redis.Channel):
             if recorded & acked:
                 self.drop_records(recorded & acked)
         except self.connection_errors:
-            _acks_due.setdefault(self.consumer_name, set()).update(acked)
+            _due.setdefault(self.consumer_name, {}).update(due)
             raise
         held = self.running_tags() | {
             tag
