@@ -1,32 +1,39 @@
 """A fleet whose Redis is a primary, two replicas and three Sentinels, through failovers under load.
 
-    python -m bench.failover [--runs 3] [--faults kill,stop] [--threads 8] > bench/out/failover.json
+    python -m bench.failover [--runs 3] [--faults kill,stop] [--threads 8] [--group launcher]
 
-Prints one JSON object. It starts a Sentinel group as `--redis-ha` does
-(`placement.server.sentinel`: down after 1 s, writes only with a replica following), then
-`gpufleet up` on it with 2 simulated GPUs and a catalog of two encoders
-and a small generation model. Callers, `--threads` in all, call one after another: half
-are plain Celery clients configured from `gpufleet url --json`, half use the project's
-client (`tasks.api.infer`). An event listener counts each call's `task-succeeded` events.
+Prints one JSON object. It runs `gpufleet up --redis-ha` (`--group launcher`, the
+default: the group and its supervision as users get them) or `gpufleet up` on a Sentinel
+group the bench forms alike but runs itself, with no watchdog (`--group external`, as a
+group of your own), with 2 simulated GPUs and a catalog of two encoders and a small
+generation model (`placement.server.sentinel`: down after 1 s, writes only with a replica
+following). Callers, `--threads` in all, call one after another: half are plain Celery
+clients configured from `gpufleet url --json`, half use the project's client
+(`tasks.api.infer`). An event listener counts each call's `task-succeeded` events.
 
 The baseline, in the same run: the same load for `--quiet` seconds with no fault (calls
 per second, p50 and max latency). Then each fault, `--runs` times in turn: `kill` SIGKILLs
-the primary, `stop` SIGSTOPs it for `--stop-s` seconds and lets it go. After each, the
-stopped or killed node is started again (an empty server on its old port, which the
-Sentinels turn into a replica of the new primary) and the run waits for a clean audit.
+the primary, `stop` SIGSTOPs it for `--stop-s` seconds and lets it go, each once the
+Sentinels trust a replica. A killed node is started again as a replica of the new primary
+(by the launcher; with `--group external`, by the bench: an empty server on its old port,
+which the Sentinels turn into one); a stopped one the launcher kills once failed over
+(with `--group external` it comes back when let go). Each run then waits for a clean
+audit.
 
-Per run and in all (and `whole_run`: every call, those sent between windows too): calls
-sent in the run's window, lost (never answered, not even after the callers' 60 s; in
-`whole_run`, `unheard` when the answer is stored but its caller never heard it), failed
-(an error reached the caller), run twice (more than one `task-succeeded`; a lower bound:
+Per run and in all (and `whole_run`: every call, the baseline's too), counted once every
+caller has its answer or gave up: calls sent since the last run's window ended (a call in
+flight at the fault is its run's), lost (never answered, not even after the callers'
+60 s, and no answer stored), unheard (given up on, but its answer is stored), failed (an
+error reached the caller), run twice (more than one `task-succeeded`; a lower bound:
 events sent to a dead primary are lost), the time from the fault to the first answer of
-a call sent after it, and to a clean audit
-(`placement.ledger.audit`) once the new primary is named.
+a call sent after it, and to a clean audit (`placement.ledger.audit`) once the new
+primary is named. `whole_run` lists the task ids lost and run twice.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -42,10 +49,12 @@ from typing import Any
 
 from celery import Celery
 
+from placement.config import connection_path, read_connection
 from placement.ledger import endpoint
 from placement.ledger.audit import audit
 from placement.ledger.registry import Registry
-from placement.server.sentinel import SentinelGroup
+from placement.server.redis_server import HOST
+from placement.server.sentinel import SentinelGroup, replicas_ready
 
 CATALOG = """
 models:
@@ -74,6 +83,8 @@ class Load:
         from tasks.api import infer  # the project's client: imported once the URL is set
 
         self.calls: list[tuple[float, float | None, str, str]] = []
+        self.plain: set[str] = set()  # the task ids a plain Celery client sent
+        self.publish_s: dict[str, float] = {}  # how long each call's publish took
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._threads = [
@@ -91,6 +102,9 @@ class Load:
                 result = infer.apply_async(args=(model, inputs, params))
             else:
                 result = plain.send_task("gpufleet.infer", args=(model, inputs, params))
+                self.plain.add(result.id)
+            self.publish_s[result.id] = time.time() - sent
+            row: tuple[float, float | None, str, str]
             try:
                 result.get(timeout=TIMEOUT_S)
                 row = (sent, time.time(), result.id, "")
@@ -140,13 +154,13 @@ class Runs:
 
 
 def figures(
-    rows: list[tuple[float, float | None, str, str]], runs: Runs, stored: set[str] | None = None
+    rows: list[tuple[float, float | None, str, str]], runs: Runs, stored: set[str]
 ) -> dict[str, Any]:
-    """The figures of `rows`; with `stored` (the task ids whose answer Redis holds), a call
-    the caller gave up on counts as unheard when its answer is there, else as lost."""
+    """The figures of `rows`; `stored`: the task ids whose answer Redis holds, so that a call
+    its caller gave up on counts as unheard when its answer is there, else as lost."""
     answered = [done - sent for sent, done, _, _ in rows if done is not None]
     gave_up = [task_id for _, done, task_id, why in rows if done is None and why == "TimeoutError"]
-    unheard = [t for t in gave_up if stored is not None and t in stored]
+    unheard = [t for t in gave_up if t in stored]
     return {
         "sent": len(rows),
         "lost": len(gave_up) - len(unheard),
@@ -169,22 +183,116 @@ def stored_answers(url: str, rows: list[tuple[float, float | None, str, str]]) -
     return {task_id for task_id, meta in zip(ids, found, strict=True) if meta is not None}
 
 
-def fault(group: SentinelGroup, kind: str, stop_s: float) -> tuple[float, int]:
-    """Inject `kind` into the primary; when it happened, and the new primary's port (a
-    stopped primary is let go `stop_s` after the fault, from a timer)."""
-    old = group.primary_port()
-    node = group.node(old)
+def found_in(url: str, task_ids: list[str]) -> dict[str, list[str]]:
+    """The keys (lists, hashes) of the primary that mention each of `task_ids`: where a
+    lost call stopped."""
+    if not task_ids:
+        return {}
+    client = endpoint.connect(url)
+    where: dict[str, list[str]] = {}
+    for key in client.scan_iter(count=1000):
+        kind = client.type(key)
+        if kind == b"list":
+            values = client.lrange(key, 0, -1)
+        elif kind == b"hash":
+            values = client.hvals(key)
+        else:
+            continue
+        text = b"".join(v if isinstance(v, bytes) else v.encode() for v in values)
+        for task_id in task_ids:
+            if task_id.encode() in text:
+                where.setdefault(task_id, []).append(key.decode())
+    client.close()
+    return where
+
+
+class Launched:
+    """The group `gpufleet up --redis-ha` runs, as its launcher supervises it: a killed
+    node is started again by the launcher, a stopped one is killed by it once failed over
+    (the watchdog), so the bench only injects the fault."""
+
+    def __init__(self, up: subprocess.Popen[str], url: str) -> None:
+        self.up, self.url = up, url
+
+    def primary(self) -> tuple[int, int]:
+        """The primary's port and pid (the launcher's child serving 127.0.0.1:PORT)."""
+        address = str(endpoint.parse(self.url).topology()["primary"])
+        return int(address.rsplit(":", 1)[1]), _child_with(self.up.pid, address)
+
+    def new_primary(self, old: int, timeout: float = 30.0) -> int:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with contextlib.suppress(Exception):
+                port = int(str(endpoint.parse(self.url).topology()["primary"]).rsplit(":", 1)[1])
+                if port != old:
+                    return port
+            time.sleep(0.1)
+        raise TimeoutError(f"no failover from port {old} in {timeout:.0f} s")
+
+    def after_kill(self, port: int) -> None:
+        """Nothing: the launcher starts the node again."""
+
+
+class External:
+    """A group the bench runs itself (`--group external`), as a group of your own runs:
+    no watchdog; the bench starts a killed node again (an empty server on its old port,
+    which the Sentinels turn into a replica)."""
+
+    def __init__(self, group: SentinelGroup) -> None:
+        self.group, self.url = group, group.url
+
+    def primary(self) -> tuple[int, int]:
+        port = self.group.primary_port()
+        return port, self.group.node(port).pid
+
+    def new_primary(self, old: int) -> int:
+        return self.group.wait_failover(old)
+
+    def after_kill(self, port: int) -> None:
+        self.group.node(port).restart()
+
+
+def _child_with(parent: int, word: str) -> int:
+    """The pid of `parent`'s child whose command line has `word` as one of its words."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == parent and word in cmdline.split():
+            return int(entry.name)
+    raise LookupError(f"no child of {parent} serves {word}")
+
+
+def _let_go(pid: int, word: str) -> None:
+    """SIGCONT `pid` if it is still the stopped node (`word` in its command line): the
+    launcher's watchdog may have killed it, and its pid be another process's now."""
+    with contextlib.suppress(OSError):
+        if word in Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode():
+            os.kill(pid, signal.SIGCONT)
+
+
+def fault(target: Launched | External, kind: str, stop_s: float) -> tuple[float, int]:
+    """Inject `kind` into the primary once the Sentinels trust a replica (a fault before
+    then is a second fault: docs/deploy.md); when it happened, and the new primary's port
+    (a stopped primary is let go `stop_s` after the fault, from a timer)."""
+    deadline = time.monotonic() + 60
+    while not replicas_ready(target.url) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    old, pid = target.primary()
     at = time.time()
     if kind == "kill":
-        os.kill(node.pid, signal.SIGKILL)
-        new = group.wait_failover(old)
-        node.restart()  # empty, on its old port: the Sentinels make it a replica
+        os.kill(pid, signal.SIGKILL)
+        new = target.new_primary(old)
+        target.after_kill(old)
     else:
-        os.kill(node.pid, signal.SIGSTOP)
-        new = group.wait_failover(old)
-        threading.Timer(
-            max(0.0, stop_s - (time.time() - at)), os.kill, (node.pid, signal.SIGCONT)
-        ).start()
+        os.kill(pid, signal.SIGSTOP)
+        new = target.new_primary(old)
+        wait = max(0.0, stop_s - (time.time() - at))
+        threading.Timer(wait, _let_go, (pid, f"{HOST}:{old}")).start()
     return at, new
 
 
@@ -204,20 +312,35 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     home = Path(tempfile.mkdtemp(prefix="bench-failover-"))
     catalog = home / "models.yaml"
     catalog.write_text(CATALOG)
-    # As `gpufleet up --redis-ha` runs it: two replicas, a primary that needs one to write
-    with SentinelGroup(password="bench-failover", replicas=2, min_replicas=1) as group:
-        os.environ["GPUFLEET_REDIS_URL"] = group.url
-        os.environ["GPUFLEET_HOME"] = str(home)
+    os.environ["GPUFLEET_HOME"] = str(home)
+    with contextlib.ExitStack() as stack:
+        redis_args = ["--redis-ha"]
+        group = None
+        if args.group == "external":  # as `--redis-ha` forms it, less the launcher's watchdog
+            group = stack.enter_context(
+                SentinelGroup(password="bench-failover", replicas=2, min_replicas=1)
+            )
+            os.environ["GPUFLEET_REDIS_URL"] = group.url
+            redis_args = []
         env = {**os.environ}
         up = subprocess.Popen(
-            [*CLI, "up", "--models", str(catalog), "--sim-gpus", "2x4GiB", "--metrics-port", "0"],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+            [*CLI, "up", *redis_args, "--models", str(catalog), "--sim-gpus", "2x4GiB",
+             "--metrics-port", "0"],
+            env=env, stdout=subprocess.PIPE, text=True,
+            stderr=open(args.log, "w") if args.log else subprocess.DEVNULL,  # noqa: SIM115
         )  # fmt: skip
         assert up.stdout is not None
         for line in up.stdout:
             if "Ctrl-C stops" in line:
                 break
+        threading.Thread(target=up.stdout.read, daemon=True).start()  # never a full pipe
         try:
+            known = read_connection(connection_path(home, "default"))
+            assert known is not None, "gpufleet up recorded no connection"
+            fleet_url = known.fleet
+            # the project's client, and the event listener, as the fleet's own user
+            os.environ["GPUFLEET_REDIS_URL"] = env["GPUFLEET_REDIS_URL"] = fleet_url
+            target = External(group) if group is not None else Launched(up, fleet_url)
             conf = json.loads(
                 subprocess.run(
                     [*CLI, "url", "--json"], env=env, capture_output=True, text=True, check=True
@@ -227,37 +350,58 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             plain.conf.update(**conf)
             for model, inputs, params in CALLS:  # loaded before anything is timed
                 plain.send_task("gpufleet.infer", args=(model, inputs, params)).get(TIMEOUT_S)
-            registry = Registry.from_url(group.url, "default")
+            registry = Registry.from_url(fleet_url, "default")
             runs = Runs()
             load = Load(plain, args.threads)
             began = time.time()
             time.sleep(args.quiet)
-            out: dict[str, Any] = {"baseline": figures(load.between(began, time.time()), runs)}
-            out["baseline"]["calls_per_s"] = round(out["baseline"]["sent"] / args.quiet, 1)
-            per_run: list[dict[str, Any]] = []
+            quiet = (began, time.time())
+            faults: list[dict[str, Any]] = []
             for kind in args.faults:
                 for _ in range(args.runs):
-                    at, new = fault(group, kind, args.stop_s)
+                    at, new = fault(target, kind, args.stop_s)
                     clean = clean_after(registry, at)
                     # past a stopped primary's return, then `settle` more
                     time.sleep(max(0.0, at + args.stop_s - time.time()) + args.settle)
-                    rows = load.between(at, time.time())
-                    after = [done for sent, done, _, _ in rows if done is not None and sent >= at]
-                    per_run.append(
-                        {
-                            "fault": kind,
-                            **figures(rows, runs),
-                            "first_new_answer_s": round(min(after) - at, 2) if after else None,
-                            "clean_audit_s": clean,
-                            "new_primary": new,
-                        }
-                    )
-            load.stop()
+                    faults.append(
+                        {"fault": kind, "at": at, "ended": time.time(), "clean_audit_s": clean,
+                         "new_primary": new}
+                    )  # fmt: skip
+            load.stop()  # every call sent is answered or given up on from here
             runs.stop()
-            out["runs"] = per_run
-            # every call of the run, those sent between windows included
             rows = load.between(0.0, time.time())
-            out["whole_run"] = figures(rows, runs, stored_answers(group.url, rows))
+            stored = stored_answers(fleet_url, rows)
+            out: dict[str, Any] = {"baseline": figures(load.between(*quiet), runs, stored)}
+            out["baseline"]["calls_per_s"] = round(out["baseline"]["sent"] / args.quiet, 1)
+            per_run: list[dict[str, Any]] = []
+            start = quiet[1]  # each run's calls: those sent since the last one's ended
+            for f in faults:
+                window = load.between(start, f["ended"])
+                start = f["ended"]
+                after = [done for sent, done, _, _ in window if done and sent >= f["at"]]
+                per_run.append(
+                    {
+                        "fault": f["fault"],
+                        **figures(window, runs, stored),
+                        "first_new_answer_s": round(min(after) - f["at"], 2) if after else None,
+                        "clean_audit_s": f["clean_audit_s"],
+                        "new_primary": f["new_primary"],
+                    }
+                )
+            out["runs"] = per_run
+            out["whole_run"] = figures(rows, runs, stored)  # the baseline's calls too
+            out["whole_run"]["run_twice_ids"] = sorted(t for t, n in runs.count.items() if n > 1)
+            lost = [
+                (sent, t) for sent, done, t, why in rows
+                if done is None and why == "TimeoutError" and t not in stored
+            ]  # fmt: skip
+            where = found_in(fleet_url, [t for _, t in lost])
+            out["whole_run"]["lost_ids"] = [
+                f"{t} ({'plain' if t in load.plain else 'project'} client, sent at {sent:.1f}, "
+                f"published in {load.publish_s.get(t, -1):.2f} s, now in {where.get(t, [])})"
+                for sent, t in sorted(lost)
+            ]
+            out["whole_run"]["faults_at"] = [round(f["at"], 1) for f in faults]
             out["all"] = {
                 kind: {
                     key: sum(r[key] for r in per_run if r["fault"] == kind)
@@ -292,6 +436,11 @@ def main() -> None:
     parser.add_argument("--quiet", type=float, default=10.0, help="seconds of the baseline")
     parser.add_argument("--stop-s", type=float, default=20.0, help="how long a SIGSTOP lasts")
     parser.add_argument("--settle", type=float, default=10.0, help="seconds after each audit")
+    parser.add_argument("--log", help="write the fleet's log lines to this file")
+    parser.add_argument(
+        "--group", choices=("launcher", "external"), default="launcher",
+        help="launcher: `gpufleet up --redis-ha`; external: a group the bench runs, no watchdog",
+    )  # fmt: skip
     args = parser.parse_args()
     args.faults = [f for f in args.faults.split(",") if f]
     if not set(args.faults) <= {"kill", "stop"}:
