@@ -281,7 +281,7 @@ class QoS(kombu_redis.QoS):
                 return
             except channel.connection_errors:
                 log.warning("Redis did not take acknowledgement %s; it is kept", delivery_tag)
-        _settle_later(channel.consumer_name, delivery_tag, requeue=False)
+        _settle_later(channel, delivery_tag, requeue=False)
         virtual.QoS.ack(self, delivery_tag)  # type: ignore[no-untyped-call]
 
     def reject(self, delivery_tag: str, requeue: bool = False) -> None:
@@ -297,7 +297,7 @@ class QoS(kombu_redis.QoS):
                 return
             except channel.connection_errors:
                 log.warning("Redis did not take rejection %s; it is kept", delivery_tag)
-        _settle_later(channel.consumer_name, delivery_tag, requeue=requeue)
+        _settle_later(channel, delivery_tag, requeue=requeue)
         virtual.QoS.ack(self, delivery_tag)  # type: ignore[no-untyped-call]
 
     def restore_unacked(self, client: Any = None) -> Any:
@@ -333,14 +333,19 @@ _open_channels: weakref.WeakSet[Channel] = weakref.WeakSet()
 _due: dict[str, dict[str, bool]] = {}
 
 
-def _settle_later(consumer: str, delivery_tag: str, *, requeue: bool) -> None:
+def _settle_later(failed: Channel, delivery_tag: str, *, requeue: bool) -> None:
     """Settle `delivery_tag` (drop its record, or with `requeue` give it back), which
-    Redis could not take, through an open channel of `consumer`; while none can (Redis
-    still away), keep it for the next channel's start (`Channel._give_back_unheld`)."""
+    Redis could not take on channel `failed`, through another open channel of its
+    consumer; while none can (Redis still away), keep it for the next channel's start
+    (`Channel._give_back_unheld`)."""
+    consumer = failed.consumer_name
+    assert consumer is not None
     pending = _due.setdefault(consumer, {})
     pending[delivery_tag] = requeue
     for channel in list(_open_channels):
-        if channel.consumer_name != consumer or channel.closed or not channel._consumers:
+        if channel is failed or channel.consumer_name != consumer:
+            continue
+        if channel.closed or not channel._consumers:
             continue
         try:
             channel.settle(pending)
