@@ -3,6 +3,8 @@
 # outside, as a user would:
 #
 #   scripts/compose-check.sh        (as root, or a user of the docker group; 5-15 minutes)
+#   scripts/compose-check.sh --ha   (the same over compose.ha.yaml: Redis as a primary, two
+#                                    replicas and three Sentinels; the primary is killed too)
 #
 # 1. A Docker engine: the running one, else dockerd started here (installed with apt when
 #    missing; `--bridge=none --iptables=false`, which runs in a container sandbox), and
@@ -18,11 +20,21 @@
 #    models of 5 GiB on 2 x 8 GiB: they cannot all be resident, so calls evict.
 # 4. A plain Celery client on this host calls every model; `gpufleet status` sees both
 #    GPUs; Flower refuses a request without credentials; one GPU worker container is
-#    killed and every call is still answered.
+#    killed and every call is still answered. With --ha the client runs in a container
+#    on the project's network (the Sentinels name servers by service name), configured
+#    from `gpufleet url --json`; then the Redis primary is SIGKILLed, every call is still
+#    answered, `gpufleet status` names a replica as primary, and the old primary,
+#    started again, rejoins as a replica.
 # 5. Everything down: containers, volumes, network, the wheels; the engine if started here.
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+ha=""
+case "${1:-}" in
+  --ha) ha=1 ;;
+  "") ;;
+  *) printf 'usage: %s [--ha]\n' "$0" >&2; exit 2 ;;
+esac
 # The host's Python: builds the wheels (3.11, as the base image) and runs the client and
 # `gpufleet status`; scripts/test.sh's .venv has all it needs.
 PYTHON=${PYTHON:-$([[ -x .venv/bin/python ]] && echo .venv/bin/python || echo python3)}
@@ -89,7 +101,11 @@ elif command -v docker-compose >/dev/null; then
 else
   fail "neither 'docker compose' nor docker-compose is installed"
 fi
-compose+=(-p "$project" -f compose.yaml --env-file "$work/.env" --profile sim)
+compose+=(-p "$project" -f compose.yaml)
+[[ -n "$ha" ]] && compose+=(-f compose.ha.yaml)
+compose+=(--env-file "$work/.env" --profile sim)
+services=5  # redis, router, flower, sim0, sim1
+[[ -n "$ha" ]] && services=10  # and redis-replica, redis-replica2, sentinel1-3
 
 # --- 2. images ----------------------------------------------------------------------------
 say "images"
@@ -148,27 +164,61 @@ REDIS_IMAGE=$redis_image
 GPUFLEET_MODELS_FILE=$work/models.yaml
 GPUFLEET_SIM_GPUS=2x8GiB
 GPUFLEET_TORCH_THREADS=1
+REDIS_HA_NET=172.30.$((RANDOM % 150 + 100))
 ENV
 chmod 600 "$work/.env"
 "${compose[@]}" up -d --no-build
 for _ in $(seq 90); do
   healthy=$(docker ps --filter "label=com.docker.compose.project=$project" \
     --filter health=healthy --format '{{.Names}}' | wc -l)
-  ((healthy >= 5)) && break
+  ((healthy >= services)) && break
   sleep 2
 done
 docker ps --filter "label=com.docker.compose.project=$project" --format '{{.Names}}: {{.Status}}'
-((healthy >= 5)) || { "${compose[@]}" logs --tail 30; fail "the five services are not all healthy"; }
+((healthy >= services)) || { "${compose[@]}" logs --tail 30; fail "the $services services are not all healthy"; }
 
 # --- 4. from outside ----------------------------------------------------------------------
 say "calls from a plain Celery client on this host, status, Flower, a killed GPU worker"
 export GPUFLEET_CHECK_URL="redis://:$password@127.0.0.1:$redis_port/0"
 export GPUFLEET_CHECK_FLOWER="http://127.0.0.1:$flower_port/tasks"
-client=$PYTHON
-"$client" scripts/compose_client.py calls || { "${compose[@]}" logs --tail 40; fail "calls"; }
-GPUFLEET_REDIS_URL="$GPUFLEET_CHECK_URL" GPUFLEET_FLEET=default "$client" -m tasks.operator.cli \
-  status --json >"$work/status.json"
-"$client" scripts/compose_client.py status "$work/status.json"
-"$client" scripts/compose_client.py flower
+if [[ -n "$ha" ]]; then
+  # On the project's network, with what `gpufleet url --json` prints for a plain client
+  conf=$("${compose[@]}" exec -T router gpufleet url --json)
+  client=(docker run --rm --network "${project}_default" -e "GPUFLEET_CHECK_CONF=$conf"
+    -v "$PWD/scripts/compose_client.py:/check/compose_client.py:ro" "$image" python)
+  status() { "${compose[@]}" exec -T router gpufleet status --json >"$work/status.json"; }
+  script=/check/compose_client.py
+else
+  client=("$PYTHON")
+  status() {
+    GPUFLEET_REDIS_URL="$GPUFLEET_CHECK_URL" GPUFLEET_FLEET=default "$PYTHON" -m tasks.operator.cli \
+      status --json >"$work/status.json"
+  }
+  script=scripts/compose_client.py
+fi
+calls() { "${client[@]}" "$script" calls || { "${compose[@]}" logs --tail 40; fail "calls $1"; }; }
+calls ""
+status
+"$PYTHON" scripts/compose_client.py status "$work/status.json"
+"$PYTHON" scripts/compose_client.py flower
 "${compose[@]}" kill sim0
-"$client" scripts/compose_client.py calls || { "${compose[@]}" logs --tail 40; fail "calls after the kill"; }
+calls "after the kill"
+if [[ -n "$ha" ]]; then
+  say "the Redis primary SIGKILLed"
+  "${compose[@]}" kill -s SIGKILL redis
+  calls "after the primary's kill"
+  status
+  net=$(sed -n 's/^REDIS_HA_NET=//p' "$work/.env")  # the servers are .10, .11 and .12
+  "$PYTHON" scripts/compose_client.py primary "$work/status.json" "$net.11:6379,$net.12:6379"
+  "${compose[@]}" start redis
+  rejoined() {  # the old primary follows the new one, its link up (in its own words)
+    local info
+    info=$("${compose[@]}" exec -T redis redis-cli info replication 2>/dev/null | tr -d '\r') \
+      || return 1
+    grep -qx "role:slave" <<<"$info" && grep -qx "master_link_status:up" <<<"$info"
+  }
+  for _ in $(seq 30); do rejoined && break; sleep 2; done
+  rejoined || fail "the old primary did not rejoin as a replica"
+  echo "the old primary is a replica again, its link up"
+  calls "after the old primary rejoined"
+fi

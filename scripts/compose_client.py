@@ -1,12 +1,15 @@
 """The outside checks of scripts/compose-check.sh: what a user of a compose fleet sees.
 
     python scripts/compose_client.py calls | status STATUS_JSON | flower
+    python scripts/compose_client.py primary STATUS_JSON HOST:PORT[,HOST:PORT...]
 
 `calls` sends every model of the check's catalog twice through a plain Celery client (no
 gpufleet import: `send_task` by name, JSON only) and checks each answer; `status` reads
-`gpufleet status --json` and checks both simulated GPUs are live; `flower` checks Flower
-refuses a request without credentials. The URLs come from GPUFLEET_CHECK_URL and
-GPUFLEET_CHECK_FLOWER.
+`gpufleet status --json` and checks both simulated GPUs are live; `primary` checks
+Redis's primary is one of those named; `flower` checks Flower refuses a request without
+credentials. The client's
+settings come from GPUFLEET_CHECK_CONF (`gpufleet url --json`, a fleet behind Sentinels)
+or else GPUFLEET_CHECK_URL; Flower's address from GPUFLEET_CHECK_FLOWER.
 """
 
 from __future__ import annotations
@@ -26,9 +29,13 @@ MODELS = ("a", "b", "c")  # 5 GiB each on 2 x 8 GiB: never all resident
 
 
 def calls() -> None:
-    url = os.environ["GPUFLEET_CHECK_URL"]
-    app = Celery(broker=url, backend=url)
-    app.conf.update(task_serializer="json", accept_content=["json"], result_serializer="json")
+    app = Celery()
+    if os.environ.get("GPUFLEET_CHECK_CONF"):
+        app.conf.update(**json.loads(os.environ["GPUFLEET_CHECK_CONF"])["celery"])
+    else:
+        url = os.environ["GPUFLEET_CHECK_URL"]
+        app.conf.update(broker_url=url, result_backend=url, task_serializer="json")
+        app.conf.update(accept_content=["json"], result_serializer="json")
     served: Counter[str] = Counter()
     for model in MODELS * 2:
         start = time.monotonic()
@@ -48,6 +55,13 @@ def status(path: str) -> None:
     live = [g["id"] for g in report["gpus"] if g["alive"]]
     assert len(live) == 2, report["gpus"]
     print(f"status: {len(live)} live GPUs {live}, {len(report['deployments'])} deployments")
+    print(f"status: Redis {report['redis']}")
+
+
+def primary(path: str, expected: str) -> None:
+    redis = json.loads(Path(path).read_text())["redis"]
+    assert redis["primary"] in expected.split(","), (expected, redis)
+    print(f"status: Redis {redis}")
 
 
 def flower() -> None:
@@ -62,4 +76,4 @@ def flower() -> None:
 
 if __name__ == "__main__":
     command, *args = sys.argv[1:]
-    {"calls": calls, "status": status, "flower": flower}[command](*args)
+    {"calls": calls, "status": status, "primary": primary, "flower": flower}[command](*args)

@@ -30,12 +30,14 @@ import pytest
 import redis
 import yaml
 
+from placement.ledger import endpoint
 from placement.server.redis_server import find_redis_server
 from tasks.config import ROUTER_QUEUE
 from tasks.serving.routing import gpu_queue
 from tests.ports import free_port
 
 COMPOSE = Path(__file__).resolve().parents[1] / "compose.yaml"
+COMPOSE_HA = COMPOSE.with_name("compose.ha.yaml")
 REQUIRED = ("REDIS_PASSWORD", "FLOWER_USER", "FLOWER_PASSWORD")
 ENV = {"REDIS_PASSWORD": "0123abcd", "FLOWER_USER": "admin", "FLOWER_PASSWORD": "flowerpw"}
 INSTALL_HINT = (
@@ -497,9 +499,10 @@ def compose_cli() -> list[str]:
 
 
 def compose_config(
-    cli: list[str], env: Mapping[str, str], tmp_path: Path, *flags: str
+    cli: list[str], env: Mapping[str, str], tmp_path: Path, *flags: str, ha: bool = False
 ) -> subprocess.CompletedProcess[str]:
-    """`config` on compose.yaml with exactly `env`: no .env file, no inherited settings."""
+    """`config` on compose.yaml (and compose.ha.yaml over it, with `ha`) with exactly `env`:
+    no .env file, no inherited settings."""
     empty = tmp_path / "empty.env"
     empty.write_text("")
     clean = {
@@ -508,7 +511,8 @@ def compose_config(
         if k not in REQUIRED
         and not k.startswith(("GPUFLEET_", "COMPOSE_", "REDIS_", "FLOWER_", "PYTHON"))
     }
-    command = [*cli, "--env-file", str(empty), "-f", str(COMPOSE), "config", *flags]
+    files = ["-f", str(COMPOSE), *(["-f", str(COMPOSE_HA)] if ha else [])]
+    command = [*cli, "--env-file", str(empty), *files, "config", *flags]
     return subprocess.run(
         command,
         check=False,
@@ -566,3 +570,105 @@ def test_docker_compose_resolves_credentials_and_keeps_the_gpu_reservations(
         (request,) = device_requests(service)
         assert request["driver"] == "nvidia", name
         assert "gpu" in request["capabilities"], name
+
+
+# --- compose.ha.yaml ---------------------------------------------------------------------
+
+
+def test_the_ha_file_puts_every_gpufleet_service_behind_the_sentinels_of_one_group(
+    tmp_path: Path,
+) -> None:
+    """Over compose.yaml, as compose merges them: every gpufleet service's URL names the
+    three Sentinels, by their fixed addresses, and the group they monitor (the primary's
+    address), and waits for them and every server."""
+    done = compose_config(compose_cli(), ENV, tmp_path, ha=True)
+    assert done.returncode == 0, done.stderr
+    assert "variable is not set" not in done.stderr, done.stderr
+    resolved = yaml.safe_load(done.stdout)["services"]
+    sentinels = sorted(name for name in resolved if name.startswith("sentinel"))
+    assert len(sentinels) == 3
+    address = {
+        name: fixed for name, service in resolved.items() if (fixed := _fixed_address(service))
+    }
+    assert len(set(address.values())) == len(address) == 6  # three servers, three Sentinels
+    for name in gpufleet_services(resolved):
+        found = endpoint.parse(resolved[name]["environment"]["GPUFLEET_REDIS_URL"])
+        assert sorted(found.sentinels) == sorted((address[s], 26379) for s in sentinels), name
+        assert found.password == ENV["REDIS_PASSWORD"] and found.master_name == "gpufleet"
+        waits = resolved[name]["depends_on"]
+        assert set(waits) == {"redis", "redis-replica", "redis-replica2", *sentinels}, name
+        assert {w["condition"] for w in waits.values()} == {"service_healthy"}, name
+    for name in sentinels:
+        script = resolved[name]["command"][-1]
+        assert "sentinel monitor gpufleet $$REDIS_HA_NET.10 6379 2" in script, name
+        net = resolved[name]["environment"]["REDIS_HA_NET"]
+        assert f"{net}.10" == address["redis"], name
+        assert ENV["REDIS_PASSWORD"] not in " ".join(resolved[name]["command"]), name
+
+
+def _fixed_address(service: Mapping[str, Any]) -> str | None:
+    """The address a service has on the project network, when it has a fixed one."""
+    default = (service.get("networks") or {}).get("default") or {}
+    found = default.get("ipv4_address")
+    return str(found) if found else None
+
+
+def test_in_the_ha_file_every_server_writes_only_with_a_replica_and_can_follow_another(
+    tmp_path: Path,
+) -> None:
+    done = compose_config(compose_cli(), ENV, tmp_path, ha=True)
+    assert done.returncode == 0, done.stderr
+    resolved = yaml.safe_load(done.stdout)["services"]
+    for name in ("redis", "redis-replica", "redis-replica2"):
+        args = resolved[name]["command"]
+        assert (
+            option(args, "--requirepass") == option(args, "--masterauth") == ENV["REDIS_PASSWORD"]
+        )
+        assert option(args, "--min-replicas-to-write") == "1", name
+        assert option(args, "--appendonly") == "yes", name
+    primary = _fixed_address(resolved["redis"])
+    for name in ("redis-replica", "redis-replica2"):
+        assert option(resolved[name]["command"], "--replicaof") == primary, name
+    assert "--replicaof" not in resolved["redis"]["command"]
+
+
+def test_a_sentinel_started_as_the_ha_file_starts_it_writes_its_config_once_and_serves(
+    tmp_path: Path,
+) -> None:
+    """The Sentinel's own shell script, run with its environment (its /data here a
+    directory of the test's): it writes a config Redis accepts, asks for the password,
+    and keeps the file it finds on its next start (a Sentinel rewrites it as it learns)."""
+    service = yaml.safe_load(COMPOSE_HA.read_text())["services"]["sentinel1"]
+    data = tmp_path / "data"
+    data.mkdir()
+    port = free_port()
+    script = resolve(service["command"][-1]).replace("$$", "$").replace("/data", str(data))
+    script = script.replace("port 26379", f"port {port}\nbind 127.0.0.1")
+    server_bin = find_redis_server()
+    script = script.replace("exec redis-server", f"exec {shlex.quote(server_bin)}")
+    env = {k: resolve(str(v)) for k, v in environment(service).items()}
+    env["PATH"] = os.environ.get("PATH", "")
+    proc = subprocess.Popen(["sh", "-c", script], env=env, stdout=subprocess.DEVNULL)
+    try:
+        client = redis.Redis(port=port, password=ENV["REDIS_PASSWORD"])
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                assert client.ping()
+                break
+            except redis.ConnectionError:
+                assert proc.poll() is None, "the Sentinel refused the config it wrote"
+                assert time.monotonic() < deadline, "the Sentinel did not start"
+                time.sleep(0.1)
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(port=port).ping()
+        (master,) = client.sentinel_masters().values()
+        assert master["name"] == "gpufleet" and master["quorum"] == 2
+        assert master["down-after-milliseconds"] == 5000
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+    written = (data / "sentinel.conf").read_text()
+    (data / "sentinel.conf").write_text(written + "# kept\n")
+    subprocess.run(["sh", "-c", script.replace("exec ", "true ")], env=env, check=True)
+    assert (data / "sentinel.conf").read_text().endswith("# kept\n")
