@@ -185,13 +185,17 @@ class Consumer(CeleryConsumer):
         return task_message_handler
 
     def _answered_already(self, message: Any) -> bool:
-        """Whether `message` is a call given back (a broker restore, a sweep: marked
-        redelivered) whose answer is stored: its first run ended, and only its
-        acknowledgement was lost (sent as Redis failed over, or on a connection that
+        """Whether `message`, on a GPU worker, is a call given back (a broker restore, a
+        sweep: marked redelivered) whose answer is stored: its first run ended, and only
+        its acknowledgement was lost (sent as Redis failed over, or on a connection that
         closed first). Running it again would run it twice. One read, for given-back calls
-        only; when Redis cannot say, the call runs again (its first stored answer stays)."""
+        only; when Redis cannot say, the call runs again (its first stored answer stays).
+        A router looks for a given-back call elsewhere itself, and lets go of its hold on
+        the model then (`tasks.api.dispatch`)."""
         task_id = message.headers.get("id")
-        if not (message.delivery_info or {}).get("redelivered") or not is_name(task_id):
+        if context.role() != "gpu" or not is_name(task_id):
+            return False
+        if not (message.delivery_info or {}).get("redelivered"):
             return False
         try:
             return results.answered(self.app.backend, task_id)
