@@ -11,6 +11,8 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -596,3 +598,24 @@ def test_a_call_given_back_after_it_was_answered_is_acknowledged_not_run_again(
     assert log.count(f"call {answered} came back after it was answered") == 1  # the GPU's
     assert f"call {answered} was handed on before its router died" in log  # the router's
     served_and_clean(fleet, before)
+
+
+def test_the_ready_lines_python_call_runs_as_printed_on_a_catalog_without_minilm(
+    fleet: RunningFleet,
+) -> None:
+    """A new user pastes the line `gpufleet up` printed: it names a model of this fleet's
+    catalog (it once named minilm, whatever the catalog held)."""
+    printed = next(line for line in fleet.lines if "Python:" in line)
+    code, url_from = printed.split("Python:", 1)[1].rsplit("URL=", 1)
+    assert url_from.strip() == "$(gpufleet url)"
+    done = subprocess.run(
+        [sys.executable, "-c", f"import celery\nURL = {fleet.url!r}\nprint({code.strip()})"],
+        cwd="/",  # outside the repository: nothing of gpufleet is importable
+        env=fleet_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "'model': 'a'" in done.stdout, done.stdout

@@ -494,25 +494,27 @@ def metrics(
 def _print_ready(launcher: Any) -> None:
     """Where the fleet is, printed once: the callers' URL in full (its password included),
     so a plain Celery client on another machine can connect."""
+    from placement.catalog.catalog import Catalog
     from placement.ledger import endpoint
 
     gpus = ", ".join(f"{d.name} #{d.index}" for d in launcher.devices)
     count = len(launcher.devices)
+    model = next(iter(Catalog.load(launcher.models)), "MODEL")  # one the caller may name
     console.print(
         f"[green]gpufleet is up[/]: {count} GPU{'' if count == 1 else 's'} ({gpus}), "
         f"registry {launcher.caller_url}",
         highlight=False,
     )
-    console.print("  call it:  gpufleet infer minilm 'hello'    (or: gpufleet status)")
+    console.print(f"  call it:  gpufleet infer {model} 'hello'    (or: gpufleet status)")
     if endpoint.parse(launcher.caller_url).watched:  # Sentinels: the URL alone is not enough
         console.print(
             "  Python:   app = celery.Celery(); app.conf.update(**CONF); app.send_task("
-            "'gpufleet.infer', args=['minilm', 'hello']).get()   CONF: gpufleet url --json"
+            f"'gpufleet.infer', args=[{model!r}, 'hello']).get()   CONF: gpufleet url --json"
         )
     else:
         console.print(
             "  Python:   celery.Celery(broker=URL, backend=URL)"
-            ".send_task('gpufleet.infer', args=['minilm', 'hello']).get()   URL=$(gpufleet url)"
+            f".send_task('gpufleet.infer', args=[{model!r}, 'hello']).get()   URL=$(gpufleet url)"
         )
     if launcher.metrics_url:
         console.print(f"  metrics:  {launcher.metrics_url}")
