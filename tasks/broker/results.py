@@ -106,8 +106,11 @@ class SentinelBackend(Backend, celery_redis.SentinelBackend):
 
 
 def answered(backend: Any, task_id: str) -> bool:
-    """Whether call `task_id`'s answer (or its error) is stored in `backend`."""
-    return backend.get_task_meta(task_id)["status"] in states.READY_STATES
+    """Whether call `task_id`'s answer (or its error) is stored in `backend`: one read,
+    never retried (Celery's `get_task_meta` retries for up to a minute while the result
+    store is away, which a worker's consumer thread must not wait out)."""
+    stored = backend.get(backend.get_key_for_task(task_id))
+    return stored is not None and backend.decode_result(stored)["status"] in states.READY_STATES
 
 
 @contextmanager
