@@ -42,7 +42,6 @@ by a router's sweep once its record lapses (`tasks.broker.presence`).
 
 from __future__ import annotations
 
-import functools
 import logging
 import select
 import time
@@ -269,36 +268,35 @@ class QoS(kombu_redis.QoS):
 
     def ack(self, delivery_tag: str) -> None:
         """kombu's; an acknowledgement Redis could not take (its channel closed as Redis
-        went away, or the write failed: a failover, a restart) is kept for later
-        (`_settle_later`), which drops the message's record rather than give it back: it
-        ran here."""
-        kombus = functools.partial(kombu_redis.QoS.ack, self, delivery_tag)
-        self._settle_or_keep(delivery_tag, False, kombus)
+        went away, or the write failed: a failover, a restart) is kept for this
+        consumer's next channel (`_settle_later`), which drops the message's record rather
+        than give it back: it ran here."""
+        channel = self.channel
+        if not channel.consumer_name:
+            super().ack(delivery_tag)  # type: ignore[no-untyped-call]
+            return
+        if not channel.closed:
+            try:
+                super().ack(delivery_tag)  # type: ignore[no-untyped-call]
+                return
+            except channel.connection_errors:
+                log.warning("Redis did not take acknowledgement %s; it is kept", delivery_tag)
+        _settle_later(channel, delivery_tag, requeue=False)
+        virtual.QoS.ack(self, delivery_tag)  # type: ignore[no-untyped-call]
 
     def reject(self, delivery_tag: str, requeue: bool = False) -> None:
         """kombu's, kept for later as `ack` is when Redis cannot take it (a call whose
         child died, given back after a failover, would otherwise stay recorded)."""
-        kombus = functools.partial(kombu_redis.QoS.reject, self, delivery_tag, requeue)
-        self._settle_or_keep(delivery_tag, requeue, kombus)
-
-    def _settle_or_keep(self, delivery_tag: str, requeue: bool, kombus: Callable[[], None]) -> None:
-        """Acknowledge or reject with kombu's `kombus`; on a consumer of in-flight lists,
-        what Redis could not take is kept for later, and what was kept before is tried
-        again once Redis takes this one (a connection that failed once and recovered
-        without a reconnect, which would have settled it)."""
         channel = self.channel
-        if not channel._takes_in_flight:
-            kombus()
+        if not channel.consumer_name:
+            super().reject(delivery_tag, requeue)  # type: ignore[no-untyped-call]
             return
         if not channel.closed:
             try:
-                kombus()
-            except channel.connection_errors:
-                log.warning("Redis did not take the settling of %s; it is kept", delivery_tag)
-            else:
-                if _due.get(channel.consumer_name):
-                    _settle_later(channel, None, requeue=False)
+                super().reject(delivery_tag, requeue)  # type: ignore[no-untyped-call]
                 return
+            except channel.connection_errors:
+                log.warning("Redis did not take rejection %s; it is kept", delivery_tag)
         _settle_later(channel, delivery_tag, requeue=requeue)
         virtual.QoS.ack(self, delivery_tag)  # type: ignore[no-untyped-call]
 
@@ -335,25 +333,23 @@ _open_channels: weakref.WeakSet[Channel] = weakref.WeakSet()
 _due: dict[str, dict[str, bool]] = {}
 
 
-def _settle_later(channel: Channel, delivery_tag: str | None, *, requeue: bool) -> None:
-    """Keep `delivery_tag` (None: none new) to settle, Redis having refused it on `channel`
-    (drop its record, or with `requeue` give it back), then settle what its consumer
-    keeps through an open channel of it: another one, unless `delivery_tag` is None
-    (`channel` just took a write). While none can (Redis still away), it waits for the
-    next channel's start (`Channel._give_back_unheld`)."""
-    consumer = channel.consumer_name
+def _settle_later(failed: Channel, delivery_tag: str, *, requeue: bool) -> None:
+    """Settle `delivery_tag` (drop its record, or with `requeue` give it back), which
+    Redis could not take on channel `failed`, through another open channel of its
+    consumer; while none can (Redis still away), keep it for the next channel's start
+    (`Channel._give_back_unheld`)."""
+    consumer = failed.consumer_name
     assert consumer is not None
     pending = _due.setdefault(consumer, {})
-    if delivery_tag is not None:
-        pending[delivery_tag] = requeue
-    for other in list(_open_channels):
-        if other.consumer_name != consumer or (other is channel and delivery_tag is not None):
+    pending[delivery_tag] = requeue
+    for channel in list(_open_channels):
+        if channel is failed or channel.consumer_name != consumer:
             continue
-        if other.closed or not other._consumers:
+        if channel.closed or not channel._consumers:
             continue
         try:
-            other.settle(pending)
-        except other.connection_errors:
+            channel.settle(pending)
+        except channel.connection_errors:
             return  # still due: the next channel's start settles it
         pending.clear()
         return

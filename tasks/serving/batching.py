@@ -49,8 +49,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from billiard.einfo import ExceptionInfo
 from celery.app import trace as celery_trace
+from celery.worker.state import active_requests, task_ready
 from celery.worker.state import revoked as revoked_tasks
-from celery.worker.state import task_ready
 
 from placement.rules.batching import BatchLimits, Waiting, input_chars, take_batch
 from tasks.broker import quarantine, results
@@ -214,22 +214,20 @@ class Batcher:
             del self._twins[held.twin]
 
     def forget(self) -> None:
-        """Drop the calls held here, unacked: the consumer lost its connection, so the
-        reconnected consumer gives them back (as Celery does with the requests it
-        reserved). One a session was handed before and never read (`_session_ended`) was
-        accepted: it leaves Celery's running calls first, which the consumer does not give
-        back (tasks.broker.transport). The job the child may be running is let go too:
-        Celery's pool drops a job whose start it has not heard of yet without calling it
-        back, and waiting for that job would hold every later call here."""
+        """Drop the calls held here that never started, unacked: the consumer lost its
+        connection, so the broker delivers them again (as Celery does with the requests it
+        reserved). A call a session was handed and never read (`_session_ended`) counts
+        as running, so its message is not given back: it stays, to run next. The job the
+        child may be running is let go too: Celery's pool drops a job whose start it has
+        not heard of yet without calling it back, and waiting for that job would hold
+        every later call here."""
         with self._lock:
             if self._busy:
                 log.info(
                     "broker connection lost while a batch ran: later calls will not wait for it"
                 )
-            for waiting in self._waiting:
-                task_ready(waiting.item.request)  # no-op for one never accepted
-            self._waiting = []
-            self._twins = {}
+            self._waiting = [w for w in self._waiting if w.item.request in active_requests]
+            self._twins = {w.item.twin: w.item for w in self._waiting}
             self._busy = False
             self._connection += 1
             if self._wake is not None:
@@ -475,19 +473,13 @@ class Batcher:
                 self._watch = None
             helds: list[Held] = list(job.requests.values())
             unread = [h for h in helds if error is None and h.key not in results]
-            keep = connection == self._connection
-            if unread and keep:
+            # They run next, a lost connection or not: they count as running here, so the
+            # reconnected consumer did not give their messages back (tasks.broker.transport).
+            if unread:
                 log.debug("%d calls reached a session as it ended: they run next", len(unread))
                 self._waiting[:0] = [self._entry(h) for h in unread]
-            if keep:
+            if connection == self._connection:
                 self._busy = False
-        if unread and not keep:
-            # Accepted, so the reconnected consumer left their messages to this worker
-            # (tasks.broker.transport): give them back, as the consumer would have.
-            log.info("%d calls reached a session of a lost connection: given back", len(unread))
-            for held in unread:
-                task_ready(held.request)
-                held.request.reject(requeue=True)
         if error is not None:
             self._each(lambda _, r: r.on_failure(error), helds)
         else:
