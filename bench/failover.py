@@ -124,10 +124,12 @@ class Load:
 
 
 class Runs:
-    """How many `task-succeeded` events each task id got (the fleet's own client)."""
+    """How many `task-succeeded` events each task id got (the fleet's own client), and
+    every task event each got, as "type@worker" (`trail`: where a lost call stopped)."""
 
     def __init__(self) -> None:
         self.count: Counter[str] = Counter()
+        self.trail: dict[str, list[str]] = {}
         self._stop = threading.Event()
         threading.Thread(target=self._listen, daemon=True).start()
 
@@ -137,7 +139,7 @@ class Runs:
         while not self._stop.is_set():
             try:
                 with app.connection_for_read() as conn:
-                    receiver = app.events.Receiver(conn, handlers={"task-succeeded": self._seen})
+                    receiver = app.events.Receiver(conn, handlers={"*": self._seen})
                     while not self._stop.is_set():
                         try:
                             receiver.capture(limit=None, timeout=1.0, wakeup=False)
@@ -147,7 +149,13 @@ class Runs:
                 time.sleep(0.5)
 
     def _seen(self, event: dict[str, Any]) -> None:
-        self.count[event["uuid"]] += 1
+        task_id = event.get("uuid")
+        if not isinstance(task_id, str):
+            return  # a worker's own event (heartbeat, online)
+        if event["type"] == "task-succeeded":
+            self.count[task_id] += 1
+        host = str(event.get("hostname", "?")).split("@")[0]
+        self.trail.setdefault(task_id, []).append(f"{event['type'][5:]}@{host}")
 
     def stop(self) -> None:
         self._stop.set()
@@ -398,7 +406,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             where = found_in(fleet_url, [t for _, t in lost])
             out["whole_run"]["lost_ids"] = [
                 f"{t} ({'plain' if t in load.plain else 'project'} client, sent at {sent:.1f}, "
-                f"published in {load.publish_s.get(t, -1):.2f} s, now in {where.get(t, [])})"
+                f"published in {load.publish_s.get(t, -1):.2f} s, now in {where.get(t, [])}, "
+                f"events {runs.trail.get(t, [])})"
                 for sent, t in sorted(lost)
             ]
             out["whole_run"]["faults_at"] = [round(f["at"], 1) for f in faults]
