@@ -222,17 +222,19 @@ class Launched:
     def __init__(self, up: subprocess.Popen[str], url: str) -> None:
         self.up, self.url = up, url
 
+    def _primary_port(self) -> int:
+        return int(str(endpoint.parse(self.url).topology()["primary"]).rsplit(":", 1)[1])
+
     def primary(self) -> tuple[int, int]:
         """The primary's port and pid (the launcher's child serving 127.0.0.1:PORT)."""
-        address = str(endpoint.parse(self.url).topology()["primary"])
-        return int(address.rsplit(":", 1)[1]), _child_with(self.up.pid, address)
+        port = self._primary_port()
+        return port, _child_with(self.up.pid, f"{HOST}:{port}")
 
     def new_primary(self, old: int, timeout: float = 30.0) -> int:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             with contextlib.suppress(Exception):
-                port = int(str(endpoint.parse(self.url).topology()["primary"]).rsplit(":", 1)[1])
-                if port != old:
+                if (port := self._primary_port()) != old:
                     return port
             time.sleep(0.1)
         raise TimeoutError(f"no failover from port {old} in {timeout:.0f} s")

@@ -105,12 +105,16 @@ class SentinelBackend(Backend, celery_redis.SentinelBackend):
         return super()._get_pool(**params, connection_class=endpoint.PrimaryConnection)
 
 
-def answered(backend: Any, task_id: str) -> bool:
-    """Whether call `task_id`'s answer (or its error) is stored in `backend`: one read,
+def answered(backend: Any, task_ids: Sequence[str]) -> set[str]:
+    """The calls among `task_ids` whose answer (or error) is stored in `backend`: one MGET,
     never retried (Celery's `get_task_meta` retries for up to a minute while the result
     store is away, which a worker's consumer thread must not wait out)."""
-    stored = backend.get(backend.get_key_for_task(task_id))
-    return stored is not None and backend.decode_result(stored)["status"] in states.READY_STATES
+    keys = [backend.get_key_for_task(task_id) for task_id in task_ids]
+    return {
+        task_id
+        for task_id, raw in zip(task_ids, backend.client.mget(keys), strict=True)
+        if raw is not None and backend.decode_result(raw)["status"] in states.READY_STATES
+    }
 
 
 @contextmanager

@@ -47,7 +47,7 @@ import select
 import time
 import uuid
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from queue import Empty
 from typing import Any
@@ -310,13 +310,18 @@ class QoS(kombu_redis.QoS):
     def ack_all(self, messages: list[Any]) -> None:
         """Acknowledge `messages` in one round trip, each as `ack` would (a router settles
         the cancels it took together: `tasks.serving.cancelling`)."""
-        with self.pipe_or_acquire() as pipe:
-            for message in messages:
-                self._remove_from_indices(message.delivery_tag, pipe)
-            pipe.execute()
+        self.drop_records([message.delivery_tag for message in messages])
         for message in messages:
             virtual.QoS.ack(self, message.delivery_tag)  # type: ignore[no-untyped-call]
             message._state = "ACK"
+
+    def drop_records(self, tags: Iterable[str]) -> None:
+        """Remove the unacknowledged records of `tags` in one round trip, as their
+        acknowledgements would."""
+        with self.pipe_or_acquire() as pipe:
+            for tag in tags:
+                self._remove_from_indices(tag, pipe)
+            pipe.execute()
 
     def _remove_from_indices(self, delivery_tag: str, pipe: Any = None) -> Any:
         with self.pipe_or_acquire(pipe) as batch:
@@ -538,18 +543,11 @@ class Channel(kombu_redis.Channel):
         delivered them (`running`, which the worker's consumer sets)."""
         return self.running() if self.running is not None else set()
 
-    def drop_records(self, tags: set[str]) -> None:
-        """Remove the unacknowledged records of `tags`, as their acknowledgements would."""
-        with self.qos.pipe_or_acquire() as pipe:
-            for tag in tags:
-                self.qos._remove_from_indices(tag, pipe)
-            pipe.execute()
-
     def settle(self, due: dict[str, bool]) -> None:
         """What other channels of this consumer could not: drop the records of the tags
         `due` maps to False (acknowledged), give back those it maps to True (rejected
         with requeue), as kombu's reject does."""
-        self.drop_records({tag for tag, requeue in due.items() if not requeue})
+        self.qos.drop_records(tag for tag, requeue in due.items() if not requeue)
         for tag in [tag for tag, requeue in due.items() if requeue]:
             self.qos.restore_by_tag(tag, leftmost=True)
 
@@ -575,7 +573,7 @@ class Channel(kombu_redis.Channel):
                 tags = client.smembers(unacked_of(self.consumer_name))
             recorded = {bytes_to_str(t) for t in tags}  # type: ignore[no-untyped-call]
             if recorded & acked:
-                self.drop_records(recorded & acked)
+                self.qos.drop_records(recorded & acked)
         except self.connection_errors:
             _due.setdefault(self.consumer_name, {}).update(due)
             raise

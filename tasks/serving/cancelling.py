@@ -43,6 +43,7 @@ from celery import states
 from celery.worker import state as worker_state
 from celery.worker.control import control_command
 
+from tasks.broker import results
 from tasks.broker.intake import bind, is_name
 
 log = logging.getLogger(__name__)
@@ -97,7 +98,7 @@ class Cancels:
         backend = self._app.backend
         targets = sorted({t.target for t in taken})
         try:
-            ended = _answered(backend, targets)
+            ended = results.answered(backend, targets)
             running = [t for t in targets if t not in ended]
             if running:
                 cancel_calls(self._app, running)
@@ -130,16 +131,6 @@ def gpufleet_cancel(state: Any, task_ids: Any, **_: Any) -> dict[str, str]:
 
 
 COMMAND = gpufleet_cancel.__name__
-
-
-def _answered(backend: Any, task_ids: list[str]) -> set[str]:
-    """The calls among `task_ids` whose answer is stored already (one MGET)."""
-    keys = [backend.get_key_for_task(task_id) for task_id in task_ids]
-    found = set()
-    for task_id, raw in zip(task_ids, backend.client.mget(keys), strict=True):
-        if raw is not None and backend.decode_result(raw)["status"] in states.READY_STATES:
-            found.add(task_id)
-    return found
 
 
 def _store(backend: Any, results: dict[str, bool]) -> None:

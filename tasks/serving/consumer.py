@@ -198,7 +198,7 @@ class Consumer(CeleryConsumer):
         if not (message.delivery_info or {}).get("redelivered"):
             return False
         try:
-            return results.answered(self.app.backend, task_id)
+            return bool(results.answered(self.app.backend, [task_id]))
         except Exception:
             log.warning("could not tell whether call %s was answered; running it", task_id)
             return False

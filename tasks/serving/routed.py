@@ -39,7 +39,7 @@ def elsewhere(task_id: str, tag: str) -> bool:
 
 def answered(task_id: str) -> bool:
     """Whether a call's answer (or its error) is already stored."""
-    return results.answered(app.backend, task_id)
+    return bool(results.answered(app.backend, [task_id]))
 
 
 @functools.cache
