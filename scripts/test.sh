@@ -66,8 +66,8 @@ workers=${GPUFLEET_TEST_WORKERS:-2}
 stage "pytest -n $workers --dist loadfile $*"
 rc=0
 # --no-loadscope-reorder: in the order tests/conftest.py sorts them (the longest first),
-# not by how many tests each file has
-python -m pytest -n "$workers" --dist loadfile --no-loadscope-reorder "$@" || rc=$?
+# not by how many tests each file has; --durations: the slowest 25, to keep the suite in time
+python -m pytest -n "$workers" --dist loadfile --no-loadscope-reorder --durations=25 "$@" || rc=$?
 if [[ $rc -eq 5 ]]; then
   echo "error: pytest collected no tests (exit code 5); that is a failure, not a pass" >&2
   exit 5

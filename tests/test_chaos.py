@@ -41,10 +41,10 @@ from worker.synthetic import build_synthetic
 
 pytestmark = pytest.mark.slow
 
-#: The load's length (tuned to the suite's 10 minutes): 30 s mostly holds a SIGKILL of
+#: The load's length (tuned to the suite's 10 minutes): 20 s often holds a SIGKILL of
 #: each target (the first within 8 s, then every 4-8 s: the third by 24 s), and the load
 #: goes on until each died once. Set GPUFLEET_CHAOS_SECONDS for a longer soak.
-SECONDS = float(os.environ.get("GPUFLEET_CHAOS_SECONDS") or 30)
+SECONDS = float(os.environ.get("GPUFLEET_CHAOS_SECONDS") or 20)
 CLIENTS = 6
 LEASE_MS = 3000
 CALL_TIMEOUT_S = 120.0  # a call that has not answered by then hangs

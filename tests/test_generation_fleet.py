@@ -48,11 +48,12 @@ models:
     task: text-generation
     memory: 128MiB
     config: {SLOW}
-  tight:  # room for two calls of 101 positions at once, not three
+  tight:  # room for two calls of 121 positions at once, not three; slow, so that four
+    # calls sent at once overlap however a loaded machine spreads their arrivals
     source: synthetic
     task: text-generation
-    memory: 64MiB
-    config: {SMALL}
+    memory: 128MiB
+    config: {SLOW}
     kv_cache: {{tokens: 250}}
 """
 
@@ -163,11 +164,11 @@ def test_calls_past_the_kv_budget_wait_for_room_none_fails_and_the_ledger_holds_
     fleet: RunningFleet, catalog: Path
 ) -> None:
     fleet.infer("tight", "warm up")
-    prompt = "x" * 40  # 41 tokens with its BOS, + 60 new: a reach of 101 positions
+    prompt = "x" * 20  # 21 tokens with its BOS, + 100 new: a reach of 121 positions
     with ThreadPoolExecutor(4) as pool:
-        handles = [_send(fleet, "tight", prompt, max_new_tokens=60) for _ in range(4)]
+        handles = [_send(fleet, "tight", prompt, max_new_tokens=100) for _ in range(4)]
         answers = list(pool.map(lambda h: h.get(timeout=120), handles))
-    alone = _alone(catalog, "tight", prompt, max_new_tokens=60)
+    alone = _alone(catalog, "tight", prompt, max_new_tokens=100)
     assert all(a["outputs"]["tokens"] == alone["tokens"] for a in answers)
     # Two waited for a call to end: their first token came several times later than that
     # of the two admitted at once (a few ms). Not against a call's compute: each call's
@@ -179,7 +180,7 @@ def test_calls_past_the_kv_budget_wait_for_room_none_fails_and_the_ledger_holds_
     assert budget is not None and budget.tokens == 250
     [replica] = fleet.registry.snapshot().replicas("tight")
     factor = PolicySettings().factor
-    assert sum(replica.gpus.values()) == scale(64 * 2**20, factor) + budget.bytes
+    assert sum(replica.gpus.values()) == scale(128 * 2**20, factor) + budget.bytes
 
 
 def test_the_cli_streams_a_chat_and_prints_what_the_plain_call_answers(
