@@ -27,7 +27,9 @@ flight at the fault is its run's), lost (never answered, not even after the call
 error reached the caller), run twice (more than one `task-succeeded`; a lower bound:
 events sent to a dead primary are lost), the time from the fault to the first answer of
 a call sent after it, and to a clean audit (`placement.ledger.audit`) once the new
-primary is named. `whole_run` lists the task ids lost and run twice.
+primary is named, and whether the Sentinels failed over again before the run ended (a
+promoted primary failed over in turn loses what it took alone: docs/deploy.md).
+`whole_run` lists the task ids lost and run twice.
 """
 
 from __future__ import annotations
@@ -222,19 +224,19 @@ class Launched:
     def __init__(self, up: subprocess.Popen[str], url: str) -> None:
         self.up, self.url = up, url
 
-    def _primary_port(self) -> int:
+    def primary_port(self) -> int:
         return int(str(endpoint.parse(self.url).topology()["primary"]).rsplit(":", 1)[1])
 
     def primary(self) -> tuple[int, int]:
         """The primary's port and pid (the launcher's child serving 127.0.0.1:PORT)."""
-        port = self._primary_port()
+        port = self.primary_port()
         return port, _child_with(self.up.pid, f"{HOST}:{port}")
 
     def new_primary(self, old: int, timeout: float = 30.0) -> int:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             with contextlib.suppress(Exception):
-                if (port := self._primary_port()) != old:
+                if (port := self.primary_port()) != old:
                     return port
             time.sleep(0.1)
         raise TimeoutError(f"no failover from port {old} in {timeout:.0f} s")
@@ -250,6 +252,9 @@ class External:
 
     def __init__(self, group: SentinelGroup) -> None:
         self.group, self.url = group, group.url
+
+    def primary_port(self) -> int:
+        return self.group.primary_port()
 
     def primary(self) -> tuple[int, int]:
         port = self.group.primary_port()
@@ -375,7 +380,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     time.sleep(max(0.0, at + args.stop_s - time.time()) + args.settle)
                     faults.append(
                         {"fault": kind, "at": at, "ended": time.time(), "clean_audit_s": clean,
-                         "new_primary": new}
+                         "new_primary": new, "failed_over_again": target.primary_port() != new}
                     )  # fmt: skip
             load.stop()  # every call sent is answered or given up on from here
             runs.stop()
@@ -396,6 +401,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         "first_new_answer_s": round(min(after) - f["at"], 2) if after else None,
                         "clean_audit_s": f["clean_audit_s"],
                         "new_primary": f["new_primary"],
+                        "failed_over_again": f["failed_over_again"],
                     }
                 )
             out["runs"] = per_run
@@ -416,7 +422,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             out["all"] = {
                 kind: {
                     key: sum(r[key] for r in per_run if r["fault"] == kind)
-                    for key in ("sent", "lost", "failed", "run_twice")
+                    for key in ("sent", "lost", "failed", "run_twice", "failed_over_again")
                 }
                 | {
                     "first_new_answer_s_max": _worst(
