@@ -348,6 +348,33 @@ def test_a_job_the_pool_drops_with_a_lost_connection_does_not_hold_up_the_calls_
     assert [job["ids"] for job in pool.jobs][-1] == ["c3"]
 
 
+def test_a_running_call_whose_job_the_pool_drops_with_a_lost_connection_runs_next() -> None:
+    """A call that counts as running (a session was handed it and ended unread, so the
+    reconnected consumer does not give its message back) is sent in a new job; the
+    connection drops again before the child accepts it, and the pool drops that job
+    without calling it back: the call must run next, not stay running for good."""
+    from celery.worker.state import active_requests
+
+    from tasks.serving.batching import Batcher
+
+    pool = _Pool()
+    batcher = Batcher(pool, None, lambda _: None, lambda _: BatchLimits(size=8), lambda _: [])
+    running, later = _Request("c1", "r1"), _Request("c2", "r1")
+    active_requests.add(running)  # accepted once already: Celery counts it as running
+    try:
+        batcher(running)
+        batcher.forget()  # the child never accepted c1's job: the pool drops it
+        batcher(later)  # delivered on the new connection
+        assert [job["ids"] for job in pool.jobs] == [["c1"], ["c1", "c2"]]
+        pool.jobs[1]["accept_callback"](7, 0.0)
+        batcher.forget()  # this job was accepted: it ends on its own, nothing is sent again
+        pool.jobs[1]["callback"]([(0, "ok", 0.1), (1, "ok", 0.1)])
+        assert running.seen == ["accepted", "success (0, 'ok', 0.1)"]
+        assert len(pool.jobs) == 2
+    finally:
+        active_requests.discard(running)
+
+
 def test_calls_share_a_batch_only_with_calls_of_their_time_limits_which_the_batch_keeps() -> None:
     from tasks.serving.batching import Batcher
 

@@ -163,6 +163,7 @@ class Batcher:
         self._twins: dict[tuple[str, int], Held] = {}  # `Held.twin` -> the one held
         self._keys = itertools.count()
         self._busy = False
+        self._unstarted: list[Held] = []  # the calls of the job the child has yet to accept
         self._connection = 0  # counts lost connections: a job tells whose it was
         self._wake: Any = None  # the timer entry of a batch waiting to fill
         self._lock = threading.RLock()
@@ -219,14 +220,24 @@ class Batcher:
         reserved). A call a session was handed and never read (`_session_ended`) counts
         as running, so its message is not given back: it stays, to run next. The job the
         child may be running is let go too: Celery's pool drops a job whose start it has
-        not heard of yet without calling it back, and waiting for that job would hold
-        every later call here."""
+        not heard of yet without calling it back (`on_close` flushes it right after), and
+        waiting for that job would hold every later call here; the calls of that job that
+        count as running go back to the head of the line, to run next."""
         with self._lock:
             if self._busy:
                 log.info(
                     "broker connection lost while a batch ran: later calls will not wait for it"
                 )
-            self._waiting = [w for w in self._waiting if w.item.request in active_requests]
+            dropped = [h for h in self._unstarted if h.request in active_requests]
+            self._waiting = [self._entry(h) for h in dropped] + [
+                w for w in self._waiting if w.item.request in active_requests
+            ]
+            self._unstarted = []
+            if self._session is not None and self._session.accepted is None:
+                self._sessions.pop(self._session.id, None)  # dropped: it never ends
+                if not self._sessions and self._watch is not None:
+                    self._watch.cancel()
+                    self._watch = None
             self._twins = {w.item.twin: w.item for w in self._waiting}
             self._busy = False
             self._connection += 1
@@ -299,9 +310,13 @@ class Batcher:
         first = requests[0]
         hard, soft = first.time_limits  # every call of a batch has the same (`__call__`)
         self._busy = True
+        self._unstarted = helds
         connection = self._connection
 
         def accepted(pid: int, time_accepted: float) -> None:
+            with self._lock:
+                if self._unstarted is helds:
+                    self._unstarted = []
             for request in requests:
                 request.on_accepted(pid, time_accepted)
 
@@ -330,6 +345,7 @@ class Batcher:
                 )
         except BaseException:
             self._busy = False
+            self._unstarted = []
             raise
 
     # --- sessions (tasks.serving.generating) ----------------------------------------
@@ -379,10 +395,15 @@ class Batcher:
         self._busy = True
         self._session = job
         self._sessions[job.id] = job
+        helds = [w.item for w in batch]
+        self._unstarted = helds
         connection = self._connection
 
         def accepted(pid: int, time_accepted: float) -> None:
             job.accepted = (pid, time_accepted)
+            with self._lock:
+                if self._unstarted is helds:
+                    self._unstarted = []
             for held in list(job.requests.values()):
                 held.request.on_accepted(pid, time_accepted)
             with self._lock:
@@ -407,6 +428,7 @@ class Batcher:
         except BaseException:
             self._busy = False
             self._session = None
+            self._unstarted = []
             del self._sessions[job.id]
             raise
         if self._watch is None:
