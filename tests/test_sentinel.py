@@ -149,6 +149,33 @@ def test_a_client_on_a_demoted_primary_writes_to_the_new_one(group: SentinelGrou
     assert on_new.get("before") == "1" and on_new.get("after") == "2"
 
 
+def test_a_call_published_through_the_sentinels_returns_once_a_replica_holds_it(
+    group: SentinelGroup,
+) -> None:
+    """A primary lost whole before its replica had a call it acknowledged would lose the
+    call unseen, so the fleet's client waits (WAIT) for the replica: stopped, the publish
+    waits; let go, the publish returns and the replica holds the call."""
+    app = Celery(set_as_current=False)
+    app.conf.update(**celery_conf(Settings.from_env({"GPUFLEET_REDIS_URL": group.url})))
+    app.send_task("gpufleet.infer", args=("m", "first"))  # connected, the queue declared
+    _replicated(group)
+    [replica] = [n for n in group.nodes if n.port != group.primary_port()]
+    published = threading.Event()
+    sender = threading.Thread(
+        target=lambda: (app.send_task("gpufleet.infer", args=("m", "second")), published.set())
+    )
+    os.kill(replica.pid, signal.SIGSTOP)
+    try:
+        sender.start()
+        assert not published.wait(0.5), "the publish returned before any replica held it"
+    finally:
+        os.kill(replica.pid, signal.SIGCONT)
+    assert published.wait(5)
+    held = redis.Redis("127.0.0.1", replica.port, password="s3cret").llen("celery")
+    assert held == 2
+    sender.join()
+
+
 def test_a_primary_no_replica_follows_refuses_writes_and_its_clients_look_again() -> None:
     """With `min_replicas`, a primary cut off from its replicas (here: its one replica
     stopped) refuses writes: a fleet client's connection drops as at a failover

@@ -8,7 +8,8 @@ bundled Redis runs with exactly these rules (docs/deploy.md, "Security", gives t
 file for a Redis of your own):
 
 - `caller`, the URL `gpufleet url` prints: send calls (LPUSH to the router's public queue
-  `celery`, and the queue declaration Celery's client makes first), read results
+  `celery`, and the queue declaration Celery's client makes first; WAIT, with which the
+  project's client waits for a replica to hold its call), read results
   (GET, MGET and SUBSCRIBE on `celery-task-meta-*`) and streamed text (XREAD on
   `gpufleet-stream-*`: `tasks.serving.streams`). Nothing else: no other queue, no
   ledger key, no Celery remote-control channel, no admin command. On Redis 7 and later
@@ -91,14 +92,14 @@ _OPERATOR_RULES = f"~* resetchannels -@all {_CONNECTION} +@read -keys +time"
 #: grants one command group on the keys it needs.
 _CALLER_RULES_7 = (
     f"resetkeys {_PUBLIC_QUEUE_KEYS} resetchannels &celery-task-meta-* -@all {_CONNECTION} "
-    f"+lpush +llen +subscribe +unsubscribe (+sadd +smembers {_DECLARE_KEYS}) "
+    f"+lpush +wait +llen +subscribe +unsubscribe (+sadd +smembers {_DECLARE_KEYS}) "
     f"(+get +mget {_RESULT_KEYS}) (+set +del ~celery-taskset-meta-*) (+xread {_STREAM_KEYS})"
 )
 #: Redis 6.2: one set of keys for all of its commands (see the module).
 _CALLER_RULES_6 = (
     f"resetkeys {_PUBLIC_QUEUE_KEYS} {_DECLARE_KEYS} {_RESULT_KEYS} {_STREAM_KEYS} "
     f"resetchannels &celery-task-meta-* -@all {_CONNECTION} "
-    f"+lpush +llen +sadd +smembers +get +mget +xread +subscribe +unsubscribe"
+    f"+lpush +wait +llen +sadd +smembers +get +mget +xread +subscribe +unsubscribe"
 )
 
 

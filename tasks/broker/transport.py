@@ -73,6 +73,10 @@ GIVE_BACK_S = 30.0
 IDLE_POLL_S = 0.25
 #: How long a consumer waits after Redis refused a take (a full Redis) before the next.
 REFUSED_TAKE_WAIT_S = 0.5
+#: How long a publish through Sentinels waits for a replica to hold its message (`WAIT`).
+#: Tuned: a replica's acknowledgement takes a round trip (well under 10 ms on a LAN); past
+#: this, as while a failover's replica resyncs, the message is on the primary alone.
+PUBLISH_WAIT_MS = 1000
 #: How often a consumer looks in its own in-flight lists between two takes
 #: (`Channel._put_back_strays`): the longest a take whose reply was lost strands its call.
 STRAY_CHECK_S = 5.0
@@ -766,6 +770,35 @@ class SentinelChannel(Channel, kombu_redis.SentinelChannel):
     #: Every Sentinel, as (host, port) pairs: the transport option `tasks.config` sets.
     sentinels: Any = ()
     master_name: str | None = None
+
+    def _put(self, queue: str, message: Any, **kwargs: Any) -> None:
+        """kombu's push, then Redis's `WAIT` for a replica to hold it, on one connection:
+        a call the primary took and lost before it replicated (a host lost whole) would
+        be lost unseen, while a publish whose `WAIT` a dying primary cut short is sent
+        again by kombu's retry (a twin its worker drops or answers once). A replica that
+        does not answer within `PUBLISH_WAIT_MS` leaves the message on the primary alone,
+        as a Redis whose ACL lacks `WAIT` does (logged). Publish batches and queues with
+        an expiry, which the fleet does not use, go as kombu sends them."""
+        if kwargs.get("_publish_batch") is not None or (self._expires and queue in self._expires):
+            super()._put(queue, message, **kwargs)  # type: ignore[no-untyped-call]
+            return
+        priority = self._get_message_priority(message, reverse=False)  # type: ignore[no-untyped-call]
+        key = self._q_for_pri(queue, priority)  # type: ignore[no-untyped-call]
+        with self.conn_or_acquire() as client:
+            pipe = client.pipeline(transaction=False)
+            pipe.lpush(key, dumps(message))  # type: ignore[no-untyped-call]
+            pipe.execute_command("WAIT", 1, PUBLISH_WAIT_MS)
+            pushed, replicas = pipe.execute(raise_on_error=False)
+        if isinstance(pushed, Exception):
+            raise pushed
+        if isinstance(replicas, Exception) or not replicas:
+            log.warning(
+                "a message published to %s is on the primary alone: no replica confirmed "
+                "it within %d ms (%s)",
+                queue,
+                PUBLISH_WAIT_MS,
+                replicas,
+            )
 
     def _sentinel_managed_pool(self, asynchronous: bool = False) -> Any:
         """The primary's pool, found through `sentinels`. kombu reads the Sentinels from
