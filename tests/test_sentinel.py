@@ -176,6 +176,23 @@ def test_a_call_published_through_the_sentinels_returns_once_a_replica_holds_it(
     sender.join()
 
 
+def test_a_plain_clients_publish_rides_out_a_failover(group: SentinelGroup) -> None:
+    """A plain client configured by `gpufleet url --json` publishes a call sent just as
+    the primary dies to the replica the Sentinels promote: no error reaches it. (Its
+    connection cycles through the Sentinels' URLs, sleeping only after each round, so
+    retries counted once would give up after 3 s, before the failover.)"""
+    app = Celery(set_as_current=False)
+    app.conf.update(**caller_conf(group.url))
+    app.send_task("gpufleet.infer", args=("m", "before"))  # connected, the queue declared
+    _replicated(group)
+    old = group.primary_port()
+    os.kill(group.node(old).pid, signal.SIGKILL)
+    app.send_task("gpufleet.infer", args=("m", "during"))
+    new = group.primary_port()
+    assert new != old
+    assert redis.Redis("127.0.0.1", new, password="s3cret").llen("celery") == 2
+
+
 def test_a_primary_no_replica_follows_refuses_writes_and_its_clients_look_again() -> None:
     """With `min_replicas`, a primary cut off from its replicas (here: its one replica
     stopped) refuses writes: a fleet client's connection drops as at a failover
