@@ -45,6 +45,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -100,18 +101,21 @@ class Load:
         model, inputs, params = CALLS[i % len(CALLS)]
         while not self._stop.is_set():
             sent = time.time()
-            if i % 2:
-                result = infer.apply_async(args=(model, inputs, params))
-            else:
-                result = plain.send_task("gpufleet.infer", args=(model, inputs, params))
-                self.plain.add(result.id)
-            self.publish_s[result.id] = time.time() - sent
+            task_id = str(uuid.uuid4())
             row: tuple[float, float | None, str, str]
-            try:
+            try:  # a publish that fails is a failed call, its thread calls on
+                if i % 2:
+                    result = infer.apply_async(args=(model, inputs, params), task_id=task_id)
+                else:
+                    self.plain.add(task_id)
+                    result = plain.send_task(
+                        "gpufleet.infer", args=(model, inputs, params), task_id=task_id
+                    )
+                self.publish_s[task_id] = time.time() - sent
                 result.get(timeout=TIMEOUT_S)
-                row = (sent, time.time(), result.id, "")
+                row = (sent, time.time(), task_id, "")
             except Exception as exc:
-                row = (sent, None, result.id, type(exc).__name__)
+                row = (sent, None, task_id, type(exc).__name__)
             with self._lock:
                 self.calls.append(row)
 
