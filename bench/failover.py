@@ -6,7 +6,7 @@ Prints one JSON object. It runs `gpufleet up --redis-ha` (`--group launcher`, th
 default: the group and its supervision as users get them) or `gpufleet up` on a Sentinel
 group the bench forms alike but runs itself, with no watchdog (`--group external`, as a
 group of your own), with 2 simulated GPUs and a catalog of two encoders and a small
-generation model (`placement.server.sentinel`: down after 1 s, writes only with a replica
+generation model (`placement.server.sentinel`: down after 3 s, writes only with a replica
 following). Callers, `--threads` in all, call one after another: half are plain Celery
 clients configured from `gpufleet url --json`, half use the project's client
 (`tasks.api.infer`). An event listener counts each call's `task-succeeded` events.

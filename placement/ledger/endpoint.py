@@ -50,7 +50,7 @@ FAILOVER_SOCKET_TIMEOUT_S = 5.0
 #: own wait (1 s) and a live primary's replies (milliseconds).
 FAILOVER_CHECK_S = 2.0
 #: How long a Sentinel-watched fleet waits out a missing primary: the Sentinels' failover
-#: (`placement.server.sentinel`: down after 1 s, promoted in about 2 s more) with room to spare.
+#: (`placement.server.sentinel`: down after 3 s, promoted in about 1 s more) with room to spare.
 FAILOVER_WAIT_S = 30.0
 
 
