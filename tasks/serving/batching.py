@@ -314,9 +314,7 @@ class Batcher:
         connection = self._connection
 
         def accepted(pid: int, time_accepted: float) -> None:
-            with self._lock:
-                if self._unstarted is helds:
-                    self._unstarted = []
+            self._started(helds)
             for request in requests:
                 request.on_accepted(pid, time_accepted)
 
@@ -347,6 +345,12 @@ class Batcher:
             self._busy = False
             self._unstarted = []
             raise
+
+    def _started(self, helds: list[Held]) -> None:
+        """The child accepted the job of `helds`: the pool no longer drops it (`forget`)."""
+        with self._lock:
+            if self._unstarted is helds:
+                self._unstarted = []
 
     # --- sessions (tasks.serving.generating) ----------------------------------------
 
@@ -401,9 +405,7 @@ class Batcher:
 
         def accepted(pid: int, time_accepted: float) -> None:
             job.accepted = (pid, time_accepted)
-            with self._lock:
-                if self._unstarted is helds:
-                    self._unstarted = []
+            self._started(helds)
             for held in list(job.requests.values()):
                 held.request.on_accepted(pid, time_accepted)
             with self._lock:

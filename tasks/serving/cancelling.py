@@ -133,12 +133,12 @@ def gpufleet_cancel(state: Any, task_ids: Any, **_: Any) -> dict[str, str]:
 COMMAND = gpufleet_cancel.__name__
 
 
-def _store(backend: Any, results: dict[str, bool]) -> None:
+def _store(backend: Any, answers: dict[str, bool]) -> None:
     """Store each cancel's result as Celery's Redis backend does (the value, then its
     PUBLISH to the waiting caller), all in one round trip: a cancel's id is its caller's
     own, answered only here, so the backend's read before each write has nothing to find."""
     pipe = backend.client.pipeline(transaction=False)
-    for task_id, value in results.items():
+    for task_id, value in answers.items():
         meta = backend._get_result_meta(result=value, state=states.SUCCESS, traceback=None,
                                         request=None)  # fmt: skip
         meta["task_id"] = task_id
