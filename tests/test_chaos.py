@@ -12,7 +12,8 @@ none hangs (a call a killed worker lost would); the ledger's own invariants hold
 audit; no move stays pending longer than `PENDING_BOUND_S`; once the load stops and
 `SETTLE_BOUND_S` passed, every live worker's reported holdings equal the ledger, the audit
 finds nothing, nothing is reserved for a dead worker, and no call counts as held by a
-router. `GPUFLEET_CHAOS_SECONDS` sets the load's length (default 30).
+router. `GPUFLEET_CHAOS_SECONDS` sets the load's least length (default 20); it goes on
+until the soak saw enough calls, restores and kills (`ENOUGH`).
 """
 
 from __future__ import annotations
@@ -41,9 +42,10 @@ from worker.synthetic import build_synthetic
 
 pytestmark = pytest.mark.slow
 
-#: The load's length (tuned to the suite's 10 minutes): 20 s often holds a SIGKILL of
-#: each target (the first within 8 s, then every 4-8 s: the third by 24 s), and the load
-#: goes on until each died once. Set GPUFLEET_CHAOS_SECONDS for a longer soak.
+#: The load's least length (tuned to the suite's 10 minutes): 20 s often holds a SIGKILL
+#: of each target (the first within 8 s, then every 4-8 s: the third by 24 s). The load
+#: goes on until it did what the soak is for (`ENOUGH`), for at most `MORE_S`. Set
+#: GPUFLEET_CHAOS_SECONDS for a longer soak.
 SECONDS = float(os.environ.get("GPUFLEET_CHAOS_SECONDS") or 20)
 CLIENTS = 6
 LEASE_MS = 3000
@@ -60,6 +62,11 @@ DOCUMENTED = {"CantAccommodateError", "SettlingError", "EvictedError", "PlanReje
 #: models, a GPU worker's consumer, and the router's consumer (the launcher restarts both).
 TARGETS = ("pool child", "GPU worker", "router")
 KILL_EVERY_S = (4.0, 8.0)
+#: What the soak must have seen before the load stops (tuned floors, not speeds): calls
+#: answered, restores (warm or cold) and each target's SIGKILL. A slow machine reaches
+#: them later; one that does not within `MORE_S` is stuck.
+ENOUGH = {"calls": 30, "restores": 15} | {f"sigkill:{t}": 1 for t in TARGETS}
+MORE_S = 60.0
 
 MODELS = {f"s{i}": "512MiB" for i in range(4)} | {f"l{i}": "1GiB" for i in range(2)}
 CATALOG = "models:\n" + "".join(
@@ -111,6 +118,11 @@ class Soak:
     def count(self, what: str) -> None:
         with self.lock:
             self.counts[what] += 1
+
+    def seen(self) -> dict[str, int]:
+        """A copy of the counts, taken while no thread adds to them."""
+        with self.lock:
+            return dict(self.counts)
 
     def fail(self, why: str) -> None:
         with self.lock:
@@ -227,6 +239,13 @@ def settled(snap: Snapshot) -> list[str]:
     return problems
 
 
+def short_of(counts: Mapping[str, int]) -> dict[str, int]:
+    """What the soak has not yet seen enough of (`ENOUGH`), with how many it saw."""
+    seen = Counter(counts)
+    seen["restores"] = seen["cache:warm"] + seen["cache:cold"]
+    return {what: seen[what] for what, floor in ENOUGH.items() if seen[what] < floor}
+
+
 def test_a_fleet_under_chaos_answers_right_and_its_ledger_matches_its_workers(
     tmp_path: Path,
 ) -> None:
@@ -247,8 +266,8 @@ def test_a_fleet_under_chaos_answers_right_and_its_ledger_matches_its_workers(
         for t in threads:
             t.start()
         time.sleep(SECONDS)
-        ends = time.monotonic() + 60  # and on until each target died once
-        while min(soak.counts[f"sigkill:{t}"] for t in TARGETS) < 1 and time.monotonic() < ends:
+        ends = time.monotonic() + MORE_S
+        while short_of(soak.seen()) and time.monotonic() < ends:
             time.sleep(0.5)
         soak.stop.set()
         for t in threads:
@@ -293,8 +312,5 @@ def test_a_fleet_under_chaos_answers_right_and_its_ledger_matches_its_workers(
         )
         assert not soak.failures, (soak.failures[:10], f"log {log}")
         assert soak.longest_pending[0] <= PENDING_BOUND_S, soak.longest_pending
-        # It did serve and evict: floors a loaded 2-core machine cleared (69 calls and 45
-        # restores in this machine's slowest fresh-clone run, with four clients).
-        assert soak.counts["calls"] >= 50
-        assert min(kills.values()) >= 1, kills  # each target died at least once
-        assert soak.counts["cache:warm"] + soak.counts["cache:cold"] >= 25
+        # It did serve, restore and lose each target within the load's bound.
+        assert not short_of(counts), (short_of(counts), f"log {log}")
