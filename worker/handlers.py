@@ -15,9 +15,10 @@ is served as a batch of one, so the shapes never depend on how the caller sent i
 ============================  ===================================================
 task                          result
 ============================  ===================================================
-feature-extraction            ``{"embeddings": [[float]*dim]*n, "dim": dim}``
+feature-extraction            ``{"embeddings": [[float]*dim]*n, "dim": dim,``
+                              ``"tokens": int}`` (the tokens read, for usage)
 text-generation               ``{"texts": [str]*n, "tokens": [[int]]*n,``
-                              ``"finish_reasons": [str]*n}``
+                              ``"prompt_tokens": [int]*n, "finish_reasons": [str]*n}``
 text-classification           ``{"labels": [[{"label": str, "score": float}]]*n}``
 fill-mask                     ``{"predictions": [[{"token", "token_id", "score"}]]*n}``
 forward                       ``{"shape": [int], "mean": float, "std": float, "head": [float]}``
@@ -255,7 +256,9 @@ def _feature_extraction(  # noqa: PLR0917
     if options["normalize"]:
         pooled = torch.nn.functional.normalize(pooled, p=2, dim=1)
     dim = int(pooled.shape[-1])
-    return [{"embeddings": rows, "dim": dim} for rows in _rows(pooled.cpu().tolist(), sizes)]
+    lengths = encoding["attention_mask"].sum(dim=1).tolist()
+    rows = zip(_rows(pooled.cpu().tolist(), sizes), _rows(lengths, sizes), strict=True)
+    return [{"embeddings": v, "dim": dim, "tokens": int(sum(n))} for v, n in rows]
 
 
 def _text_generation(

@@ -46,6 +46,7 @@ import torch
 
 from placement.errors import PayloadError
 from worker.generation import sampling, slots
+from worker.generation.params import MAX_NEW_TOKENS
 from worker.generation.text import Detokenizer
 
 log = logging.getLogger(__name__)
@@ -188,6 +189,13 @@ class Engine:
         self._finishes[flow] = (start + sequence.reach, queued + 1)
         sequence.tag = (start, next(self._order))
         bisect.insort(self.waiting, sequence, key=lambda s: s.tag)
+
+    def room(self, prompt: int) -> int:
+        """The most tokens a prompt of `prompt` tokens may make here: what the model's
+        window and this replica's KV budget hold, up to `MAX_NEW_TOKENS` (at least 1, so
+        that `check` says why a prompt that leaves none cannot run)."""
+        held = min(self.budget, self.window if self.window is not None else self.budget)
+        return max(1, min(MAX_NEW_TOKENS, held - prompt))
 
     def check(self, sequence: Sequence_) -> None:
         """PayloadError when `sequence` could never run on this replica."""

@@ -7,7 +7,7 @@ transformers' `generate` and OpenAI-style APIs:
 ====================  =========================  ========================================
 param                 allowed                    default
 ====================  =========================  ========================================
-max_new_tokens        1 to 512                   16
+max_new_tokens        1 to 512, or null          16; null: as many as the model holds
 temperature           0 to 2; 0 is greedy        0 (greedy: the same call, the same text)
 top_p                 above 0, up to 1           1 (off)
 top_k                 0 to 1000; 0 is off        0
@@ -102,7 +102,9 @@ def _fmt(value: float) -> str:
 
 
 PARAMS: dict[str, Any] = {
-    "max_new_tokens": Number(16, 1, MAX_NEW_TOKENS, whole=True),
+    "max_new_tokens": Number(
+        16, 1, MAX_NEW_TOKENS, whole=True, nullable=True, note="null: as many as the model holds"
+    ),
     "temperature": Number(0.0, 0, 2, note="0 is greedy"),
     "top_p": Number(1.0, 0, 1, open_low=True),
     "top_k": Number(0, 0, MAX_TOP_K, whole=True, note="0 is off"),

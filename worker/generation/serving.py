@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
 from placement.errors import PayloadError
@@ -136,7 +136,10 @@ def _sequences(engine: Engine, call: GenCall, template: str | None) -> list[Sequ
         if call.on_text is not None:
             on_text = _streamer(call.on_text, index)
         ids = prompt_ids(engine.tokenizer, prompt, template)
-        sequences.append(Sequence_((call.key, index), ids, options, on_text, call.deadline))
+        own = options  # max_new_tokens null: as many as the model holds
+        if params["max_new_tokens"] is None:
+            own = replace(options, max_new_tokens=engine.room(len(ids)))
+        sequences.append(Sequence_((call.key, index), ids, own, on_text, call.deadline))
     for index, sequence in enumerate(sequences):
         try:
             engine.check(sequence)
@@ -162,6 +165,7 @@ def _answer(entry: _Running) -> Generated:
         outputs={
             "texts": [s.text.text if s.text is not None else "" for s in sequences],
             "tokens": [list(s.tokens) for s in sequences],
+            "prompt_tokens": [len(s.prompt) for s in sequences],
             "finish_reasons": [s.finish for s in sequences],
             "batch": len(sequences),
         },
