@@ -288,6 +288,7 @@ class Connection:
     caller: str  # `gpufleet url`: send calls, read results
     operator: str  # `gpufleet status` and `gpufleet metrics`: read everything
     fleet: str  # the fleet's own processes
+    openai: dict[str, str] | None = None  # its HTTP front: base_url and api_key (tasks.front)
 
 
 def read_connection(path: Path) -> Connection | None:
@@ -296,8 +297,12 @@ def read_connection(path: Path) -> Connection | None:
     try:
         data = json.loads(path.read_text())
         pid, url = int(data["pid"]), str(data["redis_url"])
+        front = data.get("openai")
         found = Connection(
-            url, str(data.get("operator_url") or url), str(data.get("fleet_url") or url)
+            url,
+            str(data.get("operator_url") or url),
+            str(data.get("fleet_url") or url),
+            {str(k): str(v) for k, v in front.items()} if isinstance(front, dict) else None,
         )
     except (OSError, ValueError, KeyError, TypeError):
         return None

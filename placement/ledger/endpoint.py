@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis
+import redis.asyncio
+import redis.asyncio.sentinel
 import redis.sentinel
 from redis.exceptions import ResponseError
 
@@ -106,24 +108,42 @@ class Endpoint:
         """A redis-py client of the primary (`kwargs`: redis-py's connection options)."""
         if not self.watched:
             return redis.Redis.from_url(self.url, **kwargs)
-        kwargs.setdefault("socket_timeout", FAILOVER_SOCKET_TIMEOUT_S)
-        kwargs.setdefault("socket_connect_timeout", FAILOVER_SOCKET_TIMEOUT_S)
-        sign_in = self.sign_in()
         sentinel = redis.sentinel.Sentinel(  # type: ignore[no-untyped-call]
-            list(self.sentinels),
-            sentinel_kwargs={
-                **sign_in,
-                "socket_timeout": kwargs["socket_connect_timeout"],
-                "socket_connect_timeout": kwargs["socket_connect_timeout"],
-            },
-            db=self.db,
-            **sign_in,
-            **kwargs,
+            list(self.sentinels), **self._sentinel_options(kwargs)
         )
         primary: redis.Redis = sentinel.master_for(  # type: ignore[no-untyped-call]
             self.master_name, connection_class=PrimaryConnection
         )
         return primary
+
+    def async_client(self, **kwargs: Any) -> redis.asyncio.Redis:
+        """An asyncio client of the primary, for a process that waits on many calls at once
+        (the HTTP front, `tasks.front`). It only reads, so a demoted primary (a replica
+        now, fed by the new one) needs no leaving; one that stops answering is left."""
+        if not self.watched:
+            return redis.asyncio.Redis.from_url(self.url, **kwargs)
+        sentinel = redis.asyncio.sentinel.Sentinel(  # type: ignore[no-untyped-call]
+            list(self.sentinels), **self._sentinel_options(kwargs)
+        )
+        primary: redis.asyncio.Redis = sentinel.master_for(self.master_name)
+        return primary
+
+    def _sentinel_options(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """A Sentinel client's options: its own sign-in and time limits, then the
+        primary's connection options (`kwargs`, with the failover time limits)."""
+        kwargs.setdefault("socket_timeout", FAILOVER_SOCKET_TIMEOUT_S)
+        kwargs.setdefault("socket_connect_timeout", FAILOVER_SOCKET_TIMEOUT_S)
+        sign_in = self.sign_in()
+        return {
+            "sentinel_kwargs": {
+                **sign_in,
+                "socket_timeout": kwargs["socket_connect_timeout"],
+                "socket_connect_timeout": kwargs["socket_connect_timeout"],
+            },
+            "db": self.db,
+            **sign_in,
+            **kwargs,
+        }
 
     def topology(self) -> dict[str, Any]:
         """Where the data is now, as `gpufleet status` shows it: the primary, its replicas

@@ -78,42 +78,64 @@ class StreamRestartedError(RuntimeError):
     """The call ran again (its worker was lost) and wrote other text than it streamed."""
 
 
+class Pieces:
+    """What one reader of a call's stream has handed out, and what each new entry adds.
+
+    A run's entries: ``start``, text pieces, ``end``. A call run again after its worker was
+    lost streams again from its start (a second ``start``): the text already handed out is
+    skipped, and if the new run wrote other text (sampling without a seed),
+    `StreamRestartedError` is raised. Shared by `read` and the HTTP front
+    (`tasks.front.waiting`), which reads many streams at once.
+    """
+
+    def __init__(self, task_id: str) -> None:
+        self.task_id = task_id
+        self.last = "0-0"  # the last entry id read
+        self.ended: str | None = None  # the end entry's finish reason, once read
+        self._given: dict[int, str] = {}  # prompt index -> text handed out
+        self._replay: dict[int, str] | None = None  # after a restart: what is left to skip
+        self._starts = 0
+
+    def feed(self, entry_id: Any, raw: dict[Any, Any]) -> list[tuple[int, str]]:
+        """The (prompt index, text) pieces entry `raw` adds; sets `ended` at the end entry."""
+        self.last = _text(entry_id)
+        fields = {_text(k): _text(v) for k, v in raw.items()}
+        if "end" in fields:
+            self.ended = fields["end"]
+            return []
+        if "start" in fields:
+            self._starts += 1
+            self._replay = dict(self._given) if self._starts > 1 else None
+            return []
+        index, text = int(fields.get("i", 0)), fields.get("t", "")
+        if self._replay is not None and self._replay.get(index):
+            text = _skip(self._replay, index, text, self.task_id)
+        if not text:
+            return []
+        self._given[index] = self._given.get(index, "") + text
+        return [(index, text)]
+
+
 def read(
     client: redis.Redis, task_id: str, done: Callable[[], bool], timeout: float | None = None
 ) -> Iterator[tuple[int, str]]:
     """The (prompt index, text) pieces of `task_id` as they come, until its end entry.
 
     `done` says whether the call's result is stored: a call that ends without an end
-    entry (it failed before it streamed) is then the caller's to read with `.get()`. A call
-    run again after its worker was lost streams again from its start (a `start` entry
-    says so): the text already handed out is skipped, and if the new run wrote other text
-    (sampling without a seed), `StreamRestartedError` is raised. Raises TimeoutError
-    after `timeout` seconds without the end.
+    entry (it failed before it streamed) is then the caller's to read with `.get()`. A
+    run again is read as `Pieces` says. Raises TimeoutError after `timeout` seconds
+    without the end.
     """
     name = key(task_id)
-    last = "0-0"
+    pieces = Pieces(task_id)
     deadline = None if timeout is None else time.monotonic() + timeout
-    given: dict[int, str] = {}  # prompt index -> text handed out
-    replay: dict[int, str] | None = None  # after a restart: what is still to be skipped
-    starts = 0
     while True:
-        answer: Any = client.xread({name: last}, block=READ_BLOCK_MS, count=256)
+        answer: Any = client.xread({name: pieces.last}, block=READ_BLOCK_MS, count=256)
         for _, entries in answer or []:
             for entry_id, raw in entries:
-                last = _text(entry_id)
-                fields = {_text(k): _text(v) for k, v in raw.items()}
-                if "end" in fields:
+                yield from pieces.feed(entry_id, raw)
+                if pieces.ended is not None:
                     return
-                if "start" in fields:
-                    starts += 1
-                    replay = dict(given) if starts > 1 else None
-                    continue
-                index, text = int(fields.get("i", 0)), fields.get("t", "")
-                if replay is not None and replay.get(index):
-                    text = _skip(replay, index, text, task_id)
-                if text:
-                    given[index] = given.get(index, "") + text
-                    yield index, text
         if not answer and done():
             return
         if deadline is not None and time.monotonic() > deadline:
