@@ -143,14 +143,20 @@ def fleet_up(
     env: Mapping[str, str],
     fleet: str = "default",
     log: Path | None = None,
+    *,
+    api: bool = False,
 ) -> Iterator[RunningFleet]:
     """Start `gpufleet up --models catalog *args`; stop it (SIGTERM) on the way out.
 
     Without a GPUFLEET_HOME in `env`, the fleet gets a home of its own (its connection file
     and Redis data), so it never meets another fleet of the same name on this machine.
-    Its processes' logs are appended to `log` when given, else dropped.
+    Its processes' logs are appended to `log` when given, else dropped. It serves no HTTP
+    API unless `api` or `args` asks for one (`--api-port`): a process fewer on a loaded
+    machine.
     """
     env = dict(env)
+    if not api and "--api-port" not in args:
+        args = [*args, "--api-port", "0"]
     home = None
     if "GPUFLEET_HOME" not in env:
         home = tempfile.mkdtemp(prefix="gpufleet-home-")

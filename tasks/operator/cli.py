@@ -17,7 +17,14 @@ from rich.markup import escape
 from rich.table import Table
 
 from placement.catalog.catalog import Catalog
-from placement.config import DEFAULT_FLOWER_PORT, DEFAULT_METRICS_PORT, FROM_DEFAULT, Settings
+from placement.config import (
+    DEFAULT_FLOWER_PORT,
+    DEFAULT_METRICS_PORT,
+    FROM_DEFAULT,
+    Settings,
+    connection_path,
+    read_connection,
+)
 from placement.errors import ConfigError, GpufleetError
 from placement.ledger.registry import Registry
 from placement.units.memory import format_size
@@ -183,6 +190,15 @@ def up(
             max=65535,
         ),
     ] = None,
+    api_port: Annotated[
+        int | None,
+        typer.Option(
+            help="OpenAI's HTTP API on 127.0.0.1 (default 8000, or a free one when another "
+            "process holds it; 0: off). `gpufleet url --json` prints its URL and key.",
+            min=0,
+            max=65535,
+        ),
+    ] = None,
     redis_ha: Annotated[
         bool,
         typer.Option(
@@ -208,6 +224,7 @@ def up(
         flower=flower,
         flower_port=flower_port,
         metrics_port=metrics_port,
+        api_port=api_port,
         redis_ha=redis_ha,
     )
     stop_on_signals()
@@ -235,8 +252,9 @@ def url(
         bool,
         typer.Option(
             "--json",
-            help='Print {"celery": CONF}: the settings a plain Celery client passes to '
-            "app.conf.update(**CONF), Sentinels' transport options included.",
+            help='Print {"celery": CONF, "openai": {"base_url", "api_key"}}: the settings a '
+            "plain Celery client passes to app.conf.update(**CONF), Sentinels' transport "
+            "options included, and the fleet's HTTP API (null when it serves none).",
         ),
     ] = False,
 ) -> None:
@@ -250,7 +268,9 @@ def url(
     if s.url_from == FROM_DEFAULT:
         _guard(_no_fleet(s))
     if as_json:
-        typer.echo(json.dumps({"celery": caller_conf(s.registry_url)}, indent=2))
+        found = read_connection(connection_path(s.home, s.fleet))
+        front = found.openai if found is not None else None
+        typer.echo(json.dumps({"celery": caller_conf(s.registry_url), "openai": front}, indent=2))
         return
     if endpoint.parse(s.registry_url).watched:
         err.print(
@@ -259,6 +279,51 @@ def url(
             highlight=False,
         )
     typer.echo(s.registry_url)
+
+
+@app.command()
+def api(
+    *,
+    port: Annotated[int, typer.Option(help="The port to serve on.", min=1, max=65535)] = 8000,
+    host: Annotated[str, typer.Option(help="The address to serve on.")] = "127.0.0.1",
+    keys: Annotated[
+        Path | None,
+        typer.Option(help="The API key file (default: the fleet's, made by `gpufleet up`)."),
+    ] = None,
+    fd: Annotated[int | None, typer.Option(hidden=True)] = None,  # the launcher's socket
+    fleet: FleetName = None,
+) -> None:
+    """Serve OpenAI's HTTP API (chat, completions, embeddings, models) for the fleet whose
+    caller URL GPUFLEET_REDIS_URL gives, e.g. on another host; GPUFLEET_MODELS is its
+    catalog. `gpufleet up` runs one itself (--api-port)."""
+    from tasks import front
+
+    s = _settings(fleet=fleet)
+    if s.url_from == FROM_DEFAULT:
+        _guard(_no_fleet(s))
+    path = keys or s.fleet_dir() / front.KEY_FILE
+    _guard(lambda: front.serve(path, host=host, port=port, fd=fd))
+
+
+@app.command("api-key")
+def api_key(
+    *,
+    name: Annotated[str, typer.Option(help="What the key is for (one word).")] = "key",
+    keys: Annotated[
+        Path | None, typer.Option(help="The API key file (default: the fleet's).")
+    ] = None,
+    fleet: FleetName = None,
+) -> None:
+    """Make an API key for the fleet's HTTP API and print it; the file keeps only its
+    digest, and the API takes it from the next request on."""
+    from tasks import front
+    from tasks.front.keys import add, new_key
+
+    path = keys or _settings(fleet=fleet).fleet_dir() / front.KEY_FILE
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    key = new_key()
+    _guard(lambda: add(path, key, name))
+    typer.echo(key)
 
 
 def _no_fleet(s: Settings) -> Callable[[], None]:
@@ -411,7 +476,6 @@ def _call_as_fleet(name: str, args: tuple[Any, ...], timeout: float) -> Any:
     from celery import Celery
     from redis.exceptions import NoPermissionError
 
-    from placement.config import connection_path, read_connection
     from tasks.config import INTERNAL_QUEUE, celery_conf, redis_conf
 
     s = _settings()
@@ -515,6 +579,10 @@ def _print_ready(launcher: Any) -> None:
         console.print(
             "  Python:   celery.Celery(broker=URL, backend=URL)"
             f".send_task('gpufleet.infer', args=[{model!r}, 'hello']).get()   URL=$(gpufleet url)"
+        )
+    if launcher.api_url:
+        console.print(
+            f"  OpenAI:   {launcher.api_url}   (key: gpufleet url --json; any OpenAI client)"
         )
     if launcher.metrics_url:
         console.print(f"  metrics:  {launcher.metrics_url}")

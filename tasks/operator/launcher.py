@@ -63,10 +63,12 @@ from placement.server.acl import CALLER, FLEET, OPERATOR, Users
 from placement.server.connections import CALLER_SHARE, ConnectionGuard, max_clients
 from placement.server.redis_server import RedisServer, die_with_parent_preexec, find_redis_server
 from placement.server.sentinel import SentinelGroup
+from tasks import front
 from tasks.broker import quarantine
 from tasks.broker.claim import BrokerClaim
 from tasks.broker.presence import take_waiting
 from tasks.config import ROUTER_QUEUES, redis_conf
+from tasks.front.keys import UP_KEY_NAME, new_key, replace_key
 from tasks.serving.routing import gpu_queue
 from worker.devices import Device, discover
 from worker.lifecycle import live_owner
@@ -142,6 +144,8 @@ class Launcher:
     first_backoff_s: float = 1.0  # doubles with each death, up to MAX_BACKOFF_S
     #: A primary, two replicas and three Sentinels instead of one bundled Redis (--redis-ha).
     redis_ha: bool = False
+    api_port: int | None = None  # OpenAI's API: None, the default or a free port; 0: none
+    api_key: str = ""  # the key `gpufleet up` made for its API (`tasks.front.keys`)
     _redis: RedisServer | None = None
     _group: SentinelGroup | None = None  # the bundled Redis with --redis-ha
     _guard: ConnectionGuard | None = None  # callers' connections on the bundled Redis
@@ -150,6 +154,7 @@ class Launcher:
     # children serve on these (passed down), so the ports printed are theirs for good.
     _metrics_socket: socket.socket | None = None
     _flower_socket: socket.socket | None = None
+    _api_socket: socket.socket | None = None
     _stopping: bool = False
 
     @property
@@ -181,6 +186,8 @@ class Launcher:
         if self.flower:
             self._flower_socket = _port(self.flower_port, DEFAULT_FLOWER_PORT, "--flower-port")
             self.flower_port = _bound_port(self._flower_socket)
+        self._api_socket = _port(self.api_port, front.DEFAULT_PORT, "--api-port")
+        self.api_port = _bound_port(self._api_socket)
         if self.settings.url_from == FROM_CONNECTION_FILE:
             raise ConfigError(
                 f"a gpufleet of fleet {self.fleet!r} already runs on this machine (see "
@@ -243,6 +250,8 @@ class Launcher:
             # Credentials in the environment, not on the command line `ps` shows.
             env = self._env("client", FLOWER_BASIC_AUTH=self.flower_auth)
             self.children["flower"] = Child("flower", cmd, env, pass_fds=(fd,))
+        if self._api_socket is not None:
+            self._add_api(self._api_socket.fileno())
         for child in list(self.children.values()):
             self.run_child(child)
         self._write_connection()
@@ -325,6 +334,23 @@ class Launcher:
         cmd += ["--loglevel=INFO", "-E", "--without-gossip", "--without-mingle"]
         self.children[name] = Child(name, cmd, self._env(role, **extra), queues)
 
+    def _add_api(self, fd: int) -> None:
+        """The HTTP front (`tasks.front`) on the socket bound for it, as the `caller` user
+        of the bundled Redis, with a new key of its own in the fleet's key file."""
+        keys = self.settings.fleet_dir() / front.KEY_FILE
+        self.api_key = new_key()
+        replace_key(keys, self.api_key, UP_KEY_NAME)
+        cmd = [sys.executable, "-m", "tasks.operator.cli", "api", "--fd", str(fd)]
+        cmd += ["--keys", str(keys)]
+        # the caller's URL for both: results are read, and calls sent, as any caller's
+        broker = self.caller_url if self._bundled else self.broker_url
+        env = self._env("client", GPUFLEET_REDIS_URL=self.caller_url, GPUFLEET_BROKER_URL=broker)
+        self.children["api"] = Child("api", cmd, env, pass_fds=(fd,))
+
+    @property
+    def api_url(self) -> str | None:
+        return f"http://127.0.0.1:{self.api_port}/v1" if self.api_port else None
+
     def run_child(self, child: Child) -> None:
         """Start `child` (again) and keep it running from now on (see `supervise`)."""
         self.children[child.name] = child
@@ -352,6 +378,7 @@ class Launcher:
             "fleet": self.fleet,
             "metrics": self.metrics_url,
             "flower": f"http://127.0.0.1:{self.flower_port}" if self.flower else None,
+            "openai": {"base_url": self.api_url, "api_key": self.api_key} if self.api_url else None,
         }
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -387,6 +414,7 @@ class Launcher:
                     and app.control.ping([f"router@{self.host}"], timeout=1.0)
                     and _answers(self.metrics_url)
                     and (not self.flower or _answers(f"http://127.0.0.1:{self.flower_port}"))
+                    and _answers(f"{self.api_url}/models" if self.api_url else None)
                 ):
                     return
                 time.sleep(0.5)
@@ -472,10 +500,10 @@ class Launcher:
                     server.stop()
             self._redis = self._group = None
             shutil.rmtree(self.settings.fleet_dir() / "redis", ignore_errors=True)
-        for sock in (self._metrics_socket, self._flower_socket):
+        for sock in (self._metrics_socket, self._flower_socket, self._api_socket):
             if sock is not None:
                 sock.close()
-        self._metrics_socket = self._flower_socket = None
+        self._metrics_socket = self._flower_socket = self._api_socket = None
         self._remove_connection()
         home = self.settings.fleet_dir()
         quarantine.tidy(home / quarantine.IN_HAND, nodes)

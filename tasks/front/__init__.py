@@ -1,0 +1,46 @@
+"""The fleet's HTTP front: OpenAI's API (`/v1/chat/completions`, `/v1/completions`,
+`/v1/embeddings`, `/v1/models`) over its Celery calls. `gpufleet up` runs one
+(`--api-port`), `gpufleet api` runs one alone against a fleet's Redis; see `server`.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from pathlib import Path
+
+DEFAULT_PORT = 8000
+KEY_FILE = "api-keys"  # in a fleet's directory: the digests of its keys (`keys`)
+
+
+def serve(
+    keys: Path, *, host: str = "127.0.0.1", port: int = DEFAULT_PORT, fd: int | None = None
+) -> None:
+    """Serve the fleet this process's settings name (GPUFLEET_REDIS_URL, a caller's URL, and
+    GPUFLEET_MODELS) on `host`:`port`, or on the listening socket `fd` (the launcher's),
+    until SIGINT or SIGTERM."""
+    import uvicorn
+
+    from tasks import context
+    from tasks.front.keys import KeyFile
+    from tasks.front.server import Front, build
+
+    settings = context.settings()
+    key_file = KeyFile(keys)
+    len(key_file)  # a missing or malformed key file fails here, not on the first request
+    front = Front(context.catalog(), key_file, settings.result_backend)
+    config = uvicorn.Config(
+        build(front),
+        host=host,
+        port=port,
+        fd=fd,
+        log_level="warning",
+        access_log=False,
+        timeout_graceful_shutdown=5,
+        backlog=4096,
+    )
+    where = f"fd {fd}" if fd is not None else f"http://{host}:{port}/v1"
+    logging.getLogger(__name__).info("serving OpenAI's API on %s", where)
+    if fd is not None:  # the launcher bound it; uvicorn serves on it as is
+        socket.socket(fileno=fd).detach()
+    uvicorn.Server(config).run()

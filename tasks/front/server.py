@@ -1,0 +1,453 @@
+"""The HTTP front: OpenAI's API over the fleet, as one asyncio process (Starlette, uvicorn).
+
+Each request becomes one ordinary `gpufleet.infer` call, sent as the project's client
+sends it (`tasks.api`), so the router places it, the GPU workers batch it, and Flower and
+the metrics count it like any other. The front holds no model and no ledger: it talks to
+Redis as the fleet's `caller` user, and may do nothing a caller may not.
+
+Sending goes through Celery (kombu is synchronous) on a worker thread for the moment it
+takes; waiting never holds a thread: results and streamed text come through the shared
+readers of `tasks.front.waiting`, so one process holds thousands of open calls.
+
+A streamed call answers its status only once it has started: the first streamed entry
+(200, then server-sent events) or its result (an error has its own status). A client that
+goes away cancels its call (`gpufleet.cancel`), so a stream nobody reads stops within a
+decode step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio.to_thread
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from placement.catalog.catalog import Catalog
+from placement.errors import GpufleetError, UnknownModelError
+from placement.ledger import endpoint
+from tasks.front import shapes
+from tasks.front.keys import KeyFile
+from tasks.front.shapes import Call, Failure, RequestError
+from tasks.front.waiting import Results, Stream, Streams
+
+log = logging.getLogger(__name__)
+
+CALL_TIMEOUT_S = 600.0  # the longest a call may take, as the project's client allows
+MAX_BODY_BYTES = 8 * 1024 * 1024  # a request body above this is refused (413) unread
+#: The task each endpoint's model must serve.
+TASK_OF = {"chat": "text-generation", "completion": "text-generation"}
+TASK_OF["embedding"] = "feature-extraction"
+
+
+@dataclass
+class Front:
+    """What the front's requests share: the catalog, the keys, and the readers."""
+
+    catalog: Catalog
+    keys: KeyFile
+    redis_url: str  # the fleet's result store, as the caller user
+    results: Results = field(init=False)
+    streams: Streams = field(init=False)
+    started: int = field(default_factory=lambda: int(time.time()))
+
+    async def start(self) -> None:
+        client = endpoint.parse(self.redis_url).async_client(max_connections=64)
+        self.results, self.streams = Results(client), Streams(client)
+        self.results.start()
+        self.streams.start()
+
+    async def stop(self) -> None:
+        await self.streams.stop()
+        await self.results.stop()
+
+
+def build(front: Front) -> Starlette:
+    """The ASGI app serving `front` under /v1."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: Starlette) -> AsyncIterator[None]:
+        await front.start()
+        try:
+            yield
+        finally:
+            await front.stop()
+
+    def route(
+        path: str, handler: Callable[[Front, Request], Awaitable[Response]], method: str
+    ) -> Route:
+        async def endpoint_(request: Request) -> Response:
+            try:
+                _authorize(front, request)
+                return await handler(front, request)
+            except RequestError as exc:
+                return _error(shapes.failure("RequestError", str(exc), exc.param))
+            except _Refused as exc:
+                return _error(exc.failure)
+            except GpufleetError as exc:
+                return _error(shapes.failure(type(exc).__name__, str(exc)))
+
+        return Route(path, endpoint_, methods=[method])
+
+    return Starlette(
+        routes=[
+            route("/v1/models", _models, "GET"),
+            route("/v1/models/{name:path}", _model, "GET"),
+            route("/v1/chat/completions", _chat, "POST"),
+            route("/v1/completions", _completion, "POST"),
+            route("/v1/embeddings", _embedding, "POST"),
+        ],
+        lifespan=lifespan,
+        exception_handlers={404: _not_found, 405: _not_allowed, 500: _server_error},
+    )
+
+
+class _Refused(Exception):
+    """A request answered with `failure` before any call was sent."""
+
+    def __init__(self, failure: Failure) -> None:
+        super().__init__(failure.message)
+        self.failure = failure
+
+
+def _authorize(front: Front, request: Request) -> None:
+    scheme, _, key = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not key.strip():
+        raise _Refused(
+            Failure(401, "no API key given: send `Authorization: Bearer KEY` (`gpufleet url "
+            "--json` prints the fleet's)", "invalid_request_error", "missing_api_key")
+        )  # fmt: skip
+    if front.keys.name_of(key.strip()) is None:
+        raise _Refused(
+            Failure(401, "incorrect API key provided; `gpufleet url --json` prints the "
+            "fleet's, `gpufleet api-key` makes another", "invalid_request_error",
+            "invalid_api_key")
+        )  # fmt: skip
+
+
+# --- endpoints ---------------------------------------------------------------------
+
+
+async def _models(front: Front, _: Request) -> Response:
+    return JSONResponse(shapes.models(list(front.catalog), front.started))
+
+
+async def _model(front: Front, request: Request) -> Response:
+    name = request.path_params["name"]
+    front.catalog.get(name)  # UnknownModelError: a 404
+    return JSONResponse(shapes.model(name, front.started))
+
+
+async def _chat(front: Front, request: Request) -> Response:
+    return await _generate(front, request, shapes.chat_call(await _body(request)))
+
+
+async def _completion(front: Front, request: Request) -> Response:
+    return await _generate(front, request, shapes.completion_call(await _body(request)))
+
+
+async def _embedding(front: Front, request: Request) -> Response:
+    call = shapes.embedding_call(await _body(request))
+    _check_model(front, call)
+    task_id = await _send(call)
+    meta = await _until_answered(front, request, task_id)
+    return JSONResponse(shapes.embeddings(call, _outputs(meta)))
+
+
+async def _generate(front: Front, request: Request, call: Call) -> Response:
+    _check_model(front, call)
+    if not call.stream:
+        task_id = await _send(call)
+        meta = await _until_answered(front, request, task_id)
+        return JSONResponse(shapes.answer(call, task_id, _outputs(meta)))
+    task_id = _new_id()
+    stream = front.streams.open(task_id)  # before the call: its first entry is not missed
+    try:
+        await _send(call, task_id)
+        result = asyncio.ensure_future(front.results.wait(task_id, CALL_TIMEOUT_S))
+        first = await _first(front, request, task_id, stream, result)
+    except BaseException:
+        front.streams.close(task_id)
+        raise
+    events = _events(front, call, task_id, stream, result, first)
+    headers = {"Cache-Control": "no-cache"}
+    return EventStream(events, media_type="text/event-stream", headers=headers)
+
+
+# --- sending and waiting ------------------------------------------------------------
+
+
+def _new_id() -> str:
+    from celery.utils import uuid
+
+    return str(uuid())
+
+
+async def _send(call: Call, task_id: str | None = None) -> str:
+    """Send `call` as the project's client does (on a thread: kombu blocks); its task id."""
+    from tasks.api import infer
+
+    params = {**call.params, "stream": True} if call.stream else call.params
+    task_id = task_id or _new_id()
+
+    def publish() -> None:
+        infer.apply_async((call.model, call.inputs, params), task_id=task_id)
+
+    try:
+        await anyio.to_thread.run_sync(publish)
+    except Exception as exc:  # the broker is unreachable: the caller may try again
+        log.warning("could not send call %s: %s", task_id, exc)
+        raise _Refused(
+            Failure(503, f"the fleet's Redis did not take the call ({type(exc).__name__}); "
+            "try again shortly", "server_error", "fleet_unreachable", retry_after=2)
+        ) from None  # fmt: skip
+    return task_id
+
+
+def _cancel_soon(task_id: str) -> None:
+    """Cancel `task_id` without waiting (its caller is gone)."""
+    from tasks.api import cancel
+
+    def send() -> None:
+        try:
+            cancel.delay(task_id)
+        except Exception as exc:
+            log.warning("could not cancel call %s: %s", task_id, exc)
+
+    asyncio.get_running_loop().run_in_executor(None, send)
+
+
+async def _until_answered(front: Front, request: Request, task_id: str) -> dict[str, Any]:
+    """The call's stored result, or the call cancelled when the client leaves first."""
+    waiting = asyncio.ensure_future(front.results.wait(task_id, CALL_TIMEOUT_S))
+    gone = asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait((waiting, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if not waiting.done():
+        waiting.cancel()
+        _cancel_soon(task_id)
+        raise _Refused(Failure(499, "the client closed the request", "invalid_request_error"))
+    return _succeeded(task_id, waiting)
+
+
+async def _disconnect(request: Request) -> None:
+    """Returns once the client has gone (its request body was read before)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _succeeded(task_id: str, waiting: asyncio.Future[dict[str, Any]]) -> dict[str, Any]:
+    """The result's meta of a call that succeeded; `_Refused` with its error's status
+    otherwise (or a 504 when it did not end in time)."""
+    try:
+        meta = waiting.result()
+    except TimeoutError:
+        _cancel_soon(task_id)
+        raise _Refused(
+            Failure(504, f"the call took over {CALL_TIMEOUT_S:.0f} s and was cancelled",
+            "server_error", "timeout")
+        ) from None  # fmt: skip
+    if meta.get("status") == "SUCCESS":
+        return meta
+    error = meta.get("result") or {}
+    kind = str(error.get("exc_type", "Error"))
+    words = error.get("exc_message") or []
+    message = " ".join(str(w) for w in words) if isinstance(words, list) else str(words)
+    raise _Refused(shapes.failure(kind, message or kind))
+
+
+def _outputs(meta: dict[str, Any]) -> dict[str, Any]:
+    outputs: dict[str, Any] = meta["result"]["outputs"]
+    return outputs
+
+
+def _check_model(front: Front, call: Call) -> None:
+    """A catalog model that serves the endpoint's task (checked here too, for the 404)."""
+    try:
+        spec = front.catalog.get(call.model)
+    except UnknownModelError as exc:
+        raise _Refused(shapes.failure("UnknownModelError", str(exc), "model")) from None
+    if spec.task != TASK_OF[call.kind]:
+        raise RequestError(
+            f"model {call.model!r} serves {spec.task}; this endpoint needs a "
+            f"{TASK_OF[call.kind]} model (GET /v1/models lists them)",
+            "model",
+        )
+
+
+async def _body(request: Request) -> Any:
+    size = request.headers.get("content-length")
+    if size is not None and size.isdigit() and int(size) > MAX_BODY_BYTES:
+        raise _Refused(_too_large())
+    body = b""
+    async for part in request.stream():
+        body += part
+        if len(body) > MAX_BODY_BYTES:
+            raise _Refused(_too_large())
+    try:
+        return json.loads(body)
+    except ValueError as exc:
+        raise RequestError(f"the request body is not JSON: {exc}") from None
+
+
+def _too_large() -> Failure:
+    return Failure(413, f"the request body is over {MAX_BODY_BYTES} bytes", "invalid_request_error")
+
+
+# --- streaming ---------------------------------------------------------------------
+
+
+async def _first(
+    front: Front,
+    request: Request,
+    task_id: str,
+    stream: Stream,
+    result: asyncio.Future[dict[str, Any]],
+) -> list[tuple[int, str]]:
+    """Until the call has started streaming (its first text) or ended: the text so far.
+    A call that failed first is answered with its error's status, not a stream."""
+    gone = asyncio.ensure_future(_disconnect(request))
+    try:
+        while stream.pieces.ended is None:
+            piece = asyncio.ensure_future(stream.next(CALL_TIMEOUT_S))
+            await asyncio.wait((piece, result, gone), return_when=asyncio.FIRST_COMPLETED)
+            if gone.done():
+                piece.cancel()
+                result.cancel()
+                _cancel_soon(task_id)
+                raise _Refused(
+                    Failure(499, "the client closed the request", "invalid_request_error")
+                )
+            if not piece.done():
+                piece.cancel()
+                break  # the result came first
+            text = piece.result()
+            if text:
+                return text
+    finally:
+        gone.cancel()
+    if result.done():
+        _succeeded(task_id, result)  # its error, if it failed
+    return []
+
+
+async def _events(  # noqa: PLR0917 - one call's parts, as `_generate` has them
+    front: Front,
+    call: Call,
+    task_id: str,
+    stream: Stream,
+    result: asyncio.Future[dict[str, Any]],
+    first: list[tuple[int, str]],
+) -> AsyncIterator[bytes]:
+    """The call's server-sent events: its text as it comes, each prompt's finish reason,
+    the usage when asked for, then `[DONE]`."""
+    given: dict[int, str] = {}
+    ended = False
+
+    def event(body: dict[str, Any]) -> bytes:
+        return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
+
+    def pieces(text: list[tuple[int, str]]) -> list[bytes]:
+        out = []
+        for index, piece in text:
+            out.append(event(shapes.chunk(call, task_id, index, piece, first=index not in given)))
+            given[index] = given.get(index, "") + piece
+        return out
+
+    try:
+        if call.kind == "chat":  # OpenAI's first chunk: the role, no text yet
+            yield event(shapes.chunk(call, task_id, 0, "", first=True))
+            given[0] = ""
+        for out in pieces(first):
+            yield out
+        while stream.pieces.ended is None and not result.done():
+            piece = asyncio.ensure_future(stream.next(CALL_TIMEOUT_S))
+            await asyncio.wait((piece, result), return_when=asyncio.FIRST_COMPLETED)
+            if not piece.done():
+                piece.cancel()
+                break
+            for out in pieces(piece.result()):
+                yield out
+        for out in pieces(stream.drain()):
+            yield out
+        await asyncio.wait({result})
+        try:
+            meta = _succeeded(task_id, result)
+        except _Refused as exc:  # it failed after it started: OpenAI's error event
+            ended = True
+            yield event(exc.failure.body())
+            return
+        outputs = _outputs(meta)
+        for index, (whole, reason) in enumerate(
+            zip(outputs["texts"], outputs["finish_reasons"], strict=True)
+        ):
+            sent = given.get(index, "")
+            rest = whole[len(sent) :] if whole.startswith(sent) else ""
+            if rest:  # what the stream did not carry (it expired, say)
+                yield event(shapes.chunk(call, task_id, index, rest, first=index not in given))
+            yield event(shapes.chunk(call, task_id, index, None, reason))
+        if call.include_usage:
+            yield event(shapes.usage_chunk(call, task_id, outputs))
+        yield b"data: [DONE]\n\n"
+        ended = True
+    finally:
+        front.streams.close(task_id)
+        if not ended and not result.done():
+            result.cancel()
+            _cancel_soon(task_id)
+
+
+class EventStream(StreamingResponse):
+    """A streamed response that stops its iterator when the client goes away, on every
+    ASGI version (Starlette's own listens only below ASGI 2.4), so the call is cancelled
+    at once, not when the next chunk fails to send."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async with anyio.create_task_group() as group:
+
+            async def stream() -> None:
+                with contextlib.suppress(OSError):
+                    await self.stream_response(send)
+                group.cancel_scope.cancel()
+
+            group.start_soon(stream)
+            await self.listen_for_disconnect(receive)
+            group.cancel_scope.cancel()
+
+
+# --- errors --------------------------------------------------------------------------
+
+
+def _error(failure: Failure) -> JSONResponse:
+    return JSONResponse(failure.body(), failure.status, headers=failure.headers())
+
+
+async def _not_found(request: Request, exc: Exception) -> Response:
+    return _error(
+        Failure(404, f"no such endpoint: {request.url.path}; the API is under /v1",
+        "invalid_request_error", "unknown_url")
+    )  # fmt: skip
+
+
+async def _not_allowed(request: Request, exc: Exception) -> Response:
+    return _error(
+        Failure(405, f"{request.method} is not allowed on {request.url.path}",
+        "invalid_request_error", "method_not_allowed")
+    )  # fmt: skip
+
+
+async def _server_error(request: Request, exc: Exception) -> Response:
+    log.exception("request %s %s failed", request.method, request.url.path, exc_info=exc)
+    return _error(Failure(500, "the server failed on this request; see its log", "server_error"))

@@ -1,0 +1,218 @@
+"""Waiting for many calls at once, with a few Redis connections and no thread per call.
+
+The HTTP front (`tasks.front.server`) may hold thousands of calls open; each waits for
+its result and, when streamed, its text. A connection or a thread per call would not
+scale, so one process shares:
+
+* `Results`: one SUBSCRIBE connection for every pending result. Celery's Redis backend
+  stores a result with SET and PUBLISH on the same key (`celery-task-meta-<id>`), so a
+  subscriber hears it as it is stored. Subscribing happens after the call is sent, so the
+  first look is a GET (a fast call may be answered before the SUBSCRIBE); and every
+  `SWEEP_S` one MGET reads every pending result, so a message lost to a reconnect (a
+  failover, a Redis restart) delays an answer by a sweep, never loses it.
+* `Streams`: one blocking XREAD over every open stream (`tasks.serving.streams`), whose
+  entries go to each stream's queue. A stream opened while the read blocks joins the
+  next one, at most `XREAD_BLOCK_MS` later.
+
+Both run as tasks of the server's event loop and end with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from typing import Any
+
+import redis.asyncio
+from celery import states
+
+from tasks.serving import streams
+
+log = logging.getLogger(__name__)
+
+RESULT_PREFIX = "celery-task-meta-"  # Celery's Redis backend's key of a task's result
+#: How often every pending result is read, whatever the channel said (tuned: a lost
+#: message costs this long at most; a sweep is one MGET however many calls wait).
+SWEEP_S = 1.0
+#: How long the shared XREAD blocks: a stream opened meanwhile waits at most this long to
+#: join it (tuned: small against a call's routing and prefill, large against Redis's cost
+#: of one XREAD over every open stream).
+XREAD_BLOCK_MS = 50
+XREAD_COUNT = 256  # entries per stream per read
+RETRY_S = 0.5  # after a failed read, before the next
+
+
+class Results:
+    """Every pending call's result, heard through one subscription."""
+
+    def __init__(self, client: redis.asyncio.Redis) -> None:
+        self._client = client
+        self._pubsub = client.pubsub(ignore_subscribe_messages=True)
+        self._waiting: dict[str, asyncio.Future[dict[str, Any]]] = {}
+        self._lock = asyncio.Lock()  # one SUBSCRIBE or UNSUBSCRIBE at a time
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def start(self) -> None:
+        self._tasks = [
+            asyncio.create_task(self._listen(), name="gpufleet-results"),
+            asyncio.create_task(self._sweep(), name="gpufleet-results-sweep"),
+        ]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        with contextlib.suppress(Exception):
+            await self._pubsub.aclose()  # type: ignore[no-untyped-call]
+
+    async def wait(self, task_id: str, timeout: float) -> dict[str, Any]:
+        """The stored result of `task_id` once it is ready (SUCCESS, FAILURE, REVOKED):
+        Celery's meta, `status` and `result`. Raises TimeoutError after `timeout` s."""
+        key = RESULT_PREFIX + task_id
+        future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._waiting[key] = future
+        try:
+            async with self._lock:
+                await self._pubsub.subscribe(key)
+            self._settle(key, await self._client.get(key))  # stored before we subscribed
+            return await asyncio.wait_for(future, timeout)
+        finally:
+            self._waiting.pop(key, None)
+            with contextlib.suppress(Exception):
+                async with self._lock:
+                    await self._pubsub.unsubscribe(key)
+
+    def _settle(self, key: str, raw: Any) -> None:
+        """Hand a stored result to its waiter, if it is ready."""
+        future = self._waiting.get(key)
+        if raw is None or future is None or future.done():
+            return
+        try:
+            meta = json.loads(raw)
+        except ValueError:
+            log.warning("%s holds no JSON result; left to time out", key)
+            return
+        if meta.get("status") in states.READY_STATES:
+            future.set_result(meta)
+
+    async def _listen(self) -> None:
+        while True:
+            try:
+                if not self._pubsub.subscribed:
+                    await asyncio.sleep(0.05)
+                    continue
+                message = await self._pubsub.get_message(timeout=1.0)
+                if message and message.get("type") == "message":
+                    self._settle(_text(message["channel"]), message["data"])
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("result channel lost (%s); the sweep reads meanwhile", exc)
+                await asyncio.sleep(RETRY_S)
+
+    async def _sweep(self) -> None:
+        while True:
+            await asyncio.sleep(SWEEP_S)
+            keys = [k for k, f in self._waiting.items() if not f.done()]
+            if not keys:
+                continue
+            try:
+                for key, raw in zip(keys, await self._client.mget(keys), strict=True):
+                    self._settle(key, raw)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("could not read %d pending results: %s", len(keys), exc)
+
+
+class Stream:
+    """One call's streamed text as the shared reader hands it over."""
+
+    def __init__(self, task_id: str) -> None:
+        self.pieces = streams.Pieces(task_id)
+        self.entries: asyncio.Queue[tuple[Any, dict[Any, Any]]] = asyncio.Queue()
+
+    async def next(self, timeout: float) -> list[tuple[int, str]]:
+        """The text the next entry adds (`pieces.ended` once it was the end), or
+        TimeoutError after `timeout` s without one."""
+        entry_id, raw = await asyncio.wait_for(self.entries.get(), timeout)
+        return self.pieces.feed(entry_id, raw)
+
+    def drain(self) -> list[tuple[int, str]]:
+        """The text of every entry already handed over, up to the end."""
+        out: list[tuple[int, str]] = []
+        while not self.entries.empty() and self.pieces.ended is None:
+            out += self.pieces.feed(*self.entries.get_nowait())
+        return out
+
+
+class Streams:
+    """Every open stream, read by one blocking XREAD."""
+
+    def __init__(self, client: redis.asyncio.Redis) -> None:
+        self._client = client
+        self._open: dict[str, Stream] = {}  # stream key -> its reader
+        self._last: dict[str, str] = {}  # stream key -> the last entry id read
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._read(), name="gpufleet-streams")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+
+    def open(self, task_id: str) -> Stream:
+        stream = Stream(task_id)
+        name = streams.key(task_id)
+        self._open[name] = stream
+        self._last[name] = "0-0"
+        self._wake.set()
+        return stream
+
+    def close(self, task_id: str) -> None:
+        name = streams.key(task_id)
+        self._open.pop(name, None)
+        self._last.pop(name, None)
+
+    @property
+    def count(self) -> int:
+        return len(self._open)
+
+    async def _read(self) -> None:
+        while True:
+            if not self._last:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            try:
+                answer: Any = await self._client.xread(
+                    dict(self._last),  # type: ignore[arg-type]
+                    block=XREAD_BLOCK_MS,
+                    count=XREAD_COUNT,
+                )
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("could not read %d streams: %s", len(self._last), exc)
+                await asyncio.sleep(RETRY_S)
+                continue
+            for raw_name, entries in answer or []:
+                name = _text(raw_name)
+                stream = self._open.get(name)
+                if stream is None:
+                    continue  # closed while the read blocked
+                for entry_id, fields in entries:
+                    stream.entries.put_nowait((entry_id, fields))
+                self._last[name] = _text(entries[-1][0])
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
