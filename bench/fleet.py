@@ -27,12 +27,13 @@ models:
 
 
 def bench_launcher(
-    directory: Path, catalog: str, name: str, sim_gpus: str, warm_cache: str
+    directory: Path, catalog: str, name: str, sim_gpus: str, warm_cache: str, *, api: bool = False
 ) -> Launcher:
     """A launcher (not started yet) for `catalog`'s text on a fleet name of its own, so a
     run never meets another's records; this process's environment points at it, with the
     benchmark's warm cache whatever the caller's environment says. With
-    GPUFLEET_REDIS_URL set, runs take turns: one broker database carries one fleet."""
+    GPUFLEET_REDIS_URL set, runs take turns: one broker database carries one fleet. It
+    serves OpenAI's API (`tasks.front`) only with `api`."""
     path = directory / "models.yaml"
     path.write_text(catalog)
     os.environ["GPUFLEET_MODELS"] = str(path)
@@ -40,7 +41,8 @@ def bench_launcher(
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.pop("GPUFLEET_ROLE", None)  # this process is a client
     os.environ["GPUFLEET_FLEET"] = f"{name}-{uuid.uuid4().hex[:8]}"
-    return Launcher(path, Settings.from_env(), sim_gpus=sim_gpus, metrics_port=0)
+    api_port = None if api else 0  # None: the default port, or a free one
+    return Launcher(path, Settings.from_env(), sim_gpus=sim_gpus, metrics_port=0, api_port=api_port)
 
 
 def broker_in_use() -> str:

@@ -219,17 +219,19 @@ def test_every_gpufleet_process_reaches_redis_with_the_password_and_shares_setti
         ]
 
 
-def test_redis_flower_and_metrics_listen_on_loopback_unless_told_otherwise(
+def test_redis_flower_the_api_and_metrics_listen_on_loopback_unless_told_otherwise(
     services: dict[str, dict[str, Any]],
 ) -> None:
     assert resolve(services["redis"]["ports"]) == ["127.0.0.1:6379:6379"]
     assert resolve(services["flower"]["ports"]) == ["127.0.0.1:5555:5555"]
     assert resolve(services["flower"]["ports"], {"FLOWER_BIND": "0.0.0.0"}) == ["0.0.0.0:5555:5555"]
+    assert resolve(services["api"]["ports"]) == ["127.0.0.1:8000:8000"]
+    assert argv(services["api"])[:2] == ["gpufleet", "api"]
     router = services["router"]
     assert resolve(router["ports"]) == ["127.0.0.1:9464:9464"]
     assert environment(router)["GPUFLEET_METRICS_PORT"] == "9464"  # the published one
     for name, service in services.items():
-        if name not in ("redis", "flower", "router"):
+        if name not in ("redis", "flower", "router", "api"):
             assert "ports" not in service, f"{name} publishes a port"
 
 

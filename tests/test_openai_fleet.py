@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ import pytest
 from celery.result import AsyncResult
 from openai import OpenAI
 
+from tests.ports import free_port
 from tests.running import REPO, RunningFleet, fleet_env, fleet_up, until
 
 pytestmark = pytest.mark.slow
@@ -53,6 +55,7 @@ models:
     task: text-generation
     memory: 64GiB
 """
+CLI = [sys.executable, "-m", "tasks.operator.cli"]
 CHAT: Any = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
 
 
@@ -62,9 +65,14 @@ def home(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory, home: Path) -> Iterator[RunningFleet]:
-    catalog = tmp_path_factory.mktemp("openai") / "models.yaml"
-    catalog.write_text(CATALOG)
+def catalog(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("openai") / "models.yaml"
+    path.write_text(CATALOG)
+    return path
+
+
+@pytest.fixture(scope="module")
+def fleet(catalog: Path, home: Path) -> Iterator[RunningFleet]:
     args = ["--sim-gpus", "1x4GiB", "--metrics-port", "0"]
     with fleet_up(catalog, args, fleet_env(GPUFLEET_HOME=str(home)), api=True) as running:
         yield running
@@ -74,7 +82,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory, home: Path) -> Iterator[Runn
 def front(fleet: RunningFleet, home: Path) -> dict[str, str]:
     """`gpufleet url --json`'s "openai": the base URL and key, as a user reads them."""
     printed = subprocess.run(
-        [sys.executable, "-m", "tasks.operator.cli", "url", "--json"],
+        [*CLI, "url", "--json"],
         cwd=REPO,
         env=fleet_env(GPUFLEET_HOME=str(home)),
         capture_output=True,
@@ -256,3 +264,62 @@ def test_a_stream_its_client_closes_is_cancelled_and_the_worker_serves_on(
     print(f"cancelled {time.monotonic() - closed:.2f} s after the client closed its stream")
     after = client.completions.create(model="talker", prompt="still here", max_tokens=3)
     assert after.choices[0].finish_reason == "length"
+
+
+def test_gpufleet_api_serves_a_fleet_alone_with_a_key_made_by_gpufleet_api_key(
+    fleet: RunningFleet, catalog: Path, tmp_path: Path
+) -> None:
+    key_file = tmp_path / "keys"
+    env = fleet_env(GPUFLEET_REDIS_URL=fleet.url, GPUFLEET_MODELS=str(catalog))
+    made = subprocess.run(
+        [*CLI, "api-key", "--name", "ci", "--keys", str(key_file)],
+        cwd=REPO, env=env, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    key = made.stdout.strip()
+    assert key.startswith("gf-") and key not in key_file.read_text()
+    # the same front on a Redis that is gone: it cannot take calls now, and says when to retry
+    dead = fleet_env(GPUFLEET_REDIS_URL=f"redis://127.0.0.1:{free_port()}/0")
+    dead["GPUFLEET_MODELS"] = env["GPUFLEET_MODELS"]
+    with _api(env, key_file) as alive, _api(dead, key_file) as gone:
+        answer = OpenAI(base_url=alive, api_key=key, max_retries=0).completions.create(
+            model="talker", prompt="from another host", max_tokens=4, temperature=0
+        )
+        assert (
+            answer.choices[0].text
+            == _celery(fleet, "talker", "from another host", max_new_tokens=4, temperature=0)[
+                "texts"
+            ][0]
+        )
+        refused = httpx.post(
+            f"{gone}/completions",
+            headers={"Authorization": f"Bearer {key}"},
+            json={"model": "talker", "prompt": "x"},
+            timeout=60,
+        )
+        assert refused.status_code == 503, refused.text
+        assert int(refused.headers["Retry-After"]) > 0
+        assert refused.json()["error"]["code"] == "fleet_unreachable"
+
+
+@contextmanager
+def _api(env: dict[str, str], key_file: Path) -> Iterator[str]:
+    """`gpufleet api` on a free port, until the block ends: its base URL."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [*CLI, "api", "--port", str(port), "--keys", str(key_file)],
+        cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    base = f"http://127.0.0.1:{port}/v1"
+    try:
+        until("gpufleet api answers", lambda: _answers(f"{base}/models"), 30)
+        yield base
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=1).status_code == 401  # it wants a key: it serves
+    except httpx.HTTPError:
+        return False

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 from pathlib import Path
@@ -25,6 +26,7 @@ def serve(
     from tasks.front.keys import KeyFile
     from tasks.front.server import Front, build
 
+    _open_files()
     settings = context.settings()
     key_file = KeyFile(keys)
     len(key_file)  # a missing or malformed key file fails here, not on the first request
@@ -44,3 +46,15 @@ def serve(
     if fd is not None:  # the launcher bound it; uvicorn serves on it as is
         socket.socket(fileno=fd).detach()
     uvicorn.Server(config).run()
+
+
+def _open_files() -> None:
+    """Raise this process's open-file limit to its hard limit: each open stream holds a
+    socket, and a soft limit of 1,024 would cap the front below what it can hold."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = 65536 if hard == resource.RLIM_INFINITY else hard
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))

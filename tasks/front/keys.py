@@ -17,6 +17,7 @@ import hmac
 import os
 import secrets
 from pathlib import Path
+from stat import S_ISREG
 
 from placement.errors import ConfigError
 
@@ -85,9 +86,11 @@ class KeyFile:
         try:
             stat = self.path.stat()
         except FileNotFoundError:
+            stat = None
+        if stat is None or not S_ISREG(stat.st_mode):  # a bind mount of a missing file: a dir
             raise ConfigError(
                 f"{self.path}: no API key file; make one with `gpufleet api-key --keys {self.path}`"
-            ) from None
+            )
         seen = (stat.st_mtime_ns, stat.st_size)
         if seen == self._seen:
             return

@@ -1,0 +1,129 @@
+"""The HTTP front's parts that need no fleet: its key file and OpenAI's shapes."""
+
+from __future__ import annotations
+
+import base64
+import os
+import struct
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from placement.errors import ConfigError
+from tasks.front import keys, shapes
+from tasks.front.keys import KeyFile
+from tasks.front.shapes import RequestError
+
+CHAT: Any = [{"role": "user", "content": "hi"}]
+PARTS = [{"type": "text", "text": "be "}, {"type": "text", "text": "brief"}]
+IMAGE = [{"role": "user", "content": [{"type": "image_url"}]}]
+
+
+def test_a_key_file_holds_digests_only_and_takes_a_key_added_after_it_was_read(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "api-keys"
+    first, second = keys.new_key(), keys.new_key()
+    keys.add(path, first, "first")
+    known = KeyFile(path)
+    assert known.name_of(first) == "first"
+    assert known.name_of(second) is None
+    keys.add(path, second, "second")
+    assert known.name_of(second) == "second"
+    text = path.read_text()
+    assert first not in text and second not in text
+    assert os.stat(path).st_mode & 0o777 == 0o600
+
+
+def test_replacing_the_up_key_revokes_the_old_one_and_keeps_the_others(tmp_path: Path) -> None:
+    path = tmp_path / "api-keys"
+    mine, old_up, new_up = keys.new_key(), keys.new_key(), keys.new_key()
+    keys.add(path, mine, "mine")
+    keys.replace_key(path, old_up, keys.UP_KEY_NAME)
+    keys.replace_key(path, new_up, keys.UP_KEY_NAME)
+    known = KeyFile(path)
+    assert known.name_of(mine) == "mine"
+    assert known.name_of(new_up) == keys.UP_KEY_NAME
+    assert known.name_of(old_up) is None
+    assert len(known) == 2
+
+
+def test_a_malformed_or_missing_key_file_says_how_to_make_one(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="gpufleet api-key"):
+        len(KeyFile(tmp_path / "missing"))
+    bad = tmp_path / "bad"
+    bad.write_text("# a comment\nmy-plain-key\n")
+    with pytest.raises(ConfigError, match=r"bad:2: write `sha256:"):
+        len(KeyFile(bad))
+
+
+def test_a_chat_becomes_a_fleet_chat_with_openai_s_defaults_and_names() -> None:
+    call = shapes.chat_call(
+        {
+            "model": "talker",
+            "messages": [
+                {"role": "developer", "content": PARTS},
+                {"role": "user", "content": "hi", "name": "ann"},
+            ],
+            "max_tokens": 99,
+            "max_completion_tokens": 7,
+            "stop": "\n",
+            "user": "someone",
+            "n": 1,
+        }
+    )  # fmt: skip
+    assert call.inputs == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hi"},
+    ]
+    # max_completion_tokens wins; temperature is OpenAI's 1 when unsaid; `user` stays out
+    assert call.params == {"max_new_tokens": 7, "temperature": 1.0, "stop": ("\n",)}
+    unsaid = shapes.chat_call({"model": "talker", "messages": CHAT})
+    assert unsaid.params["max_new_tokens"] is None  # as many as the model holds
+    legacy = shapes.completion_call({"model": "talker", "prompt": ["a", "b"]})
+    assert legacy.params["max_new_tokens"] == shapes.COMPLETION_MAX_TOKENS
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "words"),
+    [
+        ({"n": 3}, "n", "n=3"),
+        ({"presence_penalty": 0.5}, "presence_penalty", "not supported"),
+        ({"response_format": {"type": "json_object"}}, "response_format", "not supported"),
+        ({"guided_json": {}}, "guided_json", "unrecognized request argument"),
+        ({"top_p": 0}, "top_p", "above 0"),
+        ({"max_tokens": 0}, "max_tokens", "'max_tokens'"),
+        ({"stream_options": {"include_usage": True}}, "stream_options", "stream=true"),
+        ({"messages": []}, "messages", "non-empty"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role", "use one of"),
+        ({"messages": IMAGE}, "messages[0].content", "text parts"),
+        ({"model": 7}, "model", "model's name"),
+    ],
+)  # fmt: skip
+def test_a_chat_field_the_fleet_cannot_honour_is_refused_by_name(
+    body: dict[str, Any], param: str, words: str
+) -> None:
+    with pytest.raises(RequestError, match=words) as caught:
+        shapes.chat_call({"model": "talker", "messages": CHAT, **body})
+    assert caught.value.param == param
+
+
+def test_an_embedding_in_base64_decodes_to_the_floats_it_carries() -> None:
+    call = shapes.embedding_call({"model": "minilm", "input": "x", "encoding_format": "base64"})
+    rows = [[0.25, -1.5, 3.0e-7], [1.0, 2.0, 3.0]]
+    body = shapes.embeddings(call, {"embeddings": rows, "dim": 3, "tokens": 4})
+    packed = base64.b64decode(body["data"][1]["embedding"])
+    assert list(struct.unpack("<3f", packed)) == pytest.approx(rows[1])
+    assert body["usage"] == {"prompt_tokens": 4, "total_tokens": 4}
+    with pytest.raises(RequestError, match="token ids are not taken"):
+        shapes.embedding_call({"model": "minilm", "input": [[1, 2, 3]]})
+
+
+def test_a_fleet_that_cannot_take_a_call_now_says_when_to_try_again() -> None:
+    full = shapes.failure("CantAccommodateError", "no room")
+    assert (full.status, full.headers()) == (503, {"Retry-After": "5"})
+    bad = shapes.failure("PayloadError", "bad")
+    assert (bad.status, bad.headers()) == (400, {})
+    crashed = shapes.failure("RuntimeError", "CUDA error")  # the model's, not the client's
+    assert crashed.status == 500 and crashed.body()["error"]["type"] == "server_error"
