@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import time
@@ -113,7 +114,7 @@ def build(front: Front) -> Starlette:
 
 
 class _Refused(Exception):
-    """A request answered with `failure` before any call was sent."""
+    """A request answered with `failure` (OpenAI's error object) instead of a result."""
 
     def __init__(self, failure: Failure) -> None:
         super().__init__(failure.message)
@@ -181,7 +182,17 @@ async def _generate(front: Front, request: Request, call: Call) -> Response:
         raise
     events = _events(front, call, task_id, stream, result, first)
     headers = {"Cache-Control": "no-cache"}
-    return EventStream(events, media_type="text/event-stream", headers=headers)
+    done = functools.partial(_abandon, front, task_id, result)
+    return EventStream(events, done, media_type="text/event-stream", headers=headers)
+
+
+def _abandon(front: Front, task_id: str, result: asyncio.Future[dict[str, Any]]) -> None:
+    """A stream's end, however it ended: its reader closed, and its call cancelled unless
+    it was answered (its client went away first)."""
+    front.streams.close(task_id)
+    if not result.done():
+        result.cancel()
+        _cancel_soon(task_id)
 
 
 # --- sending and waiting ------------------------------------------------------------
@@ -253,12 +264,9 @@ def _succeeded(task_id: str, waiting: asyncio.Future[dict[str, Any]]) -> dict[st
     otherwise (or a 504 when it did not end in time)."""
     try:
         meta = waiting.result()
-    except TimeoutError:
+    except asyncio.TimeoutError:  # not the builtin one before Python 3.11
         _cancel_soon(task_id)
-        raise _Refused(
-            Failure(504, f"the call took over {CALL_TIMEOUT_S:.0f} s and was cancelled",
-            "server_error", "timeout")
-        ) from None  # fmt: skip
+        raise _Refused(_too_long()) from None
     if meta.get("status") == "SUCCESS":
         return meta
     error = meta.get("result") or {}
@@ -266,6 +274,13 @@ def _succeeded(task_id: str, waiting: asyncio.Future[dict[str, Any]]) -> dict[st
     words = error.get("exc_message") or []
     message = " ".join(str(w) for w in words) if isinstance(words, list) else str(words)
     raise _Refused(shapes.failure(kind, message or kind))
+
+
+def _too_long() -> Failure:
+    return Failure(
+        504, f"the call took over {CALL_TIMEOUT_S:.0f} s and was cancelled", "server_error",
+        "timeout",
+    )  # fmt: skip
 
 
 def _outputs(meta: dict[str, Any]) -> dict[str, Any]:
@@ -333,7 +348,12 @@ async def _first(
             if not piece.done():
                 piece.cancel()
                 break  # the result came first
-            text = piece.result()
+            try:
+                text = piece.result()
+            except asyncio.TimeoutError:  # nothing streamed in all that time
+                result.cancel()
+                _cancel_soon(task_id)
+                raise _Refused(_too_long()) from None
             if text:
                 return text
     finally:
@@ -403,28 +423,34 @@ async def _events(  # noqa: PLR0917 - one call's parts, as `_generate` has them
         yield b"data: [DONE]\n\n"
         ended = True
     finally:
-        front.streams.close(task_id)
-        if not ended and not result.done():
-            result.cancel()
-            _cancel_soon(task_id)
+        if not ended:
+            _abandon(front, task_id, result)
 
 
 class EventStream(StreamingResponse):
     """A streamed response that stops its iterator when the client goes away, on every
     ASGI version (Starlette's own listens only below ASGI 2.4), so the call is cancelled
-    at once, not when the next chunk fails to send."""
+    at once, not when the next chunk fails to send; then `done` runs, however it ended
+    (an iterator cancelled before it started runs no `finally` of its own)."""
+
+    def __init__(self, content: AsyncIterator[bytes], done: Callable[[], None], **kwargs: Any):
+        super().__init__(content, **kwargs)
+        self._done = done
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        async with anyio.create_task_group() as group:
+        try:
+            async with anyio.create_task_group() as group:
 
-            async def stream() -> None:
-                with contextlib.suppress(OSError):
-                    await self.stream_response(send)
+                async def stream() -> None:
+                    with contextlib.suppress(OSError):
+                        await self.stream_response(send)
+                    group.cancel_scope.cancel()
+
+                group.start_soon(stream)
+                await self.listen_for_disconnect(receive)
                 group.cancel_scope.cancel()
-
-            group.start_soon(stream)
-            await self.listen_for_disconnect(receive)
-            group.cancel_scope.cancel()
+        finally:
+            self._done()
 
 
 # --- errors --------------------------------------------------------------------------

@@ -6,10 +6,12 @@ scale, so one process shares:
 
 * `Results`: one SUBSCRIBE connection for every pending result. Celery's Redis backend
   stores a result with SET and PUBLISH on the same key (`celery-task-meta-<id>`), so a
-  subscriber hears it as it is stored. Subscribing happens after the call is sent, so the
-  first look is a GET (a fast call may be answered before the SUBSCRIBE); and every
-  `SWEEP_S` one MGET reads every pending result, so a message lost to a reconnect (a
-  failover, a Redis restart) delays an answer by a sweep, never loses it.
+  subscriber hears it as it is stored. Subscribing happens after the call is sent, so
+  the calls subscribed since the last look are read with one MGET (a fast call may be
+  answered before its SUBSCRIBE: a thousand calls sent at once cost one read, not a
+  thousand connections); and every `SWEEP_S` one MGET reads every pending result, so a
+  message lost to a reconnect (a failover, a Redis restart) delays an answer by a sweep,
+  never loses it.
 * `Streams`: one blocking XREAD over every open stream (`tasks.serving.streams`), whose
   entries go to each stream's queue. A stream opened while the read blocks joins the
   next one, at most `XREAD_BLOCK_MS` later.
@@ -23,6 +25,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from typing import Any
 
 import redis.asyncio
@@ -52,6 +55,8 @@ class Results:
         self._pubsub = client.pubsub(ignore_subscribe_messages=True)
         self._waiting: dict[str, asyncio.Future[dict[str, Any]]] = {}
         self._lock = asyncio.Lock()  # one SUBSCRIBE or UNSUBSCRIBE at a time
+        self._fresh: set[str] = set()  # subscribed since the last read
+        self._kick = asyncio.Event()  # set when `_fresh` gains a key
         self._tasks: list[asyncio.Task[None]] = []
 
     def start(self) -> None:
@@ -78,7 +83,8 @@ class Results:
         try:
             async with self._lock:
                 await self._pubsub.subscribe(key)
-            self._settle(key, await self._client.get(key))  # stored before we subscribed
+            self._fresh.add(key)  # stored before we subscribed? the next read says
+            self._kick.set()
             return await asyncio.wait_for(future, timeout)
         finally:
             self._waiting.pop(key, None)
@@ -115,18 +121,29 @@ class Results:
                 await asyncio.sleep(RETRY_S)
 
     async def _sweep(self) -> None:
+        """Read, in one MGET, the results of the calls subscribed since the last read (each
+        may have been stored before its SUBSCRIBE), and every `SWEEP_S` all pending ones."""
+        swept = time.monotonic()
         while True:
-            await asyncio.sleep(SWEEP_S)
-            keys = [k for k, f in self._waiting.items() if not f.done()]
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._kick.wait(), SWEEP_S)
+            self._kick.clear()
+            keys, self._fresh = self._fresh, set()
+            if time.monotonic() - swept >= SWEEP_S:
+                keys, swept = set(self._waiting), time.monotonic()
+            keys = {k for k in keys if k in self._waiting and not self._waiting[k].done()}
             if not keys:
                 continue
             try:
-                for key, raw in zip(keys, await self._client.mget(keys), strict=True):
+                ordered = list(keys)
+                for key, raw in zip(ordered, await self._client.mget(ordered), strict=True):
                     self._settle(key, raw)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
                 log.warning("could not read %d pending results: %s", len(keys), exc)
+                self._fresh |= keys  # again at the next read
+                await asyncio.sleep(RETRY_S)
 
 
 class Stream:
