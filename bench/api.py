@@ -10,11 +10,19 @@ the HTTP front) whose catalog holds MiniLM and a synthetic GPT-2-shaped model (4
 - `streams`: `--streams` streamed generating calls sent at once (one thread each, released
   together), 16 to 64 prompt tokens and 64 new tokens each, greedy; through the front with
   the official `openai` client (`stream=True`), and through the project's client
-  (`generate.stream`). Time to first token (from each call's own send) p50 and p99, and
-  tokens per second from the release to the last call's end. Every stream's text must
+  (`generate.stream`), `--rounds` times each, in turns that start with either side (HTTP
+  then Celery, Celery then HTTP, ...). Time to first token (from each call's own send)
+  p50 and p99 over every round, and tokens per second over the rounds' time from each
+  release to its last call's end. Every stream's text must
   equal the same call's plain Celery answer.
-- `embeddings`: `--embeddings` calls of one short text to MiniLM, one after another:
-  `client.embeddings.create` against `infer.delay(...).get()`; p50 and p99 latency.
+- `embeddings`: `--embeddings` calls of one short text to MiniLM, one after another, each
+  way in turn: `client.embeddings.create` (the `openai` client's default, base64); the
+  same request as plain JSON over one kept-alive `httpx` connection (`http_raw`: the
+  front's share, without the `openai` client's own parsing);
+  a plain Celery client's `send_task(...).get()` with the caller's URL (the front's own
+  rights: through the router, which forwards a call for a hot model); and the project's
+  client with the fleet's URL (`infer.delay(...).get()`, whose fast path skips the router).
+  p50 and p99 latency; the target compares the first two.
 - `held`: `--held` streamed calls opened at once on one front process (asyncio, one
   connection each), each asking for 8 tokens: how many ended with their whole text and
   `[DONE]`, and how many failed; with the front's open file limit.
@@ -119,39 +127,58 @@ def http_stream(client: Any, prompt: str) -> tuple[float, str]:
     return first, text
 
 
-def side(runs: dict[str, Any], want: list[str], tokens: int) -> dict[str, Any]:
-    ttft = [first for first, _ in runs["out"].values() if first]
-    right = sum(runs["out"].get(i, (0, None))[1] == text for i, text in enumerate(want))
+def side(runs: list[dict[str, Any]], want: list[str], tokens: int) -> dict[str, Any]:
+    """One side's figures over its runs: TTFTs pooled, tokens/s over the runs' seconds."""
+    ttft = [first for run in runs for first, _ in run["out"].values() if first]
+    right = sum(
+        run["out"].get(i, (0, None))[1] == text for run in runs for i, text in enumerate(want)
+    )
+    seconds = sum(run["seconds"] for run in runs)
     return {
+        "runs": len(runs),
         "ttft_p50_ms": round(percentile(ttft, 50), 2) if ttft else None,
         "ttft_p99_ms": round(percentile(ttft, 99), 2) if ttft else None,
-        "seconds": round(runs["seconds"], 3),
-        "tokens_per_s": round(tokens / runs["seconds"], 1),
-        "texts_equal_plain": f"{right}/{len(want)}",
-        "errors": runs["errors"],
+        "seconds": round(seconds, 3),
+        "tokens_per_s": round(tokens * len(runs) / seconds, 1),
+        "texts_equal_plain": f"{right}/{len(want) * len(runs)}",
+        "errors": [error for run in runs for error in run["errors"]],
     }
 
 
-def embeddings(client: Any, count: int) -> dict[str, Any]:
-    """`count` calls each way, one after another (alternating, so both see the same fleet)."""
+def embeddings(client: Any, key: str, caller: Any, count: int) -> dict[str, Any]:
+    """`count` calls each way, in turns (so both see the same fleet): the `openai` client
+    through the front; a plain Celery client with the caller's URL, the front's own
+    rights (`send_task`: through the router, which forwards a hot call); and the project's
+    client with the fleet's URL, whose fast path skips the router."""
     from tasks.api import infer
 
     text = "a short sentence to embed"
     client.embeddings.create(model="minilm", input=text)  # loads MiniLM
-    http, celery = [], []
-    for _ in range(count):
-        start = time.perf_counter()
-        client.embeddings.create(model="minilm", input=text, encoding_format="float")
-        http.append((time.perf_counter() - start) * 1000)
-        start = time.perf_counter()
-        infer.delay("minilm", text).get(timeout=CALL_TIMEOUT_S)
-        celery.append((time.perf_counter() - start) * 1000)
-    return {
-        "http_p50_ms": round(percentile(http, 50), 2),
-        "http_p99_ms": round(percentile(http, 99), 2),
-        "celery_p50_ms": round(percentile(celery, 50), 2),
-        "celery_p99_ms": round(percentile(celery, 99), 2),
+    import httpx2 as httpx
+
+    raw = httpx.Client(base_url=str(client.base_url), headers={"Authorization": f"Bearer {key}"})
+    body = {"model": "minilm", "input": text, "encoding_format": "float"}
+    timed: dict[str, list[float]] = {
+        "http": [], "http_raw": [], "celery_caller": [], "celery_fast_path": []
+    }  # fmt: skip
+    ways = {
+        "http": lambda: client.embeddings.create(model="minilm", input=text),
+        "http_raw": lambda: raw.post("/embeddings", json=body).raise_for_status().json(),
+        "celery_caller": lambda: caller.send_task("gpufleet.infer", args=["minilm", text]).get(
+            timeout=CALL_TIMEOUT_S
+        ),
+        "celery_fast_path": lambda: infer.delay("minilm", text).get(timeout=CALL_TIMEOUT_S),
     }
+    for _ in range(count):
+        for name, way in ways.items():
+            start = time.perf_counter()
+            way()
+            timed[name].append((time.perf_counter() - start) * 1000)
+    out = {}
+    for name, times in timed.items():
+        out[f"{name}_p50_ms"] = round(percentile(times, 50), 2)
+        out[f"{name}_p99_ms"] = round(percentile(times, 99), 2)
+    return out
 
 
 async def _held(base_url: str, key: str, count: int, want: dict[str, str]) -> dict[str, Any]:
@@ -201,11 +228,14 @@ async def _held(base_url: str, key: str, count: int, want: dict[str, str]) -> di
     }
 
 
-def run(streams: int, embeds: int, held: int, seed: int, directory: Path) -> dict[str, Any]:
+def run(  # noqa: PLR0917 - the command line's options
+    streams: int, embeds: int, held: int, rounds: int, seed: int, directory: Path
+) -> dict[str, Any]:
+    from celery import Celery
     from openai import OpenAI
 
     from bench.fleet import bench_launcher, fleet_machine
-    from tasks.api import infer
+    from tasks.config import caller_conf
 
     sim = "1x4GiB"
     fleet = bench_launcher(directory, CATALOG, "api", sim, warm_cache="4GiB", api=True)
@@ -213,6 +243,8 @@ def run(streams: int, embeds: int, held: int, seed: int, directory: Path) -> dic
     try:
         fleet.start()
         fleet.wait_ready(300.0)
+        from tasks.api import infer  # once the fleet set this process's settings
+
         client = OpenAI(base_url=fleet.api_url, api_key=fleet.api_key, max_retries=0)
         plain = [
             infer.delay(MODEL, p, {"max_new_tokens": NEW_TOKENS, "temperature": 0}) for p in calls
@@ -222,10 +254,18 @@ def run(streams: int, embeds: int, held: int, seed: int, directory: Path) -> dic
         tokens = sum(len(a["tokens"][0]) for a in answers)
         http_stream(client, calls[0])  # both paths warm (connections, threads)
         celery_stream(calls[0])
-        http = _at_once(len(calls), lambda i: http_stream(client, calls[i]))
-        celery = _at_once(len(calls), lambda i: celery_stream(calls[i]))
+        runs: dict[str, list[dict[str, Any]]] = {"http": [], "celery": []}
+        streamers = {
+            "http": lambda i: http_stream(client, calls[i]),
+            "celery": lambda i: celery_stream(calls[i]),
+        }
+        for order in [("http", "celery"), ("celery", "http")] * rounds:  # neither goes first
+            for name in order:
+                runs[name].append(_at_once(len(calls), streamers[name]))
         log.info("streams done")
-        embedded = embeddings(client, embeds)
+        caller = Celery(set_as_current=False)
+        caller.conf.update(**caller_conf(fleet.caller_url))
+        embedded = embeddings(client, fleet.api_key, caller, embeds)
         log.info("embeddings done")
         many = prompts(held, seed + 1)
         handles = [
@@ -239,7 +279,7 @@ def run(streams: int, embeds: int, held: int, seed: int, directory: Path) -> dic
         holding = asyncio.run(_held(fleet.api_url, fleet.api_key, held, held_want))
     finally:
         fleet.stop()
-    over_http, over_celery = side(http, want, tokens), side(celery, want, tokens)
+    over_http, over_celery = side(runs["http"], want, tokens), side(runs["celery"], want, tokens)
     result: dict[str, Any] = {
         "streams": streams,
         "new_tokens": NEW_TOKENS,
@@ -248,7 +288,9 @@ def run(streams: int, embeds: int, held: int, seed: int, directory: Path) -> dic
         "ttft_ratio": round(over_http["ttft_p50_ms"] / over_celery["ttft_p50_ms"], 3),
         "tokens_ratio": round(over_http["tokens_per_s"] / over_celery["tokens_per_s"], 3),
         "embeddings": embedded,
-        "embedding_p50_extra_ms": round(embedded["http_p50_ms"] - embedded["celery_p50_ms"], 2),
+        "embedding_p50_extra_ms": round(
+            embedded["http_p50_ms"] - embedded["celery_caller_p50_ms"], 2
+        ),
         "held": holding,
         "targets": TARGETS,
         "machine": fleet_machine(sim),
@@ -269,12 +311,15 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=32)
     parser.add_argument("--embeddings", type=int, default=200)
     parser.add_argument("--held", type=int, default=1000)
+    parser.add_argument("--rounds", type=int, default=2, help="of both sides, in turn")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     signal.signal(signal.SIGTERM, exit_on_sigterm)
     with tempfile.TemporaryDirectory(prefix="gpufleet-bench-api-") as directory:
-        result = run(args.streams, args.embeddings, args.held, args.seed, Path(directory))
+        result = run(
+            args.streams, args.embeddings, args.held, args.rounds, args.seed, Path(directory)
+        )
     print(json.dumps(result, indent=2))
 
 

@@ -27,6 +27,9 @@ def serve(
     from tasks.front.server import Front, build
 
     _open_files()
+    from tasks.broker.results import Backend
+
+    Backend.subscribe_on_send = False  # results are read by the front's own readers
     settings = context.settings()
     key_file = KeyFile(keys)
     len(key_file)  # a missing or malformed key file fails here, not on the first request
@@ -35,17 +38,18 @@ def serve(
         build(front),
         host=host,
         port=port,
-        fd=fd,
         log_level="warning",
         access_log=False,
         timeout_graceful_shutdown=5,
         backlog=4096,
     )
+    # The launcher's socket is handed over as a socket, not as uvicorn's `fd`: uvicorn
+    # takes an fd for a Unix socket, and asyncio then leaves Nagle's algorithm on for every
+    # connection, which held each answer on a kept-alive connection ~40 ms (delayed ACK).
+    sockets = [socket.socket(fileno=fd)] if fd is not None else None
     where = f"fd {fd}" if fd is not None else f"http://{host}:{port}/v1"
     logging.getLogger(__name__).info("serving OpenAI's API on %s", where)
-    if fd is not None:  # the launcher bound it; uvicorn serves on it as is
-        socket.socket(fileno=fd).detach()
-    uvicorn.Server(config).run()
+    uvicorn.Server(config).run(sockets=sockets)
 
 
 def _open_files() -> None:

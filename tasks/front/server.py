@@ -24,10 +24,13 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-import anyio.to_thread
+import anyio
+import orjson
+import redis
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -45,6 +48,7 @@ from tasks.front.waiting import Results, Stream, Streams
 log = logging.getLogger(__name__)
 
 CALL_TIMEOUT_S = 600.0  # the longest a call may take, as the project's client allows
+SENDERS = 32  # threads sending calls at once (each send takes a millisecond or two)
 MAX_BODY_BYTES = 8 * 1024 * 1024  # a request body above this is refused (413) unread
 #: The task each endpoint's model must serve.
 TASK_OF = {"chat": "text-generation", "completion": "text-generation"}
@@ -60,9 +64,12 @@ class Front:
     redis_url: str  # the fleet's result store, as the caller user
     results: Results = field(init=False)
     streams: Streams = field(init=False)
+    #: Threads that send calls (kombu blocks): a call holds one only while it is sent.
+    senders: ThreadPoolExecutor = field(init=False)
     started: int = field(default_factory=lambda: int(time.time()))
 
     async def start(self) -> None:
+        self.senders = ThreadPoolExecutor(SENDERS, thread_name_prefix="gpufleet-send")
         client = endpoint.parse(self.redis_url).async_client(max_connections=64)
         self.results, self.streams = Results(client), Streams(client)
         self.results.start()
@@ -71,6 +78,7 @@ class Front:
     async def stop(self) -> None:
         await self.streams.stop()
         await self.results.stop()
+        self.senders.shutdown(wait=False)
 
 
 def build(front: Front) -> Starlette:
@@ -113,6 +121,13 @@ def build(front: Front) -> Starlette:
     )
 
 
+class _Json(JSONResponse):
+    """JSON through orjson: an answer's floats and texts, encoded several times faster."""
+
+    def render(self, content: Any) -> bytes:
+        return orjson.dumps(content)
+
+
 class _Refused(Exception):
     """A request answered with `failure` (OpenAI's error object) instead of a result."""
 
@@ -140,13 +155,13 @@ def _authorize(front: Front, request: Request) -> None:
 
 
 async def _models(front: Front, _: Request) -> Response:
-    return JSONResponse(shapes.models(list(front.catalog), front.started))
+    return _Json(shapes.models(list(front.catalog), front.started))
 
 
 async def _model(front: Front, request: Request) -> Response:
     name = request.path_params["name"]
     front.catalog.get(name)  # UnknownModelError: a 404
-    return JSONResponse(shapes.model(name, front.started))
+    return _Json(shapes.model(name, front.started))
 
 
 async def _chat(front: Front, request: Request) -> Response:
@@ -160,22 +175,21 @@ async def _completion(front: Front, request: Request) -> Response:
 async def _embedding(front: Front, request: Request) -> Response:
     call = shapes.embedding_call(await _body(request))
     _check_model(front, call)
-    task_id = await _send(call)
-    meta = await _until_answered(front, request, task_id)
-    return JSONResponse(shapes.embeddings(call, _outputs(meta)))
+    task_id, result = await _send(front, call)
+    meta = await _until_answered(front, request, task_id, result)
+    return _Json(shapes.embeddings(call, _outputs(meta)))
 
 
 async def _generate(front: Front, request: Request, call: Call) -> Response:
     _check_model(front, call)
     if not call.stream:
-        task_id = await _send(call)
-        meta = await _until_answered(front, request, task_id)
-        return JSONResponse(shapes.answer(call, task_id, _outputs(meta)))
+        task_id, result = await _send(front, call)
+        meta = await _until_answered(front, request, task_id, result)
+        return _Json(shapes.answer(call, task_id, _outputs(meta)))
     task_id = _new_id()
     stream = front.streams.open(task_id)  # before the call: its first entry is not missed
     try:
-        await _send(call, task_id)
-        result = asyncio.ensure_future(front.results.wait(task_id, CALL_TIMEOUT_S))
+        task_id, result = await _send(front, call, task_id)
         first = await _first(front, request, task_id, stream, result)
     except BaseException:
         front.streams.close(task_id)
@@ -192,7 +206,7 @@ def _abandon(front: Front, task_id: str, result: asyncio.Future[dict[str, Any]])
     front.streams.close(task_id)
     if not result.done():
         result.cancel()
-        _cancel_soon(task_id)
+        _cancel_soon(front, task_id)
 
 
 # --- sending and waiting ------------------------------------------------------------
@@ -204,8 +218,11 @@ def _new_id() -> str:
     return str(uuid())
 
 
-async def _send(call: Call, task_id: str | None = None) -> str:
-    """Send `call` as the project's client does (on a thread: kombu blocks); its task id."""
+async def _send(
+    front: Front, call: Call, task_id: str | None = None
+) -> tuple[str, asyncio.Future[dict[str, Any]]]:
+    """Send `call` as the project's client does (on a thread: kombu blocks), its result
+    watched first: its task id, and its result's meta to come (`CALL_TIMEOUT_S`)."""
     from tasks.api import infer
 
     params = {**call.params, "stream": True} if call.stream else call.params
@@ -215,17 +232,30 @@ async def _send(call: Call, task_id: str | None = None) -> str:
         infer.apply_async((call.model, call.inputs, params), task_id=task_id)
 
     try:
-        await anyio.to_thread.run_sync(publish)
+        watched = await front.results.watch(task_id)
+    except (redis.RedisError, OSError) as exc:  # the result store is unreachable
+        raise _Refused(_unreachable(task_id, exc)) from None
+    try:
+        await asyncio.get_running_loop().run_in_executor(front.senders, publish)
     except Exception as exc:  # the broker is unreachable: the caller may try again
-        log.warning("could not send call %s: %s", task_id, exc)
-        raise _Refused(
-            Failure(503, f"the fleet's Redis did not take the call ({type(exc).__name__}); "
-            "try again shortly", "server_error", "fleet_unreachable", retry_after=2)
-        ) from None  # fmt: skip
-    return task_id
+        front.results.forget(task_id)
+        raise _Refused(_unreachable(task_id, exc)) from None
+    except BaseException:
+        front.results.forget(task_id)
+        raise
+    waiting = front.results.until(task_id, watched, CALL_TIMEOUT_S)
+    return task_id, asyncio.ensure_future(waiting)
 
 
-def _cancel_soon(task_id: str) -> None:
+def _unreachable(task_id: str, exc: BaseException) -> Failure:
+    log.warning("could not send call %s: %s", task_id, exc)
+    return Failure(
+        503, f"the fleet's Redis did not take the call ({type(exc).__name__}); try again "
+        "shortly", "server_error", "fleet_unreachable", retry_after=2,
+    )  # fmt: skip
+
+
+def _cancel_soon(front: Front, task_id: str) -> None:
     """Cancel `task_id` without waiting (its caller is gone)."""
     from tasks.api import cancel
 
@@ -235,12 +265,13 @@ def _cancel_soon(task_id: str) -> None:
         except Exception as exc:
             log.warning("could not cancel call %s: %s", task_id, exc)
 
-    asyncio.get_running_loop().run_in_executor(None, send)
+    asyncio.get_running_loop().run_in_executor(front.senders, send)
 
 
-async def _until_answered(front: Front, request: Request, task_id: str) -> dict[str, Any]:
+async def _until_answered(
+    front: Front, request: Request, task_id: str, waiting: asyncio.Future[dict[str, Any]]
+) -> dict[str, Any]:
     """The call's stored result, or the call cancelled when the client leaves first."""
-    waiting = asyncio.ensure_future(front.results.wait(task_id, CALL_TIMEOUT_S))
     gone = asyncio.ensure_future(_disconnect(request))
     try:
         await asyncio.wait((waiting, gone), return_when=asyncio.FIRST_COMPLETED)
@@ -248,9 +279,9 @@ async def _until_answered(front: Front, request: Request, task_id: str) -> dict[
         gone.cancel()
     if not waiting.done():
         waiting.cancel()
-        _cancel_soon(task_id)
+        _cancel_soon(front, task_id)
         raise _Refused(Failure(499, "the client closed the request", "invalid_request_error"))
-    return _succeeded(task_id, waiting)
+    return _succeeded(front, task_id, waiting)
 
 
 async def _disconnect(request: Request) -> None:
@@ -259,13 +290,15 @@ async def _disconnect(request: Request) -> None:
         pass
 
 
-def _succeeded(task_id: str, waiting: asyncio.Future[dict[str, Any]]) -> dict[str, Any]:
+def _succeeded(
+    front: Front, task_id: str, waiting: asyncio.Future[dict[str, Any]]
+) -> dict[str, Any]:
     """The result's meta of a call that succeeded; `_Refused` with its error's status
     otherwise (or a 504 when it did not end in time)."""
     try:
         meta = waiting.result()
     except asyncio.TimeoutError:  # not the builtin one before Python 3.11
-        _cancel_soon(task_id)
+        _cancel_soon(front, task_id)
         raise _Refused(_too_long()) from None
     if meta.get("status") == "SUCCESS":
         return meta
@@ -341,7 +374,7 @@ async def _first(
             if gone.done():
                 piece.cancel()
                 result.cancel()
-                _cancel_soon(task_id)
+                _cancel_soon(front, task_id)
                 raise _Refused(
                     Failure(499, "the client closed the request", "invalid_request_error")
                 )
@@ -352,14 +385,14 @@ async def _first(
                 text = piece.result()
             except asyncio.TimeoutError:  # nothing streamed in all that time
                 result.cancel()
-                _cancel_soon(task_id)
+                _cancel_soon(front, task_id)
                 raise _Refused(_too_long()) from None
             if text:
                 return text
     finally:
         gone.cancel()
     if result.done():
-        _succeeded(task_id, result)  # its error, if it failed
+        _succeeded(front, task_id, result)  # its error, if it failed
     return []
 
 
@@ -377,7 +410,7 @@ async def _events(  # noqa: PLR0917 - one call's parts, as `_generate` has them
     ended = False
 
     def event(body: dict[str, Any]) -> bytes:
-        return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
+        return b"data: " + orjson.dumps(body) + b"\n\n"
 
     def pieces(text: list[tuple[int, str]]) -> list[bytes]:
         out = []
@@ -398,13 +431,14 @@ async def _events(  # noqa: PLR0917 - one call's parts, as `_generate` has them
             if not piece.done():
                 piece.cancel()
                 break
-            for out in pieces(piece.result()):
+            # what else came meanwhile joins it: one chunk per prompt, fewer under load
+            for out in pieces(_joined(piece.result() + stream.drain())):
                 yield out
         for out in pieces(stream.drain()):
             yield out
         await asyncio.wait({result})
         try:
-            meta = _succeeded(task_id, result)
+            meta = _succeeded(front, task_id, result)
         except _Refused as exc:  # it failed after it started: OpenAI's error event
             ended = True
             yield event(exc.failure.body())
@@ -425,6 +459,17 @@ async def _events(  # noqa: PLR0917 - one call's parts, as `_generate` has them
     finally:
         if not ended:
             _abandon(front, task_id, result)
+
+
+def _joined(text: list[tuple[int, str]]) -> list[tuple[int, str]]:
+    """Consecutive pieces of one prompt as one piece."""
+    out: list[tuple[int, str]] = []
+    for index, piece in text:
+        if out and out[-1][0] == index:
+            out[-1] = (index, out[-1][1] + piece)
+        else:
+            out.append((index, piece))
+    return out
 
 
 class EventStream(StreamingResponse):
@@ -456,8 +501,8 @@ class EventStream(StreamingResponse):
 # --- errors --------------------------------------------------------------------------
 
 
-def _error(failure: Failure) -> JSONResponse:
-    return JSONResponse(failure.body(), failure.status, headers=failure.headers())
+def _error(failure: Failure) -> Response:
+    return _Json(failure.body(), failure.status, headers=failure.headers())
 
 
 async def _not_found(request: Request, exc: Exception) -> Response:

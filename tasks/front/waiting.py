@@ -6,10 +6,9 @@ scale, so one process shares:
 
 * `Results`: one SUBSCRIBE connection for every pending result. Celery's Redis backend
   stores a result with SET and PUBLISH on the same key (`celery-task-meta-<id>`), so a
-  subscriber hears it as it is stored. Subscribing happens after the call is sent, so
-  the calls subscribed since the last look are read with one MGET (a fast call may be
-  answered before its SUBSCRIBE: a thousand calls sent at once cost one read, not a
-  thousand connections); and every `SWEEP_S` one MGET reads every pending result, so a
+  subscriber hears it as it is stored. Each call is subscribed to before it is sent (as
+  Celery's own client does), so no answer comes unheard, and unsubscribed from in the
+  background, many at once; every `SWEEP_S` one MGET reads every pending result, so a
   message lost to a reconnect (a failover, a Redis restart) delays an answer by a sweep,
   never loses it.
 * `Streams`: one blocking XREAD over every open stream (`tasks.serving.streams`), whose
@@ -25,7 +24,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import time
 from typing import Any
 
 import redis.asyncio
@@ -55,14 +53,16 @@ class Results:
         self._pubsub = client.pubsub(ignore_subscribe_messages=True)
         self._waiting: dict[str, asyncio.Future[dict[str, Any]]] = {}
         self._lock = asyncio.Lock()  # one SUBSCRIBE or UNSUBSCRIBE at a time
-        self._fresh: set[str] = set()  # subscribed since the last read
-        self._kick = asyncio.Event()  # set when `_fresh` gains a key
+        self._subscribed = asyncio.Event()  # set when a SUBSCRIBE was sent
+        self._done: set[str] = set()  # keys to unsubscribe from, in one command
+        self._finish = asyncio.Event()  # set when `_done` gains a key
         self._tasks: list[asyncio.Task[None]] = []
 
     def start(self) -> None:
         self._tasks = [
             asyncio.create_task(self._listen(), name="gpufleet-results"),
             asyncio.create_task(self._sweep(), name="gpufleet-results-sweep"),
+            asyncio.create_task(self._unsubscribe(), name="gpufleet-results-unsubscribe"),
         ]
 
     async def stop(self) -> None:
@@ -74,23 +74,39 @@ class Results:
         with contextlib.suppress(Exception):
             await self._pubsub.aclose()  # type: ignore[no-untyped-call]
 
-    async def wait(self, task_id: str, timeout: float) -> dict[str, Any]:
-        """The stored result of `task_id` once it is ready (SUCCESS, FAILURE, REVOKED):
-        Celery's meta, `status` and `result`. Raises TimeoutError after `timeout` s."""
+    async def watch(self, task_id: str) -> asyncio.Future[dict[str, Any]]:
+        """Subscribe to `task_id`'s result, before its call is sent (so no answer comes
+        unheard); the future is its stored meta once ready (SUCCESS, FAILURE, REVOKED).
+        `until` waits for it, and forgets it after."""
         key = RESULT_PREFIX + task_id
         future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._waiting[key] = future
+        self._done.discard(key)
         try:
             async with self._lock:
                 await self._pubsub.subscribe(key)
-            self._fresh.add(key)  # stored before we subscribed? the next read says
-            self._kick.set()
+        except BaseException:
+            self._waiting.pop(key, None)
+            raise
+        self._subscribed.set()
+        return future
+
+    async def until(
+        self, task_id: str, future: asyncio.Future[dict[str, Any]], timeout: float
+    ) -> dict[str, Any]:
+        """`watch`'s future once it is done (TimeoutError after `timeout` s); then the
+        subscription ends."""
+        try:
             return await asyncio.wait_for(future, timeout)
         finally:
-            self._waiting.pop(key, None)
-            with contextlib.suppress(Exception):
-                async with self._lock:
-                    await self._pubsub.unsubscribe(key)
+            self.forget(task_id)
+
+    def forget(self, task_id: str) -> None:
+        """End `task_id`'s subscription, off the answer's path (`_unsubscribe`)."""
+        key = RESULT_PREFIX + task_id
+        self._waiting.pop(key, None)
+        self._done.add(key)
+        self._finish.set()
 
     def _settle(self, key: str, raw: Any) -> None:
         """Hand a stored result to its waiter, if it is ready."""
@@ -109,7 +125,8 @@ class Results:
         while True:
             try:
                 if not self._pubsub.subscribed:
-                    await asyncio.sleep(0.05)
+                    self._subscribed.clear()
+                    await self._subscribed.wait()  # until `watch` subscribes
                     continue
                 message = await self._pubsub.get_message(timeout=1.0)
                 if message and message.get("type") == "message":
@@ -120,30 +137,38 @@ class Results:
                 log.warning("result channel lost (%s); the sweep reads meanwhile", exc)
                 await asyncio.sleep(RETRY_S)
 
-    async def _sweep(self) -> None:
-        """Read, in one MGET, the results of the calls subscribed since the last read (each
-        may have been stored before its SUBSCRIBE), and every `SWEEP_S` all pending ones."""
-        swept = time.monotonic()
+    async def _unsubscribe(self) -> None:
+        """Unsubscribe from every key forgotten since the last time, in one command."""
         while True:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._kick.wait(), SWEEP_S)
-            self._kick.clear()
-            keys, self._fresh = self._fresh, set()
-            if time.monotonic() - swept >= SWEEP_S:
-                keys, swept = set(self._waiting), time.monotonic()
-            keys = {k for k in keys if k in self._waiting and not self._waiting[k].done()}
+            await self._finish.wait()
+            self._finish.clear()
+            keys = [key for key in self._done if key not in self._waiting]
+            self._done.clear()
             if not keys:
                 continue
             try:
-                ordered = list(keys)
-                for key, raw in zip(ordered, await self._client.mget(ordered), strict=True):
+                async with self._lock:
+                    await self._pubsub.unsubscribe(*keys)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the connection is gone: its subscriptions with it
+                log.warning("could not unsubscribe from %d results: %s", len(keys), exc)
+
+    async def _sweep(self) -> None:
+        """Every `SWEEP_S`, read every pending result in one MGET: an answer whose message
+        was lost (the channel's connection dropped meanwhile) is found here."""
+        while True:
+            await asyncio.sleep(SWEEP_S)
+            keys = [k for k, f in self._waiting.items() if not f.done()]
+            if not keys:
+                continue
+            try:
+                for key, raw in zip(keys, await self._client.mget(keys), strict=True):
                     self._settle(key, raw)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
                 log.warning("could not read %d pending results: %s", len(keys), exc)
-                self._fresh |= keys  # again at the next read
-                await asyncio.sleep(RETRY_S)
 
 
 class Stream:
