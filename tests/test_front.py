@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import os
 import struct
@@ -14,6 +15,7 @@ from placement.errors import ConfigError
 from tasks.front import keys, shapes
 from tasks.front.keys import KeyFile
 from tasks.front.shapes import RequestError
+from tasks.front.waiting import Stream
 
 CHAT: Any = [{"role": "user", "content": "hi"}]
 PARTS = [{"type": "text", "text": "be "}, {"type": "text", "text": "brief"}]
@@ -127,3 +129,17 @@ def test_a_fleet_that_cannot_take_a_call_now_says_when_to_try_again() -> None:
     assert (bad.status, bad.headers()) == (400, {})
     crashed = shapes.failure("RuntimeError", "CUDA error")  # the model's, not the client's
     assert crashed.status == 500 and crashed.body()["error"]["type"] == "server_error"
+
+
+def test_a_stream_waiter_cancelled_as_its_text_arrives_loses_none_of_it() -> None:
+    async def run() -> list[tuple[int, str]]:
+        stream = Stream("call")
+        waiter = asyncio.ensure_future(stream.arrived())
+        await asyncio.sleep(0)
+        stream.put("1-0", {"start": "1"})
+        stream.put("1-1", {"i": "0", "t": "ab"})
+        waiter.cancel()  # woken and cancelled in one turn, as when the call ends first
+        stream.put("1-2", {"i": "0", "t": "c"})
+        return stream.drain()
+
+    assert asyncio.run(run()) == [(0, "ab"), (0, "c")]

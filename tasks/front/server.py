@@ -369,26 +369,26 @@ async def _first(
     gone = asyncio.ensure_future(_disconnect(request))
     try:
         while stream.pieces.ended is None:
-            piece = asyncio.ensure_future(stream.next(CALL_TIMEOUT_S))
-            await asyncio.wait((piece, result, gone), return_when=asyncio.FIRST_COMPLETED)
+            arrival = asyncio.ensure_future(stream.arrived())
+            done, _ = await asyncio.wait(
+                (arrival, result, gone), timeout=CALL_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED
+            )
+            arrival.cancel()  # an Event's waiter: cancelled, it loses nothing
             if gone.done():
-                piece.cancel()
                 result.cancel()
                 _cancel_soon(front, task_id)
                 raise _Refused(
                     Failure(499, "the client closed the request", "invalid_request_error")
                 )
-            if not piece.done():
-                piece.cancel()
-                break  # the result came first
-            try:
-                text = piece.result()
-            except asyncio.TimeoutError:  # nothing streamed in all that time
+            if not done:  # nothing streamed in all that time
                 result.cancel()
                 _cancel_soon(front, task_id)
-                raise _Refused(_too_long()) from None
+                raise _Refused(_too_long())
+            text = stream.drain()
             if text:
                 return text
+            if result.done():
+                break  # it ended before it streamed any text
     finally:
         gone.cancel()
     if result.done():
@@ -426,15 +426,13 @@ async def _events(  # noqa: PLR0917 - one call's parts, as `_generate` has them
         for out in pieces(first):
             yield out
         while stream.pieces.ended is None and not result.done():
-            piece = asyncio.ensure_future(stream.next(CALL_TIMEOUT_S))
-            await asyncio.wait((piece, result), return_when=asyncio.FIRST_COMPLETED)
-            if not piece.done():
-                piece.cancel()
-                break
-            # what else came meanwhile joins it: one chunk per prompt, fewer under load
-            for out in pieces(_joined(piece.result() + stream.drain())):
+            arrival = asyncio.ensure_future(stream.arrived())
+            await asyncio.wait((arrival, result), return_when=asyncio.FIRST_COMPLETED)
+            arrival.cancel()
+            # all that came meanwhile, joined: one chunk per prompt, fewer under load
+            for out in pieces(_joined(stream.drain())):
                 yield out
-        for out in pieces(stream.drain()):
+        for out in pieces(_joined(stream.drain())):
             yield out
         await asyncio.wait({result})
         try:

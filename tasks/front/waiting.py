@@ -21,6 +21,7 @@ Both run as tasks of the server's event loop and end with it.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import logging
@@ -172,23 +173,34 @@ class Results:
 
 
 class Stream:
-    """One call's streamed text as the shared reader hands it over."""
+    """One call's streamed text as the shared reader hands it over.
+
+    Its entries are taken only by `drain`, which never awaits: a waiter that is cancelled
+    (the call ended first, the client left) loses nothing, as a cancelled `Queue.get`
+    inside `wait_for` could (the entry taken, the waiter gone: a piece missing from the
+    middle of the text).
+    """
 
     def __init__(self, task_id: str) -> None:
         self.pieces = streams.Pieces(task_id)
-        self.entries: asyncio.Queue[tuple[Any, dict[Any, Any]]] = asyncio.Queue()
+        self._entries: collections.deque[tuple[Any, dict[Any, Any]]] = collections.deque()
+        self._arrived = asyncio.Event()
 
-    async def next(self, timeout: float) -> list[tuple[int, str]]:
-        """The text the next entry adds (`pieces.ended` once it was the end), or
-        TimeoutError after `timeout` s without one."""
-        entry_id, raw = await asyncio.wait_for(self.entries.get(), timeout)
-        return self.pieces.feed(entry_id, raw)
+    def put(self, entry_id: Any, fields: dict[Any, Any]) -> None:
+        self._entries.append((entry_id, fields))
+        self._arrived.set()
+
+    async def arrived(self) -> None:
+        """Returns once entries wait to be drained."""
+        await self._arrived.wait()
 
     def drain(self) -> list[tuple[int, str]]:
-        """The text of every entry already handed over, up to the end."""
+        """The text of every entry handed over so far, up to the end (`pieces.ended`)."""
         out: list[tuple[int, str]] = []
-        while not self.entries.empty() and self.pieces.ended is None:
-            out += self.pieces.feed(*self.entries.get_nowait())
+        while self._entries and self.pieces.ended is None:
+            out += self.pieces.feed(*self._entries.popleft())
+        if not self._entries:
+            self._arrived.clear()
         return out
 
 
@@ -252,7 +264,7 @@ class Streams:
                 if stream is None:
                     continue  # closed while the read blocked
                 for entry_id, fields in entries:
-                    stream.entries.put_nowait((entry_id, fields))
+                    stream.put(entry_id, fields)
                 self._last[name] = _text(entries[-1][0])
 
 
