@@ -143,3 +143,19 @@ def test_a_stream_waiter_cancelled_as_its_text_arrives_loses_none_of_it() -> Non
         return stream.drain()
 
     assert asyncio.run(run()) == [(0, "ab"), (0, "c")]
+
+
+def test_a_stream_whose_call_ran_again_with_other_text_breaks_and_keeps_what_it_gave() -> None:
+    async def run() -> tuple[list[tuple[int, str]], bool]:
+        stream = Stream("call")
+        for entry_id, fields in [
+            ("1-0", {"start": "1"}),
+            ("1-1", {"i": "0", "t": "ab"}),
+            ("1-2", {"start": "1"}),  # its worker was lost: the call runs again
+            ("1-3", {"i": "0", "t": "xy"}),  # sampled without a seed: other text
+            ("1-4", {"i": "0", "t": "z"}),
+        ]:
+            stream.put(entry_id, fields)
+        return stream.drain(), stream.broken
+
+    assert asyncio.run(run()) == ([(0, "ab")], True)

@@ -234,6 +234,11 @@ def test_each_bad_request_gets_openai_s_error_shape_and_the_right_status(
     assert status == 400 and body["param"] == "best_guess", body
     status, body = _status(lambda: create(**{**base, "model": "huge"}))
     assert status == 400 and body["code"] == "model_never_fits", body
+    # refused by the GPU worker (past the model's 256 positions), after the stream began
+    # there: still a status, not a stream that ends in an error
+    long: Any = client.completions.create
+    status, body = _status(lambda: long(model="talker", prompt="x" * 300, stream=True))
+    assert status == 400 and "positions" in body["message"], body
 
     url = f"{front['base_url']}/chat/completions"
     headers = {"Authorization": f"Bearer {front['api_key']}", "Content-Type": "application/json"}

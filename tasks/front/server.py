@@ -38,7 +38,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from placement.catalog.catalog import Catalog
-from placement.errors import GpufleetError, UnknownModelError
+from placement.errors import ConfigError, GpufleetError, UnknownModelError
 from placement.ledger import endpoint
 from tasks.front import shapes
 from tasks.front.keys import KeyFile
@@ -49,7 +49,11 @@ log = logging.getLogger(__name__)
 
 CALL_TIMEOUT_S = 600.0  # the longest a call may take, as the project's client allows
 SENDERS = 32  # threads sending calls at once (each send takes a millisecond or two)
-MAX_BODY_BYTES = 8 * 1024 * 1024  # a request body above this is refused (413) unread
+MAX_BODY_BYTES = 8 * 1024 * 1024
+RESTARTED = (
+    "the call ran again after its worker was lost and wrote other text than it had streamed"
+    " (sampling without a seed); send it again, with a seed to make it repeatable"
+)  # a request body above this is refused (413) unread
 #: The task each endpoint's model must serve.
 TASK_OF = {"chat": "text-generation", "completion": "text-generation"}
 TASK_OF["embedding"] = "feature-extraction"
@@ -143,7 +147,14 @@ def _authorize(front: Front, request: Request) -> None:
             Failure(401, "no API key given: send `Authorization: Bearer KEY` (`gpufleet url "
             "--json` prints the fleet's)", "invalid_request_error", "missing_api_key")
         )  # fmt: skip
-    if front.keys.name_of(key.strip()) is None:
+    try:
+        name = front.keys.name_of(key.strip())
+    except ConfigError as exc:  # the operator's to fix; the caller learns no path
+        log.error("cannot check API keys: %s", exc)
+        raise _Refused(
+            Failure(500, "the server cannot read its API keys; see its log", "server_error")
+        ) from None
+    if name is None:
         raise _Refused(
             Failure(401, "incorrect API key provided; `gpufleet url --json` prints the "
             "fleet's, `gpufleet api-key` makes another", "invalid_request_error",
@@ -190,9 +201,13 @@ async def _generate(front: Front, request: Request, call: Call) -> Response:
     stream = front.streams.open(task_id)  # before the call: its first entry is not missed
     try:
         task_id, result = await _send(front, call, task_id)
-        first = await _first(front, request, task_id, stream, result)
     except BaseException:
         front.streams.close(task_id)
+        raise
+    try:
+        first = await _first(front, request, task_id, stream, result)
+    except BaseException:
+        _abandon(front, task_id, result)
         raise
     events = _events(front, call, task_id, stream, result, first)
     headers = {"Cache-Control": "no-cache"}
@@ -202,9 +217,8 @@ async def _generate(front: Front, request: Request, call: Call) -> Response:
 
 def _abandon(front: Front, task_id: str, result: asyncio.Future[dict[str, Any]]) -> None:
     """A stream's end, however it ended: its reader closed, and its call cancelled unless
-    it was answered (its client went away first)."""
-    front.streams.close(task_id)
-    if not result.done():
+    it was answered (its client went away first). Once: later calls find it closed."""
+    if front.streams.close(task_id) and not result.done():
         result.cancel()
         _cancel_soon(front, task_id)
 
@@ -265,7 +279,10 @@ def _cancel_soon(front: Front, task_id: str) -> None:
         except Exception as exc:
             log.warning("could not cancel call %s: %s", task_id, exc)
 
-    asyncio.get_running_loop().run_in_executor(front.senders, send)
+    try:
+        asyncio.get_running_loop().run_in_executor(front.senders, send)
+    except RuntimeError:  # the front stops: its threads are gone
+        log.warning("call %s was left running: the front stopped", task_id)
 
 
 async def _until_answered(
@@ -273,14 +290,17 @@ async def _until_answered(
 ) -> dict[str, Any]:
     """The call's stored result, or the call cancelled when the client leaves first."""
     gone = asyncio.ensure_future(_disconnect(request))
+    left = True
     try:
         await asyncio.wait((waiting, gone), return_when=asyncio.FIRST_COMPLETED)
+        left = not waiting.done()
     finally:
         gone.cancel()
-    if not waiting.done():
-        waiting.cancel()
-        _cancel_soon(front, task_id)
-        raise _Refused(Failure(499, "the client closed the request", "invalid_request_error"))
+        if left:  # the client went away first (or the server stops): the call too
+            waiting.cancel()
+            _cancel_soon(front, task_id)
+    if left:
+        raise _Refused(_gone())
     return _succeeded(front, task_id, waiting)
 
 
@@ -307,6 +327,10 @@ def _succeeded(
     words = error.get("exc_message") or []
     message = " ".join(str(w) for w in words) if isinstance(words, list) else str(words)
     raise _Refused(shapes.failure(kind, message or kind))
+
+
+def _gone() -> Failure:
+    return Failure(499, "the client closed the request", "invalid_request_error")
 
 
 def _too_long() -> Failure:
@@ -368,32 +392,32 @@ async def _first(
     A call that failed first is answered with its error's status, not a stream."""
     gone = asyncio.ensure_future(_disconnect(request))
     try:
-        while stream.pieces.ended is None:
-            arrival = asyncio.ensure_future(stream.arrived())
-            done, _ = await asyncio.wait(
-                (arrival, result, gone), timeout=CALL_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED
-            )
-            arrival.cancel()  # an Event's waiter: cancelled, it loses nothing
-            if gone.done():
-                result.cancel()
-                _cancel_soon(front, task_id)
-                raise _Refused(
-                    Failure(499, "the client closed the request", "invalid_request_error")
+        while True:
+            waits: tuple[asyncio.Future[Any], ...] = (result, gone)
+            arrival = None
+            if stream.pieces.ended is None and not stream.broken:
+                arrival = asyncio.ensure_future(stream.arrived())
+                waits = (arrival, *waits)
+            try:
+                done, _ = await asyncio.wait(
+                    waits, timeout=CALL_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED
                 )
-            if not done:  # nothing streamed in all that time
-                result.cancel()
-                _cancel_soon(front, task_id)
+            finally:
+                if arrival is not None:
+                    arrival.cancel()  # an Event's waiter: cancelled, it loses nothing
+            if gone.done():
+                raise _Refused(_gone())
+            if not done:  # nothing in all that time
                 raise _Refused(_too_long())
             text = stream.drain()
-            if text:
-                return text
-            if result.done():
-                break  # it ended before it streamed any text
+            if text or result.done():
+                break
+            # an end (or a broken stream) without text: its result says how it ended
     finally:
         gone.cancel()
     if result.done():
-        _succeeded(front, task_id, result)  # its error, if it failed
-    return []
+        _succeeded(front, task_id, result)  # its error, if it failed first
+    return text
 
 
 async def _events(  # noqa: PLR0917 - one call's parts, as `_generate` has them
@@ -425,15 +449,20 @@ async def _events(  # noqa: PLR0917 - one call's parts, as `_generate` has them
             given[0] = ""
         for out in pieces(first):
             yield out
-        while stream.pieces.ended is None and not result.done():
+        while stream.pieces.ended is None and not stream.broken and not result.done():
             arrival = asyncio.ensure_future(stream.arrived())
-            await asyncio.wait((arrival, result), return_when=asyncio.FIRST_COMPLETED)
-            arrival.cancel()
+            try:
+                await asyncio.wait((arrival, result), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                arrival.cancel()
             # all that came meanwhile, joined: one chunk per prompt, fewer under load
             for out in pieces(_joined(stream.drain())):
                 yield out
         for out in pieces(_joined(stream.drain())):
             yield out
+        if stream.broken:  # it ran again, with other text: it cannot go on, and is cancelled
+            yield event(_restarted().body())
+            return
         await asyncio.wait({result})
         try:
             meta = _succeeded(front, task_id, result)
@@ -442,11 +471,14 @@ async def _events(  # noqa: PLR0917 - one call's parts, as `_generate` has them
             yield event(exc.failure.body())
             return
         outputs = _outputs(meta)
+        if _diverged(outputs["texts"], given):  # never end as if the text were whole
+            ended = True
+            yield event(_restarted().body())
+            return
         for index, (whole, reason) in enumerate(
             zip(outputs["texts"], outputs["finish_reasons"], strict=True)
         ):
-            sent = given.get(index, "")
-            rest = whole[len(sent) :] if whole.startswith(sent) else ""
+            rest = whole[len(given.get(index, "")) :]
             if rest:  # what the stream did not carry (it expired, say)
                 yield event(shapes.chunk(call, task_id, index, rest, first=index not in given))
             yield event(shapes.chunk(call, task_id, index, None, reason))
@@ -457,6 +489,15 @@ async def _events(  # noqa: PLR0917 - one call's parts, as `_generate` has them
     finally:
         if not ended:
             _abandon(front, task_id, result)
+
+
+def _diverged(texts: list[str], given: dict[int, str]) -> bool:
+    """Whether the text streamed is not the start of the answer (the call ran again)."""
+    return not all(whole.startswith(given.get(i, "")) for i, whole in enumerate(texts))
+
+
+def _restarted() -> Failure:
+    return Failure(500, RESTARTED, "server_error", "stream_restarted")
 
 
 def _joined(text: list[tuple[int, str]]) -> list[tuple[int, str]]:

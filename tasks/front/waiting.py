@@ -87,7 +87,7 @@ class Results:
             async with self._lock:
                 await self._pubsub.subscribe(key)
         except BaseException:
-            self._waiting.pop(key, None)
+            self.forget(task_id)  # its SUBSCRIBE may have been written
             raise
         self._subscribed.set()
         return future
@@ -155,11 +155,22 @@ class Results:
             except Exception as exc:  # the connection is gone: its subscriptions with it
                 log.warning("could not unsubscribe from %d results: %s", len(keys), exc)
 
+    def _orphans(self) -> None:
+        """Channels subscribed that no call waits for go to `_unsubscribe`: a reconnect
+        subscribes again to every channel whose UNSUBSCRIBE was not confirmed yet."""
+        stray = {_text(c) for c in self._pubsub.channels} - set(self._waiting)
+        stray -= {_text(c) for c in self._pubsub.pending_unsubscribe_channels}
+        if stray:
+            self._done |= stray
+            self._finish.set()
+
     async def _sweep(self) -> None:
         """Every `SWEEP_S`, read every pending result in one MGET: an answer whose message
-        was lost (the channel's connection dropped meanwhile) is found here."""
+        was lost (the channel's connection dropped meanwhile) is found here; and channels
+        nobody waits for are dropped (`_orphans`)."""
         while True:
             await asyncio.sleep(SWEEP_S)
+            self._orphans()
             keys = [k for k, f in self._waiting.items() if not f.done()]
             if not keys:
                 continue
@@ -185,6 +196,7 @@ class Stream:
         self.pieces = streams.Pieces(task_id)
         self._entries: collections.deque[tuple[Any, dict[Any, Any]]] = collections.deque()
         self._arrived = asyncio.Event()
+        self.broken = False  # the call ran again and wrote other text (`drain`)
 
     def put(self, entry_id: Any, fields: dict[Any, Any]) -> None:
         self._entries.append((entry_id, fields))
@@ -195,10 +207,15 @@ class Stream:
         await self._arrived.wait()
 
     def drain(self) -> list[tuple[int, str]]:
-        """The text of every entry handed over so far, up to the end (`pieces.ended`)."""
+        """The text of every entry handed over so far, up to the end (`pieces.ended`). A
+        call that ran again and wrote other text than it streamed (its worker was lost,
+        it samples without a seed) sets `broken` instead: its text so far is all it gets."""
         out: list[tuple[int, str]] = []
-        while self._entries and self.pieces.ended is None:
-            out += self.pieces.feed(*self._entries.popleft())
+        while self._entries and self.pieces.ended is None and not self.broken:
+            try:
+                out += self.pieces.feed(*self._entries.popleft())
+            except streams.StreamRestartedError:
+                self.broken = True
         if not self._entries:
             self._arrived.clear()
         return out
@@ -231,10 +248,11 @@ class Streams:
         self._wake.set()
         return stream
 
-    def close(self, task_id: str) -> None:
+    def close(self, task_id: str) -> bool:
+        """Stop reading `task_id`'s stream; whether it was open."""
         name = streams.key(task_id)
-        self._open.pop(name, None)
         self._last.pop(name, None)
+        return self._open.pop(name, None) is not None
 
     @property
     def count(self) -> int:
@@ -265,7 +283,10 @@ class Streams:
                     continue  # closed while the read blocked
                 for entry_id, fields in entries:
                     stream.put(entry_id, fields)
-                self._last[name] = _text(entries[-1][0])
+                if any(b"end" in fields or "end" in fields for _, fields in entries):
+                    self._last.pop(name, None)  # read to its end: out of the next reads
+                elif name in self._last:
+                    self._last[name] = _text(entries[-1][0])
 
 
 def _text(value: Any) -> str:
