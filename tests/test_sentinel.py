@@ -149,6 +149,14 @@ def test_a_client_on_a_demoted_primary_writes_to_the_new_one(group: SentinelGrou
     assert on_new.get("before") == "1" and on_new.get("after") == "2"
 
 
+def _send(app: Celery, text: str) -> None:
+    """A call no worker will take, sent without subscribing to its result: a result left
+    to the garbage collector unsubscribes through its client, and one whose Sentinels
+    are gone by then retried for minutes, inside whatever test the collector ran in
+    (it was test_hostile's Hypothesis loop: ~285 s)."""
+    app.send_task("gpufleet.infer", args=("m", text), ignore_result=True)
+
+
 def test_a_call_published_through_the_sentinels_returns_once_a_replica_holds_it(
     group: SentinelGroup,
 ) -> None:
@@ -157,13 +165,11 @@ def test_a_call_published_through_the_sentinels_returns_once_a_replica_holds_it(
     waits; let go, the publish returns and the replica holds the call."""
     app = Celery(set_as_current=False)
     app.conf.update(**celery_conf(Settings.from_env({"GPUFLEET_REDIS_URL": group.url})))
-    app.send_task("gpufleet.infer", args=("m", "first"))  # connected, the queue declared
+    _send(app, "first")  # connected, the queue declared
     _replicated(group)
     [replica] = [n for n in group.nodes if n.port != group.primary_port()]
     published = threading.Event()
-    sender = threading.Thread(
-        target=lambda: (app.send_task("gpufleet.infer", args=("m", "second")), published.set())
-    )
+    sender = threading.Thread(target=lambda: (_send(app, "second"), published.set()))
     os.kill(replica.pid, signal.SIGSTOP)
     try:
         sender.start()
@@ -183,11 +189,11 @@ def test_a_plain_clients_publish_rides_out_a_failover(group: SentinelGroup) -> N
     retries counted once would give up after 3 s, before the failover.)"""
     app = Celery(set_as_current=False)
     app.conf.update(**caller_conf(group.url))
-    app.send_task("gpufleet.infer", args=("m", "before"))  # connected, the queue declared
+    _send(app, "before")  # connected, the queue declared
     _replicated(group)
     old = group.primary_port()
     os.kill(group.node(old).pid, signal.SIGKILL)
-    app.send_task("gpufleet.infer", args=("m", "during"))
+    _send(app, "during")
     new = group.primary_port()
     assert new != old
     assert redis.Redis("127.0.0.1", new, password="s3cret").llen("celery") == 2
