@@ -27,6 +27,9 @@ Figures, all measured in this run:
 - `library_batch` (b): transformers' `generate` on the same model and prompts in this
   process, one left-padded batch of all calls, on the same device; each call's tokens
   are counted up to its own GeneratedTokens (and EOS), as a server using it would return;
+- `library_continuous` (c), with `--gpu` only: transformers' own continuous batching (the
+  manager `generate_batch` runs: paged cache, its default configuration) on the same model
+  and prompts, each call with its own length, started and warmed before the clock starts;
 - `served_ttft_p50_ms`: the same seen from the fleet in the plain run (the call's queue,
   which holds its wait at the worker for the job to take it, and the engine's time to its
   first token), without the client threads' share of this machine's CPUs;
@@ -147,6 +150,60 @@ def library_batch(calls: list[tuple[str, int]], spec: Any, gpu: bool) -> dict[st
         "tokens_per_s": round(count / best, 1),
         "outputs": tokens,
     }
+
+
+def library_continuous(calls: list[tuple[str, int]], spec: Any, gpu: bool) -> dict[str, Any]:
+    """(c): transformers' own continuous batching (the manager `generate_batch` runs, with
+    its paged cache and default configuration) on the same model and prompts, each call
+    added with its own `max_new_tokens`; the manager started and warmed up before the clock
+    starts, as a server's would be; the better of two runs."""
+    import torch
+    from transformers import GenerationConfig
+
+    from worker.synthetic import build_synthetic
+
+    model, tokenizer = build_synthetic(spec)
+    device = torch.device("cuda:0" if gpu else "cpu")
+    model = model.to(device)
+    encoded = tokenizer([p for p, _ in calls], padding=True, padding_side="left")
+    prompts = [  # each prompt's own tokens, without the batch's padding
+        row[mask.bool()].tolist()
+        for row, mask in zip(encoded["input_ids"], encoded["attention_mask"], strict=True)
+    ]
+    config = GenerationConfig(
+        do_sample=False, max_new_tokens=max(n for _, n in calls),
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+    best = None
+    tokens: list[list[int]] = []
+    with model.continuous_batching_context_manager(generation_config=config) as manager:
+        for _ in range(2):
+            start = time.perf_counter()
+            requests = [
+                manager.add_request(prompt, max_new_tokens=n)
+                for prompt, (_, n) in zip(prompts, calls, strict=True)
+            ]
+            results: dict[str, Any] = {}
+            while len(results) < len(requests):
+                out = manager.get_result(timeout=CALL_TIMEOUT_S)
+                if out is None:
+                    raise RuntimeError(
+                        f"transformers' continuous batching stopped: "
+                        f"{manager.background_thread_status.fatal_error!r}"
+                    )
+                if out.is_finished():
+                    results[out.request_id] = out
+            if gpu:
+                torch.cuda.synchronize()
+            seconds = time.perf_counter() - start
+            best = seconds if best is None else min(best, seconds)
+            tokens = [list(results[r].generated_tokens) for r in requests]
+    del model, manager
+    if gpu:
+        torch.cuda.empty_cache()
+    count = sum(len(t) for t in tokens)
+    assert best is not None
+    return {"seconds": round(best, 3), "tokens": count, "tokens_per_s": round(count / best, 1)}
 
 
 def _cut(row: list[int], eos: int) -> list[int]:
@@ -313,7 +370,9 @@ def run(  # noqa: PLR0917 - the command line's options
     spec = Catalog.load(directory / "models.yaml")[MODEL]
     began = time.monotonic()
     baseline = library_batch(calls, spec, gpu)
-    log.info("(b) took %.1f s; starting the fleet", time.monotonic() - began)
+    log.info("(b) took %.1f s", time.monotonic() - began)
+    continuous = library_continuous(calls, spec, gpu) if gpu else None
+    log.info("starting the fleet at %.1f s", time.monotonic() - began)
     try:
         fleet.start()
         fleet.wait_ready(300.0)
@@ -359,6 +418,10 @@ def run(  # noqa: PLR0917 - the command line's options
         "library_batch": {k: v for k, v in baseline.items() if k != "outputs"},
         "vs_one_at_a_time": round(rate / alone_rate, 3),
         "vs_library_batch": round(rate / baseline["tokens_per_s"], 3),
+        "library_continuous": continuous,
+        "vs_library_continuous": (
+            round(rate / continuous["tokens_per_s"], 3) if continuous else None
+        ),
         "streamed_seconds": round(streamed["seconds"], 3),
         "ttft_p50_ms": round(ttft_p50, 2),
         "ttft_p99_ms": round(percentile(ttft, 99), 2) if ttft else None,
