@@ -41,9 +41,11 @@ def model() -> tuple[Any, Any]:
     return build_synthetic(_spec())
 
 
-def _engine(model: tuple[Any, Any], budget: int = 10**6, rows: int = 64) -> Engine:
+def _engine(
+    model: tuple[Any, Any], budget: int = 10**6, rows: int = 64, *, paged: bool = True
+) -> Engine:
     net, tokenizer = model
-    return Engine(net, tokenizer, CPU, budget=budget, window=256, max_rows=rows)
+    return Engine(net, tokenizer, CPU, budget=budget, window=256, max_rows=rows, paged_cache=paged)
 
 
 def _most_rows(engine: Engine, each_step: Callable[[], None] = lambda: None) -> int:
@@ -248,12 +250,12 @@ def test_generation_params_are_checked_with_their_defaults_filled_in() -> None:
     assert options["seed"] is None
 
 
-def test_calls_wait_for_room_in_the_kv_budget_and_the_engine_never_holds_more(
+def test_a_left_padded_batch_waits_for_room_in_the_kv_budget_and_never_holds_more(
     model: tuple[Any, Any],
 ) -> None:
     prompt, new = [2, *range(10, 50)], 60  # a reach of 101 positions each
     budget = 2 * 101 + 50  # room for two such calls at once, not three
-    engine = _engine(model, budget=budget)
+    engine = _engine(model, budget=budget, paged=False)
     calls = [Sequence_(i, prompt, Options(max_new_tokens=new)) for i in range(5)]
     for sequence in calls:
         engine.add(sequence)
@@ -333,11 +335,11 @@ def test_a_cancelled_call_stops_every_prompt_and_the_others_run_on(
     assert len(whole.outputs["tokens"][0]) == 30 or whole.outputs["finish_reasons"] == ["stop"]
 
 
-def test_the_cache_never_grows_past_the_budget_when_a_long_prompt_joins_a_shrunk_batch(
+def test_the_padded_cache_never_grows_past_the_budget_when_a_long_prompt_joins_a_shrunk_batch(
     model: tuple[Any, Any],
 ) -> None:
     budget = 1000
-    engine = _engine(model, budget=budget)
+    engine = _engine(model, budget=budget, paged=False)
     for i in range(31):  # 31 short rows, then 30 of them leave
         engine.add(Sequence_(i, [2, 7, 8, 9, 10], Options(max_new_tokens=20 if i == 0 else 10)))
     long, added, buffers = None, False, set()
@@ -453,11 +455,13 @@ class _Tight(Engine):
     room = 0
     passes: ClassVar[list[int]] = []
 
-    def _forward_prompts(self, ids: torch.Tensor, mask: torch.Tensor, p: torch.Tensor) -> Any:
+    def _forward_prompts(
+        self, ids: torch.Tensor, mask: torch.Tensor, p: torch.Tensor, cache: Any = None
+    ) -> Any:
         if ids.numel() > self.room:
             raise torch.OutOfMemoryError(f"{ids.numel()} tokens do not fit {self.room}")
         self.passes.append(int(ids.shape[0]))
-        return super()._forward_prompts(ids, mask, p)
+        return super()._forward_prompts(ids, mask, p, cache)
 
 
 def test_a_prefill_pass_that_runs_out_of_memory_runs_in_halves_with_the_same_tokens(

@@ -79,7 +79,7 @@ class _Feed:
     def opened(self, replica: str, load_ms: float, gpus: list[str]) -> None:
         self.events.append(("opened", replica))
 
-    def stepped(self, replica: str, calls: int, tokens: int) -> None:
+    def stepped(self, replica: str, calls: int, kv: dict[str, float]) -> None:
         self.steps[replica] = self.steps.get(replica, 0) + 1
         if not calls:
             self.events.append(("closed", replica))

@@ -42,6 +42,7 @@ from worker.caps import DeviceCaps, allocated, local, peak_allocated, replica_ca
 from worker.devices import Device
 from worker.generation import serving as generation
 from worker.generation.engine import Engine
+from worker.generation.paged import Paged
 from worker.generation.replica import replica_engine
 from worker.generation.serving import GenCall
 from worker.lifecycle import exit_for_restart, is_fatal_cuda_error
@@ -72,6 +73,7 @@ class Resident:
     header: int = 0  # of `host_bytes`, the room its copy keeps for `worker.warm.sharing`'s header
     region: Region | None = None  # where its warm copy lies in the arena
     shared: Locator | None = None  # where the host's other workers may read its warm copy
+    kv: Paged | None = None  # its paged KV cache while HOT: cached prefixes outlive an engine
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     @property
@@ -312,6 +314,7 @@ class ResidencyManager:
                 resident.shared = sharing.publish(self.arena, resident.region, resident.model)
             with self._lock:
                 resident.slots = {}
+                resident.kv = None  # its blocks leave the device with it (prefixes too)
                 if simulated:
                     self.device_caps.uncharge(plan, resident.accounted)
                 self._free_cuda()
@@ -468,6 +471,7 @@ class ResidencyManager:
             self._give_back(resident)
             resident.slots = {}  # a call that still holds it finds it gone...
             resident.model = None  # ...and cannot keep its tensors on the device
+            resident.kv = None
         self._keep_room()
         return True
 
@@ -531,8 +535,9 @@ class ResidencyManager:
                 torch.set_num_threads(self.threads)
             engine = replica_engine(
                 resident.model, resident.tokenizer, resident.spec,
-                loading.torch_device(min(plan), simulated),
+                loading.torch_device(min(plan), simulated), resident.kv,
             )  # fmt: skip
+            resident.kv = engine.kv
         except BaseException:
             held.close()
             raise

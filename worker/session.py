@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from placement.errors import EvictedError
+from worker.generation.engine import Engine
 from worker.generation.serving import Driver, GenCall, Generated
 from worker.keeper import LOAD_WAIT_S, Keeper, Readiness, not_ready
 from worker.residency import OpenEngine, ResidencyManager, fail_for
@@ -82,9 +83,9 @@ class SessionFeed(Protocol):
         """An engine opened: how long its replica took to be ready here, and its GPUs."""
         ...
 
-    def stepped(self, replica: str, calls: int, tokens: int) -> None:
-        """After each step of `replica`'s engine: its calls open and the KV-cache tokens it
-        holds (both 0 once it closed)."""
+    def stepped(self, replica: str, calls: int, kv: dict[str, float]) -> None:
+        """After each step of `replica`'s engine: its calls open, and its KV cache's figures
+        (`kv_figures`: `held_tokens` 0 once it closed)."""
         ...
 
     def streamed(self) -> None:
@@ -253,7 +254,7 @@ class Session:
                 driver.fail(exc)
                 self._close(engine)
                 return
-            self.feed.stepped(replica, driver.calls, engine.opened.engine.held_tokens)
+            self.feed.stepped(replica, driver.calls, kv_figures(engine.opened.engine))
         if not driver.busy:
             self._close(engine)
 
@@ -262,10 +263,16 @@ class Session:
         if self._engines.get(replica) is engine:
             del self._engines[replica]
         engine.opened.close()
-        self.feed.stepped(replica, 0, 0)
+        self.feed.stepped(replica, 0, kv_figures(engine.opened.engine))
 
 
 def _moved(replica: str) -> EvictedError:
     return EvictedError(
         f"replica {replica} was placed again before the call reached it; route it again"
     )
+
+
+def kv_figures(engine: Engine) -> dict[str, float]:
+    """What a step leaves in `engine`'s KV cache: the tokens its rows hold (none once they
+    all left), and, paged, its blocks in use, cached and free and its prompts' reuse."""
+    return {**engine.kv_stats(), "held_tokens": engine.held_tokens}

@@ -3,13 +3,15 @@
 A GPU worker records each generating call as it ends (`record`): its tokens, its time to
 first token and its mean time between tokens, as counts in the buckets of two histograms
 (Prometheus's cumulative form is built when read), plus their sums. While a replica
-generates, its worker also says how many KV-cache tokens its batch holds (`mark_kv`,
-expiring like `mark_batch`'s count), so `gpufleet status` shows the budget's use.
+generates, its worker also says how many KV-cache tokens its batch holds and, for a paged
+cache, its blocks in use, cached and free and its prompts' reuse (`mark_kv`, expiring like
+`mark_batch`'s count), so `gpufleet status` shows the budget's use.
 Every figure comes from Redis at the time it is read, so any process reports the same.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -49,10 +51,14 @@ def record(store: Store, model: str, tokens: int, ttft_s: float, itl_s: float | 
     store._read(commands, atomic=True)  # a reader never sees a bucket past its count
 
 
-def mark_kv(store: Store, replica: str, tokens: int) -> None:
-    """Say how many KV-cache tokens `replica`'s running batch holds now (0: none)."""
+def mark_kv(store: Store, replica: str, kv: dict[str, float]) -> None:
+    """Say what `replica`'s KV cache holds now (`held_tokens`, and a paged cache's block
+    counts); a cache that holds nothing, not even cached prefixes, is said by no record."""
     key = store.keys.kv_held(replica)
-    store._read([("psetex", key, BATCH_TTL_MS, tokens) if tokens else ("delete", key)])
+    if kv.get("held_tokens") or kv.get("blocks_cached"):
+        store._read([("psetex", key, BATCH_TTL_MS, json.dumps(kv))])
+    else:
+        store._read([("delete", key)])
 
 
 @dataclass(frozen=True)
@@ -86,11 +92,11 @@ def read(store: Store) -> dict[str, Figures]:
     return {model: _figures(row) for model, row in zip(models, rows, strict=True)}
 
 
-def kv_held(store: Store, replicas: Iterable[str]) -> dict[str, int]:
-    """KV-cache tokens each of `replicas` holds now (absent: none running)."""
+def kv_held(store: Store, replicas: Iterable[str]) -> dict[str, dict[str, float]]:
+    """What each of `replicas`' KV cache holds now (`mark_kv`; absent: nothing)."""
     names = list(replicas)
     rows = store._read([("get", store.keys.kv_held(r)) for r in names])
-    return {r: int(v) for r, v in zip(names, rows, strict=True) if v is not None}
+    return {r: json.loads(v) for r, v in zip(names, rows, strict=True) if v is not None}
 
 
 def _figures(row: dict[str, str]) -> Figures:

@@ -115,6 +115,17 @@ def status(
                 if budget
                 else ""
             )
+            + (
+                f"; blocks {gen['kv_blocks_in_use']} in use, {gen['kv_blocks_cached']} cached,"
+                f" {gen['kv_blocks_free']} free"
+                if gen["kv_blocks_in_use"] or gen["kv_blocks_cached"]
+                else ""
+            )
+            + (
+                f", prefix hits {gen['prefix_hit_rate']:.0%}"
+                if gen["prefix_hit_rate"] is not None
+                else ""
+            )
             + f"; {gen['calls']} calls, {gen['tokens']} tokens"
             + (f", first token {gen['ttft_mean_ms']:.0f} ms" if gen["ttft_mean_ms"] else "")
             + (

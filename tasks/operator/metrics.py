@@ -141,6 +141,15 @@ def _generation(models: dict[str, Any]) -> Iterator[Metric]:
     budget = GaugeMetricFamily(
         "gpufleet_kv_cache_budget_tokens", "A replica's KV-cache budget", labels=["model"]
     )
+    blocks = GaugeMetricFamily(
+        "gpufleet_kv_cache_blocks", "Paged KV-cache blocks by state (in_use, cached, free)",
+        labels=["model", "state"],
+    )  # fmt: skip
+    hits = GaugeMetricFamily(
+        "gpufleet_kv_prefix_hit_ratio",
+        "Prompt tokens read from cached KV blocks, over prompt tokens admitted",
+        labels=["model"],
+    )
     for model, figures in models.items():
         tokens.add_metric([model], figures["tokens"])
         ttft.add_metric([model], figures["ttft_buckets"], figures["ttft_sum_s"])
@@ -148,7 +157,11 @@ def _generation(models: dict[str, Any]) -> Iterator[Metric]:
         held.add_metric([model], figures["kv_held_tokens"])
         if figures["kv_budget_tokens"] is not None:
             budget.add_metric([model], figures["kv_budget_tokens"])
-    yield from (tokens, ttft, itl, held, budget)
+        for state in ("in_use", "cached", "free"):
+            blocks.add_metric([model, state], figures[f"kv_blocks_{state}"])
+        if figures["prefix_hit_rate"] is not None:
+            hits.add_metric([model], figures["prefix_hit_rate"])
+    yield from (tokens, ttft, itl, held, budget, blocks, hits)
 
 
 def _memory(report: dict[str, Any]) -> Iterator[Metric]:

@@ -157,7 +157,7 @@ class Figures(Protocol):
 
     def opened(self, replica: str, load_ms: float, gpus: list[str]) -> None: ...
 
-    def stepped(self, replica: str, calls: int, tokens: int) -> None: ...
+    def stepped(self, replica: str, calls: int, kv: dict[str, float]) -> None: ...
 
     def streamed(self) -> None: ...
 
@@ -306,9 +306,9 @@ class ChildFeed:
         if self.figures is not None:
             self.figures.opened(replica, load_ms, gpus)
 
-    def stepped(self, replica: str, calls: int, tokens: int) -> None:
+    def stepped(self, replica: str, calls: int, kv: dict[str, float]) -> None:
         if self.figures is not None:
-            self.figures.stepped(replica, calls, tokens)
+            self.figures.stepped(replica, calls, kv)
 
     def streamed(self) -> None:
         if self.figures is not None:

@@ -174,7 +174,7 @@ class _Session:
             for replica in [r for r, (calls, _) in self.counts.items() if calls]:
                 _say_batch(self.worker, replica, 0)
             for replica in [r for r, (tokens, _) in self.held.items() if tokens]:
-                _say_kv(self.worker, replica, 0)
+                _say_kv(self.worker, replica, {"held_tokens": 0})
         return feed.leftover()
 
     def gen_call(self, job: batching.ChildCall) -> GenCall:
@@ -248,20 +248,21 @@ class _Session:
     def opened(self, replica: str, load_ms: float, gpus: list[str]) -> None:
         self.ready[replica] = (load_ms, gpus)
 
-    def stepped(self, replica: str, calls: int, tokens: int) -> None:
+    def stepped(self, replica: str, calls: int, kv: dict[str, float]) -> None:
         """After each step: write the streamed text; say the replica's calls open when
-        that changed (or its record nears its expiry), and its KV-cache tokens at most once
-        a second."""
+        that changed (or its record nears its expiry), and its KV cache's figures at most
+        once a second (and when it starts or stops holding tokens)."""
         self.writer.flush()
         now = time.monotonic()
         said, when = self.counts.get(replica, (0, 0.0))
         if calls != said or (calls and now - when > BATCH_TTL_MS / 3000):
             self.counts[replica] = (calls, now)
             _say_batch(self.worker, replica, calls)
+        tokens = int(kv.get("held_tokens", 0))
         held, when = self.held.get(replica, (0, 0.0))
         if bool(tokens) != bool(held) or (tokens and now - when > KV_SAID_EVERY_S):
             self.held[replica] = (tokens, now)
-            _say_kv(self.worker, replica, tokens)
+            _say_kv(self.worker, replica, kv)
 
     def streamed(self) -> None:
         self.writer.flush()
@@ -286,9 +287,9 @@ def _record(worker: GpuWorker, model: str, generated: Generated) -> None:
         log.warning("could not record a generating call of %s", model, exc_info=True)
 
 
-def _say_kv(worker: GpuWorker, replica: str, tokens: int) -> None:
+def _say_kv(worker: GpuWorker, replica: str, kv: dict[str, float]) -> None:
     try:
-        generation.mark_kv(worker.registry, replica, tokens)
+        generation.mark_kv(worker.registry, replica, kv)
     except Exception:
         log.warning("could not say the KV-cache use of %s", replica, exc_info=True)
 

@@ -62,7 +62,9 @@ def full_status(registry: Registry, broker_url: str) -> dict[str, Any]:
 
 def generation_report(registry: Registry, snap: Snapshot) -> dict[str, Any]:
     """Per generation model: its KV-cache budget (from the catalog, when this process has
-    it), the tokens its running batches hold now, and what its calls took."""
+    it), the tokens its running batches hold now, its replicas' KV blocks in use, cached
+    and free and the share of prompt tokens read from cached blocks, and what its calls
+    took."""
     figures = generation.read(registry)
     replicas = {r: d.model for r, d in snap.deployments.items()}
     held = generation.kv_held(registry, replicas)
@@ -70,10 +72,20 @@ def generation_report(registry: Registry, snap: Snapshot) -> dict[str, Any]:
     for model in sorted({*figures, *(replicas[r] for r in held)}):
         budget = _budget(model)
         done = figures.get(model) or generation.nothing()
+        kv = [k for r, k in held.items() if replicas[r] == model]
+
+        def total(name: str, of: list[dict[str, float]] = kv) -> int:
+            return int(sum(k.get(name, 0) for k in of))
+
+        prompts = total("prompt_tokens")
         report[model] = {
             "kv_budget_tokens": budget.tokens if budget else None,
             "kv_budget_bytes": budget.bytes if budget else None,
-            "kv_held_tokens": sum(t for r, t in held.items() if replicas[r] == model),
+            "kv_held_tokens": total("held_tokens"),
+            "kv_blocks_in_use": total("blocks_in_use"),
+            "kv_blocks_cached": total("blocks_cached"),
+            "kv_blocks_free": total("blocks_free"),
+            "prefix_hit_rate": round(total("reused_tokens") / prompts, 4) if prompts else None,
             "calls": done.calls,
             "tokens": done.tokens,
             "ttft_mean_ms": _mean_ms(done.ttft),

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 from placement.errors import PayloadError
-from worker.generation import sampling, slots
+from worker.generation import blocks, paged, sampling, slots
 from worker.generation.params import MAX_NEW_TOKENS
 from worker.generation.text import Detokenizer
 
@@ -103,6 +103,13 @@ class Sequence_:
     text: Detokenizer | None = None
     generator: torch.Generator | None = None
     tag: tuple[float, int] = (0.0, 0)  # its place in the fair queue: start tag, then order
+    table: blocks.Table | None = None  # its KV blocks, while admitted (a paged engine)
+    resumed: bool = False  # preempted, to be prefilled again with the tokens it made
+
+    def context(self) -> list[int]:
+        """The tokens whose keys and values it holds once admitted (the last token made
+        is fed by the next decode step)."""
+        return self.prompt + self.tokens[:-1] if self.tokens else self.prompt
 
     @property
     def flow(self) -> Hashable:
@@ -133,6 +140,8 @@ class Engine:
         eos: frozenset[int] = frozenset(),
         merge_prefill: bool | None = None,
         prefill_tokens: int | None = None,
+        kv: paged.Paged | None = None,
+        paged_cache: bool = True,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -167,8 +176,17 @@ class Engine:
         self._seen: torch.Tensor | None = None  # [rows, vocab]: tokens each row has had
         self._columns: sampling.Columns | None = None
         self._merges = slots.supported(model)  # rows share one cache; else one at a time
+        # Full-attention rows keep their keys and values in blocks (`paged`), unless the
+        # caller asks for the left-padded batch (the engine before paging, for comparison).
+        self.kv: paged.Paged | None = None
+        if self._merges and paged_cache:
+            self.kv = kv if kv is not None else paged.Paged.for_model(model, budget)
+        self._slots: torch.Tensor | None = None  # [rows, width]: each column's KV slot
         self.peak_tokens = 0  # the most cache positions the buffers held room for at once
         self.steps = 0
+        self.preemptions = 0  # rows taken out of the batch for want of blocks
+        self.decoded_rows = 0  # rows summed over decode steps (their mean is this / steps)
+        self.decode_steps = 0
 
     # --- what callers do --------------------------------------------------------------
 
@@ -194,7 +212,10 @@ class Engine:
         """The most tokens a prompt of `prompt` tokens may make here: what the model's
         window and this replica's KV budget hold, up to `MAX_NEW_TOKENS` (at least 1, so
         that `check` says why a prompt that leaves none cannot run)."""
-        held = min(self.budget, self.window if self.window is not None else self.budget)
+        budget = self.budget
+        if self.kv is not None:  # the budget's whole blocks, less the null block
+            budget = min(budget, (self.kv.pool.budget - 1) * self.kv.pool.size)
+        held = min(budget, self.window if self.window is not None else budget)
         return max(1, min(MAX_NEW_TOKENS, held - prompt))
 
     def check(self, sequence: Sequence_) -> None:
@@ -213,6 +234,14 @@ class Engine:
                 f" {self.budget} tokens; shorten the prompt, lower max_new_tokens, or raise"
                 " the model's kv_cache in the catalog"
             )
+        if self.kv is not None and blocks.blocks_for(reach) > self.kv.pool.budget - 1:
+            held = (self.kv.pool.budget - 1) * self.kv.pool.size
+            raise PayloadError(
+                f"the prompt is {len(sequence.prompt)} tokens and max_new_tokens is"
+                f" {sequence.options.max_new_tokens}, over the {held} tokens this model's"
+                f" KV-cache budget of {self.budget} holds in blocks of {self.kv.pool.size};"
+                " shorten the prompt, lower max_new_tokens, or raise the model's kv_cache"
+            )
         if not sequence.prompt:
             raise PayloadError("the prompt encodes to no tokens; send a non-empty prompt")
 
@@ -228,17 +257,28 @@ class Engine:
 
     @property
     def held_tokens(self) -> int:
-        """Cache positions the running rows take now (rows x width, padding included)."""
+        """Cache positions the running rows take now: their blocks' slots when paged,
+        else rows x width, padding included."""
+        if self.kv is not None:
+            return self.kv.pool.in_use * self.kv.pool.size
         return 0 if self._mask is None else int(self._mask.numel())
 
     @property
     def capacity_tokens(self) -> int:
-        """Cache positions the batch's buffers hold room for (at most the budget)."""
+        """Cache positions the buffers hold room for (at most the budget; paged, the
+        store's blocks, cached prefixes included)."""
+        if self.kv is not None:
+            return self.kv.store.blocks * self.kv.pool.size
         if self._cache is None:
             return 0
         if self._merges:
             return int(self._cache.layers[0].capacity())
         return self.held_tokens
+
+    def kv_stats(self) -> dict[str, float]:
+        """The paged cache's blocks in use, cached and free, and its prefix hit rate
+        (empty for a left-padded engine)."""
+        return self.kv.stats() if self.kv is not None else {}
 
     def step(self) -> list[Sequence_]:
         """Admit what fits, decode one token for every row, and return the sequences that
@@ -288,13 +328,20 @@ class Engine:
         reach = max((s.reach for s in self.rows), default=0)
         count = len(self.rows)
         prompts = 0
+        # Paged: blocks the running rows take at their next token, kept for them.
+        spare = 0 if self.kv is None else self.kv.pool.available - self._next_blocks()
         while len(admitted) < len(self.waiting) and count < (self.max_rows if self._merges else 1):
             head = self.waiting[len(admitted)]
             wider = max(reach, head.reach)
-            if (count + 1) * wider > self.budget:
+            if self.kv is None and (count + 1) * wider > self.budget:
                 break
             if admitted and prompts + len(head.prompt) > self.prefill_tokens:
                 break
+            if self.kv is not None:
+                taken = self._blocks_for(head, spare)
+                if taken is None:
+                    break
+                spare -= taken
             admitted.append(head)
             reach, count = wider, count + 1
             prompts += len(head.prompt)
@@ -318,12 +365,12 @@ class Engine:
         up to `prefill_tokens` padded tokens as hold them where launching a pass is
         (`merge_prefill`)."""
         group: list[Sequence_] = []
-        for sequence in sorted(admitted, key=lambda s: len(s.prompt)):
-            padded = (len(group) + 1) * len(sequence.prompt)
+        for sequence in sorted(admitted, key=self._todo):
+            padded = (len(group) + 1) * self._todo(sequence)
             if self.merge_prefill:
                 full = padded > self.prefill_tokens
             else:
-                full = padded > PADDING * sum(len(s.prompt) for s in (*group, sequence))
+                full = padded > PADDING * sum(self._todo(s) for s in (*group, sequence))
             if group and full:
                 self._prefill_group(group)
                 group = []
@@ -337,26 +384,21 @@ class Engine:
         runs out of device memory runs again in two halves (nothing joined the batch yet,
         no token was drawn), and this engine's later steps take at most half that pass's
         padded tokens; one prompt that does not fit alone raises, as any error of the
-        model does."""
-        width = max(len(s.prompt) for s in sequences)
-        ids = torch.zeros((len(sequences), width), dtype=torch.long)
-        mask = torch.zeros((len(sequences), width), dtype=torch.long)
-        for row, sequence in enumerate(sequences):
-            ids[row, width - len(sequence.prompt) :] = torch.tensor(sequence.prompt)
-            mask[row, width - len(sequence.prompt) :] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+        model does. Paged, each prompt's cached prefix is read from its blocks and only
+        the rest is computed; a resumed sequence (preempted) gets no new token."""
         try:
-            out = self._forward_prompts(ids, mask, positions)
+            if self.kv is not None:
+                out, mask = self._forward_paged(sequences), None
+            else:
+                out, mask = self._forward_padded(sequences)
         except torch.OutOfMemoryError:
             if len(sequences) == 1:
                 raise
             out = None  # split below, once the error (and the frames it holds) is gone
         if out is None:  # the allocator freed its cached blocks before it raised
-            del ids, mask, positions
             half = len(sequences) // 2
-            padded = len(sequences) * width
-            self.prefill_tokens = max(1, min(self.prefill_tokens, padded // 2))
+            width = max(self._todo(s) for s in sequences)
+            self.prefill_tokens = max(1, min(self.prefill_tokens, len(sequences) * width // 2))
             log.warning(
                 "a prefill pass of %d prompts (%d tokens wide) ran out of memory; running"
                 " it as two passes, and later steps take at most %d prompt tokens",
@@ -367,21 +409,241 @@ class Engine:
             return
         seen = torch.zeros((len(sequences), self.vocab), dtype=torch.bool, device=self.device)
         for row, sequence in enumerate(sequences):  # its own tokens, not the padding's
-            seen[row, torch.tensor(sequence.prompt, device=self.device)] = True
-        columns = sampling.Columns([s.options.choice for s in sequences], self.device)
-        first = sampling.pick(out.logits[:, -1, :], columns, seen, [s.generator for s in sequences])
-        self._join(sequences, _cache_of(out), mask, seen)
-        for sequence, token in zip(sequences, first, strict=True):
-            self._take(sequence, token)
+            had = sequence.prompt + sequence.tokens
+            seen[row, torch.tensor(had, device=self.device)] = True
+        fresh = [row for row, s in enumerate(sequences) if not s.resumed]
+        first: list[int] = []
+        if fresh:
+            picking = [sequences[row] for row in fresh]
+            columns = sampling.Columns([s.options.choice for s in picking], self.device)
+            logits = out.logits[:, -1, :]
+            if len(fresh) < len(sequences):
+                logits = logits[torch.tensor(fresh, device=self.device)]
+            first = sampling.pick(logits, columns, seen[fresh], [s.generator for s in picking])
+        if self.kv is not None:
+            self._join_paged(sequences, seen)
+        else:
+            assert mask is not None
+            self._join(sequences, _cache_of(out), mask, seen)
+        for row, token in zip(fresh, first, strict=True):
+            self._take(sequences[row], token)
+        for sequence in sequences:
+            sequence.resumed = False
+
+    def _forward_padded(self, sequences: list[Sequence_]) -> tuple[Any, torch.Tensor]:
+        """The pass over left-padded prompts, keeping their cache; and its mask."""
+        width = max(len(s.prompt) for s in sequences)
+        ids = torch.zeros((len(sequences), width), dtype=torch.long)
+        mask = torch.zeros((len(sequences), width), dtype=torch.long)
+        for row, sequence in enumerate(sequences):
+            ids[row, width - len(sequence.prompt) :] = torch.tensor(sequence.prompt)
+            mask[row, width - len(sequence.prompt) :] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+        return self._forward_prompts(ids, mask, positions), mask
 
     def _forward_prompts(
-        self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor
+        self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any = None
     ) -> Any:
-        """The model's pass over left-padded prompts, keeping their cache."""
+        """The model's pass over left-padded prompts, keeping their cache (in `cache`, the
+        paged one, when given)."""
+        given = {self._cache_arg: cache} if cache is not None else {}
         return self.model(
             input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-            **self._last_logits,
+            **given, **self._last_logits,
         )  # fmt: skip
+
+    # --- the paged cache ----------------------------------------------------------------
+
+    def _todo(self, sequence: Sequence_) -> int:
+        """Tokens its prefill computes: its context, less what cached blocks hold."""
+        held = sequence.table.length if sequence.table is not None else 0
+        return len(sequence.context()) - held
+
+    def _next_blocks(self) -> int:
+        """Blocks the running rows need for their next token (those whose blocks are full)."""
+        assert self.kv is not None
+        size = self.kv.pool.size
+        return sum(1 for s in self.rows if s.table is not None and s.table.length % size == 0)
+
+    def _blocks_for(self, sequence: Sequence_, spare: int) -> int | None:
+        """Admit `sequence` into blocks if what it takes (its context's blocks not cached,
+        the cached ones nobody held, and a block for its next token when its last is full)
+        is within `spare`: its table then holds its prefix, read from the cache, and room
+        for the rest. What it took of `spare`, or None when it does not fit."""
+        assert self.kv is not None
+        pool = self.kv.pool
+        context = sequence.context()
+        matched, key = pool.match(context, len(context) - 1)  # one token at least is computed
+        whole = blocks.blocks_for(len(context))
+        taken = whole - len(matched) + pool.needs(matched)
+        taken += 1 if len(context) % pool.size == 0 else 0
+        if taken > spare:
+            return None
+        pool.hold(matched)
+        reused = len(matched) * pool.size
+        table = blocks.Table(list(matched), reused, len(matched), key, reused)
+        table.blocks.extend(pool.take() for _ in range(whole - len(matched)))
+        sequence.table = table
+        if not sequence.resumed:
+            pool.counted(len(sequence.prompt), reused)
+        return taken
+
+    def _forward_paged(self, sequences: list[Sequence_]) -> Any:
+        """The pass over the admitted sequences' uncached tokens, each row reading its
+        cached prefix from its blocks: `[past | new]` columns, each part right-aligned."""
+        assert self.kv is not None
+        kv = self.kv
+        contexts = [s.context() for s in sequences]
+        tables = [s.table for s in sequences]
+        assert all(t is not None for t in tables)
+        past = max(t.length for t in tables if t is not None)
+        new = max(len(c) - t.length for c, t in zip(contexts, tables, strict=True) if t)
+        rows = len(sequences)
+        ids = torch.zeros((rows, new), dtype=torch.long)
+        mask = torch.zeros((rows, past + new), dtype=torch.long)
+        positions = torch.zeros((rows, new), dtype=torch.long)
+        index = torch.zeros((rows, past + new), dtype=torch.long)
+        written, slots = [], []
+        for row, (context, table) in enumerate(zip(contexts, tables, strict=True)):
+            assert table is not None
+            held, todo = table.length, len(context) - table.length
+            mine = kv.slots(table, 0, len(context))
+            index[row, past - held : past] = mine[:held]
+            index[row, past + new - todo :] = mine[held:]
+            mask[row, past - held : past] = 1
+            mask[row, past + new - todo :] = 1
+            ids[row, new - todo :] = torch.tensor(context[held:])
+            positions[row, new - todo :] = torch.arange(held, len(context))
+            written.append(torch.arange(row * new + new - todo, (row + 1) * new))
+            slots.append(mine[held:])
+        every = torch.cat(written)
+        forward = paged.Pass(
+            index.to(self.device), past,
+            None if every.numel() == rows * new else every.to(self.device),
+            torch.cat(slots).to(self.device),
+        )  # fmt: skip
+        kv.ready()
+        out = self._forward_prompts(
+            ids.to(self.device), mask.to(self.device), positions.to(self.device),
+            kv.cache.set(forward),
+        )  # fmt: skip
+        for sequence, context in zip(sequences, contexts, strict=True):
+            assert sequence.table is not None
+            sequence.table.length = len(context)  # written: a pass that raised wrote nothing
+            kv.pool.key_full_blocks(sequence.table, context)
+        return out
+
+    def _join_paged(self, sequences: list[Sequence_], seen: torch.Tensor) -> None:
+        """Add prefilled rows: each row's slots right-aligned, the narrower side padded on
+        the left (padding reads the null block, and the mask hides it)."""
+        assert self.kv is not None
+        lengths = [s.table.length for s in sequences if s.table is not None]
+        width = max(lengths)
+        index = torch.zeros((len(sequences), width), dtype=torch.long)
+        mask = torch.zeros((len(sequences), width), dtype=torch.long)
+        for row, sequence in enumerate(sequences):
+            assert sequence.table is not None
+            length = sequence.table.length
+            index[row, width - length :] = self.kv.slots(sequence.table, 0, length)
+            mask[row, width - length :] = 1
+        index, mask = index.to(self.device), mask.to(self.device)
+        if self._slots is None or self._mask is None or self._seen is None:
+            self._slots, self._mask, self._seen = index, mask, seen
+        else:
+            have = self._mask.shape[1]
+            if width < have:
+                index = torch.nn.functional.pad(index, (have - width, 0))
+                mask = torch.nn.functional.pad(mask, (have - width, 0))
+            elif have < width:
+                self._slots = torch.nn.functional.pad(self._slots, (width - have, 0))
+                self._mask = torch.nn.functional.pad(self._mask, (width - have, 0))
+            self._slots = torch.cat([self._slots, index], dim=0)
+            self._mask = torch.cat([self._mask, mask], dim=0)
+            self._seen = torch.cat([self._seen, seen], dim=0)
+        self.rows.extend(sequences)
+        self._columns = None
+
+    def _grow_rows(self) -> list[Sequence_]:
+        """A slot for every row's next token, each a new block when its last is full. When
+        no block is left, the youngest row (by its place in the fair queue) is preempted:
+        its blocks are given back (the full ones stay cached) and it waits again, ahead of
+        every sequence that arrived after it, to be prefilled with the tokens it made.
+        Returns the rows that stay, in order."""
+        assert self.kv is not None
+        pool = self.kv.pool
+        for sequence in list(self.rows):
+            table = sequence.table
+            if table is None:  # preempted for an older row in this loop
+                continue
+            while sequence in self.rows and table.length == len(table.blocks) * pool.size:
+                try:
+                    table.blocks.append(pool.take())
+                except blocks.OutOfBlocks:
+                    self._preempt(max(self.rows, key=lambda s: s.tag))
+        return self.rows
+
+    def _preempt(self, sequence: Sequence_) -> None:
+        """Take a running row out of the batch and queue it again (`_grow_rows`)."""
+        assert self.kv is not None and sequence.table is not None
+        log.info(
+            "preempted a sequence of %d tokens: the KV budget's blocks are all in use",
+            sequence.table.length,
+        )
+        self.kv.pool.release(sequence.table.blocks)
+        self.preemptions += 1
+        sequence.table = None
+        sequence.resumed = True
+        self._keep_rows([i for i, s in enumerate(self.rows) if s is not sequence])
+        last, queued = self._finishes.get(sequence.flow, (0.0, 0))
+        self._finishes[sequence.flow] = (max(last, sequence.tag[0] + sequence.reach), queued + 1)
+        bisect.insort(self.waiting, sequence, key=lambda s: s.tag)
+
+    def _keep_rows(self, keep: list[int]) -> None:
+        """Keep the rows `keep` names, in order, and cut the columns of padding only."""
+        self._columns = None
+        self.rows = [self.rows[i] for i in keep]
+        if not keep:
+            self._slots = self._mask = self._seen = None
+            return
+        assert self._slots is not None and self._mask is not None and self._seen is not None
+        index = torch.tensor(keep, dtype=torch.long, device=self.device)
+        mask = self._mask.index_select(0, index)
+        cut = int(mask.any(dim=0).nonzero()[0])
+        self._mask = mask[:, cut:]
+        self._slots = self._slots.index_select(0, index)[:, cut:]
+        self._seen = self._seen.index_select(0, index)
+
+    def _decode_paged(self, ids: torch.Tensor) -> Any:
+        """One decode step over the blocks: each row's new token (`ids`) written to its
+        next slot."""
+        assert self.kv is not None and self._slots is not None and self._mask is not None
+        kv = self.kv
+        rows = self.rows
+        size = kv.pool.size
+        next_slots = []
+        for sequence in rows:
+            table = sequence.table
+            assert table is not None
+            next_slots.append(table.blocks[table.length // size] * size + table.length % size)
+        new = torch.tensor(next_slots, dtype=torch.long, device=self.device)
+        positions = self._mask.sum(dim=1, keepdim=True)
+        index = torch.cat([self._slots, new[:, None]], dim=1)
+        mask = torch.nn.functional.pad(self._mask, (0, 1), value=1)
+        forward = paged.Pass(index, self._slots.shape[1], None, new)
+        kv.ready()
+        out = self.model(
+            input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+            **{self._cache_arg: kv.cache.set(forward)},
+        )  # fmt: skip
+        self._slots, self._mask = index, mask
+        for sequence in rows:
+            table = sequence.table
+            assert table is not None
+            table.length += 1
+            if table.length % size == 0:
+                kv.pool.key_full_blocks(table, sequence.prompt + sequence.tokens)
+        return out
 
     def _join(
         self, sequences: list[Sequence_], cache: Any, mask: torch.Tensor, seen: torch.Tensor
@@ -404,18 +666,25 @@ class Engine:
         self._columns = None
 
     def _decode(self) -> None:
+        if self.kv is not None and not self._grow_rows():
+            return  # every row was preempted (their blocks went to older rows)
         assert self._mask is not None and self._seen is not None
         rows = self.rows
+        self.decoded_rows += len(rows)
+        self.decode_steps += 1
         ids = torch.tensor([[s.tokens[-1]] for s in rows], dtype=torch.long, device=self.device)
-        positions = self._mask.sum(dim=1, keepdim=True)
-        self._mask = torch.nn.functional.pad(self._mask, (0, 1), value=1)
-        out = self.model(
-            input_ids=ids,
-            attention_mask=self._mask,
-            position_ids=positions,
-            use_cache=True,
-            **{self._cache_arg: self._cache},
-        )
+        if self.kv is not None:
+            out = self._decode_paged(ids)
+        else:
+            positions = self._mask.sum(dim=1, keepdim=True)
+            self._mask = torch.nn.functional.pad(self._mask, (0, 1), value=1)
+            out = self.model(
+                input_ids=ids,
+                attention_mask=self._mask,
+                position_ids=positions,
+                use_cache=True,
+                **{self._cache_arg: self._cache},
+            )
         self._seen.scatter_(1, ids, True)
         if self._columns is None:
             self._columns = sampling.Columns([s.options.choice for s in rows], self.device)
@@ -453,6 +722,13 @@ class Engine:
         ended = [s for s in self.rows if s.done]
         if not ended:
             return []
+        if self.kv is not None:
+            for sequence in ended:
+                assert sequence.table is not None
+                self.kv.pool.release(sequence.table.blocks)
+                sequence.table = None
+            self._keep_rows([i for i, s in enumerate(self.rows) if not s.done])
+            return ended
         count = len(self.rows) - len(ended)
         self._columns = None
         if not count:

@@ -9,15 +9,19 @@ import torch
 
 from placement.catalog.catalog import ModelSpec
 from worker.generation.engine import Engine, eos_ids
+from worker.generation.paged import Paged
 from worker.generation.params import MAX_ROWS
 from worker.passes import max_positions
 
 log = logging.getLogger(__name__)
 
 
-def replica_engine(model: Any, tokenizer: Any, spec: ModelSpec, device: torch.device) -> Engine:
-    """An engine for `model` that holds at most its catalog KV-cache budget in tokens. A
-    budget the config could not size (no readable config) holds one full-window call."""
+def replica_engine(
+    model: Any, tokenizer: Any, spec: ModelSpec, device: torch.device, kv: Paged | None = None
+) -> Engine:
+    """An engine for `model` that holds at most its catalog KV-cache budget in tokens, in
+    `kv` (the replica's paged cache, kept from its last engine) or new blocks. A budget the
+    config could not size (no readable config) holds one full-window call."""
     budget = spec.kv_budget()
     window = max_positions(getattr(model, "config", None))
     tokens = budget.tokens if budget is not None else 0
@@ -28,5 +32,5 @@ def replica_engine(model: Any, tokenizer: Any, spec: ModelSpec, device: torch.de
         )
     return Engine(
         model, tokenizer, device, budget=tokens, window=window, max_rows=MAX_ROWS,
-        eos=eos_ids(model, tokenizer),
+        eos=eos_ids(model, tokenizer), kv=kv,
     )  # fmt: skip

@@ -1,0 +1,207 @@
+"""The paged KV cache (`worker.generation.blocks`, `worker.generation.paged`): outputs equal to
+the left-padded batch's, prefixes shared, preemption when blocks run out, and every block
+given back."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+import torch
+
+from placement.catalog.catalog import Catalog
+from worker.generation.blocks import BLOCK_TOKENS, BlockPool, OutOfBlocks, Table
+from worker.generation.engine import Engine, Options, Sequence_
+from worker.synthetic import build_synthetic
+
+CPU = torch.device("cpu")
+CONFIG = {"model_type": "gpt2", "n_layer": 2, "n_head": 2, "n_embd": 32, "n_positions": 512}
+
+
+@pytest.fixture(scope="module")
+def model() -> tuple[Any, Any]:
+    entry = {"source": "synthetic", "task": "text-generation", "memory": "64MiB"}
+    entry["config"] = {**CONFIG, "vocab_size": 512}
+    return build_synthetic(Catalog.from_mapping({"models": {"gen": entry}})["gen"])
+
+
+def _engine(model: tuple[Any, Any], budget: int = 10**6, *, paged: bool = True) -> Engine:
+    net, tokenizer = model
+    return Engine(net, tokenizer, CPU, budget=budget, window=512, paged_cache=paged)
+
+
+def _mixed(count: int, seed: int) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    return [
+        ([2, *(rng.randrange(5, 512) for _ in range(rng.randrange(3, 90)))], rng.randrange(4, 40))
+        for _ in range(count)
+    ]
+
+
+def _run_arriving(engine: Engine, prompts: list[tuple[list[int], int]], seed: int) -> list[Any]:
+    """Every prompt added a few at a time while the others run; their sequences, ended."""
+    rng = random.Random(seed)
+    sequences = []
+    pending = list(enumerate(prompts))
+    while pending or engine.busy:
+        for _ in range(rng.randrange(0, 3)):
+            if pending:
+                index, (prompt, new) = pending.pop(0)
+                sequences.append(Sequence_(index, prompt, Options(max_new_tokens=new)))
+                engine.add(sequences[-1])
+        engine.step()
+    return sequences
+
+
+def test_paged_greedy_outputs_equal_the_left_padded_batch_s_as_calls_join_and_leave(
+    model: tuple[Any, Any],
+) -> None:
+    prompts = _mixed(24, seed=3)
+    paged = _run_arriving(_engine(model), prompts, seed=4)
+    padded = _run_arriving(_engine(model, paged=False), prompts, seed=4)
+    assert [s.tokens for s in paged] == [s.tokens for s in padded]
+    assert all(s.finish in ("length", "stop") for s in paged)
+
+
+def test_a_prompt_that_starts_with_a_cached_prefix_reads_it_and_gets_a_cold_prefill_s_tokens(
+    model: tuple[Any, Any],
+) -> None:
+    system = [2, *range(100, 100 + 5 * BLOCK_TOKENS)]  # five whole blocks and one token
+    first, second = [*system, 7, 8, 9], [*system, 40, 41]
+    engine = _engine(model)
+    engine.add(Sequence_("first", first, Options(max_new_tokens=12)))
+    engine.run()
+    assert engine.kv is not None and engine.kv.pool.cached >= 5  # kept after it ended
+    warm = Sequence_("second", second, Options(max_new_tokens=12))
+    engine.add(warm)
+    engine.step()
+    assert warm.table is not None and warm.table.reused == 5 * BLOCK_TOKENS
+    engine.run()
+    cold_engine = _engine(model)
+    cold = Sequence_("cold", second, Options(max_new_tokens=12))
+    cold_engine.add(cold)
+    cold_engine.run()
+    assert warm.tokens == cold.tokens
+    reused, prompts = 5 * BLOCK_TOKENS, len(first) + len(second)
+    stats = engine.kv_stats()
+    assert (stats["reused_tokens"], stats["prompt_tokens"]) == (reused, prompts)
+
+
+def test_calls_running_together_share_a_prefix_one_of_them_prefilled(
+    model: tuple[Any, Any],
+) -> None:
+    system = [2, *range(200, 200 + 4 * BLOCK_TOKENS)]
+    engine = _engine(model)
+    lead = Sequence_("lead", [*system, 5], Options(max_new_tokens=30))
+    engine.add(lead)
+    engine.step()
+    assert engine.kv is not None
+    held = engine.kv.pool.in_use
+    followers = [Sequence_(i, [*system, 10 + i], Options(max_new_tokens=30)) for i in range(6)]
+    for sequence in followers:
+        engine.add(sequence)
+    engine.step()
+    # Each follower took only its own last block: the four prefix blocks are shared.
+    assert engine.kv.pool.in_use == held + len(followers)
+    engine.run()
+    for sequence in followers:
+        alone = _engine(model)
+        copy = Sequence_("alone", sequence.prompt, Options(max_new_tokens=30))
+        alone.add(copy)
+        alone.run()
+        assert sequence.tokens == copy.tokens
+
+
+def test_a_budget_filled_by_long_calls_preempts_and_resumes_every_call_within_it(
+    model: tuple[Any, Any],
+) -> None:
+    budget = 16 * BLOCK_TOKENS  # 15 blocks beside the null block
+    engine = _engine(model, budget=budget)
+    per_token = 2 * CONFIG["n_layer"] * CONFIG["n_embd"] * 4  # keys and values, float32
+    rng = random.Random(5)
+    calls = [
+        Sequence_(i, [2, *(rng.randrange(5, 512) for _ in range(30))], Options(max_new_tokens=90))
+        for i in range(6)
+    ]  # 121 positions each at the end: 8 blocks, so at most one runs to its end alone
+    for sequence in calls:
+        engine.add(sequence)
+    most = 0
+    while engine.busy:
+        engine.step()
+        most = max(most, len(engine.rows))
+        assert engine.kv is not None
+        assert engine.capacity_tokens <= budget
+        assert engine.kv.store.nbytes() <= budget * per_token
+    assert engine.preemptions > 0
+    assert most >= 3  # admitted by the blocks they hold, not by their whole reach
+    assert all(s.finish == "length" and len(s.tokens) == 90 for s in calls)
+    assert engine.kv.pool.in_use == 0
+
+
+def test_preemption_takes_the_youngest_row_so_the_oldest_call_always_advances(
+    model: tuple[Any, Any],
+) -> None:
+    engine = _engine(model, budget=12 * BLOCK_TOKENS)
+    calls = [Sequence_(i, [2, 50 + i, 60], Options(max_new_tokens=80)) for i in range(5)]
+    for sequence in calls:
+        engine.add(sequence)
+    made = []
+    while engine.busy:
+        before = len(calls[0].tokens)
+        engine.step()
+        if not calls[0].done:
+            made.append(len(calls[0].tokens) - before)
+    assert engine.preemptions > 0
+    assert all(step == 1 for step in made[1:])  # never preempted once it ran
+    assert all(s.finish == "length" for s in calls)
+
+
+def test_finished_and_cancelled_sequences_give_back_every_block(model: tuple[Any, Any]) -> None:
+    engine = _engine(model)
+    calls = [Sequence_(i, p, Options(max_new_tokens=n)) for i, (p, n) in enumerate(_mixed(10, 7))]
+    for sequence in calls:
+        engine.add(sequence)
+    engine.step()
+    engine.step()
+    engine.cancel(calls[0].key)
+    engine.cancel(calls[9].key)
+    engine.run()
+    assert engine.kv is not None
+    assert engine.kv.pool.in_use == 0
+    assert calls[0].finish == "cancelled"
+    pool = engine.kv.pool
+    assert pool.in_use + pool.cached + pool.free == pool.budget - 1  # every block accounted
+
+
+def test_cached_blocks_nobody_holds_are_taken_back_least_recently_used_first() -> None:
+    pool = BlockPool(4, size=2)
+    tables = []
+    for tokens in ([1, 2], [3, 4], [5, 6]):
+        table = Table([pool.take()], 2)
+        pool.key_full_blocks(table, tokens)
+        tables.append((table, tokens))
+    for table, _ in tables:
+        pool.release(table.blocks)
+    assert (pool.cached, pool.free) == (3, 1)
+    again, _ = pool.match([1, 2, 9], 3)  # the oldest is used again: now the newest
+    pool.hold(again)
+    pool.release(again)
+    pool.take()  # the free block
+    taken = pool.take()  # no room left: the least recently used cached block, [3, 4]'s
+    assert taken == tables[1][0].blocks[0]
+    assert pool.match([3, 4, 0], 3) == ([], b"")
+    assert pool.match([1, 2, 0], 3)[0] == tables[0][0].blocks
+    pool.take()
+    pool.take()
+    with pytest.raises(OutOfBlocks):
+        pool.take()
+
+
+def test_a_block_is_found_only_under_the_same_tokens_before_it() -> None:
+    pool = BlockPool(8, size=2)
+    table = Table([pool.take(), pool.take()], 4)
+    pool.key_full_blocks(table, [1, 2, 3, 4])
+    assert len(pool.match([1, 2, 3, 4, 5], 5)[0]) == 2
+    assert pool.match([9, 9, 3, 4, 5], 5)[0] == []  # same block, other prefix
+    assert len(pool.match([1, 2, 3, 4], 3)[0]) == 1  # within the limit only
