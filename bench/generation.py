@@ -36,6 +36,9 @@ Figures, all measured in this run:
   `served_parts_p50_ms` gives each part's p50 (`batch_wait` is part of `queue`);
 - `lone_ttft_ms`: one streamed call alone on the fleet, the median of `--lone` calls,
   with the drawn call of median prompt length, each read to its end before the next.
+`--shape tight` and `--shape chat` run the paged KV cache against the left-padded one,
+engine against engine in this process, instead (`bench.kv`).
+
 Targets: `vs_one_at_a_time` >= 3 and `vs_library_batch` >= 0.8, `ttft_ratio` (fleet
 TTFT p50 / lone TTFT p50) <= 3. `outputs_equal` counts calls whose fleet tokens equal
 the library's (greedy: all of them in float32; in bfloat16 a batch's different arithmetic
@@ -461,12 +464,18 @@ def main() -> None:
         " half the machine's cores, the other half left to the fleet",
     )  # fmt: skip
     parser.add_argument(
-        "--shape", choices=("trace", "short"), default="trace",
-        help="trace lengths, or 16-64 prompt tokens x 128 new (issue 40's GPU table)",
+        "--shape", choices=("trace", "short", "tight", "chat"), default="trace",
+        help="trace lengths, or 16-64 prompt tokens x 128 new (issue 40's GPU table); tight"
+        " and chat: the paged engine against the left-padded one (bench.kv)",
     )  # fmt: skip
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     signal.signal(signal.SIGTERM, exit_on_sigterm)
+    if args.shape in ("tight", "chat"):
+        from bench import kv
+
+        print(json.dumps(kv.run(args.shape, args.callers, args.seed, args.trace), indent=2))
+        return
     with tempfile.TemporaryDirectory(prefix="gpufleet-bench-generation-") as directory:
         result = run(
             args.callers, args.gpu, args.seed, args.lone, args.shape, args.trace,

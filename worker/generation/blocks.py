@@ -50,10 +50,11 @@ class OutOfBlocks(Exception):
 class BlockPool:
     """The blocks of one replica's KV budget (see the module). Not thread-safe."""
 
-    def __init__(self, budget_blocks: int, size: int = BLOCK_TOKENS) -> None:
+    def __init__(self, budget_blocks: int, size: int = BLOCK_TOKENS, *, share: bool = True) -> None:
         if budget_blocks < 1:
             raise ValueError(f"a pool needs at least one block, got {budget_blocks}")
         self.size = size
+        self.share = share  # False: no prefix is ever found (to measure what sharing gains)
         self.budget = budget_blocks + 1  # the null block is one beyond the budget
         self.allocated = 1  # blocks the store has room for (it grows towards `budget`)
         self._free: list[int] = []
@@ -128,6 +129,8 @@ class BlockPool:
         and the last one's key; not held yet (`hold`)."""
         blocks: list[int] = []
         key = b""
+        if not self.share:
+            return blocks, key
         for start in range(0, limit - self.size + 1, self.size):
             following = chain(key, tokens[start : start + self.size])
             block = self._by_key.get(following)

@@ -181,6 +181,8 @@ class Engine:
         self.kv: paged.Paged | None = None
         if self._merges and paged_cache:
             self.kv = kv if kv is not None else paged.Paged.for_model(model, budget)
+        # Decode steps read a prefix every row shares once, not once a row (`paged.cascade`).
+        self._cascade = self.kv is not None and paged.use_cascade(model)
         self._slots: torch.Tensor | None = None  # [rows, width]: each column's KV slot
         self.peak_tokens = 0  # the most cache positions the buffers held room for at once
         self.steps = 0
@@ -335,7 +337,10 @@ class Engine:
             wider = max(reach, head.reach)
             if self.kv is None and (count + 1) * wider > self.budget:
                 break
-            if admitted and prompts + len(head.prompt) > self.prefill_tokens:
+            computed = len(head.prompt)
+            if self.kv is not None:  # what its cached prefix leaves to compute
+                computed = len(head.context()) - self._cached_tokens(head)
+            if admitted and prompts + computed > self.prefill_tokens:
                 break
             if self.kv is not None:
                 taken = self._blocks_for(head, spare)
@@ -344,7 +349,7 @@ class Engine:
                 spare -= taken
             admitted.append(head)
             reach, count = wider, count + 1
-            prompts += len(head.prompt)
+            prompts += computed
         del self.waiting[: len(admitted)]
         for sequence in admitted:
             self._virtual = max(self._virtual, sequence.tag[0])
@@ -460,6 +465,12 @@ class Engine:
         held = sequence.table.length if sequence.table is not None else 0
         return len(sequence.context()) - held
 
+    def _cached_tokens(self, sequence: Sequence_) -> int:
+        """Tokens of its context that cached blocks hold now."""
+        assert self.kv is not None
+        context = sequence.context()
+        return len(self.kv.pool.match(context, len(context) - 1)[0]) * self.kv.pool.size
+
     def _next_blocks(self) -> int:
         """Blocks the running rows need for their next token (those whose blocks are full)."""
         assert self.kv is not None
@@ -524,10 +535,10 @@ class Engine:
             torch.cat(slots).to(self.device),
         )  # fmt: skip
         kv.ready()
-        out = self._forward_prompts(
-            ids.to(self.device), mask.to(self.device), positions.to(self.device),
-            kv.cache.set(forward),
-        )  # fmt: skip
+        with kv.cache.running(forward) as cache:
+            out = self._forward_prompts(
+                ids.to(self.device), mask.to(self.device), positions.to(self.device), cache
+            )
         for sequence, context in zip(sequences, contexts, strict=True):
             assert sequence.table is not None
             sequence.table.length = len(context)  # written: a pass that raised wrote nothing
@@ -616,7 +627,9 @@ class Engine:
 
     def _decode_paged(self, ids: torch.Tensor) -> Any:
         """One decode step over the blocks: each row's new token (`ids`) written to its
-        next slot."""
+        next slot. When every row begins with the same blocks (a shared system prompt),
+        attention reads them once for all rows (`paged.cascade`) and gathers only what
+        follows them."""
         assert self.kv is not None and self._slots is not None and self._mask is not None
         kv = self.kv
         rows = self.rows
@@ -630,12 +643,25 @@ class Engine:
         positions = self._mask.sum(dim=1, keepdim=True)
         index = torch.cat([self._slots, new[:, None]], dim=1)
         mask = torch.nn.functional.pad(self._mask, (0, 1), value=1)
-        forward = paged.Pass(index, self._slots.shape[1], None, new)
+        shared = self._shared_blocks() if self._cascade else 0
+        if shared:
+            prefix = kv.slots(rows[0].table, 0, shared * size).to(self.device)  # type: ignore[arg-type]
+            own = positions[:, 0] - shared * size  # each row's tokens after the prefix
+            width = int(own.max())
+            columns = torch.arange(width, device=self.device)
+            after = (columns[None, :] >= (width - own)[:, None]).long()
+            ones = torch.ones((len(rows), 1), dtype=torch.long, device=self.device)
+            step_mask = torch.cat([ones.expand(-1, shared * size), after, ones], dim=1)
+            step_index = index[:, index.shape[1] - width - 1 :]
+            forward = paged.Pass(step_index, shared * size + width, None, new, prefix)
+        else:
+            step_mask, forward = mask, paged.Pass(index, self._slots.shape[1], None, new)
         kv.ready()
-        out = self.model(
-            input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-            **{self._cache_arg: kv.cache.set(forward)},
-        )  # fmt: skip
+        with kv.cache.running(forward) as cache:
+            out = self.model(
+                input_ids=ids, attention_mask=step_mask, position_ids=positions,
+                use_cache=True, **{self._cache_arg: cache},
+            )  # fmt: skip
         self._slots, self._mask = index, mask
         for sequence in rows:
             table = sequence.table
@@ -644,6 +670,20 @@ class Engine:
             if table.length % size == 0:
                 kv.pool.key_full_blocks(table, sequence.prompt + sequence.tokens)
         return out
+
+    def _shared_blocks(self) -> int:
+        """How many whole blocks every running row begins with (the same blocks)."""
+        assert self.kv is not None
+        tables = [s.table for s in self.rows if s.table is not None]
+        if not tables:
+            return 0
+        full = min(t.length for t in tables) // self.kv.pool.size  # written in every row
+        count = 0
+        for column in zip(*(t.blocks[:full] for t in tables), strict=False):
+            if any(block != column[0] for block in column):
+                break
+            count += 1
+        return count
 
     def _join(
         self, sequences: list[Sequence_], cache: Any, mask: torch.Tensor, seen: torch.Tensor

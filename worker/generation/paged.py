@@ -17,6 +17,9 @@ kernel of PyTorch or transformers reads blocks in place there (docs/worker.md).
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,12 +81,15 @@ class Pass:
     `index`: `[rows, past + new]` slots, right-aligned, padding at the null block's first
     slot; `past`: the columns before this pass's tokens; `written`: the positions (in the
     `[rows * new]` order of the pass's tokens) that are real tokens, or None when all are;
-    `slots`: the slots they are written to, in that order."""
+    `slots`: the slots they are written to, in that order; `prefix`: for a decode step
+    whose rows all begin with the same blocks, those blocks' slots (`cascade`): `index` and
+    the layers' gathers then hold only what follows them."""
 
     index: torch.Tensor
     past: int
     written: torch.Tensor | None
     slots: torch.Tensor
+    prefix: torch.Tensor | None = None
 
 
 class PagedLayer(DynamicLayer):  # type: ignore[no-untyped-call]  # transformers' class
@@ -124,6 +130,7 @@ class PagedCache:
     the store through the pass `set` names."""
 
     def __init__(self, store: Store) -> None:
+        self._store = store
         self._current: list[Pass] = []
         self.cache = DynamicCache()
         self.cache.layers = [PagedLayer(store, i, self._current) for i in range(store.layers)]
@@ -134,22 +141,137 @@ class PagedCache:
         self._current[:] = [forward]
         return self.cache
 
+    @contextmanager
+    def running(self, forward: Pass) -> Iterator[DynamicCache]:
+        """The cache for `forward`, which `cascade` reads while the model runs it."""
+        _active.state = (self._store, forward)
+        try:
+            yield self.set(forward)
+        finally:
+            _active.state = None
+
+
+# --- attention over a shared prefix ----------------------------------------------------
+
+CASCADE = "gpufleet_cascade"  # the attention implementation `cascade` is registered as
+#: What `cascade` may be called with and still be plain scaled-dot-product attention.
+_NEUTRAL = frozenset({"scaling", "is_causal", "position_ids", "cache_position", "use_cache"})
+
+
+class _Active(threading.local):
+    state: tuple[Store, Pass] | None = None
+
+
+_active = _Active()
+
+
+def use_cascade(model: Any) -> bool:
+    """Route `model`'s attention through `cascade` (which falls back to SDPA whenever it
+    has no shared prefix to use): only a model on SDPA, whose layers take the attention
+    interface; False, and the model unchanged, for any other."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    config = getattr(model, "config", None)
+    if config is None or getattr(config, "_attn_implementation", None) not in ("sdpa", CASCADE):
+        return False
+    if getattr(config, "_attn_implementation", None) == CASCADE:
+        return True
+    AttentionInterface.register(CASCADE, _cascade_or(sdpa_attention_forward))
+    AttentionMaskInterface.register(CASCADE, sdpa_mask)
+    try:
+        model.set_attn_implementation(CASCADE)
+    except Exception:  # a model that takes no custom attention keeps its own
+        return False
+    return True
+
+
+def _cascade_or(fallback: Any) -> Any:
+    def attention(
+        module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+        attention_mask: torch.Tensor | None, **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:  # fmt: skip
+        state = _active.state
+        forward = state[1] if state is not None else None
+        if forward is None or forward.prefix is None:
+            return fallback(module, query, key, value, attention_mask, **kwargs)  # type: ignore[no-any-return]
+        store = state[0] if state is not None else None
+        assert store is not None
+        prefix_keys, prefix_values = store.layer(module.layer_idx, key)
+        prefix_keys = prefix_keys.index_select(0, forward.prefix)
+        prefix_values = prefix_values.index_select(0, forward.prefix)
+        extra = [k for k, v in kwargs.items() if k not in _NEUTRAL and not _unset(v)]
+        if extra or query.shape[2] != 1:  # not plain attention: the whole rows, gathered
+            rows = key.shape[0]
+            key = torch.cat([prefix_keys.transpose(0, 1).expand(rows, -1, -1, -1), key], 2)
+            value = torch.cat([prefix_values.transpose(0, 1).expand(rows, -1, -1, -1), value], 2)
+            return fallback(module, query, key, value, attention_mask, **kwargs)  # type: ignore[no-any-return]
+        scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
+        return cascade(query, key, value, prefix_keys, prefix_values, attention_mask, scaling), None
+
+    return attention
+
+
+def _unset(value: Any) -> bool:
+    """Whether an attention argument asks for nothing (None, False or a zero number)."""
+    return value is None or (isinstance(value, (bool, int, float)) and not value)
+
+
+def cascade(  # noqa: PLR0917 - one attention's parts
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+    prefix_keys: torch.Tensor, prefix_values: torch.Tensor,
+    mask: torch.Tensor | None, scaling: float,
+) -> torch.Tensor:  # fmt: skip
+    """One decode step's attention, the shared prefix read once for every row: each row's
+    query against the prefix (`[P, kv_heads, dim]`, one matrix product for all rows) and
+    against its own keys (`[rows, kv_heads, S, dim]`), one softmax over both (Flash-
+    Decoding's merge of partial softmaxes). `mask` covers `[prefix | own]` columns, as the
+    model built it (None: nothing hidden). Returns `[rows, 1, heads, dim]`."""
+    rows, heads, _, dim = query.shape
+    kv_heads, plen = prefix_keys.shape[1], prefix_keys.shape[0]
+    group = heads // kv_heads
+    q = query.view(rows, kv_heads, group, dim).float() * scaling
+    shared = torch.bmm(
+        q.permute(1, 0, 2, 3).reshape(kv_heads, rows * group, dim),
+        prefix_keys.permute(1, 2, 0).float(),
+    ).view(kv_heads, rows, group, plen).permute(1, 0, 2, 3)  # [rows, kv_heads, group, P]
+    own = torch.matmul(q, keys.float().transpose(-1, -2))  # [rows, kv_heads, group, S]
+    if mask is not None:
+        hidden = mask[:, :, -1:, plen:].reshape(rows, 1, 1, -1)
+        if hidden.dtype == torch.bool:
+            own = own.masked_fill(~hidden, float("-inf"))
+        else:
+            own = own + hidden.float()
+    top = torch.maximum(shared.amax(-1, keepdim=True), own.amax(-1, keepdim=True))
+    shared, own = (shared - top).exp(), (own - top).exp()
+    total = shared.sum(-1, keepdim=True) + own.sum(-1, keepdim=True)
+    out = torch.bmm(
+        shared.permute(1, 0, 2, 3).reshape(kv_heads, rows * group, plen),
+        prefix_values.permute(1, 0, 2).float(),
+    ).view(kv_heads, rows, group, dim).permute(1, 0, 2, 3)
+    out = (out + torch.matmul(own, values.float())) / total
+    return out.reshape(rows, 1, heads, dim).to(query.dtype)
+
 
 class Paged:
     """A replica's KV blocks and their store: kept while the replica is resident, so that
     cached prefixes outlive the engine that made them (`worker.residency`)."""
 
-    def __init__(self, budget_tokens: int, layers: int, size: int = BLOCK_TOKENS) -> None:
+    def __init__(
+        self, budget_tokens: int, layers: int, size: int = BLOCK_TOKENS, *, share: bool = True
+    ) -> None:
         # The budget's whole blocks, the null block among them (at least one besides it).
-        self.pool = BlockPool(max(1, budget_tokens // size - 1), size)
+        self.pool = BlockPool(max(1, budget_tokens // size - 1), size, share=share)
         self.store = Store(layers, size)
         self.cache = PagedCache(self.store)
 
     @classmethod
-    def for_model(cls, model: Any, budget_tokens: int) -> Paged:
-        """Blocks for `model`'s layers within `budget_tokens` tokens."""
+    def for_model(cls, model: Any, budget_tokens: int, *, share: bool = True) -> Paged:
+        """Blocks for `model`'s layers within `budget_tokens` tokens (`share`: prefixes
+        are found in cached blocks; off, only to measure what sharing gains)."""
         layers = len(DynamicCache(config=model.config).layers)
-        return cls(budget_tokens, layers)
+        return cls(budget_tokens, layers, share=share)
 
     def slots(self, table: Table, start: int, end: int) -> torch.Tensor:
         """The slots of `table`'s tokens `[start, end)`."""
@@ -167,4 +289,7 @@ class Paged:
         return {**self.pool.stats(), "kv_bytes": self.store.nbytes()}
 
 
-__all__ = ["Paged", "GROWTH", "Pass", "PagedCache", "PagedLayer", "Store"]
+__all__ = [
+    "CASCADE", "GROWTH", "PagedCache", "PagedLayer", "Paged", "Pass", "Store", "cascade",
+    "use_cascade",
+]
