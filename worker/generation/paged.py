@@ -232,10 +232,14 @@ def cascade(  # noqa: PLR0917 - one attention's parts
     kv_heads, plen = prefix_keys.shape[1], prefix_keys.shape[0]
     group = heads // kv_heads
     q = query.view(rows, kv_heads, group, dim).float() * scaling
-    shared = torch.bmm(
-        q.permute(1, 0, 2, 3).reshape(kv_heads, rows * group, dim),
-        prefix_keys.permute(1, 2, 0).float(),
-    ).view(kv_heads, rows, group, plen).permute(1, 0, 2, 3)  # [rows, kv_heads, group, P]
+    shared = (
+        torch.bmm(
+            q.permute(1, 0, 2, 3).reshape(kv_heads, rows * group, dim),
+            prefix_keys.permute(1, 2, 0).float(),
+        )
+        .view(kv_heads, rows, group, plen)
+        .permute(1, 0, 2, 3)
+    )  # [rows, kv_heads, group, P]
     own = torch.matmul(q, keys.float().transpose(-1, -2))  # [rows, kv_heads, group, S]
     if mask is not None:
         hidden = mask[:, :, -1:, plen:].reshape(rows, 1, 1, -1)
@@ -246,10 +250,14 @@ def cascade(  # noqa: PLR0917 - one attention's parts
     top = torch.maximum(shared.amax(-1, keepdim=True), own.amax(-1, keepdim=True))
     shared, own = (shared - top).exp(), (own - top).exp()
     total = shared.sum(-1, keepdim=True) + own.sum(-1, keepdim=True)
-    out = torch.bmm(
-        shared.permute(1, 0, 2, 3).reshape(kv_heads, rows * group, plen),
-        prefix_values.permute(1, 0, 2).float(),
-    ).view(kv_heads, rows, group, dim).permute(1, 0, 2, 3)
+    out = (
+        torch.bmm(
+            shared.permute(1, 0, 2, 3).reshape(kv_heads, rows * group, plen),
+            prefix_values.permute(1, 0, 2).float(),
+        )
+        .view(kv_heads, rows, group, dim)
+        .permute(1, 0, 2, 3)
+    )
     out = (out + torch.matmul(own, values.float())) / total
     return out.reshape(rows, 1, heads, dim).to(query.dtype)
 
@@ -290,6 +298,13 @@ class Paged:
 
 
 __all__ = [
-    "CASCADE", "GROWTH", "PagedCache", "PagedLayer", "Paged", "Pass", "Store", "cascade",
+    "CASCADE",
+    "GROWTH",
+    "PagedCache",
+    "PagedLayer",
+    "Paged",
+    "Pass",
+    "Store",
+    "cascade",
     "use_cascade",
 ]
