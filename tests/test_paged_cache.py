@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from placement.catalog.catalog import Catalog
+from worker.generation import paged
 from worker.generation.blocks import BLOCK_TOKENS, BlockPool, OutOfBlocks, Table
 from worker.generation.engine import Engine, Options, Sequence_
 from worker.synthetic import build_synthetic
@@ -54,11 +55,25 @@ def _run_arriving(engine: Engine, prompts: list[tuple[list[int], int]], seed: in
     return sequences
 
 
+@pytest.mark.parametrize("working_copy", [True, False])
 def test_paged_greedy_outputs_equal_the_left_padded_batch_s_as_calls_join_and_leave(
-    model: tuple[Any, Any],
+    model: tuple[Any, Any], working_copy: bool
 ) -> None:
     prompts = _mixed(24, seed=3)
-    paged = _run_arriving(_engine(model), prompts, seed=4)
+    engine = _engine(model)
+    if not working_copy:  # every decode step gathers its rows from the blocks
+        engine._copy_fits = lambda rows, width: False  # type: ignore[method-assign]
+    copied: list[bool] = []
+    step = engine.step
+
+    def stepped() -> list[Sequence_]:
+        ended = step()
+        copied.append(engine._copy is not None)
+        return ended
+
+    engine.step = stepped  # type: ignore[method-assign]
+    paged = _run_arriving(engine, prompts, seed=4)
+    assert any(copied) == working_copy
     padded = _run_arriving(_engine(model, paged=False), prompts, seed=4)
     assert [s.tokens for s in paged] == [s.tokens for s in padded]
     assert all(s.finish in ("length", "stop") for s in paged)
@@ -205,3 +220,51 @@ def test_a_block_is_found_only_under_the_same_tokens_before_it() -> None:
     assert len(pool.match([1, 2, 3, 4, 5], 5)[0]) == 2
     assert pool.match([9, 9, 3, 4, 5], 5)[0] == []  # same block, other prefix
     assert len(pool.match([1, 2, 3, 4], 3)[0]) == 1  # within the limit only
+
+
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (8, 2)])
+def test_cascade_attention_equals_attention_over_each_row_s_whole_keys(
+    heads: int, kv_heads: int
+) -> None:
+    torch.manual_seed(0)
+    rows, dim, shared, own = 3, 16, 20, 7
+    query = torch.randn(rows, heads, 1, dim)
+    prefix_keys, prefix_values = (
+        torch.randn(shared, kv_heads, dim),
+        torch.randn(shared, kv_heads, dim),
+    )
+    keys, values = torch.randn(rows, kv_heads, own, dim), torch.randn(rows, kv_heads, own, dim)
+    visible = torch.ones(rows, shared + own, dtype=torch.bool)
+    visible[0, shared : shared + 3] = False  # row 0's own keys start later (padding)
+    mask = visible[:, None, None, :]
+    out = paged.cascade(query, keys, values, prefix_keys, prefix_values, mask, dim**-0.5)
+    whole_keys = torch.cat([prefix_keys.transpose(0, 1).expand(rows, -1, -1, -1), keys], 2)
+    whole_values = torch.cat([prefix_values.transpose(0, 1).expand(rows, -1, -1, -1), values], 2)
+    group = heads // kv_heads
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        query, whole_keys.repeat_interleave(group, 1), whole_values.repeat_interleave(group, 1),
+        attn_mask=mask,
+    )  # fmt: skip
+    assert torch.allclose(out, expected.transpose(1, 2), atol=1e-5)
+
+
+def test_rows_sharing_a_system_prompt_decode_with_cascade_and_get_their_tokens_alone(
+    model: tuple[Any, Any],
+) -> None:
+    system = [2, *range(300, 300 + 3 * BLOCK_TOKENS)]
+    engine = _engine(model)
+    assert engine._cascade  # a synthetic GPT-2 on SDPA
+    engine.add(Sequence_("first", [*system, 1], Options(max_new_tokens=2)))
+    engine.run()
+    calls = [Sequence_(i, [*system, 20 + i, 21], Options(max_new_tokens=25)) for i in range(5)]
+    for sequence in calls:
+        engine.add(sequence)
+    engine.step()
+    assert engine._shared_blocks() == 3
+    engine.run()
+    for sequence in calls:
+        alone = _engine(model, paged=False)
+        copy = Sequence_("alone", sequence.prompt, Options(max_new_tokens=25))
+        alone.add(copy)
+        alone.run()
+        assert sequence.tokens == copy.tokens

@@ -184,6 +184,9 @@ class Engine:
         # Decode steps read a prefix every row shares once, not once a row (`paged.cascade`).
         self._cascade = self.kv is not None and paged.use_cascade(model)
         self._slots: torch.Tensor | None = None  # [rows, width]: each column's KV slot
+        # On a CPU, the running rows kept padded in place too while the budget's unused
+        # room holds them, so that a decode step gathers nothing (`_copy_fits`).
+        self._copy: Any = None
         self.peak_tokens = 0  # the most cache positions the buffers held room for at once
         self.steps = 0
         self.preemptions = 0  # rows taken out of the batch for want of blocks
@@ -559,6 +562,13 @@ class Engine:
             index[row, width - length :] = self.kv.slots(sequence.table, 0, length)
             mask[row, width - length :] = 1
         index, mask = index.to(self.device), mask.to(self.device)
+        if self._copy is not None:
+            assert self._mask is not None
+            if self._copy_fits(len(self.rows) + len(sequences), max(width, self._mask.shape[1])):
+                for number, layer in enumerate(self._copy.layers):
+                    layer.join(*self.kv.cache.gather(number, index))
+            else:
+                self._copy = None
         if self._slots is None or self._mask is None or self._seen is None:
             self._slots, self._mask, self._seen = index, mask, seen
         else:
@@ -615,7 +625,7 @@ class Engine:
         self._columns = None
         self.rows = [self.rows[i] for i in keep]
         if not keep:
-            self._slots = self._mask = self._seen = None
+            self._slots = self._mask = self._seen = self._copy = None
             return
         assert self._slots is not None and self._mask is not None and self._seen is not None
         index = torch.tensor(keep, dtype=torch.long, device=self.device)
@@ -624,6 +634,9 @@ class Engine:
         self._mask = mask[:, cut:]
         self._slots = self._slots.index_select(0, index)[:, cut:]
         self._seen = self._seen.index_select(0, index)
+        if self._copy is not None:
+            for layer in self._copy.layers:
+                layer.keep(keep, cut)
 
     def _decode_paged(self, ids: torch.Tensor) -> Any:
         """One decode step over the blocks: each row's new token (`ids`) written to its
@@ -654,10 +667,18 @@ class Engine:
             step_mask = torch.cat([ones.expand(-1, shared * size), after, ones], dim=1)
             step_index = index[:, index.shape[1] - width - 1 :]
             forward = paged.Pass(step_index, shared * size + width, None, new, prefix)
+            self._copy = None  # attention reads the prefix once: nothing to gather twice
         else:
             step_mask, forward = mask, paged.Pass(index, self._slots.shape[1], None, new)
         kv.ready()
-        with kv.cache.running(forward) as cache:
+        copy = None
+        if not shared and self._copy_fits(len(rows), index.shape[1]):
+            if self._copy is None:  # this step's gather, made once for the steps to come
+                self._copy = kv.cache.copy_of(self._slots, self._copy_room())
+            copy = self._copy
+        else:
+            self._copy = None
+        with kv.cache.running(forward, copy) as cache:
             out = self.model(
                 input_ids=ids, attention_mask=step_mask, position_ids=positions,
                 use_cache=True, **{self._cache_arg: cache},
@@ -670,6 +691,28 @@ class Engine:
             if table.length % size == 0:
                 kv.pool.key_full_blocks(table, sequence.prompt + sequence.tokens)
         return out
+
+    def _copy_room(self) -> int:
+        """Tokens of the budget the store has not taken (nor will by its next growth)."""
+        assert self.kv is not None
+        return (self.kv.pool.budget - self.kv.store.blocks) * self.kv.pool.size
+
+    def _copy_fits(self, rows: int, width: int) -> bool:
+        """Whether a working copy of `rows` rows `width` columns wide (the store's truth
+        padded in place, `paged.CopyLayer`) fits the budget beside the store: only on a
+        CPU, where a decode step's gather is a copy the CPU pays for; a GPU gathers at its
+        memory's speed. Its layers may grow only within that room."""
+        if self.kv is None or self.device.type != "cpu":
+            return False
+        room = self._copy_room()
+        if rows * width > room:
+            return False
+        if self._copy is not None:
+            for layer in self._copy.layers:
+                layer.budget = room
+            if self._copy.layers[0].capacity() > room:
+                return False
+        return True
 
     def _shared_blocks(self) -> int:
         """How many whole blocks every running row begins with (the same blocks)."""

@@ -27,6 +27,7 @@ import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from worker.generation.blocks import BLOCK_TOKENS, BlockPool, Table
+from worker.generation.slots import SlotLayer
 
 GROWTH = 2  # a full store is reallocated this many times larger, within the budget
 
@@ -125,6 +126,31 @@ class PagedLayer(DynamicLayer):  # type: ignore[no-untyped-call]  # transformers
         return self._current[0].past + query_length, 0
 
 
+class CopyLayer(SlotLayer):  # type: ignore[no-untyped-call]  # transformers' class beneath
+    """One layer of the running rows' keys and values kept padded in place as well (a
+    CPU's working copy: `slots.SlotLayer`), so that a decode step gathers nothing; each new
+    token is also written to its slot in the store, which stays the truth."""
+
+    def __init__(  # noqa: PLR0917 - a slot layer's parts, and where it writes through
+        self, keys: torch.Tensor, values: torch.Tensor, budget: int, store: Store, layer: int,
+        current: list[Pass],
+    ) -> None:  # fmt: skip
+        super().__init__(keys, values, budget)
+        self._store, self._layer, self._current = store, layer, current
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        now = self._current[0]
+        rows, heads, new, dim = key_states.shape
+        keys, values = self._store.layer(self._layer, key_states)
+        keys.index_copy_(0, now.slots, key_states.transpose(1, 2).reshape(rows * new, heads, dim))
+        values.index_copy_(
+            0, now.slots, value_states.transpose(1, 2).reshape(rows * new, heads, dim)
+        )
+        return super().update(key_states, value_states)
+
+
 class PagedCache:
     """The cache object a forward pass gets: a `DynamicCache` whose layers read and write
     the store through the pass `set` names."""
@@ -141,12 +167,37 @@ class PagedCache:
         self._current[:] = [forward]
         return self.cache
 
+    def copy_of(self, index: torch.Tensor, budget: int) -> DynamicCache:
+        """A working copy (`CopyLayer`s, within `budget` tokens) of the rows whose slots
+        `index` (`[rows, width]`, right-aligned) names, gathered from the store once."""
+        copy = DynamicCache()
+        copy.layers = [
+            CopyLayer(*self.gather(layer, index), budget, self._store, layer, self._current)
+            for layer in range(self._store.layers)
+        ]
+        copy.layer_class_to_replicate = None
+        return copy
+
+    def gather(self, layer: int, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer`'s keys and values of the slots `index` names, `[rows, kv heads,
+        width, head dim]`."""
+        keys, values = self._store.keys[layer], self._store.values[layer]
+        assert keys is not None and values is not None
+        rows, width = index.shape
+        flat = index.reshape(-1)
+        return tuple(  # type: ignore[return-value]
+            t.index_select(0, flat).view(rows, width, *t.shape[1:]).transpose(1, 2).contiguous()
+            for t in (keys, values)
+        )
+
     @contextmanager
-    def running(self, forward: Pass) -> Iterator[DynamicCache]:
-        """The cache for `forward`, which `cascade` reads while the model runs it."""
+    def running(self, forward: Pass, copy: DynamicCache | None = None) -> Iterator[DynamicCache]:
+        """The cache for `forward` (`copy`, a working copy, when given), which `cascade`
+        reads while the model runs it."""
         _active.state = (self._store, forward)
         try:
-            yield self.set(forward)
+            cache = self.set(forward)
+            yield copy if copy is not None else cache
         finally:
             _active.state = None
 
