@@ -49,12 +49,10 @@ their own answer.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import logging
 import multiprocessing
 import os
-import random
 import signal
 import tempfile
 import threading
@@ -63,18 +61,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench.harness import REPO, exit_on_sigterm, percentile
+from bench.harness import exit_on_sigterm, percentile
+from bench.workloads import CPU_CONFIG, TRACE, WINDOW, workload
 
 log = logging.getLogger("bench.generation")
 
 MODEL = "bench-gpt"
-TRACE = REPO.parent / "shared" / "data" / "AzureLLMInferenceTrace_conv.csv"
-WINDOW = 1024
-CPU_CONFIG = {"model_type": "gpt2", "n_layer": 4, "n_head": 4, "n_embd": 256}
 GPU_CONFIG = {"model_type": "gpt2", "n_layer": 12, "n_head": 12, "n_embd": 768}
 CALL_TIMEOUT_S = 600.0
 TARGETS = {"vs_one_at_a_time": 3.0, "vs_library_batch": 0.8, "ttft_ratio": 3.0}
-_ALPHABET = "abcdefghijklmnopqrstuvwxyz      "
 
 
 def catalog(gpu: bool) -> str:
@@ -86,33 +81,6 @@ def catalog(gpu: bool) -> str:
         f"    dtype: {dtype}\n    memory: 2GiB\n    config: {json.dumps(config)}\n"
         f"    kv_cache: {{tokens: {64 * WINDOW}}}\n"
     )
-
-
-def workload(
-    count: int, seed: int, shape: str = "trace", trace: Path = TRACE
-) -> list[tuple[str, int]]:
-    """`count` (prompt, new tokens) pairs: trace rows scaled to the window (see the module),
-    or with `shape` "short", prompts of 16 to 64 tokens and 128 new tokens each."""
-    if shape == "short":
-        rng = random.Random(seed)
-        lengths = [rng.randint(16, 64) for _ in range(count)]
-        return [("".join(rng.choice(_ALPHABET) for _ in range(n - 1)), 128) for n in lengths]
-    with trace.open() as handle:
-        rows = [
-            (int(r["ContextTokens"]), int(r["GeneratedTokens"])) for r in csv.DictReader(handle)
-        ]
-    rng = random.Random(seed)
-    drawn = rng.sample(rows, count)
-    # One left-padded batch (b) holds the longest prompt and the longest output at once;
-    # the BOS token takes one position more.
-    factor = (WINDOW - 2) / (max(c for c, _ in drawn) + max(g for _, g in drawn))
-    calls = []
-    for context, generated in drawn:
-        prompt_tokens = max(1, int(context * factor))
-        new = max(1, int(generated * factor))
-        prompt = "".join(rng.choice(_ALPHABET) for _ in range(prompt_tokens - 1))
-        calls.append((prompt or "a", new))
-    return calls
 
 
 def library_batch(calls: list[tuple[str, int]], spec: Any, gpu: bool) -> dict[str, Any]:

@@ -8,7 +8,7 @@ CPU bench model of `bench.generation` (a synthetic GPT-2: 4 layers, 256 wide, fl
 the paged engine the fleet runs now and as the left-padded engine it ran before (its
 `paged_cache=False`), with the same model, prompts and budget; greedy.
 
-- `tight`: `--callers` calls of the Azure trace's shape (`bench.generation.workload`),
+- `tight`: `--callers` calls of the Azure trace's shape (`bench.workloads.workload`),
   all added at once, with a KV budget of a quarter of their reaches added up (each call's
   prompt and new tokens). Tokens per second from the first step to the last, the mean
   number of rows a decode step ran, and the paged engine's preemptions.
@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness import percentile
+from bench.workloads import ALPHABET, CPU_CONFIG, WINDOW, workload
 
 SYSTEM_TOKENS = 1000
 TURN_TOKENS = 128  # the longest user turn and the longest output, after scaling
@@ -44,11 +45,9 @@ TARGETS = {
     "chat_ttft_ratio": 0.3,
     "chat_tokens_ratio": 2.0,
 }
-_ALPHABET = "abcdefghijklmnopqrstuvwxyz      "
 
 
 def _model(window: int) -> tuple[Any, Any]:
-    from bench.generation import CPU_CONFIG
     from placement.catalog.catalog import Catalog
     from worker.synthetic import build_synthetic
 
@@ -113,8 +112,6 @@ def _public(run: dict[str, Any]) -> dict[str, Any]:
 
 def tight(callers: int, seed: int, trace: Path) -> dict[str, Any]:
     """The trace's shape within a quarter of its calls' reach (the module)."""
-    from bench.generation import WINDOW, workload
-
     model = _model(WINDOW)
     texts = workload(callers, seed, "trace", trace)
     calls = [(_ids(model[1], prompt), new) for prompt, new in texts]
@@ -145,10 +142,10 @@ def chat_calls(
     drawn = rng.sample(rows, count)
     turn_factor = TURN_TOKENS / max(c for c, _ in drawn)
     out_factor = TURN_TOKENS / max(g for _, g in drawn)
-    system = _ids(tokenizer, "".join(rng.choice(_ALPHABET) for _ in range(SYSTEM_TOKENS - 1)))
+    system = _ids(tokenizer, "".join(rng.choice(ALPHABET) for _ in range(SYSTEM_TOKENS - 1)))
     calls = []
     for context, generated in drawn:
-        turn = "".join(rng.choice(_ALPHABET) for _ in range(max(1, int(context * turn_factor))))
+        turn = "".join(rng.choice(ALPHABET) for _ in range(max(1, int(context * turn_factor))))
         calls.append((system + _ids(tokenizer, turn)[1:], max(1, int(generated * out_factor))))
     return system, calls
 
