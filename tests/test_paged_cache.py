@@ -268,3 +268,49 @@ def test_rows_sharing_a_system_prompt_decode_with_cascade_and_get_their_tokens_a
         alone.add(copy)
         alone.run()
         assert sequence.tokens == copy.tokens
+
+
+def test_a_failed_engine_s_blocks_are_given_back_to_the_next_engine_and_prefixes_kept(
+    model: tuple[Any, Any],
+) -> None:
+    system = [2, *range(400, 400 + 2 * BLOCK_TOKENS)]
+    engine = _engine(model)
+    for i in range(3):
+        engine.add(Sequence_(i, [*system, 30 + i], Options(max_new_tokens=20)))
+    engine.step()
+    engine.step()
+    assert engine.kv is not None and engine.kv.pool.in_use > 0
+    # Its model failed here: the engine is dropped with its rows (`Driver.fail`).
+    net, tokenizer = model
+    after = Engine(net, tokenizer, CPU, budget=10**6, window=512, kv=engine.kv)
+    assert after.kv is engine.kv and after.kv.pool.in_use == 0
+    assert after.kv.pool.cached >= 2  # the system prompt's blocks, whole before keyed
+    again = Sequence_("again", [*system, 99], Options(max_new_tokens=4))
+    after.add(again)
+    after.step()
+    assert again.table is not None and again.table.reused == 2 * BLOCK_TOKENS
+
+
+def test_prompts_that_arrive_together_and_begin_alike_prefill_their_prefix_once(
+    model: tuple[Any, Any],
+) -> None:
+    system = [2, *range(150, 150 + 3 * BLOCK_TOKENS)]
+    engine = _engine(model)
+    calls = [Sequence_(i, [*system, 40 + i, 41], Options(max_new_tokens=12)) for i in range(5)]
+    for sequence in calls:
+        engine.add(sequence)
+    engine.step()
+    assert len(engine.rows) == 1  # the others wait a step to read its blocks
+    engine.step()
+    assert len(engine.rows) == 5
+    assert engine.kv is not None and engine.kv.pool.reused_tokens == 4 * 3 * BLOCK_TOKENS
+    assert engine._shared_blocks() == 3  # and their decode steps read the prefix once
+    engine.run()
+    assert all(s.finish == "length" for s in calls)
+
+
+def test_a_kv_record_from_a_worker_before_paging_reads_as_its_tokens_held() -> None:
+    from placement.ledger.generation import _kv
+
+    assert _kv("96") == {"held_tokens": 96.0}
+    assert _kv('{"held_tokens": 32, "blocks_cached": 4}')["blocks_cached"] == 4

@@ -53,7 +53,9 @@ def record(store: Store, model: str, tokens: int, ttft_s: float, itl_s: float | 
 
 def mark_kv(store: Store, replica: str, kv: dict[str, float]) -> None:
     """Say what `replica`'s KV cache holds now (`held_tokens`, and a paged cache's block
-    counts); a cache that holds nothing, not even cached prefixes, is said by no record."""
+    counts), for `BATCH_TTL_MS`: said while its batch runs, and once as it ends (its
+    cached prefixes then show for that long); a cache that holds nothing, not even cached
+    prefixes, is said by no record."""
     key = store.keys.kv_held(replica)
     if kv.get("held_tokens") or kv.get("blocks_cached"):
         store._read([("psetex", key, BATCH_TTL_MS, json.dumps(kv))])
@@ -96,7 +98,13 @@ def kv_held(store: Store, replicas: Iterable[str]) -> dict[str, dict[str, float]
     """What each of `replicas`' KV cache holds now (`mark_kv`; absent: nothing)."""
     names = list(replicas)
     rows = store._read([("get", store.keys.kv_held(r)) for r in names])
-    return {r: json.loads(v) for r, v in zip(names, rows, strict=True) if v is not None}
+    return {r: _kv(v) for r, v in zip(names, rows, strict=True) if v is not None}
+
+
+def _kv(raw: str) -> dict[str, float]:
+    """A `mark_kv` record; a bare count (a worker from before paging) is its tokens held."""
+    value = json.loads(raw)
+    return value if isinstance(value, dict) else {"held_tokens": float(value)}
 
 
 def _figures(row: dict[str, str]) -> Figures:

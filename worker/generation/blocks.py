@@ -122,6 +122,15 @@ class BlockPool:
             else:
                 self._free.append(block)
 
+    def unhold_all(self) -> None:
+        """Give back every holder's blocks at once (an engine that failed left its rows'
+        blocks held): keyed blocks stay cached, as their contents were whole before they
+        were keyed; the others are free. Only while no engine uses the pool."""
+        for block in range(1, self.allocated):
+            if self._holders[block]:
+                self._holders[block] = 1
+                self.release([block])
+
     # --- prefixes ---------------------------------------------------------------------
 
     def match(self, tokens: Sequence[int], limit: int) -> tuple[list[int], bytes]:

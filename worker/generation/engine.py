@@ -181,6 +181,9 @@ class Engine:
         self.kv: paged.Paged | None = None
         if self._merges and paged_cache:
             self.kv = kv if kv is not None else paged.Paged.for_model(model, budget)
+            # A replica's blocks outlive its engines: one that failed mid-step left its
+            # rows' blocks held, and no other engine holds any now (the replica's lock).
+            self.kv.pool.unhold_all()
         # Decode steps read a prefix every row shares once, not once a row (`paged.cascade`).
         self._cascade = self.kv is not None and paged.use_cascade(model)
         self._slots: torch.Tensor | None = None  # [rows, width]: each column's KV slot
@@ -317,6 +320,8 @@ class Engine:
         ended = [s for s in self.waiting if s.cancelled]
         for sequence in ended:
             sequence.finish = "cancelled"
+            if sequence.text is not None and sequence.tokens:  # preempted, then cancelled
+                sequence.text.finish(sequence.tokens)
             self._dequeued(sequence)
         self.waiting = [s for s in self.waiting if not s.cancelled]
         for sequence in self.rows:
@@ -335,6 +340,7 @@ class Engine:
         prompts = 0
         # Paged: blocks the running rows take at their next token, kept for them.
         spare = 0 if self.kv is None else self.kv.pool.available - self._next_blocks()
+        computing: set[bytes] = set()  # first blocks this step's prefill computes
         while len(admitted) < len(self.waiting) and count < (self.max_rows if self._merges else 1):
             head = self.waiting[len(admitted)]
             wider = max(reach, head.reach)
@@ -343,6 +349,11 @@ class Engine:
             computed = len(head.prompt)
             if self.kv is not None:  # what its cached prefix leaves to compute
                 computed = len(head.context()) - self._cached_tokens(head)
+                first = self._first_block(head) if computed == len(head.context()) else None
+                if first is not None and first in computing:
+                    break  # it begins as one prefilled now does: next step it reads that
+                if first is not None:
+                    computing.add(first)
             if admitted and prompts + computed > self.prefill_tokens:
                 break
             if self.kv is not None:
@@ -468,6 +479,12 @@ class Engine:
         held = sequence.table.length if sequence.table is not None else 0
         return len(sequence.context()) - held
 
+    def _first_block(self, sequence: Sequence_) -> bytes | None:
+        """The key its first block will have, if its context fills one and goes beyond it."""
+        assert self.kv is not None
+        size, context = self.kv.pool.size, sequence.context()
+        return blocks.chain(b"", context[:size]) if len(context) > size else None
+
     def _cached_tokens(self, sequence: Sequence_) -> int:
         """Tokens of its context that cached blocks hold now."""
         assert self.kv is not None
@@ -538,6 +555,8 @@ class Engine:
             torch.cat(slots).to(self.device),
         )  # fmt: skip
         kv.ready()
+        if self._copy is not None and not self._copy_fits(len(self.rows), self._copy_width()):
+            self._copy = None  # the store grew into its room
         with kv.cache.running(forward) as cache:
             out = self._forward_prompts(
                 ids.to(self.device), mask.to(self.device), positions.to(self.device), cache
@@ -691,6 +710,9 @@ class Engine:
             if table.length % size == 0:
                 kv.pool.key_full_blocks(table, sequence.prompt + sequence.tokens)
         return out
+
+    def _copy_width(self) -> int:
+        return 0 if self._mask is None else int(self._mask.shape[1])
 
     def _copy_room(self) -> int:
         """Tokens of the budget the store has not taken (nor will by its next growth)."""

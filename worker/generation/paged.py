@@ -49,11 +49,13 @@ class Store:
         if blocks > self.blocks:
             self.blocks = min(budget, max(blocks, self.blocks * GROWTH))
 
-    def layer(self, index: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer `index`'s key and value slots, grown to `blocks` (`like`: a pass's keys,
-        `[rows, heads, tokens, head_dim]`)."""
+    def layer(
+        self, index: int, keys_like: torch.Tensor, values_like: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `index`'s key and value slots, grown to `blocks` (`*_like`: a pass's keys
+        and values, `[rows, heads, tokens, head_dim]`; a value's head may differ in size)."""
         pair = []
-        for tensors in (self.keys, self.values):
+        for tensors, like in ((self.keys, keys_like), (self.values, values_like)):
             old = tensors[index]
             slots = self.blocks * self.size
             if old is None or old.shape[0] < slots:
@@ -106,10 +108,10 @@ class PagedLayer(DynamicLayer):  # type: ignore[no-untyped-call]  # transformers
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the pass's new keys and values to their slots; every row's, gathered."""
         now = self._current[0]
-        rows, heads, new, dim = key_states.shape
-        keys, values = self._store.layer(self._layer, key_states)
+        keys, values = self._store.layer(self._layer, key_states, value_states)
         gathered = []
         for states, store in ((key_states, keys), (value_states, values)):
+            rows, heads, new, dim = states.shape
             flat = states.transpose(1, 2).reshape(rows * new, heads, dim)
             if now.written is not None:
                 flat = flat.index_select(0, now.written)
@@ -142,12 +144,10 @@ class CopyLayer(SlotLayer):  # type: ignore[no-untyped-call]  # transformers' cl
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         now = self._current[0]
-        rows, heads, new, dim = key_states.shape
-        keys, values = self._store.layer(self._layer, key_states)
-        keys.index_copy_(0, now.slots, key_states.transpose(1, 2).reshape(rows * new, heads, dim))
-        values.index_copy_(
-            0, now.slots, value_states.transpose(1, 2).reshape(rows * new, heads, dim)
-        )
+        keys, values = self._store.layer(self._layer, key_states, value_states)
+        for states, store in ((key_states, keys), (value_states, values)):
+            rows, heads, new, dim = states.shape
+            store.index_copy_(0, now.slots, states.transpose(1, 2).reshape(rows * new, heads, dim))
         return super().update(key_states, value_states)
 
 
@@ -249,7 +249,7 @@ def _cascade_or(fallback: Any) -> Any:
             return fallback(module, query, key, value, attention_mask, **kwargs)  # type: ignore[no-any-return]
         store = state[0] if state is not None else None
         assert store is not None
-        prefix_keys, prefix_values = store.layer(module.layer_idx, key)
+        prefix_keys, prefix_values = store.layer(module.layer_idx, key, value)
         prefix_keys = prefix_keys.index_select(0, forward.prefix)
         prefix_values = prefix_values.index_select(0, forward.prefix)
         extra = [k for k, v in kwargs.items() if k not in _NEUTRAL and not _unset(v)]
@@ -281,6 +281,7 @@ def cascade(  # noqa: PLR0917 - one attention's parts
     model built it (None: nothing hidden). Returns `[rows, 1, heads, dim]`."""
     rows, heads, _, dim = query.shape
     kv_heads, plen = prefix_keys.shape[1], prefix_keys.shape[0]
+    out_dim = values.shape[-1]  # a value's head may differ from a key's
     group = heads // kv_heads
     q = query.view(rows, kv_heads, group, dim).float() * scaling
     shared = (
@@ -306,11 +307,11 @@ def cascade(  # noqa: PLR0917 - one attention's parts
             shared.permute(1, 0, 2, 3).reshape(kv_heads, rows * group, plen),
             prefix_values.permute(1, 0, 2).float(),
         )
-        .view(kv_heads, rows, group, dim)
+        .view(kv_heads, rows, group, out_dim)
         .permute(1, 0, 2, 3)
     )
     out = (out + torch.matmul(own, values.float())) / total
-    return out.reshape(rows, 1, heads, dim).to(query.dtype)
+    return out.reshape(rows, 1, heads, out_dim).to(query.dtype)
 
 
 class Paged:
