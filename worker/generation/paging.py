@@ -1,0 +1,337 @@
+"""The engine's paged half (`worker.generation.engine.Engine` is a `PagedRows`): what its
+rows do with KV blocks (`worker.generation.blocks`, `worker.generation.paged`).
+
+A sequence is admitted into blocks (its cached prefix held, blocks taken for the rest);
+a prefill pass reads each row's cached prefix from its blocks and computes only the rest;
+rows join with their slots right-aligned, as a left-padded batch lays them out; a decode
+step takes each row's next slot (preempting the youngest row when none is left) and reads
+the rows' keys by one of three ways: attention over a prefix every row shares
+(`paged.cascade`), a CPU's working copy kept padded in place (`paged.CopyLayer`), or a
+gather. See docs/worker.md, "The KV cache, in blocks".
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from collections.abc import Hashable
+from typing import Any
+
+import torch
+
+from worker.generation import blocks, paged, sampling
+from worker.generation.sequence import Sequence_
+
+log = logging.getLogger(__name__)
+
+
+class PagedRows:
+    """The paged methods of an engine: it sets every attribute below (see `Engine`)."""
+
+    model: Any
+    device: torch.device
+    kv: paged.Paged | None
+    rows: list[Sequence_]
+    waiting: list[Sequence_]
+    preemptions: int
+    _slots: torch.Tensor | None
+    _mask: torch.Tensor | None
+    _seen: torch.Tensor | None
+    _copy: Any
+    _cascade: bool
+    _columns: sampling.Columns | None
+    _finishes: dict[Hashable, tuple[float, int]]
+    _cache_arg: str
+    _last_logits: dict[str, int]
+
+    def _forward_prompts(
+        self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any = None
+    ) -> Any:
+        """The model's pass over left-padded prompts, keeping their cache (in `cache`, the
+        paged one, when given)."""
+        given = {self._cache_arg: cache} if cache is not None else {}
+        return self.model(
+            input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+            **given, **self._last_logits,
+        )  # fmt: skip
+
+    # --- the paged cache ----------------------------------------------------------------
+
+    def _todo(self, sequence: Sequence_) -> int:
+        """Tokens its prefill computes: its context, less what cached blocks hold."""
+        held = sequence.table.length if sequence.table is not None else 0
+        return len(sequence.context()) - held
+
+    def _first_block(self, sequence: Sequence_) -> bytes | None:
+        """The key its first block will have, if its context fills one and goes beyond it."""
+        assert self.kv is not None
+        size, context = self.kv.pool.size, sequence.context()
+        return blocks.chain(b"", context[:size]) if len(context) > size else None
+
+    def _cached_tokens(self, sequence: Sequence_) -> int:
+        """Tokens of its context that cached blocks hold now."""
+        assert self.kv is not None
+        context = sequence.context()
+        return len(self.kv.pool.match(context, len(context) - 1)[0]) * self.kv.pool.size
+
+    def _next_blocks(self) -> int:
+        """Blocks the running rows need for their next token (those whose blocks are full)."""
+        assert self.kv is not None
+        size = self.kv.pool.size
+        return sum(1 for s in self.rows if s.table is not None and s.table.length % size == 0)
+
+    def _blocks_for(self, sequence: Sequence_, spare: int) -> int | None:
+        """Admit `sequence` into blocks if what it takes (its context's blocks not cached,
+        the cached ones nobody held, and a block for its next token when its last is full)
+        is within `spare`: its table then holds its prefix, read from the cache, and room
+        for the rest. What it took of `spare`, or None when it does not fit."""
+        assert self.kv is not None
+        pool = self.kv.pool
+        context = sequence.context()
+        matched, key = pool.match(context, len(context) - 1)  # one token at least is computed
+        whole = blocks.blocks_for(len(context))
+        taken = whole - len(matched) + pool.needs(matched)
+        taken += 1 if len(context) % pool.size == 0 else 0
+        if taken > spare:
+            return None
+        pool.hold(matched)
+        reused = len(matched) * pool.size
+        table = blocks.Table(list(matched), reused, len(matched), key, reused)
+        table.blocks.extend(pool.take() for _ in range(whole - len(matched)))
+        sequence.table = table
+        if not sequence.resumed:
+            pool.counted(len(sequence.prompt), reused)
+        return taken
+
+    def _forward_paged(self, sequences: list[Sequence_]) -> Any:
+        """The pass over the admitted sequences' uncached tokens, each row reading its
+        cached prefix from its blocks: `[past | new]` columns, each part right-aligned."""
+        assert self.kv is not None
+        kv = self.kv
+        contexts = [s.context() for s in sequences]
+        tables = [s.table for s in sequences]
+        assert all(t is not None for t in tables)
+        past = max(t.length for t in tables if t is not None)
+        new = max(len(c) - t.length for c, t in zip(contexts, tables, strict=True) if t)
+        rows = len(sequences)
+        ids = torch.zeros((rows, new), dtype=torch.long)
+        mask = torch.zeros((rows, past + new), dtype=torch.long)
+        positions = torch.zeros((rows, new), dtype=torch.long)
+        index = torch.zeros((rows, past + new), dtype=torch.long)
+        written, slots = [], []
+        for row, (context, table) in enumerate(zip(contexts, tables, strict=True)):
+            assert table is not None
+            held, todo = table.length, len(context) - table.length
+            mine = kv.slots(table, 0, len(context))
+            index[row, past - held : past] = mine[:held]
+            index[row, past + new - todo :] = mine[held:]
+            mask[row, past - held : past] = 1
+            mask[row, past + new - todo :] = 1
+            ids[row, new - todo :] = torch.tensor(context[held:])
+            positions[row, new - todo :] = torch.arange(held, len(context))
+            written.append(torch.arange(row * new + new - todo, (row + 1) * new))
+            slots.append(mine[held:])
+        every = torch.cat(written)
+        forward = paged.Pass(
+            index.to(self.device), past,
+            None if every.numel() == rows * new else every.to(self.device),
+            torch.cat(slots).to(self.device),
+        )  # fmt: skip
+        kv.ready()
+        if self._copy is not None and not self._copy_fits(len(self.rows), self._copy_width()):
+            self._copy = None  # the store grew into its room
+        with kv.cache.running(forward) as cache:
+            out = self._forward_prompts(
+                ids.to(self.device), mask.to(self.device), positions.to(self.device), cache
+            )
+        for sequence, context in zip(sequences, contexts, strict=True):
+            assert sequence.table is not None
+            sequence.table.length = len(context)  # written: a pass that raised wrote nothing
+            kv.pool.key_full_blocks(sequence.table, context)
+        return out
+
+    def _join_paged(self, sequences: list[Sequence_], seen: torch.Tensor) -> None:
+        """Add prefilled rows: each row's slots right-aligned, the narrower side padded on
+        the left (padding reads the null block, and the mask hides it)."""
+        assert self.kv is not None
+        lengths = [s.table.length for s in sequences if s.table is not None]
+        width = max(lengths)
+        index = torch.zeros((len(sequences), width), dtype=torch.long)
+        mask = torch.zeros((len(sequences), width), dtype=torch.long)
+        for row, sequence in enumerate(sequences):
+            assert sequence.table is not None
+            length = sequence.table.length
+            index[row, width - length :] = self.kv.slots(sequence.table, 0, length)
+            mask[row, width - length :] = 1
+        index, mask = index.to(self.device), mask.to(self.device)
+        if self._copy is not None:
+            assert self._mask is not None
+            if self._copy_fits(len(self.rows) + len(sequences), max(width, self._mask.shape[1])):
+                for number, layer in enumerate(self._copy.layers):
+                    layer.join(*self.kv.cache.gather(number, index))
+            else:
+                self._copy = None
+        if self._slots is None or self._mask is None or self._seen is None:
+            self._slots, self._mask, self._seen = index, mask, seen
+        else:
+            have = self._mask.shape[1]
+            if width < have:
+                index = torch.nn.functional.pad(index, (have - width, 0))
+                mask = torch.nn.functional.pad(mask, (have - width, 0))
+            elif have < width:
+                self._slots = torch.nn.functional.pad(self._slots, (width - have, 0))
+                self._mask = torch.nn.functional.pad(self._mask, (width - have, 0))
+            self._slots = torch.cat([self._slots, index], dim=0)
+            self._mask = torch.cat([self._mask, mask], dim=0)
+            self._seen = torch.cat([self._seen, seen], dim=0)
+        self.rows.extend(sequences)
+        self._columns = None
+
+    def _grow_rows(self) -> list[Sequence_]:
+        """A slot for every row's next token, each a new block when its last is full. When
+        no block is left, the youngest row (by its place in the fair queue) is preempted:
+        its blocks are given back (the full ones stay cached) and it waits again, ahead of
+        every sequence that arrived after it, to be prefilled with the tokens it made.
+        Returns the rows that stay, in order."""
+        assert self.kv is not None
+        pool = self.kv.pool
+        for sequence in list(self.rows):
+            table = sequence.table
+            if table is None:  # preempted for an older row in this loop
+                continue
+            while sequence in self.rows and table.length == len(table.blocks) * pool.size:
+                try:
+                    table.blocks.append(pool.take())
+                except blocks.OutOfBlocks:
+                    self._preempt(max(self.rows, key=lambda s: s.tag))
+        return self.rows
+
+    def _preempt(self, sequence: Sequence_) -> None:
+        """Take a running row out of the batch and queue it again (`_grow_rows`)."""
+        assert self.kv is not None and sequence.table is not None
+        log.info(
+            "preempted a sequence of %d tokens: the KV budget's blocks are all in use",
+            sequence.table.length,
+        )
+        self.kv.pool.release(sequence.table.blocks)
+        self.preemptions += 1
+        sequence.table = None
+        sequence.resumed = True
+        self._keep_rows([i for i, s in enumerate(self.rows) if s is not sequence])
+        last, queued = self._finishes.get(sequence.flow, (0.0, 0))
+        self._finishes[sequence.flow] = (max(last, sequence.tag[0] + sequence.reach), queued + 1)
+        bisect.insort(self.waiting, sequence, key=lambda s: s.tag)
+
+    def _keep_rows(self, keep: list[int]) -> None:
+        """Keep the rows `keep` names, in order, and cut the columns of padding only."""
+        self._columns = None
+        self.rows = [self.rows[i] for i in keep]
+        if not keep:
+            self._slots = self._mask = self._seen = self._copy = None
+            return
+        assert self._slots is not None and self._mask is not None and self._seen is not None
+        index = torch.tensor(keep, dtype=torch.long, device=self.device)
+        mask = self._mask.index_select(0, index)
+        cut = int(mask.any(dim=0).nonzero()[0])
+        self._mask = mask[:, cut:]
+        self._slots = self._slots.index_select(0, index)[:, cut:]
+        self._seen = self._seen.index_select(0, index)
+        if self._copy is not None:
+            for layer in self._copy.layers:
+                layer.keep(keep, cut)
+
+    def _decode_paged(self, ids: torch.Tensor) -> Any:
+        """One decode step over the blocks: each row's new token (`ids`) written to its
+        next slot. When every row begins with the same blocks (a shared system prompt),
+        attention reads them once for all rows (`paged.cascade`) and gathers only what
+        follows them."""
+        assert self.kv is not None and self._slots is not None and self._mask is not None
+        kv = self.kv
+        rows = self.rows
+        size = kv.pool.size
+        next_slots = []
+        for sequence in rows:
+            table = sequence.table
+            assert table is not None
+            next_slots.append(table.blocks[table.length // size] * size + table.length % size)
+        new = torch.tensor(next_slots, dtype=torch.long, device=self.device)
+        positions = self._mask.sum(dim=1, keepdim=True)
+        index = torch.cat([self._slots, new[:, None]], dim=1)
+        mask = torch.nn.functional.pad(self._mask, (0, 1), value=1)
+        shared = self._shared_blocks() if self._cascade else 0
+        if shared:
+            prefix = kv.slots(rows[0].table, 0, shared * size).to(self.device)  # type: ignore[arg-type]
+            own = positions[:, 0] - shared * size  # each row's tokens after the prefix
+            width = int(own.max())
+            columns = torch.arange(width, device=self.device)
+            after = (columns[None, :] >= (width - own)[:, None]).long()
+            ones = torch.ones((len(rows), 1), dtype=torch.long, device=self.device)
+            step_mask = torch.cat([ones.expand(-1, shared * size), after, ones], dim=1)
+            step_index = index[:, index.shape[1] - width - 1 :]
+            forward = paged.Pass(step_index, shared * size + width, None, new, prefix)
+            self._copy = None  # attention reads the prefix once: nothing to gather twice
+        else:
+            step_mask, forward = mask, paged.Pass(index, self._slots.shape[1], None, new)
+        kv.ready()
+        copy = None
+        if not shared and self._copy_fits(len(rows), index.shape[1]):
+            if self._copy is None:  # this step's gather, made once for the steps to come
+                self._copy = kv.cache.copy_of(self._slots, self._copy_room())
+            copy = self._copy
+        else:
+            self._copy = None
+        with kv.cache.running(forward, copy) as cache:
+            out = self.model(
+                input_ids=ids, attention_mask=step_mask, position_ids=positions,
+                use_cache=True, **{self._cache_arg: cache},
+            )  # fmt: skip
+        self._slots, self._mask = index, mask
+        for sequence in rows:
+            table = sequence.table
+            assert table is not None
+            table.length += 1
+            if table.length % size == 0:
+                kv.pool.key_full_blocks(table, sequence.prompt + sequence.tokens)
+        return out
+
+    def _copy_width(self) -> int:
+        return 0 if self._mask is None else int(self._mask.shape[1])
+
+    def _copy_room(self) -> int:
+        """Tokens of the budget the store has not taken (nor will by its next growth)."""
+        assert self.kv is not None
+        return (self.kv.pool.budget - self.kv.store.blocks) * self.kv.pool.size
+
+    def _copy_fits(self, rows: int, width: int) -> bool:
+        """Whether a working copy of `rows` rows `width` columns wide (the store's truth
+        padded in place, `paged.CopyLayer`) fits the budget beside the store: only on a
+        CPU, where a decode step's gather is a copy the CPU pays for; a GPU gathers at its
+        memory's speed. Its layers may grow only within that room."""
+        if self.kv is None or self.device.type != "cpu":
+            return False
+        room = self._copy_room()
+        if rows * width > room:
+            return False
+        if self._copy is not None:
+            for layer in self._copy.layers:
+                layer.budget = room
+            if self._copy.layers[0].capacity() > room:
+                return False
+        return True
+
+    def _shared_blocks(self) -> int:
+        """How many whole blocks every running row begins with (the same blocks)."""
+        assert self.kv is not None
+        tables = [s.table for s in self.rows if s.table is not None]
+        if not tables:
+            return 0
+        full = min(t.length for t in tables) // self.kv.pool.size  # written in every row
+        count = 0
+        for column in zip(*(t.blocks[:full] for t in tables), strict=False):
+            if any(block != column[0] for block in column):
+                break
+            count += 1
+        return count
+
+
+__all__ = ["PagedRows"]
