@@ -32,6 +32,15 @@ def _engine(model: tuple[Any, Any], budget: int = 10**6, *, paged: bool = True) 
     return Engine(net, tokenizer, CPU, budget=budget, window=512, paged_cache=paged)
 
 
+def _alone(model: tuple[Any, Any], prompt: list[int], new: int, *, paged: bool = True) -> list[int]:
+    """The tokens `prompt` gets on a fresh engine of its own (greedy)."""
+    engine = _engine(model, paged=paged)
+    sequence = Sequence_("alone", prompt, Options(max_new_tokens=new))
+    engine.add(sequence)
+    engine.run()
+    return sequence.tokens
+
+
 def _mixed(count: int, seed: int) -> list[tuple[list[int], int]]:
     rng = random.Random(seed)
     return [
@@ -93,11 +102,7 @@ def test_a_prompt_that_starts_with_a_cached_prefix_reads_it_and_gets_a_cold_pref
     engine.step()
     assert warm.table is not None and warm.table.reused == 5 * BLOCK_TOKENS
     engine.run()
-    cold_engine = _engine(model)
-    cold = Sequence_("cold", second, Options(max_new_tokens=12))
-    cold_engine.add(cold)
-    cold_engine.run()
-    assert warm.tokens == cold.tokens
+    assert warm.tokens == _alone(model, second, 12)  # a cold prefill's
     reused, prompts = 5 * BLOCK_TOKENS, len(first) + len(second)
     stats = engine.kv_stats()
     assert (stats["reused_tokens"], stats["prompt_tokens"]) == (reused, prompts)
@@ -121,11 +126,7 @@ def test_calls_running_together_share_a_prefix_one_of_them_prefilled(
     assert engine.kv.pool.in_use == held + len(followers)
     engine.run()
     for sequence in followers:
-        alone = _engine(model)
-        copy = Sequence_("alone", sequence.prompt, Options(max_new_tokens=30))
-        alone.add(copy)
-        alone.run()
-        assert sequence.tokens == copy.tokens
+        assert sequence.tokens == _alone(model, sequence.prompt, 30)
 
 
 def test_a_budget_filled_by_long_calls_preempts_and_resumes_every_call_within_it(
@@ -263,11 +264,7 @@ def test_rows_sharing_a_system_prompt_decode_with_cascade_and_get_their_tokens_a
     assert engine._shared_blocks() == 3
     engine.run()
     for sequence in calls:
-        alone = _engine(model, paged=False)
-        copy = Sequence_("alone", sequence.prompt, Options(max_new_tokens=25))
-        alone.add(copy)
-        alone.run()
-        assert sequence.tokens == copy.tokens
+        assert sequence.tokens == _alone(model, sequence.prompt, 25, paged=False)
 
 
 def test_a_failed_engine_s_blocks_are_given_back_to_the_next_engine_and_prefixes_kept(

@@ -228,7 +228,7 @@ class Engine(PagedRows):
     def kv_stats(self) -> dict[str, float]:
         """The paged cache's blocks in use, cached and free, and its prefix hit rate
         (empty for a left-padded engine)."""
-        return self.kv.stats() if self.kv is not None else {}
+        return self.kv.pool.stats() if self.kv is not None else {}
 
     def step(self) -> list[Sequence_]:
         """Admit what fits, decode one token for every row, and return the sequences that
@@ -288,18 +288,20 @@ class Engine(PagedRows):
             wider = max(reach, head.reach)
             if self.kv is None and (count + 1) * wider > self.budget:
                 break
-            computed = len(head.prompt)
+            computed, prefix = len(head.prompt), None
             if self.kv is not None:  # what its cached prefix leaves to compute
-                computed = len(head.context()) - self._cached_tokens(head)
-                first = self._first_block(head) if computed == len(head.context()) else None
+                context = head.context()
+                prefix = self.kv.pool.match(context, len(context) - 1)  # a token at least
+                computed = len(context) - len(prefix[0]) * self.kv.pool.size
+                first = self._first_block(context) if not prefix[0] else None
                 if first is not None and first in computing:
                     break  # it begins as one prefilled now does: next step it reads that
                 if first is not None:
                     computing.add(first)
             if admitted and prompts + computed > self.prefill_tokens:
                 break
-            if self.kv is not None:
-                taken = self._blocks_for(head, spare)
+            if prefix is not None:
+                taken = self._blocks_for(head, prefix, spare)
                 if taken is None:
                     break
                 spare -= taken

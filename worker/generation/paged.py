@@ -71,6 +71,21 @@ class Store:
             pair.append(tensors[index])
         return pair[0], pair[1]  # type: ignore[return-value]
 
+    def write(
+        self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor, now: Pass
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write a pass's new keys and values (`[rows, heads, tokens, head_dim]`, those
+        `now.written` names) to their slots `now.slots` of layer `layer`; the layer's key
+        and value slots."""
+        keys, values = self.layer(layer, key_states, value_states)
+        for states, slots in ((key_states, keys), (value_states, values)):
+            rows, heads, new, dim = states.shape
+            flat = states.transpose(1, 2).reshape(rows * new, heads, dim)
+            if now.written is not None:
+                flat = flat.index_select(0, now.written)
+            slots.index_copy_(0, now.slots, flat)
+        return keys, values
+
     def nbytes(self) -> int:
         """Bytes the store's tensors take."""
         held = [t for t in (*self.keys, *self.values) if t is not None]
@@ -108,17 +123,13 @@ class PagedLayer(DynamicLayer):  # type: ignore[no-untyped-call]  # transformers
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the pass's new keys and values to their slots; every row's, gathered."""
         now = self._current[0]
-        keys, values = self._store.layer(self._layer, key_states, value_states)
-        gathered = []
-        for states, store in ((key_states, keys), (value_states, values)):
-            rows, heads, new, dim = states.shape
-            flat = states.transpose(1, 2).reshape(rows * new, heads, dim)
-            if now.written is not None:
-                flat = flat.index_select(0, now.written)
-            store.index_copy_(0, now.slots, flat)
-            width = now.index.shape[1]
-            picked = store.index_select(0, now.index.reshape(-1))
-            gathered.append(picked.view(rows, width, heads, dim).transpose(1, 2))
+        keys, values = self._store.write(self._layer, key_states, value_states, now)
+        rows, width = now.index.shape
+        flat = now.index.reshape(-1)
+        gathered = [
+            slots.index_select(0, flat).view(rows, width, *slots.shape[1:]).transpose(1, 2)
+            for slots in (keys, values)
+        ]
         return gathered[0], gathered[1]
 
     def get_seq_length(self) -> int:
@@ -143,11 +154,7 @@ class CopyLayer(SlotLayer):  # type: ignore[no-untyped-call]  # transformers' cl
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        now = self._current[0]
-        keys, values = self._store.layer(self._layer, key_states, value_states)
-        for states, store in ((key_states, keys), (value_states, values)):
-            rows, heads, new, dim = states.shape
-            store.index_copy_(0, now.slots, states.transpose(1, 2).reshape(rows * new, heads, dim))
+        self._store.write(self._layer, key_states, value_states, self._current[0])
         return super().update(key_states, value_states)
 
 
@@ -161,11 +168,6 @@ class PagedCache:
         self.cache = DynamicCache()
         self.cache.layers = [PagedLayer(store, i, self._current) for i in range(store.layers)]
         self.cache.layer_class_to_replicate = None
-
-    def set(self, forward: Pass) -> DynamicCache:
-        """The cache for `forward`."""
-        self._current[:] = [forward]
-        return self.cache
 
     def copy_of(self, index: torch.Tensor, budget: int) -> DynamicCache:
         """A working copy (`CopyLayer`s, within `budget` tokens) of the rows whose slots
@@ -196,8 +198,8 @@ class PagedCache:
         reads while the model runs it."""
         _active.state = (self._store, forward)
         try:
-            cache = self.set(forward)
-            yield copy if copy is not None else cache
+            self._current[:] = [forward]
+            yield copy if copy is not None else self.cache
         finally:
             _active.state = None
 
@@ -343,10 +345,6 @@ class Paged:
     def ready(self) -> None:
         """Make the store hold every block the pool has handed out, before a pass."""
         self.store.fit(self.pool.allocated, self.pool.budget)
-
-    def stats(self) -> dict[str, float]:
-        """The pool's counts and hit rate, and the bytes the store holds."""
-        return {**self.pool.stats(), "kv_bytes": self.store.nbytes()}
 
 
 __all__ = [

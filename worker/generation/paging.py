@@ -60,19 +60,13 @@ class PagedRows:
     def _todo(self, sequence: Sequence_) -> int:
         """Tokens its prefill computes: its context, less what cached blocks hold."""
         held = sequence.table.length if sequence.table is not None else 0
-        return len(sequence.context()) - held
+        return len(sequence.prompt) + max(0, len(sequence.tokens) - 1) - held
 
-    def _first_block(self, sequence: Sequence_) -> bytes | None:
-        """The key its first block will have, if its context fills one and goes beyond it."""
+    def _first_block(self, context: list[int]) -> bytes | None:
+        """The key the first block of `context` will have, if it fills one and goes on."""
         assert self.kv is not None
-        size, context = self.kv.pool.size, sequence.context()
+        size = self.kv.pool.size
         return blocks.chain(b"", context[:size]) if len(context) > size else None
-
-    def _cached_tokens(self, sequence: Sequence_) -> int:
-        """Tokens of its context that cached blocks hold now."""
-        assert self.kv is not None
-        context = sequence.context()
-        return len(self.kv.pool.match(context, len(context) - 1)[0]) * self.kv.pool.size
 
     def _next_blocks(self) -> int:
         """Blocks the running rows need for their next token (those whose blocks are full)."""
@@ -80,15 +74,18 @@ class PagedRows:
         size = self.kv.pool.size
         return sum(1 for s in self.rows if s.table is not None and s.table.length % size == 0)
 
-    def _blocks_for(self, sequence: Sequence_, spare: int) -> int | None:
-        """Admit `sequence` into blocks if what it takes (its context's blocks not cached,
-        the cached ones nobody held, and a block for its next token when its last is full)
-        is within `spare`: its table then holds its prefix, read from the cache, and room
-        for the rest. What it took of `spare`, or None when it does not fit."""
+    def _blocks_for(
+        self, sequence: Sequence_, prefix: tuple[list[int], bytes], spare: int
+    ) -> int | None:
+        """Admit `sequence` into blocks if what it takes (its context's blocks not in its
+        cached `prefix`, a `match`; those of them nobody held; and a block for its next
+        token when its last is full) is within `spare`: its table then holds its prefix,
+        read from the cache, and room for the rest. What it took of `spare`, or None when
+        it does not fit."""
         assert self.kv is not None
         pool = self.kv.pool
         context = sequence.context()
-        matched, key = pool.match(context, len(context) - 1)  # one token at least is computed
+        matched, key = prefix
         whole = blocks.blocks_for(len(context))
         taken = whole - len(matched) + pool.needs(matched)
         taken += 1 if len(context) % pool.size == 0 else 0
