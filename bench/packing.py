@@ -209,6 +209,17 @@ def openb_pods(directory: Path, name: str) -> list[Request]:
     return pods
 
 
+#: The pods a derived mix keeps (`--only`): mixes of the trace's own pods that no rule was
+#: tuned on, for a held-out check (issue 60).
+ONLY: dict[str, Callable[[Request], bool]] = {
+    "share": lambda r: not r.gpus,
+    "whole": lambda r: bool(r.gpus),
+    "multi": lambda r: r.gpus > 1,
+    "typed": lambda r: r.accelerator is not None,
+    "untyped": lambda r: r.accelerator is None,
+}
+
+
 def arrivals(
     rng: random.Random, pods: Sequence[Request], capacity: int, arrive: float
 ) -> list[Request]:
@@ -430,6 +441,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--policies", default="default,first-fit,best-fit,fgd")
     parser.add_argument("--trace", help="openb:NAME replays the trace's pod list NAME")
     parser.add_argument("--data", type=Path, default=OPENB, help="the openb trace's folder")
+    parser.add_argument(
+        "--only", choices=sorted(ONLY), help="with --trace: keep only these pods (a derived mix)"
+    )
     args = parser.parse_args(argv)
 
     rng = random.Random(args.seed)
@@ -439,7 +453,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             parser.error("--trace takes openb:NAME, e.g. openb:default")
         fleet = openb_fleet(args.data)
         capacity = sum(len(m.free) for m in fleet) * UNIT
-        requests = arrivals(rng, openb_pods(args.data, name), capacity, args.arrive)
+        pods = openb_pods(args.data, name)
+        if args.only:
+            pods = [p for p in pods if ONLY[args.only](p)]
+        requests = arrivals(rng, pods, capacity, args.arrive)
     else:
         mix, sizes, typed, pair = WORKLOADS[args.workload]
         workload = (args.mix or mix, sizes, typed if args.typed is None else args.typed, pair)
@@ -461,7 +478,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             policies[name] = replay_baseline(machines, requests, choose)
     others = [p for n, p in policies.items() if n in ("first-fit", "best-fit")]
     out: dict[str, object] = {
-        "workload": args.trace or args.workload,
+        "workload": (args.trace + (f"/{args.only}" if args.only else ""))
+        if args.trace
+        else args.workload,
         "hosts": len(fleet),
         "gpus": capacity // UNIT,
         "seed": args.seed,

@@ -17,10 +17,12 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
 
-from placement.policy.planning import ROUNDING, Option, Planning, candidate_level
-from placement.policy.room import Shape, gap_of, room_of
+from placement.policy.fragmentation import Fragmentation
+from placement.policy.planning import Option, Planning, candidate_level
+from placement.policy.room import Shape, room_of
 from placement.policy.settings import GpuChoice, PolicySettings
 from placement.policy.state import Demand, Gpu
+from placement.units import accelerators
 
 T = TypeVar("T")
 
@@ -30,20 +32,24 @@ def best_host(
     rng: random.Random,
     options: Callable[[Shape], Iterable[tuple[tuple[float, ...], T]]],
     floor: int = 0,
+    *,
     warm_options: Callable[[Shape], Iterable[tuple[tuple[float, ...], T]]] | None = None,
+    shapes: Iterable[Shape] | None = None,
 ) -> tuple[str, T] | None:
     """The host with the lowest-keyed option among `options(shape)` over host shapes
     (`placement.policy.room`), hosts with a warm copy of the model first (their options from
     `warm_options`, if given); ties are broken at random in proportion to how many hosts
-    share a shape. Shapes with no GPU of `floor` free bytes are skipped unasked. None
-    when nothing fits."""
+    share a shape. Shapes with no GPU of `floor` free bytes are skipped unasked, and only
+    `shapes` are asked, when given. None when nothing fits."""
     index = room_of(view.snap)
     best: tuple[tuple[float, ...], Shape, str | None, T] | None = None
     ties = 0
     warm: list[tuple[Shape, str | None]] = [
         (index.shape_of[h], h) for h in view.my_warm if h in index.shape_of
     ]
-    every: Iterable[tuple[Shape, str | None]] = ((shape, None) for shape in index.shapes.values())
+    every: Iterable[tuple[Shape, str | None]] = (
+        (shape, None) for shape in (index.shapes.values() if shapes is None else shapes)
+    )
     for candidates, ask in ((warm, warm_options or options), (every, options)):
         for shape, host in candidates:
             if shape.top < floor:
@@ -110,11 +116,9 @@ def _packed_single(
 ) -> Option | None:
     """The GPU for a dedicated replica, which never moves, so where it goes decides what
     fits beside it for good: GPUs of the type with the most left (`Planning.type_rank`),
-    then one where it strands no dead room in a hole that other slots would fill, then,
-    where whole-GPU replicas are held on GPUs of that size, one in use before an empty one
-    (which the next whole-GPU request needs), then the one that keeps free room in the fewest
-    distinct gaps, then the tightest, then the host with the least room (docs/placement.md,
-    "Choosing a GPU")."""
+    then the one whose expected unusable room, against the asks of the fleet's own demand,
+    it raises least (`placement.policy.fragmentation`), then the tightest, then the host
+    with the least room (docs/placement.md, "Choosing a GPU")."""
     index = room_of(view.snap)
     kinds = []  # GPU types and sizes that take a slot, the type with the most left first
     for (name, total), levels in index.levels.items():
@@ -122,28 +126,26 @@ def _packed_single(
         if slot is not None and name in allowed:
             kinds.append((view.type_rank(name, total, slot[0]), name, total, levels))
     kinds.sort(key=lambda kind: kind[0])
+    size = min(slots)
+    asked = (accelerators.alternatives(view.demand.accelerator), size, slots[size][0])
+    fragmentation = Fragmentation(index.demand, asked)
     keys: dict[tuple[str, int, int], tuple[float, ...]] = {}
     for rank, name, total, levels in kinds:
         if keys and not view.my_warm and rank > next(iter(keys.values()))[0]:
             break  # a worse type than one that fits: none of its GPUs ranks first
         request, limit = slots[total]
-        dead, gaps = view.smallest(total), index.gaps[(name, total)]
-        whole = index.slot_count(total, total) > 0  # whole GPUs of this size are held
         for free in levels:
-            if free < limit:
-                continue
-            left = free - request
-            keys[(name, total, free)] = (
-                rank,
-                float(ROUNDING <= left < dead and view.wanted(total, free, request, dead)),
-                float(free == total and whole),
-                float(_squares_change(gaps, free, left, total, dead)),
-                left / total,
-            )
+            if free >= limit:
+                keys[(name, total, free)] = (
+                    rank,
+                    fragmentation.change(name, total, free, request),
+                    (free - request) / total,
+                )
     if not keys:
         return None
     best = min(keys.values())
-    chosen = {place for place, key in keys.items() if key == best}
+    order = [place for place, key in keys.items() if key == best]  # ordered: a seed replays
+    chosen = set(order)
 
     def options(shape: Shape) -> Iterator[tuple[tuple[float, ...], tuple[str, int, int]]]:
         for name, total, frees in shape.layout:
@@ -158,25 +160,10 @@ def _packed_single(
                 if key is not None:
                     yield (*key, shape.room), (name, total, free)
 
-    found = best_host(view, rng, options, min(limit for _, limit in slots.values()), warm_options)
+    least = index.least_room(order)  # the only shapes whose key, (room,), can be lowest
+    floor = min(limit for _, limit in slots.values())
+    found = best_host(view, rng, options, floor, warm_options=warm_options, shapes=least)
     return None if found is None else _on_host(view, rng, *found)
-
-
-def _squares_change(gaps: dict[int, int], free: int, left: int, total: int, dead: int) -> int:
-    """How a GPU going from `free` to `left` bytes free changes the sum, over gaps, of the
-    squared number of GPUs with that gap (`room.gap_of`). Keeping it low keeps many GPUs
-    with the same gap, which the same later slots fill, rather than many gaps that fit
-    nothing well (Csirik et al., "On the Sum-of-Squares algorithm for bin packing",
-    J. ACM 2006). Empty GPUs and dead room (under `dead` bytes) are not gaps."""
-    before, after = gap_of(free), gap_of(left)
-    if before == after:
-        return 0
-    change = 0
-    if dead <= free < total:
-        change += 1 - 2 * gaps[before]
-    if left >= dead:
-        change += 1 + 2 * gaps.get(after, 0)
-    return change
 
 
 def _on_host(view: Planning, rng: random.Random, host: str, place: tuple[str, int, int]) -> Option:

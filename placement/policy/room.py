@@ -6,9 +6,10 @@ much each could offer after evicting its idle replicas (its reach), so groups th
 cannot help an eviction are skipped at once. A shape is every host whose groups are
 alike (same types, sizes and free bytes): the policy looks for free room shape by shape,
 and a fleet of 6,200 GPUs on 1,200 hosts has a few hundred shapes, most hosts being
-empty or full. Each GPU type keeps its free share and its share of empty GPUs, so load
-can be spread over types, and each GPU size the smallest slot a replica holds on it, so
-the policy can tell room that no replica could use.
+empty or full; each room a GPU may have free points at the shapes with such a GPU, by
+their room. Each GPU type keeps its free share and its share of empty GPUs, so load can
+be spread over types, and the demand the replicas held put on it
+(`placement.policy.fragmentation`), so the policy can tell room no request could use.
 
 A host's room is the sum of its live GPUs' free shares (free / total): rooms compare
 across GPU sizes. Shares are floats and only rank candidates; admission is decided in
@@ -17,15 +18,16 @@ whole bytes.
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_left, insort
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from placement.policy.fragmentation import Ask, Demand
 from placement.policy.state import Deployment, Gpu, Snapshot
 from placement.units import accelerators
 from placement.units.accelerators import Accelerator
-from placement.units.memory import MiB
 
 K = TypeVar("K")
 
@@ -94,23 +96,26 @@ class RoomIndex:
         self.type_room: dict[str, float] = {}  # GPU name -> summed free shares of its GPUs
         self.type_gpus: dict[str, int] = {}
         self.type_empty: dict[str, int] = {}  # GPU name -> how many of its GPUs are empty
-        # (GPU name, size) -> free bytes -> live GPUs with that much free, and the same by
-        # `gap_of` (`placement.policy.place` packs dedicated replicas by these gaps)
+        # (GPU name, size) -> free bytes -> live GPUs with that much free
         self.levels: dict[tuple[str, int], dict[int, int]] = {}
-        self.gaps: dict[tuple[str, int], dict[int, int]] = {}
         self.workers: set[str] = set()
         self.shapes: dict[Layout, Shape] = {}
         self.shape_of: dict[str, Shape] = {}
+        # (GPU name, size, free bytes) -> the shapes with such a GPU, by room (ascending),
+        # so that a search for one free room finds the hosts with the least room at once
+        self.holding: dict[tuple[str, int, int], list[tuple[float, Layout]]] = {}
         self._matching: dict[Accelerator, list[Group]] = {}
         self._kinds: dict[Accelerator, tuple[frozenset[str], frozenset[int]]] = {}
         self._slots: dict[int, dict[int, int]] = {}  # GPU size -> slot bytes -> replicas
-        self._smallest: dict[int, int] = {}  # GPU size -> its smallest slot, when known
-        self._sizes: dict[int, list[int]] = {}  # GPU size -> its slots' sizes, ascending
         # The demand observed (`pinned_share`), in whole bytes so that it never drifts: slot
         # bytes held on GPUs of each size, and of those the bytes of models that a GPU-type
         # constraint (its patterns) allows.
         self._held: dict[int, int] = {}
         self._pinned: dict[tuple[tuple[str, ...], int], int] = {}
+        # Replicas held by what they ask (`placement.policy.fragmentation`), and the same
+        # as each GPU type sees them, kept for the types asked about (`demand`)
+        self._asks: dict[Ask, int] = {}
+        self._demand: dict[str, Demand] = {}
         for gpu in gpus:
             for d in by_gpu.get(gpu.id, ()):
                 self.hold(gpu.total, d.gpus[gpu.id], +1, d.accelerator)
@@ -127,6 +132,7 @@ class RoomIndex:
             self.by_host.setdefault(gpu.host, []).append(group)
             self._matching.clear()
             self._kinds.clear()
+            self._demand.clear()
         old = group.gpus.get(gpu.id)
         before = old.free / old.total if old is not None else 0.0
         if old is None:
@@ -135,12 +141,10 @@ class RoomIndex:
         self.type_empty[gpu.name] = self.type_empty.get(gpu.name, 0) + emptied
         self.type_room[gpu.name] = self.type_room.get(gpu.name, 0.0) - before + gpu.free / gpu.total
         kind = (gpu.name, gpu.total)
-        levels, gaps = self.levels.setdefault(kind, {}), self.gaps.setdefault(kind, {})
+        levels = self.levels.setdefault(kind, {})
         if old is not None:
             _add(levels, old.free, -1)
-            _add(gaps, gap_of(old.free), -1)
         _add(levels, gpu.free, +1)
-        _add(gaps, gap_of(gpu.free), +1)
         group.put(gpu, gpu.free + evictable)
         self._reshape(gpu.host)
 
@@ -154,12 +158,19 @@ class RoomIndex:
             old.remove(host)
             if not old.hosts:
                 del self.shapes[old.layout]
+                for name, total, frees in old.layout:
+                    for free in set(frees):
+                        entries = self.holding[(name, total, free)]
+                        del entries[bisect_left(entries, (old.room, old.layout))]
         shape = self.shapes.get(layout)
         if shape is None:
             # summed from the layout, so equal hosts have equal rooms however they got there
             room = sum(f / total for _, total, frees in layout for f in frees)
             top = max((frees[-1] for _, _, frees in layout if frees), default=0)
             shape = self.shapes[layout] = Shape(layout, room, top)
+            for name, total, frees in layout:
+                for free in set(frees):
+                    insort(self.holding.setdefault((name, total, free), []), (room, layout))
         shape.add(host)
         self.shape_of[host] = shape
         self.room[host] = shape.room
@@ -168,30 +179,14 @@ class RoomIndex:
         """Count (`change` +1) or uncount (-1) one replica's `slot` bytes on a GPU of
         `total` bytes, held by a model `pin` allows (None: any GPU)."""
         _add(self._held, total, slot * change)
+        ask = (accelerators.alternatives(pin), total, slot)
+        _add(self._asks, ask, change)
+        for name, demand in self._demand.items():
+            demand.count(name, ask, change)
         if pin is not None:
             _add(self._pinned, (accelerators.alternatives(pin), total), slot * change)
         counts = self._slots.setdefault(total, {})
         _add(counts, slot, change)
-        left = counts.get(slot, 0)
-        if not left or (change > 0 and left == 1):
-            self._sizes.pop(total, None)  # a size came or went: sorted again on the next ask
-        low = self._smallest.get(total)
-        if low is not None and (slot < low if change > 0 else slot == low and not left):
-            del self._smallest[total]  # found again on the next ask
-
-    def smallest(self, total: int) -> int | None:
-        """The smallest slot any replica holds on a GPU of `total` bytes, or None."""
-        low = self._smallest.get(total)
-        if low is None and self._slots.get(total):
-            low = self._smallest[total] = min(self._slots[total])
-        return low
-
-    def slot_sizes(self, total: int) -> list[int]:
-        """Every slot size replicas hold on GPUs of `total` bytes, ascending."""
-        sizes = self._sizes.get(total)
-        if sizes is None:
-            sizes = self._sizes[total] = sorted(self._slots.get(total, ()))
-        return sizes
 
     def slot_count(self, total: int, size: int) -> int:
         """How many replicas hold a slot of `size` bytes on GPUs of `total` bytes."""
@@ -222,6 +217,34 @@ class RoomIndex:
                 part += nbytes / total * self.type_gpus[name] / gpus
         return part / held
 
+    def least_room(self, places: Iterable[tuple[str, int, int]]) -> list[Shape]:
+        """Of the shapes with a GPU at any of `places` (GPU name, size, free bytes), those
+        with the least room."""
+        found: list[Shape] = []
+        least = math.inf
+        for place in places:
+            for room, layout in self.holding.get(place, ()):
+                if room > least:
+                    break
+                if room < least:
+                    found, least = [], room
+                found.append(self.shapes[layout])
+        return list({id(shape): shape for shape in found}.values())
+
+    def demand(self, name: str) -> Demand:
+        """The replicas held that GPU type `name` could serve, by what they ask."""
+        found = self._demand.get(name)
+        if found is None:
+            found = self._demand[name] = Demand()
+            for ask, n in self._asks.items():
+                found.count(name, ask, n)
+        return found
+
+    def pins(self) -> bool:
+        """Whether any replica held may run on some of the fleet's GPU types only."""
+        every = self.names(None)
+        return any(self.names(patterns) != every for patterns, _ in self._pinned)
+
     def names(self, accelerator: Accelerator) -> frozenset[str]:
         """The GPU names in the fleet that `accelerator` allows."""
         return self._kinds_of(accelerator)[0]
@@ -245,12 +268,6 @@ class RoomIndex:
             found = [g for g in self.groups.values() if accelerators.matches(g.name, accelerator)]
             self._matching[accelerator] = found
         return found
-
-
-def gap_of(free: int) -> int:
-    """The gap `free` bytes leave, in whole MiB: room that differs by less (shares of a GPU
-    rounded to whole bytes) is the same gap."""
-    return (free + MiB // 2) // MiB
 
 
 def _add(totals: dict[K, int], key: K, change: int) -> None:

@@ -1,0 +1,115 @@
+"""Fragmentation measured against the live demand: how much room a placement makes useless.
+
+A GPU's free room is *fragmented* for a request when the request cannot use it: a share
+of one GPU larger than the room, or a whole GPU where the GPU is in use. Weighted by how
+often each ask comes, that is the GPU's expected unusable room, and a placement is ranked
+by how much it raises it: fragmentation gradient descent (Weng et al., "Beware of
+Fragmentation: Scheduling GPU-Sharing Workloads with Fragmentation Gradient Descent",
+USENIX ATC'23). The paper takes the asks' frequencies from its trace; here they are the
+fleet's own, kept by the room index (`RoomIndex.demand`): every replica the ledger holds
+is one draw of the demand, and one that leaves is no longer counted, so the distribution
+follows the mix as it changes, with no window or decay rate to tune. The request being
+placed counts as one more draw.
+
+Two choices, each taken from the problem, not from a replay:
+
+* A GPU's room is weighed against the asks that may *use its type*, as a share of them.
+  The paper also counts a type's room as fragmented for asks that may not run on it,
+  which sends requests that may run anywhere to the types that pinned requests do not
+  name, however few GPUs those have: on the trace's `gpuspec25` list that filled the 312
+  G3 GPUs with shares within the first fifth of the arrivals, and a pod only G3 may run
+  found none (docs/placement.md). How types share the load is `planning.type_left`'s
+  question, asked before this one.
+* Asks and room are shares of a GPU (bytes / its size), so GPUs of different sizes
+  compare: a share held on a 16 GiB GPU asks as large a share of a 32 GiB one. A replica
+  sized in bytes, on a fleet that mixes GPU sizes, counts at its share of the GPU it holds.
+
+Room short of an ask by under `ROUNDING` fits it: shares round down to whole bytes.
+"""
+
+from __future__ import annotations
+
+import functools
+from bisect import bisect_left, bisect_right
+from collections.abc import Callable
+
+from placement.units import accelerators
+from placement.units.memory import MiB
+
+ROUNDING = MiB  # less room than this is what rounding to whole bytes leaves
+
+#: What a replica asks, as the room index counts it: the GPU types it allows (its
+#: accelerator's patterns, () for any), the size of a GPU it holds, its slot there in bytes.
+Ask = tuple[tuple[str, ...], int, int]
+
+
+class Demand:
+    """The replicas one GPU type could serve, by the share of a GPU each asks: shares kept
+    sorted beside their counts, so that how many ask more than some room is a bisection
+    and a sum, however the counts change."""
+
+    def __init__(self) -> None:
+        self.shares: list[float] = []  # shares of a GPU asked, ascending
+        self.counts: list[int] = []  # replicas asking each
+        self.whole = 0  # replicas that ask whole GPUs (one count per GPU)
+
+    def count(self, name: str, ask: Ask, change: int) -> None:
+        """Count (`change` > 0) or uncount replicas of `ask` if type `name` may serve it."""
+        patterns, total, slot = ask
+        if not allows(name, patterns):
+            return
+        if slot > total - ROUNDING:
+            self.whole += change
+            return
+        share = slot / total
+        i = bisect_left(self.shares, share)
+        if i == len(self.shares) or self.shares[i] != share:
+            self.shares.insert(i, share)
+            self.counts.insert(i, 0)
+        self.counts[i] += change
+        if not self.counts[i]:
+            del self.shares[i], self.counts[i]
+
+    def above(self, free: int, total: int) -> int:
+        """How many replicas ask a larger share of a GPU of `total` bytes than `free`."""
+        return sum(self.counts[bisect_right(self.shares, (free + ROUNDING) / total) :])
+
+    @property
+    def size(self) -> int:
+        return sum(self.counts) + self.whole
+
+
+class Fragmentation:
+    """Each GPU type's demand (`RoomIndex.demand`) with the request counted once more, as
+    a planning call weighs it: `asked` is the request's ask on one GPU size it may take."""
+
+    def __init__(self, demand: Callable[[str], Demand], asked: Ask) -> None:
+        self._demand = demand
+        patterns, total, slot = asked
+        self._patterns = patterns
+        self._whole = slot > total - ROUNDING  # the request asks whole GPUs
+        self._share = slot / total
+
+    def change(self, name: str, total: int, free: int, request: int) -> float:
+        """How placing `request` bytes on a GPU of type `name`, `total` bytes, `free` free,
+        changes its expected unusable room (a share of the GPU, over the asks that may use
+        the type): positive when more of them can no longer use what is left, negative
+        when room none of them could use is taken. A whole-GPU ask can use only an empty
+        GPU, so taking one costs what whole-GPU asks could have used."""
+        demand = self._demand(name)
+        mine = allows(name, self._patterns)
+        whole = demand.whole + (mine and self._whole)
+        count = demand.size + mine
+        left = free - request
+        before = demand.above(free, total) + whole * (free < total)
+        after = demand.above(left, total) + whole
+        if mine and not self._whole:
+            before += self._share > (free + ROUNDING) / total
+            after += self._share > (left + ROUNDING) / total
+        return (left / total * after - free / total * before) / count
+
+
+@functools.lru_cache(maxsize=4096)
+def allows(name: str, patterns: tuple[str, ...]) -> bool:
+    """Whether GPU type `name` is one that an accelerator of `patterns` allows."""
+    return accelerators.matches(name, patterns or None)
