@@ -209,7 +209,15 @@ def free_whole(n: int, view: Planning, rng: random.Random) -> Option | None:
                     rank = min(rank, view.type_rank(name, total, total))
         return [((rank, shape.room), None)] if empty >= n else []
 
-    found = best_host(view, rng, options, min(index.totals(view.demand.accelerator)))
+    empty = [(name, total, total) for name, total in index.levels if name in allowed]
+    if dedicated and index.pins():  # types rank: any shape with an empty GPU may be best
+        held = (index.holding.get(place, ()) for place in empty)
+        shapes = {lay: index.shapes[lay] for entries in held for _, lay in entries}
+        candidates: Iterable[Shape] = shapes.values()
+    else:  # every type alike: the key is the room, and only the least can be lowest
+        candidates = index.least_room(empty, lambda shape: bool(options(shape)))
+    floor = min(index.totals(view.demand.accelerator))
+    found = best_host(view, rng, options, floor, shapes=candidates)
     if found is None:
         return None
     host = found[0]

@@ -115,13 +115,14 @@ def plan_replica(
             f"{demand.model} cannot be placed: no live GPU{what} in the fleet "
             f"({len(snap.gpus)} registered). Start a GPU worker, or check its heartbeat."
         )
+    idle = room_of(snap).idle(demand.accelerator)  # the groups evictions could free
     option = free_single(demand, view, settings, rng) or _best(
-        _evicting_single(demand, groups, view, settings, rng)
+        _evicting_single(demand, idle, view, settings, rng)
     )
     if option is None and demand.gpus is not None and demand.gpus >= 2:
         option = free_whole(int(demand.gpus), view, rng)
     if option is None and splittable(demand):
-        option = _best(_multi_gpu_options(demand, groups, view, settings, rng))
+        option = _best(_multi_gpu_options(demand, groups, idle, view, settings, rng))
     if option is None:
         raise _why_not(demand, groups, view, settings)
     return _to_plan(demand, option, view, settings, rng)
@@ -213,11 +214,10 @@ def _evicting_single(
     settings: PolicySettings,
     rng: random.Random,
 ) -> list[Option]:
-    """One-GPU places that need evictions, on GPUs whose idle replicas free enough."""
+    """One-GPU places that need evictions, on GPUs whose idle replicas free enough (`groups`:
+    those with idle replicas; elsewhere `free_single` has seen every GPU)."""
     options = []
     for group in groups:
-        if not group.idle:
-            continue  # nothing to evict here: `free_single` has seen it
         slot = view.slot(group.total)
         if slot is None or group.max_reach < slot[1]:
             continue
@@ -242,15 +242,17 @@ def _evicting_single(
     return options
 
 
-def _multi_gpu_options(
+def _multi_gpu_options(  # noqa: PLR0917 - a planning call's parts, as `plan_replica` has them
     demand: Demand,
     groups: Sequence[Group],
+    idle: Sequence[Group],
     view: Planning,
     settings: PolicySettings,
     rng: random.Random,
 ) -> list[Option]:
-    """Places on the fewest GPUs of one host that together hold the replica."""
-    if demand.gpus is not None and not any(group.idle for group in groups):
+    """Places on the fewest GPUs of one host that together hold the replica (`idle`: the
+    groups with replicas to evict)."""
+    if demand.gpus is not None and not idle:
         return []  # whole GPUs and nothing to evict: `free_whole` has seen every host
     by_host: dict[str, list[Group]] = defaultdict(list)
     for group in groups:
@@ -523,12 +525,12 @@ def _why_not(
 ) -> PlacementError:
     """Explain a refusal: it never fits (even on an empty fleet), or not now, and why."""
     what = f" of type {accelerators.describe(demand.accelerator)}" if demand.accelerator else ""
-    slots = [s for s in map(view.slot, {g.total for g in groups}) if s]
-    allowed = room_of(view.snap).names(demand.accelerator)
-    free = max(
-        f[-1] for s in room_of(view.snap).shapes.values() for n, _, f in s.layout if n in allowed
-    )
-    reach = max([free, *(_reach(gpu, view) for g in groups if g.idle for gpu in g.gpus.values())])
+    index = room_of(view.snap)
+    slots = [s for s in map(view.slot, index.totals(demand.accelerator)) if s]
+    allowed = index.names(demand.accelerator)
+    free = max(max(frees) for (name, _), frees in index.levels.items() if name in allowed and frees)
+    idle = index.idle(demand.accelerator)
+    reach = max([free, *(_reach(gpu, view) for g in idle for gpu in g.gpus.values())])
     most_free, most_reach = format_size(free), format_size(reach)
     if slots:
         own = (
@@ -543,10 +545,14 @@ def _why_not(
             f"(dedicated, busy, loading or draining{own}). Retry when calls finish, evict a "
             f"model, or add GPUs."
         )
-    per_host: dict[str, list[Gpu]] = defaultdict(list)
-    for g in groups:
-        per_host[g.host].extend(g.gpus.values())
-    if splittable(demand) and any(_fits_empty(demand, h, settings) for h in per_host.values()):
+    if demand.gpus is not None:  # whole GPUs: a host with that many would hold it, empty
+        could = index.widest(demand.accelerator) >= demand.gpus
+    else:
+        per_host: dict[str, list[Gpu]] = defaultdict(list)
+        for g in groups:
+            per_host[g.host].extend(g.gpus.values())
+        could = any(_fits_empty(demand, h, settings) for h in per_host.values())
+    if splittable(demand) and could:
         return CantAccommodateError(
             f"{demand.model} needs several GPUs of one host{what}, and no host has them free "
             f"now, even after evicting idle replicas (the most one GPU has free is "

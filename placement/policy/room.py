@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left, insort
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -105,6 +105,8 @@ class RoomIndex:
         # so that a search for one free room finds the hosts with the least room at once
         self.holding: dict[tuple[str, int, int], list[tuple[float, Layout]]] = {}
         self._matching: dict[Accelerator, list[Group]] = {}
+        self._idle: dict[tuple[str, str, int], Group] = {}  # groups with idle replicas
+        self._widest: dict[frozenset[str], int] = {}  # GPU names -> most GPUs of one host
         self._kinds: dict[Accelerator, tuple[frozenset[str], frozenset[int]]] = {}
         self._slots: dict[int, dict[int, int]] = {}  # GPU size -> slot bytes -> replicas
         # The demand observed (`pinned_share`), in whole bytes so that it never drifts: slot
@@ -133,6 +135,7 @@ class RoomIndex:
             self._matching.clear()
             self._kinds.clear()
             self._demand.clear()
+            self._widest.clear()
         old = group.gpus.get(gpu.id)
         before = old.free / old.total if old is not None else 0.0
         if old is None:
@@ -146,6 +149,10 @@ class RoomIndex:
             _add(levels, old.free, -1)
         _add(levels, gpu.free, +1)
         group.put(gpu, gpu.free + evictable)
+        if group.idle:
+            self._idle[key] = group
+        else:
+            self._idle.pop(key, None)
         self._reshape(gpu.host)
 
     def _reshape(self, host: str) -> None:
@@ -217,19 +224,41 @@ class RoomIndex:
                 part += nbytes / total * self.type_gpus[name] / gpus
         return part / held
 
-    def least_room(self, places: Iterable[tuple[str, int, int]]) -> list[Shape]:
-        """Of the shapes with a GPU at any of `places` (GPU name, size, free bytes), those
-        with the least room."""
-        found: list[Shape] = []
+    def idle(self, accelerator: Accelerator) -> list[Group]:
+        """The groups whose GPU type `accelerator` allows that hold idle replicas."""
+        names = self.names(accelerator)
+        return [group for group in self._idle.values() if group.name in names]
+
+    def widest(self, accelerator: Accelerator) -> int:
+        """The most live GPUs of the types `accelerator` allows that one host has."""
+        names = self.names(accelerator)
+        found = self._widest.get(names)
+        if found is None:
+            found = self._widest[names] = max(
+                (sum(len(g.gpus) for g in groups if g.name in names)
+                 for groups in self.by_host.values()),
+                default=0,
+            )  # fmt: skip
+        return found
+
+    def least_room(
+        self, places: Iterable[tuple[str, int, int]], fits: Callable[[Shape], bool] | None = None
+    ) -> list[Shape]:
+        """Of the shapes with a GPU at any of `places` (GPU name, size, free bytes), and
+        that `fits` accepts if given, those with the least room."""
+        found: dict[Layout, Shape] = {}
         least = math.inf
         for place in places:
             for room, layout in self.holding.get(place, ()):
                 if room > least:
                     break
+                shape = self.shapes[layout]
+                if fits is not None and not fits(shape):
+                    continue
                 if room < least:
-                    found, least = [], room
-                found.append(self.shapes[layout])
-        return list({id(shape): shape for shape in found}.values())
+                    found, least = {}, room
+                found[layout] = shape
+        return list(found.values())
 
     def demand(self, name: str) -> Demand:
         """The replicas held that GPU type `name` could serve, by what they ask."""
