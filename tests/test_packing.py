@@ -231,9 +231,16 @@ def test_the_room_index_counts_the_demand_each_constraint_holds_as_replicas_come
     empty = [replace(g, reserved=0, held=0) for g in view.snap.gpus.values()]
     fresh = room_of(fleet(empty, view.snap.deployments.values()))
     assert fresh.pinned_share("Tesla T4") == index.pinned_share("Tesla T4")
+    # what each type could serve: its pinned replicas, the pair's, the three types' and the
+    # unpinned A10 ones (0.9 and 0.5); L4 not T4's
+    t4, l4 = index.demand("Tesla T4"), index.demand("NVIDIA L4")
+    assert (t4.shares, t4.counts) == ([0.3, 0.5, 0.6, 0.9], [1, 3, 1, 1])
+    assert (l4.shares, l4.counts) == ([0.3, 0.5, 0.6, 0.9], [1, 1, 1, 1])
     view.update({two.replica: None, every.replica: None})
     assert index.pinned_share("Tesla T4") == before  # exactly: whole bytes do not drift
     assert index.pinned_share("NVIDIA L4") == 0.0
+    assert (t4.shares, t4.counts) == ([0.5, 0.9], [3, 1])  # the replicas that left, gone
+    assert (l4.shares, l4.counts) == ([0.5, 0.9], [1, 1])
 
 
 def _two_types(a10_first: int) -> Snapshot:
