@@ -11,7 +11,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from bench import packing
-from placement.errors import CantAccommodateError
+from placement.errors import CantAccommodateError, NeverFitsError
 from placement.policy.fragmentation import Fragmentation
 from placement.policy.live import LiveView
 from placement.policy.place import plan_replica
@@ -326,6 +326,22 @@ def test_whole_gpus_on_a_host_of_two_types_come_from_the_type_with_more_empty_gp
         assert set(two.gpus) == {"t0", "t1"}  # T4 has all its GPUs empty, A10 a third
         three = plan_replica(Demand("three", gpus=3.0, dedicated=True), snap, rng=rng)
         assert {"t0", "t1"} < set(three.gpus) < {"t0", "t1", "a0", "a1"}
+
+
+def test_a_host_whose_gpu_comes_back_may_hold_what_it_could_not_and_a_refusal_says_not_now() -> (
+    None
+):
+    # h0's second GPU has no live worker: two whole GPUs fit on no host, ever, as far as
+    # the fleet knows; once its worker is back and the first GPU is taken, they fit later
+    gpus = [gpu("a", 10**9, index=0), replace(gpu("b", 10**9, index=1), lease_deadline_ms=0)]
+    view = LiveView(fleet(gpus))
+    two = Demand("two", gpus=2.0, dedicated=True)
+    with pytest.raises(NeverFitsError):
+        plan_replica(two, view.snap)
+    view.update({}, gpus={"b": gpu("b", 10**9, index=1)})
+    view.apply(plan_replica(Demand("one", gpus=1.0, dedicated=True), view.snap))
+    with pytest.raises(CantAccommodateError, match="no host has them free now"):
+        plan_replica(two, view.snap)
 
 
 def test_ties_between_equal_hosts_are_broken_at_random_not_by_index() -> None:

@@ -140,6 +140,7 @@ class RoomIndex:
         before = old.free / old.total if old is not None else 0.0
         if old is None:
             self.type_gpus[gpu.name] = self.type_gpus.get(gpu.name, 0) + 1
+            self._widest.clear()  # a host has one more GPU
         emptied = int(gpu.free == gpu.total) - int(old is not None and old.free == old.total)
         self.type_empty[gpu.name] = self.type_empty.get(gpu.name, 0) + emptied
         self.type_room[gpu.name] = self.type_room.get(gpu.name, 0.0) - before + gpu.free / gpu.total
