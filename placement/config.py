@@ -134,7 +134,9 @@ VARIABLES: tuple[Variable, ...] = (
              "a split model takes size / n x this on each GPU"),
     Variable("GPUFLEET_LEARNED_HEADROOM", "`1.1`", "a measured peak is padded by this"),
     Variable("GPUFLEET_GPU_CHOICE", "`best-fit`",
-             "tie-break among GPUs: `best-fit`, `random` (NDIF), `most-free` (Helix)"),
+             "how a GPU is chosen: `best-fit` (a dedicated replica where it leaves the least "
+             "room unusable to the demand held, then the tightest: docs/placement.md), "
+             "`random` (NDIF), `most-free` (Helix)"),
     Variable("GPUFLEET_VICTIM_ORDER", "`lru`",
              "which idle replicas to evict first: `lru` or `smallest` (NDIF)"),
     Variable("GPUFLEET_WARM_DROP_ORDER", "`lru`",
