@@ -99,7 +99,7 @@ class Fragmentation:
         demand = self._demand(name)
         mine = allows(name, self._patterns)
         whole = demand.whole + (mine and self._whole)
-        count = demand.size + mine
+        count = max(1, demand.size + mine)  # the request is counted where it may run
         left = free - request
         before = demand.above(free, total) + whole * (free < total)
         after = demand.above(left, total) + whole
