@@ -16,9 +16,9 @@ Two choices, each taken from the problem, not from a replay:
 * A GPU's room is weighed against the asks that may *use its type*, as a share of them.
   The paper also counts a type's room as fragmented for asks that may not run on it,
   which sends requests that may run anywhere to the types that pinned requests do not
-  name, however few GPUs those have: on the trace's `gpuspec25` list that filled the 312
-  G3 GPUs with shares within the first fifth of the arrivals, and a pod only G3 may run
-  found none (docs/placement.md). How types share the load is `planning.type_left`'s
+  name, however few GPUs those have: replayed on the trace's `gpuspec25` list, that
+  filled the 312 G3 GPUs by 0.15 of the fleet, and a pod only G3 may run found none
+  (docs/placement.md). How types share the load is `planning.type_left`'s
   question, asked before this one.
 * Asks and room are shares of a GPU (bytes / its size), so GPUs of different sizes
   compare: a share held on a 16 GiB GPU asks as large a share of a 32 GiB one. A replica
