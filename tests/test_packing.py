@@ -18,7 +18,7 @@ from placement.policy.place import plan_replica
 from placement.policy.room import RoomIndex, room_of
 from placement.policy.state import Demand, Gpu, Level, Snapshot
 from placement.units import accelerators
-from tests.fleets import GiB, fleet, gpu, hot
+from tests.fleets import NOW, GiB, fleet, gpu, hot
 
 # --- exact arithmetic ----------------------------------------------------------------
 
@@ -456,11 +456,12 @@ def test_the_fragmentation_change_is_the_expected_unusable_room_after_less_befor
     assume(free >= asked)
     total = 16 * GiB
     asks = Counter((patterns, total, size * GiB) for patterns, size in held)
-    index = RoomIndex([], {}, 0)
+    types = [gpu("t", total, name="Tesla T4"), gpu("a", total, host="h1", name="NVIDIA A10")]
+    index = RoomIndex(types, {}, NOW)
     for (patterns, _, slot), n in asks.items():
         for _ in range(n):
             index.hold(total, slot, +1, patterns or None)
-    mine = ((), total, asked * GiB)
+    mine = ((), total, asked * GiB)  # the request may run on either type
     everyone = asks + Counter([mine])
     usable = {a: n for a, n in everyone.items() if accelerators.matches(name, a[0] or None)}
 
@@ -471,5 +472,7 @@ def test_the_fragmentation_change_is_the_expected_unusable_room_after_less_befor
         )  # fmt: skip
         return room / total * lost / max(1, sum(usable.values()))
 
-    change = Fragmentation(index.demand, mine).change(name, total, free * GiB, asked * GiB)
+    change = Fragmentation(index.demand, total, asked * GiB).change(
+        name, total, free * GiB, asked * GiB
+    )
     assert change == pytest.approx(unusable((free - asked) * GiB) - unusable(free * GiB))

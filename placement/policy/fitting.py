@@ -22,7 +22,6 @@ from placement.policy.planning import Option, Planning, candidate_level
 from placement.policy.room import Shape, room_of
 from placement.policy.settings import GpuChoice, PolicySettings
 from placement.policy.state import Demand, Gpu
-from placement.units import accelerators
 
 T = TypeVar("T")
 
@@ -126,9 +125,8 @@ def _packed_single(
         if slot is not None and name in allowed:
             kinds.append((view.type_rank(name, total, slot[0]), name, total, levels))
     kinds.sort(key=lambda kind: kind[0])
-    size = min(slots)
-    asked = (accelerators.alternatives(view.demand.accelerator), size, slots[size][0])
-    fragmentation = Fragmentation(index.demand, asked)
+    size = min(slots)  # the request's ask, on one GPU size it may take
+    fragmentation = Fragmentation(index.demand, size, slots[size][0])
     keys: dict[tuple[str, int, int], tuple[float, ...]] = {}
     for rank, name, total, levels in kinds:
         if keys and not view.my_warm and rank > next(iter(keys.values()))[0]:

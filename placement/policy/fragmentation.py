@@ -29,11 +29,9 @@ Room short of an ask by under `ROUNDING` fits it: shares round down to whole byt
 
 from __future__ import annotations
 
-import functools
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable
 
-from placement.units import accelerators
 from placement.units.memory import MiB
 
 ROUNDING = MiB  # less room than this is what rounding to whole bytes leaves
@@ -53,11 +51,9 @@ class Demand:
         self.counts: list[int] = []  # replicas asking each
         self.whole = 0  # replicas that ask whole GPUs (one count per GPU)
 
-    def count(self, name: str, ask: Ask, change: int) -> None:
-        """Count (`change` > 0) or uncount replicas of `ask` if type `name` may serve it."""
-        patterns, total, slot = ask
-        if not allows(name, patterns):
-            return
+    def count(self, ask: Ask, change: int) -> None:
+        """Count (`change` > 0) or uncount replicas of `ask`, which this type may serve."""
+        _, total, slot = ask
         if slot > total - ROUNDING:
             self.whole += change
             return
@@ -81,12 +77,11 @@ class Demand:
 
 class Fragmentation:
     """Each GPU type's demand (`RoomIndex.demand`) with the request counted once more, as
-    a planning call weighs it: `asked` is the request's ask on one GPU size it may take."""
+    a planning call weighs it: the request asks `slot` bytes of a GPU of `total` bytes,
+    and is weighed only on the types it may use."""
 
-    def __init__(self, demand: Callable[[str], Demand], asked: Ask) -> None:
+    def __init__(self, demand: Callable[[str], Demand], total: int, slot: int) -> None:
         self._demand = demand
-        patterns, total, slot = asked
-        self._patterns = patterns
         self._whole = slot > total - ROUNDING  # the request asks whole GPUs
         self._share = slot / total
 
@@ -97,19 +92,11 @@ class Fragmentation:
         when room none of them could use is taken. A whole-GPU ask can use only an empty
         GPU, so taking one costs what whole-GPU asks could have used."""
         demand = self._demand(name)
-        mine = allows(name, self._patterns)
-        whole = demand.whole + (mine and self._whole)
-        count = max(1, demand.size + mine)  # the request is counted where it may run
+        whole = demand.whole + self._whole
         left = free - request
         before = demand.above(free, total) + whole * (free < total)
         after = demand.above(left, total) + whole
-        if mine and not self._whole:
+        if not self._whole:
             before += self._share > (free + ROUNDING) / total
             after += self._share > (left + ROUNDING) / total
-        return (left / total * after - free / total * before) / count
-
-
-@functools.lru_cache(maxsize=4096)
-def allows(name: str, patterns: tuple[str, ...]) -> bool:
-    """Whether GPU type `name` is one that an accelerator of `patterns` allows."""
-    return accelerators.matches(name, patterns or None)
+        return (left / total * after - free / total * before) / (demand.size + 1)

@@ -115,14 +115,14 @@ def plan_replica(
             f"{demand.model} cannot be placed: no live GPU{what} in the fleet "
             f"({len(snap.gpus)} registered). Start a GPU worker, or check its heartbeat."
         )
-    idle = room_of(snap).idle(demand.accelerator)  # the groups evictions could free
-    option = free_single(demand, view, settings, rng) or _best(
-        _evicting_single(demand, idle, view, settings, rng)
-    )
-    if option is None and demand.gpus is not None and demand.gpus >= 2:
-        option = free_whole(int(demand.gpus), view, rng)
-    if option is None and splittable(demand):
-        option = _best(_multi_gpu_options(demand, groups, idle, view, settings, rng))
+    option = free_single(demand, view, settings, rng)
+    if option is None:  # evictions: only groups with idle replicas could free any room
+        idle = room_of(snap).idle(demand.accelerator)
+        option = _best(_evicting_single(demand, idle, view, settings, rng))
+        if option is None and demand.gpus is not None and demand.gpus >= 2:
+            option = free_whole(int(demand.gpus), view, rng)
+        if option is None and splittable(demand):
+            option = _best(_multi_gpu_options(demand, groups, idle, view, settings, rng))
     if option is None:
         raise _why_not(demand, groups, view, settings)
     return _to_plan(demand, option, view, settings, rng)

@@ -189,8 +189,11 @@ class RoomIndex:
         _add(self._held, total, slot * change)
         ask = (accelerators.alternatives(pin), total, slot)
         _add(self._asks, ask, change)
-        for name, demand in self._demand.items():
-            demand.count(name, ask, change)
+        if self._demand:
+            allowed = self.names(pin)
+            for name, demand in self._demand.items():
+                if name in allowed:
+                    demand.count(ask, change)
         if pin is not None:
             _add(self._pinned, (accelerators.alternatives(pin), total), slot * change)
         counts = self._slots.setdefault(total, {})
@@ -267,7 +270,8 @@ class RoomIndex:
         if found is None:
             found = self._demand[name] = Demand()
             for ask, n in self._asks.items():
-                found.count(name, ask, n)
+                if name in self.names(ask[0] or None):
+                    found.count(ask, n)
         return found
 
     def pins(self) -> bool:
