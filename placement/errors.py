@@ -100,6 +100,10 @@ class PayloadError(GpufleetError, ValueError):
     """A request's inputs or params are malformed."""
 
 
+class UnknownTenantError(GpufleetError, LookupError):
+    """No tenant of the fleet has that name; `gpufleet tenant list` names them."""
+
+
 class FleetStoppedError(GpufleetError):
     """The fleet stopped before the call ran; send it again once a fleet runs."""
 

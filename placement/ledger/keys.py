@@ -88,6 +88,11 @@ class Keys:
         """Stream of placement changes."""
         return f"{self.prefix}:events"
 
+    @property
+    def tenants(self) -> str:
+        """Hash: tenant name -> its record (`placement.ledger.tenants`)."""
+        return f"{self.prefix}:tenants"
+
     # Records.
     def gpu(self, gpu_id: str) -> str:
         return f"{self.prefix}:gpu:{gpu_id}"

@@ -50,7 +50,10 @@ import hashlib
 import urllib.parse
 from dataclasses import dataclass
 
+from placement.ledger import tenants
+
 __all__ = [
+    "ADMIN",
     "CALLER",
     "FLEET",
     "OPERATOR",
@@ -60,6 +63,8 @@ __all__ = [
     "Users",
     "acl_lines",
     "sentinel_acl_lines",
+    "tenant_line",
+    "tenant_rules",
     "user_url",
 ]
 
@@ -69,17 +74,13 @@ CALLER = "caller"
 USERS = (FLEET, OPERATOR, CALLER)
 REPLICATION = "replication"
 SENTINEL = "sentinel"
+ADMIN = "admin"
 
 #: kombu's priority steps above 0 (`tasks.broker.presence.PRIORITY_STEPS`, which a test
 #: keeps equal): a queue's list for each, `celery\x06\x16N`, is one a router reads.
 PRIORITY_LISTS = (3, 6, 9)
-#: The router's public queue and its priority lists, exactly: no other list a caller could
-#: fill and no router would read (a list nobody empties holds its junk for ever). Written
-#: quoted with `\xHH` escapes, which redis.conf, an ACL file and ACL SETUSER all read, so
-#: `celery-task-meta-*`, `celeryev`, and every in-flight list stay out.
-_PUBLIC_QUEUE_KEYS = "~celery " + " ".join(f'"~celery\\x06\\x16{n}"' for n in PRIORITY_LISTS)
-#: What Celery's client declares before it sends to `celery` (kombu 5.7 writes the second).
-_DECLARE_KEYS = "~_kombu.binding.celery ~_kombu.binding_permanent.celery"
+#: What Celery's client declares before it sends to a queue (kombu 5.7 writes the second).
+_DECLARE = ("_kombu.binding.", "_kombu.binding_permanent.")
 _RESULT_KEYS = "~celery-task-meta-* ~celery-taskset-meta-*"
 _STREAM_KEYS = "~gpufleet-stream-*"  # tasks.serving.streams.PREFIX
 _CONNECTION = "+ping +echo +select +hello +auth +multi +exec +discard"
@@ -88,19 +89,57 @@ _FLEET_RULES = "~* &* +@all -@dangerous +info +client|list +client|kill"
 #: What the append-only file's replay may run (see the module); the user itself is off.
 _DEFAULT_RULES = "~* &* +@all"
 _OPERATOR_RULES = f"~* resetchannels -@all {_CONNECTION} +@read -keys +time"
-#: Redis 7 and later: root rights send calls and wait for results; each selector
-#: grants one command group on the keys it needs.
-_CALLER_RULES_7 = (
-    f"resetkeys {_PUBLIC_QUEUE_KEYS} resetchannels &celery-task-meta-* -@all {_CONNECTION} "
-    f"+lpush +wait +llen +subscribe +unsubscribe (+sadd +smembers {_DECLARE_KEYS}) "
-    f"(+get +mget {_RESULT_KEYS}) (+set +del ~celery-taskset-meta-*) (+xread {_STREAM_KEYS})"
-)
-#: Redis 6.2: one set of keys for all of its commands (see the module).
-_CALLER_RULES_6 = (
-    f"resetkeys {_PUBLIC_QUEUE_KEYS} {_DECLARE_KEYS} {_RESULT_KEYS} {_STREAM_KEYS} "
-    f"resetchannels &celery-task-meta-* -@all {_CONNECTION} "
-    f"+lpush +wait +llen +sadd +smembers +get +mget +xread +subscribe +unsubscribe"
-)
+#: The launcher's own user for tenants' users (`TenantUsers`), on the bundled Redis only.
+_ADMIN_RULES = f"resetchannels -@all {_CONNECTION} +acl|setuser +acl|deluser +acl|users"
+
+
+def _queue_keys(prefix: str) -> tuple[list[str], list[str]]:
+    """The keys of the public queue `celery` under a client's `global_keyprefix`, exactly:
+    its list and its priority lists (no other list a caller could fill and no router would
+    read: a list nobody empties holds its junk for ever), and what declaring it writes.
+    Patterns as ACL SETUSER takes them (`conf_text` quotes them for a file), so
+    `celery-task-meta-*`, `celeryev`, and every in-flight list stay out."""
+    queue = f"{prefix}celery"
+    lists = [f"~{queue}", *(f"~{queue}\x06\x16{n}" for n in PRIORITY_LISTS)]
+    return lists, [f"~{prefix}{kind}celery" for kind in _DECLARE]
+
+
+def caller_rules(redis_major: int, prefix: str = "") -> list[str]:
+    """A caller's rules, one ACL argument each: send calls to the public queue `celery`
+    under `prefix` (a tenant's, `placement.ledger.tenants.key_prefix`; the `caller` user's
+    is ""), wait for results and read streamed text. Redis 7 and later: root rights send
+    calls and wait for results, and each selector grants one command group on the keys it
+    needs; Redis 6.2: one set of keys for all of its commands (see the module)."""
+    queue, declare = _queue_keys(prefix)
+    connection, results = _CONNECTION.split(), _RESULT_KEYS.split()
+    if redis_major >= 7:
+        return [
+            "resetkeys", *queue, "resetchannels", "&celery-task-meta-*", "-@all", *connection,
+            "+lpush", "+wait", "+llen", "+subscribe", "+unsubscribe",
+            "(+sadd", "+smembers", *declare[:-1], f"{declare[-1]})",
+            "(+get", "+mget", *results[:-1], f"{results[-1]})",
+            "(+set", "+del", "~celery-taskset-meta-*)",
+            "(+xread", f"{_STREAM_KEYS})",
+        ]  # fmt: skip
+    return [
+        "resetkeys", *queue, *declare, *results, _STREAM_KEYS,
+        "resetchannels", "&celery-task-meta-*", "-@all", *connection,
+        "+lpush", "+wait", "+llen", "+sadd", "+smembers", "+get", "+mget", "+xread",
+        "+subscribe", "+unsubscribe",
+    ]  # fmt: skip
+
+
+def conf_text(rules: list[str]) -> str:
+    """`rules` as a line of redis.conf or an ACL file writes them: a rule with a control
+    character quoted, the character as `\\xHH` (which both read)."""
+    out = []
+    for rule in rules:
+        if any(ord(c) < 32 for c in rule):
+            escaped = "".join(f"\\x{ord(c):02x}" if ord(c) < 32 else c for c in rule)
+            out.append(f'"{escaped}"')
+        else:
+            out.append(rule)
+    return " ".join(out)
 
 
 #: A replica reading its primary (Redis's replication handshake).
@@ -128,6 +167,7 @@ class Users:
     caller: str
     replication: str = ""
     sentinel: str = ""
+    admin: str = ""  # the launcher's, for tenants' users (`TenantUsers`)
 
     def password(self, user: str) -> str:
         passwords: dict[str, str] = {
@@ -136,6 +176,7 @@ class Users:
             CALLER: self.caller,
             REPLICATION: self.replication,
             SENTINEL: self.sentinel,
+            ADMIN: self.admin,
         }
         return passwords[user]
 
@@ -151,7 +192,7 @@ def rules(user: str, redis_major: int) -> str:
     if user == OPERATOR:
         return _OPERATOR_RULES
     if user == CALLER:
-        return _CALLER_RULES_7 if redis_major >= 7 else _CALLER_RULES_6
+        return conf_text(caller_rules(redis_major))
     raise ValueError(f"no gpufleet user {user!r}; the users are {', '.join(USERS)}")
 
 
@@ -163,7 +204,21 @@ def acl_lines(users: Users, redis_major: int) -> list[str]:
         lines.append(_user_line(user, users.password(user), rules(user, redis_major)))
     for user in users.internal():
         lines.append(_user_line(user, users.password(user), internal[user]))
+    if users.admin:
+        lines.append(_user_line(ADMIN, users.admin, _ADMIN_RULES))
     return lines
+
+
+def tenant_rules(name: str, redis_major: int) -> list[str]:
+    """The ACL rules of tenant `name`'s user: a caller's, on its own public queue
+    (`placement.ledger.tenants`)."""
+    return caller_rules(redis_major, tenants.key_prefix(name))
+
+
+def tenant_line(tenant: tenants.Tenant, redis_major: int) -> str:
+    """The ACL file line of `tenant`'s user, for a Redis of your own."""
+    rules = conf_text(tenant_rules(tenant.name, redis_major))
+    return f"user {tenants.user_of(tenant.name)} reset on #{tenant.digest} {rules}"
 
 
 def sentinel_acl_lines(users: Users) -> list[str]:

@@ -6,16 +6,16 @@ limit per user. A caller who opened 10,100 idle connections in 2.5 s thus left n
 the fleet: a new caller's call failed after 19 s, and so did `gpufleet status` (issue 55).
 So `gpufleet up` gives its Redis a known `maxclients` (`max_clients`), and a guard in the
 launcher keeps every connection that is not the fleet's or the operator's (the `caller`
-user's, and those that never authenticated) to at most half of it (`CALLER_SHARE`): every
-`GUARD_EVERY_S` it counts the connections (INFO, one line) and, past the bound, reads the
-client list and closes the excess. What it closes first (`_close_first`): connections
-stuck before authenticating; then callers' connections waiting for nothing (not
-subscribed, not blocked), the longest idle first; then connections a second old or less
-that have not authenticated yet (a fleet process's may be mid-handshake); then the longest
-idle of the rest. So a flood of idle connections goes before a caller that is working or
-waiting on an answer, and a caller connecting after the flood is served: it is the
-flood's connections that make room. (A caller's pooled connection closed while idle costs
-it nothing: its client opens another at its next command.)
+user's, the tenants', and those that never authenticated) to at most half of it
+(`CALLER_SHARE`): every `GUARD_EVERY_S` it counts the connections (INFO, one line) and, past
+the bound, reads the client list and closes the excess. What it closes first
+(`_close_first`): connections stuck before authenticating; then callers' connections waiting
+for nothing (not subscribed, not blocked), the longest idle first; then connections a second
+old or less that have not authenticated yet (a fleet process's may be mid-handshake); then
+the longest idle of the rest. So a flood of idle connections goes before a caller that is
+working or waiting on an answer, and a caller connecting after the flood is served: it is
+the flood's connections that make room. (A caller's pooled connection closed while idle
+costs it nothing: its client opens another at its next command.)
 
 What holds, then: the fleet's processes and its operator always find a free connection
 (the other half, far more than a fleet opens: about ten per worker process), and a
@@ -35,8 +35,8 @@ from typing import Any
 
 import redis
 
-from placement.ledger import endpoint
-from placement.server.acl import CALLER, FLEET, OPERATOR
+from placement.ledger import endpoint, tenants
+from placement.server.acl import ADMIN, CALLER, FLEET, OPERATOR
 
 __all__ = ["CALLER_SHARE", "GUARD_EVERY_S", "MAX_CLIENTS", "ConnectionGuard", "max_clients"]
 
@@ -115,7 +115,15 @@ class ConnectionGuard:
 
 
 #: The users whose connections the guard leaves alone.
-_INSIDERS = frozenset({FLEET, OPERATOR})
+_INSIDERS = frozenset({FLEET, OPERATOR, ADMIN})
+
+
+def is_caller(user: str) -> bool:
+    """Whether `user` is a caller's: the `caller` user's, or a tenant's."""
+    return user == CALLER or user.startswith(_TENANT_USERS)
+
+
+_TENANT_USERS = tenants.user_of("x")[:-1]
 
 
 def _close_first(client: dict[str, Any]) -> tuple[int, int]:
@@ -124,6 +132,6 @@ def _close_first(client: dict[str, Any]) -> tuple[int, int]:
     age, idle = int(client.get("age", 0) or 0), int(client.get("idle", 0) or 0)
     flags = str(client.get("flags", ""))
     waiting = int(client.get("sub", 0) or 0) > 0 or "b" in flags or "P" in flags
-    if client.get("user") != CALLER:  # not authenticated (the `default` user is off)
+    if not is_caller(str(client.get("user"))):  # not authenticated (`default` is off)
         return (0 if age >= 1 else 2), -idle
     return (3 if waiting else 1), -idle

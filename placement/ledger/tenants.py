@@ -1,0 +1,228 @@
+"""A fleet's tenants: the teams that share it, each with a weight and a Redis user of its own.
+
+A tenant is known by what it may write, never by what it claims. Its Redis user
+(`placement.server.acl.tenant_rules`) may push calls to one list only, its public queue
+`t.<name>.celery`: the list a plain Celery client pushes to when its transport option
+`global_keyprefix` is `t.<name>.` (what `gpufleet url --tenant NAME --json` prints). The
+router takes calls from every tenant's queue and marks each with the tenant of the queue
+it came from (`tasks.broker.intake.envelope`), dropping whatever the caller wrote there;
+the GPU workers then serve competing tenants in proportion to their weights
+(`placement.rules.fairness`). The fleet's `caller` user is the default tenant, "", of
+weight 1, on the router's queue `celery`: a fleet with no tenants serves as it always did.
+
+Records live in the registry's hash `gpufleet:{fleet}:tenants`, name -> JSON
+`{"weight": w, "digest": sha256-hex}`: the digest of the tenant's Redis password, which an
+ACL rule takes as `#<hex>` (the launcher gives each tenant its user on the bundled Redis,
+`placement.server.tenant_users`). The password itself is never stored here.
+
+A removed tenant's record stays, marked `"removed": true`, while calls it sent before wait
+on its queue: its user is gone at once, the routers take its queue until it is empty, and
+the router that finds it empty forgets the record (`forget`). So no call of a removed
+tenant is left behind, even one sent just before the router first took its queue.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from placement.errors import ConfigError, UnknownTenantError, describe
+from placement.ledger.store import Store
+
+__all__ = [
+    "DEFAULT",
+    "MAX_WEIGHT",
+    "Tenant",
+    "add",
+    "all_tenants",
+    "check_name",
+    "forget",
+    "key_prefix",
+    "queue_of",
+    "records",
+    "remove",
+    "tenant_of",
+    "split_queue",
+    "user_of",
+    "worker_queue",
+    "worker_suffix",
+]
+
+#: The default tenant: the fleet's `caller` user, and the fleet's own processes.
+DEFAULT = ""
+#: The widest ratio of two tenants' shares a fleet takes (weights are 1/MAX..MAX apart).
+MAX_WEIGHT = 1000.0
+_NAME = re.compile(r"[a-z][a-z0-9-]{0,31}")
+_QUEUE_HEAD, _QUEUE_TAIL = "t.", ".celery"
+_WORKER_SEP = "~"  # in no host name, so in no GPU worker's queue name
+
+
+@dataclass(frozen=True)
+class Tenant:
+    """One tenant: its name, its weight, and the digest of its Redis password."""
+
+    name: str
+    weight: float
+    digest: str
+    removed: bool = False  # its calls still drain (see the module)
+
+    @property
+    def queue(self) -> str:
+        return queue_of(self.name)
+
+
+def check_name(name: str) -> str:
+    """`name` if it can name a tenant (a Redis user, a key prefix, a Prometheus label);
+    raises `ConfigError` saying what can."""
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise ConfigError(
+            f"tenant name {describe(name)} is invalid: use 1 to 32 lowercase letters, digits "
+            f"or '-', starting with a letter, e.g. team-a"
+        )
+    return name
+
+
+def check_weight(weight: float) -> float:
+    """`weight` if a tenant may have it (above 0, at most `MAX_WEIGHT`); raises `ConfigError`."""
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)):
+        raise ConfigError(f"a tenant's weight must be a number, got {describe(weight)}")
+    if not (math.isfinite(weight) and 1 / MAX_WEIGHT <= weight <= MAX_WEIGHT):
+        raise ConfigError(
+            f"a tenant's weight must be between {1 / MAX_WEIGHT:g} and {MAX_WEIGHT:g}, got "
+            f"{weight!r}; a weight is a share, e.g. 3 against another's 1"
+        )
+    return float(weight)
+
+
+def key_prefix(name: str) -> str:
+    """The prefix of the broker keys a tenant's client writes: its `global_keyprefix`."""
+    return f"{_QUEUE_HEAD}{check_name(name)}."
+
+
+def queue_of(name: str) -> str:
+    """A tenant's public queue (the router reads it; the tenant alone may push to it)."""
+    return f"{key_prefix(name)}celery"
+
+
+def tenant_of(queue: str) -> str | None:
+    """The tenant whose public queue `queue` is, or None for any other queue."""
+    if not (queue.startswith(_QUEUE_HEAD) and queue.endswith(_QUEUE_TAIL)):
+        return None
+    name = queue[len(_QUEUE_HEAD) : -len(_QUEUE_TAIL)]
+    return name if _NAME.fullmatch(name) else None
+
+
+def worker_queue(queue: str, tenant: str) -> str:
+    """Where a call of `tenant` for the GPU worker of `queue` waits: a queue of its own per
+    tenant (`queue~name`), so the worker takes its tenants' calls in turns and one
+    tenant's burst waits in its own list, not ahead of another's call; the worker's own
+    queue for the default tenant."""
+    return queue + worker_suffix(tenant)
+
+
+def worker_suffix(tenant: str) -> str:
+    """What follows a worker's queue in `tenant`'s queue of it ("" for the default)."""
+    return "" if tenant == DEFAULT else f"{_WORKER_SEP}{check_name(tenant)}"
+
+
+def split_queue(queue: str) -> tuple[str, str]:
+    """`worker_queue`'s inverse: (the worker's queue, the tenant)."""
+    base, sep, name = queue.rpartition(_WORKER_SEP)
+    return (base, name) if sep and _NAME.fullmatch(name) else (queue, DEFAULT)
+
+
+def user_of(name: str) -> str:
+    """A tenant's Redis user name."""
+    return f"tenant-{check_name(name)}"
+
+
+def digest_of(password: str) -> str:
+    """What an ACL rule takes for `password` (after a `#`)."""
+    return hashlib.sha256(password.encode()).hexdigest()
+
+
+def add(store: Store, name: str, weight: float, password: str) -> Tenant:
+    """Record a new tenant (in place of a removed one of the same name whose calls still
+    drain); raises `ConfigError` when the name is taken or invalid."""
+    tenant = Tenant(check_name(name), check_weight(weight), digest_of(password))
+    record = json.dumps({"weight": tenant.weight, "digest": tenant.digest})
+    key = store.keys.tenants
+
+    def take(pipe: Any) -> bool:
+        found = pipe.hget(key, name)
+        if found is not None and not getattr(_parse(name, found), "removed", False):
+            return False
+        pipe.multi()
+        pipe.hset(key, name, record)
+        return True
+
+    if not store._reaching(lambda: store.client.transaction(take, key, value_from_callable=True)):
+        raise ConfigError(
+            f"the fleet has a tenant {name!r} already; `gpufleet tenant remove {name}` first, "
+            f"or pick another name"
+        )
+    return tenant
+
+
+def remove(store: Store, name: str) -> Tenant:
+    """Mark tenant `name` removed and return it (see the module); raises
+    `UnknownTenantError`."""
+    found = all_tenants(store).get(name)
+    if found is None:
+        raise UnknownTenantError(_unknown(store, name))
+    record = {"weight": found.weight, "digest": found.digest, "removed": True}
+    store._one("hset", store.keys.tenants, name, json.dumps(record))
+    return found
+
+
+def forget(store: Store, name: str) -> bool:
+    """Forget removed tenant `name`'s record (its queue is empty); False when it is not
+    a removed tenant's (added again meanwhile, or forgotten already)."""
+    key = store.keys.tenants
+
+    def drop(pipe: Any) -> bool:
+        found = pipe.hget(key, name)
+        if found is None or not getattr(_parse(name, found), "removed", False):
+            return False
+        pipe.multi()
+        pipe.hdel(key, name)
+        return True
+
+    return bool(
+        store._reaching(lambda: store.client.transaction(drop, key, value_from_callable=True))
+    )
+
+
+def records(store: Store) -> dict[str, Tenant]:
+    """Every tenant's record by name, removed ones whose calls still drain included (a
+    record that does not parse is left out)."""
+    raw: dict[str, str] = store._one("hgetall", store.keys.tenants)
+    found = {}
+    for name, text in sorted(raw.items()):
+        tenant = _parse(name, text)
+        if tenant is not None:
+            found[name] = tenant
+    return found
+
+
+def all_tenants(store: Store) -> dict[str, Tenant]:
+    """The fleet's tenants by name (not those removed)."""
+    return {name: t for name, t in records(store).items() if not t.removed}
+
+
+def _parse(name: str, text: str) -> Tenant | None:
+    try:
+        data: Any = json.loads(text)
+        weight, digest = check_weight(data["weight"]), str(data["digest"])
+        return Tenant(check_name(name), weight, digest, data.get("removed") is True)
+    except (ValueError, KeyError, TypeError, ConfigError):
+        return None
+
+
+def _unknown(store: Store, name: str) -> str:
+    names = ", ".join(all_tenants(store)) or "none yet"
+    return f"the fleet has no tenant {name!r} (its tenants: {names}); `gpufleet tenant add`"

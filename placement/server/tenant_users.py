@@ -1,0 +1,112 @@
+"""Each tenant's Redis user on the bundled Redis, kept equal to the registry's tenants.
+
+`gpufleet tenant add` records a tenant in the registry (`placement.ledger.tenants`) with
+the digest of its password; the launcher, which runs the bundled Redis, gives it its user
+(`placement.server.acl.tenant_rules`) on every data node within `SYNC_S`, and takes away
+the user of a tenant removed. Redis keeps no ACL change in its append-only file nor sends
+it to replicas, so a node that restarted, or a replica promoted, lacks them: each sync
+reads every node's users (`ACL USERS`) and makes what is missing, which also covers a
+restart nobody saw. It signs in as the launcher's `admin` user, which may do nothing but
+this (`placement.server.acl`), and whose password no other process holds.
+
+A Redis of your own has no launcher: `gpufleet tenant add` prints the ACL line instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import redis
+
+from placement.ledger import tenants
+from placement.ledger.store import Store
+from placement.server.acl import tenant_rules
+
+__all__ = ["SYNC_S", "TenantUsers"]
+
+#: How often the launcher makes the users equal to the registry's tenants: how long a new
+#: tenant waits for its user, at most (and a node back from a restart).
+SYNC_S = 0.5
+_USER_PREFIX = tenants.user_of("x")[:-1]
+
+log = logging.getLogger(__name__)
+
+
+class TenantUsers:
+    """The tenants' users on the Redis nodes `admin_urls` names (the `admin` user's URL of
+    each), as `store`'s registry lists its tenants."""
+
+    def __init__(
+        self, store: Store, admin_urls: Callable[[], Iterable[str]], redis_major: int
+    ) -> None:
+        self._store = store
+        self._admin_urls = admin_urls
+        self._major = redis_major
+        self._clients: dict[str, Any] = {}  # str replies (decode_responses), untyped
+        self._made: dict[str, dict[str, str]] = {}  # node URL -> user -> digest it was made with
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> TenantUsers:
+        """Sync every `SYNC_S`, on a thread, until `stop`."""
+        self._thread = threading.Thread(target=self._run, name="gpufleet-tenants", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5)
+        for client in self._clients.values():
+            client.close()
+        self._clients.clear()
+
+    def _run(self) -> None:
+        while not self._stop.wait(SYNC_S):
+            try:
+                self.sync()
+            except Exception:  # the registry away (a restart): the next tick tries again
+                log.debug("could not sync tenants' users (next try)", exc_info=True)
+
+    def sync(self) -> None:
+        """Make every node's tenant users equal to the registry's tenants; a node that does
+        not answer now is tried again at the next sync (logged)."""
+        wanted = tenants.all_tenants(self._store)
+        for url in self._admin_urls():
+            try:
+                self._sync_node(url, wanted)
+            except redis.RedisError as exc:
+                self._clients.pop(url, None)
+                log.debug("could not sync tenants' users on a Redis node (next try): %s", exc)
+
+    def _sync_node(self, url: str, wanted: dict[str, tenants.Tenant]) -> None:
+        client: Any = self._clients.get(url)
+        if client is None:
+            client = self._clients[url] = redis.Redis.from_url(url, decode_responses=True)
+        present = {str(u) for u in client.acl_users() if str(u).startswith(_USER_PREFIX)}
+        made = self._made.setdefault(url, {})
+        pipe = client.pipeline(transaction=False)
+        changes: list[tuple[str, str, str]] = []
+        for name, tenant in wanted.items():
+            user = tenants.user_of(name)
+            if user in present and made.get(user) == tenant.digest:
+                continue
+            rules = ["reset", "on", f"#{tenant.digest}", *tenant_rules(name, self._major)]
+            pipe.execute_command("ACL", "SETUSER", user, *rules)
+            changes.append(("made", user, tenant.digest))
+        stale = sorted(present - {tenants.user_of(n) for n in wanted})
+        for user in stale:
+            pipe.execute_command("ACL", "DELUSER", user)
+            changes.append(("removed", user, ""))
+        if not changes:
+            return
+        pipe.execute()
+        for what, user, digest in changes:
+            if digest:
+                made[user] = digest
+            else:
+                made.pop(user, None)
+            log.info("tenant user %s %s", user, what)
