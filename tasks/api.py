@@ -34,6 +34,7 @@ from placement.errors import (
     UnknownReplicaError,
     describe,
 )
+from placement.ledger import tenants
 from placement.ledger.hot import DEFAULT_REQUEST_LEASE_MS, Lease
 from placement.ledger.registry import Registry
 from placement.policy.state import LEAVING, RESERVING, Candidate, Level, Plan
@@ -43,7 +44,14 @@ from tasks.broker import presence
 from tasks.broker.intake import LEASE_HEADER, is_name
 from tasks.config import INTERNAL_QUEUE
 from tasks.serving import cancelling, leases, routed, streams
-from tasks.serving.calls import Call, counted_of, fast_call, hops_of, time_limits_of
+from tasks.serving.calls import (
+    Call,
+    counted_of,
+    fast_call,
+    hops_of,
+    tenant_of,
+    time_limits_of,
+)
 from tasks.serving.status import full_status
 from worker.handlers import validate
 
@@ -102,7 +110,11 @@ def dispatch(
         if task.request.retries or _redelivered(task):  # an earlier attempt held it here
             routed.hold(registry, model, held, False)  # (a dead router's too: no wait for its TTL)
         call = Call(model, inputs, params, lease.replica, "hot", sent, hops=hops)
-        raise task.replace(call.with_lease(lease).to(lease.queue, time_limits_of(task.request)))
+        raise task.replace(
+            call.with_lease(lease).to(
+                lease.queue, time_limits_of(task.request), tenant_of(task.request)
+            )
+        )
     routed.hold(registry, model, held, True)  # part of the model's load while the router has it
     try:
         _place_and_hand_on(task, registry, spec, inputs=inputs, params=params, sent=sent, hops=hops)
@@ -133,7 +145,11 @@ def _place_and_hand_on(
         lease, cache = pinned
         call = Call(model, inputs, params, plan.replica, cache, sent, hops=hops)
         try:
-            raise task.replace(call.with_lease(lease).to(plan.queue, time_limits_of(task.request)))
+            raise task.replace(
+                call.with_lease(lease).to(
+                    plan.queue, time_limits_of(task.request), tenant_of(task.request)
+                )
+            )
         finally:  # once the call is on its way: the figures are not on its critical path
             if plan.candidate is Candidate.DEPLOYED:  # placed already: nothing moved
                 _count(task, registry, model, "queued")
@@ -432,7 +448,8 @@ def _start_sweeper(**_: Any) -> None:
                     log.info("swept: %s", swept)
                 # after the reaping: a dead GPU worker's calls go back once its GPUs are free
                 live = functools.partial(_live_gpu_queues, registry)
-                presence.sweep(broker, live, routed.answered, registry.end_leases_of)
+                names = tenants.records(registry)
+                presence.sweep(broker, live, routed.answered, registry.end_leases_of, names)
             except Exception:
                 log.exception("sweep failed; retrying")
 

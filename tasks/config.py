@@ -10,7 +10,7 @@ import ssl
 from typing import Any
 
 from placement.config import Settings
-from placement.ledger import endpoint
+from placement.ledger import endpoint, tenants
 
 ROUTER_QUEUE = "celery"  # Celery's default: a client that imports nothing reaches the router
 #: The router's second queue, which only fleet processes write: calls a GPU worker routes
@@ -22,9 +22,25 @@ ROUTER_QUEUES = (ROUTER_QUEUE, INTERNAL_QUEUE)
 #: arguments in each result; and the same through Sentinels.
 RESULT_BACKEND = "tasks.broker.results:Backend"
 SENTINEL_BACKEND = "tasks.broker.results:SentinelBackend"
-#: The queues any caller may write (docs/deploy.md, "Security"): what is taken from them
-#: is checked as a caller's (`tasks.broker.intake`).
+#: The queue any caller may write (docs/deploy.md, "Security"); each tenant has one more,
+#: its own (`is_public`). What is taken from them is checked as a caller's
+#: (`tasks.broker.intake`).
 PUBLIC_QUEUES = frozenset({ROUTER_QUEUE})
+
+
+def is_public(queue: object) -> bool:
+    """Whether `queue` is one callers write: the router's `celery`, or a tenant's own."""
+    return isinstance(queue, str) and (
+        queue in PUBLIC_QUEUES or tenants.tenant_of(queue) is not None
+    )
+
+
+def is_routers(queue: str) -> bool:
+    """Whether every live router serves `queue` (its own two, and every tenant's), so a
+    router's death strands nothing there."""
+    return queue in ROUTER_QUEUES or tenants.tenant_of(queue) is not None
+
+
 #: Publishing retries for about 10 s (Celery's default gives up after 0.6 s).
 PUBLISH_RETRY_POLICY = {
     "max_retries": 25,

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from placement.ledger.store import Store
+from placement.ledger.tenants import DEFAULT, worker_queue, worker_suffix
 
 #: How long a request lease pins its replica unless the call ends it first.
 DEFAULT_REQUEST_LEASE_MS = 300_000
@@ -74,13 +75,16 @@ class Handover:
     three parts around the two values only the script knows (the lease header's value,
     a JSON object, and the queue's name, a JSON string); and what names a queue's list
     for the message's priority (`queue + suffix`). `watched`: the lists the consumer
-    takes from, which the move looks at once it is done (`Forwarded.drained`)."""
+    takes from, which the move looks at once it is done (`Forwarded.drained`). `tenant`:
+    whose call it is; it goes to that tenant's queue of the worker
+    (`placement.ledger.tenants.worker_queue`)."""
 
     inflight: str
     taken: bytes
     parts: tuple[str, str, str]
     suffix: str
     watched: tuple[str, ...] = ()
+    tenant: str = DEFAULT
 
 
 @dataclass(frozen=True)
@@ -152,9 +156,10 @@ class HotPath:
             keys = self._keys(model, known)
             args: list[Any] = [lease_id, ttl_ms, path]
             if handover is not None:
-                keys += [handover.inflight, *(q + handover.suffix for q in known.queues)]
+                queues = [worker_queue(q, handover.tenant) for q in known.queues]
+                keys += [handover.inflight, *(q + handover.suffix for q in queues)]
                 keys += handover.watched
-                args += [handover.taken, *handover.parts]
+                args += [handover.taken, *handover.parts, worker_suffix(handover.tenant)]
             args += [*known.ids, *known.workers]
             if handover is not None:
                 args += known.queues

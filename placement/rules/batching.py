@@ -100,6 +100,9 @@ class Waiting(Generic[T]):
     group: Hashable  # calls share a batch only within one group: (replica, epoch)
     chars: int
     since_ms: float  # when it began to wait
+    #: Its place in line: its start tag among tenants (`placement.rules.fairness`); -inf
+    #: for a call that goes back to the head of the line.
+    order: float = float("-inf")
 
 
 def take_batch(

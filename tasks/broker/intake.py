@@ -39,8 +39,9 @@ import orjson
 from kombu.utils.json import dumps, loads
 
 from placement.errors import GpufleetError, PayloadError, describe
+from placement.ledger.tenants import tenant_of
 from tasks import context
-from tasks.config import PUBLIC_QUEUES
+from tasks.config import PUBLIC_QUEUES, is_public
 
 #: What callers may send; the other `gpufleet.*` tasks (`gpufleet.run`, `gpufleet.scale`)
 #: are the fleet's own hops, taken only from fleet queues.
@@ -63,6 +64,9 @@ LEASE_HEADER = "gpufleet_lease"
 #: so the router never counts such a call again.
 COUNTED_HEADER = "gpufleet_counted"
 HOPS_HEADER = "gpufleet_hops"
+#: The tenant whose public queue a call came from (`placement.ledger.tenants`), which the
+#: router writes as it takes it; absent for the default tenant.
+TENANT_HEADER = "gpufleet_tenant"
 #: How deeply a message's headers, properties and arguments may nest. Celery's own
 #: canvases (a chain of chords) stay under 12; pickling a request for the pool fails
 #: near 500 (the interpreter's recursion limit, less the consumer's own frames).
@@ -162,9 +166,12 @@ def envelope(item: bytes | str, queue: str) -> dict[str, Any]:
     redelivered = info.get("redelivered") if isinstance(info, dict) else None
     # Where it came from, truly (restores and the consumer's checks follow it).
     properties["delivery_info"] = {"exchange": "", "routing_key": queue}
-    if queue in PUBLIC_QUEUES:
+    if is_public(queue):
         for name in [n for n in headers if isinstance(n, str) and n.startswith(FLEET_HEADERS)]:
             del headers[name]
+        tenant = tenant_of(queue)
+        if tenant is not None:  # known by the queue it may write, never by what it says
+            headers[TENANT_HEADER] = tenant
     if redelivered is True:
         properties["delivery_info"]["redelivered"] = True
     return payload
@@ -272,7 +279,7 @@ def _check(message: Any, tasks: Any) -> None:
             "gpufleet takes Celery's message protocol 2 only (the default since Celery 4): "
             "send the call with a Celery client, protocol 2"
         )
-    public_queue = (message.delivery_info or {}).get("routing_key") in PUBLIC_QUEUES
+    public_queue = is_public((message.delivery_info or {}).get("routing_key"))
     if public_queue and name.startswith("gpufleet.") and name not in PUBLIC_TASKS:
         raise PayloadError(
             f"{name} is the fleet's own task and runs only when the fleet sends it; callers "

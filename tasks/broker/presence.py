@@ -57,10 +57,11 @@ from kombu.transport.redis import Channel as KombuChannel
 from placement.ledger import endpoint
 from placement.ledger.keys import CONSUMERS, KeyList, unacked_of
 from placement.ledger.scripts import scripts_for
+from placement.ledger.tenants import DEFAULT, split_queue, worker_queue
 from tasks import context
 from tasks.broker.intake import HOPS_HEADER, LEASE_HEADER
 from tasks.broker.transport import inflight
-from tasks.config import INTERNAL_QUEUE, ROUTER_QUEUES
+from tasks.config import INTERNAL_QUEUE, ROUTER_QUEUES, is_routers
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +81,14 @@ Release = Callable[[str], int]
 def lists(queue: str) -> list[str]:
     """A queue's lists in the order a consumer takes from them (kombu: one per priority)."""
     return [queue if not p else f"{queue}{KombuChannel.sep}{p}" for p in PRIORITY_STEPS]
+
+
+def depth(client: redis.Redis, queue: str) -> int:
+    """How many messages wait on `queue` (every list of it)."""
+    pipe = client.pipeline(transaction=False)
+    for name in lists(queue):
+        pipe.llen(name)
+    return sum(int(n) for n in pipe.execute())
 
 
 def list_for(queue: str, payload: dict[str, Any]) -> str:
@@ -191,6 +200,14 @@ class Presence:
     def _rejoin(self) -> None:
         _redeliver(self.client, self.node, self._record(), _nothing, rejoin=True)
 
+    def consume(self, queues: Iterable[str]) -> None:
+        """The worker now consumes `queues` (a router, as tenants come and go): record
+        them, so that a sweep after its death looks in their in-flight lists too."""
+        wanted = tuple(sorted(set(queues)))
+        if wanted != self.queues:
+            self.queues = wanted
+            self._rejoin()
+
     def _record(self) -> dict[str, Any]:
         return {
             "token": self.token,
@@ -219,9 +236,12 @@ def sweep(
     live_gpu_queues: Callable[[], AbstractSet[str]],
     answered: Callable[[str], bool],
     release: Release | None = None,
+    tenant_names: Iterable[str] = (),
 ) -> dict[str, int]:
     """Give back what every dead worker held, and hand the router the calls waiting on
-    GPU queues that nobody serves; return how many moved per dead worker.
+    GPU queues that nobody serves (each tenant's queue of them too: `tenant_names`, the
+    fleet's tenants, removed ones still draining included); return how many moved per
+    dead worker.
 
     `live_gpu_queues` names the queues of GPUs whose ledger lease holds (read after the
     records, so a GPU worker is handed over only once the ledger has let it go too);
@@ -234,18 +254,21 @@ def sweep(
     dead = [r for r in found.values() if not r.alive(now)]
     if not dead:
         return {}
-    served = {q for r in found.values() if r.alive(now) for q in r.queues}
+    # a live worker takes its tenants' queues too (`tasks.serving.tenancy`)
+    served = {split_queue(q)[0] for r in found.values() if r.alive(now) for q in r.queues}
+    names = tuple(tenant_names)
     ledger: AbstractSet[str] | None = None  # read only when something is to move
     moved: dict[str, int] = {}
     for rec in dead:
-        unserved = {q for q in rec.queues if q not in ROUTER_QUEUES and q not in served}
+        queues = with_tenants(rec.queues, names)
+        unserved = {q for q in queues if not is_routers(q) and split_queue(q)[0] not in served}
         if rec.gone_ms and not _holds_anything(client, rec, unserved):
             if now - rec.gone_ms > KEEP_GONE_MS:
                 _redeliver(client, rec.node, {"delete": True}, _nothing)
             continue
         if ledger is None:
             ledger = live_gpu_queues()
-        orphaned = unserved - ledger
+        orphaned = {q for q in unserved if split_queue(q)[0] not in ledger}
         count = _redeliver(
             client,
             rec.node,
@@ -315,7 +338,7 @@ def stranded_problems(found: dict[str, dict[str, Any]]) -> list[str]:
     lines = []
     for queue, entry in found.items():
         n, worker = entry["calls"], entry["last_worker"]
-        if queue in ROUTER_QUEUES:
+        if is_routers(queue):
             then = "start a router (`gpufleet up` on any host of this fleet) to place them"
         else:
             then = "a live router hands them over once the ledger lets the worker go"
@@ -383,9 +406,21 @@ def _holds_anything(client: redis.Redis, rec: Record, orphaned: set[str]) -> boo
     for queue in rec.queues:
         for name in lists(queue):
             pipe.llen(inflight(name, rec.node))
-            if queue in orphaned:
-                pipe.llen(name)
+    for queue in orphaned:
+        for name in lists(queue):
+            pipe.llen(name)
     return any(pipe.execute())
+
+
+def with_tenants(queues: Iterable[str], tenant_names: Iterable[str]) -> tuple[str, ...]:
+    """`queues` and each tenant's queue of every GPU worker's among them
+    (`placement.ledger.tenants.worker_queue`): calls may wait there before the worker
+    first took from it."""
+    own = [q for q in queues]
+    names = list(tenant_names)
+    bases = [q for q in own if not is_routers(q) and split_queue(q)[1] == DEFAULT]
+    more = {worker_queue(q, name) for q in bases for name in names}
+    return tuple(dict.fromkeys([*own, *sorted(more)]))
 
 
 @dataclass(frozen=True)
@@ -618,6 +653,18 @@ def _arrive(sender: Any, **_: Any) -> None:
         log.warning("could not record %s in the broker yet (%s); renewing will", presence.node, exc)
     presence.keep()
     _this.presence = presence
+
+
+def consuming(queues: Iterable[str]) -> None:
+    """This worker now consumes `queues`: its record says so (`Presence.consume`)."""
+    if _this.presence is not None:
+        _this.presence.consume(queues)
+
+
+def waiting(queue: str) -> int | None:
+    """How many messages wait on `queue`, through this worker's broker client; None
+    before the worker recorded itself."""
+    return depth(_this.presence.client, queue) if _this.presence is not None else None
 
 
 @worker_shutdown.connect

@@ -24,9 +24,10 @@ gpufleet worker takes through in-flight lists instead (transport option
 - while messages wait, `placement/ledger/lua/take.lua` moves the first one, in BRPOP's order
   (each queue by priority), into that list's in-flight list for this consumer,
   `<list>.inflight.<node name>`, and returns it;
-- when none waits, BLMOVE blocks on the first list (Redis 6.2 or later) for at most
-  `IDLE_POLL_S`, then the script looks at every list again, so a message in a priority
-  list waits at most that long on an idle worker;
+- when none waits, BLMOVE blocks on one list (Redis 6.2 or later: the first, or with
+  several queues the one it last took from) for at most `IDLE_POLL_S`
+  (`IDLE_POLL_MANY_S` with several queues), then the script looks at every list again, so
+  a message in another list waits at most that long on an idle worker;
 - recording the message as unacked removes it from the in-flight list in the same step
   (`QoS.append`);
 - a consumer that starts on a queue puts back what its predecessor of the same node name
@@ -65,12 +66,17 @@ from placement.ledger import endpoint, scripts
 from placement.ledger.hot import Handover
 from placement.ledger.keys import unacked_of
 from placement.ledger.scripts import scripts_for
+from placement.rules.fairness import FairTurns
 from tasks.broker import intake, quarantine
 
 #: How long a consumer waits for Redis to come back to give a message back.
 GIVE_BACK_S = 30.0
 #: The longest an idle consumer blocks on its first list before looking at the others.
 IDLE_POLL_S = 0.25
+#: The same for a consumer of several queues (a router; a GPU worker with tenants), which
+#: blocks on the list it last took from: how long a call of another queue may wait on an
+#: idle worker. Costs an idle consumer one take script per period.
+IDLE_POLL_MANY_S = 0.05
 #: How long a consumer waits after Redis refused a take (a full Redis) before the next.
 REFUSED_TAKE_WAIT_S = 0.5
 #: How long a publish through Sentinels waits for a replica to hold its message (`WAIT`).
@@ -107,6 +113,7 @@ class Pick:
     headers: dict[str, Any]
     header: str
     move: Callable[[Handover], bool | None]
+    tenant: str = ""  # whose call: it goes to its tenant's queue of the worker (`Handover`)
 
 
 class QoS(kombu_redis.QoS):
@@ -178,6 +185,7 @@ class QoS(kombu_redis.QoS):
                 (head, middle, tail),
                 channel._q_for_pri("", priority),
                 tuple(channel._taken_from()),
+                pick.tenant,
             )
         except Exception:
             log.exception("could not prepare message %s to move on; keeping it", delivery_tag)
@@ -434,6 +442,7 @@ class Channel(kombu_redis.Channel):
     taken: tuple[str, bytes] | None = None  # (in-flight list, message) not yet recorded
     _taking: tuple[str, list[str]] | None = None  # the take in flight: its kind, its lists
     _idle = False  # the last take found every list empty: block next
+    _last_list = ""  # the list it last took a message from (an idle take blocks there)
     _sync_client: Any = None  # see `_create_client`
     _refused_take_logged = 0.0  # when a refused take was last logged (`_refused_take`)
     _strays_checked = 0.0  # when its in-flight lists were last looked in (`_put_back_strays`)
@@ -446,6 +455,14 @@ class Channel(kombu_redis.Channel):
     #: The delivery tags of the messages this process runs now (`running_tags`): never
     #: given back by it, since their acknowledgements settle them (`QoS.ack`).
     running: Callable[[], set[str]] | None = None
+
+    def take_turns(self, weight_of: Callable[[str], float]) -> None:
+        """Take from this channel's queues in turns weighted by `weight_of(queue)`
+        (`placement.rules.fairness.FairTurns`: a router, whose queues are the tenants'),
+        rather than kombu's equal round robin."""
+        turns = FairTurns(weight_of)
+        turns.update(self._queue_cycle.items)
+        self._queue_cycle = turns
 
     def _create_client(self, asynchronous: bool = False) -> Any:
         """Kombu builds a new Redis client, about 0.2 ms of CPU, for every publish, ack and
@@ -645,9 +662,13 @@ class Channel(kombu_redis.Channel):
         self._put_back_strays(keys)
         connection = self.client.connection
         if self._idle:
-            wait = IDLE_POLL_S if len(keys) > 1 else (timeout or self.brpop_timeout or 0)
-            self._taking = ("BLMOVE", keys[:1])
-            first = keys[0]
+            # the list it last took from: a lone tenant's next call, on a worker of many
+            first = self._last_list if self._last_list in keys else keys[0]
+            if len(keys) == 1:
+                wait = timeout or self.brpop_timeout or 0
+            else:
+                wait = IDLE_POLL_S if len(self.active_queues) == 1 else IDLE_POLL_MANY_S
+            self._taking = ("BLMOVE", [first])
             connection.send_command("BLMOVE", first, self._inflight(first), "RIGHT", "LEFT", wait)
         else:
             self._taking = ("EVALSHA", keys)
@@ -685,8 +706,10 @@ class Channel(kombu_redis.Channel):
                 key, item = keys[0], reply
             else:  # the script's {list, message}
                 key, item = bytes_to_str(reply[0]), reply[1]  # type: ignore[no-untyped-call]
+            self._last_list = key
             self.taken = (self._inflight(key), item)  # QoS.append records it and clears this
             queue = key.rsplit(self.sep, 1)[0]  # kombu's name for a priority list's queue
+            self._queue_cycle.rotate(queue)  # its queues take turns (`take_turns`)
             self._take(item, queue)
             if self.taken is not None:  # refused, or a consumer that acknowledges nothing
                 self.client.lrem(self.taken[0], 1, item)

@@ -25,13 +25,17 @@ from placement.config import (
     connection_path,
     read_connection,
 )
-from placement.errors import ConfigError, GpufleetError
+from placement.errors import ConfigError
 from placement.ledger.registry import Registry
 from placement.units.memory import format_size
+from tasks.operator.console import err
+from tasks.operator.console import guard as _guard
+from tasks.operator.console import settings as _settings
+from tasks.operator.tenant_cli import tenant_app
 
 app = typer.Typer(help="gpufleet: many models sharing GPUs by memory.", no_args_is_help=True)
+app.add_typer(tenant_app, name="tenant")
 console = Console(soft_wrap=True)
-err = Console(stderr=True, soft_wrap=True)  # errors stay on one line
 
 T = TypeVar("T")
 
@@ -53,16 +57,6 @@ def _operator_urls(s: Settings) -> tuple[str, str]:
     if s.operator_url:
         return s.operator_url, s.operator_url
     return s.registry_url, s.broker_url
-
-
-def _settings(redis_url: str | None = None, fleet: str | None = None) -> Settings:
-    """The settings, with the command line's overrides of the fleet and its URL."""
-    env = dict(os.environ)
-    if fleet:
-        env["GPUFLEET_FLEET"] = fleet
-    if redis_url:
-        env["GPUFLEET_REDIS_URL"] = redis_url
-    return _guard(lambda: Settings.from_env(env))
 
 
 @app.callback()
@@ -259,6 +253,13 @@ def up(
 @app.command()
 def url(
     fleet: FleetName = None,
+    tenant: Annotated[
+        str | None,
+        typer.Option(
+            help="A tenant's URL instead (`gpufleet tenant add`): its calls go to its own "
+            "queue, and --json gives its client's `global_keyprefix`."
+        ),
+    ] = None,
     as_json: Annotated[
         bool,
         typer.Option(
@@ -278,6 +279,16 @@ def url(
     s = _settings(fleet=fleet)
     if s.url_from == FROM_DEFAULT:
         _guard(_no_fleet(s))
+    if tenant is not None:
+        from tasks.operator import tenant_cli
+
+        tenant_url = _guard(lambda: tenant_cli.caller_url(s, tenant))
+        if as_json:
+            conf = tenant_cli.celery_conf(tenant_url, tenant)
+            typer.echo(json.dumps({"celery": conf}, indent=2))
+        else:
+            typer.echo(tenant_url)
+        return
     if as_json:
         found = read_connection(connection_path(s.home, s.fleet))
         front = found.openai if found is not None else None
@@ -732,15 +743,6 @@ def _owner(gpu: dict[str, Any]) -> str:
     if gpu["alive"]:
         return f"{gpu['worker']}\n[dim]alive[/]"
     return f"[red]{gpu['worker']}\nlease expired[/]"
-
-
-def _guard(action: Callable[[], T]) -> T:
-    """Run `action`; a gpufleet error becomes one red line and exit code 1."""
-    try:
-        return action()
-    except GpufleetError as exc:
-        err.print(f"[red]error:[/] {exc}")
-        raise typer.Exit(1) from exc
 
 
 def main() -> None:

@@ -57,12 +57,18 @@ from placement.config import (
     safe_url,
 )
 from placement.errors import ConfigError, FleetStoppedError, GpufleetError
-from placement.ledger import endpoint
+from placement.ledger import endpoint, tenants
 from placement.ledger.registry import Registry
-from placement.server.acl import CALLER, FLEET, OPERATOR, Users
+from placement.server.acl import ADMIN, CALLER, FLEET, OPERATOR, Users
 from placement.server.connections import CALLER_SHARE, ConnectionGuard, max_clients
-from placement.server.redis_server import RedisServer, die_with_parent_preexec, find_redis_server
+from placement.server.redis_server import (
+    RedisServer,
+    die_with_parent_preexec,
+    find_redis_server,
+    redis_version,
+)
 from placement.server.sentinel import SentinelGroup
+from placement.server.tenant_users import TenantUsers
 from tasks import front
 from tasks.broker import quarantine
 from tasks.broker.claim import BrokerClaim
@@ -149,6 +155,7 @@ class Launcher:
     _redis: RedisServer | None = None
     _group: SentinelGroup | None = None  # the bundled Redis with --redis-ha
     _guard: ConnectionGuard | None = None  # callers' connections on the bundled Redis
+    _tenant_users: TenantUsers | None = None  # tenants' users on the bundled Redis
     _claim: BrokerClaim | None = None  # the broker database, ours while we run (tasks.broker.claim)
     # Bound and listening from `start` on, for the router's /metrics and for Flower: the
     # children serve on these (passed down), so the ports printed are theirs for good.
@@ -269,11 +276,13 @@ class Launcher:
             "maxmemory": self.settings.redis_maxmemory or default_maxmemory(),
             "maxclients": max_clients(),
         }
-        words = [secrets.token_urlsafe(18) for _ in range(5)]
+        fleet, operator, caller, replication, sentinel, admin = (
+            secrets.token_urlsafe(18) for _ in range(6)
+        )  # admin: this process's alone, for tenants' users (`TenantUsers`)
         # Kept once started (a start that fails stops what it started itself).
         if self.redis_ha:
             group = SentinelGroup(
-                users=Users(*words),
+                users=Users(fleet, operator, caller, replication, sentinel, admin),
                 data_root=data,
                 replicas=HA_REPLICAS,
                 min_replicas=1,
@@ -281,14 +290,22 @@ class Launcher:
             ).start()
             urls = {user: group.url_for(user) for user in (FLEET, CALLER, OPERATOR)}
             self._group = group
+            nodes = group.nodes
         else:
-            server = RedisServer(data_dir=data, users=Users(*words[:3]), **options).start()
+            users = Users(fleet, operator, caller, admin=admin)
+            server = RedisServer(data_dir=data, users=users, **options).start()
             urls = {user: server.url_for(user) for user in (FLEET, CALLER, OPERATOR)}
             self._redis = server
+            nodes = [server]
         self.redis_url, self.caller_url = urls[FLEET], urls[CALLER]
         self.operator_url = urls[OPERATOR]
         self._guard = ConnectionGuard(self.redis_url, int(CALLER_SHARE * max_clients()))
         self._guard.start()
+        store = Registry.from_url(self.redis_url, self.fleet)
+        major = redis_version(binary)[0]
+        self._tenant_users = TenantUsers(
+            store, lambda: [n.url_for(ADMIN) for n in nodes if n.running], major
+        ).start()
 
     def _check_owners(self) -> None:
         """Refuse to start on GPUs that live workers of this fleet own on this registry
@@ -433,8 +450,7 @@ class Launcher:
             self._redis.restart()  # replays its append-only file
             # Every consumer's connection broke: what they had taken and not started is
             # in nobody's hands now (what they run, they may run twice: calls are safe to).
-            queues = tuple(q for child in self.children.values() for q in child.queues)
-            restored = requeue_unacked(self.broker_url, queues, before=died)
+            restored = requeue_unacked(self.broker_url, self._queues(), before=died)
             if restored:
                 log.warning("requeued %d call(s) taken before Redis restarted", restored)
         if self._group is not None and not self._stopping:
@@ -484,7 +500,7 @@ class Launcher:
                 child.proc.kill()
                 child.proc.wait()
             _kill_group(child.proc.pid)
-        queues = tuple(q for child in self.children.values() for q in child.queues)
+        queues = self._queues()
         nodes = [node for child in self.children.values() if (node := child.node)]
         self.children.clear()
         if self._claim is not None:
@@ -493,6 +509,9 @@ class Launcher:
         if self._guard is not None:
             self._guard.stop()
             self._guard = None
+        if self._tenant_users is not None:
+            self._tenant_users.stop()
+            self._tenant_users = None
         if self._bundled:
             self._fail_waiting(queues)
             for server in (self._redis, self._group):
@@ -509,6 +528,20 @@ class Launcher:
         quarantine.tidy(home / quarantine.IN_HAND, nodes)
         with contextlib.suppress(OSError):
             home.rmdir()  # a fleet that left nothing behind leaves no folder either
+
+    def _queues(self) -> tuple[str, ...]:
+        """The queues this host's workers take calls from: their own, and every tenant's
+        public queue (the router reads those as tenants come: `tasks.serving.tenancy`)."""
+        own = tuple(q for child in self.children.values() for q in child.queues)
+        try:
+            registry = Registry.from_url(self.redis_url, self.fleet)
+            try:
+                return own + tuple(t.queue for t in tenants.records(registry).values())
+            finally:
+                registry.client.close()
+        except GpufleetError as exc:
+            log.warning("could not read the fleet's tenants: %s", exc)
+            return own
 
     def _fail_waiting(self, queues: tuple[str, ...]) -> None:
         """Answer the calls still waiting with `FleetStoppedError` before the bundled Redis,

@@ -1,13 +1,17 @@
 """Batched calls on a GPU worker: Celery's side of `placement.rules.batching`.
 
-A GPU worker's pool has one child, which runs one job at a time. Celery's consumer,
-in the worker's main process, hands each call it receives to `Batcher` instead of
-the pool. The batcher keeps the calls while the child is busy and, each time the child
-is free, sends it one job: the oldest call and the calls for the same replica behind it
-(`placement.rules.batching.take_batch`). The job (`run_batch`, in the child) computes every
-call's outputs in shared forward passes first (`GpuWorker.serve_batch`), then runs
-each call's own Celery tracer in turn, which finds its outputs ready (`prepared`):
-each call keeps its own message, task id, events, result and request lease.
+A GPU worker's pool has one child, which runs one job at a time. Celery's consumer, in the
+worker's main process, hands each call it receives to `Batcher` instead of the pool. The
+batcher keeps the calls while the child is busy and, each time the child is free, sends it
+one job: the first call in line and the calls for the same replica behind it
+(`placement.rules.batching.take_batch`). The line is the calls' arrival order while one
+tenant sends them; when tenants compete, each call's place is its start tag
+(`placement.rules.fairness`), so their calls are served in proportion to their weights, and
+a call of a tenant with nothing waiting passes another tenant's backlog. The job
+(`run_batch`, in the child) computes every call's outputs in shared forward passes first
+(`GpuWorker.serve_batch`), then runs each call's own Celery tracer in turn, which finds its
+outputs ready (`prepared`): each call keeps its own message, task id, events, result and
+request lease.
 
 Acknowledgement stays Celery's, per call: the job's accept, success and failure
 callbacks call each request's own. So acks_late holds, and a child killed mid-batch
@@ -36,6 +40,7 @@ docs/tasks.md, "Batched calls".
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import logging
 import math
@@ -53,9 +58,10 @@ from celery.worker.state import active_requests, task_ready
 from celery.worker.state import revoked as revoked_tasks
 
 from placement.rules.batching import BatchLimits, Waiting, input_chars, take_batch
+from placement.rules.fairness import FairOrder
 from tasks.broker import quarantine, results
 from tasks.serving import generating, leases
-from tasks.serving.calls import Call, call_of
+from tasks.serving.calls import Call, call_of, tenant_of
 from worker.generation.params import MAX_ROWS
 
 if TYPE_CHECKING:
@@ -149,6 +155,7 @@ class Batcher:
         limits_of: Callable[[str], BatchLimits],
         job: Callable[[list[ChildCall]], list[Any]],
         generations: Generations | None = None,
+        weight_of: Callable[[str], float] | None = None,
     ) -> None:
         self._pool = pool
         self._timer = timer
@@ -156,6 +163,8 @@ class Batcher:
         self._limits_of = limits_of
         self._job = job  # runs a batch in the child: importable, so the pool can send it
         self._gen = generations
+        self._weight_of = weight_of or (lambda tenant: 1.0)
+        self._fair = FairOrder()  # the line's order when tenants compete (the module)
         self._session: generating.Job | None = None  # the session running, if one is
         self._sessions: dict[str, generating.Job] = {}  # by id, until each ends
         self._watch: Any = None  # the timer entry that settles calls and forwards revokes
@@ -188,7 +197,10 @@ class Batcher:
                 self._refuse_twin(held, first)
                 return
             self._twins[held.twin] = held
-            self._waiting.append(Waiting(held, group, input_chars(call.inputs), time.time() * 1000))
+            tenant = tenant_of(request)
+            start = self._fair.arrive(tenant, self._weight_of(tenant))
+            entry = Waiting(held, group, input_chars(call.inputs), time.time() * 1000, start)
+            bisect.insort_right(self._waiting, entry, key=_in_line)
             self._next()
 
     def _refuse_twin(self, held: Held, first: Held) -> None:
@@ -267,6 +279,7 @@ class Batcher:
                 if due is not None:
                     self._wake_at(due)
                 return
+            self._fair.serve(self._waiting[picked[0]].order)
             if self._busy:  # a session's: the revoked ones leave, the others go to it
                 revoked = {i for i in picked if self._dropped_revoked(self._waiting[i].item)}
                 kept = [i for i in picked if i not in revoked]
@@ -544,6 +557,11 @@ class Batcher:
                 log.exception("could not settle call %s of a batch", held.request.id)
         if stop is not None:
             raise stop
+
+
+def _in_line(entry: Waiting[Held]) -> float:
+    """An entry's place in the line (`Waiting.order`)."""
+    return entry.order
 
 
 def _call_of(request: Any) -> Call | None:

@@ -8,10 +8,18 @@ from typing import Any
 
 from celery.canvas import Signature
 
-from placement.errors import GpufleetError, PayloadError, describe
+from placement.errors import ConfigError, GpufleetError, PayloadError, describe
 from placement.ledger.hot import Lease
+from placement.ledger.tenants import DEFAULT, check_name, worker_queue
 from tasks.app import app
-from tasks.broker.intake import COUNTED_HEADER, HOPS_HEADER, LEASE_HEADER, is_count, is_name
+from tasks.broker.intake import (
+    COUNTED_HEADER,
+    HOPS_HEADER,
+    LEASE_HEADER,
+    TENANT_HEADER,
+    is_count,
+    is_name,
+)
 from tasks.config import INTERNAL_QUEUE
 from tasks.serving import leases
 
@@ -45,12 +53,33 @@ def counted_in(headers: Mapping[str, Any]) -> bool:
 _COUNTING = (COUNTED_HEADER, HOPS_HEADER)
 
 
+def tenant_of(request: Any) -> str:
+    """The tenant a call came from (the router wrote it: `tasks.broker.intake`), or the
+    default tenant."""
+    return _tenant(_header(request, TENANT_HEADER))
+
+
+def tenant_in(headers: Mapping[str, Any]) -> str:
+    """`tenant_of`, from a message's headers."""
+    return _tenant(headers.get(TENANT_HEADER))
+
+
+def _tenant(value: object) -> str:
+    try:
+        return check_name(value) if isinstance(value, str) else DEFAULT
+    except ConfigError:
+        return DEFAULT
+
+
 def _header(request: Any, name: str) -> Any:
-    """A custom header of a task's request: an attribute of a worker's request, and in its
-    `headers` (which is where a task run in-process with `apply` has it)."""
+    """A custom header of a request: an attribute of a task's request, in its `headers`
+    (where a task run in-process with `apply` has it), or in a worker's request's
+    `request_dict` (the message's headers, which the batcher reads)."""
     value = getattr(request, name, None)
-    if value is None:
-        value = (getattr(request, "headers", None) or {}).get(name)
+    for where in ("headers", "request_dict"):
+        if value is None:
+            found = getattr(request, where, None)
+            value = found.get(name) if isinstance(found, dict) else None
     return value
 
 
@@ -88,34 +117,39 @@ class Call:
             self.epoch,
         )
 
-    def to(self, queue: str, limits: TimeLimits = (None, None)) -> Signature:
+    def to(self, queue: str, limits: TimeLimits = (None, None), tenant: str = DEFAULT) -> Signature:
         """`gpufleet.run` of this call on a GPU worker's queue, with the caller's time
-        limits; its lease rides in a header too, so a worker that drops the message unrun
-        can end it (`tasks.serving.leases`)."""
+        limits and tenant; its lease rides in a header too, so a worker that drops the
+        message unrun can end it (`tasks.serving.leases`)."""
         lease = self.lease
         headers: dict[str, Any] = {COUNTED_HEADER: True}  # counted on its way here
         if lease is not None:
             headers[LEASE_HEADER] = leases.header(lease)
+        if tenant != DEFAULT:
+            headers[TENANT_HEADER] = tenant
         hard, soft = limits
         return app.signature(
             "gpufleet.run",
             args=(self.as_json(),),
-            queue=queue,
+            queue=worker_queue(queue, tenant),
             headers=headers,
             time_limit=hard,
             soft_time_limit=soft,
         )
 
-    def rerouted(self, limits: TimeLimits = (None, None)) -> Signature:
+    def rerouted(self, limits: TimeLimits = (None, None), tenant: str = DEFAULT) -> Signature:
         """`gpufleet.infer` of this call back on the router's internal queue, one hop
-        further (the count travels in a header, which only the fleet's queues keep:
-        `tasks.broker.intake`), counted already."""
+        further (the count and the tenant travel in headers, which only the fleet's queues
+        keep: `tasks.broker.intake`), counted already."""
         hard, soft = limits
+        headers: dict[str, Any] = {HOPS_HEADER: self.hops + 1, COUNTED_HEADER: True}
+        if tenant != DEFAULT:
+            headers[TENANT_HEADER] = tenant
         return app.signature(
             "gpufleet.infer",
             args=(self.model, self.inputs, self.params),
             queue=INTERNAL_QUEUE,
-            headers={HOPS_HEADER: self.hops + 1, COUNTED_HEADER: True},
+            headers=headers,
             time_limit=hard,
             soft_time_limit=soft,
         )

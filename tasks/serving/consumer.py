@@ -50,7 +50,7 @@ from placement.errors import GpufleetError, PayloadError
 from tasks import context
 from tasks.broker import intake, results
 from tasks.broker.intake import LEASE_HEADER, PUBLIC_TASKS, is_name
-from tasks.serving import batching, cancelling, forwarding, leases
+from tasks.serving import batching, cancelling, forwarding, leases, tenancy
 from tasks.serving.batching import Batcher
 from tasks.serving.cancelling import Cancels
 from worker.generation.params import MAX_ROWS
@@ -82,13 +82,29 @@ class Consumer(CeleryConsumer):
     Strategies = _Strategies
 
     def __init__(self, on_task_request: Any, *args: Any, **kwargs: Any) -> None:
+        self._tenancy = tenancy.Tenancy()
         if context.role() == "gpu":
-            on_task_request = self._batching(on_task_request, kwargs)
+            on_task_request = self._batching(on_task_request, kwargs, self._tenancy)
         self._batcher = on_task_request if isinstance(on_task_request, Batcher) else None
         super().__init__(on_task_request, *args, **kwargs)
         self._cancels: Cancels | None = None
         if context.role() == "router":
             self._cancels = Cancels(self.app, lambda: self.qos)
+            self._every(tenancy.POLL_S, tenancy.follow_queues, self, self._tenancy)
+        elif context.role() == "gpu":
+            self._every(tenancy.POLL_S, tenancy.follow_worker_queues, self, self._tenancy)
+
+    def _every(self, seconds: float, tick: Any, *args: Any) -> None:
+        """Run `tick(*args)` every `seconds` in the consumer's loop; one that raises is
+        logged and runs again at the next tick."""
+
+        def guarded() -> None:
+            try:
+                tick(*args)
+            except Exception:
+                log.exception("%s failed; it runs again in %.0f s", tick.__name__, seconds)
+
+        self.timer.call_repeatedly(seconds, guarded)
 
     def ensure_connected(self, conn: Any) -> Any:
         """Celery's, but trying the broker again at most a second apart. Celery's default
@@ -114,7 +130,7 @@ class Consumer(CeleryConsumer):
         super().on_close()
 
     @staticmethod
-    def _batching(on_task_request: Any, kwargs: dict[str, Any]) -> Any:
+    def _batching(on_task_request: Any, kwargs: dict[str, Any], tenants: tenancy.Tenancy) -> Any:
         from tasks.serving import gpu  # GPU workers only: it imports torch
 
         catalog = context.catalog()
@@ -137,6 +153,7 @@ class Consumer(CeleryConsumer):
             gpu.limits_of,
             gpu.batch_job,
             generations if generates else None,
+            tenants.weight,
         )
 
     def update_strategies(self) -> None:
@@ -150,6 +167,7 @@ class Consumer(CeleryConsumer):
         channel = self.connection.default_channel
         channel.refuse = self.refuse_taken
         channel.running = _running_tags
+        channel.take_turns(self._tenancy.queue_weight)  # its tenants' queues
         if context.role() == "router" and forwarding.TASK in self.strategies:
             default = self.strategies[forwarding.TASK]
             self.strategies[forwarding.TASK] = forwarding.install(channel, default)

@@ -46,13 +46,14 @@ from celery.worker import state as worker_state
 from placement.errors import GpufleetError
 from placement.ledger.hot import GONE, Handover
 from placement.ledger.registry import Registry
+from placement.ledger.tenants import worker_queue
 from tasks import context
 from tasks.app import app
 from tasks.broker import intake
 from tasks.broker.intake import COUNTED_HEADER, LEASE_HEADER
 from tasks.broker.transport import Onward, Pick
 from tasks.serving import leases, routed
-from tasks.serving.calls import counted_in, infer_arguments
+from tasks.serving.calls import counted_in, infer_arguments, tenant_in
 
 log = logging.getLogger(__name__)
 
@@ -92,8 +93,10 @@ class Forwarder:
             return None  # the pool drops it: its answer comes from elsewhere
         registry = context.registry()
         headers = {**message.headers, COUNTED_HEADER: True}  # counted by the pick (or before)
+        tenant = tenant_in(headers)
         if not given_back and _one_redis():  # lease and move in one step
-            return Pick(headers, LEASE_HEADER, functools.partial(_forward, registry, model, path))
+            move = functools.partial(_forward, registry, model, path)
+            return Pick(headers, LEASE_HEADER, move, tenant)
         try:
             lease = registry.pick(model, path=path)
         except GpufleetError:
@@ -104,7 +107,8 @@ class Forwarder:
         if given_back:
             routed.hold(registry, model, task_id, False)
         headers[LEASE_HEADER] = leases.header(lease)
-        return Onward(lease.queue, headers, functools.partial(leases.end, lease))
+        queue = worker_queue(lease.queue, tenant)
+        return Onward(queue, headers, functools.partial(leases.end, lease))
 
 
 def _forward(registry: Registry, model: str, path: str, handover: Handover) -> bool | None:

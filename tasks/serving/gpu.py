@@ -37,7 +37,7 @@ from tasks import context
 from tasks.app import app
 from tasks.broker.intake import LEASE_HEADER
 from tasks.serving import batching, generating, leases, streams
-from tasks.serving.calls import Call, time_limits_of
+from tasks.serving.calls import Call, tenant_of, time_limits_of
 from tasks.serving.routing import gpu_queue
 from worker import passes
 from worker.devices import Device, discover
@@ -81,7 +81,9 @@ def serve(task: Task, call: Call) -> dict[str, Any]:
         if call.hops >= MAX_HOPS:
             raise
         log.info("replica %s left; routing the call for %s again", call.replica, call.model)
-        raise task.replace(call.rerouted(time_limits_of(task.request))) from None
+        raise task.replace(
+            call.rerouted(time_limits_of(task.request), tenant_of(task.request))
+        ) from None
     finally:
         if call.lease is not None and prepared is None:  # a batch ends its calls' leases
             try:

@@ -16,7 +16,10 @@
 -- ARGV[5..7] = the message to push, in three parts: the lease header's value (a JSON
 --   object: tasks/serving/leases.header's fields) goes between the first two, the queue's
 --   name (a JSON string: the message's routing key) between the last two
--- ARGV[8..] = replica ids, then the worker id each had, then the queue each had, in order
+-- ARGV[8] = what follows the replica's queue in that name: '' for the default tenant,
+--   '~<tenant>' for a tenant's queue of the worker (placement/ledger/tenants.py), which
+--   KEYS[3n+4..4n+3] name too
+-- ARGV[9..] = replica ids, then the worker id each had, then the queue each had, in order
 -- Returns {1, replica, queue, worker, gpus_json, lease_deadline_ms, epoch, drained}: moved;
 --         drained is 1 when KEYS[4n+4..] name lists and every one is empty after the
 --         move, else 0
@@ -26,16 +29,17 @@
 -- Every write comes after the checks and the push first: a push that fails (a key of
 -- another type) changes nothing, since Redis does not undo a failing script's writes. The
 -- lease's writes that follow fail only on a ledger key of another type (a broken ledger).
-local n = (#ARGV - 7) / 3
+local n = (#ARGV - 8) / 3
 if not redis.call('LPOS', KEYS[3 * n + 3], ARGV[4]) then return {-2} end
-local reps, ids, workers, queues = listed_replicas(n, 7, true)
+local reps, ids, workers, queues = listed_replicas(n, 8, true)
 local ttl = tonumber(ARGV[2])
 local c, reply = choose_replica(reps, ids, workers, queues, ttl)
 if not c then return reply end
 local epoch = num(c.row[5])
 local lease = string.format('{"id": %s, "replica": %s, "deadline_ms": %d, "epoch": %d, "sent_ms": %d}',
   cjson.encode(ARGV[1]), cjson.encode(ids[c.i]), c.deadline, epoch, c.now)
-redis.call('LPUSH', KEYS[3 * n + 3 + c.i], ARGV[5] .. lease .. ARGV[6] .. cjson.encode(c.row[3]) .. ARGV[7])
+redis.call('LPUSH', KEYS[3 * n + 3 + c.i],
+  ARGV[5] .. lease .. ARGV[6] .. cjson.encode(c.row[3] .. ARGV[8]) .. ARGV[7])
 redis.call('LREM', KEYS[3 * n + 3], 1, ARGV[4])
 lease_replica(reps[c.i], ARGV[1], c.deadline, ttl, ARGV[3], KEYS[3 * n + 2], c.now)
 local drained = #KEYS > 4 * n + 3 and 1 or 0  -- no lists given: not known, so not drained

@@ -1,0 +1,157 @@
+"""Tenants sharing one fleet: one floods, one calls steadily; both flood, by weight.
+
+    python -m bench.fairness [--burst 400] [--steady 20] [--flood 300] > bench/out/fairness.json
+
+Prints one JSON object. It starts a fleet (`gpufleet up`'s launcher: its bundled Redis, one
+simulated 4 GiB GPU, one small synthetic encoder) and runs, in one run:
+
+- `without_tenants` (the baseline): two plain Celery clients with the fleet's `caller`
+  URL, as every caller was before tenants. The first sends `burst` calls at once; then the
+  second sends `steady` calls one after another. Its slowest call against the time the
+  burst takes to drain (`slowest_over_drain`);
+- `tenants`: the same workload from two tenants of weight 1 (`gpufleet tenant add`, their
+  clients configured as `gpufleet url --tenant NAME --json` prints);
+- `weighted`: two tenants of weights 3 and 1 each send `flood` calls at once; the heavy
+  tenant's share of the first half of the answers (by the time each was stored).
+
+Target (issue 59): `tenants.slowest_over_drain` <= 0.1, `weighted.heavy_share` 0.75 +- 0.1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from celery import Celery
+
+log = logging.getLogger("bench.fairness")
+
+CATALOG = "models:\n  m: {source: synthetic, task: forward, memory: 256MiB}\n"
+TEXT = "tenants share the fleet"
+TIMEOUT_S = 300.0
+TARGETS = {"slowest_over_drain": 0.1, "heavy_share": [0.65, 0.85]}
+
+
+def _call(client: Celery, text: str) -> Any:
+    return client.send_task("gpufleet.infer", args=("m", text))
+
+
+def burst_and_steady(burst: Celery, steady: Celery, n_burst: int, n_steady: int) -> dict[str, Any]:
+    """`n_burst` calls at once from `burst`, then `n_steady` one after another from
+    `steady`: how long the burst took to drain, and the steady caller's calls."""
+    for client in (burst, steady):
+        _call(client, TEXT).get(timeout=TIMEOUT_S)
+    began = time.monotonic()
+    calls = [_call(burst, f"{i} {TEXT}") for i in range(n_burst)]
+    waits = []
+    for i in range(n_steady):
+        sent = time.monotonic()
+        _call(steady, f"s{i} {TEXT}").get(timeout=TIMEOUT_S)
+        waits.append(time.monotonic() - sent)
+    for c in calls:
+        c.get(timeout=TIMEOUT_S)
+    drained = time.monotonic() - began
+    return {
+        "burst_drain_s": round(drained, 3),
+        "steady_max_s": round(max(waits), 4),
+        "steady_mean_s": round(sum(waits) / len(waits), 4),
+        "slowest_over_drain": round(max(waits) / drained, 4),
+    }
+
+
+def weighted(heavy: Celery, light: Celery, n: int) -> dict[str, Any]:
+    """Both send `n` calls at once: the heavy client's share of the first half answered."""
+    for client in (heavy, light):
+        _call(client, TEXT).get(timeout=TIMEOUT_S)
+    sent: dict[str, list[Any]] = {}
+
+    def flood(name: str, client: Celery) -> None:
+        sent[name] = [_call(client, f"{i} {TEXT}") for i in range(n)]
+
+    threads = [
+        threading.Thread(target=flood, args=("heavy", heavy)),
+        threading.Thread(target=flood, args=("light", light)),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    done = sorted(
+        (c.get(timeout=TIMEOUT_S) and c.date_done, name) for name, cs in sent.items() for c in cs
+    )
+    first = [name for _, name in done[: len(done) // 2]]
+    return {"calls_each": n, "heavy_share": round(first.count("heavy") / len(first), 4)}
+
+
+def run(n_burst: int, n_steady: int, n_flood: int, directory: Path) -> dict[str, Any]:
+    from bench.fleet import bench_launcher, fleet_machine
+    from placement.config import Settings
+    from tasks.config import caller_conf
+    from tasks.operator import tenant_cli
+
+    sim = "1x4GiB"
+    fleet = bench_launcher(directory, CATALOG, "fairness", sim, warm_cache="1GiB")
+    clients: list[Celery] = []
+
+    def client(conf: dict[str, Any]) -> Celery:
+        made = Celery(set_as_current=False)
+        made.conf.update(**conf)
+        clients.append(made)
+        return made
+
+    def tenant(name: str, weight: float) -> Celery:
+        settings = Settings.from_env()
+        _, url, _ = tenant_cli.add(settings, name, weight)
+        return client(tenant_cli.celery_conf(url, name))
+
+    try:
+        fleet.start()
+        fleet.wait_ready(300.0)
+        result: dict[str, Any] = {"burst": n_burst, "steady": n_steady}
+        caller = caller_conf(fleet.caller_url)
+        result["without_tenants"] = burst_and_steady(
+            client(caller), client(caller), n_burst, n_steady
+        )
+        log.info("without tenants: %s", result["without_tenants"])
+        result["tenants"] = burst_and_steady(
+            tenant("burst", 1), tenant("steady", 1), n_burst, n_steady
+        )
+        log.info("tenants: %s", result["tenants"])
+        result["weighted"] = weighted(tenant("heavy", 3), tenant("light", 1), n_flood)
+        log.info("weighted: %s", result["weighted"])
+        for made in clients:
+            made.close()
+    finally:
+        fleet.stop()
+    low, high = TARGETS["heavy_share"]  # type: ignore[misc]
+    result["targets"] = TARGETS
+    result["meets_targets"] = (
+        result["tenants"]["slowest_over_drain"] <= TARGETS["slowest_over_drain"]
+        and low <= result["weighted"]["heavy_share"] <= high
+    )
+    result["machine"] = fleet_machine(sim)
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--burst", type=int, default=400)
+    parser.add_argument("--steady", type=int, default=20)
+    parser.add_argument("--flood", type=int, default=300)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(name)s: %(message)s")
+    with tempfile.TemporaryDirectory(prefix="gpufleet-fairness-") as tmp:
+        result = run(args.burst, args.steady, args.flood, Path(tmp))
+    json.dump(result, sys.stdout, indent=2)
+    print()
+
+
+if __name__ == "__main__":
+    main()

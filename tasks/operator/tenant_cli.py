@@ -1,0 +1,220 @@
+"""`gpufleet tenant add|list|remove`, and the tenant's URL for `gpufleet url --tenant`.
+
+A tenant (`placement.ledger.tenants`) is recorded in the registry with the digest of its
+Redis password; the password itself is kept on the machine that added it, in the fleet's
+directory (`tenants.json`, mode 0600, like the connection file), so that `gpufleet url
+--tenant NAME` can print it again. On the bundled Redis the launcher gives the tenant its
+user within half a second (`placement.server.tenant_users`), and `tenant add` waits for
+it; a Redis of your own gets the user from the ACL line `tenant add` prints.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import redis
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from placement.config import Settings, connection_path, read_connection
+from placement.errors import ConfigError, UnknownTenantError
+from placement.ledger import endpoint, tenants
+from placement.ledger.registry import Registry
+from placement.server.acl import tenant_line, user_url
+from tasks.operator.console import err, guard, settings
+
+tenant_app = typer.Typer(
+    help="Teams sharing the fleet: each with its own Redis user, queue and weight.",
+    no_args_is_help=True,
+)
+
+PASSWORDS = "tenants.json"
+#: How long `tenant add` waits for the launcher to make the tenant's user.
+USER_WAIT_S = 10.0
+
+
+def fleet_url(s: Settings) -> tuple[str, bool]:
+    """The fleet user's URL (the running fleet's connection file's, else
+    GPUFLEET_REDIS_URL), and whether it is a bundled Redis (with the fleet's users)."""
+    known = read_connection(connection_path(s.home, s.fleet))
+    if known is None:
+        return s.registry_url, False
+    return known.fleet, known.caller != known.fleet
+
+
+def caller_url(s: Settings, name: str) -> str:
+    """Tenant `name`'s URL: the fleet's caller URL as its own user and password."""
+    password = _passwords(s).get(name)
+    if password is None:
+        raise UnknownTenantError(
+            f"no password for tenant {name!r} on this machine (it is kept where `gpufleet "
+            f"tenant add` ran, in {_path(s)}); add the tenant there, or remove and add it again"
+        )
+    return user_url(s.registry_url, tenants.user_of(name), password)
+
+
+def celery_conf(url: str, name: str) -> dict[str, Any]:
+    """What a plain Celery client of tenant `name` passes to `app.conf.update(**conf)`:
+    the caller's settings, its calls under the tenant's key prefix (its own queue)."""
+    from tasks.config import caller_conf
+
+    conf = caller_conf(url)
+    options = dict(conf.get("broker_transport_options") or {})
+    options["global_keyprefix"] = tenants.key_prefix(name)
+    conf["broker_transport_options"] = options
+    return conf
+
+
+def _path(s: Settings) -> Path:
+    return s.fleet_dir() / PASSWORDS
+
+
+def _passwords(s: Settings) -> dict[str, str]:
+    try:
+        data = json.loads(_path(s).read_text())
+    except (OSError, ValueError):
+        return {}
+    return {str(k): str(v) for k, v in data.items()} if isinstance(data, dict) else {}
+
+
+def _save(s: Settings, passwords: dict[str, str]) -> None:
+    path = _path(s)
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        json.dump(passwords, fh)
+    os.replace(tmp, path)
+
+
+def _registry(s: Settings) -> tuple[Registry, bool]:
+    url, bundled = fleet_url(s)
+    return Registry.from_url(url, s.fleet), bundled
+
+
+def _wait_for_user(url: str) -> None:
+    """Until the tenant's user at `url` can sign in (the launcher makes it)."""
+    deadline = time.monotonic() + USER_WAIT_S
+    while True:
+        client = endpoint.connect(url, socket_timeout=2, socket_connect_timeout=2)
+        try:
+            client.ping()
+            return
+        except redis.AuthenticationError:
+            if time.monotonic() > deadline:
+                raise ConfigError(
+                    f"the fleet's launcher did not make the tenant's Redis user within "
+                    f"{USER_WAIT_S:.0f} s; is `gpufleet up` still running?"
+                ) from None
+            time.sleep(0.1)
+        finally:
+            client.close()
+
+
+def add(s: Settings, name: str, weight: float) -> tuple[tenants.Tenant, str, str | None]:
+    """Add tenant `name`: returns it, its URL, and for a Redis of your own the ACL line
+    to load (None on the bundled Redis, where its user exists on return)."""
+    registry, bundled = _registry(s)
+    password = secrets.token_urlsafe(24)
+    try:
+        tenant = tenants.add(registry, name, weight, password)
+        _save(s, {**_passwords(s), name: password})
+        url = user_url(s.registry_url, tenants.user_of(name), password)
+        if bundled:
+            _wait_for_user(url)
+            return tenant, url, None
+        major = int(str(registry.client.info("server")["redis_version"]).split(".")[0])
+        return tenant, url, tenant_line(tenant, major)
+    finally:
+        registry.client.close()
+
+
+@tenant_app.command("add")
+def add_command(
+    name: Annotated[str, typer.Argument(help="The tenant's name, e.g. team-a.")],
+    weight: Annotated[
+        float, typer.Option(help="Its share against other tenants' when they compete.")
+    ] = 1.0,
+) -> None:
+    """Add a tenant: its own Redis user and queue, and its weight. Prints its URL (a plain
+    Celery client's settings: `gpufleet url --tenant NAME --json`)."""
+    s = settings()
+    tenant, url, line = guard(lambda: add(s, name, weight))
+    if line is not None:
+        err.print(
+            "This fleet runs on a Redis of yours: add this line to its ACL file and load it "
+            "(ACL LOAD), or run it as ACL SETUSER:",
+            highlight=False,
+        )
+        typer.echo(line)
+    err.print(f"tenant {tenant.name} added, weight {tenant.weight:g}; its URL:", highlight=False)
+    typer.echo(url)
+
+
+@tenant_app.command("list")
+def list_command(
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """The fleet's tenants: name, weight, and calls waiting on its queue."""
+    s = settings()
+
+    def read() -> list[dict[str, Any]]:
+        registry, _ = _registry(s)
+        try:
+            found = tenants.all_tenants(registry)
+            pipe = registry.client.pipeline(transaction=False)
+            for tenant in found.values():
+                for key in _lists(tenant.queue):
+                    pipe.llen(key)
+            counts = iter(pipe.execute())
+            return [
+                {
+                    "name": t.name,
+                    "weight": t.weight,
+                    "queue": t.queue,
+                    "waiting": sum(next(counts) for _ in _lists(t.queue)),
+                }
+                for t in found.values()
+            ]
+        finally:
+            registry.client.close()
+
+    rows = guard(read)
+    if as_json:
+        typer.echo(json.dumps(rows, indent=2))
+        return
+    table = Table("tenant", "weight", "queue", "waiting")
+    for row in rows:
+        table.add_row(row["name"], f"{row['weight']:g}", row["queue"], str(row["waiting"]))
+    Console().print(table)
+
+
+def _lists(queue: str) -> list[str]:
+    from tasks.broker.presence import lists
+
+    return lists(queue)
+
+
+@tenant_app.command("remove")
+def remove_command(name: Annotated[str, typer.Argument(help="The tenant's name.")]) -> None:
+    """Remove a tenant: its Redis user goes at once; the calls it sent before are still
+    answered (the router takes its queue until it is empty)."""
+    s = settings()
+
+    def remove() -> tenants.Tenant:
+        registry, _ = _registry(s)
+        try:
+            removed = tenants.remove(registry, name)
+        finally:
+            registry.client.close()
+        _save(s, {k: v for k, v in _passwords(s).items() if k != name})
+        return removed
+
+    tenant = guard(remove)
+    err.print(f"tenant {tenant.name} removed", highlight=False)

@@ -1,0 +1,153 @@
+"""Tenants in a running worker: each takes its tenants' calls from queues of their own, in
+turns by their weights.
+
+Both kinds of worker read the registry's tenants (`placement.ledger.tenants`) at most every
+`POLL_S`, from the consumer's timer in the worker's main process, between two messages:
+
+- a router consumes each tenant's public queue `t.<name>.celery` as the tenant is added;
+- a GPU worker consumes, beside its own queue, one queue per tenant (`queue~<name>`,
+  `placement.ledger.tenants.worker_queue`), where routers send that tenant's calls.
+
+Each takes from its queues in turns weighted by their tenants' weights
+(`placement.rules.fairness.FairTurns`, `tasks.broker.transport.Channel.take_turns`), and a
+GPU worker's batcher orders the calls it holds by the same rule (`tasks.serving.batching`):
+so one tenant's burst waits in its own lists, and another tenant's call is taken at the next
+turn and runs in the next batch. Each worker records the queues it takes from in its
+presence record before it first takes from one, so that a sweep after its death finds
+what it held there (`tasks.broker.presence`).
+
+A removed tenant's queues are taken until they are empty (its Redis user is gone, so
+nothing new arrives there), and the router that finds them all empty forgets the tenant:
+every call it sent before is answered, never left behind. A tenant's weight reaches the
+workers within `POLL_S`; a call of a tenant the worker does not know (yet, or any more)
+weighs 1.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from placement.errors import GpufleetError
+from placement.ledger import tenants
+from placement.ledger.tenants import DEFAULT, Tenant, split_queue, worker_queue
+from tasks import context
+from tasks.broker import presence
+
+log = logging.getLogger(__name__)
+
+#: How often a worker reads the tenants: how long a new tenant waits for the router to
+#: take its calls, and a new weight to apply.
+POLL_S = 1.0
+
+
+class Tenancy:
+    """The fleet's tenants as this process last read them (at most `POLL_S` old)."""
+
+    def __init__(self) -> None:
+        self._records: dict[str, Tenant] = {}
+        self._read_at = -float("inf")
+
+    def records(self) -> dict[str, Tenant]:
+        """Every tenant's record by name, removed ones still draining included; read again
+        when older than `POLL_S` (kept as they were while the registry cannot say)."""
+        now = time.monotonic()
+        if now - self._read_at >= POLL_S:
+            self._read_at = now
+            try:
+                self._records = tenants.records(context.registry())
+            except GpufleetError as exc:
+                log.warning("could not read the fleet's tenants (kept as they were): %s", exc)
+        return self._records
+
+    def current(self) -> dict[str, Tenant]:
+        """The fleet's tenants by name (not those removed)."""
+        return {name: t for name, t in self.records().items() if not t.removed}
+
+    def weight(self, tenant: str) -> float:
+        """`tenant`'s weight (1 for the default tenant and one not known here)."""
+        if tenant == DEFAULT:
+            return 1.0
+        found = self.current().get(tenant)
+        return found.weight if found is not None else 1.0
+
+    def queue_weight(self, queue: str) -> float:
+        """The weight of the tenant whose queue `queue` is (a public one, or one of a GPU
+        worker's); 1 for the workers' own: they take from their queues in turns by these."""
+        return self.weight(tenants.tenant_of(queue) or split_queue(queue)[1])
+
+
+def follow_queues(consumer: Any, tenancy: Tenancy) -> None:
+    """A router's timer tick: take from every tenant's public queue, a removed tenant's
+    until its calls are all gone from the fleet's queues (then forget the tenant)."""
+    found = tenancy.records()
+    wanted = {t.queue for t in found.values() if not (t.removed and _drained(t))}
+    _consume(consumer, wanted, lambda q: tenants.tenant_of(q) is not None)
+
+
+def follow_worker_queues(consumer: Any, tenancy: Tenancy) -> None:
+    """A GPU worker's timer tick: take from its tenants' queues of its own queue, and from a
+    queue of a tenant no longer known until it is empty."""
+    found = tenancy.records()
+    consuming = _consuming(consumer)
+    if consuming is None:
+        return
+    own = [q for q in consuming if split_queue(q)[1] == DEFAULT]
+    wanted = {worker_queue(q, name) for q in own for name in found}
+    for queue in consuming - wanted:
+        if split_queue(queue)[1] != DEFAULT and _waiting(queue) != 0:
+            wanted.add(queue)  # a forgotten tenant's calls still wait: take them first
+    _consume(consumer, wanted, lambda q: split_queue(q)[1] != DEFAULT)
+
+
+def _consuming(consumer: Any) -> set[str] | None:
+    task_consumer = getattr(consumer, "task_consumer", None)
+    return None if task_consumer is None else {q.name for q in task_consumer.queues}
+
+
+def _consume(consumer: Any, wanted: set[str], tenants_queue: Any) -> None:
+    """Take from exactly `wanted` of the queues `tenants_queue` says are tenants' (and
+    from the worker's own as before): recorded first, then consumed."""
+    consuming = _consuming(consumer)
+    if consuming is None:  # not connected yet
+        return
+    target = {q for q in consuming if not tenants_queue(q)} | wanted
+    if target == consuming:
+        return
+    try:
+        presence.consuming(target)
+    except Exception as exc:  # the next tick tries again; nothing taken from them meanwhile
+        log.warning("could not record the queues this worker takes: %s", exc)
+        return
+    for queue in sorted(target - consuming):
+        consumer.add_task_queue(queue)
+        log.info("taking calls from %s", queue)
+    for queue in sorted(consuming - target):
+        consumer.cancel_task_queue(queue)
+        log.info("no more calls on %s", queue)
+
+
+def _waiting(queue: str) -> int | None:
+    try:
+        return presence.waiting(queue)
+    except Exception as exc:  # the broker away: as if something waited
+        log.warning("could not count the calls waiting on %s: %s", queue, exc)
+        return None
+
+
+def _drained(tenant: Tenant) -> bool:
+    """Whether removed `tenant`'s calls are gone from its public queue and from its queue of
+    every GPU worker; then it is forgotten (see the module)."""
+    try:
+        registry = context.registry()
+        gpus = {g.queue for g in registry.snapshot().gpus.values() if g.queue}
+        queues = [tenant.queue, *(worker_queue(q, tenant.name) for q in sorted(gpus))]
+        if any(_waiting(q) != 0 for q in queues):
+            return False
+        tenants.forget(registry, tenant.name)
+    except GpufleetError as exc:  # the registry away: look again at the next tick
+        log.warning("could not tell whether tenant %s's calls are all gone: %s", tenant.name, exc)
+        return False
+    log.info("tenant %s is gone and its queues are empty", tenant.name)
+    return True

@@ -1,0 +1,162 @@
+"""Tenants through a real fleet: plain Celery clients configured from `gpufleet url
+--tenant NAME --json`, against one `gpufleet up` (a router, one simulated GPU).
+
+- a tenant's burst delays another tenant's calls by about a batch, not by the burst;
+- tenants that flood at once share the answers by their weights;
+- a tenant removed while its calls wait: every one is answered, and its user is gone.
+
+Results live where every caller's do (the tenant's URL reads any call's result by its task
+id, as the `caller` user does): isolation of results between tenants is not built yet
+(docs/deploy.md, "Tenants").
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+
+from tests.running import REPO, RunningFleet, fleet_env, fleet_up
+
+pytestmark = pytest.mark.slow
+
+CATALOG = "models:\n  m: {source: synthetic, task: forward, memory: 256MiB}\n"
+TEXT = "tenants share the fleet"
+TIMEOUT_S = 180.0
+
+
+def cli(env: dict[str, str], *args: str) -> str:
+    done = subprocess.run(
+        [sys.executable, "-m", "tasks.operator.cli", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, (args, done.stdout, done.stderr)
+    return done.stdout
+
+
+#: The tenants' clients, closed while their fleet still runs (`fleet`).
+CLIENTS: list[Celery] = []
+
+
+def tenant_client(env: dict[str, str], name: str) -> Celery:
+    """A plain Celery client of tenant `name`, as `gpufleet url --tenant --json` sets it."""
+    conf = json.loads(cli(env, "url", "--tenant", name, "--json"))["celery"]
+    client = Celery(set_as_current=False)
+    client.conf.update(**conf)
+    CLIENTS.append(client)
+    return client
+
+
+@pytest.fixture(scope="module")
+def fleet(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[RunningFleet, dict[str, str]]]:
+    tmp = tmp_path_factory.mktemp("tenants")
+    catalog = tmp / "models.yaml"
+    catalog.write_text(CATALOG)
+    env = fleet_env(GPUFLEET_HOME=str(tmp / "home"))
+    args = ["--sim-gpus", "1x4GiB", "--metrics-port", "0"]
+    with fleet_up(catalog, args, env, log=tmp / "fleet.log") as running:
+        running.infer("m", TEXT)  # placed and HOT
+        yield running, env
+        # the calls' results let go of their subscriptions now, not once Redis is gone
+        # (the tenants' clients retry their result store for a while: `caller_conf`)
+        gc.collect()
+        for client in CLIENTS:
+            client.close()
+
+
+def call(client: Celery, text: str) -> Any:
+    return client.send_task("gpufleet.infer", args=("m", text))
+
+
+def test_a_tenants_burst_delays_another_tenants_calls_by_about_a_batch_not_the_burst(
+    fleet: tuple[RunningFleet, dict[str, str]],
+) -> None:
+    _, env = fleet
+    cli(env, "tenant", "add", "burst-a")
+    cli(env, "tenant", "add", "steady-b")
+    a, b = tenant_client(env, "burst-a"), tenant_client(env, "steady-b")
+    call(a, TEXT).get(timeout=TIMEOUT_S)  # the router takes each queue now
+    call(b, TEXT).get(timeout=TIMEOUT_S)
+    began = time.monotonic()
+    burst = [call(a, f"{i} {TEXT}") for i in range(400)]
+    waits = []
+    for i in range(20):
+        sent = time.monotonic()
+        assert call(b, f"b{i} {TEXT}").get(timeout=TIMEOUT_S)["outputs"]
+        waits.append(time.monotonic() - sent)
+    answers = [c.get(timeout=TIMEOUT_S) for c in burst]
+    drained = time.monotonic() - began
+    assert all(answer["outputs"] for answer in answers)
+    print(
+        f"400 calls of a drained in {drained:.2f} s; b's 20 calls took at most "
+        f"{max(waits):.2f} s (mean {sum(waits) / len(waits):.2f} s)"
+    )
+    assert max(waits) <= 0.1 * drained, (max(waits), drained, waits)
+
+
+def test_tenants_flooding_at_once_share_the_first_half_of_the_answers_by_weight(
+    fleet: tuple[RunningFleet, dict[str, str]],
+) -> None:
+    _, env = fleet
+    cli(env, "tenant", "add", "heavy", "--weight", "3")
+    cli(env, "tenant", "add", "light", "--weight", "1")
+    clients = {"heavy": tenant_client(env, "heavy"), "light": tenant_client(env, "light")}
+    for client in clients.values():
+        call(client, TEXT).get(timeout=TIMEOUT_S)
+    sent: dict[str, list[Any]] = {}
+
+    def flood(name: str) -> None:
+        sent[name] = [call(clients[name], f"{i} {TEXT}") for i in range(300)]
+
+    threads = [threading.Thread(target=flood, args=(name,)) for name in clients]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    done = sorted(
+        (c.get(timeout=TIMEOUT_S) and c.date_done, name) for name, cs in sent.items() for c in cs
+    )
+    first = [name for _, name in done[: len(done) // 2]]
+    share = first.count("heavy") / len(first)
+    print(f"heavy's share of the first {len(first)} answers: {share:.3f}")
+    assert 0.65 <= share <= 0.85, share
+
+
+def test_a_tenant_removed_while_its_calls_wait_has_every_one_answered_and_loses_its_user(
+    fleet: tuple[RunningFleet, dict[str, str]],
+) -> None:
+    running, env = fleet
+    url = cli(env, "tenant", "add", "leaving").strip()
+    client = tenant_client(env, "leaving")
+    # its user goes with it: its client reads its answers with the fleet's caller URL
+    client.conf.result_backend = running.url
+    calls = [call(client, f"{i} {TEXT}") for i in range(60)]
+    cli(env, "tenant", "remove", "leaving")
+    answers = [c.get(timeout=TIMEOUT_S) for c in calls]
+    assert all(answer["outputs"] for answer in answers)
+    deadline = time.monotonic() + 10
+    while True:  # the launcher removes its user within a sync
+        try:
+            redis.Redis.from_url(url).ping()
+        except redis.AuthenticationError:
+            break
+        assert time.monotonic() < deadline, "the removed tenant's user still signs in"
+        time.sleep(0.2)
+    assert "leaving" not in cli(env, "tenant", "list")
+    assert running.proc.poll() is None
