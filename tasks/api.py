@@ -43,7 +43,7 @@ from tasks.app import app
 from tasks.broker import presence
 from tasks.broker.intake import LEASE_HEADER, is_name
 from tasks.config import INTERNAL_QUEUE
-from tasks.serving import cancelling, leases, routed, streams
+from tasks.serving import cancelling, leases, routed, streams, tenancy
 from tasks.serving.calls import (
     Call,
     counted_of,
@@ -112,7 +112,7 @@ def dispatch(
         call = Call(model, inputs, params, lease.replica, "hot", sent, hops=hops)
         raise task.replace(
             call.with_lease(lease).to(
-                lease.queue, time_limits_of(task.request), tenant_of(task.request)
+                lease.queue, time_limits_of(task.request), known_tenant(task.request)
             )
         )
     routed.hold(registry, model, held, True)  # part of the model's load while the router has it
@@ -147,7 +147,7 @@ def _place_and_hand_on(
         try:
             raise task.replace(
                 call.with_lease(lease).to(
-                    plan.queue, time_limits_of(task.request), tenant_of(task.request)
+                    plan.queue, time_limits_of(task.request), known_tenant(task.request)
                 )
             )
         finally:  # once the call is on its way: the figures are not on its critical path
@@ -454,6 +454,11 @@ def _start_sweeper(**_: Any) -> None:
                 log.exception("sweep failed; retrying")
 
     threading.Thread(target=sweep, name="gpufleet-sweeper", daemon=True).start()
+
+
+def known_tenant(request: Any) -> str:
+    """The tenant of a call, if the fleet knows it (`tasks.serving.tenancy.Tenancy.known`)."""
+    return tenancy.process.known(tenant_of(request))
 
 
 def _live_gpu_queues(registry: Registry) -> frozenset[str]:

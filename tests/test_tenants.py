@@ -15,7 +15,7 @@ import redis
 from hypothesis import given
 from hypothesis import strategies as st
 
-from placement.errors import ConfigError, UnknownTenantError
+from placement.errors import ConfigError, PayloadError, UnknownTenantError
 from placement.ledger import tenants
 from placement.ledger.store import Store
 from placement.rules.fairness import FairOrder, FairTurns
@@ -83,21 +83,36 @@ def take(turns: FairTurns, waiting: dict[str, int], n: int) -> list[str]:
     return out
 
 
+def tenant_of_queue(queue: str) -> str:
+    return tenants.tenant_of(queue) or ""
+
+
 def test_a_router_takes_from_tenants_queues_in_turns_by_their_weights() -> None:
-    weights = {"celery": 1.0, "t.a.celery": 3.0, "t.b.celery": 1.0}
-    turns = FairTurns(weights.__getitem__)
-    turns.update(weights)
-    taken = Counter(take(turns, {"celery": 0, "t.a.celery": 500, "t.b.celery": 500}, 400))
+    weights = {"": 1.0, "a": 3.0, "b": 1.0}
+    turns = FairTurns(tenant_of_queue, weights.__getitem__)
+    turns.update(["celery", "gpufleet.router", "t.a.celery", "t.b.celery"])
+    waiting = {"celery": 0, "gpufleet.router": 0, "t.a.celery": 500, "t.b.celery": 500}
+    taken = Counter(take(turns, waiting, 400))
     assert taken == {"t.a.celery": 300, "t.b.celery": 100}
 
 
-def test_a_queue_that_fills_after_the_others_ran_a_while_gets_its_turn_and_no_burst() -> None:
-    turns = FairTurns(lambda q: 1.0)
-    turns.update(["a", "b"])
-    waiting = {"a": 1000, "b": 0}
-    assert take(turns, waiting, 200) == ["a"] * 200
-    waiting["b"] = 50
-    assert take(turns, waiting, 10) == ["b", "a"] * 5  # turns from now on, not 200 for b
+def test_a_tenant_whose_queue_fills_late_gets_its_turn_and_no_burst() -> None:
+    turns = FairTurns(tenant_of_queue, lambda t: 1.0)
+    turns.update(["t.a.celery", "t.b.celery"])
+    waiting = {"t.a.celery": 1000, "t.b.celery": 0}
+    assert take(turns, waiting, 200) == ["t.a.celery"] * 200
+    waiting["t.b.celery"] = 50
+    assert take(turns, waiting, 10) == ["t.b.celery", "t.a.celery"] * 5  # not 200 for b
+
+
+def test_a_consumer_without_tenants_takes_its_queues_in_its_own_order_as_before() -> None:
+    turns = FairTurns(tenant_of_queue, lambda t: 1.0)
+    turns.update(["celery", "gpufleet.router"])
+    assert not turns.shared()
+    waiting = {"celery": 5, "gpufleet.router": 5}
+    assert take(turns, waiting, 10) == ["celery"] * 5 + ["gpufleet.router"] * 5
+    turns.update(["celery", "gpufleet.router", "t.a.celery"])
+    assert turns.shared()
 
 
 def test_tenant_names_are_checked_and_queues_map_back_to_their_tenants() -> None:
@@ -132,6 +147,13 @@ def test_a_tenant_is_recorded_once_with_its_weight_and_the_digest_of_its_passwor
     with pytest.raises(UnknownTenantError, match="no tenant 'team-a'"):
         tenants.remove(store, "team-a")
     assert tenants.all_tenants(store) == {}
+    # its record stays, removed, while its calls may still drain; the name is free again
+    assert tenants.records(store)["team-a"].removed
+    again = tenants.add(store, "team-a", 2, "pw-a2")
+    assert tenants.all_tenants(store) == {"team-a": again}
+    assert not tenants.forget(store, "team-a")  # not a removed tenant's record now
+    tenants.remove(store, "team-a")
+    assert tenants.forget(store, "team-a") and tenants.records(store) == {}
 
 
 def message(headers: dict[str, object]) -> bytes:
@@ -152,6 +174,27 @@ def test_the_router_marks_a_call_with_the_tenant_of_its_queue_never_the_one_it_c
     assert intake.envelope(claimed, "t.team-a.celery")["headers"][TENANT_HEADER] == "team-a"
     # a fleet queue keeps what the fleet wrote (a router's hand-over to a GPU worker)
     assert intake.envelope(claimed, "gpufleet.router")["headers"][TENANT_HEADER] == "team-b"
+
+
+def test_a_caller_cannot_set_its_tenant_through_the_body_celery_merges_into_the_request(
+    redis_url: str,
+) -> None:
+    from kombu import Connection
+
+    from tasks.api import app  # the app with the fleet's tasks registered
+
+    with Connection(redis_url) as connection:
+        connection.default_channel.client.delete("t.team-a.celery")
+        producer = connection.Producer(serializer="json")
+        body = [["m", "x"], {}, {"callbacks": None, TENANT_HEADER: "team-b"}]
+        headers = {"id": "t2", "task": "gpufleet.infer", "lang": "py"}
+        producer.publish(body, routing_key="t.team-a.celery", headers=headers)
+        queue = connection.SimpleQueue("t.team-a.celery")
+        message = queue.get(timeout=5)
+        with pytest.raises(PayloadError, match="embed"):
+            intake.check(message, app.tasks)
+        message.ack()
+        queue.close()
 
 
 @pytest.fixture(scope="module", params=BINARIES, ids=lambda b: f"redis-{redis_version(b)[0]}")
@@ -209,13 +252,22 @@ def test_the_launcher_gives_each_tenant_a_user_that_may_send_only_to_its_own_que
     with pytest.raises(redis.AuthenticationError):
         tenant_client(server, "team-a", "a-secret").ping()
     assert tenant_client(server, "team-b", "b-secret").ping()
+    # the name added again: a new password, and the old one's connection is closed
+    held = tenant_client(server, "team-b", "b-secret")
+    held.ping()
+    tenants.remove(store, "team-b")
+    tenants.add(store, "team-b", 1, "b-new")
+    users.sync()
+    with pytest.raises(redis.ConnectionError):
+        held.lpush("t.team-b.celery", "call")
+    assert tenant_client(server, "team-b", "b-new").ping()
     # a restarted Redis lost its users (its append-only file keeps no ACL change): the next
     # sync makes them again
     server.restart()
     with pytest.raises(redis.AuthenticationError):
-        tenant_client(server, "team-b", "b-secret").ping()
+        tenant_client(server, "team-b", "b-new").ping()
     users.sync()
-    assert tenant_client(server, "team-b", "b-secret").ping()
+    assert tenant_client(server, "team-b", "b-new").ping()
     users.stop()
     store.client.close()
 

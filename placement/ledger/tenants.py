@@ -15,10 +15,11 @@ Records live in the registry's hash `gpufleet:{fleet}:tenants`, name -> JSON
 ACL rule takes as `#<hex>` (the launcher gives each tenant its user on the bundled Redis,
 `placement.server.tenant_users`). The password itself is never stored here.
 
-A removed tenant's record stays, marked `"removed": true`, while calls it sent before wait
-on its queue: its user is gone at once, the routers take its queue until it is empty, and
-the router that finds it empty forgets the record (`forget`). So no call of a removed
-tenant is left behind, even one sent just before the router first took its queue.
+A removed tenant's record stays, with `"removed_ms"` (when), while calls it sent before may
+still wait or come back: its user is gone at once, the workers still take its queues, and
+a router forgets the record (`forget`) once it has been removed a day and its queues are
+empty (`tasks.serving.tenancy.forget_removed`). So no call of a removed tenant is left
+behind, even one sent just before the router first took its queue.
 """
 
 from __future__ import annotations
@@ -68,11 +69,15 @@ class Tenant:
     name: str
     weight: float
     digest: str
-    removed: bool = False  # its calls still drain (see the module)
+    removed_ms: int = 0  # when it was removed (registry clock); 0: it was not
 
     @property
     def queue(self) -> str:
         return queue_of(self.name)
+
+    @property
+    def removed(self) -> bool:
+        return self.removed_ms > 0
 
 
 def check_name(name: str) -> str:
@@ -174,7 +179,7 @@ def remove(store: Store, name: str) -> Tenant:
     found = all_tenants(store).get(name)
     if found is None:
         raise UnknownTenantError(_unknown(store, name))
-    record = {"weight": found.weight, "digest": found.digest, "removed": True}
+    record = {"weight": found.weight, "digest": found.digest, "removed_ms": store.now_ms()}
     store._one("hset", store.keys.tenants, name, json.dumps(record))
     return found
 
@@ -218,7 +223,9 @@ def _parse(name: str, text: str) -> Tenant | None:
     try:
         data: Any = json.loads(text)
         weight, digest = check_weight(data["weight"]), str(data["digest"])
-        return Tenant(check_name(name), weight, digest, data.get("removed") is True)
+        removed = data.get("removed_ms", 0)
+        removed_ms = removed if isinstance(removed, int) and removed > 0 else 0
+        return Tenant(check_name(name), weight, digest, removed_ms)
     except (ValueError, KeyError, TypeError, ConfigError):
         return None
 

@@ -57,13 +57,16 @@ class FairOrder:
 
 class FairTurns:
     """Which of its queues a consumer takes its next message from, by the same tags: each
-    queue a tenant, each message taken one call (kombu's queue cycle: `update`, `consume`,
-    `rotate`). The first non-empty queue in `consume`'s order is taken from, so the queue
-    served has the least start tag of those with messages, as in `FairOrder`. Queues of
-    equal weight take turns, as kombu's round-robin cycle does."""
+    message taken is one call of the tenant whose queue it is (`tenant_of`), and a
+    tenant's queues share its turns, in the consumer's own order (kombu's queue cycle:
+    `update`, `consume`, `rotate`). The first non-empty queue in `consume`'s order is taken
+    from, so the tenant served has the least start tag of those with messages, as in
+    `FairOrder`. Queues of one tenant alone keep the consumer's order: a consumer without
+    tenants takes as it always did."""
 
-    def __init__(self, weight_of: Callable[[str], float]) -> None:
+    def __init__(self, tenant_of: Callable[[str], str], weight_of: Callable[[str], float]) -> None:
         self.items: list[str] = []
+        self._tenant_of = tenant_of
         self._weight_of = weight_of
         self._order = FairOrder()
 
@@ -72,8 +75,13 @@ class FairTurns:
 
     def consume(self, n: int) -> list[str]:
         """The first `n` queues, in the order to take from them."""
-        return sorted(self.items, key=self._order.peek)[:n]
+        return sorted(self.items, key=lambda q: self._order.peek(self._tenant_of(q)))[:n]
 
     def rotate(self, last_used: str) -> None:
         """A message was taken from `last_used`."""
-        self._order.serve(self._order.arrive(last_used, self._weight_of(last_used)))
+        tenant = self._tenant_of(last_used)
+        self._order.serve(self._order.arrive(tenant, self._weight_of(tenant)))
+
+    def shared(self) -> bool:
+        """Whether its queues are of more than one tenant."""
+        return len({self._tenant_of(q) for q in self.items}) > 1

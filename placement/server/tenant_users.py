@@ -94,6 +94,8 @@ class TenantUsers:
             user = tenants.user_of(name)
             if user in present and made.get(user) == tenant.digest:
                 continue
+            if user in present:  # another password now: its old holders go (DELUSER)
+                pipe.execute_command("ACL", "DELUSER", user)
             rules = ["reset", "on", f"#{tenant.digest}", *tenant_rules(name, self._major)]
             pipe.execute_command("ACL", "SETUSER", user, *rules)
             changes.append(("made", user, tenant.digest))

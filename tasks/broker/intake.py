@@ -299,6 +299,7 @@ def _check(message: Any, tasks: Any) -> None:
             f"{name}: its arguments nest deeper than {MAX_DEPTH} levels; send flat JSON"
         )
     if public_queue:
+        _check_embed(embed)
         check_canvas(embed)
         _check_eta(headers.get("eta"))
     arguments = bind(task, args, kwargs)
@@ -308,6 +309,26 @@ def _check(message: Any, tasks: Any) -> None:
     check_caller = getattr(task, "caller_intake", None)
     if public_queue and check_caller is not None:
         check_caller(arguments)
+
+
+#: What Celery's message protocol 2 carries in a body's third part, its "embed". Celery
+#: merges every key there into the task's request, after the message's headers, so any
+#: other key would let a caller set what only the fleet writes (its tenant, its lease).
+EMBED_KEYS = frozenset({"callbacks", "errbacks", "chain", "chord"})
+
+
+def _check_embed(embed: Any) -> None:
+    if embed is None:
+        return
+    if not isinstance(embed, dict):
+        raise PayloadError(f"the call's embed (its body's third part) is {describe(embed)}")
+    extra = sorted(str(k) for k in embed if k not in EMBED_KEYS)
+    if extra:
+        raise PayloadError(
+            f"the call's embed (its body's third part) may hold only "
+            f"{', '.join(sorted(EMBED_KEYS))}, not {describe(', '.join(extra))}; send the "
+            f"call with a Celery client"
+        )
 
 
 #: The canvas primitives a caller's chain, group or chord nests (never run as tasks here).

@@ -203,10 +203,14 @@ class Presence:
     def consume(self, queues: Iterable[str]) -> None:
         """The worker now consumes `queues` (a router, as tenants come and go): record
         them, so that a sweep after its death looks in their in-flight lists too."""
-        wanted = tuple(sorted(set(queues)))
-        if wanted != self.queues:
+        wanted, was = tuple(sorted(set(queues))), self.queues
+        if wanted != was:
             self.queues = wanted
-            self._rejoin()
+            try:
+                self._rejoin()
+            except BaseException:
+                self.queues = was  # not recorded: the next call tries again
+                raise
 
     def _record(self) -> dict[str, Any]:
         return {
@@ -347,17 +351,24 @@ def stranded_problems(found: dict[str, dict[str, Any]]) -> list[str]:
     return lines
 
 
-def on_its_way(client: redis.Redis, task_id: str, own_tag: str, queues: Iterable[str] = ()) -> bool:
+def on_its_way(
+    client: redis.Redis,
+    task_id: str,
+    own_tag: str,
+    queues: Iterable[str] = (),
+    tenant_names: Iterable[str] = (),
+) -> bool:
     """Whether call `task_id`, whose message (delivery tag `own_tag`) came back after its
     worker died, is on its way in another message that waits on a fleet queue (every
-    worker's, the router's and `queues`), in a worker's in-flight list, or is held
-    unacknowledged. A
+    worker's, each tenant's of them (`tenant_names`), the router's and `queues`), in a
+    worker's in-flight list, or is held unacknowledged. A
     router that died between handing a call on and acknowledging it leaves exactly that;
     routing it again would run it twice. Of two given-back copies (a host lost with the
     router and the GPU worker the call went to), the one whose delivery tag sorts first
     goes on (`seen.lua`), so exactly one does."""
     found = records(client)
     names = {*ROUTER_QUEUES, *queues} | {q for r in found.values() for q in r.queues}
+    names = set(with_tenants(names, tenant_names))
     keys = [UNACKED]
     for queue in sorted(names):
         keys += lists(queue)

@@ -24,10 +24,10 @@ gpufleet worker takes through in-flight lists instead (transport option
 - while messages wait, `placement/ledger/lua/take.lua` moves the first one, in BRPOP's order
   (each queue by priority), into that list's in-flight list for this consumer,
   `<list>.inflight.<node name>`, and returns it;
-- when none waits, BLMOVE blocks on one list (Redis 6.2 or later: the first, or with
-  several queues the one it last took from) for at most `IDLE_POLL_S`
-  (`IDLE_POLL_MANY_S` with several queues), then the script looks at every list again, so
-  a message in another list waits at most that long on an idle worker;
+- when none waits, BLMOVE blocks on one list (Redis 6.2 or later: the first; with
+  several tenants' queues, the one it last took from) for at most `IDLE_POLL_S`
+  (`IDLE_POLL_MANY_S` with several tenants), then the script looks at every list again,
+  so a message in another list waits at most that long on an idle worker;
 - recording the message as unacked removes it from the in-flight list in the same step
   (`QoS.append`);
 - a consumer that starts on a queue puts back what its predecessor of the same node name
@@ -73,9 +73,9 @@ from tasks.broker import intake, quarantine
 GIVE_BACK_S = 30.0
 #: The longest an idle consumer blocks on its first list before looking at the others.
 IDLE_POLL_S = 0.25
-#: The same for a consumer of several queues (a router; a GPU worker with tenants), which
-#: blocks on the list it last took from: how long a call of another queue may wait on an
-#: idle worker. Costs an idle consumer one take script per period.
+#: The same for a consumer of several tenants' queues, which blocks on the list it last
+#: took from: how long a call of another tenant may wait on an idle worker. Costs an idle
+#: consumer one take script per period.
 IDLE_POLL_MANY_S = 0.05
 #: How long a consumer waits after Redis refused a take (a full Redis) before the next.
 REFUSED_TAKE_WAIT_S = 0.5
@@ -456,11 +456,13 @@ class Channel(kombu_redis.Channel):
     #: given back by it, since their acknowledgements settle them (`QoS.ack`).
     running: Callable[[], set[str]] | None = None
 
-    def take_turns(self, weight_of: Callable[[str], float]) -> None:
-        """Take from this channel's queues in turns weighted by `weight_of(queue)`
-        (`placement.rules.fairness.FairTurns`: a router, whose queues are the tenants'),
-        rather than kombu's equal round robin."""
-        turns = FairTurns(weight_of)
+    def take_turns(
+        self, tenant_of: Callable[[str], str], weight_of: Callable[[str], float]
+    ) -> None:
+        """Take from this channel's queues in turns by the weights of their tenants
+        (`placement.rules.fairness.FairTurns`), rather than in kombu's fixed order, which
+        queues of one tenant keep."""
+        turns = FairTurns(tenant_of, weight_of)
         turns.update(self._queue_cycle.items)
         self._queue_cycle = turns
 
@@ -662,12 +664,13 @@ class Channel(kombu_redis.Channel):
         self._put_back_strays(keys)
         connection = self.client.connection
         if self._idle:
-            # the list it last took from: a lone tenant's next call, on a worker of many
-            first = self._last_list if self._last_list in keys else keys[0]
-            if len(keys) == 1:
-                wait = timeout or self.brpop_timeout or 0
-            else:
-                wait = IDLE_POLL_S if len(self.active_queues) == 1 else IDLE_POLL_MANY_S
+            first = keys[0]
+            wait = IDLE_POLL_S if len(keys) > 1 else (timeout or self.brpop_timeout or 0)
+            turns = self._queue_cycle
+            if isinstance(turns, FairTurns) and turns.shared():  # queues of several tenants
+                # the list it last took from: a lone tenant's next call
+                first = self._last_list if self._last_list in keys else first
+                wait = IDLE_POLL_MANY_S
             self._taking = ("BLMOVE", [first])
             connection.send_command("BLMOVE", first, self._inflight(first), "RIGHT", "LEFT", wait)
         else:

@@ -72,7 +72,7 @@ from placement.server.tenant_users import TenantUsers
 from tasks import front
 from tasks.broker import quarantine
 from tasks.broker.claim import BrokerClaim
-from tasks.broker.presence import take_waiting
+from tasks.broker.presence import take_waiting, with_tenants
 from tasks.config import ROUTER_QUEUES, redis_conf
 from tasks.front.keys import UP_KEY_NAME, new_key, replace_key
 from tasks.serving.routing import gpu_queue
@@ -530,15 +530,16 @@ class Launcher:
             home.rmdir()  # a fleet that left nothing behind leaves no folder either
 
     def _queues(self) -> tuple[str, ...]:
-        """The queues this host's workers take calls from: their own, and every tenant's
-        public queue (the router reads those as tenants come: `tasks.serving.tenancy`)."""
+        """The queues this host's workers take calls from: their own, every tenant's public
+        queue and each tenant's queue of every GPU worker's (`tasks.serving.tenancy`)."""
         own = tuple(q for child in self.children.values() for q in child.queues)
         try:
             registry = Registry.from_url(self.redis_url, self.fleet)
             try:
-                return own + tuple(t.queue for t in tenants.records(registry).values())
+                found = tenants.records(registry)
             finally:
                 registry.client.close()
+            return with_tenants(own + tuple(t.queue for t in found.values()), found)
         except GpufleetError as exc:
             log.warning("could not read the fleet's tenants: %s", exc)
             return own

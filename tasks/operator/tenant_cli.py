@@ -48,8 +48,19 @@ def fleet_url(s: Settings) -> tuple[str, bool]:
     return known.fleet, known.caller != known.fleet
 
 
+def _plain_redis(url: str) -> None:
+    """Refuse a fleet whose Redis Sentinels find: its tenants would need users on the
+    Sentinels too, which they do not get yet."""
+    if endpoint.parse(url).watched:
+        raise ConfigError(
+            "tenants need a fleet on one Redis for now, not one behind Sentinels "
+            "(--redis-ha): their users are not made on the Sentinels yet"
+        )
+
+
 def caller_url(s: Settings, name: str) -> str:
     """Tenant `name`'s URL: the fleet's caller URL as its own user and password."""
+    _plain_redis(s.registry_url)
     password = _passwords(s).get(name)
     if password is None:
         raise UnknownTenantError(
@@ -120,6 +131,7 @@ def _wait_for_user(url: str) -> None:
 def add(s: Settings, name: str, weight: float) -> tuple[tenants.Tenant, str, str | None]:
     """Add tenant `name`: returns it, its URL, and for a Redis of your own the ACL line
     to load (None on the bundled Redis, where its user exists on return)."""
+    _plain_redis(s.registry_url)
     registry, bundled = _registry(s)
     password = secrets.token_urlsafe(24)
     try:

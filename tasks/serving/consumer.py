@@ -82,17 +82,16 @@ class Consumer(CeleryConsumer):
     Strategies = _Strategies
 
     def __init__(self, on_task_request: Any, *args: Any, **kwargs: Any) -> None:
-        self._tenancy = tenancy.Tenancy()
         if context.role() == "gpu":
-            on_task_request = self._batching(on_task_request, kwargs, self._tenancy)
+            on_task_request = self._batching(on_task_request, kwargs)
         self._batcher = on_task_request if isinstance(on_task_request, Batcher) else None
         super().__init__(on_task_request, *args, **kwargs)
         self._cancels: Cancels | None = None
         if context.role() == "router":
             self._cancels = Cancels(self.app, lambda: self.qos)
-            self._every(tenancy.POLL_S, tenancy.follow_queues, self, self._tenancy)
+            self._every(tenancy.POLL_S, tenancy.follow_queues, self)
         elif context.role() == "gpu":
-            self._every(tenancy.POLL_S, tenancy.follow_worker_queues, self, self._tenancy)
+            self._every(tenancy.POLL_S, tenancy.follow_worker_queues, self)
 
     def _every(self, seconds: float, tick: Any, *args: Any) -> None:
         """Run `tick(*args)` every `seconds` in the consumer's loop; one that raises is
@@ -130,7 +129,7 @@ class Consumer(CeleryConsumer):
         super().on_close()
 
     @staticmethod
-    def _batching(on_task_request: Any, kwargs: dict[str, Any], tenants: tenancy.Tenancy) -> Any:
+    def _batching(on_task_request: Any, kwargs: dict[str, Any]) -> Any:
         from tasks.serving import gpu  # GPU workers only: it imports torch
 
         catalog = context.catalog()
@@ -153,7 +152,7 @@ class Consumer(CeleryConsumer):
             gpu.limits_of,
             gpu.batch_job,
             generations if generates else None,
-            tenants.weight,
+            tenancy.process.weight,
         )
 
     def update_strategies(self) -> None:
@@ -167,7 +166,7 @@ class Consumer(CeleryConsumer):
         channel = self.connection.default_channel
         channel.refuse = self.refuse_taken
         channel.running = _running_tags
-        channel.take_turns(self._tenancy.queue_weight)  # its tenants' queues
+        channel.take_turns(tenancy.queue_tenant, tenancy.process.weight)  # tenants' queues
         if context.role() == "router" and forwarding.TASK in self.strategies:
             default = self.strategies[forwarding.TASK]
             self.strategies[forwarding.TASK] = forwarding.install(channel, default)

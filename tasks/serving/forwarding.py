@@ -52,7 +52,7 @@ from tasks.app import app
 from tasks.broker import intake
 from tasks.broker.intake import COUNTED_HEADER, LEASE_HEADER
 from tasks.broker.transport import Onward, Pick
-from tasks.serving import leases, routed
+from tasks.serving import leases, routed, tenancy
 from tasks.serving.calls import counted_in, infer_arguments, tenant_in
 
 log = logging.getLogger(__name__)
@@ -93,7 +93,7 @@ class Forwarder:
             return None  # the pool drops it: its answer comes from elsewhere
         registry = context.registry()
         headers = {**message.headers, COUNTED_HEADER: True}  # counted by the pick (or before)
-        tenant = tenant_in(headers)
+        tenant = tenancy.process.known(tenant_in(headers))
         if not given_back and _one_redis():  # lease and move in one step
             move = functools.partial(_forward, registry, model, path)
             return Pick(headers, LEASE_HEADER, move, tenant)

@@ -20,6 +20,7 @@ from placement.ledger.registry import Registry
 from tasks import context
 from tasks.app import app
 from tasks.broker import presence, results
+from tasks.serving import tenancy
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +32,7 @@ def elsewhere(task_id: str, tag: str) -> bool:
     if answered(task_id):
         return True
     try:
-        return presence.on_its_way(broker(), task_id, tag)
+        return presence.on_its_way(broker(), task_id, tag, tenant_names=tenancy.process.refresh())
     except redis.RedisError:
         log.warning("could not look for call %s elsewhere; routing it", task_id, exc_info=True)
         return False

@@ -16,11 +16,12 @@ turn and runs in the next batch. Each worker records the queues it takes from in
 presence record before it first takes from one, so that a sweep after its death finds
 what it held there (`tasks.broker.presence`).
 
-A removed tenant's queues are taken until they are empty (its Redis user is gone, so
-nothing new arrives there), and the router that finds them all empty forgets the tenant:
-every call it sent before is answered, never left behind. A tenant's weight reaches the
-workers within `POLL_S`; a call of a tenant the worker does not know (yet, or any more)
-weighs 1.
+A removed tenant's user is gone at once, so nothing new arrives in its queues; they are
+still taken for `KEEP_REMOVED_MS`, and then until they are empty, before a router forgets
+the tenant: every call it sent before is answered, never left behind, even one that comes
+back to its queue late (a retry, a re-route, a message given back). A call of a tenant no
+longer known is sent to the worker's own queue. A tenant's weight reaches the workers
+within `POLL_S`; a call of a tenant the worker does not know (yet, or any more) weighs 1.
 """
 
 from __future__ import annotations
@@ -34,62 +35,74 @@ from placement.ledger import tenants
 from placement.ledger.tenants import DEFAULT, Tenant, split_queue, worker_queue
 from tasks import context
 from tasks.broker import presence
+from tasks.broker.presence import KEEP_GONE_MS
 
 log = logging.getLogger(__name__)
 
 #: How often a worker reads the tenants: how long a new tenant waits for the router to
 #: take its calls, and a new weight to apply.
 POLL_S = 1.0
+#: How long a removed tenant's queues are still taken (see `forget_removed`). As long as a
+#: dead worker's record is kept (`tasks.broker.presence.KEEP_GONE_MS`): longer than any
+#: call of it can still be on its way back (the visibility timeout, retries, re-routes).
+KEEP_REMOVED_MS = KEEP_GONE_MS
 
 
 class Tenancy:
-    """The fleet's tenants as this process last read them (at most `POLL_S` old)."""
+    """The fleet's tenants as this process last read them. Only `refresh` reads the
+    registry (a worker's timer tick, or a task about to route a call): what the take and
+    the batcher ask of it comes from memory."""
 
     def __init__(self) -> None:
         self._records: dict[str, Tenant] = {}
         self._read_at = -float("inf")
 
-    def records(self) -> dict[str, Tenant]:
-        """Every tenant's record by name, removed ones still draining included; read again
-        when older than `POLL_S` (kept as they were while the registry cannot say)."""
+    def refresh(self) -> dict[str, Tenant]:
+        """Every tenant's record by name, removed ones included, read again when older
+        than `POLL_S` (kept as they were while the registry cannot say)."""
         now = time.monotonic()
         if now - self._read_at >= POLL_S:
             self._read_at = now
             try:
                 self._records = tenants.records(context.registry())
-            except GpufleetError as exc:
+            except Exception as exc:  # a registry away, a broken record: keep what we had
                 log.warning("could not read the fleet's tenants (kept as they were): %s", exc)
         return self._records
 
-    def current(self) -> dict[str, Tenant]:
-        """The fleet's tenants by name (not those removed)."""
-        return {name: t for name, t in self.records().items() if not t.removed}
+    def known(self, tenant: str) -> str:
+        """`tenant`, if the fleet has its record (removed or not), else the default
+        tenant: a call of a tenant no worker takes queues for goes to the worker's own."""
+        return tenant if tenant in self.refresh() else DEFAULT
 
     def weight(self, tenant: str) -> float:
-        """`tenant`'s weight (1 for the default tenant and one not known here)."""
-        if tenant == DEFAULT:
-            return 1.0
-        found = self.current().get(tenant)
-        return found.weight if found is not None else 1.0
-
-    def queue_weight(self, queue: str) -> float:
-        """The weight of the tenant whose queue `queue` is (a public one, or one of a GPU
-        worker's); 1 for the workers' own: they take from their queues in turns by these."""
-        return self.weight(tenants.tenant_of(queue) or split_queue(queue)[1])
+        """`tenant`'s weight (1 for the default tenant, and one not known or removed)."""
+        found = self._records.get(tenant)
+        return found.weight if found is not None and not found.removed else 1.0
 
 
-def follow_queues(consumer: Any, tenancy: Tenancy) -> None:
+def queue_tenant(queue: str) -> str:
+    """The tenant whose queue `queue` is (a public one, or one of a GPU worker's); the
+    default tenant's for the workers' own."""
+    return tenants.tenant_of(queue) or split_queue(queue)[1]
+
+
+#: This process's view (a router's or GPU worker's consumer, and the tasks it runs).
+process = Tenancy()
+
+
+def follow_queues(consumer: Any) -> None:
     """A router's timer tick: take from every tenant's public queue, a removed tenant's
-    until its calls are all gone from the fleet's queues (then forget the tenant)."""
-    found = tenancy.records()
-    wanted = {t.queue for t in found.values() if not (t.removed and _drained(t))}
+    until it is forgotten (`forget_removed`)."""
+    found = process.refresh()
+    wanted = {t.queue for t in found.values()}
     _consume(consumer, wanted, lambda q: tenants.tenant_of(q) is not None)
+    forget_removed(found)
 
 
-def follow_worker_queues(consumer: Any, tenancy: Tenancy) -> None:
+def follow_worker_queues(consumer: Any) -> None:
     """A GPU worker's timer tick: take from its tenants' queues of its own queue, and from a
     queue of a tenant no longer known until it is empty."""
-    found = tenancy.records()
+    found = process.refresh()
     consuming = _consuming(consumer)
     if consuming is None:
         return
@@ -136,18 +149,23 @@ def _waiting(queue: str) -> int | None:
         return None
 
 
-def _drained(tenant: Tenant) -> bool:
-    """Whether removed `tenant`'s calls are gone from its public queue and from its queue of
-    every GPU worker; then it is forgotten (see the module)."""
+def forget_removed(found: dict[str, Tenant]) -> None:
+    """Forget each tenant removed more than `KEEP_REMOVED_MS` ago whose calls are gone from
+    its public queue and from its queue of every GPU worker. Until then its queues are
+    still taken: a call of it may still come back to one (a retry, a call routed again, a
+    message given back after its worker died)."""
+    due = [t for t in found.values() if t.removed and t.removed_ms]
+    if not due:
+        return
     try:
         registry = context.registry()
+        now = registry.now_ms()
         gpus = {g.queue for g in registry.snapshot().gpus.values() if g.queue}
-        queues = [tenant.queue, *(worker_queue(q, tenant.name) for q in sorted(gpus))]
-        if any(_waiting(q) != 0 for q in queues):
-            return False
-        tenants.forget(registry, tenant.name)
+        for tenant in due:
+            if now - tenant.removed_ms < KEEP_REMOVED_MS:
+                continue
+            queues = [tenant.queue, *(worker_queue(q, tenant.name) for q in sorted(gpus))]
+            if all(_waiting(q) == 0 for q in queues) and tenants.forget(registry, tenant.name):
+                log.info("forgot tenant %s, removed and with no call left", tenant.name)
     except GpufleetError as exc:  # the registry away: look again at the next tick
-        log.warning("could not tell whether tenant %s's calls are all gone: %s", tenant.name, exc)
-        return False
-    log.info("tenant %s is gone and its queues are empty", tenant.name)
-    return True
+        log.warning("could not look at the removed tenants: %s", exc)
