@@ -156,6 +156,27 @@ def test_a_tenant_is_recorded_once_with_its_weight_and_the_digest_of_its_passwor
     assert tenants.forget(store, "team-a") and tenants.records(store) == {}
 
 
+def test_status_counts_each_tenants_calls_waiting_on_its_public_and_gpu_queues() -> None:
+    from tasks.serving.status import tenants_report
+
+    found = {
+        "a": tenants.Tenant("a", 3.0, "d"),
+        "b": tenants.Tenant("b", 1.0, "d", removed_ms=5),
+    }
+    depths = {
+        "celery": 4,
+        "t.a.celery": 2,
+        "gpufleet.h.gpu0": 7,
+        "gpufleet.h.gpu0~a": 3,
+        "gpufleet.h.gpu1~a": 1,
+        "gpufleet.h.gpu1~b": 9,
+    }
+    assert tenants_report(found, depths) == [
+        {"name": "a", "weight": 3.0, "removed": False, "queued": 6},
+        {"name": "b", "weight": 1.0, "removed": True, "queued": 9},
+    ]
+
+
 def message(headers: dict[str, object]) -> bytes:
     return json.dumps(
         {

@@ -134,6 +134,8 @@ def test_tenants_flooding_at_once_share_the_first_half_of_the_answers_by_weight(
     )
     first = [name for _, name in done[: len(done) // 2]]
     share = first.count("heavy") / len(first)
+    shown = {t["name"]: t for t in json.loads(cli(env, "status", "--json"))["tenants"]}
+    assert (shown["heavy"]["weight"], shown["light"]["weight"]) == (3.0, 1.0)
     print(f"heavy's share of the first {len(first)} answers: {share:.3f}")
     assert 0.65 <= share <= 0.85, share
 

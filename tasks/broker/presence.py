@@ -303,7 +303,9 @@ def stranded(
     served = {q for r in found.values() if r.alive(now) for q in r.queues}
     served |= set(live_gpu_queues)
     queues = {*ROUTER_QUEUES, *ledger_queues} | {q for r in found.values() for q in r.queues}
-    counts: dict[str, int] = dict.fromkeys(sorted(queues - served), 0)
+    # a live worker takes its tenants' queues too, from its next look at the tenants on
+    unserved = {q for q in queues - served if split_queue(q)[0] not in served}
+    counts: dict[str, int] = dict.fromkeys(sorted(unserved), 0)
     pipe = client.pipeline(transaction=False)
     for queue in counts:
         for name in lists(queue):

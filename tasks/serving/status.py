@@ -4,7 +4,8 @@ returns and the Prometheus metrics are built from (`tasks.operator.metrics`).
 Every figure is read from the registry and the broker when it is asked for, so any process
 can build it and all agree: the ledger's report (`placement.ledger.report`), request outcomes,
 each model's load, what generating calls took and the KV cache they hold
-(`placement.ledger.generation`), the depth of every fleet queue, the calls no live worker
+(`placement.ledger.generation`), the depth of every fleet queue (each tenant's too, and
+per tenant the calls waiting: `tenants`), the calls no live worker
 will take (`stranded`), the calls quarantined (`tasks.broker.quarantine`), and where the
 broker's Redis is now (`redis`: its primary, replicas and Sentinels).
 """
@@ -16,10 +17,11 @@ from typing import Any
 import redis
 
 from placement.errors import GpufleetError
-from placement.ledger import endpoint, generation
+from placement.ledger import endpoint, generation, tenants
 from placement.ledger.load import placed_replicas, read_loads
 from placement.ledger.registry import Registry
 from placement.ledger.report import load_report, request_report, status_report
+from placement.ledger.tenants import Tenant, split_queue, tenant_of
 from placement.policy.state import Snapshot
 from tasks import context
 from tasks.broker import presence, quarantine
@@ -34,7 +36,10 @@ def full_status(registry: Registry, broker_url: str) -> dict[str, Any]:
     placed = placed_replicas(snap.deployments.values(), snap.by_model)
     report["load"] = load_report(read_loads(registry, placed))
     report["generation"] = generation_report(registry, snap)
-    queues = {*ROUTER_QUEUES} | {g.queue for g in snap.gpus.values() if g.queue}
+    found = tenants.records(registry)
+    fleet_queues = {*ROUTER_QUEUES} | {g.queue for g in snap.gpus.values() if g.queue}
+    fleet_queues |= {t.queue for t in found.values()}
+    queues = set(presence.with_tenants(fleet_queues, found))
     client = endpoint.connect(broker_url)
     try:
         pipe = client.pipeline(transaction=False)
@@ -45,6 +50,7 @@ def full_status(registry: Registry, broker_url: str) -> dict[str, Any]:
         report["queues"] = {
             q: sum(int(next(depths)) for _ in presence.PRIORITY_STEPS) for q in sorted(queues)
         }
+        report["tenants"] = tenants_report(found, report["queues"])
         report["stranded"] = presence.stranded(client, queues, snap.live_queues)
         report["quarantined"] = quarantine.count(client)
         report["problems"] = (
@@ -58,6 +64,19 @@ def full_status(registry: Registry, broker_url: str) -> dict[str, Any]:
         client.close()
     report["redis"] = endpoint.parse(broker_url).topology()
     return report
+
+
+def tenants_report(found: dict[str, Tenant], depths: dict[str, int]) -> list[dict[str, Any]]:
+    """Per tenant: its weight, whether it was removed (its calls still drain), and how
+    many of its calls wait on its queues (its public one and its GPU workers' ones)."""
+    waiting: dict[str, int] = {}
+    for queue, depth in depths.items():
+        name = tenant_of(queue) or split_queue(queue)[1]
+        waiting[name] = waiting.get(name, 0) + depth
+    return [
+        {"name": t.name, "weight": t.weight, "removed": t.removed, "queued": waiting.get(t.name, 0)}
+        for t in found.values()
+    ]
 
 
 def generation_report(registry: Registry, snap: Snapshot) -> dict[str, Any]:
