@@ -215,18 +215,22 @@ def _lists(queue: str) -> list[str]:
 
 @tenant_app.command("remove")
 def remove_command(name: Annotated[str, typer.Argument(help="The tenant's name.")]) -> None:
-    """Remove a tenant: its Redis user goes at once; the calls it sent before are still
-    answered (the router takes its queue until it is empty)."""
+    """Remove a tenant: its Redis user goes at once (on a Redis of yours, run the command
+    this prints); the calls it sent before are still answered (its queues are still taken
+    for a day, and until they are empty)."""
     s = settings()
 
-    def remove() -> tenants.Tenant:
-        registry, _ = _registry(s)
+    def remove() -> tuple[tenants.Tenant, bool]:
+        registry, bundled = _registry(s)
         try:
             removed = tenants.remove(registry, name)
         finally:
             registry.client.close()
         _save(s, {k: v for k, v in _passwords(s).items() if k != name})
-        return removed
+        return removed, bundled
 
-    tenant = guard(remove)
+    tenant, bundled = guard(remove)
+    if not bundled:
+        err.print("This fleet runs on a Redis of yours: remove the tenant's user there:")
+        typer.echo(f"ACL DELUSER {tenants.user_of(tenant.name)}")
     err.print(f"tenant {tenant.name} removed", highlight=False)

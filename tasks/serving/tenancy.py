@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from placement.errors import GpufleetError
@@ -119,7 +120,7 @@ def _consuming(consumer: Any) -> set[str] | None:
     return None if task_consumer is None else {q.name for q in task_consumer.queues}
 
 
-def _consume(consumer: Any, wanted: set[str], tenants_queue: Any) -> None:
+def _consume(consumer: Any, wanted: set[str], tenants_queue: Callable[[str], bool]) -> None:
     """Take from exactly `wanted` of the queues `tenants_queue` says are tenants' (and
     from the worker's own as before): recorded first, then consumed."""
     consuming = _consuming(consumer)
@@ -154,16 +155,17 @@ def forget_removed(found: dict[str, Tenant]) -> None:
     its public queue and from its queue of every GPU worker. Until then its queues are
     still taken: a call of it may still come back to one (a retry, a call routed again, a
     message given back after its worker died)."""
-    due = [t for t in found.values() if t.removed and t.removed_ms]
-    if not due:
+    removed = [t for t in found.values() if t.removed]
+    if not removed:
         return
     try:
         registry = context.registry()
         now = registry.now_ms()
+        due = [t for t in removed if now - t.removed_ms >= KEEP_REMOVED_MS]
+        if not due:
+            return
         gpus = {g.queue for g in registry.snapshot().gpus.values() if g.queue}
         for tenant in due:
-            if now - tenant.removed_ms < KEEP_REMOVED_MS:
-                continue
             queues = [tenant.queue, *(worker_queue(q, tenant.name) for q in sorted(gpus))]
             if all(_waiting(q) == 0 for q in queues) and tenants.forget(registry, tenant.name):
                 log.info("forgot tenant %s, removed and with no call left", tenant.name)
