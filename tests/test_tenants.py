@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 import redis
@@ -24,6 +24,7 @@ from placement.server.redis_server import RedisServer, find_redis_server, redis_
 from placement.server.tenant_users import TenantUsers
 from tasks.broker import intake
 from tasks.broker.intake import TENANT_HEADER
+from tests.test_acl import allowed
 
 BINARIES = sorted({find_redis_server(), find_redis_server(newest=True)})
 
@@ -232,14 +233,6 @@ def server(
 def tenant_client(server: RedisServer, name: str, password: str) -> redis.Redis:
     url = f"redis://127.0.0.1:{server.port}/0"
     return redis.Redis.from_url(user_url(url, tenants.user_of(name), password))
-
-
-def allowed(action: Callable[[], object]) -> bool:
-    try:
-        action()
-    except redis.exceptions.NoPermissionError:
-        return False
-    return True
 
 
 def test_the_launcher_gives_each_tenant_a_user_that_may_send_only_to_its_own_queue(

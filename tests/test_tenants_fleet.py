@@ -16,7 +16,6 @@ import gc
 import json
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -25,6 +24,7 @@ import pytest
 import redis
 from celery import Celery
 
+from bench.fairness import weighted
 from tests.running import REPO, RunningFleet, fleet_env, fleet_up
 
 pytestmark = pytest.mark.slow
@@ -117,26 +117,10 @@ def test_tenants_flooding_at_once_share_the_first_half_of_the_answers_by_weight(
     cli(env, "tenant", "add", "heavy", "--weight", "3")
     cli(env, "tenant", "add", "light", "--weight", "1")
     clients = {"heavy": tenant_client(env, "heavy"), "light": tenant_client(env, "light")}
-    for client in clients.values():
-        call(client, TEXT).get(timeout=TIMEOUT_S)
-    sent: dict[str, list[Any]] = {}
-
-    def flood(name: str) -> None:
-        sent[name] = [call(clients[name], f"{i} {TEXT}") for i in range(300)]
-
-    threads = [threading.Thread(target=flood, args=(name,)) for name in clients]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    done = sorted(
-        (c.get(timeout=TIMEOUT_S) and c.date_done, name) for name, cs in sent.items() for c in cs
-    )
-    first = [name for _, name in done[: len(done) // 2]]
-    share = first.count("heavy") / len(first)
+    share = weighted(clients["heavy"], clients["light"], 300)["heavy_share"]
     shown = {t["name"]: t for t in json.loads(cli(env, "status", "--json"))["tenants"]}
     assert (shown["heavy"]["weight"], shown["light"]["weight"]) == (3.0, 1.0)
-    print(f"heavy's share of the first {len(first)} answers: {share:.3f}")
+    print(f"heavy's share of the first half of the answers: {share:.3f}")
     assert 0.65 <= share <= 0.85, share
 
 
