@@ -1,4 +1,4 @@
-"""The HTTP front's parts that need no fleet: its key file and OpenAI's shapes."""
+"""The HTTP front's parts that need no fleet: its key file, OpenAI's shapes, its messages."""
 
 from __future__ import annotations
 
@@ -9,11 +9,17 @@ import struct
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
+import redis
+import redis.asyncio
+from celery import Celery
 
 from placement.errors import ConfigError
+from tasks.config import caller_conf
 from tasks.front import keys, shapes
 from tasks.front.keys import KeyFile
+from tasks.front.sending import Sender, message
 from tasks.front.shapes import RequestError
 from tasks.front.waiting import Stream
 
@@ -159,3 +165,52 @@ def test_a_stream_whose_call_ran_again_with_other_text_breaks_and_keeps_what_it_
         return stream.drain(), stream.broken
 
     assert asyncio.run(run()) == ([(0, "ab")], True)
+
+
+def test_the_front_s_message_is_the_one_celery_pushes_for_the_same_call_but_its_tag(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    app = Celery(set_as_current=False)
+    app.conf.update(**caller_conf(redis_url))  # a plain Celery client's transport
+    queue = f"front-test-{os.getpid()}"
+    args = ["minilm", ["two", "texts"], {"normalize": True, "stream": False}]
+    try:
+        # as `tasks.api.infer.apply_async` sends it (its task's `ignore_result`)
+        app.send_task("gpufleet.infer", args, task_id="call-1", queue=queue, ignore_result=False)
+        sent = orjson.loads(redis_client.lpop(queue) or "")
+    finally:
+        redis_client.delete(queue)
+        app.close()
+    ours = orjson.loads(message(app, "gpufleet.infer", "call-1", args, queue))
+    for one in (sent, ours):
+        tag = one["properties"].pop("delivery_tag")
+        assert isinstance(tag, str) and len(tag) == 36  # a fresh uuid each
+        one["body"] = orjson.loads(base64.b64decode(one["body"]))
+    assert ours["body"] == [args, {}, {"callbacks": None, "errbacks": None, "chain": None,
+                                       "chord": None}]  # fmt: skip
+    assert ours == sent
+
+
+def test_more_calls_sent_at_once_than_the_client_has_connections_all_reach_the_queue(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    app = Celery(set_as_current=False)
+    queue = f"front-test-many-{os.getpid()}"
+
+    async def send_all() -> None:
+        client = redis.asyncio.Redis.from_url(redis_url, max_connections=4)
+        sender = Sender(app, client, queue=queue, pushes=4)
+        try:
+            await asyncio.gather(
+                *(sender.send("gpufleet.infer", f"call-{i}", ["m", "x", {}]) for i in range(200))
+            )
+        finally:
+            await client.aclose()
+
+    try:
+        asyncio.run(send_all())
+        ids = {orjson.loads(m)["headers"]["id"] for m in redis_client.lrange(queue, 0, -1)}
+    finally:
+        redis_client.delete(queue)
+        app.close()
+    assert ids == {f"call-{i}" for i in range(200)}

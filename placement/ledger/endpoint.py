@@ -117,15 +117,17 @@ class Endpoint:
         return primary
 
     def async_client(self, **kwargs: Any) -> redis.asyncio.Redis:
-        """An asyncio client of the primary, for a process that waits on many calls at once
-        (the HTTP front, `tasks.front`). It only reads, so a demoted primary (a replica
-        now, fed by the new one) needs no leaving; one that stops answering is left."""
+        """An asyncio client of the primary, for a process that sends and waits on many
+        calls at once (the HTTP front, `tasks.front`); like `client`, it leaves a server
+        that refuses writes (`AsyncPrimaryConnection`)."""
         if not self.watched:
             return redis.asyncio.Redis.from_url(self.url, **kwargs)
         sentinel = redis.asyncio.sentinel.Sentinel(  # type: ignore[no-untyped-call]
             list(self.sentinels), **self._sentinel_options(kwargs)
         )
-        primary: redis.asyncio.Redis = sentinel.master_for(self.master_name)
+        primary: redis.asyncio.Redis = sentinel.master_for(
+            self.master_name, connection_class=AsyncPrimaryConnection
+        )
         return primary
 
     def _sentinel_options(self, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -261,6 +263,19 @@ class PrimaryConnection(redis.sentinel.SentinelManagedConnection):
             if not refuses_writes(exc):
                 raise
             self.disconnect()  # type: ignore[no-untyped-call]
+            raise redis.ConnectionError(f"no primary to write to here: {exc}") from exc
+
+
+class AsyncPrimaryConnection(redis.asyncio.sentinel.SentinelManagedConnection):
+    """`PrimaryConnection` for asyncio clients."""
+
+    async def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await super().read_response(*args, **kwargs)
+        except ResponseError as exc:
+            if not refuses_writes(exc):
+                raise
+            await self.disconnect()
             raise redis.ConnectionError(f"no primary to write to here: {exc}") from exc
 
 

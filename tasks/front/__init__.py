@@ -33,7 +33,7 @@ def serve(
     settings = context.settings()
     key_file = KeyFile(keys)
     len(key_file)  # a missing or malformed key file fails here, not on the first request
-    front = Front(context.catalog(), key_file, settings.result_backend)
+    front = Front(context.catalog(), key_file, settings.result_backend, settings.broker_url)
     config = uvicorn.Config(
         build(front),
         host=host,

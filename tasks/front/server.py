@@ -5,9 +5,9 @@ sends it (`tasks.api`), so the router places it, the GPU workers batch it, and F
 the metrics count it like any other. The front holds no model and no ledger: it talks to
 Redis as the fleet's `caller` user, and may do nothing a caller may not.
 
-Sending goes through Celery (kombu is synchronous) on a worker thread for the moment it
-takes; waiting never holds a thread: results and streamed text come through the shared
-readers of `tasks.front.waiting`, so one process holds thousands of open calls.
+Sending is one async push of the message Celery would send (`tasks.front.sending`), and
+waiting never holds a thread: results and streamed text come through the shared readers of
+`tasks.front.waiting`, so one process holds thousands of open calls.
 
 A streamed call answers its status only once it has started: the first streamed entry
 (200, then server-sent events) or its result (an error has its own status). A client that
@@ -24,7 +24,6 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,20 +39,22 @@ from starlette.types import Receive, Scope, Send
 from placement.catalog.catalog import Catalog
 from placement.errors import ConfigError, GpufleetError, UnknownModelError
 from placement.ledger import endpoint
-from tasks.front import shapes
+from tasks.front import sending, shapes
 from tasks.front.keys import KeyFile
+from tasks.front.sending import Sender
 from tasks.front.shapes import Call, Failure, RequestError
 from tasks.front.waiting import Results, Stream, Streams
 
 log = logging.getLogger(__name__)
 
 CALL_TIMEOUT_S = 600.0  # the longest a call may take, as the project's client allows
-SENDERS = 32  # threads sending calls at once (each send takes a millisecond or two)
+CONNECTIONS = 2 * sending.PUSHES  # of the front's Redis client: its pushes, its readers
 MAX_BODY_BYTES = 8 * 1024 * 1024
 RESTARTED = (
     "the call ran again after its worker was lost and wrote other text than it had streamed"
     " (sampling without a seed); send it again, with a seed to make it repeatable"
 )  # a request body above this is refused (413) unread
+INFER, CANCEL = "gpufleet.infer", "gpufleet.cancel"  # the tasks it sends (`tasks.api`)
 #: The task each endpoint's model must serve.
 TASK_OF = {"chat": "text-generation", "completion": "text-generation"}
 TASK_OF["embedding"] = "feature-extraction"
@@ -61,28 +62,35 @@ TASK_OF["embedding"] = "feature-extraction"
 
 @dataclass
 class Front:
-    """What the front's requests share: the catalog, the keys, and the readers."""
+    """What the front's requests share: the catalog, the keys, the sender and the readers."""
 
     catalog: Catalog
     keys: KeyFile
     redis_url: str  # the fleet's result store, as the caller user
+    broker_url: str  # the fleet's broker, as the caller user
     results: Results = field(init=False)
     streams: Streams = field(init=False)
-    #: Threads that send calls (kombu blocks): a call holds one only while it is sent.
-    senders: ThreadPoolExecutor = field(init=False)
+    sender: Sender = field(init=False)
+    #: Cancels sent for callers gone, kept until they are (asyncio holds tasks weakly).
+    cancels: set[asyncio.Task[None]] = field(default_factory=set)
     started: int = field(default_factory=lambda: int(time.time()))
 
     async def start(self) -> None:
-        self.senders = ThreadPoolExecutor(SENDERS, thread_name_prefix="gpufleet-send")
-        client = endpoint.parse(self.redis_url).async_client(max_connections=64)
+        from tasks.app import app
+
+        client = endpoint.parse(self.redis_url).async_client(max_connections=CONNECTIONS)
+        broker = endpoint.parse(self.broker_url)
+        pusher = client if self.broker_url == self.redis_url else broker.async_client()
+        self.sender = Sender(app, pusher, replicated=broker.watched)  # half the connections
         self.results, self.streams = Results(client), Streams(client)
         self.results.start()
         self.streams.start()
 
     async def stop(self) -> None:
+        if self.cancels:  # sent as the clients left: let them reach Redis
+            await asyncio.wait(self.cancels, timeout=2.0)
         await self.streams.stop()
         await self.results.stop()
-        self.senders.shutdown(wait=False)
 
 
 def build(front: Front) -> Starlette:
@@ -235,22 +243,16 @@ def _new_id() -> str:
 async def _send(
     front: Front, call: Call, task_id: str | None = None
 ) -> tuple[str, asyncio.Future[dict[str, Any]]]:
-    """Send `call` as the project's client does (on a thread: kombu blocks), its result
-    watched first: its task id, and its result's meta to come (`CALL_TIMEOUT_S`)."""
-    from tasks.api import infer
-
+    """Send `call` as the project's client does (`tasks.api.infer`), its result watched
+    first: its task id, and its result's meta to come (`CALL_TIMEOUT_S`)."""
     params = {**call.params, "stream": True} if call.stream else call.params
     task_id = task_id or _new_id()
-
-    def publish() -> None:
-        infer.apply_async((call.model, call.inputs, params), task_id=task_id)
-
     try:
         watched = await front.results.watch(task_id)
     except (redis.RedisError, OSError) as exc:  # the result store is unreachable
         raise _Refused(_unreachable(task_id, exc)) from None
     try:
-        await asyncio.get_running_loop().run_in_executor(front.senders, publish)
+        await front.sender.send(INFER, task_id, [call.model, call.inputs, params])
     except Exception as exc:  # the broker is unreachable: the caller may try again
         front.results.forget(task_id)
         raise _Refused(_unreachable(task_id, exc)) from None
@@ -270,19 +272,20 @@ def _unreachable(task_id: str, exc: BaseException) -> Failure:
 
 
 def _cancel_soon(front: Front, task_id: str) -> None:
-    """Cancel `task_id` without waiting (its caller is gone)."""
-    from tasks.api import cancel
+    """Cancel `task_id` without waiting (its caller is gone): `tasks.api.cancel`."""
 
-    def send() -> None:
+    async def send() -> None:
         try:
-            cancel.delay(task_id)
+            await front.sender.send(CANCEL, _new_id(), [task_id])
         except Exception as exc:
             log.warning("could not cancel call %s: %s", task_id, exc)
 
-    try:
-        asyncio.get_running_loop().run_in_executor(front.senders, send)
-    except RuntimeError:  # the front stops: its threads are gone
-        log.warning("call %s was left running: the front stopped", task_id)
+    _keep(front.cancels, asyncio.ensure_future(send()))
+
+
+def _keep(tasks: set[asyncio.Task[None]], task: asyncio.Task[None]) -> None:
+    tasks.add(task)
+    task.add_done_callback(tasks.discard)
 
 
 async def _until_answered(

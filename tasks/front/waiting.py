@@ -27,6 +27,7 @@ import json
 import logging
 from typing import Any
 
+import orjson
 import redis.asyncio
 from celery import states
 
@@ -115,7 +116,7 @@ class Results:
         if raw is None or future is None or future.done():
             return
         try:
-            meta = json.loads(raw)
+            meta = _loads(raw)
         except ValueError:
             log.warning("%s holds no JSON result; left to time out", key)
             return
@@ -291,3 +292,12 @@ class Streams:
 
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _loads(raw: Any) -> Any:
+    """JSON through orjson (several times faster on an embedding's floats), or Python's
+    for the NaN and Infinity it writes and orjson refuses."""
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return json.loads(raw)
