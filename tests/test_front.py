@@ -16,6 +16,7 @@ import redis.asyncio
 from celery import Celery
 
 from placement.errors import ConfigError
+from placement.server.redis_server import RedisServer
 from tasks.config import caller_conf
 from tasks.front import keys, shapes
 from tasks.front.keys import KeyFile
@@ -175,8 +176,10 @@ def test_the_front_s_message_is_the_one_celery_pushes_for_the_same_call_but_its_
     queue = f"front-test-{os.getpid()}"
     args = ["minilm", ["two", "texts"], {"normalize": True, "stream": False}]
     try:
-        # as `tasks.api.infer.apply_async` sends it (its task's `ignore_result`)
-        app.send_task("gpufleet.infer", args, task_id="call-1", queue=queue, ignore_result=False)
+        # as `tasks.api.infer.apply_async((model, inputs, params))` sends it
+        app.send_task(
+            "gpufleet.infer", tuple(args), task_id="call-1", queue=queue, ignore_result=False
+        )
         sent = orjson.loads(redis_client.lpop(queue) or "")
     finally:
         redis_client.delete(queue)
@@ -214,3 +217,25 @@ def test_more_calls_sent_at_once_than_the_client_has_connections_all_reach_the_q
         redis_client.delete(queue)
         app.close()
     assert ids == {f"call-{i}" for i in range(200)}
+
+
+def test_a_call_sent_after_redis_restarted_reaches_it_on_a_new_connection() -> None:
+    app = Celery(set_as_current=False)
+
+    async def send_around_a_restart(server: RedisServer) -> None:
+        client = redis.asyncio.Redis.from_url(server.url)
+        sender = Sender(app, client, queue="calls")
+        try:
+            await sender.send("gpufleet.infer", "before", ["m", "x", {}])
+            server.restart()  # the client's pooled connection is closed by the server
+            await sender.send("gpufleet.infer", "after", ["m", "x", {}])
+        finally:
+            await client.aclose()
+
+    with RedisServer() as server:
+        asyncio.run(send_around_a_restart(server))
+        client = redis.Redis.from_url(server.url)
+        ids = [orjson.loads(m)["headers"]["id"] for m in client.lrange("calls", 0, -1)]
+        client.close()
+    app.close()
+    assert "after" in ids

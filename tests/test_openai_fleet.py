@@ -244,6 +244,10 @@ def test_each_bad_request_gets_openai_s_error_shape_and_the_right_status(
     headers = {"Authorization": f"Bearer {front['api_key']}", "Content-Type": "application/json"}
     broken = httpx.post(url, headers=headers, content=b'{"model": "talker", "messages": [')
     assert broken.status_code == 400 and "not JSON" in broken.json()["error"]["message"]
+    # valid JSON, but a lone surrogate is no Unicode text: a 400, not a 503 to retry
+    odd = b'{"model": "talker", "messages": [{"role": "user", "content": "a \\ud800 b"}]}'
+    surrogate = httpx.post(url, headers=headers, content=odd)
+    assert surrogate.status_code == 400 and "Unicode" in surrogate.json()["error"]["message"]
     for sent in ({}, {"Authorization": "Bearer gf-wrong"}, {"Authorization": "Basic x"}):
         refused = httpx.post(url, headers=sent, json=base)
         assert refused.status_code == 401, refused.text

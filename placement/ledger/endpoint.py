@@ -275,7 +275,7 @@ class AsyncPrimaryConnection(redis.asyncio.sentinel.SentinelManagedConnection):
         except ResponseError as exc:
             if not refuses_writes(exc):
                 raise
-            await self.disconnect()
+            await self.disconnect(nowait=True)
             raise redis.ConnectionError(f"no primary to write to here: {exc}") from exc
 
 

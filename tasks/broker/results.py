@@ -50,16 +50,6 @@ class Backend(RedisBackend):
     """Celery's Redis result backend, less the call's arguments in each result (above), and
     writing a failed call's error under that call's own id only (`_fail_chain`)."""
 
-    #: Whether sending a call subscribes this process to its result, as Celery's client does
-    #: for `.get()`. The HTTP front waits through readers of its own (`tasks.front.waiting`)
-    #: and turns it off: nothing would read those subscriptions, and each call sent would
-    #: leave one, its messages piling up unread.
-    subscribe_on_send = True
-
-    def on_task_call(self, producer: Any, task_id: str) -> None:
-        if self.subscribe_on_send:
-            super().on_task_call(producer, task_id)
-
     def _get_result_meta(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         meta: dict[str, Any] = super()._get_result_meta(*args, **kwargs)
         meta.pop("args", None)

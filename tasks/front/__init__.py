@@ -27,9 +27,6 @@ def serve(
     from tasks.front.server import Front, build
 
     _open_files()
-    from tasks.broker.results import Backend
-
-    Backend.subscribe_on_send = False  # results are read by the front's own readers
     settings = context.settings()
     key_file = KeyFile(keys)
     len(key_file)  # a missing or malformed key file fails here, not on the first request

@@ -30,6 +30,7 @@ from typing import Any
 import anyio
 import orjson
 import redis
+import redis.asyncio
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -48,12 +49,14 @@ from tasks.front.waiting import Results, Stream, Streams
 log = logging.getLogger(__name__)
 
 CALL_TIMEOUT_S = 600.0  # the longest a call may take, as the project's client allows
-CONNECTIONS = 2 * sending.PUSHES  # of the front's Redis client: its pushes, its readers
-MAX_BODY_BYTES = 8 * 1024 * 1024
+#: Connections of each of the front's Redis clients: its pushes and its readers.
+CONNECTIONS = 2 * sending.PUSHES
+MAX_BODY_BYTES = 8 * 1024 * 1024  # a request body above this is refused (413) unread
+CANCELS_DEADLINE_S = 5.0  # how long a stopping front gives the cancels it sent to land
 RESTARTED = (
     "the call ran again after its worker was lost and wrote other text than it had streamed"
     " (sampling without a seed); send it again, with a seed to make it repeatable"
-)  # a request body above this is refused (413) unread
+)
 INFER, CANCEL = "gpufleet.infer", "gpufleet.cancel"  # the tasks it sends (`tasks.api`)
 #: The task each endpoint's model must serve.
 TASK_OF = {"chat": "text-generation", "completion": "text-generation"}
@@ -74,23 +77,31 @@ class Front:
     #: Cancels sent for callers gone, kept until they are (asyncio holds tasks weakly).
     cancels: set[asyncio.Task[None]] = field(default_factory=set)
     started: int = field(default_factory=lambda: int(time.time()))
+    _pusher: redis.asyncio.Redis = field(init=False)
 
     async def start(self) -> None:
         from tasks.app import app
 
         client = endpoint.parse(self.redis_url).async_client(max_connections=CONNECTIONS)
         broker = endpoint.parse(self.broker_url)
-        pusher = client if self.broker_url == self.redis_url else broker.async_client()
-        self.sender = Sender(app, pusher, replicated=broker.watched)  # half the connections
+        self._pusher = client
+        if self.broker_url != self.redis_url:
+            self._pusher = broker.async_client(max_connections=CONNECTIONS)
+        self.sender = Sender(app, self._pusher, replicated=broker.watched)
         self.results, self.streams = Results(client), Streams(client)
         self.results.start()
         self.streams.start()
 
     async def stop(self) -> None:
-        if self.cancels:  # sent as the clients left: let them reach Redis
-            await asyncio.wait(self.cancels, timeout=2.0)
+        deadline = time.monotonic() + CANCELS_DEADLINE_S
+        while self.cancels and time.monotonic() < deadline:  # sent as clients left
+            await asyncio.wait(set(self.cancels), timeout=deadline - time.monotonic())
+        if self.cancels:
+            log.warning("%d calls were left running: the front stopped", len(self.cancels))
         await self.streams.stop()
         await self.results.stop()
+        if self.broker_url != self.redis_url:
+            await self._pusher.aclose()
 
 
 def build(front: Front) -> Starlette:
@@ -253,11 +264,16 @@ async def _send(
         raise _Refused(_unreachable(task_id, exc)) from None
     try:
         await front.sender.send(INFER, task_id, [call.model, call.inputs, params])
-    except Exception as exc:  # the broker is unreachable: the caller may try again
+    except GpufleetError:  # a payload that cannot be sent: nothing was
         front.results.forget(task_id)
-        raise _Refused(_unreachable(task_id, exc)) from None
-    except BaseException:
+        raise
+    except BaseException as exc:
+        # The broker is unreachable (the caller may try again), or the request ends: the
+        # push may have landed before it failed, and its call is cancelled.
         front.results.forget(task_id)
+        _cancel_soon(front, task_id)
+        if isinstance(exc, Exception):
+            raise _Refused(_unreachable(task_id, exc)) from None
         raise
     waiting = front.results.until(task_id, watched, CALL_TIMEOUT_S)
     return task_id, asyncio.ensure_future(waiting)
