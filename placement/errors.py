@@ -104,6 +104,10 @@ class UnknownTenantError(GpufleetError, LookupError):
     """No tenant of the fleet has that name; `gpufleet tenant list` names them."""
 
 
+class QuotaError(GpufleetError):
+    """A tenant has as many calls waiting as its `--max-queued` allows; send it again later."""
+
+
 class FleetStoppedError(GpufleetError):
     """The fleet stopped before the call ran; send it again once a fleet runs."""
 

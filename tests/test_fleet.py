@@ -179,7 +179,11 @@ def test_a_client_that_imports_nothing_from_gpufleet_gets_minilm_embeddings(
     assert result["model"] == "minilm"
     assert result["outputs"]["dim"] == 384
     assert len(result["outputs"]["embeddings"]) == 2
-    assert set(result["timings_ms"]) == {"queue", "batch_wait", "load", "compute", "batch_calls"}
+    timings = result["timings_ms"]
+    assert set(timings) == {
+        "queue", "batch_wait", "load", "compute", "batch_calls", "started_at", "ended_at"
+    }  # fmt: skip
+    assert timings["started_at"] <= timings["ended_at"] <= time.time() * 1000
     assert result["cache"] in ("cold", "hot")
 
 

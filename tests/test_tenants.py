@@ -157,11 +157,11 @@ def test_a_tenant_is_recorded_once_with_its_weight_and_the_digest_of_its_passwor
     assert tenants.forget(store, "team-a") and tenants.records(store) == {}
 
 
-def test_status_counts_each_tenants_calls_waiting_on_its_public_and_gpu_queues() -> None:
+def test_status_counts_each_tenants_calls_waiting_on_its_queues_and_parked_by_its_quota() -> None:
     from tasks.serving.status import tenants_report
 
     found = {
-        "a": tenants.Tenant("a", 3.0, "d"),
+        "a": tenants.Tenant("a", 3.0, "d", max_running=2, max_queued=10),
         "b": tenants.Tenant("b", 1.0, "d", removed_ms=5),
     }
     depths = {
@@ -172,10 +172,12 @@ def test_status_counts_each_tenants_calls_waiting_on_its_public_and_gpu_queues()
         "gpufleet.h.gpu1~a": 1,
         "gpufleet.h.gpu1~b": 9,
     }
-    assert tenants_report(found, depths) == [
-        {"name": "a", "weight": 3.0, "removed": False, "queued": 6},
-        {"name": "b", "weight": 1.0, "removed": True, "queued": 9},
-    ]
+    limits: dict[str, object] = {"max_running": 0, "max_queued": 0, "parked": 0, "let_in": 0}
+    assert tenants_report(found, depths, {"a": (2, 5)}) == [
+        {"name": "a", "weight": 3.0, "removed": False, "max_running": 2, "max_queued": 10,
+         "queued": 6 + 5, "parked": 5, "let_in": 2},
+        {"name": "b", "weight": 1.0, "removed": True, **limits, "queued": 9},
+    ]  # fmt: skip
 
 
 def message(headers: dict[str, object]) -> bytes:

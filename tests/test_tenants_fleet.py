@@ -3,7 +3,9 @@
 
 - a tenant's burst delays another tenant's calls by about a batch, not by the burst;
 - tenants that flood at once share the answers by their weights;
-- a tenant removed while its calls wait: every one is answered, and its user is gone.
+- a tenant removed while its calls wait: every one is answered, and its user is gone;
+- `--max-running`: never more of a tenant's calls at once, none failing for it;
+  `--max-queued`: the calls past it refused at once with `QuotaError`.
 
 Results live where every caller's do (the tenant's URL reads any call's result by its task
 id, as the `caller` user does): isolation of results between tenants is not built yet
@@ -29,7 +31,11 @@ from tests.running import REPO, RunningFleet, fleet_env, fleet_up
 
 pytestmark = pytest.mark.slow
 
-CATALOG = "models:\n  m: {source: synthetic, task: forward, memory: 256MiB}\n"
+SLOW = "{model_type: gpt2, n_layer: 6, n_head: 6, n_embd: 384, vocab_size: 2048, n_positions: 1024}"
+CATALOG = f"""models:
+  m: {{source: synthetic, task: forward, memory: 256MiB}}
+  slow: {{source: synthetic, task: text-generation, memory: 256MiB, config: {SLOW}}}
+"""
 TEXT = "tenants share the fleet"
 TIMEOUT_S = 180.0
 
@@ -146,3 +152,69 @@ def test_a_tenant_removed_while_its_calls_wait_has_every_one_answered_and_loses_
         time.sleep(0.2)
     assert "leaving" not in cli(env, "tenant", "list")
     assert running.proc.poll() is None
+
+
+def generate(client: Celery, text: str, tokens: int) -> Any:
+    params = {"max_new_tokens": tokens, "temperature": 0}
+    return client.send_task("gpufleet.infer", args=("slow", text, params))
+
+
+def most_at_once(answers: list[dict[str, Any]]) -> int:
+    """The most calls running at one moment, from each answer's own start and end."""
+    edges = []
+    for answer in answers:
+        timings = answer["timings_ms"]
+        edges += [(timings["started_at"], 1), (timings["ended_at"], -1)]
+    running = most = 0
+    for _, step in sorted(edges):  # at one instant, ends (-1) before starts
+        running += step
+        most = max(most, running)
+    return most
+
+
+def test_a_tenant_s_running_limit_holds_across_a_burst_and_no_call_fails_for_it(
+    fleet: tuple[RunningFleet, dict[str, str]],
+) -> None:
+    _, env = fleet
+    cli(env, "tenant", "add", "capped", "--max-running", "2")
+    client = tenant_client(env, "capped")
+    generate(client, "warm", 2).get(timeout=TIMEOUT_S)  # loaded; the router takes its queue
+    calls = [generate(client, f"story number {i}", 24) for i in range(12)]
+    answers = [c.get(timeout=TIMEOUT_S) for c in calls]
+    assert all(len(a["outputs"]["tokens"][0]) == 24 for a in answers)
+    assert most_at_once(answers) == 2  # as many as it may, never more
+    shown = {t["name"]: t for t in json.loads(cli(env, "status", "--json"))["tenants"]}
+    assert shown["capped"]["max_running"] == 2
+    assert (shown["capped"]["let_in"], shown["capped"]["parked"]) == (0, 0)  # all freed
+
+
+def test_calls_past_a_tenant_s_max_queued_are_refused_at_once_and_the_rest_answered(
+    fleet: tuple[RunningFleet, dict[str, str]],
+) -> None:
+    _, env = fleet
+    cli(env, "tenant", "add", "bounded", "--max-running", "1", "--max-queued", "3")
+    client = tenant_client(env, "bounded")
+    generate(client, "warm", 2).get(timeout=TIMEOUT_S)
+    long = generate(client, "a long story", 400)  # holds the one running slot
+    deadline = time.monotonic() + 30
+    while not _let_in(env, "bounded"):
+        assert time.monotonic() < deadline, "the long call was never let in"
+        time.sleep(0.05)
+    sent = time.monotonic()
+    calls = [generate(client, f"short {i}", 4) for i in range(8)]
+    refused, answered = [], []
+    for handle in calls:
+        try:
+            answered.append(handle.get(timeout=TIMEOUT_S))
+        except Exception as exc:
+            refused.append((type(exc).__name__, str(exc), time.monotonic() - sent))
+    assert long.get(timeout=TIMEOUT_S)["outputs"]["tokens"]
+    assert [name for name, _, _ in refused] == ["QuotaError"] * 5, refused
+    assert "--max-queued" in refused[0][1]
+    assert len(answered) == 3 and all(a["outputs"]["tokens"] for a in answered)
+    assert max(took for _, _, took in refused) < 5.0, refused  # not after the long call
+
+
+def _let_in(env: dict[str, str], name: str) -> int:
+    rows = json.loads(cli(env, "tenant", "list", "--json"))
+    return int(next(r["let_in"] for r in rows if r["name"] == name))

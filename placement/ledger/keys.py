@@ -94,6 +94,21 @@ class Keys:
         return f"{self.prefix}:tenants"
 
     # Records.
+    def tenant_running(self, name: str) -> str:
+        """Sorted set: the calls of tenant `name` let past its quota, not answered yet ->
+        when (ms; `placement.ledger.quotas`)."""
+        return f"{self.prefix}:tenant-running:{name}"
+
+    def tenant_parked(self, name: str) -> str:
+        """List: the messages of tenant `name`'s calls waiting for one of its running
+        slots, oldest last (`placement.ledger.quotas`)."""
+        return f"{self.prefix}:tenant-parked:{name}"
+
+    def tenant_handed_back(self, name: str) -> str:
+        """String: the message of tenant `name` last handed back from its parked list to its
+        public queue, behind which the next goes (`placement.ledger.quotas`)."""
+        return f"{self.prefix}:tenant-handed-back:{name}"
+
     def gpu(self, gpu_id: str) -> str:
         return f"{self.prefix}:gpu:{gpu_id}"
 

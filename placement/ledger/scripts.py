@@ -2,9 +2,9 @@
 
 Each `placement/ledger/lua/<name>.lua` opens with its KEYS/ARGV contract. `_lib.lua` holds
 helpers that are prepended to every script, since Redis 6 has no shared functions.
-`take.lua` and `move.lua` are the broker's, not the ledger's, and `forward.lua` is both
-(pick.lua and move.lua in one step): `tasks.broker.transport` sends
-`take` by `sha` and `source` on a connection whose replies it reads itself.
+`take.lua` and `move.lua` are the broker's, not the ledger's; `forward.lua` (pick.lua and
+move.lua in one step) and the tenants' `quota_*.lua` are both. `tasks.broker.transport`
+sends `take` by `sha` and `source` on a connection whose replies it reads itself.
 
 Scripts are called with EVALSHA over a connection each thread holds for itself, made
 with the client's own connection settings (password, TLS, database). redis-py's
@@ -54,6 +54,8 @@ NAMES = (
     "seen",
     "move",
     "forward",
+    "quota_enter",
+    "quota_leave",
 )
 
 

@@ -11,9 +11,10 @@ the GPU workers then serve competing tenants in proportion to their weights
 weight 1, on the router's queue `celery`: a fleet with no tenants serves as it always did.
 
 Records live in the registry's hash `gpufleet:{fleet}:tenants`, name -> JSON
-`{"weight": w, "digest": sha256-hex}`: the digest of the tenant's Redis password, which an
-ACL rule takes as `#<hex>` (the launcher gives each tenant its user on the bundled Redis,
-`placement.server.tenant_users`). The password itself is never stored here.
+`{"weight": w, "digest": sha256-hex, "max_running": n, "max_queued": m}`: the digest of
+the tenant's Redis password, which an ACL rule takes as `#<hex>` (the launcher gives each
+tenant its user on the bundled Redis, `placement.server.tenant_users`), and its quotas
+(`placement.ledger.quotas`; 0, or absent: none). The password itself is never stored here.
 
 A removed tenant's record stays, with `"removed_ms"` (when), while calls it sent before may
 still wait or come back: its user is gone at once, the workers still take its queues, and
@@ -24,6 +25,7 @@ behind, even one sent just before the router first took its queue.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -40,6 +42,7 @@ __all__ = [
     "Tenant",
     "add",
     "all_tenants",
+    "check_limit",
     "check_name",
     "forget",
     "key_prefix",
@@ -57,6 +60,7 @@ __all__ = [
 DEFAULT = ""
 #: The widest ratio of two tenants' shares a fleet takes (weights are 1/MAX..MAX apart).
 MAX_WEIGHT = 1000.0
+MAX_LIMIT = 1_000_000  # the largest quota a tenant may have (calls)
 _NAME = re.compile(r"[a-z][a-z0-9-]{0,31}")
 _QUEUE_HEAD, _QUEUE_TAIL = "t.", ".celery"
 _WORKER_SEP = "~"  # in no host name, so in no GPU worker's queue name
@@ -64,12 +68,14 @@ _WORKER_SEP = "~"  # in no host name, so in no GPU worker's queue name
 
 @dataclass(frozen=True)
 class Tenant:
-    """One tenant: its name, its weight, and the digest of its Redis password."""
+    """One tenant: its name, its weight, the digest of its Redis password, and its quotas."""
 
     name: str
     weight: float
     digest: str
     removed_ms: int = 0  # when it was removed (registry clock); 0: it was not
+    max_running: int = 0  # calls of it running at once, at most (0: no limit)
+    max_queued: int = 0  # calls of it waiting, at most; past it, `QuotaError` (0: no limit)
 
     @property
     def queue(self) -> str:
@@ -78,6 +84,22 @@ class Tenant:
     @property
     def removed(self) -> bool:
         return self.removed_ms > 0
+
+    @property
+    def limited(self) -> bool:
+        """Whether a quota applies to its calls (`placement.ledger.quotas`)."""
+        return self.max_running > 0 or self.max_queued > 0
+
+    def record(self) -> str:
+        """Its record's JSON (`records` reads it back)."""
+        fields: dict[str, Any] = {"weight": self.weight, "digest": self.digest}
+        if self.removed_ms:
+            fields["removed_ms"] = self.removed_ms
+        if self.max_running:
+            fields["max_running"] = self.max_running
+        if self.max_queued:
+            fields["max_queued"] = self.max_queued
+        return json.dumps(fields)
 
 
 def check_name(name: str) -> str:
@@ -101,6 +123,17 @@ def check_weight(weight: float) -> float:
             f"{weight!r}; a weight is a share, e.g. 3 against another's 1"
         )
     return float(weight)
+
+
+def check_limit(value: int, what: str) -> int:
+    """`value` if a tenant's quota `what` may be it (0, none, to `MAX_LIMIT`); raises
+    `ConfigError`."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_LIMIT:
+        raise ConfigError(
+            f"a tenant's {what} must be a whole number of calls from 0 (no limit) to "
+            f"{MAX_LIMIT}, got {describe(value)}"
+        )
+    return value
 
 
 def key_prefix(name: str) -> str:
@@ -150,11 +183,25 @@ def digest_of(password: str) -> str:
     return hashlib.sha256(password.encode()).hexdigest()
 
 
-def add(store: Store, name: str, weight: float, password: str) -> Tenant:
+def add(
+    store: Store,
+    name: str,
+    weight: float,
+    password: str,
+    *,
+    max_running: int = 0,
+    max_queued: int = 0,
+) -> Tenant:
     """Record a new tenant (in place of a removed one of the same name whose calls still
-    drain); raises `ConfigError` when the name is taken or invalid."""
-    tenant = Tenant(check_name(name), check_weight(weight), digest_of(password))
-    record = json.dumps({"weight": tenant.weight, "digest": tenant.digest})
+    drain); raises `ConfigError` when the name is taken or a value is invalid."""
+    tenant = Tenant(
+        check_name(name),
+        check_weight(weight),
+        digest_of(password),
+        max_running=check_limit(max_running, "--max-running"),
+        max_queued=check_limit(max_queued, "--max-queued"),
+    )
+    record = tenant.record()
     key = store.keys.tenants
 
     def take(pipe: Any) -> bool:
@@ -179,8 +226,8 @@ def remove(store: Store, name: str) -> Tenant:
     found = all_tenants(store).get(name)
     if found is None:
         raise UnknownTenantError(_unknown(store, name))
-    record = {"weight": found.weight, "digest": found.digest, "removed_ms": store.now_ms()}
-    store._one("hset", store.keys.tenants, name, json.dumps(record))
+    removed = dataclasses.replace(found, removed_ms=store.now_ms())
+    store._one("hset", store.keys.tenants, name, removed.record())
     return found
 
 
@@ -225,7 +272,14 @@ def _parse(name: str, text: str) -> Tenant | None:
         weight, digest = check_weight(data["weight"]), str(data["digest"])
         removed = data.get("removed_ms", 0)
         removed_ms = removed if isinstance(removed, int) and removed > 0 else 0
-        return Tenant(check_name(name), weight, digest, removed_ms)
+        return Tenant(
+            check_name(name),
+            weight,
+            digest,
+            removed_ms,
+            check_limit(data.get("max_running", 0), "max_running"),
+            check_limit(data.get("max_queued", 0), "max_queued"),
+        )
     except (ValueError, KeyError, TypeError, ConfigError):
         return None
 

@@ -116,6 +116,15 @@ class Pick:
     tenant: str = ""  # whose call: it goes to its tenant's queue of the worker (`Handover`)
 
 
+class Taken:
+    """A divert that moved the message itself, out of the in-flight list it was taken into
+    (a tenant's call parked until one of its running slots frees: `placement.ledger.quotas`):
+    counted delivered and acknowledged, as a message moved on is."""
+
+
+TAKEN = Taken()
+
+
 class QoS(kombu_redis.QoS):
     """Unacknowledged-message bookkeeping that gives back what it could not record, and
     that says which worker holds each message (`placement.ledger.keys.unacked_of`), so a dead
@@ -162,6 +171,9 @@ class QoS(kombu_redis.QoS):
             return False
         if isinstance(onward, Pick):
             return self._pick(message, delivery_tag, onward)
+        if isinstance(onward, Taken):
+            self._gone(message, delivery_tag)
+            return True
         return onward is not None and self._move(message, delivery_tag, onward)
 
     def _pick(self, message: Any, delivery_tag: str, pick: Pick) -> bool:
@@ -196,12 +208,16 @@ class QoS(kombu_redis.QoS):
             moved = self._after_failed_move(inflight, taken, delivery_tag, exc)
         if moved is None:
             return False
-        channel.taken = None
+        self._gone(message, delivery_tag)
         channel._idle = moved  # nothing else waits: block for the next call (`_brpop_start`)
+        return True
+
+    def _gone(self, message: Any, delivery_tag: str) -> None:
+        """Count `message`, moved out of its in-flight list, delivered and acknowledged."""
+        self.channel.taken = None
         virtual.QoS.append(self, message, delivery_tag)  # type: ignore[no-untyped-call]
         virtual.QoS.ack(self, delivery_tag)  # type: ignore[no-untyped-call]
         message._state = "ACK"
-        return True
 
     def _after_failed_move(
         self, inflight: str, taken: bytes, delivery_tag: str, exc: Exception
@@ -448,7 +464,7 @@ class Channel(kombu_redis.Channel):
     _strays_checked = 0.0  # when its in-flight lists were last looked in (`_put_back_strays`)
     #: Asked of each message this channel takes, before it is recorded as unacknowledged:
     #: where to send it on instead, or None (a router's hot calls: tasks/serving/forwarding.py).
-    divert: Callable[[Any], Onward | Pick | None] | None = None
+    divert: Callable[[Any], Onward | Pick | Taken | None] | None = None
     #: Answers a message this channel refuses as it takes it (`tasks.broker.intake.envelope`):
     #: the consumer stores its error as the call's result.
     refuse: Callable[[intake.Refused], None] | None = None

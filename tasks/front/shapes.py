@@ -353,6 +353,7 @@ _ERRORS: dict[str, tuple[int, str, str, int | None]] = {
     "PlanRejectedError": (503, "server_error", "fleet_busy", 1),
     "EvictedError": (503, "server_error", "fleet_busy", 1),
     "FleetStoppedError": (503, "server_error", "fleet_stopped", 5),
+    "QuotaError": (429, "rate_limit_error", "quota_exceeded", 1),
     "TaskRevokedError": (409, "invalid_request_error", "cancelled", None),
 }
 

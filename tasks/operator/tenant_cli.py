@@ -128,14 +128,18 @@ def _wait_for_user(url: str) -> None:
             client.close()
 
 
-def add(s: Settings, name: str, weight: float) -> tuple[tenants.Tenant, str, str | None]:
+def add(
+    s: Settings, name: str, weight: float, max_running: int = 0, max_queued: int = 0
+) -> tuple[tenants.Tenant, str, str | None]:
     """Add tenant `name`: returns it, its URL, and for a Redis of your own the ACL line
     to load (None on the bundled Redis, where its user exists on return)."""
     _plain_redis(s.registry_url)
     registry, bundled = _registry(s)
     password = secrets.token_urlsafe(24)
     try:
-        tenant = tenants.add(registry, name, weight, password)
+        tenant = tenants.add(
+            registry, name, weight, password, max_running=max_running, max_queued=max_queued
+        )
         _save(s, {**_passwords(s), name: password})
         url = user_url(s.registry_url, tenants.user_of(name), password)
         if bundled:
@@ -153,11 +157,21 @@ def add_command(
     weight: Annotated[
         float, typer.Option(help="Its share against other tenants' when they compete.")
     ] = 1.0,
+    max_running: Annotated[
+        int,
+        typer.Option(help="Its calls running at once, at most; the rest wait, in order (0: any)."),
+    ] = 0,
+    max_queued: Annotated[
+        int,
+        typer.Option(
+            help="Its calls waiting, at most; a call past it gets QuotaError at once (0: any)."
+        ),
+    ] = 0,
 ) -> None:
-    """Add a tenant: its own Redis user and queue, and its weight. Prints its URL (a plain
-    Celery client's settings: `gpufleet url --tenant NAME --json`)."""
+    """Add a tenant: its own Redis user and queue, its weight and its quotas. Prints its URL
+    (a plain Celery client's settings: `gpufleet url --tenant NAME --json`)."""
     s = settings()
-    tenant, url, line = guard(lambda: add(s, name, weight))
+    tenant, url, line = guard(lambda: add(s, name, weight, max_running, max_queued))
     if line is not None:
         err.print(
             "This fleet runs on a Redis of yours: add this line to its ACL file and load it "
@@ -165,7 +179,14 @@ def add_command(
             highlight=False,
         )
         typer.echo(line)
-    err.print(f"tenant {tenant.name} added, weight {tenant.weight:g}; its URL:", highlight=False)
+    quota = "".join(
+        f", {what} {value}"
+        for what, value in (("max running", tenant.max_running), ("max queued", tenant.max_queued))
+        if value
+    )
+    err.print(
+        f"tenant {tenant.name} added, weight {tenant.weight:g}{quota}; its URL:", highlight=False
+    )
     typer.echo(url)
 
 
@@ -173,7 +194,8 @@ def add_command(
 def list_command(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
-    """The fleet's tenants: name, weight, and calls waiting on its queue."""
+    """The fleet's tenants: name, weight, quotas, and calls waiting on its queue, let in
+    under its quota (not answered yet) and parked for a running slot."""
     s = settings()
 
     def read() -> list[dict[str, Any]]:
@@ -184,13 +206,19 @@ def list_command(
             for tenant in found.values():
                 for key in _lists(tenant.queue):
                     pipe.llen(key)
+                pipe.zcard(registry.keys.tenant_running(tenant.name))
+                pipe.llen(registry.keys.tenant_parked(tenant.name))
             counts = iter(pipe.execute())
             return [
                 {
                     "name": t.name,
                     "weight": t.weight,
+                    "max_running": t.max_running,
+                    "max_queued": t.max_queued,
                     "queue": t.queue,
                     "waiting": sum(next(counts) for _ in _lists(t.queue)),
+                    "let_in": next(counts),
+                    "parked": next(counts),
                 }
                 for t in found.values()
             ]
@@ -201,9 +229,13 @@ def list_command(
     if as_json:
         typer.echo(json.dumps(rows, indent=2))
         return
-    table = Table("tenant", "weight", "queue", "waiting")
+    table = Table("tenant", "weight", "max running", "max queued", "queue", "waiting", "parked")
     for row in rows:
-        table.add_row(row["name"], f"{row['weight']:g}", row["queue"], str(row["waiting"]))
+        limits = [str(row[k] or "-") for k in ("max_running", "max_queued")]
+        table.add_row(
+            row["name"], f"{row['weight']:g}", *limits, row["queue"], str(row["waiting"]),
+            str(row["parked"]),
+        )  # fmt: skip
     Console().print(table)
 
 

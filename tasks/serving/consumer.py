@@ -50,7 +50,7 @@ from placement.errors import GpufleetError, PayloadError
 from tasks import context
 from tasks.broker import intake, results
 from tasks.broker.intake import LEASE_HEADER, PUBLIC_TASKS, is_name
-from tasks.serving import batching, cancelling, forwarding, leases, tenancy
+from tasks.serving import batching, cancelling, forwarding, leases, quotas, tenancy
 from tasks.serving.batching import Batcher
 from tasks.serving.cancelling import Cancels
 from worker.generation.params import MAX_ROWS
@@ -90,6 +90,7 @@ class Consumer(CeleryConsumer):
         if context.role() == "router":
             self._cancels = Cancels(self.app, lambda: self.qos)
             self._every(tenancy.POLL_S, tenancy.follow_queues, self)
+            self._every(tenancy.POLL_S, quotas.sweep)
         elif context.role() == "gpu":
             self._every(tenancy.POLL_S, tenancy.follow_worker_queues, self)
 
@@ -182,10 +183,15 @@ class Consumer(CeleryConsumer):
         passed_on = (InvalidTaskError, ContentDisallowed, DecodeError, *self.connection_errors)
 
         def task_message_handler(message: Any, body: Any, *args: Any, **kwargs: Any) -> Any:
+            if message.acknowledged:  # a router's, moved on as it took it (forwarded, parked)
+                return None
             try:
                 intake.check(message, tasks)
             except GpufleetError as exc:
                 return self.refuse(message, exc)
+            over_quota = quotas.refusal(message)  # a router's, as it took it
+            if over_quota is not None:
+                return self.refuse(message, over_quota)
             if self._answered_already(message):
                 return self._settle_answered(message)
             try:

@@ -45,14 +45,15 @@ from celery.worker import state as worker_state
 
 from placement.errors import GpufleetError
 from placement.ledger.hot import GONE, Handover
+from placement.ledger.quotas import Entry
 from placement.ledger.registry import Registry
 from placement.ledger.tenants import worker_queue
 from tasks import context
 from tasks.app import app
 from tasks.broker import intake
 from tasks.broker.intake import COUNTED_HEADER, LEASE_HEADER
-from tasks.broker.transport import Onward, Pick
-from tasks.serving import leases, routed, tenancy
+from tasks.broker.transport import TAKEN, Onward, Pick, Taken
+from tasks.serving import leases, quotas, routed, tenancy
 from tasks.serving.calls import counted_in, infer_arguments, tenant_in
 
 log = logging.getLogger(__name__)
@@ -66,7 +67,7 @@ _Strategy = Callable[..., Any]
 def install(channel: Any, strategy: _Strategy) -> _Strategy:
     """Make `channel` (a router's task channel) forward hot calls as it takes them; returns
     Celery's strategy for `gpufleet.infer`, which skips the calls forwarded."""
-    channel.divert = Forwarder()
+    channel.divert = Forwarder(channel)
 
     def task_message_handler(
         message: Any, body: Any, ack: Any, reject: Any, callbacks: Any, **kwargs: Any
@@ -79,9 +80,18 @@ def install(channel: Any, strategy: _Strategy) -> _Strategy:
 
 
 class Forwarder:
-    """Says where a hot call goes on to (its replica's GPU worker queue, with a lease)."""
+    """Says where a hot call goes on to (its replica's GPU worker queue, with a lease),
+    once its tenant's quota lets it in (`tasks.serving.quotas`)."""
 
-    def __call__(self, message: Any) -> Onward | Pick | None:
+    def __init__(self, channel: Any) -> None:
+        self._channel = channel  # its `taken`: the message's in-flight list and bytes
+
+    def __call__(self, message: Any) -> Onward | Pick | Taken | None:
+        entry = quotas.enter(message, self._channel.taken)
+        if entry in (Entry.PARKED, Entry.GONE):
+            return TAKEN  # parked, or given back by a sweep: not this router's now
+        if entry is Entry.REFUSED:
+            return None  # the consumer answers it (`quotas.refusal`)
         plain = plain_call(message)
         if plain is None:
             return None

@@ -96,6 +96,10 @@ def serve(task: Task, call: Call) -> dict[str, Any]:
         "load": round(served.load_ms, 3),
         "compute": round(served.compute_ms, 3),
         "batch_calls": served.batch,
+        # when it began to run here (its batch, or its join of a generation) and ended,
+        # epoch ms: what ran at once, from the calls' own answers
+        "started_at": started,
+        "ended_at": int(time.time() * 1000),
     }
     if served.first_token_ms is not None:
         timings["first_token"] = round(served.first_token_ms, 3)

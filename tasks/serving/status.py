@@ -17,7 +17,7 @@ from typing import Any
 import redis
 
 from placement.errors import GpufleetError
-from placement.ledger import endpoint, generation, tenants
+from placement.ledger import endpoint, generation, quotas, tenants
 from placement.ledger.load import placed_replicas, read_loads
 from placement.ledger.registry import Registry
 from placement.ledger.report import load_report, request_report, status_report
@@ -50,7 +50,7 @@ def full_status(registry: Registry, broker_url: str) -> dict[str, Any]:
         report["queues"] = {
             q: sum(int(next(depths)) for _ in presence.PRIORITY_STEPS) for q in sorted(queues)
         }
-        report["tenants"] = tenants_report(found, report["queues"])
+        report["tenants"] = tenants_report(found, report["queues"], _quota_counts(registry, found))
         report["stranded"] = presence.stranded(client, queues, snap.live_queues)
         report["quarantined"] = quarantine.count(client)
         report["problems"] = (
@@ -66,17 +66,37 @@ def full_status(registry: Registry, broker_url: str) -> dict[str, Any]:
     return report
 
 
-def tenants_report(found: dict[str, Tenant], depths: dict[str, int]) -> list[dict[str, Any]]:
-    """Per tenant: its weight, whether it was removed (its calls still drain), and how
-    many of its calls wait on its queues (its public one and its GPU workers' ones)."""
+def tenants_report(
+    found: dict[str, Tenant], depths: dict[str, int], held: dict[str, tuple[int, int]]
+) -> list[dict[str, Any]]:
+    """Per tenant: its weight, whether it was removed (its calls still drain), its quotas,
+    how many of its calls wait on its queues (its public one and its GPU workers' ones,
+    and parked for a running slot), and how many are let in under its quota (`held`:
+    name -> (let in, parked), `placement.ledger.quotas.counts`)."""
     waiting: dict[str, int] = {}
     for queue, depth in depths.items():
         name = tenant_of(queue) or split_queue(queue)[1]
         waiting[name] = waiting.get(name, 0) + depth
-    return [
-        {"name": t.name, "weight": t.weight, "removed": t.removed, "queued": waiting.get(t.name, 0)}
-        for t in found.values()
-    ]
+    rows = []
+    for t in found.values():
+        let_in, parked = held.get(t.name, (0, 0))
+        rows.append(
+            {
+                "name": t.name,
+                "weight": t.weight,
+                "removed": t.removed,
+                "max_running": t.max_running,
+                "max_queued": t.max_queued,
+                "queued": waiting.get(t.name, 0) + parked,
+                "parked": parked,
+                "let_in": let_in,
+            }
+        )
+    return rows
+
+
+def _quota_counts(registry: Registry, found: dict[str, Tenant]) -> dict[str, tuple[int, int]]:
+    return {t.name: quotas.counts(registry, t.name) for t in found.values() if t.limited}
 
 
 def generation_report(registry: Registry, snap: Snapshot) -> dict[str, Any]:
