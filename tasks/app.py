@@ -24,9 +24,10 @@ app.conf.task_routes = ("tasks.serving.routing.route",)
 # tasks.broker.claim (every worker claims the fleet's broker database); then
 # tasks.broker.quarantine counts the calls its predecessor died holding, and
 # tasks.broker.presence records the worker, once it is sure the broker's calls are its
-# fleet's.
+# fleet's. tasks.serving.quotas and tasks.serving.accounting free a tenant's running
+# slots and count its usage as its calls end (`task_postrun`), wherever they end.
 app.conf.include = (
-    ["tasks.api", "tasks.serving.scaling"]
+    ["tasks.api", "tasks.serving.scaling", "tasks.serving.quotas", "tasks.serving.accounting"]
     + (["tasks.serving.gpu"] if settings().role == "gpu" else [])
     + [
         "tasks.operator.metrics",

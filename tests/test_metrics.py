@@ -254,3 +254,36 @@ def test_status_names_the_worker_that_owns_each_gpu_and_whether_it_lives(
     assert "w-gone" in rows["h1:0"] and "dead" in rows["h1:0"]
     cells = [line.split("│")[5].strip() for line in table.output.splitlines() if "│" in line]
     assert cells.count("alive") == 2 and cells.count("lease expired") == 1
+
+
+def test_each_tenant_s_usage_and_quota_counts_are_series_labelled_by_tenant(
+    reg: Registry, redis_url: str
+) -> None:
+    from placement.ledger import tenants, usage
+    from placement.ledger.usage import Usage
+    from tasks.serving.accounting import used_by
+
+    tenants.add(reg, "team-a", 1, "pw", max_running=2)
+    tenants.add(reg, "team-b", 1, "pw")
+    generated = {
+        "outputs": {"tokens": [[1, 2, 3], [4]], "prompt_tokens": [5, 6]},
+        "timings_ms": {"queue": 12.0, "compute": 80.0, "batch_calls": 4},
+    }
+    embedded = {"outputs": {"tokens": 9}, "timings_ms": {"queue": 3.0, "compute": 10.0}}
+    for used in (used_by(generated), used_by(embedded), Usage(calls=1, failed=1)):
+        usage.record(reg, "team-a", used)
+    reg.client.zadd(reg.keys.tenant_running("team-a"), {"call-1": 1})  # one let in now
+    samples = scrape(reg, redis_url)
+
+    def of(name: str, **labels: str) -> float:
+        return samples[(name, tuple(sorted({"tenant": "team-a", **labels}.items())))]
+
+    assert of("gpufleet_tenant_calls_total", outcome="ok") == 2
+    assert of("gpufleet_tenant_calls_total", outcome="failed") == 1
+    assert of("gpufleet_tenant_gpu_seconds_total") == pytest.approx((80 / 4 + 10) / 1000)
+    assert of("gpufleet_tenant_tokens_total", direction="in") == 5 + 6 + 9
+    assert of("gpufleet_tenant_tokens_total", direction="out") == 3 + 1
+    assert of("gpufleet_tenant_wait_seconds_total") == pytest.approx(0.015)
+    assert of("gpufleet_tenant_let_in") == 1
+    idle = (("outcome", "ok"), ("tenant", "team-b"))
+    assert samples[("gpufleet_tenant_calls_total", idle)] == 0  # listed before its first call

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from placement.errors import ConfigError, PayloadError, UnknownTenantError
 from placement.ledger import tenants
 from placement.ledger.store import Store
+from placement.ledger.usage import Usage
 from placement.rules.fairness import FairOrder, FairTurns
 from placement.server.acl import ADMIN, Users, tenant_line, user_url
 from placement.server.redis_server import RedisServer, find_redis_server, redis_version
@@ -173,11 +174,16 @@ def test_status_counts_each_tenants_calls_waiting_on_its_queues_and_parked_by_it
         "gpufleet.h.gpu1~b": 9,
     }
     limits: dict[str, object] = {"max_running": 0, "max_queued": 0, "parked": 0, "let_in": 0}
-    assert tenants_report(found, depths, {"a": (2, 5)}) == [
+    used = {"a": Usage(calls=4, failed=1, gpu_ms=1500.0, tokens_in=7, tokens_out=9, wait_ms=80.0)}
+    rows = tenants_report(found, depths, {"a": (2, 5)}, used)
+    assert rows == [
         {"name": "a", "weight": 3.0, "removed": False, "max_running": 2, "max_queued": 10,
-         "queued": 6 + 5, "parked": 5, "let_in": 2},
-        {"name": "b", "weight": 1.0, "removed": True, **limits, "queued": 9},
+         "queued": 6 + 5, "parked": 5, "let_in": 2, "calls": 4, "failed": 1,
+         "gpu_seconds": 1.5, "tokens_in": 7, "tokens_out": 9, "mean_wait_s": 0.02},
+        {"name": "b", "weight": 1.0, "removed": True, **limits, "queued": 9,
+         **Usage().report()},
     ]  # fmt: skip
+    assert rows[1]["calls"] == 0 and rows[1]["mean_wait_s"] is None
 
 
 def message(headers: dict[str, object]) -> bytes:

@@ -178,14 +178,24 @@ def test_a_tenant_s_running_limit_holds_across_a_burst_and_no_call_fails_for_it(
     _, env = fleet
     cli(env, "tenant", "add", "capped", "--max-running", "2")
     client = tenant_client(env, "capped")
-    generate(client, "warm", 2).get(timeout=TIMEOUT_S)  # loaded; the router takes its queue
+    warm = generate(client, "warm", 2).get(timeout=TIMEOUT_S)  # the router takes its queue
     calls = [generate(client, f"story number {i}", 24) for i in range(12)]
     answers = [c.get(timeout=TIMEOUT_S) for c in calls]
     assert all(len(a["outputs"]["tokens"][0]) == 24 for a in answers)
     assert most_at_once(answers) == 2  # as many as it may, never more
+    time.sleep(0.5)  # each call is counted after its answer is stored
     shown = {t["name"]: t for t in json.loads(cli(env, "status", "--json"))["tenants"]}
-    assert shown["capped"]["max_running"] == 2
-    assert (shown["capped"]["let_in"], shown["capped"]["parked"]) == (0, 0)  # all freed
+    capped = shown["capped"]
+    assert capped["max_running"] == 2
+    assert (capped["let_in"], capped["parked"]) == (0, 0)  # every slot freed
+    # its usage, counted by the GPU worker, against what its answers say
+    answers.append(warm)
+    outputs = [a["outputs"] for a in answers]
+    assert (capped["calls"], capped["failed"]) == (13, 0), json.dumps(capped)
+    assert capped["tokens_out"] == sum(len(o["tokens"][0]) for o in outputs) == 12 * 24 + 2
+    assert capped["tokens_in"] == sum(sum(o["prompt_tokens"]) for o in outputs)
+    computed = sum(a["timings_ms"]["compute"] for a in answers) / 1000
+    assert 0 < capped["gpu_seconds"] <= computed + 0.01
 
 
 def test_calls_past_a_tenant_s_max_queued_are_refused_at_once_and_the_rest_answered(

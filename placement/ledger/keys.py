@@ -109,6 +109,10 @@ class Keys:
         public queue, behind which the next goes (`placement.ledger.quotas`)."""
         return f"{self.prefix}:tenant-handed-back:{name}"
 
+    def tenant_usage(self, name: str) -> str:
+        """Hash: what tenant `name`'s calls used (`placement.ledger.usage`)."""
+        return f"{self.prefix}:tenant-usage:{name}"
+
     def gpu(self, gpu_id: str) -> str:
         return f"{self.prefix}:gpu:{gpu_id}"
 

@@ -232,8 +232,9 @@ def remove(store: Store, name: str) -> Tenant:
 
 
 def forget(store: Store, name: str) -> bool:
-    """Forget removed tenant `name`'s record (its queue is empty); False when it is not
-    a removed tenant's (added again meanwhile, or forgotten already)."""
+    """Forget removed tenant `name`'s record, with its quota's and usage's keys (its queues
+    and parked list are empty); False when it is not a removed tenant's (added again
+    meanwhile, or forgotten already)."""
     key = store.keys.tenants
 
     def drop(pipe: Any) -> bool:
@@ -242,6 +243,9 @@ def forget(store: Store, name: str) -> bool:
             return False
         pipe.multi()
         pipe.hdel(key, name)
+        keys = store.keys
+        pipe.delete(keys.tenant_running(name), keys.tenant_handed_back(name))
+        pipe.delete(keys.tenant_usage(name))
         return True
 
     return bool(

@@ -60,6 +60,7 @@ class FleetCollector(Collector):
         yield from _replicas(report)
         yield from _load(report["load"])
         yield from _generation(report["generation"])
+        yield from _tenants(report["tenants"])
         depth = GaugeMetricFamily(
             "gpufleet_queue_depth", "Messages waiting in a fleet queue", labels=["queue"]
         )
@@ -115,6 +116,42 @@ def _requests(requests: dict[str, Any]) -> Iterator[Metric]:
             gauge = GaugeMetricFamily(name, f"Since the fleet began (target {target})")
             gauge.add_metric([], fleet[key])
             yield gauge
+
+
+def _tenants(rows: list[dict[str, Any]]) -> Iterator[Metric]:
+    """Per tenant (docs/metrics.md, "Tenants"): its calls, GPU time, tokens and waiting
+    (counters), and its calls waiting and let in under its quota now (gauges)."""
+    label = ["tenant"]
+    calls = CounterMetricFamily(
+        "gpufleet_tenant_calls", "A tenant's calls answered, by outcome", labels=[*label, "outcome"]
+    )
+    gpu = CounterMetricFamily(
+        "gpufleet_tenant_gpu_seconds", "A tenant's share of the forward passes' time", labels=label
+    )
+    tokens = CounterMetricFamily(
+        "gpufleet_tenant_tokens", "A tenant's tokens, in (prompts, inputs) and out (generated)",
+        labels=[*label, "direction"],
+    )  # fmt: skip
+    wait = CounterMetricFamily(
+        "gpufleet_tenant_wait_seconds", "A tenant's calls' time from router to pass", labels=label
+    )
+    queued = GaugeMetricFamily(
+        "gpufleet_tenant_queued", "A tenant's calls waiting now (queues, parked)", labels=label
+    )
+    let_in = GaugeMetricFamily(
+        "gpufleet_tenant_let_in", "A tenant's calls holding a running slot now", labels=label
+    )
+    for row in rows:
+        name = [row["name"]]
+        calls.add_metric([*name, "ok"], row["calls"] - row["failed"])
+        calls.add_metric([*name, "failed"], row["failed"])
+        gpu.add_metric(name, row["gpu_seconds"])
+        tokens.add_metric([*name, "in"], row["tokens_in"])
+        tokens.add_metric([*name, "out"], row["tokens_out"])
+        wait.add_metric(name, (row["mean_wait_s"] or 0.0) * row["calls"])
+        queued.add_metric(name, row["queued"])
+        let_in.add_metric(name, row["let_in"])
+    yield from (calls, gpu, tokens, wait, queued, let_in)
 
 
 def _generation(models: dict[str, Any]) -> Iterator[Metric]:

@@ -39,6 +39,11 @@ def hops_of(request: Any) -> int:
     return _hops(_header(request, HOPS_HEADER))
 
 
+#: The tasks a call runs as, under its own task id: `gpufleet.infer` (routed by a router, or
+#: forwarded as it is) and `gpufleet.run` (what a router hands a placed call on as).
+CALL_TASKS = frozenset({"gpufleet.infer", "gpufleet.run"})
+
+
 def counted_of(request: Any) -> bool:
     """Whether the call's outcome is counted already (docs/metrics.md): its message says so
     (`COUNTED_HEADER`), or it was routed again."""

@@ -34,11 +34,11 @@ from tasks import context
 from tasks.app import app
 from tasks.broker import results
 from tasks.serving import tenancy
-from tasks.serving.calls import tenant_in, tenant_of
+from tasks.serving.calls import CALL_TASKS, tenant_in, tenant_of
 
 log = logging.getLogger(__name__)
 
-TASK = "gpufleet.infer"
+TASK = "gpufleet.infer"  # what a caller sends, which a router takes
 #: The attribute of a taken message `enter` refused; the consumer answers it (`refusal`).
 REFUSED = "gpufleet_quota_refusal"
 
@@ -127,11 +127,11 @@ def _leave(tenant_name: str, task_id: Any) -> None:
 def _answered(
     sender: Any = None, task_id: Any = None, task: Any = None, state: Any = None, **_: Any
 ) -> None:
-    if getattr(sender, "name", None) == TASK and state in states.READY_STATES:
+    if getattr(sender, "name", None) in CALL_TASKS and state in states.READY_STATES:
         _leave(tenant_of(task.request), task_id)
 
 
 @task_revoked.connect
 def _revoked(sender: Any = None, request: Any = None, **_: Any) -> None:
-    if getattr(sender, "name", None) == TASK and request is not None:
+    if getattr(sender, "name", None) in CALL_TASKS and request is not None:
         _leave(tenant_of(request), getattr(request, "id", None))

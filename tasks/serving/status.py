@@ -17,11 +17,12 @@ from typing import Any
 import redis
 
 from placement.errors import GpufleetError
-from placement.ledger import endpoint, generation, quotas, tenants
+from placement.ledger import endpoint, generation, quotas, tenants, usage
 from placement.ledger.load import placed_replicas, read_loads
 from placement.ledger.registry import Registry
 from placement.ledger.report import load_report, request_report, status_report
 from placement.ledger.tenants import Tenant, split_queue, tenant_of
+from placement.ledger.usage import Usage
 from placement.policy.state import Snapshot
 from tasks import context
 from tasks.broker import presence, quarantine
@@ -50,7 +51,12 @@ def full_status(registry: Registry, broker_url: str) -> dict[str, Any]:
         report["queues"] = {
             q: sum(int(next(depths)) for _ in presence.PRIORITY_STEPS) for q in sorted(queues)
         }
-        report["tenants"] = tenants_report(found, report["queues"], _quota_counts(registry, found))
+        report["tenants"] = tenants_report(
+            found,
+            report["queues"],
+            _quota_counts(registry, found),
+            usage.read(registry, list(found)),
+        )
         report["stranded"] = presence.stranded(client, queues, snap.live_queues)
         report["quarantined"] = quarantine.count(client)
         report["problems"] = (
@@ -67,12 +73,16 @@ def full_status(registry: Registry, broker_url: str) -> dict[str, Any]:
 
 
 def tenants_report(
-    found: dict[str, Tenant], depths: dict[str, int], held: dict[str, tuple[int, int]]
+    found: dict[str, Tenant],
+    depths: dict[str, int],
+    held: dict[str, tuple[int, int]],
+    used: dict[str, Usage],
 ) -> list[dict[str, Any]]:
     """Per tenant: its weight, whether it was removed (its calls still drain), its quotas,
     how many of its calls wait on its queues (its public one and its GPU workers' ones,
-    and parked for a running slot), and how many are let in under its quota (`held`:
-    name -> (let in, parked), `placement.ledger.quotas.counts`)."""
+    and parked for a running slot), how many are let in under its quota (`held`:
+    name -> (let in, parked), `placement.ledger.quotas.counts`), and what its calls used
+    (`used`, `placement.ledger.usage`)."""
     waiting: dict[str, int] = {}
     for queue, depth in depths.items():
         name = tenant_of(queue) or split_queue(queue)[1]
@@ -90,6 +100,7 @@ def tenants_report(
                 "queued": waiting.get(t.name, 0) + parked,
                 "parked": parked,
                 "let_in": let_in,
+                **used.get(t.name, Usage()).report(),
             }
         )
     return rows

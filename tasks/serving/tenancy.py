@@ -32,7 +32,7 @@ from collections.abc import Callable
 from typing import Any
 
 from placement.errors import GpufleetError
-from placement.ledger import tenants
+from placement.ledger import quotas, tenants
 from placement.ledger.tenants import DEFAULT, Tenant, split_queue, worker_queue
 from tasks import context
 from tasks.broker import presence
@@ -43,6 +43,9 @@ log = logging.getLogger(__name__)
 #: How often a worker reads the tenants: how long a new tenant waits for the router to
 #: take its calls, and a new weight to apply.
 POLL_S = 1.0
+#: How often a process reads the tenants again for a name it has not seen (a call of a
+#: tenant added since its last read; bounds the reads a forgotten tenant's calls cause).
+UNSEEN_S = 0.05
 #: How long a removed tenant's queues are still taken (see `forget_removed`). As long as a
 #: dead worker's record is kept (`tasks.broker.presence.KEEP_GONE_MS`): longer than any
 #: call of it can still be on its way back (the visibility timeout, retries, re-routes).
@@ -58,11 +61,11 @@ class Tenancy:
         self._records: dict[str, Tenant] = {}
         self._read_at = -float("inf")
 
-    def refresh(self) -> dict[str, Tenant]:
+    def refresh(self, within: float = POLL_S) -> dict[str, Tenant]:
         """Every tenant's record by name, removed ones included, read again when older
-        than `POLL_S` (kept as they were while the registry cannot say)."""
+        than `within` seconds (kept as they were while the registry cannot say)."""
         now = time.monotonic()
-        if now - self._read_at >= POLL_S:
+        if now - self._read_at >= within:
             self._read_at = now
             try:
                 self._records = tenants.records(context.registry())
@@ -72,8 +75,15 @@ class Tenancy:
 
     def known(self, tenant: str) -> str:
         """`tenant`, if the fleet has its record (removed or not), else the default
-        tenant: a call of a tenant no worker takes queues for goes to the worker's own."""
-        return tenant if tenant in self.refresh() else DEFAULT
+        tenant: a call of a tenant no worker takes queues for goes to the worker's own.
+        A name this process has not seen is looked up again first (`UNSEEN_S`): a tenant
+        added within the last `POLL_S` is known to the router that took its call before
+        it is to this process (a router's pool child)."""
+        if tenant == DEFAULT:
+            return DEFAULT
+        if tenant not in self.refresh():
+            self.refresh(UNSEEN_S)
+        return tenant if tenant in self._records else DEFAULT
 
     def weight(self, tenant: str) -> float:
         """`tenant`'s weight (1 for the default tenant, and one not known or removed)."""
@@ -152,7 +162,7 @@ def _waiting(queue: str) -> int | None:
 
 def forget_removed(found: dict[str, Tenant]) -> None:
     """Forget each tenant removed more than `KEEP_REMOVED_MS` ago whose calls are gone from
-    its public queue and from its queue of every GPU worker. Until then its queues are
+    its public queue, its parked list and its queue of every GPU worker. Until then its queues are
     still taken: a call of it may still come back to one (a retry, a call routed again, a
     message given back after its worker died)."""
     removed = [t for t in found.values() if t.removed]
@@ -167,7 +177,12 @@ def forget_removed(found: dict[str, Tenant]) -> None:
         gpus = {g.queue for g in registry.snapshot().gpus.values() if g.queue}
         for tenant in due:
             queues = [tenant.queue, *(worker_queue(q, tenant.name) for q in sorted(gpus))]
-            if all(_waiting(q) == 0 for q in queues) and tenants.forget(registry, tenant.name):
+            parked = quotas.counts(registry, tenant.name)[1]
+            if (
+                not parked
+                and all(_waiting(q) == 0 for q in queues)
+                and tenants.forget(registry, tenant.name)
+            ):
                 log.info("forgot tenant %s, removed and with no call left", tenant.name)
     except GpufleetError as exc:  # the registry away: look again at the next tick
         log.warning("could not look at the removed tenants: %s", exc)
