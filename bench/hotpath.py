@@ -1,6 +1,6 @@
 """Hot-path latency: `gpufleet.infer` on a resident model against a bare Celery task.
 
-    python -m bench.hotpath [--calls 500] [--warmup 50] [--model-mib 64] [--gpu]
+    python -m bench.hotpath [--calls 500] [--warmup 50] [--model-mib 64] [--gpu] [--tenants]
 
 Prints one JSON object. It writes a catalog with one synthetic `forward` model of
 `--model-mib` declared size, starts a fleet (`tasks.operator.launcher.Fleet`: an embedded Redis
@@ -30,6 +30,11 @@ compute each worker reported, the fast path's two registry round trips (`route`,
 takes the lease, and `Registry.finish`, which ends it) timed on their own after the
 run, and a Redis PING.
 Targets: p50 ratio <= 1.15, p99 ratio <= 1.3 (fleet / bare).
+
+With `--tenants`, after those phases two tenants are added (`gpufleet tenant add`, weight
+1, no quotas) and their plain clients (`gpufleet url --tenant NAME --json`) alternate
+`--calls` calls each (ABBA): `tenants.p50_ratio` is their pooled p50 over the plain
+client's p50 measured before on the same fleet without tenants (target, issue 59: <= 1.1).
 """
 
 from __future__ import annotations
@@ -351,7 +356,38 @@ def fast_path_parts(n: int) -> dict[str, float]:
     }
 
 
-def run(calls: int, warmup: int, model_mib: int, directory: Path, gpu: bool) -> dict[str, Any]:
+def measure_tenants(calls: int, sends: tuple[Send, Send]) -> dict[str, Any]:
+    """Two tenants' plain clients, one call at a time in ABBA order: each one's latency."""
+    out: tuple[list[float], list[float]] = ([], [])
+    for i in range(calls):
+        order = (0, 1) if i % 2 == 0 else (1, 0)
+        for side in order:
+            ms, answer, _ = timed(sends[side])
+            if answer.get("cache") != "hot":
+                raise RuntimeError(f"a tenant's call was not served hot: {answer.get('cache')}")
+            out[side].append(ms)
+    return {"a": summary(out[0]), "b": summary(out[1]), "both": summary(out[0] + out[1])}
+
+
+def tenant_clients(names: tuple[str, str]) -> tuple[Send, Send]:
+    """Add two tenants to the running fleet; a send of each one's plain Celery client."""
+    from tasks.operator import tenant_cli
+
+    settings = Settings.from_env()
+    sends = []
+    for name in names:
+        _, url, _ = tenant_cli.add(settings, name, 1.0)
+        client = Celery(set_as_current=False)
+        client.conf.update(**tenant_cli.celery_conf(url, name))
+        sends.append(
+            lambda c=client: c.send_task("gpufleet.infer", args=(MODEL, INPUTS))  # type: ignore[misc]
+        )
+    return sends[0], sends[1]
+
+
+def run(
+    calls: int, warmup: int, model_mib: int, directory: Path, gpu: bool, *, tenants: bool = False
+) -> dict[str, Any]:
     from bench.fleet import bench_launcher, broker_in_use, loaded_machine
     from tasks.serving.routing import gpu_queue
 
@@ -405,6 +441,13 @@ def run(calls: int, warmup: int, model_mib: int, directory: Path, gpu: bool) -> 
         routed = router_infer_count(app, router) - routed_before
         plain_stats = measure_plain(calls, plain_send, fleet_send, pid_of(fleet, "router"))
         parts = fast_path_parts(min(calls, 200))
+        tenant_stats = None
+        if tenants:
+            a_send, b_send = tenant_clients(("bench-a", "bench-b"))
+            for send in (a_send, b_send):  # the router takes their queues within a second
+                send().get(timeout=READY_TIMEOUT_S)
+            measure_tenants(warmup, (a_send, b_send))
+            tenant_stats = measure_tenants(calls, (a_send, b_send))
         fleet.supervise()
     finally:
         if direct is not None:
@@ -469,6 +512,22 @@ def run(calls: int, warmup: int, model_mib: int, directory: Path, gpu: bool) -> 
             **parts,
         },
         "machine": loaded_machine(sim_gpus, broker, load_before),
+        **({"tenants": _tenants_figures(tenant_stats, plain_stats)} if tenant_stats else {}),
+    }
+
+
+def _tenants_figures(stats: dict[str, Any], plain_stats: dict[str, Any]) -> dict[str, Any]:
+    """Two tenants' calls against the plain client's before any tenant (issue 59)."""
+    ratio = stats["both"]["p50"] / plain_stats["plain"]["p50"]
+    return {
+        "tenant_p50_ms": stats["both"]["p50"],
+        "tenant_p99_ms": stats["both"]["p99"],
+        "a_p50_ms": stats["a"]["p50"],
+        "b_p50_ms": stats["b"]["p50"],
+        "no_tenants_plain_p50_ms": plain_stats["plain"]["p50"],
+        "p50_ratio": round(ratio, 3),
+        "target": "<= 1.1",
+        "met": ratio <= 1.1,
     }
 
 
@@ -478,6 +537,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=50, help="untimed calls per side first")
     parser.add_argument("--model-mib", type=int, default=64, help="declared model size")
     parser.add_argument("--gpu", action="store_true", help="serve on the real GPUs (CUDA)")
+    parser.add_argument(
+        "--tenants", action="store_true", help="then two tenants' plain clients (issue 59)"
+    )
     args = parser.parse_args()
     if args.calls < 1 or args.warmup < 0 or args.model_mib < 1:
         parser.error("--calls and --model-mib must be positive, --warmup not negative")
@@ -491,7 +553,9 @@ def main() -> None:
     )
     signal.signal(signal.SIGTERM, exit_on_sigterm)
     with tempfile.TemporaryDirectory(prefix="gpufleet-hotpath-") as tmp:
-        result = run(args.calls, args.warmup, args.model_mib, Path(tmp), args.gpu)
+        result = run(
+            args.calls, args.warmup, args.model_mib, Path(tmp), args.gpu, tenants=args.tenants
+        )
     print(json.dumps(result))
 
 

@@ -49,6 +49,7 @@ from tasks.serving.calls import (
     counted_of,
     fast_call,
     hops_of,
+    slot_of,
     tenant_of,
     time_limits_of,
 )
@@ -112,7 +113,10 @@ def dispatch(
         call = Call(model, inputs, params, lease.replica, "hot", sent, hops=hops)
         raise task.replace(
             call.with_lease(lease).to(
-                lease.queue, time_limits_of(task.request), known_tenant(task.request)
+                lease.queue,
+                time_limits_of(task.request),
+                known_tenant(task.request),
+                slot_of(task.request),
             )
         )
     routed.hold(registry, model, held, True)  # part of the model's load while the router has it
@@ -147,7 +151,10 @@ def _place_and_hand_on(
         try:
             raise task.replace(
                 call.with_lease(lease).to(
-                    plan.queue, time_limits_of(task.request), known_tenant(task.request)
+                    plan.queue,
+                    time_limits_of(task.request),
+                    known_tenant(task.request),
+                    slot_of(task.request),
                 )
             )
         finally:  # once the call is on its way: the figures are not on its critical path

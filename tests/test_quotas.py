@@ -1,28 +1,33 @@
-"""Tenants' quotas on a real Redis (`placement.ledger.quotas`, its Lua scripts): calls let
-in, parked in order and refused, as a router takes them from its in-flight list."""
+"""Tenants' quotas on a real Redis (`placement.ledger.quotas`, its Lua scripts): calls take
+running slots, wait parked in order or are refused, as a router takes them from its
+in-flight list; ended calls free their slots and hand parked ones back."""
 
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Iterator
 
 import pytest
+import redis
 
 from placement.errors import ConfigError
 from placement.ledger import quotas, tenants
-from placement.ledger.quotas import Entry
+from placement.ledger.quotas import Entry, member, new_slot
 from placement.ledger.store import Store
-from placement.ledger.tenants import Tenant
-
-INFLIGHT = "unacked-router"  # a router's in-flight list (the broker's, on the same Redis)
 
 
 @pytest.fixture
 def store(redis_url: str, fleet: str) -> Iterator[Store]:
     found = Store.from_url(redis_url, fleet)
     yield found
-    found.client.delete(INFLIGHT, *(f"t.{n}.celery" for n in ("team-a", "team-b")))
+    found.client.delete(inflight(found), *(tenants.queue_of(n) for n in ("team-a", "team-b")))
     found.client.close()
+
+
+def inflight(store: Store) -> str:
+    """A router's in-flight list (the broker's, on the same Redis), this test's own."""
+    return f"unacked-router-{store.keys.fleet}"
 
 
 def message(task_id: str) -> bytes:
@@ -30,63 +35,116 @@ def message(task_id: str) -> bytes:
     return json.dumps({"body": "", "headers": {"id": task_id, "task": "gpufleet.infer"}}).encode()
 
 
-def take(store: Store, tenant: Tenant, task_id: str) -> Entry:
-    """`task_id`'s message taken into the router's in-flight list, then let in or not."""
-    store.client.lpush(INFLIGHT, message(task_id))
-    return quotas.enter(store, tenant, task_id, INFLIGHT, message(task_id))
+class Router:
+    """Takes calls of a tenant as a router does: into its in-flight list, then `enter`."""
+
+    def __init__(self, store: Store, tenant: str) -> None:
+        self.store, self.tenant = store, tenant
+        self.slots: dict[str, str] = {}  # task id -> the member its slot is
+
+    def take(self, task_id: str) -> Entry:
+        self.store.client.lpush(inflight(self.store), message(task_id))
+        slot = new_slot()
+        entry = quotas.enter(
+            self.store, self.tenant, task_id, inflight(self.store), message(task_id), slot
+        )
+        if entry is Entry.IN:
+            self.slots[task_id] = member(slot, task_id)
+        return entry
+
+    def end(self, *task_ids: str) -> int:
+        members = [self.slots.pop(t) for t in task_ids]
+        return quotas.leave(self.store, self.tenant, tenants.queue_of(self.tenant), members)
+
+    def handed_back(self) -> list[str]:
+        """The calls on the tenant's public queue, in the order a router takes them."""
+        raw = self.store.client.lrange(tenants.queue_of(self.tenant), 0, -1)
+        return [json.loads(m)["headers"]["id"] for m in reversed(raw)]
 
 
-def handed_back(store: Store, tenant: Tenant) -> list[str]:
-    """The calls on the tenant's public queue, in the order a router takes them."""
-    raw = store.client.lrange(tenant.queue, 0, -1)
-    return [json.loads(m)["headers"]["id"] for m in reversed(raw)]
-
-
-def test_calls_past_the_running_slots_wait_in_order_and_take_slots_as_calls_are_answered(
+def test_calls_past_the_running_slots_wait_in_order_and_take_slots_as_calls_end(
     store: Store,
 ) -> None:
-    team = Tenant("team-a", 1.0, "d", max_running=2, max_queued=3)
-    entries = [take(store, team, f"c{i}") for i in range(1, 7)]
+    tenants.add(store, "team-a", 1, "pw", max_running=2, max_queued=3)
+    router = Router(store, "team-a")
+    entries = [router.take(f"c{i}") for i in range(1, 7)]
     assert entries == [Entry.IN, Entry.IN, *[Entry.PARKED] * 3, Entry.REFUSED]
-    assert quotas.running(store, "team-a") == ["c1", "c2"]
+    assert sorted(s.task_id for s in quotas.slots(store, "team-a")) == ["c1", "c2"]
     assert quotas.counts(store, "team-a") == (2, 3)
     # parked calls left the router's hands; the refused one stays for it to answer
-    assert store.client.lrange(INFLIGHT, 0, -1) == [message("c6").decode(), *(
-        message(f"c{i}").decode() for i in (2, 1))]  # fmt: skip
+    assert store.client.lrange(inflight(store), 0, -1) == [
+        message(f"c{i}").decode() for i in (6, 2, 1)
+    ]
 
-    assert quotas.leave(store, team, ["c1"]) == 1
-    assert handed_back(store, team) == ["c3"]  # let in as it left the parked list
-    assert quotas.running(store, "team-a") == ["c2", "c3"]
-    assert quotas.leave(store, team, ["c2"]) == 1  # before the router took c3: behind it
-    assert quotas.leave(store, team, ["c3", "c3"]) == 1  # reported twice: freed once
-    assert handed_back(store, team) == ["c3", "c4", "c5"]
-    assert quotas.counts(store, "team-a") == (2, 0)
-    # the router takes a handed-back call: it is in already, and takes no second slot
-    assert take(store, team, "c4") is Entry.IN
-    assert quotas.counts(store, "team-a") == (2, 0)
+    assert router.end("c1") == 1
+    assert router.handed_back() == ["c3"]  # its slot kept for it as it left the parked list
+    assert router.end("c2") == 1  # before a router took c3: c4 goes behind it
+    assert router.handed_back() == ["c3", "c4"]
+    assert quotas.counts(store, "team-a") == (2, 1)
+    assert router.take("c3") is Entry.IN  # taken again: the slot kept for it, no second one
+    assert quotas.counts(store, "team-a") == (2, 1)
+    assert quotas.leave(store, "team-a", tenants.queue_of("team-a"), [router.slots["c3"]]) == 1
+    assert quotas.leave(store, "team-a", tenants.queue_of("team-a"), [router.slots["c3"]]) == 0
+    assert router.handed_back() == ["c3", "c4", "c5"]
+
+
+def test_a_task_id_used_again_takes_a_slot_of_its_own(store: Store) -> None:
+    tenants.add(store, "team-a", 1, "pw", max_running=1)
+    router = Router(store, "team-a")
+    assert router.take("same") is Entry.IN
+    store.client.lpush(inflight(store), message("same"))  # a second call, the same id
+    again = quotas.enter(store, "team-a", "same", inflight(store), message("same"), new_slot())
+    assert again is Entry.PARKED
+    assert quotas.counts(store, "team-a") == (1, 1)
 
 
 def test_a_new_call_waits_behind_the_parked_ones_even_when_a_slot_is_free(store: Store) -> None:
-    team = Tenant("team-a", 1.0, "d", max_running=1)
-    assert [take(store, team, c) for c in ("first", "second")] == [Entry.IN, Entry.PARKED]
-    store.client.zrem(store.keys.tenant_running("team-a"), "first")  # freed, not yet moved on
-    assert take(store, team, "third") is Entry.PARKED  # not ahead of "second"
-    quotas.leave(store, team)  # the sweep: parked calls take the free slot, oldest first
-    assert handed_back(store, team) == ["second"]
-    assert quotas.running(store, "team-a") == ["second"]
+    tenants.add(store, "team-a", 1, "pw", max_running=1)
+    router = Router(store, "team-a")
+    assert [router.take(c) for c in ("first", "second")] == [Entry.IN, Entry.PARKED]
+    store.client.zrem(store.keys.tenant_running("team-a"), router.slots.pop("first"))
+    assert router.take("third") is Entry.PARKED  # a slot is free, but not ahead of "second"
+    quotas.leave(store, "team-a", tenants.queue_of("team-a"))  # the sweep's step
+    assert router.handed_back() == ["second"]
 
 
 def test_without_a_running_limit_max_queued_bounds_the_calls_not_answered(store: Store) -> None:
-    team = Tenant("team-b", 1.0, "d", max_queued=2)
-    assert [take(store, team, c) for c in ("a", "b", "c")] == [Entry.IN, Entry.IN, Entry.REFUSED]
-    quotas.leave(store, team, ["a"])
-    assert take(store, team, "c") is Entry.IN
+    tenants.add(store, "team-b", 1, "pw", max_queued=2)
+    router = Router(store, "team-b")
+    assert [router.take(c) for c in ("a", "b", "c")] == [Entry.IN, Entry.IN, Entry.REFUSED]
+    router.end("a")
+    assert router.take("c") is Entry.IN
     assert quotas.counts(store, "team-b") == (2, 0)  # nothing is ever parked
 
 
+def test_a_tenant_whose_running_limit_is_gone_gets_every_parked_call_back(store: Store) -> None:
+    tenants.add(store, "team-a", 1, "pw", max_running=1)
+    router = Router(store, "team-a")
+    assert [router.take(c) for c in ("a", "b", "c")] == [Entry.IN, Entry.PARKED, Entry.PARKED]
+    tenants.remove(store, "team-a")
+    tenants.add(store, "team-a", 1, "pw2")  # added again with no quota
+    assert quotas.leave(store, "team-a", tenants.queue_of("team-a")) == 2  # the sweep's step
+    assert router.handed_back() == ["b", "c"]
+    assert router.take("d") is Entry.IN and "d" not in router.slots.values()
+
+
+def test_a_hand_back_that_fails_leaves_the_call_parked(store: Store) -> None:
+    tenants.add(store, "team-a", 1, "pw", max_running=1)
+    router = Router(store, "team-a")
+    assert [router.take(c) for c in ("a", "b")] == [Entry.IN, Entry.PARKED]
+    store.client.sadd(tenants.queue_of("team-a"), "not a list")  # the queue key broken
+    with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+        router.end("a")
+    assert quotas.counts(store, "team-a")[1] == 1
+    store.client.delete(tenants.queue_of("team-a"))
+    assert quotas.leave(store, "team-a", tenants.queue_of("team-a")) == 1
+    assert router.handed_back() == ["b"]
+
+
 def test_a_call_no_longer_in_flight_is_left_alone(store: Store) -> None:
-    team = Tenant("team-a", 1.0, "d", max_running=1)
-    assert quotas.enter(store, team, "x", INFLIGHT, message("x")) is Entry.GONE
+    tenants.add(store, "team-a", 1, "pw", max_running=1)
+    gone = quotas.enter(store, "team-a", "x", inflight(store), message("x"), uuid.uuid4().hex)
+    assert gone is Entry.GONE
     assert quotas.counts(store, "team-a") == (0, 0)
 
 

@@ -1,77 +1,111 @@
 """Tenants' quotas: how many of a tenant's calls run at once, and how many may wait.
 
-A tenant added with `--max-running N` has N running slots across the fleet. A router lets
-each of its calls in as it takes it (`enter`, `quota_enter.lua`): into the tenant's running
-set while it has fewer than N calls there and none parked, else onto the tenant's parked
-list, moved there from the router's in-flight list in the same step. A call stays in the
-running set from then until it is answered (wherever it waits or runs meanwhile: the
-router, a GPU worker's queue, a batch), so no more than N of the tenant's calls ever run
-at once. When calls are answered (`leave`, `quota_leave.lua`: the fleet's result backend
-as it stores an answer, and every router's sweep for answers it missed) their slots free,
-and the oldest parked calls take them: each is let in as it leaves the parked list and
-goes back to the tenant's public queue, at the end the router takes next (behind any call
-handed back before it that the router has not taken yet). So parked calls run in the
-order they came, and none fails for waiting.
+A tenant added with `--max-running N` has N running slots across the fleet. A router
+holds each call it takes from the tenant's public queue to them (`enter`,
+`quota_enter.lua`): the call takes a slot while the tenant has fewer than N taken and
+none parked, else it is parked: its message moves from the router's in-flight list onto
+the tenant's parked list in the same step. A slot is a token the fleet makes, which the
+call carries on (the `gpufleet_slot` header, which no caller can set), so a call keeps its
+slot wherever it waits or runs (the router, a GPU worker's queue, a batch) until it ends,
+and no more than N of the tenant's calls run at once. As calls end, their slots free
+(`leave`, `quota_leave.lua`: from Celery's signals where a call ends, and every router's
+sweep each second for calls answered with no signal, or held longer than a call may be),
+and the oldest parked calls take them: each goes back to the tenant's public queue, at
+the end a router takes next, its slot kept for it. So parked calls run in the order they
+came, and none fails for waiting.
 
 `--max-queued M` bounds the waiting: a call that finds M of the tenant's calls parked is
-refused at once with `QuotaError` (429 over HTTP). A tenant with no running limit has no
-parked calls; for it, M bounds the calls let in and not answered yet.
+refused at once with `QuotaError`. A tenant with no running limit has no parked calls;
+for it, M bounds the calls holding slots (not answered yet).
 
-The parked list holds broker messages, so quotas apply where the registry's Redis is the
-broker (every fleet `gpufleet up` starts, and compose's). Keys: `Keys.tenant_running` and
-`Keys.tenant_parked`; a tenant without quotas has neither, and its calls pay nothing.
+The scripts read the quotas from the tenant's record, so a limit changed (a tenant added
+again) holds from the next call, and a tenant with no running limit any more gets every
+parked call back at the next sweep. The parked list holds broker messages, so quotas
+apply where the registry's Redis is the broker (every fleet `gpufleet up` starts, and
+compose's). Keys: `Keys.tenant_running`, `tenant_parked` and `tenant_handed_back`; a
+tenant without quotas has none of them, and its calls pay nothing.
 """
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterable
+from dataclasses import dataclass
 from enum import Enum
 
 from placement.ledger.store import Store
-from placement.ledger.tenants import Tenant
 
-__all__ = ["Entry", "counts", "enter", "leave", "running"]
+__all__ = ["Entry", "Slot", "counts", "enter", "leave", "new_slot", "slots"]
+
+HANDED = "handed:"  # the prefix of a slot kept for a call handed back (`quota_leave.lua`)
 
 
 class Entry(Enum):
     """What `enter` did with a call."""
 
-    IN = 1  # let in: it goes on as a call of a tenant without quotas would
+    IN = 1  # it goes on, holding the slot it was given (if its tenant has a quota)
     PARKED = 2  # moved to the tenant's parked list: not the router's any more
     REFUSED = 3  # the tenant has its `max_queued` waiting: refuse it (`QuotaError`)
     GONE = -2  # no longer in the router's in-flight list (a sweep gave it back)
 
 
-def enter(store: Store, tenant: Tenant, task_id: str, inflight: str, taken: bytes) -> Entry:
-    """Let call `task_id` of `tenant` in, park it or refuse it, as its router takes it: its
-    message `taken`, in the router's in-flight list `inflight` (see the module)."""
-    keys = [store.keys.tenant_running(tenant.name), store.keys.tenant_parked(tenant.name)]
-    args = [task_id, taken, tenant.max_running, tenant.max_queued]
-    return Entry(int(store._run("quota_enter", [*keys, inflight], args)))
+@dataclass(frozen=True)
+class Slot:
+    """One taken slot: its member in the running set, its call, and when it was taken."""
+
+    member: str
+    task_id: str
+    taken_ms: float
 
 
-def leave(store: Store, tenant: Tenant, task_ids: Iterable[str] = ()) -> int:
-    """Free the running slots of `tenant`'s calls `task_ids` (answered), and give slots
-    free to its oldest parked calls; returns how many were let in. Idempotent: a call
-    answered twice, or twice reported, frees its slot once."""
+def new_slot() -> str:
+    """A fresh slot token."""
+    return uuid.uuid4().hex
+
+
+def member(slot: str, task_id: str) -> str:
+    """The running set's member for call `task_id` holding `slot`."""
+    return f"{slot}:{task_id}"
+
+
+def enter(  # noqa: PLR0917 - a call's parts, as a router holds them
+    store: Store, tenant: str, task_id: str, inflight: str, taken: bytes, slot: str
+) -> Entry:
+    """Let call `task_id` of `tenant` take `slot`, park it or refuse it, as a router takes
+    it: its message `taken`, in the router's in-flight list `inflight` (see the module)."""
     keys = [
-        store.keys.tenant_running(tenant.name),
-        store.keys.tenant_parked(tenant.name),
-        tenant.queue,
-        store.keys.tenant_handed_back(tenant.name),
+        store.keys.tenant_running(tenant),
+        store.keys.tenant_parked(tenant),
+        inflight,
+        store.keys.tenants,
     ]
-    return int(store._run("quota_leave", keys, [tenant.max_running, *task_ids]))
+    return Entry(int(store._run("quota_enter", keys, [tenant, task_id, taken, slot])))
 
 
-def running(store: Store, name: str) -> list[str]:
-    """The task ids of tenant `name`'s calls let in and not answered yet, oldest first."""
-    found: list[str] = store._one("zrange", store.keys.tenant_running(name), 0, -1)
-    return found
+def leave(store: Store, tenant: str, queue: str, members: Iterable[str] = ()) -> int:
+    """Free `members` of `tenant`'s running set (its calls ended), and hand its oldest
+    parked calls back to its public queue `queue` while slots are free; returns how many.
+    Idempotent: a slot freed twice frees once."""
+    keys = [
+        store.keys.tenant_running(tenant),
+        store.keys.tenant_parked(tenant),
+        queue,
+        store.keys.tenant_handed_back(tenant),
+        store.keys.tenants,
+    ]
+    return int(store._run("quota_leave", keys, [tenant, *members]))
 
 
-def counts(store: Store, name: str) -> tuple[int, int]:
-    """Tenant `name`'s calls let in and not answered yet, and its calls parked."""
-    let_in, parked = store._read(
-        [("zcard", store.keys.tenant_running(name)), ("llen", store.keys.tenant_parked(name))]
+def slots(store: Store, tenant: str) -> list[Slot]:
+    """`tenant`'s taken slots, oldest first (slots taken in one millisecond, in any order)."""
+    key = store.keys.tenant_running(tenant)
+    found = store._reaching(lambda: store.client.zrange(key, 0, -1, withscores=True))
+    return [Slot(m, m.partition(":")[2], float(score)) for m, score in found]
+
+
+def counts(store: Store, tenant: str) -> tuple[int, int]:
+    """`tenant`'s calls holding slots, and its calls parked."""
+    running, parked = store._read(
+        [("zcard", store.keys.tenant_running(tenant)), ("llen", store.keys.tenant_parked(tenant))]
     )
-    return int(let_in), int(parked)
+    return int(running), int(parked)

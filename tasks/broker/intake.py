@@ -67,6 +67,9 @@ HOPS_HEADER = "gpufleet_hops"
 #: The tenant whose public queue a call came from (`placement.ledger.tenants`), which the
 #: router writes as it takes it; absent for the default tenant.
 TENANT_HEADER = "gpufleet_tenant"
+#: The running slot a call of a tenant with quotas holds until it ends, which the router
+#: gave it (`placement.ledger.quotas`); absent for calls no quota holds.
+SLOT_HEADER = "gpufleet_slot"
 #: How deeply a message's headers, properties and arguments may nest. Celery's own
 #: canvases (a chain of chords) stay under 12; pickling a request for the pool fails
 #: near 500 (the interpreter's recursion limit, less the consumer's own frames).

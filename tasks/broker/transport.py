@@ -116,13 +116,13 @@ class Pick:
     tenant: str = ""  # whose call: it goes to its tenant's queue of the worker (`Handover`)
 
 
-class Taken:
+class Moved:
     """A divert that moved the message itself, out of the in-flight list it was taken into
     (a tenant's call parked until one of its running slots frees: `placement.ledger.quotas`):
     counted delivered and acknowledged, as a message moved on is."""
 
 
-TAKEN = Taken()
+MOVED = Moved()
 
 
 class QoS(kombu_redis.QoS):
@@ -171,7 +171,7 @@ class QoS(kombu_redis.QoS):
             return False
         if isinstance(onward, Pick):
             return self._pick(message, delivery_tag, onward)
-        if isinstance(onward, Taken):
+        if isinstance(onward, Moved):
             self._gone(message, delivery_tag)
             return True
         return onward is not None and self._move(message, delivery_tag, onward)
@@ -464,7 +464,7 @@ class Channel(kombu_redis.Channel):
     _strays_checked = 0.0  # when its in-flight lists were last looked in (`_put_back_strays`)
     #: Asked of each message this channel takes, before it is recorded as unacknowledged:
     #: where to send it on instead, or None (a router's hot calls: tasks/serving/forwarding.py).
-    divert: Callable[[Any], Onward | Pick | Taken | None] | None = None
+    divert: Callable[[Any], Onward | Pick | Moved | None] | None = None
     #: Answers a message this channel refuses as it takes it (`tasks.broker.intake.envelope`):
     #: the consumer stores its error as the call's result.
     refuse: Callable[[intake.Refused], None] | None = None

@@ -500,7 +500,7 @@ class Launcher:
                 child.proc.kill()
                 child.proc.wait()
             _kill_group(child.proc.pid)
-        queues = self._queues()
+        queues = self._queues(with_parked=True)
         nodes = [node for child in self.children.values() if (node := child.node)]
         self.children.clear()
         if self._claim is not None:
@@ -529,9 +529,10 @@ class Launcher:
         with contextlib.suppress(OSError):
             home.rmdir()  # a fleet that left nothing behind leaves no folder either
 
-    def _queues(self) -> tuple[str, ...]:
+    def _queues(self, *, with_parked: bool = False) -> tuple[str, ...]:
         """The queues this host's workers take calls from: their own, every tenant's public
-        queue and each tenant's queue of every GPU worker's (`tasks.serving.tenancy`)."""
+        queue and each tenant's queue of every GPU worker's (`tasks.serving.tenancy`);
+        `with_parked`, the lists of the tenants' parked calls too (`placement.ledger.quotas`)."""
         own = tuple(q for child in self.children.values() for q in child.queues)
         try:
             registry = Registry.from_url(self.redis_url, self.fleet)
@@ -539,7 +540,10 @@ class Launcher:
                 found = tenants.records(registry)
             finally:
                 registry.client.close()
-            return with_tenants(own + tuple(t.queue for t in found.values()), found)
+            parked = tuple(registry.keys.tenant_parked(t.name) for t in found.values())
+            return with_tenants(own + tuple(t.queue for t in found.values()), found) + (
+                parked if with_parked else ()
+            )
         except GpufleetError as exc:
             log.warning("could not read the fleet's tenants: %s", exc)
             return own

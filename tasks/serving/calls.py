@@ -16,6 +16,7 @@ from tasks.broker.intake import (
     COUNTED_HEADER,
     HOPS_HEADER,
     LEASE_HEADER,
+    SLOT_HEADER,
     TENANT_HEADER,
     is_count,
     is_name,
@@ -62,6 +63,12 @@ def tenant_of(request: Any) -> str:
     """The tenant a call came from (the router wrote it: `tasks.broker.intake`), or the
     default tenant."""
     return _tenant(_header(request, TENANT_HEADER))
+
+
+def slot_of(request: Any) -> str:
+    """The running slot a call holds under its tenant's quota, or "" (none holds it)."""
+    value = _header(request, SLOT_HEADER)
+    return value if isinstance(value, str) else ""
 
 
 def tenant_in(headers: Mapping[str, Any]) -> str:
@@ -122,16 +129,24 @@ class Call:
             self.epoch,
         )
 
-    def to(self, queue: str, limits: TimeLimits = (None, None), tenant: str = DEFAULT) -> Signature:
+    def to(
+        self,
+        queue: str,
+        limits: TimeLimits = (None, None),
+        tenant: str = DEFAULT,
+        slot: str = "",
+    ) -> Signature:
         """`gpufleet.run` of this call on a GPU worker's queue, with the caller's time
-        limits and tenant; its lease rides in a header too, so a worker that drops the
-        message unrun can end it (`tasks.serving.leases`)."""
+        limits, tenant and running slot; its lease rides in a header too, so a worker that
+        drops the message unrun can end it (`tasks.serving.leases`)."""
         lease = self.lease
         headers: dict[str, Any] = {COUNTED_HEADER: True}  # counted on its way here
         if lease is not None:
             headers[LEASE_HEADER] = leases.header(lease)
         if tenant != DEFAULT:
             headers[TENANT_HEADER] = tenant
+        if slot:
+            headers[SLOT_HEADER] = slot
         hard, soft = limits
         return app.signature(
             "gpufleet.run",
@@ -142,14 +157,18 @@ class Call:
             soft_time_limit=soft,
         )
 
-    def rerouted(self, limits: TimeLimits = (None, None), tenant: str = DEFAULT) -> Signature:
+    def rerouted(
+        self, limits: TimeLimits = (None, None), tenant: str = DEFAULT, slot: str = ""
+    ) -> Signature:
         """`gpufleet.infer` of this call back on the router's internal queue, one hop
-        further (the count and the tenant travel in headers, which only the fleet's queues
-        keep: `tasks.broker.intake`), counted already."""
+        further (the count, the tenant and its slot travel in headers, which only the
+        fleet's queues keep: `tasks.broker.intake`), counted already."""
         hard, soft = limits
         headers: dict[str, Any] = {HOPS_HEADER: self.hops + 1, COUNTED_HEADER: True}
         if tenant != DEFAULT:
             headers[TENANT_HEADER] = tenant
+        if slot:
+            headers[SLOT_HEADER] = slot
         return app.signature(
             "gpufleet.infer",
             args=(self.model, self.inputs, self.params),

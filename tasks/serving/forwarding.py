@@ -52,7 +52,7 @@ from tasks import context
 from tasks.app import app
 from tasks.broker import intake
 from tasks.broker.intake import COUNTED_HEADER, LEASE_HEADER
-from tasks.broker.transport import TAKEN, Onward, Pick, Taken
+from tasks.broker.transport import MOVED, Moved, Onward, Pick
 from tasks.serving import leases, quotas, routed, tenancy
 from tasks.serving.calls import counted_in, infer_arguments, tenant_in
 
@@ -86,10 +86,13 @@ class Forwarder:
     def __init__(self, channel: Any) -> None:
         self._channel = channel  # its `taken`: the message's in-flight list and bytes
 
-    def __call__(self, message: Any) -> Onward | Pick | Taken | None:
+    def __call__(self, message: Any) -> Onward | Pick | Moved | None:
+        given_back = bool((message.delivery_info or {}).get("redelivered"))
+        if given_back and _found_elsewhere(message):
+            return None  # the pool drops it: its answer comes from elsewhere
         entry = quotas.enter(message, self._channel.taken)
         if entry in (Entry.PARKED, Entry.GONE):
-            return TAKEN  # parked, or given back by a sweep: not this router's now
+            return MOVED  # parked, or given back by a sweep: not this router's now
         if entry is Entry.REFUSED:
             return None  # the consumer answers it (`quotas.refusal`)
         plain = plain_call(message)
@@ -98,9 +101,6 @@ class Forwarder:
         model, counted = plain
         path = "" if counted else "router"
         task_id = message.headers["id"]
-        given_back = bool((message.delivery_info or {}).get("redelivered"))
-        if given_back and routed.elsewhere(task_id, str(message.delivery_tag)):
-            return None  # the pool drops it: its answer comes from elsewhere
         registry = context.registry()
         headers = {**message.headers, COUNTED_HEADER: True}  # counted by the pick (or before)
         tenant = tenancy.process.known(tenant_in(headers))
@@ -119,6 +119,16 @@ class Forwarder:
         headers[LEASE_HEADER] = leases.header(lease)
         queue = worker_queue(lease.queue, tenant)
         return Onward(queue, headers, functools.partial(leases.end, lease))
+
+
+def _found_elsewhere(message: Any) -> bool:
+    """Whether a given-back call is answered or on its way elsewhere
+    (`tasks.serving.routed.elsewhere`)."""
+    headers = message.headers
+    task_id = headers.get("id") if isinstance(headers, dict) else None
+    if not isinstance(task_id, str) or headers.get("task") != TASK:
+        return False
+    return routed.elsewhere(task_id, str(message.delivery_tag))
 
 
 def _forward(registry: Registry, model: str, path: str, handover: Handover) -> bool | None:

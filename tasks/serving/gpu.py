@@ -37,7 +37,7 @@ from tasks import context
 from tasks.app import app
 from tasks.broker.intake import LEASE_HEADER
 from tasks.serving import batching, generating, leases, streams
-from tasks.serving.calls import Call, tenant_of, time_limits_of
+from tasks.serving.calls import Call, slot_of, tenant_of, time_limits_of
 from tasks.serving.routing import gpu_queue
 from worker import passes
 from worker.devices import Device, discover
@@ -82,7 +82,9 @@ def serve(task: Task, call: Call) -> dict[str, Any]:
             raise
         log.info("replica %s left; routing the call for %s again", call.replica, call.model)
         raise task.replace(
-            call.rerouted(time_limits_of(task.request), tenant_of(task.request))
+            call.rerouted(
+                time_limits_of(task.request), tenant_of(task.request), slot_of(task.request)
+            )
         ) from None
     finally:
         if call.lease is not None and prepared is None:  # a batch ends its calls' leases

@@ -1,20 +1,26 @@
-"""Tenants' quotas in the workers: a router lets each call in as it takes it, and every
-answer frees its call's slot (the rule and its keys: `placement.ledger.quotas`).
+"""Tenants' quotas in the workers: a router holds each call it takes from a tenant's public
+queue to the tenant's quota, and every call's end frees its slot (the rule and its keys:
+`placement.ledger.quotas`).
 
-- `enter`: a router's forwarder asks it of every `gpufleet.infer` it takes, in its
-  consumer's thread, before the call goes anywhere: a call of a tenant with quotas is let
-  in, parked (moved out of the router's hands, counted acknowledged) or marked refused,
-  which the consumer answers with `QuotaError` (`refusal`).
-- `_answered` (Celery's `task_postrun` and `task_revoked`, wherever a call ends: a GPU
-  worker's pool child, a router's pool, a cancel) frees the slot of a call that ended with
-  an answer (a call handed on, `Ignore`d or retried keeps it).
-- `sweep`: a router's timer tick frees the slots of answered calls that no signal
-  reported (a refusal stored by a consumer, a process killed between its answer and its
-  signal), and lets parked calls into slots a limit raised.
+- `enter`: a router's forwarder asks it of every `gpufleet.infer` it takes from the public
+  queue of a tenant with quotas, in its consumer's thread, before the call goes anywhere
+  (after the cheap drops: a revoked call, a call the consumer will refuse): the call takes
+  a slot, which it carries on in the `gpufleet_slot` header; or it is parked (moved out of
+  the router's hands, counted acknowledged); or it is marked refused, which the consumer
+  answers with `QuotaError` (`refusal`).
+- `_ended` (Celery's `task_postrun` and `task_revoked`, wherever a call ends: a GPU
+  worker's pool child, a router's pool, a cancel) frees the slot of a call that ended
+  (a call handed on, `Ignore`d or retried keeps it).
+- `sweep`: a router's timer tick frees the slots of answered calls no signal reported (a
+  refusal stored by a consumer, a process killed between its answer and its signal) and
+  of calls holding one longer than the visibility timeout (a call that stores no result);
+  and hands parked calls back into slots free, or all of them to a tenant that has no
+  running limit any more.
 
-A tenant without quotas costs one dictionary lookup per call here, and no Redis command.
-A call taken while the registry cannot be reached goes on unlimited (logged): refusing or
-holding it would stop the tenant for an outage the rest of the fleet rides out.
+A tenant without quotas costs one dictionary lookup per call taken, and nothing as its
+calls end. A call taken while the registry cannot be reached goes on without a slot
+(logged): refusing or holding it would stop the tenant for an outage the rest of the
+fleet rides out.
 """
 
 from __future__ import annotations
@@ -25,16 +31,18 @@ from typing import Any
 
 from celery import states
 from celery.signals import task_postrun, task_revoked
+from celery.worker import state as worker_state
 
 from placement.errors import GpufleetError, QuotaError
-from placement.ledger import quotas
-from placement.ledger.quotas import Entry
+from placement.ledger import quotas, tenants
+from placement.ledger.quotas import Entry, member, new_slot
 from placement.ledger.tenants import Tenant
 from tasks import context
 from tasks.app import app
-from tasks.broker import results
+from tasks.broker import intake, results
+from tasks.broker.intake import SLOT_HEADER
 from tasks.serving import tenancy
-from tasks.serving.calls import CALL_TASKS, tenant_in, tenant_of
+from tasks.serving.calls import CALL_TASKS, slot_of, tenant_in, tenant_of
 
 log = logging.getLogger(__name__)
 
@@ -43,31 +51,28 @@ TASK = "gpufleet.infer"  # what a caller sends, which a router takes
 REFUSED = "gpufleet_quota_refusal"
 
 
-def limited(name: str) -> Tenant | None:
-    """`name`'s record if it is a tenant with quotas, as this process last read it."""
-    found = tenancy.process.refresh().get(name) if name else None
-    return found if found is not None and found.limited else None
-
-
 def enter(message: Any, taken: tuple[str, bytes] | None) -> Entry:
-    """Let a router's taken `message` in (see the module): `taken` is its in-flight list
-    and bytes. A message refused is marked for `refusal`."""
+    """Hold a router's taken `message` to its tenant's quota (see the module): `taken` is
+    its in-flight list and bytes. A message refused is marked for `refusal`."""
     headers = message.headers
     task_id = headers.get("id") if isinstance(headers, dict) else None
     if taken is None or not isinstance(task_id, str) or headers.get("task") != TASK:
         return Entry.IN
-    tenant = limited(tenant_in(headers))
-    if tenant is None or not _one_redis():
-        return Entry.IN
+    tenant = _limited(tenant_in(headers))
+    if tenant is None or not _from_public_queue(message, tenant) or not _one_redis():
+        return Entry.IN  # the fleet's own hops of a call carry the slot it took
+    if task_id in worker_state.revoked or not _takes(message):
+        return Entry.IN  # dropped or refused by the consumer: no slot for it
+    slot = new_slot()
     try:
-        entry = quotas.enter(context.registry(), tenant, task_id, *taken)
+        entry = quotas.enter(context.registry(), tenant.name, task_id, *taken, slot)
     except GpufleetError as exc:
         log.warning("could not hold call %s to tenant %s's quota: %s", task_id, tenant.name, exc)
         return Entry.IN
-    if entry is Entry.REFUSED:
+    if entry is Entry.IN:
+        headers[SLOT_HEADER] = slot
+    elif entry is Entry.REFUSED:
         setattr(message, REFUSED, QuotaError(_refused(tenant)))
-    elif entry is Entry.PARKED:
-        log.info("call %s of tenant %s waits for a running slot", task_id, tenant.name)
     return entry
 
 
@@ -75,6 +80,26 @@ def refusal(message: Any) -> QuotaError | None:
     """The error `enter` refused `message` with, if it did."""
     found: QuotaError | None = getattr(message, REFUSED, None)
     return found
+
+
+def _limited(name: str) -> Tenant | None:
+    found = tenancy.process.refresh().get(name) if name else None
+    return found if found is not None and found.limited else None
+
+
+def _from_public_queue(message: Any, tenant: Tenant) -> bool:
+    """Whether `message` came from `tenant`'s public queue (the transport writes where a
+    message came from: `tasks.broker.intake.envelope`)."""
+    return (message.delivery_info or {}).get("routing_key") == tenant.queue
+
+
+def _takes(message: Any) -> bool:
+    """Whether the consumer will take `message` (it refuses what fails `intake.check`)."""
+    try:
+        intake.check(message, app.tasks)
+    except GpufleetError:
+        return False
+    return True
 
 
 def _refused(tenant: Tenant) -> str:
@@ -99,39 +124,46 @@ def _one_redis() -> bool:
 
 
 def sweep(_: Any = None) -> None:
-    """A router's timer tick: free the slots of answered calls of every tenant with quotas,
-    and let parked calls into free slots (see the module)."""
-    found = [t for t in tenancy.process.refresh().values() if t.limited]
+    """A router's timer tick (see the module)."""
+    found = list(tenancy.process.refresh().values())
     if not found or not _one_redis():
         return
     registry = context.registry()
-    backend = app.backend
-    for tenant in found:
-        ids = quotas.running(registry, tenant.name)
-        done = sorted(results.answered(backend, ids)) if ids else []
-        if quotas.leave(registry, tenant, done) or done:
-            log.info("tenant %s: %d slots freed by the sweep", tenant.name, len(done))
+    parked = registry._read([("llen", registry.keys.tenant_parked(t.name)) for t in found])
+    oldest = registry.now_ms() - context.settings().visibility_timeout * 1000
+    for tenant, waiting in zip(found, parked, strict=True):
+        if not tenant.limited and not waiting:
+            continue
+        held = quotas.slots(registry, tenant.name)
+        answered = results.answered(app.backend, [s.task_id for s in held]) if held else set()
+        done = [s.member for s in held if s.task_id in answered or s.taken_ms < oldest]
+        if done or waiting:
+            moved = quotas.leave(registry, tenant.name, tenant.queue, done)
+            if done or moved:
+                log.info(
+                    "tenant %s: %d slots freed, %d calls handed back", tenant.name, len(done), moved
+                )
 
 
-def _leave(tenant_name: str, task_id: Any) -> None:
-    tenant = limited(tenant_name)
-    if tenant is None or not isinstance(task_id, str) or not _one_redis():
-        return
+def _leave(request: Any, task_id: Any) -> None:
+    slot, tenant = slot_of(request), tenant_of(request)
+    if not slot or not tenant or not isinstance(task_id, str):
+        return  # no quota held it
     try:
-        quotas.leave(context.registry(), tenant, [task_id])
+        quotas.leave(context.registry(), tenant, tenants.queue_of(tenant), [member(slot, task_id)])
     except GpufleetError as exc:  # a router's sweep frees it
-        log.warning("could not free call %s's slot of tenant %s: %s", task_id, tenant_name, exc)
+        log.warning("could not free call %s's slot of tenant %s: %s", task_id, tenant, exc)
 
 
 @task_postrun.connect
-def _answered(
+def _ended(
     sender: Any = None, task_id: Any = None, task: Any = None, state: Any = None, **_: Any
 ) -> None:
     if getattr(sender, "name", None) in CALL_TASKS and state in states.READY_STATES:
-        _leave(tenant_of(task.request), task_id)
+        _leave(task.request, task_id)
 
 
 @task_revoked.connect
 def _revoked(sender: Any = None, request: Any = None, **_: Any) -> None:
     if getattr(sender, "name", None) in CALL_TASKS and request is not None:
-        _leave(tenant_of(request), getattr(request, "id", None))
+        _leave(request, getattr(request, "id", None))
