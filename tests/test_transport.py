@@ -517,3 +517,32 @@ def test_a_take_whose_reply_was_lost_is_put_back_by_the_live_consumer(
                     conn.drain_events(timeout=0.5)
         assert seen == [{"n": 1}]
         assert client.llen(IN_FLIGHT) == client.llen("work") == client.hlen("unacked") == 0
+
+
+def test_a_consumer_waiting_on_one_list_wakes_when_a_call_arrives_on_another() -> None:
+    from tasks.broker import waking
+
+    with RedisServer() as server:  # the bundled server publishes list events
+        client = redis.Redis.from_url(server.url)
+        blocked = redis.Redis.from_url(server.url).connection_pool.get_connection()
+        waker = waking.Waker(client, 0)
+        try:
+            waker.watch(["t.a.celery", "t.b.celery"])
+            time.sleep(0.3)  # subscribed
+            waker.waiting(waking.client_id(blocked), "t.a.celery")
+            started = time.monotonic()
+            blocked.send_command("BLMOVE", "t.a.celery", "t.a.inflight", "RIGHT", "LEFT", 10)
+            time.sleep(0.1)  # blocked there
+            client.lpush("t.b.celery", "a call")  # on the other list
+            assert blocked.read_response() is None  # woken as if its wait had ended
+            assert time.monotonic() - started < 3.0  # not at the end of its 10 s
+            assert client.llen("t.b.celery") == 1 and client.llen("t.a.inflight") == 0
+            # a call on the list it waits on is taken by the wait itself
+            waker.waiting(waking.client_id(blocked), "t.a.celery")
+            blocked.send_command("BLMOVE", "t.a.celery", "t.a.inflight", "RIGHT", "LEFT", 10)
+            client.lpush("t.a.celery", "its call")
+            assert blocked.read_response() == b"its call"
+        finally:
+            waker.close()
+            blocked.disconnect()
+            client.close()

@@ -381,6 +381,9 @@ class RedisServer:
             "--daemonize", "no",
             "--logfile", "",  # log to stdout, which goes to redis.log
             "--loglevel", "notice",
+            # list pushes as keyspace events: a consumer of several lists wakes on one
+            # (`tasks.broker.waking`)
+            "--notify-keyspace-events", "Kl",
         ]  # fmt: skip
         log.debug("starting %s", " ".join(repr(a) for a in args))
         with open(tmpdir / _LOG_NAME, "ab") as logfh:

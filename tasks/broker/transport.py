@@ -27,7 +27,9 @@ gpufleet worker takes through in-flight lists instead (transport option
 - when none waits, BLMOVE blocks on one list (Redis 6.2 or later: the first; with
   several tenants' queues, the one it last took from) for at most `IDLE_POLL_S`
   (`IDLE_POLL_MANY_S` with several tenants), then the script looks at every list again,
-  so a message in another list waits at most that long on an idle worker;
+  so a message in another list waits at most that long on an idle worker (with several
+  tenants' queues, a message on another list ends the wait at once where Redis publishes
+  list events: `tasks.broker.waking`);
 - recording the message as unacked removes it from the in-flight list in the same step
   (`QoS.append`);
 - a consumer that starts on a queue puts back what its predecessor of the same node name
@@ -67,7 +69,7 @@ from placement.ledger.hot import Handover
 from placement.ledger.keys import unacked_of
 from placement.ledger.scripts import scripts_for
 from placement.rules.fairness import FairTurns
-from tasks.broker import intake, quarantine
+from tasks.broker import intake, quarantine, waking
 
 #: How long a consumer waits for Redis to come back to give a message back.
 GIVE_BACK_S = 30.0
@@ -458,6 +460,7 @@ class Channel(kombu_redis.Channel):
     taken: tuple[str, bytes] | None = None  # (in-flight list, message) not yet recorded
     _taking: tuple[str, list[str]] | None = None  # the take in flight: its kind, its lists
     _idle = False  # the last take found every list empty: block next
+    _waker: waking.Waker | None = None  # wakes a wait on one of several tenants' lists
     _last_list = ""  # the list it last took a message from (an idle take blocks there)
     _sync_client: Any = None  # see `_create_client`
     _refused_take_logged = 0.0  # when a refused take was last logged (`_refused_take`)
@@ -670,6 +673,24 @@ class Channel(kombu_redis.Channel):
         """The lists this channel's next take reads, in order (none: it consumes nothing)."""
         return self._lists(self._queue_cycle.consume(len(self.active_queues)))
 
+    def _waker_of(self, keys: list[str]) -> waking.Waker | None:
+        """This channel's waker, made on first use, watching `keys` (None: it cannot)."""
+        if self._waker is None:
+            try:
+                db = int(self.pool.connection_kwargs.get("db") or 0)
+                self._waker = waking.Waker(self._create_client(), db)
+            except Exception as exc:  # no waker: calls on other lists wait for the next look
+                log.warning("could not listen for calls on other lists: %s", exc)
+                return None
+        self._waker.watch(keys)
+        return self._waker
+
+    def close(self) -> None:
+        if self._waker is not None:
+            self._waker.close()
+            self._waker = None
+        super().close()  # type: ignore[no-untyped-call]
+
     def _brpop_start(self, timeout: float | None = None) -> None:
         if not self._takes_in_flight:
             super()._brpop_start(timeout)  # type: ignore[no-untyped-call]
@@ -687,6 +708,9 @@ class Channel(kombu_redis.Channel):
                 # the list it last took from: a lone tenant's next call
                 first = self._last_list if self._last_list in keys else first
                 wait = IDLE_POLL_MANY_S
+                waker = self._waker_of(keys)
+                if waker is not None:  # a call on another list ends the wait (`waking`)
+                    waker.waiting(waking.client_id(connection), first)
             self._taking = ("BLMOVE", [first])
             connection.send_command("BLMOVE", first, self._inflight(first), "RIGHT", "LEFT", wait)
         else:
@@ -702,6 +726,8 @@ class Channel(kombu_redis.Channel):
         if taking is None:
             return bool(super()._brpop_read(**options))  # type: ignore[no-untyped-call]
         kind, keys = taking
+        if self._waker is not None:
+            self._waker.awake()
         try:
             try:
                 reply = self.client.parse_response(self.client.connection, kind, **options)
