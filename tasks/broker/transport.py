@@ -461,6 +461,8 @@ class Channel(kombu_redis.Channel):
     _taking: tuple[str, list[str]] | None = None  # the take in flight: its kind, its lists
     _idle = False  # the last take found every list empty: block next
     _waker: waking.Waker | None = None  # wakes a wait on one of several tenants' lists
+    _waker_failed = False  # it could not be made: not tried again on this channel
+    _woken_on = ""  # the list whose in-flight list holds the wake token its wait took
     _last_list = ""  # the list it last took a message from (an idle take blocks there)
     _sync_client: Any = None  # see `_create_client`
     _refused_take_logged = 0.0  # when a refused take was last logged (`_refused_take`)
@@ -676,11 +678,14 @@ class Channel(kombu_redis.Channel):
     def _waker_of(self, keys: list[str]) -> waking.Waker | None:
         """This channel's waker, made on first use, watching `keys` (None: it cannot)."""
         if self._waker is None:
+            if self._waker_failed:
+                return None
             try:
                 db = int(self.pool.connection_kwargs.get("db") or 0)
                 self._waker = waking.Waker(self._create_client(), db)
             except Exception as exc:  # no waker: calls on other lists wait for the next look
                 log.warning("could not listen for calls on other lists: %s", exc)
+                self._waker_failed = True
                 return None
         self._waker.watch(keys)
         return self._waker
@@ -710,14 +715,21 @@ class Channel(kombu_redis.Channel):
                 wait = IDLE_POLL_MANY_S
                 waker = self._waker_of(keys)
                 if waker is not None:  # a call on another list ends the wait (`waking`)
-                    waker.waiting(waking.client_id(connection), first)
+                    waker.waiting(first)
             self._taking = ("BLMOVE", [first])
             connection.send_command("BLMOVE", first, self._inflight(first), "RIGHT", "LEFT", wait)
         else:
             self._taking = ("EVALSHA", keys)
+            drop: list[Any] = []
+            woken, self._woken_on = self._woken_on, ""
+            if woken in keys:
+                drop = [keys.index(woken) + 1, waking.WAKE]
+            elif woken:  # the lists changed meanwhile: drop it on its own
+                self.client.lrem(self._inflight(woken), 1, waking.WAKE)
             connection.send_command(
-                "EVALSHA", scripts.sha("take"), 2 * len(keys), *keys, *map(self._inflight, keys)
-            )
+                "EVALSHA", scripts.sha("take"), 2 * len(keys), *keys,
+                *map(self._inflight, keys), *drop,
+            )  # fmt: skip
         self._in_poll = connection
         self._brpop_sent_at = time.monotonic()  # type: ignore[assignment]
 
@@ -751,6 +763,10 @@ class Channel(kombu_redis.Channel):
                 key, item = keys[0], reply
             else:  # the script's {list, message}
                 key, item = bytes_to_str(reply[0]), reply[1]  # type: ignore[no-untyped-call]
+            if item == waking.WAKE:  # a call waits on another list: take over them all
+                self._woken_on = key  # the next take drops the token (`take.lua`)
+                self._idle = False
+                raise Empty()
             self._last_list = key
             self.taken = (self._inflight(key), item)  # QoS.append records it and clears this
             queue = key.rsplit(self.sep, 1)[0]  # kombu's name for a priority list's queue

@@ -7,15 +7,20 @@ call on another tenant's list waits up to that long on an idle worker, at each h
 router, then the GPU worker). `Waker` removes that wait where Redis says when a list
 grows: it listens to the keyspace notifications of the consumer's lists (one SUBSCRIBE
 connection, a thread of its own) and, when a call is pushed onto a list other than the
-one the consumer waits on, ends the wait with `CLIENT UNBLOCK`, which Redis answers as a
-timeout (nothing is moved): the consumer then runs its take over every list at once.
+one the consumer waits on, pushes a wake token (`WAKE`, no message) onto the list it
+waits on: its BLMOVE moves the token and returns, the consumer drops the token and takes
+over every list at once. One token per wait.
 
-It needs the server to publish list events (`notify-keyspace-events` with `K` and `l`,
-which the bundled Redis sets: `placement.server.redis_server`) and the fleet user's
-`+client|unblock` (`placement.server.acl`). Without them nothing wakes the consumer early,
-and it finds the call at its next look, as before. A wake that comes as the consumer
-stops waiting unblocks nothing, or ends its next wait early: one take more, never a call
-lost or taken twice (a blocked BLMOVE that is unblocked has moved nothing).
+A token is an ordinary list element, so nothing about it can be lost or harm a call: a
+consumer that takes one (this one, or another of the same queue) drops it, a stop that
+empties the queues skips it, and a token left behind costs its next taker one take.
+(`CLIENT UNBLOCK` would wake the wait without a token, but Redis 6.2 and 7.0 crash when
+it names a client that a `CLIENT PAUSE` holds, as a failover or a shutdown with replicas
+does.)
+
+It needs the server to publish list events (`notify-keyspace-events` including `K` and
+`l`, which the bundled Redis sets: `placement.server.redis_server`). Without them nothing
+wakes the consumer early, and it finds the call at its next look, as before.
 """
 
 from __future__ import annotations
@@ -30,19 +35,21 @@ log = logging.getLogger(__name__)
 
 #: The keyspace events of a push onto a list (LPUSH, RPUSH, LINSERT; a move's destination).
 PUSHES = frozenset({"lpush", "rpush", "linsert"})
+#: What the waker pushes onto the list a consumer waits on; no message parses as it.
+WAKE = b"gpufleet-wake"
 LISTEN_S = 0.5  # how long the listener waits for an event before it looks at its lists
 RETRY_S = 1.0  # after a lost connection, before it listens again
 
 
 class Waker:
     """One consumer channel's waker (see the module). The channel says which lists it
-    takes from (`watch`), and which it waits on, on which connection (`waiting`, `awake`)."""
+    takes from (`watch`), and which it waits on (`waiting`, `awake`)."""
 
     def __init__(self, client: redis.Redis, db: int) -> None:
         self._client = client  # a client of the channel's pool: safe to share with a thread
         self._prefix = f"__keyspace@{db}__:"
         self._lists: frozenset[str] = frozenset()
-        self._waiting: tuple[int, str] | None = None  # (the waiting connection's id, its list)
+        self._waiting: str | None = None  # the list the consumer waits on, not woken yet
         self._stop = threading.Event()
         self._changed = threading.Event()  # `watch` changed the lists: subscribe at once
         self._thread = threading.Thread(target=self._listen, name="gpufleet-waker", daemon=True)
@@ -55,9 +62,9 @@ class Waker:
             self._lists = wanted
             self._changed.set()
 
-    def waiting(self, client_id: int, on: str) -> None:
-        """The consumer's connection `client_id` is about to wait on list `on`."""
-        self._waiting = (client_id, on)
+    def waiting(self, on: str) -> None:
+        """The consumer is about to wait on list `on`."""
+        self._waiting = on
 
     def awake(self) -> None:
         """The consumer's wait ended."""
@@ -102,21 +109,10 @@ class Waker:
         if event not in PUSHES or waiting is None:
             return
         key = channel[len(self._prefix) :]
-        if key != waiting[1] and key in self._lists:
-            self._client.client_unblock(waiting[0])
+        if key != waiting and key in self._lists:
+            self._waiting = None  # one token per wait
+            self._client.lpush(waiting, WAKE)
 
 
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
-
-
-def client_id(connection: Any) -> int:
-    """The server's id of `connection` (a redis-py connection that has nothing pending),
-    asked once per socket: a reconnected connection is a new client."""
-    known = getattr(connection, "_gpufleet_client", None)
-    if known is not None and connection._sock is not None and known[0] is connection._sock:
-        return int(known[1])
-    connection.send_command("CLIENT", "ID")  # connects first if it has to
-    found = int(connection.read_response())
-    connection._gpufleet_client = (connection._sock, found)
-    return found
