@@ -696,6 +696,10 @@ class Channel(kombu_redis.Channel):
             self._waker = None
         super().close()  # type: ignore[no-untyped-call]
 
+    def _after_fork(self) -> None:
+        self._waker = None  # a forked child has no listener thread, and takes nothing
+        super()._after_fork()  # type: ignore[no-untyped-call]
+
     def _brpop_start(self, timeout: float | None = None) -> None:
         if not self._takes_in_flight:
             super()._brpop_start(timeout)  # type: ignore[no-untyped-call]

@@ -51,7 +51,7 @@ class Waker:
         self._lists: frozenset[str] = frozenset()
         self._waiting: str | None = None  # the list the consumer waits on, not woken yet
         self._stop = threading.Event()
-        self._changed = threading.Event()  # `watch` changed the lists: subscribe at once
+        self._changed = threading.Event()  # `watch` changed the lists (from none: at once)
         self._thread = threading.Thread(target=self._listen, name="gpufleet-waker", daemon=True)
         self._thread.start()
 

@@ -229,12 +229,14 @@ def list_command(
     if as_json:
         typer.echo(json.dumps(rows, indent=2))
         return
-    table = Table("tenant", "weight", "max running", "max queued", "queue", "waiting", "parked")
+    table = Table(
+        "tenant", "weight", "max running", "max queued", "queue", "waiting", "parked", "let in"
+    )
     for row in rows:
         limits = [str(row[k] or "-") for k in ("max_running", "max_queued")]
         table.add_row(
             row["name"], f"{row['weight']:g}", *limits, row["queue"], str(row["waiting"]),
-            str(row["parked"]),
+            str(row["parked"]), str(row["let_in"]),
         )  # fmt: skip
     Console().print(table)
 
