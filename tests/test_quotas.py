@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from placement.errors import ConfigError
+from placement.errors import ConfigError, UnknownTenantError
 from placement.ledger import quotas, tenants
 from placement.ledger.quotas import Entry, member, new_slot
 from placement.ledger.store import Store
@@ -126,6 +126,24 @@ def test_a_tenant_whose_running_limit_is_gone_gets_every_parked_call_back(store:
     assert quotas.leave(store, "team-a", tenants.queue_of("team-a")) == 2  # the sweep's step
     assert router.handed_back() == ["b", "c"]
     assert router.take("d") is Entry.IN and "d" not in router.slots.values()
+
+
+def test_a_quota_changed_holds_from_the_next_call_and_a_raised_limit_hands_calls_back(
+    store: Store,
+) -> None:
+    tenants.add(store, "team-a", 1, "pw", max_running=1)
+    router = Router(store, "team-a")
+    assert [router.take(c) for c in ("a", "b", "c")] == [Entry.IN, Entry.PARKED, Entry.PARKED]
+    changed = tenants.change(store, "team-a", max_running=2, max_queued=1)
+    assert (changed.weight, changed.max_running, changed.max_queued) == (1.0, 2, 1)
+    assert tenants.records(store)["team-a"] == changed
+    assert router.take("d") is Entry.REFUSED  # two parked: past its new max_queued
+    assert quotas.leave(store, "team-a", tenants.queue_of("team-a")) == 1  # the sweep's step
+    assert router.handed_back() == ["b"]
+    with pytest.raises(UnknownTenantError):
+        tenants.change(store, "nobody", weight=2)
+    with pytest.raises(ConfigError, match="weight"):
+        tenants.change(store, "team-a", weight=0)
 
 
 def test_a_hand_back_that_fails_leaves_the_call_parked(store: Store) -> None:

@@ -196,6 +196,9 @@ def test_a_tenant_s_running_limit_holds_across_a_burst_and_no_call_fails_for_it(
     assert capped["tokens_in"] == sum(sum(o["prompt_tokens"]) for o in outputs)
     computed = sum(a["timings_ms"]["compute"] for a in answers) / 1000
     assert 0 < capped["gpu_seconds"] <= computed + 0.01
+    cli(env, "tenant", "set", "capped", "--max-running", "3", "--weight", "2")
+    rows = {r["name"]: r for r in json.loads(cli(env, "tenant", "list", "--json"))}
+    assert (rows["capped"]["max_running"], rows["capped"]["weight"]) == (3, 2.0)
 
 
 def test_calls_past_a_tenant_s_max_queued_are_refused_at_once_and_the_rest_answered(

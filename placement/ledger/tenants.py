@@ -31,7 +31,7 @@ import json
 import math
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from placement.errors import ConfigError, UnknownTenantError, describe
 from placement.ledger.store import Store
@@ -43,6 +43,7 @@ __all__ = [
     "add",
     "all_tenants",
     "check_limit",
+    "change",
     "check_name",
     "forget",
     "key_prefix",
@@ -218,6 +219,43 @@ def add(
             f"or pick another name"
         )
     return tenant
+
+
+def change(
+    store: Store,
+    name: str,
+    *,
+    weight: float | None = None,
+    max_running: int | None = None,
+    max_queued: int | None = None,
+) -> Tenant:
+    """Change tenant `name`'s weight or quotas (None: as they are) and return it; its user
+    and password stay. Workers apply a weight within a second; the quota scripts read
+    the record, so quotas hold from the next call (a running limit raised or gone hands
+    parked calls back at the next sweep). Raises `UnknownTenantError`, or `ConfigError`
+    for a value a tenant may not have."""
+    key = store.keys.tenants
+    fields: dict[str, Any] = {}
+    if weight is not None:
+        fields["weight"] = check_weight(weight)
+    if max_running is not None:
+        fields["max_running"] = check_limit(max_running, "--max-running")
+    if max_queued is not None:
+        fields["max_queued"] = check_limit(max_queued, "--max-queued")
+
+    def update(pipe: Any) -> Tenant | None:
+        found = _parse(name, pipe.hget(key, name) or "")
+        if found is None or found.removed:
+            return None
+        changed = dataclasses.replace(found, **fields)
+        pipe.multi()
+        pipe.hset(key, name, changed.record())
+        return changed
+
+    done = store._reaching(lambda: store.client.transaction(update, key, value_from_callable=True))
+    if done is None:
+        raise UnknownTenantError(_unknown(store, name))
+    return cast(Tenant, done)
 
 
 def remove(store: Store, name: str) -> Tenant:

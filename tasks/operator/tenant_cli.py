@@ -247,6 +247,38 @@ def _lists(queue: str) -> list[str]:
     return lists(queue)
 
 
+@tenant_app.command("set")
+def set_command(
+    name: Annotated[str, typer.Argument(help="The tenant's name.")],
+    weight: Annotated[float | None, typer.Option(help="Its new weight.")] = None,
+    max_running: Annotated[
+        int | None, typer.Option(help="Its calls running at once, at most (0: any).")
+    ] = None,
+    max_queued: Annotated[
+        int | None, typer.Option(help="Its calls waiting, at most (0: any).")
+    ] = None,
+) -> None:
+    """Change a tenant's weight or quotas; its user, password and URL stay. Quotas hold
+    from its next call, a weight within a second."""
+    s = settings()
+
+    def change() -> tenants.Tenant:
+        registry, _ = _registry(s)
+        try:
+            return tenants.change(
+                registry, name, weight=weight, max_running=max_running, max_queued=max_queued
+            )
+        finally:
+            registry.client.close()
+
+    tenant = guard(change)
+    limits = ", ".join(
+        f"{what} {value or 'any'}"
+        for what, value in (("max running", tenant.max_running), ("max queued", tenant.max_queued))
+    )
+    err.print(f"tenant {tenant.name}: weight {tenant.weight:g}, {limits}", highlight=False)
+
+
 @tenant_app.command("remove")
 def remove_command(name: Annotated[str, typer.Argument(help="The tenant's name.")]) -> None:
     """Remove a tenant: its Redis user goes at once (on a Redis of yours, run the command
