@@ -34,16 +34,16 @@ from placement.errors import (
     UnknownReplicaError,
     describe,
 )
-from placement.ledger import tenants
 from placement.ledger.hot import DEFAULT_REQUEST_LEASE_MS, Lease
 from placement.ledger.registry import Registry
+from placement.ledger.tenancy import tenants
 from placement.policy.state import LEAVING, RESERVING, Candidate, Level, Plan
 from tasks import context
 from tasks.app import app
 from tasks.broker import presence
 from tasks.broker.intake import LEASE_HEADER, is_name
 from tasks.config import INTERNAL_QUEUE
-from tasks.serving import cancelling, leases, routed, streams, tenancy
+from tasks.serving import cancelling, leases, routed, streams
 from tasks.serving.calls import (
     Call,
     counted_of,
@@ -54,6 +54,7 @@ from tasks.serving.calls import (
     time_limits_of,
 )
 from tasks.serving.status import full_status
+from tasks.serving.tenants import tenancy
 from worker.handlers import validate
 
 log = logging.getLogger(__name__)
@@ -464,7 +465,7 @@ def _start_sweeper(**_: Any) -> None:
 
 
 def known_tenant(request: Any) -> str:
-    """The tenant of a call, if the fleet knows it (`tasks.serving.tenancy.Tenancy.known`)."""
+    """The tenant of a call, if the fleet knows it (`tasks.serving.tenants.tenancy`)."""
     return tenancy.process.known(tenant_of(request))
 
 

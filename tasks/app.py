@@ -24,10 +24,15 @@ app.conf.task_routes = ("tasks.serving.routing.route",)
 # tasks.broker.claim (every worker claims the fleet's broker database); then
 # tasks.broker.quarantine counts the calls its predecessor died holding, and
 # tasks.broker.presence records the worker, once it is sure the broker's calls are its
-# fleet's. tasks.serving.quotas and tasks.serving.accounting free a tenant's running
-# slots and count its usage as its calls end (`task_postrun`), wherever they end.
+# fleet's. tasks.serving.tenants.quotas and .accounting free a tenant's running slots
+# and count its usage as its calls end (`task_postrun`), wherever they end.
 app.conf.include = (
-    ["tasks.api", "tasks.serving.scaling", "tasks.serving.quotas", "tasks.serving.accounting"]
+    [
+        "tasks.api",
+        "tasks.serving.scaling",
+        "tasks.serving.tenants.quotas",
+        "tasks.serving.tenants.accounting",
+    ]
     + (["tasks.serving.gpu"] if settings().role == "gpu" else [])
     + [
         "tasks.operator.metrics",

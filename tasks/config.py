@@ -10,7 +10,8 @@ import ssl
 from typing import Any
 
 from placement.config import Settings
-from placement.ledger import endpoint, tenants
+from placement.ledger import endpoint
+from placement.ledger.tenancy import tenants
 
 ROUTER_QUEUE = "celery"  # Celery's default: a client that imports nothing reaches the router
 #: The router's second queue, which only fleet processes write: calls a GPU worker routes

@@ -259,9 +259,9 @@ def test_status_names_the_worker_that_owns_each_gpu_and_whether_it_lives(
 def test_each_tenant_s_usage_and_quota_counts_are_series_labelled_by_tenant(
     reg: Registry, redis_url: str
 ) -> None:
-    from placement.ledger import tenants, usage
-    from placement.ledger.usage import Usage
-    from tasks.serving.accounting import used_by
+    from placement.ledger.tenancy import tenants, usage
+    from placement.ledger.tenancy.usage import Usage
+    from tasks.serving.tenants.accounting import used_by
 
     tenants.add(reg, "team-a", 1, "pw", max_running=2)
     tenants.add(reg, "team-b", 1, "pw")

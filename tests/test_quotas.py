@@ -1,4 +1,4 @@
-"""Tenants' quotas on a real Redis (`placement.ledger.quotas`, its Lua scripts): calls take
+"""Tenants' quotas on a real Redis (`placement.ledger.tenancy.quotas`, its Lua scripts): calls take
 running slots, wait parked in order or are refused, as a router takes them from its
 in-flight list; ended calls free their slots and hand parked ones back."""
 
@@ -12,9 +12,9 @@ import pytest
 import redis
 
 from placement.errors import ConfigError, UnknownTenantError
-from placement.ledger import quotas, tenants
-from placement.ledger.quotas import Entry, member, new_slot
 from placement.ledger.store import Store
+from placement.ledger.tenancy import quotas, tenants
+from placement.ledger.tenancy.quotas import Entry, member, new_slot
 
 
 @pytest.fixture

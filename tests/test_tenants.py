@@ -1,5 +1,5 @@
 """Tenants without a fleet: the fair order (`placement.rules.fairness`), the registry's
-records (`placement.ledger.tenants`), the router's mark on a tenant's call
+records (`placement.ledger.tenancy.tenants`), the router's mark on a tenant's call
 (`tasks.broker.intake`), and each tenant's Redis user on real redis-servers
 (`placement.server.acl`, `placement.server.tenant_users`)."""
 
@@ -16,9 +16,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from placement.errors import ConfigError, PayloadError, UnknownTenantError
-from placement.ledger import tenants
 from placement.ledger.store import Store
-from placement.ledger.usage import Usage
+from placement.ledger.tenancy import tenants
+from placement.ledger.tenancy.usage import Usage
 from placement.rules.fairness import FairOrder, FairTurns
 from placement.server.acl import ADMIN, Users, tenant_line, user_url
 from placement.server.redis_server import RedisServer, find_redis_server, redis_version

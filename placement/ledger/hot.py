@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from placement.ledger.store import Store
-from placement.ledger.tenants import DEFAULT, worker_queue, worker_suffix
+from placement.ledger.tenancy.tenants import DEFAULT, worker_queue, worker_suffix
 
 #: How long a request lease pins its replica unless the call ends it first.
 DEFAULT_REQUEST_LEASE_MS = 300_000
@@ -77,7 +77,7 @@ class Handover:
     for the message's priority (`queue + suffix`). `watched`: the lists the consumer
     takes from, which the move looks at once it is done (`Forwarded.drained`). `tenant`:
     whose call it is; it goes to that tenant's queue of the worker
-    (`placement.ledger.tenants.worker_queue`)."""
+    (`placement.ledger.tenancy.tenants.worker_queue`)."""
 
     inflight: str
     taken: bytes

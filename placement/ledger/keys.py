@@ -90,27 +90,27 @@ class Keys:
 
     @property
     def tenants(self) -> str:
-        """Hash: tenant name -> its record (`placement.ledger.tenants`)."""
+        """Hash: tenant name -> its record (`placement.ledger.tenancy.tenants`)."""
         return f"{self.prefix}:tenants"
 
     # Records.
     def tenant_running(self, name: str) -> str:
         """Sorted set: the calls of tenant `name` let past its quota, not answered yet ->
-        when (ms; `placement.ledger.quotas`)."""
+        when (ms; `placement.ledger.tenancy.quotas`)."""
         return f"{self.prefix}:tenant-running:{name}"
 
     def tenant_parked(self, name: str) -> str:
         """List: the messages of tenant `name`'s calls waiting for one of its running
-        slots, oldest last (`placement.ledger.quotas`)."""
+        slots, oldest last (`placement.ledger.tenancy.quotas`)."""
         return f"{self.prefix}:tenant-parked:{name}"
 
     def tenant_handed_back(self, name: str) -> str:
         """String: the message of tenant `name` last handed back from its parked list to its
-        public queue, behind which the next goes (`placement.ledger.quotas`)."""
+        public queue, behind which the next goes (`placement.ledger.tenancy.quotas`)."""
         return f"{self.prefix}:tenant-handed-back:{name}"
 
     def tenant_usage(self, name: str) -> str:
-        """Hash: what tenant `name`'s calls used (`placement.ledger.usage`)."""
+        """Hash: what tenant `name`'s calls used (`placement.ledger.tenancy.usage`)."""
         return f"{self.prefix}:tenant-usage:{name}"
 
     def gpu(self, gpu_id: str) -> str:

@@ -50,7 +50,7 @@ import hashlib
 import urllib.parse
 from dataclasses import dataclass
 
-from placement.ledger import tenants
+from placement.ledger.tenancy import tenants
 
 __all__ = [
     "ADMIN",
@@ -106,7 +106,7 @@ def _queue_keys(prefix: str) -> tuple[list[str], list[str]]:
 
 def caller_rules(redis_major: int, prefix: str = "") -> list[str]:
     """A caller's rules, one ACL argument each: send calls to the public queue `celery`
-    under `prefix` (a tenant's, `placement.ledger.tenants.key_prefix`; the `caller` user's
+    under `prefix` (a tenant's, `placement.ledger.tenancy.tenants.key_prefix`; the `caller` user's
     is ""), wait for results and read streamed text. Redis 7 and later: root rights send
     calls and wait for results, and each selector grants one command group on the keys it
     needs; Redis 6.2: one set of keys for all of its commands (see the module)."""
@@ -211,7 +211,7 @@ def acl_lines(users: Users, redis_major: int) -> list[str]:
 
 def tenant_rules(name: str, redis_major: int) -> list[str]:
     """The ACL rules of tenant `name`'s user: a caller's, on its own public queue
-    (`placement.ledger.tenants`)."""
+    (`placement.ledger.tenancy.tenants`)."""
     return caller_rules(redis_major, tenants.key_prefix(name))
 
 

@@ -35,7 +35,8 @@ from typing import Any
 
 import redis
 
-from placement.ledger import endpoint, tenants
+from placement.ledger import endpoint
+from placement.ledger.tenancy import tenants
 from placement.server.acl import ADMIN, CALLER, FLEET, OPERATOR
 
 __all__ = ["CALLER_SHARE", "GUARD_EVERY_S", "MAX_CLIENTS", "ConnectionGuard", "max_clients"]

@@ -1,6 +1,6 @@
 """Each tenant's Redis user on the bundled Redis, kept equal to the registry's tenants.
 
-`gpufleet tenant add` records a tenant in the registry (`placement.ledger.tenants`) with
+`gpufleet tenant add` records a tenant in the registry (`placement.ledger.tenancy.tenants`) with
 the digest of its password; the launcher, which runs the bundled Redis, gives it its user
 (`placement.server.acl.tenant_rules`) on every data node within `SYNC_S`, and takes away
 the user of a tenant removed. Redis keeps no ACL change in its append-only file nor sends
@@ -21,8 +21,8 @@ from typing import Any
 
 import redis
 
-from placement.ledger import tenants
 from placement.ledger.store import Store
+from placement.ledger.tenancy import tenants
 from placement.server.acl import tenant_rules
 
 __all__ = ["SYNC_S", "TenantUsers"]

@@ -39,7 +39,7 @@ import orjson
 from kombu.utils.json import dumps, loads
 
 from placement.errors import GpufleetError, PayloadError, describe
-from placement.ledger.tenants import tenant_of
+from placement.ledger.tenancy.tenants import tenant_of
 from tasks import context
 from tasks.config import PUBLIC_QUEUES, is_public
 
@@ -64,11 +64,11 @@ LEASE_HEADER = "gpufleet_lease"
 #: so the router never counts such a call again.
 COUNTED_HEADER = "gpufleet_counted"
 HOPS_HEADER = "gpufleet_hops"
-#: The tenant whose public queue a call came from (`placement.ledger.tenants`), which the
+#: The tenant whose public queue a call came from (`placement.ledger.tenancy.tenants`), which the
 #: router writes as it takes it; absent for the default tenant.
 TENANT_HEADER = "gpufleet_tenant"
 #: The running slot a call of a tenant with quotas holds until it ends, which the router
-#: gave it (`placement.ledger.quotas`); absent for calls no quota holds.
+#: gave it (`placement.ledger.tenancy.quotas`); absent for calls no quota holds.
 SLOT_HEADER = "gpufleet_slot"
 #: How deeply a message's headers, properties and arguments may nest. Celery's own
 #: canvases (a chain of chords) stay under 12; pickling a request for the pool fails

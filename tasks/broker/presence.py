@@ -57,7 +57,7 @@ from kombu.transport.redis import Channel as KombuChannel
 from placement.ledger import endpoint
 from placement.ledger.keys import CONSUMERS, KeyList, unacked_of
 from placement.ledger.scripts import scripts_for
-from placement.ledger.tenants import DEFAULT, split_queue, worker_queue
+from placement.ledger.tenancy.tenants import DEFAULT, split_queue, worker_queue
 from tasks import context
 from tasks.broker.intake import HOPS_HEADER, LEASE_HEADER
 from tasks.broker.transport import inflight
@@ -258,7 +258,7 @@ def sweep(
     dead = [r for r in found.values() if not r.alive(now)]
     if not dead:
         return {}
-    # a live worker takes its tenants' queues too (`tasks.serving.tenancy`)
+    # a live worker takes its tenants' queues too (`tasks.serving.tenants.tenancy`)
     served = {split_queue(q)[0] for r in found.values() if r.alive(now) for q in r.queues}
     names = tuple(tenant_names)
     ledger: AbstractSet[str] | None = None  # read only when something is to move
@@ -427,7 +427,7 @@ def _holds_anything(client: redis.Redis, rec: Record, orphaned: set[str]) -> boo
 
 def with_tenants(queues: Iterable[str], tenant_names: Iterable[str]) -> tuple[str, ...]:
     """`queues` and each tenant's queue of every GPU worker's among them
-    (`placement.ledger.tenants.worker_queue`): calls may wait there before the worker
+    (`placement.ledger.tenancy.tenants.worker_queue`): calls may wait there before the worker
     first took from it."""
     own = [q for q in queues]
     names = list(tenant_names)

@@ -120,8 +120,9 @@ class Pick:
 
 class Moved:
     """A divert that moved the message itself, out of the in-flight list it was taken into
-    (a tenant's call parked until one of its running slots frees: `placement.ledger.quotas`):
-    counted delivered and acknowledged, as a message moved on is."""
+    (a tenant's call parked until one of its running slots frees:
+    `placement.ledger.tenancy.quotas`): counted delivered and acknowledged, as a message
+    moved on is."""
 
 
 MOVED = Moved()

@@ -57,8 +57,9 @@ from placement.config import (
     safe_url,
 )
 from placement.errors import ConfigError, FleetStoppedError, GpufleetError
-from placement.ledger import endpoint, tenants
+from placement.ledger import endpoint
 from placement.ledger.registry import Registry
+from placement.ledger.tenancy import tenants
 from placement.server.acl import ADMIN, CALLER, FLEET, OPERATOR, Users
 from placement.server.connections import CALLER_SHARE, ConnectionGuard, max_clients
 from placement.server.redis_server import (
@@ -531,8 +532,9 @@ class Launcher:
 
     def _queues(self, *, with_parked: bool = False) -> tuple[str, ...]:
         """The queues this host's workers take calls from: their own, every tenant's public
-        queue and each tenant's queue of every GPU worker's (`tasks.serving.tenancy`);
-        `with_parked`, the lists of the tenants' parked calls too (`placement.ledger.quotas`)."""
+        queue and each tenant's queue of every GPU worker's (`tasks.serving.tenants.tenancy`);
+        `with_parked`, the lists of the tenants' parked calls too
+        (`placement.ledger.tenancy.quotas`)."""
         own = tuple(q for child in self.children.values() for q in child.queues)
         try:
             registry = Registry.from_url(self.redis_url, self.fleet)

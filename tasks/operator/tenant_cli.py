@@ -1,6 +1,6 @@
 """`gpufleet tenant add|list|remove`, and the tenant's URL for `gpufleet url --tenant`.
 
-A tenant (`placement.ledger.tenants`) is recorded in the registry with the digest of its
+A tenant (`placement.ledger.tenancy.tenants`) is recorded in the registry with the digest of its
 Redis password; the password itself is kept on the machine that added it, in the fleet's
 directory (`tenants.json`, mode 0600, like the connection file), so that `gpufleet url
 --tenant NAME` can print it again. On the bundled Redis the launcher gives the tenant its
@@ -24,8 +24,9 @@ from rich.table import Table
 
 from placement.config import Settings, connection_path, read_connection
 from placement.errors import ConfigError, UnknownTenantError
-from placement.ledger import endpoint, tenants
+from placement.ledger import endpoint
 from placement.ledger.registry import Registry
+from placement.ledger.tenancy import tenants
 from placement.server.acl import tenant_line, user_url
 from tasks.operator.console import err, guard, settings
 

@@ -10,7 +10,7 @@ from celery.canvas import Signature
 
 from placement.errors import ConfigError, GpufleetError, PayloadError, describe
 from placement.ledger.hot import Lease
-from placement.ledger.tenants import DEFAULT, check_name, worker_queue
+from placement.ledger.tenancy.tenants import DEFAULT, check_name, worker_queue
 from tasks.app import app
 from tasks.broker.intake import (
     COUNTED_HEADER,

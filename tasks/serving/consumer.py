@@ -50,9 +50,10 @@ from placement.errors import GpufleetError, PayloadError
 from tasks import context
 from tasks.broker import intake, results
 from tasks.broker.intake import LEASE_HEADER, PUBLIC_TASKS, is_name
-from tasks.serving import batching, cancelling, forwarding, leases, quotas, tenancy
+from tasks.serving import batching, cancelling, forwarding, leases
 from tasks.serving.batching import Batcher
 from tasks.serving.cancelling import Cancels
+from tasks.serving.tenants import quotas, tenancy
 from worker.generation.params import MAX_ROWS
 
 log = logging.getLogger(__name__)

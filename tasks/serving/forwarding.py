@@ -45,16 +45,17 @@ from celery.worker import state as worker_state
 
 from placement.errors import GpufleetError
 from placement.ledger.hot import GONE, Handover
-from placement.ledger.quotas import Entry
 from placement.ledger.registry import Registry
-from placement.ledger.tenants import worker_queue
+from placement.ledger.tenancy.quotas import Entry
+from placement.ledger.tenancy.tenants import worker_queue
 from tasks import context
 from tasks.app import app
 from tasks.broker import intake
 from tasks.broker.intake import COUNTED_HEADER, LEASE_HEADER
 from tasks.broker.transport import MOVED, Moved, Onward, Pick
-from tasks.serving import leases, quotas, routed, tenancy
+from tasks.serving import leases, routed
 from tasks.serving.calls import counted_in, infer_arguments, tenant_in
+from tasks.serving.tenants import quotas, tenancy
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +82,7 @@ def install(channel: Any, strategy: _Strategy) -> _Strategy:
 
 class Forwarder:
     """Says where a hot call goes on to (its replica's GPU worker queue, with a lease),
-    once its tenant's quota lets it in (`tasks.serving.quotas`)."""
+    once its tenant's quota lets it in (`tasks.serving.tenants.quotas`)."""
 
     def __init__(self, channel: Any) -> None:
         self._channel = channel  # its `taken`: the message's in-flight list and bytes

@@ -20,7 +20,7 @@ from placement.ledger.registry import Registry
 from tasks import context
 from tasks.app import app
 from tasks.broker import presence, results
-from tasks.serving import tenancy
+from tasks.serving.tenants import tenancy
 
 log = logging.getLogger(__name__)
 

@@ -17,12 +17,13 @@ from typing import Any
 import redis
 
 from placement.errors import GpufleetError
-from placement.ledger import endpoint, generation, quotas, tenants, usage
+from placement.ledger import endpoint, generation
 from placement.ledger.load import placed_replicas, read_loads
 from placement.ledger.registry import Registry
 from placement.ledger.report import load_report, request_report, status_report
-from placement.ledger.tenants import Tenant, split_queue, tenant_of
-from placement.ledger.usage import Usage
+from placement.ledger.tenancy import quotas, tenants, usage
+from placement.ledger.tenancy.tenants import Tenant, split_queue, tenant_of
+from placement.ledger.tenancy.usage import Usage
 from placement.policy.state import Snapshot
 from tasks import context
 from tasks.broker import presence, quarantine
@@ -81,8 +82,8 @@ def tenants_report(
     """Per tenant: its weight, whether it was removed (its calls still drain), its quotas,
     how many of its calls wait on its queues (its public one and its GPU workers' ones,
     and parked for a running slot), how many are let in under its quota (`held`:
-    name -> (let in, parked), `placement.ledger.quotas.counts`), and what its calls used
-    (`used`, `placement.ledger.usage`)."""
+    name -> (let in, parked), `placement.ledger.tenancy.quotas.counts`), and what its calls used
+    (`used`, `placement.ledger.tenancy.usage`)."""
     waiting: dict[str, int] = {}
     for queue, depth in depths.items():
         name = tenant_of(queue) or split_queue(queue)[1]

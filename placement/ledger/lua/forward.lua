@@ -17,7 +17,7 @@
 --   object: tasks/serving/leases.header's fields) goes between the first two, the queue's
 --   name (a JSON string: the message's routing key) between the last two
 -- ARGV[8] = what follows the replica's queue in that name: '' for the default tenant,
---   '~<tenant>' for a tenant's queue of the worker (placement/ledger/tenants.py), which
+--   '~<tenant>' for a tenant's queue of the worker (placement/ledger/tenancy/tenants.py), which
 --   KEYS[3n+4..4n+3] name too
 -- ARGV[9..] = replica ids, then the worker id each had, then the queue each had, in order
 -- Returns {1, replica, queue, worker, gpus_json, lease_deadline_ms, epoch, drained}: moved;

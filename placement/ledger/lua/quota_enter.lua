@@ -1,12 +1,12 @@
 -- quota_enter.lua: a call of a tenant with quotas, as a router takes it from the tenant's
 -- public queue: let it take a running slot, park it until a slot frees, or refuse it
--- (placement/ledger/quotas.py). The parked list holds broker messages, so this runs only
+-- (placement/ledger/tenancy/quotas.py). The parked list holds broker messages, so this runs only
 -- where one Redis holds the broker and the ledger (as forward.lua).
 -- KEYS[1] = the tenant's running slots (zset: '<slot>:<task id>' -> ms taken; a call handed
 --           back from the parked list holds 'handed:<task id>' until a router takes it)
 -- KEYS[2] = the tenant's parked list (messages, oldest last)
 -- KEYS[3] = the in-flight list the call's message was taken into
--- KEYS[4] = the fleet's tenants hash (placement/ledger/tenants.py): the quotas, read here
+-- KEYS[4] = the fleet's tenants hash (placement/ledger/tenancy/tenants.py): the quotas, read here
 -- ARGV[1] = the tenant, ARGV[2] = the call's task id, ARGV[3] = its message as taken
 -- ARGV[4] = the slot to take (a token the fleet made, which the call carries on)
 -- Returns 1: it takes the slot ARGV[4] (also a call handed back, whose slot was kept;

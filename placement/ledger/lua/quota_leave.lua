@@ -1,6 +1,6 @@
 -- quota_leave.lua: running slots of a tenant free (its calls were answered), and its oldest
 -- parked calls take them, handed back to the router as the next calls it takes from the
--- tenant's public queue, in the order they came (placement/ledger/quotas.py). With no slot
+-- tenant's public queue, in the order they came (placement/ledger/tenancy/quotas.py). With no slot
 -- named, the sweep's step: parked calls take the slots free (all of them, for a tenant
 -- that has no running limit now, or no record).
 -- KEYS[1] = the tenant's running slots, KEYS[2] = its parked list

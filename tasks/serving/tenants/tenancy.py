@@ -1,12 +1,12 @@
 """Tenants in a running worker: each takes its tenants' calls from queues of their own, in
 turns by their weights.
 
-Both kinds of worker read the registry's tenants (`placement.ledger.tenants`) at most every
+Both kinds of worker read the registry's tenants (`placement.ledger.tenancy.tenants`) at most every
 `POLL_S`, from the consumer's timer in the worker's main process, between two messages:
 
 - a router consumes each tenant's public queue `t.<name>.celery` as the tenant is added;
 - a GPU worker consumes, beside its own queue, one queue per tenant (`queue~<name>`,
-  `placement.ledger.tenants.worker_queue`), where routers send that tenant's calls.
+  `placement.ledger.tenancy.tenants.worker_queue`), where routers send that tenant's calls.
 
 Each takes from its queues in turns weighted by their tenants' weights
 (`placement.rules.fairness.FairTurns`, `tasks.broker.transport.Channel.take_turns`), and a
@@ -32,8 +32,8 @@ from collections.abc import Callable
 from typing import Any
 
 from placement.errors import GpufleetError
-from placement.ledger import quotas, tenants
-from placement.ledger.tenants import DEFAULT, Tenant, split_queue, worker_queue
+from placement.ledger.tenancy import quotas, tenants
+from placement.ledger.tenancy.tenants import DEFAULT, Tenant, split_queue, worker_queue
 from tasks import context
 from tasks.broker import presence
 from tasks.broker.presence import KEEP_GONE_MS

@@ -14,12 +14,12 @@ Records live in the registry's hash `gpufleet:{fleet}:tenants`, name -> JSON
 `{"weight": w, "digest": sha256-hex, "max_running": n, "max_queued": m}`: the digest of
 the tenant's Redis password, which an ACL rule takes as `#<hex>` (the launcher gives each
 tenant its user on the bundled Redis, `placement.server.tenant_users`), and its quotas
-(`placement.ledger.quotas`; 0, or absent: none). The password itself is never stored here.
+(`placement.ledger.tenancy.quotas`; 0, or absent: none). The password itself is never stored here.
 
 A removed tenant's record stays, with `"removed_ms"` (when), while calls it sent before may
 still wait or come back: its user is gone at once, the workers still take its queues, and
 a router forgets the record (`forget`) once it has been removed a day and its queues are
-empty (`tasks.serving.tenancy.forget_removed`). So no call of a removed tenant is left
+empty (`tasks.serving.tenants.tenancy.forget_removed`). So no call of a removed tenant is left
 behind, even one sent just before the router first took its queue.
 """
 
@@ -88,7 +88,7 @@ class Tenant:
 
     @property
     def limited(self) -> bool:
-        """Whether a quota applies to its calls (`placement.ledger.quotas`)."""
+        """Whether a quota applies to its calls (`placement.ledger.tenancy.quotas`)."""
         return self.max_running > 0 or self.max_queued > 0
 
     def record(self) -> str:

@@ -1,4 +1,4 @@
-"""Counting what each tenant's calls used, as they end (`placement.ledger.usage`).
+"""Counting what each tenant's calls used, as they end (`placement.ledger.tenancy.usage`).
 
 Celery's `task_postrun` runs in the process that ran a call, after its answer is stored,
 so the count costs the caller no wait: one pipelined write per call of a named tenant, and
@@ -17,8 +17,8 @@ from celery import states
 from celery.signals import task_postrun
 
 from placement.errors import GpufleetError
-from placement.ledger import usage
-from placement.ledger.usage import Usage
+from placement.ledger.tenancy import usage
+from placement.ledger.tenancy.usage import Usage
 from tasks import context
 from tasks.serving.calls import CALL_TASKS, tenant_of
 

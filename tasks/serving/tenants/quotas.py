@@ -1,6 +1,6 @@
 """Tenants' quotas in the workers: a router holds each call it takes from a tenant's public
 queue to the tenant's quota, and every call's end frees its slot (the rule and its keys:
-`placement.ledger.quotas`).
+`placement.ledger.tenancy.quotas`).
 
 - `enter`: a router's forwarder asks it of every `gpufleet.infer` it takes from the public
   queue of a tenant with quotas, in its consumer's thread, before the call goes anywhere
@@ -34,15 +34,15 @@ from celery.signals import task_postrun, task_revoked
 from celery.worker import state as worker_state
 
 from placement.errors import GpufleetError, QuotaError
-from placement.ledger import quotas, tenants
-from placement.ledger.quotas import Entry, member, new_slot
-from placement.ledger.tenants import Tenant
+from placement.ledger.tenancy import quotas, tenants
+from placement.ledger.tenancy.quotas import Entry, member, new_slot
+from placement.ledger.tenancy.tenants import Tenant
 from tasks import context
 from tasks.app import app
 from tasks.broker import intake, results
 from tasks.broker.intake import SLOT_HEADER
-from tasks.serving import tenancy
 from tasks.serving.calls import CALL_TASKS, slot_of, tenant_in, tenant_of
+from tasks.serving.tenants import tenancy
 
 log = logging.getLogger(__name__)
 
