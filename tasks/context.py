@@ -29,6 +29,14 @@ def registry() -> Registry:
 
 
 @functools.cache
+def one_redis() -> bool:
+    """Whether the broker is the registry's Redis, so one script reaches both (a router's
+    `forward.lua`, the tenants' quota scripts, which park broker messages)."""
+    s = settings()
+    return s.broker_url == s.registry_url
+
+
+@functools.cache
 def catalog() -> Catalog:
     return Catalog.load(settings().models)
 

@@ -27,7 +27,7 @@ import redis
 from celery import Celery
 
 from bench.fairness import weighted
-from tests.running import REPO, RunningFleet, fleet_env, fleet_up
+from tests.running import REPO, RunningFleet, fleet_env, fleet_up, until
 
 pytestmark = pytest.mark.slow
 
@@ -208,12 +208,12 @@ def test_calls_past_a_tenant_s_max_queued_are_refused_at_once_and_the_rest_answe
     cli(env, "tenant", "add", "bounded", "--max-running", "1", "--max-queued", "3")
     client = tenant_client(env, "bounded")
     generate(client, "warm", 2).get(timeout=TIMEOUT_S)
-    _until(lambda: _let_in(env, "bounded") == 0, "the warm call's slot was never freed")
+    until("the warm call's slot freed", lambda: _let_in(env, "bounded") == 0)
     long = generate(client, "a long story", 400)  # holds the one running slot
-    _until(lambda: _let_in(env, "bounded") == 1, "the long call never took its slot")
+    until("the long call holding its slot", lambda: _let_in(env, "bounded") == 1)
     sent = time.monotonic()
     calls = [generate(client, f"short {i}", 4) for i in range(8)]
-    _until(lambda: sum(c.failed() for c in calls) >= 5, "no call was refused")
+    until("five calls refused", lambda: sum(c.failed() for c in calls) >= 5)
     refused_after = time.monotonic() - sent
     assert not long.ready(), "refused only after the long call ended"
     refused, answered = [], []
@@ -227,13 +227,6 @@ def test_calls_past_a_tenant_s_max_queued_are_refused_at_once_and_the_rest_answe
     assert "--max-queued" in refused[0][1]
     assert len(answered) == 3 and all(a["outputs"]["tokens"] for a in answered)
     print(f"5 calls refused {refused_after:.2f} s after they were sent, the long call running")
-
-
-def _until(done: Any, why: str, seconds: float = 30.0) -> None:
-    deadline = time.monotonic() + seconds
-    while not done():
-        assert time.monotonic() < deadline, why
-        time.sleep(0.05)
 
 
 def _let_in(env: dict[str, str], name: str) -> int:

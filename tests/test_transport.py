@@ -28,6 +28,7 @@ from placement.server.acl import Users, user_url
 from placement.server.redis_server import RedisServer, find_redis_server, redis_version
 from tasks.broker import transport
 from tasks.broker.transport import Channel, Onward, Pick, QoS, Transport
+from tests.running import until
 
 SEP = Channel.sep
 
@@ -534,10 +535,11 @@ def test_a_consumer_waiting_on_one_list_wakes_when_a_call_arrives_on_another(bin
         waker = waking.Waker(client, 0)
         try:
             waker.watch(["t.a.celery", "t.b.celery"])
-            _until(lambda: client.pubsub_numsub("__keyspace@0__:t.b.celery")[0][1] == 1)
+            events = "__keyspace@0__:t.b.celery"  # the other list's pushes
+            until("subscribed", lambda: client.pubsub_numsub(events)[0][1] == 1)
             waker.waiting("t.a.celery")
             blocked.send_command("BLMOVE", "t.a.celery", "t.a.inflight", "RIGHT", "LEFT", 10)
-            _until(lambda: client.info("clients")["blocked_clients"] == 1)
+            until("blocked", lambda: client.info("clients")["blocked_clients"] == 1)
             started = time.monotonic()
             client.lpush("t.b.celery", "a call")  # on the other list
             assert blocked.read_response() == waking.WAKE  # its wait took the token
@@ -555,10 +557,3 @@ def test_a_consumer_waiting_on_one_list_wakes_when_a_call_arrives_on_another(bin
             waker.close()
             blocked.disconnect()
             client.close()
-
-
-def _until(done: Callable[[], bool], seconds: float = 5.0) -> None:
-    deadline = time.monotonic() + seconds
-    while not done():
-        assert time.monotonic() < deadline
-        time.sleep(0.01)

@@ -26,7 +26,7 @@ from placement.config import Settings, connection_path, read_connection
 from placement.errors import ConfigError, UnknownTenantError
 from placement.ledger import endpoint
 from placement.ledger.registry import Registry
-from placement.ledger.tenancy import tenants
+from placement.ledger.tenancy import quotas, tenants
 from placement.server.acl import tenant_line, user_url
 from tasks.operator.console import err, guard, settings
 
@@ -203,12 +203,11 @@ def list_command(
         registry, _ = _registry(s)
         try:
             found = tenants.all_tenants(registry)
+            held = quotas.held(registry, list(found))
             pipe = registry.client.pipeline(transaction=False)
             for tenant in found.values():
                 for key in _lists(tenant.queue):
                     pipe.llen(key)
-                pipe.zcard(registry.keys.tenant_running(tenant.name))
-                pipe.llen(registry.keys.tenant_parked(tenant.name))
             counts = iter(pipe.execute())
             return [
                 {
@@ -218,8 +217,8 @@ def list_command(
                     "max_queued": t.max_queued,
                     "queue": t.queue,
                     "waiting": sum(next(counts) for _ in _lists(t.queue)),
-                    "let_in": next(counts),
-                    "parked": next(counts),
+                    "let_in": held[t.name][0],
+                    "parked": held[t.name][1],
                 }
                 for t in found.values()
             ]

@@ -105,7 +105,7 @@ class Forwarder:
         registry = context.registry()
         headers = {**message.headers, COUNTED_HEADER: True}  # counted by the pick (or before)
         tenant = tenancy.process.known(tenant_in(headers))
-        if not given_back and _one_redis():  # lease and move in one step
+        if not given_back and context.one_redis():  # lease and move in one step
             move = functools.partial(_forward, registry, model, path)
             return Pick(headers, LEASE_HEADER, move, tenant)
         try:
@@ -140,13 +140,6 @@ def _forward(registry: Registry, model: str, path: str, handover: Handover) -> b
     if outcome is None:
         return None
     return outcome != GONE and outcome.drained
-
-
-@functools.cache
-def _one_redis() -> bool:
-    """Whether the broker is the registry's Redis, so that `forward.lua` reaches both."""
-    settings = context.settings()
-    return settings.broker_url == settings.registry_url
 
 
 def plain_call(message: Any) -> tuple[str, bool] | None:

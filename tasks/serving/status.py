@@ -55,7 +55,7 @@ def full_status(registry: Registry, broker_url: str) -> dict[str, Any]:
         report["tenants"] = tenants_report(
             found,
             report["queues"],
-            _quota_counts(registry, found),
+            quotas.held(registry, [t.name for t in found.values() if t.limited]),
             usage.read(registry, list(found)),
         )
         report["stranded"] = presence.stranded(client, queues, snap.live_queues)
@@ -82,7 +82,7 @@ def tenants_report(
     """Per tenant: its weight, whether it was removed (its calls still drain), its quotas,
     how many of its calls wait on its queues (its public one and its GPU workers' ones,
     and parked for a running slot), how many are let in under its quota (`held`:
-    name -> (let in, parked), `placement.ledger.tenancy.quotas.counts`), and what its calls used
+    name -> (let in, parked), `placement.ledger.tenancy.quotas.held`), and what its calls used
     (`used`, `placement.ledger.tenancy.usage`)."""
     waiting: dict[str, int] = {}
     for queue, depth in depths.items():
@@ -105,10 +105,6 @@ def tenants_report(
             }
         )
     return rows
-
-
-def _quota_counts(registry: Registry, found: dict[str, Tenant]) -> dict[str, tuple[int, int]]:
-    return {t.name: quotas.counts(registry, t.name) for t in found.values() if t.limited}
 
 
 def generation_report(registry: Registry, snap: Snapshot) -> dict[str, Any]:

@@ -35,7 +35,7 @@ from enum import Enum
 
 from placement.ledger.store import Store
 
-__all__ = ["Entry", "Slot", "counts", "enter", "leave", "new_slot", "slots"]
+__all__ = ["Entry", "Slot", "counts", "enter", "held", "leave", "new_slot", "slots"]
 
 HANDED = "handed:"  # the prefix of a slot kept for a call handed back (`quota_leave.lua`)
 
@@ -105,7 +105,14 @@ def slots(store: Store, tenant: str) -> list[Slot]:
 
 def counts(store: Store, tenant: str) -> tuple[int, int]:
     """`tenant`'s calls holding slots, and its calls parked."""
-    running, parked = store._read(
-        [("zcard", store.keys.tenant_running(tenant)), ("llen", store.keys.tenant_parked(tenant))]
-    )
-    return int(running), int(parked)
+    return held(store, [tenant])[tenant]
+
+
+def held(store: Store, tenants: list[str]) -> dict[str, tuple[int, int]]:
+    """`counts` of each of `tenants`, in one round trip."""
+    keys = store.keys
+    found = store._read(
+        [(kind, key(name)) for name in tenants
+         for kind, key in (("zcard", keys.tenant_running), ("llen", keys.tenant_parked))]
+    )  # fmt: skip
+    return {name: (int(found[2 * i]), int(found[2 * i + 1])) for i, name in enumerate(tenants)}

@@ -115,9 +115,9 @@ def _refused(tenant: Tenant) -> str:
 
 @functools.cache
 def _one_redis() -> bool:
-    """Whether the broker is the registry's Redis, where parked messages can live."""
-    settings = context.settings()
-    if settings.broker_url == settings.registry_url:
+    """`context.one_redis`, said once in the log when it is not: parked messages live in
+    the broker, which the quota scripts must reach."""
+    if context.one_redis():
         return True
     log.warning("tenants' quotas are not applied: the broker is not the registry's Redis")
     return False
