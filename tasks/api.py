@@ -396,9 +396,10 @@ def cancel(task_id: str) -> bool:
     call already answered. A router answers it in its consumer (`tasks.serving.cancelling`);
     this runs it anywhere else."""
     _cancel_arguments(task_id)
-    if routed.answered(task_id):
+    target = tenants.call_id(task_id, tenant_of(cancel.request))  # its tenant's own call
+    if routed.answered(target):
         return False
-    cancelling.cancel_calls(app, [task_id])
+    cancelling.cancel_calls(app, [target])
     return True
 
 

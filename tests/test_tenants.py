@@ -127,6 +127,18 @@ def test_tenant_names_are_checked_and_queues_map_back_to_their_tenants() -> None
             tenants.check_name(bad)
 
 
+@given(
+    st.text(min_size=1, max_size=40),
+    st.sampled_from([tenants.DEFAULT, "team-a", "b", "a" * 32]),
+)
+def test_the_fleet_s_id_of_a_call_gives_back_its_caller_s_id_and_tenant(
+    task_id: str, tenant: str
+) -> None:
+    named = tenants.call_id(task_id, tenant)
+    assert tenants.owner(named) == (task_id, tenant)
+    assert len(named) <= len(task_id) + tenants.ID_SUFFIX
+
+
 @pytest.fixture
 def store(redis_url: str, fleet: str) -> Iterator[Store]:
     found = Store.from_url(redis_url, fleet)
@@ -206,6 +218,57 @@ def test_the_router_marks_a_call_with_the_tenant_of_its_queue_never_the_one_it_c
     assert intake.envelope(claimed, "gpufleet.router")["headers"][TENANT_HEADER] == "team-b"
 
 
+def test_a_call_is_named_by_its_tenant_as_the_router_takes_it_and_no_id_names_another_s() -> None:
+    assert intake.envelope(message({}), "t.team-a.celery")["headers"]["id"] == "t1@team-a"
+    assert intake.envelope(message({}), "celery")["headers"]["id"] == "t1"
+    # a fleet queue's call is named already (a router's hand-over to a GPU worker)
+    named = json.dumps(json.loads(message({}))).replace('"t1"', '"t1@team-a"').encode()
+    assert intake.envelope(named, "gpufleet.router")["headers"]["id"] == "t1@team-a"
+    # a caller's id that spells another tenant's call names its own
+    forged = message({}).replace(b'"t1"', b'"x@team-b"')
+    assert tenants.owner(intake.envelope(forged, "t.team-a.celery")["headers"]["id"]) == (
+        "x@team-b",
+        "team-a",
+    )
+    assert tenants.owner(intake.envelope(forged, "celery")["headers"]["id"]) == (
+        "x@team-b",
+        tenants.DEFAULT,
+    )
+    too_long = message({}).replace(b'"t1"', b'"' + b"x" * (intake.MAX_CALLER_ID + 1) + b'"')
+    with pytest.raises(intake.Refused, match="longer than"):
+        intake.envelope(too_long, "t.team-a.celery")
+
+
+def test_a_tenant_s_result_is_stored_where_its_plain_celery_client_reads_it(
+    redis_url: str,
+) -> None:
+    from celery import Celery, states
+
+    from tasks.broker.results import Backend
+    from tasks.serving import streams
+
+    fleet = Celery("fleet-side", backend=f"tasks.broker.results:Backend+{redis_url}")
+    fleet.conf.update(result_serializer="json", result_accept_content=["json"])
+    backend = fleet.backend
+    assert isinstance(backend, Backend)
+    backend.store_result("r1@team-a", {"x": 1}, states.SUCCESS)
+    backend.store_result("r1", {"x": 0}, states.SUCCESS)  # the default tenant's, same id
+    tenant = Celery("tenant-side", backend=redis_url)
+    tenant.conf.update(
+        result_serializer="json",
+        result_accept_content=["json"],
+        result_backend_transport_options={"global_keyprefix": tenants.key_prefix("team-a")},
+    )
+    found = tenant.AsyncResult("r1")
+    assert found.get(timeout=5) == {"x": 1} and found.task_id == "r1"
+    assert json.loads(backend.client.get("t.team-a.celery-task-meta-r1"))["task_id"] == "r1"
+    assert fleet.AsyncResult("r1").get(timeout=5) == {"x": 0}
+    assert streams.key("r1@team-a") == "t.team-a.gpufleet-stream-r1"
+    assert streams.key("r1") == "gpufleet-stream-r1"
+    tenant.close()
+    fleet.close()
+
+
 def test_a_caller_cannot_set_its_tenant_through_the_body_celery_merges_into_the_request(
     redis_url: str,
 ) -> None:
@@ -243,6 +306,16 @@ def tenant_client(server: RedisServer, name: str, password: str) -> redis.Redis:
     return redis.Redis.from_url(user_url(url, tenants.user_of(name), password))
 
 
+def heard(client: redis.Redis, channel: str) -> object:
+    """Subscribe `client` to `channel`: Redis answers the SUBSCRIBE, or refuses it."""
+    listener = client.pubsub()
+    try:
+        listener.subscribe(channel)
+        return listener.get_message(timeout=2)
+    finally:
+        listener.close()
+
+
 def test_the_launcher_gives_each_tenant_a_user_that_may_send_only_to_its_own_queue(
     server: RedisServer,
 ) -> None:
@@ -257,9 +330,15 @@ def test_the_launcher_gives_each_tenant_a_user_that_may_send_only_to_its_own_que
         "send a call": lambda: a.lpush("t.team-a.celery", "call"),
         "send with a priority": lambda: a.lpush("t.team-a.celery\x06\x169", "call"),
         "declare its queue": lambda: a.sadd("t.team-a._kombu.binding.celery", "x"),
-        "read a result": lambda: a.get("celery-task-meta-1"),
+        "read its result": lambda: a.get("t.team-a.celery-task-meta-1"),
+        "read its streamed text": lambda: a.xread({"t.team-a.gpufleet-stream-1": "0-0"}),
+        "hear its results": lambda: heard(a, "t.team-a.celery-task-meta-1"),
     }
     cannot = {
+        "read another tenant's result": lambda: a.get("t.team-b.celery-task-meta-1"),
+        "read the default tenant's result": lambda: a.get("celery-task-meta-1"),
+        "read another tenant's stream": lambda: a.xread({"t.team-b.gpufleet-stream-1": "0-0"}),
+        "hear another tenant's results": lambda: heard(a, "t.team-b.celery-task-meta-1"),
         "send to the router's queue": lambda: a.lpush("celery", "call"),
         "send to another tenant's queue": lambda: a.lpush("t.team-b.celery", "call"),
         "send to the router's internal queue": lambda: a.lpush("gpufleet.router", "call"),

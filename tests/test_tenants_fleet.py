@@ -5,11 +5,9 @@
 - tenants that flood at once share the answers by their weights;
 - a tenant removed while its calls wait: every one is answered, and its user is gone;
 - `--max-running`: never more of a tenant's calls at once, none failing for it;
-  `--max-queued`: the calls past it refused at once with `QuotaError`.
-
-Results live where every caller's do (the tenant's URL reads any call's result by its task
-id, as the `caller` user does): isolation of results between tenants is not built yet
-(docs/deploy.md, "Tenants").
+  `--max-queued`: the calls past it refused at once with `QuotaError`;
+- a tenant's URL cannot read, hear, stream or cancel another tenant's call, even with its
+  task id; a tenant's chain runs as its own calls, answered where its client reads.
 """
 
 from __future__ import annotations
@@ -136,8 +134,9 @@ def test_a_tenant_removed_while_its_calls_wait_has_every_one_answered_and_loses_
     running, env = fleet
     url = cli(env, "tenant", "add", "leaving").strip()
     client = tenant_client(env, "leaving")
-    # its user goes with it: its client reads its answers with the fleet's caller URL
-    client.conf.result_backend = running.url
+    # its user goes with it: its client reads its answers as the fleet's own user, the
+    # one other user that may read them
+    client.conf.result_backend = running.fleet_url
     calls = [call(client, f"{i} {TEXT}") for i in range(60)]
     cli(env, "tenant", "remove", "leaving")
     answers = [c.get(timeout=TIMEOUT_S) for c in calls]
@@ -232,3 +231,57 @@ def test_calls_past_a_tenant_s_max_queued_are_refused_at_once_and_the_rest_answe
 def _let_in(env: dict[str, str], name: str) -> int:
     rows = json.loads(cli(env, "tenant", "list", "--json"))
     return int(next(r["let_in"] for r in rows if r["name"] == name))
+
+
+def test_a_tenant_cannot_read_hear_stream_or_cancel_another_tenants_call_knowing_its_id(
+    fleet: tuple[RunningFleet, dict[str, str]],
+) -> None:
+    running, env = fleet
+    cli(env, "tenant", "add", "nosy")
+    cli(env, "tenant", "add", "private")
+    nosy, private = tenant_client(env, "nosy"), tenant_client(env, "private")
+    nosy_url = cli(env, "url", "--tenant", "nosy").strip()
+    shared = "same-id-for-both"  # the other tenant's id, in nosy's hands
+    params = {"max_new_tokens": 200, "temperature": 0, "stream": True}
+    theirs = private.send_task("gpufleet.infer", args=("slow", "a secret", params), task_id=shared)
+    snoop = redis.Redis.from_url(nosy_url)
+    stream = f"t.private.gpufleet-stream-{shared}"
+    until("private's call streaming", lambda: running.inside.backend.client.exists(stream))
+    for act in (
+        lambda: snoop.xread({stream: "0-0"}),  # its streamed text
+        lambda: _heard(snoop, f"t.private.celery-task-meta-{shared}"),  # its result's news
+        lambda: snoop.get(f"celery-task-meta-{shared}"),  # the default tenant's results
+    ):
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            act()
+    # nosy's cancel of that id, and its own call of the same id, reach only nosy's call
+    mine = nosy.send_task("gpufleet.infer", args=("m", TEXT), task_id=shared)
+    assert mine.get(timeout=TIMEOUT_S)["outputs"]
+    assert nosy.send_task("gpufleet.cancel", args=(shared,)).get(timeout=TIMEOUT_S) is False
+    answer = theirs.get(timeout=TIMEOUT_S)  # neither revoked nor answered by nosy's calls
+    assert len(answer["outputs"]["tokens"][0]) == 200
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        snoop.get(f"t.private.celery-task-meta-{shared}")  # stored, and still refused
+    assert (
+        json.loads(private.backend.client.get(f"t.private.celery-task-meta-{shared}"))["task_id"]
+        == shared
+    )
+    # a chain of nosy's: each step its own call, answered where its client reads
+    from celery import chain
+
+    steps = chain(
+        nosy.signature("gpufleet.infer", args=("m", TEXT)),
+        nosy.signature("gpufleet.status", immutable=True),
+    ).apply_async()
+    assert "tenants" in steps.get(timeout=TIMEOUT_S)
+    assert steps.parent.get(timeout=TIMEOUT_S)["outputs"]
+    snoop.close()
+
+
+def _heard(client: redis.Redis, channel: str) -> object:
+    listener = client.pubsub()
+    try:
+        listener.subscribe(channel)
+        return listener.get_message(timeout=2)
+    finally:
+        listener.close()

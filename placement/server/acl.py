@@ -81,8 +81,8 @@ ADMIN = "admin"
 PRIORITY_LISTS = (3, 6, 9)
 #: What Celery's client declares before it sends to a queue (kombu 5.7 writes the second).
 _DECLARE = ("_kombu.binding.", "_kombu.binding_permanent.")
-_RESULT_KEYS = "~celery-task-meta-* ~celery-taskset-meta-*"
-_STREAM_KEYS = "~gpufleet-stream-*"  # tasks.serving.streams.PREFIX
+_RESULTS, _GROUPS = "celery-task-meta-", "celery-taskset-meta-"  # Celery's key prefixes
+_STREAMS = "gpufleet-stream-"  # tasks.serving.streams.PREFIX
 _CONNECTION = "+ping +echo +select +hello +auth +multi +exec +discard"
 
 _FLEET_RULES = "~* &* +@all -@dangerous +info +client|list +client|kill"
@@ -105,25 +105,28 @@ def _queue_keys(prefix: str) -> tuple[list[str], list[str]]:
 
 
 def caller_rules(redis_major: int, prefix: str = "") -> list[str]:
-    """A caller's rules, one ACL argument each: send calls to the public queue `celery`
-    under `prefix` (a tenant's, `placement.ledger.tenancy.tenants.key_prefix`; the `caller` user's
-    is ""), wait for results and read streamed text. Redis 7 and later: root rights send
+    """A caller's rules, one ACL argument each: send calls to the public queue `celery`,
+    wait for results and read streamed text, all under `prefix` (a tenant's,
+    `placement.ledger.tenancy.tenants.key_prefix`, so it reaches its own calls' results
+    and streams only; the `caller` user's is ""). Redis 7 and later: root rights send
     calls and wait for results, and each selector grants one command group on the keys it
     needs; Redis 6.2: one set of keys for all of its commands (see the module)."""
     queue, declare = _queue_keys(prefix)
-    connection, results = _CONNECTION.split(), _RESULT_KEYS.split()
+    connection = _CONNECTION.split()
+    results, groups, streams = (f"~{prefix}{kind}*" for kind in (_RESULTS, _GROUPS, _STREAMS))
+    channels = f"&{prefix}{_RESULTS}*"
     if redis_major >= 7:
         return [
-            "resetkeys", *queue, "resetchannels", "&celery-task-meta-*", "-@all", *connection,
+            "resetkeys", *queue, "resetchannels", channels, "-@all", *connection,
             "+lpush", "+wait", "+llen", "+subscribe", "+unsubscribe",
             "(+sadd", "+smembers", *declare[:-1], f"{declare[-1]})",
-            "(+get", "+mget", *results[:-1], f"{results[-1]})",
-            "(+set", "+del", "~celery-taskset-meta-*)",
-            "(+xread", f"{_STREAM_KEYS})",
+            "(+get", "+mget", results, f"{groups})",
+            "(+set", "+del", f"{groups})",
+            "(+xread", f"{streams})",
         ]  # fmt: skip
     return [
-        "resetkeys", *queue, *declare, *results, _STREAM_KEYS,
-        "resetchannels", "&celery-task-meta-*", "-@all", *connection,
+        "resetkeys", *queue, *declare, results, groups, streams,
+        "resetchannels", channels, "-@all", *connection,
         "+lpush", "+wait", "+llen", "+sadd", "+smembers", "+get", "+mget", "+xread",
         "+subscribe", "+unsubscribe",
     ]  # fmt: skip

@@ -39,7 +39,7 @@ import orjson
 from kombu.utils.json import dumps, loads
 
 from placement.errors import GpufleetError, PayloadError, describe
-from placement.ledger.tenancy.tenants import tenant_of
+from placement.ledger.tenancy.tenants import DEFAULT, ID_SUFFIX, call_id, tenant_of
 from tasks import context
 from tasks.config import PUBLIC_QUEUES, is_public
 
@@ -81,6 +81,9 @@ MAX_DEPTH = 32
 MAX_MESSAGE_BYTES = 8 * 2**20
 #: The longest id, name or delivery tag a message may carry.
 MAX_NAME = 256
+#: The longest task id a caller may give: the fleet's id of its call, with its tenant
+#: (`tenants.call_id`), is then at most `MAX_NAME`.
+MAX_CALLER_ID = MAX_NAME - ID_SUFFIX
 #: The most signatures a caller's callbacks, chain and chord may hold in all. Each step a
 #: worker ends sends the rest of the chain on in the next message, so a chain costs the
 #: fleet its length squared; Celery's own canvases of a few steps stay far below.
@@ -143,11 +146,12 @@ class Refused(Exception):
 def envelope(item: bytes | str, queue: str) -> dict[str, Any]:
     """The message `item`, taken from `queue`, checked and made truthful (step 1 of the
     module); raises `Refused`."""
+    tenant = (tenant_of(queue) or DEFAULT) if is_public(queue) else None  # None: a fleet queue
     if len(item) > MAX_MESSAGE_BYTES:
         raise Refused(
             f"the call's message is {len(item):,} bytes, over the limit of "
             f"{MAX_MESSAGE_BYTES:,}; send fewer or shorter inputs per call",
-            _id_of_large(item),
+            _named(_id_of_large(item), tenant),
         )
     try:
         payload = parse(item)
@@ -157,7 +161,7 @@ def envelope(item: bytes | str, queue: str) -> dict[str, Any]:
         raise Refused(f"the call's message is {describe(payload)}, not a JSON object")
     headers = payload.get("headers")
     task_id = headers.get("id") if isinstance(headers, dict) else None
-    task_id = task_id if is_name(task_id) else None
+    task_id = _named(task_id if is_name(task_id) else None, tenant)
     if too_deep({k: v for k, v in payload.items() if k != "body"}, MAX_DEPTH):
         raise Refused(f"the call's headers nest deeper than {MAX_DEPTH} levels", task_id)
     problem = _envelope_problem(payload)
@@ -169,15 +173,29 @@ def envelope(item: bytes | str, queue: str) -> dict[str, Any]:
     redelivered = info.get("redelivered") if isinstance(info, dict) else None
     # Where it came from, truly (restores and the consumer's checks follow it).
     properties["delivery_info"] = {"exchange": "", "routing_key": queue}
-    if is_public(queue):
+    if tenant is not None:  # a public queue's
         for name in [n for n in headers if isinstance(n, str) and n.startswith(FLEET_HEADERS)]:
             del headers[name]
-        tenant = tenant_of(queue)
-        if tenant is not None:  # known by the queue it may write, never by what it says
+        if tenant != DEFAULT:  # known by the queue it may write, never by what it says
             headers[TENANT_HEADER] = tenant
+        if task_id is not None:  # its own among every tenant's (`tenants.call_id`)
+            if len(headers["id"]) > MAX_CALLER_ID:
+                raise Refused(
+                    f"the call's task id is longer than {MAX_CALLER_ID} characters; send a "
+                    f"shorter one (a UUID, as Celery makes)"
+                )
+            headers["id"] = task_id
     if redelivered is True:
         properties["delivery_info"]["redelivered"] = True
     return payload
+
+
+def _named(task_id: str | None, tenant: str | None) -> str | None:
+    """The fleet's id of call `task_id` taken from `tenant`'s public queue (None: a fleet
+    queue, whose calls the fleet named already)."""
+    if task_id is None or tenant is None:
+        return task_id
+    return call_id(task_id, tenant)
 
 
 def parse(item: bytes | str) -> Any:

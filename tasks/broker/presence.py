@@ -45,7 +45,7 @@ import re
 import secrets
 import threading
 from bisect import bisect
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any
@@ -57,11 +57,18 @@ from kombu.transport.redis import Channel as KombuChannel
 from placement.ledger import endpoint
 from placement.ledger.keys import CONSUMERS, KeyList, unacked_of
 from placement.ledger.scripts import scripts_for
-from placement.ledger.tenancy.tenants import DEFAULT, split_queue, worker_queue
+from placement.ledger.tenancy.tenants import (
+    DEFAULT,
+    call_id,
+    owner,
+    queue_of,
+    split_queue,
+    worker_queue,
+)
 from tasks import context
 from tasks.broker.intake import HOPS_HEADER, LEASE_HEADER
 from tasks.broker.transport import inflight
-from tasks.config import INTERNAL_QUEUE, ROUTER_QUEUES, is_routers
+from tasks.config import INTERNAL_QUEUE, ROUTER_QUEUES, is_public, is_routers
 
 log = logging.getLogger(__name__)
 
@@ -367,23 +374,34 @@ def on_its_way(
     router that died between handing a call on and acknowledging it leaves exactly that;
     routing it again would run it twice. Of two given-back copies (a host lost with the
     router and the GPU worker the call went to), the one whose delivery tag sorts first
-    goes on (`seen.lua`), so exactly one does."""
+    goes on (`seen.lua`), so exactly one does. Its tenant's public queue holds it under the
+    task id its caller gave (`tenants.call_id`); no other tenant's is searched."""
     found = records(client)
     names = {*ROUTER_QUEUES, *queues} | {q for r in found.values() for q in r.queues}
     names = set(with_tenants(names, tenant_names))
-    keys = [UNACKED]
-    for queue in sorted(names):
-        keys += lists(queue)
+    sent_id, tenant = owner(task_id)  # its public queue holds it as its caller sent it
+    public = queue_of(tenant)
+
+    def with_inflight(queue: str) -> list[str]:
         takers = [r.node for r in found.values() if queue in r.queues]
-        keys += [inflight(name, node) for node in takers for name in lists(queue)]
-    return bool(scripts_for(client)("seen", keys, [task_id, own_tag]))
+        return lists(queue) + [inflight(name, node) for node in takers for name in lists(queue)]
+
+    keys = [UNACKED]
+    for queue in sorted(q for q in names if not is_public(q)):
+        keys += with_inflight(queue)
+    args = [task_id, own_tag, sent_id, len(keys) + 1]  # KEYS is 1-based
+    keys += with_inflight(public)
+    return bool(scripts_for(client)("seen", keys, args))
 
 
-def take_waiting(client: redis.Redis, queues: Iterable[str]) -> list[str]:
+def take_waiting(client: redis.Redis, queues: Iterable[str], sent: Mapping[str, str]) -> list[str]:
     """Take out every call waiting on `queues` or held unacknowledged or in flight by any
-    worker, and return their task ids, oldest first. Only for a broker about to go away
-    with its fleet (`gpufleet up`'s own Redis): the caller fails them, so that no caller
-    waits on a result store that is gone."""
+    worker, and return the fleet's ids of them, oldest first. `sent` names the lists that
+    hold callers' messages as they sent them, each with its tenant (a public queue, a
+    tenant's parked calls): their ids are named as a router names them
+    (`tenants.call_id`). Only for a broker about to go away with its fleet (`gpufleet
+    up`'s own Redis): the caller fails them, so that no caller waits on a result store
+    that is gone."""
     ids: list[str] = []
     for _, raw in _unacked(client, None):
         record = _json(raw)
@@ -391,8 +409,10 @@ def take_waiting(client: redis.Redis, queues: Iterable[str]) -> list[str]:
     client.delete(UNACKED, UNACKED_INDEX)
     for queue in queues:
         pattern = re.sub(r"([*?\[\]\\])", r"\\\1", queue) + "*"  # its lists, and theirs in flight
+        tenant = sent.get(queue)
         for key in client.scan_iter(match=pattern, _type="list"):
-            ids += [_task_id(_json(raw)) for raw in reversed(client.lrange(key, 0, -1))]
+            found = [_task_id(_json(raw)) for raw in reversed(client.lrange(key, 0, -1))]
+            ids += found if tenant is None else [call_id(i, tenant) for i in found if i]
             client.delete(key)
     return [i for i in ids if i]
 

@@ -38,6 +38,8 @@ from celery.backends.redis import RedisBackend
 
 from placement.ledger import endpoint
 from placement.ledger.endpoint import FAILOVER_CHECK_S
+from placement.ledger.tenancy import tenants
+from placement.ledger.tenancy.tenants import ID_SEP
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +49,28 @@ SILENT_S = FAILOVER_CHECK_S
 
 
 class Backend(RedisBackend):
-    """Celery's Redis result backend, less the call's arguments in each result (above), and
-    writing a failed call's error under that call's own id only (`_fail_chain`)."""
+    """Celery's Redis result backend, less the call's arguments in each result (above),
+    writing a failed call's error under that call's own id only (`_fail_chain`), and each
+    tenant's results under its own key prefix.
+
+    The fleet's id of a tenant's call holds its tenant (`tenants.call_id`): its result is
+    stored, and published, where the tenant's plain Celery client reads it, under the key
+    prefix that is its `global_keyprefix` and that its Redis user alone may read, and says
+    the caller's own task id."""
+
+    def get_key_for_task(self, task_id: Any, key: Any = "") -> Any:
+        caller_id, tenant = tenants.owner(str(task_id))
+        if tenant == tenants.DEFAULT:
+            return super().get_key_for_task(task_id, key)
+        prefix = self.key_t(tenants.key_prefix(tenant)) + self.task_keyprefix
+        return self._get_key_for(prefix, caller_id, key)
+
+    def encode(self, data: Any) -> Any:
+        if isinstance(data, dict) and ID_SEP in str(data.get("task_id")):
+            data = {**data, "task_id": tenants.owner(data["task_id"])[0]}
+            if isinstance(data.get("parent_id"), str):  # a chained call's, the fleet's id
+                data["parent_id"] = tenants.owner(data["parent_id"])[0]
+        return super().encode(data)
 
     def _get_result_meta(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         meta: dict[str, Any] = super()._get_result_meta(*args, **kwargs)

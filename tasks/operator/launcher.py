@@ -58,6 +58,7 @@ from placement.config import (
 )
 from placement.errors import ConfigError, FleetStoppedError, GpufleetError
 from placement.ledger import endpoint
+from placement.ledger.keys import Keys
 from placement.ledger.registry import Registry
 from placement.ledger.tenancy import tenants
 from placement.server.acl import ADMIN, CALLER, FLEET, OPERATOR, Users
@@ -74,7 +75,7 @@ from tasks import front
 from tasks.broker import quarantine
 from tasks.broker.claim import BrokerClaim
 from tasks.broker.presence import take_waiting, with_tenants
-from tasks.config import ROUTER_QUEUES, redis_conf
+from tasks.config import ROUTER_QUEUES, is_public, redis_conf
 from tasks.front.keys import UP_KEY_NAME, new_key, replace_key
 from tasks.serving.routing import gpu_queue
 from worker.devices import Device, discover
@@ -550,6 +551,14 @@ class Launcher:
             log.warning("could not read the fleet's tenants: %s", exc)
             return own
 
+    def _sent_lists(self, queues: tuple[str, ...]) -> dict[str, str]:
+        """The lists among `queues` that hold callers' messages as sent, each with its
+        tenant: the public queues, and the tenants' parked calls (`take_waiting`)."""
+        parked = Keys(self.fleet).tenant_parked("")
+        sent = {q: tenants.tenant_of(q) or tenants.DEFAULT for q in queues if is_public(q)}
+        sent.update({q: q[len(parked) :] for q in queues if q.startswith(parked)})
+        return sent
+
     def _fail_waiting(self, queues: tuple[str, ...]) -> None:
         """Answer the calls still waiting with `FleetStoppedError` before the bundled Redis,
         their broker and result store, goes: their callers learn why at once, rather than
@@ -563,7 +572,7 @@ class Launcher:
         )
         backend = results.backend
         try:
-            waiting = take_waiting(client, queues)
+            waiting = take_waiting(client, queues, self._sent_lists(queues))
             for task_id in waiting:
                 backend.mark_as_failure(task_id, FleetStoppedError(STOPPED))
         except Exception as exc:  # whatever a list holds, the stop goes on and leaves nothing

@@ -73,13 +73,15 @@ def caller_url(s: Settings, name: str) -> str:
 
 def celery_conf(url: str, name: str) -> dict[str, Any]:
     """What a plain Celery client of tenant `name` passes to `app.conf.update(**conf)`:
-    the caller's settings, its calls under the tenant's key prefix (its own queue)."""
+    the caller's settings, its calls and their results under the tenant's key prefix (its
+    own queue, and the results its Redis user alone may read)."""
     from tasks.config import caller_conf
 
     conf = caller_conf(url)
-    options = dict(conf.get("broker_transport_options") or {})
-    options["global_keyprefix"] = tenants.key_prefix(name)
-    conf["broker_transport_options"] = options
+    for setting in ("broker_transport_options", "result_backend_transport_options"):
+        options = dict(conf.get(setting) or {})
+        options["global_keyprefix"] = tenants.key_prefix(name)
+        conf[setting] = options
     return conf
 
 

@@ -26,6 +26,10 @@ every `FLUSH_S` it settles the cancels taken since, together:
   acknowledged, in another: a router that dies before a flush leaves its cancels
   unacknowledged, and they are delivered again.
 
+A cancel stops a call of its own tenant only: tenant T's cancel of task id X names the
+fleet's call `X@T` (`placement.ledger.tenancy.tenants.call_id`), never another tenant's
+call of the same id.
+
 A cancel is no pool task, so Flower does not list it; the router logs each flush.
 
 While a cancel waits for its flush, unacknowledged, it raises the consumer's prefetch by
@@ -43,8 +47,10 @@ from celery import states
 from celery.worker import state as worker_state
 from celery.worker.control import control_command
 
+from placement.ledger.tenancy.tenants import call_id
 from tasks.broker import results
 from tasks.broker.intake import bind, is_name
+from tasks.serving.calls import tenant_in
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +87,7 @@ class Cancels:
         def task_message_handler(message: Any, *_: Any, **__: Any) -> None:
             args, kwargs, _ = message.decode()  # checked already (`tasks.broker.intake`)
             target = bind(self._app.tasks[TASK], args, kwargs)["task_id"]
+            target = call_id(target, tenant_in(message.headers))  # its own tenant's call
             self._taken.append(_Taken(message, message.headers["id"], target))
             self._qos().increment_eventually()
 

@@ -1,10 +1,17 @@
-"""The base class of every gpufleet task: it refuses wrong arguments with a `PayloadError`.
+"""The base class of every gpufleet task: it refuses wrong arguments with a `PayloadError`,
+and sends what a tenant's call chains after it as that tenant's call.
 
 Celery calls a task's function with whatever arguments the message carries, so a call
 with a missing or an extra argument would fail with a bare `TypeError` from deep inside
 the worker. The consumer refuses such a call before it reaches the pool
 (`tasks.broker.intake.check`); this base checks again when a task runs by other ways (`apply`,
 an eager call), with the same message.
+
+A worker that ends a call sends its chain's next step and its callbacks itself, as the
+fleet, naming the call as their parent. The next step of a tenant's call goes to that
+tenant's public queue, whatever queue the caller named (its client's `celery`, under its
+key prefix, is that queue): a router takes it as the tenant's, under its quotas, and its
+result is stored where the tenant's client waits for it (`tasks.broker.results`).
 """
 
 from __future__ import annotations
@@ -13,12 +20,23 @@ from typing import Any
 
 from celery import Task
 
+from placement.ledger.tenancy import tenants
 from tasks.broker.intake import bind
 
 
 class CheckedTask(Task):
-    """A task whose arguments are checked against its signature before it runs."""
+    """A task whose arguments are checked against its signature before it runs, and that a
+    tenant's call sends on as the tenant's own (see the module)."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         bind(self, args, kwargs)
         return super().__call__(*args, **kwargs)
+
+    def apply_async(self, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
+        parent = options.get("parent_id")  # given only where a call's end sends it on
+        tenant = tenants.owner(parent)[1] if isinstance(parent, str) else tenants.DEFAULT
+        if tenant != tenants.DEFAULT:
+            for option in ("exchange", "routing_key"):
+                options.pop(option, None)
+            options["queue"] = tenants.queue_of(tenant)
+        return super().apply_async(args, kwargs, **options)

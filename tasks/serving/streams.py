@@ -1,7 +1,8 @@
 """Streamed text of generating calls, carried through the fleet's Redis.
 
 A call sent with `params={"stream": true}` gets a Redis Stream named
-`gpufleet-stream-<task id>`: the GPU worker appends an entry ``{"start": "1"}``, then each
+`gpufleet-stream-<task id>` (a tenant's call, `t.<name>.gpufleet-stream-<task id>`: `key`):
+the GPU worker appends an entry ``{"start": "1"}``, then each
 new piece of text as an entry ``{"i": prompt index, "t": text}`` (one pipeline for every
 streaming call of the batch after a step's prefill, when it had one, and one after the
 step), then an entry ``{"end": finish reason}`` when
@@ -25,6 +26,8 @@ from typing import Any
 
 import redis
 
+from placement.ledger.tenancy import tenants
+
 log = logging.getLogger(__name__)
 
 PREFIX = "gpufleet-stream-"
@@ -34,7 +37,10 @@ READ_BLOCK_MS = 1000  # one XREAD's wait; between two the reader checks the call
 
 
 def key(task_id: str) -> str:
-    return f"{PREFIX}{task_id}"
+    """The stream of the fleet's call `task_id`: a tenant's under its key prefix, with its
+    caller's task id (`tenants.call_id`), which its Redis user alone may read."""
+    caller_id, tenant = tenants.owner(task_id)
+    return f"{tenants.key_prefix(tenant)}{PREFIX}{caller_id}"
 
 
 class Writer:

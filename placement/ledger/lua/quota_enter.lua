@@ -3,12 +3,14 @@
 -- (placement/ledger/tenancy/quotas.py). The parked list holds broker messages, so this runs only
 -- where one Redis holds the broker and the ledger (as forward.lua).
 -- KEYS[1] = the tenant's running slots (zset: '<slot>:<task id>' -> ms taken; a call handed
---           back from the parked list holds 'handed:<task id>' until a router takes it)
+--           back from the parked list holds 'handed:<its caller's task id>' until a router
+--           takes it)
 -- KEYS[2] = the tenant's parked list (messages, oldest last)
 -- KEYS[3] = the in-flight list the call's message was taken into
 -- KEYS[4] = the fleet's tenants hash (placement/ledger/tenancy/tenants.py): the quotas, read here
--- ARGV[1] = the tenant, ARGV[2] = the call's task id, ARGV[3] = its message as taken
+-- ARGV[1] = the tenant, ARGV[2] = the fleet's id of the call, ARGV[3] = its message as taken
 -- ARGV[4] = the slot to take (a token the fleet made, which the call carries on)
+-- ARGV[5] = the task id its caller gave it (its message says it: quota_leave.lua)
 -- Returns 1: it takes the slot ARGV[4] (also a call handed back, whose slot was kept;
 --            and any call of a tenant with no record or no quota now: no slot is taken)
 --       | 2: parked: moved from the in-flight list to the parked list, in this step
@@ -18,7 +20,7 @@
 if not redis.call('LPOS', KEYS[3], ARGV[3]) then return -2 end
 local now = now_ms()
 local slot = ARGV[4] .. ':' .. ARGV[2]
-local handed = 'handed:' .. ARGV[2]
+local handed = 'handed:' .. ARGV[5]
 if redis.call('ZSCORE', KEYS[1], handed) then
   redis.call('ZREM', KEYS[1], handed)
   redis.call('ZADD', KEYS[1], now, slot)

@@ -25,8 +25,8 @@ while redis.call('LLEN', KEYS[2]) > 0
   end
   redis.call('RPOP', KEYS[2])
   redis.call('SET', KEYS[4], message)
-  -- its slot is kept for it until a router takes it (quota_enter.lua); a message with no
-  -- id, which the router refuses, keeps none
+  -- its slot is kept for it, under the task id its caller gave, until a router takes it
+  -- (quota_enter.lua); a message with no id, which the router refuses, keeps none
   local decoded_ok, decoded = pcall(cjson.decode, message)
   local id = decoded_ok and type(decoded) == 'table' and type(decoded.headers) == 'table'
     and decoded.headers.id

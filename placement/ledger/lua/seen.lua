@@ -3,12 +3,17 @@
 -- never given back (a hand-off or a retry its router published before it died), or one
 -- given back too whose delivery tag sorts first, so that of two given-back copies
 -- exactly one goes on. Lists are searched whole: for given-back calls, not for every one.
--- KEYS[1] = kombu's unacked hash; KEYS[2..] = the lists to look in
--- ARGV[1] = the task id, ARGV[2] = the delivery tag of the message that asks
+-- A public queue's lists hold callers' messages as they sent them, under the caller's
+-- own task id: the call's tenant's are searched for that id, and no other tenant's.
+-- KEYS[1] = kombu's unacked hash; KEYS[2..] = the lists to look in: the fleet's, then
+--   from KEYS[ARGV[4]] on, its tenant's public queue's (with theirs in flight)
+-- ARGV[1] = the fleet's id of the call, ARGV[2] = the delivery tag of the message that
+--   asks, ARGV[3] = the task id its caller gave it, ARGV[4] = the index of its first
+--   public list
 -- Returns 1 when it should yield, else 0
-local function yields_to(payload)
+local function yields_to(payload, id)
   local headers = payload.headers or {}
-  if headers.id ~= ARGV[1] then return false end  -- it only mentions the call
+  if headers.id ~= id then return false end  -- it only mentions the call
   local tag = (payload.properties or {}).delivery_tag or ''
   if tag == ARGV[2] then return false end  -- itself
   if headers.redelivered ~= true then return true end
@@ -20,14 +25,16 @@ for i = 1, #fields, 2 do
   local record = fields[i + 1]
   if fields[i] ~= ARGV[2] and string.find(record, ARGV[1], 1, true) then
     local ok, decoded = pcall(cjson.decode, record)
-    if ok and type(decoded) == 'table' and yields_to(decoded[1] or {}) then return 1 end
+    if ok and type(decoded) == 'table' and yields_to(decoded[1] or {}, ARGV[1]) then return 1 end
   end
 end
+local public = tonumber(ARGV[4])
 for k = 2, #KEYS do
+  local id = k < public and ARGV[1] or ARGV[3]
   for _, message in ipairs(redis.call('LRANGE', KEYS[k], 0, -1)) do
-    if string.find(message, ARGV[1], 1, true) then
+    if string.find(message, id, 1, true) then
       local ok, decoded = pcall(cjson.decode, message)
-      if ok and type(decoded) == 'table' and yields_to(decoded) then return 1 end
+      if ok and type(decoded) == 'table' and yields_to(decoded, id) then return 1 end
     end
   end
 end

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from placement.ledger.store import Store
+from placement.ledger.tenancy import tenants
 
 __all__ = ["Entry", "Slot", "counts", "enter", "held", "leave", "new_slot", "slots"]
 
@@ -79,7 +80,8 @@ def enter(  # noqa: PLR0917 - a call's parts, as a router holds them
         inflight,
         store.keys.tenants,
     ]
-    return Entry(int(store._run("quota_enter", keys, [tenant, task_id, taken, slot])))
+    sent_id = tenants.owner(task_id)[0]  # what its message, handed back, says
+    return Entry(int(store._run("quota_enter", keys, [tenant, task_id, taken, slot, sent_id])))
 
 
 def leave(store: Store, tenant: str, queue: str, members: Iterable[str] = ()) -> int:

@@ -21,6 +21,14 @@ still wait or come back: its user is gone at once, the workers still take its qu
 a router forgets the record (`forget`) once it has been removed a day and its queues are
 empty (`tasks.serving.tenants.tenancy.forget_removed`). So no call of a removed tenant is left
 behind, even one sent just before the router first took its queue.
+
+A tenant's calls are its own (`call_id`). Inside the fleet a call of tenant T with task id
+X is the call `X@T`: the router names it so as it takes it from T's queue, so every
+record keyed by a call's id (the revoked set a cancel fills, leases, slots, claims) keeps
+T's calls apart from another's of the same id. Its result and streamed text are stored
+under T's key prefix (`owner` gives both back: `tasks.broker.results`,
+`tasks.serving.streams`), which T's Redis user alone may read, so no other tenant can
+read, stream or cancel them, even knowing X.
 """
 
 from __future__ import annotations
@@ -40,13 +48,17 @@ __all__ = [
     "DEFAULT",
     "MAX_WEIGHT",
     "Tenant",
+    "ID_SEP",
+    "ID_SUFFIX",
     "add",
     "all_tenants",
+    "call_id",
     "check_limit",
     "change",
     "check_name",
     "forget",
     "key_prefix",
+    "owner",
     "queue_of",
     "records",
     "remove",
@@ -65,6 +77,10 @@ MAX_LIMIT = 1_000_000  # the largest quota a tenant may have (calls)
 _NAME = re.compile(r"[a-z][a-z0-9-]{0,31}")
 _QUEUE_HEAD, _QUEUE_TAIL = "t.", ".celery"
 _WORKER_SEP = "~"  # in no host name, so in no GPU worker's queue name
+#: Between a caller's task id and its tenant in the fleet's id of a call (`call_id`).
+ID_SEP = "@"
+#: The most characters `call_id` adds to a caller's task id (a name has 32 at most).
+ID_SUFFIX = len(ID_SEP) + 32
 
 
 @dataclass(frozen=True)
@@ -138,8 +154,32 @@ def check_limit(value: int, what: str) -> int:
 
 
 def key_prefix(name: str) -> str:
-    """The prefix of the broker keys a tenant's client writes: its `global_keyprefix`."""
-    return f"{_QUEUE_HEAD}{check_name(name)}."
+    """The prefix of the keys a tenant's client writes and reads (its calls, results and
+    streamed text): its `global_keyprefix`; "" for the default tenant."""
+    return "" if name == DEFAULT else f"{_QUEUE_HEAD}{check_name(name)}."
+
+
+def call_id(task_id: str, tenant: str) -> str:
+    """The fleet's id of the call `tenant`'s client sent as `task_id` (see the module):
+    `task_id@tenant`; the default tenant's keeps its id, or gets a bare `@` after it when
+    it holds one, so that no caller's id can name another tenant's call. `owner` reverses
+    it. The router names each call once, as it takes it from a public queue
+    (`tasks.broker.intake.envelope`)."""
+    if tenant == DEFAULT:
+        return f"{task_id}{ID_SEP}" if ID_SEP in task_id else task_id
+    return f"{task_id}{ID_SEP}{check_name(tenant)}"
+
+
+def owner(call: str) -> tuple[str, str]:
+    """(the caller's task id, its tenant) of the fleet's id of a call (`call_id`). An id
+    the fleet made itself, or that a fleet process sent straight to a worker, has no
+    tenant after its last `@`, and is the default tenant's whole."""
+    head, sep, name = call.rpartition(ID_SEP)
+    if not sep:
+        return call, DEFAULT
+    if not name:
+        return head, DEFAULT
+    return (head, name) if _NAME.fullmatch(name) else (call, DEFAULT)
 
 
 def queue_of(name: str) -> str:
