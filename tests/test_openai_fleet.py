@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -308,6 +309,51 @@ def test_gpufleet_api_serves_a_fleet_alone_with_a_key_made_by_gpufleet_api_key(
         assert refused.status_code == 503, refused.text
         assert int(refused.headers["Retry-After"]) > 0
         assert refused.json()["error"]["code"] == "fleet_unreachable"
+
+
+def _cli(home: Path, *args: str) -> str:
+    done = subprocess.run(
+        [*CLI, *args], cwd=REPO, env=fleet_env(GPUFLEET_HOME=str(home)),
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, (args, done.stdout, done.stderr)
+    return done.stdout
+
+
+def test_a_tenant_s_key_sends_as_the_tenant_within_its_quotas_and_reads_its_own_answers(
+    front: dict[str, str], home: Path
+) -> None:
+    _cli(home, "tenant", "add", "api-team", "--max-running", "1", "--max-queued", "1")
+    key = _cli(home, "api-key", "--tenant", "api-team").strip()
+    team = OpenAI(base_url=front["base_url"], api_key=key, max_retries=0)
+    chunks = team.chat.completions.create(
+        model="talker", messages=CHAT, max_tokens=6, temperature=0, stream=True
+    )
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed  # its stream read under its key prefix, as its own user
+
+    def tenant_row() -> dict[str, Any]:
+        rows = json.loads(_cli(home, "tenant", "list", "--json"))
+        return dict(next(r for r in rows if r["name"] == "api-team"))
+
+    def complete(model: str, tokens: int) -> Any:
+        return team.completions.create(model=model, prompt="go", max_tokens=tokens, temperature=0)
+
+    with ThreadPoolExecutor(2) as pool:
+        running = pool.submit(complete, "slow-talker", 1000)  # holds its one slot, seconds
+        until("its call holding the slot", lambda: tenant_row()["let_in"] == 1)
+        parked = pool.submit(complete, "talker", 4)
+        until("its next call parked", lambda: tenant_row()["parked"] == 1)
+        with pytest.raises(openai.RateLimitError) as refused:
+            complete("talker", 4)
+        assert refused.value.status_code == 429
+        assert "--max-queued" in refused.value.message
+        assert running.result(timeout=120).choices[0].text
+        assert parked.result(timeout=120).choices[0].text
+    time.sleep(0.5)  # each call is counted after its answer is stored
+    shown = json.loads(_cli(home, "status", "--json"))["tenants"]
+    used = next(t for t in shown if t["name"] == "api-team")
+    assert (used["calls"], used["failed"]) == (3, 0), used  # the three it ran, as its own
 
 
 @contextmanager

@@ -263,6 +263,12 @@ def test_a_tenant_s_result_is_stored_where_its_plain_celery_client_reads_it(
     assert found.get(timeout=5) == {"x": 1} and found.task_id == "r1"
     assert json.loads(backend.client.get("t.team-a.celery-task-meta-r1"))["task_id"] == "r1"
     assert fleet.AsyncResult("r1").get(timeout=5) == {"x": 0}
+    backend.store_result("a@team-a@", {"x": 2}, states.SUCCESS)  # a default caller's odd id
+    plain = Celery("default-caller", backend=redis_url)
+    plain.conf.update(result_serializer="json", result_accept_content=["json"])
+    assert plain.AsyncResult("a@team-a").get(timeout=5) == {"x": 2}
+    assert not backend.client.exists("t.team-a.celery-task-meta-a")
+    plain.close()
     assert streams.key("r1@team-a") == "t.team-a.gpufleet-stream-r1"
     assert streams.key("r1") == "gpufleet-stream-r1"
     tenant.close()
@@ -285,6 +291,28 @@ def test_a_caller_cannot_set_its_tenant_through_the_body_celery_merges_into_the_
         queue = connection.SimpleQueue("t.team-a.celery")
         message = queue.get(timeout=5)
         with pytest.raises(PayloadError, match="embed"):
+            intake.check(message, app.tasks)
+        message.ack()
+        queue.close()
+
+
+def test_a_tenant_s_chord_and_any_chained_id_naming_a_call_are_refused(redis_url: str) -> None:
+    from kombu import Connection
+
+    from tasks.api import app
+
+    step = {"task": "gpufleet.status", "args": [], "kwargs": {}, "options": {}}
+    with pytest.raises(PayloadError, match="task id"):
+        intake.check_canvas({"chain": [{**step, "options": {"task_id": "y@team-b"}}]})
+    with Connection(redis_url) as connection:
+        connection.default_channel.client.delete("t.team-a.celery")
+        producer = connection.Producer(serializer="json")
+        body = [["m", "x"], {}, {"callbacks": None, "chain": None, "chord": step}]
+        headers = {"id": "t3", "task": "gpufleet.infer", "lang": "py"}
+        producer.publish(body, routing_key="t.team-a.celery", headers=headers)
+        queue = connection.SimpleQueue("t.team-a.celery")
+        message = queue.get(timeout=5)
+        with pytest.raises(PayloadError, match="chord"):
             intake.check(message, app.tasks)
         message.ack()
         queue.close()

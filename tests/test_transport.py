@@ -557,3 +557,26 @@ def test_a_consumer_waiting_on_one_list_wakes_when_a_call_arrives_on_another(bin
             waker.close()
             blocked.disconnect()
             client.close()
+
+
+def test_a_tenant_s_call_goes_back_to_its_queue_as_sent_and_is_named_once_when_taken_again() -> (
+    None
+):
+    tenant_queue = Queue("t.team-a.celery", Exchange("", "direct"), routing_key="t.team-a.celery")
+    ids: list[str] = []
+    with RedisServer() as server:
+        with Connection(server.url, transport=Transport) as conn:
+            producer = conn.Producer(serializer="json")
+            producer.publish({"n": 1}, routing_key="t.team-a.celery", headers={"id": "t1"})
+        client = redis.Redis.from_url(server.url)
+        for _ in range(2):  # taken, held unacknowledged, given back as the worker stops
+            with (
+                Connection(server.url, transport=Transport, transport_options=NAMED) as c,
+                c.Consumer(tenant_queue, callbacks=[lambda _b, m: ids.append(m.headers["id"])]),
+            ):
+                c.drain_events(timeout=5)
+                (record,) = [json.loads(r) for r in client.hvals("unacked")]
+                assert record[0]["headers"]["id"] == "t1"  # what a restore pushes back
+        assert ids == ["t1@team-a", "t1@team-a"]  # the fleet's id each time, never twice named
+        back = json.loads(client.lrange("t.team-a.celery", 0, -1)[0])
+        assert back["headers"]["id"] == "t1"

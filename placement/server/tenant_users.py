@@ -10,13 +10,20 @@ restart nobody saw. It signs in as the launcher's `admin` user, which may do not
 this (`placement.server.acl`), and whose password no other process holds.
 
 A Redis of your own has no launcher: `gpufleet tenant add` prints the ACL line instead.
+
+The tenants' passwords themselves are kept on the machine that added them, in the fleet's
+directory (`PASSWORDS`, mode 0600, like the connection file): `gpufleet url --tenant`
+prints a tenant's URL from there, and the HTTP front signs in as a tenant with it.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import threading
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import redis
@@ -25,7 +32,9 @@ from placement.ledger.store import Store
 from placement.ledger.tenancy import tenants
 from placement.server.acl import tenant_rules
 
-__all__ = ["SYNC_S", "TenantUsers"]
+__all__ = ["PASSWORDS", "SYNC_S", "TenantUsers", "read_passwords", "save_passwords"]
+
+PASSWORDS = "tenants.json"  # in a fleet's directory: tenant -> its Redis password
 
 #: How often the launcher makes the users equal to the registry's tenants: how long a new
 #: tenant waits for its user, at most (and a node back from a restart).
@@ -112,3 +121,22 @@ class TenantUsers:
             else:
                 made.pop(user, None)
             log.info("tenant user %s %s", user, what)
+
+
+def read_passwords(path: Path) -> dict[str, str]:
+    """The tenants' passwords kept at `path` (none when it is missing or unreadable)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return {str(k): str(v) for k, v in data.items()} if isinstance(data, dict) else {}
+
+
+def save_passwords(path: Path, passwords: dict[str, str]) -> None:
+    """Keep `passwords` at `path`, mode 0600, replaced whole in one step."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        json.dump(passwords, fh)
+    os.replace(tmp, path)

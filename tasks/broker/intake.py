@@ -39,7 +39,14 @@ import orjson
 from kombu.utils.json import dumps, loads
 
 from placement.errors import GpufleetError, PayloadError, describe
-from placement.ledger.tenancy.tenants import DEFAULT, ID_SUFFIX, call_id, tenant_of
+from placement.ledger.tenancy.tenants import (
+    DEFAULT,
+    ID_SEP,
+    ID_SUFFIX,
+    call_id,
+    owner,
+    tenant_of,
+)
 from tasks import context
 from tasks.config import PUBLIC_QUEUES, is_public
 
@@ -94,6 +101,12 @@ def is_name(value: Any, *, empty: bool = False) -> bool:
     """Whether `value` is an id or name a message may carry: a string of at most
     `MAX_NAME` characters (empty only where `empty` says it may be)."""
     return isinstance(value, str) and (empty or bool(value)) and len(value) <= MAX_NAME
+
+
+def is_call_id(value: Any) -> bool:
+    """Whether `value` may be the fleet's id of a call: a caller's task id of at most
+    `MAX_NAME` characters, named by its tenant (`tenants.call_id`)."""
+    return isinstance(value, str) and 0 < len(value) <= MAX_NAME + ID_SUFFIX
 
 
 def is_count(value: Any) -> bool:
@@ -182,12 +195,26 @@ def envelope(item: bytes | str, queue: str) -> dict[str, Any]:
             if len(headers["id"]) > MAX_CALLER_ID:
                 raise Refused(
                     f"the call's task id is longer than {MAX_CALLER_ID} characters; send a "
-                    f"shorter one (a UUID, as Celery makes)"
+                    f"shorter one (a UUID, as Celery makes)",
+                    task_id,
                 )
             headers["id"] = task_id
     if redelivered is True:
         properties["delivery_info"]["redelivered"] = True
     return payload
+
+
+def as_sent(payload: dict[str, Any], queue: str) -> dict[str, Any]:
+    """`payload`, which `envelope` took from `queue`, as its caller sent it when that is a
+    public queue: under the task id its caller gave. What goes back onto a public queue
+    (a restore, a give-back) goes back so, and the router names it again as it takes it."""
+    headers = payload.get("headers")
+    if not is_public(queue) or not isinstance(headers, dict):
+        return payload
+    task_id = headers.get("id")
+    if not isinstance(task_id, str):
+        return payload
+    return {**payload, "headers": {**headers, "id": owner(task_id)[0]}}
 
 
 def _named(task_id: str | None, tenant: str | None) -> str | None:
@@ -322,6 +349,11 @@ def _check(message: Any, tasks: Any) -> None:
     if public_queue:
         _check_embed(embed)
         check_canvas(embed)
+        if tenant_in_queue(message) and isinstance(embed, dict) and embed.get("chord"):
+            raise PayloadError(
+                "a tenant's call may not be part of a chord yet (its counter is the "
+                "fleet's): send the group, then the call that joins it"
+            )
         _check_eta(headers.get("eta"))
     arguments = bind(task, args, kwargs)
     check_arguments = getattr(task, "intake", None)
@@ -336,6 +368,11 @@ def _check(message: Any, tasks: Any) -> None:
 #: merges every key there into the task's request, after the message's headers, so any
 #: other key would let a caller set what only the fleet writes (its tenant, its lease).
 EMBED_KEYS = frozenset({"callbacks", "errbacks", "chain", "chord"})
+
+
+def tenant_in_queue(message: Any) -> bool:
+    """Whether `message` came from a tenant's public queue (not the router's `celery`)."""
+    return tenant_of(str((message.delivery_info or {}).get("routing_key"))) is not None
 
 
 def _check_embed(embed: Any) -> None:
@@ -398,6 +435,12 @@ def check_canvas(embed: Any) -> None:
             raise PayloadError(
                 f"a caller's chain, callback or chord may run only {', '.join(PUBLIC_TASKS)}, "
                 f"not {describe(name)}"
+            )
+        chained_id = options.get("task_id")
+        if isinstance(chained_id, str) and ID_SEP in chained_id:
+            raise PayloadError(
+                f"a caller's chain, callback or chord may not give a call a task id with "
+                f"{ID_SEP!r} in it (the fleet names calls so); leave the ids to Celery"
             )
         queue = options.get("queue")
         if queue is not None and queue not in PUBLIC_QUEUES:

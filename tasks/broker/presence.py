@@ -63,6 +63,7 @@ from placement.ledger.tenancy.tenants import (
     owner,
     queue_of,
     split_queue,
+    tenant_of,
     worker_queue,
 )
 from tasks import context
@@ -389,7 +390,7 @@ def on_its_way(
     keys = [UNACKED]
     for queue in sorted(q for q in names if not is_public(q)):
         keys += with_inflight(queue)
-    args = [task_id, own_tag, sent_id, len(keys) + 1]  # KEYS is 1-based
+    args = [task_id, own_tag, sent_id, len(keys) + 1, public]  # KEYS is 1-based
     keys += with_inflight(public)
     return bool(scripts_for(client)("seen", keys, args))
 
@@ -405,12 +406,20 @@ def take_waiting(client: redis.Redis, queues: Iterable[str], sent: Mapping[str, 
     ids: list[str] = []
     for _, raw in _unacked(client, None):
         record = _json(raw)
-        ids.append(_task_id(record[0] if isinstance(record, list) and record else None))
+        if not isinstance(record, list) or len(record) < 3 or not isinstance(record[2], str):
+            continue  # no message of a call
+        task_id, queue = _task_id(record[0]), record[2]  # a public queue's: as its caller sent it
+        public = is_public(queue) and bool(task_id)
+        ids.append(call_id(task_id, tenant_of(queue) or DEFAULT) if public else task_id)
     client.delete(UNACKED, UNACKED_INDEX)
     for queue in queues:
-        pattern = re.sub(r"([*?\[\]\\])", r"\\\1", queue) + "*"  # its lists, and theirs in flight
+        name = re.sub(r"([*?\[\]\\])", r"\\\1", queue)
+        # its list, its priority lists, and theirs in flight (`lists`, `inflight`); no
+        # other queue's whose name it begins (gpu1 and gpu10, a tenant's and team-2's)
+        patterns = (name, f"{name}\x06\x16*", f"{name}.inflight.*")
         tenant = sent.get(queue)
-        for key in client.scan_iter(match=pattern, _type="list"):
+        found_keys = {k for p in patterns for k in client.scan_iter(match=p, _type="list")}
+        for key in sorted(found_keys):
             found = [_task_id(_json(raw)) for raw in reversed(client.lrange(key, 0, -1))]
             ids += found if tenant is None else [call_id(i, tenant) for i in found if i]
             client.delete(key)
@@ -570,7 +579,7 @@ def _holdings(
         if not isinstance(payload, dict):
             log.warning("cannot read a message %s held; left where it is", rec.node)
             return None
-        if answered is not None and _answered(payload, answered):
+        if answered is not None and _answered(payload, answered, queue):
             return _Move(source, tag, old, queue, "")
         if queue in orphaned:
             payload = for_router(payload)
@@ -609,8 +618,12 @@ def _unacked(client: redis.Redis, node: str | None) -> Iterator[tuple[str, str]]
         yield tag, raw
 
 
-def _answered(payload: dict[str, Any], answered: Callable[[str], bool]) -> bool:
+def _answered(payload: dict[str, Any], answered: Callable[[str], bool], queue: str) -> bool:
+    """Whether the call of `payload`, a message of `queue`, is answered: a public queue's
+    message says the task id its caller gave, which names the call by its tenant."""
     task_id = (payload.get("headers") or {}).get("id")
+    if isinstance(task_id, str) and is_public(queue):
+        task_id = call_id(task_id, tenant_of(queue) or DEFAULT)
     return isinstance(task_id, str) and answered(task_id)
 
 

@@ -61,7 +61,7 @@ class Backend(RedisBackend):
     def get_key_for_task(self, task_id: Any, key: Any = "") -> Any:
         caller_id, tenant = tenants.owner(str(task_id))
         if tenant == tenants.DEFAULT:
-            return super().get_key_for_task(task_id, key)
+            return super().get_key_for_task(caller_id, key)
         prefix = self.key_t(tenants.key_prefix(tenant)) + self.task_keyprefix
         return self._get_key_for(prefix, caller_id, key)
 

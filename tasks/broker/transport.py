@@ -141,7 +141,9 @@ class QoS(kombu_redis.QoS):
             return
         taken, channel.taken = channel.taken, None
         info = message.delivery_info
-        record = dumps([message._raw, info["exchange"], info["routing_key"]])  # type: ignore[no-untyped-call]
+        routing_key = info["routing_key"]
+        sent = intake.as_sent(message._raw, routing_key)  # what a restore pushes back
+        record = dumps([sent, info["exchange"], routing_key])  # type: ignore[no-untyped-call]
         holder = channel.consumer_name
         try:
             with self.pipe_or_acquire() as pipe:
@@ -409,8 +411,9 @@ def give_back(channel: Any, message: Any) -> bool:
         try:
             with channel.conn_or_acquire() as client, client.pipeline() as pipe:
                 # BRPOP takes from the right: rpush puts it first in line again
+                sent = intake.as_sent(message._raw, info["routing_key"])
                 channel._do_restore_message(
-                    message._raw, info["exchange"], info["routing_key"], pipe, leftmost=False
+                    sent, info["exchange"], info["routing_key"], pipe, leftmost=False
                 )
                 pipe.execute()
         except channel.connection_errors as exc:

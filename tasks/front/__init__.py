@@ -22,6 +22,7 @@ def serve(
     until SIGINT or SIGTERM."""
     import uvicorn
 
+    from placement.server.tenant_users import PASSWORDS
     from tasks import context
     from tasks.front.keys import KeyFile
     from tasks.front.server import Front, build
@@ -30,7 +31,10 @@ def serve(
     settings = context.settings()
     key_file = KeyFile(keys)
     len(key_file)  # a missing or malformed key file fails here, not on the first request
-    front = Front(context.catalog(), key_file, settings.result_backend, settings.broker_url)
+    passwords = settings.fleet_dir() / PASSWORDS  # a tenant's key signs in as its user
+    front = Front(
+        context.catalog(), key_file, settings.result_backend, settings.broker_url, passwords
+    )
     config = uvicorn.Config(
         build(front),
         host=host,

@@ -8,6 +8,9 @@ replaced at each start; the key itself is in the connection file, mode 0600, for
 removed. The front
 reads the file again when it changes: a key added or removed counts from the next
 request, without a restart.
+
+A key named `tenant:<name>` (`gpufleet api-key --tenant NAME`) is that tenant's: the front
+sends its calls, and reads their answers, as the tenant's Redis user (`tenant_of`).
 """
 
 from __future__ import annotations
@@ -20,9 +23,21 @@ from pathlib import Path
 from stat import S_ISREG
 
 from placement.errors import ConfigError
+from placement.ledger.tenancy import tenants
 
 PREFIX = "gf-"  # what a gpufleet key starts with, so a leaked one is recognisable
 UP_KEY_NAME = "gpufleet-up"  # the key `gpufleet up` makes, replaced at each start
+TENANT_KEY = "tenant:"  # the name of a tenant's key: this, then the tenant's name
+
+
+def tenant_key_name(tenant: str) -> str:
+    """The name of tenant `tenant`'s keys."""
+    return TENANT_KEY + tenants.check_name(tenant)
+
+
+def tenant_of(name: str) -> str:
+    """The tenant whose key is named `name` (the default tenant for any other name)."""
+    return name[len(TENANT_KEY) :] if name.startswith(TENANT_KEY) else tenants.DEFAULT
 
 
 def new_key() -> str:

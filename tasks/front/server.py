@@ -3,7 +3,10 @@
 Each request becomes one ordinary `gpufleet.infer` call, sent as the project's client
 sends it (`tasks.api`), so the router places it, the GPU workers batch it, and Flower and
 the metrics count it like any other. The front holds no model and no ledger: it talks to
-Redis as the fleet's `caller` user, and may do nothing a caller may not.
+Redis as the fleet's `caller` user, and may do nothing a caller may not. A tenant's API key
+(`gpufleet api-key --tenant NAME`) sends its calls as that tenant's Redis user, to its
+queue, under its quotas, its answers read under its key prefix (`Lane`): one tenant's key
+reaches no other tenant's calls.
 
 Sending is one async push of the message Celery would send (`tasks.front.sending`), and
 waiting never holds a thread: results and streamed text come through the shared readers of
@@ -25,6 +28,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -40,8 +44,11 @@ from starlette.types import Receive, Scope, Send
 from placement.catalog.catalog import Catalog
 from placement.errors import ConfigError, GpufleetError, UnknownModelError
 from placement.ledger import endpoint
+from placement.ledger.tenancy import tenants
+from placement.server.acl import user_url
+from placement.server.tenant_users import read_passwords
 from tasks.front import sending, shapes
-from tasks.front.keys import KeyFile
+from tasks.front.keys import KeyFile, tenant_of
 from tasks.front.sending import Sender
 from tasks.front.shapes import Call, Failure, RequestError
 from tasks.front.waiting import Results, Stream, Streams
@@ -64,19 +71,19 @@ TASK_OF["embedding"] = "feature-extraction"
 
 
 @dataclass
-class Front:
-    """What the front's requests share: the catalog, the keys, the sender and the readers."""
+class Lane:
+    """One tenant's way into the fleet: its calls' sender and readers, signed in as its
+    Redis user (the `caller` user for the default tenant), so the front reaches no more of
+    the fleet than that tenant may."""
 
-    catalog: Catalog
-    keys: KeyFile
-    redis_url: str  # the fleet's result store, as the caller user
-    broker_url: str  # the fleet's broker, as the caller user
+    tenant: str
+    redis_url: str  # the fleet's result store, as the tenant's user
+    broker_url: str  # the fleet's broker, as the tenant's user
     results: Results = field(init=False)
     streams: Streams = field(init=False)
     sender: Sender = field(init=False)
     #: Cancels sent for callers gone, kept until they are (asyncio holds tasks weakly).
     cancels: set[asyncio.Task[None]] = field(default_factory=set)
-    started: int = field(default_factory=lambda: int(time.time()))
     _pusher: redis.asyncio.Redis = field(init=False)
 
     async def start(self) -> None:
@@ -87,8 +94,10 @@ class Front:
         self._pusher = client
         if self.broker_url != self.redis_url:
             self._pusher = broker.async_client(max_connections=CONNECTIONS)
-        self.sender = Sender(app, self._pusher, replicated=broker.watched)
-        self.results, self.streams = Results(client), Streams(client)
+        queue = tenants.queue_of(self.tenant)
+        self.sender = Sender(app, self._pusher, queue=queue, replicated=broker.watched)
+        self.results = Results(client, self.tenant)
+        self.streams = Streams(client, self.tenant)
         self.results.start()
         self.streams.start()
 
@@ -104,6 +113,59 @@ class Front:
             await self._pusher.aclose()
 
 
+@dataclass
+class Front:
+    """What the front's requests share: the catalog, the keys, and a lane per tenant whose
+    key was used (`Lane`), the default tenant's from the start."""
+
+    catalog: Catalog
+    keys: KeyFile
+    redis_url: str  # the fleet's result store, as the caller user
+    broker_url: str  # the fleet's broker, as the caller user
+    passwords: Path | None = None  # the tenants' (`tenant_users.PASSWORDS`), if kept here
+    started: int = field(default_factory=lambda: int(time.time()))
+    lanes: dict[str, Lane] = field(default_factory=dict)
+    _opening: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    async def start(self) -> None:
+        await self.lane(tenants.DEFAULT)
+
+    async def stop(self) -> None:
+        for lane in list(self.lanes.values()):
+            await lane.stop()
+
+    async def lane(self, tenant: str) -> Lane:
+        """`tenant`'s lane, opened on its first call."""
+        found = self.lanes.get(tenant)
+        if found is not None:
+            return found
+        async with self._opening:
+            found = self.lanes.get(tenant)
+            if found is None:
+                found = Lane(tenant, *self._urls(tenant))
+                await found.start()
+                self.lanes[tenant] = found
+                if tenant:
+                    log.info("serving tenant %r", tenant)
+        return found
+
+    def _urls(self, tenant: str) -> tuple[str, str]:
+        """The result store's and the broker's URLs as `tenant`'s user."""
+        if tenant == tenants.DEFAULT:
+            return self.redis_url, self.broker_url
+        tenants.check_name(tenant)
+        kept = read_passwords(self.passwords) if self.passwords is not None else {}
+        password = kept.get(tenant)
+        if password is None or self.broker_url != self.redis_url:
+            raise _Refused(
+                Failure(503, f"this API server cannot sign in as tenant {tenant!r}: run it "
+                "where `gpufleet tenant add` ran (its password is kept there), on a fleet "
+                "whose broker is its result store", "server_error", "tenant_unavailable")
+            )  # fmt: skip
+        url = user_url(self.redis_url, tenants.user_of(tenant), password)
+        return url, url
+
+
 def build(front: Front) -> Starlette:
     """The ASGI app serving `front` under /v1."""
 
@@ -116,12 +178,12 @@ def build(front: Front) -> Starlette:
             await front.stop()
 
     def route(
-        path: str, handler: Callable[[Front, Request], Awaitable[Response]], method: str
+        path: str, handler: Callable[[Front, str, Request], Awaitable[Response]], method: str
     ) -> Route:
         async def endpoint_(request: Request) -> Response:
             try:
-                _authorize(front, request)
-                return await handler(front, request)
+                tenant = _authorize(front, request)
+                return await handler(front, tenant, request)
             except RequestError as exc:
                 return _error(shapes.failure("RequestError", str(exc), exc.param))
             except _Refused as exc:
@@ -159,7 +221,8 @@ class _Refused(Exception):
         self.failure = failure
 
 
-def _authorize(front: Front, request: Request) -> None:
+def _authorize(front: Front, request: Request) -> str:
+    """The tenant whose API key the request carries (`tasks.front.keys.tenant_of`)."""
     scheme, _, key = request.headers.get("authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not key.strip():
         raise _Refused(
@@ -179,67 +242,73 @@ def _authorize(front: Front, request: Request) -> None:
             "fleet's, `gpufleet api-key` makes another", "invalid_request_error",
             "invalid_api_key")
         )  # fmt: skip
+    return tenant_of(name)
 
 
 # --- endpoints ---------------------------------------------------------------------
 
 
-async def _models(front: Front, _: Request) -> Response:
+async def _models(front: Front, _: str, __: Request) -> Response:
     return _Json(shapes.models(list(front.catalog), front.started))
 
 
-async def _model(front: Front, request: Request) -> Response:
+async def _model(front: Front, _: str, request: Request) -> Response:
     name = request.path_params["name"]
     front.catalog.get(name)  # UnknownModelError: a 404
     return _Json(shapes.model(name, front.started))
 
 
-async def _chat(front: Front, request: Request) -> Response:
-    return await _generate(front, request, shapes.chat_call(await _body(request)))
+async def _chat(front: Front, tenant: str, request: Request) -> Response:
+    call = shapes.chat_call(await _body(request))
+    _check_model(front, call)
+    return await _generate(await front.lane(tenant), request, call)
 
 
-async def _completion(front: Front, request: Request) -> Response:
-    return await _generate(front, request, shapes.completion_call(await _body(request)))
+async def _completion(front: Front, tenant: str, request: Request) -> Response:
+    call = shapes.completion_call(await _body(request))
+    _check_model(front, call)
+    return await _generate(await front.lane(tenant), request, call)
 
 
-async def _embedding(front: Front, request: Request) -> Response:
+async def _embedding(front: Front, tenant: str, request: Request) -> Response:
     call = shapes.embedding_call(await _body(request))
     _check_model(front, call)
-    task_id, result = await _send(front, call)
-    meta = await _until_answered(front, request, task_id, result)
+    lane = await front.lane(tenant)
+    task_id, result = await _send(lane, call)
+    meta = await _until_answered(lane, request, task_id, result)
     return _Json(shapes.embeddings(call, _outputs(meta)))
 
 
-async def _generate(front: Front, request: Request, call: Call) -> Response:
-    _check_model(front, call)
+async def _generate(lane: Lane, request: Request, call: Call) -> Response:
+    """A text-generation call, answered whole or streamed."""
     if not call.stream:
-        task_id, result = await _send(front, call)
-        meta = await _until_answered(front, request, task_id, result)
+        task_id, result = await _send(lane, call)
+        meta = await _until_answered(lane, request, task_id, result)
         return _Json(shapes.answer(call, task_id, _outputs(meta)))
     task_id = _new_id()
-    stream = front.streams.open(task_id)  # before the call: its first entry is not missed
+    stream = lane.streams.open(task_id)  # before the call: its first entry is not missed
     try:
-        task_id, result = await _send(front, call, task_id)
+        task_id, result = await _send(lane, call, task_id)
     except BaseException:
-        front.streams.close(task_id)
+        lane.streams.close(task_id)
         raise
     try:
-        first = await _first(front, request, task_id, stream, result)
+        first = await _first(lane, request, task_id, stream, result)
     except BaseException:
-        _abandon(front, task_id, result)
+        _abandon(lane, task_id, result)
         raise
-    events = _events(front, call, task_id, stream, result, first)
+    events = _events(lane, call, task_id, stream, result, first)
     headers = {"Cache-Control": "no-cache"}
-    done = functools.partial(_abandon, front, task_id, result)
+    done = functools.partial(_abandon, lane, task_id, result)
     return EventStream(events, done, media_type="text/event-stream", headers=headers)
 
 
-def _abandon(front: Front, task_id: str, result: asyncio.Future[dict[str, Any]]) -> None:
+def _abandon(lane: Lane, task_id: str, result: asyncio.Future[dict[str, Any]]) -> None:
     """A stream's end, however it ended: its reader closed, and its call cancelled unless
     it was answered (its client went away first). Once: later calls find it closed."""
-    if front.streams.close(task_id) and not result.done():
+    if lane.streams.close(task_id) and not result.done():
         result.cancel()
-        _cancel_soon(front, task_id)
+        _cancel_soon(lane, task_id)
 
 
 # --- sending and waiting ------------------------------------------------------------
@@ -252,30 +321,30 @@ def _new_id() -> str:
 
 
 async def _send(
-    front: Front, call: Call, task_id: str | None = None
+    lane: Lane, call: Call, task_id: str | None = None
 ) -> tuple[str, asyncio.Future[dict[str, Any]]]:
     """Send `call` as the project's client does (`tasks.api.infer`), its result watched
     first: its task id, and its result's meta to come (`CALL_TIMEOUT_S`)."""
     params = {**call.params, "stream": True} if call.stream else call.params
     task_id = task_id or _new_id()
     try:
-        watched = await front.results.watch(task_id)
+        watched = await lane.results.watch(task_id)
     except (redis.RedisError, OSError) as exc:  # the result store is unreachable
         raise _Refused(_unreachable(task_id, exc)) from None
     try:
-        await front.sender.send(INFER, task_id, [call.model, call.inputs, params])
+        await lane.sender.send(INFER, task_id, [call.model, call.inputs, params])
     except GpufleetError:  # a payload that cannot be sent: nothing was
-        front.results.forget(task_id)
+        lane.results.forget(task_id)
         raise
     except BaseException as exc:
         # The broker is unreachable (the caller may try again), or the request ends: the
         # push may have landed before it failed, and its call is cancelled.
-        front.results.forget(task_id)
-        _cancel_soon(front, task_id)
+        lane.results.forget(task_id)
+        _cancel_soon(lane, task_id)
         if isinstance(exc, Exception):
             raise _Refused(_unreachable(task_id, exc)) from None
         raise
-    waiting = front.results.until(task_id, watched, CALL_TIMEOUT_S)
+    waiting = lane.results.until(task_id, watched, CALL_TIMEOUT_S)
     return task_id, asyncio.ensure_future(waiting)
 
 
@@ -287,16 +356,16 @@ def _unreachable(task_id: str, exc: BaseException) -> Failure:
     )  # fmt: skip
 
 
-def _cancel_soon(front: Front, task_id: str) -> None:
+def _cancel_soon(lane: Lane, task_id: str) -> None:
     """Cancel `task_id` without waiting (its caller is gone): `tasks.api.cancel`."""
 
     async def send() -> None:
         try:
-            await front.sender.send(CANCEL, _new_id(), [task_id])
+            await lane.sender.send(CANCEL, _new_id(), [task_id])
         except Exception as exc:
             log.warning("could not cancel call %s: %s", task_id, exc)
 
-    _keep(front.cancels, asyncio.ensure_future(send()))
+    _keep(lane.cancels, asyncio.ensure_future(send()))
 
 
 def _keep(tasks: set[asyncio.Task[None]], task: asyncio.Task[None]) -> None:
@@ -305,7 +374,7 @@ def _keep(tasks: set[asyncio.Task[None]], task: asyncio.Task[None]) -> None:
 
 
 async def _until_answered(
-    front: Front, request: Request, task_id: str, waiting: asyncio.Future[dict[str, Any]]
+    lane: Lane, request: Request, task_id: str, waiting: asyncio.Future[dict[str, Any]]
 ) -> dict[str, Any]:
     """The call's stored result, or the call cancelled when the client leaves first."""
     gone = asyncio.ensure_future(_disconnect(request))
@@ -317,10 +386,10 @@ async def _until_answered(
         gone.cancel()
         if left:  # the client went away first (or the server stops): the call too
             waiting.cancel()
-            _cancel_soon(front, task_id)
+            _cancel_soon(lane, task_id)
     if left:
         raise _Refused(_gone())
-    return _succeeded(front, task_id, waiting)
+    return _succeeded(lane, task_id, waiting)
 
 
 async def _disconnect(request: Request) -> None:
@@ -329,15 +398,13 @@ async def _disconnect(request: Request) -> None:
         pass
 
 
-def _succeeded(
-    front: Front, task_id: str, waiting: asyncio.Future[dict[str, Any]]
-) -> dict[str, Any]:
+def _succeeded(lane: Lane, task_id: str, waiting: asyncio.Future[dict[str, Any]]) -> dict[str, Any]:
     """The result's meta of a call that succeeded; `_Refused` with its error's status
     otherwise (or a 504 when it did not end in time)."""
     try:
         meta = waiting.result()
     except asyncio.TimeoutError:  # not the builtin one before Python 3.11
-        _cancel_soon(front, task_id)
+        _cancel_soon(lane, task_id)
         raise _Refused(_too_long()) from None
     if meta.get("status") == "SUCCESS":
         return meta
@@ -401,7 +468,7 @@ def _too_large() -> Failure:
 
 
 async def _first(
-    front: Front,
+    lane: Lane,
     request: Request,
     task_id: str,
     stream: Stream,
@@ -435,12 +502,12 @@ async def _first(
     finally:
         gone.cancel()
     if result.done():
-        _succeeded(front, task_id, result)  # its error, if it failed first
+        _succeeded(lane, task_id, result)  # its error, if it failed first
     return text
 
 
 async def _events(  # noqa: PLR0917 - one call's parts, as `_generate` has them
-    front: Front,
+    lane: Lane,
     call: Call,
     task_id: str,
     stream: Stream,
@@ -484,7 +551,7 @@ async def _events(  # noqa: PLR0917 - one call's parts, as `_generate` has them
             return
         await asyncio.wait({result})
         try:
-            meta = _succeeded(front, task_id, result)
+            meta = _succeeded(lane, task_id, result)
         except _Refused as exc:  # it failed after it started: OpenAI's error event
             ended = True
             yield event(exc.failure.body())
@@ -507,7 +574,7 @@ async def _events(  # noqa: PLR0917 - one call's parts, as `_generate` has them
         ended = True
     finally:
         if not ended:
-            _abandon(front, task_id, result)
+            _abandon(lane, task_id, result)
 
 
 def _diverged(texts: list[str], given: dict[int, str]) -> bool:

@@ -31,6 +31,7 @@ import orjson
 import redis.asyncio
 from celery import states
 
+from placement.ledger.tenancy import tenants
 from tasks.serving import streams
 
 log = logging.getLogger(__name__)
@@ -48,10 +49,12 @@ RETRY_S = 0.5  # after a failed read, before the next
 
 
 class Results:
-    """Every pending call's result, heard through one subscription."""
+    """Every pending call's result, heard through one subscription: the calls of
+    `tenant` (`client` signs in as its user), whose results live under its key prefix."""
 
-    def __init__(self, client: redis.asyncio.Redis) -> None:
+    def __init__(self, client: redis.asyncio.Redis, tenant: str = tenants.DEFAULT) -> None:
         self._client = client
+        self._prefix = tenants.key_prefix(tenant) + RESULT_PREFIX
         self._pubsub = client.pubsub(ignore_subscribe_messages=True)
         self._waiting: dict[str, asyncio.Future[dict[str, Any]]] = {}
         self._lock = asyncio.Lock()  # one SUBSCRIBE or UNSUBSCRIBE at a time
@@ -80,7 +83,7 @@ class Results:
         """Subscribe to `task_id`'s result, before its call is sent (so no answer comes
         unheard); the future is its stored meta once ready (SUCCESS, FAILURE, REVOKED).
         `until` waits for it, and forgets it after."""
-        key = RESULT_PREFIX + task_id
+        key = self._prefix + task_id
         future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._waiting[key] = future
         self._done.discard(key)
@@ -105,7 +108,7 @@ class Results:
 
     def forget(self, task_id: str) -> None:
         """End `task_id`'s subscription, off the answer's path (`_unsubscribe`)."""
-        key = RESULT_PREFIX + task_id
+        key = self._prefix + task_id
         self._waiting.pop(key, None)
         self._done.add(key)
         self._finish.set()
@@ -223,10 +226,11 @@ class Stream:
 
 
 class Streams:
-    """Every open stream, read by one blocking XREAD."""
+    """Every open stream of `tenant`'s calls, read by one blocking XREAD."""
 
-    def __init__(self, client: redis.asyncio.Redis) -> None:
+    def __init__(self, client: redis.asyncio.Redis, tenant: str = tenants.DEFAULT) -> None:
         self._client = client
+        self._tenant = tenant
         self._open: dict[str, Stream] = {}  # stream key -> its reader
         self._last: dict[str, str] = {}  # stream key -> the last entry id read
         self._wake = asyncio.Event()
@@ -243,7 +247,7 @@ class Streams:
 
     def open(self, task_id: str) -> Stream:
         stream = Stream(task_id)
-        name = streams.key(task_id)
+        name = streams.key(tenants.call_id(task_id, self._tenant))
         self._open[name] = stream
         self._last[name] = "0-0"
         self._wake.set()
@@ -251,7 +255,7 @@ class Streams:
 
     def close(self, task_id: str) -> bool:
         """Stop reading `task_id`'s stream; whether it was open."""
-        name = streams.key(task_id)
+        name = streams.key(tenants.call_id(task_id, self._tenant))
         self._last.pop(name, None)
         return self._open.pop(name, None) is not None
 

@@ -331,6 +331,13 @@ def api(
 def api_key(
     *,
     name: Annotated[str, typer.Option(help="What the key is for (one word).")] = "key",
+    tenant: Annotated[
+        str | None,
+        typer.Option(
+            help="A tenant's key (`gpufleet tenant add`): its calls go as the tenant's, "
+            "within its quotas, and it reaches no other tenant's."
+        ),
+    ] = None,
     keys: Annotated[
         Path | None, typer.Option(help="The API key file (default: the fleet's).")
     ] = None,
@@ -339,9 +346,15 @@ def api_key(
     """Make an API key for the fleet's HTTP API and print it; the file keeps only its
     digest, and the API takes it from the next request on."""
     from tasks import front
-    from tasks.front.keys import add, new_key
+    from tasks.front.keys import add, new_key, tenant_key_name
 
-    path = keys or _settings(fleet=fleet).fleet_dir() / front.KEY_FILE
+    s = _settings(fleet=fleet)
+    path = keys or s.fleet_dir() / front.KEY_FILE
+    if tenant is not None:
+        from tasks.operator import tenant_cli
+
+        _guard(lambda: tenant_cli.caller_url(s, tenant))  # its password is kept here
+        name = _guard(lambda: tenant_key_name(tenant))
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     key = new_key()
     _guard(lambda: add(path, key, name))

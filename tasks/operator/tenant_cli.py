@@ -11,7 +11,6 @@ it; a Redis of your own gets the user from the ACL line `tenant add` prints.
 from __future__ import annotations
 
 import json
-import os
 import secrets
 import time
 from pathlib import Path
@@ -28,6 +27,7 @@ from placement.ledger import endpoint
 from placement.ledger.registry import Registry
 from placement.ledger.tenancy import quotas, tenants
 from placement.server.acl import tenant_line, user_url
+from placement.server.tenant_users import PASSWORDS, read_passwords, save_passwords
 from tasks.operator.console import err, guard, settings
 
 tenant_app = typer.Typer(
@@ -35,7 +35,6 @@ tenant_app = typer.Typer(
     no_args_is_help=True,
 )
 
-PASSWORDS = "tenants.json"
 #: How long `tenant add` waits for the launcher to make the tenant's user.
 USER_WAIT_S = 10.0
 
@@ -90,21 +89,11 @@ def _path(s: Settings) -> Path:
 
 
 def _passwords(s: Settings) -> dict[str, str]:
-    try:
-        data = json.loads(_path(s).read_text())
-    except (OSError, ValueError):
-        return {}
-    return {str(k): str(v) for k, v in data.items()} if isinstance(data, dict) else {}
+    return read_passwords(_path(s))
 
 
 def _save(s: Settings, passwords: dict[str, str]) -> None:
-    path = _path(s)
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        json.dump(passwords, fh)
-    os.replace(tmp, path)
+    save_passwords(_path(s), passwords)
 
 
 def _registry(s: Settings) -> tuple[Registry, bool]:

@@ -8,10 +8,13 @@ the worker. The consumer refuses such a call before it reaches the pool
 an eager call), with the same message.
 
 A worker that ends a call sends its chain's next step and its callbacks itself, as the
-fleet, naming the call as their parent. The next step of a tenant's call goes to that
+fleet. What a tenant's call sends on that way, a call of another id, goes to that
 tenant's public queue, whatever queue the caller named (its client's `celery`, under its
 key prefix, is that queue): a router takes it as the tenant's, under its quotas, and its
-result is stored where the tenant's client waits for it (`tasks.broker.results`).
+result is stored where the tenant's client waits for it (`tasks.broker.results`). The
+tenant is the one the router wrote on the call being run, never a header the caller set
+(`parent_id` is one); the call's own retries and replacements keep its id, and their
+queue.
 """
 
 from __future__ import annotations
@@ -33,10 +36,21 @@ class CheckedTask(Task):
         return super().__call__(*args, **kwargs)
 
     def apply_async(self, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
-        parent = options.get("parent_id")  # given only where a call's end sends it on
-        tenant = tenants.owner(parent)[1] if isinstance(parent, str) else tenants.DEFAULT
+        tenant = _sending_tenant(self.app, options.get("task_id"))
         if tenant != tenants.DEFAULT:
             for option in ("exchange", "routing_key"):
                 options.pop(option, None)
             options["queue"] = tenants.queue_of(tenant)
         return super().apply_async(args, kwargs, **options)
+
+
+def _sending_tenant(app: Any, task_id: Any) -> str:
+    """The tenant of the call this worker runs, when what it sends now is another call (a
+    chain's next step, a callback); the default tenant otherwise."""
+    from tasks.serving.calls import tenant_of  # the router's header; calls imports the app
+
+    running = app.current_worker_task
+    request = running.request if running is not None else None
+    if request is None or request.id is None or task_id == request.id:
+        return tenants.DEFAULT  # sent by no call, or the call itself again (retry, replace)
+    return tenant_of(request)

@@ -47,9 +47,11 @@ from celery.worker.consumer import Consumer as CeleryConsumer
 from kombu.exceptions import ContentDisallowed, DecodeError
 
 from placement.errors import GpufleetError, PayloadError
+from placement.ledger.tenancy.tenants import DEFAULT, call_id, tenant_of
 from tasks import context
 from tasks.broker import intake, results
-from tasks.broker.intake import LEASE_HEADER, PUBLIC_TASKS, is_name
+from tasks.broker.intake import LEASE_HEADER, PUBLIC_TASKS, is_call_id, is_name
+from tasks.config import is_public
 from tasks.serving import batching, cancelling, forwarding, leases
 from tasks.serving.batching import Batcher
 from tasks.serving.cancelling import Cancels
@@ -266,7 +268,7 @@ class Consumer(CeleryConsumer):
         if body is None and _field(message, None, "task") is None:
             body = _decoded(message)  # message protocol 1: the name is in the body
         name = _field(message, body, "task")
-        task_id = _field(message, body, "id")
+        task_id = _call_id(message, body)
         log.warning("refused call %.60s of task %.80r: not a task this worker runs", task_id, name)
         shown = repr(name)
         if len(shown) > 100:
@@ -294,7 +296,7 @@ class Consumer(CeleryConsumer):
         """Store `refused` as the result of call `task_id`, so its caller learns at once.
         Under that id only: the ids of what the call chains after it are the caller's words,
         and could name another caller's call (`tasks.broker.results.Backend`)."""
-        if not is_name(task_id):
+        if not is_call_id(task_id):
             return
         try:
             self.app.backend.mark_as_failure(task_id, refused, call_errbacks=False)
@@ -329,6 +331,20 @@ def _field(message: Any, body: Any, key: str) -> Any:
     if isinstance(headers, dict) and key in headers:
         return headers[key]
     return body.get(key) if isinstance(body, dict) else None
+
+
+def _call_id(message: Any, body: Any) -> Any:
+    """The fleet's id of a message's call: its headers' (the router named it as it took it:
+    `tasks.broker.intake.envelope`), else its protocol 1 body's, named here by the public
+    queue it came from, so that its answer goes to its own tenant's."""
+    task_id = _field(message, body, "id")
+    headers = getattr(message, "headers", None)
+    queue = (getattr(message, "delivery_info", None) or {}).get("routing_key")
+    if isinstance(headers, dict) and "id" in headers:
+        return task_id
+    if isinstance(task_id, str) and isinstance(queue, str) and is_public(queue):
+        return call_id(task_id, tenant_of(queue) or DEFAULT)
+    return task_id
 
 
 def _decoded(message: Any) -> Any:

@@ -55,7 +55,7 @@ class Slot:
     """One taken slot: its member in the running set, its call, and when it was taken."""
 
     member: str
-    task_id: str
+    task_id: str  # the fleet's id of it (`tenants.call_id`)
     taken_ms: float
 
 
@@ -102,7 +102,14 @@ def slots(store: Store, tenant: str) -> list[Slot]:
     """`tenant`'s taken slots, oldest first (slots taken in one millisecond, in any order)."""
     key = store.keys.tenant_running(tenant)
     found = store._reaching(lambda: store.client.zrange(key, 0, -1, withscores=True))
-    return [Slot(m, m.partition(":")[2], float(score)) for m, score in found]
+    return [Slot(m, _call_of(m, tenant), float(score)) for m, score in found]
+
+
+def _call_of(member: str, tenant: str) -> str:
+    """The fleet's id of the call a running-set member holds a slot for: a slot kept for a
+    call handed back names it by the task id its caller gave (`quota_leave.lua`)."""
+    slot, _, task_id = member.partition(":")
+    return tenants.call_id(task_id, tenant) if slot + ":" == HANDED else task_id
 
 
 def counts(store: Store, tenant: str) -> tuple[int, int]:
