@@ -340,7 +340,7 @@ def test_a_tenant_s_key_sends_as_the_tenant_within_its_quotas_and_reads_its_own_
         return team.completions.create(model=model, prompt="go", max_tokens=tokens, temperature=0)
 
     with ThreadPoolExecutor(2) as pool:
-        running = pool.submit(complete, "slow-talker", 1000)  # holds its one slot, seconds
+        running = pool.submit(complete, "slow-talker", 500)  # holds its one running slot
         until("its call holding the slot", lambda: tenant_row()["let_in"] == 1)
         parked = pool.submit(complete, "talker", 4)
         until("its next call parked", lambda: tenant_row()["parked"] == 1)
@@ -354,6 +354,15 @@ def test_a_tenant_s_key_sends_as_the_tenant_within_its_quotas_and_reads_its_own_
     shown = json.loads(_cli(home, "status", "--json"))["tenants"]
     used = next(t for t in shown if t["name"] == "api-team")
     assert (used["calls"], used["failed"]) == (3, 0), used  # the three it ran, as its own
+    # removed: its keys go with it; added again: a new key reaches its new user
+    _cli(home, "tenant", "remove", "api-team")
+    with pytest.raises(openai.AuthenticationError):
+        complete("talker", 4)
+    _cli(home, "tenant", "add", "api-team")
+    again = OpenAI(base_url=front["base_url"], api_key=_cli(home, "api-key", "--tenant",
+                   "api-team").strip(), max_retries=0)  # fmt: skip
+    answer = again.completions.create(model="talker", prompt="go", max_tokens=4, temperature=0)
+    assert answer.choices[0].text
 
 
 @contextmanager

@@ -304,6 +304,10 @@ def test_a_tenant_s_chord_and_any_chained_id_naming_a_call_are_refused(redis_url
     step = {"task": "gpufleet.status", "args": [], "kwargs": {}, "options": {}}
     with pytest.raises(PayloadError, match="task id"):
         intake.check_canvas({"chain": [{**step, "options": {"task_id": "y@team-b"}}]})
+    chord = {"task": "celery.chord", "args": [], "kwargs": {"body": step}, "options": {}}
+    intake.check_canvas({"chain": [chord]})  # the default tenant's chords stay
+    with pytest.raises(PayloadError, match="chord"):  # a tenant's, anywhere in its canvas
+        intake.check_canvas({"chain": [step, chord]}, chords=False)
     with Connection(redis_url) as connection:
         connection.default_channel.client.delete("t.team-a.celery")
         producer = connection.Producer(serializer="json")

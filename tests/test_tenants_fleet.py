@@ -208,7 +208,7 @@ def test_calls_past_a_tenant_s_max_queued_are_refused_at_once_and_the_rest_answe
     client = tenant_client(env, "bounded")
     generate(client, "warm", 2).get(timeout=TIMEOUT_S)
     until("the warm call's slot freed", lambda: _let_in(env, "bounded") == 0)
-    long = generate(client, "a long story", 400)  # holds the one running slot
+    long = generate(client, "a long story", 500)  # holds the one running slot
     until("the long call holding its slot", lambda: _let_in(env, "bounded") == 1)
     sent = time.monotonic()
     calls = [generate(client, f"short {i}", 4) for i in range(8)]

@@ -348,12 +348,7 @@ def _check(message: Any, tasks: Any) -> None:
         )
     if public_queue:
         _check_embed(embed)
-        check_canvas(embed)
-        if tenant_in_queue(message) and isinstance(embed, dict) and embed.get("chord"):
-            raise PayloadError(
-                "a tenant's call may not be part of a chord yet (its counter is the "
-                "fleet's): send the group, then the call that joins it"
-            )
+        check_canvas(embed, chords=not _from_tenant(message))
         _check_eta(headers.get("eta"))
     arguments = bind(task, args, kwargs)
     check_arguments = getattr(task, "intake", None)
@@ -370,7 +365,7 @@ def _check(message: Any, tasks: Any) -> None:
 EMBED_KEYS = frozenset({"callbacks", "errbacks", "chain", "chord"})
 
 
-def tenant_in_queue(message: Any) -> bool:
+def _from_tenant(message: Any) -> bool:
     """Whether `message` came from a tenant's public queue (not the router's `celery`)."""
     return tenant_of(str((message.delivery_info or {}).get("routing_key"))) is not None
 
@@ -390,20 +385,23 @@ def _check_embed(embed: Any) -> None:
 
 
 #: The canvas primitives a caller's chain, group or chord nests (never run as tasks here).
-_CANVAS = frozenset({"celery.chain", "celery.group", "celery.chord"})
+_CHORD = "celery.chord"
+_CANVAS = frozenset({"celery.chain", "celery.group", _CHORD})
 #: What makes Celery run a signature inside the worker rather than send it: an errback of
 #: a task that takes more than one argument is called in place (as is a chord body's, when
 #: a part fails), in whichever process fails the call, its main one included.
 _ERRBACKS = ("errbacks", "link_error")
 
 
-def check_canvas(embed: Any) -> None:
+def check_canvas(embed: Any, *, chords: bool = True) -> None:
     """Refuse a caller's call whose callbacks, chain or chord would make a fleet process do
     what a caller may not. The worker that ends a call sends what comes next as the fleet,
     so each signature there must name a public task, be routed by the fleet or to a public
     queue by name (an exchange would follow bindings a caller may add), and carry no fleet
-    header; no errback is taken at all (`_ERRBACKS`); and there are at most `MAX_CANVAS`
-    signatures (the walk stops at the first past it: a refusal costs no more)."""
+    header; no errback is taken at all (`_ERRBACKS`); no call it gives an id names a call
+    by its tenant (`@`); without `chords` (a tenant's call), no chord anywhere; and there
+    are at most `MAX_CANVAS` signatures (the walk stops at the first past it: a refusal
+    costs no more)."""
     stack = [embed]
     signatures = 0
     while stack:
@@ -427,6 +425,11 @@ def check_canvas(embed: Any) -> None:
             raise PayloadError(
                 "a caller's call may not carry errbacks (link_error): Celery runs them inside "
                 "the fleet's worker. Read the call's result for its error instead"
+            )
+        if not chords and (item.get("chord") or options.get("chord") or item.get("task") == _CHORD):
+            raise PayloadError(
+                "a tenant's call may not be part of a chord yet (a chord's counter is the "
+                "fleet's): send the group, then the call that joins its results"
             )
         name = item.get("task")
         if name is None:

@@ -59,16 +59,24 @@ def add(path: Path, key: str, name: str) -> None:
 
 def replace_key(path: Path, key: str, name: str) -> None:
     """Make `key` the only key named `name` in the file at `path`; other keys stay."""
+    drop(path, name)
+    add(path, key, name)
+
+
+def drop(path: Path, name: str) -> int:
+    """Remove every key named `name` from the file at `path` (none there: nothing to do);
+    returns how many went."""
     try:
-        kept = [line for line in path.read_text().splitlines() if _name(line) != name]
+        lines = path.read_text().splitlines()
     except FileNotFoundError:
-        kept = []
+        return 0
+    kept = [line for line in lines if _name(line) != name]
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as fh:
         fh.writelines(f"{line}\n" for line in kept)
     os.replace(tmp, path)
-    add(path, key, name)
+    return len(lines) - len(kept)
 
 
 def _name(line: str) -> str | None:

@@ -79,11 +79,13 @@ class Lane:
     tenant: str
     redis_url: str  # the fleet's result store, as the tenant's user
     broker_url: str  # the fleet's broker, as the tenant's user
+    password: str = ""  # the tenant's, when it opened ("" for the default tenant)
     results: Results = field(init=False)
     streams: Streams = field(init=False)
     sender: Sender = field(init=False)
     #: Cancels sent for callers gone, kept until they are (asyncio holds tasks weakly).
     cancels: set[asyncio.Task[None]] = field(default_factory=set)
+    _client: redis.asyncio.Redis = field(init=False)  # its readers'
     _pusher: redis.asyncio.Redis = field(init=False)
 
     async def start(self) -> None:
@@ -91,7 +93,7 @@ class Lane:
 
         client = endpoint.parse(self.redis_url).async_client(max_connections=CONNECTIONS)
         broker = endpoint.parse(self.broker_url)
-        self._pusher = client
+        self._client = self._pusher = client
         if self.broker_url != self.redis_url:
             self._pusher = broker.async_client(max_connections=CONNECTIONS)
         queue = tenants.queue_of(self.tenant)
@@ -109,8 +111,9 @@ class Lane:
             log.warning("%d calls were left running: the front stopped", len(self.cancels))
         await self.streams.stop()
         await self.results.stop()
-        if self.broker_url != self.redis_url:
+        if self._pusher is not self._client:
             await self._pusher.aclose()
+        await self._client.aclose()
 
 
 @dataclass
@@ -131,39 +134,47 @@ class Front:
         await self.lane(tenants.DEFAULT)
 
     async def stop(self) -> None:
-        for lane in list(self.lanes.values()):
-            await lane.stop()
+        await asyncio.gather(*(lane.stop() for lane in self.lanes.values()))
 
     async def lane(self, tenant: str) -> Lane:
-        """`tenant`'s lane, opened on its first call."""
+        """`tenant`'s lane, opened on its first call, and again once the tenant has another
+        password (removed and added again)."""
+        password = self._password(tenant)
         found = self.lanes.get(tenant)
-        if found is not None:
+        if found is not None and found.password == password:
             return found
         async with self._opening:
             found = self.lanes.get(tenant)
-            if found is None:
-                found = Lane(tenant, *self._urls(tenant))
-                await found.start()
-                self.lanes[tenant] = found
-                if tenant:
-                    log.info("serving tenant %r", tenant)
+            if found is not None and found.password == password:
+                return found
+            if found is not None:  # its old user is gone: so are the calls it held
+                del self.lanes[tenant]
+                await found.stop()
+            url = self.redis_url
+            if tenant != tenants.DEFAULT:
+                url = user_url(self.redis_url, tenants.user_of(tenant), password)
+            found = Lane(tenant, url, url if tenant else self.broker_url, password)
+            await found.start()
+            self.lanes[tenant] = found
+            if tenant:
+                log.info("serving tenant %r", tenant)
         return found
 
-    def _urls(self, tenant: str) -> tuple[str, str]:
-        """The result store's and the broker's URLs as `tenant`'s user."""
+    def _password(self, tenant: str) -> str:
+        """`tenant`'s Redis password, as kept where it was added ("" for the default)."""
         if tenant == tenants.DEFAULT:
-            return self.redis_url, self.broker_url
+            return ""
         tenants.check_name(tenant)
         kept = read_passwords(self.passwords) if self.passwords is not None else {}
         password = kept.get(tenant)
         if password is None or self.broker_url != self.redis_url:
             raise _Refused(
-                Failure(503, f"this API server cannot sign in as tenant {tenant!r}: run it "
-                "where `gpufleet tenant add` ran (its password is kept there), on a fleet "
-                "whose broker is its result store", "server_error", "tenant_unavailable")
+                Failure(503, f"this API server cannot sign in as tenant {tenant!r}: it keeps "
+                "no password for it (the tenant was removed, or added on another machine: "
+                "run the API where `gpufleet tenant add` ran), or its broker is not its "
+                "result store", "server_error", "tenant_unavailable")
             )  # fmt: skip
-        url = user_url(self.redis_url, tenants.user_of(tenant), password)
-        return url, url
+        return password
 
 
 def build(front: Front) -> Starlette:

@@ -346,10 +346,12 @@ def api_key(
     """Make an API key for the fleet's HTTP API and print it; the file keeps only its
     digest, and the API takes it from the next request on."""
     from tasks import front
-    from tasks.front.keys import add, new_key, tenant_key_name
+    from tasks.front.keys import TENANT_KEY, add, new_key, tenant_key_name
 
     s = _settings(fleet=fleet)
     path = keys or s.fleet_dir() / front.KEY_FILE
+    if tenant is None and name.startswith(TENANT_KEY):
+        _guard(_refuse(f"key names starting with {TENANT_KEY!r} are tenants': use --tenant NAME"))
     if tenant is not None:
         from tasks.operator import tenant_cli
 
@@ -359,6 +361,13 @@ def api_key(
     key = new_key()
     _guard(lambda: add(path, key, name))
     typer.echo(key)
+
+
+def _refuse(why: str) -> Callable[[], None]:
+    def fail() -> None:
+        raise ConfigError(why)
+
+    return fail
 
 
 def _no_fleet(s: Settings) -> Callable[[], None]:

@@ -28,6 +28,8 @@ from placement.ledger.registry import Registry
 from placement.ledger.tenancy import quotas, tenants
 from placement.server.acl import tenant_line, user_url
 from placement.server.tenant_users import PASSWORDS, read_passwords, save_passwords
+from tasks.front import KEY_FILE
+from tasks.front.keys import drop, tenant_key_name
 from tasks.operator.console import err, guard, settings
 
 tenant_app = typer.Typer(
@@ -284,6 +286,7 @@ def remove_command(name: Annotated[str, typer.Argument(help="The tenant's name."
         finally:
             registry.client.close()
         _save(s, {k: v for k, v in _passwords(s).items() if k != name})
+        drop(s.fleet_dir() / KEY_FILE, tenant_key_name(name))  # its HTTP API keys go too
         return removed, bundled
 
     tenant, bundled = guard(remove)

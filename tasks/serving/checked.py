@@ -12,9 +12,9 @@ fleet. What a tenant's call sends on that way, a call of another id, goes to tha
 tenant's public queue, whatever queue the caller named (its client's `celery`, under its
 key prefix, is that queue): a router takes it as the tenant's, under its quotas, and its
 result is stored where the tenant's client waits for it (`tasks.broker.results`). The
-tenant is the one the router wrote on the call being run, never a header the caller set
-(`parent_id` is one); the call's own retries and replacements keep its id, and their
-queue.
+tenant is the one the router named the running call by (`tenants.call_id`), never a
+header the caller set (`parent_id` is one); the call's own retries and replacements keep
+its id, and their queue.
 """
 
 from __future__ import annotations
@@ -47,10 +47,8 @@ class CheckedTask(Task):
 def _sending_tenant(app: Any, task_id: Any) -> str:
     """The tenant of the call this worker runs, when what it sends now is another call (a
     chain's next step, a callback); the default tenant otherwise."""
-    from tasks.serving.calls import tenant_of  # the router's header; calls imports the app
-
     running = app.current_worker_task
     request = running.request if running is not None else None
-    if request is None or request.id is None or task_id == request.id:
+    if request is None or not isinstance(request.id, str) or task_id == request.id:
         return tenants.DEFAULT  # sent by no call, or the call itself again (retry, replace)
-    return tenant_of(request)
+    return tenants.owner(request.id)[1]  # as the router named it, and its answer's key

@@ -242,7 +242,7 @@ class Consumer(CeleryConsumer):
         """Answer a message that may not run with `error`, and drop it (acknowledged),
         ending the request lease it carries: the call will not run, so its replica is not
         to stay pinned (and counted busy) until the lease's deadline."""
-        task_id = message.headers.get("id")
+        task_id = _call_id(message, None if "id" in message.headers else _decoded(message))
         log.warning("refused call %.60s of %.80r: %s", task_id, message.headers.get("task"), error)
         self._fail(task_id, error)
         _end_lease(message.headers)

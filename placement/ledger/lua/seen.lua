@@ -40,9 +40,9 @@ for i = 1, #fields, 2 do
     end
   end
 end
-local public = tonumber(ARGV[4])
+local first_public = tonumber(ARGV[4])
 for k = 2, #KEYS do
-  local id = k < public and ARGV[1] or ARGV[3]
+  local id = k < first_public and ARGV[1] or ARGV[3]
   for _, message in ipairs(redis.call('LRANGE', KEYS[k], 0, -1)) do
     if string.find(message, id, 1, true) then
       local ok, decoded = pcall(cjson.decode, message)
