@@ -152,3 +152,27 @@ def test_half_a_record_among_a_models_replicas_leaves_the_others_to_the_fast_pat
     reg.client.hset(reg.keys.deployment("half"), "last_used", 1)
     lease = reg.pick("m")
     assert lease is not None and lease.replica == healthy
+
+
+def test_a_tenant_s_call_waits_in_its_tenant_s_queue_of_the_worker_only_behind_other_calls(
+    reg: Registry, fleet: str
+) -> None:
+    from dataclasses import replace
+
+    own, mine, theirs = f"{fleet}.q0", f"{fleet}.q0~team-a", f"{fleet}.q0~team-b"
+
+    def forward() -> str:
+        before = {q: reg.client.llen(q) for q in (own, mine)}
+        handover = replace(taken(reg, fleet), tenant="team-a", tenants=("team-a", "team-b"))
+        assert isinstance(reg.forward("m", handover, path="router"), Forwarded)
+        (found,) = [q for q in (own, mine) if reg.client.llen(q) > before[q]]
+        message = json.loads(reg.client.lpop(found) or b"{}")
+        assert message["properties"]["delivery_info"]["routing_key"] == found
+        return found
+
+    assert forward() == own  # nothing waits at the worker: where an idle worker waits
+    reg.client.lpush(theirs, "another tenant's call")
+    assert forward() == mine  # behind calls that wait: in turn, by its tenant's weight
+    reg.client.delete(theirs)
+    reg.client.lpush(own, "a call of the default tenant")
+    assert forward() == mine

@@ -77,7 +77,9 @@ class Handover:
     for the message's priority (`queue + suffix`). `watched`: the lists the consumer
     takes from, which the move looks at once it is done (`Forwarded.drained`). `tenant`:
     whose call it is; it goes to that tenant's queue of the worker
-    (`placement.ledger.tenancy.tenants.worker_queue`)."""
+    (`placement.ledger.tenancy.tenants.worker_queue`) when calls wait at the worker, else
+    to the worker's own queue (`forward.lua`); `tenants`: every tenant whose queue of a
+    worker may hold calls."""
 
     inflight: str
     taken: bytes
@@ -85,6 +87,7 @@ class Handover:
     suffix: str
     watched: tuple[str, ...] = ()
     tenant: str = DEFAULT
+    tenants: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -158,8 +161,13 @@ class HotPath:
             if handover is not None:
                 queues = [worker_queue(q, handover.tenant) for q in known.queues]
                 keys += [handover.inflight, *(q + handover.suffix for q in queues)]
+                waiting = _waiting_lists(known.queues, handover)
+                if waiting:  # a tenant's call: where the worker's calls may wait
+                    keys += [q + handover.suffix for q in known.queues]
+                    keys += [name for lists in waiting for name in lists]
                 keys += handover.watched
                 args += [handover.taken, *handover.parts, worker_suffix(handover.tenant)]
+                args.append(len(waiting[0]) if waiting else 0)
             args += [*known.ids, *known.workers]
             if handover is not None:
                 args += known.queues
@@ -207,3 +215,13 @@ def _lease_of(lease_id: str, model: str, result: list[Any]) -> Lease:
     return Lease(
         lease_id, model, replica, queue, worker, json.loads(gpus), int(deadline), int(epoch)
     )
+
+
+def _waiting_lists(queues: list[str], handover: Handover) -> list[list[str]]:
+    """Per worker queue, the lists where its calls wait (its own queue's, each tenant's of
+    it), for a tenant's call (`forward.lua`, ARGV[9]); none for the default tenant's, nor
+    where the tenants are not known (the call then goes to its tenant's queue)."""
+    if handover.tenant == DEFAULT or not handover.tenants:
+        return []
+    names = sorted({handover.tenant, *handover.tenants})
+    return [[q, *(worker_queue(q, name) for name in names)] for q in queues]

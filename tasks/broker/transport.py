@@ -116,6 +116,7 @@ class Pick:
     header: str
     move: Callable[[Handover], bool | None]
     tenant: str = ""  # whose call: it goes to its tenant's queue of the worker (`Handover`)
+    tenants: tuple[str, ...] = ()  # every tenant whose queue of a worker may hold calls
 
 
 class Moved:
@@ -203,6 +204,7 @@ class QoS(kombu_redis.QoS):
                 channel._q_for_pri("", priority),
                 tuple(channel._taken_from()),
                 pick.tenant,
+                pick.tenants,
             )
         except Exception:
             log.exception("could not prepare message %s to move on; keeping it", delivery_tag)

@@ -107,7 +107,7 @@ class Forwarder:
         tenant = tenancy.process.known(tenant_in(headers))
         if not given_back and context.one_redis():  # lease and move in one step
             move = functools.partial(_forward, registry, model, path)
-            return Pick(headers, LEASE_HEADER, move, tenant)
+            return Pick(headers, LEASE_HEADER, move, tenant, tuple(tenancy.process.refresh()))
         try:
             lease = registry.pick(model, path=path)
         except GpufleetError:
