@@ -264,6 +264,77 @@ def test_a_group_with_users_lets_the_fleets_users_look_it_up_and_nothing_more(
         assert endpoint.connect(group.url).llen("celery") == 1  # the failover lost nothing
 
 
+def test_a_tenant_behind_sentinels_finds_the_primary_as_its_own_user_and_nothing_more(
+    tmp_path: Path,
+) -> None:
+    """`--redis-ha` with tenants: the launcher's sync makes each tenant's user on every
+    data node and on every Sentinel, where it may only find the primary."""
+    from placement.ledger.store import Store
+    from placement.ledger.tenancy import tenants
+    from placement.server.acl import ADMIN, SENTINEL, user_url
+    from placement.server.tenant_users import TenantUsers
+
+    users = Users("f-pw", "o-pw", "c-pw", replication="r-pw", sentinel="s-pw", admin="a-pw")
+    with SentinelGroup(users=users, data_root=tmp_path / "redis") as group:
+        store = Store.from_url(group.url, "ha-tenants")
+        tenants.add(store, "team-a", 1, "t-pw")
+        major = int(str(store.client.info("server")["redis_version"]).split(".")[0])
+        nodes = [n.url_for(ADMIN) for n in group.nodes]
+        sentinels = [
+            user_url(f"redis://{HOST}:{s.port}", SENTINEL, "s-pw") for s in group.sentinels
+        ]
+        sync = TenantUsers(store, lambda: nodes, major, lambda: sentinels)
+        sync.sync()
+        url = user_url(group.url_for(CALLER), tenants.user_of("team-a"), "t-pw")
+        assert url.count("tenant-team-a:t-pw@") == len(group.sentinels)
+        tenant = endpoint.connect(url)  # through the Sentinels, as its own user
+        assert tenant.lpush("t.team-a.celery", "{}") == 1
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            tenant.lpush("celery", "{}")  # the default tenant's queue
+        port = group.sentinels[0].port
+        sentinel = redis.Redis(HOST, port, username="tenant-team-a", password="t-pw")
+        assert sentinel.execute_command("SENTINEL", "GET-MASTER-ADDR-BY-NAME", group.master_name)
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            sentinel.execute_command("SENTINEL", "FAILOVER", group.master_name)
+        tenants.remove(store, "team-a")
+        sync.sync()  # its user goes from the Sentinels too
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(HOST, port, username="tenant-team-a", password="t-pw").ping()
+        sync.stop()
+        store.client.close()
+
+
+def test_a_tenant_of_a_redis_ha_fleet_calls_it_with_the_settings_gpufleet_url_prints(
+    tmp_path: Path,
+) -> None:
+    catalog = tmp_path / "models.yaml"
+    catalog.write_text(TWO_MODELS)
+    env = fleet_env(GPUFLEET_HOME=str(tmp_path / "home"))
+    args = ["--redis-ha", "--sim-gpus", "1x4GiB", "--metrics-port", "0"]
+    with fleet_up(catalog, args, env, log=tmp_path / "fleet.log"):
+
+        def cli(*words: str) -> str:
+            done = subprocess.run(
+                [*_CLI, *words], cwd=REPO, env=env, capture_output=True, text=True, timeout=60,
+                check=False,
+            )  # fmt: skip
+            assert done.returncode == 0, (words, done.stdout, done.stderr)
+            return done.stdout
+
+        cli("tenant", "add", "ha-team", "--max-running", "2")
+        conf = json.loads(cli("url", "--tenant", "ha-team", "--json"))["celery"]
+        assert conf["broker_transport_options"]["global_keyprefix"] == "t.ha-team."
+        client = Celery(set_as_current=False)
+        client.conf.update(**conf)
+        try:
+            calls = [client.send_task("gpufleet.infer", args=("a", f"x{i}")) for i in range(4)]
+            assert all(c.get(timeout=120)["outputs"] for c in calls)
+        finally:
+            client.close()
+        used = {t["name"]: t for t in _status(env)["tenants"]}["ha-team"]
+        assert used["calls"] == 4 and used["max_running"] == 2
+
+
 def test_two_hosts_on_a_redis_ha_fleet_lose_no_call_when_its_primary_is_killed_or_stopped(
     tmp_path: Path,
 ) -> None:

@@ -65,6 +65,7 @@ __all__ = [
     "sentinel_acl_lines",
     "tenant_line",
     "tenant_rules",
+    "tenant_sentinel_line",
     "user_url",
 ]
 
@@ -224,6 +225,12 @@ def tenant_line(tenant: tenants.Tenant, redis_major: int) -> str:
     return f"user {tenants.user_of(tenant.name)} reset on #{tenant.digest} {rules}"
 
 
+def tenant_sentinel_line(tenant: tenants.Tenant) -> str:
+    """The line of `tenant`'s user for Sentinels of your own: it may find the primary."""
+    user = tenants.user_of(tenant.name)
+    return f"user {user} reset on #{tenant.digest} {SENTINEL_LOOKUP_RULES}"
+
+
 def sentinel_acl_lines(users: Users) -> list[str]:
     """The lines of a Sentinel's config for the fleet's users: the fleet's three may look
     the group up, `sentinel` (the other Sentinels) may do all."""
@@ -240,7 +247,10 @@ def _user_line(user: str, password: str, user_rules: str) -> str:
 
 
 def user_url(url: str, user: str, password: str) -> str:
-    """`url` (redis:// or rediss://, any host, port and database) as `user`."""
+    """`url` (redis:// or rediss://, any host, port and database; or the Sentinels'
+    `sentinel://...;sentinel://...?master_name=`, each of them) as `user`."""
+    if ";" in url:
+        return ";".join(user_url(part, user, password) for part in url.split(";"))
     parts = urllib.parse.urlsplit(url)
     host = parts.hostname or "127.0.0.1"
     if ":" in host:

@@ -9,6 +9,11 @@ reads every node's users (`ACL USERS`) and makes what is missing, which also cov
 restart nobody saw. It signs in as the launcher's `admin` user, which may do nothing but
 this (`placement.server.acl`), and whose password no other process holds.
 
+Behind Sentinels (`gpufleet up --redis-ha`) a tenant's client finds the primary through
+them as its own user, so each Sentinel gets the tenant's user too, with the rights the
+fleet's own users have there (`acl.SENTINEL_LOOKUP_RULES`: where the primary is, nothing
+more), made and taken away the same way; the launcher signs in to them as `sentinel`.
+
 A Redis of your own has no launcher: `gpufleet tenant add` prints the ACL line instead.
 
 The tenants' passwords themselves are kept on the machine that added them, in the fleet's
@@ -30,7 +35,7 @@ import redis
 
 from placement.ledger.store import Store
 from placement.ledger.tenancy import tenants
-from placement.server.acl import tenant_rules
+from placement.server.acl import SENTINEL_LOOKUP_RULES, tenant_rules
 
 __all__ = ["PASSWORDS", "SYNC_S", "TenantUsers", "read_passwords", "save_passwords"]
 
@@ -49,10 +54,15 @@ class TenantUsers:
     each), as `store`'s registry lists its tenants."""
 
     def __init__(
-        self, store: Store, admin_urls: Callable[[], Iterable[str]], redis_major: int
+        self,
+        store: Store,
+        admin_urls: Callable[[], Iterable[str]],
+        redis_major: int,
+        sentinel_urls: Callable[[], Iterable[str]] = tuple,
     ) -> None:
         self._store = store
         self._admin_urls = admin_urls
+        self._sentinel_urls = sentinel_urls  # each Sentinel's, as its `sentinel` user
         self._major = redis_major
         self._clients: dict[str, Any] = {}  # str replies (decode_responses), untyped
         self._made: dict[str, dict[str, str]] = {}  # node URL -> user -> digest it was made with
@@ -84,14 +94,15 @@ class TenantUsers:
         """Make every node's tenant users equal to the registry's tenants; a node that does
         not answer now is tried again at the next sync (logged)."""
         wanted = tenants.all_tenants(self._store)
-        for url in self._admin_urls():
+        data = [(url, False) for url in self._admin_urls()]
+        for url, sentinel in data + [(url, True) for url in self._sentinel_urls()]:
             try:
-                self._sync_node(url, wanted)
+                self._sync_node(url, wanted, sentinel)
             except redis.RedisError as exc:
                 self._clients.pop(url, None)
                 log.debug("could not sync tenants' users on a Redis node (next try): %s", exc)
 
-    def _sync_node(self, url: str, wanted: dict[str, tenants.Tenant]) -> None:
+    def _sync_node(self, url: str, wanted: dict[str, tenants.Tenant], sentinel: bool) -> None:
         client: Any = self._clients.get(url)
         if client is None:
             client = self._clients[url] = redis.Redis.from_url(url, decode_responses=True)
@@ -105,7 +116,8 @@ class TenantUsers:
                 continue
             if user in present:  # another password now: its old holders go (DELUSER)
                 pipe.execute_command("ACL", "DELUSER", user)
-            rules = ["reset", "on", f"#{tenant.digest}", *tenant_rules(name, self._major)]
+            own = SENTINEL_LOOKUP_RULES.split() if sentinel else tenant_rules(name, self._major)
+            rules = ["reset", "on", f"#{tenant.digest}", *own]
             pipe.execute_command("ACL", "SETUSER", user, *rules)
             changes.append(("made", user, tenant.digest))
         stale = sorted(present - {tenants.user_of(n) for n in wanted})

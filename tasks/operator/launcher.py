@@ -61,9 +61,10 @@ from placement.ledger import endpoint
 from placement.ledger.keys import Keys
 from placement.ledger.registry import Registry
 from placement.ledger.tenancy import tenants
-from placement.server.acl import ADMIN, CALLER, FLEET, OPERATOR, Users
+from placement.server.acl import ADMIN, CALLER, FLEET, OPERATOR, SENTINEL, Users, user_url
 from placement.server.connections import CALLER_SHARE, ConnectionGuard, max_clients
 from placement.server.redis_server import (
+    HOST,
     RedisServer,
     die_with_parent_preexec,
     find_redis_server,
@@ -293,12 +294,19 @@ class Launcher:
             urls = {user: group.url_for(user) for user in (FLEET, CALLER, OPERATOR)}
             self._group = group
             nodes = group.nodes
+
+            def sentinels() -> list[str]:  # a tenant's client finds the primary through them
+                return [
+                    user_url(f"redis://{HOST}:{s.port}", SENTINEL, sentinel)
+                    for s in group.sentinels
+                ]
         else:
             users = Users(fleet, operator, caller, admin=admin)
             server = RedisServer(data_dir=data, users=users, **options).start()
             urls = {user: server.url_for(user) for user in (FLEET, CALLER, OPERATOR)}
             self._redis = server
             nodes = [server]
+            sentinels = list
         self.redis_url, self.caller_url = urls[FLEET], urls[CALLER]
         self.operator_url = urls[OPERATOR]
         self._guard = ConnectionGuard(self.redis_url, int(CALLER_SHARE * max_clients()))
@@ -306,7 +314,7 @@ class Launcher:
         store = Registry.from_url(self.redis_url, self.fleet)
         major = redis_version(binary)[0]
         self._tenant_users = TenantUsers(
-            store, lambda: [n.url_for(ADMIN) for n in nodes if n.running], major
+            store, lambda: [n.url_for(ADMIN) for n in nodes if n.running], major, sentinels
         ).start()
 
     def _check_owners(self) -> None:

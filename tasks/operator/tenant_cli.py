@@ -26,7 +26,7 @@ from placement.errors import ConfigError, UnknownTenantError
 from placement.ledger import endpoint
 from placement.ledger.registry import Registry
 from placement.ledger.tenancy import quotas, tenants
-from placement.server.acl import tenant_line, user_url
+from placement.server.acl import tenant_line, tenant_sentinel_line, user_url
 from placement.server.tenant_users import PASSWORDS, read_passwords, save_passwords
 from tasks.front import KEY_FILE
 from tasks.front.keys import drop, tenant_key_name
@@ -50,19 +50,8 @@ def fleet_url(s: Settings) -> tuple[str, bool]:
     return known.fleet, known.caller != known.fleet
 
 
-def _plain_redis(url: str) -> None:
-    """Refuse a fleet whose Redis Sentinels find: its tenants would need users on the
-    Sentinels too, which they do not get yet."""
-    if endpoint.parse(url).watched:
-        raise ConfigError(
-            "tenants need a fleet on one Redis for now, not one behind Sentinels "
-            "(--redis-ha): their users are not made on the Sentinels yet"
-        )
-
-
 def caller_url(s: Settings, name: str) -> str:
     """Tenant `name`'s URL: the fleet's caller URL as its own user and password."""
-    _plain_redis(s.registry_url)
     password = _passwords(s).get(name)
     if password is None:
         raise UnknownTenantError(
@@ -125,9 +114,8 @@ def _wait_for_user(url: str) -> None:
 def add(
     s: Settings, name: str, weight: float, max_running: int = 0, max_queued: int = 0
 ) -> tuple[tenants.Tenant, str, str | None]:
-    """Add tenant `name`: returns it, its URL, and for a Redis of your own the ACL line
+    """Add tenant `name`: returns it, its URL, and for a Redis of your own the ACL lines
     to load (None on the bundled Redis, where its user exists on return)."""
-    _plain_redis(s.registry_url)
     registry, bundled = _registry(s)
     password = secrets.token_urlsafe(24)
     try:
@@ -140,7 +128,10 @@ def add(
             _wait_for_user(url)
             return tenant, url, None
         major = int(str(registry.client.info("server")["redis_version"]).split(".")[0])
-        return tenant, url, tenant_line(tenant, major)
+        lines = tenant_line(tenant, major)
+        if endpoint.parse(s.registry_url).watched:  # it finds the primary as its own user
+            lines += f"\n# and on each of your Sentinels:\n{tenant_sentinel_line(tenant)}"
+        return tenant, url, lines
     finally:
         registry.client.close()
 
@@ -169,7 +160,7 @@ def add_command(
     if line is not None:
         err.print(
             "This fleet runs on a Redis of yours: add this line to its ACL file and load it "
-            "(ACL LOAD), or run it as ACL SETUSER:",
+            "(ACL LOAD), or run it as ACL SETUSER (the same for Sentinels of yours):",
             highlight=False,
         )
         typer.echo(line)
