@@ -154,6 +154,9 @@ def test_half_a_record_among_a_models_replicas_leaves_the_others_to_the_fast_pat
     assert lease is not None and lease.replica == healthy
 
 
+STEPS = ("", "\x06\x163", "\x06\x166", "\x06\x169")  # kombu's priority lists of a queue
+
+
 def test_a_tenant_s_call_waits_in_its_tenant_s_queue_of_the_worker_only_behind_other_calls(
     reg: Registry, fleet: str
 ) -> None:
@@ -163,7 +166,9 @@ def test_a_tenant_s_call_waits_in_its_tenant_s_queue_of_the_worker_only_behind_o
 
     def forward() -> str:
         before = {q: reg.client.llen(q) for q in (own, mine)}
-        handover = replace(taken(reg, fleet), tenant="team-a", tenants=("team-a", "team-b"))
+        handover = replace(
+            taken(reg, fleet), tenant="team-a", tenants=("team-a", "team-b"), priorities=STEPS
+        )
         assert isinstance(reg.forward("m", handover, path="router"), Forwarded)
         (found,) = [q for q in (own, mine) if reg.client.llen(q) > before[q]]
         message = json.loads(reg.client.lpop(found) or b"{}")
@@ -175,4 +180,7 @@ def test_a_tenant_s_call_waits_in_its_tenant_s_queue_of_the_worker_only_behind_o
     assert forward() == mine  # behind calls that wait: in turn, by its tenant's weight
     reg.client.delete(theirs)
     reg.client.lpush(own, "a call of the default tenant")
+    assert forward() == mine
+    reg.client.delete(own)
+    reg.client.lpush(theirs + STEPS[1], "another tenant's call of a higher priority")
     assert forward() == mine

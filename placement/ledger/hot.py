@@ -79,7 +79,8 @@ class Handover:
     whose call it is; it goes to that tenant's queue of the worker
     (`placement.ledger.tenancy.tenants.worker_queue`) when calls wait at the worker, else
     to the worker's own queue (`forward.lua`); `tenants`: every tenant whose queue of a
-    worker may hold calls."""
+    worker may hold calls; `priorities`: what follows a queue's name in its list of each
+    priority."""
 
     inflight: str
     taken: bytes
@@ -88,6 +89,7 @@ class Handover:
     watched: tuple[str, ...] = ()
     tenant: str = DEFAULT
     tenants: tuple[str, ...] = ()
+    priorities: tuple[str, ...] = ("",)  # what names each priority's list of a queue
 
 
 @dataclass(frozen=True)
@@ -219,9 +221,12 @@ def _lease_of(lease_id: str, model: str, result: list[Any]) -> Lease:
 
 def _waiting_lists(queues: list[str], handover: Handover) -> list[list[str]]:
     """Per worker queue, the lists where its calls wait (its own queue's, each tenant's of
-    it), for a tenant's call (`forward.lua`, ARGV[9]); none for the default tenant's, nor
-    where the tenants are not known (the call then goes to its tenant's queue)."""
+    it, at every priority), for a tenant's call (`forward.lua`, ARGV[9]); none for the
+    default tenant's, nor where the tenants are not known (the call then goes to its
+    tenant's queue)."""
     if handover.tenant == DEFAULT or not handover.tenants:
         return []
-    names = sorted({handover.tenant, *handover.tenants})
-    return [[q, *(worker_queue(q, name) for name in names)] for q in queues]
+    names = [DEFAULT, *sorted({handover.tenant, *handover.tenants})]
+    return [
+        [worker_queue(q, name) + p for name in names for p in handover.priorities] for q in queues
+    ]

@@ -105,7 +105,9 @@ class TenantUsers:
     def _sync_node(self, url: str, wanted: dict[str, tenants.Tenant], sentinel: bool) -> None:
         client: Any = self._clients.get(url)
         if client is None:
-            client = self._clients[url] = redis.Redis.from_url(url, decode_responses=True)
+            client = self._clients[url] = redis.Redis.from_url(
+                url, decode_responses=True, socket_timeout=2, socket_connect_timeout=2
+            )  # a node or Sentinel that hangs costs one sync, not every later one
         present = {str(u) for u in client.acl_users() if str(u).startswith(_USER_PREFIX)}
         made = self._made.setdefault(url, {})
         pipe = client.pipeline(transaction=False)

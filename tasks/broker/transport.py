@@ -205,6 +205,7 @@ class QoS(kombu_redis.QoS):
                 tuple(channel._taken_from()),
                 pick.tenant,
                 pick.tenants,
+                tuple(channel._q_for_pri("", p) for p in channel.priority_steps),
             )
         except Exception:
             log.exception("could not prepare message %s to move on; keeping it", delivery_tag)

@@ -18,6 +18,7 @@ from typing import Annotated, Any
 
 import redis
 import typer
+from redis.sentinel import MasterNotFoundError
 from rich.console import Console
 from rich.table import Table
 
@@ -100,7 +101,7 @@ def _wait_for_user(url: str) -> None:
         try:
             client.ping()
             return
-        except redis.AuthenticationError:
+        except (redis.AuthenticationError, MasterNotFoundError):  # Sentinels: not yet there
             if time.monotonic() > deadline:
                 raise ConfigError(
                     f"the fleet's launcher did not make the tenant's Redis user within "
@@ -113,9 +114,10 @@ def _wait_for_user(url: str) -> None:
 
 def add(
     s: Settings, name: str, weight: float, max_running: int = 0, max_queued: int = 0
-) -> tuple[tenants.Tenant, str, str | None]:
+) -> tuple[tenants.Tenant, str, tuple[str, str] | None]:
     """Add tenant `name`: returns it, its URL, and for a Redis of your own the ACL lines
-    to load (None on the bundled Redis, where its user exists on return)."""
+    to load: its data nodes', and its Sentinels' ("" for a Redis no Sentinels watch);
+    None on the bundled Redis, where its users exist on return."""
     registry, bundled = _registry(s)
     password = secrets.token_urlsafe(24)
     try:
@@ -128,10 +130,9 @@ def add(
             _wait_for_user(url)
             return tenant, url, None
         major = int(str(registry.client.info("server")["redis_version"]).split(".")[0])
-        lines = tenant_line(tenant, major)
-        if endpoint.parse(s.registry_url).watched:  # it finds the primary as its own user
-            lines += f"\n# and on each of your Sentinels:\n{tenant_sentinel_line(tenant)}"
-        return tenant, url, lines
+        watched = endpoint.parse(s.registry_url).watched  # it finds the primary as itself
+        sentinels = tenant_sentinel_line(tenant) if watched else ""
+        return tenant, url, (tenant_line(tenant, major), sentinels)
     finally:
         registry.client.close()
 
@@ -156,14 +157,18 @@ def add_command(
     """Add a tenant: its own Redis user and queue, its weight and its quotas. Prints its URL
     (a plain Celery client's settings: `gpufleet url --tenant NAME --json`)."""
     s = settings()
-    tenant, url, line = guard(lambda: add(s, name, weight, max_running, max_queued))
-    if line is not None:
+    tenant, url, lines = guard(lambda: add(s, name, weight, max_running, max_queued))
+    if lines is not None:
+        data, sentinels = lines
         err.print(
             "This fleet runs on a Redis of yours: add this line to its ACL file and load it "
-            "(ACL LOAD), or run it as ACL SETUSER (the same for Sentinels of yours):",
+            "(ACL LOAD), or run it as ACL SETUSER:",
             highlight=False,
         )
-        typer.echo(line)
+        typer.echo(data)
+        if sentinels:
+            err.print("and this one to each of your Sentinels (ACL SETUSER there):")
+            typer.echo(sentinels)
     quota = "".join(
         f", {what} {value}"
         for what, value in (("max running", tenant.max_running), ("max queued", tenant.max_queued))

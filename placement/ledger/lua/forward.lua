@@ -11,8 +11,9 @@
 -- KEYS[3n+2] = the model's stats hash, KEYS[3n+3] = the in-flight list the call was taken into
 -- KEYS[3n+4..4n+3] = per replica, the list of its queue the message goes to (its priority)
 -- With m > 0 (ARGV[9], a tenant's call): KEYS[4n+4..5n+3] = per replica, the list of the
---   worker's own queue for that priority, and KEYS[5n+4..5n+3+nm] = per replica, m lists
---   whose calls the worker would take first (its own queue's, each tenant's of it)
+--   worker's own queue for that priority, and KEYS[5n+4..5n+3+nm] = per replica, the m
+--   lists where the worker's calls wait (its own queue's, each tenant's of it, at every
+--   priority)
 -- KEYS[after those..] = the lists the router's consumer takes from (none: not asked)
 -- ARGV[1] = lease id, ARGV[2] = lease length (ms), ARGV[3] = how the lease counts the call
 --   (pick.lua's ARGV[3]), ARGV[4] = the message as taken,
@@ -28,7 +29,7 @@
 --   (docs/tasks.md, "Tenants"). 0: always to KEYS[3n+4..4n+3]
 -- ARGV[10..] = replica ids, then the worker id each had, then the queue each had, in order
 -- Returns {1, replica, queue, worker, gpus_json, lease_deadline_ms, epoch, drained}: moved;
---         drained is 1 when KEYS[4n+4..] name lists and every one is empty after the
+--         drained is 1 when the router's lists are given and every one is empty after the
 --         move, else 0
 --       | {0}                no replica is ready: nothing changed, the call takes the pool's path
 --       | {-1, replica ids}  the caller's replica list is stale: here is the current one
