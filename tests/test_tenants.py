@@ -9,6 +9,7 @@ import json
 import time
 from collections import Counter
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import redis
@@ -278,6 +279,12 @@ def test_a_tenant_s_result_is_stored_where_its_plain_celery_client_reads_it(
 def test_a_caller_cannot_set_its_tenant_through_the_body_celery_merges_into_the_request(
     redis_url: str,
 ) -> None:
+    with pytest.raises(PayloadError, match="embed"):
+        _checked_from_team_a(redis_url, {"callbacks": None, TENANT_HEADER: "team-b"})
+
+
+def _checked_from_team_a(redis_url: str, embed: dict[str, Any]) -> None:
+    """`intake.check` of a call with `embed` that a client pushed to team-a's queue."""
     from kombu import Connection
 
     from tasks.api import app  # the app with the fleet's tasks registered
@@ -285,22 +292,18 @@ def test_a_caller_cannot_set_its_tenant_through_the_body_celery_merges_into_the_
     with Connection(redis_url) as connection:
         connection.default_channel.client.delete("t.team-a.celery")
         producer = connection.Producer(serializer="json")
-        body = [["m", "x"], {}, {"callbacks": None, TENANT_HEADER: "team-b"}]
         headers = {"id": "t2", "task": "gpufleet.infer", "lang": "py"}
-        producer.publish(body, routing_key="t.team-a.celery", headers=headers)
+        producer.publish([["m", "x"], {}, embed], routing_key="t.team-a.celery", headers=headers)
         queue = connection.SimpleQueue("t.team-a.celery")
         message = queue.get(timeout=5)
-        with pytest.raises(PayloadError, match="embed"):
+        try:
             intake.check(message, app.tasks)
-        message.ack()
-        queue.close()
+        finally:
+            message.ack()
+            queue.close()
 
 
 def test_a_tenant_s_chord_and_any_chained_id_naming_a_call_are_refused(redis_url: str) -> None:
-    from kombu import Connection
-
-    from tasks.api import app
-
     step = {"task": "gpufleet.status", "args": [], "kwargs": {}, "options": {}}
     with pytest.raises(PayloadError, match="task id"):
         intake.check_canvas({"chain": [{**step, "options": {"task_id": "y@team-b"}}]})
@@ -308,18 +311,8 @@ def test_a_tenant_s_chord_and_any_chained_id_naming_a_call_are_refused(redis_url
     intake.check_canvas({"chain": [chord]})  # the default tenant's chords stay
     with pytest.raises(PayloadError, match="chord"):  # a tenant's, anywhere in its canvas
         intake.check_canvas({"chain": [step, chord]}, chords=False)
-    with Connection(redis_url) as connection:
-        connection.default_channel.client.delete("t.team-a.celery")
-        producer = connection.Producer(serializer="json")
-        body = [["m", "x"], {}, {"callbacks": None, "chain": None, "chord": step}]
-        headers = {"id": "t3", "task": "gpufleet.infer", "lang": "py"}
-        producer.publish(body, routing_key="t.team-a.celery", headers=headers)
-        queue = connection.SimpleQueue("t.team-a.celery")
-        message = queue.get(timeout=5)
-        with pytest.raises(PayloadError, match="chord"):
-            intake.check(message, app.tasks)
-        message.ack()
-        queue.close()
+    with pytest.raises(PayloadError, match="chord"):
+        _checked_from_team_a(redis_url, {"callbacks": None, "chain": None, "chord": step})
 
 
 @pytest.fixture(scope="module", params=BINARIES, ids=lambda b: f"redis-{redis_version(b)[0]}")

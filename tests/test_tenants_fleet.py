@@ -26,6 +26,7 @@ from celery import Celery
 
 from bench.fairness import weighted
 from tests.running import REPO, RunningFleet, fleet_env, fleet_up, until
+from tests.test_tenants import heard
 
 pytestmark = pytest.mark.slow
 
@@ -249,7 +250,7 @@ def test_a_tenant_cannot_read_hear_stream_or_cancel_another_tenants_call_knowing
     until("private's call streaming", lambda: running.inside.backend.client.exists(stream))
     for act in (
         lambda: snoop.xread({stream: "0-0"}),  # its streamed text
-        lambda: _heard(snoop, f"t.private.celery-task-meta-{shared}"),  # its result's news
+        lambda: heard(snoop, f"t.private.celery-task-meta-{shared}"),  # its result's news
         lambda: snoop.get(f"celery-task-meta-{shared}"),  # the default tenant's results
     ):
         with pytest.raises(redis.exceptions.NoPermissionError):
@@ -276,12 +277,3 @@ def test_a_tenant_cannot_read_hear_stream_or_cancel_another_tenants_call_knowing
     assert "tenants" in steps.get(timeout=TIMEOUT_S)
     assert steps.parent.get(timeout=TIMEOUT_S)["outputs"]
     snoop.close()
-
-
-def _heard(client: redis.Redis, channel: str) -> object:
-    listener = client.pubsub()
-    try:
-        listener.subscribe(channel)
-        return listener.get_message(timeout=2)
-    finally:
-        listener.close()
