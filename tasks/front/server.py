@@ -129,6 +129,7 @@ class Front:
     started: int = field(default_factory=lambda: int(time.time()))
     lanes: dict[str, Lane] = field(default_factory=dict)
     _opening: asyncio.Lock = field(default_factory=asyncio.Lock)
+    _kept: tuple[tuple[int, int] | None, dict[str, str]] = (None, {})  # passwords, as read
 
     async def start(self) -> None:
         await self.lane(tenants.DEFAULT)
@@ -160,13 +161,25 @@ class Front:
                 log.info("serving tenant %r", tenant)
         return found
 
+    def _kept_passwords(self) -> dict[str, str]:
+        """The tenants' passwords file, read again only when it changed (a stat a call)."""
+        if self.passwords is None:
+            return {}
+        try:
+            stat = self.passwords.stat()
+            seen: tuple[int, int] | None = (stat.st_mtime_ns, stat.st_size)
+        except OSError:
+            seen = None
+        if seen is None or seen != self._kept[0]:
+            self._kept = (seen, read_passwords(self.passwords))
+        return self._kept[1]
+
     def _password(self, tenant: str) -> str:
         """`tenant`'s Redis password, as kept where it was added ("" for the default)."""
         if tenant == tenants.DEFAULT:
             return ""
         tenants.check_name(tenant)
-        kept = read_passwords(self.passwords) if self.passwords is not None else {}
-        password = kept.get(tenant)
+        password = self._kept_passwords().get(tenant)
         if password is None or self.broker_url != self.redis_url:
             raise _Refused(
                 Failure(503, f"this API server cannot sign in as tenant {tenant!r}: it keeps "
