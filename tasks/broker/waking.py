@@ -1,117 +1,124 @@
-"""Waking a consumer that waits on one of its lists when a call arrives on another.
+"""Hearing a call pushed onto one of a consumer's lists while it waits on another.
 
 A consumer takes through in-flight lists (`tasks.broker.transport`), and Redis can block
 a move on one list only (BLMOVE). A consumer of several tenants' queues blocks on the
 list it last took from and looks at the others every `IDLE_POLL_MANY_S`: without more, a
 call on another tenant's list waits up to that long on an idle worker, at each hop (the
-router, then the GPU worker). `Waker` removes that wait where Redis says when a list
-grows: it listens to the keyspace notifications of the consumer's lists (one SUBSCRIBE
-connection, a thread of its own) and, when a call is pushed onto a list other than the
-one the consumer waits on, pushes a wake token (`WAKE`, no message) onto the list it
-waits on: its BLMOVE moves the token and returns, the consumer drops the token and takes
-over every list at once. One token per wait.
+router, then the GPU worker).
 
-A token is an ordinary list element, so nothing about it can be lost or harm a call: a
-consumer that takes one (this one, or another of the same queue) drops it, a stop that
-empties the queues skips it, and a token left behind costs its next taker one take.
-(`CLIENT UNBLOCK` would wake the wait without a token, but Redis 6.2 and 7.0 crash when
-it names a client that a `CLIENT PAUSE` holds, as a failover or a shutdown with replicas
-does.)
+`Ears` removes that wait where Redis says when a list grows: a connection of its own,
+subscribed to the keyspace notifications of the consumer's lists, whose socket the
+consumer's own poller reads beside its wait (`transport.Poller`; no thread). When calls
+are pushed onto lists other than the one waited on, the consumer takes them at once,
+over all its lists and on a pooled connection, while its wait goes on
+(`transport.Channel._heard`). Such a call costs one round trip more than one on the list
+waited on. (A listener thread that pushed a wake token onto the waited list cost a
+thread switch, the push, and the take after the token; `CLIENT UNBLOCK` would wake the
+wait without a token, but Redis 6.2 and 7.0 crash when it names a client that a `CLIENT
+PAUSE` holds, as a failover or a shutdown with replicas does.)
+
+The connection is a bare one, not redis-py's `PubSub`, whose reads reconnect and
+subscribe again inside the caller (here, the worker's event loop) when a reply is not
+whole yet. Here a reply not whole yet stays buffered until the rest arrives, and a lost
+connection is closed and made again on a later wait (`RETRY_S`).
 
 It needs the server to publish list events (`notify-keyspace-events` including `K` and
 `l`, which the bundled Redis sets: `placement.server.redis_server`). Without them nothing
-wakes the consumer early, and it finds the call at its next look, as before.
+is heard, and a call on another list is found at the consumer's next look, as before.
 """
 
 from __future__ import annotations
 
-import logging
-import threading
+from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import redis
 
-log = logging.getLogger(__name__)
-
 #: The keyspace events of a push onto a list (LPUSH, RPUSH, LINSERT; a move's destination).
 PUSHES = frozenset({"lpush", "rpush", "linsert"})
-#: What the waker pushes onto the list a consumer waits on; no message parses as it.
-WAKE = b"gpufleet-wake"
-LISTEN_S = 0.5  # how long the listener waits for an event before it looks at its lists
-RETRY_S = 1.0  # after a lost connection, before it listens again
+#: After a lost connection, how long a consumer goes without ears before it opens them
+#: again (each try connects inside its event loop); meanwhile it looks every 50 ms.
+RETRY_S = 1.0
 
 
-class Waker:
-    """One consumer channel's waker (see the module). The channel says which lists it
-    takes from (`watch`), and which it waits on (`waiting`, `awake`)."""
+class Ears:
+    """One consumer channel's subscription to the pushes onto its lists (see the module).
+    Its `connection` is read by the consumer's poller, never waited on here."""
 
-    def __init__(self, client: redis.Redis, db: int) -> None:
-        self._client = client  # a client of the channel's pool: safe to share with a thread
+    def __init__(self, pool: Any, db: int, closing: Callable[[Any], None]) -> None:
+        # Made from the pool's settings, not taken from it, so nothing else closes it;
+        # whatever closes it (this, or redis-py on an error) calls `closing` with the
+        # socket first, while the poller can still let go of it.
+        self.connection = _told_before_closing(pool.connection_class, closing)(
+            **pool.connection_kwargs
+        )
+        self.connection.connect()
         self._prefix = f"__keyspace@{db}__:"
         self._lists: frozenset[str] = frozenset()
-        self._waiting: str | None = None  # the list the consumer waits on, not woken yet
-        self._stop = threading.Event()
-        self._changed = threading.Event()  # `watch` changed the lists (from none: at once)
-        self._thread = threading.Thread(target=self._listen, name="gpufleet-waker", daemon=True)
-        self._thread.start()
 
     def watch(self, lists: list[str]) -> None:
-        """The lists the consumer takes from now."""
+        """Hear pushes onto `lists` from now on (and no others). The replies come with
+        the events (`pushed`)."""
         wanted = frozenset(lists)
-        if wanted != self._lists:
-            self._lists = wanted
-            self._changed.set()
+        if wanted == self._lists:
+            return
+        if gone := self._lists - wanted:
+            self.connection.send_command("UNSUBSCRIBE", *(self._prefix + name for name in gone))
+        if new := wanted - self._lists:
+            self.connection.send_command("SUBSCRIBE", *(self._prefix + name for name in new))
+        self._lists = wanted
 
-    def waiting(self, on: str) -> None:
-        """The consumer is about to wait on list `on`."""
-        self._waiting = on
+    def socket(self) -> Any:
+        """The socket its consumer's poller reads (None once closed)."""
+        return self.connection._sock
 
-    def awake(self) -> None:
-        """The consumer's wait ended."""
-        self._waiting = None
+    def pushed(self) -> Counter[str]:
+        """How many pushes onto each watched list have arrived since the last call; it
+        never waits. Raises `redis.ConnectionError` when the connection is lost, and
+        `redis.ResponseError` when Redis refused a subscription."""
+        found: Counter[str] = Counter()
+        connection = self.connection
+        if connection._sock is None:  # `can_read` would connect again
+            raise redis.ConnectionError("the keyspace events' connection is closed")
+        try:
+            while connection.can_read(timeout=0):
+                reply = connection.read_response(
+                    disconnect_on_error=False, push_request=True, timeout=0
+                )
+                # ["message", channel, event]; subscriptions' replies are ignored
+                if isinstance(reply, list) and len(reply) == 3 and _text(reply[0]) == "message":
+                    name = _text(reply[1])[len(self._prefix) :]
+                    if _text(reply[2]) in PUSHES and name in self._lists:
+                        found[name] += 1
+        except redis.TimeoutError:  # a reply not whole yet: its rest makes the socket readable
+            pass
+        return found
 
     def close(self) -> None:
-        self._stop.set()
-        self._changed.set()
+        self.connection.disconnect()
 
-    def _listen(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self._serve()
-            except Exception as exc:  # a lost connection: nothing wakes meanwhile, nothing is lost
-                log.debug("keyspace listener stopped (%s); listening again", exc)
-                self._stop.wait(RETRY_S)
+    def forget(self) -> None:
+        """In a forked child: close this process's copy of the socket, telling nothing to
+        Redis or to the parent's poller."""
+        sock, self.connection._sock = self.connection._sock, None
+        if sock is not None:
+            sock.close()
 
-    def _serve(self) -> None:
-        pubsub = self._client.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
-        listening: set[str] = set()
-        try:
-            while not self._stop.is_set():
-                self._changed.clear()
-                wanted = {self._prefix + name for name in self._lists}
-                if wanted != listening:
-                    if listening - wanted:
-                        pubsub.unsubscribe(*(listening - wanted))
-                    if wanted - listening:
-                        pubsub.subscribe(*(wanted - listening))
-                    listening = wanted
-                if not listening:
-                    self._changed.wait(LISTEN_S)
-                    continue
-                message = pubsub.get_message(timeout=LISTEN_S)
-                if message is not None and message.get("type") == "message":
-                    self._heard(_text(message["channel"]), _text(message["data"]))
-        finally:
-            pubsub.close()
 
-    def _heard(self, channel: str, event: str) -> None:
-        waiting = self._waiting
-        if event not in PUSHES or waiting is None:
-            return
-        key = channel[len(self._prefix) :]
-        if key != waiting and key in self._lists:
-            self._waiting = None  # one token per wait
-            self._client.lpush(waiting, WAKE)
+def _told_before_closing(base: type, closing: Callable[[Any], None]) -> type:
+    """`base`, a connection class, calling `closing(socket)` before it closes its socket.
+    A poller must unregister a socket while it is open: once closed, a copy of it held by
+    a forked child keeps the registration alive, and a socket shut down reads ready
+    forever."""
+
+    class EarsConnection(base):
+        def disconnect(self, *args: Any, **kwargs: Any) -> None:
+            if self._sock is not None:
+                closing(self._sock)
+            super().disconnect(*args, **kwargs)
+
+    return EarsConnection
 
 
 def _text(value: Any) -> str:
