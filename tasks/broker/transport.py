@@ -471,6 +471,7 @@ class Channel(kombu_redis.Channel):
     _ears: waking.Ears | None = None  # hears pushes onto several tenants' lists
     _ears_failed = False  # Redis refused them: not tried again on this channel
     _ears_retry_at = 0.0  # after a lost connection, not opened again before this
+    _ears_missed = False  # the last try to open them failed (warned once)
     _pushed = False  # the ears heard a push since the last take was sent: do not block
     _last_list = ""  # the list it last took a message from (an idle take blocks there)
     _sync_client: Any = None  # see `_create_client`
@@ -539,6 +540,8 @@ class Channel(kombu_redis.Channel):
         fails `tasks.broker.intake.envelope`, or whose delivery raises before it is recorded, is
         answered through `refuse` and left for `_brpop_read` to drop. Nothing a message
         holds may stop the consumer (`tasks.broker.intake`)."""
+        if self.connection is None:  # closed meanwhile: it stays in flight, to be put back
+            raise RedisConnectionError("the channel closed before it could hand on a message")
         try:
             payload = intake.envelope(item, queue)
         except intake.Refused as exc:
@@ -694,9 +697,12 @@ class Channel(kombu_redis.Channel):
                 db = int(self.pool.connection_kwargs.get("db") or 0)
                 self._ears = waking.Ears(self.pool, db, self._unhear)
             except Exception as exc:  # none: calls on other lists wait for the next look
-                log.warning("could not listen for calls on other lists: %s", exc)
+                say = log.debug if self._ears_missed else log.warning  # once, not each try
+                say("could not listen for calls on other lists (%s); trying again", exc)
+                self._ears_missed = True
                 self._ears_retry_at = time.monotonic() + waking.RETRY_S
                 return
+            self._ears_missed = False
         try:
             self._ears.watch(keys)
         except redis.RedisError as exc:
@@ -755,6 +761,8 @@ class Channel(kombu_redis.Channel):
         elsewhere = sum(n for name, n in pushed.items() if name != taking[1][0])
         client = self._create_client()
         for _ in range(elsewhere):  # a push onto the list waited on is its wait's
+            if self.closed or self._closing or self._taking is not taking:
+                return  # a delivery closed the channel, or read its wait: take nothing more
             if not self.qos.can_consume():  # its next take, once credit returns, finds it
                 return
             keys = self._taken_from()

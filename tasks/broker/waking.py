@@ -29,6 +29,7 @@ is heard, and a call on another list is found at the consumer's next look, as be
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -50,9 +51,8 @@ class Ears:
         # Made from the pool's settings, not taken from it, so nothing else closes it;
         # whatever closes it (this, or redis-py on an error) calls `closing` with the
         # socket first, while the poller can still let go of it.
-        self.connection = _told_before_closing(pool.connection_class, closing)(
-            **pool.connection_kwargs
-        )
+        self.connection = _told_before_closing(pool.connection_class)(**pool.connection_kwargs)
+        self.connection.closing = closing
         self.connection.connect()
         self._prefix = f"__keyspace@{db}__:"
         self._lists: frozenset[str] = frozenset()
@@ -63,10 +63,13 @@ class Ears:
         wanted = frozenset(lists)
         if wanted == self._lists:
             return
+        # No health check: its PING would read (and drop) the events waiting before it.
         if gone := self._lists - wanted:
-            self.connection.send_command("UNSUBSCRIBE", *(self._prefix + name for name in gone))
+            channels = [self._prefix + name for name in gone]
+            self.connection.send_command("UNSUBSCRIBE", *channels, check_health=False)
         if new := wanted - self._lists:
-            self.connection.send_command("SUBSCRIBE", *(self._prefix + name for name in new))
+            channels = [self._prefix + name for name in new]
+            self.connection.send_command("SUBSCRIBE", *channels, check_health=False)
         self._lists = wanted
 
     def socket(self) -> Any:
@@ -106,17 +109,22 @@ class Ears:
             sock.close()
 
 
-def _told_before_closing(base: type, closing: Callable[[Any], None]) -> type:
-    """`base`, a connection class, calling `closing(socket)` before it closes its socket.
-    A poller must unregister a socket while it is open: once closed, a copy of it held by
-    a forked child keeps the registration alive, and a socket shut down reads ready
-    forever."""
+@functools.cache
+def _told_before_closing(base: type) -> type:
+    """`base`, a connection class, calling its `closing(socket)` before it closes its
+    socket. A poller must unregister a socket while it is open: once closed, a copy of it
+    held by a forked child keeps the registration alive, and a socket shut down reads
+    ready forever."""
 
     class EarsConnection(base):
+        closing: Callable[[Any], None] | None = None
+
         def disconnect(self, *args: Any, **kwargs: Any) -> None:
-            if self._sock is not None:
-                closing(self._sock)
-            super().disconnect(*args, **kwargs)
+            try:
+                if self._sock is not None and self.closing is not None:
+                    self.closing(self._sock)
+            finally:
+                super().disconnect(*args, **kwargs)
 
     return EarsConnection
 
