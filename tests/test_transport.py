@@ -655,6 +655,32 @@ def test_a_channel_closed_by_a_call_it_took_beside_its_wait_takes_no_more_and_lo
         client.close()
 
 
+def test_a_channel_closed_by_the_call_it_just_took_closes_at_once_and_loses_nothing() -> None:
+    with RedisServer() as server:
+        client = redis.Redis.from_url(server.url)
+        consumer = TenantsConsumer(server.url)
+        opened: list[Channel] = []
+
+        def close() -> None:  # at the first call
+            opened[0].close()
+
+        with consumer.consuming(then=close) as channel:
+            opened.append(channel)
+            consumer.send("b", "a")
+            started = time.monotonic()
+            with contextlib.suppress(AttributeError):  # kombu's cancel after the read
+                consumer.drain_until("closed", lambda: channel.closed)
+            assert time.monotonic() - started < 5  # it read no reply it never asked for
+        assert len(consumer.seen) == 1
+        after = TenantsConsumer(server.url)
+        with after.consuming():
+            after.taken(1, within=10)
+        assert sorted(body["t"] for _, body in consumer.seen + after.seen) == ["a", "b"]
+        assert consumer.left_over(client) == [0] * 6
+        assert client.hlen("unacked") == 0
+        client.close()
+
+
 def test_a_consumer_whose_event_connection_is_killed_keeps_taking_and_listens_again(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

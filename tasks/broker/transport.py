@@ -849,6 +849,8 @@ class Channel(kombu_redis.Channel):
                 if "WRONGTYPE" not in str(exc) or not repair_queue_keys(self.client, keys):
                     self._refused_take(exc)
                 raise Empty() from None
+            # The reply is read: a delivery that closes the channel finds no take to read.
+            self._in_poll = None  # type: ignore[assignment]
             self._idle = reply is None and kind == "EVALSHA" and not self._pushed
             if reply is None:
                 raise Empty()
