@@ -568,6 +568,33 @@ class TenantsConsumer:
                 self.conn.drain_events(timeout=0.2)
         return time.monotonic() - started
 
+    @contextlib.contextmanager
+    def closing_at(self, n: int) -> Iterator[Channel]:
+        """Consume, closing the channel from inside the delivery of its `n`-th call."""
+        opened: list[Channel] = []
+
+        def close() -> None:
+            if len(self.seen) == n:
+                opened[0].close()
+
+        with self.consuming(then=close) as channel:
+            opened.append(channel)
+            yield channel
+
+    def drain_until_closed(self, channel: Channel) -> None:
+        # kombu's read loop cancels the closed channel's consumers after the read,
+        # on a channel whose connection is already gone (kombu's, not the tests' point)
+        with contextlib.suppress(AttributeError):
+            self.drain_until("closed", lambda: channel.closed)
+
+    def with_what_is_left(self, count: int) -> list[str]:
+        """The tenants of the calls this consumer took and of the `count` another of the
+        same node name takes after it (it puts back what this one left in flight)."""
+        after = TenantsConsumer(self.url)
+        with after.consuming():
+            after.taken(count, within=10)
+        return sorted(body["t"] for _, body in self.seen + after.seen)
+
     def drain_until(self, what: str, done: Callable[[], bool], within: float = 10.0) -> None:
         deadline = time.monotonic() + within
         while not done():
@@ -627,29 +654,15 @@ def test_a_channel_closed_by_a_call_it_took_beside_its_wait_takes_no_more_and_lo
     with RedisServer() as server:
         client = redis.Redis.from_url(server.url)
         consumer = TenantsConsumer(server.url)
-        opened: list[Channel] = []
-
-        def close_at_the_second_call() -> None:  # the first taken beside the wait
-            if len(consumer.seen) == 2:
-                opened[0].close()
-
-        with consumer.consuming(then=close_at_the_second_call) as channel:
-            opened.append(channel)
+        with consumer.closing_at(2) as channel:  # the first call taken beside the wait
             consumer.idle_on_a(client)
             consumer.send("b", "c", "b")
-            # kombu's read loop cancels the closed channel's consumers after the read,
-            # on a channel whose connection is already gone (kombu's, not the test's point)
-            with contextlib.suppress(AttributeError):
-                consumer.drain_until("closed", lambda: channel.closed)
+            consumer.drain_until_closed(channel)
             assert channel.closed
         assert len(consumer.seen) == 2  # nothing was handed on after the close
         # nor taken: the other b and c wait in their queues, none in flight
         assert consumer.left_over(client) == [0, 0, 1, 0, 1, 0]
-        after = TenantsConsumer(server.url)  # the same node name: it finds what was left
-        with after.consuming():
-            after.taken(2, within=10)
-        taken = [body["t"] for _, body in consumer.seen + after.seen]
-        assert sorted(taken) == ["a", "b", "b", "c"]  # each call once: none lost
+        assert consumer.with_what_is_left(2) == ["a", "b", "b", "c"]  # each once: none lost
         assert consumer.left_over(client) == [0] * 6
         assert client.hlen("unacked") == 0
         client.close()
@@ -659,23 +672,13 @@ def test_a_channel_closed_by_the_call_it_just_took_closes_at_once_and_loses_noth
     with RedisServer() as server:
         client = redis.Redis.from_url(server.url)
         consumer = TenantsConsumer(server.url)
-        opened: list[Channel] = []
-
-        def close() -> None:  # at the first call
-            opened[0].close()
-
-        with consumer.consuming(then=close) as channel:
-            opened.append(channel)
+        with consumer.closing_at(1) as channel:
             consumer.send("b", "a")
             started = time.monotonic()
-            with contextlib.suppress(AttributeError):  # kombu's cancel after the read
-                consumer.drain_until("closed", lambda: channel.closed)
+            consumer.drain_until_closed(channel)
             assert time.monotonic() - started < 5  # it read no reply it never asked for
         assert len(consumer.seen) == 1
-        after = TenantsConsumer(server.url)
-        with after.consuming():
-            after.taken(1, within=10)
-        assert sorted(body["t"] for _, body in consumer.seen + after.seen) == ["a", "b"]
+        assert consumer.with_what_is_left(1) == ["a", "b"]
         assert consumer.left_over(client) == [0] * 6
         assert client.hlen("unacked") == 0
         client.close()
