@@ -647,6 +647,35 @@ def test_a_consumer_waiting_on_one_tenant_s_list_takes_calls_pushed_onto_others_
         client.close()
 
 
+def test_a_consumer_hears_no_push_onto_the_list_it_waits_on_and_hears_the_one_it_left(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(transport, "IDLE_POLL_MANY_S", 0.3)
+    with RedisServer() as server:
+        client = redis.Redis.from_url(server.url)
+
+        def heard() -> dict[str, int]:  # each tenant's list: does the consumer hear it
+            names = [f"__keyspace@0__:t.{t}.celery" for t in TenantsConsumer.TENANTS]
+            return {name.split(b".")[1].decode(): n for name, n in client.pubsub_numsub(*names)}
+
+        consumer = TenantsConsumer(server.url)
+        with consumer.consuming():
+            consumer.idle_on_a(client)
+            assert heard() == {"a": 0, "b": 1, "c": 1}  # its wait takes a's calls
+            consumer.send("b")
+            consumer.taken(2, within=3.0)
+            # b's was taken last: its next wait is on b's list, and it hears a's instead
+            consumer.drain_until("waiting on b", lambda: heard() == {"a": 1, "b": 0, "c": 1})
+            monkeypatch.setattr(transport, "IDLE_POLL_MANY_S", 30.0)
+            with contextlib.suppress(TimeoutError):  # its 0.3 s wait ends; the next is 30 s
+                consumer.conn.drain_events(timeout=0.6)
+            consumer.send("a")
+            assert consumer.taken(3, within=3.0) < 3.0  # heard, not found at its next look
+        assert [body["t"] for _, body in consumer.seen] == ["a", "b", "a"]
+        assert consumer.left_over(client) == [0] * 6
+        client.close()
+
+
 def test_a_channel_closed_by_a_call_it_took_beside_its_wait_takes_no_more_and_loses_none(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -688,8 +688,9 @@ class Channel(kombu_redis.Channel):
         return self._lists(self._queue_cycle.consume(len(self.active_queues)))
 
     def _ears_of(self, keys: list[str]) -> None:
-        """Hear pushes onto `keys` (`waking.Ears`, opened on first use; not again for
-        `waking.RETRY_S` after a lost connection, nor ever after Redis refused them)."""
+        """Hear pushes onto `keys` and no others (`waking.Ears`, opened on first use; not
+        again for `waking.RETRY_S` after a lost connection, nor ever after Redis refused
+        them)."""
         if self._ears is None:
             if self._ears_failed or time.monotonic() < self._ears_retry_at:
                 return
@@ -815,7 +816,9 @@ class Channel(kombu_redis.Channel):
                 # the list it last took from: a lone tenant's next call
                 first = self._last_list if self._last_list in keys else first
                 wait = IDLE_POLL_MANY_S
-                self._ears_of(keys)  # a call on another list is taken beside the wait
+                # a call on another list is taken beside the wait; one on this list is the
+                # wait's, and hearing it too would only wake the loop once more
+                self._ears_of([key for key in keys if key != first])
             elif self._ears is not None:  # one tenant's queues now: nothing to hear
                 self._close_ears()
             self._taking = ("BLMOVE", [first])

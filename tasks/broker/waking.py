@@ -7,15 +7,21 @@ call on another tenant's list waits up to that long on an idle worker, at each h
 router, then the GPU worker).
 
 `Ears` removes that wait where Redis says when a list grows: a connection of its own,
-subscribed to the keyspace notifications of the consumer's lists, whose socket the
-consumer's own poller reads beside its wait (`transport.Poller`; no thread). When calls
-are pushed onto lists other than the one waited on, the consumer takes them at once,
-over all its lists and on a pooled connection, while its wait goes on
-(`transport.Channel._heard`). Such a call costs one round trip more than one on the list
-waited on. (A listener thread that pushed a wake token onto the waited list cost a
-thread switch, the push, and the take after the token; `CLIENT UNBLOCK` would wake the
-wait without a token, but Redis 6.2 and 7.0 crash when it names a client that a `CLIENT
-PAUSE` holds, as a failover or a shutdown with replicas does.)
+subscribed to the keyspace notifications of the consumer's lists other than the one it
+waits on, whose socket the consumer's own poller reads beside its wait
+(`transport.Poller`; no thread). When calls are pushed onto those lists, the consumer
+takes them at once, over all its lists and on a pooled connection, while its wait goes
+on (`transport.Channel._heard`). Such a call costs one round trip more than one on the
+list waited on. A push onto the list waited on is not heard: its wait takes it, and the
+event would wake the loop a second time for nothing (an idle GPU worker's calls all
+arrive on the list it waits on). When the consumer waits on another list, it subscribes
+to the one it left; a push onto that one in the moment before the subscription takes
+effect is found by its next look (`IDLE_POLL_MANY_S`), as without ears.
+
+(A listener thread that pushed a wake token onto the waited list cost a thread switch,
+the push, and the take after the token; `CLIENT UNBLOCK` would wake the wait without a
+token, but Redis 6.2 and 7.0 crash when it names a client that a `CLIENT PAUSE` holds, as
+a failover or a shutdown with replicas does.)
 
 The connection is a bare one, not redis-py's `PubSub`, whose reads reconnect and
 subscribe again inside the caller (here, the worker's event loop) when a reply is not
