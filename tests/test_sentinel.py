@@ -182,6 +182,36 @@ def test_a_call_published_through_the_sentinels_returns_once_a_replica_holds_it(
     sender.join()
 
 
+def test_a_result_stored_through_the_sentinels_returns_once_a_replica_holds_it(
+    group: SentinelGroup,
+) -> None:
+    """A worker acknowledges a call once its result is written, and an acknowledgement
+    Redis could not take as the primary died drops the call's record on the new one: a
+    result the old primary took alone was lost with it, and its caller waited for an
+    answer no one would send. So a result write waits (WAIT) for a replica, as a
+    publish does: stopped, the write waits; let go, it returns and the replica holds it."""
+    app = Celery(set_as_current=False)
+    app.conf.update(**celery_conf(Settings.from_env({"GPUFLEET_REDIS_URL": group.url})))
+    backend = app.backend
+    backend.store_result("first", {"ok": 1}, "SUCCESS")  # connected
+    _replicated(group)
+    [replica] = [n for n in group.nodes if n.port != group.primary_port()]
+    stored = threading.Event()
+    writer = threading.Thread(
+        target=lambda: (backend.store_result("second", {"ok": 2}, "SUCCESS"), stored.set())
+    )
+    os.kill(replica.pid, signal.SIGSTOP)
+    try:
+        writer.start()
+        assert not stored.wait(0.5), "the result write returned before any replica held it"
+    finally:
+        os.kill(replica.pid, signal.SIGCONT)
+    assert stored.wait(5)
+    held = redis.Redis("127.0.0.1", replica.port, password="s3cret")
+    assert held.get(backend.get_key_for_task("second")) is not None
+    writer.join()
+
+
 def test_a_plain_clients_publish_rides_out_a_failover(group: SentinelGroup) -> None:
     """A plain client configured by `gpufleet url --json` publishes a call sent just as
     the primary dies to the replica the Sentinels promote: no error reaches it. (Its

@@ -23,6 +23,7 @@ command: the call path is unchanged.
 
 from __future__ import annotations
 
+import logging
 import urllib.parse
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -35,6 +36,8 @@ import redis.sentinel
 from redis.exceptions import ResponseError
 
 from placement.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 #: The schemes of a fleet's Redis URL.
 SCHEMES = ("redis", "rediss", "sentinel")
@@ -51,6 +54,11 @@ FAILOVER_SOCKET_TIMEOUT_S = 5.0
 #: small against the 10 s a caller may wait through a failover, large against a take's
 #: own wait (1 s) and a live primary's replies (milliseconds).
 FAILOVER_CHECK_S = 2.0
+#: How long a write through Sentinels that must survive a failover waits for a replica to
+#: hold it (Redis's `WAIT`): a call published, a result stored. Tuned: a replica's
+#: acknowledgement takes a round trip (well under 10 ms on a LAN); past this, as while a
+#: failover's replica resyncs, the write is on the primary alone.
+REPLICA_WAIT_MS = 1000
 #: How long a Sentinel-watched fleet waits out a missing primary: the Sentinels' failover
 #: (`placement.server.sentinel`: down after 3 s, promoted in about 1 s more) with room to spare.
 FAILOVER_WAIT_S = 30.0
@@ -236,6 +244,28 @@ def parse(url: str) -> Endpoint:
 def connect(url: str, **kwargs: Any) -> redis.Redis:
     """A redis-py client of the fleet's Redis at `url`, plain or through Sentinels."""
     return parse(url).client(**kwargs)
+
+
+def wait_for_a_replica(pipe: Any) -> None:
+    """End `pipe`, a pipeline of writes without a transaction, with Redis's `WAIT` for one
+    replica (at most `REPLICA_WAIT_MS`), on the same connection as the writes."""
+    pipe.execute_command("WAIT", 1, REPLICA_WAIT_MS)
+
+
+def replicated(replies: list[Any], what: str) -> None:
+    """Read `replies`, a pipeline's that `wait_for_a_replica` ended: raise the first
+    write's error (the caller's retry writes again, to the new primary after a failover),
+    and log when no replica confirmed `what` in time (a Redis whose ACL lacks `WAIT` too):
+    it is then on the primary alone."""
+    *written, replicas = replies
+    for reply in written:
+        if isinstance(reply, Exception):
+            raise reply
+    if isinstance(replicas, Exception) or not replicas:
+        log.warning(
+            "%s is on the primary alone: no replica confirmed it within %d ms (%s)",
+            what, REPLICA_WAIT_MS, replicas,
+        )  # fmt: skip
 
 
 def refuses_writes(exc: BaseException) -> bool:

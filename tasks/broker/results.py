@@ -121,6 +121,26 @@ class SentinelBackend(Backend, celery_redis.SentinelBackend):
 
     ResultConsumer = _FollowingConsumer
 
+    def _set(self, key: Any, value: Any, expires: Any = None) -> None:
+        """Celery's write of a result and its PUBLISH, then Redis's `WAIT` for a replica to
+        hold it, on one connection (`endpoint.wait_for_a_replica`). A worker acknowledges
+        a call once its result is written, and an acknowledgement the dying primary could
+        not take is kept and applied on the new one (`transport.QoS.ack`): a result the
+        old primary took alone, just before it died, was lost while its call counted as
+        done, and its caller waited for an answer no one would send. Now the write returns
+        once a replica holds it; a primary that dies first cuts the `WAIT` short, and
+        Celery's retry (`set`) writes the result again, to the new primary."""
+        expires = self.expires if expires is None else expires
+        with self.client.pipeline(transaction=False) as pipe:
+            if expires:
+                pipe.setex(key, expires, value)
+            else:
+                pipe.set(key, value)
+            pipe.publish(key, value)
+            endpoint.wait_for_a_replica(pipe)
+            replies = pipe.execute(raise_on_error=False)
+        endpoint.replicated(replies, f"the result under {key!r}")
+
     def _get_pool(self, **params: Any) -> Any:
         """Celery's pool, of connections that leave a server refusing writes
         (`endpoint.PrimaryConnection`): a result stored there would be lost."""

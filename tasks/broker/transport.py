@@ -82,10 +82,6 @@ IDLE_POLL_S = 0.25
 IDLE_POLL_MANY_S = 0.05
 #: How long a consumer waits after Redis refused a take (a full Redis) before the next.
 REFUSED_TAKE_WAIT_S = 0.5
-#: How long a publish through Sentinels waits for a replica to hold its message (`WAIT`).
-#: Tuned: a replica's acknowledgement takes a round trip (well under 10 ms on a LAN); past
-#: this, as while a failover's replica resyncs, the message is on the primary alone.
-PUBLISH_WAIT_MS = 1000
 #: How often a consumer looks in its own in-flight lists between two takes
 #: (`Channel._put_back_strays`): the longest a take whose reply was lost strands its call.
 STRAY_CHECK_S = 5.0
@@ -972,7 +968,7 @@ class SentinelChannel(Channel, kombu_redis.SentinelChannel):
         a call the primary took and lost before it replicated (a host lost whole) would
         be lost unseen, while a publish whose `WAIT` a dying primary cut short is sent
         again by kombu's retry (a twin its worker drops or answers once). A replica that
-        does not answer within `PUBLISH_WAIT_MS` leaves the message on the primary alone,
+        does not answer within `endpoint.REPLICA_WAIT_MS` leaves it on the primary alone,
         as a Redis whose ACL lacks `WAIT` does (logged). Publish batches and queues with
         an expiry, which the fleet does not use, go as kombu sends them."""
         if kwargs.get("_publish_batch") is not None or (self._expires and queue in self._expires):
@@ -983,18 +979,9 @@ class SentinelChannel(Channel, kombu_redis.SentinelChannel):
         with self.conn_or_acquire() as client:
             pipe = client.pipeline(transaction=False)
             pipe.lpush(key, dumps(message))  # type: ignore[no-untyped-call]
-            pipe.execute_command("WAIT", 1, PUBLISH_WAIT_MS)
-            pushed, replicas = pipe.execute(raise_on_error=False)
-        if isinstance(pushed, Exception):
-            raise pushed
-        if isinstance(replicas, Exception) or not replicas:
-            log.warning(
-                "a message published to %s is on the primary alone: no replica confirmed "
-                "it within %d ms (%s)",
-                queue,
-                PUBLISH_WAIT_MS,
-                replicas,
-            )
+            endpoint.wait_for_a_replica(pipe)
+            replies = pipe.execute(raise_on_error=False)
+        endpoint.replicated(replies, f"a message published to {queue}")
 
     def _sentinel_managed_pool(self, asynchronous: bool = False) -> Any:
         """The primary's pool, found through `sentinels`. kombu reads the Sentinels from

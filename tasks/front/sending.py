@@ -31,7 +31,7 @@ import redis.asyncio
 from celery import Celery
 
 from placement.errors import ConfigError, PayloadError
-from tasks.broker.transport import PUBLISH_WAIT_MS
+from placement.ledger import endpoint
 from tasks.config import PUBLISH_RETRY_POLICY, ROUTER_QUEUE
 
 log = logging.getLogger(__name__)
@@ -129,17 +129,8 @@ class Sender:
             return
         pipe = self._client.pipeline(transaction=False)
         pipe.lpush(self._queue, data)
-        pipe.execute_command("WAIT", 1, PUBLISH_WAIT_MS)
-        pushed, replicas = await pipe.execute(raise_on_error=False)
-        if isinstance(pushed, Exception):
-            raise pushed
-        if isinstance(replicas, Exception) or not replicas:
-            log.warning(
-                "call %s is on the primary alone: no replica confirmed it within %d ms (%s)",
-                task_id,
-                PUBLISH_WAIT_MS,
-                replicas,
-            )
+        endpoint.wait_for_a_replica(pipe)
+        endpoint.replicated(await pipe.execute(raise_on_error=False), f"call {task_id}")
 
 
 def _check_settings(app: Celery) -> None:
