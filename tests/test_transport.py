@@ -22,6 +22,7 @@ import pytest
 import redis
 from kombu import Connection, Exchange, Queue
 
+from placement.ledger import scripts
 from placement.ledger.hot import Handover
 from placement.ledger.keys import unacked_of
 from placement.server.acl import Users, user_url
@@ -674,6 +675,55 @@ def test_a_consumer_hears_no_push_onto_the_list_it_waits_on_and_hears_the_one_it
         assert [body["t"] for _, body in consumer.seen] == ["a", "b", "a"]
         assert consumer.left_over(client) == [0] * 6
         client.close()
+
+
+def test_a_consumer_that_hears_its_other_lists_waits_again_at_once_after_its_wait_took_a_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(transport, "IDLE_POLL_MANY_S", 30.0)  # no wait ends by itself
+    with RedisServer() as server:
+        client = redis.Redis.from_url(server.url)
+        consumer = TenantsConsumer(server.url)
+        with consumer.consuming():
+            consumer.idle_on_a(client)
+            with _commands_sent(client) as sent:
+                for n in range(2, 7):  # a's calls one at a time, each taken by the wait
+                    consumer.send("a")
+                    consumer.taken(n, within=3.0)
+                blocked = lambda: client.info("clients")["blocked_clients"] == 1  # noqa: E731
+                consumer.drain_until("waiting again", blocked)
+            takes = [c for c in sent if c.startswith(("BLMOVE", f"EVALSHA {scripts.sha('take')}"))]
+            # no look at every list between two waits: the ears would have heard b or c
+            assert [c.split()[0] for c in takes] == ["BLMOVE"] * 5, takes
+            consumer.send("c", "a")  # they do hear c; a's ends the wait (read as it closes)
+            consumer.taken(8, within=3.0)
+        assert [body["t"] for _, body in consumer.seen] == ["a"] * 6 + ["c", "a"]
+        assert consumer.left_over(client) == [0] * 6
+        client.close()
+
+
+@contextlib.contextmanager
+def _commands_sent(client: redis.Redis) -> Iterator[list[str]]:
+    """The commands Redis runs (MONITOR) while the block runs."""
+    sent: list[str] = []
+    monitor = client.monitor()
+    monitor.__enter__()
+
+    def read() -> None:
+        with contextlib.suppress(redis.ConnectionError, ValueError, AttributeError):
+            for command in monitor.listen():
+                sent.append(command["command"])
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    until("monitoring", lambda: client.echo("begin") and "ECHO begin" in sent)
+    try:
+        yield sent
+    finally:
+        client.echo("end")  # the last command seen, so everything before it was read
+        until("read to the end", lambda: "ECHO end" in sent)
+        monitor.__exit__(None, None, None)
+        reader.join(5)
 
 
 def test_a_channel_closed_by_a_call_it_took_beside_its_wait_takes_no_more_and_loses_none(

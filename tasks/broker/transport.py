@@ -29,7 +29,9 @@ gpufleet worker takes through in-flight lists instead (transport option
   (`IDLE_POLL_MANY_S` with several tenants), then the script looks at every list again,
   so a message in another list waits at most that long on an idle worker (with several
   tenants' queues, a message pushed onto another list is taken at once where Redis
-  publishes list events, beside the wait: `tasks.broker.waking`);
+  publishes list events, beside the wait: `tasks.broker.waking`; such a consumer, which
+  would hear a push onto any other list, waits again at once after its wait hands it a
+  message, without the script's look first);
 - recording the message as unacked removes it from the in-flight list in the same step
   (`QoS.append`);
 - a consumer that starts on a queue puts back what its predecessor of the same node name
@@ -850,7 +852,11 @@ class Channel(kombu_redis.Channel):
                 raise Empty() from None
             # The reply is read: a delivery that closes the channel finds no take to read.
             self._in_poll = None  # type: ignore[assignment]
-            self._idle = reply is None and kind == "EVALSHA" and not self._pushed
+            # Block at once next when nothing waits elsewhere: the script found every list
+            # empty, or the wait took from its list while the ears heard the others (a push
+            # onto one of them sets `_pushed`, and the next take looks at every list).
+            heard = kind == "BLMOVE" and reply is not None and self._ears is not None
+            self._idle = not self._pushed and (heard or (reply is None and kind == "EVALSHA"))
             if reply is None:
                 raise Empty()
             if kind == "BLMOVE":
