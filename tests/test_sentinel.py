@@ -28,7 +28,7 @@ from placement.ledger.audit import ledger_problems
 from placement.ledger.registry import Registry
 from placement.policy.state import Gpu
 from placement.server.acl import CALLER, Users
-from placement.server.redis_server import HOST
+from placement.server.redis_server import HOST, RedisServer
 from placement.server.sentinel import SentinelGroup, replicas_ready
 from tasks.config import caller_conf, celery_conf
 from tests.running import REPO, TWO_MODELS, RunningFleet, fleet_env, fleet_up, until, with_signal
@@ -210,6 +210,38 @@ def test_a_result_stored_through_the_sentinels_returns_once_a_replica_holds_it(
     held = redis.Redis("127.0.0.1", replica.port, password="s3cret")
     assert held.get(backend.get_key_for_task("second")) is not None
     writer.join()
+
+
+def test_writes_no_replica_confirms_warn_once_a_period_and_a_refused_write_raises(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(endpoint, "REPLICA_WAIT_MS", 10)
+    monkeypatch.setattr(endpoint, "ALONE_WARNING_S", 0.5)
+    monkeypatch.setattr(endpoint, "_alone", endpoint._Alone())
+
+    def write(client: redis.Redis, n: int) -> None:
+        with client.pipeline(transaction=False) as pipe:
+            pipe.set(f"k{n}", n)
+            endpoint.wait_for_a_replica(pipe)
+            endpoint.replicated(pipe.execute(raise_on_error=False), f"write {n}")
+
+    with RedisServer() as server, caplog.at_level("WARNING", logger=endpoint.__name__):
+        client = redis.Redis.from_url(server.url)  # a primary no replica follows
+        for n in range(3):
+            write(client, n)
+        time.sleep(0.5)
+        write(client, 3)
+        warned = [r.getMessage() for r in caplog.records if "primary alone" in r.getMessage()]
+        assert len(warned) == 2, warned
+        assert warned[0].startswith("write 0 is on the primary alone") and "; 0 more" in warned[0]
+        assert warned[1].startswith("write 3 is on") and "; 2 more writes" in warned[1]
+        assert [client.get(f"k{n}") for n in range(4)] == [b"0", b"1", b"2", b"3"]
+        client.rpush("a-list", 1)
+        with client.pipeline(transaction=False) as pipe, pytest.raises(redis.ResponseError):
+            pipe.incr("a-list")  # a write Redis refuses (WRONGTYPE)
+            endpoint.wait_for_a_replica(pipe)
+            endpoint.replicated(pipe.execute(raise_on_error=False), "the refused write")
+        client.close()
 
 
 def test_a_plain_clients_publish_rides_out_a_failover(group: SentinelGroup) -> None:

@@ -702,6 +702,28 @@ def test_a_consumer_that_hears_its_other_lists_waits_again_at_once_after_its_wai
         client.close()
 
 
+def test_a_call_the_ears_miss_is_found_within_a_look_period_while_the_waited_list_delivers() -> (
+    None
+):
+    with RedisServer() as server:
+        client = redis.Redis.from_url(server.url)
+        consumer = TenantsConsumer(server.url)
+        with consumer.consuming():
+            consumer.idle_on_a(client)
+            client.config_set("notify-keyspace-events", "")  # its ears hear nothing now
+            consumer.send("b")
+            started = time.monotonic()
+            sent = 2  # idle_on_a's, and b's
+            while ("t.b.celery", {"t": "b"}) not in consumer.seen:  # a's calls keep coming
+                assert time.monotonic() - started < 1.0, "b's call waited for a's to stop"
+                consumer.send("a")
+                sent += 1
+                consumer.taken(len(consumer.seen) + 1, within=3.0)
+            consumer.taken(sent, within=3.0)
+        assert consumer.left_over(client) == [0] * 6
+        client.close()
+
+
 @contextlib.contextmanager
 def _commands_sent(client: redis.Redis) -> Iterator[list[str]]:
     """The commands Redis runs (MONITOR) while the block runs."""

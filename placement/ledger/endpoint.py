@@ -24,6 +24,8 @@ command: the call path is unchanged.
 from __future__ import annotations
 
 import logging
+import threading
+import time
 import urllib.parse
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -59,6 +61,9 @@ FAILOVER_CHECK_S = 2.0
 #: acknowledgement takes a round trip (well under 10 ms on a LAN); past this, as while a
 #: failover's replica resyncs, the write is on the primary alone.
 REPLICA_WAIT_MS = 1000
+#: At most one warning this often that writes are on the primary alone: with no replica
+#: answering, every write would say so.
+ALONE_WARNING_S = 10.0
 #: How long a Sentinel-watched fleet waits out a missing primary: the Sentinels' failover
 #: (`placement.server.sentinel`: down after 3 s, promoted in about 1 s more) with room to spare.
 FAILOVER_WAIT_S = 30.0
@@ -262,10 +267,34 @@ def replicated(replies: list[Any], what: str) -> None:
         if isinstance(reply, Exception):
             raise reply
     if isinstance(replicas, Exception) or not replicas:
+        _alone.tell(what, replicas)
+
+
+class _Alone:
+    """The warnings that writes are on the primary alone, at most one every
+    `ALONE_WARNING_S`, which counts the writes since the last."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._said_at = -ALONE_WARNING_S
+        self._unsaid = 0
+
+    def tell(self, what: str, replicas: Any) -> None:
+        with self._lock:
+            now = time.monotonic()
+            if now - self._said_at < ALONE_WARNING_S:
+                self._unsaid += 1
+                return
+            unsaid, self._unsaid, self._said_at = self._unsaid, 0, now
         log.warning(
-            "%s is on the primary alone: no replica confirmed it within %d ms (%s)",
-            what, REPLICA_WAIT_MS, replicas,
+            "%s is on the primary alone: no replica confirmed it within %d ms (%s); %d more "
+            "writes since the last such warning. A Sentinel group should refuse writes "
+            "with no replica following (min-replicas-to-write 1; docs/deploy.md)",
+            what, REPLICA_WAIT_MS, replicas, unsaid,
         )  # fmt: skip
+
+
+_alone = _Alone()
 
 
 def refuses_writes(exc: BaseException) -> bool:

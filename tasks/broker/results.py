@@ -132,10 +132,7 @@ class SentinelBackend(Backend, celery_redis.SentinelBackend):
         Celery's retry (`set`) writes the result again, to the new primary."""
         expires = self.expires if expires is None else expires
         with self.client.pipeline(transaction=False) as pipe:
-            if expires:
-                pipe.setex(key, expires, value)
-            else:
-                pipe.set(key, value)
+            pipe.set(key, value, ex=expires or None)  # an int (Celery's `prepare_expires`)
             pipe.publish(key, value)
             endpoint.wait_for_a_replica(pipe)
             replies = pipe.execute(raise_on_error=False)

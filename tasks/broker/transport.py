@@ -31,7 +31,8 @@ gpufleet worker takes through in-flight lists instead (transport option
   tenants' queues, a message pushed onto another list is taken at once where Redis
   publishes list events, beside the wait: `tasks.broker.waking`; such a consumer, which
   would hear a push onto any other list, waits again at once after its wait hands it a
-  message, without the script's look first);
+  message, without the script's look first, unless its last look is `IDLE_POLL_MANY_S`
+  old);
 - recording the message as unacked removes it from the in-flight list in the same step
   (`QoS.append`);
 - a consumer that starts on a queue puts back what its predecessor of the same node name
@@ -217,6 +218,8 @@ class QoS(kombu_redis.QoS):
             return False
         self._gone(message, delivery_tag)
         channel._idle = moved  # nothing else waits: block for the next call (`_brpop_start`)
+        if moved:  # the script looked at every list of the channel's (`_brpop_read`)
+            channel._looked_at = time.monotonic()
         return True
 
     def _gone(self, message: Any, delivery_tag: str) -> None:
@@ -471,6 +474,7 @@ class Channel(kombu_redis.Channel):
     _ears_retry_at = 0.0  # after a lost connection, not opened again before this
     _ears_missed = False  # the last try to open them failed (warned once)
     _pushed = False  # the ears heard a push since the last take was sent: do not block
+    _looked_at = 0.0  # when a take last found every list empty (time.monotonic())
     _last_list = ""  # the list it last took a message from (an idle take blocks there)
     _sync_client: Any = None  # see `_create_client`
     _refused_take_logged = 0.0  # when a refused take was last logged (`_refused_take`)
@@ -609,6 +613,7 @@ class Channel(kombu_redis.Channel):
         if self._takes_in_flight and queue not in self._fanout_queues:
             self._put_back_in_flight(queue)
             self._give_back_unheld()
+            self._looked_at = 0.0  # no look covered this queue yet (`_brpop_read`)
         return super().basic_consume(queue, *args, **kwargs)  # type: ignore[no-untyped-call]
 
     def _give_back_unheld(self) -> None:
@@ -760,9 +765,10 @@ class Channel(kombu_redis.Channel):
         elsewhere = sum(n for name, n in pushed.items() if name != taking[1][0])
         client = self._create_client()
         for _ in range(elsewhere):  # a push onto the list waited on is its wait's
-            if self.closed or self._closing or self._taking is not taking:
-                return  # a delivery closed the channel, or read its wait: take nothing more
-            if not self.qos.can_consume():  # its next take, once credit returns, finds it
+            if self.closed or self._closing:
+                return  # a delivery closed the channel: take nothing more
+            if self._taking is not taking or not self.qos.can_consume():
+                self._pushed = True  # its wait was read, or no credit: the next take looks
                 return
             keys = self._taken_from()
             try:
@@ -775,6 +781,7 @@ class Channel(kombu_redis.Channel):
                 return  # found by the take after this wait
             except ResponseError as exc:  # nothing moved; the takes after the wait go on
                 log.debug("a heard take was refused: %s", exc)
+                self._pushed = True
                 return
             if reply is None:
                 return
@@ -854,8 +861,17 @@ class Channel(kombu_redis.Channel):
             self._in_poll = None  # type: ignore[assignment]
             # Block at once next when nothing waits elsewhere: the script found every list
             # empty, or the wait took from its list while the ears heard the others (a push
-            # onto one of them sets `_pushed`, and the next take looks at every list).
-            heard = kind == "BLMOVE" and reply is not None and self._ears is not None
+            # onto one of them sets `_pushed`, and the next take looks at every list). The
+            # ears can miss a push (before a subscription takes effect, on a Redis that
+            # publishes no list events), so they stand for a look only `IDLE_POLL_MANY_S`
+            # after the last: a call they missed waits no longer than without them.
+            now = time.monotonic()
+            if reply is None and kind == "EVALSHA":
+                self._looked_at = now
+            heard = (
+                kind == "BLMOVE" and reply is not None and self._ears is not None
+                and now - self._looked_at < IDLE_POLL_MANY_S
+            )  # fmt: skip
             self._idle = not self._pushed and (heard or (reply is None and kind == "EVALSHA"))
             if reply is None:
                 raise Empty()
