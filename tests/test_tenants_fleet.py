@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -83,6 +84,31 @@ def fleet(
         gc.collect()
         for client in CLIENTS:
             client.close()
+
+
+def test_a_new_fleet_on_the_bundled_redis_forgets_the_last_ones_tenants_and_says_so(
+    tmp_path: Path,
+) -> None:
+    catalog = tmp_path / "models.yaml"
+    catalog.write_text(CATALOG)
+    env = fleet_env(GPUFLEET_HOME=str(tmp_path / "home"))
+    args = ["--sim-gpus", "1x4GiB", "--metrics-port", "0"]
+    keys = tmp_path / "home" / "default" / "api-keys"
+    with fleet_up(catalog, args, env, log=tmp_path / "fleet.log"):
+        cli(env, "tenant", "add", "before")
+        cli(env, "api-key", "--tenant", "before")
+        cli(env, "api-key", "--name", "mine")
+        assert json.loads(cli(env, "url", "--tenant", "before", "--json"))["celery"]
+    with fleet_up(catalog, args, env, log=tmp_path / "fleet.log"):  # an empty Redis again
+        assert json.loads(cli(env, "tenant", "list", "--json")) == []
+        refused = subprocess.run(
+            [sys.executable, "-m", "tasks.operator.cli", "url", "--tenant", "before"],
+            cwd=REPO, env=env, capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+        assert refused.returncode != 0 and not refused.stdout
+        assert "starts with no tenants" in refused.stderr, refused.stderr
+        names = [line.split()[1] for line in keys.read_text().splitlines()]
+        assert "tenant:before" not in names and "mine" in names  # a key of its own stays
 
 
 def call(client: Celery, text: str) -> Any:

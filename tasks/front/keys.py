@@ -19,6 +19,7 @@ import hashlib
 import hmac
 import os
 import secrets
+from collections.abc import Callable
 from pathlib import Path
 from stat import S_ISREG
 
@@ -66,11 +67,21 @@ def replace_key(path: Path, key: str, name: str) -> None:
 def drop(path: Path, name: str) -> int:
     """Remove every key named `name` from the file at `path` (none there: nothing to do);
     returns how many went."""
+    return _drop(path, lambda named: named == name)
+
+
+def drop_tenants(path: Path) -> int:
+    """Remove every tenant's key from the file at `path`: their tenants are gone (a new
+    fleet on the bundled Redis); returns how many went."""
+    return _drop(path, lambda named: named is not None and named.startswith(TENANT_KEY))
+
+
+def _drop(path: Path, dropped: Callable[[str | None], bool]) -> int:
     try:
         lines = path.read_text().splitlines()
     except FileNotFoundError:
         return 0
-    kept = [line for line in lines if _name(line) != name]
+    kept = [line for line in lines if not dropped(_name(line))]
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as fh:

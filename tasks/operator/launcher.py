@@ -71,13 +71,13 @@ from placement.server.redis_server import (
     redis_version,
 )
 from placement.server.sentinel import SentinelGroup
-from placement.server.tenant_users import TenantUsers
+from placement.server.tenant_users import PASSWORDS, TenantUsers
 from tasks import front
 from tasks.broker import quarantine
 from tasks.broker.claim import BrokerClaim
 from tasks.broker.presence import take_waiting, with_tenants
 from tasks.config import ROUTER_QUEUES, is_public, redis_conf
-from tasks.front.keys import UP_KEY_NAME, new_key, replace_key
+from tasks.front.keys import UP_KEY_NAME, drop_tenants, new_key, replace_key
 from tasks.serving.routing import gpu_queue
 from worker.devices import Device, discover
 from worker.lifecycle import live_owner
@@ -273,6 +273,10 @@ class Launcher:
         with the fleet's users and an append-only file in the fleet's directory."""
         data = self.settings.fleet_dir() / "redis"
         shutil.rmtree(data, ignore_errors=True)  # a new fleet starts with a new ledger
+        # and no tenants: the passwords and HTTP API keys kept here for the last fleet's
+        # would name Redis users that no longer exist
+        (self.settings.fleet_dir() / PASSWORDS).unlink(missing_ok=True)
+        drop_tenants(self.settings.fleet_dir() / front.KEY_FILE)
         binary = self.settings.redis_server or find_redis_server(newest=True)
         options: dict[str, Any] = {
             "binary": binary,

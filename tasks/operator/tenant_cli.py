@@ -57,7 +57,8 @@ def caller_url(s: Settings, name: str) -> str:
     if password is None:
         raise UnknownTenantError(
             f"no password for tenant {name!r} on this machine (it is kept where `gpufleet "
-            f"tenant add` ran, in {_path(s)}); add the tenant there, or remove and add it again"
+            f"tenant add` ran, in {_path(s)}); add the tenant there, or remove and add it "
+            f"again. A new `gpufleet up` on its bundled Redis starts with no tenants"
         )
     return user_url(s.registry_url, tenants.user_of(name), password)
 
