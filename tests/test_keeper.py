@@ -89,9 +89,12 @@ def level(node: GpuWorker, replica: str) -> Level | None:
 
 
 def hot(node: GpuWorker, model: str) -> str:
-    """Place `model` as a router would and wait for the keeper to make it HOT."""
+    """Place `model` as a router would and wait for the keeper to make it HOT, here and in
+    the ledger (the keeper confirms the load after it: till then the replica is LOADING
+    there, and may not be evicted)."""
     plan = node.registry.place(demand(model))
     node.keeper.ensure(plan.replica, plan.epoch, timeout_s=30)
+    eventually(lambda: level(node, plan.replica) is Level.HOT)
     return plan.replica
 
 
