@@ -166,20 +166,9 @@ def test_a_call_published_through_the_sentinels_returns_once_a_replica_holds_it(
     app = Celery(set_as_current=False)
     app.conf.update(**celery_conf(Settings.from_env({"GPUFLEET_REDIS_URL": group.url})))
     _send(app, "first")  # connected, the queue declared
-    _replicated(group)
-    [replica] = [n for n in group.nodes if n.port != group.primary_port()]
-    published = threading.Event()
-    sender = threading.Thread(target=lambda: (_send(app, "second"), published.set()))
-    os.kill(replica.pid, signal.SIGSTOP)
-    try:
-        sender.start()
-        assert not published.wait(0.5), "the publish returned before any replica held it"
-    finally:
-        os.kill(replica.pid, signal.SIGCONT)
-    assert published.wait(5)
+    replica = _waits_for_the_replica(group, lambda: _send(app, "second"))
     held = redis.Redis("127.0.0.1", replica.port, password="s3cret").llen("celery")
     assert held == 2
-    sender.join()
 
 
 def test_a_result_stored_through_the_sentinels_returns_once_a_replica_holds_it(
@@ -194,22 +183,29 @@ def test_a_result_stored_through_the_sentinels_returns_once_a_replica_holds_it(
     app.conf.update(**celery_conf(Settings.from_env({"GPUFLEET_REDIS_URL": group.url})))
     backend = app.backend
     backend.store_result("first", {"ok": 1}, "SUCCESS")  # connected
+    replica = _waits_for_the_replica(
+        group, lambda: backend.store_result("second", {"ok": 2}, "SUCCESS")
+    )
+    held = redis.Redis("127.0.0.1", replica.port, password="s3cret")
+    assert held.get(backend.get_key_for_task("second")) is not None
+
+
+def _waits_for_the_replica(group: SentinelGroup, write: Callable[[], object]) -> Any:
+    """Run `write` with the group's replica stopped: it must not return in 0.5 s, and
+    must within 5 s once the replica runs again. Returns the replica's node."""
     _replicated(group)
     [replica] = [n for n in group.nodes if n.port != group.primary_port()]
-    stored = threading.Event()
-    writer = threading.Thread(
-        target=lambda: (backend.store_result("second", {"ok": 2}, "SUCCESS"), stored.set())
-    )
+    done = threading.Event()
+    writer = threading.Thread(target=lambda: (write(), done.set()))
     os.kill(replica.pid, signal.SIGSTOP)
     try:
         writer.start()
-        assert not stored.wait(0.5), "the result write returned before any replica held it"
+        assert not done.wait(0.5), "the write returned before any replica held it"
     finally:
         os.kill(replica.pid, signal.SIGCONT)
-    assert stored.wait(5)
-    held = redis.Redis("127.0.0.1", replica.port, password="s3cret")
-    assert held.get(backend.get_key_for_task("second")) is not None
+    assert done.wait(5)
     writer.join()
+    return replica
 
 
 def test_writes_no_replica_confirms_warn_once_a_period_and_a_refused_write_raises(
