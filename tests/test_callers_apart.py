@@ -69,6 +69,15 @@ ANSWER_S = 30.0
 SERVED_S = 2.0
 
 
+def served_throughout(hot: list[float]) -> bool:
+    """Whether another caller's calls went on during an attack: every one but the slowest
+    within `SERVED_S`. An attack that queues calls behind it delays every call sent while
+    its backlog lasts (a cancel storm's lasted seconds before issue 55), so two slow calls
+    show it; one alone can be the 2-core machine's scheduler, shared with another test
+    file's fleet (once in CI, one call of hundreds took 2.7 s)."""
+    return len(hot) >= 2 and sorted(hot)[-2] < SERVED_S
+
+
 @pytest.fixture(scope="module")
 def home(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("callers-home")
@@ -155,7 +164,7 @@ def test_a_chain_past_the_bound_is_refused_as_one_error_and_costs_the_router_lit
     inside = redis.Redis.from_url(fleet.fleet_url)
     written = inside.exists(*[f"celery-task-meta-{i}" for i in chained[:1000]])
     assert written == 0  # one result stored: the refused call's own
-    assert max(hot) < SERVED_S, hot
+    assert served_throughout(hot), hot
 
 
 def test_a_failing_chained_call_is_learnt_from_its_parent_by_a_plain_client(
@@ -327,7 +336,7 @@ def test_a_storm_of_cancels_for_made_up_ids_is_answered_in_bulk_and_hot_calls_go
     # test files at a time), so the bound is a quarter of the cancels, not a time.
     assert 0 < commands.count("gpufleet_cancel") < STORM_CANCELS // 4, commands
     assert "revoke" not in commands  # which made every worker write each id's result
-    assert max(hot) < SERVED_S, (took, hot)
+    assert served_throughout(hot), (took, hot)
 
 
 # --- 7. a call cancelled while the router retries it -------------------------------------
