@@ -15,6 +15,7 @@ from placement.errors import CantAccommodateError, NeverFitsError
 from placement.policy.fragmentation import Fragmentation
 from placement.policy.live import LiveView
 from placement.policy.place import plan_replica
+from placement.policy.planning import type_left
 from placement.policy.room import RoomIndex, room_of
 from placement.policy.state import Demand, Gpu, Level, Snapshot
 from placement.units import accelerators
@@ -264,6 +265,35 @@ def test_a_share_opens_the_type_with_the_most_empty_gpus_left_when_whole_gpus_ar
         assert set(plan.gpus) <= {"a1", "a2", "a3"}
     whole = plan_replica(Demand("w", gpus=1.0, dedicated=True), snap)
     assert set(whole.gpus) <= {"a1", "a2", "a3"}
+
+
+def test_a_share_fills_a_gpu_in_use_of_a_type_with_fewer_empty_gpus_left_but_opens_none() -> None:
+    # T4: two GPUs held whole and one 0.7, all pinned to T4, one empty; A10: one held
+    # whole by a model that may run anywhere, three empty. T4's pinned requests will want
+    # more than its one empty GPU, so A10 has the most left; but a GPU in use is not what
+    # `type_left` counts where whole GPUs are asked, so T4's 0.3 of room left on t2 is
+    # weighed against A10's GPUs by the room each strands: a 0.3 share fills it exactly,
+    # where on an empty A10 it would leave 0.7. A 0.5 share, which t2 cannot take, opens
+    # an A10, never T4's last empty GPU.
+    gpus = [gpu(f"t{i}", 10**9, host="ht", name="Tesla T4", index=i) for i in range(4)]
+    gpus += [gpu(f"a{i}", 10**9, host="ha", name="NVIDIA A10", index=i) for i in range(4)]
+    held = [
+        hot(g, g, {g: size}, host=f"h{g[0]}", dedicated=True, accelerator=pin)
+        for g, size, pin in (
+            ("t0", 10**9, "T4"), ("t1", 10**9, "T4"), ("t2", 700_000_000, "T4"),
+            ("a0", 10**9, None),
+        )
+    ]  # fmt: skip
+    snap = fleet(gpus, held)
+    index = room_of(snap)
+    assert type_left(index, "Tesla T4", 10**9, 300_000_000) < type_left(
+        index, "NVIDIA A10", 10**9, 300_000_000
+    )
+    for seed in range(10):
+        fill = plan_replica(Demand("q", gpus=0.3, dedicated=True), snap, rng=random.Random(seed))
+        assert set(fill.gpus) == {"t2"}
+        opens = plan_replica(Demand("h", gpus=0.5, dedicated=True), snap, rng=random.Random(seed))
+        assert set(opens.gpus) <= {"a1", "a2", "a3"}
 
 
 def test_an_evictable_replica_goes_to_the_freest_type_even_where_whole_gpus_are_held() -> None:

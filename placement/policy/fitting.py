@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
 
 from placement.policy.fragmentation import Fragmentation
-from placement.policy.planning import Option, Planning, candidate_level
+from placement.policy.planning import Option, Planning, candidate_level, counts_empty
 from placement.policy.room import Shape, room_of
 from placement.policy.settings import GpuChoice, PolicySettings
 from placement.policy.state import Demand, Gpu
@@ -115,9 +115,10 @@ def _packed_single(
 ) -> Option | None:
     """The GPU for a dedicated replica, which never moves, so where it goes decides what
     fits beside it for good: GPUs of the type with the most left (`Planning.type_rank`),
-    then the one whose expected unusable room, against the asks of the fleet's own demand,
-    it raises least (`placement.policy.fragmentation`), then the tightest, then the host
-    with the least room (docs/placement.md, "Choosing a GPU")."""
+    and, where that counts empty GPUs, GPUs in use of any type; of those, the one whose
+    expected unusable room, against the asks of the fleet's own demand, it raises least
+    (`placement.policy.fragmentation`), then the tightest, then the host with the least
+    room (docs/placement.md, "Choosing a GPU")."""
     index = room_of(view.snap)
     kinds = []  # GPU types and sizes that take a slot, the type with the most left first
     for (name, total), levels in index.levels.items():
@@ -128,12 +129,19 @@ def _packed_single(
     size = min(slots)  # the request's ask, on one GPU size it may take
     fragmentation = Fragmentation(index.demand, size, slots[size][0])
     keys: dict[tuple[str, int, int], tuple[float, ...]] = {}
-    for rank, name, total, levels in kinds:
-        if keys and not view.my_warm and rank > next(iter(keys.values()))[0]:
-            break  # a worse type than one that fits: none of its GPUs ranks first
+    for type_rank, name, total, levels in kinds:
         request, limit = slots[total]
+        rank, in_use_only = type_rank, False
+        if keys and not view.my_warm and type_rank > next(iter(keys.values()))[0]:
+            # A worse type than one that fits: none of its GPUs ranks first, but for its
+            # GPUs in use where `type_left` counts empty GPUs: taking room there takes
+            # nothing the type rank counts, so they rank with the best type's, by the room
+            # they strand
+            if not counts_empty(index, total, request):
+                continue
+            rank, in_use_only = next(iter(keys.values()))[0], True
         for free in levels:
-            if free >= limit:
+            if free >= limit and not (in_use_only and free >= total):
                 keys[(name, total, free)] = (
                     rank,
                     fragmentation.change(name, total, free, request),

@@ -100,9 +100,14 @@ def type_left(index: RoomIndex, name: str, total: int, request: int) -> float:
         return 0.0  # no request is pinned to a type: any type serves any of them
     gpus = index.type_gpus[name]
     reserve = index.pinned_share(name) * index.free_room()
-    if request >= total or index.slot_count(total, total):
+    if counts_empty(index, total, request):
         left = (index.type_empty[name] - reserve) / gpus
         if reserve > 0 and left <= 0:
             return left  # none to spare: below every type that has some, rounding or not
         return round(left * TYPES_EVEN) / TYPES_EVEN
     return (index.type_room[name] - reserve) / gpus
+
+
+def counts_empty(index: RoomIndex, total: int, request: int) -> bool:
+    """Whether `type_left` counts a type's empty GPUs (of `total` bytes) for `request`."""
+    return bool(index.pins()) and (request >= total or bool(index.slot_count(total, total)))
