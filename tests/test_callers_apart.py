@@ -27,6 +27,7 @@ from typing import Any
 import pytest
 import redis
 from celery import Celery
+from celery.exceptions import TimeoutError as NoAnswerError
 from celery.result import AsyncResult
 
 from bench.callers import raw_call, step
@@ -283,7 +284,17 @@ def test_a_flood_of_idle_connections_leaves_the_fleet_and_its_operator_theirs(
         for sock in opened:
             sock.close()
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-    assert fleet.infer("encoder", "after the flood")["model"] == "encoder"
+    after = fleet.client.send_task("gpufleet.infer", args=("encoder", "after the flood"))
+    try:
+        assert after.get(timeout=120)["model"] == "encoder"
+    except NoAnswerError:  # say which side lost it (seen once, not since)
+        inside = redis.Redis.from_url(fleet.operator_url or fleet.fleet_url)
+        try:
+            stored = bool(inside.exists(f"celery-task-meta-{after.id}"))
+            lists = {k.decode(): inside.llen(k) for k in inside.scan_iter(_type="list")}
+        except redis.RedisError as exc:
+            stored, lists = None, {"unread": repr(exc)}
+        pytest.fail(f"no answer after the flood: result stored {stored}, lists {lists}")
 
 
 # --- 6. a storm of bogus cancels ---------------------------------------------------------
