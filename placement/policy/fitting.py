@@ -129,17 +129,18 @@ def _packed_single(
     size = min(slots)  # the request's ask, on one GPU size it may take
     fragmentation = Fragmentation(index.demand, size, slots[size][0])
     keys: dict[tuple[str, int, int], tuple[float, ...]] = {}
+    top_rank: float | None = None  # the rank of the best type that fits
     for type_rank, name, total, levels in kinds:
         request, limit = slots[total]
         rank, in_use_only = type_rank, False
-        if keys and not view.my_warm and type_rank > next(iter(keys.values()))[0]:
+        if top_rank is not None and not view.my_warm and type_rank > top_rank:
             # A worse type than one that fits: none of its GPUs ranks first, but for its
             # GPUs in use where `type_left` counts empty GPUs: taking room there takes
             # nothing the type rank counts, so they rank with the best type's, by the room
             # they strand
             if not counts_empty(index, total, request):
                 continue
-            rank, in_use_only = next(iter(keys.values()))[0], True
+            rank, in_use_only = top_rank, True
         for free in levels:
             if free >= limit and not (in_use_only and free >= total):
                 keys[(name, total, free)] = (
@@ -147,6 +148,8 @@ def _packed_single(
                     fragmentation.change(name, total, free, request),
                     (free - request) / total,
                 )
+        if keys and top_rank is None:
+            top_rank = type_rank
     if not keys:
         return None
     best = min(keys.values())
