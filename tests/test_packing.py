@@ -7,7 +7,7 @@ from collections import Counter
 from dataclasses import replace
 
 import pytest
-from hypothesis import assume, given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from bench import packing
@@ -19,6 +19,7 @@ from placement.policy.planning import type_left
 from placement.policy.room import RoomIndex, room_of
 from placement.policy.state import Demand, Gpu, Level, Snapshot
 from placement.units import accelerators
+from placement.units.memory import MiB
 from tests.fleets import NOW, GiB, fleet, gpu, hot
 
 # --- exact arithmetic ----------------------------------------------------------------
@@ -296,6 +297,34 @@ def test_a_share_fills_a_gpu_in_use_of_a_type_with_fewer_empty_gpus_left_but_ope
         assert set(opens.gpus) <= {"a1", "a2", "a3"}
 
 
+@pytest.mark.parametrize("context", [0, 50 * MiB])
+def test_a_share_opens_an_empty_gpu_where_a_multi_gpu_ask_still_fits_after_it(
+    context: int,
+) -> None:
+    # one replica of 2 whole GPUs is held (on h2), so 2-GPU asks are part of the demand.
+    # h0 has exactly 2 empty GPUs, h1 has 3: the host with the least room is h0, but a share
+    # there would leave h0's last empty GPU useless to a 2-GPU ask; on h1, 2 are left. On
+    # real GPUs (`context`) the pair's slots are each GPU less its loader's CUDA context,
+    # and it still asks two whole GPUs
+    total = 10**9
+    gpus = [gpu(f"{h}-{i}", total, host=h, index=i) for h in ("h0", "h1") for i in range(4)]
+    gpus += [gpu(f"h2-{i}", total, host="h2", index=i) for i in range(2)]
+    gpus = [replace(g, context=context) for g in gpus]
+    pair = {"h2-0": total - context, "h2-1": total - context}
+    held = [
+        hot("pair", "pair", pair, host="h2", dedicated=True),
+        hot("a", "a", {"h0-0": total}, host="h0", dedicated=True),
+        hot("b", "b", {"h0-1": total}, host="h0", dedicated=True),
+        hot("c", "c", {"h1-0": total}, host="h1", dedicated=True),
+    ]
+    snap = fleet(gpus, held)
+    assert room_of(snap).demand("Sim").wide == {2: 2}  # one replica of two GPUs
+    assert room_of(snap).room["h0"] < room_of(snap).room["h1"]
+    for seed in range(10):
+        plan = plan_replica(Demand("s", gpus=0.5, dedicated=True), snap, rng=random.Random(seed))
+        assert plan.host == "h1"
+
+
 def test_an_evictable_replica_goes_to_the_freest_type_even_where_whole_gpus_are_held() -> None:
     # as above, but a cache entry: its room comes back by eviction, so it spreads by room
     snap = _two_types(10**9)
@@ -415,10 +444,11 @@ def _room(index: RoomIndex) -> tuple[object, ...]:
     types = (dict(index.type_empty), {t: round(r, 9) for t, r in index.type_room.items()})
     levels = {k: c for k, c in index.levels.items() if c}
     holding = {k: sorted(v) for k, v in index.holding.items() if v}
-    demand = {n: (index.demand(n).shares, index.demand(n).counts, index.demand(n).whole)
-              for n in sorted(index.type_gpus)}  # fmt: skip
+    demand = {n: (index.demand(n).shares, index.demand(n).counts, index.demand(n).whole,
+                  index.demand(n).wide) for n in sorted(index.type_gpus)}  # fmt: skip
+    empties = {k: c for k, c in index.empties.items() if c}
     rooms = {h: round(r, 9) for h, r in index.room.items()}
-    return shapes, groups, rooms, types, levels, holding, demand
+    return shapes, groups, rooms, types, levels, holding, demand, empties
 
 
 @settings(max_examples=150, deadline=None)
@@ -485,24 +515,77 @@ def test_the_fragmentation_change_is_the_expected_unusable_room_after_less_befor
     # type and cannot use that room (larger than it, or whole where it is in use).
     assume(free >= asked)
     total = 16 * GiB
-    asks = Counter((patterns, total, size * GiB) for patterns, size in held)
+    asks = Counter((patterns, total, size * GiB, 1) for patterns, size in held)
     types = [gpu("t", total, name="Tesla T4"), gpu("a", total, host="h1", name="NVIDIA A10")]
     index = RoomIndex(types, {}, NOW)
-    for (patterns, _, slot), n in asks.items():
+    for (patterns, _, slot, _), n in asks.items():
         for _ in range(n):
             index.hold(total, slot, +1, patterns or None)
-    mine = ((), total, asked * GiB)  # the request may run on either type
+    mine = ((), total, asked * GiB, 1)  # the request may run on either type
     everyone = asks + Counter([mine])
     usable = {a: n for a, n in everyone.items() if accelerators.matches(name, a[0] or None)}
 
     def unusable(room: int) -> float:
         lost = sum(
-            n for (_, _, slot), n in usable.items()
+            n for (_, _, slot, _), n in usable.items()
             if (slot == total and room < total) or slot > room
         )  # fmt: skip
         return room / total * lost / max(1, sum(usable.values()))
 
     change = Fragmentation(index.demand, total, asked * GiB).change(
-        name, total, free * GiB, asked * GiB
+        name,
+        total,
+        free * GiB,
+        asked * GiB,
+        int(free * GiB == total),  # one GPU a host
     )
     assert change == pytest.approx(unusable((free - asked) * GiB) - unusable(free * GiB))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    empty=st.integers(0, 8),
+    partly=st.lists(st.integers(0, 3), max_size=4),
+    held=st.lists(
+        st.tuples(st.sampled_from([1, 2, 3, 4]), st.sampled_from([1, 2, 4, 8])), max_size=10
+    ),
+    asked=st.integers(1, 4),
+    at=st.integers(0, 11),
+)
+@example(empty=2, partly=[3], held=[(4, 2)], asked=1, at=0)  # the last pair a 2-GPU ask fits
+def test_the_fragmentation_change_of_a_host_counts_the_empty_gpus_a_multi_gpu_ask_needs(
+    empty: int, partly: list[int], held: list[tuple[int, int]], asked: int, at: int
+) -> None:
+    # GPUs of 4 GiB; held asks are a share (1 to 3 GiB) or whole GPUs, 1, 2, 4 or 8 of one
+    # host. By FGD's definition a host's room is unusable to a share where a GPU has less
+    # free, and to n whole GPUs wherever a GPU is in use or the host has fewer than n empty;
+    # each replica is one draw. Placing `asked` GiB on GPU `at` changes the host's expected
+    # unusable room by `change`.
+    frees = [4] * empty + partly
+    assume(at < len(frees) and frees[at] >= asked)
+    total = 4 * GiB
+    index = RoomIndex([gpu("g", total)], {}, NOW)
+    asks: Counter[tuple[int, int]] = Counter()
+    for size, wide in held:
+        width = wide if size == 4 else 1
+        for _ in range(width):  # the room index is told of each GPU a replica holds
+            index.hold(total, size * GiB, +1, None, width if size == 4 else 0)
+        asks[(size, width)] += 1  # one draw of the demand per replica, however wide
+    asks[(asked, 1)] += 1  # the request, one more draw
+
+    def unusable(room: list[int]) -> float:
+        empty = sum(f == 4 for f in room)
+        lost = 0.0
+        for (size, width), n in asks.items():
+            whole = size == 4
+            for f in room:
+                if (whole and (f < 4 or empty < width)) or size > f:
+                    lost += n * f / 4
+        return lost / sum(asks.values())
+
+    after = list(frees)
+    after[at] -= asked
+    change = Fragmentation(index.demand, total, asked * GiB).change(
+        "Sim", total, frees[at] * GiB, asked * GiB, empty if frees[at] == 4 else 0
+    )
+    assert change == pytest.approx(unusable(after) - unusable(frees))

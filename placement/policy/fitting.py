@@ -1,11 +1,11 @@
 """Where a replica fits in free room, without evicting: one GPU, or `n` whole GPUs.
 
 The policy (`placement.policy.place`) asks here first. A dedicated replica, which pressure
-never moves, is packed: the GPU type with the most left, then no dead room in a hole
-others would fill, then a GPU in use before an empty one where whole-GPU replicas are
-held, then the sum-of-squares rule, then the tightest. An evictable one
-takes best fit (docs/placement.md, "Choosing a GPU"). The search runs over
-`placement.policy.room` host shapes, so the common case costs one step per shape, not per GPU.
+never moves, is packed: the GPU type with the most left, then the place where it raises
+the expected unusable room least (`placement.policy.fragmentation`), then the tightest,
+then the host with the least room. An evictable one takes best fit (docs/placement.md,
+"Choosing a GPU"). The search runs over `placement.policy.room` host shapes, so the
+common case costs one step per shape, not per GPU.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import TypeVar
 
 from placement.policy.fragmentation import Fragmentation
 from placement.policy.planning import Option, Planning, candidate_level, counts_empty
-from placement.policy.room import Shape, room_of
+from placement.policy.room import Shape, empty_gpus, room_of
 from placement.policy.settings import GpuChoice, PolicySettings
 from placement.policy.state import Demand, Gpu
 
@@ -116,9 +116,10 @@ def _packed_single(
     """The GPU for a dedicated replica, which never moves, so where it goes decides what
     fits beside it for good: GPUs of the type with the most left (`Planning.type_rank`),
     and, where that counts empty GPUs, GPUs in use of any type; of those, the one whose
-    expected unusable room, against the asks of the fleet's own demand, it raises least
-    (`placement.policy.fragmentation`), then the tightest, then the host with the least
-    room (docs/placement.md, "Choosing a GPU")."""
+    host's expected unusable room, against the asks of the fleet's own demand, it raises
+    least (`placement.policy.fragmentation`: for an empty GPU that depends on how many
+    its host has, so places are keyed by that too), then the tightest, then the host with
+    the least room (docs/placement.md, "Choosing a GPU")."""
     index = room_of(view.snap)
     kinds = []  # GPU types and sizes that take a slot, the type with the most left first
     for (name, total), levels in index.levels.items():
@@ -128,7 +129,7 @@ def _packed_single(
     kinds.sort(key=lambda kind: kind[0])
     size = min(slots)  # the request's ask, on one GPU size it may take
     fragmentation = Fragmentation(index.demand, size, slots[size][0])
-    keys: dict[tuple[str, int, int], tuple[float, ...]] = {}
+    keys: dict[tuple[str, int, int, int], tuple[float, ...]] = {}  # by place, empty GPUs
     top_rank: float | None = None  # the rank of the best type that fits
     for type_rank, name, total, levels in kinds:
         request, limit = slots[total]
@@ -143,11 +144,13 @@ def _packed_single(
             rank, in_use_only = top_rank, True
         for free in levels:
             if free >= limit and not (in_use_only and free >= total):
-                keys[(name, total, free)] = (
-                    rank,
-                    fragmentation.change(name, total, free, request),
-                    (free - request) / total,
-                )
+                # an empty GPU's key depends on how many its host has (`Fragmentation`)
+                for empty in sorted(index.empties[(name, total)]) if free == total else (0,):
+                    keys[(name, total, free, empty)] = (
+                        rank,
+                        fragmentation.change(name, total, free, request, empty),
+                        (free - request) / total,
+                    )
         if keys and top_rank is None:
             top_rank = type_rank
     if not keys:
@@ -156,20 +159,25 @@ def _packed_single(
     order = [place for place, key in keys.items() if key == best]  # ordered: a seed replays
     chosen = set(order)
 
-    def options(shape: Shape) -> Iterator[tuple[tuple[float, ...], tuple[str, int, int]]]:
+    def places(shape: Shape) -> Iterator[tuple[tuple[str, int, int, int], tuple[str, int, int]]]:
         for name, total, frees in shape.layout:
+            empty = empty_gpus(frees, total)
             for free in set(frees):
-                if (name, total, free) in chosen:
-                    yield (shape.room,), (name, total, free)
+                yield (name, total, free, empty if free == total else 0), (name, total, free)
+
+    def options(shape: Shape) -> Iterator[tuple[tuple[float, ...], tuple[str, int, int]]]:
+        for place, found in places(shape):
+            if place in chosen:
+                yield (shape.room,), found
 
     def warm_options(shape: Shape) -> Iterator[tuple[tuple[float, ...], tuple[str, int, int]]]:
-        for name, total, frees in shape.layout:  # a warm copy's host: any place, ranked
-            for free in set(frees):
-                key = keys.get((name, total, free))
-                if key is not None:
-                    yield (*key, shape.room), (name, total, free)
+        for place, found in places(shape):  # a warm copy's host: any place, ranked
+            key = keys.get(place)
+            if key is not None:
+                yield (*key, shape.room), found
 
-    least = index.least_room(order)  # the only shapes whose key, (room,), can be lowest
+    # the only shapes whose key, (room,), can be lowest
+    least = index.least_room(dict.fromkeys(p[:3] for p in order), lambda s: any(options(s)))
     floor = min(limit for _, limit in slots.values())
     found = best_host(view, rng, options, floor, warm_options=warm_options, shapes=least)
     return None if found is None else _on_host(view, rng, *found)
@@ -213,7 +221,7 @@ def free_whole(n: int, view: Planning, rng: random.Random) -> Option | None:
         empty, rank = 0, math.inf
         for name, total, frees in shape.layout:
             if name in allowed and frees[-1] == total:
-                empty += len(frees) - bisect_left(frees, total)
+                empty += empty_gpus(frees, total)
                 if dedicated:
                     rank = min(rank, view.type_rank(name, total, total))
         return [((rank, shape.room), None)] if empty >= n else []
@@ -237,8 +245,8 @@ def free_whole(n: int, view: Planning, rng: random.Random) -> Option | None:
             by_type[rank].extend(g for g in group.gpus.values() if g.free == g.total)
     chosen: list[Gpu] = []
     for rank in sorted(by_type):
-        empty_gpus = sorted(by_type[rank], key=lambda g: g.id)
-        chosen += rng.sample(empty_gpus, min(n - len(chosen), len(empty_gpus)))
+        ranked = sorted(by_type[rank], key=lambda g: g.id)
+        chosen += rng.sample(ranked, min(n - len(chosen), len(ranked)))
         if len(chosen) == n:
             break
     slots = {g.id: (g.total, g.total) for g in chosen}

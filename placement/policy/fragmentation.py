@@ -1,15 +1,16 @@
 """Fragmentation measured against the live demand: how much room a placement makes useless.
 
 A GPU's free room is *fragmented* for a request when the request cannot use it: a share
-of one GPU larger than the room, or a whole GPU where the GPU is in use. Weighted by how
-often each ask comes, that is the GPU's expected unusable room, and a placement is ranked
+of one GPU larger than the room; one whole GPU where the GPU is in use; n whole GPUs of
+one host where the GPU is in use or its host has fewer than n empty GPUs. Weighted by how
+often each ask comes, that is a host's expected unusable room, and a placement is ranked
 by how much it raises it: fragmentation gradient descent (Weng et al., "Beware of
 Fragmentation: Scheduling GPU-Sharing Workloads with Fragmentation Gradient Descent",
 USENIX ATC'23). The paper takes the asks' frequencies from its trace; here they are the
 fleet's own, kept by the room index (`RoomIndex.demand`): every replica the ledger holds
-is one draw of the demand, and one that leaves is no longer counted, so the distribution
-follows the mix as it changes, with no window or decay rate to tune. The request being
-placed counts as one more draw.
+is one draw of the demand, however many GPUs it holds, and one that leaves is no longer
+counted, so the distribution follows the mix as it changes, with no window or decay rate
+to tune. The request being placed counts as one more draw.
 
 Two choices, each taken from the problem, not from a replay:
 
@@ -37,8 +38,9 @@ from placement.units.memory import MiB
 ROUNDING = MiB  # less room than this is what rounding to whole bytes leaves
 
 #: What a replica asks, as the room index counts it: the GPU types it allows (its
-#: accelerator's patterns, () for any), the size of a GPU it holds, its slot there in bytes.
-Ask = tuple[tuple[str, ...], int, int]
+#: accelerator's patterns, () for any), the size of a GPU it holds, its slot there in bytes,
+#: and how many whole GPUs of one host it asks (its width; 1 for a share).
+Ask = tuple[tuple[str, ...], int, int, int]
 
 
 class Demand:
@@ -49,13 +51,22 @@ class Demand:
     def __init__(self) -> None:
         self.shares: list[float] = []  # shares of a GPU asked, ascending
         self.counts: list[int] = []  # replicas asking each
-        self.whole = 0  # replicas that ask whole GPUs (one count per GPU)
+        self.single = 0  # replicas that ask one whole GPU
+        self.wide: dict[int, int] = {}  # GPUs held by replicas of n >= 2 whole GPUs, by n
 
     def count(self, ask: Ask, change: int) -> None:
-        """Count (`change` > 0) or uncount replicas of `ask`, which this type may serve."""
-        _, total, slot = ask
+        """Count (`change` > 0) or uncount replicas of `ask`, which this type may serve.
+        The room index calls this once per GPU a replica holds, so n calls for a replica
+        of n whole GPUs make one draw of the demand (`whole`); a model split into shares
+        of n GPUs counts as n shares."""
+        _, total, slot, width = ask
         if slot > total - ROUNDING:
-            self.whole += change
+            if width == 1:
+                self.single += change
+                return
+            self.wide[width] = self.wide.get(width, 0) + change
+            if not self.wide[width]:
+                del self.wide[width]
             return
         share = slot / total
         i = bisect_left(self.shares, share)
@@ -71,7 +82,12 @@ class Demand:
         return sum(self.counts[bisect_right(self.shares, (free + ROUNDING) / total) :])
 
     @property
-    def size(self) -> int:
+    def whole(self) -> float:
+        """Replicas that ask whole GPUs, one GPU or more."""
+        return self.single + sum(n / width for width, n in self.wide.items())
+
+    @property
+    def size(self) -> float:
         return sum(self.counts) + self.whole
 
 
@@ -85,12 +101,18 @@ class Fragmentation:
         self._whole = slot > total - ROUNDING  # the request asks whole GPUs
         self._share = slot / total
 
-    def change(self, name: str, total: int, free: int, request: int) -> float:
+    def change(self, name: str, total: int, free: int, request: int, empty: int) -> float:
         """How placing `request` bytes on a GPU of type `name`, `total` bytes, `free` free,
-        changes its expected unusable room (a share of the GPU, over the asks that may use
+        changes its host's expected unusable room (GPUs' worth, over the asks that may use
         the type): positive when more of them can no longer use what is left, negative
         when room none of them could use is taken. A whole-GPU ask can use only an empty
-        GPU, so taking one costs what whole-GPU asks could have used."""
+        GPU, so taking one costs what whole-GPU asks could have used.
+
+        An ask of n GPUs of one host can use a host's empty GPUs only where it has n of
+        them (`empty`: how many of this GPU's type and size its host has, this one among
+        them; 0 when it is in use). Taking an empty GPU where exactly n are left makes the
+        other n - 1 useless to it; where fewer than n are left, none of them was of use to
+        it, so taking one makes nothing useless."""
         demand = self._demand(name)
         whole = demand.whole + self._whole
         left = free - request
@@ -99,4 +121,11 @@ class Fragmentation:
         if not self._whole:
             before += self._share > (free + ROUNDING) / total
             after += self._share > (left + ROUNDING) / total
-        return (left / total * after - free / total * before) / (demand.size + 1)
+        change = left / total * after - free / total * before
+        if demand.wide and free == total:
+            for width, n in demand.wide.items():
+                if width == empty:
+                    change += (empty - 1) * n / width
+                elif width > empty:
+                    change -= n / width  # this GPU was of no use to them before either
+        return change / (demand.size + 1)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 from placement.policy.mirror import Draft, commit
-from placement.policy.room import room_of
+from placement.policy.room import room_of, whole_gpus
 from placement.policy.state import (
     RESERVING,
     Candidate,
@@ -102,10 +102,11 @@ class LiveView:
         """Keep the room index's slot counts in step with `by_gpu`."""
         if d.level not in RESERVING:
             return
+        whole = whole_gpus(d, self.snap.gpus)
         for gpu_id, nbytes in d.gpus.items():
             gpu = self.snap.gpus.get(gpu_id)
             if gpu is not None:
-                room_of(self.snap).hold(gpu.total, nbytes, change, d.accelerator)
+                room_of(self.snap).hold(gpu.total, nbytes, change, d.accelerator, whole)
 
 
 def _discard(entries: Iterable[Deployment] | None, replica: str) -> None:

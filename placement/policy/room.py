@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from placement.policy.fragmentation import Ask, Demand
+from placement.policy.fragmentation import ROUNDING, Ask, Demand
 from placement.policy.state import Deployment, Gpu, Snapshot
 from placement.units import accelerators
 from placement.units.accelerators import Accelerator
@@ -57,6 +57,16 @@ class Group:
             self.idle.add(gpu.id)
         else:
             self.idle.discard(gpu.id)
+
+    @property
+    def empty(self) -> int:
+        """How many of its GPUs are empty."""
+        return empty_gpus(self.frees, self.total)
+
+
+def empty_gpus(frees: Sequence[int], total: int) -> int:
+    """How many of GPUs of `total` bytes with `frees` free bytes (ascending) are empty."""
+    return len(frees) - bisect_left(frees, total)
 
 
 Layout = tuple[tuple[str, int, tuple[int, ...]], ...]  # per group: name, total, frees
@@ -98,6 +108,8 @@ class RoomIndex:
         self.type_empty: dict[str, int] = {}  # GPU name -> how many of its GPUs are empty
         # (GPU name, size) -> free bytes -> live GPUs with that much free
         self.levels: dict[tuple[str, int], dict[int, int]] = {}
+        # (GPU name, size) -> empty GPUs of one host's group -> groups with that many
+        self.empties: dict[tuple[str, int], dict[int, int]] = {}
         self.workers: set[str] = set()
         self.shapes: dict[Layout, Shape] = {}
         self.shape_of: dict[str, Shape] = {}
@@ -117,10 +129,16 @@ class RoomIndex:
         # Replicas held by what they ask (`placement.policy.fragmentation`), and the same
         # as each GPU type sees them, kept for the types asked about (`demand`)
         self._asks: dict[Ask, int] = {}
+        # `pinned_share` of each type, and `pins`; None: computed again when next asked
+        self._pinning: tuple[dict[str, float], bool] | None = None
         self._demand: dict[str, Demand] = {}
-        for gpu in gpus:
+        known = {gpu.id: gpu for gpu in gpus}
+        whole: dict[str, int] = {}  # replica -> `whole_gpus`, decided once per replica
+        for gpu in known.values():
             for d in by_gpu.get(gpu.id, ()):
-                self.hold(gpu.total, d.gpus[gpu.id], +1, d.accelerator)
+                if d.replica not in whole:
+                    whole[d.replica] = whole_gpus(d, known)
+                self.hold(gpu.total, d.gpus[gpu.id], +1, d.accelerator, whole[d.replica])
             if gpu.alive(now_ms):
                 self.workers.add(gpu.worker)
                 self.put(gpu, _evictable(gpu, by_gpu.get(gpu.id, ())))
@@ -141,6 +159,7 @@ class RoomIndex:
         if old is None:
             self.type_gpus[gpu.name] = self.type_gpus.get(gpu.name, 0) + 1
             self._widest.clear()  # a host has one more GPU
+            self._pinning = None
         emptied = int(gpu.free == gpu.total) - int(old is not None and old.free == old.total)
         self.type_empty[gpu.name] = self.type_empty.get(gpu.name, 0) + emptied
         self.type_room[gpu.name] = self.type_room.get(gpu.name, 0.0) - before + gpu.free / gpu.total
@@ -149,7 +168,12 @@ class RoomIndex:
         if old is not None:
             _add(levels, old.free, -1)
         _add(levels, gpu.free, +1)
+        empties = self.empties.setdefault(kind, {})
+        if group.empty:
+            _add(empties, group.empty, -1)
         group.put(gpu, gpu.free + evictable)
+        if group.empty:
+            _add(empties, group.empty, +1)
         if group.idle:
             self._idle[key] = group
         else:
@@ -183,11 +207,17 @@ class RoomIndex:
         self.shape_of[host] = shape
         self.room[host] = shape.room
 
-    def hold(self, total: int, slot: int, change: int, pin: Accelerator = None) -> None:
+    def hold(
+        self, total: int, slot: int, change: int, pin: Accelerator = None, whole: int = 0
+    ) -> None:
         """Count (`change` +1) or uncount (-1) one replica's `slot` bytes on a GPU of
-        `total` bytes, held by a model `pin` allows (None: any GPU)."""
+        `total` bytes, held by a model `pin` allows (None: any GPU). `whole`: the replica
+        holds that many whole GPUs (`whole_gpus`), and asks them whatever `slot` is left
+        of this one; 0: it asks `slot`."""
         _add(self._held, total, slot * change)
-        ask = (accelerators.alternatives(pin), total, slot)
+        self._pinning = None
+        patterns = accelerators.alternatives(pin)
+        ask = (patterns, total, total, whole) if whole else (patterns, total, slot, 1)
         _add(self._asks, ask, change)
         if self._demand:
             allowed = self.names(pin)
@@ -216,17 +246,30 @@ class RoomIndex:
         types may serve, type `name` among them: each constraint's part spread over the
         fleet's types it allows in proportion to their GPUs. A constraint that allows every
         type in the fleet pins nothing."""
-        held = sum(nbytes / total for total, nbytes in self._held.items())
-        if held <= 0:
-            return 0.0
-        every = self.names(None)
-        part = 0.0
-        for (patterns, total), nbytes in self._pinned.items():
-            names = self.names(patterns)
-            if name in names and names != every:
+        return self._pinned_view()[0].get(name, 0.0)
+
+    def pins(self) -> bool:
+        """Whether any replica held may run on some of the fleet's GPU types only."""
+        return self._pinned_view()[1]
+
+    def _pinned_view(self) -> tuple[dict[str, float], bool]:
+        """Every type's `pinned_share`, and `pins`, in one pass, kept until a slot or a GPU
+        is counted again."""
+        if self._pinning is None:
+            parts: dict[str, float] = {}
+            pins = False
+            held = sum(nbytes / total for total, nbytes in self._held.items())
+            every = self.names(None)
+            for (patterns, total), nbytes in self._pinned.items():
+                names = self.names(patterns)
+                if names == every:
+                    continue
+                pins = True
                 gpus = sum(self.type_gpus.get(n, 0) for n in names)
-                part += nbytes / total * self.type_gpus[name] / gpus
-        return part / held
+                for n in names if held > 0 else ():
+                    parts[n] = parts.get(n, 0.0) + nbytes / total * self.type_gpus[n] / gpus
+            self._pinning = {n: part / held for n, part in parts.items()}, pins
+        return self._pinning
 
     def idle(self, accelerator: Accelerator) -> list[Group]:
         """The groups whose GPU type `accelerator` allows that hold idle replicas."""
@@ -274,11 +317,6 @@ class RoomIndex:
                     found.count(ask, n)
         return found
 
-    def pins(self) -> bool:
-        """Whether any replica held may run on some of the fleet's GPU types only."""
-        every = self.names(None)
-        return any(self.names(patterns) != every for patterns, _ in self._pinned)
-
     def names(self, accelerator: Accelerator) -> frozenset[str]:
         """The GPU names in the fleet that `accelerator` allows."""
         return self._kinds_of(accelerator)[0]
@@ -311,6 +349,16 @@ def _add(totals: dict[K, int], key: K, change: int) -> None:
         totals[key] = left
     else:
         del totals[key]
+
+
+def whole_gpus(d: Deployment, gpus: Mapping[str, Gpu]) -> int:
+    """How many whole GPUs of the snapshot's `gpus` replica `d` holds, as one ask of that
+    many; 0 when it holds shares. A whole GPU's slot is the GPU less at most the CUDA context
+    of a worker that does not own it (`placement.policy.place`, which charges it there)."""
+    held = [(gpus[g], slot) for g, slot in d.gpus.items() if g in gpus]
+    if held and all(slot > gpu.total - gpu.context - ROUNDING for gpu, slot in held):
+        return len(held)
+    return 0
 
 
 def _evictable(gpu: Gpu, replicas: Iterable[Deployment]) -> int:
