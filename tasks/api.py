@@ -42,7 +42,7 @@ from tasks import context
 from tasks.app import app
 from tasks.broker import presence
 from tasks.broker.intake import LEASE_HEADER, is_name
-from tasks.config import INTERNAL_QUEUE
+from tasks.config import CANCEL, DEPLOY, EVICT, INFER, INTERNAL_QUEUE, STATUS
 from tasks.serving import cancelling, leases, routed, streams
 from tasks.serving.calls import (
     Call,
@@ -75,7 +75,7 @@ def _infer_intake(headers: dict[str, Any], arguments: dict[str, Any]) -> None:
     leases.from_header(spec.name, headers.get(LEASE_HEADER))
 
 
-@app.task(name="gpufleet.infer", bind=True, intake=staticmethod(_infer_intake))
+@app.task(name=INFER, bind=True, intake=staticmethod(_infer_intake))
 def infer(
     self: Task, model: str, inputs: Any, params: dict[str, Any] | None = None
 ) -> dict[str, Any]:
@@ -273,7 +273,7 @@ def _caller_deploy(model: str, dedicated: bool | None) -> None:
 
 
 @app.task(
-    name="gpufleet.deploy",
+    name=DEPLOY,
     bind=True,
     intake=staticmethod(
         lambda headers, a: _deploy_arguments(a["model"], a["replicas"], a["dedicated"])
@@ -344,7 +344,7 @@ def _evict_arguments(model: Any, replica: Any) -> None:
 
 
 @app.task(
-    name="gpufleet.evict",
+    name=EVICT,
     intake=staticmethod(lambda headers, a: _evict_arguments(a["model"], a["replica"])),
 )
 def evict(model: str, replica: str | None = None) -> dict[str, Any]:
@@ -374,7 +374,7 @@ def evict(model: str, replica: str | None = None) -> dict[str, Any]:
     return {"model": model, "evicted": results}
 
 
-@app.task(name="gpufleet.status")
+@app.task(name=STATUS)
 def status() -> dict[str, Any]:
     """The same object `gpufleet status --json` prints."""
     return full_status(context.registry(), context.settings().broker_url)
@@ -386,7 +386,7 @@ def _cancel_arguments(task_id: Any) -> None:
 
 
 @app.task(
-    name="gpufleet.cancel",
+    name=CANCEL,
     intake=staticmethod(lambda headers, a: _cancel_arguments(a["task_id"])),
 )
 def cancel(task_id: str) -> bool:

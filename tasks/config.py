@@ -1,7 +1,8 @@
 """The Celery side of the settings: the configuration every gpufleet process shares.
 
 Every `GPUFLEET_*` variable is read by `placement.config.Settings`; this module only turns
-those settings into Celery's configuration, and names the fleet's fixed queues and ports.
+those settings into Celery's configuration, and names the fleet's fixed queues, tasks and
+ports.
 """
 
 from __future__ import annotations
@@ -12,6 +13,22 @@ from typing import Any
 from placement.config import Settings
 from placement.ledger import endpoint
 from placement.ledger.tenancy import tenants
+
+#: The tasks callers send by name (README, "Calling the fleet"), in the order refusals list
+#: them.
+INFER = "gpufleet.infer"
+DEPLOY = "gpufleet.deploy"
+EVICT = "gpufleet.evict"
+STATUS = "gpufleet.status"
+CANCEL = "gpufleet.cancel"
+PUBLIC_TASKS = (INFER, DEPLOY, EVICT, STATUS, CANCEL)
+#: The fleet's own hops, taken only from fleet queues: what a router hands a placed call on
+#: to its GPU worker as, and a scaling decision.
+RUN = "gpufleet.run"
+SCALE = "gpufleet.scale"
+#: The tasks a call runs as, under its own task id: `INFER` (routed by a router, or
+#: forwarded as it is) and `RUN`. Their messages carry request leases.
+CALL_TASKS = frozenset({INFER, RUN})
 
 ROUTER_QUEUE = "celery"  # Celery's default: a client that imports nothing reaches the router
 #: The router's second queue, which only fleet processes write: calls a GPU worker routes

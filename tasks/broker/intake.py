@@ -48,17 +48,8 @@ from placement.ledger.tenancy.tenants import (
     tenant_of,
 )
 from tasks import context
-from tasks.config import PUBLIC_QUEUES, is_public
+from tasks.config import PUBLIC_QUEUES, PUBLIC_TASKS, is_public
 
-#: What callers may send; the other `gpufleet.*` tasks (`gpufleet.run`, `gpufleet.scale`)
-#: are the fleet's own hops, taken only from fleet queues.
-PUBLIC_TASKS = (
-    "gpufleet.infer",
-    "gpufleet.deploy",
-    "gpufleet.evict",
-    "gpufleet.status",
-    "gpufleet.cancel",
-)
 #: The prefix of the headers only fleet processes may set, and those headers: a call's
 #: request lease (`tasks.serving.leases`), whether its outcome is counted already, and how many
 #: times it was routed again (`tasks.serving.calls`).

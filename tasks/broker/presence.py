@@ -69,7 +69,7 @@ from placement.ledger.tenancy.tenants import (
 from tasks import context
 from tasks.broker.intake import HOPS_HEADER, LEASE_HEADER
 from tasks.broker.transport import inflight
-from tasks.config import INTERNAL_QUEUE, ROUTER_QUEUES, is_public, is_routers
+from tasks.config import INFER, INTERNAL_QUEUE, ROUTER_QUEUES, RUN, is_public, is_routers
 
 log = logging.getLogger(__name__)
 
@@ -646,7 +646,7 @@ def for_router(payload: dict[str, Any]) -> dict[str, Any]:
     ledger released with the dead worker. Anything else only changes queue."""
     headers = payload.setdefault("headers", {})
     properties = payload.setdefault("properties", {})
-    if headers.get("task") == "gpufleet.run" and properties.get("body_encoding") == "base64":
+    if headers.get("task") == RUN and properties.get("body_encoding") == "base64":
         try:
             args, _kwargs, embed = json.loads(base64.b64decode(payload["body"]))
             call = args[0]
@@ -657,7 +657,7 @@ def for_router(payload: dict[str, Any]) -> dict[str, Any]:
         else:
             body = json.dumps([infer_args, {}, embed]).encode()
             payload["body"] = base64.b64encode(body).decode()
-            headers.update(task="gpufleet.infer", argsrepr=repr(infer_args)[:1024])
+            headers.update(task=INFER, argsrepr=repr(infer_args)[:1024])
             headers[HOPS_HEADER] = hops
     headers.pop(LEASE_HEADER, None)
     properties["delivery_info"] = {"exchange": "", "routing_key": INTERNAL_QUEUE}

@@ -47,6 +47,7 @@ from placement.ledger import endpoint
 from placement.ledger.tenancy import tenants
 from placement.server.acl import user_url
 from placement.server.tenant_users import read_passwords
+from tasks.config import CANCEL, INFER
 from tasks.front import sending, shapes
 from tasks.front.keys import KeyFile, tenant_of
 from tasks.front.sending import Sender
@@ -64,7 +65,6 @@ RESTARTED = (
     "the call ran again after its worker was lost and wrote other text than it had streamed"
     " (sampling without a seed); send it again, with a seed to make it repeatable"
 )
-INFER, CANCEL = "gpufleet.infer", "gpufleet.cancel"  # the tasks it sends (`tasks.api`)
 #: The task each endpoint's model must serve.
 TASK_OF = {"chat": "text-generation", "completion": "text-generation"}
 TASK_OF["embedding"] = "feature-extraction"

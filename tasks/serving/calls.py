@@ -21,7 +21,7 @@ from tasks.broker.intake import (
     is_count,
     is_name,
 )
-from tasks.config import INTERNAL_QUEUE
+from tasks.config import INFER, INTERNAL_QUEUE, RUN
 from tasks.serving import leases
 
 #: A task's time limits in seconds, (hard, soft), as Celery's `timelimit` carries them.
@@ -38,11 +38,6 @@ def time_limits_of(request: Any) -> TimeLimits:
 def hops_of(request: Any) -> int:
     """How many times a call was routed again (its `gpufleet_hops` header)."""
     return _hops(_header(request, HOPS_HEADER))
-
-
-#: The tasks a call runs as, under its own task id: `gpufleet.infer` (routed by a router, or
-#: forwarded as it is) and `gpufleet.run` (what a router hands a placed call on as).
-CALL_TASKS = frozenset({"gpufleet.infer", "gpufleet.run"})
 
 
 def counted_of(request: Any) -> bool:
@@ -149,7 +144,7 @@ class Call:
             headers[SLOT_HEADER] = slot
         hard, soft = limits
         return app.signature(
-            "gpufleet.run",
+            RUN,
             args=(self.as_json(),),
             queue=worker_queue(queue, tenant),
             headers=headers,
@@ -170,7 +165,7 @@ class Call:
         if slot:
             headers[SLOT_HEADER] = slot
         return app.signature(
-            "gpufleet.infer",
+            INFER,
             args=(self.model, self.inputs, self.params),
             queue=INTERNAL_QUEUE,
             headers=headers,
@@ -235,11 +230,11 @@ def call_of(name: str, args: Any, kwargs: Any, headers: dict[str, Any]) -> Call 
     `gpufleet.infer`'s. None for other messages, an `infer` without a lease, or arguments
     that do not bind (the task itself then says what is wrong)."""
     try:
-        if name == "gpufleet.run":
+        if name == RUN:
             if kwargs or len(args) != 1 or not isinstance(args[0], dict):
                 return None
             return Call.from_json(args[0])
-        if name == "gpufleet.infer":
+        if name == INFER:
             model, inputs, params = infer_arguments(*(args or ()), **(kwargs or {}))
             header = headers.get(LEASE_HEADER)
             return fast_call(model, inputs, params, header, _hops(headers.get(HOPS_HEADER)))

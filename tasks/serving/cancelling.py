@@ -50,11 +50,11 @@ from celery.worker.control import control_command
 from placement.ledger.tenancy.tenants import call_id
 from tasks.broker import results
 from tasks.broker.intake import bind, is_name
+from tasks.config import CANCEL
 from tasks.serving.calls import tenant_in
 
 log = logging.getLogger(__name__)
 
-TASK = "gpufleet.cancel"
 FLUSH_S = 0.05  # how often the cancels taken are settled: a cancel waits this long at most
 
 _Strategy = Callable[..., Any]
@@ -86,7 +86,7 @@ class Cancels:
 
         def task_message_handler(message: Any, *_: Any, **__: Any) -> None:
             args, kwargs, _ = message.decode()  # checked already (`tasks.broker.intake`)
-            target = bind(self._app.tasks[TASK], args, kwargs)["task_id"]
+            target = bind(self._app.tasks[CANCEL], args, kwargs)["task_id"]
             target = call_id(target, tenant_in(message.headers))  # its own tenant's call
             self._taken.append(_Taken(message, message.headers["id"], target))
             self._qos().increment_eventually()

@@ -50,9 +50,9 @@ from placement.errors import GpufleetError, PayloadError
 from placement.ledger.tenancy.tenants import DEFAULT, call_id, tenant_of
 from tasks import context
 from tasks.broker import intake, results
-from tasks.broker.intake import LEASE_HEADER, PUBLIC_TASKS, is_call_id, is_name
-from tasks.config import is_public
-from tasks.serving import batching, cancelling, forwarding, leases
+from tasks.broker.intake import LEASE_HEADER, is_call_id, is_name
+from tasks.config import CANCEL, INFER, PUBLIC_TASKS, is_public
+from tasks.serving import batching, forwarding, leases
 from tasks.serving.batching import Batcher
 from tasks.serving.cancelling import Cancels
 from tasks.serving.tenants import quotas, tenancy
@@ -171,11 +171,11 @@ class Consumer(CeleryConsumer):
         channel.refuse = self.refuse_taken
         channel.running = _running_tags
         channel.take_turns(tenancy.queue_tenant, tenancy.process.weight)  # tenants' queues
-        if context.role() == "router" and forwarding.TASK in self.strategies:
-            default = self.strategies[forwarding.TASK]
-            self.strategies[forwarding.TASK] = forwarding.install(channel, default)
-        if self._cancels is not None and cancelling.TASK in self.strategies:
-            self.strategies[cancelling.TASK] = self._cancels.install(self.timer)
+        if context.role() == "router" and INFER in self.strategies:
+            default = self.strategies[INFER]
+            self.strategies[INFER] = forwarding.install(channel, default)
+        if self._cancels is not None and CANCEL in self.strategies:
+            self.strategies[CANCEL] = self._cancels.install(self.timer)
         for name, strategy in list(self.strategies.items()):
             self.strategies[name] = self._guarded(strategy)
 

@@ -53,13 +53,13 @@ from tasks.app import app
 from tasks.broker import intake
 from tasks.broker.intake import COUNTED_HEADER, LEASE_HEADER
 from tasks.broker.transport import MOVED, Moved, Onward, Pick
+from tasks.config import INFER
 from tasks.serving import leases, routed
 from tasks.serving.calls import counted_in, infer_arguments, tenant_in
 from tasks.serving.tenants import quotas, tenancy
 
 log = logging.getLogger(__name__)
 
-TASK = "gpufleet.infer"
 JSON = "application/json"
 
 _Strategy = Callable[..., Any]
@@ -127,7 +127,7 @@ def _found_elsewhere(message: Any) -> bool:
     (`tasks.serving.routed.elsewhere`)."""
     headers = message.headers
     task_id = headers.get("id") if isinstance(headers, dict) else None
-    if not isinstance(task_id, str) or headers.get("task") != TASK:
+    if not isinstance(task_id, str) or headers.get("task") != INFER:
         return False
     return routed.elsewhere(task_id, str(message.delivery_tag))
 
@@ -146,7 +146,7 @@ def plain_call(message: Any) -> tuple[str, bool] | None:
     """The model of a call the consumer may forward, and whether it is counted already;
     None for a call that must take Celery's path (see the module)."""
     headers = message.headers
-    if not isinstance(headers, dict) or headers.get("task") != TASK:
+    if not isinstance(headers, dict) or headers.get("task") != INFER:
         return None  # message protocol 1, or another task
     if headers.get(LEASE_HEADER) or headers.get("eta") or headers.get("retries"):
         return None

@@ -36,6 +36,7 @@ from placement.rules.batching import BatchLimits
 from tasks import context
 from tasks.app import app
 from tasks.broker.intake import LEASE_HEADER
+from tasks.config import RUN
 from tasks.serving import batching, generating, leases, streams
 from tasks.serving.calls import Call, slot_of, tenant_of, time_limits_of
 from tasks.serving.routing import gpu_queue
@@ -366,7 +367,7 @@ def _run_intake(headers: dict[str, Any], arguments: dict[str, Any]) -> None:
     leases.from_header(call.model, headers.get(LEASE_HEADER))
 
 
-@app.task(name="gpufleet.run", bind=True, intake=staticmethod(_run_intake))
+@app.task(name=RUN, bind=True, intake=staticmethod(_run_intake))
 def run(self: Task, call: dict[str, Any]) -> dict[str, Any]:
     """A call the router handed to this worker (internal)."""
     return serve(self, Call.from_json(call))

@@ -33,11 +33,11 @@ from placement.errors import GpufleetError, PayloadError, describe
 from placement.ledger.hot import Lease
 from tasks import context
 from tasks.broker.intake import COUNTED_HEADER, LEASE_HEADER, is_count, is_name
+from tasks.config import CALL_TASKS, INFER
 from worker import identity
 
 log = logging.getLogger(__name__)
 
-CARRIERS = frozenset({"gpufleet.infer", "gpufleet.run"})  # tasks whose messages carry leases
 
 _parked = threading.local()
 
@@ -98,7 +98,7 @@ def end(lease: Lease) -> None:
 
 @before_task_publish.connect
 def _attach(sender: str | None = None, headers: dict[str, Any] | None = None, **_: Any) -> None:
-    if sender != "gpufleet.infer" or headers is None:
+    if sender != INFER or headers is None:
         return
     lease = take()
     if lease is not None:
@@ -108,7 +108,7 @@ def _attach(sender: str | None = None, headers: dict[str, Any] | None = None, **
 
 @task_revoked.connect
 def _release(sender: Any = None, request: Any = None, **_: Any) -> None:
-    if getattr(sender, "name", None) not in CARRIERS or request is None:
+    if getattr(sender, "name", None) not in CALL_TASKS or request is None:
         return
     args = getattr(request, "args", None) or ()
     model = args[0] if args and isinstance(args[0], str) else ""

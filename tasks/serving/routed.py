@@ -20,6 +20,7 @@ from placement.ledger.registry import Registry
 from tasks import context
 from tasks.app import app
 from tasks.broker import presence, results
+from tasks.config import INFER
 from tasks.serving.tenants import tenancy
 
 log = logging.getLogger(__name__)
@@ -66,7 +67,7 @@ def _unhold(sender: Any = None, request: Any = None, **_: Any) -> None:
     """A call revoked while a router held it (waiting for its retry, say) leaves the model's
     load at once, not when its hold lapses (`ROUTING_TTL_MS`): it would count as waiting,
     and toward a scale-out, for minutes after it ended."""
-    if getattr(sender, "name", None) != "gpufleet.infer" or context.role() != "router":
+    if getattr(sender, "name", None) != INFER or context.role() != "router":
         return
     args = getattr(request, "args", None) or ()
     model, task_id = (args[0] if args else None), getattr(request, "id", None)

@@ -21,7 +21,7 @@ from typing import Any
 from placement.config import safe_url
 from placement.errors import AccessDeniedError, GpufleetError
 from tasks import context
-from tasks.config import ROUTER_QUEUE
+from tasks.config import INFER, ROUTER_QUEUE
 from tasks.serving import leases
 
 log = logging.getLogger(__name__)
@@ -48,7 +48,7 @@ def route(
     name: str, args: Any, kwargs: Any, options: dict[str, Any], task: Any = None, **_: Any
 ) -> dict[str, Any] | None:
     """Send a call for a resident model straight to its GPU worker, with a lease."""
-    if name != "gpufleet.infer" or options.get("queue") or _rights.caller:
+    if name != INFER or options.get("queue") or _rights.caller:
         return None  # everything else, calls already routed, and a caller's, keep theirs
     model = args[0] if args else (kwargs or {}).get("model")
     if not isinstance(model, str):

@@ -36,7 +36,7 @@ from placement.rules.scaling import Autoscale, ScaleIn, ScaleOut, Scaler
 from tasks import context
 from tasks.app import app
 from tasks.broker.intake import is_count, is_name
-from tasks.config import INTERNAL_QUEUE
+from tasks.config import INTERNAL_QUEUE, SCALE
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class ScalingLoop:
 
 
 def _send_task(kwargs: dict[str, Any]) -> None:
-    app.send_task("gpufleet.scale", kwargs=kwargs, queue=INTERNAL_QUEUE)
+    app.send_task(SCALE, kwargs=kwargs, queue=INTERNAL_QUEUE)
 
 
 def scale_out(
@@ -134,7 +134,7 @@ def _scale_intake(headers: dict[str, Any], a: dict[str, Any]) -> None:
 
 
 @app.task(
-    name="gpufleet.scale",
+    name=SCALE,
     bind=True,
     intake=staticmethod(_scale_intake),
 )

@@ -20,7 +20,8 @@ from placement.errors import GpufleetError
 from placement.ledger.tenancy import usage
 from placement.ledger.tenancy.usage import Usage
 from tasks import context
-from tasks.serving.calls import CALL_TASKS, tenant_of
+from tasks.config import CALL_TASKS
+from tasks.serving.calls import tenant_of
 
 log = logging.getLogger(__name__)
 

@@ -41,12 +41,12 @@ from tasks import context
 from tasks.app import app
 from tasks.broker import intake, results
 from tasks.broker.intake import SLOT_HEADER
-from tasks.serving.calls import CALL_TASKS, slot_of, tenant_in, tenant_of
+from tasks.config import CALL_TASKS, INFER
+from tasks.serving.calls import slot_of, tenant_in, tenant_of
 from tasks.serving.tenants import tenancy
 
 log = logging.getLogger(__name__)
 
-TASK = "gpufleet.infer"  # what a caller sends, which a router takes
 #: The attribute of a taken message `enter` refused; the consumer answers it (`refusal`).
 REFUSED = "gpufleet_quota_refusal"
 
@@ -56,7 +56,7 @@ def enter(message: Any, taken: tuple[str, bytes] | None) -> Entry:
     its in-flight list and bytes. A message refused is marked for `refusal`."""
     headers = message.headers
     task_id = headers.get("id") if isinstance(headers, dict) else None
-    if taken is None or not isinstance(task_id, str) or headers.get("task") != TASK:
+    if taken is None or not isinstance(task_id, str) or headers.get("task") != INFER:
         return Entry.IN
     tenant = _limited(tenant_in(headers))
     if tenant is None or not _from_public_queue(message, tenant) or not _one_redis():
