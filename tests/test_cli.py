@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from placement.ledger.registry import Registry
 from placement.policy.state import Demand, Gpu
-from tasks.operator import cli
+from tasks.operator import call_cli
 from tasks.operator.cli import app
 from tests.fleets import GiB
 
@@ -131,7 +131,7 @@ def test_up_stops_on_sigint_sigterm_and_a_closed_terminal_but_not_under_nohup() 
 
 def test_streamed_text_cannot_drive_the_terminal_but_keeps_its_lines() -> None:
     text = "red \x1b[31mtext\x1b]0;title\x07 over\rwritten \x9b2J\nnext\tline é"
-    shown = cli.printable(text)
+    shown = call_cli.printable(text)
     assert not any((ord(c) < 0x20 and c not in "\n\t") or 0x7F <= ord(c) < 0xA0 for c in shown)
     assert shown == "red \\x1b[31mtext\\x1b]0;title\\x07 over\\x0dwritten \\x9b2J\nnext\tline é"
 
@@ -145,5 +145,5 @@ def test_a_generated_answer_that_looks_like_markup_prints_as_text() -> None:
         "timings_ms": {"queue": 1, "load": 0, "compute": 2.0},
     }
     console = Console(record=True, width=200)
-    console.print(cli._summary(result))  # rich raised MarkupError on "[/]" before
+    console.print(call_cli.summary(result))  # rich raised MarkupError on "[/]" before
     assert "[/] [bold]not bold" in console.export_text()

@@ -23,7 +23,7 @@ import redis
 from placement.catalog.catalog import Catalog
 from placement.policy.settings import PolicySettings
 from placement.policy.sizing import scale
-from tasks.operator.cli import printable
+from tasks.operator.call_cli import printable
 from tasks.serving import streams
 from tests.running import REPO, RunningFleet, fleet_env, fleet_up, until
 from worker.generation.replica import replica_engine
@@ -199,7 +199,7 @@ def test_the_cli_streams_a_chat_and_prints_what_the_plain_call_answers(
     )  # fmt: skip
     assert plain.returncode == 0, plain.stderr
     answer = json.loads(plain.stdout)
-    # the terminal gets the text with its control characters escaped (`cli.printable`)
+    # the terminal gets the text with its control characters escaped (`call_cli.printable`)
     assert streamed.stdout == printable(answer["outputs"]["texts"][0]) + "\n"
     assert answer["outputs"]["finish_reasons"] in (["length"], ["stop"])
 

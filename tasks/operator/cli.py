@@ -12,8 +12,6 @@ from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 import typer
-from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
 
 from placement.catalog.catalog import Catalog
@@ -28,14 +26,14 @@ from placement.config import (
 from placement.errors import ConfigError
 from placement.ledger.registry import Registry
 from placement.units.memory import format_size
-from tasks.operator.console import err
+from tasks.operator import call_cli, simulate_cli
+from tasks.operator.console import console, err
 from tasks.operator.console import guard as _guard
 from tasks.operator.console import settings as _settings
 from tasks.operator.tenant_cli import tenant_app
 
 app = typer.Typer(help="gpufleet: many models sharing GPUs by memory.", no_args_is_help=True)
 app.add_typer(tenant_app, name="tenant")
-console = Console(soft_wrap=True)
 
 T = TypeVar("T")
 
@@ -240,7 +238,7 @@ def up(
             _guard(launcher.wait_ready)
         _print_ready(launcher)
         if demo:
-            _guard(_demo)
+            _guard(call_cli.demo)
         while not once:
             _guard(launcher.supervise)
             time.sleep(1.0)
@@ -402,162 +400,9 @@ def acl(
         typer.echo(line)
 
 
-@app.command()
-def infer(  # noqa: PLR0917 - typer's options are keyword arguments to the user
-    model: Annotated[str, typer.Argument(help="A model of the catalog.")],
-    text: Annotated[
-        str, typer.Argument(help="The input text (a chat's user message with --chat).")
-    ],
-    params: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--param", "-p", help="A param as KEY=VALUE, VALUE in JSON or a plain string."
-        ),
-    ] = None,
-    chat: Annotated[
-        bool, typer.Option("--chat", help="Send TEXT as a user message of a chat.")
-    ] = False,
-    stream: Annotated[
-        bool, typer.Option("--stream", help="Print generated text as it comes.")
-    ] = False,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the whole result.")] = False,
-    timeout: Annotated[float, typer.Option(help="Seconds to wait.")] = 300.0,
-) -> None:
-    """Call gpufleet.infer and print the answer."""
-    options = _params(params or [])
-    inputs: Any = [{"role": "user", "content": text}] if chat else text
-    if stream:
-        from tasks.api import generate
-
-        def printed() -> None:
-            for piece in generate.stream(model, inputs, timeout=timeout, **options):
-                typer.echo(printable(piece), nl=False)
-            typer.echo()
-
-        _guard(printed)
-        return
-    result = _guard(lambda: _call("gpufleet.infer", (model, inputs, options or None), timeout))
-    if as_json:
-        typer.echo(json.dumps(result, indent=2))
-        return
-    console.print(_summary(result))
-
-
-#: C0 and C1 control characters but newline and tab, each shown as its escape.
-_CONTROLS = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0)) if chr(c) not in "\n\t"}
-
-
-def printable(text: str) -> str:
-    """A model's text as a terminal should show it: its control characters escaped, so that
-    no output (an ANSI escape sequence, a carriage return) can move the cursor, recolour or
-    retitle the caller's terminal. `--json` and the Python client keep the text as it is."""
-    return text.translate(_CONTROLS)
-
-
-def _params(pairs: list[str]) -> dict[str, Any]:
-    """`--param KEY=VALUE` options as a dict: VALUE read as JSON, else kept as a string."""
-    options: dict[str, Any] = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise typer.BadParameter(f"{pair!r}: write KEY=VALUE, e.g. max_new_tokens=32")
-        try:
-            options[key] = json.loads(value)
-        except ValueError:
-            options[key] = value
-    return options
-
-
-@app.command()
-def deploy(
-    model: Annotated[str, typer.Argument(help="A model of the catalog.")],
-    replicas: Annotated[int, typer.Option(min=1)] = 1,
-    dedicated: Annotated[
-        bool | None,
-        typer.Option(
-            "--dedicated/--not-dedicated",
-            help="Never evict it under memory pressure (default: the catalog's `dedicated`).",
-        ),
-    ] = None,
-) -> None:
-    """Place replicas of a model without calling it; exit code 1 when some could not be.
-    `--dedicated/--not-dedicated` is an operator's override of the catalog: it is sent with
-    the fleet's own user (a caller's may not set it)."""
-    args = (model, replicas, dedicated)
-    if dedicated is None:
-        result = _guard(lambda: _call("gpufleet.deploy", args, 300.0))
-    else:
-        result = _guard(lambda: _call_as_fleet("gpufleet.deploy", args, 300.0))
-    typer.echo(json.dumps(result, indent=2))
-    if result.get("missing"):  # the JSON still goes to stdout, for scripts
-        err.print(
-            f"[red]error:[/] {result['missing']} of {replicas} replica(s) of {model} could not "
-            f"be placed: {result.get('refused') or 'no reason given'}"
-        )
-        raise typer.Exit(1)
-
-
-@app.command()
-def evict(
-    model: Annotated[str, typer.Argument(help="A model of the catalog.")],
-    replica: Annotated[str | None, typer.Option(help="Only this replica.")] = None,
-) -> None:
-    """Drain, then offload or drop a model's replicas."""
-    result = _guard(lambda: _call("gpufleet.evict", (model, replica), 300.0))
-    typer.echo(json.dumps(result, indent=2))
-
-
-def _call(name: str, args: tuple[Any, ...], timeout: float) -> Any:
-    from tasks.app import app as celery_app
-
-    return celery_app.send_task(name, args=args).get(timeout=timeout)
-
-
-def _call_as_fleet(name: str, args: tuple[Any, ...], timeout: float) -> Any:
-    """A call only the fleet's own user may make: sent on the router's internal queue,
-    which a caller's user may not write, with the fleet user's URL (the running fleet's
-    connection file's, else GPUFLEET_REDIS_URL)."""
-    from celery import Celery
-    from redis.exceptions import NoPermissionError
-
-    from tasks.config import INTERNAL_QUEUE, celery_conf, redis_conf
-
-    s = _settings()
-    known = read_connection(connection_path(s.home, s.fleet))
-    url = known.fleet if known is not None else s.registry_url
-    client = Celery(set_as_current=False)
-    conf = celery_conf(s)
-    conf.update(redis_conf(url, url, s.visibility_timeout))
-    client.conf.update(conf)
-    try:
-        return client.send_task(name, args=args, queue=INTERNAL_QUEUE).get(timeout=timeout)
-    except NoPermissionError:
-        raise ConfigError(
-            "overriding the catalog's `dedicated` is the operator's: it needs the fleet's own "
-            "user, not a caller's. Run it on the fleet's host, or set GPUFLEET_REDIS_URL to "
-            "the `fleet` user's URL"
-        ) from None
-
-
-def _summary(result: dict[str, Any]) -> str:
-    outputs = result["outputs"]
-    if "embeddings" in outputs:
-        vector = outputs["embeddings"][0]
-        shown = f"{len(vector)}-d embedding [{', '.join(f'{x:+.4f}' for x in vector[:4])}, ...]"
-    else:
-        shown = json.dumps(outputs)[:200]
-    t = result["timings_ms"]
-    return (
-        f"[bold]{escape(result['model'])}[/] on {escape(', '.join(result['gpus']))} "
-        f"({result['cache']}): {escape(shown)}\n"
-        f"queue {t['queue']:.0f} ms, load {t['load']:.0f} ms, compute {t['compute']:.1f} ms"
-    )
-
-
-def _demo() -> None:
-    """Two calls to MiniLM: the first loads it (cold), the second takes the fast path (hot)."""
-    for text in ("gpufleet shares GPUs by memory.", "The second call finds the model resident."):
-        console.print(_summary(_call("gpufleet.infer", ("minilm", text), 300.0)))
+app.command()(call_cli.infer)
+app.command()(call_cli.deploy)
+app.command()(call_cli.evict)
 
 
 def _rates(report: dict[str, Any]) -> str:
@@ -653,73 +498,7 @@ def _interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
-@app.command()
-def simulate(
-    *,
-    workload: Annotated[
-        str, typer.Option(help="zipf, bursty, hotspot, azure-conv or azure-code.")
-    ] = "zipf",
-    alpha: Annotated[float, typer.Option(help="Zipf exponent of model popularity.")] = 1.0,
-    requests: Annotated[
-        int | None, typer.Option(help="Requests (default 100,000; Azure: the whole trace).")
-    ] = None,
-    seed: Annotated[int, typer.Option(help="Seed of the fleet, trace and policies.")] = 0,
-    policy: Annotated[
-        list[str] | None, typer.Option(help="Repeatable (default: all five compared policies).")
-    ] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the report object.")] = False,
-    plot: Annotated[Path | None, typer.Option(help="Write a PNG of hit rate and use.")] = None,
-    registry: Annotated[str, typer.Option(help="memory, or redis (the Lua registry).")] = "memory",
-    redis_url: Annotated[
-        str | None, typer.Option(help="Redis for --registry redis (default: a private one).")
-    ] = None,
-    data_dir: Annotated[Path | None, typer.Option(help="Folder of the Azure CSVs.")] = None,
-    scaling: Annotated[
-        bool,
-        typer.Option(
-            "--scaling",
-            help="Replicas serve one call at a time; compare fixed single replicas with "
-            "replicas that follow load (the first --policy, default `default`).",
-        ),
-    ] = False,
-) -> None:
-    """Replay a workload through the placement policy; compare it with the seeds and an oracle."""
-    from placement import simulator as sim
-
-    def run() -> sim.SimulationReport:
-        trace, fleet = sim.scenario(
-            workload, alpha=alpha, requests=requests, seed=seed, data_dir=data_dir
-        )
-        if scaling:
-            return sim.compare_scaling(trace, fleet, (policy or ["default"])[0], seed=seed)
-        chosen = policy or list(sim.DEFAULT_POLICIES)
-        return sim.simulate(trace, fleet, chosen, seed=seed, registry=registry, redis_url=redis_url)
-
-    report = _guard(run)
-    if plot is not None:
-        _guard(lambda: report.plot(plot))
-    data = report.to_json()
-    if as_json:
-        typer.echo(json.dumps(data, indent=2))
-        return
-    table = Table(title=f"{workload}: {data['workload']['requests']:,} requests")
-    columns = {"hit_rate": "hit", "reload_rate": "reload", "utilization": "use"}
-    columns |= {"p50_ms": "p50 ms", "p95_ms": "p95 ms", "p99_ms": "p99 ms", "wall_s": "wall s"}
-    if scaling:
-        columns |= {"memory_gib_s": "GiB\u00b7s", "scale_outs": "outs", "scale_ins": "ins"}
-    for header in ("policy", *columns.values()):
-        table.add_column(header, justify="right")
-    for name, row in data["policies"].items():
-        cells = (
-            f"{row[c]:.3f}"
-            if c in ("hit_rate", "reload_rate", "utilization")
-            else f"{row[c]:,.0f}"
-            if c.endswith("_ms") or c in ("memory_gib_s", "scale_outs", "scale_ins")
-            else f"{row[c]:.1f}"
-            for c in columns
-        )
-        table.add_row(name, *cells)
-    console.print(table)
+app.command()(simulate_cli.simulate)
 
 
 def _gpu_table(report: dict[str, Any]) -> Table:

@@ -1,4 +1,4 @@
-"""What every `gpufleet` command shares: the error console, the settings with the command
+"""What every `gpufleet` command shares: its two consoles, the settings with the command
 line's overrides, and the guard that turns a gpufleet error into one red line."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from rich.console import Console
 from placement.config import Settings
 from placement.errors import GpufleetError
 
+console = Console(soft_wrap=True)
 err = Console(stderr=True, soft_wrap=True)  # errors stay on one line
 T = TypeVar("T")
 
