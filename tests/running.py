@@ -6,6 +6,7 @@ started, so they pass while other fleets run on the machine.
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 import shutil
@@ -176,8 +177,13 @@ def fleet_up(
         known = read_connection(connection_path(Path(env["GPUFLEET_HOME"]).expanduser(), fleet))
         assert known is not None and known.caller == url, (known, url)
         registry = Registry.from_url(known.fleet, fleet)
-        yield RunningFleet(proc, url, client, registry, lines, known.fleet, known.operator, log)
+        running = RunningFleet(proc, url, client, registry, lines, known.fleet, known.operator, log)
+        yield running
         registry.client.close()
+        gc.collect()  # the clients its tests made and dropped let go while its Redis is up
+        for each in (running.client, running._inside):
+            if each is not None:
+                stop_waiting(each)
     finally:
         stop(proc)
         if home is not None:
@@ -191,6 +197,20 @@ def _client(url: str) -> Celery:
     if endpoint.parse(url).watched:
         client.conf.update(**caller_conf(url))
     return client
+
+
+def stop_waiting(client: Celery) -> None:
+    """Unsubscribe `client` from the results it still waits on, while its Redis is up.
+
+    Celery keeps a result whose `get` timed out subscribed until the result object is
+    freed; freed once its Redis has gone, it retries the unsubscribe once a second for
+    about 20 s in whichever thread frees it, which stalls a later test past the leases
+    of the workers it registered.
+    """
+    backend = client.backend
+    prefix = len(backend.task_keyprefix)
+    for key in list(backend.result_consumer.subscribed_to):
+        backend.result_consumer.cancel_for(key[prefix:].decode())
 
 
 def wait_ready(proc: subprocess.Popen[str], marker: str = "Ctrl-C stops") -> list[str]:
