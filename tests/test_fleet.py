@@ -332,7 +332,7 @@ def test_a_model_that_can_never_fit_fails_at_once_saying_why(fleet_up: Fleet) ->
     start = time.monotonic()
     with pytest.raises(Exception) as err:
         fleet_up.infer("huge", "x", timeout=30)
-    assert time.monotonic() - start < 2.0
+    assert time.monotonic() - start < 10  # not retried as busy (about 20 s), on a loaded machine
     assert type(err.value).__name__ == "NeverFitsError"
     assert "across the GPUs of one host" in str(err.value)
     cli = [sys.executable, "-m", "tasks.operator.cli", "deploy", "huge"]

@@ -6,7 +6,6 @@ Every process these tests signal is a descendant of the fleet they started.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -127,6 +126,25 @@ def test_a_client_needs_the_printed_url_with_its_password_and_status_needs_no_se
     assert not connection.exists()  # gone with the fleet
 
 
+def _hold_the_default_metrics_port(busy: socket.socket) -> None:
+    """Listen on the default metrics port (9464), held by someone else for the fleet. A
+    port left in TIME_WAIT by a fleet that just stopped binds with SO_REUSEADDR, as the
+    fleet's own server would; one another test's fleet listens on is waited for, and if it
+    is still held after 30 s (a fleet that stays up), that holder is just as good."""
+    busy.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            busy.bind(("127.0.0.1", 9464))
+        except OSError:
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.2)
+        else:
+            busy.listen()
+            return
+
+
 def test_a_taken_metrics_port_fails_clearly_when_asked_for_and_moves_when_not(
     catalog: Path,
 ) -> None:
@@ -147,9 +165,7 @@ def test_a_taken_metrics_port_fails_clearly_when_asked_for_and_moves_when_not(
         assert asked.returncode == 1
         assert f"port {port} on 127.0.0.1 is taken" in asked.stderr
     with socket.socket() as busy:
-        with contextlib.suppress(OSError):  # if another process holds it, just as good
-            busy.bind(("127.0.0.1", 9464))  # the default port, held by someone else
-            busy.listen()
+        _hold_the_default_metrics_port(busy)
         with fleet_up(catalog, ["--sim-gpus", "1x4GiB"], fleet_env()) as fleet:
             (line,) = [line for line in fleet.lines if "metrics:" in line]
             url = line.split("metrics:", 1)[1].strip()

@@ -174,6 +174,8 @@ def test_a_tenant_removed_while_its_calls_wait_has_every_one_answered_and_loses_
             redis.Redis.from_url(url).ping()
         except redis.AuthenticationError:
             break
+        except redis.ConnectionError:
+            pass  # signed in just before the user went: Redis closes its connections
         assert time.monotonic() < deadline, "the removed tenant's user still signs in"
         time.sleep(0.2)
     assert "leaving" not in cli(env, "tenant", "list")
