@@ -30,13 +30,15 @@ def bench_launcher(
     directory: Path, catalog: str, name: str, sim_gpus: str, warm_cache: str, *, api: bool = False
 ) -> Launcher:
     """A launcher (not started yet) for `catalog`'s text on a fleet name of its own, so a
-    run never meets another's records; this process's environment points at it, with the
+    run never meets another's records, with its state (GPUFLEET_HOME) in `directory`, so a
+    run leaves none behind; this process's environment points at it, with the
     benchmark's warm cache whatever the caller's environment says. With
     GPUFLEET_REDIS_URL set, runs take turns: one broker database carries one fleet. It
     serves OpenAI's API (`tasks.front`) only with `api`."""
     path = directory / "models.yaml"
     path.write_text(catalog)
     os.environ["GPUFLEET_MODELS"] = str(path)
+    os.environ["GPUFLEET_HOME"] = str(directory / "home")
     os.environ["GPUFLEET_WARM_CACHE"] = warm_cache  # part of the set-up the figures depend on
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.pop("GPUFLEET_ROLE", None)  # this process is a client
