@@ -18,6 +18,7 @@ from placement.errors import CatalogError, PayloadError
 from worker import handlers
 from worker.generation import params as gen_params
 from worker.generation.engine import Engine, Options, Sequence_
+from worker.generation.pacing import LEAST_TOKENS, Pace
 from worker.generation.replica import replica_engine
 from worker.generation.sampling import Choice
 from worker.generation.serving import Driver, GenCall, Generated, run_calls
@@ -409,9 +410,9 @@ def test_prompts_prefilled_in_one_padded_pass_still_get_the_tokens_they_get_alon
     class Counting(Engine):
         passes: ClassVar[list[int]] = []
 
-        def _prefill_group(self, sequences: list[Sequence_]) -> None:
-            self.passes.append(len(sequences))
-            super()._prefill_group(sequences)
+        def _prefill_group(self, chunks: list[tuple[Sequence_, int]]) -> int:
+            self.passes.append(len(chunks))
+            return super()._prefill_group(chunks)
 
     net, tokenizer = model
     prompts = _prompts(12, seed=9)
@@ -428,11 +429,20 @@ def test_prompts_prefilled_in_one_padded_pass_still_get_the_tokens_they_get_alon
     assert len(Counting.passes) > 1  # lengths from 4 to 60: more than one pass on a CPU
 
 
+class _Unpaced(Pace):
+    """No pacing: a step prefills up to the engine's own bound whatever decodes beside it."""
+
+    def budget(self, most: int) -> int:
+        return most
+
+
 def test_a_step_admits_prompts_up_to_its_prefill_budget_and_streams_them_before_decoding(
     model: tuple[Any, Any],
 ) -> None:
     net, tokenizer = model
-    engine = Engine(net, tokenizer, CPU, budget=10**6, window=256, prefill_tokens=45)
+    engine = Engine(
+        net, tokenizer, CPU, budget=10**6, window=256, prefill_tokens=45, pace=_Unpaced()
+    )
     texts: list[str] = []
     calls = [
         Sequence_(i, [2] + [7 + i] * 14, Options(max_new_tokens=4), on_text=texts.append)
@@ -528,3 +538,112 @@ def test_a_call_of_many_prompts_gets_its_share_of_rows_not_all_of_them_ahead_of_
     # the later call takes the next free row, as a separate call would (not after all six)
     assert admitted.index(("later", 0)) == 2, admitted
     assert [k for k in admitted if k[0] == "many"] == [("many", i) for i in range(6)]
+
+
+class _Fixed(Pace):
+    """A pace that allows `tokens` prompt tokens a step beside decoding rows."""
+
+    def __init__(self, tokens: int) -> None:
+        super().__init__()
+        self.tokens = tokens
+
+    def budget(self, most: int) -> int:
+        return min(most, self.tokens)
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_while_every_running_row_decodes_each_step(
+    model: tuple[Any, Any],
+) -> None:
+    net, tokenizer = model
+    engine = Engine(net, tokenizer, CPU, budget=10**6, window=256, pace=_Fixed(16))
+    running = Sequence_("running", [2, 9, 10, 11], Options(max_new_tokens=40))
+    engine.add(running)
+    engine.step()
+    long_prompt = [2, *random.Random(3).choices(range(5, 512), k=99)]  # 100 tokens
+    late = Sequence_("late", long_prompt, Options(max_new_tokens=8))
+    engine.add(late)
+    steps = 0
+    while late.first_token is None:
+        before = len(running.tokens)
+        engine.step()
+        steps += 1
+        assert len(running.tokens) == before + 1  # no step froze the running stream
+    assert steps == 7  # 100 tokens in chunks of 16
+    engine.run()
+    assert late.tokens == _alone(model, long_prompt, Options(max_new_tokens=8))
+    assert running.tokens == _alone(model, [2, 9, 10, 11], Options(max_new_tokens=40))
+    assert engine.kv is not None and engine.kv.pool.in_use == 0
+
+
+def test_a_lone_long_prompt_is_prefilled_at_once_when_nothing_decodes(
+    model: tuple[Any, Any],
+) -> None:
+    net, tokenizer = model
+    engine = Engine(net, tokenizer, CPU, budget=10**6, window=256, pace=_Fixed(16))
+    alone = Sequence_("alone", [2, *range(20, 219)], Options(max_new_tokens=4))  # 200 tokens
+    engine.add(alone)
+    engine.step()
+    assert len(alone.tokens) == 2  # its first token from the prefill, then a decode step
+
+
+def test_a_call_cancelled_mid_prefill_gives_back_its_blocks_and_the_others_run_on(
+    model: tuple[Any, Any],
+) -> None:
+    net, tokenizer = model
+    engine = Engine(net, tokenizer, CPU, budget=10**6, window=256, pace=_Fixed(16))
+    running = Sequence_("running", [2, 9, 10], Options(max_new_tokens=12))
+    engine.add(running)
+    engine.step()
+    stopped = Sequence_(("gone", 0), [2, *range(30, 129)], Options(max_new_tokens=8))
+    engine.add(stopped)
+    engine.step()
+    assert engine.prefilling == [stopped]
+    engine.cancel(("gone", 0))
+    ended = engine.step()
+    assert stopped in ended and stopped.finish == "cancelled" and not stopped.tokens
+    engine.run()
+    assert running.finish == "length"
+    assert engine.kv is not None and engine.kv.pool.in_use == 0
+
+
+def test_prompts_that_begin_alike_while_one_is_prefilled_in_chunks_read_its_blocks(
+    model: tuple[Any, Any],
+) -> None:
+    # the first of them is prefilled 16 tokens a step beside a running row: the others wait
+    # for its blocks instead of computing the same ones, and get the tokens they get alone
+    net, tokenizer = model
+    engine = Engine(net, tokenizer, CPU, budget=10**6, window=256, pace=_Fixed(16))
+    engine.add(Sequence_("running", [2, 9, 10], Options(max_new_tokens=30)))
+    engine.step()
+    system = [2, *range(150, 213)]  # 64 tokens: four blocks
+    calls = [Sequence_(i, [*system, 40 + i, 41], Options(max_new_tokens=6)) for i in range(3)]
+    for sequence in calls:
+        engine.add(sequence)
+    engine.run()
+    assert engine.kv is not None
+    assert engine.kv.pool.reused_tokens == 2 * 64  # read by the two that waited
+    for sequence in calls:
+        assert sequence.tokens == _alone(model, sequence.prompt, Options(max_new_tokens=6))
+
+
+def test_the_pace_allows_the_prompt_tokens_whose_compute_costs_one_decode_step() -> None:
+    pace = Pace()
+    assert pace.budget(2048) == 2048  # nothing measured yet: the engine's own bound
+    for tokens in (64, 128, 256, 512):  # a pass costs 2 ms, and 10 us a token
+        pace.prefilled(tokens, 0.002 + tokens * 1e-5)
+    assert pace.budget(2048) == 2048  # no decode step measured yet
+    for seconds in (0.004, 0.005, 0.006):
+        pace.decoded(seconds)
+    assert abs(pace.budget(2048) - 500) <= 1  # 5 ms of compute, at 10 us a token (rounded)
+    assert pace.budget(300) == 300
+    for _ in range(4):
+        pace.decoded(1e-9)  # the median step now takes next to nothing
+    assert pace.budget(2048) == LEAST_TOKENS
+
+
+def test_passes_of_one_size_give_a_pace_from_their_mean_cost_per_token() -> None:
+    pace = Pace()
+    pace.prefilled(100, 0.010)
+    pace.prefilled(100, 0.012)
+    pace.decoded(0.0055)
+    assert pace.budget(2048) == 50  # 0.11 ms a token, fixed part included

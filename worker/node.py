@@ -40,6 +40,7 @@ class Served:
     batch: int = 1
     first_token_ms: float | None = None  # a generating call: until its first token
     inter_token_ms: float | None = None  # and the mean gap between its later tokens
+    join_ms: float | None = None  # and from reaching its engine to its prefill's start
 
 
 class GpuWorker:

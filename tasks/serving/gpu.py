@@ -107,6 +107,7 @@ def serve(task: Task, call: Call) -> dict[str, Any]:
     if served.first_token_ms is not None:
         timings["first_token"] = round(served.first_token_ms, 3)
         timings["inter_token"] = round(served.inter_token_ms or 0.0, 3)
+        timings["join"] = round(served.join_ms or 0.0, 3)
     return {
         "model": call.model,
         "replica": call.replica,
@@ -234,7 +235,7 @@ class _Session:
             served: Served | BaseException = Served(
                 generated.outputs, gpus, load_ms, generated.compute_ms,
                 generated.outputs.get("batch", 1), generated.first_token_ms,
-                generated.inter_token_ms,
+                generated.inter_token_ms, generated.join_ms,
             )  # fmt: skip
             reason = ",".join(generated.outputs.get("finish_reasons", [])) or "stop"
         else:

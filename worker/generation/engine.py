@@ -1,10 +1,16 @@
 """Continuous batching for one causal language model: calls share decode steps.
 
 An `Engine` holds one replica's running sequences as the rows of one batch. Each `step`
-first admits waiting sequences (their prompts prefilled in one left-padded pass, as
+first admits waiting sequences and prefills their prompts (in left-padded passes, as
 `generate` prefills a batch), then runs one decode step for every row at once, then lets
 the rows that are done leave. A sequence joins at the next step and leaves when it is done:
 a short call never waits for a long one.
+
+Paged, a step prefills prompts in chunks: while rows are decoding, at most the prompt
+tokens whose compute costs one decode step (`worker.generation.pacing`), so a burst of
+long prompts does not freeze the streams already running; a prompt whose prefill is not
+done yet holds its blocks and goes on at the next step, ahead of anything admitted after
+it, and joins the rows with its first token once its last chunk is in.
 
 The batch's KV cache is paged (`worker.generation.paging`, docs/worker.md): each row's keys
 and values live in blocks of the replica's budget, taken as the row grows, and whole
@@ -49,6 +55,7 @@ import torch
 
 from placement.errors import PayloadError
 from worker.generation import blocks, paged, sampling, slots
+from worker.generation.pacing import Pace
 from worker.generation.paging import PagedRows
 from worker.generation.params import MAX_NEW_TOKENS
 from worker.generation.sequence import Options, Sequence_
@@ -56,11 +63,12 @@ from worker.generation.text import Detokenizer
 
 log = logging.getLogger(__name__)
 
-#: Prompt tokens prefilled in one step (its first prompt always goes): a bound on how long the
-#: running rows wait for newcomers, and on the first tokens of short prompts behind long
-#: ones. vLLM's serving defaults for chunked prefill (not tuned here; docs/worker.md has
-#: what 4,096 did instead on this CPU): 2,048, and 8,192 on a GPU of 70 GiB or more other
-#: than an A100 (`prefill_tokens`).
+#: Prompt tokens prefilled in one step: a bound on a pass's activations, on how long the
+#: running rows wait for newcomers (paged, `pacing` bounds that more tightly while rows
+#: decode; left-padded, a step's first prompt goes however long), and on the first tokens
+#: of short prompts behind long ones. vLLM's serving defaults for chunked prefill (not
+#: tuned here; docs/worker.md has what 4,096 did instead on this CPU): 2,048, and 8,192 on
+#: a GPU of 70 GiB or more other than an A100 (`prefill_tokens`).
 PREFILL_TOKENS = 2048
 PREFILL_TOKENS_LARGE_GPU = 8192
 #: A prefill pass holds prompts of similar lengths: its padded size stays within this
@@ -84,6 +92,7 @@ class Engine(PagedRows):
         prefill_tokens: int | None = None,
         kv: paged.Paged | None = None,
         paged_cache: bool = True,
+        pace: Pace | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -113,6 +122,11 @@ class Engine(PagedRows):
         self._finishes: dict[Hashable, tuple[float, int]] = {}  # flow -> last finish, waiting
         self._order = itertools.count()
         self.rows: list[Sequence_] = []
+        # Paged: admitted sequences whose prompt is not all prefilled yet, oldest first; and
+        # the keys of the full blocks their prefills have still to write (`_admit`)
+        self.prefilling: list[Sequence_] = []
+        self._pending: dict[bytes, Sequence_] = {}
+        self.pace = pace if pace is not None else Pace()  # a step's prefill beside decoding
         self._cache: Any = None
         self._mask: torch.Tensor | None = None  # [rows, width]: 1 where a row has a token
         self._seen: torch.Tensor | None = None  # [rows, vocab]: tokens each row has had
@@ -156,6 +170,7 @@ class Engine(PagedRows):
         start = max(self._virtual, last)
         self._finishes[flow] = (start + sequence.reach, queued + 1)
         sequence.tag = (start, next(self._order))
+        sequence.added = time.monotonic()
         bisect.insort(self.waiting, sequence, key=lambda s: s.tag)
 
     def room(self, prompt: int) -> int:
@@ -196,14 +211,15 @@ class Engine(PagedRows):
             raise PayloadError("the prompt encodes to no tokens; send a non-empty prompt")
 
     def cancel(self, key: Hashable) -> None:
-        """Stop a sequence at the next step (waiting or running); it ends "cancelled"."""
-        for sequence in (*self.waiting, *self.rows):
+        """Stop a sequence at the next step (waiting, prefilling or running); it ends
+        "cancelled"."""
+        for sequence in (*self.waiting, *self.prefilling, *self.rows):
             if sequence.key == key:
                 sequence.cancelled = True
 
     @property
     def busy(self) -> bool:
-        return bool(self.waiting or self.rows)
+        return bool(self.waiting or self.prefilling or self.rows)
 
     @property
     def held_tokens(self) -> int:
@@ -235,11 +251,11 @@ class Engine(PagedRows):
         ended in this step (done, cancelled or failed)."""
         with torch.inference_mode(), _on(self.device), _attention_kernels(self.device):
             ended = self._drop_cancelled()
-            admitted = self._admit()
-            if admitted:
-                self._prefill(admitted)
+            chunks = self._admit()
+            if chunks:
+                joined = self._prefill(chunks)
                 ended += self._leave()
-                if self.after_prefill is not None:
+                if joined and self.after_prefill is not None:
                     self.after_prefill()
             if self.rows:
                 self._decode()
@@ -256,16 +272,25 @@ class Engine(PagedRows):
 
     def _drop_cancelled(self) -> list[Sequence_]:
         now = time.monotonic()
-        for sequence in (*self.waiting, *self.rows):
+        for sequence in (*self.waiting, *self.prefilling, *self.rows):
             if sequence.deadline is not None and now >= sequence.deadline:
                 sequence.cancelled = True
         ended = [s for s in self.waiting if s.cancelled]
         for sequence in ended:
+            self._dequeued(sequence)
+        self.waiting = [s for s in self.waiting if not s.cancelled]
+        stopped = [s for s in self.prefilling if s.cancelled]  # their blocks go back
+        for sequence in stopped:
+            assert self.kv is not None and sequence.table is not None
+            self._unpend(sequence)
+            self.kv.pool.release(sequence.table.blocks)
+            sequence.table = None
+        self.prefilling = [s for s in self.prefilling if not s.cancelled]
+        ended += stopped
+        for sequence in ended:
             sequence.finish = "cancelled"
             if sequence.text is not None and sequence.tokens:  # preempted, then cancelled
                 sequence.text.finish(sequence.tokens)
-            self._dequeued(sequence)
-        self.waiting = [s for s in self.waiting if not s.cancelled]
         for sequence in self.rows:
             if sequence.cancelled:
                 sequence.finish = "cancelled"
@@ -273,46 +298,79 @@ class Engine(PagedRows):
                     sequence.text.finish(sequence.tokens)
         return ended + self._leave()
 
-    def _admit(self) -> list[Sequence_]:
-        """The waiting sequences that fit now, in their fair order (none jumps the queue),
-        with at most `prefill_tokens` of prompts in one step (the first goes however long)."""
+    def _admit(self) -> list[tuple[Sequence_, int]]:
+        """This step's prefill, as (sequence, prompt tokens it computes now): chunks of the
+        prompts being prefilled, oldest first, then the waiting sequences that fit now, in
+        their fair order (none jumps the queue), within the step's budget (`_budget`).
+        Left-padded, whole prompts (`_admit_whole`)."""
+        if self.kv is None:
+            return [(s, len(s.prompt)) for s in self._admit_whole()]
+        pool = self.kv.pool
+        left = self._budget()
+        chunks: list[tuple[Sequence_, int]] = []
+        for sequence in self.prefilling:
+            if left <= 0:
+                break
+            chunks.append((sequence, min(self._todo(sequence), left)))
+            left -= chunks[-1][1]
+        admitted: list[Sequence_] = []
+        count = len(self.rows) + len(self.prefilling)
+        spare = pool.available - self._next_blocks()  # kept for the rows' next tokens
+        while left > 0 and len(admitted) < len(self.waiting) and count < self.max_rows:
+            head = self.waiting[len(admitted)]
+            context = head.context()
+            prefix = pool.match(context, len(context) - 1)  # a token at least is computed
+            if self._written_by_another(context, prefix):
+                break  # it begins as one being prefilled does: it reads that once written
+            taken = self._blocks_for(head, prefix, spare)
+            if taken is None:
+                break
+            spare -= taken
+            self._pend(head, context)
+            admitted.append(head)
+            chunks.append((head, min(self._todo(head), left)))
+            left -= chunks[-1][1]
+            count += 1
+        self._leave_queue(admitted)
+        self.prefilling += admitted
+        return chunks
+
+    def _budget(self) -> int:
+        """The prompt tokens this step prefills (paged): the engine's bound while no row
+        decodes, else as many as one decode step's time allows (`worker.generation.pacing`)."""
+        if not self.rows:
+            return self.prefill_tokens
+        return self.pace.budget(self.prefill_tokens)
+
+    def _admit_whole(self) -> list[Sequence_]:
+        """Left-padded: the waiting sequences that fit now, in their fair order, with at
+        most `prefill_tokens` of prompts in one step (the first goes however long)."""
         admitted: list[Sequence_] = []
         reach = max((s.reach for s in self.rows), default=0)
         count = len(self.rows)
         prompts = 0
-        # Paged: blocks the running rows take at their next token, kept for them.
-        spare = 0 if self.kv is None else self.kv.pool.available - self._next_blocks()
-        computing: set[bytes] = set()  # first blocks this step's prefill computes
         while len(admitted) < len(self.waiting) and count < (self.max_rows if self._merges else 1):
             head = self.waiting[len(admitted)]
             wider = max(reach, head.reach)
-            if self.kv is None and (count + 1) * wider > self.budget:
+            if (count + 1) * wider > self.budget:
                 break
-            computed, prefix = len(head.prompt), None
-            if self.kv is not None:  # what its cached prefix leaves to compute
-                context = head.context()
-                prefix = self.kv.pool.match(context, len(context) - 1)  # a token at least
-                computed = len(context) - len(prefix[0]) * self.kv.pool.size
-                first = self._first_block(context) if not prefix[0] else None
-                if first is not None and first in computing:
-                    break  # it begins as one prefilled now does: next step it reads that
-                if first is not None:
-                    computing.add(first)
-            if admitted and prompts + computed > self.prefill_tokens:
+            if admitted and prompts + len(head.prompt) > self.prefill_tokens:
                 break
-            if prefix is not None:
-                taken = self._blocks_for(head, prefix, spare)
-                if taken is None:
-                    break
-                spare -= taken
             admitted.append(head)
             reach, count = wider, count + 1
-            prompts += computed
+            prompts += len(head.prompt)
+        self._leave_queue(admitted)
+        return admitted
+
+    def _leave_queue(self, admitted: list[Sequence_]) -> None:
+        """The waiting line's head, `admitted`, leaves it."""
         del self.waiting[: len(admitted)]
+        now = time.monotonic()
         for sequence in admitted:
             self._virtual = max(self._virtual, sequence.tag[0])
             self._dequeued(sequence)
-        return admitted
+            if sequence.admitted is None:
+                sequence.admitted = now
 
     def _dequeued(self, sequence: Sequence_) -> None:
         """A sequence left the queue: its flow's entry goes once none of it waits."""
@@ -322,76 +380,95 @@ class Engine(PagedRows):
         else:
             del self._finishes[sequence.flow]
 
-    def _prefill(self, admitted: list[Sequence_]) -> None:
-        """Prefill the new prompts in passes, shortest first: of similar lengths (at most
+    def _prefill(self, chunks: list[tuple[Sequence_, int]]) -> int:
+        """Prefill this step's chunks in passes, shortest first: of similar lengths (at most
         PADDING of a pass padding) where compute is what a pass costs, or as few passes of
         up to `prefill_tokens` padded tokens as hold them where launching a pass is
-        (`merge_prefill`)."""
-        group: list[Sequence_] = []
-        for sequence in sorted(admitted, key=self._todo):
-            padded = (len(group) + 1) * self._todo(sequence)
+        (`merge_prefill`). How many sequences joined the rows."""
+        joined = 0
+        group: list[tuple[Sequence_, int]] = []
+        for chunk in sorted(chunks, key=lambda c: c[1]):
+            padded = (len(group) + 1) * chunk[1]
             if self.merge_prefill:
                 full = padded > self.prefill_tokens
             else:
-                full = padded > PADDING * sum(self._todo(s) for s in (*group, sequence))
+                full = padded > PADDING * sum(n for _, n in (*group, chunk))
             if group and full:
-                self._prefill_group(group)
+                joined += self._prefill_group(group)
                 group = []
-            group.append(sequence)
+            group.append(chunk)
         if group:
-            self._prefill_group(group)
+            joined += self._prefill_group(group)
+        return joined
 
-    def _prefill_group(self, sequences: list[Sequence_]) -> None:
-        """One pass over prompts, left-padded to the longest (as `generate` does), then
-        their rows join the batch with their first tokens. A pass of several prompts that
+    def _prefill_group(self, chunks: list[tuple[Sequence_, int]]) -> int:
+        """One pass over prompts (or the next chunk of each), left-padded to the longest
+        (as `generate` does); the sequences whose prompt is then all in join the batch
+        with their first tokens (how many is returned). A pass of several prompts that
         runs out of device memory runs again in two halves (nothing joined the batch yet,
         no token was drawn), and this engine's later steps take at most half that pass's
         padded tokens; one prompt that does not fit alone raises, as any error of the
-        model does. Paged, each prompt's cached prefix is read from its blocks and only
-        the rest is computed; a resumed sequence (preempted) gets no new token."""
+        model does. Paged, each prompt's cached prefix (and chunks before) is read from
+        its blocks and only the rest is computed; a resumed sequence (preempted) gets no
+        new token."""
+        sequences = [s for s, _ in chunks]
+        width = max(n for _, n in chunks)
+        started = time.perf_counter()
         try:
             if self.kv is not None:
-                out, mask = self._forward_paged(sequences), None
+                out, mask = self._forward_paged(chunks), None
             else:
                 out, mask = self._forward_padded(sequences)
         except torch.OutOfMemoryError:
-            if len(sequences) == 1:
+            if len(chunks) == 1:
                 raise
             out = None  # split below, once the error (and the frames it holds) is gone
         if out is None:  # the allocator freed its cached blocks before it raised
-            half = len(sequences) // 2
-            width = max(self._todo(s) for s in sequences)
-            self.prefill_tokens = max(1, min(self.prefill_tokens, len(sequences) * width // 2))
+            half = len(chunks) // 2
+            self.prefill_tokens = max(1, min(self.prefill_tokens, len(chunks) * width // 2))
             log.warning(
                 "a prefill pass of %d prompts (%d tokens wide) ran out of memory; running"
                 " it as two passes, and later steps take at most %d prompt tokens",
-                len(sequences), width, self.prefill_tokens,
+                len(chunks), width, self.prefill_tokens,
             )  # fmt: skip
-            self._prefill_group(sequences[:half])
-            self._prefill_group(sequences[half:])
-            return
-        seen = torch.zeros((len(sequences), self.vocab), dtype=torch.bool, device=self.device)
-        for row, sequence in enumerate(sequences):  # its own tokens, not the padding's
+            return self._prefill_group(chunks[:half]) + self._prefill_group(chunks[half:])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the pass's own time, for its pace
+        self.pace.prefilled(len(chunks) * width, time.perf_counter() - started)
+        done = [
+            row for row, s in enumerate(sequences)
+            if s.table is None or s.table.length == len(s.context())
+        ]  # fmt: skip
+        if not done:
+            return 0
+        joining = [sequences[row] for row in done]
+        seen = torch.zeros((len(joining), self.vocab), dtype=torch.bool, device=self.device)
+        for row, sequence in enumerate(joining):  # its own tokens, not the padding's
             had = sequence.prompt + sequence.tokens
             seen[row, torch.tensor(had, device=self.device)] = True
-        fresh = [row for row, s in enumerate(sequences) if not s.resumed]
+        fresh = [row for row, s in enumerate(joining) if not s.resumed]
         first: list[int] = []
         if fresh:
-            picking = [sequences[row] for row in fresh]
+            picking = [joining[row] for row in fresh]
             columns = sampling.Columns([s.options.choice for s in picking], self.device)
             logits = out.logits[:, -1, :]
-            if len(fresh) < len(sequences):
-                logits = logits[torch.tensor(fresh, device=self.device)]
+            rows = [done[row] for row in fresh]
+            if len(rows) < len(sequences):
+                logits = logits[torch.tensor(rows, device=self.device)]
             first = sampling.pick(logits, columns, seen[fresh], [s.generator for s in picking])
         if self.kv is not None:
-            self._join_paged(sequences, seen)
+            for sequence in joining:
+                self._unpend(sequence)
+            self.prefilling = [s for s in self.prefilling if s not in joining]
+            self._join_paged(joining, seen)
         else:
             assert mask is not None
-            self._join(sequences, _cache_of(out), mask, seen)
+            self._join(joining, _cache_of(out), mask, seen)
         for row, token in zip(fresh, first, strict=True):
-            self._take(sequences[row], token)
-        for sequence in sequences:
+            self._take(joining[row], token)
+        for sequence in joining:
             sequence.resumed = False
+        return len(joining)
 
     def _forward_padded(self, sequences: list[Sequence_]) -> tuple[Any, torch.Tensor]:
         """The pass over left-padded prompts, keeping their cache; and its mask."""
@@ -426,6 +503,7 @@ class Engine(PagedRows):
         self._columns = None
 
     def _decode(self) -> None:
+        started = time.perf_counter()
         if self.kv is not None and not self._grow_rows():
             return  # every row was preempted (their blocks went to older rows)
         assert self._mask is not None and self._seen is not None
@@ -450,7 +528,8 @@ class Engine(PagedRows):
             self._columns = sampling.Columns([s.options.choice for s in rows], self.device)
         picked = sampling.pick(
             out.logits[:, -1, :], self._columns, self._seen, [s.generator for s in rows]
-        )
+        )  # read back to the host: the step's work is done
+        self.pace.decoded(time.perf_counter() - started)
         self.peak_tokens = max(self.peak_tokens, self.capacity_tokens)
         if not self._merges:
             self._cache = _cache_of(out)  # a plain cache grows by concatenation

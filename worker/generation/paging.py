@@ -33,6 +33,7 @@ class PagedRows:
     kv: paged.Paged | None
     rows: list[Sequence_]
     waiting: list[Sequence_]
+    _pending: dict[bytes, Sequence_]
     preemptions: int
     _slots: torch.Tensor | None
     _mask: torch.Tensor | None
@@ -62,11 +63,32 @@ class PagedRows:
         held = sequence.table.length if sequence.table is not None else 0
         return len(sequence.prompt) + max(0, len(sequence.tokens) - 1) - held
 
-    def _first_block(self, context: list[int]) -> bytes | None:
-        """The key the first block of `context` will have, if it fills one and goes on."""
+    def _written_by_another(self, context: list[int], prefix: tuple[list[int], bytes]) -> bool:
+        """Whether the next block `context` would compute after its cached `prefix` (a
+        `match`) is one a prefill under way is writing: a burst of prompts that begin alike
+        computes their common blocks once, and the others read them once they are keyed."""
         assert self.kv is not None
-        size = self.kv.pool.size
-        return blocks.chain(b"", context[:size]) if len(context) > size else None
+        pool = self.kv.pool
+        start = len(prefix[0]) * pool.size
+        if not pool.share or start + pool.size > len(context) - 1:
+            return False
+        return blocks.chain(prefix[1], context[start : start + pool.size]) in self._pending
+
+    def _pend(self, sequence: Sequence_, context: list[int]) -> None:
+        """Note the keys of the full blocks an admitted sequence's prefill will write."""
+        assert self.kv is not None and sequence.table is not None
+        if not self.kv.pool.share:
+            return
+        size, key = self.kv.pool.size, sequence.table.key
+        for start in range(sequence.table.keyed * size, len(context) - size + 1, size):
+            key = blocks.chain(key, context[start : start + size])
+            self._pending.setdefault(key, sequence)
+
+    def _unpend(self, sequence: Sequence_) -> None:
+        """A sequence's prefill ended (done or cancelled): what it wrote is keyed, or never
+        will be."""
+        if any(s is sequence for s in self._pending.values()):
+            self._pending = {k: s for k, s in self._pending.items() if s is not sequence}
 
     def _next_blocks(self) -> int:
         """Blocks the running rows need for their next token (those whose blocks are full)."""
@@ -100,32 +122,34 @@ class PagedRows:
             pool.counted(len(sequence.prompt), reused)
         return taken
 
-    def _forward_paged(self, sequences: list[Sequence_]) -> Any:
-        """The pass over the admitted sequences' uncached tokens, each row reading its
-        cached prefix from its blocks: `[past | new]` columns, each part right-aligned."""
+    def _forward_paged(self, chunks: list[tuple[Sequence_, int]]) -> Any:
+        """The pass over the next `n` uncomputed tokens of each sequence (`chunks`), each
+        row reading what it holds already (a cached prefix, its chunks before) from its
+        blocks: `[past | new]` columns, each part right-aligned."""
         assert self.kv is not None
         kv = self.kv
-        contexts = [s.context() for s in sequences]
-        tables = [s.table for s in sequences]
+        contexts = [s.context() for s, _ in chunks]
+        tables = [s.table for s, _ in chunks]
         assert all(t is not None for t in tables)
         past = max(t.length for t in tables if t is not None)
-        new = max(len(c) - t.length for c, t in zip(contexts, tables, strict=True) if t)
-        rows = len(sequences)
+        new = max(n for _, n in chunks)
+        rows = len(chunks)
         ids = torch.zeros((rows, new), dtype=torch.long)
         mask = torch.zeros((rows, past + new), dtype=torch.long)
         positions = torch.zeros((rows, new), dtype=torch.long)
         index = torch.zeros((rows, past + new), dtype=torch.long)
         written, slots = [], []
-        for row, (context, table) in enumerate(zip(contexts, tables, strict=True)):
+        for row, (context, (_, todo)) in enumerate(zip(contexts, chunks, strict=True)):
+            table = tables[row]
             assert table is not None
-            held, todo = table.length, len(context) - table.length
-            mine = kv.slots(table, 0, len(context))
+            held = table.length
+            mine = kv.slots(table, 0, held + todo)
             index[row, past - held : past] = mine[:held]
             index[row, past + new - todo :] = mine[held:]
             mask[row, past - held : past] = 1
             mask[row, past + new - todo :] = 1
-            ids[row, new - todo :] = torch.tensor(context[held:])
-            positions[row, new - todo :] = torch.arange(held, len(context))
+            ids[row, new - todo :] = torch.tensor(context[held : held + todo])
+            positions[row, new - todo :] = torch.arange(held, held + todo)
             written.append(torch.arange(row * new + new - todo, (row + 1) * new))
             slots.append(mine[held:])
         every = torch.cat(written)
@@ -141,9 +165,9 @@ class PagedRows:
             out = self._forward_prompts(
                 ids.to(self.device), mask.to(self.device), positions.to(self.device), cache
             )
-        for sequence, context in zip(sequences, contexts, strict=True):
+        for (sequence, todo), context in zip(chunks, contexts, strict=True):
             assert sequence.table is not None
-            sequence.table.length = len(context)  # written: a pass that raised wrote nothing
+            sequence.table.length += todo  # written: a pass that raised wrote nothing
             kv.pool.key_full_blocks(sequence.table, context)
         return out
 

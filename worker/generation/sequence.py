@@ -49,6 +49,8 @@ class Sequence_:
     tokens: list[int] = field(default_factory=list)
     finish: str = ""  # "stop", "length" or "cancelled" once done
     cancelled: bool = False
+    added: float | None = None  # when the engine was given it (time.monotonic())
+    admitted: float | None = None  # when it first left the queue, its prefill begun
     first_token: float | None = None  # when its first token was made
     text: Detokenizer | None = None
     generator: torch.Generator | None = None

@@ -44,6 +44,7 @@ class Generated:
     outputs: dict[str, Any]
     compute_ms: float  # from reaching the engine to its end
     first_token_ms: float  # from reaching the engine to its first token
+    join_ms: float  # from reaching the engine to the step that began its prefill
     inter_token_ms: float  # mean gap between its later tokens
     tokens: int
     cancelled: bool = False
@@ -157,6 +158,7 @@ def _streamer(on_text: Callable[[int, str], None], index: int) -> Callable[[str]
 def _answer(entry: _Running) -> Generated:
     sequences = entry.sequences
     firsts = [s.first_token for s in sequences if s.first_token is not None]
+    admitted = [s.admitted for s in sequences if s.admitted is not None]
     now = time.monotonic()
     tokens = sum(len(s.tokens) for s in sequences)
     later = max(0, len(sequences[0].tokens) - 1)
@@ -171,6 +173,7 @@ def _answer(entry: _Running) -> Generated:
         },
         compute_ms=(now - entry.since) * 1000,
         first_token_ms=(min(firsts) - entry.since) * 1000 if firsts else 0.0,
+        join_ms=max(0.0, min(admitted) - entry.since) * 1000 if admitted else 0.0,
         inter_token_ms=((now - first) * 1000 / later) if first is not None and later else 0.0,
         tokens=tokens,
         cancelled=any(s.finish == "cancelled" for s in sequences),
