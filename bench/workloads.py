@@ -10,6 +10,7 @@ from pathlib import Path
 from bench.harness import REPO
 
 TRACE = REPO.parent / "shared" / "data" / "AzureLLMInferenceTrace_conv.csv"
+MODEL = "bench-gpt"  # the generation benchmarks' catalog name for their model
 WINDOW = 1024
 CPU_CONFIG = {"model_type": "gpt2", "n_layer": 4, "n_head": 4, "n_embd": 256}
 ALPHABET = "abcdefghijklmnopqrstuvwxyz      "

@@ -575,6 +575,25 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_every_running_row_decodes_ea
     assert engine.kv is not None and engine.kv.pool.in_use == 0
 
 
+def test_short_prompts_arriving_while_rows_decode_all_start_at_the_next_step(
+    model: tuple[Any, Any],
+) -> None:
+    # each fits the step's pace of 16 tokens, though together they do not: no call waits
+    # a step for the others' short prompts
+    net, tokenizer = model
+    engine = Engine(net, tokenizer, CPU, budget=10**6, window=256, pace=_Fixed(16))
+    engine.add(Sequence_("running", [2, 9, 10, 11], Options(max_new_tokens=20)))
+    engine.step()
+    arrivals = [
+        Sequence_(i, [2, *range(30 + i, 39 + i)], Options(max_new_tokens=4)) for i in range(4)
+    ]
+    for sequence in arrivals:
+        engine.add(sequence)
+    engine.step()
+    assert all(len(s.tokens) == 2 for s in arrivals)  # prefilled, then decoded with the rows
+    assert not engine.waiting and not engine.prefilling
+
+
 def test_a_lone_long_prompt_is_prefilled_at_once_when_nothing_decodes(
     model: tuple[Any, Any],
 ) -> None:

@@ -300,26 +300,36 @@ class Engine(PagedRows):
 
     def _admit(self) -> list[tuple[Sequence_, int]]:
         """This step's prefill, as (sequence, prompt tokens it computes now): chunks of the
-        prompts being prefilled, oldest first, then the waiting sequences that fit now, in
-        their fair order (none jumps the queue), within the step's budget (`_budget`).
-        Left-padded, whole prompts (`_admit_whole`)."""
+        prompts being prefilled, oldest first, within the step's pace (`_budget`); then the
+        waiting sequences that fit now, in their fair order (none jumps the queue): a
+        prompt the pace holds whole, at once (a call never waits a step for others' short
+        prompts), up to `prefill_tokens` in the step; a longer one, a chunk of what is left
+        of the pace. Left-padded, whole prompts (`_admit_whole`)."""
         if self.kv is None:
             return [(s, len(s.prompt)) for s in self._admit_whole()]
         pool = self.kv.pool
-        left = self._budget()
+        paced = self._budget()
+        left, total = paced, 0  # the step's pace left, and its prompt tokens
         chunks: list[tuple[Sequence_, int]] = []
         for sequence in self.prefilling:
             if left <= 0:
                 break
             chunks.append((sequence, min(self._todo(sequence), left)))
             left -= chunks[-1][1]
+            total += chunks[-1][1]
         admitted: list[Sequence_] = []
         count = len(self.rows) + len(self.prefilling)
         spare = pool.available - self._next_blocks()  # kept for the rows' next tokens
-        while left > 0 and len(admitted) < len(self.waiting) and count < self.max_rows:
+        while len(admitted) < len(self.waiting) and count < self.max_rows:
             head = self.waiting[len(admitted)]
             context = head.context()
             prefix = pool.match(context, len(context) - 1)  # a token at least is computed
+            todo = len(context) - len(prefix[0]) * pool.size
+            whole = todo <= paced  # a prompt a step's pace holds starts whole at once
+            if whole and chunks and total + todo > self.prefill_tokens:
+                break
+            if not whole and left <= 0:
+                break
             if self._written_by_another(context, prefix):
                 break  # it begins as one being prefilled does: it reads that once written
             taken = self._blocks_for(head, prefix, spare)
@@ -328,8 +338,9 @@ class Engine(PagedRows):
             spare -= taken
             self._pend(head, context)
             admitted.append(head)
-            chunks.append((head, min(self._todo(head), left)))
+            chunks.append((head, todo if whole else min(todo, left)))
             left -= chunks[-1][1]
+            total += chunks[-1][1]
             count += 1
         self._leave_queue(admitted)
         self.prefilling += admitted
