@@ -341,10 +341,11 @@ class PagedRows:
         return True
 
     def _shared_blocks(self) -> int:
-        """How many whole blocks every running row begins with (the same blocks)."""
+        """How many whole blocks every running row begins with (the same blocks); none for
+        a lone row, which gains nothing from reading its blocks once."""
         assert self.kv is not None
         tables = [s.table for s in self.rows if s.table is not None]
-        if not tables:
+        if len(tables) < 2:
             return 0
         full = min(t.length for t in tables) // self.kv.pool.size  # written in every row
         count = 0
