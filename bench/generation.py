@@ -34,9 +34,10 @@ their CPU counts):
 - `ttft_split_p50_ms`: the plain clients' calls' time to first token in parts, each a p50:
   `client_send` (the client's `send_task`), `queue` (from the send to the worker process
   that runs the engine: the router's hop, the worker's hand-over, `batch_wait` among
-  them), `join` (from reaching the engine to the step that begins its prefill),
-  `first_token` (from that step to its first token); `join_p99_ms` against
-  `inter_token_p50_ms`, the calls' mean gap between tokens (a decode step under that load);
+  them), `join` (from there to the engine's next step), `admission` (to the step that
+  begins its prefill: other calls' prompts ahead of it), `first_token` (from that step to
+  its first token); `join_p99_ms` against `inter_token_p50_ms`, the calls' mean gap
+  between tokens (a decode step under that load);
 - `ttft_p50_ms`: the same calls streamed, a thread each, spread over `--processes` client
   processes, each from its own send to its first text; `lone_ttft_ms`: one streamed call
   alone, the median of `--lone`, with the call of median prompt length; `ttft_ratio` their
@@ -147,12 +148,14 @@ def _split(plain: dict[str, Any]) -> dict[str, Any]:
     answers = [a for a in plain["answers"] if isinstance(a, dict)]
     timings = [a["timings_ms"] for a in answers]
     joins = [t.get("join", 0.0) for t in timings]
+    waits = [t.get("prefill_wait", 0.0) for t in timings]
     parts = {
         "client_send": plain["send_ms"],
         "queue": [t["queue"] for t in timings],
         "batch_wait": [t["batch_wait"] for t in timings],
         "join": joins,
-        "first_token": [t["first_token"] - j for t, j in zip(timings, joins, strict=True)],
+        "admission": [max(0.0, w - j) for w, j in zip(waits, joins, strict=True)],
+        "first_token": [t["first_token"] - w for t, w in zip(timings, waits, strict=True)],
     }
     return {
         "ttft_split_p50_ms": {k: round(percentile(v, 50), 2) for k, v in parts.items()},

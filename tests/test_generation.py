@@ -432,7 +432,7 @@ def test_prompts_prefilled_in_one_padded_pass_still_get_the_tokens_they_get_alon
 class _Unpaced(Pace):
     """No pacing: a step prefills up to the engine's own bound whatever decodes beside it."""
 
-    def budget(self, most: int) -> int:
+    def budget(self, most: int, rows: int = 1, building: int = 1) -> int:
         return most
 
 
@@ -547,7 +547,7 @@ class _Fixed(Pace):
         super().__init__()
         self.tokens = tokens
 
-    def budget(self, most: int) -> int:
+    def budget(self, most: int, rows: int = 1, building: int = 1) -> int:
         return min(most, self.tokens)
 
 
@@ -666,3 +666,12 @@ def test_passes_of_one_size_give_a_pace_from_their_mean_cost_per_token() -> None
     pace.prefilled(100, 0.012)
     pace.decoded(0.0055)
     assert pace.budget(2048) == 50  # 0.11 ms a token, fixed part included
+
+
+def test_the_pace_of_a_few_rows_is_that_of_the_batch_the_waiting_calls_will_make() -> None:
+    pace = Pace()
+    pace.prefilled(100, 0.010)
+    pace.prefilled(100, 0.010)
+    pace.decoded(0.002)  # two rows decode in 2 ms
+    assert pace.budget(2048, rows=2, building=2) == 20
+    assert pace.budget(2048, rows=2, building=16) == 160  # as a step of 16 rows

@@ -111,7 +111,11 @@ def test_a_streamed_call_s_text_arrives_before_it_ends_and_joins_into_its_answer
     assert ready_at_first is False, "the first piece came only once the call had ended"
     assert len(pieces) > 1
     assert "".join(pieces) == answer["outputs"]["texts"][0]
-    assert answer["timings_ms"]["first_token"] < answer["timings_ms"]["compute"]
+    timings = answer["timings_ms"]
+    assert timings["first_token"] < timings["compute"]
+    # it joined its engine's next step, and its prefill began before its first token
+    assert 0 <= timings["join"] < timings["first_token"]
+    assert 0 <= timings["prefill_wait"] <= timings["first_token"]
 
 
 def test_plain_clients_calling_at_once_each_get_the_tokens_their_call_gets_alone(

@@ -40,7 +40,8 @@ class Served:
     batch: int = 1
     first_token_ms: float | None = None  # a generating call: until its first token
     inter_token_ms: float | None = None  # and the mean gap between its later tokens
-    join_ms: float | None = None  # and from reaching its engine to its prefill's start
+    join_ms: float | None = None  # and from reaching its engine's process to its first step
+    prefill_wait_ms: float | None = None  # and from reaching its engine to its prefill
 
 
 class GpuWorker:

@@ -225,6 +225,9 @@ class Session:
         moved = [c for c in waiting.calls if c.epoch and c.epoch != engine.opened.epoch]
         for call in moved:
             self._finished(call, _moved(replica))
+        now = time.monotonic()
+        for call in waiting.calls:  # it waited for its replica (its `load`), not to join
+            call.received = now
         engine.driver.add(c for c in waiting.calls if c not in moved)
         waiting.calls = []
         return True

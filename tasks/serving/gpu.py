@@ -108,6 +108,7 @@ def serve(task: Task, call: Call) -> dict[str, Any]:
         timings["first_token"] = round(served.first_token_ms, 3)
         timings["inter_token"] = round(served.inter_token_ms or 0.0, 3)
         timings["join"] = round(served.join_ms or 0.0, 3)
+        timings["prefill_wait"] = round(served.prefill_wait_ms or 0.0, 3)
     return {
         "model": call.model,
         "replica": call.replica,
@@ -235,7 +236,7 @@ class _Session:
             served: Served | BaseException = Served(
                 generated.outputs, gpus, load_ms, generated.compute_ms,
                 generated.outputs.get("batch", 1), generated.first_token_ms,
-                generated.inter_token_ms, generated.join_ms,
+                generated.inter_token_ms, generated.join_ms, generated.prefill_wait_ms,
             )  # fmt: skip
             reason = ",".join(generated.outputs.get("finish_reasons", [])) or "stop"
         else:

@@ -170,7 +170,6 @@ class Engine(PagedRows):
         start = max(self._virtual, last)
         self._finishes[flow] = (start + sequence.reach, queued + 1)
         sequence.tag = (start, next(self._order))
-        sequence.added = time.monotonic()
         bisect.insort(self.waiting, sequence, key=lambda s: s.tag)
 
     def room(self, prompt: int) -> int:
@@ -249,6 +248,10 @@ class Engine(PagedRows):
     def step(self) -> list[Sequence_]:
         """Admit what fits, decode one token for every row, and return the sequences that
         ended in this step (done, cancelled or failed)."""
+        began = time.monotonic()
+        for sequence in self.waiting:
+            if sequence.stepped is None:
+                sequence.stepped = began
         with torch.inference_mode(), _on(self.device), _attention_kernels(self.device):
             ended = self._drop_cancelled()
             chunks = self._admit()
@@ -351,7 +354,8 @@ class Engine(PagedRows):
         decodes, else as many as one decode step's time allows (`worker.generation.pacing`)."""
         if not self.rows:
             return self.prefill_tokens
-        return self.pace.budget(self.prefill_tokens)
+        building = min(self.max_rows, len(self.rows) + len(self.prefilling) + len(self.waiting))
+        return self.pace.budget(self.prefill_tokens, len(self.rows), building)
 
     def _admit_whole(self) -> list[Sequence_]:
         """Left-padded: the waiting sequences that fit now, in their fair order, with at

@@ -11,7 +11,12 @@ the engine measures both times as it runs.
 The cost of a prefill pass is modelled as `fixed + per_token x tokens` (a pass of a few
 tokens costs its launches, most of them on a GPU; each token its compute, most of it on a
 CPU), fitted by least squares over the last `WINDOW` passes. The step's budget is then the
-tokens whose compute costs one decode step: `decode_s / per_token`. On a CPU, where
+tokens whose compute costs one decode step: `decode_s / per_token`, the decode step being
+that of the batch under way (its rows and the calls waiting to join them, the step's cost
+scaled by their number): while a few rows run and many calls wait, the prefill is paced by
+the steps those calls will share, not by the short steps of the first few (paced by
+those, the fleet's 32 short calls, which reach the engine a few at a time, waited 40 to
+356 ms p50 to begin their prefill). On a CPU, where
 `fixed` is small, that bounds the whole prefill; on a GPU, where a pass of thousands of
 tokens costs little more than its launches, the budget is large, as it should be. With no
 row running, nothing waits, and the engine's own bound (`prefill_tokens`) applies.
@@ -71,14 +76,19 @@ class Pace:
                 return slope
         return mean_t / mean_n
 
-    def budget(self, most: int) -> int:
-        """Prompt tokens this step may prefill beside running rows: those whose compute
-        costs one decode step, within [`LEAST_TOKENS`, `most`]; `most` until both costs
-        are known."""
+    def budget(self, most: int, rows: int = 1, building: int = 1) -> int:
+        """Prompt tokens this step may prefill beside `rows` running rows, when the batch
+        being built (those rows and the sequences waiting or being prefilled) holds
+        `building`: those whose compute costs one decode step of that batch, within
+        [`LEAST_TOKENS`, `most`]; `most` until both costs are known. A decode step's cost
+        is taken to grow with its rows (a pass's compute), so while few rows run and many
+        calls wait, as when a burst of calls reaches an idle engine a few at a time, the
+        prefill is not held to the short steps of the first few."""
         decode_s, per_token = self.decode_s, self.per_token_s()
         if decode_s is None or per_token is None:
             return most
-        return max(min(LEAST_TOKENS, most), min(most, int(decode_s / per_token)))
+        step_s = decode_s * max(1.0, building / max(1, rows))
+        return max(min(LEAST_TOKENS, most), min(most, int(step_s / per_token)))
 
 
 __all__ = ["LEAST_TOKENS", "WINDOW", "Pace"]

@@ -49,7 +49,7 @@ class Sequence_:
     tokens: list[int] = field(default_factory=list)
     finish: str = ""  # "stop", "length" or "cancelled" once done
     cancelled: bool = False
-    added: float | None = None  # when the engine was given it (time.monotonic())
+    stepped: float | None = None  # when the engine's first step after its add began
     admitted: float | None = None  # when it first left the queue, its prefill begun
     first_token: float | None = None  # when its first token was made
     text: Detokenizer | None = None

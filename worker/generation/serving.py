@@ -35,6 +35,8 @@ class GenCall:
     deadline: float | None = None  # time.monotonic() after which it ends "cancelled"
     replica: str = ""  # where it runs, as placed in `epoch` (0: as placed now)
     epoch: int = 0
+    # when it reached this process, or its replica became ready here if it waited for that
+    received: float = field(default_factory=time.monotonic)
 
 
 @dataclass(frozen=True)
@@ -44,7 +46,8 @@ class Generated:
     outputs: dict[str, Any]
     compute_ms: float  # from reaching the engine to its end
     first_token_ms: float  # from reaching the engine to its first token
-    join_ms: float  # from reaching the engine to the step that began its prefill
+    join_ms: float  # from reaching this process to the engine's first step after it
+    prefill_wait_ms: float  # from reaching the engine to the step that began its prefill
     inter_token_ms: float  # mean gap between its later tokens
     tokens: int
     cancelled: bool = False
@@ -159,6 +162,7 @@ def _answer(entry: _Running) -> Generated:
     sequences = entry.sequences
     firsts = [s.first_token for s in sequences if s.first_token is not None]
     admitted = [s.admitted for s in sequences if s.admitted is not None]
+    stepped = [s.stepped for s in sequences if s.stepped is not None]
     now = time.monotonic()
     tokens = sum(len(s.tokens) for s in sequences)
     later = max(0, len(sequences[0].tokens) - 1)
@@ -173,7 +177,8 @@ def _answer(entry: _Running) -> Generated:
         },
         compute_ms=(now - entry.since) * 1000,
         first_token_ms=(min(firsts) - entry.since) * 1000 if firsts else 0.0,
-        join_ms=max(0.0, min(admitted) - entry.since) * 1000 if admitted else 0.0,
+        join_ms=max(0.0, min(stepped) - entry.call.received) * 1000 if stepped else 0.0,
+        prefill_wait_ms=max(0.0, min(admitted) - entry.since) * 1000 if admitted else 0.0,
         inter_token_ms=((now - first) * 1000 / later) if first is not None and later else 0.0,
         tokens=tokens,
         cancelled=any(s.finish == "cancelled" for s in sequences),
