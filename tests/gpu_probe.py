@@ -257,8 +257,67 @@ def generate_on(arg: str) -> dict[str, Any]:
     }
 
 
+def chunked_on(arg: str) -> dict[str, Any]:
+    """On local device `arg`: four rows decoding while four prompts of 300 tokens join,
+    prefilled 48 tokens a step (a pace held there: `worker.generation.pacing`), and each
+    call alone; report how many agree, the steps that prefilled a chunk, and whether every
+    running row got a token at each of them (dtype float32)."""
+    import random
+
+    from worker.generation.engine import Engine, Options, Sequence_
+    from worker.generation.pacing import Pace
+    from worker.synthetic import build_synthetic
+
+    class Held(Pace):
+        def budget(self, most: int, rows: int = 1, building: int = 1) -> int:
+            return min(most, 48)
+
+    config = {"model_type": "gpt2", "n_layer": 4, "n_head": 4, "n_embd": 256,
+              "vocab_size": 2048, "n_positions": 512}  # fmt: skip
+    entry = {"source": "synthetic", "task": "text-generation", "memory": "64MiB"}
+    spec = Catalog.from_mapping({"models": {"g": {**entry, "config": config}}})["g"]
+    model, tokenizer = build_synthetic(spec)
+    device = torch.device(f"cuda:{int(arg)}")
+    model = model.to(device)
+    rng = random.Random(1)
+    running = [([2, *(rng.randrange(5, 2048) for _ in range(20))], 60) for _ in range(4)]
+    joining = [([2, *(rng.randrange(5, 2048) for _ in range(299))], 12) for _ in range(4)]
+    together = Engine(model, tokenizer, device, budget=10**6, window=512, pace=Held())
+    sequences = [Sequence_(i, p, Options(max_new_tokens=n)) for i, (p, n) in enumerate(running)]
+    for sequence in sequences:
+        together.add(sequence)
+    together.step()
+    late = [Sequence_(4 + i, p, Options(max_new_tokens=n)) for i, (p, n) in enumerate(joining)]
+    for sequence in late:
+        together.add(sequence)
+    chunked_steps, every_row_decoded = 0, True
+    while any(s.first_token is None for s in late):
+        before = [len(s.tokens) for s in sequences]
+        together.step()
+        chunked_steps += 1
+        every_row_decoded &= all(
+            len(s.tokens) == n + 1 for s, n in zip(sequences, before, strict=True) if not s.done
+        )
+    together.run()
+    alone = []
+    for prompt, new in [*running, *joining]:
+        one = Engine(model, tokenizer, device, budget=10**6, window=512)
+        sequence = Sequence_(0, prompt, Options(max_new_tokens=new))
+        one.add(sequence)
+        one.run()
+        alone.append(sequence.tokens)
+    every = [*sequences, *late]
+    return {
+        "equal": sum(s.tokens == a for s, a in zip(every, alone, strict=True)),
+        "calls": len(every),
+        "chunked_steps": chunked_steps,
+        "every_row_decoded": every_row_decoded,
+    }
+
+
 PROBES: dict[str, Callable[[str], dict[str, Any]]] = {
     "generate_on": generate_on,
+    "chunked_on": chunked_on,
     "fraction_cap": fraction_cap,
     "fill_to_cap": fill_to_cap,
     "load_on": load_on,

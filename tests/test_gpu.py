@@ -99,6 +99,15 @@ def test_greedy_calls_sharing_decode_steps_on_the_gpu_get_the_tokens_they_get_al
     assert result["equal"] == result["calls"], result
 
 
+def test_long_prompts_prefilled_in_chunks_on_the_gpu_beside_decoding_rows_get_their_tokens() -> (
+    None
+):
+    result = probe("chunked_on", str(gpu_count() - 1))
+    assert result["chunked_steps"] >= 25  # 4 x 300 tokens, 48 a step
+    assert result["every_row_decoded"], result
+    assert result["equal"] == result["calls"], result
+
+
 def test_the_safetensors_reader_puts_the_same_weights_on_the_gpu_as_transformers() -> None:
     target = gpu_count() - 1
     result = probe("read_vs_transformers", str(target))
