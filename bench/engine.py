@@ -10,10 +10,10 @@ compares the fleet with.
 - `decode_steps`: one decode step of a lone sequence, in the paged engine and in the
   left-padded one (`paged_cache=False`), the median of `STEPS` steps after its prefill: what
   a step costs beside the model's own pass.
-- `burst`: the calls running, and after `BURST_AFTER` steps `BURST` new prompts of
-  `BURST_TOKENS` tokens added at once: the running calls' gaps between tokens, p99,
-  before the burst and from its arrival until every burst prompt has its first token, and
-  the burst prompts' time to first token.
+- `burst`: the calls running, and `BURST_AFTER` steps after the last of their prompts is
+  in, `BURST` new prompts of `BURST_TOKENS` tokens added at once: the running calls' gaps
+  between tokens, p99, over those steps (before) and from the burst's arrival until every
+  burst prompt has its first token (during), and the burst prompts' time to first token.
 
 Greedy throughout; `torch`'s threads as the process has them.
 """
@@ -31,7 +31,7 @@ STEPS = 32  # decode steps timed for `decode_steps`
 BURST = 16  # prompts of a burst
 BURST_TOKENS = 1000  # tokens each
 BURST_NEW = 16  # tokens each burst prompt asks for (1,016 positions fit the window of 1,024)
-BURST_AFTER = 20  # steps the calls run before the burst arrives
+BURST_AFTER = 20  # steps the calls decode, every prompt in, before the burst arrives
 
 
 def _build(spec: Any, gpu: bool) -> tuple[Any, Any, Any]:
@@ -144,24 +144,28 @@ def burst(calls: list[tuple[str, int]], spec: Any, gpu: bool) -> dict[str, Any]:
     before: list[float] = []
     during: list[float] = []
     arrived = 0.0
-    steps = 0
+    steady = -1  # steps since every call's prompt was in (-1: not yet)
     while engine.busy:
-        if steps == BURST_AFTER:
+        if steady < 0 and not engine.waiting and all(s.first_token for s in running):
+            steady = 0
+        if steady == BURST_AFTER:
             arrived = time.perf_counter()
             for sequence in arrivals:
                 engine.add(sequence)
         engine.step()
         _sync(device)
-        steps += 1
         now = time.perf_counter()
         bursting = arrived and any(s.first_token is None for s in arrivals)
+        gaps = during if bursting else before if steady >= 0 and not arrived else None
         for sequence in running:
             made = len(sequence.tokens)
             seen = last.get(sequence.key)
-            if seen is not None and made > seen[0] and steps > 2:  # past the first prefill
-                (during if bursting else before if not arrived else []).append(now - seen[1])
+            if gaps is not None and seen is not None and made > seen[0] and not sequence.done:
+                gaps.append(now - seen[1])
             if seen is None or made > seen[0]:
                 last[sequence.key] = (made, now)
+        if steady >= 0:
+            steady += 1
         if arrived and not bursting:
             break
     first = [((s.first_token or arrived) - arrived) * 1000 for s in arrivals]
