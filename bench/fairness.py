@@ -1,6 +1,8 @@
-"""Tenants sharing one fleet: one floods, one calls steadily; both flood, by weight.
+"""Callers sharing one fleet: tenants, one flooding and one calling steadily, or both
+flooding by weight; and one caller's long generations beside another's short calls.
 
     python -m bench.fairness [--burst 400] [--steady 20] [--flood 300] > bench/out/fairness.json
+    python -m bench.fairness --shape generations [--long 6] [--probes 20]
 
 Prints one JSON object. It starts a fleet (`gpufleet up`'s launcher: its bundled Redis, one
 simulated 4 GiB GPU, one small synthetic encoder) and runs, in one run:
@@ -15,6 +17,14 @@ simulated 4 GiB GPU, one small synthetic encoder) and runs, in one run:
   tenant's share of the first half of the answers (by the time each was stored).
 
 Target (issue 59): `tenants.slowest_over_drain` <= 0.1, `weighted.heavy_share` 0.75 +- 0.1.
+
+`--shape generations` starts a fleet of one small synthetic GPT-2 (2 layers, 64 wide, 1,024
+positions) instead, and two plain Celery clients with the fleet's `caller` URL: one sends
+`--long` calls of 64 prompts x 500 new tokens at once, first alone (`long_alone`: their
+tokens per second), then again while the other sends `--probes` calls of 4 new tokens to
+the same model one after another (`probes`: p50 and p99 seconds, and the long calls' tokens
+per second meanwhile, `long_with_probes`). Target (issue 73): probes p99 <= 2 s, and the
+long calls' tokens per second with probes >= 0.9x alone.
 """
 
 from __future__ import annotations
@@ -34,9 +44,23 @@ from celery import Celery
 log = logging.getLogger("bench.fairness")
 
 CATALOG = "models:\n  m: {source: synthetic, task: forward, memory: 256MiB}\n"
+GENERATING = """
+models:
+  talker:
+    source: synthetic
+    task: text-generation
+    memory: 256MiB
+    config: {model_type: gpt2, n_layer: 2, n_head: 2, n_embd: 64, vocab_size: 512,
+             n_positions: 1024}
+    kv_cache: {tokens: 65536}
+"""
+LONG_PROMPTS = 64
+LONG_TOKENS = 500
+PROBE_TOKENS = 4
 TEXT = "tenants share the fleet"
 TIMEOUT_S = 300.0
 TARGETS = {"slowest_over_drain": 0.1, "heavy_share": [0.65, 0.85]}
+GENERATION_TARGETS = {"probe_p99_s": 2.0, "long_tokens_ratio": 0.9}
 
 
 def _call(client: Celery, text: str) -> Any:
@@ -88,6 +112,99 @@ def weighted(heavy: Celery, light: Celery, n: int) -> dict[str, Any]:
     )
     first = [name for _, name in done[: len(done) // 2]]
     return {"calls_each": n, "heavy_share": round(first.count("heavy") / len(first), 4)}
+
+
+def _long_calls(client: Celery, count: int, round_: int) -> tuple[float, int]:
+    """`count` calls of `LONG_PROMPTS` prompts at once (distinct text each round, so no
+    prefix is cached from the last): their seconds to the last answer, and tokens."""
+    began = time.monotonic()
+    calls = [
+        client.send_task(
+            "gpufleet.infer",
+            args=(
+                "talker",
+                [f"round {round_} call {c} prompt {p}:" for p in range(LONG_PROMPTS)],
+                {"max_new_tokens": LONG_TOKENS},
+            ),
+        )
+        for c in range(count)
+    ]
+    answers = [c.get(timeout=TIMEOUT_S * 4) for c in calls]
+    tokens = sum(len(t) for a in answers for t in a["outputs"]["tokens"])
+    return time.monotonic() - began, tokens
+
+
+def long_generations(long: Celery, short: Celery, count: int, probes: int) -> dict[str, Any]:
+    """One client's long calls alone, then beside the other client's short probes."""
+    for client in (long, short):
+        client.send_task("gpufleet.infer", args=("talker", "warm", {"max_new_tokens": 2})).get(
+            timeout=TIMEOUT_S
+        )
+    seconds, tokens = _long_calls(long, count, 0)
+    alone = tokens / seconds
+    waits: list[float] = []
+    during: dict[str, float] = {}
+
+    def attack() -> None:
+        during["seconds"], during["tokens"] = _long_calls(long, count, 1)
+
+    thread = threading.Thread(target=attack)
+    thread.start()
+    time.sleep(min(5.0, seconds / 4))  # every row taken by then
+    for i in range(probes):
+        sent = time.monotonic()
+        short.send_task(
+            "gpufleet.infer", args=("talker", f"probe {i}", {"max_new_tokens": PROBE_TOKENS})
+        ).get(timeout=TIMEOUT_S)
+        waits.append(time.monotonic() - sent)
+    thread.join()
+    ordered = sorted(waits)
+    with_probes = during["tokens"] / during["seconds"]
+    return {
+        "long_calls": count,
+        "prompts_each": LONG_PROMPTS,
+        "new_tokens_each": LONG_TOKENS,
+        "long_alone": {"seconds": round(seconds, 2), "tokens_per_s": round(alone, 1)},
+        "long_with_probes": {
+            "seconds": round(during["seconds"], 2),
+            "tokens_per_s": round(with_probes, 1),
+        },
+        "long_tokens_ratio": round(with_probes / alone, 3),
+        "probes": {
+            "count": probes,
+            "p50_s": round(ordered[len(ordered) // 2], 3),
+            "p99_s": round(ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))], 3),
+            "max_s": round(ordered[-1], 3),
+        },
+    }
+
+
+def run_generations(count: int, probes: int, directory: Path) -> dict[str, Any]:
+    from bench.fleet import bench_launcher, fleet_machine
+    from tasks.config import caller_conf
+
+    sim = "1x4GiB"
+    fleet = bench_launcher(directory, GENERATING, "fairness", sim, warm_cache="1GiB")
+    try:
+        fleet.start()
+        fleet.wait_ready(300.0)
+        clients = []
+        for _ in range(2):
+            made = Celery(set_as_current=False)
+            made.conf.update(**caller_conf(fleet.caller_url))
+            clients.append(made)
+        result = long_generations(clients[0], clients[1], count, probes)
+        for made in clients:
+            made.close()
+    finally:
+        fleet.stop()
+    result["targets"] = GENERATION_TARGETS
+    result["meets_targets"] = (
+        result["probes"]["p99_s"] <= GENERATION_TARGETS["probe_p99_s"]
+        and result["long_tokens_ratio"] >= GENERATION_TARGETS["long_tokens_ratio"]
+    )
+    result["machine"] = fleet_machine(sim)
+    return result
 
 
 def run(n_burst: int, n_steady: int, n_flood: int, directory: Path) -> dict[str, Any]:
@@ -145,10 +262,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--burst", type=int, default=400)
     parser.add_argument("--steady", type=int, default=20)
     parser.add_argument("--flood", type=int, default=300)
+    parser.add_argument("--shape", choices=("tenants", "generations"), default="tenants")
+    parser.add_argument("--long", type=int, default=6, help="long calls (--shape generations)")
+    parser.add_argument("--probes", type=int, default=20, help="short calls beside them")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(name)s: %(message)s")
     with tempfile.TemporaryDirectory(prefix="gpufleet-fairness-") as tmp:
-        result = run(args.burst, args.steady, args.flood, Path(tmp))
+        if args.shape == "generations":
+            result = run_generations(args.long, args.probes, Path(tmp))
+        else:
+            result = run(args.burst, args.steady, args.flood, Path(tmp))
     json.dump(result, sys.stdout, indent=2)
     print()
 

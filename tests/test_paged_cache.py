@@ -14,6 +14,7 @@ from placement.catalog.catalog import Catalog
 from worker.generation import paged
 from worker.generation.blocks import BLOCK_TOKENS, BlockPool, OutOfBlocks, Table
 from worker.generation.engine import Engine, Options, Sequence_
+from worker.generation.sampling import Choice
 from worker.synthetic import build_synthetic
 
 CPU = torch.device("cpu")
@@ -329,3 +330,85 @@ def test_a_lone_row_reads_its_own_blocks_plainly_and_two_rows_read_a_shared_pref
     assert engine._shared_blocks() == 4
     engine.run()
     assert first.tokens == _alone(model, [*system, 40], 8)
+
+
+def _call(name: str, count: int, new: int, draw: int, **options: Any) -> list[Sequence_]:
+    """A call of `count` prompts (drawn with seed `draw`), each asking `new` tokens."""
+    rng = random.Random(draw)
+    return [
+        Sequence_(
+            (name, i),
+            [2, *(rng.randrange(5, 512) for _ in range(rng.randrange(5, 40)))],
+            Options(max_new_tokens=new, **options),
+        )
+        for i in range(count)
+    ]
+
+
+def _rows_of(engine: Engine) -> dict[Any, int]:
+    counts: dict[Any, int] = {}
+    for sequence in engine.rows:
+        counts[sequence.flow] = counts.get(sequence.flow, 0) + 1
+    return counts
+
+
+def test_a_call_waiting_while_another_holds_every_row_gets_one_at_the_next_step(
+    model: tuple[Any, Any],
+) -> None:
+    net, tokenizer = model
+    engine = Engine(net, tokenizer, CPU, budget=10**6, window=512, max_rows=8)
+    long = _call("long", 12, 30, draw=1)
+    for sequence in long:
+        engine.add(sequence)
+    engine.step()
+    assert _rows_of(engine) == {"long": 8}  # every row
+    (short,) = _call("short", 1, 4, draw=2)
+    engine.add(short)
+    engine.step()
+    assert _rows_of(engine) == {"long": 7, "short": 1} and engine.handovers == 1
+    for _ in range(3):
+        engine.step()
+    assert short.finish == "length"  # 4 tokens in 4 steps: no wait for a long row to end
+    engine.run()
+    for sequence in long:  # the preempted row resumed with the tokens it gets alone
+        assert sequence.tokens == _alone(model, sequence.prompt, 30)
+
+
+def test_rows_move_towards_equal_shares_and_are_not_taken_back(model: tuple[Any, Any]) -> None:
+    net, tokenizer = model
+    engine = Engine(net, tokenizer, CPU, budget=10**6, window=512, max_rows=8)
+    first = _call("first", 10, 40, draw=3)
+    for sequence in first:
+        engine.add(sequence)
+    engine.step()
+    second = _call("second", 10, 40, draw=4)
+    for sequence in second:
+        engine.add(sequence)
+    shares = []
+    for _ in range(6):
+        engine.step()
+        shares.append(_rows_of(engine))
+    assert shares[-1] == {"first": 4, "second": 4}
+    assert shares[-2] == shares[-1]  # settled: no row handed back and forth
+    engine.run()
+    assert all(s.finish == "length" for s in (*first, *second))
+    assert engine.kv is not None and engine.kv.pool.in_use == 0
+
+
+def test_a_preempted_row_samples_the_same_tokens_with_its_seed(model: tuple[Any, Any]) -> None:
+    net, tokenizer = model
+    options = {"choice": Choice(temperature=0.9, top_p=0.95), "seed": 7}
+    engine = Engine(net, tokenizer, CPU, budget=10**6, window=512, max_rows=4)
+    long = _call("long", 4, 24, draw=5, **options)
+    for sequence in long:
+        engine.add(sequence)
+    engine.step()
+    engine.add(_call("short", 1, 3, draw=6)[0])
+    engine.run()
+    assert engine.handovers == 1
+    for sequence in long:
+        alone = _engine(model)
+        again = Sequence_("alone", sequence.prompt, Options(max_new_tokens=24, **options))
+        alone.add(again)
+        alone.run()
+        assert sequence.tokens == again.tokens

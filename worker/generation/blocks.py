@@ -154,6 +154,11 @@ class BlockPool:
         out of what is available."""
         return sum(1 for block in blocks if block in self._idle)
 
+    def sole(self, blocks: Sequence[int]) -> int:
+        """How many of `blocks` one holder alone holds: what that holder's release makes
+        available (free, or cached and reusable)."""
+        return sum(1 for block in blocks if self._holders[block] == 1)
+
     def hold(self, blocks: Sequence[int]) -> None:
         """One more holder for each of `blocks` (matched prefix blocks)."""
         for block in blocks:

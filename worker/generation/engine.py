@@ -56,10 +56,10 @@ import torch
 from placement.errors import PayloadError
 from worker.generation import blocks, paged, sampling, slots
 from worker.generation.pacing import Pace
-from worker.generation.paging import PagedRows
 from worker.generation.params import MAX_NEW_TOKENS
 from worker.generation.sequence import Options, Sequence_
 from worker.generation.text import Detokenizer
+from worker.generation.turns import RowTurns
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ PREFILL_TOKENS_LARGE_GPU = 8192
 PADDING = 1.25
 
 
-class Engine(PagedRows):
+class Engine(RowTurns):
     """The running batch of one model (see the module). Not thread-safe: one thread steps it."""
 
     def __init__(  # noqa: PLR0917 - what one batch needs
@@ -148,7 +148,8 @@ class Engine(PagedRows):
         self._copy: Any = None
         self.peak_tokens = 0  # the most cache positions the buffers held room for at once
         self.steps = 0
-        self.preemptions = 0  # rows taken out of the batch for want of blocks
+        self.preemptions = 0  # rows taken out of the batch (for want of blocks, or turns)
+        self.handovers = 0  # of them, rows handed over to calls holding fewer
         self.decoded_rows = 0  # rows summed over decode steps (their mean is this / steps)
         self.decode_steps = 0
 
@@ -310,6 +311,7 @@ class Engine(PagedRows):
         of the pace. Left-padded, whole prompts (`_admit_whole`)."""
         if self.kv is None:
             return [(s, len(s.prompt)) for s in self._admit_whole()]
+        self._hand_over()  # rows of the call holding the most, to calls waiting with fewer
         pool = self.kv.pool
         paced = self._budget()
         left, total = paced, 0  # the step's pace left, and its prompt tokens

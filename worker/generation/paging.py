@@ -224,16 +224,15 @@ class PagedRows:
                 try:
                     table.blocks.append(pool.take())
                 except blocks.OutOfBlocks:
-                    self._preempt(max(self.rows, key=lambda s: s.tag))
+                    youngest = max(self.rows, key=lambda s: s.tag)
+                    self._preempt(youngest, "the KV budget's blocks are all in use")
         return self.rows
 
-    def _preempt(self, sequence: Sequence_) -> None:
-        """Take a running row out of the batch and queue it again (`_grow_rows`)."""
+    def _preempt(self, sequence: Sequence_, why: str) -> None:
+        """Take a running row out of the batch and queue it again (`_grow_rows`, and
+        `worker.generation.turns`), saying `why`."""
         assert self.kv is not None and sequence.table is not None
-        log.info(
-            "preempted a sequence of %d tokens: the KV budget's blocks are all in use",
-            sequence.table.length,
-        )
+        log.info("preempted a sequence of %d tokens: %s", sequence.table.length, why)
         self.kv.pool.release(sequence.table.blocks)
         self.preemptions += 1
         sequence.table = None
