@@ -118,6 +118,7 @@ class Engine(RowTurns):
         # vocabulary] of them (600 MB for 2,048 tokens of a 150k vocabulary).
         self._last_logits = {"logits_to_keep": 1} if "logits_to_keep" in named else {}
         self.waiting: list[Sequence_] = []  # in their fair order (the module)
+        self._unstepped: list[Sequence_] = []  # added since the last step began
         self._virtual = 0.0  # the start tag of the last sequence admitted
         self._finishes: dict[Hashable, tuple[float, int]] = {}  # flow -> last finish, waiting
         self._order = itertools.count()
@@ -171,6 +172,7 @@ class Engine(RowTurns):
         start = max(self._virtual, last)
         self._finishes[flow] = (start + sequence.reach, queued + 1)
         sequence.tag = (start, next(self._order))
+        self._unstepped.append(sequence)
         bisect.insort(self.waiting, sequence, key=lambda s: s.tag)
 
     def room(self, prompt: int) -> int:
@@ -250,9 +252,9 @@ class Engine(RowTurns):
         """Admit what fits, decode one token for every row, and return the sequences that
         ended in this step (done, cancelled or failed)."""
         began = time.monotonic()
-        for sequence in self.waiting:
-            if sequence.stepped is None:
-                sequence.stepped = began
+        for sequence in self._unstepped:
+            sequence.stepped = began
+        self._unstepped = []
         with torch.inference_mode(), _on(self.device), _attention_kernels(self.device):
             ended = self._drop_cancelled()
             chunks = self._admit()

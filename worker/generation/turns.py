@@ -46,31 +46,36 @@ class RowTurns(PagedRows):
 
     def _hand_over(self) -> None:
         """Before a step admits (paged): hand rows over to the waiting sequences whose
-        calls hold too few (see the module), which then head the line. A sequence that
-        fits as it is keeps its place; one no hand-over can make room for waits as it is,
-        and nothing is preempted for it."""
+        calls hold too few (see the module), which then head the line. Nothing happens
+        while the line's head fits (admission takes it in its turn); a sequence no
+        hand-over can make room for waits as it is, and nothing is preempted for it."""
         if self.kv is None or not self.waiting or not self.rows:
             return
-        held = Counter(s.flow for s in (*self.rows, *self.prefilling))
         spare = self.kv.pool.available - self._next_blocks()
         taken = len(self.rows) + len(self.prefilling)
+        if taken < self.max_rows and self._blocks_needed(self.waiting[0]) <= spare:
+            return
+        held = Counter(s.flow for s in (*self.rows, *self.prefilling))
+        most = max(held.values())
         first: list[Sequence_] = []
         for sequence in list(self.waiting):
+            if held[sequence.flow] + 2 > most:
+                continue  # its call holds about as many as any: it waits its turn
             need = self._blocks_needed(sequence)
-            if taken >= self.max_rows or need > spare:
-                victims = self._victims(held, sequence.flow, need - spare, taken)
-                if victims is None:
-                    continue  # it waits as it is
-                for victim in victims:
-                    spare += self._freed_by(victim)
-                    self._preempt(victim, "its call holds the most rows while another waits")
-                    self.handovers += 1
-                    held[victim.flow] -= 1
-                    taken -= 1
-                first.append(sequence)
+            victims = self._victims(held, sequence.flow, need - spare, taken)
+            if victims is None:
+                continue  # it waits as it is
+            for victim in victims:
+                spare += self._freed_by(victim)
+                self._preempt(victim, "its call holds the most rows while another waits")
+                self.handovers += 1
+                held[victim.flow] -= 1
+                taken -= 1
+            first.append(sequence)
             held[sequence.flow] += 1
             spare -= need
             taken += 1
+            most = max(held.values())
         if first:
             moved = {id(s) for s in first}
             self.waiting = first + [s for s in self.waiting if id(s) not in moved]
