@@ -23,6 +23,35 @@ from bench.workloads import MODEL
 CALL_TIMEOUT_S = 600.0
 
 
+def in_processes(
+    target: Callable[..., None], arguments: tuple[Any, ...], count: int, processes: int
+) -> tuple[list[Any], float]:
+    """`target(*arguments, indices, ready, out)` in `processes` spawned processes (fresh
+    clients, not forks of this one), the calls' indices dealt out among them; each waits
+    at `ready` until all are, then puts one row per call on `out`. The `count` rows, and
+    when the processes were released (`time.monotonic()`)."""
+    spawn = multiprocessing.get_context("spawn")
+    ready, out = spawn.Barrier(processes + 1), spawn.Queue()
+    workers = [
+        spawn.Process(
+            target=target, args=(*arguments, list(range(p, count, processes)), ready, out)
+        )
+        for p in range(processes)
+    ]
+    try:
+        for worker in workers:
+            worker.start()
+        ready.wait(timeout=CALL_TIMEOUT_S)
+        start = time.monotonic()
+        rows = [out.get(timeout=CALL_TIMEOUT_S) for _ in range(count)]
+    finally:
+        for worker in workers:
+            worker.join(timeout=CALL_TIMEOUT_S)
+            if worker.is_alive():
+                worker.terminate()
+    return rows, start
+
+
 def _plain_process(
     conf: dict[str, Any], calls: list[tuple[str, int]], indices: list[int], ready: Any, out: Any
 ) -> None:
@@ -55,26 +84,7 @@ def plain_clients(
 ) -> dict[str, Any]:
     """Every call at once from `processes` plain Celery clients (see the module): seconds
     from their release to the last answer, and each call's (send ms, answer) in order."""
-    spawn = multiprocessing.get_context("spawn")
-    ready, out = spawn.Barrier(processes + 1), spawn.Queue()
-    workers = [
-        spawn.Process(
-            target=_plain_process,
-            args=(conf, calls, list(range(p, len(calls), processes)), ready, out),
-        )
-        for p in range(processes)
-    ]
-    try:
-        for worker in workers:
-            worker.start()
-        ready.wait(timeout=CALL_TIMEOUT_S)
-        start = time.monotonic()
-        rows = [out.get(timeout=CALL_TIMEOUT_S) for _ in calls]
-    finally:
-        for worker in workers:
-            worker.join(timeout=CALL_TIMEOUT_S)
-            if worker.is_alive():
-                worker.terminate()
+    rows, start = in_processes(_plain_process, (conf, calls), len(calls), processes)
     rows.sort(key=lambda row: row[0])
     errors = [row[2] for row in rows if isinstance(row[2], str)]
     return {
@@ -126,7 +136,7 @@ def _call_threads(
         thread.start()
     before()
     go.wait(timeout=CALL_TIMEOUT_S)
-    start = time.perf_counter()
+    start = time.monotonic()
     for thread in threads:
         thread.join()
     return done, start
@@ -155,27 +165,9 @@ def streamed_once(calls: list[tuple[str, int]], processes: int) -> dict[str, Any
     errors: list[str] = []
     if processes <= 1:
         results, start = _call_threads(calls, list(range(len(calls))), lambda: None)
-    else:
-        spawn = multiprocessing.get_context("spawn")  # a fresh client, not a fork of this one
-        ready, out = spawn.Barrier(processes + 1), spawn.Queue()
-        workers = [
-            spawn.Process(
-                target=_callers, args=(calls, list(range(p, len(calls), processes)), ready, out)
-            )
-            for p in range(processes)
-        ]
-        try:
-            for worker in workers:
-                worker.start()
-            ready.wait(timeout=CALL_TIMEOUT_S)
-            start = time.perf_counter()
-            results = [out.get(timeout=CALL_TIMEOUT_S) for _ in calls]
-        finally:
-            for worker in workers:
-                worker.join(timeout=CALL_TIMEOUT_S)
-                if worker.is_alive():
-                    worker.terminate()
-    seconds = time.perf_counter() - start
+    else:  # fresh clients, not forks of this one
+        results, start = in_processes(_callers, (calls,), len(calls), processes)
+    seconds = time.monotonic() - start
     for index, first, joined, error in results:
         ttft[index], joined_right[index] = first, joined
         if error:

@@ -207,12 +207,9 @@ def read_vs_transformers(arg: str) -> dict[str, Any]:
     }
 
 
-def generate_on(arg: str) -> dict[str, Any]:
-    """Run 16 greedy calls of mixed lengths as one continuous batch on local device `arg`,
-    and each alone; report how many agree and where the cache lives (dtype float32)."""
-    import random
-
-    from worker.generation.engine import Engine, Options, Sequence_
+def _small_gpt(arg: str) -> tuple[Any, Any, Any]:
+    """A synthetic GPT-2 (4 layers, 256 wide, 512 positions, float32) on local device
+    `arg`: the model, its tokenizer and the device."""
     from worker.synthetic import build_synthetic
 
     config = {"model_type": "gpt2", "n_layer": 4, "n_head": 4, "n_embd": 256,
@@ -221,7 +218,17 @@ def generate_on(arg: str) -> dict[str, Any]:
     spec = Catalog.from_mapping({"models": {"g": {**entry, "config": config}}})["g"]
     model, tokenizer = build_synthetic(spec)
     device = torch.device(f"cuda:{int(arg)}")
-    model = model.to(device)
+    return model.to(device), tokenizer, device
+
+
+def generate_on(arg: str) -> dict[str, Any]:
+    """Run 16 greedy calls of mixed lengths as one continuous batch on local device `arg`,
+    and each alone; report how many agree and where the cache lives (dtype float32)."""
+    import random
+
+    from worker.generation.engine import Engine, Options, Sequence_
+
+    model, tokenizer, device = _small_gpt(arg)
     rng = random.Random(0)
     calls = [
         (
@@ -266,19 +273,12 @@ def chunked_on(arg: str) -> dict[str, Any]:
 
     from worker.generation.engine import Engine, Options, Sequence_
     from worker.generation.pacing import Pace
-    from worker.synthetic import build_synthetic
 
     class Held(Pace):
         def budget(self, most: int, rows: int = 1, building: int = 1) -> int:
             return min(most, 48)
 
-    config = {"model_type": "gpt2", "n_layer": 4, "n_head": 4, "n_embd": 256,
-              "vocab_size": 2048, "n_positions": 512}  # fmt: skip
-    entry = {"source": "synthetic", "task": "text-generation", "memory": "64MiB"}
-    spec = Catalog.from_mapping({"models": {"g": {**entry, "config": config}}})["g"]
-    model, tokenizer = build_synthetic(spec)
-    device = torch.device(f"cuda:{int(arg)}")
-    model = model.to(device)
+    model, tokenizer, device = _small_gpt(arg)
     rng = random.Random(1)
     running = [([2, *(rng.randrange(5, 2048) for _ in range(20))], 60) for _ in range(4)]
     joining = [([2, *(rng.randrange(5, 2048) for _ in range(299))], 12) for _ in range(4)]
