@@ -149,12 +149,12 @@ def burst(calls: list[tuple[str, int]], spec: Any, gpu: bool) -> dict[str, Any]:
         if steady < 0 and not engine.waiting and all(s.first_token for s in running):
             steady = 0
         if steady == BURST_AFTER:
-            arrived = time.perf_counter()
+            arrived = time.monotonic()
             for sequence in arrivals:
                 engine.add(sequence)
         engine.step()
         _sync(device)
-        now = time.perf_counter()
+        now = time.monotonic()
         bursting = arrived and any(s.first_token is None for s in arrivals)
         gaps = during if bursting else before if steady >= 0 and not arrived else None
         for sequence in running:

@@ -412,3 +412,33 @@ def test_a_preempted_row_samples_the_same_tokens_with_its_seed(model: tuple[Any,
         alone.add(again)
         alone.run()
         assert sequence.tokens == again.tokens
+
+
+def test_a_row_handed_over_is_not_the_one_taken_back_when_blocks_run_short(
+    model: tuple[Any, Any],
+) -> None:
+    # 8 rows of one block's prompt each take their second block at once, and their third
+    # 16 steps later, which a budget of 22 blocks cannot give all of: the rows preempted
+    # for blocks then are the long call's, never the row handed over to the short call
+    net, tokenizer = model
+    engine = Engine(net, tokenizer, CPU, budget=22 * BLOCK_TOKENS, window=512, max_rows=8)
+    long = [
+        Sequence_(("long", i), [2, *range(30 + i, 45 + i)], Options(max_new_tokens=40))
+        for i in range(8)
+    ]
+    for sequence in long:
+        engine.add(sequence)
+    engine.step()
+    short = Sequence_(("short", 0), [2, 7, 8, 9], Options(max_new_tokens=24))
+    engine.add(short)
+    steps = 0
+    while not short.done:
+        engine.step()
+        steps += 1
+    # a row at once (its first step makes two tokens: its prefill's and a decode's), kept
+    # to its end
+    assert steps == 23 and engine.handovers == 1
+    assert engine.preemptions > engine.handovers  # blocks did run short meanwhile
+    engine.run()
+    for sequence in long:
+        assert sequence.tokens == _alone(model, sequence.prompt, 40)

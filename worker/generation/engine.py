@@ -151,6 +151,7 @@ class Engine(RowTurns):
         self.steps = 0
         self.preemptions = 0  # rows taken out of the batch (for want of blocks, or turns)
         self.handovers = 0  # of them, rows handed over to calls holding fewer
+        self.handed: set[int] = set()  # sequences heading the line by a hand-over
         self.decoded_rows = 0  # rows summed over decode steps (their mean is this / steps)
         self.decode_steps = 0
 
@@ -386,7 +387,10 @@ class Engine(RowTurns):
         del self.waiting[: len(admitted)]
         now = time.monotonic()
         for sequence in admitted:
-            self._virtual = max(self._virtual, sequence.tag[0])
+            if id(sequence) in self.handed:
+                self.handed.discard(id(sequence))  # out of its fair order (`turns`)
+            else:
+                self._virtual = max(self._virtual, sequence.tag[0])
             self._dequeued(sequence)
             if sequence.admitted is None:
                 sequence.admitted = now

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+from collections import Counter
 from collections.abc import Hashable
 from typing import Any
 
@@ -33,6 +34,7 @@ class PagedRows:
     kv: paged.Paged | None
     rows: list[Sequence_]
     waiting: list[Sequence_]
+    prefilling: list[Sequence_]
     _pending: dict[bytes, Sequence_]
     preemptions: int
     _slots: torch.Tensor | None
@@ -91,10 +93,13 @@ class PagedRows:
             self._pending = {k: s for k, s in self._pending.items() if s is not sequence}
 
     def _next_blocks(self) -> int:
-        """Blocks the running rows need for their next token (those whose blocks are full)."""
+        """Blocks the running rows need for their next token (those whose blocks are full),
+        and the prompts being prefilled need for their first (those whose context fills
+        its blocks)."""
         assert self.kv is not None
         size = self.kv.pool.size
-        return sum(1 for s in self.rows if s.table is not None and s.table.length % size == 0)
+        rows = sum(1 for s in self.rows if s.table is not None and s.table.length % size == 0)
+        return rows + sum(1 for s in self.prefilling if len(s.context()) % size == 0)
 
     def _blocks_for(
         self, sequence: Sequence_, prefix: tuple[list[int], bytes], spare: int
@@ -210,10 +215,12 @@ class PagedRows:
 
     def _grow_rows(self) -> list[Sequence_]:
         """A slot for every row's next token, each a new block when its last is full. When
-        no block is left, the youngest row (by its place in the fair queue) is preempted:
-        its blocks are given back (the full ones stay cached) and it waits again, ahead of
-        every sequence that arrived after it, to be prefilled with the tokens it made.
-        Returns the rows that stay, in order."""
+        no block is left, the youngest row (by its place in the fair queue) of the call
+        holding the most rows is preempted (so a row just handed over to a call holding
+        few, `worker.generation.turns`, is not the one taken back): its blocks are given
+        back (the full ones stay cached) and it waits again, ahead of every sequence that
+        arrived after it, to be prefilled with the tokens it made. Returns the rows that
+        stay, in order."""
         assert self.kv is not None
         pool = self.kv.pool
         for sequence in list(self.rows):
@@ -224,9 +231,16 @@ class PagedRows:
                 try:
                     table.blocks.append(pool.take())
                 except blocks.OutOfBlocks:
-                    youngest = max(self.rows, key=lambda s: s.tag)
-                    self._preempt(youngest, "the KV budget's blocks are all in use")
+                    victim = self._youngest_of_richest()
+                    self._preempt(victim, "the KV budget's blocks are all in use")
         return self.rows
+
+    def _youngest_of_richest(self) -> Sequence_:
+        """The youngest running row of the call holding the most rows (and prompts being
+        prefilled), ties between calls going to the youngest row of any of them."""
+        held = Counter(s.flow for s in (*self.rows, *self.prefilling))
+        most = max(held[s.flow] for s in self.rows)
+        return max((s for s in self.rows if held[s.flow] == most), key=lambda s: s.tag)
 
     def _preempt(self, sequence: Sequence_, why: str) -> None:
         """Take a running row out of the batch and queue it again (`_grow_rows`, and

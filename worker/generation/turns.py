@@ -40,9 +40,9 @@ class RowTurns(PagedRows):
     """The hand-over of a paged engine's rows (see the module): the engine sets every
     attribute below."""
 
-    prefilling: list[Sequence_]
     max_rows: int
     handovers: int  # rows preempted to hand them over (of `preemptions`)
+    handed: set[int]  # ids of the sequences heading the line by a hand-over, until admitted
 
     def _hand_over(self) -> None:
         """Before a step admits (paged): hand rows over to the waiting sequences whose
@@ -61,8 +61,12 @@ class RowTurns(PagedRows):
         for sequence in list(self.waiting):
             if held[sequence.flow] + 2 > most:
                 continue  # its call holds about as many as any: it waits its turn
-            need = self._blocks_needed(sequence)
-            victims = self._victims(held, sequence.flow, need - spare, taken)
+            context = sequence.context()
+            if self._written_by_another(context, self.kv.pool.match(context, len(context) - 1)):
+                continue  # admission would not take it yet: it reads that prefix first
+            victims = self._victims(
+                held, sequence.flow, self._blocks_needed(sequence) - spare, taken
+            )
             if victims is None:
                 continue  # it waits as it is
             for victim in victims:
@@ -73,12 +77,14 @@ class RowTurns(PagedRows):
                 taken -= 1
             first.append(sequence)
             held[sequence.flow] += 1
-            spare -= need
+            spare -= self._blocks_needed(sequence)  # its prefix may be a victim's, now cached
             taken += 1
             most = max(held.values())
         if first:
-            moved = {id(s) for s in first}
-            self.waiting = first + [s for s in self.waiting if id(s) not in moved]
+            # They head the line out of their fair order, which they do not move on: the
+            # engine's virtual time stays with the sequences admitted in it.
+            self.handed |= {id(s) for s in first}
+            self.waiting = first + [s for s in self.waiting if id(s) not in self.handed]
 
     def _victims(
         self, held: Counter[Hashable], flow: Hashable, blocks_short: int, taken: int
