@@ -442,3 +442,55 @@ def test_a_row_handed_over_is_not_the_one_taken_back_when_blocks_run_short(
     engine.run()
     for sequence in long:
         assert sequence.tokens == _alone(model, sequence.prompt, 40)
+
+
+def _tenant_calls(tenant: str, count: int, new: int, weight: float) -> list[Sequence_]:
+    """`count` calls of one prompt each from `tenant`, whose rows they share by `weight`."""
+    calls = []
+    for i in range(count):
+        sequence = Sequence_((f"{tenant}-{i}", 0), [2, 20 + i, 21, 22], Options(max_new_tokens=new))
+        sequence.owner, sequence.weight = ("tenant", tenant), weight
+        calls.append(sequence)
+    return calls
+
+
+def _rows_by_owner(engine: Engine) -> dict[Any, int]:
+    counts: dict[Any, int] = {}
+    for sequence in engine.rows:
+        counts[sequence.holder] = counts.get(sequence.holder, 0) + 1
+    return counts
+
+
+def test_a_tenant_s_many_calls_share_its_rows_and_another_tenant_s_call_gets_one(
+    model: tuple[Any, Any],
+) -> None:
+    # each of tenant a's 12 calls would hold one row: shared by call, nobody holds two
+    # more than the newcomer; shared by tenant, a holds 8 and hands one to b at once
+    net, tokenizer = model
+    engine = Engine(net, tokenizer, CPU, budget=10**6, window=512, max_rows=8)
+    for sequence in _tenant_calls("a", 12, 30, 1.0):
+        engine.add(sequence)
+    engine.step()
+    (late,) = _tenant_calls("b", 1, 3, 1.0)
+    engine.add(late)
+    engine.step()
+    assert _rows_by_owner(engine) == {("tenant", "a"): 7, ("tenant", "b"): 1}
+    engine.run()
+    assert late.finish == "length"
+
+
+def test_tenants_rows_follow_their_weights(model: tuple[Any, Any]) -> None:
+    net, tokenizer = model
+    engine = Engine(net, tokenizer, CPU, budget=10**6, window=512, max_rows=8)
+    for sequence in _tenant_calls("heavy", 12, 40, 3.0):
+        engine.add(sequence)
+    engine.step()
+    for sequence in _tenant_calls("light", 12, 40, 1.0):
+        engine.add(sequence)
+    shares = []
+    for _ in range(4):
+        engine.step()
+        shares.append(_rows_by_owner(engine))
+    assert shares[-1] == {("tenant", "heavy"): 6, ("tenant", "light"): 2}  # 3:1
+    assert shares[-2] == shares[-1]
+    engine.run()

@@ -200,6 +200,26 @@ def most_at_once(answers: list[dict[str, Any]]) -> int:
     return most
 
 
+def test_a_tenant_s_generation_takes_a_row_from_another_tenant_holding_every_one(
+    fleet: tuple[RunningFleet, dict[str, str]],
+) -> None:
+    # 80 calls of tenant a hold all 64 rows of the model, one each; b's call takes one
+    # of a's rows at the next step (rows are shared by tenant), so it ends before any of
+    # a's calls, which need 120 tokens each; shared by call it waited for one to end
+    _, env = fleet
+    cli(env, "tenant", "add", "rows-a")
+    cli(env, "tenant", "add", "rows-b")
+    a, b = tenant_client(env, "rows-a"), tenant_client(env, "rows-b")
+    generate(a, "warm", 2).get(timeout=TIMEOUT_S)
+    generate(b, "warm", 2).get(timeout=TIMEOUT_S)
+    held = [generate(a, f"a story {i}", 120) for i in range(80)]
+    time.sleep(1.0)  # a's calls reach the engine and take its rows
+    short = generate(b, "a short one", 4).get(timeout=TIMEOUT_S)
+    answers = [c.get(timeout=TIMEOUT_S) for c in held]
+    first_of_a = min(answer["timings_ms"]["ended_at"] for answer in answers)
+    assert short["timings_ms"]["ended_at"] < first_of_a, (short["timings_ms"], first_of_a)
+
+
 def test_a_tenant_s_running_limit_holds_across_a_burst_and_no_call_fails_for_it(
     fleet: tuple[RunningFleet, dict[str, str]],
 ) -> None:

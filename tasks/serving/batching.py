@@ -57,6 +57,7 @@ from celery.app import trace as celery_trace
 from celery.worker.state import active_requests, task_ready
 from celery.worker.state import revoked as revoked_tasks
 
+from placement.ledger.tenancy.tenants import DEFAULT
 from placement.rules.batching import BatchLimits, Waiting, input_chars, take_batch
 from placement.rules.fairness import FairOrder
 from tasks.broker import quarantine, results
@@ -73,7 +74,10 @@ log = logging.getLogger(__name__)
 class ChildCall(NamedTuple):
     """What the pool child needs to run one call as Celery would: its tracer and the
     tracer's arguments, the call, when it began to wait, the message's own key
-    (`Held.key`), and in a session the time (epoch seconds) its hard time limit ends."""
+    (`Held.key`), in a session the time (epoch seconds) its hard time limit ends, and for a
+    generating call the tenant whose share of the engine's rows it takes with that
+    tenant's weight ("" for the default tenant, whose calls each take their own:
+    `worker.generation.turns`)."""
 
     trace: Callable[..., Any]
     args: tuple[Any, ...]
@@ -81,6 +85,7 @@ class ChildCall(NamedTuple):
     since_ms: float
     key: str
     deadline: float | None = None
+    share: tuple[str, float] = ("", 1.0)
 
     @property
     def task_id(self) -> str:
@@ -381,10 +386,10 @@ class Batcher:
         while count:
             handed = batch[:count]
             payload: Any = (
-                _child_call(handed[0].item, handed[0].since_ms, timed=True)
+                _child_call(handed[0].item, handed[0].since_ms, True, self._share(handed[0]))
                 if generation
                 else {"group": handed[0].group,
-                      "jobs": [_child_call(w.item, w.since_ms, timed=True) for w in handed]}
+                      "jobs": [_child_call(w.item, w.since_ms, True) for w in handed]}
             )  # fmt: skip
             data = channel.encode(("call", job.id, payload))
             if len(data) <= channel.limit:
@@ -408,7 +413,7 @@ class Batcher:
         assert gen is not None
         job = generating.Job({w.item.key: w.item for w in batch})
         job.alone = any(_redelivered(w.item.request) for w in batch)  # alone, as in batches
-        jobs = [_child_call(w.item, w.since_ms, timed=True) for w in batch]
+        jobs = [_child_call(w.item, w.since_ms, True, self._share(w)) for w in batch]
         self._busy = True
         self._session = job
         self._sessions[job.id] = job
@@ -448,6 +453,11 @@ class Batcher:
             raise
         if self._watch is None:
             self._watch = self._timer.call_repeatedly(WATCH_S, self._look_at_sessions)
+
+    def _share(self, entry: Waiting[Held]) -> tuple[str, float]:
+        """A generating call's share of its engine's rows (`ChildCall.share`)."""
+        tenant = tenant_of(entry.item.request)
+        return ("", 1.0) if tenant == DEFAULT else (tenant, self._weight_of(tenant))
 
     def _look_at_sessions(self) -> None:
         """Settle the calls the child says ended, and tell it of the running calls Celery
@@ -571,10 +581,12 @@ def _call_of(request: Any) -> Call | None:
         return None
 
 
-def _child_call(held: Held, since_ms: float, *, timed: bool = False) -> ChildCall:
+def _child_call(
+    held: Held, since_ms: float, timed: bool = False, share: tuple[str, float] = ("", 1.0)
+) -> ChildCall:
     """What the child needs to run `held` as Celery would (`ChildCall`); `timed`: with the
     end of its hard time limit, counted from now, which a session keeps (it has no pool
-    limit)."""
+    limit); `share`: a generating call's share of its engine's rows."""
     request = held.request
     trace = (
         celery_trace.fast_trace_task
@@ -591,7 +603,7 @@ def _child_call(held: Held, since_ms: float, *, timed: bool = False) -> ChildCal
     )
     hard = _hard(request) if timed else None
     deadline = time.time() + hard if hard is not None else None
-    return ChildCall(trace, args, held.call.as_json(), since_ms, held.key, deadline)
+    return ChildCall(trace, args, held.call.as_json(), since_ms, held.key, deadline, share)
 
 
 def _tag(request: Any) -> Any:

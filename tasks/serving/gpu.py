@@ -195,9 +195,11 @@ class _Session:
         deadline = None  # the engine's clock: time.monotonic()
         if job.deadline is not None:
             deadline = time.monotonic() + (job.deadline - time.time())
+        tenant, weight = job.share  # whose share of the engine's rows it takes
         return GenCall(
-            job.key, call.inputs, call.params, on_text, deadline, call.replica, call.epoch
-        )
+            job.key, call.inputs, call.params, on_text, deadline, call.replica, call.epoch,
+            owner=("tenant", tenant) if tenant else None, weight=weight,
+        )  # fmt: skip
 
     def batch(self, jobs: list[batching.ChildCall], error: BaseException | None) -> dict[str, Any]:
         """Run a batch of one-shot calls (or, with `error`, answer them with it unrun):

@@ -236,11 +236,13 @@ class PagedRows:
         return self.rows
 
     def _youngest_of_richest(self) -> Sequence_:
-        """The youngest running row of the call holding the most rows (and prompts being
-        prefilled), ties between calls going to the youngest row of any of them."""
-        held = Counter(s.flow for s in (*self.rows, *self.prefilling))
-        most = max(held[s.flow] for s in self.rows)
-        return max((s for s in self.rows if held[s.flow] == most), key=lambda s: s.tag)
+        """The youngest running row of the holder (a tenant, or a call) holding the most
+        rows for its weight (counting prompts being prefilled), ties between holders going
+        to the youngest row of any of them."""
+        held = Counter(s.holder for s in (*self.rows, *self.prefilling))
+        most = max(held[s.holder] / s.weight for s in self.rows)
+        richest = [s for s in self.rows if held[s.holder] / s.weight >= most]
+        return max(richest, key=lambda s: s.tag)
 
     def _preempt(self, sequence: Sequence_, why: str) -> None:
         """Take a running row out of the batch and queue it again (`_grow_rows`, and

@@ -57,6 +57,8 @@ class Sequence_:
     tag: tuple[float, int] = (0.0, 0)  # its place in the fair queue: start tag, then order
     table: blocks.Table | None = None  # its KV blocks, while admitted (a paged engine)
     resumed: bool = False  # preempted, to be prefilled again with the tokens it made
+    owner: Hashable | None = None  # who its rows are shared under (None: its call)
+    weight: float = 1.0  # that owner's weight in the share of rows (`worker.generation.turns`)
 
     def context(self) -> list[int]:
         """The tokens whose keys and values it holds once admitted (the last token made
@@ -67,6 +69,11 @@ class Sequence_:
     def flow(self) -> Hashable:
         """The call the sequence belongs to (fairness is between calls)."""
         return self.key[0] if isinstance(self.key, tuple) and self.key else self.key
+
+    @property
+    def holder(self) -> Hashable:
+        """Who holds its row in the share of rows: its owner (a tenant), else its call."""
+        return self.owner if self.owner is not None else self.flow
 
     @property
     def reach(self) -> int:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
@@ -37,6 +37,8 @@ class GenCall:
     epoch: int = 0
     # when it reached this process, or its replica became ready here if it waited for that
     received: float = field(default_factory=time.monotonic)
+    owner: Hashable | None = None  # who its rows are shared under: its tenant (None: itself)
+    weight: float = 1.0  # the owner's weight
 
 
 @dataclass(frozen=True)
@@ -143,7 +145,9 @@ def _sequences(engine: Engine, call: GenCall, template: str | None) -> list[Sequ
         own = options  # max_new_tokens null: as many as the model holds
         if params["max_new_tokens"] is None:
             own = replace(options, max_new_tokens=engine.room(len(ids)))
-        sequences.append(Sequence_((call.key, index), ids, own, on_text, call.deadline))
+        sequence = Sequence_((call.key, index), ids, own, on_text, call.deadline)
+        sequence.owner, sequence.weight = call.owner, call.weight
+        sequences.append(sequence)
     for index, sequence in enumerate(sequences):
         try:
             engine.check(sequence)

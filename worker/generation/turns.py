@@ -1,4 +1,4 @@
-"""Rows as turns: a call holding many of an engine's rows hands one over to a call that
+"""Rows as turns: a holder of many of an engine's rows hands one over to a holder that
 waits with fewer (`worker.generation.engine.Engine` is a `RowTurns`).
 
 Fair admission (the engine's start-time fair queue) orders the calls that wait; it cannot
@@ -6,21 +6,23 @@ help a call that waits while every row is taken, since rows come free only as se
 end: one caller's 6 calls of 64 prompts x 500 tokens held all 64 rows of a model, and
 another caller's 4-token call waited 14 to 27 s for one of them to end (issue 73). So at
 each step, while a waiting sequence finds no room (every row taken, or not the KV blocks
-it needs), and its call holds at least two rows fewer than the call holding the most,
-that call's youngest row (by its place in the fair queue) is preempted and the waiting
-sequence goes to the head of the line, to be admitted in the same step. The preempted row
+it needs), and its holder would still hold no more rows for its weight than the holder
+with the most for its weight after one of that holder's rows goes to it, that holder's
+youngest row (by its place in the fair queue) is preempted and the waiting sequence goes
+to the head of the line, to be admitted in the same step. A holder is a tenant (its
+calls share its rows, by the tenant's weight: issue 59's weights apply to rows as they do
+to calls), or a call of the default tenant (weight 1). The preempted row
 waits again, ahead of everything that arrived after it, as a row preempted for blocks
 does (`worker.generation.paging`): its full blocks stay cached, so when it is admitted
 again its prefix is read back, not recomputed, unless the cache needed those blocks
 meanwhile; it resumes with the same tokens (greedy, or its own seeded generator, which a
 preemption does not advance).
 
-Handing over only from a call that holds at least two more rows than the waiting one's
-moves rows towards equal shares and never back: each hand-over lowers the sum of the
-squares of the calls' row counts, so they end, and a row handed over is not taken back
-at the next step. No constant is involved. A call is the unit, as in fair admission:
-rows are shared between calls, not weighted by tenant (a tenant's weight orders its
-calls before they reach the engine, `placement.rules.fairness`).
+Handing over only while the giver keeps at least the taker's rows for weight, `(n - 1) /
+w >= (m + 1) / v`, moves rows towards shares in proportion to the weights and never back:
+each hand-over lowers the sum over holders of rows squared over weight, so they end, and
+a row handed over is not taken back at the next step. With equal weights, that is a
+holder with two rows more than the waiting one's. No constant is involved.
 """
 
 from __future__ import annotations
@@ -36,6 +38,34 @@ from worker.generation.sequence import Sequence_
 log = logging.getLogger(__name__)
 
 
+class Share:
+    """Rows held, by holder (a tenant, or a call of the default tenant), and the holders'
+    weights: who is owed a row, and by whom."""
+
+    def __init__(
+        self, rows: list[Sequence_], prefilling: list[Sequence_], waiting: list[Sequence_]
+    ) -> None:
+        self.held: Counter[Hashable] = Counter(s.holder for s in (*rows, *prefilling))
+        self.weight = {s.holder: max(s.weight, 1e-9) for s in (*rows, *prefilling, *waiting)}
+
+    def richest(self, held: Counter[Hashable]) -> Hashable | None:
+        """The holder with the most rows for its weight (ties: any of them)."""
+        holders = [h for h, n in held.items() if n > 0]
+        return max(holders, key=lambda h: held[h] / self.weight[h], default=None)
+
+    def gives_to(self, richest: Hashable, holder: Hashable, held: Counter[Hashable]) -> bool:
+        """Whether `richest` handing one row to `holder` leaves it at least as many rows
+        for its weight as `holder` then has: (n - 1) / w >= (m + 1) / v. Each such
+        hand-over lowers the sum over holders of rows squared over weight, so they end."""
+        after = (held[richest] - 1) / self.weight[richest]
+        return richest != holder and after >= (held[holder] + 1) / self.weight[holder]
+
+    def short(self, holder: Hashable) -> bool:
+        """Whether some holder would hand `holder` a row (`gives_to`)."""
+        richest = self.richest(self.held)
+        return richest is not None and self.gives_to(richest, holder, self.held)
+
+
 class RowTurns(PagedRows):
     """The hand-over of a paged engine's rows (see the module): the engine sets every
     attribute below."""
@@ -46,7 +76,7 @@ class RowTurns(PagedRows):
 
     def _hand_over(self) -> None:
         """Before a step admits (paged): hand rows over to the waiting sequences whose
-        calls hold too few (see the module), which then head the line. Nothing happens
+        holders hold too few (see the module), which then head the line. Nothing happens
         while the line's head fits (admission takes it in its turn); a sequence no
         hand-over can make room for waits as it is, and nothing is preempted for it."""
         if self.kv is None or not self.waiting or not self.rows:
@@ -55,31 +85,28 @@ class RowTurns(PagedRows):
         taken = len(self.rows) + len(self.prefilling)
         if taken < self.max_rows and self._blocks_needed(self.waiting[0]) <= spare:
             return
-        held = Counter(s.flow for s in (*self.rows, *self.prefilling))
-        most = max(held.values())
+        share = Share(self.rows, self.prefilling, self.waiting)
         first: list[Sequence_] = []
         for sequence in list(self.waiting):
-            if held[sequence.flow] + 2 > most:
-                continue  # its call holds about as many as any: it waits its turn
+            if not share.short(sequence.holder):
+                continue  # its holder holds about its share: it waits its turn
             context = sequence.context()
             if self._written_by_another(context, self.kv.pool.match(context, len(context) - 1)):
                 continue  # admission would not take it yet: it reads that prefix first
-            victims = self._victims(
-                held, sequence.flow, self._blocks_needed(sequence) - spare, taken
-            )
+            short = self._blocks_needed(sequence) - spare
+            victims = self._victims(share, sequence.holder, short, taken)
             if victims is None:
                 continue  # it waits as it is
             for victim in victims:
                 spare += self._freed_by(victim)
-                self._preempt(victim, "its call holds the most rows while another waits")
+                self._preempt(victim, "its holder has the most rows for its weight")
                 self.handovers += 1
-                held[victim.flow] -= 1
+                share.held[victim.holder] -= 1
                 taken -= 1
             first.append(sequence)
-            held[sequence.flow] += 1
+            share.held[sequence.holder] += 1
             spare -= self._blocks_needed(sequence)  # its prefix may be a victim's, now cached
             taken += 1
-            most = max(held.values())
         if first:
             # They head the line out of their fair order, which they do not move on: the
             # engine's virtual time stays with the sequences admitted in it.
@@ -87,33 +114,25 @@ class RowTurns(PagedRows):
             self.waiting = first + [s for s in self.waiting if id(s) not in self.handed]
 
     def _victims(
-        self, held: Counter[Hashable], flow: Hashable, blocks_short: int, taken: int
+        self, share: Share, holder: Hashable, blocks_short: int, taken: int
     ) -> list[Sequence_] | None:
-        """The rows to preempt so that a sequence of call `flow` fits: each the youngest of
-        the call holding the most, while it holds at least two more than `flow` does;
-        until a row and `blocks_short` blocks are free. None when they never would be."""
-        counts = Counter(held)
+        """The rows to preempt so that a sequence of `holder` fits: each the youngest of the
+        holder with the most rows for its weight, while the hand-over leaves it at least
+        `holder`'s share; until a row and `blocks_short` blocks are free. None when they
+        never would be."""
+        held = Counter(share.held)
         chosen: list[Sequence_] = []
         while taken - len(chosen) >= self.max_rows or blocks_short > 0:
-            victim = self._youngest_of_most(counts, flow, chosen)
-            if victim is None:
+            richest = share.richest(held)
+            if richest is None or not share.gives_to(richest, holder, held):
                 return None
-            chosen.append(victim)
-            counts[victim.flow] -= 1
-            blocks_short -= self._freed_by(victim)
+            rows = [s for s in self.rows if s.holder == richest and s not in chosen]
+            if not rows:
+                return None
+            chosen.append(max(rows, key=lambda s: s.tag))
+            held[richest] -= 1
+            blocks_short -= self._freed_by(chosen[-1])
         return chosen
-
-    def _youngest_of_most(
-        self, held: Counter[Hashable], flow: Hashable, chosen: list[Sequence_]
-    ) -> Sequence_ | None:
-        """The youngest running row (not `chosen` already) of the call holding the most
-        rows, if that call holds at least two more than `flow`; else None."""
-        most = max(held.values(), default=0)
-        if most < held[flow] + 2:
-            return None
-        richest = {f for f, n in held.items() if n == most}
-        rows = [s for s in self.rows if s.flow in richest and s not in chosen]
-        return max(rows, key=lambda s: s.tag) if rows else None
 
     def _blocks_needed(self, sequence: Sequence_) -> int:
         """The blocks admitting `sequence` would take now (`PagedRows._blocks_for`)."""
