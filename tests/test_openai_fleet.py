@@ -336,11 +336,15 @@ def test_a_tenant_s_key_sends_as_the_tenant_within_its_quotas_and_reads_its_own_
         rows = json.loads(_cli(home, "tenant", "list", "--json"))
         return dict(next(r for r in rows if r["name"] == "api-team"))
 
-    def complete(model: str, tokens: int) -> Any:
-        return team.completions.create(model=model, prompt="go", max_tokens=tokens, temperature=0)
+    def complete(model: str, tokens: int, prompt: str | list[str] = "go") -> Any:
+        return team.completions.create(model=model, prompt=prompt, max_tokens=tokens, temperature=0)
 
     with ThreadPoolExecutor(2) as pool:
-        running = pool.submit(complete, "slow-talker", 500)  # holds its one running slot
+        # holds its one running slot while the next is parked and the third refused: 16
+        # prompts of 500 tokens, so that it outlasts the CLI's looks on a loaded machine
+        # (with one prompt, once in a full run, it ended before a look saw the next parked)
+        many = [f"go {i}" for i in range(16)]
+        running = pool.submit(complete, "slow-talker", 500, many)
         until("its call holding the slot", lambda: tenant_row()["let_in"] == 1)
         parked = pool.submit(complete, "talker", 4)
         until("its next call parked", lambda: tenant_row()["parked"] == 1)
