@@ -151,7 +151,7 @@ class Engine(RowTurns):
         self.steps = 0
         self.preemptions = 0  # rows taken out of the batch (for want of blocks, or turns)
         self.handovers = 0  # of them, rows handed over to calls holding fewer
-        self.handed: set[int] = set()  # sequences heading the line by a hand-over
+        self.handed: set[Sequence_] = set()  # sequences heading the line by a hand-over
         self.decoded_rows = 0  # rows summed over decode steps (their mean is this / steps)
         self.decode_steps = 0
 
@@ -387,8 +387,8 @@ class Engine(RowTurns):
         del self.waiting[: len(admitted)]
         now = time.monotonic()
         for sequence in admitted:
-            if id(sequence) in self.handed:
-                self.handed.discard(id(sequence))  # out of its fair order (`turns`)
+            if sequence in self.handed:
+                self.handed.discard(sequence)  # out of its fair order (`turns`)
             else:
                 self._virtual = max(self._virtual, sequence.tag[0])
             self._dequeued(sequence)
@@ -455,9 +455,10 @@ class Engine(RowTurns):
                 len(chunks), width, self.prefill_tokens,
             )  # fmt: skip
             return self._prefill_group(chunks[:half]) + self._prefill_group(chunks[half:])
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # the pass's own time, for its pace
-        self.pace.prefilled(len(chunks) * width, time.perf_counter() - started)
+        if self.kv is not None:  # only a paged engine paces its prefill
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # the pass's own time, for its pace
+            self.pace.prefilled(len(chunks) * width, time.perf_counter() - started)
         done = [
             row for row, s in enumerate(sequences)
             if s.table is None or s.table.length == len(s.context())

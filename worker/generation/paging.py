@@ -114,8 +114,7 @@ class PagedRows:
         context = sequence.context()
         matched, key = prefix
         whole = blocks.blocks_for(len(context))
-        taken = whole - len(matched) + pool.needs(matched)
-        taken += 1 if len(context) % pool.size == 0 else 0
+        taken = self._blocks_taken(context, prefix)
         if taken > spare:
             return None
         pool.hold(matched)
@@ -126,6 +125,16 @@ class PagedRows:
         if not sequence.resumed:
             pool.counted(len(sequence.prompt), reused)
         return taken
+
+    def _blocks_taken(self, context: list[int], prefix: tuple[list[int], bytes]) -> int:
+        """What admitting a sequence of `context`, whose cached prefix is `prefix` (a
+        `match`), takes of the blocks available: its context's blocks not in the prefix,
+        the prefix's blocks nobody held, and one for its next token when its last is full."""
+        assert self.kv is not None
+        pool = self.kv.pool
+        matched, _ = prefix
+        taken = blocks.blocks_for(len(context)) - len(matched) + pool.needs(matched)
+        return taken + (1 if len(context) % pool.size == 0 else 0)
 
     def _forward_paged(self, chunks: list[tuple[Sequence_, int]]) -> Any:
         """The pass over the next `n` uncomputed tokens of each sequence (`chunks`), each

@@ -31,7 +31,6 @@ import logging
 from collections import Counter
 from collections.abc import Hashable
 
-from worker.generation import blocks
 from worker.generation.paging import PagedRows
 from worker.generation.sequence import Sequence_
 
@@ -72,7 +71,7 @@ class RowTurns(PagedRows):
 
     max_rows: int
     handovers: int  # rows preempted to hand them over (of `preemptions`)
-    handed: set[int]  # ids of the sequences heading the line by a hand-over, until admitted
+    handed: set[Sequence_]  # the sequences heading the line by a hand-over, until admitted
 
     def _hand_over(self) -> None:
         """Before a step admits (paged): hand rows over to the waiting sequences whose
@@ -91,9 +90,10 @@ class RowTurns(PagedRows):
             if not share.short(sequence.holder):
                 continue  # its holder holds about its share: it waits its turn
             context = sequence.context()
-            if self._written_by_another(context, self.kv.pool.match(context, len(context) - 1)):
+            prefix = self.kv.pool.match(context, len(context) - 1)
+            if self._written_by_another(context, prefix):
                 continue  # admission would not take it yet: it reads that prefix first
-            short = self._blocks_needed(sequence) - spare
+            short = self._blocks_taken(context, prefix) - spare
             victims = self._victims(share, sequence.holder, short, taken)
             if victims is None:
                 continue  # it waits as it is
@@ -110,8 +110,8 @@ class RowTurns(PagedRows):
         if first:
             # They head the line out of their fair order, which they do not move on: the
             # engine's virtual time stays with the sequences admitted in it.
-            self.handed |= {id(s) for s in first}
-            self.waiting = first + [s for s in self.waiting if id(s) not in self.handed]
+            self.handed.update(first)
+            self.waiting = first + [s for s in self.waiting if s not in self.handed]
 
     def _victims(
         self, share: Share, holder: Hashable, blocks_short: int, taken: int
@@ -135,13 +135,10 @@ class RowTurns(PagedRows):
         return chosen
 
     def _blocks_needed(self, sequence: Sequence_) -> int:
-        """The blocks admitting `sequence` would take now (`PagedRows._blocks_for`)."""
+        """The blocks admitting `sequence` would take now (`PagedRows._blocks_taken`)."""
         assert self.kv is not None
-        pool = self.kv.pool
         context = sequence.context()
-        matched, _ = pool.match(context, len(context) - 1)
-        need = blocks.blocks_for(len(context)) - len(matched) + pool.needs(matched)
-        return need + (1 if len(context) % pool.size == 0 else 0)
+        return self._blocks_taken(context, self.kv.pool.match(context, len(context) - 1))
 
     def _freed_by(self, row: Sequence_) -> int:
         """Blocks a preempted `row` gives back to what is available: those it alone holds
