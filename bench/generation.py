@@ -214,6 +214,8 @@ def run(  # noqa: PLR0917 - the command line's options
     if plain["errors"]:
         raise RuntimeError(f"plain clients' calls failed: {plain['errors'][:3]}")
     rate = _rate(plain["answers"], plain["seconds"])
+    project_rate = _rate(together["answers"], together["seconds"])
+    alone_rate = _rate(alone["answers"], alone["seconds"])
     ttft = [t for t in streamed["ttft_ms"] if t]
     ttft_p50 = percentile(ttft, 50) if ttft else float("inf")
     fleet_tokens = _tokens(plain["answers"])
@@ -234,19 +236,17 @@ def run(  # noqa: PLR0917 - the command line's options
         },
         "fleet": {
             "seconds": round(together["seconds"], 3),
-            "tokens_per_s": round(_rate(together["answers"], together["seconds"]), 1),
+            "tokens_per_s": round(project_rate, 1),
         },
         "one_at_a_time": {
             "seconds": round(alone["seconds"], 3),
-            "tokens_per_s": round(_rate(alone["answers"], alone["seconds"]), 1),
+            "tokens_per_s": round(alone_rate, 1),
         },
         "library_batch": {k: v for k, v in baseline.items() if k != "outputs"},
         "library_continuous": continuous,
         "vs_engine_alone": round(rate / engine_rate, 3),
-        "fleet_vs_engine_alone": round(
-            _rate(together["answers"], together["seconds"]) / engine_rate, 3
-        ),
-        "vs_one_at_a_time": round(rate / _rate(alone["answers"], alone["seconds"]), 3),
+        "fleet_vs_engine_alone": round(project_rate / engine_rate, 3),
+        "vs_one_at_a_time": round(rate / alone_rate, 3),
         "vs_library_batch": round(rate / baseline["tokens_per_s"], 3),
         "vs_library_continuous": (
             round(rate / continuous["tokens_per_s"], 3) if continuous else None
