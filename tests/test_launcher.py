@@ -53,7 +53,9 @@ def test_a_child_that_dies_is_started_again(tmp_path: Path) -> None:
     run.run_child(child)
     first = child.proc
     assert first is not None
-    supervise_until(run, marker.exists)
+    # Not `marker.exists`: open() makes the file before the write reaches it, and a kill
+    # in between would leave one 'x' for two starts.
+    supervise_until(run, lambda: marker.exists() and marker.read_text() == "x")
     first.kill()
     supervise_until(run, lambda: child.proc is not first and child.proc is not None)
     supervise_until(run, lambda: marker.read_text() == "xx")
