@@ -72,7 +72,7 @@ def test_paged_greedy_outputs_equal_the_left_padded_batch_s_as_calls_join_and_le
     prompts = _mixed(24, seed=3)
     engine = _engine(model)
     if not working_copy:  # every decode step gathers its rows from the blocks
-        engine._copy_fits = lambda rows, width: False  # type: ignore[method-assign]
+        engine._copy_fits = lambda tokens: False  # type: ignore[method-assign]
     copied: list[bool] = []
     step = engine.step
 
@@ -87,6 +87,37 @@ def test_paged_greedy_outputs_equal_the_left_padded_batch_s_as_calls_join_and_le
     padded = _run_arriving(_engine(model, paged=False), prompts, seed=4)
     assert [s.tokens for s in paged] == [s.tokens for s in padded]
     assert all(s.finish in ("length", "stop") for s in paged)
+
+
+def test_a_long_row_joining_short_ones_is_kept_in_a_bucket_of_its_own_with_the_same_tokens(
+    model: tuple[Any, Any],
+) -> None:
+    engine = _engine(model)
+    rng = random.Random(8)
+    short = [
+        Sequence_(
+            i, [2, *(rng.randrange(5, 512) for _ in range(8 + i))], Options(max_new_tokens=30)
+        )
+        for i in range(6)
+    ]
+    for sequence in short:
+        engine.add(sequence)
+    engine.step()
+    late = Sequence_(
+        "late", [2, *(rng.randrange(5, 512) for _ in range(299))], Options(max_new_tokens=12)
+    )
+    engine.add(late)
+    widths: list[list[int]] = []
+    while engine.busy:
+        engine.step()
+        if engine._copy is not None:
+            widths.append(sorted(bucket.width for bucket in engine._copy.buckets))
+    # the short rows are not padded to the long one's 300 columns: each bucket its own width
+    assert any(len(w) == 2 and w[0] < 100 < w[1] for w in widths)
+    assert all(len(w) <= 2 for w in widths)
+    for sequence in (*short, late):
+        assert sequence.tokens == _alone(model, sequence.prompt, sequence.options.max_new_tokens)
+    assert engine.kv is not None and engine.kv.pool.in_use == 0
 
 
 def test_a_prompt_that_starts_with_a_cached_prefix_reads_it_and_gets_a_cold_prefill_s_tokens(

@@ -27,7 +27,6 @@ import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from worker.generation.blocks import BLOCK_TOKENS, BlockPool, Table
-from worker.generation.slots import SlotLayer
 
 GROWTH = 2  # a full store is reallocated this many times larger, within the budget
 
@@ -35,7 +34,14 @@ GROWTH = 2  # a full store is reallocated this many times larger, within the bud
 class Store:
     """Every layer's key and value slots. Each layer's tensors take their shape and dtype
     from the first keys written to them, and grow by `GROWTH` (within the pool's budget)
-    when a pass needs more blocks than they hold; slots keep their numbers."""
+    when a pass needs more blocks than they hold; slots keep their numbers.
+
+    On a CPU the tensors are made the budget's size at once: the OS backs a page only when
+    a slot on it is first written, so memory still follows the blocks written, and growing
+    never copies the store (which cost a running stream 15 to 30 ms a growth on this VM,
+    issue 72). `blocks` stays the count the budget is shared by (`worker.generation.
+    paging`: the rest is a CPU working copy's room). Where the budget's address space
+    cannot be had, the store grows as on a GPU."""
 
     def __init__(self, layers: int, size: int) -> None:
         self.size = size  # tokens a block holds
@@ -43,9 +49,11 @@ class Store:
         self.keys: list[torch.Tensor | None] = [None] * layers
         self.values: list[torch.Tensor | None] = [None] * layers
         self.blocks = 0  # blocks every layer will hold by the next pass
+        self.budget = 0  # blocks it may ever hold
 
     def fit(self, blocks: int, budget: int) -> None:
         """Make the next pass find room for `blocks` blocks (at most `budget`)."""
+        self.budget = budget
         if blocks > self.blocks:
             self.blocks = min(budget, max(blocks, self.blocks * GROWTH))
 
@@ -59,17 +67,28 @@ class Store:
             old = tensors[index]
             slots = self.blocks * self.size
             if old is None or old.shape[0] < slots:
-                shape = (slots, like.shape[1], like.shape[3])
-                # Not zeroed: a slot is written before any row reads it, except the null
-                # block's, which padding reads.
-                new = torch.empty(shape, dtype=like.dtype, device=like.device)
-                if old is None:
-                    new[: self.size].zero_()
-                else:
-                    new[: old.shape[0]] = old
-                tensors[index] = new
+                tensors[index] = self._grown(old, slots, like)
             pair.append(tensors[index])
         return pair[0], pair[1]  # type: ignore[return-value]
+
+    def _grown(self, old: torch.Tensor | None, slots: int, like: torch.Tensor) -> torch.Tensor:
+        """`old` (or nothing) in a tensor of at least `slots` slots: the budget's on a CPU."""
+        shape = (slots, like.shape[1], like.shape[3])
+        new = None
+        if like.device.type == "cpu" and self.budget * self.size > slots:
+            try:
+                new = torch.empty((self.budget * self.size, *shape[1:]), dtype=like.dtype)
+            except RuntimeError:  # no address space for it: grow as needed instead
+                new = None
+        if new is None:
+            # Not zeroed: a slot is written before any row reads it, except the null
+            # block's, which padding reads.
+            new = torch.empty(shape, dtype=like.dtype, device=like.device)
+        if old is None:
+            new[: self.size].zero_()
+        else:
+            new[: old.shape[0]] = old
+        return new
 
     def write(
         self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor, now: Pass
@@ -101,13 +120,16 @@ class Pass:
     `[rows * new]` order of the pass's tokens) that are real tokens, or None when all are;
     `slots`: the slots they are written to, in that order; `prefix`: for a decode step
     whose rows all begin with the same blocks, those blocks' slots (`cascade`): `index` and
-    the layers' gathers then hold only what follows them."""
+    the layers' gathers then hold only what follows them; `ragged`: for a decode step over
+    a CPU's working copy (`worker.generation.ragged`), that copy, whose buckets attention
+    reads one by one."""
 
     index: torch.Tensor
     past: int
     written: torch.Tensor | None
     slots: torch.Tensor
     prefix: torch.Tensor | None = None
+    ragged: Any = None
 
 
 class PagedLayer(DynamicLayer):  # type: ignore[no-untyped-call]  # transformers' class
@@ -139,46 +161,16 @@ class PagedLayer(DynamicLayer):  # type: ignore[no-untyped-call]  # transformers
         return self._current[0].past + query_length, 0
 
 
-class CopyLayer(SlotLayer):  # type: ignore[no-untyped-call]  # transformers' class beneath
-    """One layer of the running rows' keys and values kept padded in place as well (a
-    CPU's working copy: `slots.SlotLayer`), so that a decode step gathers nothing; each new
-    token is also written to its slot in the store, which stays the truth."""
-
-    def __init__(  # noqa: PLR0917 - a slot layer's parts, and where it writes through
-        self, keys: torch.Tensor, values: torch.Tensor, budget: int, store: Store, layer: int,
-        current: list[Pass],
-    ) -> None:  # fmt: skip
-        super().__init__(keys, values, budget)
-        self._store, self._layer, self._current = store, layer, current
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        self._store.write(self._layer, key_states, value_states, self._current[0])
-        return super().update(key_states, value_states)
-
-
 class PagedCache:
     """The cache object a forward pass gets: a `DynamicCache` whose layers read and write
     the store through the pass `set` names."""
 
     def __init__(self, store: Store) -> None:
         self._store = store
-        self._current: list[Pass] = []
+        self.current: list[Pass] = []  # the pass under way, which every layer reads
         self.cache = DynamicCache()
-        self.cache.layers = [PagedLayer(store, i, self._current) for i in range(store.layers)]
+        self.cache.layers = [PagedLayer(store, i, self.current) for i in range(store.layers)]
         self.cache.layer_class_to_replicate = None
-
-    def copy_of(self, index: torch.Tensor, budget: int) -> DynamicCache:
-        """A working copy (`CopyLayer`s, within `budget` tokens) of the rows whose slots
-        `index` (`[rows, width]`, right-aligned) names, gathered from the store once."""
-        copy = DynamicCache()
-        copy.layers = [
-            CopyLayer(*self.gather(layer, index), budget, self._store, layer, self._current)
-            for layer in range(self._store.layers)
-        ]
-        copy.layer_class_to_replicate = None
-        return copy
 
     def gather(self, layer: int, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `layer`'s keys and values of the slots `index` names, `[rows, kv heads,
@@ -198,7 +190,7 @@ class PagedCache:
         reads while the model runs it."""
         _active.state = (self._store, forward)
         try:
-            self._current[:] = [forward]
+            self.current[:] = [forward]
             yield copy if copy is not None else self.cache
         finally:
             _active.state = None
@@ -247,6 +239,10 @@ def _cascade_or(fallback: Any) -> Any:
     ) -> tuple[torch.Tensor, None]:  # fmt: skip
         state = _active.state
         forward = state[1] if state is not None else None
+        ragged = forward.ragged if forward is not None else None
+        if ragged is not None and ragged.splits and query.shape[2] == 1:
+            # a decode step over a CPU's working copy: each bucket over its own width
+            return ragged.attend(module, query, fallback, kwargs), None
         if forward is None or forward.prefix is None:
             return fallback(module, query, key, value, attention_mask, **kwargs)  # type: ignore[no-any-return]
         store = state[0] if state is not None else None

@@ -6,8 +6,8 @@ a prefill pass reads each row's cached prefix from its blocks and computes only 
 rows join with their slots right-aligned, as a left-padded batch lays them out; a decode
 step takes each row's next slot (preempting the youngest row when none is left) and reads
 the rows' keys by one of three ways: attention over a prefix every row shares
-(`paged.cascade`), a CPU's working copy kept padded in place (`paged.CopyLayer`), or a
-gather. See docs/worker.md, "The KV cache, in blocks".
+(`paged.cascade`), a CPU's working copy kept in place in buckets of similar length
+(`worker.generation.ragged`), or a gather. See docs/worker.md, "The KV cache, in blocks".
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from worker.generation import blocks, paged, sampling
+from worker.generation import blocks, paged, ragged, sampling
 from worker.generation.sequence import Sequence_
 
 log = logging.getLogger(__name__)
@@ -40,7 +40,7 @@ class PagedRows:
     _slots: torch.Tensor | None
     _mask: torch.Tensor | None
     _seen: torch.Tensor | None
-    _copy: Any
+    _copy: ragged.Ragged | None
     _cascade: bool
     _columns: sampling.Columns | None
     _finishes: dict[Hashable, tuple[float, int]]
@@ -173,7 +173,7 @@ class PagedRows:
             torch.cat(slots).to(self.device),
         )  # fmt: skip
         kv.ready()
-        if self._copy is not None and not self._copy_fits(len(self.rows), self._copy_width()):
+        if self._copy is not None and not self._copy_fits(0):
             self._copy = None  # the store grew into its room
         with kv.cache.running(forward) as cache:
             out = self._forward_prompts(
@@ -200,10 +200,9 @@ class PagedRows:
             mask[row, width - length :] = 1
         index, mask = index.to(self.device), mask.to(self.device)
         if self._copy is not None:
-            assert self._mask is not None
-            if self._copy_fits(len(self.rows) + len(sequences), max(width, self._mask.shape[1])):
-                for number, layer in enumerate(self._copy.layers):
-                    layer.join(*self.kv.cache.gather(number, index))
+            if self._copy_fits(self._copy.tokens_with(lengths)):
+                expected = len(self.prefilling) + len(self.waiting)
+                self._copy.join(sequences, index, lengths, self.kv.cache.gather, expected)
             else:
                 self._copy = None
         if self._slots is None or self._mask is None or self._seen is None:
@@ -282,8 +281,7 @@ class PagedRows:
         self._slots = self._slots.index_select(0, index)[:, cut:]
         self._seen = self._seen.index_select(0, index)
         if self._copy is not None:
-            for layer in self._copy.layers:
-                layer.keep(keep, cut)
+            self._copy.keep(self.rows)
 
     def _decode_paged(self, ids: torch.Tensor) -> Any:
         """One decode step over the blocks: each row's new token (`ids`) written to its
@@ -319,10 +317,10 @@ class PagedRows:
             step_mask, forward = mask, paged.Pass(index, self._slots.shape[1], None, new)
         kv.ready()
         copy = None
-        if not shared and self._copy_fits(len(rows), index.shape[1]):
-            if self._copy is None:  # this step's gather, made once for the steps to come
-                self._copy = kv.cache.copy_of(self._slots, self._copy_room())
-            copy = self._copy
+        if not shared and self._working_copy(positions):
+            assert self._copy is not None
+            self._copy.plan(rows)
+            forward.ragged, copy = self._copy, self._copy.cache
         else:
             self._copy = None
         with kv.cache.running(forward, copy) as cache:
@@ -339,28 +337,46 @@ class PagedRows:
                 kv.pool.key_full_blocks(table, sequence.prompt + sequence.tokens)
         return out
 
-    def _copy_width(self) -> int:
-        return 0 if self._mask is None else int(self._mask.shape[1])
+    def _working_copy(self, positions: torch.Tensor) -> bool:
+        """Whether this decode step reads the working copy: the one kept since earlier
+        steps, or one gathered now (for the steps to come) from the rows' slots and their
+        lengths (`positions`), when either fits its room."""
+        assert self.kv is not None and self._slots is not None
+        if self._copy is not None:
+            return self._copy_fits(0)
+        if self.device.type != "cpu":
+            return False
+        lengths = [int(n) for n in positions[:, 0].tolist()]
+        kv = self.kv
+        copy = ragged.Ragged(
+            kv.store.layers, self._copy_room(), split=self._cascade,
+            write=kv.store.write, current=kv.cache.current,
+        )  # fmt: skip
+        if not self._copy_fits(copy.tokens_with(lengths)):
+            return False
+        copy.join(self.rows, self._slots, lengths, kv.cache.gather, len(self.waiting))
+        self._copy = copy
+        return True
 
     def _copy_room(self) -> int:
         """Tokens of the budget the store has not taken (nor will by its next growth)."""
         assert self.kv is not None
         return (self.kv.pool.budget - self.kv.store.blocks) * self.kv.pool.size
 
-    def _copy_fits(self, rows: int, width: int) -> bool:
-        """Whether a working copy of `rows` rows `width` columns wide (the store's truth
-        padded in place, `paged.CopyLayer`) fits the budget beside the store: only on a
-        CPU, where a decode step's gather is a copy the CPU pays for; a GPU gathers at its
-        memory's speed. Its layers may grow only within that room."""
+    def _copy_fits(self, tokens: int) -> bool:
+        """Whether a working copy fits the budget beside the store (the store's truth kept
+        in place as well, `worker.generation.ragged`): `tokens`, what it would hold (after a
+        join, or a new copy), and the room its buffers hold already. Only on a CPU, where
+        a decode step's gather is a copy the CPU pays for; a GPU gathers at its memory's
+        speed. Its buffers may grow only within that room."""
         if self.kv is None or self.device.type != "cpu":
             return False
         room = self._copy_room()
-        if rows * width > room:
+        if tokens > room:
             return False
         if self._copy is not None:
-            for layer in self._copy.layers:
-                layer.budget = room
-            if self._copy.layers[0].capacity() > room:
+            self._copy.limit(room)
+            if self._copy.capacity() > room:
                 return False
         return True
 

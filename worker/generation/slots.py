@@ -41,14 +41,26 @@ class SlotLayer(DynamicLayer):  # type: ignore[no-untyped-call]  # transformers'
     `[lo, hi)`, so cutting padding on the left moves nothing, and a step writes column `hi`.
     """
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, budget: int) -> None:
+    def __init__(
+        self, keys: torch.Tensor, values: torch.Tensor, budget: int,
+        room: tuple[int, int] | None = None,
+    ) -> None:  # fmt: skip
+        """`keys`, `values`: the first rows; `room`: rows and columns to hold from the
+        start (so rows expected soon join without regrowing), at least theirs."""
         super().__init__()  # type: ignore[no-untyped-call]
         self.budget = budget  # tokens (rows x columns) its buffers may hold
         self.is_initialized = True
         self.device = keys.device
-        self._k = keys.contiguous()
-        self._v = values.contiguous()
-        self._rows, self._lo, self._hi = keys.shape[0], 0, keys.shape[2]
+        rows, width = keys.shape[0], keys.shape[2]
+        if room is None or (room[0] <= rows and room[1] <= width):
+            self._k, self._v = keys.contiguous(), values.contiguous()
+        else:
+            have = (max(rows, room[0]), max(width, room[1]))
+            self._k = keys.new_empty((have[0], keys.shape[1], have[1], keys.shape[3]))
+            self._v = values.new_empty((have[0], values.shape[1], have[1], values.shape[3]))
+            self._k[:rows, :, :width] = keys
+            self._v[:rows, :, :width] = values
+        self._rows, self._lo, self._hi = rows, 0, width
         self._expose()
 
     def _expose(self) -> None:
