@@ -18,7 +18,7 @@ from placement.errors import CatalogError, PayloadError
 from worker import handlers
 from worker.generation import params as gen_params
 from worker.generation.engine import Engine, Options, Sequence_
-from worker.generation.pacing import LEAST_TOKENS, Pace
+from worker.generation.pacing import LEAST_TOKENS, Allowance, Pace
 from worker.generation.replica import replica_engine
 from worker.generation.sampling import Choice
 from worker.generation.serving import Driver, GenCall, Generated, run_calls
@@ -432,8 +432,10 @@ def test_prompts_prefilled_in_one_padded_pass_still_get_the_tokens_they_get_alon
 class _Unpaced(Pace):
     """No pacing: a step prefills up to the engine's own bound whatever decodes beside it."""
 
-    def budget(self, most: int, rows: int = 1, building: int = 1) -> int:
-        return most
+    def step(
+        self, most: int, rows: int = 1, building: int = 1, *, launch_bound: bool = False
+    ) -> Allowance:
+        return Allowance(most, None)
 
 
 def test_a_step_admits_prompts_up_to_its_prefill_budget_and_streams_them_before_decoding(
@@ -547,8 +549,10 @@ class _Fixed(Pace):
         super().__init__()
         self.tokens = tokens
 
-    def budget(self, most: int, rows: int = 1, building: int = 1) -> int:
-        return min(most, self.tokens)
+    def step(
+        self, most: int, rows: int = 1, building: int = 1, *, launch_bound: bool = False
+    ) -> Allowance:
+        return Allowance(min(most, self.tokens), None)  # counted in tokens
 
 
 def test_a_long_prompt_is_prefilled_in_chunks_while_every_running_row_decodes_each_step(
@@ -653,11 +657,44 @@ def test_the_pace_allows_the_prompt_tokens_whose_compute_costs_one_decode_step()
     assert pace.budget(2048) == 2048  # no decode step measured yet
     for seconds in (0.004, 0.005, 0.006):
         pace.decoded(seconds)
-    assert abs(pace.budget(2048) - 500) <= 1  # 5 ms of compute, at 10 us a token (rounded)
+    assert abs(pace.budget(2048) - 500) <= 1  # a whole prompt: 5 ms at 10 us a token
     assert pace.budget(300) == 300
+    # a long prompt's chunk on a CPU: the pass's own 2 ms counted in, 3 ms of compute
+    assert abs(pace.step(2048).chunk(5000, 0) - 300) <= 1
+    assert abs(pace.step(2048, launch_bound=True).chunk(5000, 0) - 500) <= 1  # launches
     for _ in range(4):
         pace.decoded(1e-9)  # the median step now takes next to nothing
     assert pace.budget(2048) == LEAST_TOKENS
+
+
+def test_the_pace_counts_the_columns_a_chunk_attends_so_a_late_chunk_is_smaller() -> None:
+    pace = Pace()
+    for tokens, past in ((64, 0), (64, 512), (128, 256), (256, 0), (128, 900), (32, 700)):
+        width = past + tokens  # 1 ms a pass, 10 us a token, 10 ns a token's column
+        pace.prefilled(tokens, 0.001 + tokens * 1e-5 + tokens * width * 1e-8, width)
+    for _ in range(3):
+        pace.decoded(0.005)
+    costs = pace.costs()
+    assert costs is not None
+    assert [round(c, 10) for c in costs] == [0.001, 1e-5, 1e-8]
+    early, late = pace.budget(2048), pace.budget(2048, past=900)
+    step = pace.step(2048)
+    assert abs(step.cost(early, 0) - 0.005) < 2e-5  # a whole prompt's 5 ms
+    assert abs(step.cost(late, 900) - 0.005) < 2e-5
+    assert late < early
+
+
+def test_chunks_of_long_prompts_are_paced_by_the_rows_running_and_whole_prompts_by_the_batch(
+) -> None:  # fmt: skip
+    pace = Pace()
+    pace.prefilled(100, 0.010)
+    pace.prefilled(100, 0.010)
+    pace.decoded(0.002)  # two rows decode in 2 ms; 0.1 ms a token
+    step = pace.step(2048, rows=2, building=16)
+    assert step.holds(160, 0) and not step.holds(161, 0)  # whole: as a step of 16 rows
+    assert step.chunk(1000, 0) == 20  # a long prompt's chunk: a step of the 2 rows
+    step.spend(20, 0)
+    assert step.spent and step.chunk(1000, 20) == 0
 
 
 def test_passes_of_one_size_give_a_pace_from_their_mean_cost_per_token() -> None:

@@ -55,7 +55,7 @@ import torch
 
 from placement.errors import PayloadError
 from worker.generation import blocks, paged, sampling, slots
-from worker.generation.pacing import Pace
+from worker.generation.pacing import Allowance, Pace
 from worker.generation.params import MAX_NEW_TOKENS
 from worker.generation.sequence import Options, Sequence_
 from worker.generation.text import Detokenizer
@@ -307,7 +307,7 @@ class Engine(RowTurns):
 
     def _admit(self) -> list[tuple[Sequence_, int]]:
         """This step's prefill, as (sequence, prompt tokens it computes now): chunks of the
-        prompts being prefilled, oldest first, within the step's pace (`_budget`); then the
+        prompts being prefilled, oldest first, within the step's pace (`_allowance`); then the
         waiting sequences that fit now, in their fair order (none jumps the queue): a
         prompt the pace holds whole, at once (a call never waits a step for others' short
         prompts), up to `prefill_tokens` in the step; a longer one, a chunk of what is left
@@ -316,15 +316,19 @@ class Engine(RowTurns):
             return [(s, len(s.prompt)) for s in self._admit_whole()]
         self._hand_over()  # rows of the call holding the most, to calls waiting with fewer
         pool = self.kv.pool
-        paced = self._budget()
-        left, total = paced, 0  # the step's pace left, and its prompt tokens
+        allowance = self._allowance()
+        total = 0  # the step's prompt tokens
         chunks: list[tuple[Sequence_, int]] = []
         for sequence in self.prefilling:
-            if left <= 0:
+            if allowance.spent:
                 break
-            chunks.append((sequence, min(self._todo(sequence), left)))
-            left -= chunks[-1][1]
-            total += chunks[-1][1]
+            assert sequence.table is not None
+            granted = allowance.chunk(self._todo(sequence), sequence.table.length)
+            if not granted:
+                break
+            allowance.spend(granted, sequence.table.length)
+            chunks.append((sequence, granted))
+            total += granted
         admitted: list[Sequence_] = []
         count = len(self.rows) + len(self.prefilling)
         spare = pool.available - self._next_blocks()  # kept for the rows' next tokens
@@ -332,11 +336,13 @@ class Engine(RowTurns):
             head = self.waiting[len(admitted)]
             context = head.context()
             prefix = pool.match(context, len(context) - 1)  # a token at least is computed
-            todo = len(context) - len(prefix[0]) * pool.size
-            whole = todo <= paced  # a prompt a step's pace holds starts whole at once
+            past = len(prefix[0]) * pool.size
+            todo = len(context) - past
+            whole = allowance.holds(todo, past)  # a prompt a step holds starts whole at once
             if whole and chunks and total + todo > self.prefill_tokens:
                 break
-            if not whole and left <= 0:
+            granted = todo if whole else allowance.chunk(todo, past)
+            if not granted:
                 break
             if self._written_by_another(context, prefix):
                 break  # it begins as one being prefilled does: it reads that once written
@@ -346,21 +352,23 @@ class Engine(RowTurns):
             spare -= taken
             self._pend(head, context)
             admitted.append(head)
-            chunks.append((head, todo if whole else min(todo, left)))
-            left -= chunks[-1][1]
-            total += chunks[-1][1]
+            allowance.spend(granted, past)
+            chunks.append((head, granted))
+            total += granted
             count += 1
         self._leave_queue(admitted)
         self.prefilling += admitted
         return chunks
 
-    def _budget(self) -> int:
-        """The prompt tokens this step prefills (paged): the engine's bound while no row
-        decodes, else as many as one decode step's time allows (`worker.generation.pacing`)."""
+    def _allowance(self) -> Allowance:
+        """What this step prefills (paged): the engine's bound while no row decodes, else
+        what one decode step's time allows (`worker.generation.pacing`)."""
         if not self.rows:
-            return self.prefill_tokens
+            return Allowance(self.prefill_tokens, None)
         building = min(self.max_rows, len(self.rows) + len(self.prefilling) + len(self.waiting))
-        return self.pace.budget(self.prefill_tokens, len(self.rows), building)
+        return self.pace.step(
+            self.prefill_tokens, len(self.rows), building, launch_bound=self.merge_prefill
+        )
 
     def _admit_whole(self) -> list[Sequence_]:
         """Left-padded: the waiting sequences that fit now, in their fair order, with at
@@ -436,6 +444,7 @@ class Engine(RowTurns):
         new token."""
         sequences = [s for s, _ in chunks]
         width = max(n for _, n in chunks)
+        past = max((s.table.length for s in sequences if s.table is not None), default=0)
         started = time.perf_counter()
         try:
             if self.kv is not None:
@@ -458,7 +467,8 @@ class Engine(RowTurns):
         if self.kv is not None:  # only a paged engine paces its prefill
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # the pass's own time, for its pace
-            self.pace.prefilled(len(chunks) * width, time.perf_counter() - started)
+            seconds = time.perf_counter() - started
+            self.pace.prefilled(len(chunks) * width, seconds, past + width)
         done = [
             row for row, s in enumerate(sequences)
             if s.table is None or s.table.length == len(s.context())

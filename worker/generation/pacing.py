@@ -2,28 +2,35 @@
 
 A step prefills new prompts (or chunks of them), then decodes one token for every running
 row, so every running stream waits for the step's prefill between two of its tokens. The
-rule: **a step's prefill may add at most one decode step's time to the step** beyond what
-any pass costs however small it is. So while a burst of long prompts is prefilled chunk by
-chunk, the running streams' gap between tokens stays within about twice its usual value,
-and the new prompts still go in as fast as that allows. No constant of the rule is tuned:
-the engine measures both times as it runs.
+rule: **a step's prefill may add at most one decode step's time to the step.** So while a
+burst of long prompts is prefilled chunk by chunk, the running streams' gap between tokens
+stays within about twice its usual value, and the new prompts still go in as fast as that
+allows. No constant of the rule is tuned: the engine measures both times as it runs.
 
-The cost of a prefill pass is modelled as `fixed + per_token x tokens` (a pass of a few
-tokens costs its launches, most of them on a GPU; each token its compute, most of it on a
-CPU), fitted by least squares over the last `WINDOW` passes. The step's budget is then the
-tokens whose compute costs one decode step: `decode_s / per_token`, the decode step being
-that of the batch under way (its rows and the calls waiting to join them, the step's cost
-scaled by their number): while a few rows run and many calls wait, the prefill is paced by
-the steps those calls will share, not by the short steps of the first few (paced by
-those, the fleet's 32 short calls, which reach the engine a few at a time, waited 40 to
-356 ms p50 to begin their prefill). On a CPU, where
-`fixed` is small, that bounds the whole prefill; on a GPU, where a pass of thousands of
-tokens costs little more than its launches, the budget is large, as it should be. With no
-row running, nothing waits, and the engine's own bound (`prefill_tokens`) applies.
+The cost of a prefill pass is modelled as `fixed + a x tokens + b x token-columns` (a pass
+of a few tokens costs its launches, most of them on a GPU; each token its compute, most of
+it on a CPU; and each token attends to every column before it, so a late chunk of a long
+prompt costs more than its first), fitted by least squares over the last `WINDOW` passes.
+An allowance (`Allowance`) is spent chunk by chunk in those seconds:
+- **a prompt that starts whole** joins the batch being built, so it is paced by that
+  batch's decode step (its rows and the calls waiting to join them, the step's cost scaled
+  by their number): while a few rows run and many calls wait, the prefill is not held to
+  the short steps of the first few (paced by those, the fleet's 32 short calls, which
+  reach the engine a few at a time, waited 40 to 356 ms p50 to begin their prefill);
+- **chunks of a long prompt** join no batch this step, so they are paced by the decode step
+  of the rows running now. Where compute is what a pass costs (a CPU), the pass's fixed
+  part counts against it; where launches are (a GPU), a pass of thousands of tokens costs
+  little more than its launches, which are about a decode step themselves, so only the
+  compute counts and the allowance is large, as it should be;
+- **a chunk after the step's first** pays a pass's fixed cost too: it may need a pass of
+  its own (its prompt's length differs), and a burst's second prompt starting in the step
+  that ends the first doubled those steps.
+With no row running, nothing waits, and the engine's own bound (`prefill_tokens`) applies.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 
 #: Passes the cost model is fitted over: enough to see passes of several sizes, few
@@ -35,16 +42,20 @@ LEAST_TOKENS = 16
 
 
 class Pace:
-    """The measured costs of one engine's passes, and the prefill budget they give."""
+    """The measured costs of one engine's passes, and the prefill allowance they give."""
 
     def __init__(self) -> None:
-        self._passes: deque[tuple[int, float]] = deque(maxlen=WINDOW)  # (tokens, seconds)
+        # (tokens, token-columns, seconds): a pass's padded tokens, those times the columns
+        # each attends to (its past and its own), and its time
+        self._passes: deque[tuple[int, int, float]] = deque(maxlen=WINDOW)
         self._decode_s: deque[float] = deque(maxlen=WINDOW)
 
-    def prefilled(self, tokens: int, seconds: float) -> None:
-        """A prefill pass of `tokens` prompt tokens (padding included) took `seconds`."""
+    def prefilled(self, tokens: int, seconds: float, width: int = 0) -> None:
+        """A prefill pass of `tokens` prompt tokens (padding included) took `seconds`, each
+        token attending to `width` columns (the pass's past and its own tokens; 0: not
+        told, its cost is counted by tokens alone)."""
         if tokens > 0 and seconds > 0:
-            self._passes.append((tokens, seconds))
+            self._passes.append((tokens, tokens * width, seconds))
 
     def decoded(self, seconds: float) -> None:
         """A decode step took `seconds`."""
@@ -59,36 +70,140 @@ class Pace:
         ordered = sorted(self._decode_s)
         return ordered[len(ordered) // 2]
 
-    def per_token_s(self) -> float | None:
-        """The marginal cost of one prompt token: the slope of the least-squares line
-        through the window's passes; where their sizes do not vary enough to give one
-        (or noise makes it no cost at all), their mean cost per token, which counts the
-        fixed part too and so errs towards smaller chunks. None before the first pass."""
+    def costs(self) -> tuple[float, float, float] | None:
+        """A pass's fixed cost, the marginal cost of a prompt token, and of each column it
+        attends to: the least-squares plane through the window's passes (`fixed + a x
+        tokens + b x token-columns`); where the columns do not vary apart from the tokens
+        enough to tell them (or noise makes a cost negative), the line through tokens alone
+        (b = 0); where the sizes do not vary either (or the slope is no cost at all),
+        their mean cost per token, which counts the fixed part in (fixed = 0) and so errs
+        towards smaller chunks. None before the first pass."""
         if not self._passes:
             return None
+        times = [t for _, _, t in self._passes]
+        plane = _plane([(n, p) for n, p, _ in self._passes], times)
+        if plane is not None and plane[0] >= 0 and plane[1] > 0 and plane[2] >= 0:
+            return plane
         count = len(self._passes)
-        mean_n = sum(n for n, _ in self._passes) / count
-        mean_t = sum(t for _, t in self._passes) / count
-        spread = sum((n - mean_n) ** 2 for n, _ in self._passes)
+        mean_n = sum(n for n, _, _ in self._passes) / count
+        mean_t = sum(times) / count
+        spread = sum((n - mean_n) ** 2 for n, _, _ in self._passes)
         if spread > 0:
-            slope = sum((n - mean_n) * (t - mean_t) for n, t in self._passes) / spread
+            slope = sum((n - mean_n) * (t - mean_t) for n, _, t in self._passes) / spread
             if slope > 0:
-                return slope
-        return mean_t / mean_n
+                return max(0.0, mean_t - slope * mean_n), slope, 0.0
+        return 0.0, mean_t / mean_n, 0.0
 
-    def budget(self, most: int, rows: int = 1, building: int = 1) -> int:
-        """Prompt tokens this step may prefill beside `rows` running rows, when the batch
-        being built (those rows and the sequences waiting or being prefilled) holds
-        `building`: those whose compute costs one decode step of that batch, within
-        [`LEAST_TOKENS`, `most`]; `most` until both costs are known. A decode step's cost
-        is taken to grow with its rows (a pass's compute), so while few rows run and many
-        calls wait, as when a burst of calls reaches an idle engine a few at a time, the
-        prefill is not held to the short steps of the first few."""
-        decode_s, per_token = self.decode_s, self.per_token_s()
-        if decode_s is None or per_token is None:
-            return most
-        step_s = decode_s * max(1.0, building / max(1, rows))
-        return max(min(LEAST_TOKENS, most), min(most, int(step_s / per_token)))
+    def step(
+        self, most: int, rows: int = 1, building: int = 1, *, launch_bound: bool = False
+    ) -> Allowance:
+        """What this step may prefill beside `rows` running rows, when the batch being
+        built (those rows and the sequences waiting or being prefilled) holds `building`
+        (see the module). A prompt that starts whole: tokens whose compute costs one
+        decode step of the batch it joins, the rows' step scaled by `building / rows` (a
+        decode step's cost is taken to grow with its rows). Chunks of long prompts, which
+        join no batch this step: one decode step of the rows running, the pass's fixed
+        cost included where compute is what a pass costs (a CPU), not where launches are
+        (`launch_bound`, a GPU: there the fixed part is about a decode step itself, and
+        counting it would leave chunks the least). `most` tokens, unpaced, until both
+        costs are known."""
+        decode_s, costs = self.decode_s, self.costs()
+        if decode_s is None or costs is None:
+            return Allowance(most, None)
+        fixed, per_token, per_column = costs
+        scale = max(1.0, building / max(1, rows))
+        chunks = decode_s - (0.0 if launch_bound else fixed)
+        return Allowance(most, (per_token, per_column), decode_s * scale, chunks, fixed)
+
+    def budget(self, most: int, rows: int = 1, building: int = 1, past: int = 0) -> int:
+        """The prompt tokens a step's allowance (`step`) holds of one prompt whose first
+        `past` tokens are in already."""
+        return self.step(most, rows, building).tokens(past)
 
 
-__all__ = ["LEAST_TOKENS", "WINDOW", "Pace"]
+class Allowance:
+    """One step's prefill allowance, spent chunk by chunk: in seconds of compute by the
+    pace's `costs` (per token, per column attended), `whole` for a prompt that starts
+    whole and `chunks` for what chunks of long prompts take, a chunk after the step's first
+    paying a pass's `fixed` cost too (it may need a pass of its own); or, unpaced (`costs`
+    None), in tokens up to `most`."""
+
+    def __init__(
+        self, most: int, costs: tuple[float, float] | None, whole: float = 0.0,
+        chunks: float = 0.0, fixed: float = 0.0,
+    ) -> None:  # fmt: skip
+        self.most = most
+        self._costs = costs
+        self._fixed = fixed
+        self._whole = whole if costs is not None else float(most)
+        self._left = chunks if costs is not None else float(most)
+        self._first = True
+
+    @property
+    def spent(self) -> bool:
+        return self._left <= 0
+
+    def cost(self, tokens: int, past: int) -> float:
+        """What `tokens` more tokens of a prompt whose first `past` are in cost of it."""
+        if self._costs is None:
+            return float(tokens)
+        per_token, per_column = self._costs
+        return tokens * per_token + tokens * (past + tokens) * per_column
+
+    def tokens(self, past: int, left: float | None = None) -> int:
+        """The most tokens of a prompt at `past` that `left` (a whole prompt's allowance
+        when None) pays for, within [`LEAST_TOKENS`, `most`]."""
+        left = max(0.0, self._whole if left is None else left)
+        if self._costs is None:
+            fits = int(left)
+        else:
+            a, b = self._costs
+            slope = a + b * past
+            if b > 0:  # b n^2 + (a + b past) n = left
+                fits = int((-slope + math.sqrt(slope * slope + 4 * b * left)) / (2 * b))
+            else:
+                fits = int(left / slope)
+        return max(min(LEAST_TOKENS, self.most), min(self.most, fits))
+
+    def holds(self, todo: int, past: int) -> bool:
+        """Whether a whole step's allowance holds `todo` tokens of a prompt at `past` (such
+        a prompt starts whole)."""
+        return todo <= self.tokens(past)
+
+    def chunk(self, todo: int, past: int) -> int:
+        """Tokens of a prompt at `past` (`todo` left) this step may prefill now: what is
+        left pays for, and at least `LEAST_TOKENS` for the step's first chunk, so a long
+        prompt always progresses; 0 once nothing more is paid for. Spend them (`spend`)."""
+        if self._first:
+            return min(todo, self.tokens(past, self._left))
+        left = self._left - self._fixed
+        granted = min(todo, self.tokens(past, left))
+        return granted if self.cost(granted, past) <= left else 0
+
+    def spend(self, tokens: int, past: int) -> None:
+        """Count `tokens` of a prompt at `past` against what is left (a pass's fixed cost
+        too, after the step's first)."""
+        self._left -= self.cost(tokens, past) + (0.0 if self._first else self._fixed)
+        self._first = False
+
+
+def _plane(points: list[tuple[int, int]], times: list[float]) -> tuple[float, float, float] | None:
+    """The least-squares `t = c + a x + b y` through `points` (x, y) and `times`: (c, a,
+    b), or None when the points do not span a plane."""
+    count = len(points)
+    mx = sum(x for x, _ in points) / count
+    my = sum(y for _, y in points) / count
+    mt = sum(times) / count
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    syy = sum((y - my) ** 2 for _, y in points)
+    sxy = sum((x - mx) * (y - my) for x, y in points)
+    sxt = sum((x - mx) * (t - mt) for (x, _), t in zip(points, times, strict=True))
+    syt = sum((y - my) * (t - mt) for (_, y), t in zip(points, times, strict=True))
+    det = sxx * syy - sxy * sxy
+    if det <= 1e-9 * sxx * syy or det <= 0:  # collinear: y follows x
+        return None
+    a, b = (sxt * syy - syt * sxy) / det, (syt * sxx - sxt * sxy) / det
+    return mt - a * mx - b * my, a, b
+
+
+__all__ = ["LEAST_TOKENS", "WINDOW", "Allowance", "Pace"]
