@@ -684,17 +684,17 @@ def test_the_pace_counts_the_columns_a_chunk_attends_so_a_late_chunk_is_smaller(
     assert late < early
 
 
-def test_chunks_of_long_prompts_are_paced_by_the_rows_running_and_whole_prompts_by_the_batch(
-) -> None:  # fmt: skip
+def test_a_chunk_after_the_step_s_first_pays_for_a_pass_of_its_own() -> None:
     pace = Pace()
-    pace.prefilled(100, 0.010)
-    pace.prefilled(100, 0.010)
-    pace.decoded(0.002)  # two rows decode in 2 ms; 0.1 ms a token
-    step = pace.step(2048, rows=2, building=16)
-    assert step.holds(160, 0) and not step.holds(161, 0)  # whole: as a step of 16 rows
-    assert step.chunk(1000, 0) == 20  # a long prompt's chunk: a step of the 2 rows
-    step.spend(20, 0)
-    assert step.spent and step.chunk(1000, 20) == 0
+    for tokens in (64, 128, 256, 512):  # a pass costs 2 ms, and 10 us a token
+        pace.prefilled(tokens, 0.002 + tokens * 1e-5)
+    pace.decoded(0.006)
+    step = pace.step(2048)  # 6 ms: the pass's 2 ms and 400 tokens
+    assert abs(step.chunk(100, 0) - 100) <= 1
+    step.spend(100, 0)  # 1 ms of compute: 3 ms left
+    assert abs(step.chunk(1000, 0) - 100) <= 1  # less another pass's 2 ms
+    step.spend(100, 0)
+    assert step.spent and step.chunk(1000, 0) == 0
 
 
 def test_passes_of_one_size_give_a_pace_from_their_mean_cost_per_token() -> None:

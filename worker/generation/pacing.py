@@ -12,16 +12,17 @@ of a few tokens costs its launches, most of them on a GPU; each token its comput
 it on a CPU; and each token attends to every column before it, so a late chunk of a long
 prompt costs more than its first), fitted by least squares over the last `WINDOW` passes.
 An allowance (`Allowance`) is spent chunk by chunk in those seconds:
-- **a prompt that starts whole** joins the batch being built, so it is paced by that
-  batch's decode step (its rows and the calls waiting to join them, the step's cost scaled
-  by their number): while a few rows run and many calls wait, the prefill is not held to
-  the short steps of the first few (paced by those, the fleet's 32 short calls, which
-  reach the engine a few at a time, waited 40 to 356 ms p50 to begin their prefill);
-- **chunks of a long prompt** join no batch this step, so they are paced by the decode step
-  of the rows running now. Where compute is what a pass costs (a CPU), the pass's fixed
-  part counts against it; where launches are (a GPU), a pass of thousands of tokens costs
-  little more than its launches, which are about a decode step themselves, so only the
-  compute counts and the allowance is large, as it should be;
+- the decode step is that of **the batch being built** (its rows and the calls waiting to
+  join them, the step's cost scaled by their number): while a few rows run and many calls
+  wait, the prefill is not held to the short steps of the first few (paced by those, the
+  fleet's 32 short calls, which reach the engine a few at a time, waited 40 to 356 ms p50
+  to begin their prefill; paced by the rows running, the trace shape's calls lost a
+  quarter of their tokens per second through the fleet);
+- **a prompt that starts whole** is one that much compute holds;
+- **chunks of a long prompt** take it with the pass's fixed part counted in where compute
+  is what a pass costs (a CPU); where launches are (a GPU), a pass of thousands of tokens
+  costs little more than its launches, which are about a decode step themselves, so only
+  the compute counts and the allowance is large, as it should be;
 - **a chunk after the step's first** pays a pass's fixed cost too: it may need a pass of
   its own (its prompt's length differs), and a burst's second prompt starting in the step
   that ends the first doubled those steps.
@@ -99,21 +100,20 @@ class Pace:
     ) -> Allowance:
         """What this step may prefill beside `rows` running rows, when the batch being
         built (those rows and the sequences waiting or being prefilled) holds `building`
-        (see the module). A prompt that starts whole: tokens whose compute costs one
-        decode step of the batch it joins, the rows' step scaled by `building / rows` (a
-        decode step's cost is taken to grow with its rows). Chunks of long prompts, which
-        join no batch this step: one decode step of the rows running, the pass's fixed
-        cost included where compute is what a pass costs (a CPU), not where launches are
-        (`launch_bound`, a GPU: there the fixed part is about a decode step itself, and
-        counting it would leave chunks the least). `most` tokens, unpaced, until both
-        costs are known."""
+        (see the module): one decode step of that batch, the rows' step scaled by
+        `building / rows` (a decode step's cost is taken to grow with its rows). A prompt
+        starts whole if that much compute holds it; chunks of longer ones take it with the
+        pass's fixed cost counted in where compute is what a pass costs (a CPU), not where
+        launches are (`launch_bound`, a GPU: there the fixed part is about a decode step
+        itself, and counting it would leave chunks the least). `most` tokens, unpaced,
+        until both costs are known."""
         decode_s, costs = self.decode_s, self.costs()
         if decode_s is None or costs is None:
             return Allowance(most, None)
         fixed, per_token, per_column = costs
-        scale = max(1.0, building / max(1, rows))
-        chunks = decode_s - (0.0 if launch_bound else fixed)
-        return Allowance(most, (per_token, per_column), decode_s * scale, chunks, fixed)
+        step_s = decode_s * max(1.0, building / max(1, rows))
+        chunks = step_s - (0.0 if launch_bound else fixed)
+        return Allowance(most, (per_token, per_column), step_s, chunks, fixed)
 
     def budget(self, most: int, rows: int = 1, building: int = 1, past: int = 0) -> int:
         """The prompt tokens a step's allowance (`step`) holds of one prompt whose first

@@ -40,8 +40,9 @@ class Store:
     a slot on it is first written, so memory still follows the blocks written, and growing
     never copies the store (which cost a running stream 15 to 30 ms a growth on this VM,
     issue 72). `blocks` stays the count the budget is shared by (`worker.generation.
-    paging`: the rest is a CPU working copy's room). Where the budget's address space
-    cannot be had, the store grows as on a GPU."""
+    paging`: the rest is a CPU working copy's room), and grows only by what a pass needs:
+    doubling it would take the copy's room in leaps for nothing. Where the budget's
+    address space cannot be had, the store grows as on a GPU."""
 
     def __init__(self, layers: int, size: int) -> None:
         self.size = size  # tokens a block holds
@@ -50,12 +51,14 @@ class Store:
         self.values: list[torch.Tensor | None] = [None] * layers
         self.blocks = 0  # blocks every layer will hold by the next pass
         self.budget = 0  # blocks it may ever hold
+        self.reserved = False  # its tensors hold the whole budget (a CPU's)
 
     def fit(self, blocks: int, budget: int) -> None:
         """Make the next pass find room for `blocks` blocks (at most `budget`)."""
         self.budget = budget
         if blocks > self.blocks:
-            self.blocks = min(budget, max(blocks, self.blocks * GROWTH))
+            grown = blocks if self.reserved else max(blocks, self.blocks * GROWTH)
+            self.blocks = min(budget, grown)
 
     def layer(
         self, index: int, keys_like: torch.Tensor, values_like: torch.Tensor
@@ -78,6 +81,7 @@ class Store:
         if like.device.type == "cpu" and self.budget * self.size > slots:
             try:
                 new = torch.empty((self.budget * self.size, *shape[1:]), dtype=like.dtype)
+                self.reserved = True
             except RuntimeError:  # no address space for it: grow as needed instead
                 new = None
         if new is None:

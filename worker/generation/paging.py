@@ -201,8 +201,11 @@ class PagedRows:
         index, mask = index.to(self.device), mask.to(self.device)
         if self._copy is not None:
             if self._copy_fits(self._copy.tokens_with(lengths)):
-                expected = len(self.prefilling) + len(self.waiting)
-                self._copy.join(sequences, index, lengths, self.kv.cache.gather, expected)
+                ahead = [s.options.max_new_tokens - len(s.tokens) for s in sequences]
+                self._copy.join(
+                    sequences, index, lengths, self.kv.cache.gather, ahead=ahead,
+                    coming=self._coming(),
+                )  # fmt: skip
             else:
                 self._copy = None
         if self._slots is None or self._mask is None or self._seen is None:
@@ -354,9 +357,17 @@ class PagedRows:
         )  # fmt: skip
         if not self._copy_fits(copy.tokens_with(lengths)):
             return False
-        copy.join(self.rows, self._slots, lengths, kv.cache.gather, len(self.waiting))
+        ahead = [s.options.max_new_tokens - len(s.tokens) for s in self.rows]
+        copy.join(
+            self.rows, self._slots, lengths, kv.cache.gather, ahead=ahead, coming=self._coming()
+        )  # fmt: skip
         self._copy = copy
         return True
+
+    def _coming(self) -> list[int]:
+        """The tokens of the contexts of the sequences waiting or being prefilled that the
+        store has yet to take."""
+        return [self._todo(s) for s in (*self.prefilling, *self.waiting)]
 
     def _copy_room(self) -> int:
         """Tokens of the budget the store has not taken (nor will by its next growth)."""
