@@ -697,6 +697,30 @@ def test_a_chunk_after_the_step_s_first_pays_for_a_pass_of_its_own() -> None:
     assert step.spent and step.chunk(1000, 0) == 0
 
 
+def test_on_a_gpu_chunks_of_several_prompts_share_a_step_without_paying_more_launches() -> None:
+    pace = Pace()
+    for tokens in (64, 128, 256, 512):  # a pass costs 2 ms, and 10 us a token
+        pace.prefilled(tokens, 0.002 + tokens * 1e-5)
+    pace.decoded(0.004)
+    step = pace.step(2048, launch_bound=True)  # 4 ms of compute: 400 tokens
+    for _ in range(4):  # chunks of one merged pass: no launch more for each
+        assert abs(step.chunk(100, 0) - 100) <= 1
+        step.spend(100, 0)
+    assert step.chunk(100, 0) == 0
+
+
+def test_a_step_whose_pass_alone_costs_more_than_a_decode_step_still_prefills_a_block() -> None:
+    pace = Pace()
+    for tokens in (64, 128, 256, 512):  # a pass costs 8 ms, and 10 us a token
+        pace.prefilled(tokens, 0.008 + tokens * 1e-5)
+    pace.decoded(0.004)
+    step = pace.step(2048)  # on a CPU: nothing left once the pass's own 8 ms count
+    assert step.spent
+    assert step.chunk(1000, 0) == LEAST_TOKENS  # the step's first chunk: a block at least
+    step.spend(LEAST_TOKENS, 0)
+    assert step.chunk(1000, LEAST_TOKENS) == 0
+
+
 def test_passes_of_one_size_give_a_pace_from_their_mean_cost_per_token() -> None:
     pace = Pace()
     pace.prefilled(100, 0.010)

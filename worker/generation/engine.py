@@ -320,10 +320,9 @@ class Engine(RowTurns):
         total = 0  # the step's prompt tokens
         chunks: list[tuple[Sequence_, int]] = []
         for sequence in self.prefilling:
-            if allowance.spent:
-                break
             assert sequence.table is not None
-            granted = allowance.chunk(self._todo(sequence), sequence.table.length)
+            todo = min(self._todo(sequence), self.prefill_tokens - total)
+            granted = allowance.chunk(todo, sequence.table.length) if todo > 0 else 0
             if not granted:
                 break
             allowance.spend(granted, sequence.table.length)
@@ -341,7 +340,8 @@ class Engine(RowTurns):
             whole = allowance.holds(todo, past)  # a prompt a step holds starts whole at once
             if whole and chunks and total + todo > self.prefill_tokens:
                 break
-            granted = todo if whole else allowance.chunk(todo, past)
+            room = self.prefill_tokens - total
+            granted = todo if whole else allowance.chunk(min(todo, room), past) if room > 0 else 0
             if not granted:
                 break
             if self._written_by_another(context, prefix):

@@ -112,8 +112,9 @@ class Pace:
             return Allowance(most, None)
         fixed, per_token, per_column = costs
         step_s = decode_s * max(1.0, building / max(1, rows))
-        chunks = step_s - (0.0 if launch_bound else fixed)
-        return Allowance(most, (per_token, per_column), step_s, chunks, fixed)
+        if launch_bound:  # chunks merge into one pass (`merge_prefill`): no more launches
+            return Allowance(most, (per_token, per_column), step_s, step_s)
+        return Allowance(most, (per_token, per_column), step_s, step_s - fixed, fixed)
 
     def budget(self, most: int, rows: int = 1, building: int = 1, past: int = 0) -> int:
         """The prompt tokens a step's allowance (`step`) holds of one prompt whose first

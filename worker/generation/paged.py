@@ -81,9 +81,11 @@ class Store:
         if like.device.type == "cpu" and self.budget * self.size > slots:
             try:
                 new = torch.empty((self.budget * self.size, *shape[1:]), dtype=like.dtype)
-                self.reserved = True
             except RuntimeError:  # no address space for it: grow as needed instead
                 new = None
+            # Reserved while every tensor made so far took the whole budget.
+            first = all(t is None for t in (*self.keys, *self.values))
+            self.reserved = new is not None and (first or self.reserved)
         if new is None:
             # Not zeroed: a slot is written before any row reads it, except the null
             # block's, which padding reads.
@@ -110,7 +112,8 @@ class Store:
         return keys, values
 
     def nbytes(self) -> int:
-        """Bytes the store's tensors take."""
+        """Bytes the store's tensors take (on a CPU, the budget's address space, which
+        the OS backs as slots are written)."""
         held = [t for t in (*self.keys, *self.values) if t is not None]
         return sum(t.numel() * t.element_size() for t in held)
 

@@ -364,10 +364,10 @@ class PagedRows:
         self._copy = copy
         return True
 
-    def _coming(self) -> list[int]:
-        """The tokens of the contexts of the sequences waiting or being prefilled that the
-        store has yet to take."""
-        return [self._todo(s) for s in (*self.prefilling, *self.waiting)]
+    def _coming(self) -> list[tuple[int, int]]:
+        """The sequences waiting or being prefilled: each its context's length, and the
+        tokens of it the store has yet to take."""
+        return [(len(s.context()), self._todo(s)) for s in (*self.prefilling, *self.waiting)]
 
     def _copy_room(self) -> int:
         """Tokens of the budget the store has not taken (nor will by its next growth)."""

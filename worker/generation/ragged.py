@@ -77,11 +77,12 @@ class Ragged:
 
     def join(
         self, members: Sequence[Any], index: torch.Tensor, lengths: Sequence[int],
-        gather: Gather, *, ahead: Sequence[int] = (), coming: Sequence[int] = (),
+        gather: Gather, *, ahead: Sequence[int] = (), coming: Sequence[tuple[int, int]] = (),
     ) -> None:  # fmt: skip
         """Add rows: `members` (the engine's sequences, in the batch's order), `index` their
         slots right-aligned (`[rows, width]`), `lengths` their tokens, `ahead` the tokens
-        each may still make. `coming`: the lengths of the sequences waiting to join. A
+        each may still make. `coming`: the sequences waiting to join, each its context's
+        length and the tokens of it the store has yet to take. A
         bucket made now holds columns for the tokens its rows may still make and rows for
         the coming sequences whose length it would take (a burst of long prompts then
         joins its bucket without regrowing it; a growth copied 7 to 22 ms of a step),
@@ -105,14 +106,15 @@ class Ragged:
                 room = self._room_for(len(rows), width, most, coming)
                 layers = [SlotLayer(k, v, self.budget, room) for k, v in pairs]
                 self.buckets.append(Bucket(who, mask, layers))
+        self.limit(self.budget)
 
     def _room_for(
-        self, rows: int, width: int, ahead: int, coming: Sequence[int]
+        self, rows: int, width: int, ahead: int, coming: Sequence[tuple[int, int]]
     ) -> tuple[int, int]:
         """Rows and columns a new bucket of `rows` x `width` holds, its rows making up to
         `ahead` more tokens (see `join`)."""
-        spare = max(rows * width, self.budget - self.capacity() - sum(coming))
-        expected = sum(1 for n in coming if max(n, width) <= SPREAD * min(n, width))
+        spare = max(rows * width, self.budget - self.capacity() - sum(t for _, t in coming))
+        expected = sum(1 for n, _ in coming if max(n, width) <= SPREAD * min(n, width))
         columns = width + ahead if rows * (width + ahead) <= spare else width
         return max(rows, min(rows + expected, spare // columns)), columns
 
@@ -187,6 +189,8 @@ class Ragged:
         buckets)."""
         for bucket in self.buckets:
             assert bucket.index is not None
+            if layer == 0:  # a column more may grow it: within what the others leave
+                self._bound(bucket)
             if self.splits:
                 mine = keys.index_select(0, bucket.index), values.index_select(0, bucket.index)
             else:
@@ -224,11 +228,16 @@ class Ragged:
         return sum(b.layers[0].capacity() for b in self.buckets)
 
     def limit(self, budget: int) -> None:
-        """Let its buffers grow only within `budget` tokens from now on."""
+        """Let its buffers grow only within `budget` tokens from now on, over buckets."""
         self.budget = budget
         for bucket in self.buckets:
-            for layer in bucket.layers:
-                layer.budget = budget
+            self._bound(bucket)
+
+    def _bound(self, bucket: Bucket) -> None:
+        """Let `bucket` grow only within the budget the other buckets leave."""
+        others = self.capacity() - bucket.layers[0].capacity()
+        for layer in bucket.layers:
+            layer.budget = max(0, self.budget - others)
 
 
 def _place(lengths: Sequence[int], shapes: list[tuple[int, int, int]], *, split: bool) -> list[int]:
