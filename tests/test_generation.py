@@ -15,10 +15,11 @@ import torch
 
 from placement.catalog.catalog import Catalog, ModelSpec
 from placement.errors import CatalogError, PayloadError
+from tests.paces import Fixed, Unpaced
 from worker import handlers
 from worker.generation import params as gen_params
 from worker.generation.engine import Engine, Options, Sequence_
-from worker.generation.pacing import LEAST_TOKENS, Allowance, Pace
+from worker.generation.pacing import LEAST_TOKENS, Pace
 from worker.generation.replica import replica_engine
 from worker.generation.sampling import Choice
 from worker.generation.serving import Driver, GenCall, Generated, run_calls
@@ -429,21 +430,12 @@ def test_prompts_prefilled_in_one_padded_pass_still_get_the_tokens_they_get_alon
     assert len(Counting.passes) > 1  # lengths from 4 to 60: more than one pass on a CPU
 
 
-class _Unpaced(Pace):
-    """No pacing: a step prefills up to the engine's own bound whatever decodes beside it."""
-
-    def step(
-        self, most: int, rows: int = 1, building: int = 1, *, launch_bound: bool = False
-    ) -> Allowance:
-        return Allowance(most, None)
-
-
 def test_a_step_admits_prompts_up_to_its_prefill_budget_and_streams_them_before_decoding(
     model: tuple[Any, Any],
 ) -> None:
     net, tokenizer = model
     engine = Engine(
-        net, tokenizer, CPU, budget=10**6, window=256, prefill_tokens=45, pace=_Unpaced()
+        net, tokenizer, CPU, budget=10**6, window=256, prefill_tokens=45, pace=Unpaced()
     )
     texts: list[str] = []
     calls = [
@@ -542,24 +534,11 @@ def test_a_call_of_many_prompts_gets_its_share_of_rows_not_all_of_them_ahead_of_
     assert [k for k in admitted if k[0] == "many"] == [("many", i) for i in range(6)]
 
 
-class _Fixed(Pace):
-    """A pace that allows `tokens` prompt tokens a step beside decoding rows."""
-
-    def __init__(self, tokens: int) -> None:
-        super().__init__()
-        self.tokens = tokens
-
-    def step(
-        self, most: int, rows: int = 1, building: int = 1, *, launch_bound: bool = False
-    ) -> Allowance:
-        return Allowance(min(most, self.tokens), None)  # counted in tokens
-
-
 def test_a_long_prompt_is_prefilled_in_chunks_while_every_running_row_decodes_each_step(
     model: tuple[Any, Any],
 ) -> None:
     net, tokenizer = model
-    engine = Engine(net, tokenizer, CPU, budget=10**6, window=256, pace=_Fixed(16))
+    engine = Engine(net, tokenizer, CPU, budget=10**6, window=256, pace=Fixed(16))
     running = Sequence_("running", [2, 9, 10, 11], Options(max_new_tokens=40))
     engine.add(running)
     engine.step()
@@ -585,7 +564,7 @@ def test_short_prompts_arriving_while_rows_decode_all_start_at_the_next_step(
     # each fits the step's pace of 16 tokens, though together they do not: no call waits
     # a step for the others' short prompts
     net, tokenizer = model
-    engine = Engine(net, tokenizer, CPU, budget=10**6, window=256, pace=_Fixed(16))
+    engine = Engine(net, tokenizer, CPU, budget=10**6, window=256, pace=Fixed(16))
     engine.add(Sequence_("running", [2, 9, 10, 11], Options(max_new_tokens=20)))
     engine.step()
     arrivals = [
@@ -602,7 +581,7 @@ def test_a_lone_long_prompt_is_prefilled_at_once_when_nothing_decodes(
     model: tuple[Any, Any],
 ) -> None:
     net, tokenizer = model
-    engine = Engine(net, tokenizer, CPU, budget=10**6, window=256, pace=_Fixed(16))
+    engine = Engine(net, tokenizer, CPU, budget=10**6, window=256, pace=Fixed(16))
     alone = Sequence_("alone", [2, *range(20, 219)], Options(max_new_tokens=4))  # 200 tokens
     engine.add(alone)
     engine.step()
@@ -613,7 +592,7 @@ def test_a_call_cancelled_mid_prefill_gives_back_its_blocks_and_the_others_run_o
     model: tuple[Any, Any],
 ) -> None:
     net, tokenizer = model
-    engine = Engine(net, tokenizer, CPU, budget=10**6, window=256, pace=_Fixed(16))
+    engine = Engine(net, tokenizer, CPU, budget=10**6, window=256, pace=Fixed(16))
     running = Sequence_("running", [2, 9, 10], Options(max_new_tokens=12))
     engine.add(running)
     engine.step()
@@ -635,7 +614,7 @@ def test_prompts_that_begin_alike_while_one_is_prefilled_in_chunks_read_its_bloc
     # the first of them is prefilled 16 tokens a step beside a running row: the others wait
     # for its blocks instead of computing the same ones, and get the tokens they get alone
     net, tokenizer = model
-    engine = Engine(net, tokenizer, CPU, budget=10**6, window=256, pace=_Fixed(16))
+    engine = Engine(net, tokenizer, CPU, budget=10**6, window=256, pace=Fixed(16))
     engine.add(Sequence_("running", [2, 9, 10], Options(max_new_tokens=30)))
     engine.step()
     system = [2, *range(150, 213)]  # 64 tokens: four blocks

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from placement.catalog.catalog import Catalog
+from tests.paces import Unpaced
 from worker.generation import paged
 from worker.generation.blocks import BLOCK_TOKENS, BlockPool, OutOfBlocks, Table
 from worker.generation.engine import Engine, Options, Sequence_
-from worker.generation.pacing import Allowance, Pace
 from worker.generation.sampling import Choice
 from worker.synthetic import build_synthetic
 
@@ -90,20 +90,11 @@ def test_paged_greedy_outputs_equal_the_left_padded_batch_s_as_calls_join_and_le
     assert all(s.finish in ("length", "stop") for s in paged)
 
 
-class _Unpaced(Pace):
-    """No pacing: the long prompt joins at the next step, whatever the machine's load."""
-
-    def step(
-        self, most: int, rows: int = 1, building: int = 1, *, launch_bound: bool = False
-    ) -> Allowance:
-        return Allowance(most, None)
-
-
 def test_a_long_row_joining_short_ones_is_kept_in_a_bucket_of_its_own_with_the_same_tokens(
     model: tuple[Any, Any],
 ) -> None:
     net, tokenizer = model
-    engine = Engine(net, tokenizer, CPU, budget=10**6, window=512, pace=_Unpaced())
+    engine = Engine(net, tokenizer, CPU, budget=10**6, window=512, pace=Unpaced())
     rng = random.Random(8)
     short = [
         Sequence_(
