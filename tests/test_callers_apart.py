@@ -190,6 +190,7 @@ def test_other_models_calls_are_served_within_a_step_while_long_generations_run(
 ) -> None:
     app = caller(fleet)
     prompts = [f"prompt {i}" for i in range(64)]
+    began = time.monotonic()
     attack = [
         app.send_task("gpufleet.infer", args=("talker", prompts, {"max_new_tokens": 120}))
         for _ in range(3)
@@ -210,8 +211,13 @@ def test_other_models_calls_are_served_within_a_step_while_long_generations_run(
     for call in attack:
         outputs = call.get(timeout=120)["outputs"]
         assert len(outputs["tokens"]) == 64
+    attack_s = time.monotonic() - began
     assert still_running >= 2, waited  # the probes ran during the attack
-    assert all(seconds < SERVED_S for seconds in waited.values()), waited
+    # Within a step or so, not after the attack: a probe held behind it waited about the
+    # attack's own time (105 s before issue 55); here 0.02-0.04 s against 5.4 s. The bound
+    # scales with the machine's load as the attack does, where a fixed 2 s was crossed once
+    # on a busy 2-core machine (2.003 s).
+    assert all(seconds < attack_s / 3 for seconds in waited.values()), (waited, attack_s)
     fleet.client.send_task("gpufleet.evict", args=("pinned",)).get(timeout=ANSWER_S)
 
 

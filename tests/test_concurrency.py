@@ -23,11 +23,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import redis
 
 from placement.ledger.audit import audit
 from placement.ledger.registry import Registry
 from placement.policy.state import Demand, Gpu, Level, Snapshot
 from tests.acting import evict_now, make_hot, settle_leaving
+from tests.conftest import delete_fleet_keys
 from tests.soak import EVENTS_MAXLEN, SoakResult, run_soak
 from tests.soak_checks import ownership_problems
 
@@ -72,6 +74,9 @@ MINIMUM_OUTCOMES = {
 }
 
 
+TOO_LITTLE = "too little activity"
+
+
 @pytest.fixture
 def reg(redis_url: str, fleet: str) -> Iterator[Registry]:
     registry = Registry.from_url(redis_url, fleet, events_maxlen=EVENTS_MAXLEN)
@@ -106,11 +111,11 @@ def _soak_failures(result: SoakResult) -> list[str]:
             failures.append(f"{name} ({len(found)}):\n  " + "\n  ".join(found[:10]))
     for kind, least in MINIMUM_EVENTS.items():
         if result.events.get(kind, 0) < least:
-            failures.append(f"too little activity: {kind} events {result.events.get(kind, 0)}")
+            failures.append(f"{TOO_LITTLE}: {kind} events {result.events.get(kind, 0)} < {least}")
     counts = result.counts
     for outcome, least in MINIMUM_OUTCOMES.items():
         if counts[outcome] < least:
-            failures.append(f"too little activity: {outcome} {counts[outcome]} < {least}")
+            failures.append(f"{TOO_LITTLE}: {outcome} {counts[outcome]} < {least}")
     if result.lease_reach.get("near", 0) < 100:
         failures.append(f"the lease check reached too few evictions: {result.lease_reach}")
     if result.lease_reach.get("after_lost", 0) < 1:
@@ -119,7 +124,7 @@ def _soak_failures(result: SoakResult) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(int(SOAK_SECONDS * 2 + 120))
+@pytest.mark.timeout(int(SOAK_SECONDS * 3 + 240))
 def test_eight_processes_for_twenty_seconds_never_double_book_or_leak(
     redis_url: str, fleet: str, tmp_path: Path
 ) -> None:
@@ -129,6 +134,23 @@ def test_eight_processes_for_twenty_seconds_never_double_book_or_leak(
     )
     print(result.summary())
     failures = _soak_failures(result)
+    if failures and all(f.startswith(TOO_LITTLE) for f in failures):
+        # The activity minimums keep the checks from passing vacuously; a machine too busy
+        # to reach them in the time (ready events 147 < 150 once, beside another test
+        # file's fleet) gets a run twice as long, of a fleet of its own, to judge instead.
+        again = tmp_path / "again"
+        again.mkdir()
+        client = redis.Redis.from_url(redis_url)
+        try:
+            result = run_soak(
+                redis_url, f"{fleet}-again", again, seed=seed, processes=SOAK_PROCESSES,
+                seconds=2 * SOAK_SECONDS,
+            )  # fmt: skip
+        finally:
+            delete_fleet_keys(client, f"{fleet}-again")
+            client.close()
+        print(result.summary())
+        failures = _soak_failures(result)  # every check held in the first; this one decides
     assert not failures, "\n".join([*failures, "", result.summary()])
 
 
