@@ -3,6 +3,7 @@ flooding by weight; and one caller's long generations beside another's short cal
 
     python -m bench.fairness [--burst 400] [--steady 20] [--flood 300] > bench/out/fairness.json
     python -m bench.fairness --shape generations [--long 6] [--probes 20]
+    python -m bench.fairness --shape tenant-generations [--burst 400] [--steady 20]
 
 Prints one JSON object. It starts a fleet (`gpufleet up`'s launcher: its bundled Redis, one
 simulated 4 GiB GPU, one small synthetic encoder) and runs, in one run:
@@ -25,6 +26,10 @@ tokens per second), then again while the other sends `--probes` calls of 4 new t
 the same model one after another (`probes`: p50 and p99 seconds, and the long calls' tokens
 per second meanwhile, `long_with_probes`). Target (issue 73): probes p99 <= 2 s, and the
 long calls' tokens per second with probes >= 0.9x alone.
+
+`--shape tenant-generations` is the tenants' burst on that generating model: `without_tenants`
+and `tenants` as above, each call `BURST_TOKENS` new tokens. Target (issue 73): the steady
+tenant's slowest call <= 0.1x the burst's drain, as on the encoder.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +63,7 @@ models:
 LONG_PROMPTS = 64
 LONG_TOKENS = 500
 PROBE_TOKENS = 4
+BURST_TOKENS = 16  # new tokens of each call of a generation burst (`--shape tenant-generations`)
 TEXT = "tenants share the fleet"
 TIMEOUT_S = 300.0
 TARGETS = {"slowest_over_drain": 0.1, "heavy_share": [0.65, 0.85]}
@@ -67,17 +74,27 @@ def _call(client: Celery, text: str) -> Any:
     return client.send_task("gpufleet.infer", args=("m", text))
 
 
-def burst_and_steady(burst: Celery, steady: Celery, n_burst: int, n_steady: int) -> dict[str, Any]:
+def _generate(client: Celery, text: str) -> Any:
+    """A short generation: `BURST_TOKENS` new tokens of the generating shapes' model."""
+    return client.send_task(
+        "gpufleet.infer", args=("talker", text, {"max_new_tokens": BURST_TOKENS})
+    )
+
+
+def burst_and_steady(
+    burst: Celery, steady: Celery, n_burst: int, n_steady: int, send: Callable[..., Any] = _call
+) -> dict[str, Any]:
     """`n_burst` calls at once from `burst`, then `n_steady` one after another from
-    `steady`: how long the burst took to drain, and the steady caller's calls."""
+    `steady` (each sent by `send`): how long the burst took to drain, and the steady
+    caller's calls."""
     for client in (burst, steady):
-        _call(client, TEXT).get(timeout=TIMEOUT_S)
+        send(client, TEXT).get(timeout=TIMEOUT_S)
     began = time.monotonic()
-    calls = [_call(burst, f"{i} {TEXT}") for i in range(n_burst)]
+    calls = [send(burst, f"{i} {TEXT}") for i in range(n_burst)]
     waits = []
     for i in range(n_steady):
         sent = time.monotonic()
-        _call(steady, f"s{i} {TEXT}").get(timeout=TIMEOUT_S)
+        send(steady, f"s{i} {TEXT}").get(timeout=TIMEOUT_S)
         waits.append(time.monotonic() - sent)
     for c in calls:
         c.get(timeout=TIMEOUT_S)
@@ -207,6 +224,52 @@ def run_generations(count: int, probes: int, directory: Path) -> dict[str, Any]:
     return result
 
 
+def run_tenant_generations(n_burst: int, n_steady: int, directory: Path) -> dict[str, Any]:
+    """The tenants' burst on the generating model: `burst_and_steady` with plain `caller`
+    clients, then with two tenants of weight 1, each call `BURST_TOKENS` new tokens."""
+    from bench.fleet import bench_launcher, fleet_machine
+    from placement.config import Settings
+    from tasks.config import caller_conf
+    from tasks.operator import tenant_cli
+
+    sim = "1x4GiB"
+    fleet = bench_launcher(directory, GENERATING, "fairness", sim, warm_cache="1GiB")
+    clients: list[Celery] = []
+
+    def client(conf: dict[str, Any]) -> Celery:
+        made = Celery(set_as_current=False)
+        made.conf.update(**conf)
+        clients.append(made)
+        return made
+
+    try:
+        fleet.start()
+        fleet.wait_ready(300.0)
+        result: dict[str, Any] = {"burst": n_burst, "steady": n_steady, "tokens": BURST_TOKENS}
+        caller = caller_conf(fleet.caller_url)
+        result["without_tenants"] = burst_and_steady(
+            client(caller), client(caller), n_burst, n_steady, _generate
+        )
+        log.info("without tenants: %s", result["without_tenants"])
+        settings = Settings.from_env()
+        pair = []
+        for name in ("burst", "steady"):
+            _, url, _ = tenant_cli.add(settings, name, 1)
+            pair.append(client(tenant_cli.celery_conf(url, name)))
+        result["tenants"] = burst_and_steady(pair[0], pair[1], n_burst, n_steady, _generate)
+        log.info("tenants: %s", result["tenants"])
+        for made in clients:
+            made.close()
+    finally:
+        fleet.stop()
+    result["targets"] = {"slowest_over_drain": TARGETS["slowest_over_drain"]}
+    result["meets_targets"] = (
+        result["tenants"]["slowest_over_drain"] <= TARGETS["slowest_over_drain"]
+    )
+    result["machine"] = fleet_machine(sim)
+    return result
+
+
 def run(n_burst: int, n_steady: int, n_flood: int, directory: Path) -> dict[str, Any]:
     from bench.fleet import bench_launcher, fleet_machine
     from placement.config import Settings
@@ -262,7 +325,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--burst", type=int, default=400)
     parser.add_argument("--steady", type=int, default=20)
     parser.add_argument("--flood", type=int, default=300)
-    parser.add_argument("--shape", choices=("tenants", "generations"), default="tenants")
+    parser.add_argument(
+        "--shape", choices=("tenants", "generations", "tenant-generations"), default="tenants"
+    )
     parser.add_argument("--long", type=int, default=6, help="long calls (--shape generations)")
     parser.add_argument("--probes", type=int, default=20, help="short calls beside them")
     args = parser.parse_args(argv)
@@ -270,6 +335,8 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="gpufleet-fairness-") as tmp:
         if args.shape == "generations":
             result = run_generations(args.long, args.probes, Path(tmp))
+        elif args.shape == "tenant-generations":
+            result = run_tenant_generations(args.burst, args.steady, Path(tmp))
         else:
             result = run(args.burst, args.steady, args.flood, Path(tmp))
     json.dump(result, sys.stdout, indent=2)
