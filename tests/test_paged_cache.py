@@ -5,6 +5,7 @@ given back."""
 from __future__ import annotations
 
 import random
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -378,11 +379,9 @@ def _call(name: str, count: int, new: int, draw: int, **options: Any) -> list[Se
     ]
 
 
-def _rows_of(engine: Engine) -> dict[Any, int]:
-    counts: dict[Any, int] = {}
-    for sequence in engine.rows:
-        counts[sequence.flow] = counts.get(sequence.flow, 0) + 1
-    return counts
+def _rows_of(engine: Engine, holder: bool = False) -> Counter[Any]:
+    """The running rows per call (per holder: tenant or call, when `holder`)."""
+    return Counter(s.holder if holder else s.flow for s in engine.rows)
 
 
 def test_a_call_waiting_while_another_holds_every_row_gets_one_at_the_next_step(
@@ -487,13 +486,6 @@ def _tenant_calls(tenant: str, count: int, new: int, weight: float) -> list[Sequ
     return calls
 
 
-def _rows_by_owner(engine: Engine) -> dict[Any, int]:
-    counts: dict[Any, int] = {}
-    for sequence in engine.rows:
-        counts[sequence.holder] = counts.get(sequence.holder, 0) + 1
-    return counts
-
-
 def test_a_tenant_s_many_calls_share_its_rows_and_another_tenant_s_call_gets_one(
     model: tuple[Any, Any],
 ) -> None:
@@ -507,7 +499,7 @@ def test_a_tenant_s_many_calls_share_its_rows_and_another_tenant_s_call_gets_one
     (late,) = _tenant_calls("b", 1, 3, 1.0)
     engine.add(late)
     engine.step()
-    assert _rows_by_owner(engine) == {("tenant", "a"): 7, ("tenant", "b"): 1}
+    assert _rows_of(engine, holder=True) == {("tenant", "a"): 7, ("tenant", "b"): 1}
     engine.run()
     assert late.finish == "length"
 
@@ -523,7 +515,7 @@ def test_tenants_rows_follow_their_weights(model: tuple[Any, Any]) -> None:
     shares = []
     for _ in range(4):
         engine.step()
-        shares.append(_rows_by_owner(engine))
+        shares.append(_rows_of(engine, holder=True))
     assert shares[-1] == {("tenant", "heavy"): 6, ("tenant", "light"): 2}  # 3:1
     assert shares[-2] == shares[-1]
     engine.run()

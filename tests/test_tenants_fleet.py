@@ -67,6 +67,12 @@ def tenant_client(env: dict[str, str], name: str) -> Celery:
     return client
 
 
+def new_tenant(env: dict[str, str], name: str, *options: str) -> Celery:
+    """Add tenant `name` (`gpufleet tenant add NAME OPTIONS`) and return its client."""
+    cli(env, "tenant", "add", name, *options)
+    return tenant_client(env, name)
+
+
 @pytest.fixture(scope="module")
 def fleet(
     tmp_path_factory: pytest.TempPathFactory,
@@ -119,9 +125,7 @@ def test_a_tenants_burst_delays_another_tenants_calls_by_about_a_batch_not_the_b
     fleet: tuple[RunningFleet, dict[str, str]],
 ) -> None:
     _, env = fleet
-    cli(env, "tenant", "add", "burst-a")
-    cli(env, "tenant", "add", "steady-b")
-    a, b = tenant_client(env, "burst-a"), tenant_client(env, "steady-b")
+    a, b = new_tenant(env, "burst-a"), new_tenant(env, "steady-b")
     call(a, TEXT).get(timeout=TIMEOUT_S)  # the router takes each queue now
     call(b, TEXT).get(timeout=TIMEOUT_S)
     began = time.monotonic()
@@ -145,9 +149,10 @@ def test_tenants_flooding_at_once_share_the_first_half_of_the_answers_by_weight(
     fleet: tuple[RunningFleet, dict[str, str]],
 ) -> None:
     _, env = fleet
-    cli(env, "tenant", "add", "heavy", "--weight", "3")
-    cli(env, "tenant", "add", "light", "--weight", "1")
-    clients = {"heavy": tenant_client(env, "heavy"), "light": tenant_client(env, "light")}
+    clients = {
+        "heavy": new_tenant(env, "heavy", "--weight", "3"),
+        "light": new_tenant(env, "light", "--weight", "1"),
+    }
     share = weighted(clients["heavy"], clients["light"], 300)["heavy_share"]
     shown = {t["name"]: t for t in json.loads(cli(env, "status", "--json"))["tenants"]}
     assert (shown["heavy"]["weight"], shown["light"]["weight"]) == (3.0, 1.0)
@@ -207,9 +212,7 @@ def test_a_tenant_s_generation_takes_a_row_from_another_tenant_holding_every_one
     # of a's rows at the next step (rows are shared by tenant), so it ends before any of
     # a's calls, which need 120 tokens each; shared by call it waited for one to end
     _, env = fleet
-    cli(env, "tenant", "add", "rows-a")
-    cli(env, "tenant", "add", "rows-b")
-    a, b = tenant_client(env, "rows-a"), tenant_client(env, "rows-b")
+    a, b = new_tenant(env, "rows-a"), new_tenant(env, "rows-b")
     generate(a, "warm", 2).get(timeout=TIMEOUT_S)
     generate(b, "warm", 2).get(timeout=TIMEOUT_S)
     held = [generate(a, f"a story {i}", 120) for i in range(80)]
@@ -224,8 +227,7 @@ def test_a_tenant_s_running_limit_holds_across_a_burst_and_no_call_fails_for_it(
     fleet: tuple[RunningFleet, dict[str, str]],
 ) -> None:
     _, env = fleet
-    cli(env, "tenant", "add", "capped", "--max-running", "2")
-    client = tenant_client(env, "capped")
+    client = new_tenant(env, "capped", "--max-running", "2")
     warm = generate(client, "warm", 2).get(timeout=TIMEOUT_S)  # the router takes its queue
     calls = [generate(client, f"story number {i}", 24) for i in range(12)]
     answers = [c.get(timeout=TIMEOUT_S) for c in calls]
@@ -253,8 +255,7 @@ def test_calls_past_a_tenant_s_max_queued_are_refused_at_once_and_the_rest_answe
     fleet: tuple[RunningFleet, dict[str, str]],
 ) -> None:
     _, env = fleet
-    cli(env, "tenant", "add", "bounded", "--max-running", "1", "--max-queued", "3")
-    client = tenant_client(env, "bounded")
+    client = new_tenant(env, "bounded", "--max-running", "1", "--max-queued", "3")
     generate(client, "warm", 2).get(timeout=TIMEOUT_S)
     until("the warm call's slot freed", lambda: _let_in(env, "bounded") == 0)
     long = generate(client, "a long story", 500)  # holds the one running slot
@@ -286,9 +287,7 @@ def test_a_tenant_cannot_read_hear_stream_or_cancel_another_tenants_call_knowing
     fleet: tuple[RunningFleet, dict[str, str]],
 ) -> None:
     running, env = fleet
-    cli(env, "tenant", "add", "nosy")
-    cli(env, "tenant", "add", "private")
-    nosy, private = tenant_client(env, "nosy"), tenant_client(env, "private")
+    nosy, private = new_tenant(env, "nosy"), new_tenant(env, "private")
     nosy_url = cli(env, "url", "--tenant", "nosy").strip()
     shared = "same-id-for-both"  # the other tenant's id, in nosy's hands
     params = {"max_new_tokens": 200, "temperature": 0, "stream": True}

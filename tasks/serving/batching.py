@@ -85,7 +85,7 @@ class ChildCall(NamedTuple):
     since_ms: float
     key: str
     deadline: float | None = None
-    share: tuple[str, float] = ("", 1.0)
+    share: tuple[str, float] = ("", 1.0)  # the default tenant's: each call its own
 
     @property
     def task_id(self) -> str:
@@ -386,10 +386,12 @@ class Batcher:
         while count:
             handed = batch[:count]
             payload: Any = (
-                _child_call(handed[0].item, handed[0].since_ms, True, self._share(handed[0]))
+                _child_call(
+                    handed[0].item, handed[0].since_ms, timed=True, share=self._share(handed[0])
+                )
                 if generation
                 else {"group": handed[0].group,
-                      "jobs": [_child_call(w.item, w.since_ms, True) for w in handed]}
+                      "jobs": [_child_call(w.item, w.since_ms, timed=True) for w in handed]}
             )  # fmt: skip
             data = channel.encode(("call", job.id, payload))
             if len(data) <= channel.limit:
@@ -413,7 +415,7 @@ class Batcher:
         assert gen is not None
         job = generating.Job({w.item.key: w.item for w in batch})
         job.alone = any(_redelivered(w.item.request) for w in batch)  # alone, as in batches
-        jobs = [_child_call(w.item, w.since_ms, True, self._share(w)) for w in batch]
+        jobs = [_child_call(w.item, w.since_ms, timed=True, share=self._share(w)) for w in batch]
         self._busy = True
         self._session = job
         self._sessions[job.id] = job
@@ -582,7 +584,7 @@ def _call_of(request: Any) -> Call | None:
 
 
 def _child_call(
-    held: Held, since_ms: float, timed: bool = False, share: tuple[str, float] = ("", 1.0)
+    held: Held, since_ms: float, *, timed: bool = False, share: tuple[str, float] = ("", 1.0)
 ) -> ChildCall:
     """What the child needs to run `held` as Celery would (`ChildCall`); `timed`: with the
     end of its hard time limit, counted from now, which a session keeps (it has no pool

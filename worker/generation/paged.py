@@ -51,7 +51,13 @@ class Store:
         self.values: list[torch.Tensor | None] = [None] * layers
         self.blocks = 0  # blocks every layer will hold by the next pass
         self.budget = 0  # blocks it may ever hold
-        self.reserved = False  # its tensors hold the whole budget (a CPU's)
+
+    @property
+    def reserved(self) -> bool:
+        """Whether every tensor holds the whole budget (a CPU's, `_grown`)."""
+        tensors = (*self.keys, *self.values)
+        whole = self.budget * self.size
+        return all(t is not None and t.shape[0] >= whole for t in tensors)
 
     def fit(self, blocks: int, budget: int) -> None:
         """Make the next pass find room for `blocks` blocks (at most `budget`)."""
@@ -83,9 +89,6 @@ class Store:
                 new = torch.empty((self.budget * self.size, *shape[1:]), dtype=like.dtype)
             except RuntimeError:  # no address space for it: grow as needed instead
                 new = None
-            # Reserved while every tensor made so far took the whole budget.
-            first = all(t is None for t in (*self.keys, *self.values))
-            self.reserved = new is not None and (first or self.reserved)
         if new is None:
             # Not zeroed: a slot is written before any row reads it, except the null
             # block's, which padding reads.

@@ -201,9 +201,8 @@ class PagedRows:
         index, mask = index.to(self.device), mask.to(self.device)
         if self._copy is not None:
             if self._copy_fits(self._copy.tokens_with(lengths)):
-                ahead = [s.options.max_new_tokens - len(s.tokens) for s in sequences]
                 self._copy.join(
-                    sequences, index, lengths, self.kv.cache.gather, ahead=ahead,
+                    sequences, index, lengths, self.kv.cache.gather, ahead=_ahead(sequences),
                     coming=self._coming(),
                 )  # fmt: skip
             else:
@@ -357,9 +356,9 @@ class PagedRows:
         )  # fmt: skip
         if not self._copy_fits(copy.tokens_with(lengths)):
             return False
-        ahead = [s.options.max_new_tokens - len(s.tokens) for s in self.rows]
         copy.join(
-            self.rows, self._slots, lengths, kv.cache.gather, ahead=ahead, coming=self._coming()
+            self.rows, self._slots, lengths, kv.cache.gather, ahead=_ahead(self.rows),
+            coming=self._coming(),
         )  # fmt: skip
         self._copy = copy
         return True
@@ -405,6 +404,11 @@ class PagedRows:
                 break
             count += 1
         return count
+
+
+def _ahead(sequences: list[Sequence_]) -> list[int]:
+    """The tokens each of `sequences` may still make."""
+    return [s.options.max_new_tokens - len(s.tokens) for s in sequences]
 
 
 __all__ = ["PagedRows"]
