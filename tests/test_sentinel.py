@@ -432,7 +432,8 @@ def test_two_hosts_on_a_redis_ha_fleet_lose_no_call_when_its_primary_is_killed_o
                 load.until(answered=40, after=at)
                 sent_after = [(done, host) for sent, done, host in load.calls if sent > at]
                 assert min(sent_after)[0] - at < 10, (
-                    f"no call sent after {fault.name} answered in 10 s"
+                    f"no call sent after {fault.name} answered in 10 s; the Sentinels "
+                    f"said:\n{_sentinel_logs(tmp_path / 'h1')}"
                 )
                 until(f"both hosts answer calls sent after {fault.name}", load.both_hosts(at), 30)
                 back = functools.partial(_replicates, h1, old)
@@ -454,6 +455,14 @@ def test_two_hosts_on_a_redis_ha_fleet_lose_no_call_when_its_primary_is_killed_o
                 assert time.monotonic() < deadline, problems
                 time.sleep(0.5)
             assert _workers(h1) + _workers(h2) == workers, "a router or GPU worker restarted"
+
+
+def _sentinel_logs(home: Path, lines: int = 30) -> str:
+    """The last `lines` of each Sentinel's log of the fleet at `home` (its elections and
+    failovers, with times), to tell why a failover took as long as it did."""
+    logs = sorted(home.rglob("sentinel*.log"))
+    tails = [f"{p.name}:\n" + "\n".join(p.read_text().splitlines()[-lines:]) for p in logs]
+    return "\n".join(tails) or f"no Sentinel log under {home}"
 
 
 def _workers(fleet: RunningFleet) -> list[int]:

@@ -117,6 +117,7 @@ class SentinelServer:
         password: str | None = None,
         users: Users | None = None,
         binary: str | None = None,
+        log_path: Path | None = None,
     ) -> None:
         if users is not None and not users.sentinel:
             raise ConfigError("a Sentinel of a group with users needs the sentinel user's")
@@ -129,6 +130,7 @@ class SentinelServer:
         self.port = 0
         self._proc: subprocess.Popen[bytes] | None = None
         self._dir: Path | None = None
+        self._log_path = log_path  # kept past `stop`; else in its directory, removed then
 
     @property
     def running(self) -> bool:
@@ -183,7 +185,8 @@ class SentinelServer:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write("".join(f"{line}\n" for line in lines))
         binary = self._binary or find_redis_server()
-        with open(self._dir / _LOG_NAME, "ab") as logfh:
+        log_path = self._log_path or self._dir / _LOG_NAME
+        with open(log_path, "ab") as logfh:
             self._proc = subprocess.Popen(
                 [binary, str(conf), "--sentinel"],
                 stdin=subprocess.DEVNULL,
@@ -200,7 +203,7 @@ class SentinelServer:
         deadline = time.monotonic() + 10.0
         while (reply := ping(self.port, auth)) != "PONG":
             if self._proc.poll() is not None or time.monotonic() > deadline:
-                tail = (self._dir / _LOG_NAME).read_text(errors="replace")[-2000:]
+                tail = log_path.read_text(errors="replace")[-2000:]
                 self.stop()
                 raise RegistryError(f"redis sentinel did not start ({reply}):\n{tail}")
             time.sleep(0.02)
@@ -232,7 +235,8 @@ class SentinelGroup:
     With `users` (`gpufleet up --redis-ha`), every node has the fleet's users and the
     `replication` and `sentinel` ones (`placement.server.acl`), `url` is the `fleet`
     user's and `url_for` gives the others'; with `data_root`, each node keeps its
-    append-only file in a folder of its own there; with `min_replicas`, a primary takes
+    append-only file in a folder of its own there, and each Sentinel its log
+    (`sentinel<i>.log`); with `min_replicas`, a primary takes
     writes only while that many replicas follow it (`RedisServer`). `supervise` starts
     again what died.
     """
@@ -307,6 +311,7 @@ class SentinelGroup:
                         password=self.password,
                         users=self.users,
                         binary=self._binary,
+                        log_path=self._sentinel_log(len(self.sentinels)),
                     ).start()
                 )
             self._wait_formed()
@@ -314,6 +319,14 @@ class SentinelGroup:
             self.stop()
             raise
         return self
+
+    def _sentinel_log(self, i: int) -> Path | None:
+        """Where the `i`th Sentinel logs: beside the nodes' data with a `data_root`, so
+        that its elections and failovers outlive it (an operator's and a test's record)."""
+        if self._data_root is None:
+            return None
+        self._data_root.mkdir(parents=True, exist_ok=True)
+        return self._data_root / f"sentinel{i}.log"
 
     def _node(self, i: int, replica_of: int | None) -> RedisServer:
         return RedisServer(
