@@ -15,7 +15,15 @@ import torch
 from placement.catalog.catalog import Catalog, ModelSpec
 from placement.config import Settings
 from placement.errors import CatalogError, ConfigError, PayloadError
-from placement.rules.batching import BatchLimits, Waiting, input_chars, take_batch
+from placement.rules.batching import (
+    JOB_MS,
+    BatchLimits,
+    JobCost,
+    Waiting,
+    input_chars,
+    input_rows,
+    take_batch,
+)
 from placement.units.memory import MiB
 from tests.fleets import GiB
 from worker.devices import Device, simulated_devices
@@ -46,6 +54,41 @@ def test_a_batch_stops_at_its_size_and_its_characters_and_a_large_call_runs_alon
     assert take_batch(queue, lambda _: BatchLimits(size=8, chars=100), 10)[0] == [0, 1]
     large = [waiting("r1", chars=500), waiting("r1", chars=40)]
     assert take_batch(large, lambda _: BatchLimits(size=8, chars=100), 10)[0] == [0]
+
+
+def test_a_batch_stops_where_its_replica_s_last_jobs_say_it_would_outrun_job_ms() -> None:
+    cost = JobCost()
+    queue = [waiting("r1", chars=100, since=t) for t in range(40)]
+    limits = BatchLimits(size=32, wait_ms=50)
+    # nothing known yet: the limits alone
+    assert len(take_batch(queue, lambda _: limits, 0, lambda _: cost)[0]) == 32
+    per_call = JOB_MS / 20  # and 2 ms a job: 19 calls fit (with 100 characters each)
+    for calls in (1, 2, 4, 8, 16):
+        cost.ran(calls, 100 * calls, 2 + per_call * calls)
+    picked, due = take_batch(queue, lambda _: limits, 0, lambda _: cost)
+    assert len(picked) == int((JOB_MS - 2) / per_call) < 32 and due is None  # full: it goes
+    # a call that alone would outrun JOB_MS still runs, alone
+    slow = JobCost()
+    slow.ran(1, 100, 3 * JOB_MS)
+    assert take_batch(queue, lambda _: limits, 0, lambda _: slow) == ([0], None)
+
+
+def test_a_job_s_cost_is_fitted_over_calls_and_characters_or_per_call_when_they_do_not_vary() -> (
+    None
+):
+    cost = JobCost()
+    assert cost.fits(10_000, 10**9)  # nothing ran yet
+    for _ in range(3):  # the same job each time: a fifth of JOB_MS a call, no fixed part seen
+        cost.ran(4, 400, 4 * JOB_MS / 5)
+    assert cost.fits(5, 500) and not cost.fits(6, 600)
+    cost, scale = JobCost(), JOB_MS / 50  # 1 + 2 x calls + 0.005 x chars, in JOB_MS / 50
+    for calls, chars in ((1, 1000), (10, 100), (5, 5000), (20, 200)):
+        cost.ran(calls, chars, scale * (1 + 2 * calls + 0.005 * chars))
+    assert cost.fits(20, 1000) and not cost.fits(20, 2000)  # 46 and 51 of 50
+
+
+def test_input_rows_are_a_list_s_strings_and_one_for_anything_else() -> None:
+    assert [input_rows(x) for x in (["a", "b", "c"], "abc", [], {"text": "a"})] == [3, 1, 1, 1]
 
 
 def test_a_batch_that_is_not_full_waits_for_more_until_its_oldest_call_waited_long_enough() -> None:
@@ -256,15 +299,17 @@ class _Request:
         *,
         model: str = "m",
         hops: int = 0,
+        inputs: str | list[str] = "x" * 10,
+        tenant: str | None = None,
     ) -> None:
         self.id = task_id
         self.time_limits = time_limits  # (hard, soft), from the message's `timelimit`
         self.task = SimpleNamespace(time_limit=None, soft_time_limit=None)  # no defaults
         self.name = "gpufleet.run"
-        self.args = [{"model": model, "inputs": "x" * 10, "params": None, "replica": replica,
+        self.args = [{"model": model, "inputs": inputs, "params": None, "replica": replica,
                       "cache": "hot", "sent_ms": 0, "hops": hops}]  # fmt: skip
         self.kwargs: dict[str, Any] = {}
-        self.request_dict: dict[str, Any] = {}
+        self.request_dict: dict[str, Any] = {"gpufleet_tenant": tenant} if tenant else {}
         self.delivery_info: dict[str, Any] = {}
         self.type = "gpufleet.run"
         self.body = self.content_type = self.content_encoding = None
@@ -328,6 +373,52 @@ def test_the_batcher_sends_one_job_per_free_child_and_settles_each_call_of_it() 
     unknown.name = "gpufleet.status"
     batcher(unknown)
     assert passed == [unknown]  # not a call: Celery's own path
+
+
+def test_a_job_takes_what_its_replica_s_last_jobs_say_runs_in_job_ms_and_rows_set_the_line() -> (
+    None
+):
+    """Tenant a's calls of 8 inputs each take 0.6 of `JOB_MS` here: once one job has shown
+    it, a job takes one. b's two calls of one input each, arriving behind a's backlog, pass it
+    (a call costs its rows in the line: a's next call is due 8 rows on) and each runs in a
+    job of its own rather than with three of a's calls."""
+    from tasks.serving.batching import Batcher
+
+    pool, now = _Pool(), [0.0]
+    limits = lambda _: BatchLimits(size=8)  # noqa: E731
+    batcher = Batcher(
+        pool,
+        None,
+        lambda _: None,
+        limits,
+        lambda _: [],
+        contended=lambda: True,
+        clock=lambda: now[0],
+    )
+    for i in range(4):  # the first goes at once; the others wait
+        batcher(_Request(f"a{i}", "r1", inputs=["text"] * 8, tenant="a"))
+    batcher(_Request("b0", "r1", tenant="b"))
+    batcher(_Request("b1", "r1", tenant="b"))
+    pool.jobs[0]["accept_callback"](7, 0.0)
+    now[0] += 0.6 * JOB_MS / 1000  # a's call took 0.6 of JOB_MS: two would not fit
+    pool.jobs[0]["callback"]([(0, "ok", 0.1)])
+    for job in (1, 2, 3):
+        pool.jobs[job]["callback"]([(0, "ok", 0.1)])
+    assert [job["ids"] for job in pool.jobs] == [["a0"], ["b0"], ["b1"], ["a1"], ["a2"]]
+
+
+def test_without_tenants_competing_a_job_is_bounded_by_its_limits_alone() -> None:
+    from tasks.serving.batching import Batcher
+
+    pool, now = _Pool(), [0.0]
+    limits = lambda _: BatchLimits(size=8)  # noqa: E731
+    batcher = Batcher(pool, None, lambda _: None, limits, lambda _: [], clock=lambda: now[0])
+    for i in range(4):
+        batcher(_Request(f"c{i}", "r1", inputs=["text"] * 8))
+    pool.jobs[0]["accept_callback"](7, 0.0)
+    now[0] += 0.6 * JOB_MS / 1000  # as above: arrival order needs no bound, throughput does
+    pool.jobs[0]["callback"]([(0, "ok", 0.1)])
+    assert [job["ids"] for job in pool.jobs] == [["c0"], ["c1", "c2", "c3"]]
 
 
 def test_a_job_the_pool_drops_with_a_lost_connection_does_not_hold_up_the_calls_after_it() -> None:

@@ -69,6 +69,18 @@ def test_a_tenant_that_was_idle_passes_another_tenants_backlog_but_banks_no_cred
     assert second == late + 1.0
 
 
+def test_weights_share_rows_so_a_tenant_s_calls_of_many_inputs_count_each_input() -> None:
+    order = FairOrder()
+    line = []
+    for i in range(100):  # a sends calls of 8 inputs, b calls of one, equal weights
+        line.append((order.arrive("a", 1.0, 8), i, "a"))
+        for j in range(8):
+            line.append((order.arrive("b", 1.0, 1), 8 * i + j, "b"))
+    first = Counter(served(order, line, 90))
+    rows = {"a": first["a"] * 8, "b": first["b"]}
+    assert abs(rows["a"] - rows["b"]) <= 8, first  # equal rows, not equal calls
+
+
 def test_a_weight_must_be_above_zero() -> None:
     with pytest.raises(ValueError, match="above 0"):
         FairOrder().arrive("a", 0.0)

@@ -1,8 +1,8 @@
 """Whose call runs next when tenants compete: start-time fair queueing, by calls.
 
-Each tenant has a weight. A call arriving from tenant t gets a start tag
+Each tenant has a weight. A call arriving from tenant t, of cost c, gets a start tag
 
-    S = max(V, F_t),   and then   F_t = S + 1 / w_t
+    S = max(V, F_t),   and then   F_t = S + c / w_t
 
 where F_t is the finish tag of t's previous call and V (the virtual time) is the start tag
 of the call served last. Waiting calls are served in order of start tag, ties in order of
@@ -14,9 +14,12 @@ arrival (Goyal, Vin and Cheng, "Start-time Fair Queuing", SIGCOMM '96). So:
 - a tenant that had nothing waiting starts at V: it banks no credit while idle, and its
   call waits behind at most one call of each other tenant's backlog, not the backlog.
 
-The cost of a call is one, whatever its size: calls of one model are alike, and a
-generation is served a step at a time, beside the others (`worker.generation`). Pure: the
-GPU worker's batcher keeps the order (`tasks.serving.batching`).
+A call's cost is the rows it takes in a pass, its inputs (`placement.rules.batching.
+input_rows`): weights share rows, so a tenant's calls of 64 strings each wait their turn
+against another's calls of one as 64 calls would. A generation is then served a step at a
+time, beside the others (`worker.generation`). Pure: the GPU worker's batcher keeps the
+order (`tasks.serving.batching`); a consumer's turns between queues count messages
+(`FairTurns`: it has not read them yet).
 """
 
 from __future__ import annotations
@@ -42,12 +45,12 @@ class FairOrder:
         """The start tag a call of `tenant` would get now (`arrive` without arriving)."""
         return max(self._now, self._finish.get(tenant, 0.0))
 
-    def arrive(self, tenant: str, weight: float) -> float:
-        """The start tag of a call of `tenant` (weight > 0) arriving now."""
+    def arrive(self, tenant: str, weight: float, cost: float = 1.0) -> float:
+        """The start tag of a call of `tenant` (weight > 0) arriving now, costing `cost`."""
         if not weight > 0:
             raise ValueError(f"a tenant's weight must be above 0, got {weight!r}")
         start = max(self._now, self._finish.get(tenant, 0.0))
-        self._finish[tenant] = start + 1.0 / weight
+        self._finish[tenant] = start + cost / weight
         return start
 
     def serve(self, tag: float) -> None:

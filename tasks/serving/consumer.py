@@ -157,6 +157,7 @@ class Consumer(CeleryConsumer):
             gpu.batch_job,
             generations if generates else None,
             tenancy.process.weight,
+            tenancy.process.several,
         )
 
     def update_strategies(self) -> None:

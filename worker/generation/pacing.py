@@ -34,6 +34,8 @@ from __future__ import annotations
 import math
 from collections import deque
 
+from placement.rules.costs import fit
+
 #: Passes the cost model is fitted over: enough to see passes of several sizes, few
 #: enough to follow a machine whose load changes. Not tuned.
 WINDOW = 32
@@ -81,19 +83,8 @@ class Pace:
         towards smaller chunks. None before the first pass."""
         if not self._passes:
             return None
-        times = [t for _, _, t in self._passes]
-        plane = _plane([(n, p) for n, p, _ in self._passes], times)
-        if plane is not None and plane[0] >= 0 and plane[1] > 0 and plane[2] >= 0:
-            return plane
-        count = len(self._passes)
-        mean_n = sum(n for n, _, _ in self._passes) / count
-        mean_t = sum(times) / count
-        spread = sum((n - mean_n) ** 2 for n, _, _ in self._passes)
-        if spread > 0:
-            slope = sum((n - mean_n) * (t - mean_t) for n, _, t in self._passes) / spread
-            if slope > 0:
-                return max(0.0, mean_t - slope * mean_n), slope, 0.0
-        return 0.0, mean_t / mean_n, 0.0
+        points = [(n, p) for n, p, _ in self._passes]
+        return fit(points, [t for _, _, t in self._passes])
 
     def step(
         self, most: int, rows: int = 1, building: int = 1, *, launch_bound: bool = False
@@ -186,25 +177,6 @@ class Allowance:
         too, after the step's first)."""
         self._left -= self.cost(tokens, past) + (0.0 if self._first else self._fixed)
         self._first = False
-
-
-def _plane(points: list[tuple[int, int]], times: list[float]) -> tuple[float, float, float] | None:
-    """The least-squares `t = c + a x + b y` through `points` (x, y) and `times`: (c, a,
-    b), or None when the points do not span a plane."""
-    count = len(points)
-    mx = sum(x for x, _ in points) / count
-    my = sum(y for _, y in points) / count
-    mt = sum(times) / count
-    sxx = sum((x - mx) ** 2 for x, _ in points)
-    syy = sum((y - my) ** 2 for _, y in points)
-    sxy = sum((x - mx) * (y - my) for x, y in points)
-    sxt = sum((x - mx) * (t - mt) for (x, _), t in zip(points, times, strict=True))
-    syt = sum((y - my) * (t - mt) for (_, y), t in zip(points, times, strict=True))
-    det = sxx * syy - sxy * sxy
-    if det <= 1e-9 * sxx * syy or det <= 0:  # collinear: y follows x
-        return None
-    a, b = (sxt * syy - syt * sxy) / det, (syt * sxx - sxt * sxy) / det
-    return mt - a * mx - b * my, a, b
 
 
 __all__ = ["LEAST_TOKENS", "WINDOW", "Allowance", "Pace"]

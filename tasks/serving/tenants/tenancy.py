@@ -85,6 +85,11 @@ class Tenancy:
             self.refresh(UNSEEN_S)
         return tenant if tenant in self._records else DEFAULT
 
+    def several(self) -> bool:
+        """Whether calls of more than one tenant can reach this worker: the fleet has a
+        tenant besides the default one (as last read)."""
+        return bool(self._records)
+
     def weight(self, tenant: str) -> float:
         """`tenant`'s weight (1 for the default tenant, and one not known or removed)."""
         found = self._records.get(tenant)
