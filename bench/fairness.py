@@ -2,6 +2,7 @@
 flooding by weight; and one caller's long generations beside another's short calls.
 
     python -m bench.fairness [--burst 400] [--steady 20] [--flood 300] > bench/out/fairness.json
+    python -m bench.fairness --burst-inputs 16  # the burst's calls of 16 inputs each
     python -m bench.fairness --shape generations [--long 6] [--probes 20]
     python -m bench.fairness --shape tenant-generations [--burst 400] [--steady 20]
 
@@ -28,8 +29,13 @@ per second meanwhile, `long_with_probes`). Target (issue 73): probes p99 <= 2 s,
 long calls' tokens per second with probes >= 0.9x alone.
 
 `--shape tenant-generations` is the tenants' burst on that generating model: `without_tenants`
-and `tenants` as above, each call `BURST_TOKENS` new tokens. Target (issue 73): the steady
-tenant's slowest call <= 0.1x the burst's drain, as on the encoder.
+and `tenants` as above, each call `BURST_TOKENS` new tokens, with the steady calls' longest
+wait from reaching the engine to their first token (`steady_first_token_max_s`, and over
+the drain). Target (issue 73): the steady tenant's slowest call <= 0.1x the burst's drain,
+as on the encoder (a call's own steps, each carrying the burst's rows, are 0.16 of it on
+this shape: docs/benchmarks.md).
+
+`--burst-inputs N` makes each burst call a list of N inputs (prompts).
 """
 
 from __future__ import annotations
@@ -70,41 +76,56 @@ TARGETS = {"slowest_over_drain": 0.1, "heavy_share": [0.65, 0.85]}
 GENERATION_TARGETS = {"probe_p99_s": 2.0, "long_tokens_ratio": 0.9}
 
 
-def _call(client: Celery, text: str) -> Any:
-    return client.send_task("gpufleet.infer", args=("m", text))
+def _call(client: Celery, text: str, inputs: int = 1) -> Any:
+    """An encoder call: `text`, or a list of `inputs` texts when above 1."""
+    texts = text if inputs == 1 else [f"{text} {j}" for j in range(inputs)]
+    return client.send_task("gpufleet.infer", args=("m", texts))
 
 
-def _generate(client: Celery, text: str) -> Any:
-    """A short generation: `BURST_TOKENS` new tokens of the generating shapes' model."""
+def _generate(client: Celery, text: str, inputs: int = 1) -> Any:
+    """A short generation: `BURST_TOKENS` new tokens of the generating shapes' model, for
+    `text`, or a list of `inputs` prompts when above 1."""
+    prompts = text if inputs == 1 else [f"{text} {j}" for j in range(inputs)]
     return client.send_task(
-        "gpufleet.infer", args=("talker", text, {"max_new_tokens": BURST_TOKENS})
+        "gpufleet.infer", args=("talker", prompts, {"max_new_tokens": BURST_TOKENS})
     )
 
 
-def burst_and_steady(
-    burst: Celery, steady: Celery, n_burst: int, n_steady: int, send: Callable[..., Any] = _call
+def burst_and_steady(  # noqa: PLR0917 - the shape's own numbers
+    burst: Celery,
+    steady: Celery,
+    n_burst: int,
+    n_steady: int,
+    send: Callable[..., Any] = _call,
+    inputs: int = 1,
 ) -> dict[str, Any]:
-    """`n_burst` calls at once from `burst`, then `n_steady` one after another from
-    `steady` (each sent by `send`): how long the burst took to drain, and the steady
-    caller's calls."""
+    """`n_burst` calls at once from `burst`, each of `inputs` inputs, then `n_steady` of
+    one input one after another from `steady` (each sent by `send`): how long the burst
+    took to drain, and the steady caller's calls."""
     for client in (burst, steady):
         send(client, TEXT).get(timeout=TIMEOUT_S)
     began = time.monotonic()
-    calls = [send(burst, f"{i} {TEXT}") for i in range(n_burst)]
-    waits = []
+    calls = [send(burst, f"{i} {TEXT}", inputs) for i in range(n_burst)]
+    waits, first_tokens = [], []
     for i in range(n_steady):
         sent = time.monotonic()
-        send(steady, f"s{i} {TEXT}").get(timeout=TIMEOUT_S)
+        answer = send(steady, f"s{i} {TEXT}").get(timeout=TIMEOUT_S)
         waits.append(time.monotonic() - sent)
+        if "first_token" in answer["timings_ms"]:  # a generation's: from reaching its engine
+            first_tokens.append(answer["timings_ms"]["first_token"] / 1000)
     for c in calls:
         c.get(timeout=TIMEOUT_S)
     drained = time.monotonic() - began
-    return {
+    out = {
         "burst_drain_s": round(drained, 3),
         "steady_max_s": round(max(waits), 4),
         "steady_mean_s": round(sum(waits) / len(waits), 4),
         "slowest_over_drain": round(max(waits) / drained, 4),
     }
+    if first_tokens:
+        out["steady_first_token_max_s"] = round(max(first_tokens), 4)
+        out["first_token_over_drain"] = round(max(first_tokens) / drained, 4)
+    return out
 
 
 def weighted(heavy: Celery, light: Celery, n: int) -> dict[str, Any]:
@@ -225,10 +246,17 @@ def run_generations(count: int, probes: int, directory: Path) -> dict[str, Any]:
 
 
 def run(
-    n_burst: int, n_steady: int, n_flood: int, directory: Path, *, generating: bool = False
+    n_burst: int,
+    n_steady: int,
+    n_flood: int,
+    directory: Path,
+    *,
+    generating: bool = False,
+    inputs: int = 1,
 ) -> dict[str, Any]:
     """The tenants' shapes on the encoder; `generating`: the burst on the generating model
-    instead (each call `BURST_TOKENS` new tokens; no weighted flood)."""
+    instead (each call `BURST_TOKENS` new tokens; no weighted flood); `inputs`: the inputs
+    (or prompts) of each burst call."""
     from bench.fleet import bench_launcher, fleet_machine
     from placement.config import Settings
     from tasks.config import caller_conf
@@ -253,16 +281,16 @@ def run(
     try:
         fleet.start()
         fleet.wait_ready(300.0)
-        result: dict[str, Any] = {"burst": n_burst, "steady": n_steady}
+        result: dict[str, Any] = {"burst": n_burst, "burst_inputs": inputs, "steady": n_steady}
         if generating:
             result["tokens"] = BURST_TOKENS
         caller = caller_conf(fleet.caller_url)
         result["without_tenants"] = burst_and_steady(
-            client(caller), client(caller), n_burst, n_steady, send
+            client(caller), client(caller), n_burst, n_steady, send, inputs
         )
         log.info("without tenants: %s", result["without_tenants"])
         result["tenants"] = burst_and_steady(
-            tenant("burst", 1), tenant("steady", 1), n_burst, n_steady, send
+            tenant("burst", 1), tenant("steady", 1), n_burst, n_steady, send, inputs
         )
         log.info("tenants: %s", result["tenants"])
         if not generating:
@@ -292,6 +320,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--shape", choices=("tenants", "generations", "tenant-generations"), default="tenants"
     )
+    parser.add_argument("--burst-inputs", type=int, default=1, help="inputs of each burst call")
     parser.add_argument("--long", type=int, default=6, help="long calls (--shape generations)")
     parser.add_argument("--probes", type=int, default=20, help="short calls beside them")
     args = parser.parse_args(argv)
@@ -301,7 +330,14 @@ def main(argv: list[str] | None = None) -> None:
             result = run_generations(args.long, args.probes, Path(tmp))
         else:
             generating = args.shape == "tenant-generations"
-            result = run(args.burst, args.steady, args.flood, Path(tmp), generating=generating)
+            result = run(
+                args.burst,
+                args.steady,
+                args.flood,
+                Path(tmp),
+                generating=generating,
+                inputs=args.burst_inputs,
+            )
     json.dump(result, sys.stdout, indent=2)
     print()
 
