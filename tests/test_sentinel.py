@@ -31,6 +31,7 @@ from placement.server.acl import CALLER, Users
 from placement.server.redis_server import HOST, RedisServer
 from placement.server.sentinel import SentinelGroup, replicas_ready
 from tasks.config import caller_conf, celery_conf
+from tests.calling import Load
 from tests.running import REPO, TWO_MODELS, RunningFleet, fleet_env, fleet_up, until, with_signal
 from tests.test_chaos import settled
 
@@ -419,7 +420,7 @@ def test_two_hosts_on_a_redis_ha_fleet_lose_no_call_when_its_primary_is_killed_o
                 hosts |= {gpu.split(":")[0] for p in placed["placed"] for gpu in p["gpus"]}
             assert hosts == {"h1", "h2"}, hosts
             workers = _workers(h1) + _workers(h2)
-            load = _Load(h1.client)
+            load = Load(h1.client)
             load.start(threads=4)
             load.until(answered=40)
             # The second kills the primary the first promoted; then one is stopped, and let
@@ -510,59 +511,6 @@ def _answers_as_sentinel(fleet: RunningFleet, address: str) -> bool:
         return bool(_node(fleet, address).execute_command("SENTINEL", "MASTERS"))
     except (AssertionError, redis.RedisError):
         return False
-
-
-class _Load:
-    """Threads that call the fleet one call after another, as a plain Celery client."""
-
-    def __init__(self, client: Celery) -> None:
-        self.client = client
-        self.sent = 0
-        self.calls: list[tuple[float, float, str]] = []  # (sent, answered, host), time.time()
-        self.errors: list[str] = []
-        self._stop = threading.Event()
-        self._lock = threading.Lock()
-        self._threads: list[threading.Thread] = []
-
-    def start(self, threads: int) -> None:
-        for i in range(threads):
-            thread = threading.Thread(target=self._run, args=(i,), daemon=True)
-            thread.start()
-            self._threads.append(thread)
-
-    def _run(self, i: int) -> None:
-        model = "ab"[i % 2]
-        while not self._stop.is_set():
-            with self._lock:
-                self.sent += 1
-            sent = time.time()
-            try:
-                result = self.client.send_task("gpufleet.infer", args=[model, [f"call {i}"]])
-                answer = result.get(timeout=60)
-                assert answer["model"] == model, answer
-                host = answer["worker"].split("@")[1].split("-")[0]
-                with self._lock:
-                    self.calls.append((sent, time.time(), host))
-            except Exception as exc:
-                with self._lock:
-                    self.errors.append(repr(exc))
-
-    def until(self, answered: int, after: float = 0.0, seconds: float = 60.0) -> None:
-        """Wait until `answered` calls were answered after `after` (a time.time())."""
-        deadline = time.monotonic() + seconds
-        while len([done for _, done, _ in self.calls if done > after]) < answered:
-            assert time.monotonic() < deadline, (len(self.calls), self.errors[:3])
-            time.sleep(0.1)
-
-    def both_hosts(self, after: float) -> Callable[[], bool]:
-        """Whether h1 and h2 each answered a call sent after `after` (a time.time())."""
-        return lambda: {host for sent, _, host in list(self.calls) if sent > after} == {"h1", "h2"}
-
-    def stop(self) -> None:
-        self._stop.set()
-        for thread in self._threads:
-            thread.join(90)
-        assert not any(t.is_alive() for t in self._threads)
 
 
 def _status(env: dict[str, str]) -> dict[str, Any]:

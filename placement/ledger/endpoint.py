@@ -13,12 +13,16 @@ A fleet's Redis is named by one URL (`GPUFLEET_REDIS_URL`, the connection file):
   (or repeated, alike). The user and password sign in to the Sentinels and to the primary
   alike: give the Sentinels the fleet's users too (`gpufleet up --redis-ha` does).
 
-Every fleet process connects through `connect`: for Sentinels, a client whose
-connections (`PrimaryConnection`) ask a Sentinel for the primary as they connect, and
-connect again after a failover, when the server they reach refuses writes (demoted:
-``READONLY``; cut off from its replicas: ``NOREPLICAS``), or when it stops answering
-(`FAILOVER_SOCKET_TIMEOUT_S`). The lookup happens as a connection opens, never per
-command: the call path is unchanged.
+Every fleet process connects through `connect`. Its connections leave a server that is no
+longer the primary (`refuses_writes`: demoted, ``READONLY``; cut off from its replicas,
+``NOREPLICAS``; a blocked take cut short by a demotion, ``UNBLOCKED``): they disconnect and
+raise `ConnectionError`, which every fleet client retries on a new connection. Through
+Sentinels (`PrimaryConnection`) that new connection asks a Sentinel for the primary, as
+connections do when they open, and also when the server stops answering
+(`FAILOVER_SOCKET_TIMEOUT_S`); at a plain endpoint (`ServerConnection`,
+`TlsServerConnection`) it reaches whatever server the address names now, as a managed
+Redis whose address follows its primary does. The lookup happens as a connection opens,
+never per command: the call path is unchanged.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ import redis
 import redis.asyncio
 import redis.asyncio.sentinel
 import redis.sentinel
-from redis.exceptions import ResponseError
+from redis.exceptions import ReadOnlyError, ResponseError
 
 from placement.errors import ConfigError
 
@@ -86,6 +90,11 @@ class Endpoint:
         return bool(self.sentinels)
 
     @property
+    def tls(self) -> bool:
+        """Whether a plain endpoint speaks TLS (``rediss://``)."""
+        return self.url.startswith("rediss://")
+
+    @property
     def outage_s(self) -> float | None:
         """How long a fleet client waits for this Redis to answer again; None: its own
         default (a plain server's restart)."""
@@ -120,6 +129,7 @@ class Endpoint:
     def client(self, **kwargs: Any) -> redis.Redis:
         """A redis-py client of the primary (`kwargs`: redis-py's connection options)."""
         if not self.watched:
+            kwargs.setdefault("connection_class", server_connection(self.tls))
             return redis.Redis.from_url(self.url, **kwargs)
         sentinel = redis.sentinel.Sentinel(  # type: ignore[no-untyped-call]
             list(self.sentinels), **self._sentinel_options(kwargs)
@@ -134,6 +144,9 @@ class Endpoint:
         calls at once (the HTTP front, `tasks.front`); like `client`, it leaves a server
         that refuses writes (`AsyncPrimaryConnection`)."""
         if not self.watched:
+            kwargs.setdefault(
+                "connection_class", AsyncTlsServerConnection if self.tls else AsyncServerConnection
+            )
             return redis.asyncio.Redis.from_url(self.url, **kwargs)
         sentinel = redis.asyncio.sentinel.Sentinel(  # type: ignore[no-untyped-call]
             list(self.sentinels), **self._sentinel_options(kwargs)
@@ -299,43 +312,78 @@ _alone = _Alone()
 
 def refuses_writes(exc: BaseException) -> bool:
     """Whether `exc` is a server's refusal to write because it is no primary to write to
-    now: demoted (``READONLY``; on Redis 6 a writing script's ``ERR`` holds it), or cut off
-    from its replicas (``NOREPLICAS``: ``min-replicas-to-write``, as a primary that was
-    stopped and let go after its failover is). Its clients must find the primary anew."""
+    now: demoted (``READONLY``; on Redis 6 a writing script's ``ERR`` holds it, and a take
+    blocked as it was demoted ends ``UNBLOCKED``), or cut off from its replicas
+    (``NOREPLICAS``: ``min-replicas-to-write``, as a primary that was stopped and let go
+    after its failover is). Its clients must find the primary anew."""
+    if isinstance(exc, ReadOnlyError):  # redis-py's for READONLY, the word read off
+        return True
     return isinstance(exc, ResponseError) and any(
-        word in str(exc) for word in ("READONLY", "NOREPLICAS")
+        word in str(exc) for word in ("READONLY", "NOREPLICAS", "instance state changed")
     )
 
 
-class PrimaryConnection(redis.sentinel.SentinelManagedConnection):
-    """A connection to the primary the Sentinels name that leaves a server refusing writes
-    (`refuses_writes`): it disconnects and raises `ConnectionError`, which every fleet
-    client retries on a connection that asks the Sentinels again. redis-py does this for
-    a plain ``READONLY`` only; a primary stopped past its failover and let go still takes
+class _LeavesNonPrimary:
+    """A connection that leaves a server refusing writes (`refuses_writes`): it
+    disconnects and raises `ConnectionError`, which every fleet client retries on a new
+    connection, to the primary. redis-py does this through Sentinels for a plain
+    ``READONLY`` only; a primary stopped past its failover and let go still takes
     connections as a primary until the Sentinels demote it, and a write it took then
     would be lost with its data."""
 
     def read_response(self, *args: Any, **kwargs: Any) -> Any:
         try:
-            return super().read_response(*args, **kwargs)
+            return super().read_response(*args, **kwargs)  # type: ignore[misc]
         except ResponseError as exc:
             if not refuses_writes(exc):
                 raise
-            self.disconnect()  # type: ignore[no-untyped-call]
+            self.disconnect()  # type: ignore[attr-defined]
             raise redis.ConnectionError(f"no primary to write to here: {exc}") from exc
 
 
-class AsyncPrimaryConnection(redis.asyncio.sentinel.SentinelManagedConnection):
-    """`PrimaryConnection` for asyncio clients."""
+class _AsyncLeavesNonPrimary:
+    """`_LeavesNonPrimary` for asyncio clients."""
 
     async def read_response(self, *args: Any, **kwargs: Any) -> Any:
         try:
-            return await super().read_response(*args, **kwargs)
+            return await super().read_response(*args, **kwargs)  # type: ignore[misc]
         except ResponseError as exc:
             if not refuses_writes(exc):
                 raise
-            await self.disconnect(nowait=True)
+            await self.disconnect(nowait=True)  # type: ignore[attr-defined]
             raise redis.ConnectionError(f"no primary to write to here: {exc}") from exc
+
+
+class PrimaryConnection(_LeavesNonPrimary, redis.sentinel.SentinelManagedConnection):
+    """A connection to the primary the Sentinels name (`_LeavesNonPrimary`)."""
+
+
+class ServerConnection(_LeavesNonPrimary, redis.Connection):
+    """A connection to a plain endpoint (`_LeavesNonPrimary`): the next one reaches the
+    server its address names then."""
+
+
+class TlsServerConnection(_LeavesNonPrimary, redis.SSLConnection):
+    """`ServerConnection` over TLS (``rediss://``)."""
+
+
+class AsyncPrimaryConnection(
+    _AsyncLeavesNonPrimary, redis.asyncio.sentinel.SentinelManagedConnection
+):
+    """`PrimaryConnection` for asyncio clients."""
+
+
+class AsyncServerConnection(_AsyncLeavesNonPrimary, redis.asyncio.Connection):
+    """`ServerConnection` for asyncio clients."""
+
+
+class AsyncTlsServerConnection(_AsyncLeavesNonPrimary, redis.asyncio.SSLConnection):
+    """`TlsServerConnection` for asyncio clients."""
+
+
+def server_connection(tls: bool) -> type[redis.Connection]:
+    """The connection class of a plain endpoint, over TLS or not."""
+    return TlsServerConnection if tls else ServerConnection
 
 
 def _agree(found: dict[str, Any], name: str, value: Any) -> None:

@@ -27,10 +27,8 @@ from typing import Any
 
 import redis
 import redis.sentinel
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import NoScriptError
 from redis.utils import HIREDIS_AVAILABLE
-
-from placement.ledger import endpoint
 
 if HIREDIS_AVAILABLE:
     import hiredis
@@ -95,11 +93,6 @@ class Scripts:
                 conn.send_command("SCRIPT", "LOAD", source(name))
                 conn.read_response()
                 return self._call(conn, sha(name), keys, args)
-        except ResponseError as exc:
-            if not endpoint.refuses_writes(exc):
-                raise
-            conn.disconnect()  # a demoted primary: the next call connects to the new one
-            raise redis.ConnectionError(f"the primary was demoted ({exc})") from exc
         except (redis.ConnectionError, redis.TimeoutError):
             # Its reply may still come: the next call on this connection would read it as
             # its own (a Sentinel-managed connection does not drop itself on a timeout).

@@ -101,11 +101,7 @@ class Store:
                     f"this registry URL's Redis user may not do that ({exc}); the URL "
                     f"`gpufleet url` prints has a caller's rights: send calls and read results"
                 ) from None
-            except (redis.ConnectionError, redis.TimeoutError, redis.ResponseError) as exc:
-                if isinstance(exc, redis.ResponseError):
-                    if not endpoint.refuses_writes(exc):
-                        raise
-                    self.client.connection_pool.disconnect()  # off the demoted primary
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
                 if not self._answered or time.monotonic() + delay > deadline:
                     raise unreachable(exc) from exc
                 log.warning("registry unreachable (%s); trying again", exc)

@@ -32,6 +32,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+import redis
 from celery import states
 from celery.backends import redis as celery_redis
 from celery.backends.redis import RedisBackend
@@ -43,9 +44,38 @@ from placement.ledger.tenancy.tenants import ID_SEP
 
 log = logging.getLogger(__name__)
 
-#: How long a caller's result connection on a Sentinel-watched primary may stay silent
-#: while calls wait before it is opened again (`placement.ledger.endpoint`).
+#: How long a caller's result connection may stay silent while calls wait before it is
+#: opened again (`_FollowingConsumer`; `placement.ledger.endpoint`).
 SILENT_S = FAILOVER_CHECK_S
+
+
+class _FollowingConsumer(celery_redis.ResultConsumer):
+    """Celery's result consumer, which opens its pub/sub connection again (through the
+    Sentinels, or at an address that moved) when it has heard nothing for `SILENT_S`
+    while calls wait. A pub/sub connection has no liveness check: on a primary that
+    stopped answering (SIGSTOP, a host cut off) a caller's `.get()` heard nothing until
+    that server came back, long after the Sentinels had promoted another; on an old
+    primary that now follows the new one, it missed what was published before it
+    followed, and went on hearing the rest, so a call whose answer it missed waited for
+    good. Opening it again first reads the results stored meanwhile (Celery's
+    `_reconnect_pubsub`); on a live primary it costs one MGET and one SUBSCRIBE per
+    `SILENT_S` of waiting."""
+
+    _heard = 0.0
+
+    def on_state_change(self, meta: Any, message: Any) -> None:
+        self._heard = time.monotonic()
+        super().on_state_change(meta, message)
+
+    def drain_events(self, timeout: float | None = None) -> Any:
+        now = time.monotonic()
+        if not self._heard:  # its first wait: silent from now
+            self._heard = now
+        if self.subscribed_to and now - self._heard > SILENT_S:
+            self._heard = now
+            with self.reconnect_on_error():
+                self._reconnect_pubsub()
+        return super().drain_events(timeout)
 
 
 class Backend(RedisBackend):
@@ -57,6 +87,17 @@ class Backend(RedisBackend):
     stored, and published, where the tenant's plain Celery client reads it, under the key
     prefix that is its `global_keyprefix` and that its Redis user alone may read, and says
     the caller's own task id."""
+
+    ResultConsumer = _FollowingConsumer
+
+    def _get_pool(self, **params: Any) -> Any:
+        """Celery's pool, of connections that leave a server refusing writes
+        (`endpoint.ServerConnection`: at an address that moves to a new primary, a result
+        stored on the old one would be lost); a Unix socket's as Celery makes them."""
+        made = params.get("connection_class")
+        if made in (None, redis.Connection, redis.SSLConnection):  # Celery's plain ones
+            params["connection_class"] = endpoint.server_connection(made is redis.SSLConnection)
+        return super()._get_pool(**params)
 
     def get_key_for_task(self, task_id: Any, key: Any = "") -> Any:
         caller_id, tenant = tenants.owner(str(task_id))
@@ -87,39 +128,11 @@ class Backend(RedisBackend):
         learns the error from its parent, which Celery's client follows (`follow_parents`)."""
 
 
-class _FollowingConsumer(celery_redis.ResultConsumer):
-    """Celery's result consumer, which opens its pub/sub connection again (through the
-    Sentinels) when it has heard nothing for `SILENT_S` while calls wait. A pub/sub
-    connection has no liveness check: on a primary that stopped answering (SIGSTOP, a
-    host cut off) a caller's `.get()` heard nothing until that server came back, long
-    after the Sentinels had promoted another. Opening it again first reads the results
-    stored meanwhile (Celery's `_reconnect_pubsub`); on a live primary it costs one MGET
-    and one SUBSCRIBE per `SILENT_S` of waiting."""
-
-    _heard = 0.0
-
-    def on_state_change(self, meta: Any, message: Any) -> None:
-        self._heard = time.monotonic()
-        super().on_state_change(meta, message)
-
-    def drain_events(self, timeout: float | None = None) -> Any:
-        now = time.monotonic()
-        if not self._heard:  # its first wait: silent from now
-            self._heard = now
-        if self.subscribed_to and now - self._heard > SILENT_S:
-            self._heard = now
-            with self.reconnect_on_error():
-                self._reconnect_pubsub()
-        return super().drain_events(timeout)
-
-
 class SentinelBackend(Backend, celery_redis.SentinelBackend):
     """`Backend` on a primary that Sentinels watch (`sentinel://`,
     `placement.ledger.endpoint`): Celery's Sentinel backend finds the primary as each
     connection opens, so a write after a failover reaches the new one, and a caller
     waiting for results leaves a primary that stopped answering (`_FollowingConsumer`)."""
-
-    ResultConsumer = _FollowingConsumer
 
     def _set(self, key: Any, value: Any, expires: Any = None) -> None:
         """Celery's write of a result and its PUBLISH, then Redis's `WAIT` for a replica to

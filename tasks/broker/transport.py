@@ -478,6 +478,10 @@ class Channel(kombu_redis.Channel):
     _last_list = ""  # the list it last took a message from (an idle take blocks there)
     _sync_client: Any = None  # see `_create_client`
     _refused_take_logged = 0.0  # when a refused take was last logged (`_refused_take`)
+    #: Leave a server that is no longer the primary (`endpoint.ServerConnection`): at an
+    #: address that moves to a promoted replica, the next connection reaches it.
+    connection_class: Any = endpoint.ServerConnection
+    connection_class_ssl: Any = endpoint.TlsServerConnection
     _strays_checked = 0.0  # when its in-flight lists were last looked in (`_put_back_strays`)
     #: Asked of each message this channel takes, before it is recorded as unacknowledged:
     #: where to send it on instead, or None (a router's hot calls: tasks/serving/forwarding.py).
@@ -851,9 +855,6 @@ class Channel(kombu_redis.Channel):
                 self.client.connection.disconnect()
                 raise
             except ResponseError as exc:  # never the consumer's end: nothing was taken
-                if endpoint.refuses_writes(exc):  # no primary now (one server): find it again
-                    self.client.connection.disconnect()
-                    raise RedisConnectionError(f"the primary was demoted ({exc})") from exc
                 if "WRONGTYPE" not in str(exc) or not repair_queue_keys(self.client, keys):
                     self._refused_take(exc)
                 raise Empty() from None
