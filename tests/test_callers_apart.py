@@ -320,6 +320,22 @@ print(json.dumps([c.get(timeout=60) for c in cancels]))
 """
 
 
+def _heard(watcher: Any, quiet_s: float = 0.5) -> Iterator[Any]:
+    """The messages `watcher` (a pub/sub) holds, until none comes for `quiet_s`. A message
+    only part-way in when a read times out (redis-py raises TimeoutError then; it failed
+    CI once on a busy machine) is read on at the next try."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            message = watcher.get_message(timeout=quiet_s)
+        except redis.TimeoutError:
+            continue
+        if message is None:
+            return
+        yield message
+    raise AssertionError("the remote-control channel did not fall quiet in 60 s")
+
+
 def _cancel_storm(fleet: RunningFleet) -> tuple[list[Any], list[str], float, list[float]]:
     """A plain client's storm of cancels for made-up ids, from a process of its own (sent
     from this one, its 3,000 sends and reads held the interpreter lock the hot caller's
@@ -340,7 +356,7 @@ def _cancel_storm(fleet: RunningFleet) -> tuple[list[Any], list[str], float, lis
         took = time.monotonic() - started
     assert storm.returncode == 0, storm.stderr[-2000:]
     commands: list[str] = []
-    while (message := watcher.get_message(timeout=0.2)) is not None:
+    for message in _heard(watcher):
         if message["type"] == "pmessage":
             commands.append(
                 json.loads(base64.b64decode(json.loads(message["data"])["body"]))["method"]

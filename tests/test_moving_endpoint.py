@@ -141,6 +141,11 @@ def test_a_refusal_by_a_server_that_is_no_longer_the_primary_is_a_lost_connectio
     )
     tls = endpoint.parse("rediss://h:1/0").client().connection_pool.connection_class
     assert tls is endpoint.TlsServerConnection
+    for url, made in (
+        ("redis://h:1/0", endpoint.AsyncServerConnection),
+        ("rediss://h:1/0", endpoint.AsyncTlsServerConnection),
+    ):
+        assert endpoint.parse(url).async_client().connection_pool.connection_class is made
 
 
 @pytest.mark.slow

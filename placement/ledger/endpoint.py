@@ -142,12 +142,13 @@ class Endpoint:
     def async_client(self, **kwargs: Any) -> redis.asyncio.Redis:
         """An asyncio client of the primary, for a process that sends and waits on many
         calls at once (the HTTP front, `tasks.front`); like `client`, it leaves a server
-        that refuses writes (`AsyncPrimaryConnection`)."""
+        that refuses writes (`AsyncPrimaryConnection`, `AsyncServerConnection`,
+        `AsyncTlsServerConnection`)."""
         if not self.watched:
-            kwargs.setdefault(
-                "connection_class", AsyncTlsServerConnection if self.tls else AsyncServerConnection
-            )
-            return redis.asyncio.Redis.from_url(self.url, **kwargs)
+            # redis-py's asyncio `from_url` lets a rediss:// URL's class win over a given one
+            pool = redis.asyncio.ConnectionPool.from_url(self.url, **kwargs)
+            pool.connection_class = AsyncTlsServerConnection if self.tls else AsyncServerConnection
+            return redis.asyncio.Redis.from_pool(pool)
         sentinel = redis.asyncio.sentinel.Sentinel(  # type: ignore[no-untyped-call]
             list(self.sentinels), **self._sentinel_options(kwargs)
         )
@@ -312,8 +313,9 @@ _alone = _Alone()
 
 def refuses_writes(exc: BaseException) -> bool:
     """Whether `exc` is a server's refusal to write because it is no primary to write to
-    now: demoted (``READONLY``; on Redis 6 a writing script's ``ERR`` holds it, and a take
-    blocked as it was demoted ends ``UNBLOCKED``), or cut off from its replicas
+    now: demoted (``READONLY``; on Redis 6 a writing script's ``ERR`` holds it; and a take
+    blocked as it was demoted ends ``UNBLOCKED ... instance state changed``, on Redis 6.2
+    and 7 alike), or cut off from its replicas
     (``NOREPLICAS``: ``min-replicas-to-write``, as a primary that was stopped and let go
     after its failover is). Its clients must find the primary anew."""
     if isinstance(exc, ReadOnlyError):  # redis-py's for READONLY, the word read off

@@ -85,9 +85,10 @@ class Store:
     def _reaching(self, call: Callable[[], T]) -> T:
         """`call`, tried again while a Redis that answered before is briefly away (a
         restart replaying its append-only file, a failover) for up to `outage_s`; a Redis
-        that never answered fails at once. A demoted primary's refusal (READONLY), and a
-        primary that stops answering (a timeout: Sentinel clients have one), count as
-        away: the next try connects to the primary the Sentinels name then. A script
+        that never answered fails at once. A demoted primary's refusal (READONLY: the
+        connection drops itself, `placement.ledger.endpoint`), and a primary that stops
+        answering (a timeout: Sentinel clients have one), count as away: the next try
+        connects to the primary the Sentinels name then, or the address names. A script
         whose reply was lost may thus run twice: the ledger's scripts check their
         preconditions, so a second run changes nothing or is refused (a `pick` may hold a
         second lease until its deadline)."""
@@ -102,6 +103,8 @@ class Store:
                     f"`gpufleet url` prints has a caller's rights: send calls and read results"
                 ) from None
             except (redis.ConnectionError, redis.TimeoutError) as exc:
+                if endpoint.refuses_writes(exc.__cause__ or exc):  # a server no longer
+                    self.client.connection_pool.disconnect()  # primary: its idle ones too
                 if not self._answered or time.monotonic() + delay > deadline:
                     raise unreachable(exc) from exc
                 log.warning("registry unreachable (%s); trying again", exc)

@@ -20,7 +20,7 @@ def fit(points: Sequence[tuple[int, int]], times: Sequence[float]) -> tuple[floa
     one point: the least-squares plane; where y does not vary apart from x enough to tell
     them (or noise makes a cost negative), the line through x alone (b = 0); where x does
     not vary either (or its slope is no cost at all), the mean cost per x, which counts
-    the fixed part in (fixed = 0) and so errs high for small sizes."""
+    the fixed part in (fixed = 0) and so errs low below the mean size and high above it."""
     found = plane(points, times)
     if found is not None and found[0] >= 0 and found[1] > 0 and found[2] >= 0:
         return found

@@ -980,8 +980,10 @@ class SentinelChannel(Channel, kombu_redis.SentinelChannel):
             )
         )
     )
-    #: Leaves a server that refuses writes (`endpoint.PrimaryConnection`).
+    #: Leaves a server that refuses writes (`endpoint.PrimaryConnection`); over TLS,
+    #: kombu's own (`Channel`'s plain-endpoint class takes no Sentinel pool).
     connection_class = endpoint.PrimaryConnection
+    connection_class_ssl = kombu_redis.SentinelChannel.connection_class_ssl
     #: Every Sentinel, as (host, port) pairs: the transport option `tasks.config` sets.
     sentinels: Any = ()
     master_name: str | None = None

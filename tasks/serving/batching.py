@@ -10,9 +10,10 @@ tenant sends them; when tenants compete, each call's place is its start tag
 proportion to their weights, and a call of a tenant with nothing waiting passes another
 tenant's backlog. Then it waits only for the job running, so while the fleet has tenants a
 job is also bounded in time (`placement.rules.batching.JOB_MS`, by what the replica's last
-jobs took); with one tenant, a later call waits for every call before it whatever the
-jobs' size, and a bound would only cost throughput (bench.batching's 32 MiniLM callers
-got 137 calls/s with a 50 ms bound against 194 without, on the 2-core test machine). The job
+jobs took), even while one tenant sends alone; in a fleet without tenants a later call
+waits for every call before it whatever the jobs' size, and a bound would only cost
+throughput (bench.batching's 32 MiniLM callers got 137 calls/s with a 50 ms bound
+against 194 without, on the 2-core test machine). The job
 (`run_batch`, in the child) computes every call's outputs in shared forward passes first
 (`GpuWorker.serve_batch`), then runs each call's own Celery tracer in turn, which finds its
 outputs ready (`prepared`): each call keeps its own message, task id, events, result and
@@ -135,6 +136,9 @@ class Prepared:
 
 GENERATE = "generate"  # the last part of a generating call's group
 WATCH_S = 0.05  # how often a session's ended calls are settled and its revokes told
+#: Replicas whose job costs a batcher keeps (`Batcher._cost`): more than a GPU holds at
+#: once; a placement's replica id is new each time, so older ones are dropped. Not tuned.
+COSTS_KEPT = 64
 RETELL_S = 1.0  # how often the child is told again of a revoke it has not acted on
 
 
@@ -173,7 +177,7 @@ class Batcher:
         job: Callable[[list[ChildCall]], list[Any]],
         generations: Generations | None = None,
         weight_of: Callable[[str], float] | None = None,
-        contended: Callable[[], bool] = lambda: False,
+        tenanted: Callable[[], bool] = lambda: False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._pool = pool
@@ -185,8 +189,8 @@ class Batcher:
         self._weight_of = weight_of or (lambda tenant: 1.0)
         self._fair = FairOrder()  # the line's order when tenants compete (the module)
         self._costs: dict[str, JobCost] = {}  # by replica: what its jobs take (`_send`)
-        self._contended = contended  # whether tenants compete: jobs are then bounded
-        self._clock = clock  # seconds, for how long jobs take
+        self._tenanted = tenanted  # whether the fleet has tenants: jobs are then bounded
+        self._clock = clock  # the pool's clock (billiard's `time_accepted`): time.monotonic
         self._session: generating.Job | None = None  # the session running, if one is
         self._sessions: dict[str, generating.Job] = {}  # by id, until each ends
         self._watch: Any = None  # the timer entry that settles calls and forwards revokes
@@ -286,11 +290,16 @@ class Batcher:
         return self._limits_of(entry.item.call.model)
 
     def _cost(self, entry: Waiting[Held]) -> JobCost:
-        """What jobs of `entry`'s replica take: while tenants compete, it bounds the next
-        one (`JOB_MS`), so that another tenant's call waits one short job; with one
-        tenant, calls are served in arrival order, and a bound would only cost throughput
-        (see the module)."""
-        return self._costs.setdefault(entry.item.call.replica, JobCost())
+        """What jobs of `entry`'s replica take: while the fleet has tenants, it bounds the
+        next one (`JOB_MS`), so that another tenant's call waits one short job; without
+        them, calls are served in arrival order, and a bound would only cost throughput
+        (see the module). Only the `COSTS_KEPT` replicas last batched are kept."""
+        replica = entry.item.call.replica
+        cost = self._costs.pop(replica, None) or JobCost()
+        self._costs[replica] = cost  # the newest last
+        while len(self._costs) > COSTS_KEPT:
+            del self._costs[next(iter(self._costs))]
+        return cost
 
     def _next(self) -> None:
         """Send the next batch to the child when it is free and a batch is due; while it
@@ -305,7 +314,7 @@ class Batcher:
                     picked = picked[:1]  # a session takes them one by one
             else:  # a session takes a batch at once: it would only wait for the GPU
                 now = math.inf if self._busy else time.time() * 1000
-                bound = self._cost if self._contended() else lambda _: None
+                bound = self._cost if self._tenanted() else lambda _: None
                 picked, due = take_batch(self._waiting, self._limits, now, bound)
             if not picked:
                 if due is not None:
@@ -353,7 +362,7 @@ class Batcher:
         taking it teaches its replica's `JobCost`."""
         helds = [w.item for w in batch]
         cost, chars = self._cost(batch[0]), sum(w.chars for w in batch)
-        began: list[float] = []
+        began: list[float] = []  # the child's time.monotonic() as it took the job
         requests = [h.request for h in helds]
         jobs = [_child_call(w.item, w.since_ms) for w in batch]
         first = requests[0]
@@ -363,7 +372,7 @@ class Batcher:
         connection = self._connection
 
         def accepted(pid: int, time_accepted: float) -> None:
-            began.append(self._clock())
+            began.append(time_accepted)  # not this loop's now: it may read the end with it
             self._started(helds)
             for request in requests:
                 request.on_accepted(pid, time_accepted)
