@@ -313,12 +313,12 @@ _alone = _Alone()
 
 def refuses_writes(exc: BaseException) -> bool:
     """Whether `exc` is a server's refusal to write because it is no primary to write to
-    now: demoted (``READONLY``; on Redis 6 a writing script's ``ERR`` holds it; and a take
-    blocked as it was demoted ends ``UNBLOCKED ... instance state changed``, on Redis 6.2
-    and 7 alike), or cut off from its replicas
-    (``NOREPLICAS``: ``min-replicas-to-write``, as a primary that was stopped and let go
-    after its failover is). Its clients must find the primary anew."""
-    if isinstance(exc, ReadOnlyError):  # redis-py's for READONLY, the word read off
+    now: demoted (``READONLY``, which redis-py raises as `ReadOnlyError` without the word;
+    on Redis 6 a writing script's ``ERR`` holds it; a take blocked as its server was
+    demoted ends ``UNBLOCKED ... instance state changed``, on Redis 6.2 and 7 alike), or
+    cut off from its replicas (``NOREPLICAS``: ``min-replicas-to-write``, as a primary that
+    was stopped and let go after its failover is). Its clients must find the primary anew."""
+    if isinstance(exc, ReadOnlyError):
         return True
     return isinstance(exc, ResponseError) and any(
         word in str(exc) for word in ("READONLY", "NOREPLICAS", "instance state changed")
