@@ -37,8 +37,8 @@ UNBATCHED_TASKS = frozenset({"text-generation"})  # see docs/tasks.md, "Batched 
 #: jobs predict it: what another tenant's call waits for behind a burst, before its own.
 #: Tuned constant, on the 2-core test machine (docs/benchmarks.md, "Tenants' bursts of
 #: calls of many inputs"): a burst of 100 MiniLM calls of 16 inputs drains in 3-4 s, and
-#: at 50 ms it drained a third slower than alone (jobs of one call), at 150 ms another
-#: tenant's call waited 0.22 of it (issue 73 asks 0.1), at 100 ms 0.06 and 7-13% slower.
+#: at 50 ms it drained 46% slower than alone (jobs of one call), at 150 ms another
+#: tenant's call waited 0.22 of it (issue 73 asks 0.1), at 100 ms 0.06 and 7-15% slower.
 JOB_MS = 100.0
 #: Jobs a replica's cost is fitted over (`JobCost`): enough to see jobs of several sizes,
 #: few enough to follow a machine whose load changes. Not tuned (the engine's pace keeps

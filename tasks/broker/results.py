@@ -13,7 +13,7 @@ Celery's Redis result backend reads each task's stored meta before it writes the
 result (so that a lost worker's duplicate never overwrites a success), then writes it
 with its PUBLISH: two round trips per call, which a GPU worker's pool child waits out
 between a batch's forward pass and the next batch's. While a batch's tracers run
-(`tasks.serving.batching.run_batch`), the child reads every call's meta with one MGET first (a
+(`tasks.serving.batch_jobs.run_batch`), the child reads every call's meta with one MGET first (a
 few milliseconds before Celery would read each); each tracer then writes its result as
 Celery does, at once, so each caller has its answer as soon as its tracer ran.
 

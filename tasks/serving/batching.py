@@ -13,11 +13,11 @@ job is also bounded in time (`placement.rules.batching.JOB_MS`, by what the repl
 jobs took), even while one tenant sends alone; in a fleet without tenants a later call
 waits for every call before it whatever the jobs' size, and a bound would only cost
 throughput (bench.batching's 32 MiniLM callers got 137 calls/s with a 50 ms bound
-against 194 without, on the 2-core test machine). The job
-(`run_batch`, in the child) computes every call's outputs in shared forward passes first
+against 194 without, on the 2-core test machine). The job (`tasks.serving.batch_jobs`,
+in the child) computes every call's outputs in shared forward passes first
 (`GpuWorker.serve_batch`), then runs each call's own Celery tracer in turn, which finds its
-outputs ready (`prepared`): each call keeps its own message, task id, events, result and
-request lease.
+outputs ready (`take_prepared`): each call keeps its own message, task id, events, result
+and request lease.
 
 Acknowledgement stays Celery's, per call: the job's accept, success and failure
 callbacks call each request's own. So acks_late holds, and a child killed mid-batch
@@ -53,12 +53,10 @@ import math
 import threading
 import time
 import uuid
-from collections.abc import Callable, Hashable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
-from billiard.einfo import ExceptionInfo
 from celery.app import trace as celery_trace
 from celery.worker.state import active_requests, task_ready
 from celery.worker.state import revoked as revoked_tasks
@@ -73,37 +71,16 @@ from placement.rules.batching import (
     take_batch,
 )
 from placement.rules.fairness import FairOrder
-from tasks.broker import quarantine, results
+from tasks.broker import quarantine
 from tasks.serving import generating, leases
+from tasks.serving.batch_jobs import ChildCall
 from tasks.serving.calls import Call, call_of, tenant_of
 from worker.generation.params import MAX_ROWS
 
 if TYPE_CHECKING:
-    from worker.node import Served  # GPU workers only: it imports torch
+    pass  # GPU workers only: it imports torch
 
 log = logging.getLogger(__name__)
-
-
-class ChildCall(NamedTuple):
-    """What the pool child needs to run one call as Celery would: its tracer and the
-    tracer's arguments, the call, when it began to wait, the message's own key
-    (`Held.key`), in a session the time (epoch seconds) its hard time limit ends, and for a
-    generating call the tenant whose share of the engine's rows it takes with that
-    tenant's weight ("" for the default tenant, whose calls each take their own:
-    `worker.generation.turns`)."""
-
-    trace: Callable[..., Any]
-    args: tuple[Any, ...]
-    call: dict[str, Any]
-    since_ms: float
-    key: str
-    deadline: float | None = None
-    share: tuple[str, float] = ("", 1.0)  # the default tenant's: each call its own
-
-    @property
-    def task_id(self) -> str:
-        task_id: str = self.args[1]
-        return task_id
 
 
 @dataclass(frozen=True, eq=False)
@@ -118,20 +95,6 @@ class Held:
     def twin(self) -> tuple[str, int]:
         """What a second message of the same call at the same hop shares (the module)."""
         return self.request.id, self.call.hops
-
-
-@dataclass(frozen=True)
-class Prepared:
-    """A call's answer, computed by its batch before its tracer runs."""
-
-    outcome: Served | BaseException
-    started_ms: int  # when its batch began to run
-    batch_wait_ms: float  # from reaching the worker to its batch starting
-
-    def served(self) -> Served:
-        if isinstance(self.outcome, BaseException):
-            raise self.outcome
-        return self.outcome
 
 
 GENERATE = "generate"  # the last part of a generating call's group
@@ -149,14 +112,6 @@ class Generations:
     generates: Callable[[str], bool]  # whether a model's calls generate
     job: Callable[..., Any]  # the pool job of a session (importable)
     channel: Callable[[], generating.Channel | None]
-
-
-_prepared: dict[str, Prepared] = {}  # task id -> answer, in the child, while its job runs
-
-
-def take_prepared(task_id: str | None) -> Prepared | None:
-    """The answer a batch computed for this call, if it was batched (once)."""
-    return _prepared.pop(task_id, None) if task_id else None
 
 
 class Batcher:
@@ -669,57 +624,3 @@ def _hard(request: Any) -> float | None:
     """A call's hard time limit in seconds: its own, else its task's (None: none)."""
     hard: float | None = request.time_limits[0] or request.task.time_limit
     return hard
-
-
-def run_batch(
-    jobs: list[ChildCall], serve: Callable[[list[Call]], list[Any]], backend: Any = None
-) -> list[Any]:
-    """In the child: compute every call's answer in shared passes, then run each call's own
-    tracer, which stores its result (`backend`'s reads of them at once: `tasks.broker.results`).
-    Returns the tracers' returns, in order."""
-    started = time.time() * 1000
-    calls = [Call.from_json(job.call) for job in jobs]
-    try:
-        outcomes = serve(calls)
-    except Exception as exc:
-        outcomes = [exc] * len(calls)
-    ids = [job.task_id for job in jobs]
-    with _ready(jobs, outcomes, started), results.read_together(backend, ids):
-        return [_traced(job.trace, job.args) for job in jobs]
-
-
-def run_one(
-    trace: Callable[..., Any],
-    args: tuple[Any, ...],
-    outcome: Served | BaseException,
-    started_ms: float,
-    batch_wait_ms: float,
-) -> Any:
-    """In the child: run one call's tracer with its answer computed already (a generating
-    call, as it ends: `tasks.serving.generating`)."""
-    _prepared[args[1]] = Prepared(outcome, int(started_ms), batch_wait_ms)
-    try:
-        return _traced(trace, args)
-    finally:
-        _prepared.pop(args[1], None)
-
-
-def _traced(trace: Callable[..., Any], args: tuple[Any, ...]) -> Any:
-    """One call's tracer; an error of the tracer itself fails that call only (Celery's
-    tracer reports the task's own errors in its return already)."""
-    try:
-        return trace(*args)
-    except Exception:
-        log.exception("the tracer of call %s failed", args[1])
-        return (1, ExceptionInfo(), 0.0)
-
-
-@contextmanager
-def _ready(jobs: list[ChildCall], outcomes: list[Any], started: float) -> Iterator[None]:
-    for job, outcome in zip(jobs, outcomes, strict=True):
-        _prepared[job.task_id] = Prepared(outcome, int(started), max(0.0, started - job.since_ms))
-    try:
-        yield
-    finally:
-        for job in jobs:
-            _prepared.pop(job.task_id, None)

@@ -37,7 +37,7 @@ from tasks import context
 from tasks.app import app
 from tasks.broker.intake import LEASE_HEADER
 from tasks.config import RUN
-from tasks.serving import batching, generating, leases, streams
+from tasks.serving import batch_jobs, generating, leases, streams
 from tasks.serving.calls import Call, slot_of, tenant_of, time_limits_of
 from tasks.serving.routing import gpu_queue
 from worker import passes
@@ -71,7 +71,7 @@ def serve(task: Task, call: Call) -> dict[str, Any]:
     """Run one call on its replica here (or take the answer its batch computed); if the
     replica left this worker, route it again."""
     worker = this_worker()
-    prepared = batching.take_prepared(task.request.id)
+    prepared = batch_jobs.take_prepared(task.request.id)
     started = prepared.started_ms if prepared is not None else int(time.time() * 1000)
     try:
         if prepared is not None:
@@ -120,10 +120,10 @@ def serve(task: Task, call: Call) -> dict[str, Any]:
     }
 
 
-def batch_job(jobs: list[batching.ChildCall]) -> list[Any]:
+def batch_job(jobs: list[batch_jobs.ChildCall]) -> list[Any]:
     """A pool job of calls for one replica (`tasks.serving.batching`): shared passes, own
     results."""
-    return batching.run_batch(jobs, _serve_batch, app.backend)
+    return batch_jobs.run_batch(jobs, _serve_batch, app.backend)
 
 
 def _serve_batch(calls: list[Call]) -> list[Served | BaseException]:
@@ -153,7 +153,7 @@ def _end_leases(worker: GpuWorker, calls: list[Call]) -> None:
         log.warning("could not end the leases of %d call(s)", len(calls), exc_info=True)
 
 
-def session_job(job_id: str, jobs: list[batching.ChildCall]) -> dict[str, Any]:
+def session_job(job_id: str, jobs: list[batch_jobs.ChildCall]) -> dict[str, Any]:
     """A pool job that generates: a session, which also runs every call its main process
     hands it meanwhile, any replica's (`tasks.serving.generating`). Each call is settled
     as it ends; returns the tracer returns the channel could not carry, by message key."""
@@ -171,7 +171,7 @@ class _Session:
         self.counts: dict[str, tuple[int, float]] = {}  # replica -> calls open as said, when
         self.held: dict[str, tuple[int, float]] = {}  # replica -> KV-cache tokens said, when
 
-    def run(self, job_id: str, jobs: list[batching.ChildCall]) -> dict[str, Any]:
+    def run(self, job_id: str, jobs: list[batch_jobs.ChildCall]) -> dict[str, Any]:
         feed = generating.ChildFeed(
             job_id, jobs, channel(), self.gen_call, OneShot, self.finish, self.batch,
             limits_of, self,
@@ -188,7 +188,7 @@ class _Session:
                 _say_kv(self.worker, replica, {"held_tokens": 0})
         return feed.leftover()
 
-    def gen_call(self, job: batching.ChildCall) -> GenCall:
+    def gen_call(self, job: batch_jobs.ChildCall) -> GenCall:
         call = Call.from_json(job.call)
         self.calls[job.key] = (call, time.time() * 1000)
         on_text = self.writer.for_call(job.task_id) if _streams(call) else None
@@ -201,7 +201,9 @@ class _Session:
             owner=("tenant", tenant) if tenant else None, weight=weight,
         )  # fmt: skip
 
-    def batch(self, jobs: list[batching.ChildCall], error: BaseException | None) -> dict[str, Any]:
+    def batch(
+        self, jobs: list[batch_jobs.ChildCall], error: BaseException | None
+    ) -> dict[str, Any]:
         """Run a batch of one-shot calls (or, with `error`, answer them with it unrun):
         each call's tracer return, by its message's key. A call whose time limit ended
         while it waited fails with `TimeLimitExceeded`, unrun (a session has no pool limit
@@ -216,11 +218,11 @@ class _Session:
             expired = TimeLimitExceeded("the call's time limit ended before it ran")
             return [(error or expired) if skip else next(served) for skip in late]
 
-        returns = batching.run_batch(jobs, serve, app.backend)
+        returns = batch_jobs.run_batch(jobs, serve, app.backend)
         return {job.key: ret for job, ret in zip(jobs, returns, strict=True)}
 
     def finish(
-        self, job: batching.ChildCall, gen_call: GenCall | None, outcome: Any, revoked: bool
+        self, job: batch_jobs.ChildCall, gen_call: GenCall | None, outcome: Any, revoked: bool
     ) -> Any:
         """End a call's lease and stream; run its tracer (not for a revoked call: its
         main process announces it as Celery does); then count its tokens and latencies,
@@ -251,7 +253,7 @@ class _Session:
         answer = None
         if not revoked:
             waited = max(0.0, started - job.since_ms)
-            answer = batching.run_one(job.trace, job.args, served, started, waited)
+            answer = batch_jobs.run_one(job.trace, job.args, served, started, waited)
         if generated is not None:
             _record(self.worker, call.model, generated)  # after the answer: not the caller's wait
         return answer
