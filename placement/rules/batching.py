@@ -134,6 +134,7 @@ class JobCost:
     def __init__(self) -> None:
         self._jobs: deque[tuple[int, int, float]] = deque(maxlen=JOBS_FITTED)
         self._fit: tuple[float, float, float] | None = None
+        self._trial = 0  # calls a job may hold whatever the fit says (`fits`)
 
     def ran(self, calls: int, chars: int, ms: float) -> None:
         """A job of `calls` calls and `chars` input characters took `ms`."""
@@ -141,6 +142,8 @@ class JobCost:
             self._jobs.append((calls, chars, ms))
             points = [(n, c) for n, c, _ in self._jobs]
             self._fit = fit(points, [t for _, _, t in self._jobs])
+            sizes = {n for n, _ in points}
+            self._trial = calls + 1 if len(sizes) == 1 else 0
 
     def fits(self, calls: int, chars: int) -> bool:
         """Whether a job of `calls` and `chars` should end within `JOB_MS`; True until a
@@ -150,9 +153,7 @@ class JobCost:
         jobs cost mostly their fixed part would otherwise keep to jobs of one call. (Not
         more: a window of equal jobs is also where a steady bound leaves it, and a job
         twice as long there made another tenant's call wait twice as long.)"""
-        if self._fit is None:
-            return True
-        if len({n for n, _, _ in self._jobs}) == 1 and calls <= self._jobs[0][0] + 1:
+        if self._fit is None or calls <= self._trial:
             return True
         fixed, per_call, per_char = self._fit
         return fixed + per_call * calls + per_char * chars <= JOB_MS

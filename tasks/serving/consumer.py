@@ -157,7 +157,7 @@ class Consumer(CeleryConsumer):
             gpu.batch_job,
             generations if generates else None,
             tenancy.process.weight,
-            tenancy.process.several,
+            tenancy.process.tenanted,
         )
 
     def update_strategies(self) -> None:

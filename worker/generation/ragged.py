@@ -82,12 +82,12 @@ class Ragged:
         """Add rows: `members` (the engine's sequences, in the batch's order), `index` their
         slots right-aligned (`[rows, width]`), `lengths` their tokens, `ahead` the tokens
         each may still make. `coming`: the sequences waiting to join, each its context's
-        length and the tokens of it the store has yet to take. A
-        bucket made now holds columns for the tokens its rows may still make and rows for
-        the coming sequences whose length it would take (a burst of long prompts then
-        joins its bucket without regrowing it; a growth copied 7 to 22 ms of a step),
-        within the budget less what the store will take for them all: the store growing
-        into room the copy holds drops the copy, and gathering it again cost 25 to 65 ms."""
+        length and the tokens of it the store has yet to take. A bucket made now holds
+        columns for the tokens its rows may still make and rows for the coming sequences
+        whose length it would take (a burst of long prompts then joins its bucket without
+        regrowing it; a growth copied 7 to 22 ms of a step), within the budget less what
+        the store will take for them all: the store growing into room the copy holds drops
+        the copy, and gathering it again cost 25 to 65 ms."""
         chosen: dict[int, list[int]] = {}  # bucket number -> rows of `members`
         for row, number in enumerate(_place(lengths, self._shapes(), split=self.split)):
             chosen.setdefault(number, []).append(row)

@@ -85,9 +85,9 @@ class Tenancy:
             self.refresh(UNSEEN_S)
         return tenant if tenant in self._records else DEFAULT
 
-    def several(self) -> bool:
-        """Whether calls of more than one tenant can reach this worker: the fleet has a
-        tenant besides the default one (as last read)."""
+    def tenanted(self) -> bool:
+        """Whether the fleet has a tenant besides the default one (as last read, removed
+        ones too until they are forgotten): calls of several may then reach this worker."""
         return bool(self._records)
 
     def weight(self, tenant: str) -> float:
