@@ -144,6 +144,9 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("GPUFLEET_CRASH_ON_CALL", "none",
              "tests only: a worker's main process exits as it takes the call with this task "
              "id, as a call that kills its worker would (tasks/broker/quarantine.py)"),
+    Variable("GPUFLEET_RUN_LOG", "none",
+             "a file every worker process appends a line to for each call it ran, as the "
+             "call ends: runs counted outside Redis (tasks/serving/run_log.py)"),
     Variable("GPUFLEET_SIM_DATA", "`../shared/data` beside the repository",
              "folder of the Azure traces for `gpufleet simulate`"),
 )  # fmt: skip
@@ -186,6 +189,7 @@ class Settings:
     policy: PolicySettings = field(default_factory=PolicySettings)
     sim_data: Path | None = None
     crash_on_call: str | None = None  # tests only (tasks/broker/quarantine.py)
+    run_log: Path | None = None  # tasks/serving/run_log.py
     url_from: str = FROM_DEFAULT  # where the registry URL came from (FROM_*)
 
     @classmethod
@@ -270,6 +274,9 @@ class Settings:
             policy=_policy(env),
             sim_data=Path(sim_data).expanduser() if sim_data else None,
             crash_on_call=env.get("GPUFLEET_CRASH_ON_CALL"),
+            run_log=Path(run_log).expanduser()
+            if (run_log := env.get("GPUFLEET_RUN_LOG"))
+            else None,
             url_from=url_from,
         )
 
