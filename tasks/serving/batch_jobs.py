@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from billiard.einfo import ExceptionInfo
+from celery.exceptions import Ignore
 
 from tasks.broker import results
-from tasks.serving.calls import Call
 
 if TYPE_CHECKING:
     from worker.node import Served  # GPU workers only: it imports torch
@@ -44,6 +44,9 @@ class ChildCall(NamedTuple):
     key: str
     deadline: float | None = None
     share: tuple[str, float] = ("", 1.0)  # the default tenant's: each call its own
+    #: it may have run already: delivered again by the broker, or put back in line as its
+    #: job was let go (`tasks.serving.batching.Held.again`)
+    again: bool = False
 
     @property
     def task_id(self) -> str:
@@ -74,20 +77,50 @@ def take_prepared(task_id: str | None) -> Prepared | None:
 
 
 def run_batch(
-    jobs: list[ChildCall], serve: Callable[[list[Call]], list[Any]], backend: Any = None
+    jobs: list[ChildCall], serve: Callable[[list[ChildCall]], list[Any]], backend: Any = None
 ) -> list[Any]:
     """In the child: compute every call's answer in shared passes, then run each call's own
     tracer, which stores its result (`backend`'s reads of them at once: `tasks.broker.results`).
     Returns the tracers' returns, in order."""
     started = time.time() * 1000
-    calls = [Call.from_json(job.call) for job in jobs]
+    ran = _ran_before(jobs, backend)
+    fresh = [job for job in jobs if job.task_id not in ran]
     try:
-        outcomes = serve(calls)
+        served = serve(fresh) if fresh else []
     except Exception as exc:
-        outcomes = [exc] * len(calls)
+        served = [exc] * len(fresh)
+    by_id = dict(zip([job.task_id for job in fresh], served, strict=True))
+    outcomes = [by_id[job.task_id] if job.task_id in by_id else _ran() for job in jobs]
     ids = [job.task_id for job in jobs]
     with _ready(jobs, outcomes, started), results.read_together(backend, ids):
         return [_traced(job.trace, job.args) for job in jobs]
+
+
+def _ran() -> Ignore:
+    """The outcome of a call whose answer an earlier run stored: its tracer acknowledges
+    it (Celery's `Ignore`), and it does not run again."""
+    return Ignore("ran before: its answer is stored")
+
+
+def _ran_before(jobs: list[ChildCall], backend: Any) -> set[str]:
+    """The calls among `jobs` that may have run already (`ChildCall.again`) whose answers
+    are stored. A job the pool let go with a lost connection may have started in this
+    child all the same, and its calls, given back by the broker or put back in line,
+    reach a later job; the worker's consumer looks for a given-back call's answer as it
+    takes it, but the first run may still be going on then. Jobs run here one after
+    another, so by now it has ended. One read, only for such calls; when Redis cannot
+    say, they run (the first stored answer stays)."""
+    again = [job.task_id for job in jobs if job.again]
+    if not again or backend is None:
+        return set()
+    try:
+        found = results.answered(backend, again)
+    except Exception as exc:
+        log.warning("could not tell whether calls %s ran (%s); running them", again, exc)
+        return set()
+    if found:
+        log.warning("calls %s ran already; not again", sorted(found))
+    return found
 
 
 def run_one(

@@ -47,6 +47,7 @@ docs/tasks.md, "Batched calls".
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import itertools
 import logging
 import math
@@ -90,6 +91,9 @@ class Held:
     request: Any
     call: Call
     key: str
+    #: put back in line as its job was let go with the connection (`Batcher.forget`):
+    #: that job may have run it in the child all the same
+    again: bool = False
 
     @property
     def twin(self) -> tuple[str, int]:
@@ -217,13 +221,20 @@ class Batcher:
         child may be running is let go too: Celery's pool drops a job whose start it has
         not heard of yet without calling it back (`on_close` flushes it right after), and
         waiting for that job would hold every later call here; the calls of that job that
-        count as running go back to the head of the line, to run next."""
+        count as running go back to the head of the line, to run next. The child may have
+        taken that job before the pool let it go, and run it: the next job's child runs
+        those calls only if their answers are not stored by then (`Held.again`,
+        `batch_jobs.run_batch`)."""
         with self._lock:
             if self._busy:
                 log.info(
                     "broker connection lost while a batch ran: later calls will not wait for it"
                 )
-            dropped = [h for h in self._unstarted if h.request in active_requests]
+            dropped = [
+                dataclasses.replace(h, again=True)
+                for h in self._unstarted
+                if h.request in active_requests
+            ]
             self._waiting = [self._entry(h) for h in dropped] + [
                 w for w in self._waiting if w.item.request in active_requests
             ]
@@ -603,7 +614,8 @@ def _child_call(
     )
     hard = _hard(request) if timed else None
     deadline = time.time() + hard if hard is not None else None
-    return ChildCall(trace, args, held.call.as_json(), since_ms, held.key, deadline, share)
+    again = held.again or _redelivered(request)
+    return ChildCall(trace, args, held.call.as_json(), since_ms, held.key, deadline, share, again)
 
 
 def _tag(request: Any) -> Any:

@@ -123,7 +123,11 @@ def serve(task: Task, call: Call) -> dict[str, Any]:
 def batch_job(jobs: list[batch_jobs.ChildCall]) -> list[Any]:
     """A pool job of calls for one replica (`tasks.serving.batching`): shared passes, own
     results."""
-    return batch_jobs.run_batch(jobs, _serve_batch, app.backend)
+    return batch_jobs.run_batch(jobs, _serve_jobs, app.backend)
+
+
+def _serve_jobs(jobs: list[batch_jobs.ChildCall]) -> list[Served | BaseException]:
+    return _serve_batch([Call.from_json(job.call) for job in jobs])
 
 
 def _serve_batch(calls: list[Call]) -> list[Served | BaseException]:
@@ -209,9 +213,10 @@ class _Session:
         while it waited fails with `TimeLimitExceeded`, unrun (a session has no pool limit
         to stop it); the leases of the calls that do not run end here."""
 
-        def serve(calls: list[Call]) -> list[Served | BaseException]:
+        def serve(fresh: list[batch_jobs.ChildCall]) -> list[Served | BaseException]:
             now = time.time()
-            late = [error is not None or (j.deadline or math.inf) <= now for j in jobs]
+            calls = [Call.from_json(job.call) for job in fresh]
+            late = [error is not None or (j.deadline or math.inf) <= now for j in fresh]
             _end_leases(self.worker, [c for c, skip in zip(calls, late, strict=True) if skip])
             run = [c for c, skip in zip(calls, late, strict=True) if not skip]
             served = iter(_serve_batch(run) if run else [])
