@@ -19,6 +19,7 @@ class Load:
         self.models = models
         self.sent = 0
         self.calls: list[tuple[float, float, str]] = []  # (sent, answered, host), time.time()
+        self.answered: list[str] = []  # the answered calls' task ids
         self.errors: list[str] = []
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -43,6 +44,7 @@ class Load:
                 host = answer["worker"].split("@")[1].split("-")[0]
                 with self._lock:
                     self.calls.append((sent, time.time(), host))
+                    self.answered.append(result.id)
             except Exception as exc:
                 with self._lock:
                     self.errors.append(repr(exc))

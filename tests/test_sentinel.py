@@ -31,6 +31,7 @@ from placement.server.acl import CALLER, Users
 from placement.server.redis_server import HOST, RedisServer
 from placement.server.sentinel import SentinelGroup, replicas_ready
 from tasks.config import caller_conf, celery_conf
+from tasks.serving import run_log
 from tests.calling import Load
 from tests.running import REPO, TWO_MODELS, RunningFleet, fleet_env, fleet_up, until, with_signal
 from tests.test_chaos import settled
@@ -219,8 +220,7 @@ def test_writes_no_replica_confirms_warn_once_a_period_and_a_refused_write_raise
     def write(client: redis.Redis, n: int) -> None:
         with client.pipeline(transaction=False) as pipe:
             pipe.set(f"k{n}", n)
-            endpoint.wait_for_a_replica(pipe)
-            endpoint.replicated(pipe.execute(raise_on_error=False), f"write {n}")
+            endpoint.kept(pipe, f"write {n}")
 
     with RedisServer() as server, caplog.at_level("WARNING", logger=endpoint.__name__):
         client = redis.Redis.from_url(server.url)  # a primary no replica follows
@@ -236,9 +236,83 @@ def test_writes_no_replica_confirms_warn_once_a_period_and_a_refused_write_raise
         client.rpush("a-list", 1)
         with client.pipeline(transaction=False) as pipe, pytest.raises(redis.ResponseError):
             pipe.incr("a-list")  # a write Redis refuses (WRONGTYPE)
-            endpoint.wait_for_a_replica(pipe)
-            endpoint.replicated(pipe.execute(raise_on_error=False), "the refused write")
+            endpoint.kept(pipe, "the refused write")
         client.close()
+
+
+def test_a_write_no_replica_confirms_on_a_server_the_sentinels_do_not_name_is_written_again(
+    group: SentinelGroup,
+) -> None:
+    """A server that takes writes but is not the Sentinels' primary (as a primary stopped
+    past its failover takes them for a moment when let go) loses what it took once it
+    follows the primary: `kept` refuses such a write, so that its retry reaches the
+    primary. The stray here is the replica, made a primary by hand."""
+    primary = group.primary_port()
+    (stray_port,) = [node.port for node in group.nodes if node.port != primary]
+    stray = redis.Redis("127.0.0.1", stray_port, password="s3cret")
+    stray.execute_command("REPLICAOF", "NO", "ONE")
+    client = endpoint.connect(group.url)
+    try:
+        pool = client.connection_pool
+        connection = pool.get_connection()
+        assert connection.port == primary
+        # A connection the failover left, in a pool that has not asked the Sentinels since
+        # (it keeps only connections to the primary it last learned)
+        connection.disconnect()
+        connection.connect_to(("127.0.0.1", stray_port))
+        pool.proxy.master_address = ("127.0.0.1", stray_port)
+        pool.release(connection)
+        with client.pipeline(transaction=False) as pipe:
+            pipe.set("k", "taken by the stray")
+            with pytest.raises(redis.ConnectionError, match="no longer name the primary"):
+                endpoint.kept(pipe, "the write")
+        assert stray.get("k") == b"taken by the stray"  # what the stray drops as it follows
+        with client.pipeline(transaction=False) as pipe:  # the retry: a new connection
+            pipe.set("k", "kept")
+            endpoint.kept(pipe, "the write")
+        assert redis.Redis("127.0.0.1", primary, password="s3cret").get("k") == b"kept"
+    finally:
+        client.close()
+        stray.execute_command("REPLICAOF", "127.0.0.1", str(primary))
+        stray.close()
+
+
+def test_once_one_connection_finds_a_new_primary_every_connection_to_the_old_one_is_shut(
+    group: SentinelGroup,
+) -> None:
+    """A read blocked on a stopped primary ends as soon as another connection of the
+    process learns from the Sentinels that the primary moved, not at its own timeout."""
+    old = group.primary_port()
+    waiting = endpoint.connect(group.url, socket_timeout=60)  # its own timeout: a minute
+    waiting.ping()
+    ended: list[tuple[float, str]] = []
+
+    def wait() -> None:
+        try:
+            waiting.blpop(["nothing-comes"], timeout=50)
+        except redis.ConnectionError as exc:
+            ended.append((time.monotonic(), type(exc).__name__))
+
+    os.kill(group.node(old).pid, signal.SIGSTOP)
+    try:
+        reader = threading.Thread(target=wait, daemon=True)
+        reader.start()
+        new = group.wait_failover(old)
+        assert not ended, "the read ended before the failover"
+        other = endpoint.connect(group.url)
+        # opens a connection, to the primary the Sentinels name (once one names it unflagged)
+        until("a new connection finds the new primary", lambda: _pings(other), 10)
+        learned = time.monotonic()
+        assert other.connection_pool.get_connection().port == new
+        reader.join(5)
+        assert ended, "the read on the old primary did not end"
+        assert ended[0][0] - learned < 2.0, ended
+        waiting.ping()  # the next command reaches the new primary
+        assert waiting.connection_pool.get_connection().port == new
+        other.close()
+    finally:
+        os.kill(group.node(old).pid, signal.SIGCONT)
+        waiting.close()
 
 
 def test_a_plain_clients_publish_rides_out_a_failover(group: SentinelGroup) -> None:
@@ -403,15 +477,22 @@ def test_two_hosts_on_a_redis_ha_fleet_lose_no_call_when_its_primary_is_killed_o
     Both hosts answer calls sent after each fault within 10 s; h1's launcher starts each
     killed node again as a replica of the new primary (its old data does not win), kills
     the stopped one once failed over (it does not answer), and starts a killed Sentinel
-    again; no router or GPU worker restarts."""
+    again; no router or GPU worker restarts; every call ran once, as the workers' run
+    log (outside Redis) counts."""
     catalog = tmp_path / "models.yaml"
     catalog.write_text(TWO_MODELS)
-    env = fleet_env(GPUFLEET_HOME=str(tmp_path / "h1"), GPUFLEET_HOST="h1")
+    runs = tmp_path / "runs.log"
+    env = fleet_env(
+        GPUFLEET_HOME=str(tmp_path / "h1"), GPUFLEET_HOST="h1", GPUFLEET_RUN_LOG=str(runs)
+    )
     args = ["--sim-gpus", "1x1GiB", "--metrics-port", "0"]
     log = tmp_path / "fleet.log"
     with fleet_up(catalog, ["--redis-ha", *args], env, log=log) as h1:
         joining = fleet_env(
-            GPUFLEET_REDIS_URL=h1.fleet_url, GPUFLEET_HOME=str(tmp_path / "h2"), GPUFLEET_HOST="h2"
+            GPUFLEET_REDIS_URL=h1.fleet_url,
+            GPUFLEET_HOME=str(tmp_path / "h2"),
+            GPUFLEET_HOST="h2",
+            GPUFLEET_RUN_LOG=str(runs),
         )
         with fleet_up(catalog, args, joining, log=log) as h2:
             hosts = set()  # a 1 GiB GPU holds one of the two: each host serves one model
@@ -456,6 +537,15 @@ def test_two_hosts_on_a_redis_ha_fleet_lose_no_call_when_its_primary_is_killed_o
                 assert time.monotonic() < deadline, problems
                 time.sleep(0.5)
             assert _workers(h1) + _workers(h2) == workers, "a router or GPU worker restarted"
+            ran = run_log.runs(runs)
+            odd = {t: ran.get(t, 0) for t in load.answered if ran.get(t) != 1}
+            odd |= {t: n for t, n in ran.items() if n > 1}
+            assert odd == {}, "calls that did not run once:\n" + "\n".join(
+                line
+                for line in (runs.read_text() + log.read_text()).splitlines()
+                if any(t in line for t in odd)
+                or any(w in line for w in ("ran already", "ran (", "put back", "delivered again"))
+            )
 
 
 def _sentinel_logs(home: Path, lines: int = 30) -> str:
@@ -519,6 +609,13 @@ def _status(env: dict[str, str]) -> dict[str, Any]:
     )
     report: dict[str, Any] = json.loads(printed.stdout)
     return report
+
+
+def _pings(client: redis.Redis) -> bool:
+    try:
+        return bool(client.ping())
+    except redis.ConnectionError:  # no Sentinel names a primary that is up, for a moment
+        return False
 
 
 def _gpu() -> Gpu:

@@ -27,10 +27,13 @@ never per command: the call path is unchanged.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import socket
 import threading
 import time
 import urllib.parse
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -265,23 +268,75 @@ def connect(url: str, **kwargs: Any) -> redis.Redis:
     return parse(url).client(**kwargs)
 
 
-def wait_for_a_replica(pipe: Any) -> None:
-    """End `pipe`, a pipeline of writes without a transaction, with Redis's `WAIT` for one
-    replica (at most `REPLICA_WAIT_MS`), on the same connection as the writes."""
+def kept(pipe: Any, what: str) -> None:
+    """Execute `pipe`, writes without a transaction, and Redis's `WAIT` for one replica to
+    hold them (at most `REPLICA_WAIT_MS`) on the same connection. A write's error is
+    raised: the caller's retry writes again, to the new primary after a failover.
+
+    Writes no replica confirmed are kept where the Sentinels name their server the
+    primary, and logged as on the primary alone (as with a Redis whose ACL lacks
+    `WAIT`). A server they no longer name primary loses them when it follows the new
+    one: a primary stopped past its failover and let go takes writes for a moment, before
+    it counts its replicas gone or the Sentinels demote it. Then the connection is
+    dropped and `ConnectionError` raised, which every fleet client retries, on the new
+    primary; a twin the old server took is dropped with its data."""
     pipe.execute_command("WAIT", 1, REPLICA_WAIT_MS)
+    connection = pipe.connection or pipe.connection_pool.get_connection()
+    pipe.connection = connection  # the pipeline's own: its reset gives it back
+    replies = pipe.execute(raise_on_error=False)
+    if not _unconfirmed(replies):
+        return
+    if _watched(connection):
+        gone = _left_behind(connection, connection.connection_pool.get_master_address(), what)
+        if gone is not None:
+            connection.disconnect()
+            raise gone
+    _alone.tell(what, replies[-1])
 
 
-def replicated(replies: list[Any], what: str) -> None:
-    """Read `replies`, a pipeline's that `wait_for_a_replica` ended: raise the first
-    write's error (the caller's retry writes again, to the new primary after a failover),
-    and log when no replica confirmed `what` in time (a Redis whose ACL lacks `WAIT` too):
-    it is then on the primary alone."""
+async def kept_async(pipe: Any, what: str) -> None:
+    """`kept` for an asyncio client's pipeline."""
+    pipe.execute_command("WAIT", 1, REPLICA_WAIT_MS)
+    connection = pipe.connection or await pipe.connection_pool.get_connection()
+    pipe.connection = connection
+    replies = await pipe.execute(raise_on_error=False)
+    if not _unconfirmed(replies):
+        return
+    if _watched(connection):
+        primary = await connection.connection_pool.get_master_address()
+        gone = _left_behind(connection, primary, what)
+        if gone is not None:
+            await connection.disconnect()
+            raise gone
+    _alone.tell(what, replies[-1])
+
+
+def _unconfirmed(replies: list[Any]) -> bool:
+    """Whether no replica confirmed a `kept` pipeline's writes (`replies`, `WAIT`'s
+    last); raise the first write's error."""
     *written, replicas = replies
     for reply in written:
         if isinstance(reply, Exception):
             raise reply
-    if isinstance(replicas, Exception) or not replicas:
-        _alone.tell(what, replicas)
+    return isinstance(replicas, Exception) or not replicas
+
+
+def _watched(connection: Any) -> bool:
+    """Whether `connection` reaches the primary the Sentinels name (its pool asks them)."""
+    pool = getattr(connection, "connection_pool", None)
+    return bool(getattr(pool, "is_master", False)) and hasattr(pool, "get_master_address")
+
+
+def _left_behind(connection: Any, primary: Any, what: str) -> redis.ConnectionError | None:
+    """The error for writes `what` made on `connection` when its server is not `primary`,
+    the (host, port) the Sentinels name now; None when it is."""
+    if (connection.host, int(connection.port)) == (primary[0], int(primary[1])):
+        return None
+    return redis.ConnectionError(
+        f"{what} reached {connection.host}:{connection.port}, which the Sentinels no "
+        f"longer name the primary ({primary[0]}:{primary[1]} is): it would be lost there; "
+        "write it again"
+    )
 
 
 class _Alone:
@@ -357,7 +412,72 @@ class _AsyncLeavesNonPrimary:
 
 
 class PrimaryConnection(_LeavesNonPrimary, redis.sentinel.SentinelManagedConnection):
-    """A connection to the primary the Sentinels name (`_LeavesNonPrimary`)."""
+    """A connection to the primary the Sentinels name (`_LeavesNonPrimary`). As it
+    opens, it tells the process which primary the Sentinels name (`_Primaries`): every
+    other connection of the process to a primary they no longer name is closed then."""
+
+    def connect_to(self, address: Any) -> None:
+        super().connect_to(address)  # type: ignore[no-untyped-call]
+        if self.connection_pool.is_master:
+            _primaries.named(self, (str(address[0]), int(address[1])))
+
+
+class _Primaries:
+    """The primary the Sentinels last named to this process, per group, and the process's
+    open connections to primaries (`PrimaryConnection`).
+
+    A process learns that a primary moved when one of its connections opens: one whose
+    server stopped answering (a SIGSTOP, a host cut off) timed out, or found it demoted.
+    Its other connections to the old server learn only as each times out in turn
+    (`FAILOVER_SOCKET_TIMEOUT_S`), or never while idle in a pool; a worker's consumer,
+    registry, result store and claim each waited out their own, and calls stalled 15 s
+    through a 20 s SIGSTOP. So, once the Sentinels name another server, every connection
+    to the old one is shut at once (`socket.shutdown`, which also ends a read blocked on
+    it): its next read or write fails with `ConnectionError`, which every fleet client
+    retries, on a new connection to the new primary. Writes on the old server would be
+    lost with its data anyway."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._named: dict[tuple[Any, ...], tuple[str, int]] = {}
+        self._open: weakref.WeakSet[PrimaryConnection] = weakref.WeakSet()
+
+    def named(self, connection: PrimaryConnection, address: tuple[str, int]) -> None:
+        """`connection` opened to `address`, the primary its Sentinels name now."""
+        group = _group_of(connection)
+        with self._lock:
+            old = self._named.get(group)
+            self._named[group] = address
+            self._open.add(connection)
+            if old is None or old == address:
+                return
+            leaving = [
+                c for c in self._open
+                if (c.host, int(c.port)) == old and _group_of(c) == group
+            ]  # fmt: skip
+        log.warning(
+            "the Sentinels name %s:%d the primary of %s now: leaving %s:%d (%d connections)",
+            *address, connection.connection_pool.service_name, *old, len(leaving),
+        )  # fmt: skip
+        for left in leaving:
+            sock = getattr(left, "_sock", None)  # None: closed since
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+
+
+def _group_of(connection: Any) -> tuple[Any, ...]:
+    """A Sentinel-watched connection's group: its primary's name and its Sentinels."""
+    pool = connection.connection_pool
+    sentinels = sorted(
+        f"{s.connection_pool.connection_kwargs.get('host')}:"
+        f"{s.connection_pool.connection_kwargs.get('port')}"
+        for s in pool.sentinel_manager.sentinels
+    )
+    return (pool.service_name, *sentinels)
+
+
+_primaries = _Primaries()
 
 
 class ServerConnection(_LeavesNonPrimary, redis.Connection):

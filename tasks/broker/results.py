@@ -136,20 +136,19 @@ class SentinelBackend(Backend, celery_redis.SentinelBackend):
 
     def _set(self, key: Any, value: Any, expires: Any = None) -> None:
         """Celery's write of a result and its PUBLISH, then Redis's `WAIT` for a replica to
-        hold it, on one connection (`endpoint.wait_for_a_replica`). A worker acknowledges
-        a call once its result is written, and an acknowledgement the dying primary could
-        not take is kept and applied on the new one (`transport.QoS.ack`): a result the
-        old primary took alone, just before it died, was lost while its call counted as
-        done, and its caller waited for an answer no one would send. Now the write returns
-        once a replica holds it; a primary that dies first cuts the `WAIT` short, and
-        Celery's retry (`set`) writes the result again, to the new primary."""
+        hold it, on one connection (`endpoint.kept`). A worker acknowledges a call once
+        its result is written, and an acknowledgement the dying primary could not take is
+        kept and applied on the new one (`transport.QoS.ack`): a result the old primary
+        took alone, just before it died, was lost while its call counted as done, and its
+        caller waited for an answer no one would send. Now the write returns once a
+        replica holds it; a primary that dies first cuts the `WAIT` short, and Celery's
+        retry (`set`) writes the result again, to the new primary, as it does for a result
+        that a server no longer the primary took."""
         expires = self.expires if expires is None else expires
         with self.client.pipeline(transaction=False) as pipe:
             pipe.set(key, value, ex=expires or None)  # an int (Celery's `prepare_expires`)
             pipe.publish(key, value)
-            endpoint.wait_for_a_replica(pipe)
-            replies = pipe.execute(raise_on_error=False)
-        endpoint.replicated(replies, f"the result under {key!r}")
+            endpoint.kept(pipe, f"the result under {key!r}")
 
     def _get_pool(self, **params: Any) -> Any:
         """Celery's pool, of connections that leave a server refusing writes

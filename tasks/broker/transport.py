@@ -994,8 +994,10 @@ class SentinelChannel(Channel, kombu_redis.SentinelChannel):
         be lost unseen, while a publish whose `WAIT` a dying primary cut short is sent
         again by kombu's retry (a twin its worker drops or answers once). A replica that
         does not answer within `endpoint.REPLICA_WAIT_MS` leaves it on the primary alone,
-        as a Redis whose ACL lacks `WAIT` does (logged). Publish batches and queues with
-        an expiry, which the fleet does not use, go as kombu sends them."""
+        as a Redis whose ACL lacks `WAIT` does (logged), unless the Sentinels no longer
+        name its server the primary: then kombu's retry sends it there (`endpoint.kept`).
+        Publish batches and queues with an expiry, which the fleet does not use, go as
+        kombu sends them."""
         if kwargs.get("_publish_batch") is not None or (self._expires and queue in self._expires):
             super()._put(queue, message, **kwargs)  # type: ignore[no-untyped-call]
             return
@@ -1004,9 +1006,7 @@ class SentinelChannel(Channel, kombu_redis.SentinelChannel):
         with self.conn_or_acquire() as client:
             pipe = client.pipeline(transaction=False)
             pipe.lpush(key, dumps(message))  # type: ignore[no-untyped-call]
-            endpoint.wait_for_a_replica(pipe)
-            replies = pipe.execute(raise_on_error=False)
-        endpoint.replicated(replies, f"a message published to {queue}")
+            endpoint.kept(pipe, f"a message published to {queue}")
 
     def _sentinel_managed_pool(self, asynchronous: bool = False) -> Any:
         """The primary's pool, found through `sentinels`. kombu reads the Sentinels from

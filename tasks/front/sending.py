@@ -129,8 +129,7 @@ class Sender:
             return
         pipe = self._client.pipeline(transaction=False)
         pipe.lpush(self._queue, data)
-        endpoint.wait_for_a_replica(pipe)
-        endpoint.replicated(await pipe.execute(raise_on_error=False), f"call {task_id}")
+        await endpoint.kept_async(pipe, f"call {task_id}")
 
 
 def _check_settings(app: Celery) -> None:
