@@ -9,7 +9,8 @@ group of your own), with 2 simulated GPUs and a catalog of two encoders and a sm
 generation model (`placement.server.sentinel`: down after 3 s, writes only with a replica
 following). Callers, `--threads` in all, call one after another: half are plain Celery
 clients configured from `gpufleet url --json`, half use the project's client
-(`tasks.api.infer`). An event listener counts each call's `task-succeeded` events.
+(`tasks.api.infer`). Each worker records the calls it ran in a file (`GPUFLEET_RUN_LOG`,
+`tasks.serving.run_log`); an event listener follows each call's task events.
 
 The baseline, in the same run: the same load for `--quiet` seconds with no fault (calls
 per second, p50 and max latency). Then each fault, `--runs` times in turn: `kill` SIGKILLs
@@ -24,12 +25,14 @@ Per run and in all (and `whole_run`: every call, the baseline's too), counted on
 caller has its answer or gave up: calls sent since the last run's window ended (a call in
 flight at the fault is its run's), lost (never answered, not even after the callers'
 60 s, and no answer stored), unheard (given up on, but its answer is stored), failed (an
-error reached the caller), run twice (more than one `task-succeeded`; a lower bound:
-events sent to a dead primary are lost), the time from the fault to the first answer of
+error reached the caller), run twice (more than one line in the run log: counted where
+calls run, not from `task-succeeded` events, which a dying primary loses: `whole_run`
+gives their count too, a lower bound), the time from the fault to the first answer of
 a call sent after it, and to a clean audit (`placement.ledger.audit`) once the new
 primary is named, and whether the Sentinels failed over again before the run ended (a
 promoted primary failed over in turn loses what it took alone: docs/deploy.md).
-`whole_run` lists the task ids lost and run twice.
+`whole_run` lists the task ids lost and run twice, and the slowest calls; each run, each
+caller's call in flight at the fault and its first call sent after it (`callers`).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 import uuid
 from collections import Counter
 from pathlib import Path
@@ -58,6 +62,7 @@ from placement.ledger.audit import audit
 from placement.ledger.registry import Registry
 from placement.server.redis_server import HOST
 from placement.server.sentinel import SentinelGroup, replicas_ready
+from tasks.serving.run_log import runs as run_log_runs
 
 CATALOG = """
 models:
@@ -88,6 +93,8 @@ class Load:
         self.calls: list[tuple[float, float | None, str, str]] = []
         self.plain: set[str] = set()  # the task ids a plain Celery client sent
         self.publish_s: dict[str, float] = {}  # how long each call's publish took
+        self.caller: dict[str, int] = {}  # which caller sent each call
+        self.errors: set[str] = set()  # the kinds of error callers met
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._threads = [
@@ -102,6 +109,7 @@ class Load:
         while not self._stop.is_set():
             sent = time.time()
             task_id = str(uuid.uuid4())
+            self.caller[task_id] = i
             row: tuple[float, float | None, str, str]
             try:  # a publish that fails is a failed call, its thread calls on
                 if i % 2:
@@ -116,6 +124,9 @@ class Load:
                 row = (sent, time.time(), task_id, "")
             except Exception as exc:
                 row = (sent, None, task_id, type(exc).__name__)
+                if type(exc).__name__ not in self.errors:  # each kind's first, to stderr
+                    self.errors.add(type(exc).__name__)
+                    traceback.print_exc()
             with self._lock:
                 self.calls.append(row)
 
@@ -168,7 +179,7 @@ class Runs:
 
 
 def figures(
-    rows: list[tuple[float, float | None, str, str]], runs: Runs, stored: set[str]
+    rows: list[tuple[float, float | None, str, str]], ran: dict[str, int], stored: set[str]
 ) -> dict[str, Any]:
     """The figures of `rows`; `stored`: the task ids whose answer Redis holds, so that a call
     its caller gave up on counts as unheard when its answer is there, else as lost."""
@@ -180,10 +191,33 @@ def figures(
         "lost": len(gave_up) - len(unheard),
         "unheard": len(unheard),
         "failed": sum(1 for _, done, _, why in rows if done is None and why != "TimeoutError"),
-        "run_twice": sum(1 for _, _, task_id, _ in rows if runs.count[task_id] > 1),
+        "run_twice": sum(1 for _, _, task_id, _ in rows if ran.get(task_id, 0) > 1),
         "p50_s": round(statistics.median(answered), 4) if answered else None,
         "max_s": round(max(answered), 4) if answered else None,
     }
+
+
+def timeline(rows: list[tuple[float, float | None, str, str]], at: float, load: Load) -> list[str]:
+    """Each caller's calls around a fault (at `at`): the one in flight at it and the first
+    sent after it, each as "caller C (client): sent +S s, published in P s, answered at
+    +A s" (from the fault): where a failover holds a caller."""
+    chosen: dict[int, list[tuple[float, float | None, str, str]]] = {}
+    for row in sorted(rows):
+        sent, done, task_id, _ = row
+        calls = chosen.setdefault(load.caller.get(task_id, -1), [])
+        if (sent < at and (done is None or done > at)) or (
+            sent >= at and not any(c[0] >= at for c in calls)
+        ):
+            calls.append(row)
+    out = []
+    for caller, calls in sorted(chosen.items()):
+        for sent, done, task_id, why in calls:
+            client = "plain" if task_id in load.plain else "project"
+            published = load.publish_s.get(task_id)
+            publish = f"published in {published:.2f} s" if published is not None else "unpublished"
+            answer = f"answered at +{done - at:.2f} s" if done is not None else f"no answer ({why})"
+            out.append(f"caller {caller} ({client}): sent {sent - at:+.2f} s, {publish}, {answer}")
+    return out
 
 
 def stored_answers(url: str, rows: list[tuple[float, float | None, str, str]]) -> set[str]:
@@ -329,6 +363,7 @@ def clean_after(registry: Registry, since: float, limit_s: float = 120.0) -> flo
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     home = Path(tempfile.mkdtemp(prefix="bench-failover-"))
+    print(f"the fleet's home, its run log and the Sentinels' logs: {home}", file=sys.stderr)
     catalog = home / "models.yaml"
     catalog.write_text(CATALOG)
     os.environ["GPUFLEET_HOME"] = str(home)
@@ -337,11 +372,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         group = None
         if args.group == "external":  # as `--redis-ha` forms it, less the launcher's watchdog
             group = stack.enter_context(
-                SentinelGroup(password="bench-failover", replicas=2, min_replicas=1)
+                SentinelGroup(
+                    password="bench-failover", replicas=2, min_replicas=1, data_root=home / "group"
+                )
             )
             os.environ["GPUFLEET_REDIS_URL"] = group.url
             redis_args = []
-        env = {**os.environ}
+        run_log = home / "runs.log"  # each call's runs, where they ran (outside Redis)
+        env = {**os.environ, "GPUFLEET_RUN_LOG": str(run_log)}
         up = subprocess.Popen(
             [*CLI, "up", *redis_args, "--models", str(catalog), "--sim-gpus", "2x4GiB",
              "--metrics-port", "0"],
@@ -390,7 +428,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             runs.stop()
             rows = load.between(0.0, time.time())
             stored = stored_answers(fleet_url, rows)
-            out: dict[str, Any] = {"baseline": figures(load.between(*quiet), runs, stored)}
+            ran = run_log_runs(run_log)
+            out: dict[str, Any] = {"baseline": figures(load.between(*quiet), ran, stored)}
             out["baseline"]["calls_per_s"] = round(out["baseline"]["sent"] / args.quiet, 1)
             per_run: list[dict[str, Any]] = []
             start = quiet[1]  # each run's calls: those sent since the last one's ended
@@ -401,16 +440,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 per_run.append(
                     {
                         "fault": f["fault"],
-                        **figures(window, runs, stored),
+                        **figures(window, ran, stored),
                         "first_new_answer_s": round(min(after) - f["at"], 2) if after else None,
                         "clean_audit_s": f["clean_audit_s"],
                         "new_primary": f["new_primary"],
                         "failed_over_again": f["failed_over_again"],
+                        "callers": timeline(window, f["at"], load),
                     }
                 )
             out["runs"] = per_run
-            out["whole_run"] = figures(rows, runs, stored)  # the baseline's calls too
-            out["whole_run"]["run_twice_ids"] = sorted(t for t, n in runs.count.items() if n > 1)
+            out["whole_run"] = figures(rows, ran, stored)  # the baseline's calls too
+            out["whole_run"]["run_twice_ids"] = sorted(t for t, n in ran.items() if n > 1)
+            out["whole_run"]["run_twice_by_events"] = sum(1 for n in runs.count.values() if n > 1)
             lost = [
                 (sent, t) for sent, done, t, why in rows
                 if done is None and why == "TimeoutError" and t not in stored
@@ -421,6 +462,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 f"published in {load.publish_s.get(t, -1):.2f} s, now in {where.get(t, [])}, "
                 f"events {runs.trail.get(t, [])})"
                 for sent, t in sorted(lost)
+            ]
+            slowest = sorted(
+                (r for r in rows if r[1] is not None), key=lambda r: r[0] - (r[1] or 0)
+            )[:5]
+            out["whole_run"]["slowest"] = [
+                f"caller {load.caller.get(t)} ({'plain' if t in load.plain else 'project'}): "
+                f"sent at {sent - began:.2f} s of the run, published in "
+                f"{load.publish_s.get(t, -1):.2f} s, answered in {done - sent:.2f} s"
+                for sent, done, t, _ in slowest
+                if done is not None
             ]
             out["whole_run"]["faults_at"] = [round(f["at"], 1) for f in faults]
             out["all"] = {
