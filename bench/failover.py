@@ -220,6 +220,21 @@ def timeline(rows: list[tuple[float, float | None, str, str]], at: float, load: 
     return out
 
 
+def first_answers(
+    rows: list[tuple[float, float | None, str, str]], at: float, load: Load
+) -> dict[str, float | None]:
+    """Per kind of client, the time from a fault (at `at`) to the first answer of a call
+    sent after it: a plain Celery client's result consumer and the project's differ."""
+    first: dict[str, float | None] = {"plain": None, "project": None}
+    for sent, done, task_id, _ in rows:
+        if done is None or sent < at:
+            continue
+        kind = "plain" if task_id in load.plain else "project"
+        took = round(done - at, 2)
+        first[kind] = took if first[kind] is None else min(took, first[kind] or took)
+    return first
+
+
 def stored_answers(url: str, rows: list[tuple[float, float | None, str, str]]) -> set[str]:
     """The task ids among `rows` given up on whose answers the primary holds."""
     ids = [task_id for _, done, task_id, _ in rows if done is None]
@@ -442,6 +457,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         "fault": f["fault"],
                         **figures(window, ran, stored),
                         "first_new_answer_s": round(min(after) - f["at"], 2) if after else None,
+                        "first_new_answer_s_by_client": first_answers(window, f["at"], load),
                         "clean_audit_s": f["clean_audit_s"],
                         "new_primary": f["new_primary"],
                         "failed_over_again": f["failed_over_again"],
@@ -486,6 +502,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     "clean_audit_s_max": _worst(
                         [r["clean_audit_s"] for r in per_run if r["fault"] == kind]
                     ),
+                    "first_new_answer_s_max_by_client": {
+                        client: _worst(
+                            [
+                                r["first_new_answer_s_by_client"][client]
+                                for r in per_run
+                                if r["fault"] == kind
+                            ]
+                        )
+                        for client in ("plain", "project")
+                    },
                 }
                 for kind in args.faults
             }
