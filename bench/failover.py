@@ -16,10 +16,10 @@ The baseline, in the same run: the same load for `--quiet` seconds with no fault
 per second, p50 and max latency). Then each fault, `--runs` times in turn: `kill` SIGKILLs
 the primary, `stop` SIGSTOPs it for `--stop-s` seconds and lets it go, each once the
 Sentinels trust a replica. A killed node is started again as a replica of the new primary
-(by the launcher; with `--group external`, by the bench: an empty server on its old port,
-which the Sentinels turn into one); a stopped one the launcher kills once failed over
-(with `--group external` it comes back when let go). Each run then waits for a clean
-audit.
+(by the launcher; with `--group external`, by the bench, on its old port with its data,
+as a service manager would, and the Sentinels turn it into one); a stopped one the
+launcher kills once failed over (with `--group external` it comes back when let go).
+Each run then waits for a clean audit.
 
 Per run and in all (and `whole_run`: every call, the baseline's too), counted once every
 caller has its answer or gave up: calls sent since the last run's window ended (a call in
@@ -300,7 +300,7 @@ class Launched:
 
 class External:
     """A group the bench runs itself (`--group external`), as a group of your own runs:
-    no watchdog; the bench starts a killed node again (an empty server on its old port,
+    no watchdog; the bench starts a killed node again (on its old port, with its data,
     which the Sentinels turn into a replica)."""
 
     def __init__(self, group: SentinelGroup) -> None:
@@ -317,7 +317,8 @@ class External:
         return self.group.wait_failover(old)
 
     def after_kill(self, port: int) -> None:
-        self.group.node(port).restart()
+        (node,) = [node for node in self.group.nodes if node.port == port]
+        node.restart()
 
 
 def _child_with(parent: int, word: str) -> int:
