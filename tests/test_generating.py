@@ -15,10 +15,11 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from celery.exceptions import Ignore
 from celery.worker import state as worker_state
 
 from placement.rules.batching import BatchLimits
-from tasks.serving import generating, streams
+from tasks.serving import batch_jobs, generating, streams
 from tasks.serving.batching import Batcher, Generations
 from tasks.serving.generating import Channel, ChildFeed
 from tests.test_batching import _Request
@@ -274,6 +275,47 @@ def test_a_call_handed_to_a_session_and_unread_as_the_connection_dropped_runs_ne
     batcher.forget()  # the consumer lost its connection; the child ends without reading c2
     pool.jobs[0]["callback"](_answers(pool.jobs[0], c1=(0, "ok", 0.0)))
     assert late.seen == ["accepted"] and [job["ids"] for job in pool.jobs][1:] == [["c2"]]
+    # the session may have run it and lost its word of it: the next looks for its answer
+    assert [j.again for j in pool.jobs[1]["jobs"]] == [True]
+
+
+def test_a_generating_call_that_may_have_run_is_acknowledged_unrun_when_its_answer_is_stored(
+    channel: Channel,
+) -> None:
+    """A session given a call that may have run (`ChildCall.again`) asks whether its answer
+    is stored: if so, it runs the call's tracer with Celery's `Ignore` (acknowledged, the
+    stored answer stands) instead of generating it again; if not, it generates it."""
+    pool = _Pool()
+    batcher = _batcher(pool, channel)
+    batcher(_gen("c1", "r1"))
+    (first,) = pool.jobs[0]["jobs"]
+    second = first._replace(args=(first.args[0], "c2", *first.args[2:]), key="c2/2")
+    jobs = [j._replace(again=True) for j in (first, second)]
+    traced: dict[str, Any] = {}
+
+    def trace(name: str, task_id: str, *_: Any) -> str:
+        prepared = batch_jobs.take_prepared(task_id)
+        assert prepared is not None
+        with pytest.raises(Ignore):
+            prepared.served()
+        traced[task_id] = "ignored"
+        return "ignored"
+
+    jobs = [j._replace(trace=trace) for j in jobs]
+    asked: list[list[str]] = []
+
+    def ran_before(some: list[Any]) -> set[str]:
+        asked.append([j.task_id for j in some])
+        return {"c1"}
+
+    feed = ChildFeed(
+        "s1", jobs, None, lambda j: _Key(j.key), _Shot, lambda *a: None, lambda *a: {},
+        lambda _: BatchLimits(size=8), ran_before=ran_before,
+    )  # fmt: skip
+    assert asked == [["c1"], ["c2"]]
+    assert traced == {"c1": "ignored"}  # answered before: not generated again
+    assert _keys(feed.take(0.0)) == ["c2"]  # not answered: it generates
+    assert feed.leftover() == {jobs[0].key: "ignored"}
 
 
 def test_a_revoked_running_call_is_stopped_in_the_child_and_announced_revoked(

@@ -83,7 +83,7 @@ def run_batch(
     tracer, which stores its result (`backend`'s reads of them at once: `tasks.broker.results`).
     Returns the tracers' returns, in order."""
     started = time.time() * 1000
-    ran = _ran_before(jobs, backend)
+    ran = ran_before(jobs, backend)
     fresh = [job for job in jobs if job.task_id not in ran]
     try:
         served = serve(fresh) if fresh else []
@@ -102,7 +102,7 @@ def _ran() -> Ignore:
     return Ignore("ran before: its answer is stored")
 
 
-def _ran_before(jobs: list[ChildCall], backend: Any) -> set[str]:
+def ran_before(jobs: list[ChildCall], backend: Any) -> set[str]:
     """The calls among `jobs` that may have run already (`ChildCall.again`) whose answers
     are stored. A job the pool let go with a lost connection may have started in this
     child all the same, and its calls, given back by the broker or put back in line,

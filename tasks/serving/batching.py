@@ -91,8 +91,9 @@ class Held:
     request: Any
     call: Call
     key: str
-    #: put back in line as its job was let go with the connection (`Batcher.forget`):
-    #: that job may have run it in the child all the same
+    #: put back in line as its job was let go with the connection (`Batcher.forget`), or
+    #: as its session ended without a word of it (`Batcher._session_ended`): that job or
+    #: session may have run it in the child all the same
     again: bool = False
 
     @property
@@ -533,9 +534,15 @@ class Batcher:
             unread = [h for h in helds if error is None and h.key not in results]
             # They run next, a lost connection or not: they count as running here, so the
             # reconnected consumer did not give their messages back (tasks.broker.transport).
+            # A session that ran one may have lost its word of it with the connection: the
+            # next run looks for its answer first (`Held.again`).
             if unread:
                 log.debug("%d calls reached a session as it ended: they run next", len(unread))
-                self._waiting[:0] = [self._entry(h) for h in unread]
+                again = [dataclasses.replace(h, again=True) for h in unread]
+                for held in again:
+                    if self._twins.get(held.twin) in unread:
+                        self._twins[held.twin] = held
+                self._waiting[:0] = [self._entry(h) for h in again]
             if connection == self._connection:
                 self._busy = False
         if error is not None:

@@ -41,9 +41,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from celery.exceptions import TimeLimitExceeded
+from celery.exceptions import Ignore, TimeLimitExceeded
 
 from placement.rules.batching import BatchLimits, Waiting, input_chars, take_batch
+from tasks.serving.batch_jobs import run_one
 from tasks.serving.calls import Call
 
 if TYPE_CHECKING:  # GPU workers only: they import torch
@@ -178,6 +179,7 @@ class ChildFeed:
         batch: _Batch,
         limits_of: Callable[[str], BatchLimits],
         figures: Figures | None = None,
+        ran_before: Callable[[list[Any]], set[str]] = lambda jobs: set(),
     ) -> None:
         self.job_id = job_id
         self._channel = channel
@@ -187,6 +189,7 @@ class ChildFeed:
         self._batch = batch  # runs a batch's tracers (with an error: unrun): their returns
         self._limits_of = limits_of  # a model's batch limits
         self.figures = figures  # opened/stepped/streamed, as `SessionFeed` has them
+        self._ran_before = ran_before  # the task ids among `ChildCall`s whose answers are stored
         self._jobs: dict[str, Any] = {}  # a generating call's key -> its `ChildCall`
         self._new: list[GenCall | OneShot] = []
         self._arrivals: list[Waiting[Any]] = []  # calls to batch, taken this turn
@@ -222,6 +225,11 @@ class ChildFeed:
     def _arrived(self, payload: Any) -> None:
         """A generating call's `ChildCall`, or a batch: its group and its `ChildCall`s."""
         if not isinstance(payload, dict):
+            if payload.again and payload.task_id in self._ran_before([payload]):
+                # it ran before (`ChildCall.again`): acknowledged unrun, its answer stands
+                ignored = Ignore("ran before: its answer is stored")
+                self._settle({payload.key: run_one(payload.trace, payload.args, ignored, 0, 0)})
+                return
             call = self._gen_call(payload)
             self._jobs[call.key] = payload
             self._new.append(call)

@@ -178,7 +178,7 @@ class _Session:
     def run(self, job_id: str, jobs: list[batch_jobs.ChildCall]) -> dict[str, Any]:
         feed = generating.ChildFeed(
             job_id, jobs, channel(), self.gen_call, OneShot, self.finish, self.batch,
-            limits_of, self,
+            limits_of, self, ran_before=lambda some: batch_jobs.ran_before(some, app.backend),
         )  # fmt: skip
         try:
             self.worker.serve_session(feed)
