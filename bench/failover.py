@@ -62,6 +62,7 @@ from placement.ledger.audit import audit
 from placement.ledger.registry import Registry
 from placement.server.redis_server import HOST
 from placement.server.sentinel import SentinelGroup, replicas_ready
+from tasks.operator.launcher import HA_REPLICAS
 from tasks.serving.run_log import runs as run_log_runs
 
 CATALOG = """
@@ -345,11 +346,15 @@ def _let_go(pid: int, word: str) -> None:
 
 
 def fault(target: Launched | External, kind: str, stop_s: float) -> tuple[float, int]:
-    """Inject `kind` into the primary once the Sentinels trust a replica (a fault before
-    then is a second fault: docs/deploy.md); when it happened, and the new primary's port
-    (a stopped primary is let go `stop_s` after the fault, from a timer)."""
+    """Inject `kind` into the primary once the Sentinels trust every replica, the last
+    fault's primary among them (a fault before then is a second fault: docs/deploy.md);
+    when it happened, and the new primary's port (a stopped primary is let go `stop_s`
+    after the fault, from a timer). Trusting one replica was not enough: a stopped
+    primary let go is made a replica 10 s later, and a fault then left the promoted one
+    with no replica in sync, refusing writes (`min-replicas-to-write`) for longer than
+    callers retry: calls failed, none lost."""
     deadline = time.monotonic() + 60
-    while not replicas_ready(target.url) and time.monotonic() < deadline:
+    while not replicas_ready(target.url, HA_REPLICAS) and time.monotonic() < deadline:
         time.sleep(0.5)
     old, pid = target.primary()
     at = time.time()
@@ -389,7 +394,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if args.group == "external":  # as `--redis-ha` forms it, less the launcher's watchdog
             group = stack.enter_context(
                 SentinelGroup(
-                    password="bench-failover", replicas=2, min_replicas=1, data_root=home / "group"
+                    password="bench-failover",
+                    replicas=HA_REPLICAS,
+                    min_replicas=1,
+                    data_root=home / "group",
                 )
             )
             os.environ["GPUFLEET_REDIS_URL"] = group.url

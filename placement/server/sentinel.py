@@ -82,16 +82,16 @@ _CONF_NAME = "sentinel.conf"
 _LOG_NAME = "sentinel.log"
 
 
-def replicas_ready(url: str) -> bool:
-    """Whether every Sentinel of `url` that answers sees a replica of the primary it names
-    with its link up and no flag but "slave". A Sentinel reads a replica's INFO only every
-    10 s: until it has seen the link up, it promotes no replica (its failover aborts, and
-    waits twice the failover timeout), so a primary lost just after a replica (re)joined
-    goes unreplaced for that long."""
+def replicas_ready(url: str, count: int = 1) -> bool:
+    """Whether every Sentinel of `url` that answers sees `count` replicas of the primary it
+    names with their link up and no flag but "slave". A Sentinel reads a replica's INFO
+    only every 10 s: until it has seen the link up, it promotes no replica (its failover
+    aborts, and waits twice the failover timeout), so a primary lost just after a replica
+    (re)joined goes unreplaced for that long."""
     answered = 0
     for _, primary, replicas in endpoint.parse(url).sentinel_views():
         answered += 1
-        if not primary or not any(_follows(r, primary) for r in replicas):
+        if not primary or sum(_follows(r, primary) for r in replicas) < count:
             return False
     return answered > 0
 
