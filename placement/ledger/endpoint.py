@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import socket
 import threading
 import time
@@ -274,22 +275,26 @@ def kept(pipe: Any, what: str) -> None:
     raised: the caller's retry writes again, to the new primary after a failover.
 
     Writes no replica confirmed are kept where the Sentinels name their server the
-    primary, and logged as on the primary alone (as with a Redis whose ACL lacks
-    `WAIT`). A server they no longer name primary loses them when it follows the new
-    one: a primary stopped past its failover and let go takes writes for a moment, before
-    it counts its replicas gone or the Sentinels demote it. Then the connection is
-    dropped and `ConnectionError` raised, which every fleet client retries, on the new
-    primary; a twin the old server took is dropped with its data."""
+    primary (or cannot be asked), and logged as on the primary alone (as with a Redis
+    whose ACL lacks `WAIT`). A server they no longer name primary loses them when it
+    follows the new one: a primary stopped past its failover and let go takes writes for
+    a moment, before it counts its replicas gone or the Sentinels demote it. Then
+    `ConnectionError` is raised, which every fleet client retries, on the new primary
+    (asking the Sentinels, the pool drops its idle connections to the old one); a twin
+    the old server took is dropped with its data."""
     pipe.execute_command("WAIT", 1, REPLICA_WAIT_MS)
     connection = pipe.connection or pipe.connection_pool.get_connection()
-    pipe.connection = connection  # the pipeline's own: its reset gives it back
+    pipe.connection = connection  # so that its server is known: `execute` gives it back
     replies = pipe.execute(raise_on_error=False)
+    server = (connection.host, int(connection.port))  # before another thread takes it
     if not _unconfirmed(replies):
         return
     if _watched(connection):
-        gone = _left_behind(connection, connection.connection_pool.get_master_address(), what)
-        if gone is not None:
-            connection.disconnect()
+        try:
+            primary = connection.connection_pool.get_master_address()
+        except redis.RedisError:  # no Sentinel answers: the write stands, as before
+            primary = None
+        if primary is not None and (gone := _left_behind(server, primary, what)):
             raise gone
     _alone.tell(what, replies[-1])
 
@@ -300,13 +305,15 @@ async def kept_async(pipe: Any, what: str) -> None:
     connection = pipe.connection or await pipe.connection_pool.get_connection()
     pipe.connection = connection
     replies = await pipe.execute(raise_on_error=False)
+    server = (connection.host, int(connection.port))
     if not _unconfirmed(replies):
         return
     if _watched(connection):
-        primary = await connection.connection_pool.get_master_address()
-        gone = _left_behind(connection, primary, what)
-        if gone is not None:
-            await connection.disconnect()
+        try:
+            primary = await connection.connection_pool.get_master_address()
+        except redis.RedisError:
+            primary = None
+        if primary is not None and (gone := _left_behind(server, primary, what)):
             raise gone
     _alone.tell(what, replies[-1])
 
@@ -327,15 +334,14 @@ def _watched(connection: Any) -> bool:
     return bool(getattr(pool, "is_master", False)) and hasattr(pool, "get_master_address")
 
 
-def _left_behind(connection: Any, primary: Any, what: str) -> redis.ConnectionError | None:
-    """The error for writes `what` made on `connection` when its server is not `primary`,
-    the (host, port) the Sentinels name now; None when it is."""
-    if (connection.host, int(connection.port)) == (primary[0], int(primary[1])):
+def _left_behind(server: tuple[str, int], primary: Any, what: str) -> redis.ConnectionError | None:
+    """The error for writes `what` made on `server`, (host, port), when it is not
+    `primary`, the one the Sentinels name now; None when it is."""
+    if server == (primary[0], int(primary[1])):
         return None
     return redis.ConnectionError(
-        f"{what} reached {connection.host}:{connection.port}, which the Sentinels no "
-        f"longer name the primary ({primary[0]}:{primary[1]} is): it would be lost there; "
-        "write it again"
+        f"{what} reached {server[0]}:{server[1]}, which the Sentinels no longer name the "
+        f"primary ({primary[0]}:{primary[1]} is): it would be lost there; write it again"
     )
 
 
@@ -443,41 +449,68 @@ class _Primaries:
         self._open: weakref.WeakSet[PrimaryConnection] = weakref.WeakSet()
 
     def named(self, connection: PrimaryConnection, address: tuple[str, int]) -> None:
-        """`connection` opened to `address`, the primary its Sentinels name now."""
+        """`connection` opened to `address`, the primary its Sentinels named as it began."""
         group = _group_of(connection)
+        with self._lock:
+            self._open.add(connection)
+            old = self._named.get(group)
+            if old is None or old == address:
+                self._named[group] = address
+                return
+        # Another primary than the last: the Sentinels are asked again first, so that a
+        # connection that looked up the old one before the failover (or asked a Sentinel
+        # that had not heard of it yet) and opened late never sends the process back.
+        pool = connection.connection_pool
+        try:
+            now = pool.sentinel_manager.discover_master(pool.service_name)
+        except redis.RedisError:
+            return
+        if (str(now[0]), int(now[1])) != address:
+            return
+        me = os.getpid()
         with self._lock:
             old = self._named.get(group)
             self._named[group] = address
-            self._open.add(connection)
             if old is None or old == address:
                 return
             leaving = [
-                c for c in self._open
-                if (c.host, int(c.port)) == old and _group_of(c) == group
+                sock
+                for c in self._open
+                if c.pid == me and (c.host, int(c.port)) == old and _group_of(c) == group
+                if (sock := getattr(c, "_sock", None)) is not None
             ]  # fmt: skip
         log.warning(
             "the Sentinels name %s:%d the primary of %s now: leaving %s:%d (%d connections)",
-            *address, connection.connection_pool.service_name, *old, len(leaving),
+            *address, pool.service_name, *old, len(leaving),
         )  # fmt: skip
-        for left in leaving:
-            sock = getattr(left, "_sock", None)  # None: closed since
-            if sock is not None:
-                with contextlib.suppress(OSError):
-                    sock.shutdown(socket.SHUT_RDWR)
+        for sock in leaving:  # the sockets of then: one reopened since is left alone
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    def forked(self) -> None:
+        """In a forked child: the parent's connections are not this process's to shut."""
+        self._lock = threading.Lock()
+        self._open = weakref.WeakSet()
 
 
 def _group_of(connection: Any) -> tuple[Any, ...]:
-    """A Sentinel-watched connection's group: its primary's name and its Sentinels."""
-    pool = connection.connection_pool
-    sentinels = sorted(
-        f"{s.connection_pool.connection_kwargs.get('host')}:"
-        f"{s.connection_pool.connection_kwargs.get('port')}"
-        for s in pool.sentinel_manager.sentinels
-    )
-    return (pool.service_name, *sentinels)
+    """A Sentinel-watched connection's group: its primary's name and its Sentinels (read
+    once per connection: redis-py reorders a pool's Sentinels as it asks them)."""
+    group: tuple[Any, ...] | None = getattr(connection, "_gpufleet_group", None)
+    if group is None:
+        pool = connection.connection_pool
+        sentinels = sorted(
+            f"{s.connection_pool.connection_kwargs.get('host')}:"
+            f"{s.connection_pool.connection_kwargs.get('port')}"
+            for s in list(pool.sentinel_manager.sentinels)
+        )
+        group = (pool.service_name, *sentinels)
+        connection._gpufleet_group = group
+    return group
 
 
 _primaries = _Primaries()
+os.register_at_fork(after_in_child=_primaries.forked)
 
 
 class ServerConnection(_LeavesNonPrimary, redis.Connection):
