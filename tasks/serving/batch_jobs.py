@@ -108,15 +108,20 @@ def ran_before(jobs: list[ChildCall], backend: Any) -> set[str]:
     child all the same, and its calls, given back by the broker or put back in line,
     reach a later job; the worker's consumer looks for a given-back call's answer as it
     takes it, but the first run may still be going on then. Jobs run here one after
-    another, so by now it has ended. One read, only for such calls; when Redis cannot
-    say, they run (the first stored answer stays)."""
-    again = [job.task_id for job in jobs if job.again]
-    if not again or backend is None:
+    another, so by now it has ended."""
+    return answered_already([job.task_id for job in jobs if job.again], backend)
+
+
+def answered_already(task_ids: list[str], backend: Any) -> set[str]:
+    """The calls among `task_ids`, which may have run already, whose answers are stored:
+    one read (none for no calls); when Redis cannot say, none (they run again, and the
+    first stored answer stays)."""
+    if not task_ids or backend is None:
         return set()
     try:
-        found = results.answered(backend, again)
+        found = results.answered(backend, task_ids)
     except Exception as exc:
-        log.warning("could not tell whether calls %s ran (%s); running them", again, exc)
+        log.warning("could not tell whether calls %s ran (%s); running them", task_ids, exc)
         return set()
     if found:
         log.warning("calls %s ran already; not again", sorted(found))

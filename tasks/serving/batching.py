@@ -384,14 +384,15 @@ class Batcher:
 
     def _hand_over(self, batch: list[Waiting[Held]], generation: bool) -> int:
         """Hand the running session one generating call, or as much of one batch as one
-        message holds: how many calls it took (0: none now; a redelivered call, a session
-        not started yet or alone, a full channel, or one call too large to hand over)."""
+        message holds: how many calls it took (0: none now; a call that may have run, a
+        session not started yet or alone, a full channel, or one call too large to hand
+        over)."""
         job, gen = self._session, self._gen
         channel = gen.channel() if gen is not None else None
         if not batch or job is None or channel is None or not job.joinable:
             return 0
-        if any(_redelivered(w.item.request) for w in batch):
-            return 0
+        if any(_redelivered(w.item.request) or w.item.again for w in batch):
+            return 0  # it may have run: the next job looks for its answer as it starts
         count = len(batch)
         while count:
             handed = batch[:count]

@@ -7,8 +7,10 @@ shows twice, wherever the two runs were. Celery's `task-succeeded` events say th
 but through Redis: those a failing primary held are lost with it, so they count runs from
 below. `bench.failover` counts runs from this file.
 
-Only calls that ran count: a call handed on (`Ignore`d: a router's, or a twin whose answer
-was stored already) or retried is recorded where it ends. Each line is one `write` to a
+Only calls that ended here with an answer count, a failure as well as a success (one
+whose time limit ended before it ran is answered so, and counts too): a call handed on
+(`Ignore`d: a router's, or one whose answer was stored already) or retried is recorded
+where it ends. Each line is one `write` to a
 file opened for appending, so lines of many processes on one host do not interleave; on
 many hosts, give each its own file.
 """
