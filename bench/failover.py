@@ -10,7 +10,7 @@ generation model (`placement.server.sentinel`: down after 3 s, writes only with 
 following). Callers, `--threads` in all, call one after another: half are plain Celery
 clients configured from `gpufleet url --json`, half use the project's client
 (`tasks.api.infer`). Each worker records the calls it ran in a file (`GPUFLEET_RUN_LOG`,
-`tasks.serving.run_log`); an event listener follows each call's task events.
+`tasks.broker.run_log`); an event listener follows each call's task events.
 
 The baseline, in the same run: the same load for `--quiet` seconds with no fault (calls
 per second, p50 and max latency). Then each fault, `--runs` times in turn: `kill` SIGKILLs
@@ -62,8 +62,8 @@ from placement.ledger.audit import audit
 from placement.ledger.registry import Registry
 from placement.server.redis_server import HOST
 from placement.server.sentinel import SentinelGroup, replicas_ready
+from tasks.broker.run_log import runs as run_log_runs
 from tasks.operator.launcher import HA_REPLICAS
-from tasks.serving.run_log import runs as run_log_runs
 
 CATALOG = """
 models:

@@ -146,7 +146,7 @@ VARIABLES: tuple[Variable, ...] = (
              "id, as a call that kills its worker would (tasks/broker/quarantine.py)"),
     Variable("GPUFLEET_RUN_LOG", "none",
              "a file every worker process appends a line to for each call it ran, as the "
-             "call ends: runs counted outside Redis (tasks/serving/run_log.py)"),
+             "call ends: runs counted outside Redis (tasks/broker/run_log.py)"),
     Variable("GPUFLEET_SIM_DATA", "`../shared/data` beside the repository",
              "folder of the Azure traces for `gpufleet simulate`"),
 )  # fmt: skip
@@ -189,7 +189,7 @@ class Settings:
     policy: PolicySettings = field(default_factory=PolicySettings)
     sim_data: Path | None = None
     crash_on_call: str | None = None  # tests only (tasks/broker/quarantine.py)
-    run_log: Path | None = None  # tasks/serving/run_log.py
+    run_log: Path | None = None  # tasks/broker/run_log.py
     url_from: str = FROM_DEFAULT  # where the registry URL came from (FROM_*)
 
     @classmethod

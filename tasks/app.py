@@ -26,14 +26,14 @@ app.conf.task_routes = ("tasks.serving.routing.route",)
 # tasks.broker.presence records the worker, once it is sure the broker's calls are its
 # fleet's. tasks.serving.tenants.quotas and .accounting free a tenant's running slots
 # and count its usage as its calls end (`task_postrun`), wherever they end, and
-# tasks.serving.run_log records each call that ran (`GPUFLEET_RUN_LOG`).
+# tasks.broker.run_log records each call that ran (`GPUFLEET_RUN_LOG`).
 app.conf.include = (
     [
         "tasks.api",
         "tasks.serving.scaling",
         "tasks.serving.tenants.quotas",
         "tasks.serving.tenants.accounting",
-        "tasks.serving.run_log",
+        "tasks.broker.run_log",
     ]
     + (["tasks.serving.gpu"] if settings().role == "gpu" else [])
     + [

@@ -30,8 +30,8 @@ from placement.policy.state import Gpu
 from placement.server.acl import CALLER, Users
 from placement.server.redis_server import HOST, RedisServer
 from placement.server.sentinel import SentinelGroup, replicas_ready
+from tasks.broker import run_log
 from tasks.config import caller_conf, celery_conf
-from tasks.serving import run_log
 from tests.calling import Load
 from tests.running import REPO, TWO_MODELS, RunningFleet, fleet_env, fleet_up, until, with_signal
 from tests.test_chaos import settled
