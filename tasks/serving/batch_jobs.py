@@ -90,13 +90,13 @@ def run_batch(
     except Exception as exc:
         served = [exc] * len(fresh)
     by_id = dict(zip([job.task_id for job in fresh], served, strict=True))
-    outcomes = [by_id[job.task_id] if job.task_id in by_id else _ran() for job in jobs]
+    outcomes = [by_id[job.task_id] if job.task_id in by_id else ran_already() for job in jobs]
     ids = [job.task_id for job in jobs]
     with _ready(jobs, outcomes, started), results.read_together(backend, ids):
         return [_traced(job.trace, job.args) for job in jobs]
 
 
-def _ran() -> Ignore:
+def ran_already() -> Ignore:
     """The outcome of a call whose answer an earlier run stored: its tracer acknowledges
     it (Celery's `Ignore`), and it does not run again."""
     return Ignore("ran before: its answer is stored")

@@ -97,6 +97,12 @@ class Held:
     again: bool = False
 
     @property
+    def may_have_run(self) -> bool:
+        """Put back (`again`) or given back by the broker: its answer is looked up before
+        it runs (`batch_jobs.ran_before`)."""
+        return self.again or _redelivered(self.request)
+
+    @property
     def twin(self) -> tuple[str, int]:
         """What a second message of the same call at the same hop shares (the module)."""
         return self.request.id, self.call.hops
@@ -391,7 +397,7 @@ class Batcher:
         channel = gen.channel() if gen is not None else None
         if not batch or job is None or channel is None or not job.joinable:
             return 0
-        if any(_redelivered(w.item.request) or w.item.again for w in batch):
+        if any(w.item.may_have_run for w in batch):
             return 0  # it may have run: the next job looks for its answer as it starts
         count = len(batch)
         while count:
@@ -622,8 +628,9 @@ def _child_call(
     )
     hard = _hard(request) if timed else None
     deadline = time.time() + hard if hard is not None else None
-    again = held.again or _redelivered(request)
-    return ChildCall(trace, args, held.call.as_json(), since_ms, held.key, deadline, share, again)
+    return ChildCall(
+        trace, args, held.call.as_json(), since_ms, held.key, deadline, share, held.may_have_run
+    )
 
 
 def _tag(request: Any) -> Any:

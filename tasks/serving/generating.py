@@ -41,10 +41,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from celery.exceptions import Ignore, TimeLimitExceeded
+from celery.exceptions import TimeLimitExceeded
 
 from placement.rules.batching import BatchLimits, Waiting, input_chars, take_batch
-from tasks.serving.batch_jobs import run_one
+from tasks.serving.batch_jobs import ran_already, run_one
 from tasks.serving.calls import Call
 
 if TYPE_CHECKING:  # GPU workers only: they import torch
@@ -227,8 +227,8 @@ class ChildFeed:
         if not isinstance(payload, dict):
             if payload.again and payload.task_id in self._ran_before([payload]):
                 # it ran before (`ChildCall.again`): acknowledged unrun, its answer stands
-                ignored = Ignore("ran before: its answer is stored")
-                self._settle({payload.key: run_one(payload.trace, payload.args, ignored, 0, 0)})
+                ignored = run_one(payload.trace, payload.args, ran_already(), 0, 0)
+                self._settle({payload.key: ignored})
                 return
             call = self._gen_call(payload)
             self._jobs[call.key] = payload

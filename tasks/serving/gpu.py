@@ -19,7 +19,7 @@ import time
 from typing import Any, NoReturn
 
 from celery import Task
-from celery.exceptions import Ignore, SoftTimeLimitExceeded, TimeLimitExceeded
+from celery.exceptions import SoftTimeLimitExceeded, TimeLimitExceeded
 from celery.signals import worker_init, worker_process_init, worker_process_shutdown
 from celery.utils.log import mlevel
 
@@ -79,7 +79,7 @@ def serve(task: Task, call: Call) -> dict[str, Any]:
         and given_back
         and batch_jobs.answered_already([task.request.id], app.backend)
     ):
-        raise Ignore("ran before: its answer is stored")
+        raise batch_jobs.ran_already()
     started = prepared.started_ms if prepared is not None else int(time.time() * 1000)
     try:
         if prepared is not None:
