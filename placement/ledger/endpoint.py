@@ -289,14 +289,11 @@ def kept(pipe: Any, what: str) -> None:
     server = (connection.host, int(connection.port))  # before another thread takes it
     if not _unconfirmed(replies):
         return
+    primary = None
     if _watched(connection):
-        try:
+        with contextlib.suppress(redis.RedisError):  # no Sentinel answers: the write stands
             primary = connection.connection_pool.get_master_address()
-        except redis.RedisError:  # no Sentinel answers: the write stands, as before
-            primary = None
-        if primary is not None and (gone := _left_behind(server, primary, what)):
-            raise gone
-    _alone.tell(what, replies[-1])
+    _judge(server, primary, replies[-1], what)
 
 
 async def kept_async(pipe: Any, what: str) -> None:
@@ -308,14 +305,11 @@ async def kept_async(pipe: Any, what: str) -> None:
     server = (connection.host, int(connection.port))
     if not _unconfirmed(replies):
         return
+    primary = None
     if _watched(connection):
-        try:
+        with contextlib.suppress(redis.RedisError):
             primary = await connection.connection_pool.get_master_address()
-        except redis.RedisError:
-            primary = None
-        if primary is not None and (gone := _left_behind(server, primary, what)):
-            raise gone
-    _alone.tell(what, replies[-1])
+    _judge(server, primary, replies[-1], what)
 
 
 def _unconfirmed(replies: list[Any]) -> bool:
@@ -334,15 +328,17 @@ def _watched(connection: Any) -> bool:
     return bool(getattr(pool, "is_master", False)) and hasattr(pool, "get_master_address")
 
 
-def _left_behind(server: tuple[str, int], primary: Any, what: str) -> redis.ConnectionError | None:
-    """The error for writes `what` made on `server`, (host, port), when it is not
-    `primary`, the one the Sentinels name now; None when it is."""
-    if server == (primary[0], int(primary[1])):
-        return None
-    return redis.ConnectionError(
-        f"{what} reached {server[0]}:{server[1]}, which the Sentinels no longer name the "
-        f"primary ({primary[0]}:{primary[1]} is): it would be lost there; write it again"
-    )
+def _judge(server: tuple[str, int], primary: Any, replicas: Any, what: str) -> None:
+    """Writes `what` no replica confirmed (`replicas`: `WAIT`'s reply), made on `server`,
+    (host, port): refused when the Sentinels name another `primary` now, else logged as
+    on the primary alone (`primary` None: not through Sentinels, or none answered)."""
+    if primary is not None and server != (primary[0], int(primary[1])):
+        raise redis.ConnectionError(
+            f"{what} reached {server[0]}:{server[1]}, which the Sentinels no longer name "
+            f"the primary ({primary[0]}:{primary[1]} is): it would be lost there; write it "
+            "again"
+        )
+    _alone.tell(what, replicas)
 
 
 class _Alone:
