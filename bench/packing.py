@@ -220,6 +220,56 @@ ONLY: dict[str, Callable[[Request], bool]] = {
 }
 
 
+#: How a derived mix draws its typed pods (`--type-balance`): each GPU-type constraint as
+#: often as the list has it, in proportion to the GPUs it allows, or all alike.
+BALANCES = ("list", "fleet", "even")
+
+
+def resampled(
+    rng: random.Random,
+    pods: Sequence[Request],
+    fleet: Sequence[Machine],
+    *,
+    typed_share: float,
+    balance: str,
+    capacity: int,
+    arrive: float,
+) -> list[Request]:
+    """A mix derived from `pods` (`--typed-share`): each arrival a typed pod with probability
+    `typed_share`, else an untyped one, each drawn at random from the list's own, until
+    `arrive` x `capacity` milli-GPUs were asked for. Typed pods are drawn by their
+    constraint first, weighted as `balance` says (`BALANCES`), then uniformly among the
+    list's pods with that constraint, so shapes stay the list's and only how often each
+    type is named moves."""
+    typed: dict[str | tuple[str, ...], list[Request]] = {}
+    untyped = [p for p in pods if p.accelerator is None]
+    for p in pods:
+        if p.accelerator is not None:
+            typed.setdefault(p.accelerator, []).append(p)
+    if (typed_share > 0 and not typed) or (typed_share < 1 and not untyped):
+        raise SystemExit("the pod list has no typed or no untyped pod to draw from")
+    constraints = list(typed)
+    if balance == "list":
+        weights = [float(len(typed[c])) for c in constraints]
+    elif balance == "fleet":
+        weights = [
+            float(sum(len(m.free) for m in fleet if accelerators.matches(m.type, c)))
+            for c in constraints
+        ]
+    else:
+        weights = [1.0] * len(constraints)
+    out: list[Request] = []
+    asked = 0
+    while asked < arrive * capacity:
+        if rng.random() < typed_share:
+            r = rng.choice(typed[rng.choices(constraints, weights=weights)[0]])
+        else:
+            r = rng.choice(untyped)
+        out.append(r)
+        asked += r.amount
+    return out
+
+
 def arrivals(
     rng: random.Random, pods: Sequence[Request], capacity: int, arrive: float
 ) -> list[Request]:
@@ -428,6 +478,14 @@ def replay_default(
     return tally.figures()
 
 
+def _mix_name(args: argparse.Namespace) -> str:
+    """The replayed list and how its mix was derived, e.g. "openb:gpuspec25/typed=0.5,fleet"."""
+    name = args.trace + (f"/{args.only}" if args.only else "")
+    if args.typed_share is not None:
+        name += f"/typed={args.typed_share:g},{args.type_balance}"
+    return name
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hosts", type=int, default=1200)
@@ -444,7 +502,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--only", choices=sorted(ONLY), help="with --trace: keep only these pods (a derived mix)"
     )
+    parser.add_argument(
+        "--typed-share",
+        type=float,
+        help="with --trace: derive a mix, each pod typed with this probability (resampled)",
+    )
+    parser.add_argument(
+        "--type-balance",
+        choices=BALANCES,
+        default="list",
+        help="with --typed-share: how often each GPU-type constraint is drawn",
+    )
     args = parser.parse_args(argv)
+    if args.typed_share is not None and not (args.trace and 0 <= args.typed_share <= 1):
+        parser.error("--typed-share takes a share from 0 to 1, with --trace")
 
     rng = random.Random(args.seed)
     if args.trace:
@@ -456,7 +527,18 @@ def main(argv: Sequence[str] | None = None) -> None:
         pods = openb_pods(args.data, name)
         if args.only:
             pods = [p for p in pods if ONLY[args.only](p)]
-        requests = arrivals(rng, pods, capacity, args.arrive)
+        if args.typed_share is None:
+            requests = arrivals(rng, pods, capacity, args.arrive)
+        else:
+            requests = resampled(
+                rng,
+                pods,
+                fleet,
+                typed_share=args.typed_share,
+                balance=args.type_balance,
+                capacity=capacity,
+                arrive=args.arrive,
+            )
     else:
         mix, sizes, typed, pair = WORKLOADS[args.workload]
         workload = (args.mix or mix, sizes, typed if args.typed is None else args.typed, pair)
@@ -478,9 +560,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             policies[name] = replay_baseline(machines, requests, choose)
     others = [p for n, p in policies.items() if n in ("first-fit", "best-fit")]
     out: dict[str, object] = {
-        "workload": (args.trace + (f"/{args.only}" if args.only else ""))
-        if args.trace
-        else args.workload,
+        "workload": _mix_name(args) if args.trace else args.workload,
         "hosts": len(fleet),
         "gpus": capacity // UNIT,
         "seed": args.seed,
