@@ -12,7 +12,6 @@ from hypothesis import strategies as st
 
 from bench import packing
 from placement.errors import CantAccommodateError, NeverFitsError
-from placement.policy.fragmentation import Demand as TypeDemand
 from placement.policy.fragmentation import Fragmentation
 from placement.policy.live import LiveView
 from placement.policy.place import plan_replica
@@ -168,14 +167,14 @@ def test_a_share_that_may_run_anywhere_leaves_a_type_to_the_requests_pinned_to_i
     # Of the 2.4 GPUs held, 1.0 (0.42) is pinned to T4: of the 5.6 GPUs free, T4's pinned
     # requests will ask about 2.3 more, so T4 has 0.17 a GPU left for others against
     # A10's 0.65. With the same replicas unpinned no type is set aside, and the share takes
-    # an empty T4: the 0.7 it leaves fits every ask T4 holds (0.5) and the request's own,
-    # where on A10 any GPU would leave room that a 0.9 like the one it holds cannot use
+    # a half-free GPU of either type: there it strands least room (0.2 left, which every
+    # share held but 0.9 could use; an empty GPU would keep 0.7 that only 0.9 could not)
     for seed in range(10):
         anywhere = Demand("q", gpus=0.3, dedicated=True)
         plan = plan_replica(anywhere, _pinned_t4(pinned=True), rng=random.Random(seed))
         assert set(plan.gpus) <= {"a0", "a1", "a2", "a3"}
         plan = plan_replica(anywhere, _pinned_t4(pinned=False), rng=random.Random(seed))
-        assert set(plan.gpus) <= {"t2", "t3"}
+        assert set(plan.gpus) <= {"t0", "t1", "a1"}
         on_t4 = replace(anywhere, accelerator="T4")
         plan = plan_replica(on_t4, _pinned_t4(pinned=True), rng=random.Random(seed))
         assert set(plan.gpus) <= {"t0", "t1", "t2", "t3"}
@@ -234,34 +233,16 @@ def test_the_room_index_counts_the_demand_each_constraint_holds_as_replicas_come
     empty = [replace(g, reserved=0, held=0) for g in view.snap.gpus.values()]
     fresh = room_of(fleet(empty, view.snap.deployments.values()))
     assert fresh.pinned_share("Tesla T4") == index.pinned_share("Tesla T4")
-    # the live demand for each type is what its GPUs hold, whatever else the replicas
-    # allow: the pair's 0.6 counts on the one type it went to, not on both it may use
-    names = ("Tesla T4", "NVIDIA A10", "NVIDIA L4")
-    demand = {n: index.demand(n) for n in names}
-    pair_on = view.snap.gpus[next(iter(two.gpus))].name
-    for n in names:
-        assert _shares(demand[n]) == _held_shares(view.snap, n)
-        assert (0.6 in _shares(demand[n])) == (n == pair_on)
+    # what each type could serve: its pinned replicas, the pair's, the three types' and the
+    # unpinned A10 ones (0.9 and 0.5); L4 not T4's
+    t4, l4 = index.demand("Tesla T4"), index.demand("NVIDIA L4")
+    assert (t4.shares, t4.counts) == ([0.3, 0.5, 0.6, 0.9], [1, 3, 1, 1])
+    assert (l4.shares, l4.counts) == ([0.3, 0.5, 0.6, 0.9], [1, 1, 1, 1])
     view.update({two.replica: None, every.replica: None})
     assert index.pinned_share("Tesla T4") == before  # exactly: whole bytes do not drift
     assert index.pinned_share("NVIDIA L4") == 0.0
-    assert _shares(demand["Tesla T4"]) == {0.5: 2}  # the replicas that left, gone
-    assert _shares(demand["NVIDIA A10"]) == {0.5: 1, 0.9: 1}
-    assert _shares(demand["NVIDIA L4"]) == {}
-
-
-def _shares(demand: TypeDemand) -> dict[float, int]:
-    return dict(zip(demand.shares, demand.counts, strict=True))
-
-
-def _held_shares(snap: Snapshot, name: str) -> dict[float, int]:
-    """The shares of a GPU that replicas hold on GPUs of type `name`, by the ledger."""
-    found: Counter[float] = Counter()
-    for d in snap.deployments.values():
-        for gpu_id, nbytes in d.gpus.items():
-            if snap.gpus[gpu_id].name == name:
-                found[nbytes / snap.gpus[gpu_id].total] += 1
-    return dict(found)
+    assert (t4.shares, t4.counts) == ([0.5, 0.9], [3, 1])  # the replicas that left, gone
+    assert (l4.shares, l4.counts) == ([0.5, 0.9], [1, 1])
 
 
 def _two_types(a10_first: int) -> Snapshot:
@@ -287,35 +268,46 @@ def test_a_share_opens_the_type_with_the_most_empty_gpus_left_when_whole_gpus_ar
     assert set(whole.gpus) <= {"a1", "a2", "a3"}
 
 
-def test_a_share_that_may_run_anywhere_leaves_a_gpu_in_use_to_the_requests_pinned_to_its_type() -> (
-    None
-):
-    # T4: two GPUs held whole and one 0.7, all pinned to T4, one empty; A10: one held
-    # whole by a model that may run anywhere, three empty. T4's pinned requests will want
-    # more than T4 has left, so A10 has the most left, and a share that may run anywhere
-    # goes there, though T4's 0.3 of room on t2 would fit a 0.3 exactly: the requests
-    # pinned to T4 take shares of GPUs in use too. A 0.3 pinned to T4 takes that room.
+def _t4_in_use(a10_gpus: int, t4_held: dict[str, int], a10_held: int) -> Snapshot:
+    """A T4 host of four GPUs holding `t4_held` (GPU -> bytes) for models pinned to T4, and
+    an A10 host of `a10_gpus` whose first `a10_held` are held whole by models that may run
+    anywhere (every GPU 10**9 bytes)."""
     gpus = [gpu(f"t{i}", 10**9, host="ht", name="Tesla T4", index=i) for i in range(4)]
-    gpus += [gpu(f"a{i}", 10**9, host="ha", name="NVIDIA A10", index=i) for i in range(4)]
+    gpus += [gpu(f"a{i}", 10**9, host="ha", name="NVIDIA A10", index=i) for i in range(a10_gpus)]
     held = [
-        hot(g, g, {g: size}, host=f"h{g[0]}", dedicated=True, accelerator=pin)
-        for g, size, pin in (
-            ("t0", 10**9, "T4"), ("t1", 10**9, "T4"), ("t2", 700_000_000, "T4"),
-            ("a0", 10**9, None),
-        )
-    ]  # fmt: skip
-    snap = fleet(gpus, held)
-    index = room_of(snap)
+        hot(g, g, {g: size}, host="ht", dedicated=True, accelerator="T4")
+        for g, size in t4_held.items()
+    ]
+    held += [
+        hot(f"a{i}", f"a{i}", {f"a{i}": 10**9}, host="ha", dedicated=True) for i in range(a10_held)
+    ]
+    return fleet(gpus, held)
+
+
+def test_a_share_fills_a_typed_gpu_in_use_only_while_its_type_has_room_to_spare() -> None:
+    # Whole GPUs are asked, so `type_left` counts empty GPUs, and A10 has the most left.
+    # T4 with room to spare: of the 5.7 GPUs held, 1.7 are T4's (0.3), so of the 6.3 free
+    # T4's pinned requests will want about 1.9, and T4 has 2.3. Its 0.3 left on t1 takes
+    # nothing they need, so it is weighed against A10's GPUs by the room each strands: a
+    # 0.3 share fills it exactly, where on an empty A10 it would leave 0.7. A 0.5 share,
+    # which t1 cannot take, opens an A10, never a T4.
+    spare = _t4_in_use(8, {"t0": 10**9, "t1": 700_000_000}, a10_held=4)
+    index = room_of(spare)
     assert type_left(index, "Tesla T4", 10**9, 300_000_000) < type_left(
         index, "NVIDIA A10", 10**9, 300_000_000
     )
+    # T4 without: 2.7 of the 3.7 GPUs held are T4's, whose pinned requests will want about
+    # 3.1 of the 4.3 free, more than T4's 1.3. Its room on t2 is theirs, in use or not.
+    short = _t4_in_use(4, {"t0": 10**9, "t1": 10**9, "t2": 700_000_000}, a10_held=1)
     for seed in range(10):
-        for size in (0.3, 0.5):
-            anywhere = Demand("q", gpus=size, dedicated=True)
-            plan = plan_replica(anywhere, snap, rng=random.Random(seed))
-            assert set(plan.gpus) <= {"a1", "a2", "a3"}
+        fill = plan_replica(Demand("q", gpus=0.3, dedicated=True), spare, rng=random.Random(seed))
+        assert set(fill.gpus) == {"t1"}
+        opens = plan_replica(Demand("h", gpus=0.5, dedicated=True), spare, rng=random.Random(seed))
+        assert set(opens.gpus) <= {f"a{i}" for i in range(4, 8)}
+        plan = plan_replica(Demand("q", gpus=0.3, dedicated=True), short, rng=random.Random(seed))
+        assert set(plan.gpus) <= {"a1", "a2", "a3"}
         pinned = Demand("p", gpus=0.3, accelerator="T4", dedicated=True)
-        assert set(plan_replica(pinned, snap, rng=random.Random(seed)).gpus) == {"t2"}
+        assert set(plan_replica(pinned, short, rng=random.Random(seed)).gpus) == {"t2"}
 
 
 @pytest.mark.parametrize("context", [0, 50 * MiB])
@@ -521,32 +513,37 @@ def test_on_trace_shaped_shares_the_default_packs_as_well_as_fgd_told_the_whole_
 @settings(max_examples=200, deadline=None)
 @given(
     held=st.lists(
-        st.tuples(st.sampled_from(["Tesla T4", "NVIDIA A10"]), st.integers(1, 16)), max_size=12
+        st.tuples(st.sampled_from([(), ("T4",), ("A10", "T4")]), st.integers(1, 16)),
+        max_size=12,
     ),
     asked=st.integers(1, 16),
     free=st.integers(0, 16),
     name=st.sampled_from(["Tesla T4", "NVIDIA A10"]),
 )
 def test_the_fragmentation_change_is_the_expected_unusable_room_after_less_before(
-    held: list[tuple[str, int]], asked: int, free: int, name: str
+    held: list[tuple[tuple[str, ...], int]], asked: int, free: int, name: str
 ) -> None:
-    # GPUs of 16 GiB; asks in whole GiB (16: a whole GPU), each held on a GPU of one type.
-    # Expected unusable room of one GPU, by the definition: its free room times the share
-    # of the live demand for its type (the asks its type holds, and the request) that
-    # cannot use that room (larger than it, or whole where it is in use).
+    # GPUs of 16 GiB; asks in whole GiB (16: a whole GPU). Expected unusable room of one
+    # GPU, by the definition: its free room times the share of the asks that may use its
+    # type and cannot use that room (larger than it, or whole where it is in use).
     assume(free >= asked)
     total = 16 * GiB
+    asks = Counter((patterns, total, size * GiB, 1) for patterns, size in held)
     types = [gpu("t", total, name="Tesla T4"), gpu("a", total, host="h1", name="NVIDIA A10")]
     index = RoomIndex(types, {}, NOW)
-    for on, size in held:
-        index.hold(on, total, size * GiB, +1)
-    usable = Counter(size * GiB for on, size in held if on == name) + Counter([asked * GiB])
+    for (patterns, _, slot, _), n in asks.items():
+        for _ in range(n):
+            index.hold(total, slot, +1, patterns or None)
+    mine = ((), total, asked * GiB, 1)  # the request may run on either type
+    everyone = asks + Counter([mine])
+    usable = {a: n for a, n in everyone.items() if accelerators.matches(name, a[0] or None)}
 
     def unusable(room: int) -> float:
         lost = sum(
-            n for slot, n in usable.items() if (slot == total and room < total) or slot > room
-        )
-        return room / total * lost / sum(usable.values())
+            n for (_, _, slot, _), n in usable.items()
+            if (slot == total and room < total) or slot > room
+        )  # fmt: skip
+        return room / total * lost / max(1, sum(usable.values()))
 
     change = Fragmentation(index.demand, total, asked * GiB).change(
         name,
@@ -585,7 +582,7 @@ def test_the_fragmentation_change_of_a_host_counts_the_empty_gpus_a_multi_gpu_as
     for size, wide in held:
         width = wide if size == 4 else 1
         for _ in range(width):  # the room index is told of each GPU a replica holds
-            index.hold("Sim", total, size * GiB, +1, whole=width if size == 4 else 0)
+            index.hold(total, size * GiB, +1, None, width if size == 4 else 0)
         asks[(size, width)] += 1  # one draw of the demand per replica, however wide
     asks[(asked, 1)] += 1  # the request, one more draw
 

@@ -18,7 +18,13 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
 
 from placement.policy.fragmentation import Fragmentation
-from placement.policy.planning import Option, Planning, candidate_level
+from placement.policy.planning import (
+    Option,
+    Planning,
+    candidate_level,
+    counts_empty,
+    room_to_spare,
+)
 from placement.policy.room import Shape, empty_gpus, room_of
 from placement.policy.settings import GpuChoice, PolicySettings
 from placement.policy.state import Demand, Gpu
@@ -114,11 +120,13 @@ def _packed_single(
     view: Planning, slots: dict[int, tuple[int, int]], allowed: frozenset[str], rng: random.Random
 ) -> Option | None:
     """The GPU for a dedicated replica, which never moves, so where it goes decides what
-    fits beside it for good: GPUs of the type with the most left (`Planning.type_rank`);
-    of those, the one whose host's expected unusable room, against the asks its type
-    holds, it raises least (`placement.policy.fragmentation`: for an empty GPU that
-    depends on how many its host has, so places are keyed by that too), then the
-    tightest, then the host with the least room (docs/placement.md, "Choosing a GPU")."""
+    fits beside it for good: GPUs of the type with the most left (`Planning.type_rank`),
+    and, where that counts empty GPUs, GPUs in use of any type with room to spare
+    (`planning.room_to_spare`); of those, the one whose
+    host's expected unusable room, against the asks of the fleet's own demand, it raises
+    least (`placement.policy.fragmentation`: for an empty GPU that depends on how many
+    its host has, so places are keyed by that too), then the tightest, then the host with
+    the least room (docs/placement.md, "Choosing a GPU")."""
     index = room_of(view.snap)
     kinds = []  # GPU types and sizes that take a slot, the type with the most left first
     for (name, total), levels in index.levels.items():
@@ -132,17 +140,21 @@ def _packed_single(
     top_rank: float | None = None  # the rank of the best type that fits
     for type_rank, name, total, levels in kinds:
         request, limit = slots[total]
+        rank, in_use_only = type_rank, False
         if top_rank is not None and not view.my_warm and type_rank > top_rank:
-            # A worse type than one that fits: none of its GPUs, in use or empty, ranks
-            # first. Its room is what the requests pinned to it will ask for, and they
-            # take shares of GPUs in use as well as empty GPUs.
-            continue
+            # A worse type than one that fits: none of its GPUs ranks first, but for its
+            # GPUs in use where `type_left` counts empty GPUs and the type has room to
+            # spare: taking room there takes nothing the type rank counts, or its pinned
+            # requests need, so they rank with the best type's, by the room they strand
+            if not (counts_empty(index, total, request) and room_to_spare(index, name)):
+                continue
+            rank, in_use_only = top_rank, True
         for free in levels:
-            if free >= limit:
+            if free >= limit and not (in_use_only and free >= total):
                 # an empty GPU's key depends on how many its host has (`Fragmentation`)
                 for empty in sorted(index.empties[(name, total)]) if free == total else (0,):
                     keys[(name, total, free, empty)] = (
-                        type_rank,
+                        rank,
                         fragmentation.change(name, total, free, request, empty),
                         (free - request) / total,
                     )

@@ -8,23 +8,19 @@ by how much it raises it: fragmentation gradient descent (Weng et al., "Beware o
 Fragmentation: Scheduling GPU-Sharing Workloads with Fragmentation Gradient Descent",
 USENIX ATC'23). The paper takes the asks' frequencies from its trace; here they are the
 fleet's own, kept by the room index (`RoomIndex.demand`): every replica the ledger holds
-is one draw of the demand for the GPU type it is held on, however many GPUs it holds,
-and one that leaves is no longer counted, so each type's distribution follows the mix it
-serves as it changes, with no window or decay rate to tune. The request being placed
-counts as one more draw.
+is one draw of the demand, however many GPUs it holds, and one that leaves is no longer
+counted, so the distribution follows the mix as it changes, with no window or decay rate
+to tune. The request being placed counts as one more draw.
 
 Two choices, each taken from the problem, not from a replay:
 
-* A GPU's room is weighed against the *live demand for its type*: the asks its type's
-  GPUs hold, as a share of them. That is what the type will be asked for next: a request
-  pinned to other types never comes to it, and of those that may run anywhere it gets
-  the part `planning.type_left` sends it, asked before this one. The paper counts a
-  type's room as fragmented for asks that may not run on it too, which sends requests
-  that may run anywhere to the types that pinned requests do not name, however few GPUs
-  those have: replayed on the trace's `gpuspec25` list, that filled the 312 G3 GPUs by
-  0.15 of the fleet, and a pod only G3 may run found none (docs/placement.md). Weighing
-  it against every ask that *may* use the type instead counts, on a type that pinned
-  requests keep to themselves, shapes it will never be asked for.
+* A GPU's room is weighed against the asks that may *use its type*, as a share of them.
+  The paper also counts a type's room as fragmented for asks that may not run on it,
+  which sends requests that may run anywhere to the types that pinned requests do not
+  name, however few GPUs those have: replayed on the trace's `gpuspec25` list, that
+  filled the 312 G3 GPUs by 0.15 of the fleet, and a pod only G3 may run found none
+  (docs/placement.md). How types share the load is `planning.type_left`'s
+  question, asked before this one.
 * Asks and room are shares of a GPU (bytes / its size), so GPUs of different sizes
   compare: a share held on a 16 GiB GPU asks as large a share of a 32 GiB one. A replica
   sized in bytes, on a fleet that mixes GPU sizes, counts at its share of the GPU it holds.
@@ -41,13 +37,14 @@ from placement.units.memory import MiB
 
 ROUNDING = MiB  # less room than this is what rounding to whole bytes leaves
 
-#: What a replica asks, as the room index counts it: the size of a GPU it holds, its slot
-#: there in bytes, and how many whole GPUs of one host it asks (its width; 1 for a share).
-Ask = tuple[int, int, int]
+#: What a replica asks, as the room index counts it: the GPU types it allows (its
+#: accelerator's patterns, () for any), the size of a GPU it holds, its slot there in bytes,
+#: and how many whole GPUs of one host it asks (its width; 1 for a share).
+Ask = tuple[tuple[str, ...], int, int, int]
 
 
 class Demand:
-    """The replicas one GPU type holds, by the share of a GPU each asks: shares kept
+    """The replicas one GPU type could serve, by the share of a GPU each asks: shares kept
     sorted beside their counts, so that how many ask more than some room is a bisection
     and a sum, however the counts change."""
 
@@ -58,11 +55,11 @@ class Demand:
         self.wide: dict[int, int] = {}  # GPUs held by replicas of n >= 2 whole GPUs, by n
 
     def count(self, ask: Ask, change: int) -> None:
-        """Count (`change` > 0) or uncount replicas of `ask` held on this type. The room
-        index calls this once per GPU a replica holds, so n calls for a replica of n whole
-        GPUs make one draw of the demand (`whole`); a model split into shares of n GPUs
-        counts as n shares."""
-        total, slot, width = ask
+        """Count (`change` > 0) or uncount replicas of `ask`, which this type may serve.
+        The room index calls this once per GPU a replica holds, so n calls for a replica
+        of n whole GPUs make one draw of the demand (`whole`); a model split into shares
+        of n GPUs counts as n shares."""
+        _, total, slot, width = ask
         if slot > total - ROUNDING:
             if width == 1:
                 self.single += change
@@ -106,8 +103,8 @@ class Fragmentation:
 
     def change(self, name: str, total: int, free: int, request: int, empty: int) -> float:
         """How placing `request` bytes on a GPU of type `name`, `total` bytes, `free` free,
-        changes its host's expected unusable room (GPUs' worth, over the asks the type
-        holds and this one): positive when more of them can no longer use what is left, negative
+        changes its host's expected unusable room (GPUs' worth, over the asks that may use
+        the type): positive when more of them can no longer use what is left, negative
         when room none of them could use is taken. A whole-GPU ask can use only an empty
         GPU, so taking one costs what whole-GPU asks could have used.
 

@@ -106,9 +106,7 @@ class LiveView:
         for gpu_id, nbytes in d.gpus.items():
             gpu = self.snap.gpus.get(gpu_id)
             if gpu is not None:
-                room_of(self.snap).hold(
-                    gpu.name, gpu.total, nbytes, change, pin=d.accelerator, whole=whole
-                )
+                room_of(self.snap).hold(gpu.total, nbytes, change, d.accelerator, whole)
 
 
 def _discard(entries: Iterable[Deployment] | None, replica: str) -> None:

@@ -111,3 +111,10 @@ def type_left(index: RoomIndex, name: str, total: int, request: int) -> float:
 def counts_empty(index: RoomIndex, total: int, request: int) -> bool:
     """Whether `type_left` counts a type's empty GPUs (of `total` bytes) for `request`."""
     return bool(index.pins()) and (request >= total or bool(index.slot_count(total, total)))
+
+
+def room_to_spare(index: RoomIndex, name: str) -> bool:
+    """Whether GPU type `name` has free room beyond what the requests pinned to it will
+    still ask for (`type_left`'s reserve). Those requests take shares of GPUs in use as
+    well as empty GPUs, so only then is room on its GPUs in use free for others."""
+    return index.type_room[name] > index.pinned_share(name) * index.free_room()

@@ -126,10 +126,9 @@ class RoomIndex:
         # constraint (its patterns) allows.
         self._held: dict[int, int] = {}
         self._pinned: dict[tuple[tuple[str, ...], int], int] = {}
-        # Replicas held by the GPU type they are held on and what they ask
-        # (`placement.policy.fragmentation`), and each type's, kept for the types asked
-        # about (`demand`)
-        self._asks: dict[tuple[str, Ask], int] = {}
+        # Replicas held by what they ask (`placement.policy.fragmentation`), and the same
+        # as each GPU type sees them, kept for the types asked about (`demand`)
+        self._asks: dict[Ask, int] = {}
         # `pinned_share` of each type, and `pins`; None: computed again when next asked
         self._pinning: tuple[dict[str, float], bool] | None = None
         self._demand: dict[str, Demand] = {}
@@ -139,8 +138,7 @@ class RoomIndex:
             for d in by_gpu.get(gpu.id, ()):
                 if d.replica not in whole:
                     whole[d.replica] = whole_gpus(d, known)
-                slot = d.gpus[gpu.id]
-                self.hold(gpu.name, gpu.total, slot, +1, pin=d.accelerator, whole=whole[d.replica])
+                self.hold(gpu.total, d.gpus[gpu.id], +1, d.accelerator, whole[d.replica])
             if gpu.alive(now_ms):
                 self.workers.add(gpu.worker)
                 self.put(gpu, _evictable(gpu, by_gpu.get(gpu.id, ())))
@@ -210,26 +208,22 @@ class RoomIndex:
         self.room[host] = shape.room
 
     def hold(
-        self,
-        name: str,
-        total: int,
-        slot: int,
-        change: int,
-        *,
-        pin: Accelerator = None,
-        whole: int = 0,
+        self, total: int, slot: int, change: int, pin: Accelerator = None, whole: int = 0
     ) -> None:
-        """Count (`change` +1) or uncount (-1) one replica's `slot` bytes on a GPU of type
-        `name`, `total` bytes, held by a model `pin` allows (None: any GPU). `whole`: the
-        replica holds that many whole GPUs (`whole_gpus`), and asks them whatever `slot`
-        is left of this one; 0: it asks `slot`."""
+        """Count (`change` +1) or uncount (-1) one replica's `slot` bytes on a GPU of
+        `total` bytes, held by a model `pin` allows (None: any GPU). `whole`: the replica
+        holds that many whole GPUs (`whole_gpus`), and asks them whatever `slot` is left
+        of this one; 0: it asks `slot`."""
         _add(self._held, total, slot * change)
         self._pinning = None
-        ask = (total, total, whole) if whole else (total, slot, 1)
-        _add(self._asks, (name, ask), change)
-        demand = self._demand.get(name)
-        if demand is not None:
-            demand.count(ask, change)
+        patterns = accelerators.alternatives(pin)
+        ask = (patterns, total, total, whole) if whole else (patterns, total, slot, 1)
+        _add(self._asks, ask, change)
+        if self._demand:
+            allowed = self.names(pin)
+            for name, demand in self._demand.items():
+                if name in allowed:
+                    demand.count(ask, change)
         if pin is not None:
             _add(self._pinned, (accelerators.alternatives(pin), total), slot * change)
         counts = self._slots.setdefault(total, {})
@@ -314,13 +308,12 @@ class RoomIndex:
         return list(found.values())
 
     def demand(self, name: str) -> Demand:
-        """The live demand for GPU type `name`: the replicas its GPUs hold, by what they
-        ask (`placement.policy.fragmentation`)."""
+        """The replicas held that GPU type `name` could serve, by what they ask."""
         found = self._demand.get(name)
         if found is None:
             found = self._demand[name] = Demand()
-            for (on, ask), n in self._asks.items():
-                if on == name:
+            for ask, n in self._asks.items():
+                if name in self.names(ask[0] or None):
                     found.count(ask, n)
         return found
 
