@@ -245,6 +245,36 @@ def test_the_room_index_counts_the_demand_each_constraint_holds_as_replicas_come
     assert (l4.shares, l4.counts) == ([0.5, 0.9], [1, 1])
 
 
+def test_a_request_of_two_types_takes_the_one_whose_empty_gpus_last_longest_for_its_pins() -> None:
+    # T4: 4 GPUs, one held by a model pinned to T4 and one by a model that may run
+    # anywhere, 2 empty. A10: 8 GPUs, one held pinned to A10 and six anywhere, 1 empty.
+    # L4: 32 empty. Each type's pinned requests hold 1 of the 9 GPUs held, so of the 35
+    # free each will ask about 3.9 more: T4's 2 empty GPUs give half of that, A10's 1 a
+    # quarter. Short by GPU, A10 is short by less (2.9 of 8 against 1.9 of 4), but it
+    # runs out first: a whole GPU that may run on either takes a T4, never A10's last.
+    gpus = [gpu(f"t{i}", 10**9, host="ht", name="Tesla T4", index=i) for i in range(4)]
+    gpus += [gpu(f"a{i}", 10**9, host="ha", name="NVIDIA A10", index=i) for i in range(8)]
+    gpus += [
+        gpu(f"l{i}", 10**9, host=f"hl{i // 8}", name="NVIDIA L4", index=i % 8) for i in range(32)
+    ]
+    held = [
+        hot(f"t{i}", f"t{i}", {f"t{i}": 10**9}, host="ht", dedicated=True, accelerator=pin)
+        for i, pin in ((0, "T4"), (1, None))
+    ]
+    held += [
+        hot(f"a{i}", f"a{i}", {f"a{i}": 10**9}, host="ha", dedicated=True,
+            accelerator="A10" if i == 0 else None)
+        for i in range(7)
+    ]  # fmt: skip
+    snap = fleet(gpus, held)
+    index = room_of(snap)
+    t4 = type_left(index, "Tesla T4", 10**9, 10**9)
+    assert type_left(index, "NVIDIA A10", 10**9, 10**9) < t4 < 0  # both short, A10 more
+    either = Demand("e", gpus=1.0, accelerator=("T4", "A10"), dedicated=True)
+    for seed in range(10):
+        assert set(plan_replica(either, snap, rng=random.Random(seed)).gpus) <= {"t2", "t3"}
+
+
 def _two_types(a10_first: int) -> Snapshot:
     """A T4 host with two 0.1 shares and two empty GPUs; an A10 host whose first GPU holds
     `a10_first` bytes and the other three are empty (every GPU 10**9 bytes)."""

@@ -7,6 +7,7 @@ this demand's slot on each GPU size, and how each GPU type ranks.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from placement.policy.room import RoomIndex, room_of
@@ -14,8 +15,10 @@ from placement.policy.settings import PolicySettings
 from placement.policy.sizing import single_gpu_slot
 from placement.policy.state import Candidate, Demand, Deployment, Level, Snapshot
 
-# GPU types whose shares of empty GPUs left (`type_left`) are within about 1/TYPES_EVEN of
-# each other are equally free, so the host with the least room decides (tuned likewise)
+# GPU types whose `type_left` are within about 1/TYPES_EVEN of each other, where it counts
+# empty GPUs, are equally free, so the host with the least room decides. A tuned constant;
+# 25 and 100 in its place give the same figures within 2 cells of 60 typed replays
+# (docs/benchmarks.md, "Typed pods")
 TYPES_EVEN = 50
 
 
@@ -78,43 +81,58 @@ def candidate_level(cached: bool, evicts: bool) -> Candidate:
 
 
 def type_left(index: RoomIndex, name: str, total: int, request: int) -> float:
-    """How much of GPU type `name` (GPUs of `total` bytes) is left, per GPU of the type,
-    once the room that requests pinned to it will still ask for is set aside. Where whole
-    GPUs are asked for on GPUs of this size (by this `request` or a replica held), the
-    room counted is its empty GPUs, to 1/TYPES_EVEN: those are what a request pinned to
-    the type runs out of first, however much room its shared GPUs keep. Elsewhere its
-    free room: shares fit in any room.
+    """How many times over GPU type `name` (GPUs of `total` bytes) can still give what it
+    is expected to be asked for before the fleet is full, less one: 0 when just enough,
+    below 0 when short. Requests that may run anywhere go to the type with the most
+    left, so types run out together and a request pinned to a type still finds room.
 
-    The room set aside is the type's part of the demand observed (`RoomIndex.pinned_share`:
-    of the slots held, those of models only some types may serve) times the fleet's free
-    room: if requests keep arriving as they have, that is what the pinned ones will ask of
-    this type before the fleet is full. So a type that its own pinned requests will need
-    whole (a fifth of the calls pinned to a seventh of the fleet) is the last that other
-    requests fill; where every type is pinned in proportion to its size, every type's
-    share moves by the same amount and they rank as before (docs/placement.md, "Choosing
-    a GPU"). The rounding to 1/TYPES_EVEN lets the host decide between types about as
-    free; a type whose empty GPUs are all set aside is never one of them: near the end of
-    a fill every share rounds to 0, and its last empty GPUs went to requests that may run
-    anywhere."""
+    Expected (`expected_ask`): the type's part of the demand observed, times the fleet's
+    free room. Its part is the share held by models only some types may serve, each
+    constraint spread over the types it allows in proportion to their GPUs
+    (`RoomIndex.pinned_share`), and of the rest, which any type may serve, its share of
+    the fleet's GPUs: if requests keep coming as they have, that is what the type will
+    be asked for. What it can give: where whole GPUs are asked for on GPUs of this size
+    (by this `request` or a replica held), its empty GPUs, to 1/TYPES_EVEN: those are
+    what a request pinned to the type runs out of first, however much room its shared
+    GPUs keep; elsewhere its free room, exact: shares fit in any room.
+
+    A ratio, not a difference: the first refusal comes when the first type runs out,
+    and a type runs out when its room is gone at the rate it is asked, whatever its
+    size; a type its pinned requests ask for more than it has is short by the same
+    measure whether it has 200 GPUs or 4,000 (docs/placement.md, "Choosing a GPU").
+    Where every type is pinned in proportion to its size, every type's expected ask is
+    its share of the fleet, and they rank by free share as before. The rounding to
+    1/TYPES_EVEN lets the host decide between types about as free; a type that is
+    short is never one of them: near the end of a fill every share rounds to 0."""
     if not index.pins():
         return 0.0  # no request is pinned to a type: any type serves any of them
-    gpus = index.type_gpus[name]
-    reserve = index.pinned_share(name) * index.free_room()
+    expected = expected_ask(index, name)
+    if expected <= 0:
+        return math.inf  # nothing held asks for it
     if counts_empty(index, total, request):
-        left = (index.type_empty[name] - reserve) / gpus
-        if reserve > 0 and left <= 0:
-            return left  # none to spare: below every type that has some, rounding or not
+        left = index.type_empty[name] / expected - 1
+        if left <= 0:
+            return left  # short: below every type that has some to spare, rounding or not
         return round(left * TYPES_EVEN) / TYPES_EVEN
-    return (index.type_room[name] - reserve) / gpus
+    return index.type_room[name] / expected - 1
+
+
+def expected_ask(index: RoomIndex, name: str) -> float:
+    """GPUs' worth that GPU type `name` is expected to be asked for before the fleet is
+    full, if requests keep coming as they have (`type_left`)."""
+    anywhere = 1.0 - sum(index.pinned_share(n) for n in index.type_gpus)
+    share = anywhere * index.type_gpus[name] / sum(index.type_gpus.values())
+    return (index.pinned_share(name) + share) * index.free_room()
+
+
+def room_to_spare(index: RoomIndex, name: str) -> bool:
+    """Whether GPU type `name` has free room beyond what the requests pinned to it will
+    still ask for (its `RoomIndex.pinned_share` of the fleet's free room). Those requests
+    take shares of GPUs in use as well as empty GPUs, so only then is room on its GPUs in
+    use free for others."""
+    return index.type_room[name] > index.pinned_share(name) * index.free_room()
 
 
 def counts_empty(index: RoomIndex, total: int, request: int) -> bool:
     """Whether `type_left` counts a type's empty GPUs (of `total` bytes) for `request`."""
     return bool(index.pins()) and (request >= total or bool(index.slot_count(total, total)))
-
-
-def room_to_spare(index: RoomIndex, name: str) -> bool:
-    """Whether GPU type `name` has free room beyond what the requests pinned to it will
-    still ask for (`type_left`'s reserve). Those requests take shares of GPUs in use as
-    well as empty GPUs, so only then is room on its GPUs in use free for others."""
-    return index.type_room[name] > index.pinned_share(name) * index.free_room()
