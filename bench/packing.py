@@ -30,7 +30,10 @@ order, shuffled again each time the list runs out, until `--arrive` x the fleet'
 were asked for; pods that need no GPU are left out, `gpu_spec` becomes the GPU types a pod
 allows. Only GPUs are packed: the pods' CPU and memory, which FGD's simulator also
 checks against each node, are not. Allocation is also read as arrivals reach 90%, 100%,
-110% and 120% of the fleet.
+110% and 120% of the fleet. Mixes the lists do not hold are derived from them, for
+held-out checks: ``--only KIND`` keeps some of a list's pods; ``--typed-share F
+[--type-balance list|fleet|even]`` draws each arrival from its typed pods with
+probability F, else from its untyped ones (`resampled`).
 
 Every policy replays the same sequence:
 
@@ -258,6 +261,8 @@ def resampled(
         ]
     else:
         weights = [1.0] * len(constraints)
+    if typed_share > 0 and not any(weights):
+        raise SystemExit("no GPU of the fleet is of a type the list's typed pods name")
     out: list[Request] = []
     asked = 0
     while asked < arrive * capacity:

@@ -248,10 +248,11 @@ def test_the_room_index_counts_the_demand_each_constraint_holds_as_replicas_come
 def test_a_request_of_two_types_takes_the_one_whose_empty_gpus_last_longest_for_its_pins() -> None:
     # T4: 4 GPUs, one held by a model pinned to T4 and one by a model that may run
     # anywhere, 2 empty. A10: 8 GPUs, one held pinned to A10 and six anywhere, 1 empty.
-    # L4: 32 empty. Each type's pinned requests hold 1 of the 9 GPUs held, so of the 35
-    # free each will ask about 3.9 more: T4's 2 empty GPUs give half of that, A10's 1 a
-    # quarter. Short by GPU, A10 is short by less (2.9 of 8 against 1.9 of 4), but it
-    # runs out first: a whole GPU that may run on either takes a T4, never A10's last.
+    # L4: 32 empty. Of the 35 GPUs free, T4 is expected to be asked for 6.4 (its pinned
+    # requests' 1 of the 9 held, and 4/44 of the 7 that may run anywhere) and A10 8.8:
+    # T4's 2 empty GPUs give 0.31 of that, A10's 1 0.11. Short per GPU, A10 is short by
+    # less (2.9 of 8 against 1.9 of 4), but it runs out first: a whole GPU that may run on
+    # either takes a T4, never A10's last.
     gpus = [gpu(f"t{i}", 10**9, host="ht", name="Tesla T4", index=i) for i in range(4)]
     gpus += [gpu(f"a{i}", 10**9, host="ha", name="NVIDIA A10", index=i) for i in range(8)]
     gpus += [
@@ -273,6 +274,34 @@ def test_a_request_of_two_types_takes_the_one_whose_empty_gpus_last_longest_for_
     either = Demand("e", gpus=1.0, accelerator=("T4", "A10"), dedicated=True)
     for seed in range(10):
         assert set(plan_replica(either, snap, rng=random.Random(seed)).gpus) <= {"t2", "t3"}
+
+
+def test_what_may_run_anywhere_is_expected_of_each_type_in_proportion_to_its_gpus() -> None:
+    # L4: 4 GPUs, one held by a model pinned to L4, 3 empty. T4: 4 GPUs, one held by a
+    # model that may run anywhere, 3 empty. A10: 12 GPUs on two hosts, ten held likewise,
+    # 2 empty on one host. Of the 12 held, 11 may run anywhere, so of the 8 GPUs free T4
+    # is expected to be asked for 1.5 (4/20 of them) and gives twice that; A10 4.4 and
+    # gives under half; L4, its pinned requests' part besides, 2.1. A whole GPU that may
+    # run anywhere takes a T4, though the A10 host has less room.
+    gpus = [gpu(f"l{i}", 10**9, host="hl", name="NVIDIA L4", index=i) for i in range(4)]
+    gpus += [gpu(f"t{i}", 10**9, host="ht", name="Tesla T4", index=i) for i in range(4)]
+    gpus += [
+        gpu(f"a{i}", 10**9, host=f"ha{i // 6}", name="NVIDIA A10", index=i % 6) for i in range(12)
+    ]
+    held = [hot("l0", "l0", {"l0": 10**9}, host="hl", dedicated=True, accelerator="L4")]
+    held.append(hot("t0", "t0", {"t0": 10**9}, host="ht", dedicated=True))
+    held += [
+        hot(f"a{i}", f"a{i}", {f"a{i}": 10**9}, host=f"ha{i // 6}", dedicated=True)
+        for i in range(10)
+    ]
+    snap = fleet(gpus, held)
+    index = room_of(snap)
+    assert index.unpinned_share() == pytest.approx(11 / 12)
+    t4, a10 = (type_left(index, n, 10**9, 10**9) for n in ("Tesla T4", "NVIDIA A10"))
+    assert a10 < 0 < type_left(index, "NVIDIA L4", 10**9, 10**9) < t4
+    anywhere = Demand("w", gpus=1.0, dedicated=True)
+    for seed in range(10):
+        assert set(plan_replica(anywhere, snap, rng=random.Random(seed)).gpus) <= {"t1", "t2", "t3"}
 
 
 def _two_types(a10_first: int) -> Snapshot:
@@ -538,6 +567,28 @@ def test_on_trace_shaped_shares_the_default_packs_as_well_as_fgd_told_the_whole_
     first = packing.replay_baseline(copy(), asks, packing.first_fit)
     for point in ("first_refusal_alloc", "end_alloc"):
         assert ours[point] >= told[point] - 0.0005 and ours[point] >= first[point], point
+
+
+def test_a_derived_mix_draws_typed_pods_at_the_share_asked_and_constraints_as_balanced() -> None:
+    pods = [packing.Request(0, 500, None), packing.Request(1, 0, None)]
+    pods += [packing.Request(1, 0, "T4")] * 9 + [packing.Request(0, 250, "A10")]
+    fleet = [packing.Machine("h0", "Tesla T4", 16, [1000] * 2)]
+    fleet += [packing.Machine("h1", "NVIDIA A10", 24, [1000] * 6)]
+    capacity = 8 * packing.UNIT
+
+    def drawn(balance: str) -> list[packing.Request]:
+        return packing.resampled(
+            random.Random(7), pods, fleet, typed_share=1 / 3, balance=balance,
+            capacity=capacity, arrive=400,
+        )  # fmt: skip
+
+    for balance, t4_share in (("list", 0.9), ("fleet", 0.25), ("even", 0.5)):
+        mix = drawn(balance)
+        typed = [r for r in mix if r.accelerator is not None]
+        assert len(typed) / len(mix) == pytest.approx(1 / 3, abs=0.02)
+        t4 = sum(r.accelerator == "T4" for r in typed) / len(typed)
+        assert t4 == pytest.approx(t4_share, abs=0.03), balance
+    assert drawn("even") == drawn("even")  # the seed replays
 
 
 @settings(max_examples=200, deadline=None)

@@ -218,8 +218,8 @@ def foreign(gpu: Gpu, view: Planning) -> bool:
 
 
 def free_whole(n: int, view: Planning, rng: random.Random) -> Option | None:
-    """`n` empty GPUs of one host: for a dedicated replica of the type with the most empty
-    GPUs left, then on the host with the least room left; or None."""
+    """`n` empty GPUs of one host: for a dedicated replica of the type with the most left
+    (`Planning.type_rank`), then on the host with the least room left; or None."""
     index = room_of(view.snap)
     allowed = index.names(view.demand.accelerator)
     dedicated = view.demand.dedicated  # an evictable replica takes any type's (`type_rank`)

@@ -16,7 +16,8 @@ from placement.policy.sizing import single_gpu_slot
 from placement.policy.state import Candidate, Demand, Deployment, Level, Snapshot
 
 # GPU types whose `type_left` are within about 1/TYPES_EVEN of each other, where it counts
-# empty GPUs, are equally free, so the host with the least room decides. A tuned constant;
+# empty GPUs and is above 0, are equally free, so the host with the least room decides. A
+# tuned constant;
 # 25 and 100 in its place give the same figures within 2 cells of 60 typed replays
 # (docs/benchmarks.md, "Typed pods")
 TYPES_EVEN = 50
@@ -101,9 +102,10 @@ def type_left(index: RoomIndex, name: str, total: int, request: int) -> float:
     size; a type its pinned requests ask for more than it has is short by the same
     measure whether it has 200 GPUs or 4,000 (docs/placement.md, "Choosing a GPU").
     Where every type is pinned in proportion to its size, every type's expected ask is
-    its share of the fleet, and they rank by free share as before. The rounding to
-    1/TYPES_EVEN lets the host decide between types about as free; a type that is
-    short is never one of them: near the end of a fill every share rounds to 0."""
+    its share of the fleet, and they rank by free share as before. Where it counts empty
+    GPUs, a type with some to spare is rounded to 1/TYPES_EVEN, so the host decides
+    between types about as free; a short one is not rounded, so it is never tied with
+    one that has some to spare."""
     if not index.pins():
         return 0.0  # no request is pinned to a type: any type serves any of them
     expected = expected_ask(index, name)
@@ -120,8 +122,7 @@ def type_left(index: RoomIndex, name: str, total: int, request: int) -> float:
 def expected_ask(index: RoomIndex, name: str) -> float:
     """GPUs' worth that GPU type `name` is expected to be asked for before the fleet is
     full, if requests keep coming as they have (`type_left`)."""
-    anywhere = 1.0 - sum(index.pinned_share(n) for n in index.type_gpus)
-    share = anywhere * index.type_gpus[name] / sum(index.type_gpus.values())
+    share = index.unpinned_share() * index.type_gpus[name] / sum(index.type_gpus.values())
     return (index.pinned_share(name) + share) * index.free_room()
 
 

@@ -7,7 +7,7 @@ cannot help an eviction are skipped at once. A shape is every host whose groups 
 alike (same types, sizes and free bytes): the policy looks for free room shape by shape,
 and a fleet of 6,200 GPUs on 1,200 hosts has a few hundred shapes, most hosts being
 empty or full; each room a GPU may have free points at the shapes with such a GPU, by
-their room. Each GPU type keeps its free share and its share of empty GPUs, so load can
+their room. Each GPU type keeps its free share and how many of its GPUs are empty, so load can
 be spread over types, and the demand the replicas held put on it
 (`placement.policy.fragmentation`), so the policy can tell room no request could use.
 
@@ -130,7 +130,7 @@ class RoomIndex:
         # as each GPU type sees them, kept for the types asked about (`demand`)
         self._asks: dict[Ask, int] = {}
         # `pinned_share` of each type, and `pins`; None: computed again when next asked
-        self._pinning: tuple[dict[str, float], bool] | None = None
+        self._pinning: tuple[dict[str, float], bool, float] | None = None
         self._demand: dict[str, Demand] = {}
         known = {gpu.id: gpu for gpu in gpus}
         whole: dict[str, int] = {}  # replica -> `whole_gpus`, decided once per replica
@@ -252,23 +252,36 @@ class RoomIndex:
         """Whether any replica held may run on some of the fleet's GPU types only."""
         return self._pinned_view()[1]
 
-    def _pinned_view(self) -> tuple[dict[str, float], bool]:
-        """Every type's `pinned_share`, and `pins`, in one pass, kept until a slot or a GPU
-        is counted again."""
+    def unpinned_share(self) -> float:
+        """The share of the demand observed that any GPU type of the fleet may serve: 1
+        less every type's `pinned_share`, from whole bytes, so exactly 0 when every
+        replica held is pinned."""
+        return self._pinned_view()[2]
+
+    def _pinned_view(self) -> tuple[dict[str, float], bool, float]:
+        """Every type's `pinned_share`, `pins` and `unpinned_share`, in one pass, kept
+        until a slot or a GPU is counted again."""
         if self._pinning is None:
             parts: dict[str, float] = {}
             pins = False
             held = sum(nbytes / total for total, nbytes in self._held.items())
+            unpinned = dict(self._held)  # bytes by GPU size
             every = self.names(None)
             for (patterns, total), nbytes in self._pinned.items():
                 names = self.names(patterns)
                 if names == every:
                     continue
                 pins = True
+                unpinned[total] -= nbytes
                 gpus = sum(self.type_gpus.get(n, 0) for n in names)
                 for n in names if held > 0 else ():
                     parts[n] = parts.get(n, 0.0) + nbytes / total * self.type_gpus[n] / gpus
-            self._pinning = {n: part / held for n, part in parts.items()}, pins
+            rest = sum(nbytes / total for total, nbytes in unpinned.items())
+            self._pinning = (
+                {n: part / held for n, part in parts.items()},
+                pins,
+                rest / held if held > 0 else 1.0,
+            )
         return self._pinning
 
     def idle(self, accelerator: Accelerator) -> list[Group]:
