@@ -17,9 +17,8 @@ from placement.policy.state import Candidate, Demand, Deployment, Level, Snapsho
 
 # GPU types whose `type_left` are within about 1/TYPES_EVEN of each other, where it counts
 # empty GPUs and is above 0, are equally free, so the host with the least room decides. A
-# tuned constant;
-# 25 and 100 in its place give the same figures within 2 cells of 60 typed replays
-# (docs/benchmarks.md, "Typed pods")
+# tuned constant: 25 and 100 in its place miss as many cells of 60 typed replays, within 1
+# (docs/benchmarks.md, "Typed pods: each type asked what it will be asked")
 TYPES_EVEN = 50
 
 

@@ -7,8 +7,8 @@ cannot help an eviction are skipped at once. A shape is every host whose groups 
 alike (same types, sizes and free bytes): the policy looks for free room shape by shape,
 and a fleet of 6,200 GPUs on 1,200 hosts has a few hundred shapes, most hosts being
 empty or full; each room a GPU may have free points at the shapes with such a GPU, by
-their room. Each GPU type keeps its free share and how many of its GPUs are empty, so load can
-be spread over types, and the demand the replicas held put on it
+their room. Each GPU type keeps its free share and how many of its GPUs are empty, so
+load can be spread over types, and the demand the replicas held put on it
 (`placement.policy.fragmentation`), so the policy can tell room no request could use.
 
 A host's room is the sum of its live GPUs' free shares (free / total): rooms compare
@@ -129,7 +129,8 @@ class RoomIndex:
         # Replicas held by what they ask (`placement.policy.fragmentation`), and the same
         # as each GPU type sees them, kept for the types asked about (`demand`)
         self._asks: dict[Ask, int] = {}
-        # `pinned_share` of each type, and `pins`; None: computed again when next asked
+        # `pinned_share` of each type, `pins` and `unpinned_share`; None: computed again
+        # when next asked
         self._pinning: tuple[dict[str, float], bool, float] | None = None
         self._demand: dict[str, Demand] = {}
         known = {gpu.id: gpu for gpu in gpus}
@@ -253,9 +254,9 @@ class RoomIndex:
         return self._pinned_view()[1]
 
     def unpinned_share(self) -> float:
-        """The share of the demand observed that any GPU type of the fleet may serve: 1
-        less every type's `pinned_share`, from whole bytes, so exactly 0 when every
-        replica held is pinned."""
+        """The share of the demand observed whose models any GPU type of the fleet may
+        serve: what no type's `pinned_share` counts, from whole bytes, so exactly 0 when
+        every replica held is pinned."""
         return self._pinned_view()[2]
 
     def _pinned_view(self) -> tuple[dict[str, float], bool, float]:
