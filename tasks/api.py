@@ -41,7 +41,7 @@ from placement.policy.state import LEAVING, RESERVING, Candidate, Level, Plan
 from tasks import context
 from tasks.app import app
 from tasks.broker import presence
-from tasks.broker.intake import LEASE_HEADER, is_name
+from tasks.broker.intake import LEASE_HEADER, is_name, redelivered
 from tasks.config import CANCEL, DEPLOY, EVICT, INFER, INTERNAL_QUEUE, STATUS
 from tasks.serving import cancelling, leases, routed, streams
 from tasks.serving.calls import (
@@ -103,13 +103,13 @@ def dispatch(
     registry = context.registry()
     sent = int(time.time() * 1000)
     held = task.request.id or uuid.uuid4().hex
-    if _redelivered(task) and _on_its_way(task):
+    if redelivered(task.request) and _on_its_way(task):
         routed.hold(registry, model, held, False)  # a dead router may have held it
         log.warning("call %s was handed on before its router died: not routing it again", held)
         raise Ignore()  # acknowledged, no result stored: the call's own answer comes
     lease = registry.pick(model, path="" if counted_of(task.request) else "router")
     if lease is not None:
-        if task.request.retries or _redelivered(task):  # an earlier attempt held it here
+        if task.request.retries or redelivered(task.request):  # an earlier attempt held it
             routed.hold(registry, model, held, False)  # (a dead router's too: no wait for its TTL)
         call = Call(model, inputs, params, lease.replica, "hot", sent, hops=hops)
         raise task.replace(
@@ -199,11 +199,6 @@ def _again(task: Task, exc: Exception, countdown: float, max_retries: int) -> Re
     """Retry the call later, on the router's internal queue, where its headers (re-route
     count, counted) keep their meaning (a public queue takes them off: `tasks.broker.intake`)."""
     return task.retry(exc=exc, countdown=countdown, max_retries=max_retries, queue=INTERNAL_QUEUE)
-
-
-def _redelivered(task: Task) -> bool:
-    """Whether the call's message was given back after its router died holding it."""
-    return bool((task.request.delivery_info or {}).get("redelivered"))
 
 
 def _on_its_way(task: Task) -> bool:

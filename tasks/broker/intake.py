@@ -88,6 +88,22 @@ MAX_CALLER_ID = MAX_NAME - ID_SUFFIX
 MAX_CANVAS = 16
 
 
+def redelivered(carrier: Any) -> bool:
+    """Whether the broker gave `carrier` (a Celery request or a kombu message) back: marked
+    delivered again (`mark_redelivered`), so it may have run before."""
+    return bool((getattr(carrier, "delivery_info", None) or {}).get("redelivered"))
+
+
+def mark_redelivered(payload: dict[str, Any]) -> None:
+    """Mark a message's payload delivered again, as kombu marks a message it restores."""
+    headers = payload.get("headers")
+    if isinstance(headers, dict):
+        headers["redelivered"] = True
+    info = (payload.get("properties") or {}).get("delivery_info")
+    if isinstance(info, dict):
+        info["redelivered"] = True
+
+
 def is_name(value: Any, *, empty: bool = False) -> bool:
     """Whether `value` is an id or name a message may carry: a string of at most
     `MAX_NAME` characters (empty only where `empty` says it may be)."""
@@ -174,7 +190,7 @@ def envelope(item: bytes | str, queue: str) -> dict[str, Any]:
     assert isinstance(headers, dict)
     properties = payload["properties"]
     info = properties.get("delivery_info")
-    redelivered = info.get("redelivered") if isinstance(info, dict) else None
+    given_back = info.get("redelivered") if isinstance(info, dict) else None
     # Where it came from, truly (restores and the consumer's checks follow it).
     properties["delivery_info"] = {"exchange": "", "routing_key": queue}
     if tenant is not None:  # a public queue's
@@ -190,7 +206,7 @@ def envelope(item: bytes | str, queue: str) -> dict[str, Any]:
                     task_id,
                 )
             headers["id"] = task_id
-    if redelivered is True:
+    if given_back is True:
         properties["delivery_info"]["redelivered"] = True
     return payload
 

@@ -67,7 +67,7 @@ from placement.ledger.tenancy.tenants import (
     worker_queue,
 )
 from tasks import context
-from tasks.broker.intake import HOPS_HEADER, LEASE_HEADER
+from tasks.broker.intake import HOPS_HEADER, LEASE_HEADER, mark_redelivered
 from tasks.broker.transport import inflight
 from tasks.config import INFER, INTERNAL_QUEUE, ROUTER_QUEUES, RUN, is_public, is_routers
 
@@ -584,7 +584,7 @@ def _holdings(
         if queue in orphaned:
             payload = for_router(payload)
             queue = INTERNAL_QUEUE
-        _mark_redelivered(payload)
+        mark_redelivered(payload)  # the router reads it: tasks/api.py
         return _Move(source, tag, old, list_for(queue, payload), json.dumps(payload))
 
     found = [move(None, tag, old) for tag, old in _unacked(client, rec.node)]
@@ -625,16 +625,6 @@ def _answered(payload: dict[str, Any], answered: Callable[[str], bool], queue: s
     if isinstance(task_id, str) and is_public(queue):
         task_id = call_id(task_id, tenant_of(queue) or DEFAULT)
     return isinstance(task_id, str) and answered(task_id)
-
-
-def _mark_redelivered(payload: dict[str, Any]) -> None:
-    """As kombu marks a message it restores (the router reads it: tasks/api.py)."""
-    headers = payload.get("headers")
-    if isinstance(headers, dict):
-        headers["redelivered"] = True
-    info = (payload.get("properties") or {}).get("delivery_info")
-    if isinstance(info, dict):
-        info["redelivered"] = True
 
 
 def for_router(payload: dict[str, Any]) -> dict[str, Any]:

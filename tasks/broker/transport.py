@@ -467,10 +467,11 @@ def _marked_again(raw: bytes) -> Any:
     """A message's payload marked delivered again (as it is, if it is no JSON message)."""
     try:
         payload = loads(bytes_to_str(raw))  # type: ignore[no-untyped-call]
-        payload["headers"]["redelivered"] = True
-        payload["properties"]["delivery_info"]["redelivered"] = True
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, TypeError):
         return raw
+    if not isinstance(payload, dict):
+        return raw
+    intake.mark_redelivered(payload)
     return dumps(payload)  # type: ignore[no-untyped-call]
 
 

@@ -73,6 +73,7 @@ from placement.rules.batching import (
 )
 from placement.rules.fairness import FairOrder
 from tasks.broker import quarantine
+from tasks.broker.intake import redelivered
 from tasks.serving import generating, leases
 from tasks.serving.batch_jobs import ChildCall
 from tasks.serving.calls import Call, call_of, tenant_of
@@ -100,7 +101,7 @@ class Held:
     def may_have_run(self) -> bool:
         """Put back (`again`) or given back by the broker: its answer is looked up before
         it runs (`batch_jobs.ran_before`)."""
-        return self.again or _redelivered(self.request)
+        return self.again or redelivered(self.request)
 
     @property
     def twin(self) -> tuple[str, int]:
@@ -178,9 +179,9 @@ class Batcher:
             return
         # A redelivered call may be what killed the last child: it runs alone this time.
         # Calls share a pass only with calls of the same time limits, the batch's own.
-        redelivered = (request.delivery_info or {}).get("redelivered")
         limits = tuple(request.time_limits)
-        group: tuple[Any, ...] = (call.replica, call.epoch, request.id if redelivered else "")
+        alone = request.id if redelivered(request) else ""
+        group: tuple[Any, ...] = (call.replica, call.epoch, alone)
         group += (GENERATE,) if generates else (limits,)
         with self._lock:
             held = Held(request, call, f"{request.id}/{next(self._keys)}")
@@ -431,7 +432,7 @@ class Batcher:
         gen = self._gen
         assert gen is not None
         job = generating.Job({w.item.key: w.item for w in batch})
-        job.alone = any(_redelivered(w.item.request) for w in batch)  # alone, as in batches
+        job.alone = any(redelivered(w.item.request) for w in batch)  # alone, as in batches
         jobs = [_child_call(w.item, w.since_ms, timed=True, share=self._share(w)) for w in batch]
         self._busy = True
         self._session = job
@@ -636,10 +637,6 @@ def _child_call(
 def _tag(request: Any) -> Any:
     """A request's delivery tag (None where it has no message)."""
     return getattr(getattr(request, "message", None), "delivery_tag", None)
-
-
-def _redelivered(request: Any) -> bool:
-    return bool((request.delivery_info or {}).get("redelivered"))
 
 
 def _generates(group: Hashable) -> bool:

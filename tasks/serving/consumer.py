@@ -222,7 +222,7 @@ class Consumer(CeleryConsumer):
         task_id = message.headers.get("id")
         if context.role() != "gpu" or not is_name(task_id):
             return False
-        if not (message.delivery_info or {}).get("redelivered"):
+        if not intake.redelivered(message):
             return False
         try:
             return bool(results.answered(self.app.backend, [task_id]))

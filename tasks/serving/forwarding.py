@@ -88,7 +88,7 @@ class Forwarder:
         self._channel = channel  # its `taken`: the message's in-flight list and bytes
 
     def __call__(self, message: Any) -> Onward | Pick | Moved | None:
-        given_back = bool((message.delivery_info or {}).get("redelivered"))
+        given_back = intake.redelivered(message)
         if given_back and _found_elsewhere(message):
             return None  # the pool drops it: its answer comes from elsewhere
         entry = quotas.enter(message, self._channel.taken)

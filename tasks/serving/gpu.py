@@ -35,7 +35,7 @@ from placement.ledger.load import BATCH_TTL_MS, mark_batch
 from placement.rules.batching import BatchLimits
 from tasks import context
 from tasks.app import app
-from tasks.broker.intake import LEASE_HEADER
+from tasks.broker.intake import LEASE_HEADER, redelivered
 from tasks.config import RUN
 from tasks.serving import batch_jobs, generating, leases, streams
 from tasks.serving.calls import Call, slot_of, tenant_of, time_limits_of
@@ -72,11 +72,10 @@ def serve(task: Task, call: Call) -> dict[str, Any]:
     replica left this worker, route it again."""
     worker = this_worker()
     prepared = batch_jobs.take_prepared(task.request.id)
-    given_back = bool((task.request.delivery_info or {}).get("redelivered"))
     # given back, it may have run (`batch_jobs.ran_before`); Celery acks an `Ignore`
     if (
         prepared is None
-        and given_back
+        and redelivered(task.request)
         and batch_jobs.answered_already([task.request.id], app.backend)
     ):
         raise batch_jobs.ran_already()
