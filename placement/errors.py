@@ -68,6 +68,10 @@ class AtFloorError(PlacementError):
     """Scaling in would take a model below its `replicas: {min}`; the replica stays."""
 
 
+class ScaledSinceError(PlacementError):
+    """A model's replicas changed after a scaling decision about it; the next look decides again."""
+
+
 class WarmCopyGoneError(PlacementError):
     """A neighbour's warm copy was gone or changed while it was read; the load reads the disk."""
 

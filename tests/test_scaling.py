@@ -244,6 +244,29 @@ def test_a_late_scale_in_leaves_a_replica_placed_again_since_alone(reg: Registry
     assert len([e for e in events(reg) if e["kind"] == "evicted"]) == 1
 
 
+def test_a_decision_made_before_the_models_replicas_changed_changes_nothing(
+    reg: Registry,
+) -> None:
+    first = make_hot(reg, reg.place(Demand("m", size=GiB)))
+    (before,) = read_loads(reg, {"m": [(first, Level.HOT, "w0", epoch_of(reg, first))]})
+    second = make_hot(reg, reg.place(Demand("m", size=GiB, replicas=2)))  # another router's
+    level, _ = scale_in(reg, second, epoch_of(reg, second), 1, "scale in m 2\u21921: idle")
+    assert level is not None
+    settle_leaving(reg)  # the model is back at one replica, as the decision saw it
+    out = Demand("m", size=GiB, replicas=2)
+    plan, detail = scale_out(reg, out, frozenset(), "late", changes=before.changes)
+    assert plan is None and "ScaledSinceError" in detail and "changed since" in detail
+    assert [d.replica for d in placed(reg, "m")] == [first]
+    (now,) = read_loads(reg, {"m": [(first, Level.HOT, "w0", epoch_of(reg, first))]})
+    plan, detail = scale_out(reg, out, frozenset(), "fresh", changes=now.changes)
+    assert plan is not None, detail  # a decision on the fleet as it is goes through
+    make_hot(reg, plan)
+    stale = scale_in(reg, first, epoch_of(reg, first), 1, "late in", changes=before.changes)
+    assert stale[0] is None and "ScaledSinceError" in stale[1]
+    assert len(placed(reg, "m")) == 2
+    assert audit(reg.snapshot()) == []
+
+
 def test_two_routers_scaling_at_once_stay_within_the_bounds_and_never_double_place(
     redis_url: str, reg: Registry
 ) -> None:
@@ -256,11 +279,13 @@ def test_two_routers_scaling_at_once_stay_within_the_bounds_and_never_double_pla
     stop = threading.Event()
 
     def act(router: Registry, kwargs: dict[str, Any]) -> None:
+        changes = kwargs["changes"]
         if "target" in kwargs:
             demand = Demand("m", size=GiB, replicas=kwargs["target"])
-            scale_out(router, demand, frozenset(kwargs["avoid"]), kwargs["why"])
+            scale_out(router, demand, frozenset(kwargs["avoid"]), kwargs["why"], changes=changes)
         else:
-            scale_in(router, kwargs["replica"], kwargs["epoch"], kwargs["floor"], kwargs["why"])
+            args = (kwargs["replica"], kwargs["epoch"], kwargs["floor"], kwargs["why"])
+            scale_in(router, *args, changes=changes)
 
     def route(router: Registry) -> None:
         loop = ScalingLoop(router, rules, Scaler(window_ms=0), send=lambda kw: act(router, kw))

@@ -74,6 +74,12 @@ class Keys:
         return f"{self.prefix}:active"
 
     @property
+    def changes(self) -> str:
+        """Hash: model -> how many times its placed replicas changed (one placed or one
+        leaving); a scale-out names the count its decision saw (commit.lua)."""
+        return f"{self.prefix}:changes"
+
+    @property
     def counted(self) -> str:
         """Set of models whose outcomes the router counted (hits need a replica record)."""
         return f"{self.prefix}:counted"

@@ -39,10 +39,12 @@ Placed = dict[str, list[tuple[str, Level, str, int]]]  # model -> (replica, leve
 
 def read_loads(store: Store, placed: Placed) -> list[ModelLoad]:
     """The load of each model in `placed` (its placed replicas from the caller's view of
-    the ledger), read in one round trip."""
+    the ledger), read in one round trip, with the model's `changes` count: a decision
+    names it, so that it is refused once the model's replicas changed (commit.lua)."""
     k = store.keys
     commands: list[tuple[object, ...]] = [("time",)]
     for model, replicas in placed.items():
+        commands.append(("hget", k.changes, model))
         commands.append(("zrange", k.model_routing(model), 0, -1, False, True))
         for replica, *_ in replicas:
             commands.append(("zrange", k.leases(replica), 0, -1, False, True))
@@ -53,6 +55,7 @@ def read_loads(store: Store, placed: Placed) -> list[ModelLoad]:
     now = int(sec) * 1000 + int(usec) // 1000
     loads = []
     for model, replicas in placed.items():
+        changes = int(next(rows) or 0)
         routing = sum(1 for _, deadline in next(rows) if deadline > now)
         seen = []
         for replica, level, worker, epoch in replicas:
@@ -61,7 +64,7 @@ def read_loads(store: Store, placed: Placed) -> list[ModelLoad]:
             idle = 0 if in_flight else max(0, now - int(last_used or now))
             running = int(batch or 0)
             seen.append(ReplicaLoad(replica, level, in_flight, idle, worker, epoch, running))
-        loads.append(ModelLoad(model, seen, routing))
+        loads.append(ModelLoad(model, seen, routing, changes))
     return loads
 
 

@@ -164,6 +164,7 @@ class Membership(Store):
                         "dep": keys.add(k.deployment(r)),
                         "leases": keys.add(k.leases(r)),
                         "active": keys.add(k.active),
+                        "changes": keys.add(k.changes),
                         "host": keys.add(k.host(host or "")),
                         "host_warm": keys.add(k.host_warm(host or "")),
                         "gpus": [{"id": g, "key": keys.add(k.gpu(g))} for g in held],

@@ -27,6 +27,7 @@ from placement.errors import (
     PlacementError,
     PlanRejectedError,
     RegistryError,
+    ScaledSinceError,
     SettlingError,
 )
 from placement.ledger import records
@@ -185,12 +186,16 @@ class Registry(Membership):
         lease_id: str = "",
         lease_ms: int = DEFAULT_REQUEST_LEASE_MS,
         why: str = "",
+        changes_seen: int | None = None,
     ) -> Plan:
         """Apply `plan`, made from `snap`, atomically; raise `PlanRejectedError` if stale.
 
         Returns the plan with its new epoch. `lease_id` pins the replica for the call that
         caused the placement, so pressure cannot evict it before that call runs. `why`
         goes into the placement's event (a scale-out says why it placed another replica).
+        A scale-out names the model's `changes` count it was decided at (`changes_seen`):
+        if a replica of the model was placed or left since, nothing is placed
+        (`ScaledSinceError`), since the decision judged a fleet that is gone.
         """
         k = self.keys
         keys = KeyList()
@@ -201,11 +206,13 @@ class Registry(Membership):
             "reuse": plan.reuse.value if plan.reuse else "",
             "expect_worker": old.worker if old and plan.reuse else "",
             "max_active": plan.max_active,
+            "changes_seen": -1 if changes_seen is None else changes_seen,
             "dep": keys.add(k.deployment(plan.replica)),
             "leases": keys.add(k.leases(plan.replica)),
             "lease": lease_id,
             "lease_ms": lease_ms,
             "active": keys.add(k.active),
+            "changes": keys.add(k.changes),
             "replicas_key": keys.add(k.model_replicas(plan.model)),
             "deps_key": keys.add(k.deployments),
             "worker_deps": keys.add(k.worker_deployments(plan.worker)),
@@ -244,6 +251,8 @@ class Registry(Membership):
         }
         result = self._run_json("commit", keys, payload)
         if result[0] != 1:
+            if result[1] == "SCALED":
+                raise ScaledSinceError(f"{plan.model} stays as it is: {result[2]}")
             raise PlanRejectedError(f"{result[1]}: {result[2]}")
         return replace(plan, epoch=int(result[2]))
 
@@ -266,6 +275,7 @@ class Registry(Membership):
         return self._warm_ref(d, keys) | {
             "leases": keys.add(k.leases(d.replica)),
             "active": keys.add(k.active),
+            "changes": keys.add(k.changes),
             "gpus": [{"id": g, "key": keys.add(k.gpu(g))} for g in d.gpus],
         }
 
@@ -280,6 +290,7 @@ class Registry(Membership):
         settle_wait_s: float = SETTLE_WAIT_S,
         avoid_workers: frozenset[str] = frozenset(),
         why: str = "",
+        changes_seen: int | None = None,
     ) -> Plan:
         """Snapshot, plan and commit one more replica, retrying on stale plans.
 
@@ -289,6 +300,7 @@ class Registry(Membership):
         the move to settle (then the copy can be restored), else raises `SettlingError`.
         `lease_id` pins the placed replica for the caller's request (see `commit`).
         The replica goes to none of the GPUs of `avoid_workers`; `why` goes into its event.
+        A scale-out passes `changes_seen` (see `commit`).
         """
         last: PlanRejectedError | None = None
         deadline = time.monotonic() + settle_wait_s
@@ -303,7 +315,9 @@ class Registry(Membership):
                     tries += 1
                     if plan.candidate is Candidate.DEPLOYED:
                         return plan
-                    return self.commit(plan, snap, lease_id=lease_id, why=why)
+                    return self.commit(
+                        plan, snap, lease_id=lease_id, why=why, changes_seen=changes_seen
+                    )
                 except NeverFitsError:
                     raise  # the fleet's shape: a fresher view would not change it
                 except CantAccommodateError:
@@ -434,13 +448,16 @@ class Registry(Membership):
         floor: int | None = None,
         epoch: int = 0,
         why: str = "",
+        changes_seen: int | None = None,
     ) -> Level:
         """Drain, then offload (to WARM when the host cache has room) or drop a replica.
 
         With `floor` it is a scale-in: only the HOT, idle replica of placement `epoch`
         leaves, and only while its model keeps `floor` others placed (`AtFloorError`;
         `PlacementError` when it moved or is busy), so scaling stays within the model's
-        bounds whichever routers run it. `why` goes into the eviction's event.
+        bounds whichever routers run it; with `changes_seen` (the model's `changes` count
+        the scale-in was decided at) nothing leaves once the model's replicas changed since
+        (`ScaledSinceError`). `why` goes into the eviction's event.
 
         Returns the replica's level afterwards: DRAINING while requests are in flight
         (call again when they finish), OFFLOADING or DROPPING while its worker moves it
@@ -467,6 +484,7 @@ class Registry(Membership):
                 "drops": [self._warm_ref(snap.deployments[r], keys) for r in drops],
                 "floor": -1 if floor is None else floor,
                 "epoch": epoch,
+                "changes_seen": -1 if changes_seen is None else changes_seen,
                 "why": why,
             }
             result = self._run_json("evict", keys, payload)
@@ -476,6 +494,8 @@ class Registry(Membership):
                 raise RegistryError(f"no replica {replica} in the registry")
             if result[1] == "FLOOR":
                 raise AtFloorError(f"{replica} stays: {result[2]}")
+            if result[1] == "SCALED":
+                raise ScaledSinceError(f"{replica} stays: {result[2]}")
             if result[1] in ("MOVED", "BUSY"):
                 raise PlacementError(f"{replica} stays: {result[2]}")
         raise PlanRejectedError(f"replica {replica} kept moving while being evicted")

@@ -81,6 +81,7 @@ class ModelLoad:
     model: str
     replicas: Sequence[ReplicaLoad]  # placed (HOT, LOADING, WAITING, DRAINING)
     routing: int = 0  # calls the router holds for it: misses being placed, busy retries
+    changes: int | None = None  # times its placed replicas changed, as read
 
     @property
     def ready(self) -> int:
@@ -107,6 +108,7 @@ class ScaleOut:
     placed: int  # replicas placed now
     target: int  # replicas once this one is placed
     why: str
+    changes: int | None = None  # the load's `changes`: any change since voids the decision
 
 
 @dataclass(frozen=True)
@@ -117,6 +119,7 @@ class ScaleIn:
     placed: int
     target: int
     why: str
+    changes: int | None = None  # as for ScaleOut
 
 
 Decision = ScaleOut | ScaleIn
@@ -126,7 +129,8 @@ Decision = ScaleOut | ScaleIn
 class Scaler:
     """The rule, with what it must remember between looks: since when each model has
     been under pressure. One per router; several routers may run it at once, since the
-    registry refuses a placement past `target` and an eviction below the floor."""
+    registry refuses a placement past `target`, an eviction below the floor, and either
+    once the model's replicas changed since the load was read."""
 
     threshold: float = DEFAULT_THRESHOLD
     window_ms: int = DEFAULT_WINDOW_MS
@@ -163,7 +167,7 @@ class Scaler:
                     f"scale out {load.model} {placed}\u2192{placed + 1}: {load.waiting} waiting "
                     f"on {ready} ready replica{'s' if ready != 1 else ''}"
                 )
-                return ScaleOut(load.model, placed, placed + 1, why)
+                return ScaleOut(load.model, placed, placed + 1, why, load.changes)
             return None
         keep = rule.keep_alive_ms if rule.keep_alive_ms is not None else self.keep_alive_ms
         idle = [r for r in load.replicas if r.ready and r.in_flight == 0 and r.idle_ms >= keep]
@@ -174,5 +178,7 @@ class Scaler:
                 f"scale in {load.model} {placed}\u2192{placed - 1}: replica {gone.replica[:8]} "
                 f"idle {gone.idle_ms / 1000:.0f} s (keep_alive {keep / 1000:g} s)"
             )
-            return ScaleIn(load.model, gone.replica, gone.epoch, placed, placed - 1, why)
+            return ScaleIn(
+                load.model, gone.replica, gone.epoch, placed, placed - 1, why, load.changes
+            )
         return None

@@ -6,8 +6,10 @@ a `gpufleet.scale` task to the routers' internal queue (which only fleet process
 write: a caller's `gpufleet.scale` is refused), so Flower lists every scale-out and
 scale-in with its reason; the task logs the same line and the registry's event says it
 too (`why`). Several routers may decide the same thing at once: a scale-out places the
-replica only while the model has fewer than its target (commit.lua), and a scale-in
-evicts only above the model's floor (evict.lua), so the loser's task changes nothing.
+replica only while the model has fewer than its target (commit.lua), a scale-in evicts
+only above the model's floor (evict.lua), and either acts only while the model's replicas
+are as the decision saw them (its `changes` count), so the loser's task, or one that
+arrives after the fleet moved on, changes nothing.
 
 A scale-out prefers a warm copy, then free memory (the policy's order), on a GPU worker
 that holds no replica of the model (a worker runs one call at a time, so a second
@@ -70,7 +72,11 @@ class ScalingLoop:
         pressed = sorted(m.model for m in loads if m.pressure >= self.scaler.threshold)
         by_model = {m.model: m for m in loads}
         for decision in decisions:
-            kwargs: dict[str, Any] = {"model": decision.model, "why": decision.why}
+            kwargs: dict[str, Any] = {
+                "model": decision.model,
+                "why": decision.why,
+                "changes": decision.changes,
+            }
             if isinstance(decision, ScaleOut):
                 kwargs |= {
                     "target": decision.target,
@@ -89,12 +95,18 @@ def _send_task(kwargs: dict[str, Any]) -> None:
 
 
 def scale_out(
-    registry: Registry, demand: Demand, avoid: frozenset[str], why: str
+    registry: Registry,
+    demand: Demand,
+    avoid: frozenset[str],
+    why: str,
+    *,
+    changes: int | None = None,
 ) -> tuple[Plan | None, str]:
     """Place one more replica of `demand.model`, up to `demand.replicas` placed, on none of
-    `avoid`'s GPUs: the plan, or None and why nothing was placed."""
+    `avoid`'s GPUs, while the model's `changes` count is still `changes` (None: any): the
+    plan, or None and why nothing was placed."""
     try:
-        plan = registry.place(demand, avoid_workers=avoid, why=why)
+        plan = registry.place(demand, avoid_workers=avoid, why=why, changes_seen=changes)
     except GpufleetError as exc:
         return None, f"{type(exc).__name__}: {exc}"
     if plan.candidate is Candidate.DEPLOYED:
@@ -103,12 +115,19 @@ def scale_out(
 
 
 def scale_in(
-    registry: Registry, replica: str, epoch: int, floor: int, why: str
+    registry: Registry,
+    replica: str,
+    epoch: int,
+    floor: int,
+    why: str,
+    *,
+    changes: int | None = None,
 ) -> tuple[Level | None, str]:
     """Offload (or drop) `replica`, if still HOT and idle in placement `epoch`, while its
-    model keeps `floor` others placed: the level it went to, or None and why it stays."""
+    model keeps `floor` others placed and its `changes` count is still `changes`
+    (None: any): the level it went to, or None and why it stays."""
     try:
-        level = registry.evict(replica, floor=floor, epoch=epoch, why=why)
+        level = registry.evict(replica, floor=floor, epoch=epoch, why=why, changes_seen=changes)
     except GpufleetError as exc:
         return None, f"{type(exc).__name__}: {exc}"
     return level, f"replica {replica} is {level.value}"
@@ -123,6 +142,7 @@ def _scale_intake(headers: dict[str, Any], a: dict[str, Any]) -> None:
         "target": a["target"] is None or (is_count(a["target"]) and a["target"] >= 1),
         "epoch": is_count(a["epoch"]),
         "floor": is_count(a["floor"]),
+        "changes": a["changes"] is None or is_count(a["changes"]),
         **{
             name: a[name] is None or (isinstance(a[name], list) and all(map(is_name, a[name])))
             for name in ("avoid", "protect")
@@ -149,17 +169,18 @@ def scale(
     replica: str | None = None,
     epoch: int = 0,
     floor: int = 0,
+    changes: int | None = None,
 ) -> dict[str, Any]:
     """Carry out one scaling decision: place a replica (`target`), or evict one (`replica`)."""
     registry = context.registry()
     fields: dict[str, Any]
     if replica is not None:
-        level, detail = scale_in(registry, replica, epoch, floor, why)
+        level, detail = scale_in(registry, replica, epoch, floor, why, changes=changes)
         fields = {"replica": replica, "level": level.value} if level is not None else {}
     else:
         spec = context.catalog().get(model)
         demand = replace(context.demand(spec, replicas=target), protect=frozenset(protect or ()))
-        plan, detail = scale_out(registry, demand, frozenset(avoid or ()), why)
+        plan, detail = scale_out(registry, demand, frozenset(avoid or ()), why, changes=changes)
         fields = {"replica": plan.replica, "gpus": dict(plan.gpus)} if plan is not None else {}
     done = bool(fields)
     log.info("%s: %s%s", why, "" if done else "not done, ", detail)

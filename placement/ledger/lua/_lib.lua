@@ -71,17 +71,30 @@ local function add_gpus(r, refs, field, sign)
   end
 end
 
+-- A model gains (1) or loses (-1) a placed replica: its `active` count follows, and its
+-- `changes` count grows, so a scaling decision made before this change is refused.
+-- `v` = {active, changes}: the two hashes' key indexes.
+local function count_placed(v, model, delta)
+  redis.call('HINCRBY', K(v.active), model, delta)
+  redis.call('HINCRBY', K(v.changes), model, 1)
+end
+
+-- The model's `changes` count is still `seen` (what a scaling decision saw), or seen < 0.
+local function unchanged_since(v, model, seen)
+  return seen < 0 or num(redis.call('HGET', K(v.changes), model)) == seen
+end
+
 local RESERVING = {WAITING = true, LOADING = true, HOT = true, DRAINING = true}
 local ON_DEVICE = {LOADING = true, HOT = true, DRAINING = true, OFFLOADING = true, DROPPING = true}
 
 -- Start taking a replica off its GPUs: it leaves the plan (`reserved`, the model's
 -- active count) at once and goes OFFLOADING (its host's warm cache is charged now) or
 -- DROPPING; its copy stays in `held` until its worker settles (settle.lua). `v` is a JSON
--- reference: {replica, dep, active, host, gpus=[{id, key}]}; `r` its record.
+-- reference: {replica, dep, active, changes, host, gpus=[{id, key}]}; `r` its record.
 local function leave(v, r, to, now)
   local dep_key = K(v.dep)
   add_gpus(r, v.gpus, 'reserved', -1)
-  redis.call('HINCRBY', K(v.active), r.model, -1)
+  count_placed(v, r.model, -1)
   if to == 'WARM' then
     redis.call('HINCRBY', K(v.host), 'warm_used', r.cached)
     redis.call('HSET', dep_key, 'level', 'OFFLOADING', 'since', now)
@@ -168,13 +181,13 @@ end
 -- back, its request leases end (their calls are routed again) and it goes COLD with no
 -- holder; a WAITING one gives back a CUDA context charge no load opened (forget_context).
 -- `v` is a JSON reference:
--- {replica, dep, leases, active, worker_deps, host, host_warm, gpus=[{id, key}]}; `r` its
--- record.
+-- {replica, dep, leases, active, changes, worker_deps, host, host_warm, gpus=[{id, key}]};
+-- `r` its record.
 local function to_cold(v, r, now)
   local level = r.level
   if RESERVING[level] then
     add_gpus(r, v.gpus, 'reserved', -1)
-    redis.call('HINCRBY', K(v.active), r.model, -1)
+    count_placed(v, r.model, -1)
   end
   if level == 'WAITING' then
     for _, g in ipairs(v.gpus) do forget_context(K(g.key), r.worker) end

@@ -2,16 +2,18 @@
 -- KEYS: every key named in ARGV[1].
 -- ARGV[1] = JSON plan:
 --   {replica, model, reuse ('' | 'WARM' | 'COLD'), expect_worker, max_active, maxlen,
---    dep, active, replicas_key, deps_key, worker_deps, worker_key, control, old_worker_deps,
+--    changes_seen (-1, or the model's `changes` count a scale-out was decided at), dep,
+--    active, changes, replicas_key, deps_key, worker_deps, worker_key, control, old_worker_deps,
 --    host_key, host_warm_key, events, leases, lease ('' or a request lease id), lease_ms,
 --    limit, fraction, size, dedicated, accelerator ('' or the GPU types allowed, a JSON
 --    list), host, worker, queue, why ('' or the reason), read_from ('' or where a warm
 --    copy of another worker lies that the load reads its weights from),
 --    gpus=[{id, key, bytes, limit, worker}],
---    evictions=[{replica, dep, leases, active, worker_deps, host, host_warm, control,
---                expect_worker, to, gpus=[{id, key}]}],
+--    evictions=[{replica, dep, leases, active, changes, worker_deps, host, host_warm,
+--                control, expect_worker, to, gpus=[{id, key}]}],
 --    drops=[{replica, dep, worker_deps, host, host_warm, control, expect_worker}]}
--- Checks: the replica record is as the plan saw it; the model has fewer than max_active
+-- Checks: the replica record is as the plan saw it; a scale-out's model has not changed
+-- its placed replicas since the decision (SCALED); the model has fewer than max_active
 -- replicas placed; the worker that will load it and every target GPU's owner are the ones
 -- the plan saw, with live leases; every victim is still HOT, idle, not dedicated and on
 -- the GPUs the plan saw; after the victims leave each target GPU admits its `limit`
@@ -44,6 +46,9 @@ else
 end
 if num(redis.call('HGET', K(p.worker_key), 'lease_deadline')) <= now then
   return {0, 'DEAD', 'worker ' .. p.worker .. ' lease expired'}
+end
+if not unchanged_since(p, p.model, p.changes_seen) then
+  return {0, 'SCALED', p.model .. "'s replicas changed since the scale-out was decided"}
 end
 local active = num(redis.call('HGET', K(p.active), p.model))
 if active >= p.max_active then
@@ -166,7 +171,7 @@ if p.reuse == '' then  -- a record, once made, stays in both sets (nothing remov
   redis.call('SADD', K(p.replicas_key), p.replica)
 end
 redis.call('SADD', K(p.worker_deps), p.replica)
-redis.call('HINCRBY', K(p.active), p.model, 1)
+count_placed(p, p.model, 1)
 redis.call('DEL', K(p.leases))  -- no lease of an earlier placement carries over
 if p.lease ~= '' then
   redis.call('ZADD', K(p.leases), now + p.lease_ms, p.lease)

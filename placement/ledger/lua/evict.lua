@@ -1,9 +1,10 @@
 -- evict.lua: take one replica off its GPUs on request: drain it, then offload or drop it.
 -- KEYS: every key named in ARGV[1].
--- ARGV[1] = JSON {replica, dep, leases, active, worker_deps, host, host_warm, control, events,
---                 maxlen, expect_worker, to ('WARM' | 'COLD'), gpus=[{id, key}],
+-- ARGV[1] = JSON {replica, dep, leases, active, changes, worker_deps, host, host_warm,
+--                 control, events, maxlen, expect_worker, to ('WARM' | 'COLD'), gpus=[{id, key}],
 --                 drops=[{replica, dep, worker_deps, host, host_warm, control, expect_worker}],
---                 floor (-1: none), epoch, why ('' or the reason, for the event)}
+--                 floor (-1: none), epoch, changes_seen (-1, or the model's `changes` count
+--                 the scale-in was decided at), why ('' or the reason, for the event)}
 -- A scale-in (floor >= 0) takes only the HOT, idle replica of placement `epoch`, and only
 -- while its model keeps `floor` others placed: it never drains, two routers never take a
 -- model below its floor, and a late or repeated decision changes nothing.
@@ -16,7 +17,8 @@
 -- COLD turns DROPPING.
 -- Returns {1, level now} | {2, 'DRAINING', live leases} | {0, reason, detail}; reasons:
 -- NOT_FOUND, STALE (the record is not as the caller saw it); for a scale-in also MOVED
--- (not that HOT placement any more), BUSY (calls in flight) and FLOOR.
+-- (not that HOT placement any more), SCALED (the model's placed replicas changed since the
+-- decision), BUSY (calls in flight) and FLOOR.
 local a = cjson.decode(ARGV[1])
 local dep = K(a.dep)
 local now = now_ms()
@@ -27,6 +29,9 @@ local events = K(a.events)
 if a.floor >= 0 then
   if level ~= 'HOT' or r.epoch ~= a.epoch then
     return {0, 'MOVED', a.replica .. ' is ' .. level .. ' in placement ' .. r.epoch}
+  end
+  if not unchanged_since(a, model, a.changes_seen) then
+    return {0, 'SCALED', model .. "'s replicas changed since the scale-in was decided"}
   end
   local calls = live_leases(K(a.leases), now)
   if calls > 0 then return {0, 'BUSY', a.replica .. ' has ' .. calls .. ' calls in flight'} end

@@ -3,7 +3,8 @@
 -- ARGV[1] = JSON {worker, force (bool), maxlen, workers, worker_key, worker_deps, control,
 --                 gpus_set, events, own=[{id, key}] (the GPUs it owns),
 --                 contexts=[{id, key}] (the GPUs it keeps a CUDA context on, commit.lua),
---                 deps=[{replica, dep, leases, active, host, host_warm, gpus=[{id, key}]}]}
+--                 deps=[{replica, dep, leases, active, changes, host, host_warm,
+--                        gpus=[{id, key}]}]}
 -- `deps` must be exactly the worker's deployment set and `contexts` its context list.
 -- Every deployment goes COLD, whatever its level (pending moves included), and its GPU
 -- bytes (`reserved` and `held`), warm-cache bytes and request leases are released, and so

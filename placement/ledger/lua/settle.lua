@@ -1,7 +1,7 @@
 -- settle.lua: the worker that holds a replica reports the GPU work a pending move needed.
 -- KEYS: every key named in ARGV[1].
--- ARGV[1] = JSON {replica, worker, epoch, outcome, maxlen, dep, leases, active, worker_deps,
---                 host, host_warm, events, copy_at, gpus=[{id, key}]}
+-- ARGV[1] = JSON {replica, worker, epoch, outcome, maxlen, dep, leases, active, changes,
+--                 worker_deps, host, host_warm, events, copy_at, gpus=[{id, key}]}
 -- outcome:
 --   'offloaded'  OFFLOADING -> WARM: the copy is in CPU memory, its device bytes are free;
 --                `copy_at` says where the host's other workers may read it ('' nowhere)
