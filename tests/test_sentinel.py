@@ -4,6 +4,7 @@ when its primary is killed or stopped (docs/deploy.md, "Redis Sentinel")."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import json
@@ -23,7 +24,7 @@ from celery import Celery
 
 from placement.config import Settings, safe_url
 from placement.errors import ConfigError
-from placement.ledger import endpoint
+from placement.ledger import endpoint, primaries
 from placement.ledger.audit import ledger_problems
 from placement.ledger.registry import Registry
 from placement.policy.state import Gpu
@@ -278,10 +279,13 @@ def test_a_write_no_replica_confirms_on_a_server_the_sentinels_do_not_name_is_wr
 
 
 def test_once_one_connection_finds_a_new_primary_every_connection_to_the_old_one_is_shut(
-    group: SentinelGroup,
+    group: SentinelGroup, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A read blocked on a stopped primary ends as soon as another connection of the
-    process learns from the Sentinels that the primary moved, not at its own timeout."""
+    process learns from the Sentinels that the primary moved, not at its own timeout:
+    so it does where the Sentinels do not let the fleet hear ``+switch-master`` (their
+    listeners are left out here)."""
+    monkeypatch.setattr(primaries.Primaries, "_listen", lambda *_: None)
     old = group.primary_port()
     waiting = endpoint.connect(group.url, socket_timeout=60)  # its own timeout: a minute
     waiting.ping()
@@ -310,6 +314,39 @@ def test_once_one_connection_finds_a_new_primary_every_connection_to_the_old_one
         waiting.ping()  # the next command reaches the new primary
         assert waiting.connection_pool.get_connection().port == new
         other.close()
+    finally:
+        os.kill(group.node(old).pid, signal.SIGCONT)
+        waiting.close()
+
+
+def test_a_read_blocked_on_a_stopped_primary_ends_when_a_sentinel_announces_the_switch(
+    group: SentinelGroup, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With no other connection to learn from, a process leaves a stopped primary at the
+    Sentinels' ``+switch-master``, not at its connections' own timeouts."""
+    old = group.primary_port()
+    waiting = endpoint.connect(group.url, socket_timeout=60)  # its own timeout: a minute
+    waiting.ping()  # the process now listens to the group's Sentinels
+    ended: list[float] = []
+
+    def wait() -> None:
+        with contextlib.suppress(redis.ConnectionError):
+            waiting.blpop(["nothing-comes"], timeout=50)
+        ended.append(time.monotonic())
+
+    os.kill(group.node(old).pid, signal.SIGSTOP)
+    try:
+        reader = threading.Thread(target=wait, daemon=True)
+        reader.start()
+        with caplog.at_level("WARNING", logger=primaries.__name__):
+            new = group.wait_failover(old)
+            switched = time.monotonic()
+            reader.join(10)
+        assert ended, "the read on the old primary did not end"
+        assert ended[0] - switched < 3.0, "left the old primary long after the switch"
+        assert any(f"leaving 127.0.0.1:{old}" in r.getMessage() for r in caplog.records)
+        waiting.ping()  # the next command reaches the new primary
+        assert waiting.connection_pool.get_connection().port == new
     finally:
         os.kill(group.node(old).pid, signal.SIGCONT)
         waiting.close()
@@ -381,6 +418,15 @@ def test_a_group_with_users_lets_the_fleets_users_look_it_up_and_nothing_more(
         for command in (("FAILOVER", group.master_name), ("REMOVE", group.master_name)):
             with pytest.raises(redis.exceptions.NoPermissionError):
                 sentinel.execute_command("SENTINEL", *command)
+        hears = sentinel.pubsub()
+        hears.subscribe(primaries.SWITCH_CHANNEL)  # when the primary moves, and only that
+        assert hears.get_message(timeout=2)["channel"] == primaries.SWITCH_CHANNEL.encode()
+        other = sentinel.pubsub()
+        other.subscribe("__sentinel__:hello")  # what the Sentinels tell each other
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            other.get_message(timeout=2)
+        hears.close()
+        other.close()
         replication = redis.Redis(
             HOST, group.primary_port(), username="replication", password="r-pw"
         )

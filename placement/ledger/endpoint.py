@@ -29,12 +29,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import socket
 import threading
 import time
 import urllib.parse
-import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +43,7 @@ import redis.sentinel
 from redis.exceptions import ReadOnlyError, ResponseError
 
 from placement.errors import ConfigError
+from placement.ledger.primaries import primaries
 
 log = logging.getLogger(__name__)
 
@@ -415,98 +413,14 @@ class _AsyncLeavesNonPrimary:
 
 class PrimaryConnection(_LeavesNonPrimary, redis.sentinel.SentinelManagedConnection):
     """A connection to the primary the Sentinels name (`_LeavesNonPrimary`). As it
-    opens, it tells the process which primary the Sentinels name (`_Primaries`): every
-    other connection of the process to a primary they no longer name is closed then."""
+    opens, it tells the process which primary the Sentinels name
+    (`placement.ledger.primaries`): every connection of the process to a primary they no
+    longer name is shut then, or when a Sentinel announces the switch."""
 
     def connect_to(self, address: Any) -> None:
         super().connect_to(address)  # type: ignore[no-untyped-call]
         if self.connection_pool.is_master:
-            _primaries.named(self, (str(address[0]), int(address[1])))
-
-
-class _Primaries:
-    """The primary the Sentinels last named to this process, per group, and the process's
-    open connections to primaries (`PrimaryConnection`).
-
-    A process learns that a primary moved when one of its connections opens: one whose
-    server stopped answering (a SIGSTOP, a host cut off) timed out, or found it demoted.
-    Its other connections to the old server learn only as each times out in turn
-    (`FAILOVER_SOCKET_TIMEOUT_S`), or never while idle in a pool; a worker's consumer,
-    registry, result store and claim each waited out their own, and calls stalled 15 s
-    through a 20 s SIGSTOP. So, once the Sentinels name another server, every connection
-    to the old one is shut at once (`socket.shutdown`, which also ends a read blocked on
-    it): its next read or write fails with `ConnectionError`, which every fleet client
-    retries, on a new connection to the new primary. Writes on the old server would be
-    lost with its data anyway."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._named: dict[tuple[Any, ...], tuple[str, int]] = {}
-        self._open: weakref.WeakSet[PrimaryConnection] = weakref.WeakSet()
-
-    def named(self, connection: PrimaryConnection, address: tuple[str, int]) -> None:
-        """`connection` opened to `address`, the primary its Sentinels named as it began."""
-        group = _group_of(connection)
-        with self._lock:
-            self._open.add(connection)
-            old = self._named.get(group)
-            if old is None or old == address:
-                self._named[group] = address
-                return
-        # Another primary than the last: the Sentinels are asked again first, so that a
-        # connection that looked up the old one before the failover (or asked a Sentinel
-        # that had not heard of it yet) and opened late never sends the process back.
-        pool = connection.connection_pool
-        try:
-            now = pool.sentinel_manager.discover_master(pool.service_name)
-        except redis.RedisError:
-            return
-        if (str(now[0]), int(now[1])) != address:
-            return
-        me = os.getpid()
-        with self._lock:
-            old = self._named.get(group)
-            self._named[group] = address
-            if old is None or old == address:
-                return
-            leaving = [
-                sock
-                for c in self._open
-                if c.pid == me and (c.host, int(c.port)) == old and _group_of(c) == group
-                if (sock := getattr(c, "_sock", None)) is not None
-            ]  # fmt: skip
-        log.warning(
-            "the Sentinels name %s:%d the primary of %s now: leaving %s:%d (%d connections)",
-            *address, pool.service_name, *old, len(leaving),
-        )  # fmt: skip
-        for sock in leaving:  # the sockets of then: one reopened since is left alone
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
-
-    def forked(self) -> None:
-        """In a forked child: the parent's connections are not this process's to shut."""
-        self._lock = threading.Lock()
-        self._open = weakref.WeakSet()
-
-
-def _group_of(connection: Any) -> tuple[Any, ...]:
-    """A Sentinel-watched connection's group: its primary's name and its Sentinels (read
-    once per connection: redis-py reorders a pool's Sentinels as it asks them)."""
-    group: tuple[Any, ...] | None = getattr(connection, "_gpufleet_group", None)
-    if group is None:
-        pool = connection.connection_pool
-        sentinels = sorted(
-            f"{s.connection_pool.connection_kwargs.get('host')}:"
-            f"{s.connection_pool.connection_kwargs.get('port')}"
-            for s in list(pool.sentinel_manager.sentinels)
-        )
-        group = (pool.service_name, *sentinels)
-        connection._gpufleet_group = group
-    return group
-
-
-_primaries = _Primaries()
-os.register_at_fork(after_in_child=_primaries.forked)
+            primaries.named(self, (str(address[0]), int(address[1])))
 
 
 class ServerConnection(_LeavesNonPrimary, redis.Connection):

@@ -33,8 +33,8 @@ Sentinels ever sees: `replication`, with which a replica reads its primary's str
 (PSYNC, REPLCONF), and `sentinel`, with which the Sentinels watch and reconfigure the
 data nodes (INFO, REPLICAOF, CONFIG REWRITE, ...) and sign in to each other. On the
 Sentinels themselves the fleet's three users may only ask where the primary, the
-replicas and the other Sentinels are (`SENTINEL_LOOKUP_RULES`): none may reconfigure,
-fail over or remove the group.
+replicas and the other Sentinels are, and hear when the primary moves
+(`SENTINEL_LOOKUP_RULES`): none may reconfigure, fail over or remove the group.
 
 The `default` user is off and has no password, so no connection can be it. It may still
 run every command on every key: Redis replays its append-only file as `default`, and from
@@ -153,11 +153,12 @@ _SENTINEL_RULES = (
     "allchannels -@all +auth +hello +ping +multi +exec +slaveof +replicaof +config|rewrite "
     "+role +publish +subscribe +info +client|setname +client|kill +script|kill"
 )
-#: The fleet's users on a Sentinel: where the group's nodes are, nothing more.
+#: The fleet's users on a Sentinel: where the group's nodes are, and when the primary
+#: moves (`placement.ledger.primaries` hears ``+switch-master``), nothing more.
 SENTINEL_LOOKUP_RULES = (
     "-@all +auth +hello +ping +client|setname +sentinel|masters "
     "+sentinel|master +sentinel|slaves +sentinel|replicas +sentinel|sentinels "
-    "+sentinel|get-master-addr-by-name"
+    "+sentinel|get-master-addr-by-name +subscribe +unsubscribe resetchannels &+switch-master"
 )
 
 
