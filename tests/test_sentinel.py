@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import itertools
 import json
 import os
@@ -329,14 +330,14 @@ def test_a_read_blocked_on_a_stopped_primary_ends_when_a_sentinel_announces_the_
     waiting.ping()  # the process now listens to the group's Sentinels
     ended: list[float] = []
 
-    def wait() -> None:
+    def wait(client: redis.Redis) -> None:
         with contextlib.suppress(redis.ConnectionError):
-            waiting.blpop(["nothing-comes"], timeout=50)
+            client.blpop(["nothing-comes"], timeout=50)
         ended.append(time.monotonic())
 
     os.kill(group.node(old).pid, signal.SIGSTOP)
     try:
-        reader = threading.Thread(target=wait, daemon=True)
+        reader = threading.Thread(target=wait, args=(waiting,), daemon=True)
         reader.start()
         with caplog.at_level("WARNING", logger=primaries.__name__):
             new = group.wait_failover(old)
@@ -350,6 +351,15 @@ def test_a_read_blocked_on_a_stopped_primary_ends_when_a_sentinel_announces_the_
     finally:
         os.kill(group.node(old).pid, signal.SIGCONT)
         waiting.close()
+    ports = {f"gpufleet-sentinel-127.0.0.1:{s.port}" for s in group.sentinels}
+    assert len(ports & {t.name for t in threading.enumerate()}) == 3  # one per Sentinel
+    del waiting
+    gc.collect()
+    until("the listeners stop with the last client", lambda: not _listening(ports), 5)
+
+
+def _listening(names: set[str]) -> bool:
+    return bool(names & {t.name for t in threading.enumerate()})
 
 
 def test_a_plain_clients_publish_rides_out_a_failover(group: SentinelGroup) -> None:

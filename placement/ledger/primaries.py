@@ -61,7 +61,7 @@ class Primaries:
         self._lock = threading.Lock()
         self._named: dict[Group, Address] = {}
         self._open: weakref.WeakSet[Any] = weakref.WeakSet()
-        self._heard: set[Group] = set()  # groups whose Sentinels this process listens to
+        self._heard: dict[Group, object] = {}  # groups heard -> their listeners' token
 
     def named(self, connection: Any, address: Address) -> None:
         """`connection` (a `PrimaryConnection`) opened to `address`, the primary its
@@ -113,27 +113,39 @@ class Primaries:
         `_lock`)."""
         if group in self._heard:
             return
-        self._heard.add(group)
+        token = self._heard[group] = object()
         for sentinel in list(pool.sentinel_manager.sentinels):
             threading.Thread(
                 target=self._hear,
-                args=(group, sentinel),
+                args=(group, sentinel, token),
                 name=f"gpufleet-sentinel-{_where(sentinel)}",
                 daemon=True,
             ).start()
 
-    def _hear(self, group: Group, sentinel: redis.Redis) -> None:
+    def _hear(self, group: Group, sentinel: redis.Redis, token: object) -> None:
         """Follow one Sentinel's `SWITCH_CHANNEL` for `group`'s primary, subscribing again
-        when the Sentinel is lost, for as long as the process runs."""
+        when the Sentinel is lost, while the listeners of `token` are the group's own."""
         name, where = group[0], _where(sentinel)
-        while True:
-            pubsub = sentinel.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
+        # A client of its own: the pool's Sentinel clients are shared, and a connection
+        # another thread disconnects under a read raises whatever redis-py meets then.
+        kwargs = sentinel.connection_pool.connection_kwargs
+        own = redis.Redis(
+            kwargs["host"],
+            kwargs["port"],
+            username=kwargs.get("username"),
+            password=kwargs.get("password"),
+            socket_timeout=kwargs.get("socket_timeout"),
+            socket_connect_timeout=kwargs.get("socket_connect_timeout"),
+        )
+        while self._wanted(group, token):
+            pubsub = own.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
             try:
                 pubsub.subscribe(SWITCH_CHANNEL)
-                while True:
+                while self._wanted(group, token):
                     message = pubsub.get_message(timeout=LISTEN_S)
                     if message is not None:
                         self._switch(group, name, message.get("data"))
+                break
             except redis.exceptions.NoPermissionError as exc:
                 log.warning(
                     "Sentinel %s does not let this user hear failovers (%s): give the "
@@ -141,13 +153,27 @@ class Primaries:
                     "connections leave a stopped primary only at their own timeouts",
                     where, exc, SWITCH_CHANNEL,
                 )  # fmt: skip
-                return
-            except (redis.RedisError, OSError):
+                break
+            except Exception:  # a listener outlives whatever its connection raises
                 log.debug("lost Sentinel %s; subscribing again", where, exc_info=True)
             finally:
-                with contextlib.suppress(redis.RedisError, OSError):
+                with contextlib.suppress(Exception):
                     pubsub.close()
             time.sleep(RESUBSCRIBE_S)
+        own.close()
+
+    def _wanted(self, group: Group, token: object) -> bool:
+        """Whether the listeners of `token` still serve `group`: they are its own, and a
+        connection of the group is alive in this process (a client's pool keeps its
+        connections, open or not, until the client goes). When none is, the listeners
+        stop, and the group's next connection starts others."""
+        with self._lock:
+            if self._heard.get(group) is not token:
+                return False
+            if any(group_of(c) == group for c in self._open):
+                return True
+            del self._heard[group]
+            return False
 
     def _switch(self, group: Group, name: str, data: Any) -> None:
         """A `SWITCH_CHANNEL` message (`data`) for `group`, whose primary is `name`."""
@@ -161,7 +187,7 @@ class Primaries:
         its listeners (threads do not survive a fork) this process's to rely on."""
         self._lock = threading.Lock()
         self._open = weakref.WeakSet()
-        self._heard = set()
+        self._heard = {}
 
 
 def group_of(connection: Any) -> Group:
