@@ -12,7 +12,8 @@ set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
-stage() { printf '\n==> %s\n' "$*"; }
+# Each stage says when it began, in seconds since the script started: where a run's time goes.
+stage() { printf '\n==> [%ds] %s\n' "$SECONDS" "$*"; }
 
 if [[ ! -x .venv/bin/python ]]; then
   stage "creating .venv"
