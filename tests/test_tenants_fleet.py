@@ -124,25 +124,28 @@ def call(client: Celery, text: str) -> Any:
 def test_a_tenants_burst_delays_another_tenants_calls_by_about_a_batch_not_the_burst(
     fleet: tuple[RunningFleet, dict[str, str]],
 ) -> None:
+    """Counted in calls, not seconds (a busy 2-core machine stretches seconds; the
+    figure in seconds is `bench.fairness`'s): while each of b's calls waits, the worker
+    answers at most the pass it is running and the one b's call joins, never a's queue."""
     _, env = fleet
     a, b = new_tenant(env, "burst-a"), new_tenant(env, "steady-b")
     call(a, TEXT).get(timeout=TIMEOUT_S)  # the router takes each queue now
     call(b, TEXT).get(timeout=TIMEOUT_S)
-    began = time.monotonic()
     burst = [call(a, f"{i} {TEXT}") for i in range(400)]
-    waits = []
+    spans = []
     for i in range(20):
-        sent = time.monotonic()
-        assert call(b, f"b{i} {TEXT}").get(timeout=TIMEOUT_S)["outputs"]
-        waits.append(time.monotonic() - sent)
+        sent = time.time()
+        answer = call(b, f"b{i} {TEXT}").get(timeout=TIMEOUT_S)
+        assert answer["outputs"]
+        spans.append((sent, answer["timings_ms"]["ended_at"] / 1000))
     answers = [c.get(timeout=TIMEOUT_S) for c in burst]
-    drained = time.monotonic() - began
     assert all(answer["outputs"] for answer in answers)
-    print(
-        f"400 calls of a drained in {drained:.2f} s; b's 20 calls took at most "
-        f"{max(waits):.2f} s (mean {sum(waits) / len(waits):.2f} s)"
-    )
-    assert max(waits) <= 0.1 * drained, (max(waits), drained, waits)
+    batch = max(answer["timings_ms"]["batch_calls"] for answer in answers)  # calls a pass held
+    done = [answer["timings_ms"]["ended_at"] / 1000 for answer in answers]  # the worker's clock
+    ahead = [sum(1 for t in done if sent < t <= end) for sent, end in spans]
+    print(f"a's passes held up to {batch} calls; a's answers during each of b's: {ahead}")
+    assert ahead[0] < len(burst) // 2  # b's first call did not wait behind the burst
+    assert max(ahead) <= 2 * batch, (ahead, batch)
 
 
 def test_tenants_flooding_at_once_share_the_first_half_of_the_answers_by_weight(
