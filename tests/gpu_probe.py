@@ -90,7 +90,7 @@ def load_on(arg: str) -> dict[str, Any]:
         "current_device": torch.cuda.current_device(),
         "param_devices": sorted({str(p.device) for p in model.parameters()}),
         "fraction": manager.fraction(target.cuda_index or 0),
-        "embedding_dim": manager.infer("r1", "hello")["dim"],
+        "embedding_dim": manager.calls.infer("r1", "hello")["dim"],
     }
 
 
@@ -105,7 +105,7 @@ def offload_restore(arg: str) -> dict[str, Any]:
     spec = Catalog.load(REPO / "models.yaml").get("minilm")
     arena = [manager.arena.pinned]
     manager.load(spec, "r1", {first.gpu_id(HOST): GiB})
-    before = manager.infer("r1", "same input")
+    before = manager.calls.infer("r1", "same input")
     loaded = (torch.cuda.memory_reserved(0), _nvml_used(first.index))
     assert manager.arena.settle(30)  # room for its copy, pinned ahead on the arena's thread
     arena.append(manager.arena.pinned)
@@ -124,7 +124,7 @@ def offload_restore(arg: str) -> dict[str, Any]:
         "nvml_used": [loaded[1], offloaded[1]],
         "pinned": warm_pinned,
         "param_devices": sorted({str(p.device) for p in model.parameters()}),
-        "same_output": manager.infer("r1", "same input") == before,
+        "same_output": manager.calls.infer("r1", "same input") == before,
         "offload_gbps": offload.gbps,
         "restore_gbps": restore.gbps,
         "arena_free_after_restore": free_after_restore,
@@ -144,7 +144,7 @@ def cross_worker_read(arg: str) -> dict[str, Any]:
     holder = ResidencyManager(devices[:1], HOST, arena_bytes=GiB, publish=True)
     minilm = Catalog.load(REPO / "models.yaml").get("minilm")
     holder.load(minilm, "a", {devices[0].gpu_id(HOST): GiB})
-    before = holder.infer("a", "same input")
+    before = holder.calls.infer("a", "same input")
     holder.offload("a")
     locator = holder.locator("a")
     done = subprocess.run(
@@ -175,7 +175,7 @@ def read_warm_copy(arg: str) -> dict[str, Any]:
     return {
         "via": report.via,
         "param_devices": sorted({str(p.device) for p in model.parameters()}),
-        "output": reader.infer("b", "same input"),
+        "output": reader.calls.infer("b", "same input"),
         "gbps": report.gbps,
     }
 
@@ -200,7 +200,7 @@ def read_vs_transformers(arg: str) -> dict[str, Any]:
         "via": [ours.via, theirs.via],
         "param_devices": sorted({str(p.device) for p in models[0].parameters()}),
         "same_weights": same,
-        "same_output": manager.infer("ours", text) == manager.infer("theirs", text),
+        "same_output": manager.calls.infer("ours", text) == manager.calls.infer("theirs", text),
         "allocated_after_read": allocated,
         "weight_bytes": ours.nbytes,
         "gbps": [ours.gbps, theirs.gbps],

@@ -219,12 +219,12 @@ def test_batched_outputs_equal_each_call_run_alone(
     manager: ResidencyManager, devices: list[Device], task: str, inputs: list[Any], params: Any
 ) -> None:
     manager.load(synthetic(task), "r1", {gpu(devices): GiB})
-    ran, gpus = manager.run_batch("r1", [(i, params) for i in inputs])
+    ran, gpus = manager.calls.run_batch("r1", [(i, params) for i in inputs])
     assert gpus == [gpu(devices)]
     assert [r.batch for r in ran] == [len(inputs)] * len(inputs)  # one shared pass
     for call, outcome in zip(inputs, ran, strict=True):
         assert outcome.error is None
-        alone = manager.infer("r1", call, params)
+        alone = manager.calls.infer("r1", call, params)
         assert close(outcome.outputs, alone), (call, outcome.outputs, alone)
 
 
@@ -234,10 +234,10 @@ def test_minilm_batched_gives_each_caller_its_own_embeddings_as_alone(
     minilm = Catalog.load(REPO / "models.yaml")["minilm"]
     manager.load(minilm, "r1", {gpu(devices): GiB})
     texts = [f"caller {i} asks about {topic}" for i, topic in enumerate(["cats", "rates", "rain"])]
-    ran, _ = manager.run_batch("r1", [(t, None) for t in texts])
+    ran, _ = manager.calls.run_batch("r1", [(t, None) for t in texts])
     vectors = [r.outputs["embeddings"][0] for r in ran]
     for text, vector in zip(texts, vectors, strict=True):
-        assert close(vector, manager.infer("r1", text)["embeddings"][0])
+        assert close(vector, manager.calls.infer("r1", text)["embeddings"][0])
     assert len({tuple(v) for v in vectors}) == 3  # three callers, three answers
 
 
@@ -250,12 +250,12 @@ def test_a_batch_whose_activations_would_pass_the_reservation_is_split_and_all_a
     manager.load(spec, "r1", {gpu(devices): 64 * MiB}, limit=64 * MiB + 24 * MiB)
     calls = [([f"{i}" + "x" * 511] * 8, None) for i in range(8)]
     with pytest.raises(torch.OutOfMemoryError):  # the calls as one request do not fit
-        manager.infer("r1", [text for call, _ in calls for text in call])
-    ran, _ = manager.run_batch("r1", calls)
+        manager.calls.infer("r1", [text for call, _ in calls for text in call])
+    ran, _ = manager.calls.run_batch("r1", calls)
     assert all(r.error is None for r in ran)
     assert 1 < max(r.batch for r in ran) < len(calls)  # shared, but in several passes
     for (call, _), outcome in zip(calls, ran, strict=True):
-        assert close(outcome.outputs, manager.infer("r1", call))
+        assert close(outcome.outputs, manager.calls.infer("r1", call))
 
 
 def test_a_bad_call_in_a_batch_fails_alone_and_the_others_are_answered(
@@ -269,7 +269,7 @@ def test_a_bad_call_in_a_batch_fails_alone_and_the_others_are_answered(
         ("a [MASK]", {"temperature": 2}),
         ("one more [MASK]", None),
     ]
-    ran, _ = manager.run_batch("r1", requests)
+    ran, _ = manager.calls.run_batch("r1", requests)
     errors = [type(r.error).__name__ if r.error else None for r in ran]
     assert errors == [None, "PayloadError", "PayloadError", "PayloadError", None]
     assert "has no mask token" in str(ran[2].error)
@@ -282,11 +282,11 @@ def test_a_pass_that_fails_is_run_again_one_call_at_a_time_so_only_its_culprit_f
     manager.load(synthetic("fill-mask"), "r1", {gpu(devices): GiB})
     cut = "word " * 40 + "[MASK]"  # truncation at 16 tokens cuts its mask off
     requests = [("the [MASK] sat", {"max_length": 16}), (cut, {"max_length": 16})]
-    ran, _ = manager.run_batch("r1", requests)
+    ran, _ = manager.calls.run_batch("r1", requests)
     assert ran[0].error is None and ran[0].batch == 1  # answered, alone, after the retry
     assert isinstance(ran[1].error, PayloadError)
     assert "cut the mask token" in str(ran[1].error)
-    assert close(ran[0].outputs, manager.infer("r1", *requests[0]))
+    assert close(ran[0].outputs, manager.calls.infer("r1", *requests[0]))
 
 
 # --- the worker's hold on calls (tasks.serving.batching.Batcher) ----------------------------

@@ -136,7 +136,7 @@ def test_minilm_read_by_gpufleet_gives_the_embeddings_transformers_gives(
     ours, theirs = load_both(manager, devices, source, "feature-extraction", dtype="float32")
     assert_same_model(ours, theirs)
     sentences = ["A man is eating food.", "The stock market fell sharply today."]
-    assert manager.infer("ours", sentences) == manager.infer("theirs", sentences)
+    assert manager.calls.infer("ours", sentences) == manager.calls.infer("theirs", sentences)
 
 
 def test_a_head_stored_apart_from_tied_embeddings_stays_apart_as_in_transformers(
@@ -243,7 +243,7 @@ def test_checkpoints_the_reader_cannot_match_load_through_transformers(
         save_file(weights, directory / "model.safetensors", metadata={"format": "pt"})
     report = manager.load(spec(directory, task, **fields), "r", {devices[0].gpu_id(HOST): GiB})
     assert report.via == "transformers"
-    assert manager.infer("r", "hello", {"max_new_tokens": 2})["texts"]
+    assert manager.calls.infer("r", "hello", {"max_new_tokens": 2})["texts"]
 
 
 def test_writing_to_a_loaded_weight_never_changes_the_file(

@@ -78,18 +78,18 @@ def test_each_load_move_and_pass_runs_in_one_span_and_a_warm_up_in_its_loads() -
     try:
         steps = [
             lambda: manager.load(minilm, "r1", slot),  # its warm-up pass is the load's
-            lambda: manager.infer("r1", "a cat"),
+            lambda: manager.calls.infer("r1", "a cat"),
             lambda: manager.offload("r1"),
             lambda: manager.restore("r1", {devices[1].gpu_id(HOST): GiB}),
             lambda: manager.drop("r1"),
         ]
         for step in steps:
-            before = manager._spans.begun
+            before = manager.spans.begun
             step()
-            assert manager._spans.begun == before + 1
+            assert manager.spans.begun == before + 1
         with pytest.raises(torch.OutOfMemoryError):  # a load that fails ends its span too
             manager.load(minilm, "r2", {devices[0].gpu_id(HOST): 1024})
-        with manager._spans.span() as after:
+        with manager.spans.span() as after:
             assert after.alone  # no span was left running
     finally:
         manager.drop_all()
@@ -105,11 +105,11 @@ def test_a_generation_runs_in_one_span_so_a_load_beside_it_keeps_no_figure() -> 
     ).get("g")  # fmt: skip
     try:
         manager.load(spec, "r", {devices[0].gpu_id(HOST): GiB})
-        opened = manager.open_engine("r")
+        opened = manager.calls.open_engine("r")
         assert opened is not None
-        with opened, manager._spans.span() as beside:
+        with opened, manager.spans.span() as beside:
             assert not beside.alone  # the generation's own span is running
-        with manager._spans.span() as after:
+        with manager.spans.span() as after:
             assert after.alone  # and it ended with the generation
     finally:
         manager.drop_all()
@@ -123,7 +123,7 @@ def test_a_calls_thread_reads_the_caps_under_the_keepers_lock() -> None:
         manager.device_caps.reserved(0)  # what a batch's room is computed from
         read.set()
 
-    with manager._lock:  # the keeper, adding or removing a replica
+    with manager.lock:  # the keeper, adding or removing a replica
         reader = threading.Thread(target=call)
         reader.start()
         assert not read.wait(0.2)  # the call waits: no dict changes size under its walk
@@ -163,7 +163,7 @@ def cuda_pass(monkeypatch: pytest.MonkeyPatch) -> tuple[ResidencyManager, _Devic
     pass's measurement, run on a CPU."""
     from worker import handlers, loading
     from worker.devices import Device
-    from worker.residency import Resident
+    from worker.resident import Resident
 
     device, learned = _Device(), _Learned()
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", device.reset)
@@ -180,13 +180,14 @@ def cuda_pass(monkeypatch: pytest.MonkeyPatch) -> tuple[ResidencyManager, _Devic
     spec = _minilm()
     slots = {gpu.gpu_id(HOST): GiB}
     manager.residents["r"] = Resident("r", spec, None, None, slots, 0, 100, 100)
-    manager._weights["m"], manager._reported["m"] = 100, 100  # as a clean load left them
+    books = manager.learned
+    books.weights["m"], books.reported["m"] = 100, 100  # as a clean load left them
     return manager, device, learned
 
 
 def _one_pass(manager: ResidencyManager) -> None:
     ran: list[Any] = [None]
-    manager._run_chunk(manager.residents["r"], {0: GiB}, False, [(0, ["a cat"])], {}, ran)
+    manager.calls._run_chunk(manager.residents["r"], {0: GiB}, False, [(0, ["a cat"])], {}, ran)
     assert ran[0].error is None
 
 
@@ -204,7 +205,7 @@ def test_a_cuda_pass_beside_a_load_neither_resets_the_peaks_nor_reports(
 ) -> None:
     manager, device, learned = cuda_pass
     device.use(5000)  # a load on the keeper's thread: its peak must not be cut short
-    with manager._spans.span():
+    with manager.spans.span():
         _one_pass(manager)
     assert device.resets == 0 and learned.reports == []
 
@@ -216,7 +217,7 @@ def test_a_cuda_pass_that_a_load_began_during_reports_nothing(
     from worker import handlers
 
     def with_a_load_starting(*args: Any) -> Any:
-        with manager._spans.span():  # the keeper begins a load while the pass runs
+        with manager.spans.span():  # the keeper begins a load while the pass runs
             device.use(9000)
         return [{}]
 
@@ -240,7 +241,7 @@ def test_calls_retried_one_at_a_time_after_a_failed_pass_still_report(
     monkeypatch.setattr(handlers, "run_many", fails_together)
     ran: list[Any] = [None, None]
     chunk = [(0, ["a cat"]), (1, ["a dog"])]
-    manager._run_chunk(manager.residents["r"], {0: GiB}, False, chunk, {}, ran)
+    manager.calls._run_chunk(manager.residents["r"], {0: GiB}, False, chunk, {}, ran)
     assert [r.error for r in ran] == [None, None]
     assert device.resets == 3  # the failed pass, then each retry in its span
     assert learned.reports == [("m", 600)]
@@ -266,5 +267,5 @@ def test_a_synthetic_model_on_cuda_reads_no_memory_statistics_per_call(
     resident.spec = replace(resident.spec, source="synthetic")
     assert resident.spec.synthetic
     monkeypatch.setattr(torch.cuda, "set_device", lambda index: None)
-    assert manager.run_batch("r", [("a cat", None)])[0][0].error is None
+    assert manager.calls.run_batch("r", [("a cat", None)])[0][0].error is None
     assert device.reads == 0 and device.resets == 0 and learned.reports == []

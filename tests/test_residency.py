@@ -55,8 +55,8 @@ def test_minilm_loads_and_gives_repeatable_384_dimensional_embeddings(
 ) -> None:
     report = manager.load(catalog.get("minilm"), "r1", {gpu(devices, 0): GiB})
     assert report.nbytes > 80 * MiB  # the real weights, about 87 MiB
-    first = manager.infer("r1", ["a cat sat on the mat", "stocks fell sharply"])
-    again = manager.infer("r1", ["a cat sat on the mat", "stocks fell sharply"])
+    first = manager.calls.infer("r1", ["a cat sat on the mat", "stocks fell sharply"])
+    again = manager.calls.infer("r1", ["a cat sat on the mat", "stocks fell sharply"])
     assert first["dim"] == 384
     assert len(first["embeddings"]) == 2
     assert first == again
@@ -90,12 +90,12 @@ def test_a_call_that_needs_more_than_the_load_measured_raises_the_learned_peak(
 ) -> None:
     registry, manager = reporting
     report = manager.load(catalog.get("minilm"), "r1", {gpu(devices, 0): GiB})
-    manager.infer("r1", "short")  # needs less than the warm-up: nothing to report
+    manager.calls.infer("r1", "short")  # needs less than the warm-up: nothing to report
     assert registry.snapshot().learned["minilm"] == report.peak_bytes
-    manager.infer("r1", ["a longer sentence about a cat on a mat " * 8] * 4)
+    manager.calls.infer("r1", ["a longer sentence about a cat on a mat " * 8] * 4)
     grown = registry.snapshot().learned["minilm"]
     assert grown > report.peak_bytes  # a replica placed now has room for such a call
-    manager.infer("r1", "short")
+    manager.calls.infer("r1", "short")
     assert registry.snapshot().learned["minilm"] == grown  # it never shrinks
     assert [e["kind"] for e in registry.events()] == ["measured", "measured"]
 
@@ -104,13 +104,13 @@ def test_offload_then_restore_on_another_gpu_gives_identical_outputs(
     manager: ResidencyManager, catalog: Catalog, devices: list[Device]
 ) -> None:
     manager.load(catalog.get("minilm"), "r1", {gpu(devices, 0): GiB})
-    before = manager.infer("r1", "the same sentence")
+    before = manager.calls.infer("r1", "the same sentence")
     offload = manager.offload("r1")
     assert offload.nbytes > 80 * MiB
     with pytest.raises(EvictedError, match="route the request again"):
-        manager.infer("r1", "the same sentence")
+        manager.calls.infer("r1", "the same sentence")
     manager.restore("r1", {gpu(devices, 1): GiB})
-    assert manager.infer("r1", "the same sentence") == before
+    assert manager.calls.infer("r1", "the same sentence") == before
     assert manager.summary()[0]["gpus"] == {gpu(devices, 1): GiB}
 
 
@@ -128,9 +128,9 @@ def test_synthetic_models_serve_every_task_deterministically(
 ) -> None:
     spec = synthetic(f"syn-{task}", task, 64 * MiB)
     manager.load(spec, "r1", {gpu(devices, 0): 256 * MiB})
-    out = manager.infer("r1", ["hello", "world"])
+    out = manager.calls.infer("r1", ["hello", "world"])
     assert len(out[key]) in (2, 8)  # a batch of two, or the 8-value head of forward
-    assert manager.infer("r1", ["hello", "world"]) == out
+    assert manager.calls.infer("r1", ["hello", "world"]) == out
 
 
 def test_a_synthetic_model_is_accounted_at_its_declared_size(
@@ -146,7 +146,7 @@ def test_a_synthetic_model_is_accounted_at_its_declared_size(
     # the failed load left nothing behind, and the first model still serves
     assert [r["replica"] for r in manager.summary()] == ["r1"]
     manager.load(synthetic("sim-1g", "forward", GiB), "r3", {gpu(devices, 0): GiB})
-    assert manager.infer("r1", "still here")["shape"]
+    assert manager.calls.infer("r1", "still here")["shape"]
 
 
 def test_a_load_beyond_its_reservation_raises_the_cuda_oom_error(
@@ -163,8 +163,8 @@ def test_a_call_whose_activations_pass_the_reservation_raises_oom_and_the_worker
     spec = synthetic("tight", "forward", 64 * MiB)
     manager.load(spec, "r1", {gpu(devices, 0): 64 * MiB + 2 * MiB})
     with pytest.raises(torch.OutOfMemoryError, match="send a smaller batch"):
-        manager.infer("r1", ["x" * 8000] * 64)
-    assert manager.infer("r1", "short")["shape"]
+        manager.calls.infer("r1", ["x" * 8000] * 64)
+    assert manager.calls.infer("r1", "short")["shape"]
 
 
 def test_malformed_inputs_get_clear_errors_and_the_model_keeps_serving(
@@ -172,10 +172,10 @@ def test_malformed_inputs_get_clear_errors_and_the_model_keeps_serving(
 ) -> None:
     manager.load(catalog.get("minilm"), "r1", {gpu(devices, 0): GiB})
     with pytest.raises(PayloadError, match="string or a list of strings"):
-        manager.infer("r1", {"text": "nested"})
+        manager.calls.infer("r1", {"text": "nested"})
     with pytest.raises(PayloadError, match="unknown"):
-        manager.infer("r1", "ok", {"temperature": 2})
-    assert manager.infer("r1", "fine")["dim"] == 384
+        manager.calls.infer("r1", "ok", {"temperature": 2})
+    assert manager.calls.infer("r1", "fine")["dim"] == 384
 
 
 def test_the_process_fraction_follows_the_reservation_and_resets_when_empty(
@@ -222,7 +222,7 @@ def test_every_demo_model_loads_and_serves_in_the_slot_the_policy_gives_it(
     try:
         request, limit = slot
         manager.load(spec, "r1", {gpu(devices, 0): request}, limit)  # with its warm-up call
-        assert manager.infer("r1", "a demo call")["batch"] == 1
+        assert manager.calls.infer("r1", "a demo call")["batch"] == 1
     finally:
         manager.drop_all()
 
@@ -236,9 +236,9 @@ def test_a_one_gpu_replica_may_grow_to_its_admission_limit_but_no_further(
     limit = 64 * MiB + 24 * MiB
     manager.load(spec, "r1", {gpu(devices, 0): 64 * MiB}, limit=limit)
     assert manager.fraction(0) == process_fraction(limit, devices[0].total)
-    assert manager.infer("r1", ["x" * 512] * 8)["shape"]
+    assert manager.calls.infer("r1", ["x" * 512] * 8)["shape"]
     with pytest.raises(torch.OutOfMemoryError):
-        manager.infer("r1", ["x" * 8000] * 64)
+        manager.calls.infer("r1", ["x" * 8000] * 64)
 
 
 def test_a_dropped_replica_frees_its_weights_even_while_something_still_refers_to_them(
@@ -265,19 +265,19 @@ def test_a_model_loaded_again_after_its_drop_reuses_its_tokenizer(
     manager.drop("r1")
     manager.load(spec, "r2", {gpu(devices, 1): GiB})
     assert manager.residents["r2"].tokenizer is first
-    assert manager.infer("r2", "same tokens")["dim"] == 384
+    assert manager.calls.infer("r2", "same tokens")["dim"] == 384
 
 
 def passes_of(manager: ResidencyManager, monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The replicas of every forward pass `manager.infer` runs from now on (warm-ups too)."""
+    """The replicas of every call `manager.calls` runs from now on (warm-ups too)."""
     passes: list[str] = []
-    infer = manager.infer
+    infer = manager.calls.infer
 
     def counted(replica: str, *args: Any) -> Any:
         passes.append(replica)
         return infer(replica, *args)
 
-    monkeypatch.setattr(manager, "infer", counted)
+    monkeypatch.setattr(manager.calls, "infer", counted)
     return passes
 
 
@@ -295,7 +295,7 @@ def test_a_model_loaded_again_in_the_same_process_skips_its_warm_up(
     again = manager.load(spec, "r2", {gpu(devices, 1): GiB})
     assert passes == []  # the miss waits for the load alone
     assert again.peak_bytes == first.peak_bytes == registry.snapshot().learned["minilm"]
-    assert manager.infer("r2", "served after all")["dim"] == 384
+    assert manager.calls.infer("r2", "served after all")["dim"] == 384
 
 
 class _Interrupted(Exception):
@@ -320,10 +320,10 @@ def test_a_whole_pass_error_fails_every_call_of_the_pass_without_a_retry_one_by_
 
     monkeypatch.setattr(handlers, "run_many", interrupted_when_shared)
     requests = [("a cat", None), ("a dog", None)]
-    retried, _ = manager.run_batch("r1", requests)
+    retried, _ = manager.calls.run_batch("r1", requests)
     assert [r.error for r in retried] == [None, None]  # any other error: one by one
-    manager.whole_pass_errors = (_Interrupted,)
-    failed, _ = manager.run_batch("r1", requests)
+    manager.calls.whole_pass_errors = (_Interrupted,)
+    failed, _ = manager.calls.run_batch("r1", requests)
     assert all(isinstance(r.error, _Interrupted) and r.batch == 2 for r in failed)
 
 
@@ -344,7 +344,7 @@ def test_a_failed_pass_frees_what_its_frames_held_while_its_error_is_still_kept(
         raise RuntimeError("the pass failed")
 
     monkeypatch.setattr(handlers, "run_many", fails_holding_activations)
-    (ran,), _ = manager.run_batch("r1", [("a cat", None)])
+    (ran,), _ = manager.calls.run_batch("r1", [("a cat", None)])
     assert isinstance(ran.error, RuntimeError)
     assert held and held[0]() is None  # freed, though `ran.error` still lives
 

@@ -213,7 +213,7 @@ def test_a_simulated_gpus_restored_model_keeps_answering_once_its_region_is_reus
     slots = {devices[0].gpu_id("h"): GiB}
     try:
         holder.load(minilm, "a", slots)
-        before = holder.infer("a", "the same sentence")
+        before = holder.calls.infer("a", "the same sentence")
         holder.offload("a")
         assert holder.locator("a")  # its copy went into the arena
         holder.restore("a", slots)
@@ -221,7 +221,7 @@ def test_a_simulated_gpus_restored_model_keeps_answering_once_its_region_is_reus
         region = holder.arena.reserve(holder.residents["a"].host_bytes)
         assert region is not None
         holder.arena.raw(region).fill_(7)  # the next copy overwrites the region
-        assert holder.infer("a", "the same sentence") == before
+        assert holder.calls.infer("a", "the same sentence") == before
     finally:
         holder.drop_all()
 
@@ -258,7 +258,7 @@ def test_a_worker_in_another_process_loads_minilm_from_the_holders_warm_copy() -
     assert reader.stdin is not None and reader.stdout is not None
     try:
         holder.load(minilm, "a", slots)
-        expected = torch.tensor(holder.infer("a", sentence)["embeddings"])
+        expected = torch.tensor(holder.calls.infer("a", sentence)["embeddings"])
         holder.offload("a")
         locator = holder.locator("a")
         reader.stdin.write(f"b1 {locator}\n")
@@ -295,7 +295,7 @@ READER = textwrap.dedent(
     for line in sys.stdin:
         replica, locator = line.split()
         report = reader.load(minilm, replica, {devices[1].gpu_id("h"): 2**30}, source=locator)
-        embeddings = reader.infer(replica, sys.argv[1])["embeddings"]
+        embeddings = reader.calls.infer(replica, sys.argv[1])["embeddings"]
         print(json.dumps({"via": report.via, "embeddings": embeddings}), flush=True)
     """
 )

@@ -180,6 +180,16 @@ def peak_allocated(index: int) -> int:
     return _allocated_bytes(index, "peak")
 
 
+def allocated_on(plan: Mapping[int, int], *, reset: bool) -> dict[int, int]:
+    """Bytes allocated on each planned GPU before a load or a pass; with `reset`, the peak
+    statistics start again from there (only a span that began alone may:
+    `worker.measuring`)."""
+    if reset:
+        for index in plan:
+            torch.cuda.reset_peak_memory_stats(index)
+    return {index: allocated(index) for index in plan}
+
+
 def _allocated_bytes(index: int, which: str) -> int:
     stats = torch.cuda.memory_stats_as_nested_dict(index)
     return int(stats.get("allocated_bytes", {}).get("all", {}).get(which, 0))

@@ -105,18 +105,18 @@ class GpuWorker:
         """
         load_ms, epoch = self.keeper.ensure(replica, epoch)
         start = time.perf_counter()
-        outputs, gpus = self.manager.run(replica, inputs, params, epoch)
+        outputs, gpus = self.manager.calls.run(replica, inputs, params, epoch)
         return Served(outputs, gpus, load_ms, (time.perf_counter() - start) * 1000)
 
     def serve_batch(
         self, replica: str, epoch: int, requests: Sequence[tuple[object, object | None]]
     ) -> list[Served | BaseException]:
-        """Run calls bound for one replica together (`ResidencyManager.run_batch`): each
+        """Run calls bound for one replica together (`Calls.run_batch`): each
         call's answer, or the error that fails it alone, in order. An `EvictedError` fails
         them all: each is routed again."""
         try:
             load_ms, epoch = self.keeper.ensure(replica, epoch)
-            ran, gpus = self.manager.run_batch(replica, requests, epoch)
+            ran, gpus = self.manager.calls.run_batch(replica, requests, epoch)
         except Exception as exc:
             return [exc] * len(requests)
         return [
@@ -129,7 +129,7 @@ class GpuWorker:
     def serve_session(self, feed: SessionFeed) -> None:
         """Run the calls `feed` brings, on any of this process's replicas, generations a
         step at a time beside everything else, until it has no more (`worker.session`)."""
-        Session(self.manager, self.keeper, feed).run()
+        Session(self.manager.calls, self.keeper, feed).run()
 
     def stop(self) -> None:
         """Stop following the ledger, release every GPU and replica, drop the models."""

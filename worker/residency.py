@@ -11,96 +11,40 @@ inside it:
   simulated GPUs, which raise the same `torch.OutOfMemoryError` CUDA raises.
 
 Threads: the worker's keeper (`worker.keeper`) is the only thread that loads, moves or
-drops replicas; calls run `infer` from another thread. Each replica has a lock that a
-call holds while it computes, so a replica is never moved under a running call.
+drops replicas; calls run from others, through `calls` (`worker.calls`: how calls reach
+what this process holds). Each replica has a lock that a call holds while it computes,
+so a replica is never moved under a running call.
 """
 
 from __future__ import annotations
 
 import functools
 import gc
-import json
 import logging
 import threading
 import time
 import traceback
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, ExitStack, nullcontext
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from placement.catalog.catalog import ModelSpec
-from placement.errors import EvictedError, GpufleetError, PayloadError, PlacementError
+from placement.errors import EvictedError, PlacementError
 from placement.ledger.registry import Registry
 from placement.policy.state import Holding, Level
-from placement.rules.batching import UNBATCHED_TASKS
 from placement.units.memory import format_size
-from worker import handlers, loading
-from worker.caps import DeviceCaps, allocated, local, peak_allocated, replica_caps
+from worker import loading
+from worker.calls import Calls, activation_bytes
+from worker.caps import DeviceCaps, allocated, allocated_on, local, peak_allocated, replica_caps
 from worker.devices import Device
-from worker.generation import serving as generation
-from worker.generation.engine import Engine
-from worker.generation.paged import Paged
-from worker.generation.replica import replica_engine
-from worker.generation.serving import GenCall
-from worker.lifecycle import exit_for_restart, is_fatal_cuda_error
-from worker.measuring import Span, Spans
-from worker.passes import Dims, dims_of, for_pass, longest_tokens, token_bound
+from worker.measuring import Learned, Span, Spans, kv_bytes
+from worker.resident import Resident
 from worker.warm import sharing
-from worker.warm.arena import PinnedArena, Region, registered_chunk, shared_chunk
-from worker.warm.sharing import Locator
+from worker.warm.arena import PinnedArena, registered_chunk, shared_chunk
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Resident:
-    """One replica held by this process."""
-
-    replica: str
-    spec: ModelSpec
-    model: Any
-    tokenizer: Any
-    slots: dict[str, int]  # ledger GPU id -> reserved bytes; empty while WARM
-    accounted: int  # bytes charged on simulated GPUs (a synthetic model's declared size)
-    nbytes: int  # its tensors' bytes, measured once at load: moves do not change them
-    host_bytes: int  # what its copy takes in host memory once offloaded (pinned: rounded up)
-    limit: int = 0  # the ledger's admission limit, when above the reservation
-    epoch: int = 0  # the ledger placement it was loaded or restored for
-    via: str = ""  # where its load read the weights (`Report.via`)
-    header: int = 0  # of `host_bytes`, the room its copy keeps for `worker.warm.sharing`'s header
-    region: Region | None = None  # where its warm copy lies in the arena
-    shared: Locator | None = None  # where the host's other workers may read its warm copy
-    kv: Paged | None = None  # its paged KV cache while HOT: cached prefixes outlive an engine
-    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
-
-    @property
-    def warm(self) -> bool:
-        return not self.slots
-
-    @functools.cached_property
-    def dims(self) -> Dims:
-        """What its passes scale with (`worker.passes`), read once."""
-        return dims_of(self.model)
-
-    @property
-    def caps(self) -> dict[str, int]:
-        return replica_caps(self.slots, self.limit)
-
-
-@dataclass(frozen=True)
-class Ran:
-    """One call's part in a batch: its outputs, or the error that fails it alone."""
-
-    outputs: dict[str, Any]  # empty when it failed
-    error: BaseException | None
-    batch: int  # calls that shared its forward pass
-    compute_ms: float
-
-
-_Member = tuple[int, list[str]]  # a call's position in its batch, and its texts
 
 
 @dataclass(frozen=True)
@@ -119,37 +63,6 @@ class Report:
     @property
     def gbps(self) -> float:
         return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
-
-
-@dataclass
-class OpenEngine:
-    """A generation replica held for its calls (`ResidencyManager.open_engine`): its engine,
-    its chat template and GPUs; `close` (or leaving a `with`) gives the replica back."""
-
-    replica: str
-    epoch: int
-    engine: Engine
-    template: str | None
-    gpus: list[str]
-    _held: ExitStack = field(repr=False)
-
-    def close(self) -> None:
-        self._held.close()
-
-    def __enter__(self) -> OpenEngine:
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self.close()
-
-
-def fail_for(exc: BaseException) -> None:
-    """What an error of a model's pass means for the process: a fatal CUDA error restarts
-    it (the context is lost); any other leaves the error to its calls, its frames freed
-    (they hold the pass's tensors)."""
-    if is_fatal_cuda_error(exc):
-        exit_for_restart(exc)
-    traceback.clear_frames(exc.__traceback__)
 
 
 class ResidencyManager:
@@ -172,16 +85,15 @@ class ResidencyManager:
         publish: bool = False,
     ) -> None:
         self.host = host
-        self.threads = threads  # torch's CPU threads for a pass (`worker.passes`); 0: as is
         self.devices = {d.gpu_id(host): d for d in devices}
         self.registry = registry
         self.warmup = warmup
         self.residents: dict[str, Resident] = {}
-        self._lock = threading.RLock()  # guards the books below and `residents`
+        self.lock = threading.RLock()  # guards the books below and `residents`
         # What the process may use on each device: the caps of what it holds and of what
         # it is loading or restoring (`worker.caps`).
         self.device_caps = DeviceCaps(
-            self.devices, self._lock, lambda: [r.caps for r in self.residents.values()]
+            self.devices, self.lock, lambda: [r.caps for r in self.residents.values()]
         )
         self._pin = torch.cuda.is_available() and not all(d.simulated for d in devices)
         # Warm copies go to host memory pinned ahead of need and reused (`worker.warm.arena`):
@@ -198,17 +110,14 @@ class ResidencyManager:
         elif arena_bytes and publish:
             self.arena = PinnedArena(arena_bytes, shared_chunk)
         # Per model: its weights' bytes on the device, and the peak last reported as its
-        # learned memory. A call that needs more reports more (`_learn_from`).
-        self._weights: dict[str, int] = {}
-        self._reported: dict[str, int] = {}
+        # learned memory. A call that needs more reports more (`worker.measuring.Learned`).
+        self.learned = Learned(registry)
         self._warmed: set[tuple[str, str, int]] = set()  # (model, via, GPUs) warmed up here
         # Loads, moves and passes, so that a CUDA figure counts only when it was alone
-        # (`worker.measuring`); `_warming.load` marks a load's own warm-up pass.
-        self._spans = Spans()
-        self._warming = threading.local()
-        # Errors that concern a whole pass, not one of its calls (a time limit): they fail
-        # every call of the pass at once instead of a retry one call at a time.
-        self.whole_pass_errors = whole_pass_errors
+        # (`worker.measuring`).
+        self.spans = Spans()
+        # How calls reach what this process holds (`worker.calls`).
+        self.calls = Calls(self, threads=threads, whole_pass_errors=whole_pass_errors)
 
     def contexts(self) -> list[str]:
         """Ledger ids of the GPUs on which this process holds a CUDA context, read without
@@ -248,8 +157,8 @@ class ResidencyManager:
         plan, simulated = self.device_caps.plan(slots)
         caps = replica_caps(slots, limit)
         accounted = _declared(spec) if spec.synthetic else 0
-        with self._spans.span() as span:
-            with self._lock:
+        with self.spans.span() as span:
+            with self.lock:
                 self.device_caps.arriving(replica, caps)
                 if simulated and accounted:
                     try:
@@ -258,12 +167,12 @@ class ResidencyManager:
                     except torch.OutOfMemoryError:
                         self.device_caps.arrived(replica)
                         raise
-            baseline = {} if simulated else self._cuda_allocated(plan, reset=span.alone)
+            baseline = {} if simulated else allocated_on(plan, reset=span.alone)
             start = time.perf_counter()
             try:
                 built = loading.build(spec, plan, simulated, source)
             except BaseException:
-                with self._lock:
+                with self.lock:
                     self.device_caps.uncharge(plan, accounted)
                     self.device_caps.arrived(replica)
                 raise
@@ -274,7 +183,7 @@ class ResidencyManager:
                 host_bytes = loading.pinned_bytes(built.model, self.arena is not None) + header
             else:  # a simulated GPU's copy stays where it is
                 host_bytes = nbytes
-            with self._lock:
+            with self.lock:
                 if simulated and not accounted:
                     accounted = nbytes
                     try:
@@ -298,8 +207,8 @@ class ResidencyManager:
 
     def offload(self, replica: str) -> Report:
         """Move a HOT replica to CPU memory (WARM) and give its GPU memory back."""
-        resident = self._hot(replica)
-        with resident.lock, self._spans.span():
+        resident = self.hot_resident(replica)
+        with resident.lock, self.spans.span():
             plan, simulated = self.device_caps.plan(resident.slots)
             start = time.perf_counter()
             # a simulated GPU's copy is in CPU memory already: it goes into the arena only
@@ -312,7 +221,7 @@ class ResidencyManager:
             seconds = time.perf_counter() - start
             if resident.region is not None and self.arena is not None and resident.header:
                 resident.shared = sharing.publish(self.arena, resident.region, resident.model)
-            with self._lock:
+            with self.lock:
                 resident.slots = {}
                 resident.kv = None  # its blocks leave the device with it (prefixes too)
                 if simulated:
@@ -334,8 +243,8 @@ class ResidencyManager:
             raise PlacementError(f"replica {replica} is not warm on this worker; load it instead")
         plan, simulated = self.device_caps.plan(slots)
         caps = replica_caps(slots, limit)
-        with resident.lock, self._spans.span():
-            with self._lock:
+        with resident.lock, self.spans.span():
+            with self.lock:
                 self.device_caps.arriving(replica, caps)
                 if simulated:
                     try:
@@ -350,7 +259,7 @@ class ResidencyManager:
                     # out of the region given back below
                     loading.own_memory(resident.model, self.arena.raw(resident.region))
             except BaseException:
-                with self._lock:
+                with self.lock:
                     if simulated:
                         self.device_caps.uncharge(plan, resident.accounted)
                     self.device_caps.arrived(replica)
@@ -358,7 +267,7 @@ class ResidencyManager:
             seconds = time.perf_counter() - start
             moved = not simulated or resident.region is not None
             self._give_back(resident)  # `place` waited for its copies: the region is free
-            with self._lock:
+            with self.lock:
                 resident.slots, resident.limit, resident.epoch = dict(slots), limit, epoch
                 self.device_caps.arrived(replica)
         self._keep_room()
@@ -398,7 +307,7 @@ class ResidencyManager:
         arena pins again for the next one once it took that room (docs/worker.md)."""
         if self.arena is None:
             return
-        with self._lock:
+        with self.lock:
             largest = max(
                 (
                     r.host_bytes
@@ -449,7 +358,7 @@ class ResidencyManager:
             seen.add(id(current))
             traceback.clear_frames(current.__traceback__)
             current = current.__cause__ or current.__context__
-        with self._spans.span():
+        with self.spans.span():
             self._forget(replica)
             gc.collect()  # a failed build's half-made modules are nobody's: free their cycles
             self._release()
@@ -460,7 +369,7 @@ class ResidencyManager:
         resident = self.residents.get(replica)
         if resident is None:
             return False
-        with resident.lock, self._spans.span(), self._lock:  # a span once its call is done
+        with resident.lock, self.spans.span(), self.lock:  # a span once its call is done
             self.residents.pop(replica, None)
             if not resident.warm:
                 plan, simulated = self.device_caps.plan(resident.slots)
@@ -480,7 +389,7 @@ class ResidencyManager:
 
         No `gc.collect()`: `_forget` already freed the weights (a full collection costs
         about 165 ms with torch and transformers loaded, on the miss's critical path)."""
-        with self._lock:
+        with self.lock:
             self._free_cuda()
             self.device_caps.apply()
         self.trim_host_cache()  # a dropped warm copy's pinned blocks
@@ -490,230 +399,6 @@ class ResidencyManager:
         for replica in list(self.residents):
             self.drop(replica)
 
-    # --- serving ------------------------------------------------------------
-
-    def infer(
-        self, replica: str, inputs: object, params: object | None = None, epoch: int = 0
-    ) -> dict[str, Any]:
-        """Run one request on a HOT replica; see `run`."""
-        return self.run(replica, inputs, params, epoch)[0]
-
-    def run(
-        self, replica: str, inputs: object, params: object | None = None, epoch: int = 0
-    ) -> tuple[dict[str, Any], list[str]]:
-        """Run one request on a HOT replica: its outputs and the GPUs it ran on.
-
-        A replica that is not HOT here, or not in placement `epoch` (when given), raises
-        `EvictedError`: the call is routed again rather than served from a stale copy.
-        """
-        ran, gpus = self.run_batch(replica, [(inputs, params)], epoch)
-        if ran[0].error is not None:
-            raise ran[0].error
-        return ran[0].outputs, gpus
-
-    def gpus_of(self, replica: str) -> list[str]:
-        """The ledger GPU ids a HOT replica is on here (EvictedError when it is not)."""
-        return sorted(self._hot(replica).slots)
-
-    def open_engine(self, replica: str, epoch: int = 0, *, wait: bool = True) -> OpenEngine | None:
-        """Hold a HOT replica of a generation model for its calls: its lock (so the keeper
-        moves it only once its generations end: drain before evict) and one span, until
-        the `OpenEngine` is closed; with it, its engine. Raises `EvictedError` as `run`
-        does. Without `wait`, None while the keeper holds the lock (it is moving the
-        replica): a session does not stall its other engines for that."""
-        resident = self._hot(replica)
-        if not resident.lock.acquire(blocking=wait):
-            return None
-        held = ExitStack()
-        held.callback(resident.lock.release)
-        try:
-            # One span for the whole generation: its KV cache and activations come and go
-            # while it runs, so no load or pass beside it may keep a figure (`measuring`).
-            held.enter_context(self._spans.span())
-            plan, simulated = self._serving(resident, epoch)
-            if self.threads and torch.get_num_threads() != self.threads:
-                torch.set_num_threads(self.threads)
-            engine = replica_engine(
-                resident.model, resident.tokenizer, resident.spec,
-                loading.torch_device(min(plan), simulated), resident.kv,
-            )  # fmt: skip
-            resident.kv = engine.kv
-        except BaseException:
-            held.close()
-            raise
-        return OpenEngine(
-            replica, resident.epoch, engine, resident.spec.chat_template, sorted(resident.slots),
-            held,
-        )  # fmt: skip
-
-    def run_batch(
-        self, replica: str, requests: Sequence[tuple[object, object | None]], epoch: int = 0
-    ) -> tuple[list[Ran], list[str]]:
-        """Run several requests on a HOT replica, sharing forward passes: each one's outcome,
-        in order, and the GPUs they ran on.
-
-        A bad payload fails its own call before any pass. Calls with equal params share a
-        pass, split so that the activations each pass is estimated to need fit in what the
-        reservation leaves free; a pass that fails is run again one call at a time, so an
-        error reaches only the calls it concerns (but `whole_pass_errors` fail the pass's
-        calls at once). Raises `EvictedError` as `run` does.
-        """
-        resident = self._hot(replica)
-        if resident.spec.task == "text-generation":
-            return self._generate_batch(replica, requests, epoch)
-        with resident.lock:
-            plan, simulated = self._serving(resident, epoch)
-            task = resident.spec.task
-            ran: list[Ran | None] = [None] * len(requests)
-            groups: dict[str, tuple[dict[str, Any], list[_Member]]] = {}
-            for index, (inputs, params) in enumerate(requests):
-                try:
-                    texts, options = handlers.validate(task, inputs, params)
-                    handlers.check_texts(task, resident.tokenizer, texts)
-                except PayloadError as exc:
-                    ran[index] = Ran({}, exc, 1, 0.0)
-                    continue
-                key = json.dumps(options, sort_keys=True)
-                groups.setdefault(key, (options, []))[1].append((index, texts))
-            # The room for activations sizes batches only: one call runs alone anyway.
-            batched = sum(len(members) for _, members in groups.values()) > 1
-            free = self.device_caps.free(min(plan), simulated) if batched else 0
-            for options, members in groups.values():
-                for chunk in _chunks(resident, members, free):
-                    self._run_chunk(resident, plan, simulated, chunk, options, ran)
-            return [r for r in ran if r is not None], sorted(resident.slots)
-
-    def _serving(self, resident: Resident, epoch: int) -> tuple[dict[int, int], bool]:
-        """Under the replica's lock: its plan, once it is still HOT here in placement `epoch`
-        (else `EvictedError`), with this thread's kernels on its first GPU."""
-        if resident.warm or (epoch and resident.epoch != epoch):
-            raise EvictedError(
-                f"replica {resident.replica} left this worker's GPUs (or was placed again) "
-                f"before the request reached it; route the request again"
-            )
-        plan, simulated = self.device_caps.plan(resident.slots)
-        if not simulated:
-            torch.cuda.set_device(min(plan))
-        return plan, simulated
-
-    def _generate_batch(
-        self, replica: str, requests: Sequence[tuple[object, object | None]], epoch: int
-    ) -> tuple[list[Ran], list[str]]:
-        """`run_batch` for a generation model: the calls as one continuous batch."""
-        calls = [GenCall(str(i), inputs, params) for i, (inputs, params) in enumerate(requests)]
-        start = time.perf_counter()
-        opened = self.open_engine(replica, epoch)
-        assert opened is not None  # it waited for the lock
-        with opened:
-            try:
-                outcomes = generation.run_calls(opened.engine, calls, opened.template)
-            except Exception as exc:
-                fail_for(exc)
-                raise
-        ms = (time.perf_counter() - start) * 1000
-        ran = []
-        for outcome in outcomes:
-            if isinstance(outcome, BaseException):
-                ran.append(Ran({}, outcome, len(calls), ms))
-            else:
-                ran.append(Ran(dict(outcome.outputs), None, len(calls), ms))
-        return ran, opened.gpus
-
-    def _run_chunk(  # noqa: PLR0917 - one pass's whole context
-        self,
-        resident: Resident,
-        plan: Mapping[int, int],
-        simulated: bool,
-        chunk: list[_Member],
-        options: dict[str, Any],
-        ran: list[Ran | None],
-        outer: Span | None = None,
-    ) -> None:
-        """One forward pass for `chunk`; on failure, each of its calls alone (in the
-        failed pass's span, `outer`)."""
-        with self._pass_span(outer) as span:
-            texts = [member[1] for member in chunk]
-            flat = [text for call in texts for text in call]
-            start = time.perf_counter()
-            try:
-                if simulated:
-                    with self._lock:
-                        need = _activation_bytes(resident.dims, flat)
-                        self.device_caps.check_activations(need, min(plan))
-                # On CUDA, read the memory statistics only for a pass that may report a
-                # learned figure: each read builds a dict of every allocator counter.
-                learning = span is not None and not simulated and self._learns(resident)
-                before = {}
-                if learning and span is not None:
-                    # reset the peaks only while nothing else runs
-                    before = self._cuda_allocated(plan, reset=self._spans.clean(span))
-                self._set_threads(resident, flat)
-                start = time.perf_counter()  # the pass's own time, not its admission's
-                results = handlers.run_many(
-                    resident.spec.task,
-                    resident.model,
-                    resident.tokenizer,
-                    texts,
-                    options,
-                    loading.torch_device(min(plan), simulated),
-                )
-            except Exception as exc:
-                # The pass's frames hold its activations (on the GPU) for as long as the error
-                # lives, which is until Celery has answered every call it fails.
-                fail_for(exc)
-                if len(chunk) == 1 or isinstance(exc, self.whole_pass_errors):
-                    ms = (time.perf_counter() - start) * 1000
-                    for index, _ in chunk:
-                        ran[index] = Ran({}, exc, len(chunk), ms)
-                    return
-                log.info(
-                    "a pass of %d calls on %s failed (%s: %s); running them one at a time",
-                    len(chunk), resident.replica, type(exc).__name__, exc,
-                )  # fmt: skip
-                for member in chunk:
-                    self._run_chunk(resident, plan, simulated, [member], options, ran, span)
-                return
-            compute_ms = (time.perf_counter() - start) * 1000
-            if simulated:
-                self._learn_from(resident, _activation_bytes(resident.dims, flat))
-            elif learning and span is not None and self._spans.clean(span):  # its own peak
-                self._learn_from(resident, sum(peak_allocated(i) - before[i] for i in plan))
-            for (index, _), result in zip(chunk, results, strict=True):
-                ran[index] = Ran(result, None, len(chunk), compute_ms)
-
-    def _set_threads(self, resident: Resident, texts: list[str]) -> None:
-        """Give this thread's torch the threads the pass should run on (`worker.passes`)."""
-        if not self.threads:
-            return
-        wanted = for_pass(self.threads, resident.dims, texts)
-        if wanted != torch.get_num_threads():
-            torch.set_num_threads(wanted)
-
-    def _learns(self, resident: Resident) -> bool:
-        """Whether a pass of this replica may report a learned peak: a catalog model whose
-        load this process reported."""
-        return (
-            self.registry is not None
-            and not resident.spec.synthetic
-            and resident.spec.name in self._reported
-        )
-
-    def _learn_from(self, resident: Resident, extra: int) -> None:
-        """Report a larger learned peak when a call needed more than the last report: a
-        replica placed later (scaled out, or loaded again) is sized for the calls seen,
-        not only for the warm-up call the load was measured with."""
-        if self.registry is None or not self._learns(resident):
-            return
-        name = resident.spec.name
-        reported = self._reported[name]
-        peak = self._weights.get(name, 0) + extra + _kv_bytes(resident.spec)
-        if peak > reported:
-            self._reported[name] = peak
-            try:
-                self.registry.record_measurement(name, peak)
-            except GpufleetError:
-                log.warning("could not report %s's larger peak", name, exc_info=True)
-
     def hot(self, replica: str, epoch: int = 0) -> bool:
         """True when this process holds `replica` on its GPUs (in placement `epoch`, if given)."""
         resident = self.residents.get(replica)
@@ -721,7 +406,7 @@ class ResidencyManager:
 
     def holdings(self) -> list[Holding]:
         """What this process holds, as its heartbeat reports it to the registry."""
-        with self._lock:  # `_forget` clears a resident's model under it
+        with self.lock:  # `_forget` clears a resident's model under it
             return [
                 Holding(
                     replica=r.replica,
@@ -750,7 +435,7 @@ class ResidencyManager:
 
     def summary(self) -> list[dict[str, Any]]:
         """What this process holds, for status and logs."""
-        with self._lock:  # as in `holdings`
+        with self.lock:  # as in `holdings`
             return [
                 {
                     "replica": r.replica,
@@ -773,7 +458,8 @@ class ResidencyManager:
 
     # --- internals ----------------------------------------------------------
 
-    def _hot(self, replica: str) -> Resident:
+    def hot_resident(self, replica: str) -> Resident:
+        """The HOT replica `replica`, else `EvictedError` (the call is routed again)."""
         resident = self.residents.get(replica)
         if resident is None or resident.warm:
             raise EvictedError(
@@ -781,22 +467,6 @@ class ResidencyManager:
                 f"loaded here); route the request again"
             )
         return resident
-
-    @staticmethod
-    def _cuda_allocated(plan: Mapping[int, int], *, reset: bool) -> dict[int, int]:
-        """Bytes allocated on each planned GPU before a load or a pass; with `reset`, the
-        peak statistics start again from there (only a span that began alone may)."""
-        if reset:
-            for index in plan:
-                torch.cuda.reset_peak_memory_stats(index)
-        return {index: allocated(index) for index in plan}
-
-    def _pass_span(self, outer: Span | None) -> AbstractContextManager[Span | None]:
-        """A pass's span: a new one, or `outer`, the failed pass's that a retry runs in;
-        none for a load's warm-up pass, which runs in the load's."""
-        if outer is not None or getattr(self._warming, "load", False):
-            return nullcontext(outer)
-        return self._spans.span()
 
     def _measure(  # noqa: PLR0917 - a load's whole context
         self,
@@ -822,9 +492,9 @@ class ResidencyManager:
             for index in plan:  # every planned device, not only the current one
                 torch.cuda.synchronize(index)
             weights = sum(allocated(i) - baseline.get(i, 0) for i in plan)
-        if simulated or self._spans.clean(span):
-            self._weights[name] = weights
-        known = self._reported.get(name)
+        if simulated or self.spans.clean(span):
+            self.learned.weights[name] = weights
+        known = self.learned.reported.get(name)
         # a read of a neighbour's warm copy builds the model as gpufleet's reader does
         built_as = (name, "safetensors" if via == "warm copy" else via, len(plan))
         if known is not None and built_as in self._warmed:
@@ -832,19 +502,15 @@ class ResidencyManager:
         # The load's own peak on CUDA, read now (the warm-up pass adds its own to it).
         loaded = 0 if simulated else sum(peak_allocated(i) - baseline.get(i, 0) for i in plan)
         if self.warmup:
-            self._warming.load = True  # its pass runs in this load's span
-            try:
-                self.infer(resident.replica, _warmup_input(resident), None)
-            finally:
-                self._warming.load = False
+            self.calls.warm_up(resident.replica, _warmup_input(resident))
         if simulated:
-            peak = weights + _activation_bytes(resident.dims, _warmup_input(resident))
+            peak = weights + activation_bytes(resident.dims, _warmup_input(resident))
         else:
             for index in plan:  # every planned device, not only the current one
                 torch.cuda.synchronize(index)
             warm = sum(peak_allocated(i) - baseline.get(i, 0) for i in plan)
             peak = max(loaded, warm)
-            if not self._spans.clean(span):
+            if not self.spans.clean(span):
                 log.info(
                     "%s's peak not measured: another load, move or call used the GPUs "
                     "meanwhile; its next load measures it",
@@ -852,22 +518,14 @@ class ResidencyManager:
                 )
                 return peak
         self._warmed.add(built_as)
-        peak += _kv_bytes(resident.spec)  # learned memory holds the KV-cache budget too
-        if self.registry is not None and not resident.spec.synthetic:
-            self.registry.record_measurement(name, peak)
-            self._reported[name] = max(peak, known or 0)  # the ledger's figure only grows
+        peak += kv_bytes(resident.spec)  # learned memory holds the KV-cache budget too
+        self.learned.report(resident.spec, peak)
         return peak
 
     @staticmethod
     def _free_cuda() -> None:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-
-
-def _kv_bytes(spec: ModelSpec) -> int:
-    """A generation model's KV-cache budget, in bytes (0 for other models)."""
-    budget = spec.kv_budget()
-    return budget.bytes if budget is not None else 0
 
 
 def _declared(spec: ModelSpec) -> int:
@@ -895,28 +553,3 @@ def _warmup_input(resident: Resident) -> str:
     if resident.spec.task == "fill-mask" and mask:
         return f"The capital of France is {mask}."
     return "gpufleet warms this model up."
-
-
-def _chunks(resident: Resident, members: list[_Member], free: int) -> Iterator[list[_Member]]:
-    """`members` in order, cut into passes whose estimated activations fit in `free` bytes
-    (a call that alone does not fit runs alone); one call per pass for unbatched tasks."""
-    alone = resident.spec.task in UNBATCHED_TASKS
-    chunk: list[_Member] = []
-    rows = longest = 0
-    for member in members:
-        lengths = [token_bound(text) for text in member[1]]
-        more_rows, more_longest = rows + len(lengths), max([longest, *lengths])
-        if chunk and (alone or resident.dims.activation_bytes(more_rows, more_longest) > free):
-            yield chunk
-            chunk, more_rows, more_longest = [], len(lengths), max(lengths, default=0)
-        chunk.append(member)
-        rows, longest = more_rows, more_longest
-    if chunk:
-        yield chunk
-
-
-def _activation_bytes(dims: Dims, inputs: object) -> int:
-    """The worker's estimate of a pass's activation memory for `inputs` (`worker.passes`)."""
-    texts = [inputs] if isinstance(inputs, str) else inputs if isinstance(inputs, list) else []
-    texts = [t for t in texts if isinstance(t, str)]
-    return dims.activation_bytes(len(texts), longest_tokens(texts))

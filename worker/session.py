@@ -36,10 +36,10 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from placement.errors import EvictedError
+from worker.calls import Calls, OpenEngine, fail_for
 from worker.generation.engine import Engine
 from worker.generation.serving import Driver, GenCall, Generated
 from worker.keeper import LOAD_WAIT_S, Keeper, Readiness, not_ready
-from worker.residency import OpenEngine, ResidencyManager, fail_for
 
 __all__ = ["IDLE_WAIT_S", "OneShot", "Session", "SessionFeed"]
 
@@ -113,12 +113,12 @@ class Session:
 
     def __init__(
         self,
-        manager: ResidencyManager,
+        calls: Calls,
         keeper: Keeper,
         feed: SessionFeed,
         load_wait_s: float = LOAD_WAIT_S,
     ) -> None:
-        self.manager = manager
+        self.calls = calls
         self.keeper = keeper
         self.feed = feed
         self.load_wait_s = load_wait_s
@@ -209,7 +209,7 @@ class Session:
         if engine is None:
             load_ms, epoch = waiting.ready.result()
             try:
-                opened = self.manager.open_engine(replica, epoch, wait=False)
+                opened = self.calls.open_engine(replica, epoch, wait=False)
             except Exception as exc:  # it left meanwhile: route its calls again
                 for call in waiting.calls:
                     self._finished(call, exc)
