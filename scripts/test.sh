@@ -64,6 +64,8 @@ stage "mypy and lint-imports (config in pyproject.toml, docs/architecture.md), b
 static_log=$(mktemp)
 (mypy && PYTHONPATH=. lint-imports --no-cache) >"$static_log" 2>&1 &
 static_pid=$!
+# stopped with the script, however it ends (a second kill of a finished job says nothing)
+trap 'kill "$static_pid" 2>/dev/null || true; rm -f "$static_log"' EXIT
 
 # Two test files at a time (pytest-xdist): most of the suite waits on fleets it started,
 # and files share nothing but the machine (each worker starts its own redis-server; tests
@@ -80,10 +82,9 @@ static_rc=0
 wait "$static_pid" || static_rc=$?
 stage "mypy and lint-imports said"
 cat "$static_log"
-rm -f "$static_log"
+# Each failure says so; the run exits with pytest's code first, as before mypy ran beside it.
 if [[ $static_rc -ne 0 ]]; then
   echo "error: mypy or lint-imports failed (exit code $static_rc)" >&2
-  exit "$static_rc"
 fi
 if [[ $rc -eq 5 ]]; then
   echo "error: pytest collected no tests (exit code 5); that is a failure, not a pass" >&2
@@ -92,5 +93,8 @@ fi
 if [[ $rc -ne 0 ]]; then
   echo "error: pytest failed (exit code $rc)" >&2
   exit "$rc"
+fi
+if [[ $static_rc -ne 0 ]]; then
+  exit "$static_rc"
 fi
 stage "all checks passed"

@@ -12,7 +12,7 @@ import pytest
 
 from placement.errors import ConfigError
 from placement.ledger.audit import audit
-from placement.ledger.load import hold_routing, mark_batch, read_loads
+from placement.ledger.load import hold_routing, mark_batch, read_changes, read_loads
 from placement.ledger.registry import Registry
 from placement.policy.state import RESERVING, Demand, Deployment, Gpu, Level
 from placement.rules.scaling import Autoscale, ModelLoad, ReplicaLoad, ScaleIn, ScaleOut, Scaler
@@ -248,20 +248,19 @@ def test_a_decision_made_before_the_models_replicas_changed_changes_nothing(
     reg: Registry,
 ) -> None:
     first = make_hot(reg, reg.place(Demand("m", size=GiB)))
-    (before,) = read_loads(reg, {"m": [(first, Level.HOT, "w0", epoch_of(reg, first))]})
+    before = read_changes(reg, ["m"])["m"]
     second = make_hot(reg, reg.place(Demand("m", size=GiB, replicas=2)))  # another router's
     level, _ = scale_in(reg, second, epoch_of(reg, second), 1, "scale in m 2\u21921: idle")
     assert level is not None
     settle_leaving(reg)  # the model is back at one replica, as the decision saw it
     out = Demand("m", size=GiB, replicas=2)
-    plan, detail = scale_out(reg, out, frozenset(), "late", changes=before.changes)
+    plan, detail = scale_out(reg, out, frozenset(), "late", changes=before)
     assert plan is None and "ScaledSinceError" in detail and "changed since" in detail
     assert [d.replica for d in placed(reg, "m")] == [first]
-    (now,) = read_loads(reg, {"m": [(first, Level.HOT, "w0", epoch_of(reg, first))]})
-    plan, detail = scale_out(reg, out, frozenset(), "fresh", changes=now.changes)
+    plan, detail = scale_out(reg, out, frozenset(), "fresh", changes=read_changes(reg, ["m"])["m"])
     assert plan is not None, detail  # a decision on the fleet as it is goes through
     make_hot(reg, plan)
-    stale = scale_in(reg, first, epoch_of(reg, first), 1, "late in", changes=before.changes)
+    stale = scale_in(reg, first, epoch_of(reg, first), 1, "late in", changes=before)
     assert stale[0] is None and "ScaledSinceError" in stale[1]
     assert len(placed(reg, "m")) == 2
     assert audit(reg.snapshot()) == []

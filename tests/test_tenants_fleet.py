@@ -126,7 +126,7 @@ def test_a_tenants_burst_delays_another_tenants_calls_by_about_a_batch_not_the_b
 ) -> None:
     """Counted in calls, not seconds (a busy 2-core machine stretches seconds; the
     figure in seconds is `bench.fairness`'s): while each of b's calls waits, the worker
-    answers at most the pass it is running and the one b's call joins, never a's queue."""
+    answers about the pass it is running and the one b's call joins, never a's queue."""
     _, env = fleet
     a, b = new_tenant(env, "burst-a"), new_tenant(env, "steady-b")
     call(a, TEXT).get(timeout=TIMEOUT_S)  # the router takes each queue now
@@ -145,7 +145,8 @@ def test_a_tenants_burst_delays_another_tenants_calls_by_about_a_batch_not_the_b
     ahead = [sum(1 for t in done if sent < t <= end) for sent, end in spans]
     print(f"a's passes held up to {batch} calls; a's answers during each of b's: {ahead}")
     assert ahead[0] < len(burst) // 2  # b's first call did not wait behind the burst
-    assert max(ahead) <= 2 * batch, (ahead, batch)
+    # the pass it joined and the one running, with room for a job cut into several passes
+    assert max(ahead) <= 4 * batch, (ahead, batch)
 
 
 def test_tenants_flooding_at_once_share_the_first_half_of_the_answers_by_weight(

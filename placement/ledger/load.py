@@ -10,7 +10,7 @@ leaves nothing behind for long.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from placement.ledger.store import Store
 from placement.policy.state import Deployment, Level
@@ -37,14 +37,27 @@ def mark_batch(store: Store, replica: str, calls: int) -> None:
 Placed = dict[str, list[tuple[str, Level, str, int]]]  # model -> (replica, level, worker, epoch)
 
 
-def read_loads(store: Store, placed: Placed) -> list[ModelLoad]:
+def read_changes(store: Store, models: Iterable[str]) -> dict[str, int]:
+    """How many times each of `models`' placed replicas changed (one placed, one leaving):
+    read before the view a scaling decision judges, the count it names, so that the
+    registry refuses the decision once the model's replicas changed since (commit.lua,
+    evict.lua). A change between this read and the view only makes the decision stale."""
+    names = list(models)
+    if not names:
+        return {}
+    counts = store._read([("hmget", store.keys.changes, *names)])[0]
+    return {m: int(c or 0) for m, c in zip(names, counts, strict=True)}
+
+
+def read_loads(
+    store: Store, placed: Placed, changes: Mapping[str, int] | None = None
+) -> list[ModelLoad]:
     """The load of each model in `placed` (its placed replicas from the caller's view of
-    the ledger), read in one round trip, with the model's `changes` count: a decision
-    names it, so that it is refused once the model's replicas changed (commit.lua)."""
+    the ledger), read in one round trip; each with its count in `changes`
+    (`read_changes`), when given."""
     k = store.keys
     commands: list[tuple[object, ...]] = [("time",)]
     for model, replicas in placed.items():
-        commands.append(("hget", k.changes, model))
         commands.append(("zrange", k.model_routing(model), 0, -1, False, True))
         for replica, *_ in replicas:
             commands.append(("zrange", k.leases(replica), 0, -1, False, True))
@@ -55,7 +68,6 @@ def read_loads(store: Store, placed: Placed) -> list[ModelLoad]:
     now = int(sec) * 1000 + int(usec) // 1000
     loads = []
     for model, replicas in placed.items():
-        changes = int(next(rows) or 0)
         routing = sum(1 for _, deadline in next(rows) if deadline > now)
         seen = []
         for replica, level, worker, epoch in replicas:
@@ -64,7 +76,7 @@ def read_loads(store: Store, placed: Placed) -> list[ModelLoad]:
             idle = 0 if in_flight else max(0, now - int(last_used or now))
             running = int(batch or 0)
             seen.append(ReplicaLoad(replica, level, in_flight, idle, worker, epoch, running))
-        loads.append(ModelLoad(model, seen, routing, changes))
+        loads.append(ModelLoad(model, seen, routing, (changes or {}).get(model)))
     return loads
 
 

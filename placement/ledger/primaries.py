@@ -115,12 +115,17 @@ class Primaries:
             return
         token = self._heard[group] = object()
         for sentinel in list(pool.sentinel_manager.sentinels):
-            threading.Thread(
-                target=self._hear,
-                args=(group, sentinel, token),
-                name=f"gpufleet-sentinel-{_where(sentinel)}",
-                daemon=True,
-            ).start()
+            try:
+                threading.Thread(
+                    target=self._hear,
+                    args=(group, sentinel, token),
+                    name=f"gpufleet-sentinel-{_where(sentinel)}",
+                    daemon=True,
+                ).start()
+            except RuntimeError:  # no thread to be had: the group's next connection tries
+                log.warning("cannot listen to the Sentinels of %s", group[0], exc_info=True)
+                del self._heard[group]
+                return
 
     def _hear(self, group: Group, sentinel: redis.Redis, token: object) -> None:
         """Follow one Sentinel's `SWITCH_CHANNEL` for `group`'s primary, subscribing again
@@ -136,10 +141,11 @@ class Primaries:
             password=kwargs.get("password"),
             socket_timeout=kwargs.get("socket_timeout"),
             socket_connect_timeout=kwargs.get("socket_connect_timeout"),
-        )
+        )  # connects only when used
         while self._wanted(group, token):
-            pubsub = own.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
+            pubsub: Any = None
             try:
+                pubsub = own.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
                 pubsub.subscribe(SWITCH_CHANNEL)
                 while self._wanted(group, token):
                     message = pubsub.get_message(timeout=LISTEN_S)
@@ -157,15 +163,18 @@ class Primaries:
             except Exception:  # a listener outlives whatever its connection raises
                 log.debug("lost Sentinel %s; subscribing again", where, exc_info=True)
             finally:
-                with contextlib.suppress(Exception):
-                    pubsub.close()
+                if pubsub is not None:
+                    with contextlib.suppress(Exception):
+                        pubsub.close()
             time.sleep(RESUBSCRIBE_S)
         own.close()
 
     def _wanted(self, group: Group, token: object) -> bool:
         """Whether the listeners of `token` still serve `group`: they are its own, and a
         connection of the group is alive in this process (a client's pool keeps its
-        connections, open or not, until the client goes). When none is, the listeners
+        connections, open or not, until the client is collected: they and the pool refer
+        to each other, so a dropped client goes at the next full collection). When none
+        is, the listeners
         stop, and the group's next connection starts others."""
         with self._lock:
             if self._heard.get(group) is not token:

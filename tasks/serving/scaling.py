@@ -31,7 +31,7 @@ from celery import Task
 from celery.signals import worker_process_init
 
 from placement.errors import GpufleetError, PayloadError, describe
-from placement.ledger.load import placed_replicas, read_loads
+from placement.ledger.load import placed_replicas, read_changes, read_loads
 from placement.ledger.registry import Registry
 from placement.policy.state import Candidate, Demand, Level, Plan
 from placement.rules.scaling import Autoscale, ScaleIn, ScaleOut, Scaler
@@ -63,11 +63,12 @@ class ScalingLoop:
         keyword arguments of `gpufleet.scale`."""
         if not self.rules:
             return []
+        changes = read_changes(self.registry, self.rules)  # before the view it names
         with self.registry.follower.current() as snap:
             placed = placed_replicas(
                 (d for model in self.rules for d in snap.replicas(model)), self.rules
             )
-        loads = read_loads(self.registry, placed)
+        loads = read_loads(self.registry, placed, changes)
         decisions = self.scaler.decide(int(time.monotonic() * 1000), loads, self.rules)
         pressed = sorted(m.model for m in loads if m.pressure >= self.scaler.threshold)
         by_model = {m.model: m for m in loads}
