@@ -37,7 +37,7 @@ BURST_AFTER = 20  # steps the calls decode, every prompt in, before the burst ar
 def _build(spec: Any, gpu: bool) -> tuple[Any, Any, Any]:
     import torch
 
-    from worker.synthetic import build_synthetic
+    from worker.weights.synthetic import build_synthetic
 
     model, tokenizer = build_synthetic(spec)
     device = torch.device("cuda:0" if gpu else "cpu")

@@ -9,7 +9,7 @@ with `--gpu` one worker per real GPU, the model on the first), and
 next to it a *bare* Celery worker: `celery -A bench.hotpath:bare_app worker -Q bare -c 1
 -P prefork`, with the same Celery settings (`tasks.config.celery_conf`: JSON,
 acks_late, prefetch 1, events) and the same worker flags as a GPU worker. Its one task
-builds the same synthetic model (`worker.synthetic.build_synthetic`) once per process
+builds the same synthetic model (`worker.weights.synthetic.build_synthetic`) once per process
 and runs the same forward pass (`worker.handlers.run`), on `cuda:0` with `--gpu`; it
 knows nothing of placement.
 
@@ -119,7 +119,7 @@ def bare_forward(model: str, inputs: Any, params: dict[str, Any] | None = None) 
     held = _held.get(model)
     if held is None:
         from placement.catalog.catalog import Catalog
-        from worker.synthetic import build_synthetic
+        from worker.weights.synthetic import build_synthetic
 
         spec = Catalog.load(os.environ["GPUFLEET_MODELS"]).get(model)
         net, tokenizer = build_synthetic(spec)
@@ -241,7 +241,7 @@ def forward_once(catalog: Path, sim_gpus: int, device: str) -> Callable[[], floa
 
     from placement.catalog.catalog import Catalog
     from worker.passes import dims_of, for_pass, share
-    from worker.synthetic import build_synthetic
+    from worker.weights.synthetic import build_synthetic
 
     net, tokenizer = build_synthetic(Catalog.load(catalog).get(MODEL))
     net = net.to(device)

@@ -49,7 +49,7 @@ TARGETS = {
 
 def _model(window: int) -> tuple[Any, Any]:
     from placement.catalog.catalog import Catalog
-    from worker.synthetic import build_synthetic
+    from worker.weights.synthetic import build_synthetic
 
     config = {**CPU_CONFIG, "vocab_size": 2048, "n_positions": window}
     entry = {"source": "synthetic", "task": "text-generation", "memory": "2GiB"}

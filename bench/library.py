@@ -21,7 +21,7 @@ def batch(calls: list[tuple[str, int]], spec: Any, gpu: bool) -> dict[str, Any]:
     """(b): `generate` on one left-padded batch of every call, in this process."""
     import torch
 
-    from worker.synthetic import build_synthetic
+    from worker.weights.synthetic import build_synthetic
 
     model, tokenizer = build_synthetic(spec)
     device = torch.device("cuda:0" if gpu else "cpu")
@@ -65,7 +65,7 @@ def continuous(calls: list[tuple[str, int]], spec: Any, gpu: bool) -> dict[str, 
     import torch
     from transformers import GenerationConfig
 
-    from worker.synthetic import build_synthetic
+    from worker.weights.synthetic import build_synthetic
 
     model, tokenizer = build_synthetic(spec)
     device = torch.device("cuda:0" if gpu else "cpu")

@@ -210,7 +210,7 @@ def read_vs_transformers(arg: str) -> dict[str, Any]:
 def _small_gpt(arg: str) -> tuple[Any, Any, Any]:
     """A synthetic GPT-2 (4 layers, 256 wide, 512 positions, float32) on local device
     `arg`: the model, its tokenizer and the device."""
-    from worker.synthetic import build_synthetic
+    from worker.weights.synthetic import build_synthetic
 
     config = {"model_type": "gpt2", "n_layer": 4, "n_head": 4, "n_embd": 256,
               "vocab_size": 2048, "n_positions": 512}  # fmt: skip

@@ -38,7 +38,7 @@ from placement.ledger.load import read_loads
 from placement.policy.state import LEAVING, PENDING, Level, Snapshot
 from tests.running import RunningFleet, fleet_env, fleet_up, with_signal
 from worker import handlers
-from worker.synthetic import build_synthetic
+from worker.weights.synthetic import build_synthetic
 
 pytestmark = pytest.mark.slow
 

@@ -18,10 +18,10 @@ import torch
 from placement.catalog.catalog import Catalog, ModelSpec
 from placement.errors import CheckpointError
 from tests.fleets import GiB
-from worker import checkpoint as checkpoint_module
-from worker.checkpoint import Checkpoint, Prefetch
 from worker.devices import Device, simulated_devices
 from worker.residency import ResidencyManager
+from worker.weights import checkpoint as checkpoint_module
+from worker.weights.checkpoint import Checkpoint, Prefetch
 
 HOST = "testhost"
 REPO = Path(__file__).resolve().parents[1]
@@ -349,7 +349,7 @@ def test_a_file_cut_short_after_its_header_was_read_fails_cleanly_not_with_sigbu
         import os
         from pathlib import Path
         from placement.errors import CheckpointError
-        from worker.checkpoint import Checkpoint
+        from worker.weights.checkpoint import Checkpoint
         checkpoint = Checkpoint.open(Path({str(tmp_path)!r}))
         os.truncate({str(tmp_path / "model.safetensors")!r}, 4096)
         try:

@@ -24,7 +24,7 @@ from worker.generation.replica import replica_engine
 from worker.generation.sampling import Choice
 from worker.generation.serving import Driver, GenCall, Generated, run_calls
 from worker.generation.text import Detokenizer
-from worker.synthetic import build_synthetic
+from worker.weights.synthetic import build_synthetic
 
 CPU = torch.device("cpu")
 CONFIG = {"model_type": "gpt2", "n_layer": 2, "n_head": 4, "n_embd": 64, "n_positions": 256}
@@ -503,7 +503,7 @@ def test_a_row_whose_scores_overflow_keeps_its_best_token_and_the_others_sample(
 
 
 def test_bytes_that_never_make_a_character_still_stream_within_four_tokens() -> None:
-    from worker.synthetic import SyntheticTokenizer
+    from worker.weights.synthetic import SyntheticTokenizer
 
     tokenizer = SyntheticTokenizer(512, causal=True)
     lone = 5 + 0x9F  # a UTF-8 continuation byte with no lead: never a character

@@ -28,7 +28,7 @@ from tasks.serving import streams
 from tests.running import REPO, RunningFleet, fleet_env, fleet_up, until
 from worker.generation.replica import replica_engine
 from worker.generation.serving import GenCall, Generated, run_calls
-from worker.synthetic import build_synthetic
+from worker.weights.synthetic import build_synthetic
 
 pytestmark = pytest.mark.slow
 

@@ -15,7 +15,7 @@ import torch
 from placement.catalog.catalog import TASKS, ModelSpec
 from placement.errors import CatalogError, PayloadError
 from worker.handlers import MAX_BATCH, MAX_CHARS, auto_class, run, validate
-from worker.synthetic import build_synthetic
+from worker.weights.synthetic import build_synthetic
 
 ROOT = Path(__file__).resolve().parents[1]
 MINILM = ModelSpec(

@@ -17,7 +17,7 @@ from worker.generation import paged
 from worker.generation.blocks import BLOCK_TOKENS, BlockPool, OutOfBlocks, Table
 from worker.generation.engine import Engine, Options, Sequence_
 from worker.generation.sampling import Choice
-from worker.synthetic import build_synthetic
+from worker.weights.synthetic import build_synthetic
 
 CPU = torch.device("cpu")
 CONFIG = {"model_type": "gpt2", "n_layer": 2, "n_head": 2, "n_embd": 32, "n_positions": 512}

@@ -17,7 +17,7 @@ import torch
 from placement.catalog.catalog import TASKS, ModelSpec
 from placement.errors import CatalogError
 from worker.handlers import auto_class, run
-from worker.synthetic import DEFAULT_CONFIGS, SyntheticTokenizer, build_synthetic, seed_for
+from worker.weights.synthetic import DEFAULT_CONFIGS, SyntheticTokenizer, build_synthetic, seed_for
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_GPT = {

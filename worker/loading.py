@@ -7,7 +7,7 @@ On CUDA the rules come from NDIF's ModelActor (seed 000):
 - after every load or restore, every parameter must sit on one of the target devices.
 Simulated GPUs are the CPU; `worker.residency` accounts their bytes.
 
-Weights are read by `worker.checkpoint` (large sequential reads, several times faster than
+Weights are read by `worker.weights.checkpoint` (large sequential reads, several times faster than
 transformers' per-tensor loader) whenever the result would equal `from_pretrained`'s;
 everything else, and every multi-GPU plan, goes through `from_pretrained` itself.
 """
@@ -33,11 +33,11 @@ from placement.errors import (
     WarmCopyGoneError,
 )
 from worker import handlers
-from worker.checkpoint import Checkpoint, Entry
-from worker.synthetic import build_synthetic
 from worker.warm import sharing
 from worker.warm.arena import PinnedArena, Region, align, layout
 from worker.warm.sharing import Slot
+from worker.weights.checkpoint import Checkpoint, Entry
+from worker.weights.synthetic import build_synthetic
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ def build(spec: ModelSpec, plan: Mapping[int, int], simulated: bool, source: str
 def _read_pretrained(
     spec: ModelSpec, path: Path, stamp: Stamp, plan: Mapping[int, int], simulated: bool
 ) -> Any:
-    """Build the model on the meta device and fill it from `worker.checkpoint`.
+    """Build the model on the meta device and fill it from `worker.weights.checkpoint`.
 
     The result equals `from_pretrained`'s, so every case where transformers would change
     the weights (renamed or fused keys, dtype casts, fp32-kept modules, quantization,

@@ -50,8 +50,8 @@ from typing import Any
 import torch
 
 from placement.errors import WarmCopyGoneError
-from worker.checkpoint import DTYPES
 from worker.warm.arena import MEMFD, PinnedArena, Region, align, layout
+from worker.weights.checkpoint import DTYPES
 
 log = logging.getLogger(__name__)
 
