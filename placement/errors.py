@@ -28,6 +28,10 @@ class UnknownModelError(GpufleetError, LookupError):
     """The caller named a model that is not in the catalog."""
 
 
+class UnknownAdapterError(UnknownModelError):
+    """The caller named an adapter that its base model does not list."""
+
+
 class UnknownReplicaError(GpufleetError, LookupError):
     """The caller named a replica the model does not have."""
 
@@ -102,6 +106,10 @@ class EvictedError(GpufleetError):
 
 class PayloadError(GpufleetError, ValueError):
     """A request's inputs or params are malformed."""
+
+
+class AdapterError(PayloadError):
+    """An adapter's files are damaged or do not fit its base model; the operator must fix it."""
 
 
 class UnknownTenantError(GpufleetError, LookupError):

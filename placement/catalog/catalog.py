@@ -40,6 +40,13 @@ from typing import Any, TypeVar, overload
 import yaml
 
 from placement.catalog import kvcache
+from placement.catalog.adapters import (
+    DEFAULT_ADAPTER_MEMORY,
+    DEFAULT_ADAPTER_RANK,
+    Adapters,
+    AdapterSource,
+    parse_source,
+)
 from placement.errors import (
     CatalogError,
     ConfigError,
@@ -74,7 +81,7 @@ _FIELDS = frozenset(
         "source", "task", "dtype", "memory", "dedicated", "replicas", "max_replicas", "gpus",
         "accelerator", "trust_remote_code", "factor", "fractional_threshold",
         "min_free_fraction", "config", "loader", "keep_alive", "batch", "kv_cache",
-        "chat_template",
+        "chat_template", "adapters", "adapter_memory", "adapter_rank",
     }
 )  # fmt: skip
 
@@ -108,6 +115,9 @@ class ModelSpec:
     )
     kv_cache_tokens: int | None = None  # or `kv_cache: {tokens: N}`
     chat_template: str | None = None  # a Jinja chat template, over the tokenizer's own
+    adapters: AdapterSource | None = None  # its LoRA adapters (placement.catalog.adapters)
+    adapter_memory: int = 0  # the GPU room each replica keeps for them (0: no adapters)
+    adapter_rank: int = DEFAULT_ADAPTER_RANK  # the largest rank that room takes
     base_dir: Path = field(default_factory=Path.cwd, compare=False)
 
     @property
@@ -170,6 +180,7 @@ class ModelSpec:
             model=self.name,
             size=size,
             kv_cache=kv.bytes if kv is not None else 0,
+            adapters=self.adapter_memory,
             request=self.request,
             limit=self.limit,
             gpus=self.gpus,
@@ -204,6 +215,11 @@ class Catalog(Mapping[str, ModelSpec]):
     def __init__(self, models: Mapping[str, ModelSpec], origin: str = "<catalog>") -> None:
         self._models = dict(models)
         self.origin = origin
+        self._adapters = {
+            name: Adapters(name, spec.adapters)
+            for name, spec in self._models.items()
+            if spec.adapters is not None
+        }
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Catalog:
@@ -247,6 +263,13 @@ class Catalog(Mapping[str, ModelSpec]):
                     f"{origin}: model name {name!r} is invalid; use letters, digits and ._-/:@+"
                 )
             models[name] = _parse_entry(_Where(origin, name), entry, root)
+        for name in models:  # "BASE:ADAPTER" must name one thing
+            base = name.rpartition(":")[0]
+            if base in models and models[base].adapters is not None:
+                raise CatalogError(
+                    f"{origin}: model name {name!r} reads as adapter "
+                    f"{name.rpartition(':')[2]!r} of {base!r}; rename the model"
+                )
         log.debug("catalog %s: %d models", origin, len(models))
         return cls(models, origin)
 
@@ -283,6 +306,38 @@ class Catalog(Mapping[str, ModelSpec]):
             f"model {describe(name, 60)} is not in the catalog; it serves: {known}. "
             f"Ask the fleet's operator to add a model."
         )
+
+    def resolve(self, name: str) -> tuple[ModelSpec, str | None]:
+        """The model a caller's name calls, and the adapter it names: a catalog model's own
+        name, or `BASE:ADAPTER` for an adapter of a base that lists adapters (whether that
+        adapter exists is the worker's to say: `adapters_of`). Unknown names raise as
+        `get` does."""
+        if isinstance(name, str) and name not in self._models and ":" in name:
+            base, _, adapter = name.rpartition(":")
+            if base in self._adapters and adapter:
+                return self._models[base], adapter
+        return self.get(name), None
+
+    def base_call(self, model: Any, params: Any) -> tuple[Any, Any]:
+        """A call of `BASE:ADAPTER` as the call of its base model whose params name the
+        adapter, so that routing, leases, placement and quotas see the base; any other
+        call as it is. PayloadError when the params name another adapter."""
+        if not isinstance(model, str) or ":" not in model:
+            return model, params
+        spec, adapter = self.resolve(model)
+        if adapter is None or not (params is None or isinstance(params, dict)):
+            return model, params  # a model's own name; bad params are the payload check's
+        named = (params or {}).get("adapter")
+        if named is not None and named != adapter:
+            raise PayloadError(
+                f"the model names adapter {describe(adapter, 60)} and params['adapter'] names"
+                f" {describe(named, 60)}; name it once"
+            )
+        return spec.name, {**(params or {}), "adapter": adapter}
+
+    def adapters_of(self, name: str) -> Adapters | None:
+        """The adapters model `name` lists, or None."""
+        return self._adapters.get(name)
 
 
 class _StrictLoader(yaml.SafeLoader):
@@ -393,6 +448,8 @@ def _parse_entry(where: _Where, entry: object, base_dir: Path) -> ModelSpec:
             raise where.error("chat_template", "only a text-generation model takes messages")
         chat_template = _string(where, entry, "chat_template")
 
+    adapters, adapter_memory, adapter_rank = _adapters(where, entry, task, base_dir)
+
     try:
         accelerator = accelerators.parse(entry.get("accelerator"))
     except ValueError as exc:
@@ -426,8 +483,35 @@ def _parse_entry(where: _Where, entry: object, base_dir: Path) -> ModelSpec:
         kv_cache_bytes=kv_bytes,
         kv_cache_tokens=kv_tokens,
         chat_template=chat_template,
+        adapters=adapters,
+        adapter_memory=adapter_memory,
+        adapter_rank=adapter_rank,
         base_dir=base_dir,
     )
+
+
+def _adapters(
+    where: _Where, entry: Mapping[str, Any], task: str, base_dir: Path
+) -> tuple[AdapterSource | None, int, int]:
+    """`adapters`, `adapter_memory` and `adapter_rank` (placement.catalog.adapters)."""
+    if "adapters" not in entry:
+        for key in ("adapter_memory", "adapter_rank"):
+            if key in entry:
+                raise where.error(key, "applies to a model with adapters; add 'adapters'")
+        return None, 0, DEFAULT_ADAPTER_RANK
+    if task != "text-generation":
+        raise where.error("adapters", "only a text-generation model takes adapters (for now)")
+    try:
+        source = parse_source(entry["adapters"], base_dir)
+    except ValueError as exc:
+        raise where.error("adapters", str(exc)) from None
+    memory = DEFAULT_ADAPTER_MEMORY
+    if "adapter_memory" in entry:
+        memory = _size(where, "adapter_memory", entry["adapter_memory"])
+    rank = entry.get("adapter_rank", DEFAULT_ADAPTER_RANK)
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise where.error("adapter_rank", f"expected a whole number >= 1, got {rank!r}")
+    return source, memory, rank
 
 
 def _kv_cache(where: _Where, entry: Mapping[str, Any], task: str) -> tuple[int | None, int | None]:

@@ -2,8 +2,9 @@
 
 Sizing a replica on one GPU (NDIF, seed 000):
 - `required = size x factor` (or the learned peak x headroom, or the catalog's
-  explicit request/limit), plus a generation model's KV-cache budget (`kv_cache`; a
-  learned peak was measured with it, `placement.catalog.kvcache`);
+  explicit request/limit), plus what a generation model keeps beside its weights
+  (`Demand.beside`: its KV-cache budget and its adapters' room; a learned peak was
+  measured with them, `placement.catalog.kvcache`, `placement.catalog.adapters`);
 - below `fractional_threshold x GPU memory` it gets a fractional slot of
   `required` bytes; otherwise, if `size` fits the GPU, it gets the whole GPU;
 - otherwise it is split over the GPUs of one host (Helix, seed 004):
@@ -75,7 +76,7 @@ def single_gpu_slot(demand: Demand, total: int, settings: PolicySettings) -> tup
             share = portion(total, demand.gpus)
             return share, share
         return (total, total) if demand.gpus == 1 else None
-    kv = demand.kv_cache
+    kv = demand.beside
     if demand.request is not None:
         request, limit = demand.request + kv, (demand.limit or demand.request) + kv
         base = limit
@@ -99,11 +100,11 @@ def shard(demand: Demand, total: int, n: int, settings: PolicySettings) -> tuple
     _, _, min_free = knobs(demand, settings)
     share = scale(demand.learned or demand.size, settings.multi_gpu_overhead, n)
     if not demand.learned:
-        share += -(-demand.kv_cache // n)  # each shard holds its layers' part of the cache
+        share += -(-demand.beside // n)  # each shard holds its layers' part of the cache
     return share, max(share, scale(total, min_free))
 
 
 def spread_need(demand: Demand, settings: PolicySettings) -> int:
     """Bytes a size-based demand takes over all of its shards together."""
     need = scale(demand.learned or demand.size, settings.multi_gpu_overhead)
-    return need if demand.learned else need + demand.kv_cache
+    return need if demand.learned else need + demand.beside

@@ -268,7 +268,13 @@ class Demand:
     min_free_fraction: float | None = None
     learned: int | None = None  # measured peak bytes; preferred over the factor
     kv_cache: int = 0  # a generation model's KV-cache budget, beside its weights (in `learned`)
+    adapters: int = 0  # the room its replicas keep for LoRA adapters, beside too (in `learned`)
     protect: frozenset[str] = frozenset()  # models whose replicas this one may not evict
+
+    @property
+    def beside(self) -> int:
+        """Bytes a replica keeps beside its weights: its KV cache and its adapters' room."""
+        return self.kv_cache + self.adapters
 
 
 @dataclass(frozen=True)
