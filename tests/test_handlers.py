@@ -310,7 +310,7 @@ BAD_REQUESTS = [
         "text-generation",
         "x",
         {"num_beams": 2},
-        ["unknown param 'num_beams'", "allowed: max_new_tokens, repetition_penalty, seed"],
+        ["unknown param 'num_beams'", "allowed: adapter, max_new_tokens, repetition_penalty, seed"],
     ),
     (
         "param-of-another-task",

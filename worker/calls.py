@@ -32,7 +32,7 @@ from worker import handlers, loading
 from worker.caps import DeviceCaps, allocated_on, peak_allocated
 from worker.generation import serving as generation
 from worker.generation.engine import Engine
-from worker.generation.replica import replica_engine
+from worker.generation.replica import adapter_room, replica_engine
 from worker.generation.serving import GenCall
 from worker.lifecycle import exit_for_restart, is_fatal_cuda_error
 from worker.measuring import Learned, Span, Spans
@@ -177,11 +177,14 @@ class Calls:
             plan, simulated = self._serving(resident, epoch)
             if self.threads and torch.get_num_threads() != self.threads:
                 torch.set_num_threads(self.threads)
+            device = loading.torch_device(min(plan), simulated)
             engine = replica_engine(
-                resident.model, resident.tokenizer, resident.spec,
-                loading.torch_device(min(plan), simulated), resident.kv,
-            )  # fmt: skip
+                resident.model, resident.tokenizer, resident.spec, device, resident.kv
+            )
             resident.kv = engine.kv
+            if resident.adapters is None:
+                resident.adapters = adapter_room(resident.model, resident.spec, device)
+            engine.adapters = resident.adapters
         except BaseException:
             held.close()
             raise

@@ -223,7 +223,7 @@ class ResidencyManager:
                 resident.shared = sharing.publish(self.arena, resident.region, resident.model)
             with self.lock:
                 resident.slots = {}
-                resident.kv = None  # its blocks leave the device with it (prefixes too)
+                resident.leave_device()  # its KV blocks (prefixes too) and adapters' slots
                 if simulated:
                     self.device_caps.uncharge(plan, resident.accounted)
                 self._free_cuda()
@@ -380,7 +380,7 @@ class ResidencyManager:
             self._give_back(resident)
             resident.slots = {}  # a call that still holds it finds it gone...
             resident.model = None  # ...and cannot keep its tensors on the device
-            resident.kv = None
+            resident.leave_device()
         self._keep_room()
         return True
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from placement.catalog.catalog import ModelSpec
+from worker.adapters.room import AdapterRoom
 from worker.caps import replica_caps
 from worker.generation.paged import Paged
 from worker.passes import Dims, dims_of
@@ -35,7 +36,16 @@ class Resident:
     region: Region | None = None  # where its warm copy lies in the arena
     shared: Locator | None = None  # where the host's other workers may read its warm copy
     kv: Paged | None = None  # its paged KV cache while HOT: cached prefixes outlive an engine
+    adapters: AdapterRoom | None = None  # its LoRA adapters' slots while HOT (same)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def leave_device(self) -> None:
+        """Forget what it keeps on its GPUs beside its weights (its KV blocks, its adapters'
+        slots): they leave the device with it."""
+        self.kv = None
+        if self.adapters is not None:
+            self.adapters.close()
+            self.adapters = None
 
     @property
     def warm(self) -> bool:

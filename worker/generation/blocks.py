@@ -133,11 +133,14 @@ class BlockPool:
 
     # --- prefixes ---------------------------------------------------------------------
 
-    def match(self, tokens: Sequence[int], limit: int) -> tuple[list[int], bytes]:
+    def match(
+        self, tokens: Sequence[int], limit: int, root: bytes = b""
+    ) -> tuple[list[int], bytes]:
         """The cached blocks that hold `tokens`' first whole blocks, within `limit` tokens,
-        and the last one's key; not held yet (`hold`)."""
+        and the last one's key (`root`, where the chain starts, when none); not held yet
+        (`hold`)."""
         blocks: list[int] = []
-        key = b""
+        key = root
         if not self.share:
             return blocks, key
         for start in range(0, limit - self.size + 1, self.size):

@@ -54,6 +54,7 @@ from typing import Any
 import torch
 
 from placement.errors import PayloadError
+from worker.adapters.room import AdapterRoom
 from worker.generation import blocks, paged, sampling, slots
 from worker.generation.pacing import Allowance, Pace
 from worker.generation.params import MAX_NEW_TOKENS
@@ -118,6 +119,7 @@ class Engine(RowTurns):
         # vocabulary] of them (600 MB for 2,048 tokens of a 150k vocabulary).
         self._last_logits = {"logits_to_keep": 1} if "logits_to_keep" in named else {}
         self.waiting: list[Sequence_] = []  # in their fair order (the module)
+        self.adapters: AdapterRoom | None = None  # its replica's LoRA slots, if it has any
         self._unstepped: list[Sequence_] = []  # added since the last step began
         self._virtual = 0.0  # the start tag of the last sequence admitted
         self._finishes: dict[Hashable, tuple[float, int]] = {}  # flow -> last finish, waiting
@@ -334,7 +336,8 @@ class Engine(RowTurns):
         while len(admitted) < len(self.waiting) and count < self.max_rows:
             head = self.waiting[len(admitted)]
             context = head.context()
-            prefix = pool.match(context, len(context) - 1)  # a token at least is computed
+            # a token at least is computed
+            prefix = pool.match(context, len(context) - 1, head.salt)
             past = len(prefix[0]) * pool.size
             todo = len(context) - past
             whole = allowance.holds(todo, past)  # a prompt a step holds starts whole at once
@@ -447,10 +450,11 @@ class Engine(RowTurns):
         past = max((s.table.length for s in sequences if s.table is not None), default=0)
         started = time.perf_counter()
         try:
-            if self.kv is not None:
-                out, mask = self._forward_paged(chunks), None
-            else:
-                out, mask = self._forward_padded(sequences)
+            with self._adapted(sequences):
+                if self.kv is not None:
+                    out, mask = self._forward_paged(chunks), None
+                else:
+                    out, mask = self._forward_padded(sequences)
         except torch.OutOfMemoryError:
             if len(chunks) == 1:
                 raise
@@ -545,18 +549,19 @@ class Engine(RowTurns):
         self.decoded_rows += len(rows)
         self.decode_steps += 1
         ids = torch.tensor([[s.tokens[-1]] for s in rows], dtype=torch.long, device=self.device)
-        if self.kv is not None:
-            out = self._decode_paged(ids)
-        else:
-            positions = self._mask.sum(dim=1, keepdim=True)
-            self._mask = torch.nn.functional.pad(self._mask, (0, 1), value=1)
-            out = self.model(
-                input_ids=ids,
-                attention_mask=self._mask,
-                position_ids=positions,
-                use_cache=True,
-                **{self._cache_arg: self._cache},
-            )
+        with self._adapted(rows):
+            if self.kv is not None:
+                out = self._decode_paged(ids)
+            else:
+                positions = self._mask.sum(dim=1, keepdim=True)
+                self._mask = torch.nn.functional.pad(self._mask, (0, 1), value=1)
+                out = self.model(
+                    input_ids=ids,
+                    attention_mask=self._mask,
+                    position_ids=positions,
+                    use_cache=True,
+                    **{self._cache_arg: self._cache},
+                )
         self._seen.scatter_(1, ids, True)
         if self._columns is None:
             self._columns = sampling.Columns([s.options.choice for s in rows], self.device)
@@ -569,6 +574,12 @@ class Engine(RowTurns):
             self._cache = _cache_of(out)  # a plain cache grows by concatenation
         for sequence, token in zip(rows, picked, strict=True):
             self._take(sequence, token)
+
+    def _adapted(self, rows: list[Sequence_]) -> AbstractContextManager[Any]:
+        """A pass over `rows` with each row's adapter (`worker.adapters.room`)."""
+        if self.adapters is None:
+            return nullcontext()
+        return self.adapters.rows([s.adapter for s in rows])
 
     def _take(self, sequence: Sequence_, token: int) -> None:
         """Append a sampled token and decide whether the sequence is done."""

@@ -16,6 +16,7 @@ stop                  a string or up to 8        none; the text ends before the 
                       strings of 1-64 chars
 seed                  0 to 2**63-1, or null      null (a fresh seed per call)
 stream                true or false              false: no chunks (`tasks.serving.streams`)
+adapter               an adapter's name, or null null: the base; `BASE:ADAPTER` sets it
 ====================  =========================  ========================================
 
 A call's `inputs` is a prompt, a list of prompts (each generated on its own), or a chat:
@@ -38,6 +39,7 @@ MAX_STOPS = 8
 MAX_STOP_CHARS = 64
 MAX_MESSAGES = 64
 MAX_SEED = 2**63 - 1
+MAX_ADAPTER_CHARS = 200
 MAX_ROWS = 64  # sequences one job runs at once, as MAX_BATCH strings per call
 ROLES = ("system", "user", "assistant")
 
@@ -97,6 +99,23 @@ class Stops:
         return tuple(str.__str__(item) for item in items)
 
 
+@dataclass(frozen=True)
+class AdapterName:
+    """The LoRA adapter a call runs (set from the model name `BASE:ADAPTER`), or None."""
+
+    default: None = None
+
+    def check(self, name: str, value: object) -> object:
+        if value is None:
+            return None
+        if not isinstance(value, str) or not 0 < len(value) <= MAX_ADAPTER_CHARS:
+            raise PayloadError(
+                f"param {name!r} must name an adapter of the model (up to {MAX_ADAPTER_CHARS}"
+                f" characters) or be null, got {describe(value)}; call 'BASE:ADAPTER'"
+            )
+        return str.__str__(value)
+
+
 def _fmt(value: float) -> str:
     return str(int(value)) if float(value).is_integer() else str(value)
 
@@ -112,6 +131,7 @@ PARAMS: dict[str, Any] = {
     "stop": Stops(),
     "seed": Number(None, 0, MAX_SEED, whole=True, nullable=True),
     "stream": payloads.Param(bool, False),
+    "adapter": AdapterName(),
 }
 
 

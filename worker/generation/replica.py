@@ -1,4 +1,5 @@
-"""The engine of one resident replica, sized by its model's KV-cache budget."""
+"""The engine of one resident replica, sized by its model's KV-cache budget, and the room
+it keeps for its model's LoRA adapters."""
 
 from __future__ import annotations
 
@@ -7,7 +8,10 @@ from typing import Any
 
 import torch
 
+from placement.catalog import adapters
 from placement.catalog.catalog import ModelSpec
+from worker.adapters.reading import SHELF, Read
+from worker.adapters.room import AdapterRoom
 from worker.generation.engine import Engine, eos_ids
 from worker.generation.paged import Paged
 from worker.generation.params import MAX_ROWS
@@ -34,3 +38,39 @@ def replica_engine(
         model, tokenizer, device, budget=tokens, window=window, max_rows=MAX_ROWS,
         eos=eos_ids(model, tokenizer), kv=kv,
     )  # fmt: skip
+
+
+def adapter_room(model: Any, spec: ModelSpec, device: torch.device) -> AdapterRoom | None:
+    """The room a replica of `spec` keeps for its adapters on `device` (None if it lists
+    none): laid out for the modules its adapters on disk change now, or, with none there
+    yet, for those peft changes by default on a model of its type."""
+    if spec.adapters is None:
+        return None
+    listing = adapters.Adapters(spec.name, spec.adapters)
+    targets: set[str] = set()
+    for path in spec.adapters.listing().values():
+        targets |= adapters.modules(path)
+    if not targets:
+        targets = _default_targets(model)
+
+    def find(name: str) -> tuple[Read, bool]:
+        return SHELF.get(name, listing.path(name))
+
+    room = AdapterRoom(model, device, spec.adapter_memory, spec.adapter_rank, sorted(targets), find)
+    log.info(
+        "%s keeps %d adapter slots of rank %d over %d modules (%d bytes)",
+        spec.name, room.slots, room.rank, len(room.targets), room.nbytes,
+    )  # fmt: skip
+    return room
+
+
+def _default_targets(model: Any) -> set[str]:
+    """The modules peft's LoRA changes by default on a model of this type."""
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
+
+    kind = str(getattr(getattr(model, "config", None), "model_type", ""))
+    names = TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING.get(kind, [])
+    return {
+        path for path, _ in model.named_modules()
+        if any(path == n or path.endswith("." + n) for n in names)
+    }  # fmt: skip

@@ -16,7 +16,8 @@ from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
-from placement.errors import PayloadError
+from placement.errors import GpufleetError, PayloadError
+from worker.adapters.room import RoomFull
 from worker.generation.chat import prompt_ids
 from worker.generation.engine import Engine, Options, Sequence_
 from worker.generation.params import validate
@@ -60,6 +61,7 @@ class _Running:
     call: GenCall
     sequences: list[Sequence_]
     since: float = field(default_factory=time.monotonic)
+    adapter: str | None = None  # the adapter slot it holds, until it ends
 
 
 class Driver:
@@ -78,32 +80,39 @@ class Driver:
         self.template = template
         self._finished = finished
         self._running: dict[str, _Running] = {}
+        self._parked: list[_Running] = []  # waiting for an adapter slot, in arrival order
 
     @property
     def busy(self) -> bool:
-        return self.engine.busy
+        return self.engine.busy or bool(self._parked)
 
     @property
     def calls(self) -> int:
         """Calls added and not answered yet."""
-        return len(self._running)
+        return len(self._running) + len(self._parked)
 
     def add(self, calls: Iterable[GenCall]) -> None:
         """Queue calls that arrived together, shortest prompt first (the least mean time
-        to first token); none overtakes a call added before it."""
+        to first token); none overtakes a call added before it. A call of an adapter
+        whose slot is not free yet waits for one, after those that waited before it."""
         arrived = []
         for call in calls:
             try:
                 arrived.append(_Running(call, _sequences(self.engine, call, self.template)))
             except PayloadError as exc:
                 self._reply(call, exc)
-        for entry in sorted(arrived, key=lambda e: sum(len(s.prompt) for s in e.sequences)):
-            self._running[entry.call.key] = entry
-            for sequence in entry.sequences:
-                self.engine.add(sequence)
+        self._parked += sorted(arrived, key=lambda e: sum(len(s.prompt) for s in e.sequences))
+        self._unpark()
 
     def cancel(self, key: str) -> None:
         """Stop call `key` at the next step, if it is one of these."""
+        for parked in self._parked:
+            if parked.call.key == key:
+                self._parked.remove(parked)
+                for sequence in parked.sequences:
+                    sequence.finish, sequence.cancelled = "cancelled", True
+                self._reply(parked.call, _answer(parked))
+                return
         entry = self._running.get(key)
         for sequence in entry.sequences if entry is not None else ():
             self.engine.cancel(sequence.key)
@@ -111,18 +120,70 @@ class Driver:
     def step(self) -> None:
         """One step of the engine (its model's error propagates: `fail`); answer the calls
         whose last sequence ended in it."""
+        self._unpark()
         for sequence in self.engine.step():
             call_key, _ = cast(tuple[str, int], sequence.key)
             done = self._running.get(call_key)
             if done is not None and all(s.done for s in done.sequences):
                 del self._running[call_key]
+                self._let_go(done)
                 self._reply(done.call, _answer(done))
 
     def fail(self, error: BaseException) -> None:
         """Answer every call left with `error` (the engine failed)."""
         running, self._running = self._running, {}
+        parked, self._parked = self._parked, []
         for entry in running.values():
+            self._let_go(entry)
             self._reply(entry.call, error)
+        for entry in parked:
+            self._reply(entry.call, error)
+
+    def _start(self, entry: _Running) -> None:
+        self._running[entry.call.key] = entry
+        for sequence in entry.sequences:
+            self.engine.add(sequence)
+
+    def _unpark(self) -> None:
+        """Start the calls waiting here whose adapter is in a slot or gets one now, in
+        their order; the rest wait for a slot to be released."""
+        waiting = []
+        for entry in self._parked:
+            held = self._hold_adapter(entry)
+            if held is False:
+                waiting.append(entry)
+            elif held:
+                self._start(entry)
+        self._parked = waiting
+
+    def _hold_adapter(self, entry: _Running) -> bool | None:
+        """Hold the call's adapter in a slot of the replica (`worker.adapters.room`):
+        True once held (or when it runs the base); False while every slot holds one in
+        use; None when its adapter is unknown, bad or unfit, the call answered with why."""
+        adapter = entry.sequences[0].adapter
+        if adapter is None:
+            return True
+        room = self.engine.adapters
+        try:
+            if room is None:
+                raise PayloadError(
+                    "this model serves no adapters; call it by its own name, or ask the"
+                    " fleet's operator to list adapters for it"
+                )
+            room.acquire(adapter)
+        except RoomFull:
+            return False
+        except GpufleetError as exc:
+            self._reply(entry.call, exc)
+            return None
+        entry.adapter = adapter
+        return True
+
+    def _let_go(self, entry: _Running) -> None:
+        """The call's adapter slot is free for others (the call has ended)."""
+        if entry.adapter is not None and self.engine.adapters is not None:
+            self.engine.adapters.release(entry.adapter)
+            entry.adapter = None
 
     def _reply(self, call: GenCall, outcome: Generated | BaseException) -> None:
         """`finished`, whose own failure is that call's alone, never the engine's."""
@@ -147,6 +208,7 @@ def _sequences(engine: Engine, call: GenCall, template: str | None) -> list[Sequ
             own = replace(options, max_new_tokens=engine.room(len(ids)))
         sequence = Sequence_((call.key, index), ids, own, on_text, call.deadline)
         sequence.owner, sequence.weight = call.owner, call.weight
+        sequence.adapter = params["adapter"]
         sequences.append(sequence)
     for index, sequence in enumerate(sequences):
         try:

@@ -90,7 +90,7 @@ class RowTurns(PagedRows):
             if not share.short(sequence.holder):
                 continue  # its holder holds about its share: it waits its turn
             context = sequence.context()
-            prefix = self.kv.pool.match(context, len(context) - 1)
+            prefix = self.kv.pool.match(context, len(context) - 1, sequence.salt)
             if self._written_by_another(context, prefix):
                 continue  # admission would not take it yet: it reads that prefix first
             short = self._blocks_taken(context, prefix) - spare
@@ -138,7 +138,9 @@ class RowTurns(PagedRows):
         """The blocks admitting `sequence` would take now (`PagedRows._blocks_taken`)."""
         assert self.kv is not None
         context = sequence.context()
-        return self._blocks_taken(context, self.kv.pool.match(context, len(context) - 1))
+        return self._blocks_taken(
+            context, self.kv.pool.match(context, len(context) - 1, sequence.salt)
+        )
 
     def _freed_by(self, row: Sequence_) -> int:
         """Blocks a preempted `row` gives back to what is available: those it alone holds

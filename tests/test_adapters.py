@@ -1,0 +1,297 @@
+"""LoRA adapters over one base: the catalog's listing, the engine's mixed batches, and the
+errors of adapters that cannot be served.
+
+A GPT-2 is saved to disk, and adapters are made from it at run time with peft (with
+random factors, so each changes the tokens). The reference for an adapter's rows is the
+adapter merged into the base by peft (`merge_and_unload`) and run alone.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import peft
+import pytest
+import torch
+import transformers
+
+from placement.catalog import adapters
+from placement.catalog.catalog import Catalog
+from placement.errors import AdapterError, CatalogError, PayloadError, UnknownAdapterError
+from worker.generation.engine import Engine
+from worker.generation.replica import adapter_room
+from worker.generation.serving import Driver, GenCall, Generated, run_calls
+from worker.weights.synthetic import SyntheticTokenizer
+
+CPU = torch.device("cpu")
+SMALL = {"n_layer": 2, "n_head": 2, "n_embd": 64, "vocab_size": 512, "n_positions": 256}
+OTHER = {"n_layer": 2, "n_head": 2, "n_embd": 32, "vocab_size": 512, "n_positions": 256}
+TOKENIZER = SyntheticTokenizer(512, causal=True)
+# (rank, target modules) of each adapter: ranks below the room's, and different modules
+LAYOUT = {"legal": (4, ["c_attn"]), "support": (8, ["c_attn", "c_proj"]), "chat": (2, ["c_fc"])}
+
+
+def _gpt(config: dict[str, int], seed: int) -> Any:
+    torch.manual_seed(seed)
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(**config)).eval()
+
+
+def _save_adapter(base: Path, where: Path, rank: int, targets: list[str], seed: int) -> None:
+    torch.manual_seed(seed)
+    net = transformers.GPT2LMHeadModel.from_pretrained(base)
+    config = peft.LoraConfig(
+        r=rank, lora_alpha=2 * rank, target_modules=targets, init_lora_weights=False
+    )
+    peft.get_peft_model(net, config).save_pretrained(where)
+
+
+@pytest.fixture(scope="module")
+def disk(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A base GPT saved to disk, its adapters in `adapters/`, and one of another base."""
+    root = tmp_path_factory.mktemp("adapters")
+    _gpt(SMALL, 0).save_pretrained(root / "base")
+    for seed, (name, (rank, targets)) in enumerate(LAYOUT.items(), start=1):
+        _save_adapter(root / "base", root / "adapters" / name, rank, targets, seed)
+    _gpt(OTHER, 0).save_pretrained(root / "other")
+    _save_adapter(root / "other", root / "foreign" / "stranger", 4, ["c_attn"], 9)
+    return root
+
+
+def _catalog(disk: Path, **fields: Any) -> Catalog:
+    entry = {
+        "source": str(disk / "base"), "task": "text-generation", "memory": "64MiB",
+        "adapters": str(disk / "adapters"), **fields,
+    }  # fmt: skip
+    return Catalog.from_mapping({"models": {"base": entry}})
+
+
+@pytest.fixture
+def engine(disk: Path) -> Iterator[Engine]:
+    spec = _catalog(disk)["base"]
+    net = transformers.GPT2LMHeadModel.from_pretrained(disk / "base").eval()
+    engine = Engine(net, TOKENIZER, CPU, budget=4096, window=256)
+    engine.adapters = adapter_room(net, spec, CPU)
+    yield engine
+    assert engine.adapters is not None
+    engine.adapters.close()
+
+
+def _merged(disk: Path, adapter: str | None) -> Any:
+    net = transformers.GPT2LMHeadModel.from_pretrained(disk / "base").eval()
+    if adapter is None:
+        return net
+    return peft.PeftModel.from_pretrained(net, disk / "adapters" / adapter).merge_and_unload()
+
+
+def _alone(disk: Path, adapter: str | None, prompt: str, **params: Any) -> list[int]:
+    engine = Engine(_merged(disk, adapter), TOKENIZER, CPU, budget=4096, window=256)
+    [answer] = run_calls(engine, [GenCall("alone", prompt, params)], None)
+    assert isinstance(answer, Generated), answer
+    tokens: list[int] = answer.outputs["tokens"][0]
+    return tokens
+
+
+def _tokens(outcome: object) -> list[int]:
+    assert isinstance(outcome, Generated), outcome
+    tokens: list[int] = outcome.outputs["tokens"][0]
+    return tokens
+
+
+def test_rows_of_different_adapters_in_one_batch_equal_each_adapter_merged_and_run_alone(
+    disk: Path, engine: Engine
+) -> None:
+    prompts = ["Dear counsel,", "my order is late", "hi", "the base model alone", "again hi"]
+    names = ["legal", "support", "chat", None, "legal"]
+    calls = [
+        GenCall(str(i), prompt, {"max_new_tokens": 12, "adapter": name})
+        for i, (prompt, name) in enumerate(zip(prompts, names, strict=True))
+    ]
+    outcomes = run_calls(engine, calls, None)
+    for outcome, prompt, name in zip(outcomes, prompts, names, strict=True):
+        assert _tokens(outcome) == _alone(disk, name, prompt, max_new_tokens=12), name
+    assert len({tuple(_tokens(o)) for o in outcomes[:4]}) == 4  # each adapter changed them
+    assert engine.adapters is not None
+    assert engine.adapters.stats()["adapter_loads"] == 3
+    assert engine.adapters.stats()["adapters_in_use"] == 0  # every call let its slot go
+
+
+def test_a_mixed_batch_s_logits_are_within_1e_4_of_the_merged_models(
+    disk: Path, engine: Engine
+) -> None:
+    room = engine.adapters
+    assert room is not None
+    for name in LAYOUT:
+        room.acquire(name)
+    ids = torch.tensor([TOKENIZER.encode("the same prompt")] * 4)
+    order = ["support", None, "chat", "legal"]
+    with torch.no_grad(), room.rows(order):
+        mixed = engine.model(input_ids=ids).logits
+    for row, name in enumerate(order):
+        with torch.no_grad():
+            alone = _merged(disk, name)(input_ids=ids[:1]).logits[0]
+        assert (mixed[row] - alone).abs().max().item() <= 1e-4, name
+
+
+def test_seeded_sampling_with_an_adapter_equals_its_merged_model(
+    disk: Path, engine: Engine
+) -> None:
+    params = {"max_new_tokens": 10, "temperature": 0.9, "top_k": 50, "seed": 7}
+    call = GenCall("s", "sample me", {**params, "adapter": "support"})
+    [outcome] = run_calls(engine, [call], None)
+    assert _tokens(outcome) == _alone(disk, "support", "sample me", **params)
+
+
+def test_the_same_prompt_under_two_adapters_shares_no_cached_block(engine: Engine) -> None:
+    prompt = "a system prompt long enough to fill several blocks of sixteen tokens " * 2
+    run_calls(engine, [GenCall("a", prompt, {"max_new_tokens": 2, "adapter": "legal"})], None)
+    assert engine.kv is not None
+    before = engine.kv.pool.reused_tokens
+    run_calls(engine, [GenCall("b", prompt, {"max_new_tokens": 2, "adapter": "chat"})], None)
+    assert engine.kv.pool.reused_tokens == before  # another adapter's keys: nothing reused
+    run_calls(engine, [GenCall("c", prompt, {"max_new_tokens": 2, "adapter": "chat"})], None)
+    assert engine.kv.pool.reused_tokens > before  # its own adapter's prefix is reused
+
+
+def test_unknown_foreign_and_damaged_adapters_get_clear_errors_and_the_engine_serves_on(
+    disk: Path, engine: Engine, tmp_path: Path
+) -> None:
+    shutil.copytree(disk / "foreign" / "stranger", disk / "adapters" / "stranger")
+    damaged = disk / "adapters" / "damaged"
+    shutil.copytree(disk / "adapters" / "legal", damaged)
+    weights = damaged / adapters.WEIGHTS_FILE
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    try:
+        calls = [
+            GenCall("unknown", "x", {"max_new_tokens": 2, "adapter": "nope"}),
+            GenCall("foreign", "x", {"max_new_tokens": 2, "adapter": "stranger"}),
+            GenCall("damaged", "x", {"max_new_tokens": 2, "adapter": "damaged"}),
+            GenCall("fine", "still here", {"max_new_tokens": 6, "adapter": "legal"}),
+        ]
+        unknown, foreign, bad, fine = run_calls(engine, calls, None)
+    finally:
+        shutil.rmtree(disk / "adapters" / "stranger")
+        shutil.rmtree(damaged)
+    assert isinstance(unknown, UnknownAdapterError)
+    assert "has no adapter 'nope'" in str(unknown) and "legal" in str(unknown)
+    assert isinstance(foreign, AdapterError) and "'stranger'" in str(foreign)
+    assert "another model" in str(foreign)
+    assert isinstance(bad, AdapterError) and "'damaged'" in str(bad)
+    assert "save it again" in str(bad)
+    assert _tokens(fine) == _alone(disk, "legal", "still here", max_new_tokens=6)
+    assert adapters.problem(disk / "adapters" / "legal") is None
+
+
+def test_an_adapter_copied_into_the_directory_is_served_without_a_restart(
+    disk: Path, engine: Engine
+) -> None:
+    call = GenCall("a", "x", {"max_new_tokens": 2, "adapter": "late"})
+    [refused] = run_calls(engine, [call], None)
+    assert isinstance(refused, UnknownAdapterError)
+    shutil.copytree(disk / "adapters" / "legal", disk / "adapters" / "late")
+    try:
+        [served] = run_calls(
+            engine, [GenCall("b", "late one", {"max_new_tokens": 5, "adapter": "late"})], None
+        )
+    finally:
+        shutil.rmtree(disk / "adapters" / "late")
+    assert _tokens(served) == _alone(disk, "legal", "late one", max_new_tokens=5)
+
+
+def test_a_room_of_one_slot_runs_two_adapters_in_turn_and_keeps_the_least_recently_used_out(
+    disk: Path,
+) -> None:
+    net = transformers.GPT2LMHeadModel.from_pretrained(disk / "base").eval()
+    room = adapter_room(net, _catalog(disk, adapter_memory="100KiB", adapter_rank=8)["base"], CPU)
+    assert room is not None and room.slots == 1
+    engine = Engine(net, TOKENIZER, CPU, budget=4096, window=256)
+    engine.adapters = room
+    outcomes: dict[str, object] = {}
+    driver = Driver(engine, None, lambda call, out: outcomes.__setitem__(call.key, out))
+    driver.add([GenCall("first", "one", {"max_new_tokens": 8, "adapter": "legal"})])
+    driver.add([GenCall("second", "two", {"max_new_tokens": 8, "adapter": "support"})])
+    driver.step()
+    assert room.held() == ["legal"]  # the second waits for the slot
+    while driver.busy:
+        driver.step()
+    room.close()
+    assert _tokens(outcomes["first"]) == _alone(disk, "legal", "one", max_new_tokens=8)
+    assert _tokens(outcomes["second"]) == _alone(disk, "support", "two", max_new_tokens=8)
+    assert room.stats()["adapter_evictions"] == 1 and room.held() == ["support"]
+
+
+def test_an_adapter_of_a_rank_above_the_room_s_is_refused_with_what_to_change(
+    disk: Path,
+) -> None:
+    net = transformers.GPT2LMHeadModel.from_pretrained(disk / "base").eval()
+    room = adapter_room(net, _catalog(disk, adapter_rank=4)["base"], CPU)
+    assert room is not None
+    with pytest.raises(AdapterError, match="raise adapter_rank"):
+        room.acquire("support")
+    room.close()
+
+
+def test_a_model_without_adapters_refuses_an_adapter_call_and_serves_on(disk: Path) -> None:
+    net = transformers.GPT2LMHeadModel.from_pretrained(disk / "base").eval()
+    engine = Engine(net, TOKENIZER, CPU, budget=4096, window=256)
+    refused, served = run_calls(
+        engine,
+        [GenCall("a", "x", {"adapter": "legal"}), GenCall("b", "y", {"max_new_tokens": 3})],
+        None,
+    )
+    assert isinstance(refused, PayloadError) and "serves no adapters" in str(refused)
+    assert isinstance(served, Generated)
+
+
+def test_the_catalog_resolves_base_colon_adapter_and_charges_the_adapters_room(
+    disk: Path,
+) -> None:
+    catalog = _catalog(disk, adapter_memory="32MiB")
+    spec, adapter = catalog.resolve("base:legal")
+    assert (spec.name, adapter) == ("base", "legal")
+    assert catalog.resolve("base") == (spec, None)
+    assert spec.demand().beside == spec.demand().kv_cache + 32 * 2**20
+    listing = catalog.adapters_of("base")
+    assert listing is not None and listing.names() == sorted(LAYOUT)
+
+
+@pytest.mark.parametrize(
+    ("fields", "fragment"),
+    [
+        ({"adapters": 7}, "expected a directory or a mapping"),
+        ({"adapters": {"a:b": "x"}}, "without ':'"),
+        ({"adapter_rank": 8}, "add 'adapters'"),
+        ({"adapters": "x", "adapter_rank": 0}, "whole number >= 1"),
+        ({"adapters": "x", "adapter_memory": "lots"}, "adapter_memory"),
+    ],
+)
+def test_a_bad_adapters_field_fails_the_catalog_naming_it(
+    fields: dict[str, Any], fragment: str
+) -> None:
+    entry = {"source": "synthetic", "task": "text-generation", "memory": "64MiB", **fields}
+    with pytest.raises(CatalogError, match=fragment):
+        Catalog.from_mapping({"models": {"gen": entry}})
+
+
+def test_a_model_name_that_reads_as_another_s_adapter_is_refused_at_load() -> None:
+    entry = {"source": "synthetic", "task": "text-generation", "memory": "64MiB"}
+    models = {"gen": {**entry, "adapters": "x"}, "gen:tuned": entry}
+    with pytest.raises(CatalogError, match="reads as adapter 'tuned' of 'gen'"):
+        Catalog.from_mapping({"models": models})
+    encoder = {"source": "synthetic", "task": "feature-extraction", "memory": "64MiB"}
+    with pytest.raises(CatalogError, match="only a text-generation model takes adapters"):
+        Catalog.from_mapping({"models": {"enc": {**encoder, "adapters": "x"}}})
+
+
+def test_a_damaged_adapter_is_reported_by_its_files_without_loading_it(
+    disk: Path, tmp_path: Path
+) -> None:
+    shutil.copytree(disk / "adapters" / "legal", tmp_path / "cut")
+    weights = tmp_path / "cut" / adapters.WEIGHTS_FILE
+    weights.write_bytes(weights.read_bytes()[:-100])
+    assert "truncated" in str(adapters.problem(tmp_path / "cut"))
+    (tmp_path / "cut" / adapters.CONFIG_FILE).write_text("{not json")
+    assert "not readable JSON" in str(adapters.problem(tmp_path / "cut"))
+    assert adapters.header_bytes(disk / "adapters" / "legal" / adapters.WEIGHTS_FILE) > 0
