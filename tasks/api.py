@@ -70,8 +70,10 @@ EVICT_WAIT_S = 10.0  # how long `gpufleet.evict` waits for workers to settle the
 def _infer_intake(headers: dict[str, Any], arguments: dict[str, Any]) -> None:
     """What the consumer checks of a `gpufleet.infer` before it runs (`tasks.broker.intake`): a
     catalog model, a payload its task takes, and a lease header the fleet wrote."""
-    spec = context.catalog().get(arguments["model"])
-    validate(spec.task, arguments["inputs"], arguments["params"])
+    catalog = context.catalog()
+    model, params = catalog.base_call(arguments["model"], arguments["params"])
+    spec = catalog.get(model)
+    validate(spec.task, arguments["inputs"], params)
     leases.from_header(spec.name, headers.get(LEASE_HEADER))
 
 
@@ -79,8 +81,10 @@ def _infer_intake(headers: dict[str, Any], arguments: dict[str, Any]) -> None:
 def infer(
     self: Task, model: str, inputs: Any, params: dict[str, Any] | None = None
 ) -> dict[str, Any]:
-    """Run `inputs` through `model`; returns outputs, the replica and GPUs used, and timings."""
+    """Run `inputs` through `model`; returns outputs, the replica and GPUs used, and timings.
+    `model` may name an adapter of a base model as `BASE:ADAPTER`."""
     hops = hops_of(self.request)
+    model, params = context.catalog().base_call(model, params)
     if context.role() == "gpu":
         call = fast_call(model, inputs, params, getattr(self.request, LEASE_HEADER, None), hops)
         if call is not None:

@@ -273,13 +273,23 @@ def _authorize(front: Front, request: Request) -> str:
 
 
 async def _models(front: Front, _: str, __: Request) -> Response:
-    return _Json(shapes.models(list(front.catalog), front.started))
+    catalog = front.catalog
+    names = {}
+    for name in catalog:
+        adapters = catalog.adapters_of(name)
+        names[name] = await asyncio.to_thread(adapters.names) if adapters is not None else []
+    return _Json(shapes.models(names, front.started))
 
 
 async def _model(front: Front, _: str, request: Request) -> Response:
     name = request.path_params["name"]
-    front.catalog.get(name)  # UnknownModelError: a 404
-    return _Json(shapes.model(name, front.started))
+    spec, adapter = front.catalog.resolve(name)  # UnknownModelError: a 404
+    if adapter is None:
+        return _Json(shapes.model(name, front.started))
+    adapters = front.catalog.adapters_of(spec.name)
+    assert adapters is not None  # resolve names adapters of a base that lists them
+    await asyncio.to_thread(adapters.path, adapter)  # UnknownAdapterError: a 404
+    return _Json(shapes.model(name, front.started, spec.name))
 
 
 async def _chat(front: Front, tenant: str, request: Request) -> Response:
@@ -458,7 +468,7 @@ def _outputs(meta: dict[str, Any]) -> dict[str, Any]:
 def _check_model(front: Front, call: Call) -> None:
     """A catalog model that serves the endpoint's task (checked here too, for the 404)."""
     try:
-        spec = front.catalog.get(call.model)
+        spec, _ = front.catalog.resolve(call.model)  # BASE:ADAPTER: the router splits it
     except UnknownModelError as exc:
         raise _Refused(shapes.failure("UnknownModelError", str(exc), "model")) from None
     if spec.task != TASK_OF[call.kind]:

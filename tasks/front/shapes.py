@@ -330,13 +330,20 @@ def embeddings(call: Call, outputs: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def models(names: list[str], created: int) -> dict[str, Any]:
-    """`GET /v1/models`: the catalog's models."""
-    return {"object": "list", "data": [model(name, created) for name in names]}
+def models(names: dict[str, list[str]], created: int) -> dict[str, Any]:
+    """`GET /v1/models`: the catalog's models, each followed by its adapters (`names`:
+    each model's adapters), as `BASE:ADAPTER` with the base as `parent` (as vLLM lists
+    LoRA adapters)."""
+    data = []
+    for name, adapters in names.items():
+        data.append(model(name, created))
+        data += [model(f"{name}:{adapter}", created, name) for adapter in adapters]
+    return {"object": "list", "data": data}
 
 
-def model(name: str, created: int) -> dict[str, Any]:
-    return {"id": name, "object": "model", "created": created, "owned_by": "gpufleet"}
+def model(name: str, created: int, parent: str | None = None) -> dict[str, Any]:
+    shape = {"id": name, "object": "model", "created": created, "owned_by": "gpufleet"}
+    return shape if parent is None else {**shape, "parent": parent}
 
 
 # --- errors ------------------------------------------------------------------------
@@ -347,6 +354,8 @@ _ERRORS: dict[str, tuple[int, str, str, int | None]] = {
     "PayloadError": (400, "invalid_request_error", "invalid_value", None),
     "RequestError": (400, "invalid_request_error", "invalid_value", None),
     "UnknownModelError": (404, "invalid_request_error", "model_not_found", None),
+    "UnknownAdapterError": (404, "invalid_request_error", "model_not_found", None),
+    "AdapterError": (400, "invalid_request_error", "adapter_unusable", None),
     "NeverFitsError": (400, "invalid_request_error", "model_never_fits", None),
     "CantAccommodateError": (503, "server_error", "fleet_full", 5),
     "SettlingError": (503, "server_error", "fleet_settling", 1),

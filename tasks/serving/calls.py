@@ -11,6 +11,7 @@ from celery.canvas import Signature
 from placement.errors import ConfigError, GpufleetError, PayloadError, describe
 from placement.ledger.hot import Lease
 from placement.ledger.tenancy.tenants import DEFAULT, check_name, worker_queue
+from tasks import context
 from tasks.app import app
 from tasks.broker.intake import (
     COUNTED_HEADER,
@@ -236,6 +237,7 @@ def call_of(name: str, args: Any, kwargs: Any, headers: dict[str, Any]) -> Call 
             return Call.from_json(args[0])
         if name == INFER:
             model, inputs, params = infer_arguments(*(args or ()), **(kwargs or {}))
+            model, params = context.catalog().base_call(model, params)
             header = headers.get(LEASE_HEADER)
             return fast_call(model, inputs, params, header, _hops(headers.get(HOPS_HEADER)))
     except (TypeError, ValueError, GpufleetError):

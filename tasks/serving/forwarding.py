@@ -159,5 +159,5 @@ def plain_call(message: Any) -> tuple[str, bool] | None:
     except GpufleetError:
         return None  # the consumer refuses it
     args, kwargs, _ = message.decode()
-    model = infer_arguments(*args, **kwargs)[0]
-    return model, counted_in(headers)
+    model, params = infer_arguments(*args, **kwargs)[::2]
+    return context.catalog().base_call(model, params)[0], counted_in(headers)

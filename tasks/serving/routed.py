@@ -73,5 +73,8 @@ def _unhold(sender: Any = None, request: Any = None, **_: Any) -> None:
     model, task_id = (args[0] if args else None), getattr(request, "id", None)
     if not isinstance(model, str) or not isinstance(task_id, str):
         return
-    if context.catalog().get(model, None) is not None:
-        hold(context.registry(), model, task_id, False)
+    try:
+        base, _adapter = context.catalog().resolve(model)
+    except GpufleetError:
+        return
+    hold(context.registry(), base.name, task_id, False)

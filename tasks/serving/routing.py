@@ -15,6 +15,7 @@ has no HOT replica yet.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any
 
@@ -53,6 +54,10 @@ def route(
     model = args[0] if args else (kwargs or {}).get("model")
     if not isinstance(model, str):
         return None
+    # An adapter's call leases its base's replica. No catalog here, or a name it does not
+    # know: the router says what is wrong.
+    with contextlib.suppress(GpufleetError):
+        model = context.catalog().base_call(model, None)[0]
     try:
         lease = context.registry().pick(model, path="fast")
     except AccessDeniedError:  # for good: a URL's user keeps its rights
