@@ -10,6 +10,7 @@ against the adapter merged into the base by peft and run alone in this process.
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -177,3 +178,35 @@ def test_openai_s_client_lists_the_adapters_under_their_base_and_calls_one(
     want = _merged(catalog, "support", "hello there", max_new_tokens=8)
     assert done.choices[0].text == want["texts"][0]
     assert done.model == "writer:support"
+
+
+def test_status_and_metrics_show_the_adapters_each_replica_holds_and_a_damaged_one_s_fault(
+    fleet: RunningFleet, catalog: Path
+) -> None:
+    from placement.ledger.registry import Registry
+    from tasks.operator.metrics import FleetCollector
+
+    for model in ("writer:legal", "writer:support", "writer:legal"):
+        _send(fleet, model, "counted", max_new_tokens=3).get(timeout=120)
+    damaged = catalog.parent / "adapters" / "damaged"
+    damaged.mkdir()
+    try:
+        (damaged / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 4')
+        report = fleet.client.send_task("gpufleet.status").get(timeout=30)
+    finally:
+        shutil.rmtree(damaged)
+    writer = report["generation"]["writer"]
+    [(replica, held)] = writer["adapters_by_replica"].items()
+    assert held == 2  # legal and support, in the one replica's slots
+    assert writer["adapter_loads"] == 2 and writer["adapter_hits"] >= 2
+    assert writer["adapter_evictions"] == 0
+    assert "not readable JSON" in writer["adapter_problems"]["damaged"]
+    assert report["problems"] == []  # the ledger equals what the worker holds
+    collector = FleetCollector(Registry.from_url(fleet.operator_url, "default"), fleet.operator_url)
+    families = {family.name: family for family in collector.collect()}
+    [sample] = [s for s in families["gpufleet_adapters_held"].samples
+                if s.labels["model"] == "writer"]  # fmt: skip
+    assert (sample.labels["replica"], sample.value) == (replica, 2)
+    events = {s.labels["event"]: s.value for s in families["gpufleet_adapter_events"].samples
+              if s.labels["model"] == "writer"}  # fmt: skip
+    assert events["load"] == 2 and events["eviction"] == 0

@@ -277,5 +277,7 @@ def _moved(replica: str) -> EvictedError:
 
 def kv_figures(engine: Engine) -> dict[str, float]:
     """What a step leaves in `engine`'s KV cache: the tokens its rows hold (none once they
-    all left), and, paged, its blocks in use, cached and free and its prompts' reuse."""
-    return {**engine.kv_stats(), "held_tokens": engine.held_tokens}
+    all left), and, paged, its blocks in use, cached and free and its prompts' reuse; and,
+    for a base with adapters, its adapters' room (`worker.adapters.room`)."""
+    room = engine.adapters.stats() if engine.adapters is not None else {}
+    return {**engine.kv_stats(), **room, "held_tokens": engine.held_tokens}

@@ -57,7 +57,7 @@ def mark_kv(store: Store, replica: str, kv: dict[str, float]) -> None:
     cached prefixes then show for that long); a cache that holds nothing, not even cached
     prefixes, is said by no record."""
     key = store.keys.kv_held(replica)
-    if kv.get("held_tokens") or kv.get("blocks_cached"):
+    if kv.get("held_tokens") or kv.get("blocks_cached") or kv.get("adapters_held"):
         store._read([("psetex", key, BATCH_TTL_MS, json.dumps(kv))])
     else:
         store._read([("delete", key)])

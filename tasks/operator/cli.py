@@ -126,6 +126,16 @@ def status(
                 else ""
             )
         )
+        held = gen["adapters_by_replica"]
+        if held or gen["adapter_loads"]:
+            console.print(
+                f"[bold]{model}[/] adapters "
+                + ", ".join(f"{n} on {r}" for r, n in sorted(held.items()))
+                + f"; {gen['adapter_hits']} hits, {gen['adapter_loads']} loads,"
+                f" {gen['adapter_evictions']} evictions"
+            )
+        for name, why in sorted(gen["adapter_problems"].items()):
+            console.print(f"[bold red]{model}:{name}[/] cannot be served: {why}")
     depths = ", ".join(f"{q} {n}" for q, n in report["queues"].items())
     console.print(f"[bold]queues[/] {depths}")
     where = report["redis"]

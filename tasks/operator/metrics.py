@@ -187,7 +187,21 @@ def _generation(models: dict[str, Any]) -> Iterator[Metric]:
         "Prompt tokens read from cached KV blocks, over prompt tokens admitted",
         labels=["model"],
     )
+    adapters = GaugeMetricFamily(
+        "gpufleet_adapters_held",
+        "LoRA adapters in a replica's slots now",
+        labels=["model", "replica"],
+    )
+    adapter_events = GaugeMetricFamily(
+        "gpufleet_adapter_events",
+        "What the live replicas' adapter rooms did since laid out (hit, load, eviction)",
+        labels=["model", "event"],
+    )
     for model, figures in models.items():
+        for replica, count in figures["adapters_by_replica"].items():
+            adapters.add_metric([model, replica], count)
+        for event in ("hit", "load", "eviction"):
+            adapter_events.add_metric([model, event], figures[f"adapter_{event}s"])
         tokens.add_metric([model], figures["tokens"])
         ttft.add_metric([model], figures["ttft_buckets"], figures["ttft_sum_s"])
         itl.add_metric([model], figures["itl_buckets"], figures["itl_sum_s"])
@@ -198,7 +212,7 @@ def _generation(models: dict[str, Any]) -> Iterator[Metric]:
             blocks.add_metric([model, state], figures[f"kv_blocks_{state}"])
         if figures["prefix_hit_rate"] is not None:
             hits.add_metric([model], figures["prefix_hit_rate"])
-    yield from (tokens, ttft, itl, held, budget, blocks, hits)
+    yield from (tokens, ttft, itl, held, budget, blocks, hits, adapters, adapter_events)
 
 
 def _memory(report: dict[str, Any]) -> Iterator[Metric]:

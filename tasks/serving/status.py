@@ -16,6 +16,7 @@ from typing import Any
 
 import redis
 
+from placement.catalog import adapters
 from placement.errors import GpufleetError
 from placement.ledger import endpoint, generation
 from placement.ledger.load import placed_replicas, read_loads
@@ -119,7 +120,8 @@ def generation_report(registry: Registry, snap: Snapshot) -> dict[str, Any]:
     for model in sorted({*figures, *(replicas[r] for r in held)}):
         budget = _budget(model)
         done = figures.get(model) or generation.nothing()
-        kv = [k for r, k in held.items() if replicas[r] == model]
+        mine = {r: k for r, k in held.items() if replicas[r] == model}
+        kv = list(mine.values())
 
         def total(name: str, of: list[dict[str, float]] = kv) -> int:
             return int(sum(k.get(name, 0) for k in of))
@@ -133,6 +135,15 @@ def generation_report(registry: Registry, snap: Snapshot) -> dict[str, Any]:
             "kv_blocks_cached": total("blocks_cached"),
             "kv_blocks_free": total("blocks_free"),
             "prefix_hit_rate": round(total("reused_tokens") / prompts, 4) if prompts else None,
+            # its LoRA adapters (`worker.adapters.room`): held by each replica, and what
+            # the replicas' rooms did since they were laid out
+            "adapters_by_replica": {
+                r: int(k["adapters_held"]) for r, k in mine.items() if "adapters_held" in k
+            },
+            "adapter_hits": total("adapter_hits"),
+            "adapter_loads": total("adapter_loads"),
+            "adapter_evictions": total("adapter_evictions"),
+            "adapter_problems": _adapter_problems(model),
             "calls": done.calls,
             "tokens": done.tokens,
             "ttft_mean_ms": _mean_ms(done.ttft),
@@ -150,6 +161,20 @@ def _budget(model: str) -> Any:
         return context.catalog().get(model).kv_budget()
     except GpufleetError:  # no catalog here, or a model it does not list
         return None
+
+
+def _adapter_problems(model: str) -> dict[str, str]:
+    """Why each adapter of `model` that cannot be served cannot, as its files show here
+    (`placement.catalog.adapters.problem`); whether one fits its base the worker says at
+    its first call."""
+    try:
+        listed = context.catalog().adapters_of(model)
+    except GpufleetError:  # no catalog here
+        return {}
+    if listed is None:
+        return {}
+    found = {name: adapters.problem(path) for name, path in listed.source.listing().items()}
+    return {name: why for name, why in found.items() if why is not None}
 
 
 def _mean_ms(histogram: generation.Histogram) -> float | None:
