@@ -73,7 +73,7 @@ def engine(disk: Path) -> Iterator[Engine]:
     spec = _catalog(disk)["base"]
     net = transformers.GPT2LMHeadModel.from_pretrained(disk / "base").eval()
     engine = Engine(net, TOKENIZER, CPU, budget=4096, window=256)
-    engine.adapters = adapter_room(net, spec, CPU)
+    engine.adapters = adapter_room(net, spec)
     yield engine
     assert engine.adapters is not None
     engine.adapters.close()
@@ -204,7 +204,7 @@ def test_a_room_of_one_slot_runs_two_adapters_in_turn_and_keeps_the_least_recent
     disk: Path,
 ) -> None:
     net = transformers.GPT2LMHeadModel.from_pretrained(disk / "base").eval()
-    room = adapter_room(net, _catalog(disk, adapter_memory="100KiB", adapter_rank=8)["base"], CPU)
+    room = adapter_room(net, _catalog(disk, adapter_memory="100KiB", adapter_rank=8)["base"])
     assert room is not None and room.slots == 1
     engine = Engine(net, TOKENIZER, CPU, budget=4096, window=256)
     engine.adapters = room
@@ -222,11 +222,62 @@ def test_a_room_of_one_slot_runs_two_adapters_in_turn_and_keeps_the_least_recent
     assert room.stats()["adapter_evictions"] == 1 and room.held() == ["support"]
 
 
+def test_a_waiting_call_cancelled_before_it_got_a_slot_ends_cancelled_and_the_other_runs(
+    disk: Path,
+) -> None:
+    net = transformers.GPT2LMHeadModel.from_pretrained(disk / "base").eval()
+    room = adapter_room(net, _catalog(disk, adapter_memory="100KiB", adapter_rank=8)["base"])
+    assert room is not None
+    engine = Engine(net, TOKENIZER, CPU, budget=4096, window=256)
+    engine.adapters = room
+    outcomes: dict[str, object] = {}
+    driver = Driver(engine, None, lambda call, out: outcomes.__setitem__(call.key, out))
+    driver.add([GenCall("first", "one", {"max_new_tokens": 6, "adapter": "legal"})])
+    driver.add([GenCall("second", "two", {"max_new_tokens": 6, "adapter": "support"})])
+    driver.cancel("second")
+    while driver.busy:
+        driver.step()
+    room.close()
+    second = outcomes["second"]
+    assert isinstance(second, Generated) and second.cancelled
+    assert second.outputs["finish_reasons"] == ["cancelled"]
+    assert _tokens(outcomes["first"]) == _alone(disk, "legal", "one", max_new_tokens=6)
+    assert room.held() == ["legal"] and room.stats()["adapters_in_use"] == 0
+
+
+def test_a_step_that_fails_lets_go_of_its_calls_adapters_and_the_room_serves_the_next_engine(
+    disk: Path,
+) -> None:
+    net = transformers.GPT2LMHeadModel.from_pretrained(disk / "base").eval()
+    room = adapter_room(net, _catalog(disk, adapter_memory="100KiB", adapter_rank=8)["base"])
+    assert room is not None
+    failing = {"on": True}
+
+    def fail(*_: object) -> None:
+        if failing["on"]:
+            raise RuntimeError("the device failed")
+
+    hook = net.transformer.h[0].register_forward_pre_hook(fail)
+    engine = Engine(net, TOKENIZER, CPU, budget=4096, window=256)
+    engine.adapters = room
+    with pytest.raises(RuntimeError, match="the device failed"):
+        run_calls(engine, [GenCall("a", "x", {"max_new_tokens": 3, "adapter": "legal"})], None)
+    assert room.stats()["adapters_in_use"] == 0  # its slot is free for others
+    failing["on"] = False
+    hook.remove()
+    engine = Engine(net, TOKENIZER, CPU, budget=4096, window=256)
+    engine.adapters = room
+    call = GenCall("b", "after", {"max_new_tokens": 4, "adapter": "support"})
+    [served] = run_calls(engine, [call], None)  # the one slot goes to another adapter
+    room.close()
+    assert _tokens(served) == _alone(disk, "support", "after", max_new_tokens=4)
+
+
 def test_an_adapter_of_a_rank_above_the_room_s_is_refused_with_what_to_change(
     disk: Path,
 ) -> None:
     net = transformers.GPT2LMHeadModel.from_pretrained(disk / "base").eval()
-    room = adapter_room(net, _catalog(disk, adapter_rank=4)["base"], CPU)
+    room = adapter_room(net, _catalog(disk, adapter_rank=4)["base"])
     assert room is not None
     with pytest.raises(AdapterError, match="raise adapter_rank"):
         room.acquire("support")
@@ -292,6 +343,9 @@ def test_a_damaged_adapter_is_reported_by_its_files_without_loading_it(
     weights = tmp_path / "cut" / adapters.WEIGHTS_FILE
     weights.write_bytes(weights.read_bytes()[:-100])
     assert "truncated" in str(adapters.problem(tmp_path / "cut"))
+    weights.write_bytes(b"\x02\x00\x00\x00\x00\x00\x00\x0042")  # a header that is a number
+    assert "not a mapping of tensors" in str(adapters.problem(tmp_path / "cut"))
+    assert adapters.modules(tmp_path / "cut") == set()
     (tmp_path / "cut" / adapters.CONFIG_FILE).write_text("{not json")
     assert "not readable JSON" in str(adapters.problem(tmp_path / "cut"))
     assert adapters.header_bytes(disk / "adapters" / "legal" / adapters.WEIGHTS_FILE) > 0

@@ -183,7 +183,11 @@ class Calls:
             )
             resident.kv = engine.kv
             if resident.adapters is None:
-                resident.adapters = adapter_room(resident.model, resident.spec, device)
+                resident.adapters = adapter_room(resident.model, resident.spec)
+            else:
+                # no other engine holds it now (the replica's lock): calls of one that
+                # failed mid-step may have left their pins
+                resident.adapters.unpin_all()
             engine.adapters = resident.adapters
         except BaseException:
             held.close()

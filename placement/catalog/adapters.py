@@ -34,6 +34,7 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 #: How peft names an adapter's factors for module `m` of its base: PREFIX + m + A_SUFFIX.
 PREFIX = "base_model.model."
 A_SUFFIX = ".lora_A.weight"
+B_SUFFIX = ".lora_B.weight"
 #: GPU room a base keeps for adapters when the catalog does not say (not tuned: about a
 #: hundred rank-8 adapters on the attention of an 8-layer, 512-wide model).
 DEFAULT_ADAPTER_MEMORY = 64 * 2**20
@@ -112,6 +113,39 @@ def header_bytes(file: Path) -> int:
     """The bytes of the tensors a safetensors file holds, read from its header alone.
     Raises ValueError when the file is damaged (a header that does not parse, or tensors
     that run past the file's end)."""
+    header, size = _header(file)
+    total = 0
+    for key, entry in header.items():
+        offsets = entry.get("data_offsets")
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+        ):
+            raise ValueError(f"tensor {key!r} has no data offsets; the file is damaged")
+        begin, end = offsets
+        if not 0 <= begin <= end <= size:
+            raise ValueError(f"tensor {key!r} runs past the end of the file; it is truncated")
+        total += end - begin
+    return total
+
+
+def modules(path: Path) -> set[str]:
+    """The base's modules the adapter at `path` changes, read from its weights' header
+    (empty when the file cannot be read: `problem` says why)."""
+    try:
+        header, _ = _header(path / WEIGHTS_FILE)
+    except (OSError, ValueError):
+        return set()
+    return {
+        key.removesuffix(A_SUFFIX).removeprefix(PREFIX)
+        for key in header if key.endswith(A_SUFFIX)
+    }  # fmt: skip
+
+
+def _header(file: Path) -> tuple[dict[str, dict[str, object]], int]:
+    """A safetensors file's tensor entries by name, and the bytes of data after its
+    header; ValueError when the header is not one."""
     with file.open("rb") as handle:
         raw = handle.read(8)
         if len(raw) != 8:
@@ -124,30 +158,12 @@ def header_bytes(file: Path) -> int:
         except ValueError:
             raise ValueError("its header is not JSON; the file is damaged") from None
         size = file.stat().st_size - 8 - length
-    total = 0
-    for key, entry in header.items() if isinstance(header, dict) else ():
-        if key == "__metadata__":
-            continue
-        begin, end = entry["data_offsets"]
-        if end > size:
-            raise ValueError(f"tensor {key!r} runs past the end of the file; it is truncated")
-        total += end - begin
-    return total
-
-
-def modules(path: Path) -> set[str]:
-    """The base's modules the adapter at `path` changes, read from its weights' header
-    (empty when the file cannot be read: `problem` says why)."""
-    try:
-        with (path / WEIGHTS_FILE).open("rb") as handle:
-            (length,) = struct.unpack("<Q", handle.read(8))
-            header = json.loads(handle.read(min(length, _HEADER_LIMIT)))
-    except (OSError, ValueError, struct.error):
-        return set()
-    return {
-        key.removesuffix(A_SUFFIX).removeprefix(PREFIX)
-        for key in header if isinstance(key, str) and key.endswith(A_SUFFIX)
-    }  # fmt: skip
+    if not isinstance(header, dict):
+        raise ValueError("its header is not a mapping of tensors; the file is damaged")
+    header.pop("__metadata__", None)
+    if not all(isinstance(entry, dict) for entry in header.values()):
+        raise ValueError("its header's tensors are not described; the file is damaged")
+    return header, size
 
 
 def parse_source(value: object, base_dir: Path) -> AdapterSource:
@@ -173,6 +189,7 @@ def _path(value: str, base_dir: Path) -> Path:
 
 __all__ = [
     "A_SUFFIX",
+    "B_SUFFIX",
     "CONFIG_FILE",
     "DEFAULT_ADAPTER_MEMORY",
     "DEFAULT_ADAPTER_RANK",

@@ -56,8 +56,9 @@ def route(
         return None
     # An adapter's call leases its base's replica. No catalog here, or a name it does not
     # know: the router says what is wrong.
-    with contextlib.suppress(GpufleetError):
-        model = context.catalog().base_call(model, None)[0]
+    if ":" in model:
+        with contextlib.suppress(GpufleetError):
+            model = context.catalog().base_call(model, None)[0]
     try:
         lease = context.registry().pick(model, path="fast")
     except AccessDeniedError:  # for good: a URL's user keeps its rights

@@ -143,6 +143,12 @@ def generation_report(registry: Registry, snap: Snapshot) -> dict[str, Any]:
             "adapter_hits": total("adapter_hits"),
             "adapter_loads": total("adapter_loads"),
             "adapter_evictions": total("adapter_evictions"),
+            # the median load into a slot, from the worker's shelf and from disk (the
+            # highest of its replicas'; 0: none yet)
+            "adapter_load_p50_ms": {
+                where: max((k.get(f"adapter_load_{where}_ms_p50", 0.0) for k in kv), default=0.0)
+                for where in ("shelf", "disk")
+            },
             "adapter_problems": _adapter_problems(model),
             "calls": done.calls,
             "tokens": done.tokens,

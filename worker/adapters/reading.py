@@ -22,24 +22,29 @@ from typing import Any, cast
 
 import torch
 
-from placement.catalog.adapters import A_SUFFIX, CONFIG_FILE, PREFIX, WEIGHTS_FILE
+from placement.catalog.adapters import A_SUFFIX, B_SUFFIX, CONFIG_FILE, PREFIX, WEIGHTS_FILE
 from placement.errors import AdapterError
 
 log = logging.getLogger(__name__)
 
-#: Adapters a process keeps read in host memory, most recently used first (not tuned:
-#: hundreds of small adapters are a few hundred MiB at most).
+#: Adapters a process keeps read in host memory, and the most bytes they may take; the
+#: least recently used leave first (not tuned: hundreds of small adapters, or a few dozen
+#: of a 7B model's, whichever comes first).
 SHELF_ADAPTERS = 512
+SHELF_BYTES = 2**30
 
 
 @dataclass(frozen=True)
 class Read:
-    """An adapter as read from disk: its rank, and per module path its factors A (rank x
-    in) and B (out x rank) with the scale folded into B."""
+    """An adapter as read from disk: its rank and scale, per module path its factors A
+    (rank x in) and B (out x rank) in the dtype it was saved in, and its files' stamp
+    (`stamp`: which version of them this is)."""
 
     name: str
     rank: int
+    scale: float
     factors: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    stamp: bytes
     read_ms: float
 
     @property
@@ -47,8 +52,9 @@ class Read:
         return sum(a.nbytes + b.nbytes for a, b in self.factors.values())
 
 
-def read(name: str, path: Path) -> Read:
-    """Read adapter `name` from `path` (AdapterError naming it when it cannot be served)."""
+def read(name: str, path: Path, stamp: bytes = b"") -> Read:
+    """Read adapter `name` from `path` (AdapterError naming it when it cannot be served);
+    `stamp` names the version of its files read."""
     from peft import LoraConfig  # peft pulls in much of transformers: only when asked
     from safetensors import SafetensorError
     from safetensors.torch import load_file
@@ -76,6 +82,11 @@ def read(name: str, path: Path) -> Read:
     scale = alpha / math.sqrt(rank) if config.use_rslora else alpha / rank
     factors: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for key in tensors:
+        if not key.endswith((A_SUFFIX, B_SUFFIX)):
+            raise AdapterError(
+                f"adapter {name!r} holds {key!r}, which is not a LoRA factor (embedding or"
+                " token adapters are not served); merge it into a model of its own"
+            )
         if not key.endswith(A_SUFFIX):
             continue
         module = key.removesuffix(A_SUFFIX).removeprefix(PREFIX)
@@ -86,10 +97,12 @@ def read(name: str, path: Path) -> Read:
                 f"adapter {name!r}: module {module!r} does not hold a rank-{rank} pair of"
                 " factors; its file is damaged or not a LoRA adapter"
             )
-        factors[module] = (a.float(), b.float() * scale)
-    if not factors:
-        raise AdapterError(f"adapter {name!r}: {WEIGHTS_FILE} holds no LoRA factors")
-    return Read(name, rank, factors, (time.perf_counter() - started) * 1000)
+        factors[module] = (a, b)
+    if not factors or len(tensors) != 2 * len(factors):
+        raise AdapterError(
+            f"adapter {name!r}: {WEIGHTS_FILE} does not hold pairs of LoRA factors; save it again"
+        )
+    return Read(name, rank, scale, factors, stamp, (time.perf_counter() - started) * 1000)
 
 
 def _unsupported(config: Any) -> str:
@@ -106,6 +119,10 @@ def _unsupported(config: Any) -> str:
         return "per-module ranks or alphas (rank_pattern, alpha_pattern) are not served"
     if getattr(config, "target_parameters", None):
         return "adapters of parameters (target_parameters) are not served"
+    if getattr(config, "trainable_token_indices", None):
+        return "adapters that train token embeddings (trainable_token_indices) are not served"
+    if getattr(config, "layer_replication", None):
+        return "adapters that replicate layers (layer_replication) are not served"
     return ""
 
 
@@ -151,10 +168,12 @@ class Shelf:
     """Adapters read in host memory, by directory; the least recently used go first. A
     directory whose files changed since is read again. Thread-safe."""
 
-    def __init__(self, capacity: int = SHELF_ADAPTERS) -> None:
+    def __init__(self, capacity: int = SHELF_ADAPTERS, most_bytes: int = SHELF_BYTES) -> None:
         self.capacity = capacity
+        self.most_bytes = most_bytes
         self._lock = threading.Lock()
-        self._held: OrderedDict[tuple[str, Path], tuple[tuple[int, ...], Read]] = OrderedDict()
+        self._held: OrderedDict[tuple[str, Path], Read] = OrderedDict()
+        self._bytes = 0
         self.reads = 0  # from disk
 
     def get(self, name: str, path: Path) -> tuple[Read, bool]:
@@ -163,20 +182,23 @@ class Shelf:
         stamp = _stamp(path)
         with self._lock:
             held = self._held.get(key)
-            if held is not None and held[0] == stamp:
+            if held is not None and held.stamp == stamp:
                 self._held.move_to_end(key)
-                return held[1], True
-        adapter = read(name, path)
+                return held, True
+        adapter = read(name, path, stamp)
         with self._lock:
             self.reads += 1
-            self._held[key] = (stamp, adapter)
-            self._held.move_to_end(key)
-            while len(self._held) > self.capacity:
-                self._held.popitem(last=False)
+            old = self._held.pop(key, None)
+            self._bytes += adapter.nbytes - (old.nbytes if old is not None else 0)
+            self._held[key] = adapter
+            while len(self._held) > 1 and (
+                len(self._held) > self.capacity or self._bytes > self.most_bytes
+            ):
+                self._bytes -= self._held.popitem(last=False)[1].nbytes
         return adapter, False
 
 
-def _stamp(path: Path) -> tuple[int, ...]:
+def _stamp(path: Path) -> bytes:
     """When and how big the adapter's files were last written (0s when missing)."""
     stamp: list[int] = []
     for file in (path / CONFIG_FILE, path / WEIGHTS_FILE):
@@ -186,9 +208,11 @@ def _stamp(path: Path) -> tuple[int, ...]:
             stamp += [0, 0]
         else:
             stamp += [stat.st_mtime_ns, stat.st_size]
-    return tuple(stamp)
+    return ":".join(map(str, stamp)).encode()
 
 
 SHELF = Shelf()
 
-__all__ = ["SHELF", "SHELF_ADAPTERS", "Read", "Shelf", "check_fits", "module_dims", "read"]
+__all__ = [
+    "SHELF", "SHELF_ADAPTERS", "SHELF_BYTES", "Read", "Shelf", "check_fits", "module_dims", "read",
+]  # fmt: skip

@@ -1,11 +1,12 @@
 """The room a replica keeps for LoRA adapters, and the batched product that applies them.
 
 A base model's replica lays out, once, stacked factors for a fixed number of adapter
-slots on its device: per changed module, `A` as `[slots + 1, in, rank]` and `B` as
-`[slots + 1, rank, out]`, slot 0 all zeros (a row of the base alone). The room's bytes are
-the catalog's `adapter_memory`, charged in the ledger with the replica (`Demand.beside`),
-so loading or dropping an adapter never asks the ledger: the room is already the
-replica's. This is vLLM's `max_loras` slots and S-LoRA's unified room, kept simple.
+slots: per changed module, on that module's device and in its dtype, `A` as
+`[slots + 1, in, rank]` and `B` as `[slots + 1, rank, out]`, slot 0 all zeros (a row of
+the base alone). The room's bytes are at most the catalog's `adapter_memory`, charged in
+the ledger with the replica (`Demand.beside`), so loading or dropping an adapter never
+asks the ledger: the room is already the replica's. This is vLLM's `max_loras` slots and
+S-LoRA's unified room, kept simple.
 
 Each step of the engine names, per row, the adapter it runs (`rows`). A forward hook on
 every changed module then adds `x @ A[slot] @ B[slot]` per row: rows of one adapter (or a
@@ -16,7 +17,8 @@ base's weights is made. A row of an adapter of lower rank reads zeros past its r
 Adapters in use (`acquire`d by a running call) stay; the least recently used of the
 others leaves when a new one needs a slot. An adapter's factors come from the process's
 shelf in host memory (`worker.adapters.reading.Shelf`) or from disk. An adapter in a slot
-is not read again while it stays there: files changed in place are served once it leaves.
+is not read again while it stays there: files changed in place are served once it leaves,
+and rows keep their cached blocks apart by version too (`key_of`).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -41,34 +43,37 @@ class RoomFull(Exception):
 
 
 class AdapterRoom:
-    """One replica's adapter slots on its device (see the module). One thread uses it."""
+    """One replica's adapter slots on its devices (see the module). One thread at a time
+    uses it: the engine that holds the replica's lock."""
 
-    def __init__(  # noqa: PLR0917 - what a room is laid out from
-        self, model: torch.nn.Module, device: torch.device, memory: int, rank: int,
-        targets: Sequence[str], find: Callable[[str], tuple[Read, bool]],
+    def __init__(
+        self, model: torch.nn.Module, memory: int, rank: int, targets: Sequence[str],
+        find: Callable[[str], tuple[Read, bool]],
     ) -> None:  # fmt: skip
-        dtype = next(model.parameters()).dtype
-        dims = {}
+        laid: dict[str, tuple[int, int, torch.Tensor]] = {}  # in, out, and the weight
         for module in sorted(set(targets)):
-            found = module_dims(model, module)
-            if found is not None:
-                dims[module] = found
-        width = dtype.itemsize * rank * sum(i + o for i, o in dims.values())
+            dims = module_dims(model, module)
+            if dims is not None:
+                laid[module] = (*dims, cast(torch.Tensor, model.get_submodule(module).weight))
+        width = sum(w.dtype.itemsize * rank * (i + o) for i, o, w in laid.values())
         self.slots = memory // width if width else 0
         self.rank = rank
-        self.targets = frozenset(dims)
+        self.targets = frozenset(laid)
         self.memory = memory
         self._model = model
-        self._a = {m: torch.zeros(self.slots + 1, i, rank, dtype=dtype, device=device)
-                   for m, (i, o) in dims.items()}  # fmt: skip
-        self._b = {m: torch.zeros(self.slots + 1, rank, o, dtype=dtype, device=device)
-                   for m, (i, o) in dims.items()}  # fmt: skip
+        # each module's factors on its own weight's device and dtype (a replica may span
+        # GPUs): [slots + 1, in, rank] and [slots + 1, rank, out], slot 0 the base's zeros
+        self._a = {m: torch.zeros(self.slots + 1, i, rank, dtype=w.dtype, device=w.device)
+                   for m, (i, o, w) in laid.items()}  # fmt: skip
+        self._b = {m: torch.zeros(self.slots + 1, rank, o, dtype=w.dtype, device=w.device)
+                   for m, (i, o, w) in laid.items()}  # fmt: skip
         self._slot_of: OrderedDict[str, int] = OrderedDict()  # least recently used first
+        self._keys: dict[str, bytes] = {}  # what each held adapter's cached blocks are keyed by
         self._free = list(range(self.slots, 0, -1))
         self._pins: Counter[str] = Counter()
-        self._index: torch.Tensor | None = None  # this pass's slot per row
-        self._single: int = 0  # this pass's one slot, when every row has it
-        self.device = device
+        self._pass: list[int] = []  # this pass's slot per row (empty: every row the base)
+        self._index: dict[torch.device, torch.Tensor] = {}  # the same, on each device
+        self._single = 0  # this pass's one slot, when every row has the same
         self._find = find  # an adapter by name: read, and whether it was on the shelf
         self.hits = self.loads = self.evictions = 0
         # an adapter's load into a slot, latest last: from the shelf, and read from disk
@@ -85,23 +90,30 @@ class AdapterRoom:
         """The adapters in its slots, least recently used first."""
         return list(self._slot_of)
 
+    def key_of(self, name: str) -> bytes:
+        """Where the block keys of rows of held adapter `name` start: its name and its
+        files' stamp, so blocks computed under an earlier version are never read."""
+        return self._keys[name]
+
     def acquire(self, name: str) -> None:
         """Hold adapter `name` in a slot until `release`: loaded if it is not there, into a
-        free slot or the least recently used idle one's. UnknownAdapterError or
-        AdapterError when it is not found, or does not fit the base or this room; RoomFull
-        when every slot holds an adapter in use."""
+        free slot or the least recently used idle one's. RoomFull (before anything is read)
+        when every slot holds an adapter in use; UnknownAdapterError or AdapterError when
+        it is not found, or does not fit the base or this room."""
         if name in self._slot_of:
             self._slot_of.move_to_end(name)
             self._pins[name] += 1
             self.hits += 1
             return
-        started = time.perf_counter()
-        adapter, shelved = self._find(name)
         if not self.slots:
             raise AdapterError(
                 f"adapter {name!r}: the base keeps no room for adapters of rank {self.rank}"
                 " (adapter_memory is below one adapter); raise adapter_memory in the catalog"
             )
+        if not self._free and all(self._pins[held] for held in self._slot_of):
+            raise RoomFull
+        started = time.perf_counter()
+        adapter, shelved = self._find(name)
         check_fits(adapter, self._model, self.rank)
         outside = sorted(set(adapter.factors) - self.targets)
         if outside:
@@ -111,26 +123,33 @@ class AdapterRoom:
                 " placed again"
             )
         slot = self._take_slot()
-        for module in self.targets:
-            a_stack, b_stack = self._a[module], self._b[module]
-            pair = adapter.factors.get(module)
-            if pair is None:
-                a_stack[slot].zero_()
-                b_stack[slot].zero_()
-                continue
-            a, b = pair
-            a_stack[slot].zero_()
-            b_stack[slot].zero_()
-            a_stack[slot, :, : adapter.rank].copy_(a.T, non_blocking=True)
-            b_stack[slot, : adapter.rank, :].copy_(b.T, non_blocking=True)
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
+        try:
+            self._write(slot, adapter)
+        except BaseException:
+            self._free.append(slot)  # nothing holds it: what it held is gone already
+            raise
         took = self.load_ms["shelf" if shelved else "disk"]
         took.append((time.perf_counter() - started) * 1000)
         del took[:-1024]
         self.loads += 1
         self._slot_of[name] = slot
+        self._keys[name] = name.encode() + b"\0" + adapter.stamp
         self._pins[name] += 1
+
+    def _write(self, slot: int, adapter: Read) -> None:
+        """Copy `adapter`'s factors into `slot` (zeros where it changes nothing, and past
+        its rank), its scale folded into B."""
+        for module in self.targets:
+            a_stack, b_stack = self._a[module], self._b[module]
+            a_stack[slot].zero_()
+            b_stack[slot].zero_()
+            pair = adapter.factors.get(module)
+            if pair is None:
+                continue
+            a, b = pair
+            a_stack[slot, :, : adapter.rank].copy_(a.T)
+            b_stack[slot, : adapter.rank, :].copy_(b.T)
+            b_stack[slot].mul_(adapter.scale)
 
     def release(self, name: str) -> None:
         """One holder of adapter `name` is done with it; it stays loaded until its slot is
@@ -139,12 +158,18 @@ class AdapterRoom:
         if self._pins[name] <= 0:
             del self._pins[name]
 
+    def unpin_all(self) -> None:
+        """Forget every holder: a new engine of the replica starts with no call (one that
+        failed mid-step may have left its calls' pins)."""
+        self._pins.clear()
+
     def _take_slot(self) -> int:
         if self._free:
             return self._free.pop()
         for name in self._slot_of:  # least recently used first
             if not self._pins[name]:
                 self.evictions += 1
+                del self._keys[name]
                 return self._slot_of.pop(name)
         raise RoomFull
 
@@ -152,33 +177,33 @@ class AdapterRoom:
     def rows(self, adapters: Sequence[str | None]) -> Iterator[None]:
         """Within it, the model's passes run row `i` with `adapters[i]` (None: the base)."""
         slots = [self._slot_of[a] if a is not None else 0 for a in adapters]
-        if any(slots):
-            if len(set(slots)) == 1:
-                self._single = slots[0]
-            else:
-                self._index = torch.tensor(slots, dtype=torch.long, device=self.device)
+        self._pass = slots if any(slots) else []
+        self._single = slots[0] if slots.count(slots[0]) == len(slots) else 0
         try:
             yield
         finally:
-            self._index, self._single = None, 0
+            self._pass, self._index, self._single = [], {}, 0
 
     def _hook(self, module: str) -> Any:
         a_stack, b_stack = self._a[module], self._b[module]
 
         def add_product(_: torch.nn.Module, args: tuple[Any, ...], output: Any) -> Any:
-            if self._single:
-                x = args[0]
-                return output + (x @ a_stack[self._single]) @ b_stack[self._single]
-            if self._index is None:
+            slots = self._pass
+            if not slots:
                 return None  # the base alone: its output as it is
             x = args[0]
-            index = self._index
+            if self._single:  # one adapter for every row: two plain products
+                return output + (x @ a_stack[self._single]) @ b_stack[self._single]
+            index = self._index.get(x.device)
+            if index is None:
+                index = self._index[x.device] = torch.tensor(slots, device=x.device)
             return output + torch.bmm(torch.bmm(x, a_stack[index]), b_stack[index])
 
         return add_product
 
     def stats(self) -> dict[str, float]:
-        """Its slots, adapters held and in use, and counts of hits, loads and evictions."""
+        """Its slots, adapters held and in use, counts of hits, loads and evictions, and
+        the median load into a slot from the shelf and from disk (ms; 0: none yet)."""
         return {
             "adapter_slots": self.slots,
             "adapters_held": len(self._slot_of),
@@ -186,6 +211,10 @@ class AdapterRoom:
             "adapter_hits": self.hits,
             "adapter_loads": self.loads,
             "adapter_evictions": self.evictions,
+            **{
+                f"adapter_load_{where}_ms_p50": _median(took)
+                for where, took in self.load_ms.items()
+            },
         }
 
     def close(self) -> None:
@@ -193,6 +222,10 @@ class AdapterRoom:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+
+
+def _median(values: list[float]) -> float:
+    return round(sorted(values)[len(values) // 2], 3) if values else 0.0
 
 
 __all__ = ["AdapterRoom", "RoomFull"]

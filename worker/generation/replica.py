@@ -40,10 +40,11 @@ def replica_engine(
     )  # fmt: skip
 
 
-def adapter_room(model: Any, spec: ModelSpec, device: torch.device) -> AdapterRoom | None:
-    """The room a replica of `spec` keeps for its adapters on `device` (None if it lists
-    none): laid out for the modules its adapters on disk change now, or, with none there
-    yet, for those peft changes by default on a model of its type."""
+def adapter_room(model: Any, spec: ModelSpec) -> AdapterRoom | None:
+    """The room a replica of `spec` keeps for its adapters beside `model` (None if it lists
+    none): laid out for the modules its adapters on disk change now (one whose files do
+    not read adds none), or, with none there yet, for those peft changes by default on a
+    model of its type."""
     if spec.adapters is None:
         return None
     listing = adapters.Adapters(spec.name, spec.adapters)
@@ -56,7 +57,7 @@ def adapter_room(model: Any, spec: ModelSpec, device: torch.device) -> AdapterRo
     def find(name: str) -> tuple[Read, bool]:
         return SHELF.get(name, listing.path(name))
 
-    room = AdapterRoom(model, device, spec.adapter_memory, spec.adapter_rank, sorted(targets), find)
+    room = AdapterRoom(model, spec.adapter_memory, spec.adapter_rank, sorted(targets), find)
     log.info(
         "%s keeps %d adapter slots of rank %d over %d modules (%d bytes)",
         spec.name, room.slots, room.rank, len(room.targets), room.nbytes,

@@ -60,17 +60,14 @@ class Sequence_:
     owner: Hashable | None = None  # who its rows are shared under (None: its call)
     weight: float = 1.0  # that owner's weight in the share of rows (`worker.generation.turns`)
     adapter: str | None = None  # the LoRA adapter its rows run (`worker.adapters.room`)
+    # where its cached blocks' key chain starts: rows of different adapters (or versions
+    # of one) compute other keys and values from the same tokens, so share no block
+    salt: bytes = b""
 
     def context(self) -> list[int]:
         """The tokens whose keys and values it holds once admitted (the last token made
         is fed by the next decode step)."""
         return self.prompt + self.tokens[:-1] if self.tokens else self.prompt
-
-    @property
-    def salt(self) -> bytes:
-        """Where its cached blocks' key chain starts: rows of different adapters compute
-        different keys and values from the same tokens, so they share no block."""
-        return self.adapter.encode() if self.adapter is not None else b""
 
     @property
     def flow(self) -> Hashable:

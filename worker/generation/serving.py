@@ -99,7 +99,7 @@ class Driver:
         for call in calls:
             try:
                 arrived.append(_Running(call, _sequences(self.engine, call, self.template)))
-            except PayloadError as exc:
+            except Exception as exc:  # a bad payload, or its prompt's encoding failed
                 self._reply(call, exc)
         self._parked += sorted(arrived, key=lambda e: sum(len(s.prompt) for s in e.sequences))
         self._unpark()
@@ -109,9 +109,7 @@ class Driver:
         for parked in self._parked:
             if parked.call.key == key:
                 self._parked.remove(parked)
-                for sequence in parked.sequences:
-                    sequence.finish, sequence.cancelled = "cancelled", True
-                self._reply(parked.call, _answer(parked))
+                self._reply(parked.call, _cancelled(parked))
                 return
         entry = self._running.get(key)
         for sequence in entry.sequences if entry is not None else ():
@@ -145,16 +143,39 @@ class Driver:
             self.engine.add(sequence)
 
     def _unpark(self) -> None:
-        """Start the calls waiting here whose adapter is in a slot or gets one now, in
-        their order; the rest wait for a slot to be released."""
-        waiting = []
-        for entry in self._parked:
-            held = self._hold_adapter(entry)
-            if held is False:
-                waiting.append(entry)
-            elif held:
-                self._start(entry)
-        self._parked = waiting
+        """Start the calls waiting here, in their order, once their adapter is in a slot or
+        gets one. Once one waits for a slot, later calls of adapters wait behind it (so
+        calls of held adapters do not keep it out for good); calls of the base go on. A
+        call past its deadline ends cancelled; one whose start fails gets that error."""
+        waiting: list[_Running] = []
+        pending, self._parked = self._parked, []
+        blocked = False
+        now = time.monotonic()
+        try:
+            while pending:
+                entry = pending.pop(0)
+                if entry.call.deadline is not None and now >= entry.call.deadline:
+                    self._reply(entry.call, _cancelled(entry))
+                    continue
+                if blocked and entry.sequences[0].adapter is not None:
+                    waiting.append(entry)
+                    continue
+                try:
+                    held = self._hold_adapter(entry)
+                    if held:
+                        self._start(entry)
+                except Exception as exc:  # its adapter's copy, or its sequences' add
+                    if self._running.pop(entry.call.key, None) is not None:
+                        for sequence in entry.sequences:
+                            self.engine.cancel(sequence.key)
+                    self._let_go(entry)
+                    self._reply(entry.call, exc)
+                    continue
+                if held is False:
+                    waiting.append(entry)
+                    blocked = True
+        finally:
+            self._parked = waiting + pending
 
     def _hold_adapter(self, entry: _Running) -> bool | None:
         """Hold the call's adapter in a slot of the replica (`worker.adapters.room`):
@@ -177,6 +198,8 @@ class Driver:
             self._reply(entry.call, exc)
             return None
         entry.adapter = adapter
+        for sequence in entry.sequences:
+            sequence.salt = room.key_of(adapter)
         return True
 
     def _let_go(self, entry: _Running) -> None:
@@ -224,6 +247,13 @@ def _streamer(on_text: Callable[[int, str], None], index: int) -> Callable[[str]
     return lambda text: on_text(index, text)
 
 
+def _cancelled(entry: _Running) -> Generated:
+    """The answer of a call that ended before it started (cancelled, or out of time)."""
+    for sequence in entry.sequences:
+        sequence.finish, sequence.cancelled = "cancelled", True
+    return _answer(entry)
+
+
 def _answer(entry: _Running) -> Generated:
     sequences = entry.sequences
     firsts = [s.first_token for s in sequences if s.first_token is not None]
@@ -255,7 +285,11 @@ def run_calls(engine: Engine, calls: list[GenCall], template: str | None) -> lis
     """Run `calls` together to their end: each one's `Generated` or error, in order."""
     outcomes: dict[str, Generated | BaseException] = {}
     driver = Driver(engine, template, lambda call, outcome: outcomes.__setitem__(call.key, outcome))
-    driver.add(calls)
-    while driver.busy:
-        driver.step()
+    try:
+        driver.add(calls)
+        while driver.busy:
+            driver.step()
+    except BaseException as exc:
+        driver.fail(exc)  # every call left gets the error, and lets go of its adapter
+        raise
     return [outcomes[call.key] for call in calls]
