@@ -2,7 +2,7 @@
 alone and against each fine-tune as a model of its own.
 
     python -m bench.adapters [--adapters 200] [--calls 256] [--callers 16] [--new-tokens 8] \
-        > bench/out/adapters.json
+        [--gpu] > bench/out/adapters.json
 
 Prints one JSON object. It starts a fleet (`gpufleet up`'s launcher: its bundled Redis,
 one simulated 8 GiB GPU) whose catalog holds a synthetic GPT-2 base (8 layers, 512 wide)
@@ -24,7 +24,9 @@ ratios of the adapters' tokens per second to the base alone's and to the merged 
 the adapters answered; the median load of an adapter into its replica's slot from the
 worker's shelf in host memory and from disk (`gpufleet status`); and whether the ledger
 audit found a problem. Targets (issue 76): `vs_base_alone` >= 0.6, `vs_merged_models` >=
-5, shelf load p50 <= 20 ms, every adapter answered, no ledger problem.
+5, shelf load p50 <= 20 ms, every adapter answered, no ledger problem. With `--gpu` the
+fleet runs on this host's real GPUs instead of the simulated one (target there:
+`vs_base_alone` >= 0.5).
 """
 
 from __future__ import annotations
@@ -164,14 +166,15 @@ def phase(clients: list[Celery], models: list[str], new_tokens: int) -> dict[str
     }
 
 
-def run(
-    adapters: int, calls: int, callers: int, new_tokens: int, directory: Path
+def run(  # noqa: PLR0917 - the run's own numbers
+    adapters: int, calls: int, callers: int, new_tokens: int, directory: Path, gpu: bool = False
 ) -> dict[str, Any]:
     from bench.fleet import bench_launcher, fleet_machine
     from tasks.config import caller_conf
 
     write_adapters(directory / "adapters", adapters)
-    fleet = bench_launcher(directory, catalog(adapters), "adapters", SIM_GPUS, warm_cache="2GiB")
+    sim = "" if gpu else SIM_GPUS
+    fleet = bench_launcher(directory, catalog(adapters), "adapters", sim, warm_cache="2GiB")
     clients: list[Celery] = []
     try:
         fleet.start()
@@ -216,14 +219,14 @@ def run(
     }
     shelf = (gen.get("adapter_load_p50_ms") or {}).get("shelf") or 0.0
     result["meets_targets"] = (
-        result["vs_base_alone"] >= TARGETS_OF_ISSUE["vs_base_alone"]
+        result["vs_base_alone"] >= (0.5 if gpu else TARGETS_OF_ISSUE["vs_base_alone"])
         and result["vs_merged_models"] >= TARGETS_OF_ISSUE["vs_merged_models"]
         and 0 < shelf <= TARGETS_OF_ISSUE["shelf_load_p50_ms"]
         and with_adapters["failed"] == 0
         and len(gen.get("adapters_by_replica") or {}) == 1
         and not report["problems"]
     )
-    result["machine"] = fleet_machine(SIM_GPUS)
+    result["machine"] = fleet_machine(sim)
     return result
 
 
@@ -233,10 +236,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--calls", type=int, default=256, help="calls in each phase")
     parser.add_argument("--callers", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=8, help="of each call")
+    parser.add_argument("--gpu", action="store_true", help="on this host's real GPUs")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(name)s: %(message)s")
     with tempfile.TemporaryDirectory(prefix="gpufleet-adapters-") as tmp:
-        result = run(args.adapters, args.calls, args.callers, args.new_tokens, Path(tmp))
+        result = run(args.adapters, args.calls, args.callers, args.new_tokens, Path(tmp), args.gpu)
     json.dump(result, sys.stdout, indent=2)
     print()
 

@@ -349,3 +349,26 @@ def test_a_damaged_adapter_is_reported_by_its_files_without_loading_it(
     (tmp_path / "cut" / adapters.CONFIG_FILE).write_text("{not json")
     assert "not readable JSON" in str(adapters.problem(tmp_path / "cut"))
     assert adapters.header_bytes(disk / "adapters" / "legal" / adapters.WEIGHTS_FILE) > 0
+
+
+@pytest.mark.gpu
+def test_rows_of_different_adapters_on_the_gpu_equal_each_adapter_merged_and_run_alone(
+    disk: Path,
+) -> None:
+    cuda = torch.device("cuda:0")
+    net = transformers.GPT2LMHeadModel.from_pretrained(disk / "base").eval().to(cuda)
+    engine = Engine(net, TOKENIZER, cuda, budget=4096, window=256)
+    engine.adapters = adapter_room(net, _catalog(disk)["base"])
+    assert engine.adapters is not None and engine.adapters.nbytes > 0
+    prompts = ["Dear counsel,", "my order is late", "hi", "the base alone"]
+    names = ["legal", "support", "chat", None]
+    calls = [
+        GenCall(str(i), prompt, {"max_new_tokens": 10, "adapter": name})
+        for i, (prompt, name) in enumerate(zip(prompts, names, strict=True))
+    ]
+    outcomes = run_calls(engine, calls, None)
+    engine.adapters.close()
+    for outcome, prompt, name in zip(outcomes, prompts, names, strict=True):
+        alone = Engine(_merged(disk, name).to(cuda), TOKENIZER, cuda, budget=4096, window=256)
+        [want] = run_calls(alone, [GenCall("alone", prompt, {"max_new_tokens": 10})], None)
+        assert _tokens(outcome) == _tokens(want), name
