@@ -21,6 +21,7 @@ import transformers
 from placement.catalog import adapters
 from placement.catalog.catalog import Catalog
 from placement.errors import AdapterError, CatalogError, PayloadError, UnknownAdapterError
+from worker.adapters.room import AdapterRoom
 from worker.generation.engine import Engine
 from worker.generation.replica import adapter_room
 from worker.generation.serving import Driver, GenCall, Generated, run_calls
@@ -200,9 +201,8 @@ def test_an_adapter_copied_into_the_directory_is_served_without_a_restart(
     assert _tokens(served) == _alone(disk, "legal", "late one", max_new_tokens=5)
 
 
-def test_a_room_of_one_slot_runs_two_adapters_in_turn_and_keeps_the_least_recently_used_out(
-    disk: Path,
-) -> None:
+def _one_slot(disk: Path) -> tuple[Driver, AdapterRoom, dict[str, object]]:
+    """A driver of an engine whose room holds one adapter, and where its answers go."""
     net = transformers.GPT2LMHeadModel.from_pretrained(disk / "base").eval()
     room = adapter_room(net, _catalog(disk, adapter_memory="100KiB", adapter_rank=8)["base"])
     assert room is not None and room.slots == 1
@@ -210,6 +210,13 @@ def test_a_room_of_one_slot_runs_two_adapters_in_turn_and_keeps_the_least_recent
     engine.adapters = room
     outcomes: dict[str, object] = {}
     driver = Driver(engine, None, lambda call, out: outcomes.__setitem__(call.key, out))
+    return driver, room, outcomes
+
+
+def test_a_room_of_one_slot_runs_two_adapters_in_turn_and_keeps_the_least_recently_used_out(
+    disk: Path,
+) -> None:
+    driver, room, outcomes = _one_slot(disk)
     driver.add([GenCall("first", "one", {"max_new_tokens": 8, "adapter": "legal"})])
     driver.add([GenCall("second", "two", {"max_new_tokens": 8, "adapter": "support"})])
     driver.step()
@@ -225,13 +232,7 @@ def test_a_room_of_one_slot_runs_two_adapters_in_turn_and_keeps_the_least_recent
 def test_a_waiting_call_cancelled_before_it_got_a_slot_ends_cancelled_and_the_other_runs(
     disk: Path,
 ) -> None:
-    net = transformers.GPT2LMHeadModel.from_pretrained(disk / "base").eval()
-    room = adapter_room(net, _catalog(disk, adapter_memory="100KiB", adapter_rank=8)["base"])
-    assert room is not None
-    engine = Engine(net, TOKENIZER, CPU, budget=4096, window=256)
-    engine.adapters = room
-    outcomes: dict[str, object] = {}
-    driver = Driver(engine, None, lambda call, out: outcomes.__setitem__(call.key, out))
+    driver, room, outcomes = _one_slot(disk)
     driver.add([GenCall("first", "one", {"max_new_tokens": 6, "adapter": "legal"})])
     driver.add([GenCall("second", "two", {"max_new_tokens": 6, "adapter": "support"})])
     driver.cancel("second")
