@@ -17,6 +17,7 @@ from worker.generation import paged
 from worker.generation.blocks import BLOCK_TOKENS, BlockPool, OutOfBlocks, Table
 from worker.generation.engine import Engine, Options, Sequence_
 from worker.generation.sampling import Choice
+from worker.generation.serving import GenCall, Generated, run_calls
 from worker.weights.synthetic import build_synthetic
 
 CPU = torch.device("cpu")
@@ -141,6 +142,27 @@ def test_a_prompt_that_starts_with_a_cached_prefix_reads_it_and_gets_a_cold_pref
     reused, prompts = 5 * BLOCK_TOKENS, len(first) + len(second)
     stats = engine.kv_stats()
     assert (stats["reused_tokens"], stats["prompt_tokens"]) == (reused, prompts)
+
+
+def test_two_tenants_with_the_same_system_prompt_never_read_each_other_s_cached_blocks(
+    model: tuple[Any, Any],
+) -> None:
+    engine = _engine(model)
+    system = "You are a careful assistant. Answer in one short sentence. " * 3
+
+    def reused_by(key: str, tenant: str | None) -> int:
+        assert engine.kv is not None
+        before = engine.kv.pool.reused_tokens
+        call = GenCall(key, system + key, {"max_new_tokens": 4}, owner=tenant)
+        [answer] = run_calls(engine, [call], None)
+        assert isinstance(answer, Generated), answer
+        return engine.kv.pool.reused_tokens - before
+
+    assert reused_by("first a", ("tenant", "a")) == 0
+    assert reused_by("then b", ("tenant", "b")) == 0  # a's blocks hold the same tokens
+    assert reused_by("again a", ("tenant", "a")) >= 4 * BLOCK_TOKENS  # its own are read
+    assert reused_by("no tenant", None) == 0
+    assert reused_by("no tenant again", None) >= 4 * BLOCK_TOKENS
 
 
 def test_calls_running_together_share_a_prefix_one_of_them_prefilled(

@@ -61,7 +61,8 @@ class Sequence_:
     weight: float = 1.0  # that owner's weight in the share of rows (`worker.generation.turns`)
     adapter: str | None = None  # the LoRA adapter its rows run (`worker.adapters.room`)
     # where its cached blocks' key chain starts: rows of different adapters (or versions
-    # of one) compute other keys and values from the same tokens, so share no block
+    # of one) compute other keys and values from the same tokens, and tenants' prompts
+    # are kept apart, so they share no block (`worker.generation.serving`)
     salt: bytes = b""
 
     def context(self) -> list[int]:

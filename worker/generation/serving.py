@@ -199,7 +199,7 @@ class Driver:
             return None
         entry.adapter = adapter
         for sequence in entry.sequences:
-            sequence.salt = room.key_of(adapter)
+            sequence.salt = _salt_of(sequence.owner) + room.key_of(adapter)
         return True
 
     def _let_go(self, entry: _Running) -> None:
@@ -232,6 +232,7 @@ def _sequences(engine: Engine, call: GenCall, template: str | None) -> list[Sequ
         sequence = Sequence_((call.key, index), ids, own, on_text, call.deadline)
         sequence.owner, sequence.weight = call.owner, call.weight
         sequence.adapter = params["adapter"]
+        sequence.salt = _salt_of(call.owner)
         sequences.append(sequence)
     for index, sequence in enumerate(sequences):
         try:
@@ -241,6 +242,13 @@ def _sequences(engine: Engine, call: GenCall, template: str | None) -> list[Sequ
                 raise PayloadError(f"inputs[{index}]: {exc}") from None
             raise
     return sequences
+
+
+def _salt_of(owner: Hashable | None) -> bytes:
+    """Where the block keys of a call's rows start: a tenant's prompts share cached blocks
+    only with the same tenant's (a hit would tell one tenant what another sent, as vLLM's
+    `cache_salt` keeps apart); calls of no tenant share with each other."""
+    return b"" if owner is None else repr(owner).encode() + b"\0"
 
 
 def _streamer(on_text: Callable[[int, str], None], index: int) -> Callable[[str], None]:
