@@ -246,6 +246,17 @@ def test_a_waiting_call_cancelled_before_it_got_a_slot_ends_cancelled_and_the_ot
     assert room.held() == ["legal"] and room.stats()["adapters_in_use"] == 0
 
 
+def test_an_unknown_adapter_is_told_at_once_even_while_every_slot_is_in_use(disk: Path) -> None:
+    driver, room, outcomes = _one_slot(disk)
+    driver.add([GenCall("first", "one", {"max_new_tokens": 6, "adapter": "legal"})])
+    driver.add([GenCall("unknown", "two", {"max_new_tokens": 6, "adapter": "nope"})])
+    assert isinstance(outcomes.get("unknown"), UnknownAdapterError)  # before any step
+    while driver.busy:
+        driver.step()
+    room.close()
+    assert isinstance(outcomes["first"], Generated)
+
+
 def test_a_step_that_fails_lets_go_of_its_calls_adapters_and_the_room_serves_the_next_engine(
     disk: Path,
 ) -> None:

@@ -48,7 +48,7 @@ class AdapterRoom:
 
     def __init__(
         self, model: torch.nn.Module, memory: int, rank: int, targets: Sequence[str],
-        find: Callable[[str], tuple[Read, bool]],
+        *, find: Callable[[str], tuple[Read, bool]], known: Callable[[str], object],
     ) -> None:  # fmt: skip
         laid: dict[str, tuple[int, int, torch.Tensor]] = {}  # in, out, and the weight
         for module in sorted(set(targets)):
@@ -75,6 +75,7 @@ class AdapterRoom:
         self._index: dict[torch.device, torch.Tensor] = {}  # the same, on each device
         self._single = 0  # this pass's one slot, when every row has the same
         self._find = find  # an adapter by name: read, and whether it was on the shelf
+        self._known = known  # UnknownAdapterError for a name the base does not list
         self.hits = self.loads = self.evictions = 0
         # an adapter's load into a slot, latest last: from the shelf, and read from disk
         self.load_ms: dict[str, list[float]] = {"shelf": [], "disk": []}
@@ -110,6 +111,7 @@ class AdapterRoom:
                 f"adapter {name!r}: the base keeps no room for adapters of rank {self.rank}"
                 " (adapter_memory is below one adapter); raise adapter_memory in the catalog"
             )
+        self._known(name)  # an unknown name is told at once, not after a wait for a slot
         if not self._free and all(self._pins[held] for held in self._slot_of):
             raise RoomFull
         started = time.perf_counter()

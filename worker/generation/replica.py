@@ -57,7 +57,10 @@ def adapter_room(model: Any, spec: ModelSpec) -> AdapterRoom | None:
     def find(name: str) -> tuple[Read, bool]:
         return SHELF.get(name, listing.path(name))
 
-    room = AdapterRoom(model, spec.adapter_memory, spec.adapter_rank, sorted(targets), find)
+    room = AdapterRoom(
+        model, spec.adapter_memory, spec.adapter_rank, sorted(targets), find=find,
+        known=listing.path,
+    )  # fmt: skip
     log.info(
         "%s keeps %d adapter slots of rank %d over %d modules (%d bytes)",
         spec.name, room.slots, room.rank, len(room.targets), room.nbytes,
