@@ -141,6 +141,9 @@ VARIABLES: tuple[Variable, ...] = (
              "which idle replicas to evict first: `lru` or `smallest` (NDIF)"),
     Variable("GPUFLEET_WARM_DROP_ORDER", "`lru`",
              "which warm copies to drop when the CPU cache is full"),
+    Variable("GPUFLEET_PREFIX_ROUTING", "`1`",
+             "`0`: a generation model's calls go to its least busy replica, not to the one "
+             "that served their prompt's prefix (docs/placement.md, \"Prefix routing\")"),
     Variable("GPUFLEET_CRASH_ON_CALL", "none",
              "tests only: a worker's main process exits as it takes the call with this task "
              "id, as a call that kills its worker would (tasks/broker/quarantine.py)"),
@@ -188,6 +191,7 @@ class Settings:
     batch: BatchLimits = field(default_factory=BatchLimits)
     policy: PolicySettings = field(default_factory=PolicySettings)
     sim_data: Path | None = None
+    prefix_routing: bool = True  # placement/rules/prefixes.py
     crash_on_call: str | None = None  # tests only (tasks/broker/quarantine.py)
     run_log: Path | None = None  # tasks/broker/run_log.py
     url_from: str = FROM_DEFAULT  # where the registry URL came from (FROM_*)
@@ -273,6 +277,7 @@ class Settings:
             ),
             policy=_policy(env),
             sim_data=Path(sim_data).expanduser() if sim_data else None,
+            prefix_routing=env.integer("GPUFLEET_PREFIX_ROUTING", 1, low=0, high=1) == 1,
             crash_on_call=env.get("GPUFLEET_CRASH_ON_CALL"),
             run_log=Path(run_log).expanduser()
             if (run_log := env.get("GPUFLEET_RUN_LOG"))

@@ -53,6 +53,7 @@ from tasks.serving.calls import (
     tenant_of,
     time_limits_of,
 )
+from tasks.serving.routing import prefix_of
 from tasks.serving.status import full_status
 from tasks.serving.tenants import tenancy
 from worker.handlers import validate
@@ -111,7 +112,8 @@ def dispatch(
         routed.hold(registry, model, held, False)  # a dead router may have held it
         log.warning("call %s was handed on before its router died: not routing it again", held)
         raise Ignore()  # acknowledged, no result stored: the call's own answer comes
-    lease = registry.pick(model, path="" if counted_of(task.request) else "router")
+    prefix = prefix_of(model, inputs, params, known_tenant(task.request))
+    lease = registry.pick(model, path="" if counted_of(task.request) else "router", prefix=prefix)
     if lease is not None:
         if task.request.retries or redelivered(task.request):  # an earlier attempt held it
             routed.hold(registry, model, held, False)  # (a dead router's too: no wait for its TTL)

@@ -136,11 +136,11 @@ def test_the_routers_move_says_kept_or_not_ours_and_whether_anything_waits(
     from tasks.serving.forwarding import _forward  # the router's `Pick.move`
 
     handover = taken(reg, fleet)
-    assert _forward(reg, "other", "router", handover) is None  # no replica: the pool's
-    assert _forward(reg, "m", "router", handover) is True  # moved; nothing waits
-    assert _forward(reg, "m", "router", handover) is False  # no longer in flight
+    assert _forward(reg, "other", "router", [], handover) is None  # no replica: the pool's
+    assert _forward(reg, "m", "router", [], handover) is True  # moved; nothing waits
+    assert _forward(reg, "m", "router", [], handover) is False  # no longer in flight
     reg.client.lpush(f"{fleet}.calls", b"the next call")
-    assert _forward(reg, "m", "router", taken(reg, fleet)) is False  # moved; a call waits
+    assert _forward(reg, "m", "router", [], taken(reg, fleet)) is False  # moved; a call waits
 
 
 def test_half_a_record_among_a_models_replicas_leaves_the_others_to_the_fast_path(

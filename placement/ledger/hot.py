@@ -22,11 +22,13 @@ from __future__ import annotations
 import json
 import os
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from placement.ledger.store import Store
 from placement.ledger.tenancy.tenants import DEFAULT, worker_queue, worker_suffix
+from placement.rules.prefixes import MAX_ENTRIES, SPILL
 
 #: How long a request lease pins its replica unless the call ends it first.
 DEFAULT_REQUEST_LEASE_MS = 300_000
@@ -120,10 +122,16 @@ class HotPath:
         self._cache: dict[str, _Replicas] = {}
 
     def pick(
-        self, model: str, ttl_ms: int = DEFAULT_REQUEST_LEASE_MS, path: str = ""
+        self,
+        model: str,
+        ttl_ms: int = DEFAULT_REQUEST_LEASE_MS,
+        path: str = "",
+        prefix: Sequence[str] = (),
     ) -> Lease | None:
         """Lease the least busy HOT replica of `model` (ties to the first by id, so a surplus
-        replica idles out and can be scaled in), or None when none is ready.
+        replica idles out and can be scaled in), or None when none is ready. With a
+        `prefix` chain (`placement.rules.prefixes.chain`), the replica its longest prefix
+        was last sent to, unless it is `SPILL` leases busier than the least busy one.
 
         `path` says how a lease counts the call in the model's stats, in the same step:
         "fast" (a hit and a `fast` call: the client routes it), "router" (a hit and a
@@ -131,7 +139,7 @@ class HotPath:
         counted already). A miss counts nothing: the router then counts the outcome of
         the call's placement (`Registry.count`). docs/metrics.md has the rule.
         """
-        lease = self._lease(model, ttl_ms, path, None)
+        lease = self._lease(model, ttl_ms, path, None, prefix)
         return lease if isinstance(lease, Lease) else None
 
     def forward(
@@ -140,17 +148,18 @@ class HotPath:
         handover: Handover,
         ttl_ms: int = DEFAULT_REQUEST_LEASE_MS,
         path: str = "",
+        prefix: Sequence[str] = (),
     ) -> Forwarded | Literal["gone"] | None:
         """`pick`, and in the same step move `handover`'s message onto the leased replica's
         queue (out of its in-flight list), the lease in its headers; None when no replica
         is ready (nothing changed), `GONE` when the message is no longer in flight.
         Only for a broker that is the registry's Redis (`forward.lua`)."""
-        found = self._lease(model, ttl_ms, path, handover)
+        found = self._lease(model, ttl_ms, path, handover, prefix)
         assert not isinstance(found, Lease)  # with a handover, a lease comes as `Forwarded`
         return found
 
     def _lease(
-        self, model: str, ttl_ms: int, path: str, handover: Handover | None
+        self, model: str, ttl_ms: int, path: str, handover: Handover | None, prefix: Sequence[str]
     ) -> Lease | Forwarded | Literal["gone"] | None:
         """`pick.lua`, or `forward.lua` with a `handover`, against the cached replica list,
         read again while the script says it is stale."""
@@ -170,7 +179,9 @@ class HotPath:
                 keys += handover.watched
                 args += [handover.taken, *handover.parts, worker_suffix(handover.tenant)]
                 args.append(len(waiting[0]) if waiting else 0)
-            args += [*known.ids, *known.workers]
+            args += [len(prefix), SPILL, MAX_ENTRIES, *prefix, *known.ids, *known.workers]
+            if prefix:
+                keys.append(self._store.keys.prefixes(model))
             if handover is not None:
                 args += known.queues
             result = self._store._run("pick" if handover is None else "forward", keys, args)

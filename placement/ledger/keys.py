@@ -159,6 +159,11 @@ class Keys:
         """Hash: request outcome (hit, queued, warm, cold, rejected, busy) -> count."""
         return f"{self.prefix}:model:{model}:stats"
 
+    def prefixes(self, model: str) -> str:
+        """Hash: a prompt prefix's digest -> the replica of the model it was last sent to
+        (`placement.rules.prefixes`)."""
+        return f"{self.prefix}:model:{model}:prefixes"
+
     def model_routing(self, model: str) -> str:
         """Sorted set of calls a router holds for a model, scored by deadline (ms)."""
         return f"{self.prefix}:model:{model}:routing"

@@ -543,17 +543,22 @@ class Registry(Membership):
     # --- requests -----------------------------------------------------------
 
     def pick(
-        self, model: str, ttl_ms: int = DEFAULT_REQUEST_LEASE_MS, path: str = ""
+        self,
+        model: str,
+        ttl_ms: int = DEFAULT_REQUEST_LEASE_MS,
+        path: str = "",
+        prefix: Sequence[str] = (),
     ) -> Lease | None:
-        """Lease the least busy HOT replica of `model`, or None (`HotPath.pick`)."""
-        return self.hot.pick(model, ttl_ms, path)
+        """Lease the least busy HOT replica of `model`, or the one its call's `prefix` chain
+        was last sent to; None when none is ready (`HotPath.pick`)."""
+        return self.hot.pick(model, ttl_ms, path, prefix)
 
     def forward(
-        self, model: str, handover: Handover, path: str = ""
+        self, model: str, handover: Handover, path: str = "", prefix: Sequence[str] = ()
     ) -> Forwarded | Literal["gone"] | None:
         """`pick`, and move a router's taken message onto the leased replica's queue in the
         same step (`HotPath.forward`)."""
-        return self.hot.forward(model, handover, path=path)
+        return self.hot.forward(model, handover, path=path, prefix=prefix)
 
     def finish(self, lease: Lease) -> Level:
         """End a request's lease. A DRAINING replica left idle is evicted right away."""

@@ -51,7 +51,12 @@ OUTCOMES = ("hit", "queued", "warm", "cold", "rejected", "busy")
 # client leased a HOT replica and sent it straight to its GPU worker), routed (the router
 # took it). So fast + routed = requests (docs/metrics.md).
 PATHS = ("fast", "routed")
-COUNTS = (*OUTCOMES, *PATHS)  # every per-model counter of the stats hash
+# How prefix routing chose a generating call's replica (placement/rules/prefixes.py), once
+# per counted call that had a prefix chain: the replica that served its longest prefix
+# (prefix_hit), the least busy one because that one was too busy (prefix_spill), or the
+# least busy one because none had served its prefix (prefix_new).
+PREFIX_ROUTES = ("prefix_hit", "prefix_spill", "prefix_new")
+COUNTS = (*OUTCOMES, *PATHS, *PREFIX_ROUTES)  # every per-model counter of the stats hash
 
 
 class Candidate(enum.IntEnum):

@@ -30,7 +30,7 @@ from prometheus_client.registry import Collector
 
 from placement.errors import GpufleetError
 from placement.ledger.registry import Registry
-from placement.policy.state import OUTCOMES, PATHS
+from placement.policy.state import OUTCOMES, PATHS, PREFIX_ROUTES
 from tasks import context
 from tasks.serving.status import full_status
 
@@ -98,15 +98,24 @@ def _requests(requests: dict[str, Any]) -> Iterator[Metric]:
         "Calls by the way they came: fast (client straight to a GPU worker) or routed",
         labels=["model", "path"],
     )
+    prefix = CounterMetricFamily(
+        "gpufleet_prefix_routes",
+        "Generating calls by how prefix routing chose their replica: hit (the one that served"
+        " their prompt's prefix), spill (it was too busy), new (none had served it)",
+        labels=["model", "route"],
+    )
     for model, figures in requests["models"].items():
         for outcome in OUTCOMES:
             outcomes.add_metric([model, outcome], figures[outcome])
         reloads.add_metric([model], figures["reloads"])
         for path in PATHS:
             paths.add_metric([model, path], figures[path])
+        for route in PREFIX_ROUTES:
+            prefix.add_metric([model, route.removeprefix("prefix_")], figures[route])
     yield outcomes
     yield reloads
     yield paths
+    yield prefix
     fleet = requests["fleet"]
     for name, key, target in (
         ("gpufleet_cache_hit_ratio", "hit_rate", "above 0.8"),

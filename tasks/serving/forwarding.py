@@ -56,6 +56,7 @@ from tasks.broker.transport import MOVED, Moved, Onward, Pick
 from tasks.config import INFER
 from tasks.serving import leases, routed
 from tasks.serving.calls import counted_in, infer_arguments, tenant_in
+from tasks.serving.routing import prefix_of
 from tasks.serving.tenants import quotas, tenancy
 
 log = logging.getLogger(__name__)
@@ -99,17 +100,18 @@ class Forwarder:
         plain = plain_call(message)
         if plain is None:
             return None
-        model, counted = plain
+        model, counted, (inputs, params) = plain
         path = "" if counted else "router"
         task_id = message.headers["id"]
         registry = context.registry()
         headers = {**message.headers, COUNTED_HEADER: True}  # counted by the pick (or before)
         tenant = tenancy.process.known(tenant_in(headers))
+        prefix = prefix_of(model, inputs, params, tenant)
         if not given_back and context.one_redis():  # lease and move in one step
-            move = functools.partial(_forward, registry, model, path)
+            move = functools.partial(_forward, registry, model, path, prefix)
             return Pick(headers, LEASE_HEADER, move, tenant, tuple(tenancy.process.refresh()))
         try:
-            lease = registry.pick(model, path=path)
+            lease = registry.pick(model, path=path, prefix=prefix)
         except GpufleetError:
             log.warning("could not look for a HOT replica of %s; routing the call", model)
             return None
@@ -132,19 +134,23 @@ def _found_elsewhere(message: Any) -> bool:
     return routed.elsewhere(task_id, str(message.delivery_tag))
 
 
-def _forward(registry: Registry, model: str, path: str, handover: Handover) -> bool | None:
-    """`Pick.move` for a call of `model`: None on a miss (the pool places the model), else
-    whether the router's lists were all empty once it moved with a lease (False too when
-    its message is no longer in flight: not ours either way)."""
-    outcome = registry.forward(model, handover, path=path)
+def _forward(
+    registry: Registry, model: str, path: str, prefix: list[str], handover: Handover
+) -> bool | None:
+    """`Pick.move` for a call of `model` (routed by its `prefix` chain): None on a miss
+    (the pool places the model), else whether the router's lists were all empty once it
+    moved with a lease (False too when its message is no longer in flight: not ours
+    either way)."""
+    outcome = registry.forward(model, handover, path=path, prefix=prefix)
     if outcome is None:
         return None
     return outcome != GONE and outcome.drained
 
 
-def plain_call(message: Any) -> tuple[str, bool] | None:
-    """The model of a call the consumer may forward, and whether it is counted already;
-    None for a call that must take Celery's path (see the module)."""
+def plain_call(message: Any) -> tuple[str, bool, tuple[Any, Any]] | None:
+    """The model of a call the consumer may forward, whether it is counted already, and
+    its inputs and params (the adapter named in them); None for a call that must take
+    Celery's path (see the module)."""
     headers = message.headers
     if not isinstance(headers, dict) or headers.get("task") != INFER:
         return None  # message protocol 1, or another task
@@ -159,5 +165,6 @@ def plain_call(message: Any) -> tuple[str, bool] | None:
     except GpufleetError:
         return None  # the consumer refuses it
     args, kwargs, _ = message.decode()
-    model, params = infer_arguments(*args, **kwargs)[::2]
-    return context.catalog().base_call(model, params)[0], counted_in(headers)
+    model, inputs, params = infer_arguments(*args, **kwargs)
+    model, params = context.catalog().base_call(model, params)
+    return model, counted_in(headers), (inputs, params)

@@ -21,6 +21,7 @@ from typing import Any
 
 from placement.config import safe_url
 from placement.errors import AccessDeniedError, GpufleetError
+from placement.rules import prefixes
 from tasks import context
 from tasks.config import INFER, ROUTER_QUEUE
 from tasks.serving import leases
@@ -31,9 +32,11 @@ _told: set[str] = set()  # the fallback reasons this process has warned about
 
 
 class _Rights:
-    """Whether this process's registry URL has a caller's rights, which lease nothing."""
+    """Whether this process's registry URL has a caller's rights, which lease nothing, and
+    whether it has no catalog (its calls are then routed by load alone)."""
 
     caller = False
+    no_catalog = False
 
 
 _rights = _Rights()
@@ -51,16 +54,19 @@ def route(
     """Send a call for a resident model straight to its GPU worker, with a lease."""
     if name != INFER or options.get("queue") or _rights.caller:
         return None  # everything else, calls already routed, and a caller's, keep theirs
-    model = args[0] if args else (kwargs or {}).get("model")
+    args, kwargs = args or (), kwargs or {}
+    model = args[0] if args else kwargs.get("model")
     if not isinstance(model, str):
         return None
+    inputs = args[1] if len(args) > 1 else kwargs.get("inputs")
+    params = args[2] if len(args) > 2 else kwargs.get("params")
     # An adapter's call leases its base's replica. No catalog here, or a name it does not
     # know: the router says what is wrong.
     if ":" in model:
         with contextlib.suppress(GpufleetError):
-            model = context.catalog().base_call(model, None)[0]
+            model, params = context.catalog().base_call(model, params)
     try:
-        lease = context.registry().pick(model, path="fast")
+        lease = context.registry().pick(model, path="fast", prefix=prefix_of(model, inputs, params))
     except AccessDeniedError:  # for good: a URL's user keeps its rights
         _rights.caller = True
         _fall_back("caller", _CALLER)
@@ -73,6 +79,24 @@ def route(
         return {"queue": ROUTER_QUEUE}
     leases.hold(lease)  # a caller's own headers= would replace any we return here
     return {"queue": lease.queue}
+
+
+def prefix_of(model: str, inputs: Any, params: Any, tenant: str = "") -> list[str]:
+    """The prefix chain a call of `model` is routed by (`placement.rules.prefixes`): a
+    text-generation model's calls have one; none while GPUFLEET_PREFIX_ROUTING is 0, or
+    where this process has no catalog."""
+    if _rights.no_catalog:
+        return []
+    try:
+        if not context.settings().prefix_routing:
+            return []
+        spec = context.catalog().get(model, None)
+    except GpufleetError:
+        _rights.no_catalog = True  # read once: a client without one routes by load
+        return []
+    if spec is None or spec.task != "text-generation":
+        return []
+    return prefixes.chain(inputs, params, tenant)
 
 
 def _fall_back_on_miss(model: str) -> None:

@@ -234,7 +234,13 @@ end
 -- queue, gpus, epoch}, now, deadline = now + `ttl`}, or nil and the script's reply: {0}
 -- when none is ready, {-1, the current ids} when the caller's list is stale (the model's
 -- set KEYS[1] holds other ids, or a replica's worker or queue changed).
-local function choose_replica(reps, ids, workers, queues, ttl)
+-- With a `prefix` (`read_prefix`'s), the replica its call's prefix was last sent to is
+-- chosen instead while it has at most `prefix.spill` more live leases than the least busy
+-- one; a prefix no listed replica was sent goes to the least busy replica that was sent
+-- the fewest prefix chunks (so new prefixes spread over the replicas, a new one first).
+-- `c.reason` says which rule chose: 'hit' (that replica), 'spill' (it was too busy),
+-- 'new' (no listed replica had the prefix) or '' (no prefix given).
+local function choose_replica(reps, ids, workers, queues, ttl, prefix)
   local members = redis.call('SMEMBERS', KEYS[1])
   local stale = {-1, unpack(members)}
   if #members ~= #ids then return nil, stale end
@@ -244,18 +250,89 @@ local function choose_replica(reps, ids, workers, queues, ttl)
     if not listed[m] then return nil, stale end
   end
   local now = now_ms()
-  local best, best_load, best_row = nil, nil, nil
+  local best, best_load = nil, nil
+  local loads, rows = {}, {}
   for i, rep in ipairs(reps) do
     local row = redis.call('HMGET', rep.dep, 'level', 'worker', 'queue', 'gpus', 'epoch')
     if (row[2] or '') ~= workers[i] then return nil, stale end  -- '' lists no worker
     if queues and row[1] == 'HOT' and row[3] ~= queues[i] then return nil, stale end
     if row[1] == 'HOT' and num(redis.call('HGET', rep.worker, 'lease_deadline')) > now then
       local load = live_leases(rep.leases, now)
-      if best_load == nil or load < best_load then best, best_load, best_row = i, load, row end
+      loads[i], rows[i] = load, row
+      if best_load == nil or load < best_load then best, best_load = i, load end
     end
   end
   if best == nil then return nil, {0} end
-  return {i = best, row = best_row, now = now, deadline = now + ttl}
+  local reason = ''
+  if prefix and prefix.hashes[1] then
+    local owner = prefix.owner
+    if owner == nil or loads[owner] == nil then
+      reason = 'new'
+      local tied, fields = {}, {}
+      for i = 1, #reps do
+        if loads[i] == best_load then
+          tied[#tied + 1] = i
+          fields[#fields + 1] = '#' .. ids[i]
+        end
+      end
+      if #tied > 1 then
+        local sent = redis.call('HMGET', prefix.map, unpack(fields))
+        local fewest = nil
+        for j, i in ipairs(tied) do
+          if fewest == nil or num(sent[j]) < fewest then best, fewest = i, num(sent[j]) end
+        end
+      end
+    elseif loads[owner] <= best_load + prefix.spill then
+      best, reason = owner, 'hit'
+    else
+      reason = 'spill'
+    end
+  end
+  return {i = best, row = rows[best], now = now, deadline = now + ttl, reason = reason}
+end
+
+-- A call's prefix chain (ARGV[a + 1 .. a + k], shortest first: tasks' `prefixes.chain`)
+-- against the model's prefix map `map` (digest -> the replica its prefix was last sent
+-- to): the index in `ids` of the replica that was sent its longest prefix, if listed.
+local function read_prefix(map, a, k, spill, ids)
+  local p = {hashes = {}, owners = {}, at = {}, spill = spill, map = map}
+  if k == 0 then return p end
+  for d = 1, k do p.hashes[d] = ARGV[a + d] end
+  for i, id in ipairs(ids) do p.at[id] = i end
+  p.owners = redis.call('HMGET', map, unpack(p.hashes))
+  for d = k, 1, -1 do
+    local o = p.owners[d]
+    if o and p.at[o] then p.owner = p.at[o] break end
+  end
+  return p
+end
+
+-- Note that the call's prefixes no listed replica holds now went to replica `id` (those a
+-- listed replica holds stay with it: a spill does not move a prefix), and how many chunks
+-- it was sent so (under '#' .. id: digests are hex); count the rule that chose in the
+-- model's stats as a counted call; and clear the map past `limit`.
+local function note_prefix(p, id, reason, path, stats_key, limit)
+  if not p.hashes[1] then return end
+  if path == 'fast' or path == 'router' then
+    redis.call('HINCRBY', stats_key, 'prefix_' .. reason, 1)
+  end
+  local owners = p.owners
+  if redis.call('HLEN', p.map) > limit then
+    redis.call('DEL', p.map)
+    owners = {}
+  end
+  local pairs_ = {}
+  for d, h in ipairs(p.hashes) do
+    local o = owners[d]
+    if not (o and p.at[o]) then
+      pairs_[#pairs_ + 1] = h
+      pairs_[#pairs_ + 1] = id
+    end
+  end
+  if pairs_[1] then
+    redis.call('HSET', p.map, unpack(pairs_))
+    redis.call('HINCRBY', p.map, '#' .. id, #pairs_ / 2)
+  end
 end
 
 -- Lease replica `rep` (keys as `listed_replicas` reads them) until `deadline` under `lease_id`, and

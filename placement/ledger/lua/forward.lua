@@ -1,6 +1,6 @@
 -- forward.lua: the router's hot path when the broker and the ledger are one Redis (one
 -- fleet per broker database, tasks/broker/claim.py). pick.lua and move.lua in one step: lease
--- the least busy HOT replica of a call's model, exactly as pick.lua does, and move the
+-- the replica of a call's model pick.lua would (by prefix, then load), and move the
 -- call's message, taken into the router's in-flight list, onto that replica's queue with
 -- the lease in its headers. One round trip instead of two, and never a lease without its
 -- message moved (tasks/serving/forwarding.py).
@@ -15,6 +15,7 @@
 --   lists where the worker's calls wait (its own queue's, each tenant's of it, at every
 --   priority)
 -- KEYS[after those..] = the lists the router's consumer takes from (none: not asked)
+-- KEYS[#KEYS] = with k > 0 (ARGV[10]), the model's prefix map (pick.lua's KEYS[3n+3])
 -- ARGV[1] = lease id, ARGV[2] = lease length (ms), ARGV[3] = how the lease counts the call
 --   (pick.lua's ARGV[3]), ARGV[4] = the message as taken,
 -- ARGV[5..7] = the message to push, in three parts: the lease header's value (a JSON
@@ -27,22 +28,26 @@
 --   in one of the worker's m lists; when none waits, to the worker's own queue, on which
 --   an idle worker waits: fair shares order calls that wait, and this one does not
 --   (docs/tasks.md, "Tenants"). 0: always to KEYS[3n+4..4n+3]
--- ARGV[10..] = replica ids, then the worker id each had, then the queue each had, in order
--- Returns {1, replica, queue, worker, gpus_json, lease_deadline_ms, epoch, drained}: moved;
---         drained is 1 when the router's lists are given and every one is empty after the
---         move, else 0
+-- ARGV[10..12] = k, the spill and the prefix map's bound; ARGV[13..12+k] = the call's
+--   prefix chain (pick.lua's ARGV[4..6+k])
+-- ARGV[13+k..] = replica ids, then the worker id each had, then the queue each had, in order
+-- Returns {1, replica, queue, worker, gpus_json, lease_deadline_ms, epoch, drained, reason}:
+--         moved; drained is 1 when the router's lists are given and every one is empty
+--         after the move, else 0; reason is pick.lua's
 --       | {0}                no replica is ready: nothing changed, the call takes the pool's path
 --       | {-1, replica ids}  the caller's replica list is stale: here is the current one
 --       | {-2}               the message is no longer in flight (a sweep gave it back)
 -- Every write comes after the checks and the push first: a push that fails (a key of
 -- another type) changes nothing, since Redis does not undo a failing script's writes. The
 -- lease's writes that follow fail only on a ledger key of another type (a broken ledger).
-local n = (#ARGV - 9) / 3
+local k = tonumber(ARGV[10])
+local n = (#ARGV - 12 - k) / 3
 local m = tonumber(ARGV[9])
 if not redis.call('LPOS', KEYS[3 * n + 3], ARGV[4]) then return {-2} end
-local reps, ids, workers, queues = listed_replicas(n, 9, true)
+local reps, ids, workers, queues = listed_replicas(n, 12 + k, true)
 local ttl = tonumber(ARGV[2])
-local c, reply = choose_replica(reps, ids, workers, queues, ttl)
+local prefix = read_prefix(KEYS[#KEYS], 12, k, tonumber(ARGV[11]), ids)
+local c, reply = choose_replica(reps, ids, workers, queues, ttl, prefix)
 if not c then return reply end
 local epoch = num(c.row[5])
 local lease = string.format('{"id": %s, "replica": %s, "deadline_ms": %d, "epoch": %d, "sent_ms": %d}',
@@ -60,8 +65,10 @@ end
 redis.call('LPUSH', list, ARGV[5] .. lease .. ARGV[6] .. cjson.encode(queue) .. ARGV[7])
 redis.call('LREM', KEYS[3 * n + 3], 1, ARGV[4])
 lease_replica(reps[c.i], ARGV[1], c.deadline, ttl, ARGV[3], KEYS[3 * n + 2], c.now)
-local drained = #KEYS >= watched and 1 or 0  -- no lists given: not known, so not drained
-for i = watched, #KEYS do
+note_prefix(prefix, ids[c.i], c.reason, ARGV[3], KEYS[3 * n + 2], tonumber(ARGV[12]))
+local last = k > 0 and #KEYS - 1 or #KEYS  -- the prefix map is not a list
+local drained = last >= watched and 1 or 0  -- no lists given: not known, so not drained
+for i = watched, last do
   if redis.call('LLEN', KEYS[i]) > 0 then drained = 0 break end
 end
-return {1, ids[c.i], c.row[3], workers[c.i], c.row[4], c.deadline, epoch, drained}
+return {1, ids[c.i], c.row[3], workers[c.i], c.row[4], c.deadline, epoch, drained, c.reason}
