@@ -112,12 +112,40 @@ def test_a_prompt_shorter_than_a_chunk_or_a_call_of_no_text_has_no_chain() -> No
     assert len(prefixes.chain("y" * 100_000)) == prefixes.MAX_CHUNKS
 
 
-def test_new_prefixes_spread_over_idle_replicas_rather_than_all_going_to_the_first(
+def _hold_one_lease_each(reg: Registry) -> list[str]:
+    """Every replica of "m" with one live lease: a tie by load, every replica busy."""
+    replicas = sorted(d.replica for d in reg.snapshot().by_model["m"])
+    for replica in replicas:
+        reg.client.delete(reg.keys.leases(replica))
+        reg.client.zadd(reg.keys.leases(replica), {f"held-{replica}": 10**13})
+    return replicas
+
+
+def test_new_prefixes_spread_over_busy_replicas_and_go_to_the_first_while_one_idles(
     reg: Registry,
 ) -> None:
     chosen = []
     for n in range(4):
-        for deployment in reg.snapshot().by_model["m"]:  # every replica idle: a tie by load
-            reg.client.delete(reg.keys.leases(deployment.replica))
+        _hold_one_lease_each(reg)
         chosen.append(_pick(reg, f"System prompt number {n}. " * 12))
-    assert sorted(Counter(chosen).values()) == [2, 2]
+    assert sorted(Counter(chosen).values()) == [2, 2]  # by the chunks each was sent
+    idle_first = []
+    for n in range(2):
+        for replica in _hold_one_lease_each(reg):
+            reg.client.delete(reg.keys.leases(replica))  # all idle: a surplus may idle out
+        idle_first.append(_pick(reg, f"Another new system prompt {n}. " * 12))
+    assert idle_first == [min(chosen)] * 2  # the first by id, as without a prefix
+
+
+def test_a_prefix_whose_replica_left_its_gpu_moves_to_a_ready_one_and_stays_there(
+    reg: Registry,
+) -> None:
+    first = _pick(reg, SYSTEM + "x")
+    reg.client.hset(reg.keys.deployment(first), "level", "WARM")  # evicted to the host
+    moved = _pick(reg, SYSTEM + "y")
+    assert moved != first
+    reg.client.hset(reg.keys.deployment(first), "level", "HOT")  # back, busier by nothing
+    reg.client.delete(*(reg.keys.leases(r) for r in (first, moved)))
+    assert _pick(reg, SYSTEM + "z") == moved  # the prefix went with the call that moved
+    stats = reg.client.hgetall(reg.keys.model_stats("m"))
+    assert (stats["prefix_new"], stats["prefix_hit"]) == ("2", "1")

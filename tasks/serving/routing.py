@@ -91,8 +91,9 @@ def prefix_of(model: str, inputs: Any, params: Any, tenant: str = "") -> list[st
         if not context.settings().prefix_routing:
             return []
         spec = context.catalog().get(model, None)
-    except GpufleetError:
-        _rights.no_catalog = True  # read once: a client without one routes by load
+    except GpufleetError:  # a client without a catalog file routes by load from now on
+        with contextlib.suppress(GpufleetError):
+            _rights.no_catalog = not context.settings().models.exists()
         return []
     if spec is None or spec.task != "text-generation":
         return []

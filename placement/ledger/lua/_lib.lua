@@ -234,12 +234,15 @@ end
 -- queue, gpus, epoch}, now, deadline = now + `ttl`}, or nil and the script's reply: {0}
 -- when none is ready, {-1, the current ids} when the caller's list is stale (the model's
 -- set KEYS[1] holds other ids, or a replica's worker or queue changed).
--- With a `prefix` (`read_prefix`'s), the replica its call's prefix was last sent to is
--- chosen instead while it has at most `prefix.spill` more live leases than the least busy
--- one; a prefix no listed replica was sent goes to the least busy replica that was sent
--- the fewest prefix chunks (so new prefixes spread over the replicas, a new one first).
--- `c.reason` says which rule chose: 'hit' (that replica), 'spill' (it was too busy),
--- 'new' (no listed replica had the prefix) or '' (no prefix given).
+-- With a `prefix` (`read_prefix`'s), the ready replica its call's longest prefix was
+-- last sent to is chosen instead while it has at most `prefix.spill` more live leases
+-- than the least busy one. A prefix no ready replica was sent goes to the least busy
+-- replica; while every replica is busy, ties go to the one sent the fewest prefix chunks
+-- (new prefixes spread over the replicas, a new one first), and while one is idle to the
+-- first by id, as without a prefix (so a surplus replica still idles out and can be
+-- scaled in). `c.reason` says which rule chose: 'hit' (the prefix's replica), 'spill' (it
+-- was too busy), 'new' (no ready replica had been sent the prefix) or '' (no prefix).
+-- `c.loads` holds the ready replicas' live leases, by index.
 local function choose_replica(reps, ids, workers, queues, ttl, prefix)
   local members = redis.call('SMEMBERS', KEYS[1])
   local stale = {-1, unpack(members)}
@@ -265,8 +268,13 @@ local function choose_replica(reps, ids, workers, queues, ttl, prefix)
   if best == nil then return nil, {0} end
   local reason = ''
   if prefix and prefix.hashes[1] then
-    local owner = prefix.owner
-    if owner == nil or loads[owner] == nil then
+    local owner = nil
+    for d = #prefix.hashes, 1, -1 do  -- the longest prefix a ready replica was sent
+      local o = prefix.owners[d]
+      local at = o and prefix.at[o]
+      if at and loads[at] ~= nil then owner = at break end
+    end
+    if owner == nil then
       reason = 'new'
       local tied, fields = {}, {}
       for i = 1, #reps do
@@ -275,7 +283,7 @@ local function choose_replica(reps, ids, workers, queues, ttl, prefix)
           fields[#fields + 1] = '#' .. ids[i]
         end
       end
-      if #tied > 1 then
+      if #tied > 1 and best_load > 0 then
         local sent = redis.call('HMGET', prefix.map, unpack(fields))
         local fewest = nil
         for j, i in ipairs(tied) do
@@ -288,43 +296,43 @@ local function choose_replica(reps, ids, workers, queues, ttl, prefix)
       reason = 'spill'
     end
   end
-  return {i = best, row = rows[best], now = now, deadline = now + ttl, reason = reason}
+  return {i = best, row = rows[best], now = now, deadline = now + ttl, reason = reason,
+          loads = loads}
 end
 
--- A call's prefix chain (ARGV[a + 1 .. a + k], shortest first: tasks' `prefixes.chain`)
--- against the model's prefix map `map` (digest -> the replica its prefix was last sent
--- to): the index in `ids` of the replica that was sent its longest prefix, if listed.
+-- A call's prefix chain (ARGV[a + 1 .. a + k], shortest first: `placement.rules.prefixes`)
+-- read against the model's prefix map `map` (digest -> the replica that prefix was last
+-- sent to): the replica each digest names (`owners`, false for none), and each listed
+-- replica's index by id (`at`).
 local function read_prefix(map, a, k, spill, ids)
   local p = {hashes = {}, owners = {}, at = {}, spill = spill, map = map}
   if k == 0 then return p end
   for d = 1, k do p.hashes[d] = ARGV[a + d] end
   for i, id in ipairs(ids) do p.at[id] = i end
   p.owners = redis.call('HMGET', map, unpack(p.hashes))
-  for d = k, 1, -1 do
-    local o = p.owners[d]
-    if o and p.at[o] then p.owner = p.at[o] break end
-  end
   return p
 end
 
--- Note that the call's prefixes no listed replica holds now went to replica `id` (those a
--- listed replica holds stay with it: a spill does not move a prefix), and how many chunks
--- it was sent so (under '#' .. id: digests are hex); count the rule that chose in the
--- model's stats as a counted call; and clear the map past `limit`.
-local function note_prefix(p, id, reason, path, stats_key, limit)
+-- Note that the call's prefixes no ready replica was sent went to replica `id` (those a
+-- ready replica was sent stay with it: a spill does not move a prefix; those of a replica
+-- evicted, draining or without its worker move), and how many chunks it was sent so
+-- (under '#' .. id: digests are hex); count the rule that chose in the model's stats as a
+-- counted call; and clear the map past `limit` (UNLINK: freed off the script's time).
+local function note_prefix(p, c, id, path, stats_key, limit)
+  local reason = c.reason
   if not p.hashes[1] then return end
   if path == 'fast' or path == 'router' then
     redis.call('HINCRBY', stats_key, 'prefix_' .. reason, 1)
   end
   local owners = p.owners
   if redis.call('HLEN', p.map) > limit then
-    redis.call('DEL', p.map)
+    redis.call('UNLINK', p.map)
     owners = {}
   end
   local pairs_ = {}
   for d, h in ipairs(p.hashes) do
     local o = owners[d]
-    if not (o and p.at[o]) then
+    if not (o and p.at[o] and c.loads[p.at[o]] ~= nil) then
       pairs_[#pairs_ + 1] = h
       pairs_[#pairs_ + 1] = id
     end
