@@ -44,7 +44,7 @@ from typing import Any
 
 from celery import Celery
 
-from bench.harness import percentile
+from bench.harness import all_at_once, percentile
 
 log = logging.getLogger("bench.adapters")
 
@@ -147,13 +147,7 @@ def phase(clients: list[Celery], models: list[str], new_tokens: int) -> dict[str
                 waits.append(time.monotonic() - sent)
                 tokens[0] += sum(len(t) for t in answer["outputs"]["tokens"])
 
-    began = time.monotonic()
-    threads = [threading.Thread(target=caller, args=(c,)) for c in clients]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    seconds = time.monotonic() - began
+    seconds = all_at_once(clients, caller)
     return {
         "seconds": round(seconds, 2),
         "calls": len(waits),

@@ -12,7 +12,9 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
@@ -72,6 +74,18 @@ def stop_bare(proc: subprocess.Popen[bytes]) -> None:
         log.warning("the bare worker did not stop in time; killing it")
         proc.kill()
         proc.wait()
+
+
+def all_at_once(clients: list[Celery], caller: Callable[[Celery], None]) -> float:
+    """`caller(client)` for every client, each in a thread of its own, started together:
+    the seconds until the last returns (closed-loop callers take their next call in it)."""
+    began = time.monotonic()
+    threads = [threading.Thread(target=caller, args=(client,)) for client in clients]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return time.monotonic() - began
 
 
 def percentile(values: list[float], q: float) -> float:

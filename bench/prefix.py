@@ -42,7 +42,7 @@ from typing import Any
 
 from celery import Celery
 
-from bench.harness import percentile
+from bench.harness import all_at_once, percentile
 
 log = logging.getLogger("bench.prefix")
 
@@ -106,16 +106,11 @@ def phase(clients: list[Celery], prompts: list[str]) -> dict[str, Any]:
                 firsts.append(answer["timings_ms"]["first_token"])
                 replicas[answer["replica"]] += 1
 
-    began = time.monotonic()
-    threads = [threading.Thread(target=caller, args=(c,)) for c in clients]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    seconds = all_at_once(clients, caller)
     counts = sorted(replicas.values())
     even = len(prompts) / max(1, len(counts))
     return {
-        "seconds": round(time.monotonic() - began, 2),
+        "seconds": round(seconds, 2),
         "ttft_p50_ms": round(percentile(firsts, 50), 1),
         "ttft_p99_ms": round(percentile(firsts, 99), 1),
         "latency_p50_s": round(percentile(waits, 50), 3),
