@@ -84,10 +84,6 @@ class Holder(Protocol):
     def device_caps(self) -> DeviceCaps: ...
 
     @property
-    def lock(self) -> AbstractContextManager[Any]:
-        """Guards the holder's books."""
-
-    @property
     def spans(self) -> Spans: ...
 
     @property
@@ -154,10 +150,6 @@ class Calls:
         if ran[0].error is not None:
             raise ran[0].error
         return ran[0].outputs, gpus
-
-    def gpus_of(self, replica: str) -> list[str]:
-        """The ledger GPU ids a HOT replica is on here (EvictedError when it is not)."""
-        return sorted(self.held.hot_resident(replica).slots)
 
     def open_engine(self, replica: str, epoch: int = 0, *, wait: bool = True) -> OpenEngine | None:
         """Hold a HOT replica of a generation model for its calls: its lock (so the keeper
@@ -286,12 +278,11 @@ class Calls:
         with self._pass_span(outer) as span:
             texts = [member[1] for member in chunk]
             flat = [text for call in texts for text in call]
+            need = activation_bytes(resident.dims, flat) if simulated else 0
             start = time.perf_counter()
             try:
                 if simulated:
-                    with self.held.lock:
-                        need = activation_bytes(resident.dims, flat)
-                        self.held.device_caps.check_activations(need, min(plan))
+                    self.held.device_caps.check_activations(need, min(plan))
                 # On CUDA, read the memory statistics only for a pass that may report a
                 # learned figure: each read builds a dict of every allocator counter.
                 learning = span is not None and not simulated and learned.learns(resident.spec)
@@ -327,7 +318,7 @@ class Calls:
                 return
             compute_ms = (time.perf_counter() - start) * 1000
             if simulated:
-                learned.learn_from(resident.spec, activation_bytes(resident.dims, flat))
+                learned.learn_from(resident.spec, need)
             elif learning and span is not None and self.held.spans.clean(span):  # its own peak
                 learned.learn_from(resident.spec, sum(peak_allocated(i) - before[i] for i in plan))
             for (index, _), result in zip(chunk, results, strict=True):

@@ -132,8 +132,10 @@ class DeviceCaps:
 
     def check_activations(self, need: int, index: int) -> None:
         """A call whose activations (`need` bytes) would pass the reservation on simulated
-        device `index` fails as on a capped GPU."""
-        free = self.reserved(index) - self._charged.get(index, 0)
+        device `index` fails as on a capped GPU. Read under the lock: the keeper charges
+        and gives back replicas meanwhile."""
+        with self._lock:
+            free = self.reserved(index) - self._charged.get(index, 0)
         if need > free:
             raise torch.OutOfMemoryError(
                 f"simulated GPU {index} out of memory: the call needs about "

@@ -404,6 +404,16 @@ class ResidencyManager:
         resident = self.residents.get(replica)
         return resident is not None and not resident.warm and (not epoch or resident.epoch == epoch)
 
+    def hot_resident(self, replica: str) -> Resident:
+        """The HOT replica `replica`, else `EvictedError` (the call is routed again)."""
+        resident = self.residents.get(replica)
+        if resident is None or resident.warm:
+            raise EvictedError(
+                f"replica {replica} is not on this worker's GPUs (it was evicted or never "
+                f"loaded here); route the request again"
+            )
+        return resident
+
     def holdings(self) -> list[Holding]:
         """What this process holds, as its heartbeat reports it to the registry."""
         with self.lock:  # `_forget` clears a resident's model under it
@@ -457,16 +467,6 @@ class ResidencyManager:
         return loading.tensor_bytes(resident.model, [torch.device("cuda", local(d)) for d in real])
 
     # --- internals ----------------------------------------------------------
-
-    def hot_resident(self, replica: str) -> Resident:
-        """The HOT replica `replica`, else `EvictedError` (the call is routed again)."""
-        resident = self.residents.get(replica)
-        if resident is None or resident.warm:
-            raise EvictedError(
-                f"replica {replica} is not on this worker's GPUs (it was evicted or never "
-                f"loaded here); route the request again"
-            )
-        return resident
 
     def _measure(  # noqa: PLR0917 - a load's whole context
         self,

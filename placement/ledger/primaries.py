@@ -174,8 +174,7 @@ class Primaries:
         connection of the group is alive in this process (a client's pool keeps its
         connections, open or not, until the client is collected: they and the pool refer
         to each other, so a dropped client goes at the next full collection). When none
-        is, the listeners
-        stop, and the group's next connection starts others."""
+        is, the listeners stop, and the group's next connection starts others."""
         with self._lock:
             if self._heard.get(group) is not token:
                 return False
