@@ -21,12 +21,12 @@ reported (`problems`), never a reason to refuse the catalog or the other adapter
 from __future__ import annotations
 
 import json
-import struct
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from placement.catalog.estimate import safetensors_header
 from placement.errors import UnknownAdapterError, describe
 
 CONFIG_FILE = "adapter_config.json"
@@ -41,7 +41,6 @@ DEFAULT_ADAPTER_MEMORY = 64 * 2**20
 #: The largest adapter rank that room is laid out for when the catalog does not say
 #: (vLLM's `max_lora_rank` default).
 DEFAULT_ADAPTER_RANK = 16
-_HEADER_LIMIT = 100 * 2**20  # a safetensors header longer than this is not one
 
 
 @dataclass(frozen=True)
@@ -113,7 +112,7 @@ def header_bytes(file: Path) -> int:
     """The bytes of the tensors a safetensors file holds, read from its header alone.
     Raises ValueError when the file is damaged (a header that does not parse, or tensors
     that run past the file's end)."""
-    header, size = _header(file)
+    header, size = safetensors_header(file)
     total = 0
     for key, entry in header.items():
         offsets = entry.get("data_offsets")
@@ -134,36 +133,15 @@ def modules(path: Path) -> set[str]:
     """The base's modules the adapter at `path` changes, read from its weights' header
     (empty when the file cannot be read: `problem` says why)."""
     try:
-        header, _ = _header(path / WEIGHTS_FILE)
+        header, _ = safetensors_header(path / WEIGHTS_FILE)
     except (OSError, ValueError):
         return set()
-    return {
-        key.removesuffix(A_SUFFIX).removeprefix(PREFIX)
-        for key in header if key.endswith(A_SUFFIX)
-    }  # fmt: skip
+    return {module_of(key) for key in header if key.endswith(A_SUFFIX)}
 
 
-def _header(file: Path) -> tuple[dict[str, dict[str, object]], int]:
-    """A safetensors file's tensor entries by name, and the bytes of data after its
-    header; ValueError when the header is not one."""
-    with file.open("rb") as handle:
-        raw = handle.read(8)
-        if len(raw) != 8:
-            raise ValueError("shorter than a safetensors header; the file is damaged")
-        (length,) = struct.unpack("<Q", raw)
-        if length > _HEADER_LIMIT:
-            raise ValueError("its header is implausibly long; the file is damaged")
-        try:
-            header = json.loads(handle.read(length))
-        except ValueError:
-            raise ValueError("its header is not JSON; the file is damaged") from None
-        size = file.stat().st_size - 8 - length
-    if not isinstance(header, dict):
-        raise ValueError("its header is not a mapping of tensors; the file is damaged")
-    header.pop("__metadata__", None)
-    if not all(isinstance(entry, dict) for entry in header.values()):
-        raise ValueError("its header's tensors are not described; the file is damaged")
-    return header, size
+def module_of(key: str) -> str:
+    """The base's module a factor named `key` (PREFIX + module + A_SUFFIX) belongs to."""
+    return key.removesuffix(A_SUFFIX).removeprefix(PREFIX)
 
 
 def parse_source(value: object, base_dir: Path) -> AdapterSource:
@@ -198,6 +176,7 @@ __all__ = [
     "AdapterSource",
     "Adapters",
     "header_bytes",
+    "module_of",
     "modules",
     "parse_source",
     "problem",

@@ -70,18 +70,36 @@ def weights_bytes_on_disk(directory: str | os.PathLike[str]) -> int:
     total = 0
     for path in files:
         try:
-            with path.open("rb") as handle:
-                (length,) = struct.unpack("<Q", handle.read(8))
-                if length > _HEADER_LIMIT:
-                    raise ValueError(f"header of {length} bytes is too large")
-                header = json.loads(handle.read(length))
-            for name, entry in header.items():
-                if name != "__metadata__":
-                    start, end = entry["data_offsets"]
-                    total += end - start
-        except (OSError, ValueError, KeyError, TypeError, struct.error) as exc:
+            header, _ = safetensors_header(path)
+            for entry in header.values():
+                start, end = entry["data_offsets"]
+                total += end - start
+        except (OSError, ValueError, KeyError, TypeError) as exc:
             raise EstimateError(f"{path}: not a readable safetensors file ({exc})") from exc
     return total
+
+
+def safetensors_header(file: Path) -> tuple[dict[str, dict[str, Any]], int]:
+    """A safetensors file's tensor entries by name, and the bytes of data after its
+    header; ValueError when the header is not one."""
+    with file.open("rb") as handle:
+        raw = handle.read(8)
+        if len(raw) != 8:
+            raise ValueError("shorter than a safetensors header; the file is damaged")
+        (length,) = struct.unpack("<Q", raw)
+        if length > _HEADER_LIMIT:
+            raise ValueError("its header is implausibly long; the file is damaged")
+        try:
+            header = json.loads(handle.read(length))
+        except ValueError:
+            raise ValueError("its header is not JSON; the file is damaged") from None
+        size = file.stat().st_size - 8 - length
+    if not isinstance(header, dict):
+        raise ValueError("its header is not a mapping of tensors; the file is damaged")
+    header.pop("__metadata__", None)
+    if not all(isinstance(entry, dict) for entry in header.values()):
+        raise ValueError("its header's tensors are not described; the file is damaged")
+    return header, size
 
 
 def _describe(source: object) -> str:

@@ -180,8 +180,6 @@ class HotPath:
                 args += [handover.taken, *handover.parts, worker_suffix(handover.tenant)]
                 args.append(len(waiting[0]) if waiting else 0)
             args += [len(prefix), SPILL, MAX_ENTRIES, *prefix, *known.ids, *known.workers]
-            if prefix:
-                keys.append(self._store.keys.prefixes(model))
             if handover is not None:
                 args += known.queues
             result = self._store._run("pick" if handover is None else "forward", keys, args)
@@ -205,7 +203,7 @@ class HotPath:
         keys = [k.model_replicas(model)]
         for r, w in zip(known.ids, known.workers, strict=True):
             keys += [k.deployment(r), k.leases(r), k.worker(w)]
-        keys.append(k.model_stats(model))
+        keys += [k.model_stats(model), k.prefixes(model)]
         return keys
 
     def _refresh(self, model: str) -> _Replicas:

@@ -47,7 +47,7 @@ class FleetCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         up = GaugeMetricFamily("gpufleet_up", "1 when the registry and broker answered")
         try:
-            report = full_status(self.registry, self.broker_url)
+            report = full_status(self.registry, self.broker_url, adapter_files=False)
         except GpufleetError as exc:
             log.warning("metrics scrape failed: %s", exc)
             up.add_metric([], 0)

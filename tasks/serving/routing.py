@@ -62,7 +62,7 @@ def route(
     params = args[2] if len(args) > 2 else kwargs.get("params")
     # An adapter's call leases its base's replica. No catalog here, or a name it does not
     # know: the router says what is wrong.
-    if ":" in model:
+    if ":" in model and not _rights.no_catalog:
         with contextlib.suppress(GpufleetError):
             model, params = context.catalog().base_call(model, params)
     try:

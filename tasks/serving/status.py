@@ -31,14 +31,18 @@ from tasks.broker import presence, quarantine
 from tasks.config import ROUTER_QUEUES
 
 
-def full_status(registry: Registry, broker_url: str) -> dict[str, Any]:
-    """The registry's status report, request outcomes, and the depth of every fleet queue."""
+def full_status(
+    registry: Registry, broker_url: str, *, adapter_files: bool = True
+) -> dict[str, Any]:
+    """The registry's status report, request outcomes, and the depth of every fleet queue;
+    without `adapter_files`, adapters' files are not read for their faults (a metrics
+    scrape reports none of them)."""
     snap = registry.snapshot()
     report = status_report(snap)
     report["requests"] = request_report(registry.stats(snap))
     placed = placed_replicas(snap.deployments.values(), snap.by_model)
     report["load"] = load_report(read_loads(registry, placed))
-    report["generation"] = generation_report(registry, snap)
+    report["generation"] = generation_report(registry, snap, adapter_files=adapter_files)
     found = tenants.records(registry)
     fleet_queues = {*ROUTER_QUEUES} | {g.queue for g in snap.gpus.values() if g.queue}
     fleet_queues |= {t.queue for t in found.values()}
@@ -108,7 +112,9 @@ def tenants_report(
     return rows
 
 
-def generation_report(registry: Registry, snap: Snapshot) -> dict[str, Any]:
+def generation_report(
+    registry: Registry, snap: Snapshot, *, adapter_files: bool = True
+) -> dict[str, Any]:
     """Per generation model: its KV-cache budget (from the catalog, when this process has
     it), the tokens its running batches hold now, its replicas' KV blocks in use, cached
     and free and the share of prompt tokens read from cached blocks, and what its calls
@@ -149,7 +155,7 @@ def generation_report(registry: Registry, snap: Snapshot) -> dict[str, Any]:
                 where: max((k.get(f"adapter_load_{where}_ms_p50", 0.0) for k in kv), default=0.0)
                 for where in ("shelf", "disk")
             },
-            "adapter_problems": _adapter_problems(model),
+            "adapter_problems": _adapter_problems(model) if adapter_files else {},
             "calls": done.calls,
             "tokens": done.tokens,
             "ttft_mean_ms": _mean_ms(done.ttft),

@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import math
 import threading
-import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +21,7 @@ from typing import Any, cast
 
 import torch
 
-from placement.catalog.adapters import A_SUFFIX, B_SUFFIX, CONFIG_FILE, PREFIX, WEIGHTS_FILE
+from placement.catalog.adapters import A_SUFFIX, B_SUFFIX, CONFIG_FILE, WEIGHTS_FILE, module_of
 from placement.errors import AdapterError
 
 log = logging.getLogger(__name__)
@@ -45,7 +44,6 @@ class Read:
     scale: float
     factors: dict[str, tuple[torch.Tensor, torch.Tensor]]
     stamp: bytes
-    read_ms: float
 
     @property
     def nbytes(self) -> int:
@@ -59,7 +57,6 @@ def read(name: str, path: Path, stamp: bytes = b"") -> Read:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    started = time.perf_counter()
     if not (path / CONFIG_FILE).is_file():
         raise AdapterError(f"adapter {name!r} has no {CONFIG_FILE}; save it with peft")
     try:
@@ -89,7 +86,7 @@ def read(name: str, path: Path, stamp: bytes = b"") -> Read:
             )
         if not key.endswith(A_SUFFIX):
             continue
-        module = key.removesuffix(A_SUFFIX).removeprefix(PREFIX)
+        module = module_of(key)
         b = tensors.get(key.replace(".lora_A.", ".lora_B."))
         a = tensors[key]
         if b is None or a.dim() != 2 or b.dim() != 2 or a.shape[0] != rank or b.shape[1] != rank:
@@ -102,7 +99,7 @@ def read(name: str, path: Path, stamp: bytes = b"") -> Read:
         raise AdapterError(
             f"adapter {name!r}: {WEIGHTS_FILE} does not hold pairs of LoRA factors; save it again"
         )
-    return Read(name, rank, scale, factors, stamp, (time.perf_counter() - started) * 1000)
+    return Read(name, rank, scale, factors, stamp)
 
 
 def _unsupported(config: Any) -> str:
@@ -174,7 +171,6 @@ class Shelf:
         self._lock = threading.Lock()
         self._held: OrderedDict[tuple[str, Path], Read] = OrderedDict()
         self._bytes = 0
-        self.reads = 0  # from disk
 
     def get(self, name: str, path: Path) -> tuple[Read, bool]:
         """Adapter `name` at `path`, and whether it was on the shelf (False: read now)."""
@@ -187,7 +183,6 @@ class Shelf:
                 return held, True
         adapter = read(name, path, stamp)
         with self._lock:
-            self.reads += 1
             old = self._held.pop(key, None)
             self._bytes += adapter.nbytes - (old.nbytes if old is not None else 0)
             self._held[key] = adapter

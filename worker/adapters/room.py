@@ -59,7 +59,6 @@ class AdapterRoom:
         self.slots = memory // width if width else 0
         self.rank = rank
         self.targets = frozenset(laid)
-        self.memory = memory
         self._model = model
         # each module's factors on its own weight's device and dtype (a replica may span
         # GPUs): [slots + 1, in, rank] and [slots + 1, rank, out], slot 0 the base's zeros
@@ -79,6 +78,7 @@ class AdapterRoom:
         self.hits = self.loads = self.evictions = 0
         # an adapter's load into a slot, latest last: from the shelf, and read from disk
         self.load_ms: dict[str, list[float]] = {"shelf": [], "disk": []}
+        self._p50 = {"shelf": 0.0, "disk": 0.0}  # their medians (0: none yet)
         self._hooks = [
             model.get_submodule(m).register_forward_hook(self._hook(m)) for m in self.targets
         ]
@@ -112,8 +112,11 @@ class AdapterRoom:
                 " (adapter_memory is below one adapter); raise adapter_memory in the catalog"
             )
         self._known(name)  # an unknown name is told at once, not after a wait for a slot
-        if not self._free and all(self._pins[held] for held in self._slot_of):
-            raise RoomFull
+        victim = None  # the idle adapter whose slot it takes, when none is free
+        if not self._free:
+            victim = next((held for held in self._slot_of if not self._pins[held]), None)
+            if victim is None:
+                raise RoomFull
         started = time.perf_counter()
         adapter, shelved = self._find(name)
         check_fits(adapter, self._model, self.rank)
@@ -124,15 +127,22 @@ class AdapterRoom:
                 f"{', ...' if len(outside) > 1 else ''}); it is served once the replica is"
                 " placed again"
             )
-        slot = self._take_slot()
+        if victim is None:
+            slot = self._free.pop()
+        else:  # the least recently used that no call holds
+            self.evictions += 1
+            del self._keys[victim]
+            slot = self._slot_of.pop(victim)
         try:
             self._write(slot, adapter)
         except BaseException:
             self._free.append(slot)  # nothing holds it: what it held is gone already
             raise
-        took = self.load_ms["shelf" if shelved else "disk"]
+        where = "shelf" if shelved else "disk"
+        took = self.load_ms[where]
         took.append((time.perf_counter() - started) * 1000)
         del took[:-1024]
+        self._p50[where] = round(sorted(took)[len(took) // 2], 3)  # said at every step
         self.loads += 1
         self._slot_of[name] = slot
         self._keys[name] = name.encode() + b"\0" + adapter.stamp
@@ -164,16 +174,6 @@ class AdapterRoom:
         """Forget every holder: a new engine of the replica starts with no call (one that
         failed mid-step may have left its calls' pins)."""
         self._pins.clear()
-
-    def _take_slot(self) -> int:
-        if self._free:
-            return self._free.pop()
-        for name in self._slot_of:  # least recently used first
-            if not self._pins[name]:
-                self.evictions += 1
-                del self._keys[name]
-                return self._slot_of.pop(name)
-        raise RoomFull
 
     @contextmanager
     def rows(self, adapters: Sequence[str | None]) -> Iterator[None]:
@@ -213,10 +213,7 @@ class AdapterRoom:
             "adapter_hits": self.hits,
             "adapter_loads": self.loads,
             "adapter_evictions": self.evictions,
-            **{
-                f"adapter_load_{where}_ms_p50": _median(took)
-                for where, took in self.load_ms.items()
-            },
+            **{f"adapter_load_{where}_ms_p50": p50 for where, p50 in self._p50.items()},
         }
 
     def close(self) -> None:
@@ -224,10 +221,6 @@ class AdapterRoom:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
-
-
-def _median(values: list[float]) -> float:
-    return round(sorted(values)[len(values) // 2], 3) if values else 0.0
 
 
 __all__ = ["AdapterRoom", "RoomFull"]

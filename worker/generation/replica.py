@@ -49,8 +49,8 @@ def adapter_room(model: Any, spec: ModelSpec) -> AdapterRoom | None:
         return None
     listing = adapters.Adapters(spec.name, spec.adapters)
     targets: set[str] = set()
-    for path in spec.adapters.listing().values():
-        targets |= adapters.modules(path)
+    for name in listing.names():  # one listing of the directory: `path` reads it back
+        targets |= adapters.modules(listing.path(name))
     if not targets:
         targets = _default_targets(model)
 

@@ -199,7 +199,7 @@ class Driver:
             return None
         entry.adapter = adapter
         for sequence in entry.sequences:
-            sequence.salt = _salt_of(sequence.owner) + room.key_of(adapter)
+            sequence.salt += room.key_of(adapter)  # after its tenant's (`_sequences`)
         return True
 
     def _let_go(self, entry: _Running) -> None:
