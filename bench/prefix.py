@@ -1,7 +1,8 @@
 """Prefix routing: calls that share a system prompt go to the replica that has it cached,
 against the same fleet routing by load alone.
 
-    python -m bench.prefix [--replicas 2] [--calls 256] [--callers 16] > bench/out/prefix.json
+    python -m bench.prefix [--replicas 2] [--calls 256] [--callers 16] [--rounds 3] \
+        > bench/out/prefix.json
 
 Prints one JSON object. It starts a fleet (`gpufleet up`'s launcher: its bundled Redis,
 `--replicas` simulated 4 GiB GPUs) whose catalog holds one synthetic GPT-2 (4 layers, 256
@@ -13,15 +14,17 @@ send `--calls` calls in all, each 8 new tokens, greedy:
   uniformly at random), then a question of its own;
 - `distinct`: each call a prompt of its own of the same length, nothing shared.
 
-Each workload runs twice, on a fleet of its own each time (in a process of its own: one
-process holds one fleet's Celery app): routed by prefix (the default)
-and by load alone (`GPUFLEET_PREFIX_ROUTING=0`, the routing before issue 77), the
-baseline measured in the same run. Reported per run: the time to first token (from the
-call reaching its replica's engine: `timings_ms.first_token`) p50 and p99, the calls'
-latency p50, the prefix hit rate of the model's replicas (`gpufleet status`), and the
-calls each replica served. Targets (issue 77): on `shared`, TTFT p50 <= 0.5x by load,
-hit rate >= 0.8, calls per replica within 25% of even; on `distinct`, no worse than by
-load.
+Each workload runs `--rounds` times each way, on a fleet of its own each time (in a
+process of its own: one process holds one fleet's Celery app), the two ways taking turns:
+routed by prefix (the default) and by load alone (`GPUFLEET_PREFIX_ROUTING=0`, the routing
+before issue 77), the baseline measured in the same run. Each way reports its round of
+median TTFT p50 (this VM runs the same fleet's calls in about 21 s or about 40 s from one
+run to the next, whichever the routing), and every round's TTFT p50. Reported per run:
+the time to first token (from the call reaching its replica's engine:
+`timings_ms.first_token`) p50 and p99, the calls' latency p50, the prefix hit rate of the
+model's replicas (`gpufleet status`), and the calls each replica served. Targets (issue
+77): on `shared`, TTFT p50 <= 0.5x by load, hit rate >= 0.8, calls per replica within 25%
+of even; on `distinct`, no worse than by load, within `NOISE`.
 """
 
 from __future__ import annotations
@@ -51,7 +54,11 @@ PROMPT_CHARS = 1000  # the synthetic tokenizer reads a byte a token: about 1,000
 KV_TOKENS = 4 * PROMPT_CHARS + 1024  # room for about half of the system prompts
 NEW_TOKENS = 8
 TIMEOUT_S = 600.0
-TARGETS = {"ttft_ratio": 0.5, "hit_rate": 0.8, "replica_spread": 0.25}
+#: "No worse" on distinct prompts, read as a ratio of medians: at most 1 + NOISE (named,
+#: not tuned: room for this VM's run-to-run noise, which a median of rounds narrows but
+#: does not remove; distinct prompts are routed by load either way).
+NOISE = 0.1
+TARGETS = {"ttft_ratio": 0.5, "hit_rate": 0.8, "replica_spread": 0.25, "distinct_ratio": 1 + NOISE}
 
 
 def catalog(replicas: int) -> str:
@@ -161,6 +168,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--calls", type=int, default=256)
     parser.add_argument("--callers", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--one", help=argparse.SUPPRESS)  # KIND:by_prefix|by_load, one run
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(name)s: %(message)s")
@@ -173,23 +181,29 @@ def main(argv: list[str] | None = None) -> None:
         return
     result: dict[str, Any] = {"replicas": args.replicas, "calls": args.calls}
     for kind in ("shared", "distinct"):
-        for mode in ("by_prefix", "by_load"):
-            own = [f"--replicas={args.replicas}", f"--calls={args.calls}"]
-            own += [f"--callers={args.callers}", f"--one={kind}:{mode}"]
-            done = subprocess.run(
-                [sys.executable, "-m", "bench.prefix", *own], stdout=subprocess.PIPE,
-                text=True, check=True, timeout=TIMEOUT_S * 2,
-            )  # fmt: skip
-            result[f"{kind}_{mode}"] = json.loads(done.stdout.strip().splitlines()[-1])
-    shared, alone = result["shared_by_prefix"], result["shared_by_load"]
-    result["shared_ttft_ratio"] = round(shared["ttft_p50_ms"] / alone["ttft_p50_ms"], 3)
-    distinct, baseline = result["distinct_by_prefix"], result["distinct_by_load"]
-    result["distinct_ttft_ratio"] = round(distinct["ttft_p50_ms"] / baseline["ttft_p50_ms"], 3)
+        rounds: dict[str, list[dict[str, Any]]] = {"by_prefix": [], "by_load": []}
+        for _ in range(args.rounds):
+            for mode, runs in rounds.items():
+                own = [f"--replicas={args.replicas}", f"--calls={args.calls}"]
+                own += [f"--callers={args.callers}", f"--one={kind}:{mode}"]
+                done = subprocess.run(
+                    [sys.executable, "-m", "bench.prefix", *own], stdout=subprocess.PIPE,
+                    text=True, check=True, timeout=TIMEOUT_S * 2,
+                )  # fmt: skip
+                runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        for mode, runs in rounds.items():
+            runs.sort(key=lambda run: run["ttft_p50_ms"])
+            result[f"{kind}_{mode}"] = runs[len(runs) // 2]
+            result[f"{kind}_{mode}"]["rounds_ttft_p50_ms"] = [run["ttft_p50_ms"] for run in runs]
+        by_prefix, by_load = result[f"{kind}_by_prefix"], result[f"{kind}_by_load"]
+        result[f"{kind}_ttft_ratio"] = round(by_prefix["ttft_p50_ms"] / by_load["ttft_p50_ms"], 3)
+    shared = result["shared_by_prefix"]
     result["targets"] = TARGETS
     result["meets_targets"] = (
         result["shared_ttft_ratio"] <= TARGETS["ttft_ratio"]
         and (shared["hit_rate"] or 0) >= TARGETS["hit_rate"]
         and shared["replica_spread"] <= TARGETS["replica_spread"]
+        and result["distinct_ttft_ratio"] <= TARGETS["distinct_ratio"]
     )
     result["machine"] = fleet_machine(f"{args.replicas}x4GiB")
     json.dump(result, sys.stdout, indent=2)

@@ -1,7 +1,8 @@
 """End to end: a real `gpufleet up` serves generating calls as one continuous batch, streams
-their text through its Redis, cancels them, and keeps them inside the KV-cache budget.
+their text through its Redis, cancels them, keeps them inside the KV-cache budget, and
+sends the calls of one prompt to the replica that has it cached.
 
-Plain Celery clients with the callers' URL call a fleet on one simulated GPU; the reference
+Plain Celery clients with the callers' URL call a fleet on two simulated GPUs; the reference
 for every answer is the same synthetic model run alone in this process (its weights come
 from its name, so they are the same bits here and in the worker).
 """
@@ -55,6 +56,12 @@ models:
     memory: 128MiB
     config: {SLOW}
     kv_cache: {{tokens: 250}}
+  twins:  # one replica on each GPU
+    source: synthetic
+    task: text-generation
+    memory: 128MiB
+    config: {SLOW}
+    replicas: 2
 """
 
 
@@ -72,7 +79,7 @@ def catalog(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def fleet(catalog: Path, home: Path) -> Iterator[RunningFleet]:
-    args = ["--sim-gpus", "1x4GiB", "--metrics-port", "0"]
+    args = ["--sim-gpus", "2x4GiB", "--metrics-port", "0"]
     with fleet_up(catalog, args, fleet_env(GPUFLEET_HOME=str(home))) as running:
         yield running
 
@@ -139,7 +146,7 @@ def test_plain_clients_calling_at_once_each_get_the_tokens_their_call_gets_alone
 def test_a_short_call_sent_after_a_long_one_is_answered_first(fleet: RunningFleet) -> None:
     fleet.infer("slow-talker", "warm up")
     long = _send(fleet, "slow-talker", "a long story", max_new_tokens=500)
-    until("the long call runs", lambda: fleet.active_calls() >= 1, 30)
+    until("the long call runs", lambda: fleet.active_calls(workers=3) >= 1, 30)
     short = _send(fleet, "slow-talker", "a short one", max_new_tokens=3)
     short.get(timeout=60)
     assert not long.ready(), "the short call waited for the long one"
@@ -257,3 +264,33 @@ def test_status_and_metrics_report_what_generating_calls_took_and_the_kv_budget(
         s for s in families["gpufleet_kv_prefix_hit_ratio"].samples if s.labels["model"] == "tight"
     ]
     assert hits.value == tight["prefix_hit_rate"]
+
+
+def test_greedy_calls_get_the_same_tokens_from_either_replica_and_one_prompt_s_go_to_one(
+    fleet: RunningFleet, catalog: Path
+) -> None:
+    fleet.client.send_task("gpufleet.deploy", args=("twins", 2)).get(timeout=60)
+
+    def hot() -> bool:
+        return [r.level for r in fleet.registry.snapshot().replicas("twins")] == ["HOT"] * 2
+
+    until("both replicas of twins are HOT", hot, 120)
+
+    def twelve_at_once(prompt: str) -> list[dict[str, Any]]:
+        with ThreadPoolExecutor(12) as pool:
+            handles = [_send(fleet, "twins", prompt, max_new_tokens=40) for _ in range(12)]
+            return list(pool.map(lambda h: h.get(timeout=120), handles))
+
+    # A prompt shorter than a prefix chunk has no chain: its calls go by load, to both
+    # replicas, each of which computes it once and reads it from its cache after that.
+    short = "a question of no system prompt"
+    answers = twelve_at_once(short) + twelve_at_once(short)
+    assert len({a["replica"] for a in answers}) == 2
+    alone = _alone(catalog, "twins", short, max_new_tokens=40)
+    assert all(a["outputs"]["tokens"] == alone["tokens"] for a in answers)
+    # A longer one's calls all go to the replica its prefix was first sent to.
+    system = "You answer questions about bicycles, briefly and politely. " * 6
+    answers = twelve_at_once(system)
+    assert len({a["replica"] for a in answers}) == 1
+    alone = _alone(catalog, "twins", system, max_new_tokens=40)
+    assert all(a["outputs"]["tokens"] == alone["tokens"] for a in answers)
