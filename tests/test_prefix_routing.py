@@ -121,7 +121,7 @@ def _hold_one_lease_each(reg: Registry) -> list[str]:
     return replicas
 
 
-def test_new_prefixes_spread_over_busy_replicas_and_go_to_the_first_while_one_idles(
+def test_new_prefixes_spread_over_the_replicas_in_use_and_leave_a_long_idle_one_idle(
     reg: Registry,
 ) -> None:
     chosen = []
@@ -129,12 +129,22 @@ def test_new_prefixes_spread_over_busy_replicas_and_go_to_the_first_while_one_id
         _hold_one_lease_each(reg)
         chosen.append(_pick(reg, f"System prompt number {n}. " * 12))
     assert sorted(Counter(chosen).values()) == [2, 2]  # by the chunks each was sent
-    idle_first = []
-    for n in range(2):
-        for replica in _hold_one_lease_each(reg):
-            reg.client.delete(reg.keys.leases(replica))  # all idle: a surplus may idle out
-        idle_first.append(_pick(reg, f"Another new system prompt {n}. " * 12))
-    assert idle_first == [min(chosen)] * 2  # the first by id, as without a prefix
+    for replica in _hold_one_lease_each(reg):
+        reg.client.delete(reg.keys.leases(replica))  # both idle, both used a moment ago
+    again = [_pick_and_finish(reg, f"A new system prompt {n}. " * 12) for n in range(4)]
+    assert sorted(Counter(again).values()) == [2, 2]  # still spread: both are in use
+    idle, busy = sorted(set(chosen))
+    reg.client.hset(reg.keys.deployment(idle), "last_used", 0)  # idle for long
+    later = [_pick_and_finish(reg, f"Yet another system prompt {n}. " * 12) for n in range(3)]
+    assert later == [busy] * 3  # a surplus replica left idle stays idle: it can scale in
+
+
+def _pick_and_finish(reg: Registry, prompt: str) -> str:
+    """The replica a call of `prompt` goes to, the call ended at once (its replica idle)."""
+    lease = reg.pick("m", path="router", prefix=prefixes.chain(prompt, None, ""))
+    assert lease is not None
+    reg.finish(lease)
+    return lease.replica
 
 
 def test_a_prefix_whose_replica_left_its_gpu_moves_to_a_ready_one_and_stays_there(

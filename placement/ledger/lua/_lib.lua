@@ -84,6 +84,10 @@ local function unchanged_since(v, model, seen)
   return seen < 0 or num(redis.call('HGET', K(v.changes), model)) == seen
 end
 
+-- An idle replica whose last call ended within this long is still in use for prefix
+-- routing: it takes its share of new prefixes (`choose_replica`). Not tuned: long against
+-- a call, short against the 5-minute keep-alive after which an idle replica is scaled in.
+local IN_USE_MS = 10000
 local RESERVING = {WAITING = true, LOADING = true, HOT = true, DRAINING = true}
 local ON_DEVICE = {LOADING = true, HOT = true, DRAINING = true, OFFLOADING = true, DROPPING = true}
 
@@ -236,12 +240,14 @@ end
 -- set KEYS[1] holds other ids, or a replica's worker or queue changed).
 -- With a `prefix` (`read_prefix`'s), the ready replica its call's longest prefix was
 -- last sent to is chosen instead while it has at most `prefix.spill` more live leases
--- than the least busy one. A prefix no ready replica was sent goes to the least busy
--- replica; while every replica is busy, ties go to the one sent the fewest prefix chunks
--- (new prefixes spread over the replicas, a new one first), and while one is idle to the
--- first by id, as without a prefix (so a surplus replica still idles out and can be
--- scaled in). `c.reason` says which rule chose: 'hit' (the prefix's replica), 'spill' (it
--- was too busy), 'new' (no ready replica had been sent the prefix) or '' (no prefix).
+-- than the least busy one. A prefix no ready replica was sent goes by the load prefixes
+-- bring: of the replicas in use (a call in flight, or one ended within IN_USE_MS) and
+-- within the spill of the least busy, the one sent the fewest prefix chunks (then the
+-- less busy, then the first by id), so new prefixes spread evenly over the replicas that
+-- serve, a new replica first; when none is in use, the least busy, first by id, as
+-- without a prefix (so a surplus replica left idle stays idle and can be scaled in).
+-- `c.reason` says which rule chose: 'hit' (the prefix's replica), 'spill' (it was too
+-- busy), 'new' (no ready replica had been sent the prefix) or '' (no prefix).
 -- `c.loads` holds the ready replicas' live leases, by index.
 local function choose_replica(reps, ids, workers, queues, ttl, prefix)
   local members = redis.call('SMEMBERS', KEYS[1])
@@ -256,7 +262,8 @@ local function choose_replica(reps, ids, workers, queues, ttl, prefix)
   local best, best_load = nil, nil
   local loads, rows = {}, {}
   for i, rep in ipairs(reps) do
-    local row = redis.call('HMGET', rep.dep, 'level', 'worker', 'queue', 'gpus', 'epoch')
+    local row = redis.call('HMGET', rep.dep, 'level', 'worker', 'queue', 'gpus', 'epoch',
+      'last_used')
     if (row[2] or '') ~= workers[i] then return nil, stale end  -- '' lists no worker
     if queues and row[1] == 'HOT' and row[3] ~= queues[i] then return nil, stale end
     if row[1] == 'HOT' and num(redis.call('HGET', rep.worker, 'lease_deadline')) > now then
@@ -276,18 +283,23 @@ local function choose_replica(reps, ids, workers, queues, ttl, prefix)
     end
     if owner == nil then
       reason = 'new'
-      local tied, fields = {}, {}
+      local near, fields = {}, {}
       for i = 1, #reps do
-        if loads[i] == best_load then
-          tied[#tied + 1] = i
+        local load = loads[i]
+        if load ~= nil and load <= best_load + prefix.spill
+            and (load > 0 or num(rows[i][6]) >= now - IN_USE_MS) then
+          near[#near + 1] = i
           fields[#fields + 1] = '#' .. ids[i]
         end
       end
-      if #tied > 1 and best_load > 0 then
+      if near[1] then
         local sent = redis.call('HMGET', prefix.map, unpack(fields))
         local fewest = nil
-        for j, i in ipairs(tied) do
-          if fewest == nil or num(sent[j]) < fewest then best, fewest = i, num(sent[j]) end
+        for j, i in ipairs(near) do
+          local n = num(sent[j])
+          if fewest == nil or n < fewest or (n == fewest and loads[i] < loads[best]) then
+            best, fewest = i, n
+          end
         end
       end
     elseif loads[owner] <= best_load + prefix.spill then
