@@ -25,6 +25,7 @@ import redis
 import torch
 import yaml
 from celery import Celery
+from prometheus_client.parser import text_string_to_metric_families
 
 from placement.catalog.catalog import Catalog
 from placement.errors import GpufleetError
@@ -156,6 +157,41 @@ def run_client(script: str, cwd: Path, redis_url: str | None = None) -> dict[str
     assert done.returncode == 0, done.stderr[-3000:]
     out: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
     return out
+
+
+#: The model cache's histograms a dashboard queries (docs/metrics.md).
+CACHE_FAMILIES = (
+    "gpufleet_load_duration_seconds",
+    "gpufleet_restore_duration_seconds",
+    "gpufleet_miss_latency_seconds",
+    "gpufleet_eviction_age_seconds",
+)
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def scrape(fleet: Fleet) -> tuple[str, Samples]:
+    """The router's /metrics: its text, and its samples by name and sorted labels."""
+    with urllib.request.urlopen(fleet.metrics, timeout=10) as response:
+        text = response.read().decode()
+    samples = {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+    return text, samples
+
+
+def test_a_fresh_fleet_declares_the_model_caches_metrics_for_every_catalog_model(
+    fleet_up: Fleet,
+) -> None:
+    """The module's first test: nothing was called yet, and a dashboard finds every family
+    of the model cache's figures, at zero, for every model of the catalog."""
+    text, samples = scrape(fleet_up)
+    for model in yaml.safe_load(CATALOG)["models"]:
+        for name in CACHE_FAMILIES:
+            assert samples[(f"{name}_bucket", (("le", "+Inf"), ("model", model)))] == 0, name
+            assert samples[(f"{name}_count", (("model", model),))] == 0, name
+    assert "# TYPE gpufleet_lru_age_seconds gauge" in text  # no GPU holds a replica yet
 
 
 def test_a_client_that_imports_nothing_from_gpufleet_gets_minilm_embeddings(
@@ -509,6 +545,37 @@ def test_the_router_exports_hit_counts_and_memory_to_prometheus(fleet_up: Fleet)
     assert report["requests"]["models"]["minilm"]["hit"] >= 1
     exported = {k for k in samples if k.startswith("gpufleet_queue_depth")}
     assert exported == {f'gpufleet_queue_depth{{queue="{q}"}}' for q in report["queues"]}
+
+
+def test_the_metrics_time_a_models_load_its_eviction_age_its_restore_and_its_lru_age(
+    fleet_up: Fleet,
+) -> None:
+    def count(samples: Samples, name: str) -> float:
+        return samples.get((f"{name}_count", (("model", "c"),)), 0.0)
+
+    _, before = scrape(fleet_up)
+    first = fleet_up.infer("c", "x")  # loads c, unless an earlier test left it placed
+    evicted = fleet_up.client.send_task("gpufleet.evict", args=("c",)).get(timeout=60)
+    assert [e["level"] for e in evicted["evicted"]] == ["WARM"]
+    again = fleet_up.infer("c", "x")  # a miss: its warm copy is restored
+    assert again["cache"] == "warm"
+    _, after = scrape(fleet_up)
+    assert count(after, "gpufleet_load_duration_seconds") >= 1  # this test's load, or an earlier
+    assert count(after, "gpufleet_eviction_age_seconds") == (
+        count(before, "gpufleet_eviction_age_seconds") + 1
+    )
+    brought_back = sum(
+        count(after, name) - count(before, name)
+        for name in ("gpufleet_restore_duration_seconds", "gpufleet_load_duration_seconds")
+    )  # restored by its holder, or loaded by another worker reading its copy
+    assert brought_back >= 1 + (first["cache"] != "hot")
+    assert count(after, "gpufleet_miss_latency_seconds") >= (
+        count(before, "gpufleet_miss_latency_seconds") + 1 + (first["cache"] != "hot")
+    )
+    waited = after[("gpufleet_miss_latency_seconds_sum", (("model", "c"),))]
+    assert waited >= again["timings_ms"]["load"] / 1000 - 0.001  # the miss's own wait in it
+    gpu = again["gpus"][0]  # c is HOT there now, and not dedicated: the GPU has an LRU end
+    assert after[("gpufleet_lru_age_seconds", (("gpu", gpu),))] >= 0
 
 
 def test_flower_lists_the_gpu_workers_and_the_infer_tasks_behind_auth(

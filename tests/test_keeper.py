@@ -17,7 +17,9 @@ import pytest
 
 from placement.catalog.catalog import Catalog
 from placement.errors import ConfigError, EvictedError
+from placement.ledger import cache
 from placement.ledger.audit import audit
+from placement.ledger.histograms import Histogram
 from placement.ledger.registry import Registry
 from placement.policy.state import Demand, Level
 from worker.devices import simulated_devices
@@ -122,6 +124,30 @@ def test_a_waiting_placement_loads_once_its_victim_has_left_the_device(node: Gpu
     assert level(node, a) is Level.WARM and not node.manager.hot(a)
 
 
+def test_the_keeper_counts_each_load_and_each_restore_it_made_hot_with_its_duration(
+    node: GpuWorker,
+) -> None:
+    started = time.monotonic()
+    a = hot(node, "a")  # loaded from its source
+    took = time.monotonic() - started
+    hot(node, "b")  # evicts a to this worker's warm cache
+    again = time.monotonic()
+    assert hot(node, "a") == a  # restored from there, evicting b
+    restoring = time.monotonic() - again
+
+    def figures() -> dict[str, dict[str, Histogram]]:
+        return cache.read(node.registry, ["a", "b"])
+
+    # counted once the calls waiting for it were woken: soon after it is HOT
+    eventually(lambda: figures()["a"]["restore"].count == 1, within_s=5)
+    counted = figures()
+    assert (counted["a"]["load"].count, counted["b"]["load"].count) == (1, 1)
+    assert counted["b"]["restore"].count == 0
+    assert 0 < counted["a"]["load"].sum <= took  # this test's clock around the keeper's
+    assert 0 < counted["a"]["restore"].sum <= restoring
+    assert (counted["a"]["eviction_age"].count, counted["b"]["eviction_age"].count) == (1, 1)
+
+
 def test_an_eviction_is_settled_while_a_call_runs_on_another_model(node: GpuWorker) -> None:
     a, slow = hot(node, "a"), hot(node, "slow")
     running = threading.Thread(target=lambda: [node.serve(slow, 0, *SLOW_CALL) for _ in range(3)])
@@ -183,6 +209,7 @@ def test_a_failed_load_releases_its_bytes_and_its_call_gets_the_loads_error(
     eventually(lambda: level(node, plan.replica) is Level.COLD)
     gpu = node.registry.snapshot().gpus["h0:sim0"]
     assert (gpu.reserved, gpu.held) == (0, 0)
+    assert cache.read(node.registry, ["broken"])["broken"]["load"].count == 0  # no load made
     assert node.serve(hot(node, "a"), 0, "x", None).outputs["shape"]  # it keeps serving
 
 

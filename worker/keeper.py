@@ -33,6 +33,7 @@ import redis
 
 from placement.catalog.catalog import ModelSpec
 from placement.errors import EvictedError, PlacementError, RegistryError
+from placement.ledger import cache
 from placement.ledger.registry import Registry
 from placement.policy.state import Deployment, Level
 from worker.lifecycle import exit_for_restart, is_fatal_cuda_error
@@ -342,6 +343,8 @@ class Keeper:
         """Load or restore a LOADING placement here, then confirm it HOT."""
         replica = dep.replica
         resident = self.manager.residents.get(replica)
+        started = time.perf_counter()
+        figure = ""  # the cache figure its time counts in: "load", "restore" or none
         try:
             if (
                 resident is not None
@@ -353,11 +356,13 @@ class Keeper:
             restored = resident is not None and resident.warm
             if restored:
                 self.manager.restore(replica, dep.gpus, dep.limit, dep.epoch)
+                figure = "restore"
             elif resident is None:
                 spec = self.spec_of(dep.model)
                 self.manager.load(
                     spec, replica, dep.gpus, dep.limit, dep.epoch, source=dep.read_from
                 )
+                figure = "load"
         except Exception as exc:
             if is_fatal_cuda_error(exc):
                 exit_for_restart(exc)
@@ -371,13 +376,25 @@ class Keeper:
             return
         copy_bytes = self.manager.copy_bytes(replica)
         if self.registry.confirm(replica, self.worker_id, dep.epoch, copy_bytes):
+            took = time.perf_counter() - started
             self._resolve(replica, hot=dep.epoch)
+            if figure:
+                self._count(dep.model, figure, took)
             if restored:
                 self.manager.trim_host_cache()  # its CPU copy's blocks, once its calls run
         elif depth < 2:
             self._reconcile(replica, depth + 1)  # it moved on while it loaded
         else:
             self.poke(replica)
+
+    def _count(self, model: str, figure: str, seconds: float) -> None:
+        """Count a load or restore that made a replica HOT, from its start here to its
+        confirmation, in the model's cache figures (`placement.ledger.cache`), after its
+        calls were woken; a registry that does not answer loses the figure, not the load."""
+        try:
+            cache.record(self.registry, [(model, figure, seconds)])
+        except Exception as exc:  # Redis errors above all
+            log.warning("could not count the %s of %s (%.2f s): %s", figure, model, seconds, exc)
 
     def _offload(self, dep: Deployment) -> None:
         resident = self.manager.residents.get(dep.replica)

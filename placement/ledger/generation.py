@@ -2,20 +2,22 @@
 
 A GPU worker records each generating call as it ends (`record`): its tokens, its time to
 first token and its mean time between tokens, as counts in the buckets of two histograms
-(Prometheus's cumulative form is built when read), plus their sums. While a replica
-generates, its worker also says how many KV-cache tokens its batch holds and, for a paged
-cache, its blocks in use, cached and free and its prompts' reuse (`mark_kv`, expiring like
-`mark_batch`'s count), so `gpufleet status` shows the budget's use.
+(`placement.ledger.histograms`: Prometheus's cumulative form is built when read), plus
+their sums. While a replica generates, its worker also says how many KV-cache tokens its
+batch holds and, for a paged cache, its blocks in use, cached and free and its prompts'
+reuse (`mark_kv`, expiring like `mark_batch`'s count), so `gpufleet status` shows the
+budget's use.
 Every figure comes from Redis at the time it is read, so any process reports the same.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from placement.ledger.histograms import Histogram, bucket, cumulative, observe
 from placement.ledger.load import BATCH_TTL_MS
 from placement.ledger.store import Store
 
@@ -25,29 +27,18 @@ TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 
-def _bucket(value: float, bounds: Sequence[float]) -> str:
-    for bound in bounds:
-        if value <= bound:
-            return str(bound)
-    return "+Inf"
-
-
 def record(store: Store, model: str, tokens: int, ttft_s: float, itl_s: float | None) -> None:
     """Count one ended generating call of `model`: its tokens and latencies."""
     key = store.keys.generation(model)
     commands: list[tuple[Any, ...]] = [
         ("hincrby", key, "calls", 1),
         ("hincrby", key, "tokens", tokens),
-        ("hincrby", key, f"ttft:{_bucket(ttft_s, TTFT_BUCKETS)}", 1),
+        ("hincrby", key, f"ttft:{bucket(ttft_s, TTFT_BUCKETS)}", 1),
         ("hincrbyfloat", key, "ttft_sum", ttft_s),
         ("sadd", store.keys.generating, model),
     ]
     if itl_s is not None:
-        commands += [
-            ("hincrby", key, f"itl:{_bucket(itl_s, ITL_BUCKETS)}", 1),
-            ("hincrby", key, "itl_count", 1),
-            ("hincrbyfloat", key, "itl_sum", itl_s),
-        ]
+        commands += observe(key, "itl", itl_s, ITL_BUCKETS)
     store._read(commands, atomic=True)  # a reader never sees a bucket past its count
 
 
@@ -61,15 +52,6 @@ def mark_kv(store: Store, replica: str, kv: dict[str, float]) -> None:
         store._read([("psetex", key, BATCH_TTL_MS, json.dumps(kv))])
     else:
         store._read([("delete", key)])
-
-
-@dataclass(frozen=True)
-class Histogram:
-    """Cumulative bucket counts (Prometheus's form), with the sum and count of values."""
-
-    buckets: list[tuple[str, int]]  # (upper bound, values at or below it), "+Inf" last
-    sum: float
-    count: int
 
 
 @dataclass(frozen=True)
@@ -112,15 +94,6 @@ def _figures(row: dict[str, str]) -> Figures:
     return Figures(
         calls=calls,
         tokens=int(row.get("tokens", 0)),
-        ttft=_histogram(row, "ttft", TTFT_BUCKETS, calls),
-        itl=_histogram(row, "itl", ITL_BUCKETS, int(row.get("itl_count", 0))),
+        ttft=cumulative(row, "ttft", TTFT_BUCKETS, calls),
+        itl=cumulative(row, "itl", ITL_BUCKETS),
     )
-
-
-def _histogram(row: dict[str, str], name: str, bounds: Sequence[float], count: int) -> Histogram:
-    running, buckets = 0, []
-    for bound in bounds:
-        running += int(row.get(f"{name}:{bound}", 0))
-        buckets.append((str(bound), running))
-    buckets.append(("+Inf", count))
-    return Histogram(buckets, float(row.get(f"{name}_sum", 0.0)), count)

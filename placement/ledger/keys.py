@@ -152,6 +152,11 @@ class Keys:
         """Hash: a model's generating calls, tokens, and latency histogram buckets."""
         return f"{self.prefix}:model:{model}:generation"
 
+    def model_cache(self, model: str) -> str:
+        """Hash: a model's cache figures, histograms of its loads, restores, misses' waits
+        and replicas' ages at eviction (`placement.ledger.cache`)."""
+        return f"{self.prefix}:model:{model}:cache"
+
     def model_replicas(self, model: str) -> str:
         return f"{self.prefix}:model:{model}:replicas"
 

@@ -30,7 +30,7 @@ from placement.errors import (
     ScaledSinceError,
     SettlingError,
 )
-from placement.ledger import records
+from placement.ledger import cache, records
 from placement.ledger.follow import Follower
 from placement.ledger.hot import (
     DEFAULT_REQUEST_LEASE_MS,
@@ -200,6 +200,7 @@ class Registry(Membership):
         k = self.keys
         keys = KeyList()
         old = snap.deployments.get(plan.replica)
+        victims = [snap.deployments[e.replica] for e in plan.evictions]
         payload: dict[str, Any] = {
             "replica": plan.replica,
             "model": plan.model,
@@ -244,9 +245,11 @@ class Registry(Membership):
                 for g, b in plan.gpus.items()
             ],
             "evictions": [
-                self._victim_ref(snap.deployments[e.replica], keys) | {"to": e.to.value}
-                for e in plan.evictions
+                self._victim_ref(d, keys)
+                | {"to": e.to.value, "cache": keys.add(k.model_cache(d.model))}  # its age
+                for e, d in zip(plan.evictions, victims, strict=True)
             ],
+            "ages": cache.AGE_LABELS if plan.evictions else [],
             "drops": [self._warm_ref(snap.deployments[r], keys) for r in plan.warm_drops],
         }
         result = self._run_json("commit", keys, payload)
@@ -486,6 +489,8 @@ class Registry(Membership):
                 "epoch": epoch,
                 "changes_seen": -1 if changes_seen is None else changes_seen,
                 "why": why,
+                "cache": keys.add(k.model_cache(dep.model)),  # its age, if it leaves
+                "ages": cache.AGE_LABELS,
             }
             result = self._run_json("evict", keys, payload)
             if result[0] in (1, 2):

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from placement.ledger import cache
 from placement.ledger.audit import audit
 from placement.policy.state import COUNTS, OUTCOMES, RESERVING, Snapshot
 from placement.rules.scaling import ModelLoad
@@ -20,6 +21,7 @@ SERVED = tuple(o for o in OUTCOMES if o != "busy")  # one per request; busy is p
 
 def status_report(snap: Snapshot) -> dict[str, Any]:
     """GPUs, deployments, hosts' warm caches and ledger problems, as plain JSON types."""
+    lru = cache.lru_ages_ms(snap)
     gpus = [
         {
             "id": g.id,
@@ -34,6 +36,9 @@ def status_report(snap: Snapshot) -> dict[str, Any]:
             "worker": g.worker,
             "queue": g.queue,
             "alive": g.alive(snap.now_ms),
+            # now minus the last use of its LRU end, the replica an eviction takes first
+            # (None: it holds none)
+            "lru_age_ms": lru.get(g.id),
         }
         for g in sorted(snap.gpus.values(), key=lambda g: (g.host, g.index, g.id))
     ]

@@ -60,6 +60,7 @@ class FleetCollector(Collector):
         yield from _replicas(report)
         yield from _load(report["load"])
         yield from _generation(report["generation"])
+        yield from _cache(report["cache"], report["gpus"])
         yield from _tenants(report["tenants"])
         depth = GaugeMetricFamily(
             "gpufleet_queue_depth", "Messages waiting in a fleet queue", labels=["queue"]
@@ -222,6 +223,54 @@ def _generation(models: dict[str, Any]) -> Iterator[Metric]:
         if figures["prefix_hit_rate"] is not None:
             hits.add_metric([model], figures["prefix_hit_rate"])
     yield from (tokens, ttft, itl, held, budget, blocks, hits, adapters, adapter_events)
+
+
+#: The model cache's histograms (`placement.ledger.cache`): metric name and help, by the
+#: status object's name for each.
+CACHE_HISTOGRAMS = {
+    "load": (
+        "gpufleet_load_duration_seconds",
+        "How long each load of a replica onto its GPUs (from disk, or a neighbour's warm "
+        "copy) took, until HOT",
+    ),
+    "restore": (
+        "gpufleet_restore_duration_seconds",
+        "How long each restore of a worker's warm (CPU) copy onto GPUs took, until HOT",
+    ),
+    "miss": (
+        "gpufleet_miss_latency_seconds",
+        "Per call that found no HOT replica (warm, cold or queued), how long it waited at "
+        "its GPU worker for its replica to become ready",
+    ),
+    "eviction_age": (
+        "gpufleet_eviction_age_seconds",
+        "A replica's age when evicted (any cause), from its placement on its GPUs",
+    ),
+}
+
+
+def _cache(models: dict[str, Any], gpus: list[dict[str, Any]]) -> Iterator[Metric]:
+    """The model cache's figures: per model, its loads', restores', misses' and evictions'
+    histograms (every model of the catalog and the ledger, zeros at first: declared from
+    the first scrape); per GPU, the age of its LRU end (absent while it holds none)."""
+    families = {
+        name: HistogramMetricFamily(metric, help_text, labels=["model"])
+        for name, (metric, help_text) in CACHE_HISTOGRAMS.items()
+    }
+    for model, figures in models.items():
+        for name, family in families.items():
+            family.add_metric([model], figures[f"{name}_buckets"], figures[f"{name}_sum_s"])
+    yield from families.values()
+    lru = GaugeMetricFamily(
+        "gpufleet_lru_age_seconds",
+        "Now minus the last use of the least recently used replica an eviction may take "
+        "from a GPU (HOT, not dedicated)",
+        labels=["gpu"],
+    )
+    for gpu in gpus:
+        if gpu["lru_age_ms"] is not None:
+            lru.add_metric([gpu["id"]], gpu["lru_age_ms"] / 1000)
+    yield lru
 
 
 def _memory(report: dict[str, Any]) -> Iterator[Metric]:

@@ -30,7 +30,7 @@ from placement.errors import (
     GpuOwnedError,
     RegistryError,
 )
-from placement.ledger import generation
+from placement.ledger import cache, generation
 from placement.ledger.load import BATCH_TTL_MS, mark_batch
 from placement.rules.batching import BatchLimits
 from tasks import context
@@ -116,6 +116,8 @@ def serve(task: Task, call: Call) -> dict[str, Any]:
         timings["inter_token"] = round(served.inter_token_ms or 0.0, 3)
         timings["join"] = round(served.join_ms or 0.0, 3)
         timings["prefill_wait"] = round(served.prefill_wait_ms or 0.0, 3)
+    if call.cache != "hot":  # routed to a replica being placed: a miss
+        _count_miss(worker, call.model, served.load_ms)
     return {
         "model": call.model,
         "replica": call.replica,
@@ -125,6 +127,15 @@ def serve(task: Task, call: Call) -> dict[str, Any]:
         "outputs": served.outputs,
         "timings_ms": timings,
     }
+
+
+def _count_miss(worker: GpuWorker, model: str, load_ms: float) -> None:
+    """Count the wait for its replica of a call that found none HOT (`timings_ms.load`) in
+    its model's cache figures (`placement.ledger.cache`); never fail the call over it."""
+    try:
+        cache.record(worker.registry, [(model, "miss", load_ms / 1000)])
+    except Exception:
+        log.warning("could not count a miss of %s", model, exc_info=True)
 
 
 def batch_job(jobs: list[batch_jobs.ChildCall]) -> list[Any]:

@@ -4,10 +4,11 @@ returns and the Prometheus metrics are built from (`tasks.operator.metrics`).
 Every figure is read from the registry and the broker when it is asked for, so any process
 can build it and all agree: the ledger's report (`placement.ledger.report`), request outcomes,
 each model's load, what generating calls took and the KV cache they hold
-(`placement.ledger.generation`), the depth of every fleet queue (each tenant's too, and
-per tenant the calls waiting: `tenants`), the calls no live worker
-will take (`stranded`), the calls quarantined (`tasks.broker.quarantine`), and where the
-broker's Redis is now (`redis`: its primary, replicas and Sentinels).
+(`placement.ledger.generation`), the model cache's figures (`cache`:
+`placement.ledger.cache`), the depth of every fleet queue (each tenant's too, and per
+tenant the calls waiting: `tenants`), the calls no live worker will take (`stranded`), the
+calls quarantined (`tasks.broker.quarantine`), and where the broker's Redis is now
+(`redis`: its primary, replicas and Sentinels).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import redis
 
 from placement.catalog import adapters
 from placement.errors import GpufleetError
-from placement.ledger import endpoint, generation
+from placement.ledger import cache, endpoint, generation
+from placement.ledger.histograms import Histogram
 from placement.ledger.load import placed_replicas, read_loads
 from placement.ledger.registry import Registry
 from placement.ledger.report import load_report, request_report, status_report
@@ -43,6 +45,7 @@ def full_status(
     placed = placed_replicas(snap.deployments.values(), snap.by_model)
     report["load"] = load_report(read_loads(registry, placed))
     report["generation"] = generation_report(registry, snap, adapter_files=adapter_files)
+    report["cache"] = cache_report(registry, snap)
     found = tenants.records(registry)
     fleet_queues = {*ROUTER_QUEUES} | {g.queue for g in snap.gpus.values() if g.queue}
     fleet_queues |= {t.queue for t in found.values()}
@@ -168,6 +171,35 @@ def generation_report(
     return report
 
 
+def cache_report(registry: Registry, snap: Snapshot) -> dict[str, Any]:
+    """Per model, the model cache's figures (`placement.ledger.cache`): its loads from disk
+    (or a neighbour's warm copy) and restores of warm copies, its misses' waits for their
+    replica, and its replicas' ages at eviction, each a histogram in seconds with its count,
+    sum and mean. Every model of the catalog (when this process has it) and of the ledger
+    has them, zeros before its first figure, so a dashboard finds them from the start."""
+    models = {*snap.by_model, *_catalog_models()}
+    report: dict[str, Any] = {}
+    for model, figures in cache.read(registry, models).items():
+        report[model] = {}
+        for name, histogram in figures.items():
+            report[model] |= {
+                f"{name}_count": histogram.count,
+                f"{name}_sum_s": round(histogram.sum, 6),
+                f"{name}_mean_s": (
+                    round(histogram.sum / histogram.count, 6) if histogram.count else None
+                ),
+                f"{name}_buckets": histogram.buckets,
+            }
+    return report
+
+
+def _catalog_models() -> list[str]:
+    try:
+        return list(context.catalog())
+    except GpufleetError:  # no catalog here: the ledger's models only
+        return []
+
+
 def _budget(model: str) -> Any:
     try:
         return context.catalog().get(model).kv_budget()
@@ -189,5 +221,5 @@ def _adapter_problems(model: str) -> dict[str, str]:
     return {name: why for name, why in found.items() if why is not None}
 
 
-def _mean_ms(histogram: generation.Histogram) -> float | None:
+def _mean_ms(histogram: Histogram) -> float | None:
     return round(histogram.sum / histogram.count * 1000, 3) if histogram.count else None

@@ -28,6 +28,33 @@ local function event(stream, maxlen, now, kind, replica, model, ...)
     'kind', kind, 'replica', replica, 'model', model, 'at', now, ...)
 end
 
+-- Count `value` in histogram `name` of the hash `key` (`placement.ledger.histograms`): one
+-- more in the bucket of the first of `bounds` (their labels, as Python writes them) at or
+-- above it ('+Inf' past the last), and in the histogram's count and sum.
+local function observe(key, name, value, bounds)
+  local bucket = '+Inf'
+  for _, b in ipairs(bounds) do
+    if value <= tonumber(b) then
+      bucket = b
+      break
+    end
+  end
+  redis.call('HINCRBY', key, name .. ':' .. bucket, 1)
+  redis.call('HINCRBY', key, name .. '_count', 1)
+  redis.call('HINCRBYFLOAT', key, name .. '_sum', value)
+end
+
+-- A replica is evicted (whatever the cause): count its age, in seconds from its placement
+-- on its GPUs (`placed_at`, commit.lua) to `now`, in its model's cache figures
+-- (`placement.ledger.cache`). `v.cache` is the key index of the model's cache hash and
+-- `bounds` the age histogram's bucket labels. A record placed before `placed_at` was
+-- written has no age to count.
+local function count_eviction(v, dep_key, now, bounds)
+  local placed = num(redis.call('HGET', dep_key, 'placed_at'))
+  if placed <= 0 then return end
+  observe(K(v.cache), 'eviction_age', math.max(0, now - placed) / 1000, bounds)
+end
+
 -- A replica's record, read once: the fields scripts and the helpers below use, with
 -- `gpus` (GPU id -> bytes it holds) decoded. `level` is nil when there is no record.
 -- `cached` is what its copy takes in a host's warm cache: the bytes its worker measured

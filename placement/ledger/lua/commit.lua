@@ -10,7 +10,8 @@
 --    copy of another worker lies that the load reads its weights from),
 --    gpus=[{id, key, bytes, limit, worker}],
 --    evictions=[{replica, dep, leases, active, changes, worker_deps, host, host_warm,
---                control, expect_worker, to, gpus=[{id, key}]}],
+--                control, expect_worker, to, cache (its model's cache hash), gpus=[{id, key}]}],
+--    ages (the bucket labels of the eviction-age histogram: `placement.ledger.cache`),
 --    drops=[{replica, dep, worker_deps, host, host_warm, control, expect_worker}]}
 -- Checks: the replica record is as the plan saw it; a scale-out's model has not changed
 -- its placed replicas since the decision (SCALED); the model has fewer than max_active
@@ -25,9 +26,11 @@
 -- (now, or when admit.lua admits it). It stands until reap.lua gives it back, or until the
 -- last WAITING placement relying on it goes COLD unloaded (`ctx_wait:<worker>` counts them).
 -- Effects: victims go OFFLOADING (to WARM) or DROPPING (to COLD) and leave `reserved`;
--- their copies stay in `held` until their workers settle. The replica is LOADING when the
--- device has room for it now (`held` + limit <= total on every GPU), else WAITING until
--- its worker admits it (admit.lua). Its epoch grows by one; `lease` pins it for the call
+-- their copies stay in `held` until their workers settle; each one's age since its
+-- placement is counted in its model's cache figures (count_eviction). The replica is
+-- LOADING when the device has room for it now (`held` + limit <= total on every GPU), else
+-- WAITING until its worker admits it (admit.lua); `placed_at` says when it was placed (an
+-- eviction counts its age from then). Its epoch grows by one; `lease` pins it for the call
 -- that caused the placement. Every worker concerned is notified on its control list.
 -- Returns {1, replica, epoch, level} | {0, reason, detail} and then changes nothing.
 local p = cjson.decode(ARGV[1])
@@ -125,6 +128,7 @@ end
 -- Apply.
 local events = K(p.events)
 for i, v in ipairs(p.evictions) do
+  count_eviction(v, K(v.dep), now, p.ages)
   leave(v, victims[i], v.to, now)
   notify(K(v.control), v.replica)
   event(events, p.maxlen, now, 'evicted', v.replica, victims[i].model, 'cause', 'pressure',
@@ -164,8 +168,8 @@ local epoch = redis.call('HINCRBY', dep, 'epoch', 1)
 redis.call('HSET', dep, 'replica', p.replica, 'model', p.model, 'level', level,
   'gpus', cjson.encode(placed), 'limit', p.limit, 'fraction', p.fraction, 'size', p.size,
   'dedicated', p.dedicated and 1 or 0, 'accelerator', p.accelerator, 'host', p.host,
-  'worker', p.worker, 'queue', p.queue, 'last_used', now, 'since', now, 'source', p.reuse,
-  'read_from', p.read_from, 'copy_at', '')
+  'worker', p.worker, 'queue', p.queue, 'last_used', now, 'since', now, 'placed_at', now,
+  'source', p.reuse, 'read_from', p.read_from, 'copy_at', '')
 if p.reuse == '' then  -- a record, once made, stays in both sets (nothing removes it)
   redis.call('SADD', K(p.deps_key), p.replica)
   redis.call('SADD', K(p.replicas_key), p.replica)

@@ -4,7 +4,9 @@
 --                 control, events, maxlen, expect_worker, to ('WARM' | 'COLD'), gpus=[{id, key}],
 --                 drops=[{replica, dep, worker_deps, host, host_warm, control, expect_worker}],
 --                 floor (-1: none), epoch, changes_seen (-1, or the model's `changes` count
---                 the scale-in was decided at), why ('' or the reason, for the event)}
+--                 the scale-in was decided at), why ('' or the reason, for the event),
+--                 cache (its model's cache hash), ages (the eviction-age histogram's
+--                 bucket labels: `placement.ledger.cache`)}
 -- A scale-in (floor >= 0) takes only the HOT, idle replica of placement `epoch`, and only
 -- while its model keeps `floor` others placed: it never drains, two routers never take a
 -- model below its floor, and a late or repeated decision changes nothing.
@@ -14,7 +16,9 @@
 -- worker settles the move (settle.lua). A WARM copy that no longer fits its host's cache
 -- goes DROPPING instead. WAITING (nothing on the device yet) goes COLD at once; LOADING
 -- goes DROPPING. A WARM replica asked to go COLD is dropped; an OFFLOADING one asked to go
--- COLD turns DROPPING.
+-- COLD turns DROPPING. Each eviction off the GPUs (not a WARM copy's drop, nor an
+-- OFFLOADING copy's turn to DROPPING: it left them already) counts the replica's age since
+-- its placement in its model's cache figures (count_eviction).
 -- Returns {1, level now} | {2, 'DRAINING', live leases} | {0, reason, detail}; reasons:
 -- NOT_FOUND, STALE (the record is not as the caller saw it); for a scale-in also MOVED
 -- (not that HOT placement any more), SCALED (the model's placed replicas changed since the
@@ -63,12 +67,14 @@ if level == 'OFFLOADING' then  -- asked to go COLD: the warm charge goes back at
   return {1, 'DROPPING'}
 end
 if level == 'WAITING' then
+  count_eviction(a, dep, now, a.ages)
   to_cold(a, r, now)
   notify(K(a.control), a.replica)
   event(events, a.maxlen, now, 'evicted', a.replica, model, 'cause', cause, 'why', a.why, 'to', 'COLD')
   return {1, 'COLD'}
 end
 if level == 'LOADING' then
+  count_eviction(a, dep, now, a.ages)
   leave(a, r, 'COLD', now)
   notify(K(a.control), a.replica)
   event(events, a.maxlen, now, 'evicted', a.replica, model, 'cause', cause, 'why', a.why, 'to', 'COLD')
@@ -107,6 +113,7 @@ if to == 'WARM' then
     to = 'COLD'
   end
 end
+count_eviction(a, dep, now, a.ages)
 leave(a, r, to, now)
 notify(K(a.control), a.replica)
 event(events, a.maxlen, now, 'evicted', a.replica, model, 'cause', cause, 'why', a.why, 'to', to)
