@@ -12,6 +12,10 @@ from collections.abc import Iterator
 import pytest
 import redis
 from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.openmetrics.exposition import generate_latest as openmetrics_latest
+from prometheus_client.openmetrics.parser import (
+    text_string_to_metric_families as openmetrics_families,
+)
 from prometheus_client.parser import text_string_to_metric_families
 from typer.testing import CliRunner
 
@@ -47,6 +51,10 @@ def scrape(
     collectors = CollectorRegistry()
     collectors.register(FleetCollector(registry, broker_url))
     text = generate_latest(collectors).decode()
+    # Prometheus asks for OpenMetrics first: the same page must parse in it too (two
+    # families of one name, say a counter and a gauge, fail the whole scrape there)
+    open_text = openmetrics_latest(collectors).decode()
+    assert list(openmetrics_families(open_text))
     return {
         (sample.name, tuple(sorted(sample.labels.items()))): sample.value
         for family in text_string_to_metric_families(text)
@@ -156,8 +164,8 @@ def test_status_and_metrics_show_calls_waiting_and_running_per_model_and_replica
     (replica,) = {lease.replica for lease in leases if lease is not None}
     hold_routing(reg, "m", "a-call-the-router-holds", True)
     samples = scrape(reg, redis_url)
-    assert samples[("gpufleet_calls", (("model", "m"), ("state", "running")))] == 1
-    assert samples[("gpufleet_calls", (("model", "m"), ("state", "waiting")))] == 2 + 1
+    assert samples[("gpufleet_calls_now", (("model", "m"), ("state", "running")))] == 1
+    assert samples[("gpufleet_calls_now", (("model", "m"), ("state", "waiting")))] == 2 + 1
     assert samples[("gpufleet_replicas_ready", (("model", "m"),))] == 1
     key = ("gpufleet_replica_calls_in_flight", (("model", "m"), ("replica", replica)))
     assert samples[key] == 3

@@ -326,7 +326,7 @@ def _replicas(report: dict[str, Any]) -> Iterator[Metric]:
 
 def _load(load: dict[str, Any]) -> Iterator[Metric]:
     calls = GaugeMetricFamily(
-        "gpufleet_calls",
+        "gpufleet_calls_now",  # not `gpufleet_calls`: OpenMetrics names the path counter so
         "Calls of a model now: running, or waiting (queued behind a running call at a "
         "replica, or held by the router); scaling compares waiting per ready replica",
         labels=["model", "state"],
