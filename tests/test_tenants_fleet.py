@@ -17,6 +17,7 @@ import json
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,9 @@ import redis
 from celery import Celery
 
 from bench.fairness import weighted
+from tests.ports import free_port
 from tests.running import REPO, RunningFleet, fleet_env, fleet_up, until
+from tests.test_dashboard import missing_from, served_names
 from tests.test_tenants import heard
 
 pytestmark = pytest.mark.slow
@@ -74,14 +77,20 @@ def new_tenant(env: dict[str, str], name: str, *options: str) -> Celery:
 
 
 @pytest.fixture(scope="module")
+def metrics_port() -> int:
+    """The port of the module's fleet's /metrics."""
+    return free_port()
+
+
+@pytest.fixture(scope="module")
 def fleet(
-    tmp_path_factory: pytest.TempPathFactory,
+    tmp_path_factory: pytest.TempPathFactory, metrics_port: int
 ) -> Iterator[tuple[RunningFleet, dict[str, str]]]:
     tmp = tmp_path_factory.mktemp("tenants")
     catalog = tmp / "models.yaml"
     catalog.write_text(CATALOG)
     env = fleet_env(GPUFLEET_HOME=str(tmp / "home"))
-    args = ["--sim-gpus", "1x4GiB", "--metrics-port", "0"]
+    args = ["--sim-gpus", "1x4GiB", "--metrics-port", str(metrics_port)]
     with fleet_up(catalog, args, env, log=tmp / "fleet.log") as running:
         running.infer("m", TEXT)  # placed and HOT
         yield running, env
@@ -328,3 +337,28 @@ def test_a_tenant_cannot_read_hear_stream_or_cancel_another_tenants_call_knowing
     assert "tenants" in steps.get(timeout=TIMEOUT_S)
     assert steps.parent.get(timeout=TIMEOUT_S)["outputs"]
     snoop.close()
+
+
+def test_every_metric_the_grafana_dashboard_queries_is_one_the_fleet_s_metrics_page_serves(
+    fleet: tuple[RunningFleet, dict[str, str]], metrics_port: int
+) -> None:
+    """deploy/grafana/gpufleet.json against the real /metrics of the module's fleet, once it
+    has a tenant and a generating call (a family appears with its first sample: the
+    generation histograms with a model's first generating call)."""
+    _, env = fleet
+    generate(new_tenant(env, "charted"), "a call the dashboard charts", 4).get(timeout=TIMEOUT_S)
+
+    def page() -> str:
+        url = f"http://127.0.0.1:{metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=30) as response:
+            text: str = response.read().decode()
+            return text
+
+    # the GPU worker records a call's figures as it ends, a moment after its answer
+    counted = "gpufleet_time_to_first_token_seconds_count"
+    until("the generating call's figures are served", lambda: counted in served_names(page()))
+    text = page()
+    assert "gpufleet_up 1.0" in text.splitlines()
+    missing = missing_from(text)
+    print("metrics the dashboard queries that /metrics does not serve:", missing or "none")
+    assert not missing, f"the dashboard queries metrics the fleet does not serve: {missing}"
