@@ -78,6 +78,9 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("GPUFLEET_BROKER_URL", "`GPUFLEET_REDIS_URL`",
              "the Celery broker: Redis 6.2 or later (workers take with `BLMOVE`, docs/tasks.md)"),
     Variable("GPUFLEET_RESULT_BACKEND", "the broker", "the Celery result backend"),
+    Variable("GPUFLEET_OPERATOR_URL", "the running fleet's `operator` user, else none",
+             "the read-only URL `gpufleet status` and `gpufleet metrics` read with; its user "
+             "and password open the HTTP front's map (`/map`), which is off without one"),
     Variable("GPUFLEET_FLEET", "`default`", "fleet name: the Redis hash tag of every key"),
     Variable("GPUFLEET_HOME", "`~/.local/state/gpufleet`",
              "`gpufleet up`'s data: the bundled Redis's append-only file, the connection file"),
@@ -221,10 +224,12 @@ class Settings:
             if registry != DEFAULT_URL
             else FROM_DEFAULT
         )
+        operator = env.get("GPUFLEET_OPERATOR_URL")
         for name, url in (
             ("GPUFLEET_REDIS_URL", registry),
             ("GPUFLEET_BROKER_URL", broker),
             ("GPUFLEET_RESULT_BACKEND", backend),
+            *((("GPUFLEET_OPERATOR_URL", operator),) if operator else ()),
         ):
             try:
                 endpoint.parse(url)
@@ -244,7 +249,7 @@ class Settings:
             home=home,
             redis_server=env.get("GPUFLEET_REDIS_SERVER"),
             redis_maxmemory=env.size("GPUFLEET_REDIS_MAXMEMORY"),
-            operator_url=connection.operator if connection is not None else None,
+            operator_url=operator or (connection.operator if connection is not None else None),
             models=Path(env.text("GPUFLEET_MODELS", "models.yaml")).expanduser(),
             sim_gpus=env.get("GPUFLEET_SIM_GPUS"),
             gpu_reserve=env.size("GPUFLEET_GPU_RESERVE", DEFAULT_GPU_RESERVE),
@@ -303,6 +308,7 @@ class Connection:
     operator: str  # `gpufleet status` and `gpufleet metrics`: read everything
     fleet: str  # the fleet's own processes
     openai: dict[str, str] | None = None  # its HTTP front: base_url and api_key (tasks.front)
+    map: dict[str, str] | None = None  # its live map: url, user and password (tasks.front)
 
 
 def read_connection(path: Path) -> Connection | None:
@@ -311,12 +317,13 @@ def read_connection(path: Path) -> Connection | None:
     try:
         data = json.loads(path.read_text())
         pid, url = int(data["pid"]), str(data["redis_url"])
-        front = data.get("openai")
+        front, seen = data.get("openai"), data.get("map")
         found = Connection(
             url,
             str(data.get("operator_url") or url),
             str(data.get("fleet_url") or url),
             {str(k): str(v) for k, v in front.items()} if isinstance(front, dict) else None,
+            {str(k): str(v) for k, v in seen.items()} if isinstance(seen, dict) else None,
         )
     except (OSError, ValueError, KeyError, TypeError):
         return None

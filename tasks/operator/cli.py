@@ -272,9 +272,10 @@ def url(
         bool,
         typer.Option(
             "--json",
-            help='Print {"celery": CONF, "openai": {"base_url", "api_key"}}: the settings a '
-            "plain Celery client passes to app.conf.update(**CONF), Sentinels' transport "
-            "options included, and the fleet's HTTP API (null when it serves none).",
+            help='Print {"celery": CONF, "openai": {"base_url", "api_key"}, "map": {"url", '
+            '"user", "password"}}: the settings a plain Celery client passes to '
+            "app.conf.update(**CONF), Sentinels' transport options included, the fleet's "
+            "HTTP API and its live map (null when it serves none).",
         ),
     ] = False,
 ) -> None:
@@ -300,7 +301,9 @@ def url(
     if as_json:
         found = read_connection(connection_path(s.home, s.fleet))
         front = found.openai if found is not None else None
-        typer.echo(json.dumps({"celery": caller_conf(s.registry_url), "openai": front}, indent=2))
+        seen = found.map if found is not None else None
+        conf = {"celery": caller_conf(s.registry_url), "openai": front, "map": seen}
+        typer.echo(json.dumps(conf, indent=2))
         return
     if endpoint.parse(s.registry_url).watched:
         err.print(
@@ -482,6 +485,11 @@ def _print_ready(launcher: Any) -> None:
     if launcher.api_url:
         console.print(
             f"  OpenAI:   {launcher.api_url}   (key: gpufleet url --json; any OpenAI client)"
+        )
+    if launcher.map:
+        console.print(
+            f"  map:      {launcher.map['url']}   (user {launcher.map['user']}; password: "
+            "gpufleet url --json)"
         )
     if launcher.metrics_url:
         console.print(f"  metrics:  {launcher.metrics_url}")

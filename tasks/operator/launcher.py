@@ -77,6 +77,7 @@ from tasks.broker import quarantine
 from tasks.broker.claim import BrokerClaim
 from tasks.broker.presence import take_waiting, with_tenants
 from tasks.config import ROUTER_QUEUES, is_public, redis_conf
+from tasks.front import fleet_map
 from tasks.front.keys import UP_KEY_NAME, drop_tenants, new_key, replace_key
 from tasks.serving.routing import gpu_queue
 from worker.devices import Device, discover
@@ -376,11 +377,22 @@ class Launcher:
         # the caller's URL for both: results are read, and calls sent, as any caller's
         broker = self.caller_url if self._bundled else self.broker_url
         env = self._env("client", GPUFLEET_REDIS_URL=self.caller_url, GPUFLEET_BROKER_URL=broker)
+        env["GPUFLEET_OPERATOR_URL"] = self.operator_url  # the map reads with it (fleet_map)
         self.children["api"] = Child("api", cmd, env, pass_fds=(fd,))
 
     @property
     def api_url(self) -> str | None:
         return f"http://127.0.0.1:{self.api_port}/v1" if self.api_port else None
+
+    @property
+    def map(self) -> dict[str, str] | None:
+        """The live map's URL and the operator's name and password that open it
+        (`tasks.front.fleet_map`); None without an API, or an operator password."""
+        access = fleet_map.MapAccess(self.operator_url or None)
+        if not self.api_port or not access.password:
+            return None
+        url = f"http://127.0.0.1:{self.api_port}/map"
+        return {"url": url, "user": access.user, "password": access.password}
 
     def run_child(self, child: Child) -> None:
         """Start `child` (again) and keep it running from now on (see `supervise`)."""
@@ -410,6 +422,7 @@ class Launcher:
             "metrics": self.metrics_url,
             "flower": f"http://127.0.0.1:{self.flower_port}" if self.flower else None,
             "openai": {"base_url": self.api_url, "api_key": self.api_key} if self.api_url else None,
+            "map": self.map,
         }
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
