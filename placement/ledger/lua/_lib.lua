@@ -111,10 +111,6 @@ local function unchanged_since(v, model, seen)
   return seen < 0 or num(redis.call('HGET', K(v.changes), model)) == seen
 end
 
--- An idle replica whose last call ended within this long is still in use for prefix
--- routing: it takes its share of new prefixes (`choose_replica`). Not tuned: long against
--- a call, short against the 5-minute keep-alive after which an idle replica is scaled in.
-local IN_USE_MS = 10000
 local RESERVING = {WAITING = true, LOADING = true, HOT = true, DRAINING = true}
 local ON_DEVICE = {LOADING = true, HOT = true, DRAINING = true, OFFLOADING = true, DROPPING = true}
 
@@ -268,11 +264,11 @@ end
 -- With a `prefix` (`read_prefix`'s), the ready replica its call's longest prefix was
 -- last sent to is chosen instead while it has at most `prefix.spill` more live leases
 -- than the least busy one. A prefix no ready replica was sent goes by the load prefixes
--- bring: of the replicas in use (a call in flight, or one ended within IN_USE_MS) and
--- within the spill of the least busy, the one sent the fewest prefix chunks (then the
--- less busy, then the first by id), so new prefixes spread evenly over the replicas that
--- serve, a new replica first; when none is in use, the least busy, first by id, as
--- without a prefix (so a surplus replica left idle stays idle and can be scaled in).
+-- bring while the model's calls in flight could keep every ready replica busy (at least
+-- as many): of the replicas within the spill of the least busy, the one sent the fewest
+-- new prefixes (then the less busy, then the first by id), so new prefixes spread
+-- evenly, a new replica first. Below that it goes to the least busy, first by id, as
+-- without a prefix, so a surplus replica under light load stays idle and is scaled in.
 -- `c.reason` says which rule chose: 'hit' (the prefix's replica), 'spill' (it was too
 -- busy), 'new' (no ready replica had been sent the prefix) or '' (no prefix).
 -- `c.loads` holds the ready replicas' live leases, by index.
@@ -289,8 +285,7 @@ local function choose_replica(reps, ids, workers, queues, ttl, prefix)
   local best, best_load = nil, nil
   local loads, rows = {}, {}
   for i, rep in ipairs(reps) do
-    local row = redis.call('HMGET', rep.dep, 'level', 'worker', 'queue', 'gpus', 'epoch',
-      'last_used')
+    local row = redis.call('HMGET', rep.dep, 'level', 'worker', 'queue', 'gpus', 'epoch')
     if (row[2] or '') ~= workers[i] then return nil, stale end  -- '' lists no worker
     if queues and row[1] == 'HOT' and row[3] ~= queues[i] then return nil, stale end
     if row[1] == 'HOT' and num(redis.call('HGET', rep.worker, 'lease_deadline')) > now then
@@ -310,16 +305,18 @@ local function choose_replica(reps, ids, workers, queues, ttl, prefix)
     end
     if owner == nil then
       reason = 'new'
-      local near, fields = {}, {}
+      local near, fields, busy, ready = {}, {}, 0, 0
       for i = 1, #reps do
         local load = loads[i]
-        if load ~= nil and load <= best_load + prefix.spill
-            and (load > 0 or num(rows[i][6]) >= now - IN_USE_MS) then
-          near[#near + 1] = i
-          fields[#fields + 1] = '#' .. ids[i]
+        if load ~= nil then
+          busy, ready = busy + load, ready + 1
+          if load <= best_load + prefix.spill then
+            near[#near + 1] = i
+            fields[#fields + 1] = '#' .. ids[i]
+          end
         end
       end
-      if near[1] then
+      if busy >= ready then  -- the model's calls could keep every ready replica busy
         local sent = redis.call('HMGET', prefix.map, unpack(fields))
         local fewest = nil
         for j, i in ipairs(near) do
@@ -354,9 +351,10 @@ end
 
 -- Note that the call's prefixes no ready replica was sent went to replica `id` (those a
 -- ready replica was sent stay with it: a spill does not move a prefix; those of a replica
--- evicted, draining or without its worker move), and how many chunks it was sent so
--- (under '#' .. id: digests are hex); count the rule that chose in the model's stats as a
--- counted call; and clear the map past `limit` (UNLINK: freed off the script's time).
+-- evicted, draining or without its worker move), and, for a new prefix, that `id` owns
+-- one more (under '#' .. id: digests are hex); count the rule that chose in the model's
+-- stats as a counted call; and clear the map past `limit` (UNLINK: freed off the script's
+-- time).
 local function note_prefix(p, c, id, path, stats_key, limit)
   local reason = c.reason
   if not p.hashes[1] then return end
@@ -378,7 +376,9 @@ local function note_prefix(p, c, id, path, stats_key, limit)
   end
   if pairs_[1] then
     redis.call('HSET', p.map, unpack(pairs_))
-    redis.call('HINCRBY', p.map, '#' .. id, #pairs_ / 2)
+  end
+  if reason == 'new' then
+    redis.call('HINCRBY', p.map, '#' .. id, 1)
   end
 end
 
