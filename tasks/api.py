@@ -190,7 +190,8 @@ def _place(
     except PlanRejectedError as exc:  # the fleet moved under every plan: try again shortly
         raise _again(task, exc, 0.25, SETTLE_RETRIES) from exc
     except CantAccommodateError as exc:
-        _count(task, registry, model, "busy", str(exc))
+        told = "" if task.request.retries else str(exc)  # the map's feed: a call's first try
+        _count(task, registry, model, "busy", told)
         raise _again(task, exc, 1, BUSY_RETRIES) from exc
     if plan.candidate is Candidate.DEPLOYED:
         return plan, registry.hold(plan.replica, plan.epoch, plan.worker)

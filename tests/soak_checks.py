@@ -180,7 +180,7 @@ def replay_problems(
             if was == Level.COLD.value:
                 bad(e, "a COLD replica was still in its worker's deployment set")
             state[replica] = _Replayed(Level.COLD)
-        elif kind != "measured":
+        elif kind not in ("measured", "refused"):  # a count, or a call refused for now
             bad(e, "unknown event kind")
         if replica in state:
             now = state[replica]

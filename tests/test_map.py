@@ -187,6 +187,15 @@ def test_chromium_shows_both_gpus_a_deployed_model_at_once_and_its_move_to_the_w
         assert not driver.find_elements(By.CSS_SELECTOR, '.seg[data-model="beta"]')
         feed = driver.find_element(By.ID, "feed").text
         assert "evicted" in feed and "beta" in feed, feed
+        # a reason is text, never markup: the feed shows it as written, and runs nothing
+        hostile = '<img src="x" onerror="document.title=1">'
+        fleet.registry.count("alpha", "rejected", hostile)
+        deadline = time.monotonic() + SHOWN_WITHIN_S
+        while hostile not in driver.find_element(By.ID, "feed").text:
+            assert time.monotonic() < deadline, "the refusal within 2 s"
+            time.sleep(0.05)
+        assert not driver.find_elements(By.CSS_SELECTOR, "#feed img")
+        assert driver.title == "gpufleet map"
         shot = output_dir() / "map.png"
         assert driver.save_screenshot(str(shot)), shot
         assert shot.stat().st_size > 10_000

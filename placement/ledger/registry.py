@@ -624,13 +624,14 @@ class Registry(Membership):
         """Count the outcome the router's placement gave one call of `model` (`pick` counts
         hits itself): a request outcome counts the call as `routed` too, in the same step;
         `busy` counts one try, not a request, and no path. A refusal (`rejected`, `busy`)
-        is also told on the ledger's events stream with `why`, for the map's feed."""
+        given a `why` is also told on the ledger's events stream, for the map's feed (the
+        router tells a busy call's first try only, not each of its retries)."""
         if outcome not in OUTCOMES:
             raise ValueError(f"unknown outcome {outcome!r}; expected one of {OUTCOMES}")
         stats = self.keys.model_stats(model)
         routed = [("hincrby", stats, "routed", 1)] if outcome != "busy" else []
         told = []
-        if outcome in REFUSALS:
+        if outcome in REFUSALS and why:
             fields = {"kind": "refused", "replica": "", "model": model, "outcome": outcome,
                       "why": why[:WHY_CHARS]}  # fmt: skip
             told = [("xadd", self.keys.events, fields, "*", self.events_maxlen, True)]

@@ -24,8 +24,11 @@ import asyncio
 import base64
 import binascii
 import contextlib
+import functools
+import hashlib
 import hmac
 import logging
+import re
 import time
 import urllib.parse
 from collections.abc import AsyncIterator
@@ -55,6 +58,8 @@ REFRESH_S = 1.0
 #: evictions costs a few reads a second, not one per event), and never spends more than
 #: half its time reading (a read of 1,000 GPUs takes about 0.2 s: `bench.map`).
 SPACING_S = 0.2
+#: The longest the feed waits on one reply: its longest read's wait (`REFRESH_S`) and room.
+SOCKET_TIMEOUT_S = REFRESH_S + 5.0
 #: The feed stops reading once no page has been open, nor the state asked for, this long.
 IDLE_S = 30.0
 #: A comment line on an open stream this often, so proxies keep it open while nothing moves.
@@ -64,23 +69,37 @@ FEED_LENGTH = 100
 #: Event kinds the feed leaves out: bookkeeping, not moves of memory.
 QUIET = frozenset({"measured", "settled"})
 REALM = "gpufleet map"
-#: The page's headers: the browser itself refuses any script, style, font or image from
-#: elsewhere (the page has its own inline), and any frame that would wrap the page.
-PAGE_HEADERS = {
-    "Cache-Control": "no-store",
-    "Content-Security-Policy": "default-src 'none'; script-src 'unsafe-inline'; style-src "
-    "'unsafe-inline'; connect-src 'self'; frame-ancestors 'none'",
-    "X-Frame-Options": "DENY",
-}
+#: What the map's password is derived from, beside the operator's Redis password.
+PASSWORD_CONTEXT = b"gpufleet map password"
 
 
+@functools.cache
 def page() -> bytes:
     """The map's page: one HTML file, its script and styles inline."""
     return resources.files("tasks.front").joinpath("map.html").read_bytes()
 
 
+@functools.cache
+def page_headers() -> dict[str, str]:
+    """The page's headers. Its policy lets the browser run only the page's own script (by
+    its digest, so an injected one would not run), load nothing from elsewhere, connect
+    only to this server, and be framed by no other page."""
+    script = re.search(rb"<script>(.*?)</script>", page(), re.S)
+    assert script is not None, "map.html has its script inline"
+    digest = base64.b64encode(hashlib.sha256(script.group(1)).digest()).decode()
+    policy = (
+        f"default-src 'none'; script-src 'sha256-{digest}'; style-src 'unsafe-inline'; "
+        "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+    )
+    return {"Cache-Control": "no-store", "Content-Security-Policy": policy,
+            "X-Frame-Options": "DENY"}  # fmt: skip
+
+
 class MapAccess:
-    """Who may open the map: the operator user of the URL the front reads the fleet with.
+    """Who may open the map: the operator user of the URL the front reads the fleet with,
+    by its name and a password derived from its Redis password (HMAC-SHA256), so that
+    the one a browser keeps and sends opens the map and nothing else: not the fleet's
+    Redis, even where the operator's URL is the fleet's own (compose, a Redis of yours).
 
     `operator_url` is None when the front was given none (`GPUFLEET_OPERATOR_URL`, or the
     connection file `gpufleet up` writes); then, or when that URL has no password, the map
@@ -91,7 +110,10 @@ class MapAccess:
         self.user, self.password = "", ""
         if operator_url:
             user, password = _credentials(operator_url)
-            self.user, self.password = user or "operator", password
+            self.user = user or "operator"
+            if password:
+                key = password.encode()
+                self.password = hmac.new(key, PASSWORD_CONTEXT, hashlib.sha256).hexdigest()[:32]
 
     def refusal(self, request: Request) -> Response | None:
         """None when `request` carries the operator's name and password; else the answer."""
@@ -153,18 +175,16 @@ class MapFeed:
             self._ensure()
             if not self._latest:
                 await self._changed.wait()
-            sent = self._latest
-            yield b"data: " + sent + b"\n\n"
+            sent = b""
             while True:
-                changed = self._changed
-                try:
-                    await asyncio.wait_for(changed.wait(), KEEPALIVE_S)
-                except asyncio.TimeoutError:
-                    yield b": still here\n\n"
-                    continue
-                if self._latest is not sent:
+                if self._latest is not sent:  # published while this one was sending
                     sent = self._latest
                     yield b"data: " + sent + b"\n\n"
+                    continue
+                try:
+                    await asyncio.wait_for(self._changed.wait(), KEEPALIVE_S)
+                except asyncio.TimeoutError:
+                    yield b": still here\n\n"
         finally:
             self._viewers -= 1
             self._asked = time.monotonic()
@@ -181,12 +201,23 @@ class MapFeed:
             self._task = asyncio.get_running_loop().create_task(self._run())
 
     def _publish(self, state: dict[str, Any]) -> None:
-        self._latest = orjson.dumps(state)
+        """Keep `state` for every viewer, and wake them, unless it is the map they have."""
+        latest = orjson.dumps(state)
+        if latest == self._latest:
+            return
+        self._latest = latest
         changed, self._changed = self._changed, asyncio.Event()
         changed.set()
 
     async def _run(self) -> None:
-        """Read, publish, wait for an event or `REFRESH_S`; until nobody looks."""
+        """Read, publish, wait for an event or `REFRESH_S`; until nobody looks, and then
+        forget the map, which goes stale from then on."""
+        try:
+            await self._follow()
+        finally:
+            self._latest = b""
+
+    async def _follow(self) -> None:
         while self._viewers or time.monotonic() - self._asked < IDLE_S:
             began = time.monotonic()
             pause = SPACING_S
@@ -206,8 +237,13 @@ class MapFeed:
             await asyncio.sleep(max(0.0, pause - (time.monotonic() - began)))
 
     def _client(self) -> Registry:
+        """The registry as the operator reads it; a read that waits on a Redis gone quiet
+        (a partition, not a refusal) gives up after `SOCKET_TIMEOUT_S`, so the map says so."""
         if self._registry is None:
-            self._registry = Registry.from_url(self._url, self._fleet)
+            found = endpoint.parse(self._url)
+            client = found.client(decode_responses=True, socket_timeout=SOCKET_TIMEOUT_S)
+            self._registry = Registry(client, self._fleet)
+            self._registry.outage_s = found.outage_s or self._registry.outage_s
             self._follower = Follower(self._registry)
         return self._registry
 
@@ -230,7 +266,6 @@ class MapFeed:
                 "ok": True,
                 "error": None,
                 "fleet": self._fleet,
-                "now_ms": snap.now_ms,
                 "hosts": _hosts(snap, loads, kv),
                 "models": self._models(snap, loads, requests),
                 "feed": self._feed,
@@ -239,10 +274,8 @@ class MapFeed:
     def _read_feed(self, registry: Registry) -> None:
         """The newest `FEED_LENGTH` events, newest first, read on from the last one."""
         stream = registry.keys.events
-        if self._cursor:
-            found = registry.client.xrange(stream, f"({self._cursor}", "+", count=FEED_LENGTH)
-        else:
-            found = list(reversed(registry.client.xrevrange(stream, count=FEED_LENGTH)))
+        since = f"({self._cursor}" if self._cursor else "-"  # the newest, however many came
+        found = list(reversed(registry.client.xrevrange(stream, "+", since, count=FEED_LENGTH)))
         if not found:
             if not self._cursor:
                 self._cursor = "0-0"
@@ -372,8 +405,7 @@ def _credentials(url: str) -> tuple[str, str]:
 
 
 def _empty(fleet: str) -> dict[str, Any]:
-    return {"ok": False, "error": None, "fleet": fleet, "now_ms": 0, "hosts": [], "models": [],
-            "feed": []}  # fmt: skip
+    return {"ok": False, "error": None, "fleet": fleet, "hosts": [], "models": [], "feed": []}
 
 
 def _text(value: Any) -> str:

@@ -259,7 +259,7 @@ def build(front: Front) -> Starlette:
 
 async def _map_page(feed: MapFeed) -> Response:
     return Response(fleet_map.page(), media_type="text/html; charset=utf-8",
-                    headers=fleet_map.PAGE_HEADERS)  # fmt: skip
+                    headers=fleet_map.page_headers())  # fmt: skip
 
 
 async def _map_state(feed: MapFeed) -> Response:

@@ -301,7 +301,13 @@ def url(
     if as_json:
         found = read_connection(connection_path(s.home, s.fleet))
         front = found.openai if found is not None else None
-        seen = found.map if found is not None else None
+        seen: dict[str, str | None] | None = dict(found.map) if found and found.map else None
+        if seen is None and s.operator_url:  # a front of another's (compose): its user
+            from tasks.front.fleet_map import MapAccess
+
+            access = MapAccess(s.operator_url)
+            if access.password:
+                seen = {"url": None, "user": access.user, "password": access.password}
         conf = {"celery": caller_conf(s.registry_url), "openai": front, "map": seen}
         typer.echo(json.dumps(conf, indent=2))
         return
