@@ -137,6 +137,11 @@ def test_a_gpus_lru_age_is_the_idle_time_of_the_replica_an_eviction_takes_first(
     assert [g["lru_age_ms"] for g in status_report(snap)["gpus"] if g["id"] == gpu_id] == [
         ages[gpu_id]
     ]
+    busy = reg.pick("x")  # a call that began long ago and runs still: x is no LRU end
+    assert busy is not None
+    reg.client.hset(reg.keys.deployment(x), "last_used", 1)
+    assert cache.lru_ages_ms(reg.snapshot())[gpu_id] < ages[gpu_id]  # y's age, not x's
+    reg.finish(busy)
     reg.evict(x)  # y is the LRU end now, used half a second after x
     assert cache.lru_ages_ms(reg.snapshot())[gpu_id] < ages[gpu_id]
 

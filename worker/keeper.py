@@ -353,6 +353,7 @@ class Keeper:
             ):
                 self.manager.drop(replica)  # a copy of an older placement
                 resident = None
+            started = time.perf_counter()  # the load's own time: not the stale copy's drop
             restored = resident is not None and resident.warm
             if restored:
                 self.manager.restore(replica, dep.gpus, dep.limit, dep.epoch)

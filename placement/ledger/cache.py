@@ -23,7 +23,7 @@ from typing import Any
 
 from placement.ledger.histograms import Histogram, cumulative, labels, observe
 from placement.ledger.store import Store
-from placement.policy.state import Level, Snapshot
+from placement.policy.state import Snapshot
 
 # Bucket bounds (seconds). Defaults, not tuned: each spans what a fleet may see, from a
 # small model on a fast path to a large one on a slow one.
@@ -78,11 +78,11 @@ def read(store: Store, models: Iterable[str]) -> dict[str, dict[str, Histogram]]
 
 def lru_ages_ms(snap: Snapshot) -> dict[str, int]:
     """Each registered GPU's LRU age: now minus the last use of the least recently used
-    replica on it that an eviction may take (HOT and not dedicated: the one LRU eviction
-    takes first, busy or idle). A GPU without one is left out."""
+    replica on it that an eviction may take (`Deployment.evictable`: HOT, idle and not
+    dedicated; the one LRU eviction takes first). A GPU without one is left out."""
     ages: dict[str, int] = {}
     for gpu_id, deps in snap.by_gpu.items():
-        used = [d.last_used_ms for d in deps if d.level is Level.HOT and not d.dedicated]
+        used = [d.last_used_ms for d in deps if d.evictable]
         if used and gpu_id in snap.gpus:
             ages[gpu_id] = max(0, snap.now_ms - min(used))
     return ages

@@ -188,7 +188,8 @@ class _Session:
     def __init__(self, worker: GpuWorker) -> None:
         self.worker = worker
         self.writer = streams.Writer(worker.registry.client)
-        self.ready: dict[str, tuple[float, list[str]]] = {}  # replica -> load_ms, its GPUs
+        #: replica -> when its engine opened here (epoch ms), its GPUs
+        self.ready: dict[str, tuple[float, list[str]]] = {}
         self.calls: dict[str, tuple[Call, float]] = {}  # message key -> its call, when it came
         self.counts: dict[str, tuple[int, float]] = {}  # replica -> calls open as said, when
         self.held: dict[str, tuple[int, float]] = {}  # replica -> KV-cache tokens said, when
@@ -259,7 +260,8 @@ class _Session:
                 log.warning("could not end lease %s", call.lease.id, exc_info=True)
         generated = outcome if isinstance(outcome, Generated) and outcome.tokens else None
         if generated is not None:
-            load_ms, gpus = self.ready.get(call.replica, (0.0, []))
+            opened_ms, gpus = self.ready.get(call.replica, (started, []))
+            load_ms = max(0.0, opened_ms - started)  # its own wait for its replica: 0 if ready
             served: Served | BaseException = Served(
                 generated.outputs, gpus, load_ms, generated.compute_ms,
                 generated.outputs.get("batch", 1), generated.first_token_ms,
@@ -284,7 +286,7 @@ class _Session:
     # --- what the session says as it runs (`generating.Figures`) --------------------
 
     def opened(self, replica: str, load_ms: float, gpus: list[str]) -> None:
-        self.ready[replica] = (load_ms, gpus)
+        self.ready[replica] = (time.time() * 1000, gpus)  # each call's wait is its own
 
     def stepped(self, replica: str, calls: int, kv: dict[str, float]) -> None:
         """After each step: write the streamed text; say the replica's calls open when
