@@ -131,6 +131,17 @@ def until(what: str, done: Callable[[], bool], seconds: float = 30.0) -> None:
         time.sleep(0.1)
 
 
+def gpufleet(home: Path, *args: str) -> str:
+    """What `gpufleet ARGS` prints for the fleet whose home is `home`; it must succeed."""
+    done = subprocess.run(
+        [sys.executable, "-m", "tasks.operator.cli", *args], cwd=REPO,
+        env=fleet_env(GPUFLEET_HOME=str(home)), capture_output=True, text=True, timeout=60,
+        check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, (args, done.stdout, done.stderr)
+    return done.stdout
+
+
 def fleet_env(**extra: str) -> dict[str, str]:
     """This process's environment without any GPUFLEET_ setting, plus `extra`."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFLEET_")}

@@ -14,8 +14,6 @@ import asyncio
 import base64
 import json
 import os
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -34,9 +32,8 @@ from tasks.front.fleet_map import MapFeed
 from tests.browser import chromium, sign_in
 from tests.fleets import GiB
 from tests.ports import free_port
-from tests.running import REPO, RunningFleet, fleet_env, fleet_up
+from tests.running import REPO, RunningFleet, fleet_env, fleet_up, gpufleet
 
-CLI = [sys.executable, "-m", "tasks.operator.cli"]
 SMALL = "{model_type: gpt2, n_layer: 2, n_head: 2, n_embd: 64, vocab_size: 512, n_positions: 256}"
 CATALOG = f"""
 models:
@@ -60,15 +57,6 @@ def output_dir() -> Path:
     where = Path(os.environ.get("GPUFLEET_TEST_OUTPUT") or REPO / "tests" / "output")
     where.mkdir(parents=True, exist_ok=True)
     return where
-
-
-def _cli(home: Path, *args: str) -> str:
-    done = subprocess.run(
-        [*CLI, *args], cwd=REPO, env=fleet_env(GPUFLEET_HOME=str(home)),
-        capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
-    assert done.returncode == 0, (args, done.stdout, done.stderr)
-    return done.stdout
 
 
 def _status_of(url: str, headers: dict[str, str]) -> int:
@@ -134,7 +122,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory, home: Path) -> Iterator[Runn
 @pytest.fixture(scope="module")
 def access(fleet: RunningFleet, home: Path) -> dict[str, str]:
     """The map's URL, user and password, as `gpufleet url --json` prints them."""
-    printed = json.loads(_cli(home, "url", "--json"))
+    printed = json.loads(gpufleet(home, "url", "--json"))
     assert any("/map" in line for line in fleet.lines), fleet.lines  # `gpufleet up` says where
     found: dict[str, str] = printed["map"]
     return found
@@ -148,8 +136,8 @@ def test_the_map_refuses_a_request_without_the_operator_s_credentials_or_with_an
     assert _status_of(url, {}) == 401
     wrong = base64.b64encode(f"{access['user']}:not-it".encode()).decode()
     assert _status_of(url, {"Authorization": f"Basic {wrong}"}) == 401
-    _cli(home, "tenant", "add", "viewers")
-    key = _cli(home, "api-key", "--tenant", "viewers").strip()
+    gpufleet(home, "tenant", "add", "viewers")
+    key = gpufleet(home, "api-key", "--tenant", "viewers").strip()
     api = url.removesuffix("/map") + "/v1/models"
     assert _status_of(api, {"Authorization": f"Bearer {key}"}) == 200  # a working key
     assert _status_of(url, {"Authorization": f"Bearer {key}"}) == 401

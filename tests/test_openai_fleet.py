@@ -26,7 +26,7 @@ from celery.result import AsyncResult
 from openai import OpenAI
 
 from tests.ports import free_port
-from tests.running import REPO, RunningFleet, fleet_env, fleet_up, until
+from tests.running import REPO, RunningFleet, fleet_env, fleet_up, gpufleet, until
 
 pytestmark = pytest.mark.slow
 
@@ -314,20 +314,11 @@ def test_gpufleet_api_serves_a_fleet_alone_with_a_key_made_by_gpufleet_api_key(
         assert refused.json()["error"]["code"] == "fleet_unreachable"
 
 
-def _cli(home: Path, *args: str) -> str:
-    done = subprocess.run(
-        [*CLI, *args], cwd=REPO, env=fleet_env(GPUFLEET_HOME=str(home)),
-        capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
-    assert done.returncode == 0, (args, done.stdout, done.stderr)
-    return done.stdout
-
-
 def test_a_tenant_s_key_sends_as_the_tenant_within_its_quotas_and_reads_its_own_answers(
     front: dict[str, str], home: Path
 ) -> None:
-    _cli(home, "tenant", "add", "api-team", "--max-running", "1", "--max-queued", "1")
-    key = _cli(home, "api-key", "--tenant", "api-team").strip()
+    gpufleet(home, "tenant", "add", "api-team", "--max-running", "1", "--max-queued", "1")
+    key = gpufleet(home, "api-key", "--tenant", "api-team").strip()
     team = OpenAI(base_url=front["base_url"], api_key=key, max_retries=0)
     chunks = team.chat.completions.create(
         model="talker", messages=CHAT, max_tokens=6, temperature=0, stream=True
@@ -336,7 +327,7 @@ def test_a_tenant_s_key_sends_as_the_tenant_within_its_quotas_and_reads_its_own_
     assert streamed  # its stream read under its key prefix, as its own user
 
     def tenant_row() -> dict[str, Any]:
-        rows = json.loads(_cli(home, "tenant", "list", "--json"))
+        rows = json.loads(gpufleet(home, "tenant", "list", "--json"))
         return dict(next(r for r in rows if r["name"] == "api-team"))
 
     def complete(model: str, tokens: int, prompt: str | list[str] = "go") -> Any:
@@ -358,15 +349,15 @@ def test_a_tenant_s_key_sends_as_the_tenant_within_its_quotas_and_reads_its_own_
         assert running.result(timeout=120).choices[0].text
         assert parked.result(timeout=120).choices[0].text
     time.sleep(0.5)  # each call is counted after its answer is stored
-    shown = json.loads(_cli(home, "status", "--json"))["tenants"]
+    shown = json.loads(gpufleet(home, "status", "--json"))["tenants"]
     used = next(t for t in shown if t["name"] == "api-team")
     assert (used["calls"], used["failed"]) == (3, 0), used  # the three it ran, as its own
     # removed: its keys go with it; added again: a new key reaches its new user
-    _cli(home, "tenant", "remove", "api-team")
+    gpufleet(home, "tenant", "remove", "api-team")
     with pytest.raises(openai.AuthenticationError):
         complete("talker", 4)
-    _cli(home, "tenant", "add", "api-team")
-    again = OpenAI(base_url=front["base_url"], api_key=_cli(home, "api-key", "--tenant",
+    gpufleet(home, "tenant", "add", "api-team")
+    again = OpenAI(base_url=front["base_url"], api_key=gpufleet(home, "api-key", "--tenant",
                    "api-team").strip(), max_retries=0)  # fmt: skip
     answer = again.completions.create(model="talker", prompt="go", max_tokens=4, temperature=0)
     assert answer.choices[0].text

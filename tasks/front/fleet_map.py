@@ -226,12 +226,14 @@ class MapFeed:
                 pause = max(SPACING_S, 2 * (time.monotonic() - began))  # at most half the time
                 await anyio.to_thread.run_sync(self._wait_event)
             except Exception as exc:  # one bad read must not end the map
+                why = f"the fleet's Redis does not answer: {exc}"
                 if isinstance(exc, redis.RedisError | GpufleetError | OSError):
                     log.warning("the map cannot read the fleet: %s", exc)
                 else:
+                    why = f"the map's read failed (see the API server's log): {exc}"
                     log.exception("the map's read failed")
                 stale = orjson.loads(self._latest) if self._latest else _empty(self._fleet)
-                stale.update(ok=False, error=f"the fleet's Redis does not answer: {exc}")
+                stale.update(ok=False, error=why)
                 self._publish(stale)
                 await asyncio.sleep(REFRESH_S)
             await asyncio.sleep(max(0.0, pause - (time.monotonic() - began)))
