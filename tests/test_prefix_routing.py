@@ -127,13 +127,25 @@ def test_new_prefixes_spread_over_busy_replicas_and_a_trickle_leaves_the_spare_i
     chosen = []
     for n in range(4):
         _hold_one_lease_each(reg)  # calls enough to keep both replicas busy
-        chosen.append(_pick(reg, f"System prompt number {n}. " * 12))
-    assert sorted(Counter(chosen).values()) == [2, 2]  # by the chunks each was sent
+        prompt = f"System prompt number {n}. " * 12
+        chosen.append(_pick(reg, prompt))
+        _pick(reg, prompt + "and a question")  # prefixes are reused: they bring load
+    assert sorted(Counter(chosen).values()) == [2, 2]  # by the new prefixes each was sent
     for replica in _hold_one_lease_each(reg):
         reg.client.delete(reg.keys.leases(replica))
     # one call at a time, each ended before the next: the spare gets none, and idles out
     trickle = [_pick_and_finish(reg, f"A new system prompt {n}. " * 12) for n in range(6)]
     assert trickle == [min(chosen)] * 6  # the first by id, as without a prefix
+
+
+def test_prompts_that_share_nothing_go_by_load_alone_however_many_each_replica_owns(
+    reg: Registry,
+) -> None:
+    busier, idler = _hold_one_lease_each(reg)
+    reg.client.zadd(reg.keys.leases(busier), {"a-second-call": 10**13})  # 2 calls, and 1
+    reg.client.hset(reg.keys.prefixes("m"), f"#{idler}", 50)  # it was sent many prefixes
+    # the least busy, as without a prefix: no prefix of the model served a call again
+    assert _pick(reg, "A prompt of its own, nothing like any other. " * 8) == idler
 
 
 def _pick_and_finish(reg: Registry, prompt: str) -> str:

@@ -264,11 +264,13 @@ end
 -- With a `prefix` (`read_prefix`'s), the ready replica its call's longest prefix was
 -- last sent to is chosen instead while it has at most `prefix.spill` more live leases
 -- than the least busy one. A prefix no ready replica was sent goes by the load prefixes
--- bring while the model's calls in flight could keep every ready replica busy (at least
+-- bring where they bring any (the model's calls hit a prefix at least as often as they
+-- start a new one) and its calls in flight could keep every ready replica busy (at least
 -- as many): of the replicas within the spill of the least busy, the one sent the fewest
 -- new prefixes (then the less busy, then the first by id), so new prefixes spread
--- evenly, a new replica first. Below that it goes to the least busy, first by id, as
--- without a prefix, so a surplus replica under light load stays idle and is scaled in.
+-- evenly, a new replica first. Otherwise it goes to the least busy, first by id, as
+-- without a prefix: calls that share nothing are routed by load alone, and a surplus
+-- replica under light load stays idle and is scaled in.
 -- `c.reason` says which rule chose: 'hit' (the prefix's replica), 'spill' (it was too
 -- busy), 'new' (no ready replica had been sent the prefix) or '' (no prefix).
 -- `c.loads` holds the ready replicas' live leases, by index.
@@ -316,7 +318,12 @@ local function choose_replica(reps, ids, workers, queues, ttl, prefix)
           end
         end
       end
-      if busy >= ready then  -- the model's calls could keep every ready replica busy
+      local reused = false  -- the model's prefixes have served a call again, on average
+      if busy >= ready then  -- and its calls could keep every ready replica busy
+        local seen = redis.call('HMGET', prefix.stats, 'prefix_hit', 'prefix_new')
+        reused = num(seen[1]) >= math.max(1, num(seen[2]))
+      end
+      if reused then
         local sent = redis.call('HMGET', prefix.map, unpack(fields))
         local fewest = nil
         for j, i in ipairs(near) do
@@ -339,9 +346,9 @@ end
 -- A call's prefix chain (ARGV[a + 1 .. a + k], shortest first: `placement.rules.prefixes`)
 -- read against the model's prefix map `map` (digest -> the replica that prefix was last
 -- sent to): the replica each digest names (`owners`, false for none), and each listed
--- replica's index by id (`at`).
-local function read_prefix(map, a, k, spill, ids)
-  local p = {hashes = {}, owners = {}, at = {}, spill = spill, map = map}
+-- replica's index by id (`at`); `stats` is the model's stats hash (its prefix counts).
+local function read_prefix(map, stats, a, k, spill, ids)
+  local p = {hashes = {}, owners = {}, at = {}, spill = spill, map = map, stats = stats}
   if k == 0 then return p end
   for d = 1, k do p.hashes[d] = ARGV[a + d] end
   for i, id in ipairs(ids) do p.at[id] = i end

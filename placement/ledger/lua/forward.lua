@@ -46,7 +46,7 @@ local m = tonumber(ARGV[9])
 if not redis.call('LPOS', KEYS[3 * n + 4], ARGV[4]) then return {-2} end
 local reps, ids, workers, queues = listed_replicas(n, 12 + k, true)
 local ttl = tonumber(ARGV[2])
-local prefix = read_prefix(KEYS[3 * n + 3], 12, k, tonumber(ARGV[11]), ids)
+local prefix = read_prefix(KEYS[3 * n + 3], KEYS[3 * n + 2], 12, k, tonumber(ARGV[11]), ids)
 local c, reply = choose_replica(reps, ids, workers, queues, ttl, prefix)
 if not c then return reply end
 local epoch = num(c.row[5])

@@ -25,7 +25,7 @@ local k = tonumber(ARGV[4])
 local n = (#ARGV - 6 - k) / 2
 local reps, ids, workers = listed_replicas(n, 6 + k, false)
 local ttl = tonumber(ARGV[2])
-local prefix = read_prefix(KEYS[3 * n + 3], 6, k, tonumber(ARGV[5]), ids)
+local prefix = read_prefix(KEYS[3 * n + 3], KEYS[3 * n + 2], 6, k, tonumber(ARGV[5]), ids)
 local c, reply = choose_replica(reps, ids, workers, nil, ttl, prefix)
 if not c then return reply end
 lease_replica(reps[c.i], ARGV[1], c.deadline, ttl, ARGV[3], KEYS[3 * n + 2], c.now)
