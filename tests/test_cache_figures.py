@@ -1,4 +1,4 @@
-"""The model cache's own figures (`placement.ledger.cache`) against a real redis-server:
+"""The model cache's own figures (`placement.ledger.figures.cache`) against a real redis-server:
 loads', restores' and misses' durations in their buckets, each eviction's age counted by
 the script that evicts, each GPU's LRU age, and all of them in the status object and
 /metrics from the first scrape."""
@@ -13,7 +13,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from placement.ledger import cache
+from placement.ledger.figures import cache
 from placement.ledger.registry import Registry
 from placement.ledger.report import status_report
 from placement.policy.state import Demand, Gpu, Level

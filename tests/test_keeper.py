@@ -17,9 +17,9 @@ import pytest
 
 from placement.catalog.catalog import Catalog
 from placement.errors import ConfigError, EvictedError
-from placement.ledger import cache
 from placement.ledger.audit import audit
-from placement.ledger.histograms import Histogram
+from placement.ledger.figures import cache
+from placement.ledger.figures.histograms import Histogram
 from placement.ledger.registry import Registry
 from placement.policy.state import Demand, Level
 from worker.devices import simulated_devices

@@ -364,7 +364,7 @@ def test_prompts_that_arrive_together_and_begin_alike_prefill_their_prefix_once(
 
 
 def test_a_kv_record_from_a_worker_before_paging_reads_as_its_tokens_held() -> None:
-    from placement.ledger.generation import _kv
+    from placement.ledger.figures.generation import _kv
 
     assert _kv("96") == {"held_tokens": 96.0}
     assert _kv('{"held_tokens": 32, "blocks_cached": 4}')["blocks_cached"] == 4

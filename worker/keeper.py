@@ -33,7 +33,7 @@ import redis
 
 from placement.catalog.catalog import ModelSpec
 from placement.errors import EvictedError, PlacementError, RegistryError
-from placement.ledger import cache
+from placement.ledger.figures import cache
 from placement.ledger.registry import Registry
 from placement.policy.state import Deployment, Level
 from worker.lifecycle import exit_for_restart, is_fatal_cuda_error
@@ -390,7 +390,7 @@ class Keeper:
 
     def _count(self, model: str, figure: str, seconds: float) -> None:
         """Count a load or restore that made a replica HOT, from its start here to its
-        confirmation, in the model's cache figures (`placement.ledger.cache`), after its
+        confirmation, in the model's cache figures (`placement.ledger.figures.cache`), after its
         calls were woken; a registry that does not answer loses the figure, not the load."""
         try:
             cache.record(self.registry, [(model, figure, seconds)])

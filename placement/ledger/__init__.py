@@ -6,8 +6,9 @@ per client), `store` (one client, plain reads), `records` (Redis records as the
 policy's values), `membership` (workers and their leases), `registry` (placements,
 evictions, request leases), `hot` (the fast path's leases, and the router's one-step
 forward), `follow` (the router's view, kept current from the events
-stream), `load` (each model's load), `cache` (the model cache's figures, kept as
-`histograms`), `audit` (the ledger's invariants) and `report` (the status object).
+stream), `load` (each model's load), `figures/` (what generating calls and the model
+cache measured, kept as counters beside the ledger), `audit` (the ledger's invariants)
+and `report` (the status object).
 
 Imports `placement.rules`, `placement.policy` and `placement.errors` (the layers allow
 `placement.catalog` and `placement.units` too).

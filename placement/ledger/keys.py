@@ -86,7 +86,7 @@ class Keys:
 
     @property
     def generating(self) -> str:
-        """Set of models whose generating calls were recorded (`placement.ledger.generation`)."""
+        """Set of models whose generating calls were recorded (`figures.generation`)."""
         return f"{self.prefix}:generating"
 
     @property
@@ -154,7 +154,7 @@ class Keys:
 
     def model_cache(self, model: str) -> str:
         """Hash: a model's cache figures, histograms of its loads, restores, misses' waits
-        and replicas' ages at eviction (`placement.ledger.cache`)."""
+        and replicas' ages at eviction (`placement.ledger.figures.cache`)."""
         return f"{self.prefix}:model:{model}:cache"
 
     def model_replicas(self, model: str) -> str:

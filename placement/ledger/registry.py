@@ -30,7 +30,8 @@ from placement.errors import (
     ScaledSinceError,
     SettlingError,
 )
-from placement.ledger import cache, records
+from placement.ledger import records
+from placement.ledger.figures import cache
 from placement.ledger.follow import Follower
 from placement.ledger.hot import (
     DEFAULT_REQUEST_LEASE_MS,

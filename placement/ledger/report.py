@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from placement.ledger import cache
 from placement.ledger.audit import audit
+from placement.ledger.figures import cache
 from placement.policy.state import COUNTS, OUTCOMES, RESERVING, Snapshot
 from placement.rules.scaling import ModelLoad
 

@@ -42,7 +42,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from placement.errors import GpufleetError
-from placement.ledger import endpoint, generation
+from placement.ledger import endpoint
+from placement.ledger.figures import generation
 from placement.ledger.follow import Follower
 from placement.ledger.load import placed_replicas, read_loads
 from placement.ledger.registry import Registry

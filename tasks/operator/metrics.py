@@ -225,7 +225,7 @@ def _generation(models: dict[str, Any]) -> Iterator[Metric]:
     yield from (tokens, ttft, itl, held, budget, blocks, hits, adapters, adapter_events)
 
 
-#: The model cache's histograms (`placement.ledger.cache`): metric name and help, by the
+#: The model cache's histograms (`placement.ledger.figures.cache`): metric name and help, by the
 #: status object's name for each.
 CACHE_HISTOGRAMS = {
     "load": (

@@ -30,7 +30,7 @@ from placement.errors import (
     GpuOwnedError,
     RegistryError,
 )
-from placement.ledger import cache, generation
+from placement.ledger.figures import cache, generation
 from placement.ledger.load import BATCH_TTL_MS, mark_batch
 from placement.rules.batching import BatchLimits
 from tasks import context
@@ -131,7 +131,7 @@ def serve(task: Task, call: Call) -> dict[str, Any]:
 
 def _count_miss(worker: GpuWorker, model: str, load_ms: float) -> None:
     """Count the wait for its replica of a call that found none HOT (`timings_ms.load`) in
-    its model's cache figures (`placement.ledger.cache`); never fail the call over it."""
+    its model's cache figures (`placement.ledger.figures.cache`); never fail the call over it."""
     try:
         cache.record(worker.registry, [(model, "miss", load_ms / 1000)])
     except Exception:

@@ -4,8 +4,8 @@ returns and the Prometheus metrics are built from (`tasks.operator.metrics`).
 Every figure is read from the registry and the broker when it is asked for, so any process
 can build it and all agree: the ledger's report (`placement.ledger.report`), request outcomes,
 each model's load, what generating calls took and the KV cache they hold
-(`placement.ledger.generation`), the model cache's figures (`cache`:
-`placement.ledger.cache`), the depth of every fleet queue (each tenant's too, and per
+(`placement.ledger.figures.generation`), the model cache's figures (`cache`:
+`placement.ledger.figures.cache`), the depth of every fleet queue (each tenant's too, and per
 tenant the calls waiting: `tenants`), the calls no live worker will take (`stranded`), the
 calls quarantined (`tasks.broker.quarantine`), and where the broker's Redis is now
 (`redis`: its primary, replicas and Sentinels).
@@ -19,8 +19,9 @@ import redis
 
 from placement.catalog import adapters
 from placement.errors import GpufleetError
-from placement.ledger import cache, endpoint, generation
-from placement.ledger.histograms import Histogram
+from placement.ledger import endpoint
+from placement.ledger.figures import cache, generation
+from placement.ledger.figures.histograms import Histogram
 from placement.ledger.load import placed_replicas, read_loads
 from placement.ledger.registry import Registry
 from placement.ledger.report import load_report, request_report, status_report
@@ -172,7 +173,7 @@ def generation_report(
 
 
 def cache_report(registry: Registry, snap: Snapshot) -> dict[str, Any]:
-    """Per model, the model cache's figures (`placement.ledger.cache`): its loads from disk
+    """Per model, the model cache's figures (`placement.ledger.figures.cache`): its loads from disk
     (or a neighbour's warm copy) and restores of warm copies, its misses' waits for their
     replica, and its replicas' ages at eviction, each a histogram in seconds with its count,
     sum and mean. Every model of the catalog (when this process has it) and of the ledger

@@ -28,7 +28,7 @@ local function event(stream, maxlen, now, kind, replica, model, ...)
     'kind', kind, 'replica', replica, 'model', model, 'at', now, ...)
 end
 
--- Count `value` in histogram `name` of the hash `key` (`placement.ledger.histograms`): one
+-- Count `value` in histogram `name` of the hash `key` (`placement.ledger.figures.histograms`): one
 -- more in the bucket of the first of `bounds` (their labels, as Python writes them) at or
 -- above it ('+Inf' past the last), and in the histogram's count and sum.
 local function observe(key, name, value, bounds)
@@ -46,7 +46,7 @@ end
 
 -- A replica is evicted (whatever the cause): count its age, in seconds from its placement
 -- on its GPUs (`placed_at`, commit.lua) to `now`, in its model's cache figures
--- (`placement.ledger.cache`). `v.cache` is the key index of the model's cache hash and
+-- (`placement.ledger.figures.cache`). `v.cache` is the key index of the model's cache hash and
 -- `bounds` the age histogram's bucket labels. A record placed before `placed_at` was
 -- written has no age to count.
 local function count_eviction(v, dep_key, now, bounds)

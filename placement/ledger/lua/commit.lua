@@ -11,7 +11,7 @@
 --    gpus=[{id, key, bytes, limit, worker}],
 --    evictions=[{replica, dep, leases, active, changes, worker_deps, host, host_warm,
 --                control, expect_worker, to, cache (its model's cache hash), gpus=[{id, key}]}],
---    ages (the bucket labels of the eviction-age histogram: `placement.ledger.cache`),
+--    ages (the bucket labels of the eviction-age histogram: `placement.ledger.figures.cache`),
 --    drops=[{replica, dep, worker_deps, host, host_warm, control, expect_worker}]}
 -- Checks: the replica record is as the plan saw it; a scale-out's model has not changed
 -- its placed replicas since the decision (SCALED); the model has fewer than max_active

@@ -6,7 +6,7 @@
 --                 floor (-1: none), epoch, changes_seen (-1, or the model's `changes` count
 --                 the scale-in was decided at), why ('' or the reason, for the event),
 --                 cache (its model's cache hash), ages (the eviction-age histogram's
---                 bucket labels: `placement.ledger.cache`)}
+--                 bucket labels: `placement.ledger.figures.cache`)}
 -- A scale-in (floor >= 0) takes only the HOT, idle replica of placement `epoch`, and only
 -- while its model keeps `floor` others placed: it never drains, two routers never take a
 -- model below its floor, and a late or repeated decision changes nothing.

@@ -2,7 +2,7 @@
 
 A GPU worker records each generating call as it ends (`record`): its tokens, its time to
 first token and its mean time between tokens, as counts in the buckets of two histograms
-(`placement.ledger.histograms`: Prometheus's cumulative form is built when read), plus
+(`placement.ledger.figures.histograms`: Prometheus's cumulative form is built when read), plus
 their sums. While a replica generates, its worker also says how many KV-cache tokens its
 batch holds and, for a paged cache, its blocks in use, cached and free and its prompts'
 reuse (`mark_kv`, expiring like `mark_batch`'s count), so `gpufleet status` shows the
@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from placement.ledger.histograms import Histogram, bucket, cumulative, observe
+from placement.ledger.figures.histograms import Histogram, bucket, cumulative, observe
 from placement.ledger.load import BATCH_TTL_MS
 from placement.ledger.store import Store
 

@@ -5,7 +5,7 @@ how long its replicas' loads from disk and restores of warm copies took, how lon
 that found no HOT replica waited for its replica to become ready (a miss's load wait), and
 how old its replicas were when evicted; and per GPU, the age of its LRU end (`lru_ages_ms`,
 from a snapshot). Each per-model figure is a histogram in the model's `cache` hash
-(`placement.ledger.histograms`), counted where it happens:
+(`placement.ledger.figures.histograms`), counted where it happens:
 
 - `load`, `restore`: by the GPU worker that did the work, once the replica is HOT
   (`worker.keeper`);
@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from placement.ledger.histograms import Histogram, cumulative, labels, observe
+from placement.ledger.figures.histograms import Histogram, cumulative, labels, observe
 from placement.ledger.store import Store
 from placement.policy.state import Snapshot
 
