@@ -283,7 +283,7 @@ class MapFeed:
             if not self._cursor:
                 self._cursor = "0-0"
             return
-        self._cursor = _text(found[-1][0])
+        self._cursor = found[-1][0]
         rows = [_event(at, fields) for at, fields in found]
         rows = [row for row in rows if row["kind"] not in QUIET]
         self._feed = ([*reversed(rows), *self._feed])[:FEED_LENGTH]
@@ -325,6 +325,10 @@ def _hosts(snap: Snapshot, loads: dict[str, Any], kv: dict[str, Any]) -> list[di
         for replica, figures in load["replicas"].items()
     }
     on_gpu: dict[str, list[dict[str, Any]]] = {g: [] for g in snap.gpus}
+    # the worker process's cap on each GPU: what its placed replicas may use there (a
+    # single-GPU replica's admission limit, else its reservation): torch's per-process
+    # fraction
+    caps: dict[str, int] = dict.fromkeys(snap.gpus, 0)
     warm: dict[str, list[dict[str, Any]]] = {}
     for dep in sorted(snap.deployments.values(), key=lambda d: (d.model, d.replica)):
         if dep.level is Level.WARM:
@@ -334,19 +338,21 @@ def _hosts(snap: Snapshot, loads: dict[str, Any], kv: dict[str, Any]) -> list[di
             continue
         held = kv.get(dep.replica, {})
         for gpu_id, size in dep.gpus.items():
-            if gpu_id in on_gpu:
-                on_gpu[gpu_id].append(
-                    {
-                        "model": dep.model,
-                        "replica": dep.replica,
-                        "level": dep.level.value,
-                        "bytes": size,
-                        "cap": dep.limit if dep.level in RESERVING and len(dep.gpus) == 1 else 0,
-                        "calls": running.get(dep.replica, dep.leases),
-                        "kv_tokens": int(held.get("held_tokens", 0)),
-                        "kv_blocks": int(held.get("blocks_in_use", 0)),
-                    }
-                )
+            if gpu_id not in on_gpu:
+                continue
+            if dep.level in RESERVING:
+                caps[gpu_id] += max(size, dep.limit if len(dep.gpus) == 1 else 0)
+            on_gpu[gpu_id].append(
+                {
+                    "model": dep.model,
+                    "replica": dep.replica,
+                    "level": dep.level.value,
+                    "bytes": size,
+                    "calls": running.get(dep.replica, dep.leases),
+                    "kv_tokens": int(held.get("held_tokens", 0)),
+                    "kv_blocks": int(held.get("blocks_in_use", 0)),
+                }
+            )
     hosts: dict[str, dict[str, Any]] = {}
     for name, host in snap.hosts.items():
         hosts[name] = {
@@ -369,9 +375,7 @@ def _hosts(snap: Snapshot, loads: dict[str, Any], kv: dict[str, Any]) -> list[di
                 "total": gpu.total,
                 "reserved": gpu.reserved,
                 "free": gpu.free,
-                # the worker process's cap here: what its replicas may use (each one's
-                # admission limit, else its reservation): torch's per-process fraction
-                "cap": sum(max(r["cap"], r["bytes"]) for r in replicas if r["level"] in _CAPPED),
+                "cap": caps[gpu.id],
                 "alive": gpu.alive(snap.now_ms),
                 "replicas": replicas,
             }
@@ -379,18 +383,15 @@ def _hosts(snap: Snapshot, loads: dict[str, Any], kv: dict[str, Any]) -> list[di
     return [hosts[name] for name in sorted(hosts)]
 
 
-_CAPPED = frozenset(level.value for level in RESERVING)
-
-
-def _event(at: Any, fields: dict[Any, Any]) -> dict[str, Any]:
+def _event(at: str, fields: dict[str, str]) -> dict[str, Any]:
     """One ledger event as the feed shows it: when (its id's milliseconds: the registry's
     clock), what, of which model and replica (or which worker), and why."""
-    row = {_text(k): _text(v) for k, v in fields.items()}
+    row = dict(fields)  # the registry's client decodes replies
     why = ": ".join(row[k] for k in ("cause", "outcome", "why") if row.get(k))
     if row.get("to"):
         why = f"{why} (to {row['to']})" if why else f"to {row['to']}"
     return {
-        "at": int(_text(at).partition("-")[0]),
+        "at": int(at.partition("-")[0]),
         "kind": row.get("kind", ""),
         "model": row.get("model") or row.get("worker", ""),  # a worker's own events name it
         "replica": row.get("replica", ""),
@@ -409,7 +410,3 @@ def _credentials(url: str) -> tuple[str, str]:
 
 def _empty(fleet: str) -> dict[str, Any]:
     return {"ok": False, "error": None, "fleet": fleet, "hosts": [], "models": [], "feed": []}
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)

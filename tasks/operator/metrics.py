@@ -264,7 +264,7 @@ def _cache(models: dict[str, Any], gpus: list[dict[str, Any]]) -> Iterator[Metri
     lru = GaugeMetricFamily(
         "gpufleet_lru_age_seconds",
         "Now minus the last use of the least recently used replica an eviction may take "
-        "from a GPU (HOT, not dedicated)",
+        "from a GPU (HOT, idle, not dedicated)",
         labels=["gpu"],
     )
     for gpu in gpus:
