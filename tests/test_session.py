@@ -76,7 +76,7 @@ class _Feed:
     def more(self) -> bool:
         return bool(self.arrivals)
 
-    def opened(self, replica: str, load_ms: float, gpus: list[str]) -> None:
+    def opened(self, replica: str, gpus: list[str]) -> None:
         self.events.append(("opened", replica))
 
     def stepped(self, replica: str, calls: int, kv: dict[str, float]) -> None:

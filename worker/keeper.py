@@ -343,7 +343,6 @@ class Keeper:
         """Load or restore a LOADING placement here, then confirm it HOT."""
         replica = dep.replica
         resident = self.manager.residents.get(replica)
-        started = time.perf_counter()
         figure = ""  # the cache figure its time counts in: "load", "restore" or none
         try:
             if (

@@ -79,8 +79,8 @@ class SessionFeed(Protocol):
         """Whether calls may still come (False: end once idle)."""
         ...
 
-    def opened(self, replica: str, load_ms: float, gpus: list[str]) -> None:
-        """An engine opened: how long its replica took to be ready here, and its GPUs."""
+    def opened(self, replica: str, gpus: list[str]) -> None:
+        """An engine opened, now, on these GPUs (a call's wait for it is its own)."""
         ...
 
     def stepped(self, replica: str, calls: int, kv: dict[str, float]) -> None:
@@ -207,7 +207,7 @@ class Session:
         the keeper holds the replica's lock."""
         engine = self._engines.get(replica)
         if engine is None:
-            load_ms, epoch = waiting.ready.result()
+            _, epoch = waiting.ready.result()
             try:
                 opened = self.calls.open_engine(replica, epoch, wait=False)
             except Exception as exc:  # it left meanwhile: route its calls again
@@ -221,7 +221,7 @@ class Session:
             engine = self._engines[replica] = _Open(
                 opened, Driver(opened.engine, opened.template, self.feed.finished)
             )
-            self.feed.opened(replica, load_ms, opened.gpus)
+            self.feed.opened(replica, opened.gpus)
         moved = [c for c in waiting.calls if c.epoch and c.epoch != engine.opened.epoch]
         for call in moved:
             self._finished(call, _moved(replica))

@@ -156,7 +156,7 @@ _Batch = Callable[[list[Any], BaseException | None], dict[str, Any]]  # (calls, 
 class Figures(Protocol):
     """What a session says of its engines as it runs (`worker.session.SessionFeed`'s)."""
 
-    def opened(self, replica: str, load_ms: float, gpus: list[str]) -> None: ...
+    def opened(self, replica: str, gpus: list[str]) -> None: ...
 
     def stepped(self, replica: str, calls: int, kv: dict[str, float]) -> None: ...
 
@@ -310,9 +310,9 @@ class ChildFeed:
     def more(self) -> bool:
         return False
 
-    def opened(self, replica: str, load_ms: float, gpus: list[str]) -> None:
+    def opened(self, replica: str, gpus: list[str]) -> None:
         if self.figures is not None:
-            self.figures.opened(replica, load_ms, gpus)
+            self.figures.opened(replica, gpus)
 
     def stepped(self, replica: str, calls: int, kv: dict[str, float]) -> None:
         if self.figures is not None:

@@ -285,7 +285,7 @@ class _Session:
 
     # --- what the session says as it runs (`generating.Figures`) --------------------
 
-    def opened(self, replica: str, load_ms: float, gpus: list[str]) -> None:
+    def opened(self, replica: str, gpus: list[str]) -> None:
         self.ready[replica] = (time.time() * 1000, gpus)  # each call's wait is its own
 
     def stepped(self, replica: str, calls: int, kv: dict[str, float]) -> None:
