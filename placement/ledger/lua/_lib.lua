@@ -255,6 +255,40 @@ local function listed_replicas(n, a, with_queues)
   return reps, ids, workers, queues
 end
 
+-- The replica for a prefix no ready replica was sent (`best` is the least busy, first by
+-- id, with `best_load` leases). It goes by the load prefixes bring where they bring any
+-- (the model's calls hit a prefix at least as often as they start a new one) and its
+-- calls in flight could keep every ready replica busy (at least as many): of the replicas
+-- within the spill of the least busy, the one sent the fewest new prefixes (then the less
+-- busy, then the first by id), so new prefixes spread evenly, a new replica first.
+-- Otherwise it stays `best`, as without a prefix: calls that share nothing are routed by
+-- load alone, and a surplus replica under light load stays idle and is scaled in.
+local function choose_new(prefix, ids, loads, best, best_load)
+  local near, fields, busy, ready = {}, {}, 0, 0
+  for i = 1, #ids do
+    local load = loads[i]
+    if load ~= nil then
+      busy, ready = busy + load, ready + 1
+      if load <= best_load + prefix.spill then
+        near[#near + 1] = i
+        fields[#fields + 1] = '#' .. ids[i]
+      end
+    end
+  end
+  if busy < ready then return best end
+  local seen = redis.call('HMGET', prefix.stats, 'prefix_hit', 'prefix_new')
+  if num(seen[1]) < math.max(1, num(seen[2])) then return best end
+  local sent = redis.call('HMGET', prefix.map, unpack(fields))
+  local fewest = nil
+  for j, i in ipairs(near) do
+    local n = num(sent[j])
+    if fewest == nil or n < fewest or (n == fewest and loads[i] < loads[best]) then
+      best, fewest = i, n
+    end
+  end
+  return best
+end
+
 -- pick.lua's rule, shared with forward.lua. Of the replicas `listed_replicas` read (and,
 -- when `queues` is given, whose queue is still the one listed), the least busy HOT one
 -- whose worker's lease is live; ties to the first. Returns {i, row = {level, worker,
@@ -263,14 +297,7 @@ end
 -- set KEYS[1] holds other ids, or a replica's worker or queue changed).
 -- With a `prefix` (`read_prefix`'s), the ready replica its call's longest prefix was
 -- last sent to is chosen instead while it has at most `prefix.spill` more live leases
--- than the least busy one. A prefix no ready replica was sent goes by the load prefixes
--- bring where they bring any (the model's calls hit a prefix at least as often as they
--- start a new one) and its calls in flight could keep every ready replica busy (at least
--- as many): of the replicas within the spill of the least busy, the one sent the fewest
--- new prefixes (then the less busy, then the first by id), so new prefixes spread
--- evenly, a new replica first. Otherwise it goes to the least busy, first by id, as
--- without a prefix: calls that share nothing are routed by load alone, and a surplus
--- replica under light load stays idle and is scaled in.
+-- than the least busy one; a prefix no ready replica was sent, by `choose_new`.
 -- `c.reason` says which rule chose: 'hit' (the prefix's replica), 'spill' (it was too
 -- busy), 'new' (no ready replica had been sent the prefix) or '' (no prefix).
 -- `c.loads` holds the ready replicas' live leases, by index.
@@ -306,33 +333,7 @@ local function choose_replica(reps, ids, workers, queues, ttl, prefix)
       if at and loads[at] ~= nil then owner = at break end
     end
     if owner == nil then
-      reason = 'new'
-      local near, fields, busy, ready = {}, {}, 0, 0
-      for i = 1, #reps do
-        local load = loads[i]
-        if load ~= nil then
-          busy, ready = busy + load, ready + 1
-          if load <= best_load + prefix.spill then
-            near[#near + 1] = i
-            fields[#fields + 1] = '#' .. ids[i]
-          end
-        end
-      end
-      local reused = false  -- the model's prefixes have served a call again, on average
-      if busy >= ready then  -- and its calls could keep every ready replica busy
-        local seen = redis.call('HMGET', prefix.stats, 'prefix_hit', 'prefix_new')
-        reused = num(seen[1]) >= math.max(1, num(seen[2]))
-      end
-      if reused then
-        local sent = redis.call('HMGET', prefix.map, unpack(fields))
-        local fewest = nil
-        for j, i in ipairs(near) do
-          local n = num(sent[j])
-          if fewest == nil or n < fewest or (n == fewest and loads[i] < loads[best]) then
-            best, fewest = i, n
-          end
-        end
-      end
+      best, reason = choose_new(prefix, ids, loads, best, best_load), 'new'
     elseif loads[owner] <= best_load + prefix.spill then
       best, reason = owner, 'hit'
     else
@@ -362,11 +363,11 @@ end
 -- one more (under '#' .. id: digests are hex); count the rule that chose in the model's
 -- stats as a counted call; and clear the map past `limit` (UNLINK: freed off the script's
 -- time).
-local function note_prefix(p, c, id, path, stats_key, limit)
+local function note_prefix(p, c, id, path, limit)
   local reason = c.reason
   if not p.hashes[1] then return end
   if path == 'fast' or path == 'router' then
-    redis.call('HINCRBY', stats_key, 'prefix_' .. reason, 1)
+    redis.call('HINCRBY', p.stats, 'prefix_' .. reason, 1)
   end
   local owners = p.owners
   if redis.call('HLEN', p.map) > limit then

@@ -65,7 +65,7 @@ end
 redis.call('LPUSH', list, ARGV[5] .. lease .. ARGV[6] .. cjson.encode(queue) .. ARGV[7])
 redis.call('LREM', KEYS[3 * n + 4], 1, ARGV[4])
 lease_replica(reps[c.i], ARGV[1], c.deadline, ttl, ARGV[3], KEYS[3 * n + 2], c.now)
-note_prefix(prefix, c, ids[c.i], ARGV[3], KEYS[3 * n + 2], tonumber(ARGV[12]))
+note_prefix(prefix, c, ids[c.i], ARGV[3], tonumber(ARGV[12]))
 local drained = #KEYS >= watched and 1 or 0  -- no lists given: not known, so not drained
 for i = watched, #KEYS do
   if redis.call('LLEN', KEYS[i]) > 0 then drained = 0 break end

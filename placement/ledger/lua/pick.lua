@@ -29,5 +29,5 @@ local prefix = read_prefix(KEYS[3 * n + 3], KEYS[3 * n + 2], 6, k, tonumber(ARGV
 local c, reply = choose_replica(reps, ids, workers, nil, ttl, prefix)
 if not c then return reply end
 lease_replica(reps[c.i], ARGV[1], c.deadline, ttl, ARGV[3], KEYS[3 * n + 2], c.now)
-note_prefix(prefix, c, ids[c.i], ARGV[3], KEYS[3 * n + 2], tonumber(ARGV[6]))
+note_prefix(prefix, c, ids[c.i], ARGV[3], tonumber(ARGV[6]))
 return {1, ids[c.i], c.row[3], workers[c.i], c.row[4], c.deadline, num(c.row[5])}
