@@ -127,8 +127,8 @@ class Front:
     redis_url: str  # the fleet's result store, as the caller user
     broker_url: str  # the fleet's broker, as the caller user
     passwords: Path | None = None  # the tenants' (`tenant_users.PASSWORDS`), if kept here
-    #: The fleet's read-only `operator` URL: the map reads with it, and its user and
-    #: password open the map (`tasks.front.fleet_map`); None: no map.
+    #: The fleet's read-only `operator` URL: the map reads with it, and its user, with a
+    #: password derived from its own, opens the map (`tasks.front.fleet_map`); None: no map.
     operator_url: str | None = None
     fleet: str = "default"
     started: int = field(default_factory=lambda: int(time.time()))
