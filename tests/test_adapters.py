@@ -20,6 +20,7 @@ import transformers
 
 from placement.catalog import adapters
 from placement.catalog.catalog import Catalog
+from placement.catalog.estimate import tensor_bytes
 from placement.errors import AdapterError, CatalogError, PayloadError, UnknownAdapterError
 from worker.adapters.room import AdapterRoom
 from worker.generation.engine import Engine
@@ -360,7 +361,7 @@ def test_a_damaged_adapter_is_reported_by_its_files_without_loading_it(
     assert adapters.modules(tmp_path / "cut") == set()
     (tmp_path / "cut" / adapters.CONFIG_FILE).write_text("{not json")
     assert "not readable JSON" in str(adapters.problem(tmp_path / "cut"))
-    assert adapters.header_bytes(disk / "adapters" / "legal" / adapters.WEIGHTS_FILE) > 0
+    assert tensor_bytes(disk / "adapters" / "legal" / adapters.WEIGHTS_FILE) > 0
 
 
 @pytest.mark.gpu

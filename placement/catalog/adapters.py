@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from placement.catalog.estimate import safetensors_header
+from placement.catalog.estimate import safetensors_header, tensor_bytes
 from placement.errors import UnknownAdapterError, describe
 
 CONFIG_FILE = "adapter_config.json"
@@ -102,31 +102,10 @@ def problem(path: Path) -> str | None:
     if not isinstance(config, dict) or config.get("peft_type") != "LORA":
         return "not a LoRA adapter (peft_type must be LORA)"
     try:
-        header_bytes(path / WEIGHTS_FILE)
+        tensor_bytes(path / WEIGHTS_FILE)
     except (OSError, ValueError) as exc:
         return f"{WEIGHTS_FILE}: {exc}"
     return None
-
-
-def header_bytes(file: Path) -> int:
-    """The bytes of the tensors a safetensors file holds, read from its header alone.
-    Raises ValueError when the file is damaged (a header that does not parse, or tensors
-    that run past the file's end)."""
-    header, size = safetensors_header(file)
-    total = 0
-    for key, entry in header.items():
-        offsets = entry.get("data_offsets")
-        if (
-            not isinstance(offsets, list)
-            or len(offsets) != 2
-            or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
-        ):
-            raise ValueError(f"tensor {key!r} has no data offsets; the file is damaged")
-        begin, end = offsets
-        if not 0 <= begin <= end <= size:
-            raise ValueError(f"tensor {key!r} runs past the end of the file; it is truncated")
-        total += end - begin
-    return total
 
 
 def modules(path: Path) -> set[str]:
@@ -175,7 +154,6 @@ __all__ = [
     "WEIGHTS_FILE",
     "AdapterSource",
     "Adapters",
-    "header_bytes",
     "module_of",
     "modules",
     "parse_source",

@@ -70,12 +70,30 @@ def weights_bytes_on_disk(directory: str | os.PathLike[str]) -> int:
     total = 0
     for path in files:
         try:
-            header, _ = safetensors_header(path)
-            for entry in header.values():
-                start, end = entry["data_offsets"]
-                total += end - start
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+            total += tensor_bytes(path)
+        except (OSError, ValueError) as exc:
             raise EstimateError(f"{path}: not a readable safetensors file ({exc})") from exc
+    return total
+
+
+def tensor_bytes(file: Path) -> int:
+    """The bytes of the tensors a safetensors file holds, read from its header alone.
+    Raises ValueError when the file is damaged (a header that does not parse, or tensors
+    that run past the file's end)."""
+    header, size = safetensors_header(file)
+    total = 0
+    for key, entry in header.items():
+        offsets = entry.get("data_offsets")
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+        ):
+            raise ValueError(f"tensor {key!r} has no data offsets; the file is damaged")
+        begin, end = offsets
+        if not 0 <= begin <= end <= size:
+            raise ValueError(f"tensor {key!r} runs past the end of the file; it is truncated")
+        total += end - begin
     return total
 
 
