@@ -8,7 +8,7 @@ registry calls stand in for a router, and the feed for the Celery side.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import pytest
 
@@ -79,7 +79,9 @@ class _Feed:
     def opened(self, replica: str, gpus: list[str]) -> None:
         self.events.append(("opened", replica))
 
-    def stepped(self, replica: str, calls: int, kv: dict[str, float]) -> None:
+    def stepped(
+        self, replica: str, calls: int, held_tokens: int, figures: Callable[[], dict[str, float]]
+    ) -> None:
         self.steps[replica] = self.steps.get(replica, 0) + 1
         if not calls:
             self.events.append(("closed", replica))

@@ -83,9 +83,11 @@ class SessionFeed(Protocol):
         """An engine opened, now, on these GPUs (a call's wait for it is its own)."""
         ...
 
-    def stepped(self, replica: str, calls: int, kv: dict[str, float]) -> None:
-        """After each step of `replica`'s engine: its calls open, and its KV cache's figures
-        (`kv_figures`: `held_tokens` 0 once it closed)."""
+    def stepped(
+        self, replica: str, calls: int, held_tokens: int, figures: Callable[[], dict[str, float]]
+    ) -> None:
+        """After each step of `replica`'s engine: its calls open, the KV-cache tokens they
+        hold (0 once it closed), and its figures (`kv_figures`), built only if asked for."""
         ...
 
     def streamed(self) -> None:
@@ -257,7 +259,8 @@ class Session:
                 driver.fail(exc)
                 self._close(engine)
                 return
-            self.feed.stepped(replica, driver.calls, kv_figures(engine.opened.engine))
+            opened = engine.opened.engine
+            self.feed.stepped(replica, driver.calls, opened.held_tokens, lambda: kv_figures(opened))
         if not driver.busy:
             self._close(engine)
 
@@ -266,7 +269,8 @@ class Session:
         if self._engines.get(replica) is engine:
             del self._engines[replica]
         engine.opened.close()
-        self.feed.stepped(replica, 0, kv_figures(engine.opened.engine))
+        closed = engine.opened.engine
+        self.feed.stepped(replica, 0, closed.held_tokens, lambda: kv_figures(closed))
 
 
 def _moved(replica: str) -> EvictedError:

@@ -158,7 +158,9 @@ class Figures(Protocol):
 
     def opened(self, replica: str, gpus: list[str]) -> None: ...
 
-    def stepped(self, replica: str, calls: int, kv: dict[str, float]) -> None: ...
+    def stepped(
+        self, replica: str, calls: int, held_tokens: int, figures: Callable[[], dict[str, float]]
+    ) -> None: ...
 
     def streamed(self) -> None: ...
 
@@ -314,9 +316,11 @@ class ChildFeed:
         if self.figures is not None:
             self.figures.opened(replica, gpus)
 
-    def stepped(self, replica: str, calls: int, kv: dict[str, float]) -> None:
+    def stepped(
+        self, replica: str, calls: int, held_tokens: int, figures: Callable[[], dict[str, float]]
+    ) -> None:
         if self.figures is not None:
-            self.figures.stepped(replica, calls, kv)
+            self.figures.stepped(replica, calls, held_tokens, figures)
 
     def streamed(self) -> None:
         if self.figures is not None:

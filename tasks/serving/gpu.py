@@ -16,6 +16,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 from celery import Task
@@ -288,21 +289,24 @@ class _Session:
     def opened(self, replica: str, gpus: list[str]) -> None:
         self.ready[replica] = (time.time() * 1000, gpus)  # each call's wait is its own
 
-    def stepped(self, replica: str, calls: int, kv: dict[str, float]) -> None:
+    def stepped(
+        self, replica: str, calls: int, held_tokens: int, figures: Callable[[], dict[str, float]]
+    ) -> None:
         """After each step: write the streamed text; say the replica's calls open when
         that changed (or its record nears its expiry), and its KV cache's figures at most
-        once a second (and when it starts or stops holding tokens)."""
+        once a second (and when it starts or stops holding tokens): only then are they
+        built."""
         self.writer.flush()
         now = time.monotonic()
         said, when = self.counts.get(replica, (0, 0.0))
         if calls != said or (calls and now - when > BATCH_TTL_MS / 3000):
             self.counts[replica] = (calls, now)
             _say_batch(self.worker, replica, calls)
-        tokens = int(kv.get("held_tokens", 0))
+        tokens = held_tokens
         held, when = self.held.get(replica, (0, 0.0))
         if bool(tokens) != bool(held) or (tokens and now - when > KV_SAID_EVERY_S):
             self.held[replica] = (tokens, now)
-            _say_kv(self.worker, replica, kv)
+            _say_kv(self.worker, replica, figures())
 
     def streamed(self) -> None:
         self.writer.flush()

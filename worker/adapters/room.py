@@ -78,7 +78,6 @@ class AdapterRoom:
         self.hits = self.loads = self.evictions = 0
         # an adapter's load into a slot, latest last: from the shelf, and read from disk
         self.load_ms: dict[str, list[float]] = {"shelf": [], "disk": []}
-        self._p50 = {"shelf": 0.0, "disk": 0.0}  # their medians (0: none yet)
         self._hooks = [
             model.get_submodule(m).register_forward_hook(self._hook(m)) for m in self.targets
         ]
@@ -142,7 +141,6 @@ class AdapterRoom:
         took = self.load_ms[where]
         took.append((time.perf_counter() - started) * 1000)
         del took[:-1024]
-        self._p50[where] = round(sorted(took)[len(took) // 2], 3)  # said at every step
         self.loads += 1
         self._slot_of[name] = slot
         self._keys[name] = name.encode() + b"\0" + adapter.stamp
@@ -213,7 +211,10 @@ class AdapterRoom:
             "adapter_hits": self.hits,
             "adapter_loads": self.loads,
             "adapter_evictions": self.evictions,
-            **{f"adapter_load_{where}_ms_p50": p50 for where, p50 in self._p50.items()},
+            **{
+                f"adapter_load_{where}_ms_p50": _median(took)
+                for where, took in self.load_ms.items()
+            },
         }
 
     def close(self) -> None:
@@ -224,3 +225,8 @@ class AdapterRoom:
 
 
 __all__ = ["AdapterRoom", "RoomFull"]
+
+
+def _median(values: list[float]) -> float:
+    """The median of `values`, rounded to the microsecond (0: none)."""
+    return round(sorted(values)[len(values) // 2], 3) if values else 0.0

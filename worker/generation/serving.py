@@ -147,6 +147,8 @@ class Driver:
         gets one. Once one waits for a slot, later calls of adapters wait behind it (so
         calls of held adapters do not keep it out for good); calls of the base go on. A
         call past its deadline ends cancelled; one whose start fails gets that error."""
+        if not self._parked:  # the common step: nothing waits for a slot
+            return
         waiting: list[_Running] = []
         pending, self._parked = self._parked, []
         blocked = False
