@@ -230,6 +230,11 @@ class RoomIndex:
         counts = self._slots.setdefault(total, {})
         _add(counts, slot, change)
 
+    def held_count(self) -> int:
+        """How many replica slots are held, on every GPU: the sample the demand observed
+        (`pinned_share`) is taken from."""
+        return sum(sum(counts.values()) for counts in self._slots.values())
+
     def slot_count(self, total: int, size: int) -> int:
         """How many replicas hold a slot of `size` bytes on GPUs of `total` bytes."""
         return self._slots.get(total, {}).get(size, 0)
