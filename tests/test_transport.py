@@ -656,6 +656,12 @@ def test_a_consumer_waiting_on_one_tenant_s_list_takes_calls_pushed_onto_others_
         client.close()
 
 
+def _unblocked(client: redis.Redis) -> bool:
+    """Whether a client blocked in a wait was found and ended as if its time were up."""
+    blocked = [c["id"] for c in client.client_list() if "b" in c["flags"]]
+    return bool(blocked) and all(client.client_unblock(int(i)) for i in blocked)
+
+
 def test_a_consumer_hears_no_push_onto_the_list_it_waits_on_and_hears_the_one_it_left(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -680,6 +686,8 @@ def test_a_consumer_hears_no_push_onto_the_list_it_waits_on_and_hears_the_one_it
                 consumer.conn.drain_events(timeout=0.6)
             consumer.send("a")
             assert consumer.taken(3, within=3.0) < 3.0  # heard, not found at its next look
+            # its next wait is 30 s, which closing the channel would read to its end
+            consumer.drain_until("waiting", lambda: _unblocked(client))
         assert [body["t"] for _, body in consumer.seen] == ["a", "b", "a"]
         assert consumer.left_over(client) == [0] * 6
         client.close()
