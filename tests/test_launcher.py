@@ -64,6 +64,32 @@ def test_a_child_that_dies_is_started_again(tmp_path: Path) -> None:
     assert child.proc is not None and child.proc.poll() is not None
 
 
+def test_a_child_killed_from_outside_more_often_than_a_crash_loop_is_still_started_again(
+    tmp_path: Path,
+) -> None:
+    # an operator, the OOM killer or a chaos test: no restart of the child is at fault,
+    # and giving up would stop the whole fleet (a 4-minute chaos soak kills the router
+    # every 20 s or so, which once stopped its fleet)
+    run = launcher(tmp_path)
+    marker = tmp_path / "starts"
+    script = f"open({str(marker)!r}, 'a').write('x'); import time; time.sleep(60)"
+    child = Child("sleeper", [sys.executable, "-c", script], dict(os.environ))
+    run.run_child(child)
+
+    def started(times: int) -> bool:  # not `exists` alone: see the test above
+        return marker.exists() and marker.read_text() == "x" * times
+
+    for starts in range(1, CRASH_LIMIT + 3):
+        supervise_until(run, lambda: started(starts))  # noqa: B023 - called at once
+        assert child.proc is not None
+        child.proc.kill()
+        child.proc.wait()
+    supervise_until(run, lambda: started(CRASH_LIMIT + 3))
+    assert len(child.crashes) == CRASH_LIMIT + 2  # every one counted, for the backoff
+    run.stop()
+    assert child.proc is not None and child.proc.poll() is not None
+
+
 def test_a_crash_loop_stops_supervision_naming_the_child_and_quoting_its_log(
     tmp_path: Path,
 ) -> None:
