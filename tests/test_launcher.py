@@ -59,17 +59,16 @@ def test_a_child_that_dies_is_started_again(tmp_path: Path) -> None:
     first.kill()
     supervise_until(run, lambda: child.proc is not first and child.proc is not None)
     supervise_until(run, lambda: marker.read_text() == "xx")
-    assert len(child.crashes) == 1
+    assert [killed for _, killed in child.deaths] == [True]  # one death, a kill
     run.stop()
     assert child.proc is not None and child.proc.poll() is not None
 
 
-def test_a_child_killed_from_outside_more_often_than_a_crash_loop_is_still_started_again(
+def test_a_child_killed_by_sigkill_more_often_than_a_crash_loop_is_still_started_again(
     tmp_path: Path,
 ) -> None:
-    # an operator, the OOM killer or a chaos test: no restart of the child is at fault,
-    # and giving up would stop the whole fleet (a 4-minute chaos soak kills the router
-    # every 20 s or so, which once stopped its fleet)
+    # `kill -9`, the OOM killer or a chaos test: giving up would stop the whole fleet (a
+    # 4-minute chaos soak kills the router every 20 s or so, which once stopped its fleet)
     run = launcher(tmp_path)
     marker = tmp_path / "starts"
     script = f"open({str(marker)!r}, 'a').write('x'); import time; time.sleep(60)"
@@ -85,9 +84,41 @@ def test_a_child_killed_from_outside_more_often_than_a_crash_loop_is_still_start
         child.proc.kill()
         child.proc.wait()
     supervise_until(run, lambda: started(CRASH_LIMIT + 3))
-    assert len(child.crashes) == CRASH_LIMIT + 2  # every one counted, for the backoff
+    assert len(child.deaths) == CRASH_LIMIT + 2  # every one counted, for the backoff
     run.stop()
     assert child.proc is not None and child.proc.poll() is not None
+
+
+def test_a_child_that_exits_as_often_as_a_crash_loop_between_kills_still_is_one(
+    tmp_path: Path,
+) -> None:
+    # its first start exits with code 3 at once, the next sleeps until killed, and so on;
+    # each start writes its pid and which it is
+    run = launcher(tmp_path)
+    marker = tmp_path / "starts"
+    script = (
+        f"import os, pathlib, time\nmarker = pathlib.Path({str(marker)!r})\n"
+        "n = len(marker.read_text().split()) if marker.exists() else 0\n"
+        "open(marker, 'a').write(f'{os.getpid()}:{n % 2} ')\n"
+        "if n % 2 == 0: raise SystemExit(3)\ntime.sleep(60)"
+    )
+    child = Child("halting", [sys.executable, "-c", script], dict(os.environ))
+    run.run_child(child)
+    killed: set[int] = set()
+
+    def kill_the_sleeper() -> bool:  # a check that acts: kills each sleeping start once
+        written = marker.read_text().split() if marker.exists() else []
+        proc = child.proc
+        if proc is not None and f"{proc.pid}:1" in written and proc.pid not in killed:
+            proc.kill()
+            killed.add(proc.pid)
+        return False
+
+    with pytest.raises(ConfigError) as err:
+        supervise_until(run, kill_the_sleeper)
+    assert f"halting exited with code 3 {CRASH_LIMIT} times" in str(err.value)
+    assert len(killed) == CRASH_LIMIT - 1  # the kills between the exits counted for nothing
+    run.stop()
 
 
 def test_a_crash_loop_stops_supervision_naming_the_child_and_quoting_its_log(

@@ -9,12 +9,15 @@ project's client find it with no setting.
 It supervises every child (`supervise`, called about once a second):
 - a child that dies is started again after a backoff (1 s, doubling to 30 s), with one
   log line that says which and why;
-- a child that ends by itself (an exit code, or a fault such as SIGSEGV) `CRASH_LIMIT`
-  times within `CRASH_WINDOW_S` is a crash loop: the launcher gives up with an error that
-  names it and quotes its last log lines. A child killed from outside (`KILLED`: an
-  operator, the OOM killer, a chaos test) is started again however often, as Kubernetes
-  restarts a killed container: giving up would stop the whole fleet for what no restart
-  of the child can be at fault for;
+- a child that exits (an exit code, or a fault such as SIGSEGV) `CRASH_LIMIT` times
+  within `CRASH_WINDOW_S` is a crash loop, which a setting that keeps it from starting
+  causes: the launcher gives up with an error that names it and quotes its last log
+  lines. A child killed by SIGKILL (`kill -9`, the OOM killer, a chaos test) is started
+  again however often, as Kubernetes restarts any container: giving up would stop every
+  other process of the fleet too (a 4-minute chaos soak, killing the router every 20 s
+  or so, stopped its fleet that way). Kills that reach `CRASH_LIMIT` in the window get a
+  warning that asks about memory. (Celery workers and Flower catch SIGTERM and SIGINT
+  and exit, so those count as exits);
 - each child runs in its own process group, so a dead Celery worker's pool children go
   with it; its successor, under the same node name, puts back first what it had taken
   and not acknowledged (`tasks.broker.presence`; else they would wait out the visibility
@@ -95,13 +98,11 @@ DEFAULT_SIM_GPUS = "2x8GiB"
 #: promoted one still has a replica as the other primary is lost or stopped.
 HA_REPLICAS = 2
 STOP_GRACE_S = 15.0
-#: A child that ends by itself this many times within the window is given up on.
+#: A child that exits this many times within the window is given up on (not for kills).
 CRASH_LIMIT = 5
 CRASH_WINDOW_S = 120.0
 #: Restart backoff: 1 s, doubling, at most this.
 MAX_BACKOFF_S = 30.0
-#: Signals that only come from outside a process: a death by one is no crash of its own.
-KILLED = frozenset({signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
 LOG_LINES = 40  # kept per child, quoted when it crash-loops
 STOPPED = (
     "the fleet stopped (gpufleet up ended) before this call ran; its bundled Redis, which "
@@ -121,8 +122,8 @@ class Child:
     lines: collections.deque[str] = field(
         default_factory=lambda: collections.deque(maxlen=LOG_LINES)
     )
-    # its deaths within `CRASH_WINDOW_S`: when, and whether it ended by itself
-    crashes: collections.deque[tuple[float, bool]] = field(default_factory=collections.deque)
+    # its deaths within `CRASH_WINDOW_S`: when, and whether it was killed (`killed`)
+    deaths: collections.deque[tuple[float, bool]] = field(default_factory=collections.deque)
     restart_at: float | None = None
     pass_fds: tuple[int, ...] = ()  # listening sockets it serves on (the launcher keeps them)
 
@@ -139,9 +140,10 @@ class Child:
 
     @property
     def killed(self) -> bool:
-        """Whether it died by a signal sent from outside it (`KILLED`)."""
+        """Whether it died by SIGKILL (`kill -9`, the OOM killer), which it cannot catch,
+        rather than exiting (any other end: a code, or a signal such as SIGSEGV)."""
         code = self.proc.returncode if self.proc is not None else None
-        return code is not None and code < 0 and -code in KILLED
+        return code == -signal.SIGKILL
 
 
 @dataclass
@@ -508,17 +510,22 @@ class Launcher:
     def _died(self, child: Child, now: float) -> None:
         assert child.proc is not None
         _kill_group(child.proc.pid)  # what it left behind (a Celery worker's pool children)
-        while child.crashes and now - child.crashes[0][0] > CRASH_WINDOW_S:
-            child.crashes.popleft()
-        child.crashes.append((now, not child.killed))
-        own = sum(by_itself for _, by_itself in child.crashes)
-        if own >= CRASH_LIMIT:
+        while child.deaths and now - child.deaths[0][0] > CRASH_WINDOW_S:
+            child.deaths.popleft()
+        child.deaths.append((now, child.killed))
+        kills = sum(killed for _, killed in child.deaths)
+        exits = len(child.deaths) - kills
+        if exits >= CRASH_LIMIT:
             tail = "\n".join(f"  {line}" for line in list(child.lines)[-15:]) or "  (no output)"
             raise ConfigError(
-                f"{child.name} {child.describe_exit()} {own} times in "
+                f"{child.name} {child.describe_exit()} {exits} times in "
                 f"{CRASH_WINDOW_S:.0f} s; giving up. Its last log lines:\n{tail}"
             )
-        delay = min(MAX_BACKOFF_S, self.first_backoff_s * 2.0 ** (len(child.crashes) - 1))
+        if child.killed and kills == CRASH_LIMIT:
+            log.warning("%s was killed by SIGKILL %d times in %.0f s; if not by you, the "
+                        "kernel's OOM killer may be ending it: see dmesg", child.name, kills,
+                        CRASH_WINDOW_S)  # fmt: skip
+        delay = min(MAX_BACKOFF_S, self.first_backoff_s * 2.0 ** (len(child.deaths) - 1))
         log.error("%s %s; starting it again in %.0f s", child.name, child.describe_exit(), delay)
         child.restart_at = now + delay
 
