@@ -345,15 +345,17 @@ def _t4_in_use(a10_gpus: int, t4_held: dict[str, int], a10_held: int) -> Snapsho
 
 def test_a_share_fills_a_typed_gpu_in_use_only_while_its_type_has_room_to_spare() -> None:
     # Whole GPUs are asked, so `type_left` counts empty GPUs, and A10 has the most left.
-    # T4 with room to spare: of the 25.7 GPUs held by 26 replicas, 1.7 are T4's (0.066,
-    # give or take its standard error of 0.049), so of the 18.3 free T4's pinned requests
-    # will want about 1.2, 2.1 at one error more, and T4 has 2.3. Its 0.3 left on t1 takes
+    # T4 with room to spare: of the 25.7 GPUs held by 26 replicas (a sample of 25.9, as
+    # weighed by their GPUs' worth), 1.7 are T4's (0.066, give or take its standard error
+    # of 0.049), so of the 18.3 free T4's pinned requests will want about 1.2, 2.1 at one
+    # error more, and T4 has 2.3. (These two tests hold for `SPARE_ERRORS` from about 0.4
+    # to 1.2: the fixtures are small.) Its 0.3 left on t1 takes
     # nothing they need, so it is weighed against A10's GPUs by the room each strands: a
     # 0.3 share fills it exactly, where on an empty A10 it would leave 0.7. A 0.5 share,
     # which t1 cannot take, opens an A10, never a T4.
     spare = _t4_in_use(40, {"t0": 10**9, "t1": 700_000_000}, a10_held=24)
     index = room_of(spare)
-    assert index.held_count() == 26
+    assert index.sample_size() == pytest.approx(25.7**2 / 25.49)
     assert type_left(index, "Tesla T4", 10**9, 300_000_000) < type_left(
         index, "NVIDIA A10", 10**9, 300_000_000
     )
@@ -372,20 +374,38 @@ def test_a_share_fills_a_typed_gpu_in_use_only_while_its_type_has_room_to_spare(
 
 
 def test_a_typed_gpus_room_in_use_is_not_to_spare_within_the_error_of_the_estimate() -> None:
-    # T4's room beyond its pinned requests' expected ask is the same 0.4 GPU as above in
-    # proportion, but measured from 6 replicas held: 1.7 of the 5.7 GPUs held are T4's
-    # (0.30, give or take 0.19), so of the 6.3 free they will want 1.9, or 3.1 at one
-    # error more, and T4 has 2.3. The estimate cannot tell whether T4 will run short, and
+    # T4's room passes its pinned requests' expected ask by 0.4 GPU, measured from 6
+    # replicas held (a sample of 5.9): 1.7 of the 5.7 GPUs held are T4's (0.30, give or
+    # take 0.19), so of the 6.3 free they will want 1.9, or 3.1 at one error more, and T4
+    # has 2.3. The estimate cannot tell whether T4 will run short, and
     # room given away on a type that does is lost to its pinned requests, so a 0.3 share
     # opens an empty A10 rather than fill t1.
     unsure = _t4_in_use(8, {"t0": 10**9, "t1": 700_000_000}, a10_held=4)
     index = room_of(unsure)
-    assert index.held_count() == 6
+    assert index.sample_size() == pytest.approx(5.7**2 / 5.49)
     assert index.type_room["Tesla T4"] > index.pinned_share("Tesla T4") * index.free_room()
     assert not room_to_spare(index, "Tesla T4")
     for seed in range(10):
         plan = plan_replica(Demand("q", gpus=0.3, dedicated=True), unsure, rng=random.Random(seed))
         assert set(plan.gpus) <= {f"a{i}" for i in range(4, 8)}
+
+
+def test_a_replica_of_several_gpus_is_one_draw_of_the_demand_however_many_it_holds() -> None:
+    # the pinned share's error is that of a sample of replicas weighed by the GPUs' worth
+    # each holds (Kish's effective size, (sum w)^2 / sum w^2): four GPUs held by one replica
+    # vary together, so they count for less than four replicas of one GPU each
+    gpus = [gpu(f"h{h}-{i}", GiB, host=f"h{h}", index=i) for h in range(2) for i in range(4)]
+    apart = [hot(f"r{i}", f"r{i}", {f"h0-{i}": GiB}, host="h0", dedicated=True) for i in range(4)]
+    wide = hot("w", "w", {f"h1-{i}": GiB for i in range(4)}, host="h1", dedicated=True)
+    together = [*apart, wide]
+    separate = apart + [
+        hot(f"s{i}", f"s{i}", {f"h1-{i}": GiB}, host="h1", dedicated=True) for i in range(4)
+    ]
+    assert room_of(fleet(gpus, separate)).sample_size() == pytest.approx(8.0)
+    assert room_of(fleet(gpus, together)).sample_size() == pytest.approx(8.0**2 / (4 + 16))
+    shares = [hot(f"q{i}", f"q{i}", {f"h0-{i}": GiB // 4}, host="h0") for i in range(4)]
+    assert room_of(fleet(gpus, shares)).sample_size() == pytest.approx(4.0)
+    assert room_of(fleet(gpus, [])).sample_size() == 0
 
 
 @pytest.mark.parametrize("context", [0, 50 * MiB])

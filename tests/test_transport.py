@@ -656,8 +656,10 @@ def test_a_consumer_waiting_on_one_tenant_s_list_takes_calls_pushed_onto_others_
         client.close()
 
 
-def _unblocked(client: redis.Redis) -> bool:
-    """Whether a client blocked in a wait was found and ended as if its time were up."""
+def _unblock_waits(client: redis.Redis) -> bool:
+    """End every client's blocked wait as if its time were up; whether one was found. A
+    check that acts: `drain_until` asks it before each read and stops reading once it is
+    true, so the consumer reads the ended wait's reply only as its channel closes."""
     blocked = [c["id"] for c in client.client_list() if "b" in c["flags"]]
     return bool(blocked) and all(client.client_unblock(int(i)) for i in blocked)
 
@@ -687,7 +689,7 @@ def test_a_consumer_hears_no_push_onto_the_list_it_waits_on_and_hears_the_one_it
             consumer.send("a")
             assert consumer.taken(3, within=3.0) < 3.0  # heard, not found at its next look
             # its next wait is 30 s, which closing the channel would read to its end
-            consumer.drain_until("waiting", lambda: _unblocked(client))
+            consumer.drain_until("waiting", lambda: _unblock_waits(client))
         assert [body["t"] for _, body in consumer.seen] == ["a", "b", "a"]
         assert consumer.left_over(client) == [0] * 6
         client.close()

@@ -20,11 +20,11 @@ from placement.policy.state import Candidate, Demand, Deployment, Level, Snapsho
 # tuned constant: 25 and 100 in its place miss as many cells of 60 typed replays, within 1
 # (docs/benchmarks.md, "Typed pods: each type asked what it will be asked")
 TYPES_EVEN = 50
-# How sure `room_to_spare` must be that a type's pinned requests leave room: by SURE
-# standard errors of the share it estimates them by. One standard error, the usual
-# measure of an estimate's spread, not tuned: a half and two in its place are measured
-# beside it (docs/benchmarks.md, "Room to spare, beyond the estimate's error")
-SURE = 1.0
+# Standard errors of the pinned share that a type's room must clear to be to spare
+# (`room_to_spare`). One, the usual measure of an estimate's spread, not tuned: a half and
+# two in its place are measured beside it (docs/benchmarks.md, "Room to spare, beyond the
+# estimate's error")
+SPARE_ERRORS = 1.0
 
 
 @dataclass(frozen=True)
@@ -137,8 +137,9 @@ def room_to_spare(index: RoomIndex, name: str) -> bool:
     use free for others.
 
     The pinned share is a proportion observed over the replicas held so far, so it is
-    known to within its standard error, sqrt(p (1 - p) / n) for n held; room within
-    `SURE` of those of the ask is not to spare. The two ways of being wrong are not alike:
+    known to within its standard error, sqrt(p (1 - p) / n) for a sample of n
+    (`RoomIndex.sample_size`); the room must pass the ask by `SPARE_ERRORS` of those, of
+    the fleet's free room, to be to spare. The two ways of being wrong are not alike:
     room given away on a type that turns out short brings the first refusal forward by
     about that room over its pinned requests' share of the asks (7 times it where that
     share is 0.14), while room kept saves only what one request strands elsewhere.
@@ -147,7 +148,7 @@ def room_to_spare(index: RoomIndex, name: str) -> bool:
     may run anywhere, each with T4's room 1 to 43 GPUs' worth over the estimate, whose
     standard error was 85 to 109 (docs/benchmarks.md)."""
     share = index.pinned_share(name)
-    error = SURE * math.sqrt(share * (1 - share) / max(1, index.held_count()))
+    error = SPARE_ERRORS * math.sqrt(share * (1 - share) / max(1.0, index.sample_size()))
     return index.type_room[name] > (share + error) * index.free_room()
 
 

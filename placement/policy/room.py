@@ -125,6 +125,9 @@ class RoomIndex:
         # bytes held on GPUs of each size, and of those the bytes of models that a GPU-type
         # constraint (its patterns) allows.
         self._held: dict[int, int] = {}
+        # and each replica's GPUs' worth squared, as bytes squared by GPU size (a replica of
+        # n whole GPUs adds n x its slot squared on each): `sample_size`
+        self._squares: dict[int, int] = {}
         self._pinned: dict[tuple[tuple[str, ...], int], int] = {}
         # Replicas held by what they ask (`placement.policy.fragmentation`), and the same
         # as each GPU type sees them, kept for the types asked about (`demand`)
@@ -216,6 +219,7 @@ class RoomIndex:
         holds that many whole GPUs (`whole_gpus`), and asks them whatever `slot` is left
         of this one; 0: it asks `slot`."""
         _add(self._held, total, slot * change)
+        _add(self._squares, total, (whole or 1) * slot * slot * change)
         self._pinning = None
         patterns = accelerators.alternatives(pin)
         ask = (patterns, total, total, whole) if whole else (patterns, total, slot, 1)
@@ -230,10 +234,14 @@ class RoomIndex:
         counts = self._slots.setdefault(total, {})
         _add(counts, slot, change)
 
-    def held_count(self) -> int:
-        """How many replica slots are held, on every GPU: the sample the demand observed
-        (`pinned_share`) is taken from."""
-        return sum(sum(counts.values()) for counts in self._slots.values())
+    def sample_size(self) -> float:
+        """How many draws the demand observed (`pinned_share`) rests on: Kish's effective
+        sample size for draws weighted by the GPUs' worth each replica holds, (sum of
+        weights)^2 / sum of weights^2. A replica of n GPUs is one draw of weight n, so it
+        counts for less than n replicas of one GPU would; 0 when nothing is held."""
+        weights = sum(nbytes / total for total, nbytes in self._held.items())
+        squares = sum(nbytes / (total * total) for total, nbytes in self._squares.items())
+        return weights * weights / squares if squares > 0 else 0.0
 
     def slot_count(self, total: int, size: int) -> int:
         """How many replicas hold a slot of `size` bytes on GPUs of `total` bytes."""
