@@ -145,8 +145,8 @@ def room_to_spare(index: RoomIndex, name: str) -> bool:
     share is 0.14), while room kept saves only what one request strands elsewhere.
     On a type whose pinned requests ask for about what it has, a decision on the bare
     estimate flips on noise: early in a fill, 2.5 GPUs' worth of T4 went to shares that
-    may run anywhere, each with T4's room 1 to 43 GPUs' worth over the estimate, whose
-    standard error was 85 to 109 (docs/benchmarks.md)."""
+    may run anywhere, each with T4's room 1.3 to 43 GPUs' worth over the estimate, whose
+    standard error was 117 to 145 (docs/benchmarks.md)."""
     share = index.pinned_share(name)
     error = SPARE_ERRORS * math.sqrt(share * (1 - share) / max(1.0, index.sample_size()))
     return index.type_room[name] > (share + error) * index.free_room()
