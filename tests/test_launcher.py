@@ -45,20 +45,26 @@ def supervise_until(run: Launcher, done: Callable[[], bool], within_s: float = 2
         time.sleep(0.02)
 
 
-def test_a_child_that_dies_is_started_again(tmp_path: Path) -> None:
-    run = launcher(tmp_path)
+def sleeper(run: Launcher, tmp_path: Path) -> tuple[Child, Callable[[int], bool]]:
+    """A child that marks each start and sleeps, started; and whether it has started n
+    times. (Not whether the marker exists: open() makes the file before the write reaches
+    it, and a kill in between would leave one mark for two starts.)"""
     marker = tmp_path / "starts"
     script = f"open({str(marker)!r}, 'a').write('x'); import time; time.sleep(60)"
     child = Child("sleeper", [sys.executable, "-c", script], dict(os.environ))
     run.run_child(child)
+    return child, lambda n: marker.exists() and marker.read_text() == "x" * n
+
+
+def test_a_child_that_dies_is_started_again(tmp_path: Path) -> None:
+    run = launcher(tmp_path)
+    child, started = sleeper(run, tmp_path)
     first = child.proc
     assert first is not None
-    # Not `marker.exists`: open() makes the file before the write reaches it, and a kill
-    # in between would leave one 'x' for two starts.
-    supervise_until(run, lambda: marker.exists() and marker.read_text() == "x")
+    supervise_until(run, lambda: started(1))
     first.kill()
     supervise_until(run, lambda: child.proc is not first and child.proc is not None)
-    supervise_until(run, lambda: marker.read_text() == "xx")
+    supervise_until(run, lambda: started(2))
     assert [killed for _, killed in child.deaths] == [True]  # one death, a kill
     run.stop()
     assert child.proc is not None and child.proc.poll() is not None
@@ -70,14 +76,7 @@ def test_a_child_killed_by_sigkill_more_often_than_a_crash_loop_is_still_started
     # `kill -9`, the OOM killer or a chaos test: giving up would stop the whole fleet (a
     # 4-minute chaos soak kills the router every 20 s or so, which once stopped its fleet)
     run = launcher(tmp_path)
-    marker = tmp_path / "starts"
-    script = f"open({str(marker)!r}, 'a').write('x'); import time; time.sleep(60)"
-    child = Child("sleeper", [sys.executable, "-c", script], dict(os.environ))
-    run.run_child(child)
-
-    def started(times: int) -> bool:  # not `exists` alone: see the test above
-        return marker.exists() and marker.read_text() == "x" * times
-
+    child, started = sleeper(run, tmp_path)
     for starts in range(1, CRASH_LIMIT + 3):
         supervise_until(run, lambda: started(starts))  # noqa: B023 - called at once
         assert child.proc is not None
