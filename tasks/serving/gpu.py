@@ -302,10 +302,9 @@ class _Session:
         if calls != said or (calls and now - when > BATCH_TTL_MS / 3000):
             self.counts[replica] = (calls, now)
             _say_batch(self.worker, replica, calls)
-        tokens = held_tokens
         held, when = self.held.get(replica, (0, 0.0))
-        if bool(tokens) != bool(held) or (tokens and now - when > KV_SAID_EVERY_S):
-            self.held[replica] = (tokens, now)
+        if bool(held_tokens) != bool(held) or (held_tokens and now - when > KV_SAID_EVERY_S):
+            self.held[replica] = (held_tokens, now)
             _say_kv(self.worker, replica, figures())
 
     def streamed(self) -> None:
