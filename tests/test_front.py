@@ -15,18 +15,22 @@ import redis
 import redis.asyncio
 from celery import Celery
 
+from placement.catalog.catalog import Catalog
 from placement.errors import ConfigError
 from placement.server.redis_server import RedisServer
+from placement.server.tenant_users import save_passwords
 from tasks.config import caller_conf
-from tasks.front import keys, shapes
+from tasks.front import keys, server, shapes
 from tasks.front.keys import KeyFile
 from tasks.front.sending import Sender, message
+from tasks.front.server import Front
 from tasks.front.shapes import RequestError
 from tasks.front.waiting import Stream
 
 CHAT: Any = [{"role": "user", "content": "hi"}]
 PARTS = [{"type": "text", "text": "be "}, {"type": "text", "text": "brief"}]
 IMAGE = [{"role": "user", "content": [{"type": "image_url"}]}]
+REPO = Path(__file__).resolve().parents[1]
 
 
 def test_a_key_file_holds_digests_only_and_takes_a_key_added_after_it_was_read(
@@ -239,3 +243,35 @@ def test_a_call_sent_after_redis_restarted_reaches_it_on_a_new_connection() -> N
         client.close()
     app.close()
     assert "after" in ids
+
+
+def test_a_tenant_whose_password_changed_gets_a_new_lane_without_waiting_for_the_old_to_stop(
+    redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The old lane's stop waits for the cancels it sent; here one never lands, and the
+    # deadline is an hour: a replacing call that waited for it would not return.
+    monkeypatch.setattr(server, "CANCELS_DEADLINE_S", 3600.0)
+    passwords = tmp_path / "passwords.json"
+    save_passwords(passwords, {"acme": "first", "other": "theirs"})
+    front = Front(
+        Catalog.load(REPO / "models.yaml"), KeyFile(tmp_path / "keys"), redis_url, redis_url,
+        passwords,
+    )  # fmt: skip
+
+    async def replace() -> tuple[server.Lane, server.Lane, server.Lane, bool]:
+        landed = asyncio.Event()
+        old = await front.lane("acme")
+        server._keep(old.cancels, asyncio.create_task(landed.wait()))  # as a cancel is kept
+        save_passwords(passwords, {"acme": "second one", "other": "theirs"})
+        new = await asyncio.wait_for(front.lane("acme"), timeout=30)
+        other = await asyncio.wait_for(front.lane("other"), timeout=30)
+        old_still_stopping = bool(front._retiring)
+        landed.set()
+        await asyncio.wait_for(front.stop(), timeout=30)
+        return old, new, other, old_still_stopping
+
+    old, new, other, old_still_stopping = asyncio.run(replace())
+    assert new is not old and new.password == "second one"
+    assert other.tenant == "other"
+    assert old_still_stopping  # the old lane was stopping all along, in the background
+    assert not front._retiring  # and the front's stop waited for it

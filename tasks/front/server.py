@@ -134,6 +134,8 @@ class Front:
     started: int = field(default_factory=lambda: int(time.time()))
     lanes: dict[str, Lane] = field(default_factory=dict)
     _opening: asyncio.Lock = field(default_factory=asyncio.Lock)
+    #: Lanes replaced (their tenant's password changed), stopping in the background.
+    _retiring: set[asyncio.Task[None]] = field(default_factory=set)
     _kept: tuple[tuple[int, int] | None, dict[str, str]] = (None, {})  # passwords, as read
     map_access: MapAccess = field(init=False)
     map_feed: MapFeed | None = field(init=False, default=None)
@@ -149,7 +151,7 @@ class Front:
     async def stop(self) -> None:
         if self.map_feed is not None:
             await self.map_feed.stop()
-        await asyncio.gather(*(lane.stop() for lane in self.lanes.values()))
+        await asyncio.gather(*(lane.stop() for lane in self.lanes.values()), *self._retiring)
 
     async def lane(self, tenant: str) -> Lane:
         """`tenant`'s lane, opened on its first call, and again once the tenant has another
@@ -164,7 +166,10 @@ class Front:
                 return found
             if found is not None:  # its old user is gone: so are the calls it held
                 del self.lanes[tenant]
-                await found.stop()
+                # Stopped in the background: its stop waits up to CANCELS_DEADLINE_S for
+                # the cancels it sent, and neither this call nor another tenant's first
+                # (which waits for `_opening`) should wait with it.
+                _keep(self._retiring, asyncio.create_task(found.stop()))
             url = self.redis_url
             if tenant != tenants.DEFAULT:
                 url = user_url(self.redis_url, tenants.user_of(tenant), password)
