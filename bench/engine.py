@@ -12,8 +12,11 @@ compares the fleet with.
   a step costs beside the model's own pass.
 - `burst`: the calls running, and `BURST_AFTER` steps after the last of their prompts is
   in, `BURST` new prompts of `BURST_TOKENS` tokens added at once: the running calls' gaps
-  between tokens, p99, over those steps (before) and from the burst's arrival until every
-  burst prompt has its first token (during), and the burst prompts' time to first token.
+  between tokens, p99, from the burst's arrival until every burst prompt has its first
+  token (during), against **the same tokens' gaps in a run without the burst** (the
+  issue's "its value without the burst": the calls' own contexts grow meanwhile, and a
+  step of longer rows costs more with or without a burst) and, as before, against the
+  `BURST_AFTER` steps before it arrived; and the burst prompts' time to first token.
 
 Greedy throughout; `torch`'s threads as the process has them.
 """
@@ -122,7 +125,37 @@ def decode_steps(spec: Any, gpu: bool, prompt_tokens: int) -> dict[str, Any]:
 
 
 def burst(calls: list[tuple[str, int]], spec: Any, gpu: bool) -> dict[str, Any]:
-    """The running calls' inter-token p99 before and during a burst of long prompts."""
+    """The running calls' inter-token p99 while a burst of long prompts is prefilled,
+    against the same tokens' gaps in a run without the burst, and against the gaps before
+    it arrived."""
+    without, _, _ = _stream_gaps(calls, spec, gpu, arrive=False)
+    gaps, before, first = _stream_gaps(calls, spec, gpu, arrive=True)
+    during = list(gaps.values())
+    same = [without[token] for token in gaps if token in without]
+    p99_during = percentile(during, 99) * 1000 if during else float("nan")
+    p99_without = percentile(same, 99) * 1000 if same else float("nan")
+    p99_before = percentile(before, 99) * 1000 if before else float("nan")
+    return {
+        "prompts": BURST,
+        "prompt_tokens": BURST_TOKENS,
+        "itl_p99_ms_without": round(p99_without, 2),
+        "itl_p99_ms_before": round(p99_before, 2),
+        "itl_p99_ms_during": round(p99_during, 2),
+        "itl_ratio": round(p99_during / p99_without, 3),
+        "itl_ratio_to_before": round(p99_during / p99_before, 3),
+        "burst_ttft_p50_ms": round(percentile(first, 50), 1),
+        "gaps_during": len(during),
+    }
+
+
+def _stream_gaps(
+    calls: list[tuple[str, int]], spec: Any, gpu: bool, *, arrive: bool
+) -> tuple[dict[tuple[Any, int], float], list[float], list[float]]:
+    """One run of `burst`: the calls running and, `BURST_AFTER` steps after every prompt is
+    in, the burst added (with `arrive`). Returns the running calls' gaps before each token
+    made while the burst is prefilled (every token after the burst's step when there is no
+    burst), by (call, token index); their gaps in the steps before it; and the burst
+    prompts' times to first token (ms)."""
     from worker.generation.engine import Options, Sequence_
     from worker.generation.replica import replica_engine
 
@@ -141,8 +174,8 @@ def burst(calls: list[tuple[str, int]], spec: Any, gpu: bool) -> dict[str, Any]:
         for i in range(BURST)
     ]  # fmt: skip
     last: dict[Any, tuple[int, float]] = {}
+    gaps: dict[tuple[Any, int], float] = {}
     before: list[float] = []
-    during: list[float] = []
     arrived = 0.0
     steady = -1  # steps since every call's prompt was in (-1: not yet)
     while engine.busy:
@@ -150,36 +183,28 @@ def burst(calls: list[tuple[str, int]], spec: Any, gpu: bool) -> dict[str, Any]:
             steady = 0
         if steady == BURST_AFTER:
             arrived = time.monotonic()
-            for sequence in arrivals:
+            for sequence in arrivals if arrive else ():
                 engine.add(sequence)
         engine.step()
         _sync(device)
         now = time.monotonic()
-        bursting = arrived and any(s.first_token is None for s in arrivals)
-        gaps = during if bursting else before if steady >= 0 and not arrived else None
+        bursting = arrived and (not arrive or any(s.first_token is None for s in arrivals))
         for sequence in running:
             made = len(sequence.tokens)
             seen = last.get(sequence.key)
-            if gaps is not None and seen is not None and made > seen[0] and not sequence.done:
-                gaps.append(now - seen[1])
+            if seen is not None and made > seen[0] and not sequence.done:
+                if bursting:
+                    gaps[(sequence.key, made)] = now - seen[1]
+                elif steady >= 0 and not arrived:
+                    before.append(now - seen[1])
             if seen is None or made > seen[0]:
                 last[sequence.key] = (made, now)
         if steady >= 0:
             steady += 1
         if arrived and not bursting:
             break
-    first = [((s.first_token or arrived) - arrived) * 1000 for s in arrivals]
-    p99_before = percentile(before, 99) * 1000 if before else float("nan")
-    p99_during = percentile(during, 99) * 1000 if during else float("nan")
-    return {
-        "prompts": BURST,
-        "prompt_tokens": BURST_TOKENS,
-        "itl_p99_ms_before": round(p99_before, 2),
-        "itl_p99_ms_during": round(p99_during, 2),
-        "itl_ratio": round(p99_during / p99_before, 3),
-        "burst_ttft_p50_ms": round(percentile(first, 50), 1),
-        "gaps_during": len(during),
-    }
+    first = [((s.first_token or arrived) - arrived) * 1000 for s in arrivals] if arrive else []
+    return gaps, before, first
 
 
 __all__ = ["alone", "burst", "decode_steps"]

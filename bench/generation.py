@@ -44,8 +44,9 @@ their CPU counts):
   ratio;
 - `decode_step`: one decode step of a lone sequence in the paged engine and in the
   left-padded one (`bench.engine.decode_steps`);
-- `burst`: the running calls' inter-token p99 before and while 16 prompts of 1,000 tokens
-  arrive at once, in the engine alone (`bench.engine.burst`), and its ratio.
+- `burst`: the running calls' inter-token p99 while 16 prompts of 1,000 tokens arrive at
+  once, in the engine alone (`bench.engine.burst`), against the same tokens' gaps in a run
+  without the burst (`itl_ratio`) and against the steps before it (`itl_ratio_to_before`).
 `--shape tight` and `--shape chat` run the paged KV cache against the left-padded one,
 engine against engine in this process, instead (`bench.kv`).
 
