@@ -261,7 +261,11 @@ def test_a_tenant_whose_password_changed_gets_a_new_lane_without_waiting_for_the
     async def replace() -> tuple[server.Lane, server.Lane, server.Lane, bool]:
         landed = asyncio.Event()
         old = await front.lane("acme")
-        server._keep(old.cancels, asyncio.create_task(landed.wait()))  # as a cancel is kept
+
+        async def cancel() -> None:  # a cancel sent as a client left, not landed yet
+            await landed.wait()
+
+        server._keep(old.cancels, asyncio.create_task(cancel()))
         save_passwords(passwords, {"acme": "second one", "other": "theirs"})
         new = await asyncio.wait_for(front.lane("acme"), timeout=30)
         other = await asyncio.wait_for(front.lane("other"), timeout=30)
