@@ -246,6 +246,7 @@ def short_of(counts: Mapping[str, int]) -> dict[str, int]:
     return {what: seen[what] for what, floor in ENOUGH.items() if seen[what] < floor}
 
 
+@pytest.mark.timeout(int(SECONDS + 300))  # the suite's 300 s, beside a longer soak's own
 def test_a_fleet_under_chaos_answers_right_and_its_ledger_matches_its_workers(
     tmp_path: Path,
 ) -> None:
