@@ -98,6 +98,20 @@ def test_a_task_id_used_again_takes_a_slot_of_its_own(store: Store) -> None:
     assert quotas.counts(store, "team-a") == (1, 1)
 
 
+def test_a_call_s_entry_run_again_after_its_reply_was_lost_keeps_the_slot_it_took(
+    store: Store,
+) -> None:
+    tenants.add(store, "team-a", 1, "pw", max_running=1)
+    store.client.lpush(inflight(store), message("once"))
+    slot = new_slot()
+    args = ("team-a", "once", inflight(store), message("once"), slot)
+    assert quotas.enter(store, *args) is Entry.IN
+    # the store sends a step again when its reply is lost: the same slot, not a park
+    assert quotas.enter(store, *args) is Entry.IN
+    assert [s.task_id for s in quotas.slots(store, "team-a")] == ["once"]
+    assert quotas.counts(store, "team-a") == (1, 0)
+
+
 def test_a_new_call_waits_behind_the_parked_ones_even_when_a_slot_is_free(store: Store) -> None:
     tenants.add(store, "team-a", 1, "pw", max_running=1)
     router = Router(store, "team-a")

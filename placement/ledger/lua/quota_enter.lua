@@ -11,8 +11,9 @@
 -- ARGV[1] = the tenant, ARGV[2] = the fleet's id of the call, ARGV[3] = its message as taken
 -- ARGV[4] = the slot to take (a token the fleet made, which the call carries on)
 -- ARGV[5] = the task id its caller gave it (its message says it: quota_leave.lua)
--- Returns 1: it takes the slot ARGV[4] (also a call handed back, whose slot was kept;
---            and any call of a tenant with no record or no quota now: no slot is taken)
+-- Returns 1: it takes the slot ARGV[4] (also a call handed back, whose slot was kept; a
+--            step run again, its reply lost, whose first run took it; and any call of a
+--            tenant with no record or no quota now: no slot is taken)
 --       | 2: parked: moved from the in-flight list to the parked list, in this step
 --       | 3: refused: the tenant has max_queued calls parked (with no running limit:
 --            max_queued calls holding slots); the message stays in flight
@@ -21,6 +22,7 @@ if not redis.call('LPOS', KEYS[3], ARGV[3]) then return -2 end
 local now = now_ms()
 local slot = ARGV[4] .. ':' .. ARGV[2]
 local handed = 'handed:' .. ARGV[5]
+if redis.call('ZSCORE', KEYS[1], slot) then return 1 end  -- run again: it holds the slot
 if redis.call('ZSCORE', KEYS[1], handed) then
   redis.call('ZREM', KEYS[1], handed)
   redis.call('ZADD', KEYS[1], now, slot)
