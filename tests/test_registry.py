@@ -167,6 +167,25 @@ def test_a_stale_plan_is_retried_on_a_fresh_snapshot(two_gpus: Registry) -> None
     assert set(other.gpus) != set(plan.gpus)
 
 
+def test_a_commit_sent_again_after_its_reply_was_lost_answers_as_before_and_changes_nothing(
+    two_gpus: Registry,
+) -> None:
+    reg = two_gpus
+    snap = reg.snapshot()
+    plan = plan_replica(Demand("a", size=2 * GiB), snap, rng=random.Random(0))
+    first = reg.commit(plan, snap, lease_id="call-1")
+    before = reg.snapshot()
+    # the store sends a script again when its reply is lost: the same plan, the same lease
+    again = reg.commit(plan, snap, lease_id="call-1")
+    after = reg.snapshot()
+    assert again.epoch == first.epoch
+    assert after.gpus == before.gpus and after.active == before.active
+    assert reg.client.zrange(reg.keys.leases(plan.replica), 0, -1) == ["call-1"]
+    # without the lease that pins it, the same plan is another router's stale one
+    with pytest.raises(PlanRejectedError):
+        reg.commit(plan, snap)
+
+
 def test_concurrent_plans_for_one_replica_place_it_only_once(two_gpus: Registry) -> None:
     reg = two_gpus
     snap = reg.snapshot()

@@ -33,9 +33,19 @@
 -- eviction counts its age from then). Its epoch grows by one; `lease` pins it for the call
 -- that caused the placement. Every worker concerned is notified on its control list.
 -- Returns {1, replica, epoch, level} | {0, reason, detail} and then changes nothing.
+-- Run again with a plan already applied (the store re-sends a step whose reply was lost),
+-- it changes nothing and answers as it did: the replica is placed for the plan's worker,
+-- pinned by the plan's lease, which only this plan's commit gives it.
 local p = cjson.decode(ARGV[1])
 local now = now_ms()
 local dep = K(p.dep)
+
+if p.lease ~= '' and redis.call('ZSCORE', K(p.leases), p.lease) then
+  local made = record(dep)
+  if made.worker == p.worker and made.level ~= 'WARM' and made.level ~= 'COLD' then
+    return {1, p.replica, num(made.epoch), made.level}
+  end
+end
 
 -- The replica record.
 local mine
