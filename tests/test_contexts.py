@@ -189,3 +189,40 @@ def test_the_python_ledger_and_the_lua_scripts_agree_on_contexts(reg: Registry) 
     # the sequence did put a shard on another worker's GPU, and dropped one still waiting
     assert any(g.contexts for snap in seen for g in snap.gpus.values())
     assert any(g.waiting_contexts for snap in seen for g in snap.gpus.values())
+
+
+@pytest.mark.parametrize("first", ["w0", "w1"])
+def test_a_context_declared_on_a_gpu_whose_record_was_reaped_is_charged_when_its_owner_returns(
+    reg: Registry, first: str
+) -> None:
+    # w1 keeps a context on w0's GPU; a long outage reaps both (in either order), which
+    # removes h0:0's record. w1 comes back first, declaring the context; then w0.
+    gpus = {
+        f"w{i}": Gpu(id=f"h0:{i}", host="h0", index=i, name="Sim", total=8 * GiB, context=CONTEXT)
+        for i in range(2)
+    }
+    reg.register_worker("w1", "h0", "q1", [gpus["w1"]], warm_budget=8 * GiB, contexts=["h0:0"])
+    assert reg.snapshot().gpus["h0:0"].contexts == {"w1": CONTEXT}
+    for worker in (first, "w1" if first == "w0" else "w0"):
+        reg.reap(worker, force=True)
+    assert "h0:0" not in reg.snapshot().gpus
+    reg.register_worker("w1", "h0", "q1", [gpus["w1"]], warm_budget=8 * GiB, contexts=["h0:0"])
+    reg.register_worker("w0", "h0", "q0", [gpus["w0"]], warm_budget=8 * GiB)
+    snap = reg.snapshot()
+    back = snap.gpus["h0:0"]
+    assert (back.reserved, back.held, back.contexts) == (CONTEXT, CONTEXT, {"w1": CONTEXT})
+    assert audit(snap) == []
+    # and it is given back when w1 is reaped, as any context is
+    reg.reap("w1", force=True)
+    back = reg.snapshot().gpus["h0:0"]
+    assert (back.reserved, back.held, back.contexts) == (0, 0, {})
+
+
+def test_a_context_declared_on_a_gpu_that_never_returns_leaves_nothing_when_its_worker_goes(
+    reg: Registry,
+) -> None:
+    gpu = Gpu(id="h0:1", host="h0", index=1, name="Sim", total=8 * GiB, context=CONTEXT)
+    reg.reap("w1", force=True)
+    reg.register_worker("w1", "h0", "q1", [gpu], warm_budget=8 * GiB, contexts=["h0:9"])
+    reg.reap("w1", force=True)
+    assert reg.client.exists(reg.keys.gpu("h0:9")) == 0

@@ -15,7 +15,9 @@ from placement.units import accelerators
 
 #: `gpu:<id>` hash fields of the CUDA context a worker keeps on a GPU it does not own:
 #: `ctx:<worker>` its bytes, `ctx_held:<worker>` set once they count in `held` (commit.lua),
-#: `ctx_wait:<worker>` the WAITING placements relying on them until then (_lib.lua).
+#: `ctx_wait:<worker>` the WAITING placements relying on them until then (_lib.lua);
+#: `ctx_pending:<worker>` (not read here), one declared while the GPU's record was gone,
+#: charged when its owner registers it again (register.lua).
 CONTEXT, CONTEXT_HELD, CONTEXT_WAIT = "ctx:", "ctx_held:", "ctx_wait:"
 
 

@@ -52,6 +52,7 @@ for _, c in ipairs(a.contexts) do
     redis.call('HDEL', key, 'ctx:' .. a.worker, 'ctx_held:' .. a.worker,
       'ctx_wait:' .. a.worker)
   end
+  redis.call('HDEL', key, 'ctx_pending:' .. a.worker)  -- declared while the GPU was gone
   touched[c.id] = c.key
 end
 for _, g in ipairs(a.own) do

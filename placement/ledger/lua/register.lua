@@ -7,7 +7,9 @@
 -- loaded by a worker that does not own it is charged there (commit.lua). `contexts` are
 -- GPUs of other workers on which this process still keeps a context (it registers again
 -- after its lease was lost and reaped): each is charged now, in `reserved` and `held`,
--- even past the GPU's total, since the context is there.
+-- even past the GPU's total, since the context is there. A GPU whose record is gone (its
+-- owner was reaped too, and nothing held it) is charged once its owner registers it
+-- again: until then its record keeps `ctx_pending:<worker>`.
 -- `lineage` names the slot a worker process fills (a pool, or a launcher's worker slot):
 -- a live owner of the same lineage is a predecessor this process replaces.
 -- `process` is the worker's process identity (JSON, opaque here: `worker.identity`), which a
@@ -37,6 +39,17 @@ for _, g in ipairs(a.gpus) do
     'lineage', a.lineage, 'context', g.context, 'domain', a.domain or '')
   redis.call('HSETNX', key, 'reserved', 0)
   redis.call('HSETNX', key, 'held', 0)
+  for _, field in ipairs(redis.call('HKEYS', key)) do  -- contexts declared while it was gone
+    local other = field:match('^ctx_pending:(.+)$')
+    if other then
+      redis.call('HDEL', key, field)
+      if other ~= a.worker and num(g.context) > 0 then
+        redis.call('HINCRBY', key, 'reserved', num(g.context))
+        redis.call('HINCRBY', key, 'held', num(g.context))
+        redis.call('HSET', key, 'ctx:' .. other, num(g.context), 'ctx_held:' .. other, 1)
+      end
+    end
+  end
   redis.call('SADD', K(a.gpus_set), g.id)
   table.insert(ids, g.id)
 end
@@ -48,6 +61,9 @@ for _, c in ipairs(a.contexts) do
     redis.call('HINCRBY', key, 'reserved', num(context))
     redis.call('HINCRBY', key, 'held', num(context))
     redis.call('HSET', key, field, num(context), 'ctx_held:' .. a.worker, 1)
+    table.insert(new_contexts, c.id)
+  elseif not owner then  -- its record is gone: charged when its owner registers it
+    redis.call('HSET', key, 'ctx_pending:' .. a.worker, 1)
     table.insert(new_contexts, c.id)
   end
 end
