@@ -64,8 +64,10 @@ class FairTurns:
     tenant's queues share its turns, in the consumer's own order (kombu's queue cycle:
     `update`, `consume`, `rotate`). The first non-empty queue in `consume`'s order is taken
     from, so the tenant served has the least start tag of those with messages, as in
-    `FairOrder`. Queues of one tenant alone keep the consumer's order: a consumer without
-    tenants takes as it always did."""
+    `FairOrder`. Queues of one tenant take turns as kombu's round-robin cycle has them
+    (the queue just taken from goes last): a consumer without tenants takes as it always
+    did, and a backlog on one queue does not hold back another of the same tenant (a
+    router's internal queue behind a backlog of calls)."""
 
     def __init__(self, tenant_of: Callable[[str], str], weight_of: Callable[[str], float]) -> None:
         self.items: list[str] = []
@@ -81,7 +83,10 @@ class FairTurns:
         return sorted(self.items, key=lambda q: self._order.peek(self._tenant_of(q)))[:n]
 
     def rotate(self, last_used: str) -> None:
-        """A message was taken from `last_used`."""
+        """A message was taken from `last_used`: it goes after its tenant's other queues."""
+        if last_used in self.items:
+            self.items.remove(last_used)
+            self.items.append(last_used)
         tenant = self._tenant_of(last_used)
         self._order.serve(self._order.arrive(tenant, self._weight_of(tenant)))
 
