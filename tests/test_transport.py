@@ -175,6 +175,38 @@ def test_a_worker_s_message_waits_in_flight_until_it_is_recorded_as_unacked() ->
             assert unacked == seen  # (unacknowledged: closing gives it back)
 
 
+def test_a_message_given_back_by_a_sweep_before_it_was_recorded_is_not_run_by_its_taker() -> None:
+    # The taker stopped between its take and its record, past its lease: a sweep moved the
+    # message from its in-flight list back to its queue (as redeliver.lua does).
+    taken: list[Any] = []
+    with RedisServer() as server:
+        _publish(server.url, {"n": 1})
+        client = redis.Redis.from_url(server.url)
+
+        class SweptQoS(QoS):
+            def append(self, message: Any, delivery_tag: str) -> None:
+                inflight, item = self.channel.taken
+                assert client.lrem(inflight, 1, item) == 1
+                client.rpush("work", item)
+                super().append(message, delivery_tag)
+
+        class SweptChannel(Channel):
+            QoS = SweptQoS
+
+        class SweptTransport(Transport):
+            Channel = SweptChannel
+
+        with (
+            Connection(server.url, transport=SweptTransport, transport_options=NAMED) as c,
+            c.Consumer(WORK, callbacks=[lambda _b, message: taken.append(message)]),
+        ):
+            c.drain_events(timeout=5)
+            [message] = taken
+            assert message.acknowledged  # what a consumer skips (tasks/serving/consumer.py)
+            assert client.hlen("unacked") == 0 and client.llen(IN_FLIGHT) == 0
+            assert client.llen("work") == 1  # the sweep's copy goes on, once
+
+
 def test_what_a_dead_worker_took_is_first_in_line_for_its_successor_of_the_same_name(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

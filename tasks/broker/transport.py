@@ -154,7 +154,16 @@ class QoS(kombu_redis.QoS):
                     pipe.sadd(unacked_of(holder), delivery_tag)
                 if taken is not None:  # recorded: out of the in-flight list in the same step
                     pipe.lrem(taken[0], 1, taken[1])
-                pipe.execute()
+                done = pipe.execute()
+            if taken is not None and not done[-1]:
+                # No longer in flight: a sweep gave it back to its queue while this process
+                # was stopped between the take and the record, so it is not ours to run
+                # (as move.lua and forward.lua say of it): the copy there goes on.
+                log.warning("message %s was given back before it was recorded; not run here",
+                            delivery_tag)  # fmt: skip
+                self.drop_records([delivery_tag])
+                self._gone(message, delivery_tag)
+                return
         except channel.connection_errors:
             if taken is None:  # a taken message waits in the in-flight list instead
                 give_back(channel, message)
