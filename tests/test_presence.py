@@ -23,8 +23,8 @@ from kombu import Connection, Queue
 from placement.ledger.keys import CONSUMERS, unacked_of
 from placement.server.redis_server import RedisServer
 from tasks.broker import presence
-from tasks.broker.intake import LEASE_HEADER
-from tasks.broker.transport import Transport, inflight
+from tasks.broker.intake import LEASE_HEADER, mark_redelivered
+from tasks.broker.transport import Onward, Transport, inflight
 from tasks.config import INTERNAL_QUEUE, ROUTER_QUEUE
 from tasks.serving.calls import HOPS_HEADER
 
@@ -352,3 +352,41 @@ def test_of_two_given_back_copies_of_one_call_exactly_one_goes_on(
     assert len(set(tags)) == 2
     yields = [presence.on_its_way(client, call.id, tag, [GPU_QUEUE]) for tag in tags]
     assert sorted(yields) == [False, True]
+
+
+def test_a_given_back_call_moved_on_by_a_router_is_the_copy_its_given_back_twin_yields_to() -> None:
+    # A host lost with a router and a GPU worker leaves two given-back copies of call X:
+    # M on `celery` and M2 on the router's queue. M's tag sorts first, so M goes on, and a
+    # router moves it to a GPU worker's queue under a new tag; M2 must yield to that copy.
+    first, second = (f"00000000-0000-4000-8000-00000000000{n}" for n in (1, 2))
+    gpu_queue = "gpufleet.h.gpu0"
+
+    def given_back(tag: str, queue: str) -> str:
+        payload = {
+            "body": "W10=", "content-encoding": "utf-8", "content-type": "application/json",
+            "headers": {"id": "X", "task": "gpufleet.infer"},
+            "properties": {"delivery_tag": tag, "body_encoding": "base64", "priority": 0,
+                           "delivery_info": {"exchange": "", "routing_key": queue}},
+        }  # fmt: skip
+        mark_redelivered(payload)
+        return json.dumps(payload)
+
+    with RedisServer() as server:
+        client = redis.Redis.from_url(server.url)
+        client.lpush("celery", given_back(first, "celery"))
+        client.lpush(ROUTER_QUEUE, given_back(second, ROUTER_QUEUE))
+        assert not presence.on_its_way(client, "X", first)  # M sorts first: it goes on
+        with Connection(
+            server.url, transport=Transport, transport_options={"consumer_name": "router@r"}
+        ) as conn:
+            conn.default_channel.divert = lambda m: Onward(gpu_queue, dict(m.headers), _noop)
+            with conn.Consumer(Queue("celery"), callbacks=[lambda _b, _m: None]):
+                conn.drain_events(timeout=5)
+        (moved,) = _queued(client, gpu_queue)
+        assert "redelivered" not in moved["headers"]
+        assert presence.on_its_way(client, "X", second, queues=[gpu_queue])
+        client.close()
+
+
+def _noop() -> None:
+    return None

@@ -259,11 +259,13 @@ class QoS(kombu_redis.QoS):
         self, message: Any, headers: dict[str, Any], queue: str
     ) -> tuple[dict[str, Any], int]:
         """`message`'s payload with `headers`, routed to `queue` under a new delivery tag
-        (its headers before its properties), and its priority."""
+        (its headers before its properties), and its priority. The copy moved on is a
+        hand-off, not a message given back: it carries no such mark, so that a given-back
+        twin of its call yields to it whatever its new tag (seen.lua)."""
         channel = self.channel
         raw = message._raw
         payload = {k: v for k, v in raw.items() if k not in ("headers", "properties")}
-        payload["headers"] = headers
+        payload["headers"] = {k: v for k, v in headers.items() if k != "redelivered"}
         properties = payload["properties"] = dict(raw["properties"])
         properties["delivery_info"] = {"exchange": "", "routing_key": queue}
         properties["delivery_tag"] = channel._next_delivery_tag()
