@@ -546,8 +546,8 @@ class Channel(kombu_redis.Channel):
         self, tenant_of: Callable[[str], str], weight_of: Callable[[str], float]
     ) -> None:
         """Take from this channel's queues in turns by the weights of their tenants
-        (`placement.rules.fairness.FairTurns`), rather than in kombu's fixed order, which
-        queues of one tenant keep."""
+        (`placement.rules.fairness.FairTurns`), rather than kombu's round-robin cycle,
+        which queues of one tenant keep."""
         turns = FairTurns(tenant_of, weight_of)
         turns.update(self._queue_cycle.items)
         self._queue_cycle = turns
