@@ -161,8 +161,9 @@ class QoS(kombu_redis.QoS):
                 # (as move.lua and forward.lua say of it): the copy there goes on.
                 log.warning("message %s was given back before it was recorded; not run here",
                             delivery_tag)  # fmt: skip
-                self.drop_records([delivery_tag])
-                self._gone(message, delivery_tag)
+                virtual.QoS.append(self, message, delivery_tag)  # type: ignore[no-untyped-call]
+                self.ack(delivery_tag)  # its record goes, or later if Redis cannot take it now
+                message._state = "ACK"
                 return
         except channel.connection_errors:
             if taken is None:  # a taken message waits in the in-flight list instead
