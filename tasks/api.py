@@ -450,10 +450,14 @@ def _start_sweeper(**_: Any) -> None:
 
     def sweep() -> None:
         broker = routed.broker()
+        hearing = presence.Hearing(context.settings().worker_lease_ms / 1000)
         while True:
             time.sleep(SWEEP_EVERY_S)
             try:
                 registry = context.registry()
+                registry.now_ms()  # Redis answers: silence counts from a lease after that
+                if not hearing.heard(time.monotonic()):
+                    continue
                 swept = registry.sweep()
                 if swept["reaped"] or swept["drained"]:
                     log.info("swept: %s", swept)
@@ -462,6 +466,7 @@ def _start_sweeper(**_: Any) -> None:
                 names = tenants.records(registry)
                 presence.sweep(broker, live, routed.answered, registry.end_leases_of, names)
             except Exception:
+                hearing.lost()
                 log.exception("sweep failed; retrying")
 
     threading.Thread(target=sweep, name="gpufleet-sweeper", daemon=True).start()

@@ -390,3 +390,18 @@ def test_a_given_back_call_moved_on_by_a_router_is_the_copy_its_given_back_twin_
 
 def _noop() -> None:
     return None
+
+
+def test_a_sweeper_that_could_not_reach_redis_judges_silence_only_a_lease_after_it_answers() -> (
+    None
+):
+    hearing = presence.Hearing(lease_s=15.0)
+    assert hearing.heard(100.0)  # a router that always heard Redis sweeps at once
+    hearing.lost()  # an outage: every live worker's renewals failed as this sweep did
+    assert not hearing.heard(130.0)  # Redis answers again: workers renew within a lease
+    assert not hearing.heard(144.9)
+    assert hearing.heard(145.0)
+    hearing.lost()
+    hearing.lost()  # still out: the lease counts from the first answer after it
+    assert not hearing.heard(200.0)
+    assert hearing.heard(215.0)

@@ -41,6 +41,7 @@ import base64
 import functools
 import json
 import logging
+import math
 import re
 import secrets
 import threading
@@ -241,6 +242,29 @@ class Presence:
             "renew", [CONSUMERS], [self.node, self.token, "1" if leaving else "0"]
         )
         return bool(reply)
+
+
+class Hearing:
+    """Whether a sweeper may judge workers by their silence now. A worker renews its lease
+    while it reaches Redis; so does any live one once Redis answers again after an outage,
+    within one lease. So silence counts only over time the sweeper itself heard Redis:
+    after a sweep that could not reach it, the next sweep waits until Redis has answered
+    for a whole worker lease (`lease_s`). Sweeping at once gave back what every live worker
+    held, after an outage longer than a lease, and ran it again elsewhere."""
+
+    def __init__(self, lease_s: float) -> None:
+        self.lease_s = lease_s
+        self._since: float | None = -math.inf  # Redis answered from then on (None: not now)
+
+    def lost(self) -> None:
+        """A sweep could not reach Redis."""
+        self._since = None
+
+    def heard(self, now: float) -> bool:
+        """Redis answered at `now` (`time.monotonic()`); whether silence may be judged."""
+        if self._since is None:
+            self._since = now
+        return now - self._since >= self.lease_s
 
 
 def sweep(
