@@ -428,6 +428,32 @@ def test_a_call_waiting_while_another_holds_every_row_gets_one_at_the_next_step(
         assert sequence.tokens == _alone(model, sequence.prompt, 30)
 
 
+def test_a_sequence_handed_a_row_it_could_not_take_at_once_stays_in_line_and_ends(
+    model: tuple[Any, Any],
+) -> None:
+    net, tokenizer = model
+    engine = Engine(
+        net, tokenizer, CPU, budget=7 * BLOCK_TOKENS, window=512, max_rows=4,
+        prefill_tokens=32, pace=Unpaced(),
+    )  # fmt: skip
+    for i, n in enumerate([4, 14, 4, 4]):  # R1's (14 tokens) first block fills at the third step
+        prompt = [2, *range(10 + 7 * i, 9 + 7 * i + n)]
+        engine.add(Sequence_(("R", i), prompt, Options(max_new_tokens=60)))
+    engine.step()  # call R holds every row
+    x0 = Sequence_(("X", 0), [2, *range(100, 119)], Options(max_new_tokens=30))
+    x1 = Sequence_(("X", 1), [2, *range(200, 219)], Options(max_new_tokens=30))
+    engine.add(x0)
+    engine.add(x1)
+    engine.step()  # both handed a row; 20 + 20 prompt tokens > 32: x1 waits at the head
+    assert x1 in engine.handed and engine.waiting[0] is x1
+    engine.add(Sequence_(("T", 0), [2, 300, 301, 302], Options(max_new_tokens=5)))
+    engine.step()  # x1 no longer fits its blocks, and T is handed a row ahead of it
+    assert any(s is x1 for s in (*engine.waiting, *engine.prefilling, *engine.rows))
+    engine.run()
+    assert (x1.finish, len(x1.tokens)) == ("length", 30)
+    assert engine._finishes == {}  # every call's queued sequences left the line
+
+
 def test_rows_move_towards_equal_shares_and_are_not_taken_back(model: tuple[Any, Any]) -> None:
     net, tokenizer = model
     engine = Engine(net, tokenizer, CPU, budget=10**6, window=512, max_rows=8)

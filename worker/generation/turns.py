@@ -110,8 +110,11 @@ class RowTurns(PagedRows):
         if first:
             # They head the line out of their fair order, which they do not move on: the
             # engine's virtual time stays with the sequences admitted in it.
+            # One handed a row before and not admitted yet (its step's prompt tokens ran
+            # out, say) keeps its place: only this pass's move to the head.
             self.handed.update(first)
-            self.waiting = first + [s for s in self.waiting if s not in self.handed]
+            moved = {id(s) for s in first}
+            self.waiting = first + [s for s in self.waiting if id(s) not in moved]
 
     def _victims(
         self, share: Share, holder: Hashable, blocks_short: int, taken: int
