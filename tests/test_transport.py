@@ -60,6 +60,24 @@ def _wait_back(url: str, timeout: float = 20) -> redis.Redis:
             time.sleep(0.1)
 
 
+def _recording_after(before: Callable[[QoS], None]) -> type[Transport]:
+    """The broker transport with `before(qos)` run as each message it takes is about to be
+    recorded as unacked (between the take and the record)."""
+
+    class HookedQoS(QoS):
+        def append(self, message: Any, delivery_tag: str) -> None:
+            before(self)
+            super().append(message, delivery_tag)
+
+    class HookedChannel(Channel):
+        QoS = HookedQoS
+
+    class HookedTransport(Transport):
+        Channel = HookedChannel
+
+    return HookedTransport
+
+
 def test_a_message_taken_as_redis_dies_is_first_in_its_queue_again_after_the_restart(
     tmp_path: Path,
 ) -> None:
@@ -67,25 +85,17 @@ def test_a_message_taken_as_redis_dies_is_first_in_its_queue_again_after_the_res
         _publish(server.url, {"n": 1}, {"n": 2})
         crashed = threading.Event()
 
-        class CrashingQoS(QoS):
-            """Kills the server between BRPOP and the unacked record, then restarts it."""
+        def crash(_: QoS) -> None:
+            """Kill the server between BRPOP and the unacked record, then restart it."""
+            if not crashed.is_set():
+                crashed.set()
+                os.kill(server.pid, signal.SIGKILL)
+                threading.Timer(0.5, server.restart).start()
 
-            def append(self, message: Any, delivery_tag: str) -> None:
-                if not crashed.is_set():
-                    crashed.set()
-                    os.kill(server.pid, signal.SIGKILL)
-                    threading.Timer(0.5, server.restart).start()
-                super().append(message, delivery_tag)
-
-        class CrashingChannel(Channel):
-            QoS = CrashingQoS
-
-        class CrashingTransport(Transport):
-            Channel = CrashingChannel
-
+        crashing = _recording_after(crash)
         seen: list[Any] = []
         with (
-            Connection(server.url, transport=CrashingTransport) as conn,
+            Connection(server.url, transport=crashing) as conn,
             conn.Consumer(WORK, callbacks=[lambda body, _m: seen.append(body)]),
             pytest.raises(conn.connection_errors),
         ):
@@ -152,19 +162,11 @@ def test_a_worker_s_message_waits_in_flight_until_it_is_recorded_as_unacked() ->
         _publish(server.url, {"n": 1})
         client = redis.Redis.from_url(server.url)
 
-        class WatchingQoS(QoS):
-            def append(self, message: Any, delivery_tag: str) -> None:
-                at_record.append((client.llen("work"), client.llen(IN_FLIGHT)))
-                super().append(message, delivery_tag)
-
-        class WatchingChannel(Channel):
-            QoS = WatchingQoS
-
-        class WatchingTransport(Transport):
-            Channel = WatchingChannel
+        def watch(_: QoS) -> None:
+            at_record.append((client.llen("work"), client.llen(IN_FLIGHT)))
 
         with (
-            Connection(server.url, transport=WatchingTransport, transport_options=NAMED) as c,
+            Connection(server.url, transport=_recording_after(watch), transport_options=NAMED) as c,
             c.Consumer(WORK, callbacks=[lambda body, _m: seen.append(body)]),
         ):
             c.drain_events(timeout=5)
@@ -183,21 +185,13 @@ def test_a_message_given_back_by_a_sweep_before_it_was_recorded_is_not_run_by_it
         _publish(server.url, {"n": 1})
         client = redis.Redis.from_url(server.url)
 
-        class SweptQoS(QoS):
-            def append(self, message: Any, delivery_tag: str) -> None:
-                inflight, item = self.channel.taken
-                assert client.lrem(inflight, 1, item) == 1
-                client.rpush("work", item)
-                super().append(message, delivery_tag)
-
-        class SweptChannel(Channel):
-            QoS = SweptQoS
-
-        class SweptTransport(Transport):
-            Channel = SweptChannel
+        def sweep(qos: QoS) -> None:
+            inflight, item = qos.channel.taken
+            assert client.lrem(inflight, 1, item) == 1
+            client.rpush("work", item)
 
         with (
-            Connection(server.url, transport=SweptTransport, transport_options=NAMED) as c,
+            Connection(server.url, transport=_recording_after(sweep), transport_options=NAMED) as c,
             c.Consumer(WORK, callbacks=[lambda _b, message: taken.append(message)]),
         ):
             c.drain_events(timeout=5)
