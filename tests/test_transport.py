@@ -897,3 +897,21 @@ def test_a_tenant_s_call_goes_back_to_its_queue_as_sent_and_is_named_once_when_t
         assert ids == ["t1@team-a", "t1@team-a"]  # the fleet's id each time, never twice named
         back = json.loads(client.lrange("t.team-a.celery", 0, -1)[0])
         assert back["headers"]["id"] == "t1"
+
+
+def test_a_consumer_taking_its_queues_in_turns_waits_idle_on_the_list_it_last_took_from() -> None:
+    # A router takes its public and internal queues in turns, so after a call the internal
+    # queue comes first; its idle wait stays on the list its calls come to (a wait on the
+    # other one held each call up to IDLE_POLL_S).
+    other = Queue("other", Exchange("other", "direct"), routing_key="other")
+    with RedisServer() as server:
+        _publish(server.url, {"n": 1})
+        client = redis.Redis.from_url(server.url)
+        with Connection(server.url, transport=Transport, transport_options=NAMED) as conn:
+            conn.default_channel.take_turns(lambda _queue: "", lambda _tenant: 1.0)
+            with conn.Consumer([WORK, other], callbacks=[lambda _b, message: message.ack()]):
+                conn.drain_events(timeout=5)  # {"n": 1} from work: work's turn comes last
+                with _commands_sent(client) as sent, contextlib.suppress(TimeoutError):
+                    conn.drain_events(timeout=1)
+    waits = [command.split()[1] for command in sent if command.startswith("BLMOVE")]
+    assert waits and set(waits) == {"work"}, sent

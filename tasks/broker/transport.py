@@ -867,12 +867,12 @@ class Channel(kombu_redis.Channel):
         connection = self.client.connection
         idle, self._pushed = self._idle and not self._pushed, False
         if idle:
-            first = keys[0]
+            # the list it last took from: where its next message most likely comes (the
+            # queues take turns, so the first in their order is not that list)
+            first = self._last_list if self._last_list in keys else keys[0]
             wait = IDLE_POLL_S if len(keys) > 1 else (timeout or self.brpop_timeout or 0)
             turns = self._queue_cycle
             if isinstance(turns, FairTurns) and turns.shared():  # queues of several tenants
-                # the list it last took from: a lone tenant's next call
-                first = self._last_list if self._last_list in keys else first
                 wait = IDLE_POLL_MANY_S
                 # a call on another list is taken beside the wait; one on this list is the
                 # wait's, and hearing it too would only wake the loop once more
