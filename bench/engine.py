@@ -128,8 +128,9 @@ def burst(calls: list[tuple[str, int]], spec: Any, gpu: bool) -> dict[str, Any]:
     """The running calls' inter-token p99 while a burst of long prompts is prefilled,
     against the same tokens' gaps in a run without the burst, and against the gaps before
     it arrived."""
-    without, _, _ = _stream_gaps(calls, spec, gpu, arrive=False)
-    gaps, before, first = _stream_gaps(calls, spec, gpu, arrive=True)
+    built = _build(spec, gpu)  # one model for both runs
+    without, _, _ = _stream_gaps(calls, spec, built, arrive=False)
+    gaps, before, first = _stream_gaps(calls, spec, built, arrive=True)
     during = list(gaps.values())
     same = [without[token] for token in gaps if token in without]
     p99_during = percentile(during, 99) * 1000 if during else float("nan")
@@ -149,17 +150,18 @@ def burst(calls: list[tuple[str, int]], spec: Any, gpu: bool) -> dict[str, Any]:
 
 
 def _stream_gaps(
-    calls: list[tuple[str, int]], spec: Any, gpu: bool, *, arrive: bool
+    calls: list[tuple[str, int]], spec: Any, built: tuple[Any, Any, Any], *, arrive: bool
 ) -> tuple[dict[tuple[Any, int], float], list[float], list[float]]:
     """One run of `burst`: the calls running and, `BURST_AFTER` steps after every prompt is
     in, the burst added (with `arrive`). Returns the running calls' gaps before each token
     made while the burst is prefilled (every token after the burst's step when there is no
     burst), by (call, token index); their gaps in the steps before it; and the burst
-    prompts' times to first token (ms)."""
+    prompts' times to first token (ms). `built`: the model, its tokenizer and device
+    (`_build`)."""
     from worker.generation.engine import Options, Sequence_
     from worker.generation.replica import replica_engine
 
-    model, tokenizer, device = _build(spec, gpu)
+    model, tokenizer, device = built
     engine = replica_engine(model, tokenizer, spec, device)
     vocab = int(model.get_output_embeddings().weight.shape[0])
     running = []

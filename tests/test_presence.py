@@ -379,17 +379,13 @@ def test_a_given_back_call_moved_on_by_a_router_is_the_copy_its_given_back_twin_
         with Connection(
             server.url, transport=Transport, transport_options={"consumer_name": "router@r"}
         ) as conn:
-            conn.default_channel.divert = lambda m: Onward(gpu_queue, dict(m.headers), _noop)
+            conn.default_channel.divert = lambda m: Onward(gpu_queue, dict(m.headers), lambda: None)
             with conn.Consumer(Queue("celery"), callbacks=[lambda _b, _m: None]):
                 conn.drain_events(timeout=5)
         (moved,) = _queued(client, gpu_queue)
         assert "redelivered" not in moved["headers"]
         assert presence.on_its_way(client, "X", second, queues=[gpu_queue])
         client.close()
-
-
-def _noop() -> None:
-    return None
 
 
 def test_a_sweeper_that_could_not_reach_redis_judges_silence_only_a_lease_after_it_answers() -> (
