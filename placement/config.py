@@ -100,6 +100,9 @@ VARIABLES: tuple[Variable, ...] = (
              "CPU memory a host lends to warm (offloaded) copies, charged by their measured bytes"),
     Variable("GPUFLEET_TORCH_THREADS", "cores / GPUs, at least 1",
              "CPU threads of each GPU worker's torch; a small pass takes one (docs/worker.md)"),
+    Variable("GPUFLEET_CUDA_GRAPHS", "`1`",
+             "`0`: a generation model's decode steps on a GPU run without CUDA graphs "
+             "(docs/worker.md, \"Decode steps from CUDA graphs\")"),
     Variable("GPUFLEET_WORKER_LEASE_MS", f"`{DEFAULT_WORKER_LEASE_MS}`",
              "a GPU worker's lease; a silent worker's reservations are released after it"),
     Variable("GPUFLEET_VISIBILITY_TIMEOUT", f"`{DEFAULT_VISIBILITY_TIMEOUT_S}`",
@@ -178,6 +181,7 @@ class Settings:
     gpu_reserve: int = DEFAULT_GPU_RESERVE  # bytes of each real GPU the ledger never places
     warm_cache: int | None = None  # bytes; None: a quarter of the host's RAM
     torch_threads: int | None = None  # None: `worker.passes.share` decides
+    cuda_graphs: bool = True  # worker/generation/graphs.py
     worker_lease_ms: int = DEFAULT_WORKER_LEASE_MS
     visibility_timeout: int = DEFAULT_VISIBILITY_TIMEOUT_S
     host: str = field(default_factory=socket.gethostname)
@@ -256,6 +260,7 @@ class Settings:
             warm_cache=env.size("GPUFLEET_WARM_CACHE"),
             torch_threads=env.integer("GPUFLEET_TORCH_THREADS", 0, low=0, high=1024)
             or _omp_threads(env.get("OMP_NUM_THREADS")),
+            cuda_graphs=env.integer("GPUFLEET_CUDA_GRAPHS", 1, low=0, high=1) == 1,
             worker_lease_ms=env.integer(
                 "GPUFLEET_WORKER_LEASE_MS", DEFAULT_WORKER_LEASE_MS, low=30
             ),

@@ -315,7 +315,62 @@ def chunked_on(arg: str) -> dict[str, Any]:
     }
 
 
+def graphs_on(arg: str) -> dict[str, Any]:
+    """On local device `arg`: 16 greedy calls joining and leaving a batch whose decode steps
+    replay CUDA graphs (the default on CUDA), against the same calls without graphs; report
+    how many agree, the graphs recorded and replayed, and a lone row's decode step p50
+    each way after its warm-up (dtype float32)."""
+    import random
+    import time
+
+    from worker.generation.engine import Engine, Options, Sequence_
+
+    model, tokenizer, device = _small_gpt(arg)
+    rng = random.Random(2)
+    calls = [
+        ([2, *(rng.randrange(5, 2048) for _ in range(rng.randrange(4, 300)))],
+         rng.randrange(8, 150))
+        for _ in range(16)
+    ]  # fmt: skip
+
+    def run(graphs: bool | None) -> tuple[list[list[int]], Engine]:
+        engine = Engine(model, tokenizer, device, budget=10**6, window=512, graphs=graphs)
+        sequences = [Sequence_(i, p, Options(max_new_tokens=n)) for i, (p, n) in enumerate(calls)]
+        for index, sequence in enumerate(sequences):
+            engine.add(sequence)
+            if index % 4 == 3:
+                engine.step()
+        engine.run()
+        return [s.tokens for s in sequences], engine
+
+    def lone_step_ms(graphs: bool | None) -> float:
+        engine = Engine(model, tokenizer, device, budget=10**6, window=512, graphs=graphs)
+        engine.add(Sequence_(0, calls[0][0], Options(max_new_tokens=120)))
+        times = []
+        while engine.busy:
+            began = time.perf_counter()
+            engine.step()
+            torch.cuda.synchronize(device)
+            times.append((time.perf_counter() - began) * 1000)
+        steady = sorted(times[20:])  # past the prefill and the first buckets' recording
+        return round(steady[len(steady) // 2], 3)
+
+    graphed, engine = run(None)
+    eager, _ = run(False)
+    kept = engine._graphs
+    return {
+        "equal": sum(a == b for a, b in zip(graphed, eager, strict=True)),
+        "calls": len(calls),
+        "graphs_on": kept is not None,
+        "recorded": kept.recorded if kept is not None else 0,
+        "replayed": kept.replayed if kept is not None else 0,
+        "lone_step_ms_graphs": lone_step_ms(None),
+        "lone_step_ms_eager": lone_step_ms(False),
+    }
+
+
 PROBES: dict[str, Callable[[str], dict[str, Any]]] = {
+    "graphs_on": graphs_on,
     "generate_on": generate_on,
     "chunked_on": chunked_on,
     "fraction_cap": fraction_cap,

@@ -108,6 +108,14 @@ def test_long_prompts_prefilled_in_chunks_on_the_gpu_beside_decoding_rows_get_th
     assert result["equal"] == result["calls"], result
 
 
+def test_decode_steps_replayed_from_cuda_graphs_make_the_tokens_of_steps_run_as_they_are() -> None:
+    result = probe("graphs_on", str(gpu_count() - 1))
+    assert result["graphs_on"], result  # recording did not fail
+    assert result["equal"] == result["calls"], result
+    assert 0 < result["recorded"] < result["replayed"], result
+    print(json.dumps(result))  # the lone step each way, for docs/gpu-validation.md
+
+
 def test_the_safetensors_reader_puts_the_same_weights_on_the_gpu_as_transformers() -> None:
     target = gpu_count() - 1
     result = probe("read_vs_transformers", str(target))

@@ -106,7 +106,9 @@ class Calls:
     """Runs calls on the HOT replicas `held` keeps, each under the replica's lock (so a
     replica never moves under a running call).
 
-    `threads` is torch's CPU threads for a pass (`worker.passes`; 0: as is);
+    `threads` is torch's CPU threads for a pass (`worker.passes`; 0: as is); `graphs`
+    False keeps generation models' decode steps out of CUDA graphs
+    (`worker.generation.graphs`, on by default on CUDA);
     `whole_pass_errors` concern a whole pass, not one of its calls (a time limit): they
     fail every call of the pass at once instead of a retry one call at a time.
     """
@@ -116,10 +118,12 @@ class Calls:
         held: Holder,
         *,
         threads: int = 0,
+        graphs: bool = True,
         whole_pass_errors: tuple[type[BaseException], ...] = (),
     ) -> None:
         self.held = held
         self.threads = threads
+        self.graphs = graphs
         self.whole_pass_errors = whole_pass_errors
         self._warming = threading.local()  # `.load`: a load's warm-up pass runs now
 
@@ -171,8 +175,9 @@ class Calls:
                 torch.set_num_threads(self.threads)
             device = loading.torch_device(min(plan), simulated)
             engine = replica_engine(
-                resident.model, resident.tokenizer, resident.spec, device, resident.kv
-            )
+                resident.model, resident.tokenizer, resident.spec, device, resident.kv,
+                graphs=None if self.graphs else False,
+            )  # fmt: skip
             resident.kv = engine.kv
             if resident.adapters is None:
                 resident.adapters = adapter_room(resident.model, resident.spec)

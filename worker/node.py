@@ -61,6 +61,7 @@ class GpuWorker:
         lineage: str = "",
         whole_pass_errors: tuple[type[BaseException], ...] = (),
         threads: int = 0,
+        graphs: bool = True,
     ) -> None:
         self.registry = registry
         self.devices = devices
@@ -69,7 +70,7 @@ class GpuWorker:
         self.worker_id = make_worker_id(host, devices)
         self.manager = ResidencyManager(
             visible, host, registry=registry, whole_pass_errors=whole_pass_errors,
-            threads=threads,
+            threads=threads, graphs=graphs,
             # this process's share of the host's warm cache, as the GPUs it owns of the host's
             arena_bytes=warm_budget * len(devices) // max(len(visible), 1),
             publish=len(devices) < len(visible),  # other workers of the host may read copies

@@ -81,6 +81,7 @@ class ResidencyManager:
         warmup: bool = True,
         whole_pass_errors: tuple[type[BaseException], ...] = (),
         threads: int = 0,
+        graphs: bool = True,
         arena_bytes: int = 0,
         publish: bool = False,
     ) -> None:
@@ -117,7 +118,9 @@ class ResidencyManager:
         # (`worker.measuring`).
         self.spans = Spans()
         # How calls reach what this process holds (`worker.calls`).
-        self.calls = Calls(self, threads=threads, whole_pass_errors=whole_pass_errors)
+        self.calls = Calls(
+            self, threads=threads, graphs=graphs, whole_pass_errors=whole_pass_errors
+        )
 
     def contexts(self) -> list[str]:
         """Ledger ids of the GPUs on which this process holds a CUDA context, read without

@@ -498,6 +498,7 @@ def _start(**_: Any) -> None:
             # all, rather than run each again after the limit.
             whole_pass_errors=(SoftTimeLimitExceeded,),
             threads=passes.share(settings.torch_threads, len(visible)),
+            graphs=settings.cuda_graphs,
         )
     except Exception:
         # Celery would log this and keep a child that fails every call: exit instead.

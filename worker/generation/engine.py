@@ -56,6 +56,7 @@ import torch
 from placement.errors import PayloadError
 from worker.adapters.room import AdapterRoom
 from worker.generation import blocks, paged, sampling, slots
+from worker.generation.graphs import DecodeGraphs
 from worker.generation.pacing import Allowance, Pace
 from worker.generation.params import MAX_NEW_TOKENS
 from worker.generation.sequence import Options, Sequence_
@@ -94,6 +95,7 @@ class Engine(RowTurns):
         kv: paged.Paged | None = None,
         paged_cache: bool = True,
         pace: Pace | None = None,
+        graphs: bool | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -145,6 +147,14 @@ class Engine(RowTurns):
             self.kv.pool.unhold_all()
         # Decode steps read a prefix every row shares once, not once a row (`paged.cascade`).
         self._cascade = self.kv is not None and paged.use_cascade(model)
+        # Paged decode steps in fixed shapes, replayed from CUDA graphs (`graphs`; None:
+        # on CUDA); elsewhere the same padded steps run as they are when asked (what tests
+        # check). Only on SDPA attention, as `cascade`.
+        if graphs is None:
+            graphs = device.type == "cuda"
+        self._graphs: DecodeGraphs | None = None
+        if graphs and self._cascade and self.kv is not None:
+            self._graphs = self._kept_graphs(self.kv, max_rows)
         self._slots: torch.Tensor | None = None  # [rows, width]: each column's KV slot
         # On a CPU, the running rows kept padded in place too while the budget's unused
         # room holds them, so that a decode step gathers nothing (`_copy_fits`).
@@ -551,7 +561,7 @@ class Engine(RowTurns):
         ids = torch.tensor([[s.tokens[-1]] for s in rows], dtype=torch.long, device=self.device)
         with self._adapted(rows):
             if self.kv is not None:
-                out = self._decode_paged(ids)
+                logits = self._decode_paged(ids)
             else:
                 positions = self._mask.sum(dim=1, keepdim=True)
                 self._mask = torch.nn.functional.pad(self._mask, (0, 1), value=1)
@@ -562,16 +572,17 @@ class Engine(RowTurns):
                     use_cache=True,
                     **{self._cache_arg: self._cache},
                 )
+                logits = out.logits[:, -1, :]
+                if not self._merges:
+                    self._cache = _cache_of(out)  # a plain cache grows by concatenation
         self._seen.scatter_(1, ids, True)
         if self._columns is None:
             self._columns = sampling.Columns([s.options.choice for s in rows], self.device)
         picked = sampling.pick(
-            out.logits[:, -1, :], self._columns, self._seen, [s.generator for s in rows]
+            logits, self._columns, self._seen, [s.generator for s in rows]
         )  # read back to the host: the step's work is done
         self.pace.decoded(time.perf_counter() - started)
         self.peak_tokens = max(self.peak_tokens, self.capacity_tokens)
-        if not self._merges:
-            self._cache = _cache_of(out)  # a plain cache grows by concatenation
         for sequence, token in zip(rows, picked, strict=True):
             self._take(sequence, token)
 

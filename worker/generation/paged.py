@@ -27,6 +27,7 @@ import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from worker.generation.blocks import BLOCK_TOKENS, BlockPool, Table
+from worker.generation.graphs import DecodeGraphs
 
 GROWTH = 2  # a full store is reallocated this many times larger, within the budget
 
@@ -98,6 +99,17 @@ class Store:
         else:
             new[: old.shape[0]] = old
         return new
+
+    def settle(self) -> tuple[int, ...] | None:
+        """Grow every layer's tensors to `blocks` now (a pass would), and return their
+        addresses, which a CUDA graph recorded on them reads (`worker.generation.graphs`);
+        None while a layer has none (before the first pass)."""
+        for index in range(self.layers):
+            keys, values = self.keys[index], self.values[index]
+            if keys is None or values is None:
+                return None
+            self.layer(index, keys[:1].unsqueeze(2), values[:1].unsqueeze(2))
+        return tuple(t.data_ptr() for t in (*self.keys, *self.values) if t is not None)
 
     def write(
         self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor, now: Pass
@@ -333,6 +345,8 @@ class Paged:
         self.pool = BlockPool(max(1, budget_tokens // size - 1), size, share=share)
         self.store = Store(layers, size)
         self.cache = PagedCache(self.store)
+        # its decode steps' CUDA graphs (`worker.generation.graphs`), recorded on its store
+        self.graphs: DecodeGraphs | None = None
 
     @classmethod
     def for_model(cls, model: Any, budget_tokens: int, *, share: bool = True) -> Paged:

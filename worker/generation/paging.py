@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from worker.generation import blocks, paged, ragged, sampling
+from worker.generation import blocks, graphs, paged, ragged, sampling
+from worker.generation.graphs import DecodeGraphs
 from worker.generation.sequence import Sequence_
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,8 @@ class PagedRows:
     _seen: torch.Tensor | None
     _copy: ragged.Ragged | None
     _cascade: bool
+    _graphs: DecodeGraphs | None
+    adapters: Any
     _columns: sampling.Columns | None
     _finishes: dict[Hashable, tuple[float, int]]
     _cache_arg: str
@@ -285,11 +288,12 @@ class PagedRows:
         if self._copy is not None:
             self._copy.keep(self.rows)
 
-    def _decode_paged(self, ids: torch.Tensor) -> Any:
+    def _decode_paged(self, ids: torch.Tensor) -> torch.Tensor:
         """One decode step over the blocks: each row's new token (`ids`) written to its
-        next slot. When every row begins with the same blocks (a shared system prompt),
-        attention reads them once for all rows (`paged.cascade`) and gathers only what
-        follows them."""
+        next slot; the rows' logits. In fixed shapes, from a CUDA graph, where the engine
+        keeps them (`worker.generation.graphs`); else, when every row begins with the same
+        blocks (a shared system prompt), attention reads them once for all rows
+        (`paged.cascade`) and gathers only what follows them."""
         assert self.kv is not None and self._slots is not None and self._mask is not None
         kv = self.kv
         rows = self.rows
@@ -303,6 +307,11 @@ class PagedRows:
         positions = self._mask.sum(dim=1, keepdim=True)
         index = torch.cat([self._slots, new[:, None]], dim=1)
         mask = torch.nn.functional.pad(self._mask, (0, 1), value=1)
+        logits = self._decode_graphed(ids, positions, index, mask, new)
+        if logits is not None:
+            self._slots, self._mask = index, mask
+            self._written(rows)
+            return logits
         shared = self._shared_blocks() if self._cascade else 0
         if shared:
             prefix = kv.slots(rows[0].table, 0, shared * size).to(self.device)  # type: ignore[arg-type]
@@ -331,13 +340,67 @@ class PagedRows:
                 use_cache=True, **{self._cache_arg: cache},
             )  # fmt: skip
         self._slots, self._mask = index, mask
+        self._written(rows)
+        return out.logits[:, -1, :]  # type: ignore[no-any-return]
+
+    def _written(self, rows: list[Sequence_]) -> None:
+        """A decode step wrote each row's token: its table grows, a full block is keyed."""
+        assert self.kv is not None
+        size = self.kv.pool.size
         for sequence in rows:
             table = sequence.table
             assert table is not None
             table.length += 1
             if table.length % size == 0:
-                kv.pool.key_full_blocks(table, sequence.prompt + sequence.tokens)
-        return out
+                self.kv.pool.key_full_blocks(table, sequence.prompt + sequence.tokens)
+
+    def _decode_graphed(
+        self, ids: torch.Tensor, positions: torch.Tensor, index: torch.Tensor,
+        mask: torch.Tensor, new: torch.Tensor,
+    ) -> torch.Tensor | None:  # fmt: skip
+        """The step's logits from its bucket (`worker.generation.graphs`), or None where
+        this engine keeps none (or adapters change its rows' passes); `index` and `mask`
+        as the step reads them, `new` the rows' next slots."""
+        graphs = self._graphs
+        if graphs is None or self.adapters is not None:
+            return None
+        assert self.kv is not None
+        self.kv.ready()
+        store = self.kv.store.settle()
+        if store is None:
+            return None
+        self._copy = None  # the bucket reads the blocks
+        logits = graphs.run(ids, positions, index, mask, new, store)
+        if graphs.failed:
+            self._graphs = None
+        return logits
+
+    def _kept_graphs(self, kv: paged.Paged, rows: int) -> DecodeGraphs | None:
+        """The replica's decode graphs (kept with its blocks, on whose store and weights
+        they were recorded), made for this engine's steps; None once recording failed, and
+        for a model split over several devices (a graph records one device's stream)."""
+        kept = kv.graphs
+        if kept is None or kept.device != self.device:
+            if any(p.device != self.device for p in self.model.parameters()):
+                return None
+            record = self.device.type == "cuda"
+            kept = DecodeGraphs(self._graph_step, self.device, kv.pool.size, rows, record=record)
+            kv.graphs = kept
+        kept.step = self._graph_step  # the buckets still to come are this engine's steps
+        return None if kept.failed else kept
+
+    def _graph_step(self, inputs: graphs.Inputs) -> torch.Tensor:
+        """The model's decode step over a bucket's inputs (`worker.generation.graphs`):
+        every column read from the store, the 4D mask as given."""
+        assert self.kv is not None
+        width = inputs.index.shape[1]
+        forward = paged.Pass(inputs.index, width - 1, None, inputs.slots)
+        with self.kv.cache.running(forward) as cache:
+            out = self.model(
+                input_ids=inputs.ids, attention_mask=inputs.mask,
+                position_ids=inputs.positions, use_cache=True, **{self._cache_arg: cache},
+            )  # fmt: skip
+        return out.logits[:, -1, :]  # type: ignore[no-any-return]
 
     def _working_copy(self, positions: torch.Tensor) -> bool:
         """Whether this decode step reads the working copy: the one kept since earlier

@@ -21,11 +21,18 @@ log = logging.getLogger(__name__)
 
 
 def replica_engine(
-    model: Any, tokenizer: Any, spec: ModelSpec, device: torch.device, kv: Paged | None = None
+    model: Any,
+    tokenizer: Any,
+    spec: ModelSpec,
+    device: torch.device,
+    kv: Paged | None = None,
+    *,
+    graphs: bool | None = None,
 ) -> Engine:
     """An engine for `model` that holds at most its catalog KV-cache budget in tokens, in
-    `kv` (the replica's paged cache, kept from its last engine) or new blocks. A budget the
-    config could not size (no readable config) holds one full-window call."""
+    `kv` (the replica's paged cache, kept from its last engine) or new blocks; its decode
+    steps from CUDA graphs as `graphs` says (None: on CUDA). A budget the config could not
+    size (no readable config) holds one full-window call."""
     budget = spec.kv_budget()
     window = max_positions(getattr(model, "config", None))
     tokens = budget.tokens if budget is not None else 0
@@ -36,7 +43,7 @@ def replica_engine(
         )
     return Engine(
         model, tokenizer, device, budget=tokens, window=window, max_rows=MAX_ROWS,
-        eos=eos_ids(model, tokenizer), kv=kv,
+        eos=eos_ids(model, tokenizer), kv=kv, graphs=graphs,
     )  # fmt: skip
 
 

@@ -1,0 +1,192 @@
+"""Paged decode steps in fixed shapes, replayed from CUDA graphs on a GPU.
+
+On a GPU a decode step of a model this fleet serves is mostly kernel launches: hundreds a
+step (every layer's projections, its cache's writes and gathers, its attention), each a
+few microseconds of the CPU for a kernel that runs in less (a lone paged step of GPT-2
+small took 9.6 ms on an H200, docs/gpu-validation.md). A CUDA graph records a step's
+kernels once and replays them with one launch, as vLLM, SGLang and nano-vllm do. A graph
+replays fixed shapes at fixed addresses, so a step here is laid out in a **bucket**:
+- its rows padded to the next power of two (1, 2, 4, ... as those engines bucket them);
+- its columns (each row's slots, right-aligned, the step's own last) padded on the left to
+  the next power of two, at least a block's worth;
+- its inputs (token ids, positions, the slot index, the attention mask, the slots the new
+  keys go to) copied into tensors the bucket owns before each replay, and its logits read
+  from one buffer every bucket's graph writes into.
+A padded row reads and writes only one slot of the null block that no row reads unmasked
+(`scratch`), and the mask hides every padded column, as in the step before padding.
+
+A graph holds the store's tensors at the addresses it was recorded on: when the store
+grows (new tensors), every graph goes and buckets are recorded again as they recur.
+Recording needs a warm-up run of the step, so a bucket's first step runs three times
+(warm-up, record, replay); it writes the same keys to the same slots each time.
+If recording fails (a model whose forward reads a value back to the host, say), the
+failure is logged once and the engine's steps run without graphs from then on.
+
+Off a GPU (`record=False`) the same padded step runs as it is, without a graph: what a
+graph would record is what the CPU tests check against the unpadded step.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from worker.generation.blocks import NULL_BLOCK
+
+log = logging.getLogger(__name__)
+
+
+def bucket(count: int, least: int = 1) -> int:
+    """The power of two at least `count` and `least`."""
+    size = max(1, least)
+    while size < count:
+        size *= 2
+    return size
+
+
+@dataclass
+class Inputs:
+    """One bucket's inputs, which its graph reads: `ids` and `positions` `[rows, 1]`,
+    `index` the slots each row reads `[rows, width]` (right-aligned, its new slot last),
+    `mask` `[rows, 1, 1, width]` (True where a column is a token of its row), `slots` the
+    slot each row's new keys and values go to `[rows]`."""
+
+    ids: torch.Tensor
+    positions: torch.Tensor
+    index: torch.Tensor
+    mask: torch.Tensor
+    slots: torch.Tensor
+
+    @classmethod
+    def empty(cls, rows: int, width: int, device: torch.device) -> Inputs:
+        def longs(*shape: int) -> torch.Tensor:
+            return torch.zeros(shape, dtype=torch.long, device=device)
+
+        mask = torch.zeros((rows, 1, 1, width), dtype=torch.bool, device=device)
+        return cls(longs(rows, 1), longs(rows, 1), longs(rows, width), mask, longs(rows))
+
+    def fill(  # noqa: PLR0917 - a step's five tensors
+        self, ids: torch.Tensor, positions: torch.Tensor, index: torch.Tensor,
+        mask: torch.Tensor, slots: torch.Tensor, scratch: int,
+    ) -> None:  # fmt: skip
+        """Copy one step's inputs in (`index`, `mask`: `[rows, columns]`), padding rows and
+        columns: padded columns read slot 0 masked, padded rows `scratch` alone."""
+        rows, columns = index.shape
+        width = self.index.shape[1]
+        self.ids.zero_()
+        self.ids[:rows].copy_(ids)
+        self.positions.zero_()
+        self.positions[:rows].copy_(positions)
+        self.index.zero_()
+        self.index[:rows, width - columns :].copy_(index)
+        self.index[rows:, -1] = scratch
+        self.mask.zero_()
+        self.mask[:rows, 0, 0, width - columns :].copy_(mask.bool())
+        self.mask[rows:, 0, 0, -1] = True
+        self.slots.fill_(scratch)
+        self.slots[:rows].copy_(slots)
+
+
+#: One step of the model over a bucket's inputs: its logits `[rows, vocabulary]`.
+Step = Callable[[Inputs], torch.Tensor]
+
+
+class _Bucket:
+    def __init__(self, rows: int, width: int, device: torch.device) -> None:
+        self.inputs = Inputs.empty(rows, width, device)
+        self.graph: Any = None  # torch.cuda.CUDAGraph once recorded
+
+
+class DecodeGraphs:
+    """One replica's decode steps in buckets (see the module): recorded as CUDA graphs when
+    `record`, else run as they are. Kept with the replica's KV blocks while it is on its
+    GPU, so that its engines, opened and closed as calls come and go, record a bucket once.
+    `step` runs the model over a bucket's inputs, whose KV blocks hold `block` tokens each;
+    `rows`, the most a step has."""
+
+    def __init__(
+        self, step: Step, device: torch.device, block: int, rows: int, *, record: bool
+    ) -> None:
+        self.step = step  # run by the buckets still to record
+        self.device = device
+        self.block = block  # tokens a KV block holds: the fewest columns a bucket has
+        self.scratch = NULL_BLOCK * block + block - 1  # the null block's last slot
+        self.rows = bucket(rows)  # the most rows a step holds, bucketed
+        self.record = record
+        self.failed = False  # recording failed: the engine steps without graphs from now on
+        self._buckets: dict[tuple[int, int], _Bucket] = {}
+        self._logits: torch.Tensor | None = None  # [rows, vocabulary], every graph's output
+        self._pool: Any = None  # the graphs' shared memory pool
+        self._store: tuple[int, ...] = ()  # the store's tensors the graphs were recorded on
+        self.recorded = 0  # graphs recorded (a bucket again after the store grew counts again)
+        self.replayed = 0
+
+    def run(  # noqa: PLR0917 - a step's five tensors
+        self, ids: torch.Tensor, positions: torch.Tensor, index: torch.Tensor,
+        mask: torch.Tensor, slots: torch.Tensor, store: tuple[int, ...],
+    ) -> torch.Tensor:  # fmt: skip
+        """One decode step (each argument as `Inputs.fill` takes it; `store`, the addresses
+        of the store's tensors, grown for this step): the rows' logits, `[rows,
+        vocabulary]`, valid until the next step."""
+        rows, columns = index.shape
+        shape = (bucket(rows), bucket(columns, self.block))
+        if store != self._store:
+            self._buckets.clear()  # recorded on tensors the store has let go
+            self._store = store
+        entry = self._buckets.get(shape)
+        if entry is None:
+            entry = self._buckets[shape] = _Bucket(*shape, self.device)
+        entry.inputs.fill(ids, positions, index, mask, slots, self.scratch)
+        if not self.record:
+            return self.step(entry.inputs)[:rows]
+        if entry.graph is None:
+            try:
+                self._record(entry)
+            except Exception as error:  # the step itself is sound: run it as it is
+                recording_failed(error)
+                self.failed = True
+                return self.step(entry.inputs)[:rows]
+        entry.graph.replay()
+        self.replayed += 1
+        assert self._logits is not None
+        return self._logits[:rows]
+
+    def _record(self, entry: _Bucket) -> None:
+        """Warm the bucket's step up on a side stream (lazy initialisation, the allocator's
+        first blocks), then record it into the shared pool, writing its logits into the
+        buffer every graph shares (made for the most rows at the first recording)."""
+        inputs = entry.inputs
+        rows = inputs.ids.shape[0]
+        side = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            logits = self.step(inputs)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        if self._logits is None:
+            shape = (max(self.rows, rows), logits.shape[-1])
+            self._logits = torch.empty(shape, dtype=logits.dtype, device=self.device)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: other threads of the worker (a copy to or from the GPU) may use
+        # CUDA while this one records
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            self._logits[:rows].copy_(self.step(inputs))
+        entry.graph = graph
+        self.recorded += 1
+
+
+def recording_failed(error: BaseException) -> None:
+    """Say once why an engine's decode steps run without graphs from now on."""
+    log.warning(
+        "recording a decode step as a CUDA graph failed (%s: %s); this engine's decode"
+        " steps run without graphs (set GPUFLEET_CUDA_GRAPHS=0 to skip trying)",
+        type(error).__name__, error,
+    )  # fmt: skip
+
+
+__all__ = ["DecodeGraphs", "Inputs", "Step", "bucket", "recording_failed"]
