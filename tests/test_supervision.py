@@ -23,6 +23,7 @@ from celery.exceptions import TimeoutError as CeleryTimeout
 from celery.result import AsyncResult
 
 from placement.ledger.audit import audit
+from tasks.broker import run_log
 from tests.running import (
     LARGE,
     REPO,
@@ -283,3 +284,45 @@ def _wait_for_redis(url: str, seconds: float = 60) -> bool:
         except redis.RedisError:
             time.sleep(0.1)
     return False
+
+
+def test_the_bundled_redis_frozen_for_longer_than_a_worker_lease_loses_no_call_nor_runs_one_twice(
+    catalog: Path, tmp_path: Path
+) -> None:
+    """redis-server stopped (SIGSTOP) for three worker leases while calls run, then let go
+    on (a frozen VM, a primary stopped past its failover): the GPU worker's lease lapsed,
+    so it drops what it held and registers again (`worker.lifecycle`), and the calls it
+    was running or had queued must neither be lost nor run again. Every call is answered,
+    each ran once by the runs recorded outside Redis (`GPUFLEET_RUN_LOG`), the worker was
+    not restarted, and the ledger agrees with it."""
+    runs = tmp_path / "runs.log"
+    lease_s = 2.0
+    env = fleet_env(GPUFLEET_WORKER_LEASE_MS=str(int(lease_s * 1000)), GPUFLEET_RUN_LOG=str(runs))
+    with fleet_up(catalog, ARGS, env, log=tmp_path / "fleet.log") as fleet:
+        fleet.infer("b", LARGE[0])
+        worker = fleet.child_named("gpu0@")
+        client = _client(fleet.url)
+        calls = [client.send_task("gpufleet.infer", args=("b", *LARGE)) for _ in range(20)]
+        time.sleep(0.3)  # some run, some wait on the GPU worker's queue
+        server = fleet.child_named("redis-server")
+        with_signal(server, signal.SIGSTOP)
+        try:
+            time.sleep(3 * lease_s)
+        finally:
+            with_signal(server, signal.SIGCONT)
+        missing = []
+        for call in calls:
+            try:
+                assert AsyncResult(call.id, app=client).get(timeout=90)["model"] == "b"
+            except CeleryTimeout:
+                missing.append(call.id)
+        assert not missing, f"{len(missing)} of {len(calls)} calls unanswered"
+        assert fleet.child_named("gpu0@") == worker, "the GPU worker was restarted"
+        until(
+            "a ledger that agrees with itself and its worker",
+            lambda: not audit(fleet.registry.snapshot()),
+            30,
+        )
+        ran = run_log.runs(runs)
+        odd = {c.id: ran.get(c.id, 0) for c in calls if ran.get(c.id) != 1}
+        assert odd == {}, f"calls that did not run once: {odd}"
