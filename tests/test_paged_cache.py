@@ -6,7 +6,9 @@ tokens the unpadded step makes; the recording itself runs only on CUDA, tests/te
 
 from __future__ import annotations
 
+import gc
 import random
+import weakref
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
@@ -664,20 +666,58 @@ def test_the_replica_s_next_engine_steps_in_the_buckets_its_last_one_made(
     second = _fixed_engine(model, graphs=True, kv=first.kv)
     again = _run_arriving(second, calls, seed=9)
     assert second._graphs is first._graphs
-    assert second._graphs is not None and second._graphs.step == second._graph_step
+    assert second._graphs is not None and second._graphs._step is not None
+    assert second._graphs._step() == second._graph_step  # the engine open now records
     for shape, entry in made.items():  # the same calls take the same buckets, kept
         assert second._graphs._buckets[shape] is entry
     assert [s.tokens for s in again] == [s.tokens for s in _run_arriving(first, calls, seed=9)]
 
 
-def test_buckets_made_on_a_store_that_grew_since_are_dropped() -> None:
-    ran: list[int] = []
+def test_a_replica_s_blocks_go_with_their_last_engine_not_when_the_garbage_collector_runs(
+    model: tuple[Any, Any],
+) -> None:
+    engine = _fixed_engine(model, graphs=True)
+    _run_arriving(engine, _sampled_calls(seed=5, count=4), seed=9)
+    assert engine.kv is not None and engine.kv.graphs is not None
+    blocks = weakref.ref(engine.kv)
+    gc.disable()  # what a reference cycle would hold stays held
+    try:
+        del engine
+        assert blocks() is None  # the KV store (a GPU's memory) is let go at once
+    finally:
+        gc.enable()
 
-    def step(inputs: Inputs) -> torch.Tensor:
-        ran.append(inputs.ids.shape[0])
+
+def test_rows_that_share_a_prompt_s_blocks_read_them_once_rather_than_in_a_bucket(
+    model: tuple[Any, Any],
+) -> None:
+    rng = random.Random(6)
+    system = [2, *(rng.randrange(5, 512) for _ in range(4 * BLOCK_TOKENS))]
+    calls = [([*system, *(rng.randrange(5, 512) for _ in range(i + 3))], 20) for i in range(5)]
+    fixed = _fixed_engine(model, graphs=True)
+    shared = _run_arriving(fixed, calls, seed=9)
+    assert fixed._graphs is not None
+    assert all(rows == 1 for rows, _ in fixed._graphs._buckets)  # a lone row shares nothing
+    plain = _run_arriving(_fixed_engine(model, graphs=False), calls, seed=9)
+    assert [s.tokens for s in shared] == [s.tokens for s in plain]
+
+
+class _Stepping:
+    """A step that counts the rows it ran and makes no logits of note."""
+
+    def __init__(self) -> None:
+        self.ran: list[int] = []
+
+    def step(self, inputs: Inputs) -> torch.Tensor:
+        self.ran.append(inputs.ids.shape[0])
         return torch.zeros((inputs.ids.shape[0], 5))
 
-    graphs = DecodeGraphs(step, CPU, BLOCK_TOKENS, rows=8, record=False)
+
+def test_buckets_made_on_a_store_that_grew_since_are_dropped() -> None:
+    stepping = _Stepping()
+    ran = stepping.ran
+    graphs = DecodeGraphs(CPU, BLOCK_TOKENS, rows=8, record=False)
+    graphs.use(stepping.step)
     one = (torch.tensor([[1]]), torch.tensor([[0]]), torch.tensor([[17]]), torch.ones(1, 1))
     logits = graphs.run(*one, torch.tensor([17]), store=(1, 2))
     assert logits.shape == (1, 5) and ran == [1]

@@ -18,9 +18,10 @@ A padded row reads and writes only one slot of the null block that no row reads 
 A graph holds the store's tensors at the addresses it was recorded on: when the store
 grows (new tensors), every graph goes and buckets are recorded again as they recur.
 Recording needs a warm-up run of the step, so a bucket's first step runs three times
-(warm-up, record, replay); it writes the same keys to the same slots each time.
-If recording fails (a model whose forward reads a value back to the host, say), the
-failure is logged once and the engine's steps run without graphs from then on.
+(warm-up, record, replay); it writes the same keys to the same slots each time. Both run
+on a stream of the replica's own GPU. If recording fails (torch raises: a model whose
+forward reads a value back to the host, say), the failure is logged once and the
+replica's steps run without graphs from then on.
 
 Off a GPU (`record=False`) the same padded step runs as it is, without a graph: what a
 graph would record is what the CPU tests check against the unpadded step.
@@ -29,6 +30,7 @@ graph would record is what the CPU tests check against the unpadded step.
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -104,14 +106,16 @@ class _Bucket:
 class DecodeGraphs:
     """One replica's decode steps in buckets (see the module): recorded as CUDA graphs when
     `record`, else run as they are. Kept with the replica's KV blocks while it is on its
-    GPU, so that its engines, opened and closed as calls come and go, record a bucket once.
-    `step` runs the model over a bucket's inputs, whose KV blocks hold `block` tokens each;
+    GPU, so that its engines, opened and closed as calls come and go, record a bucket once;
+    each engine names its step (`use`). A bucket's KV blocks hold `block` tokens each;
     `rows`, the most a step has."""
 
-    def __init__(
-        self, step: Step, device: torch.device, block: int, rows: int, *, record: bool
-    ) -> None:
-        self.step = step  # run by the buckets still to record
+    def __init__(self, device: torch.device, block: int, rows: int, *, record: bool) -> None:
+        # the step of the engine open now, held weakly: the replica's blocks hold these
+        # graphs, and its engines hold the blocks, so a strong hold would keep the blocks
+        # (on the GPU) alive after the replica let them go, until the cyclic GC ran
+        self._step: weakref.WeakMethod[Step] | None = None
+        self._stream: Any = None  # the stream buckets are recorded on (this GPU's own)
         self.device = device
         self.block = block  # tokens a KV block holds: the fewest columns a bucket has
         self.scratch = NULL_BLOCK * block + block - 1  # the null block's last slot
@@ -125,6 +129,18 @@ class DecodeGraphs:
         self.recorded = 0  # graphs recorded (a bucket again after the store grew counts again)
         self.replayed = 0
 
+    def use(self, step: Step) -> None:
+        """Record the buckets still to come with `step`, a bound method of the engine now
+        open (it runs the model over a bucket's inputs)."""
+        self._step = weakref.WeakMethod(step)
+
+    def step(self, inputs: Inputs) -> torch.Tensor:
+        """The open engine's step over `inputs`."""
+        step = self._step() if self._step is not None else None
+        if step is None:
+            raise RuntimeError("no engine is open on these decode graphs")
+        return step(inputs)
+
     def run(  # noqa: PLR0917 - a step's five tensors
         self, ids: torch.Tensor, positions: torch.Tensor, index: torch.Tensor,
         mask: torch.Tensor, slots: torch.Tensor, store: tuple[int, ...],
@@ -136,6 +152,7 @@ class DecodeGraphs:
         shape = (bucket(rows), bucket(columns, self.block))
         if store != self._store:
             self._buckets.clear()  # recorded on tensors the store has let go
+            self._pool = None  # and a new pool for the graphs to come
             self._store = store
         entry = self._buckets.get(shape)
         if entry is None:
@@ -146,7 +163,7 @@ class DecodeGraphs:
         if entry.graph is None:
             try:
                 self._record(entry)
-            except Exception as error:  # the step itself is sound: run it as it is
+            except RuntimeError as error:  # torch's; the step itself is sound: run it as it is
                 recording_failed(error)
                 self.failed = True
                 return self.step(entry.inputs)[:rows]
@@ -161,7 +178,11 @@ class DecodeGraphs:
         buffer every graph shares (made for the most rows at the first recording)."""
         inputs = entry.inputs
         rows = inputs.ids.shape[0]
-        side = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+        if self._stream is None:
+            # this GPU's own: torch's default recording stream is made once per process, on
+            # whichever GPU recorded first, and a worker steps engines on several GPUs
+            self._stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+        side = self._stream
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             logits = self.step(inputs)
@@ -174,7 +195,9 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         # thread_local: other threads of the worker (a copy to or from the GPU) may use
         # CUDA while this one records
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+        with torch.cuda.graph(
+            graph, pool=self._pool, stream=side, capture_error_mode="thread_local"
+        ):
             self._logits[:rows].copy_(self.step(inputs))
         entry.graph = graph
         self.recorded += 1

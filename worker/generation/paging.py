@@ -290,10 +290,10 @@ class PagedRows:
 
     def _decode_paged(self, ids: torch.Tensor) -> torch.Tensor:
         """One decode step over the blocks: each row's new token (`ids`) written to its
-        next slot; the rows' logits. In fixed shapes, from a CUDA graph, where the engine
-        keeps them (`worker.generation.graphs`); else, when every row begins with the same
-        blocks (a shared system prompt), attention reads them once for all rows
-        (`paged.cascade`) and gathers only what follows them."""
+        next slot; the rows' logits. When every row begins with the same blocks (a shared
+        system prompt), attention reads them once for all rows (`paged.cascade`) and
+        gathers only what follows them; else in fixed shapes, from a CUDA graph, where the
+        engine keeps them (`worker.generation.graphs`)."""
         assert self.kv is not None and self._slots is not None and self._mask is not None
         kv = self.kv
         rows = self.rows
@@ -307,12 +307,12 @@ class PagedRows:
         positions = self._mask.sum(dim=1, keepdim=True)
         index = torch.cat([self._slots, new[:, None]], dim=1)
         mask = torch.nn.functional.pad(self._mask, (0, 1), value=1)
-        logits = self._decode_graphed(ids, positions, index, mask, new)
+        shared = self._shared_blocks() if self._cascade else 0
+        logits = None if shared else self._decode_graphed(ids, positions, index, mask, new)
         if logits is not None:
             self._slots, self._mask = index, mask
             self._written(rows)
             return logits
-        shared = self._shared_blocks() if self._cascade else 0
         if shared:
             prefix = kv.slots(rows[0].table, 0, shared * size).to(self.device)  # type: ignore[arg-type]
             own = positions[:, 0] - shared * size  # each row's tokens after the prefix
@@ -384,9 +384,8 @@ class PagedRows:
             if any(p.device != self.device for p in self.model.parameters()):
                 return None
             record = self.device.type == "cuda"
-            kept = DecodeGraphs(self._graph_step, self.device, kv.pool.size, rows, record=record)
-            kv.graphs = kept
-        kept.step = self._graph_step  # the buckets still to come are this engine's steps
+            kept = kv.graphs = DecodeGraphs(self.device, kv.pool.size, rows, record=record)
+        kept.use(self._graph_step)  # the buckets still to come are this engine's steps
         return None if kept.failed else kept
 
     def _graph_step(self, inputs: graphs.Inputs) -> torch.Tensor:
