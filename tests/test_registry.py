@@ -95,6 +95,22 @@ def test_a_heartbeat_extends_the_lease_and_a_missed_one_loses_it(reg: Registry) 
         reg.heartbeat("w0", ["h0:0"], lease_ms=200)
 
 
+def test_a_replica_left_on_a_worker_with_no_record_is_named_by_the_audit(
+    two_gpus: Registry,
+) -> None:
+    reg = two_gpus
+    replica = place_hot(reg, Demand("m", size=GiB))
+    owner = reg.snapshot().deployments[replica].worker
+    assert audit(reg.snapshot()) == []
+    reg.client.delete(reg.keys.worker(owner))  # its record went without the reap's step
+    reg.client.srem(reg.keys.workers, owner)  # (the other worker's stays)
+    problems = audit(reg.snapshot())
+    assert any(
+        p.startswith(f"replica {replica} (m) is HOT on worker {owner}, which has no record")
+        for p in problems
+    ), problems
+
+
 def test_reaping_an_expired_worker_releases_every_byte_and_lease(two_gpus: Registry) -> None:
     reg = two_gpus
     a = place_hot(reg, Demand("a", size=GiB))

@@ -59,6 +59,9 @@ def ledger_problems(snap: Snapshot, pending_bound_ms: int = PENDING_BOUND_MS) ->
     - each host: `warm_used <= warm_budget`, and equals the cached bytes of its WARM and
       OFFLOADING replicas; its warm index lists exactly its WARM replicas;
     - WARM and COLD replicas hold no GPU bytes; the others hold some;
+    - a replica that is not COLD is on a registered worker (reaping a worker makes its
+      replicas COLD in the same step, and a plan for a worker without a live lease is
+      refused);
     - each model's stored `active` counter equals its RESERVING replicas;
     - no move waits for a worker longer than `pending_bound_ms`;
     - no record the ledger lists is half written (`Snapshot.partial`).
@@ -80,6 +83,11 @@ def ledger_problems(snap: Snapshot, pending_bound_ms: int = PENDING_BOUND_MS) ->
         if d.level is Level.WAITING:
             for gpu_id in d.gpus:
                 waiting[(gpu_id, d.worker)] += 1
+        if snap.workers and d.level is not Level.COLD and d.worker not in snap.workers:
+            problems.append(
+                f"replica {d.replica} ({d.model}) is {d.level.value} on worker {d.worker}, "
+                "which has no record: what it holds is charged to no worker"
+            )
         on_gpu = d.level in RESERVING or d.level in ON_DEVICE
         if on_gpu and not d.gpus:
             problems.append(f"replica {d.replica} is {d.level.value} but holds no GPU bytes")
