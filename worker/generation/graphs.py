@@ -204,9 +204,9 @@ class DecodeGraphs:
 
 
 def recording_failed(error: BaseException) -> None:
-    """Say once why an engine's decode steps run without graphs from now on."""
+    """Say why a replica's decode steps run without graphs from now on (once a replica)."""
     log.warning(
-        "recording a decode step as a CUDA graph failed (%s: %s); this engine's decode"
+        "recording a decode step as a CUDA graph failed (%s: %s); this replica's decode"
         " steps run without graphs (set GPUFLEET_CUDA_GRAPHS=0 to skip trying)",
         type(error).__name__, error,
     )  # fmt: skip

@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from worker.generation import blocks, graphs, paged, ragged, sampling
-from worker.generation.graphs import DecodeGraphs
+from worker.generation import blocks, paged, ragged, sampling
+from worker.generation.graphs import DecodeGraphs, Inputs
 from worker.generation.sequence import Sequence_
 
 log = logging.getLogger(__name__)
@@ -361,8 +361,8 @@ class PagedRows:
         """The step's logits from its bucket (`worker.generation.graphs`), or None where
         this engine keeps none (or adapters change its rows' passes); `index` and `mask`
         as the step reads them, `new` the rows' next slots."""
-        graphs = self._graphs
-        if graphs is None or self.adapters is not None:
+        kept = self._graphs
+        if kept is None or self.adapters is not None:
             return None
         assert self.kv is not None
         self.kv.ready()
@@ -370,8 +370,8 @@ class PagedRows:
         if store is None:
             return None
         self._copy = None  # the bucket reads the blocks
-        logits = graphs.run(ids, positions, index, mask, new, store)
-        if graphs.failed:
+        logits = kept.run(ids, positions, index, mask, new, store)
+        if kept.failed:
             self._graphs = None
         return logits
 
@@ -388,7 +388,7 @@ class PagedRows:
         kept.use(self._graph_step)  # the buckets still to come are this engine's steps
         return None if kept.failed else kept
 
-    def _graph_step(self, inputs: graphs.Inputs) -> torch.Tensor:
+    def _graph_step(self, inputs: Inputs) -> torch.Tensor:
         """The model's decode step over a bucket's inputs (`worker.generation.graphs`):
         every column read from the store, the 4D mask as given."""
         assert self.kv is not None
