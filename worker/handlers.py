@@ -274,9 +274,11 @@ def _text_generation(
     from worker.generation.serving import GenCall, run_calls
 
     window = max_positions(getattr(model, "config", None))
+    # no CUDA graphs: recorded for one engine's calls, they would go with it
     engine = Engine(
-        model, tokenizer, device, budget=2**62, window=window, eos=eos_ids(model, tokenizer)
-    )
+        model, tokenizer, device, budget=2**62, window=window, eos=eos_ids(model, tokenizer),
+        graphs=False,
+    )  # fmt: skip
     gen_calls = [
         GenCall(str(i), call[0].as_dicts() if _is_chat(call) else list(call), options)
         for i, call in enumerate(calls)
