@@ -18,7 +18,8 @@ compares the fleet with.
   step of longer rows costs more with or without a burst) and, as before, against the
   `BURST_AFTER` steps before it arrived; and the burst prompts' time to first token.
 
-Greedy throughout; `torch`'s threads as the process has them.
+Greedy throughout; `torch`'s threads as the process has them; decode steps from CUDA
+graphs on a GPU unless `GPUFLEET_CUDA_GRAPHS=0`, as the fleet's workers.
 """
 
 from __future__ import annotations
@@ -54,6 +55,14 @@ def _sync(device: Any) -> None:
         torch.cuda.synchronize(device)
 
 
+def _graphs() -> bool | None:
+    """The engines' CUDA graphs as the fleet's workers have them (`GPUFLEET_CUDA_GRAPHS`):
+    None (on CUDA) unless turned off."""
+    from placement.config import Settings
+
+    return None if Settings.from_env().cuda_graphs else False
+
+
 def alone(calls: list[tuple[str, int]], spec: Any, gpu: bool) -> dict[str, Any]:
     """(engine): every call added at once to a fresh engine, stepped to the end."""
     from worker.generation.replica import replica_engine
@@ -62,7 +71,7 @@ def alone(calls: list[tuple[str, int]], spec: Any, gpu: bool) -> dict[str, Any]:
     model, tokenizer, device = _build(spec, gpu)
     best: dict[str, Any] | None = None
     for _ in range(2):
-        engine = replica_engine(model, tokenizer, spec, device)
+        engine = replica_engine(model, tokenizer, spec, device, graphs=_graphs())
         gen = [GenCall(f"c{i}", p, {"max_new_tokens": n}) for i, (p, n) in enumerate(calls)]
         _sync(device)
         start = time.perf_counter()
@@ -102,7 +111,7 @@ def decode_steps(spec: Any, gpu: bool, prompt_tokens: int) -> dict[str, Any]:
     for kind in ("paged", "padded"):
         engine = Engine(
             model, tokenizer, device, budget=budget, window=window,
-            paged_cache=kind == "paged",
+            paged_cache=kind == "paged", graphs=_graphs(),
         )  # fmt: skip  # no EOS: the sequence runs every step
         engine.add(Sequence_(kind, prompt, Options(max_new_tokens=STEPS + 2)))
         engine.step()  # its prefill and a first decode step
@@ -162,7 +171,7 @@ def _stream_gaps(
     from worker.generation.replica import replica_engine
 
     model, tokenizer, device = built
-    engine = replica_engine(model, tokenizer, spec, device)
+    engine = replica_engine(model, tokenizer, spec, device, graphs=_graphs())
     vocab = int(model.get_output_embeddings().weight.shape[0])
     running = []
     for index, (prompt, new) in enumerate(calls):

@@ -18,10 +18,10 @@ import torch
 
 from placement.catalog.catalog import Catalog
 from tests.paces import Fixed, Unpaced
-from worker.generation import paged
-from worker.generation.blocks import BLOCK_TOKENS, BlockPool, OutOfBlocks, Table
+from worker.generation import paged, sampling
+from worker.generation.blocks import BLOCK_TOKENS, NULL_BLOCK, BlockPool, OutOfBlocks, Table
 from worker.generation.engine import Engine, Options, Sequence_
-from worker.generation.graphs import DecodeGraphs, Inputs, bucket
+from worker.generation.graphs import DecodeGraphs, Inputs, round_up
 from worker.generation.sampling import Choice
 from worker.generation.serving import GenCall, Generated, run_calls
 from worker.weights.synthetic import build_synthetic
@@ -604,39 +604,71 @@ def _sampled_calls(seed: int, count: int = 20) -> list[tuple[list[int], Options]
     return calls
 
 
-def test_decode_steps_padded_to_their_bucket_make_the_tokens_of_steps_in_their_own_shape(
-    model: tuple[Any, Any],
+def _with_logits(
+    monkeypatch: pytest.MonkeyPatch, engine: Engine, calls: list[tuple[list[int], Options]]
+) -> tuple[list[Sequence_], list[torch.Tensor]]:
+    """`calls` run on `engine` as they arrive; their sequences, and the logits of every
+    step's rows that sampling was given, in order."""
+    seen: list[torch.Tensor] = []
+    pick = sampling.pick
+
+    def recording(logits: torch.Tensor, *args: Any) -> list[int]:
+        seen.append(logits.detach().clone())
+        return pick(logits, *args)
+
+    monkeypatch.setattr(sampling, "pick", recording)
+    try:
+        return _run_arriving(engine, calls, seed=9), seen
+    finally:
+        monkeypatch.setattr(sampling, "pick", pick)
+
+
+def _same_logits(these: list[torch.Tensor], those: list[torch.Tensor]) -> bool:
+    """Step for step, the same logits up to float32 rounding (a padded step multiplies
+    in other shapes): a key written to a slot a real row reads moves them by 1e-4 or more
+    in this model, where its tokens may not change."""
+    return len(these) == len(those) and all(
+        a.shape == b.shape and torch.allclose(a, b, rtol=0, atol=1e-5)
+        for a, b in zip(these, those, strict=True)
+    )
+
+
+def test_decode_steps_padded_to_their_shape_make_the_logits_of_steps_in_their_own_shape(
+    model: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     calls = _sampled_calls(seed=1)
     fixed = _fixed_engine(model, graphs=True)
     assert fixed._graphs is not None and not fixed._graphs.record  # a CPU runs them as they are
-    padded = _run_arriving(fixed, calls, seed=9)
-    plain = _run_arriving(_fixed_engine(model, graphs=False), calls, seed=9)
+    padded, padded_logits = _with_logits(monkeypatch, fixed, calls)
+    plain, plain_logits = _with_logits(monkeypatch, _fixed_engine(model, graphs=False), calls)
+    assert _same_logits(padded_logits, plain_logits)
     assert [s.tokens for s in padded] == [s.tokens for s in plain]
     assert all(s.finish in ("length", "stop") for s in padded)
-    shapes = set(fixed._graphs._buckets)
+    shapes = set(fixed._graphs._shapes)
     assert len({rows for rows, _ in shapes}) >= 3  # rows came and went
     assert len({width for _, width in shapes}) >= 2  # the longest row grew past a power of two
     assert fixed.kv is not None and fixed.kv.pool.in_use == 0
 
 
-def test_rows_preempted_for_blocks_resume_with_their_tokens_in_padded_steps(
-    model: tuple[Any, Any],
+def test_rows_preempted_for_blocks_resume_with_their_logits_in_padded_steps(
+    model: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     calls = _sampled_calls(seed=2, count=8)
-    fixed = _fixed_engine(model, graphs=True, budget=40 * BLOCK_TOKENS)
-    padded = _run_arriving(fixed, calls, seed=9)
-    plain = _run_arriving(
-        _fixed_engine(model, graphs=False, budget=40 * BLOCK_TOKENS), calls, seed=9
-    )
+    budget = 40 * BLOCK_TOKENS
+    fixed = _fixed_engine(model, graphs=True, budget=budget)
+    padded, padded_logits = _with_logits(monkeypatch, fixed, calls)
+    plain_engine = _fixed_engine(model, graphs=False, budget=budget)
+    plain, plain_logits = _with_logits(monkeypatch, plain_engine, calls)
     assert fixed.preemptions > 0
+    assert _same_logits(padded_logits, plain_logits)
     assert [s.tokens for s in padded] == [s.tokens for s in plain]
 
 
-def test_a_padded_row_reads_and_writes_only_the_null_block_s_last_slot() -> None:
+def test_a_padded_row_writes_only_the_null_block_s_last_slot_and_reads_nothing_else() -> None:
+    scratch = DecodeGraphs(CPU, BLOCK_TOKENS, rows=4, record=False).scratch
+    assert scratch == NULL_BLOCK * BLOCK_TOKENS + BLOCK_TOKENS - 1  # no row's block holds it
     inputs = Inputs.empty(rows=4, width=8, device=CPU)
     wider = torch.arange(1, 33).view(4, 8)  # a step before, of every row and column
-    scratch = BLOCK_TOKENS - 1
     inputs.fill(wider[:, :1], wider[:, :1], wider, torch.ones(4, 8), wider[:, -1], scratch)
     index = torch.tensor([[0, 0, 21, 22, 23], [31, 32, 33, 34, 35], [0, 0, 0, 41, 42]])
     mask = (index > 0).long()
@@ -647,30 +679,31 @@ def test_a_padded_row_reads_and_writes_only_the_null_block_s_last_slot() -> None
     assert not inputs.index[:3, :3].any()
     assert not inputs.mask[:3, 0, 0, :3].any()  # the columns added on the left are hidden
     assert inputs.mask[:3, 0, 0, 3:].long().tolist() == mask.tolist()
-    assert inputs.index[3].tolist() == [0] * 7 + [scratch]
+    assert inputs.index[3].tolist() == [0] * 7 + [scratch]  # slot 0 masked, as padding is
     assert inputs.mask[3, 0, 0].tolist() == [False] * 7 + [True]
     assert inputs.slots.tolist() == [23, 35, 42, scratch]
     assert inputs.ids[:, 0].tolist() == [7, 8, 9, 0] and inputs.positions[3, 0] == 0
-    assert [bucket(n) for n in (1, 3, 4, 5, 33)] == [1, 4, 4, 8, 64]
-    assert bucket(3, BLOCK_TOKENS) == BLOCK_TOKENS
+    assert [round_up(n) for n in (1, 3, 4, 5, 33)] == [1, 4, 4, 8, 64]
+    assert round_up(3, BLOCK_TOKENS) == BLOCK_TOKENS
 
 
-def test_the_replica_s_next_engine_steps_in_the_buckets_its_last_one_made(
+def test_the_replica_s_next_engine_steps_in_the_shapes_its_last_one_made(
     model: tuple[Any, Any],
 ) -> None:
     calls = _sampled_calls(seed=3, count=6)
     first = _fixed_engine(model, graphs=True)
     _run_arriving(first, calls, seed=9)
     assert first.kv is not None and first._graphs is first.kv.graphs
-    made = dict(first.kv.graphs._buckets)  # type: ignore[union-attr]
+    made = dict(first.kv.graphs._shapes)  # type: ignore[union-attr]
     second = _fixed_engine(model, graphs=True, kv=first.kv)
     again = _run_arriving(second, calls, seed=9)
     assert second._graphs is first._graphs
     assert second._graphs is not None and second._graphs._step is not None
     assert second._graphs._step() == second._graph_step  # the engine open now records
-    for shape, entry in made.items():  # the same calls take the same buckets, kept
-        assert second._graphs._buckets[shape] is entry
-    assert [s.tokens for s in again] == [s.tokens for s in _run_arriving(first, calls, seed=9)]
+    for shape, entry in made.items():  # the same calls take the same shapes, kept
+        assert second._graphs._shapes[shape] is entry
+    plain = _run_arriving(_fixed_engine(model, graphs=False), calls, seed=9)
+    assert [s.tokens for s in again] == [s.tokens for s in plain]
 
 
 def test_a_replica_s_blocks_go_with_their_last_engine_not_when_the_garbage_collector_runs(
@@ -688,7 +721,7 @@ def test_a_replica_s_blocks_go_with_their_last_engine_not_when_the_garbage_colle
         gc.enable()
 
 
-def test_rows_that_share_a_prompt_s_blocks_read_them_once_rather_than_in_a_bucket(
+def test_rows_that_share_a_prompt_s_blocks_read_them_once_rather_than_in_a_fixed_shape(
     model: tuple[Any, Any],
 ) -> None:
     rng = random.Random(6)
@@ -697,7 +730,8 @@ def test_rows_that_share_a_prompt_s_blocks_read_them_once_rather_than_in_a_bucke
     fixed = _fixed_engine(model, graphs=True)
     shared = _run_arriving(fixed, calls, seed=9)
     assert fixed._graphs is not None
-    assert all(rows == 1 for rows, _ in fixed._graphs._buckets)  # a lone row shares nothing
+    shapes = fixed._graphs._shapes
+    assert shapes and all(rows == 1 for rows, _ in shapes)  # a lone row shares nothing
     plain = _run_arriving(_fixed_engine(model, graphs=False), calls, seed=9)
     assert [s.tokens for s in shared] == [s.tokens for s in plain]
 
@@ -713,19 +747,19 @@ class _Stepping:
         return torch.zeros((inputs.ids.shape[0], 5))
 
 
-def test_buckets_made_on_a_store_that_grew_since_are_dropped() -> None:
+def test_shapes_recorded_on_a_store_that_grew_since_are_dropped() -> None:
     stepping = _Stepping()
     ran = stepping.ran
     graphs = DecodeGraphs(CPU, BLOCK_TOKENS, rows=8, record=False)
     graphs.use(stepping.step)
     one = (torch.tensor([[1]]), torch.tensor([[0]]), torch.tensor([[17]]), torch.ones(1, 1))
-    logits = graphs.run(*one, torch.tensor([17]), store=(1, 2))
+    logits = graphs.run(*one, torch.tensor([17]), addresses=(1, 2))
     assert logits.shape == (1, 5) and ran == [1]
-    kept = graphs._buckets[(1, BLOCK_TOKENS)]
-    graphs.run(*one, torch.tensor([17]), store=(1, 2))
-    assert graphs._buckets[(1, BLOCK_TOKENS)] is kept
-    graphs.run(*one, torch.tensor([17]), store=(3, 4))  # the store's tensors moved
-    assert graphs._buckets[(1, BLOCK_TOKENS)] is not kept
+    kept = graphs._shapes[(1, BLOCK_TOKENS)]
+    graphs.run(*one, torch.tensor([17]), addresses=(1, 2))
+    assert graphs._shapes[(1, BLOCK_TOKENS)] is kept
+    graphs.run(*one, torch.tensor([17]), addresses=(3, 4))  # the store's tensors moved
+    assert graphs._shapes[(1, BLOCK_TOKENS)] is not kept
 
 
 def test_a_decode_step_whose_recording_fails_runs_as_it_is_and_the_engine_stops_recording(

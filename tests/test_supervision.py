@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,7 @@ from tests.running import (
     LARGE,
     REPO,
     TWO_MODELS,
+    RunningFleet,
     alive,
     answered_after,
     descendants,
@@ -275,6 +277,11 @@ def test_the_bundled_redis_killed_under_load_three_times_loses_no_call_no_worker
         )
 
 
+def _reaped(fleet: RunningFleet) -> int:
+    """How many times the fleet's ledger has let a worker go (its lease lapsed, or it left)."""
+    return sum(1 for e in fleet.registry.events() if e.get("kind") == "reaped")
+
+
 def _wait_for_redis(url: str, seconds: float = 60) -> bool:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:  # the launcher starts it again on the same port
@@ -304,7 +311,9 @@ def test_the_bundled_redis_frozen_for_longer_than_a_worker_lease_loses_no_call_n
         client = _client(fleet.url)
         calls = [client.send_task("gpufleet.infer", args=("b", *LARGE)) for _ in range(20)]
         time.sleep(0.3)  # some run, some wait on the GPU worker's queue
+        reaped = _reaped(fleet)
         server = fleet.child_named("redis-server")
+        frozen = datetime.now(UTC)
         with_signal(server, signal.SIGSTOP)
         try:
             time.sleep(3 * lease_s)
@@ -317,6 +326,8 @@ def test_the_bundled_redis_frozen_for_longer_than_a_worker_lease_loses_no_call_n
             except CeleryTimeout:
                 missing.append(call.id)
         assert not missing, f"{len(missing)} of {len(calls)} calls unanswered"
+        assert answered_after(calls, frozen) >= 1, "every call was answered before the freeze"
+        assert _reaped(fleet) > reaped, "the worker's lease outlived the freeze"
         assert fleet.child_named("gpu0@") == worker, "the GPU worker was restarted"
         until(
             "a ledger that agrees with itself and its worker",

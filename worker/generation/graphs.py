@@ -5,19 +5,19 @@ step (every layer's projections, its cache's writes and gathers, its attention),
 few microseconds of the CPU for a kernel that runs in less (a lone paged step of GPT-2
 small took 9.6 ms on an H200, docs/gpu-validation.md). A CUDA graph records a step's
 kernels once and replays them with one launch, as vLLM, SGLang and nano-vllm do. A graph
-replays fixed shapes at fixed addresses, so a step here is laid out in a **bucket**:
-- its rows padded to the next power of two (1, 2, 4, ... as those engines bucket them);
+replays fixed shapes at fixed addresses, so a step here is laid out in a **fixed shape**:
+- its rows padded to the next power of two (1, 2, 4, ... as those engines pad them);
 - its columns (each row's slots, right-aligned, the step's own last) padded on the left to
   the next power of two, at least a block's worth;
 - its inputs (token ids, positions, the slot index, the attention mask, the slots the new
-  keys go to) copied into tensors the bucket owns before each replay, and its logits read
-  from one buffer every bucket's graph writes into.
+  keys go to) copied into tensors the shape owns before each replay, and its logits read
+  from one buffer every shape's graph writes into.
 A padded row reads and writes only one slot of the null block that no row reads unmasked
 (`scratch`), and the mask hides every padded column, as in the step before padding.
 
 A graph holds the store's tensors at the addresses it was recorded on: when the store
-grows (new tensors), every graph goes and buckets are recorded again as they recur.
-Recording needs a warm-up run of the step, so a bucket's first step runs three times
+grows (new tensors), every graph goes and shapes are recorded again as they recur.
+Recording needs a warm-up run of the step, so a shape's first step runs three times
 (warm-up, record, replay); it writes the same keys to the same slots each time. Both run
 on a stream of the replica's own GPU. If recording fails (torch raises: a model whose
 forward reads a value back to the host, say), the failure is logged once and the
@@ -42,7 +42,7 @@ from worker.generation.blocks import NULL_BLOCK
 log = logging.getLogger(__name__)
 
 
-def bucket(count: int, least: int = 1) -> int:
+def round_up(count: int, least: int = 1) -> int:
     """The power of two at least `count` and `least`."""
     size = max(1, least)
     while size < count:
@@ -52,7 +52,7 @@ def bucket(count: int, least: int = 1) -> int:
 
 @dataclass
 class Inputs:
-    """One bucket's inputs, which its graph reads: `ids` and `positions` `[rows, 1]`,
+    """One shape's inputs, which its graph reads: `ids` and `positions` `[rows, 1]`,
     `index` the slots each row reads `[rows, width]` (right-aligned, its new slot last),
     `mask` `[rows, 1, 1, width]` (True where a column is a token of its row), `slots` the
     slot each row's new keys and values go to `[rows]`."""
@@ -93,21 +93,21 @@ class Inputs:
         self.slots[:rows].copy_(slots)
 
 
-#: One step of the model over a bucket's inputs: its logits `[rows, vocabulary]`.
+#: One step of the model over a shape's inputs: its logits `[rows, vocabulary]`.
 Step = Callable[[Inputs], torch.Tensor]
 
 
-class _Bucket:
+class _Shape:
     def __init__(self, rows: int, width: int, device: torch.device) -> None:
         self.inputs = Inputs.empty(rows, width, device)
         self.graph: Any = None  # torch.cuda.CUDAGraph once recorded
 
 
 class DecodeGraphs:
-    """One replica's decode steps in buckets (see the module): recorded as CUDA graphs when
+    """One replica's decode steps in fixed shapes (see the module): recorded as CUDA graphs when
     `record`, else run as they are. Kept with the replica's KV blocks while it is on its
-    GPU, so that its engines, opened and closed as calls come and go, record a bucket once;
-    each engine names its step (`use`). A bucket's KV blocks hold `block` tokens each;
+    GPU, so that its engines, opened and closed as calls come and go, record each shape once;
+    each engine names its step (`use`). Its KV blocks hold `block` tokens each;
     `rows`, the most a step has."""
 
     def __init__(self, device: torch.device, block: int, rows: int, *, record: bool) -> None:
@@ -115,23 +115,23 @@ class DecodeGraphs:
         # graphs, and its engines hold the blocks, so a strong hold would keep the blocks
         # (on the GPU) alive after the replica let them go, until the cyclic GC ran
         self._step: weakref.WeakMethod[Step] | None = None
-        self._stream: Any = None  # the stream buckets are recorded on (this GPU's own)
+        self._stream: Any = None  # the stream shapes are recorded on (this GPU's own)
         self.device = device
-        self.block = block  # tokens a KV block holds: the fewest columns a bucket has
+        self.block = block  # tokens a KV block holds: the fewest columns a shape has
         self.scratch = NULL_BLOCK * block + block - 1  # the null block's last slot
-        self.rows = bucket(rows)  # the most rows a step holds, bucketed
+        self.rows = round_up(rows)  # the most rows a step holds, rounded up
         self.record = record
         self.failed = False  # recording failed: the engine steps without graphs from now on
-        self._buckets: dict[tuple[int, int], _Bucket] = {}
+        self._shapes: dict[tuple[int, int], _Shape] = {}
         self._logits: torch.Tensor | None = None  # [rows, vocabulary], every graph's output
         self._pool: Any = None  # the graphs' shared memory pool
         self._store: tuple[int, ...] = ()  # the store's tensors the graphs were recorded on
-        self.recorded = 0  # graphs recorded (a bucket again after the store grew counts again)
+        self.recorded = 0  # graphs recorded (a shape again after the store grew counts again)
         self.replayed = 0
 
     def use(self, step: Step) -> None:
-        """Record the buckets still to come with `step`, a bound method of the engine now
-        open (it runs the model over a bucket's inputs)."""
+        """Record the shapes still to come with `step`, a bound method of the engine now
+        open (it runs the model over a shape's inputs)."""
         self._step = weakref.WeakMethod(step)
 
     def step(self, inputs: Inputs) -> torch.Tensor:
@@ -143,20 +143,20 @@ class DecodeGraphs:
 
     def run(  # noqa: PLR0917 - a step's five tensors
         self, ids: torch.Tensor, positions: torch.Tensor, index: torch.Tensor,
-        mask: torch.Tensor, slots: torch.Tensor, store: tuple[int, ...],
+        mask: torch.Tensor, slots: torch.Tensor, addresses: tuple[int, ...],
     ) -> torch.Tensor:  # fmt: skip
-        """One decode step (each argument as `Inputs.fill` takes it; `store`, the addresses
+        """One decode step (each argument as `Inputs.fill` takes it; `addresses`, those
         of the store's tensors, grown for this step): the rows' logits, `[rows,
         vocabulary]`, valid until the next step."""
         rows, columns = index.shape
-        shape = (bucket(rows), bucket(columns, self.block))
-        if store != self._store:
-            self._buckets.clear()  # recorded on tensors the store has let go
+        shape = (round_up(rows), round_up(columns, self.block))
+        if addresses != self._store:
+            self._shapes.clear()  # recorded on tensors the store has let go
             self._pool = None  # and a new pool for the graphs to come
-            self._store = store
-        entry = self._buckets.get(shape)
+            self._store = addresses
+        entry = self._shapes.get(shape)
         if entry is None:
-            entry = self._buckets[shape] = _Bucket(*shape, self.device)
+            entry = self._shapes[shape] = _Shape(*shape, self.device)
         entry.inputs.fill(ids, positions, index, mask, slots, self.scratch)
         if not self.record:
             return self.step(entry.inputs)[:rows]
@@ -172,8 +172,8 @@ class DecodeGraphs:
         assert self._logits is not None
         return self._logits[:rows]
 
-    def _record(self, entry: _Bucket) -> None:
-        """Warm the bucket's step up on a side stream (lazy initialisation, the allocator's
+    def _record(self, entry: _Shape) -> None:
+        """Warm the shape's step up on a side stream (lazy initialisation, the allocator's
         first blocks), then record it into the shared pool, writing its logits into the
         buffer every graph shares (made for the most rows at the first recording)."""
         inputs = entry.inputs
@@ -212,4 +212,4 @@ def recording_failed(error: BaseException) -> None:
     )  # fmt: skip
 
 
-__all__ = ["DecodeGraphs", "Inputs", "Step", "bucket", "recording_failed"]
+__all__ = ["DecodeGraphs", "Inputs", "Step", "recording_failed", "round_up"]

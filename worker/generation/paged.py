@@ -100,7 +100,7 @@ class Store:
             new[: old.shape[0]] = old
         return new
 
-    def settle(self) -> tuple[int, ...] | None:
+    def grow_now(self) -> tuple[int, ...] | None:
         """Grow every layer's tensors to `blocks` now (a pass would), and return their
         addresses, which a CUDA graph recorded on them reads (`worker.generation.graphs`);
         None while a layer has none (before the first pass)."""

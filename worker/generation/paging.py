@@ -358,7 +358,7 @@ class PagedRows:
         self, ids: torch.Tensor, positions: torch.Tensor, index: torch.Tensor,
         mask: torch.Tensor, new: torch.Tensor,
     ) -> torch.Tensor | None:  # fmt: skip
-        """The step's logits from its bucket (`worker.generation.graphs`), or None where
+        """The step's logits from its shape's graph (`worker.generation.graphs`), or None where
         this engine keeps none (or adapters change its rows' passes); `index` and `mask`
         as the step reads them, `new` the rows' next slots."""
         kept = self._graphs
@@ -366,11 +366,11 @@ class PagedRows:
             return None
         assert self.kv is not None
         self.kv.ready()
-        store = self.kv.store.settle()
-        if store is None:
+        addresses = self.kv.store.grow_now()
+        if addresses is None:
             return None
-        self._copy = None  # the bucket reads the blocks
-        logits = kept.run(ids, positions, index, mask, new, store)
+        self._copy = None  # the shape's step reads the blocks
+        logits = kept.run(ids, positions, index, mask, new, addresses)
         if kept.failed:
             self._graphs = None
         return logits
@@ -385,11 +385,11 @@ class PagedRows:
                 return None
             record = self.device.type == "cuda"
             kept = kv.graphs = DecodeGraphs(self.device, kv.pool.size, rows, record=record)
-        kept.use(self._graph_step)  # the buckets still to come are this engine's steps
+        kept.use(self._graph_step)  # the shapes still to come are this engine's steps
         return None if kept.failed else kept
 
     def _graph_step(self, inputs: Inputs) -> torch.Tensor:
-        """The model's decode step over a bucket's inputs (`worker.generation.graphs`):
+        """The model's decode step over a shape's inputs (`worker.generation.graphs`):
         every column read from the store, the 4D mask as given."""
         assert self.kv is not None
         width = inputs.index.shape[1]
