@@ -318,11 +318,13 @@ def chunked_on(arg: str) -> dict[str, Any]:
 def graphs_on(arg: str) -> dict[str, Any]:
     """On local device `arg`: 16 greedy calls joining and leaving a batch whose decode steps
     replay CUDA graphs (the default on CUDA), against the same calls without graphs; report
-    how many agree, the graphs recorded and replayed, and a lone row's decode step p50
-    each way after its warm-up (dtype float32)."""
+    how many agree, the largest difference of any step's logits, the graphs recorded and
+    replayed, and a lone row's decode step p50 each way after its warm-up (float32)."""
     import random
     import time
 
+    from tests.paces import Fixed
+    from worker.generation import sampling
     from worker.generation.engine import Engine, Options, Sequence_
 
     model, tokenizer, device = _small_gpt(arg)
@@ -333,15 +335,33 @@ def graphs_on(arg: str) -> dict[str, Any]:
         for _ in range(16)
     ]  # fmt: skip
 
-    def run(graphs: bool | None) -> tuple[list[list[int]], Engine]:
-        engine = Engine(model, tokenizer, device, budget=10**6, window=512, graphs=graphs)
-        sequences = [Sequence_(i, p, Options(max_new_tokens=n)) for i, (p, n) in enumerate(calls)]
-        for index, sequence in enumerate(sequences):
-            engine.add(sequence)
-            if index % 4 == 3:
-                engine.step()
-        engine.run()
-        return [s.tokens for s in sequences], engine
+    pick = sampling.pick
+
+    def run(graphs: bool | None) -> tuple[list[list[int]], list[torch.Tensor], Engine]:
+        seen: list[torch.Tensor] = []
+
+        def recording(logits: torch.Tensor, *args: Any) -> list[int]:
+            seen.append(logits.float().cpu())
+            return pick(logits, *args)
+
+        sampling.pick = recording  # every step's logits, as sampling is given them
+        try:
+            # a fixed pace: both runs prefill alike, so their steps pair up
+            engine = Engine(
+                model, tokenizer, device, budget=10**6, window=512, graphs=graphs,
+                pace=Fixed(64),
+            )  # fmt: skip
+            sequences = [
+                Sequence_(i, p, Options(max_new_tokens=n)) for i, (p, n) in enumerate(calls)
+            ]
+            for index, sequence in enumerate(sequences):
+                engine.add(sequence)
+                if index % 4 == 3:
+                    engine.step()
+            engine.run()
+        finally:
+            sampling.pick = pick
+        return [s.tokens for s in sequences], seen, engine
 
     def lone_step_ms(graphs: bool | None) -> float:
         engine = Engine(model, tokenizer, device, budget=10**6, window=512, graphs=graphs)
@@ -355,12 +375,19 @@ def graphs_on(arg: str) -> dict[str, Any]:
         steady = sorted(times[20:])  # past the prefill and the first buckets' recording
         return round(steady[len(steady) // 2], 3)
 
-    graphed, engine = run(None)
-    eager, _ = run(False)
+    graphed, graphed_logits, engine = run(None)
+    eager, eager_logits, _ = run(False)
     kept = engine._graphs
+    pairs = list(zip(graphed_logits, eager_logits, strict=False))
+    same_steps = len(graphed_logits) == len(eager_logits) and all(
+        a.shape == b.shape for a, b in pairs
+    )
     return {
         "equal": sum(a == b for a, b in zip(graphed, eager, strict=True)),
         "calls": len(calls),
+        "logits_max_diff": (
+            max(float((a - b).abs().max()) for a, b in pairs) if same_steps else None
+        ),
         "graphs_on": kept is not None,
         "recorded": kept.recorded if kept is not None else 0,
         "replayed": kept.replayed if kept is not None else 0,
