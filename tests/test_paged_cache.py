@@ -762,6 +762,29 @@ def test_shapes_recorded_on_a_store_that_grew_since_are_dropped() -> None:
     assert graphs._shapes[(1, BLOCK_TOKENS)] is not kept
 
 
+def test_a_shape_whose_recording_runs_out_of_memory_runs_as_it_is_and_graphs_stay_on(
+    model: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = _fixed_engine(model, graphs=True)
+    graphs = engine._graphs
+    assert graphs is not None
+    graphs.record = True
+    tried: list[tuple[int, ...]] = []
+
+    def full(entry: Any) -> None:  # a GPU with no room left for any recording
+        tried.append(tuple(entry.inputs.index.shape))
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(graphs, "_record", full)
+    calls = _sampled_calls(seed=6, count=6)
+    sequences = _run_arriving(engine, calls, seed=9)
+    assert engine._graphs is graphs and not graphs.failed  # not the model's fault: kept on
+    assert len(tried) > 1 and len(set(tried)) == len(tried)  # each shape tried once
+    assert all(entry.eager for entry in graphs._shapes.values())
+    plain = _run_arriving(_fixed_engine(model, graphs=False), calls, seed=9)
+    assert [s.tokens for s in sequences] == [s.tokens for s in plain]
+
+
 def test_a_decode_step_whose_recording_fails_runs_as_it_is_and_the_engine_stops_recording(
     model: tuple[Any, Any], caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -21,7 +21,8 @@ Recording needs a warm-up run of the step, so a shape's first step runs three ti
 (warm-up, record, replay); it writes the same keys to the same slots each time. Both run
 on a stream of the replica's own GPU. If recording fails (torch raises: a model whose
 forward reads a value back to the host, say), the failure is logged once and the
-replica's steps run without graphs from then on.
+replica's steps run without graphs from then on; if it runs out of memory, only that
+shape's steps do, until the store grows and every shape is recorded again.
 
 Off a GPU (`record=False`) the same padded step runs as it is, without a graph: what a
 graph would record is what the CPU tests check against the unpadded step.
@@ -101,6 +102,7 @@ class _Shape:
     def __init__(self, rows: int, width: int, device: torch.device) -> None:
         self.inputs = Inputs.empty(rows, width, device)
         self.graph: Any = None  # torch.cuda.CUDAGraph once recorded
+        self.eager = False  # its recording ran out of memory: its steps run as they are
 
 
 class DecodeGraphs:
@@ -158,11 +160,19 @@ class DecodeGraphs:
         if entry is None:
             entry = self._shapes[shape] = _Shape(*shape, self.device)
         entry.inputs.fill(ids, positions, index, mask, slots, self.scratch)
-        if not self.record:
+        if not self.record or entry.eager:
             return self.step(entry.inputs)[:rows]
         if entry.graph is None:
             try:
                 self._record(entry)
+            except torch.OutOfMemoryError:  # the GPU is full now, not the model unrecordable
+                log.warning(
+                    "recording a decode step of %d rows and %d columns as a CUDA graph ran"
+                    " out of memory; steps of that shape run without one until the KV"
+                    " store grows", *entry.inputs.index.shape,
+                )  # fmt: skip
+                entry.eager = True
+                return self.step(entry.inputs)[:rows]
             except RuntimeError as error:  # torch's; the step itself is sound: run it as it is
                 recording_failed(error)
                 self.failed = True
