@@ -61,7 +61,7 @@ def _engine(model: tuple[Any, Any], budget: int, window: int, kind: str) -> Any:
     import torch
 
     from worker.generation.engine import Engine, eos_ids
-    from worker.generation.paged import Paged
+    from worker.generation.kv.paged import Paged
 
     net, tokenizer = model
     kv = Paged.for_model(net, budget, share=kind == "paged") if kind != "padded" else None

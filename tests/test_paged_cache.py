@@ -1,7 +1,7 @@
-"""The paged KV cache (`worker.generation.blocks`, `worker.generation.paged`): outputs equal to
+"""The paged KV cache (`worker.generation.kv`: `blocks`, `paged`): outputs equal to
 the left-padded batch's, prefixes shared, preemption when blocks run out, every block
 given back, and decode steps in the fixed shapes a CUDA graph records
-(`worker.generation.graphs`: on a CPU the padded step runs as it is, and must make the
+(`worker.generation.kv.graphs`: on a CPU the padded step runs as it is, and must make the
 tokens the unpadded step makes; the recording itself runs only on CUDA, tests/test_gpu.py)."""
 
 from __future__ import annotations
@@ -18,10 +18,11 @@ import torch
 
 from placement.catalog.catalog import Catalog
 from tests.paces import Fixed, Unpaced
-from worker.generation import paged, sampling
-from worker.generation.blocks import BLOCK_TOKENS, NULL_BLOCK, BlockPool, OutOfBlocks, Table
+from worker.generation import sampling
 from worker.generation.engine import Engine, Options, Sequence_
-from worker.generation.graphs import DecodeGraphs, Inputs, round_up
+from worker.generation.kv import paged
+from worker.generation.kv.blocks import BLOCK_TOKENS, NULL_BLOCK, BlockPool, OutOfBlocks, Table
+from worker.generation.kv.graphs import DecodeGraphs, Inputs, round_up
 from worker.generation.sampling import Choice
 from worker.generation.serving import GenCall, Generated, run_calls
 from worker.weights.synthetic import build_synthetic
@@ -579,7 +580,7 @@ def test_tenants_rows_follow_their_weights(model: tuple[Any, Any]) -> None:
     engine.run()
 
 
-# --- decode steps in fixed shapes (`worker.generation.graphs`) ---------------------------
+# --- decode steps in fixed shapes (`worker.generation.kv.graphs`) ---------------------------
 
 
 def _fixed_engine(
@@ -792,7 +793,7 @@ def test_a_decode_step_whose_recording_fails_runs_as_it_is_and_the_engine_stops_
     engine = _fixed_engine(model, graphs=True)
     assert engine._graphs is not None
     engine._graphs.record = True  # a CPU has no CUDA graph to record: recording raises
-    with caplog.at_level("WARNING", logger="worker.generation.graphs"):
+    with caplog.at_level("WARNING", logger="worker.generation.kv.graphs"):
         sequences = _run_arriving(engine, calls, seed=9)
     assert engine._graphs is None
     assert engine.kv is not None and engine.kv.graphs is not None and engine.kv.graphs.failed

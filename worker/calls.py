@@ -108,7 +108,7 @@ class Calls:
 
     `threads` is torch's CPU threads for a pass (`worker.passes`; 0: as is); `graphs`
     False keeps generation models' decode steps out of CUDA graphs
-    (`worker.generation.graphs`, on by default on CUDA);
+    (`worker.generation.kv.graphs`, on by default on CUDA);
     `whole_pass_errors` concern a whole pass, not one of its calls (a time limit): they
     fail every call of the pass at once instead of a retry one call at a time.
     """

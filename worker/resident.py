@@ -11,7 +11,7 @@ from typing import Any
 from placement.catalog.catalog import ModelSpec
 from worker.adapters.room import AdapterRoom
 from worker.caps import replica_caps
-from worker.generation.paged import Paged
+from worker.generation.kv.paged import Paged
 from worker.passes import Dims, dims_of
 from worker.warm.arena import Region
 from worker.warm.sharing import Locator

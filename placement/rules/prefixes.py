@@ -1,7 +1,7 @@
 """What a call's prompt begins with, as the routing side sees it: chained digests of its
 text, so that a call goes to the replica whose KV cache holds its prefix already.
 
-A replica caches its prompts' KV blocks by their tokens (`worker.generation.blocks`), but
+A replica caches its prompts' KV blocks by their tokens (`worker.generation.kv.blocks`), but
 the processes that route calls have no tokenizer. As the SGLang router does, routing
 keys prompts by their text instead: the text is cut into chunks of `CHUNK_CHARS`
 characters, and each chunk's digest chains its parent's, so the i-th digest names the

@@ -55,8 +55,9 @@ import torch
 
 from placement.errors import PayloadError
 from worker.adapters.room import AdapterRoom
-from worker.generation import blocks, paged, sampling, slots
-from worker.generation.graphs import DecodeGraphs
+from worker.generation import sampling
+from worker.generation.kv import blocks, paged, slots
+from worker.generation.kv.graphs import DecodeGraphs
 from worker.generation.pacing import Allowance, Pace
 from worker.generation.params import MAX_NEW_TOKENS
 from worker.generation.sequence import Options, Sequence_

@@ -40,7 +40,7 @@ from placement.rules.costs import fit
 #: enough to follow a machine whose load changes. Not tuned.
 WINDOW = 32
 #: The least a budget allows, so a long prompt always progresses: one KV block's tokens
-#: (`worker.generation.blocks.BLOCK_TOKENS`), the unit a prefix is shared in.
+#: (`worker.generation.kv.blocks.BLOCK_TOKENS`), the unit a prefix is shared in.
 LEAST_TOKENS = 16
 
 

@@ -1,5 +1,5 @@
 """The engine's paged half (`worker.generation.engine.Engine` is a `PagedRows`): what its
-rows do with KV blocks (`worker.generation.blocks`, `worker.generation.paged`).
+rows do with KV blocks (`worker.generation.kv.blocks`, `worker.generation.kv.paged`).
 
 A sequence is admitted into blocks (its cached prefix held, blocks taken for the rest);
 a prefill pass reads each row's cached prefix from its blocks and computes only the rest;
@@ -7,7 +7,7 @@ rows join with their slots right-aligned, as a left-padded batch lays them out; 
 step takes each row's next slot (preempting the youngest row when none is left) and reads
 the rows' keys by one of three ways: attention over a prefix every row shares
 (`paged.cascade`), a CPU's working copy kept in place in buckets of similar length
-(`worker.generation.ragged`), or a gather. See docs/worker.md, "The KV cache, in blocks".
+(`worker.generation.kv.ragged`), or a gather. See docs/worker.md, "The KV cache, in blocks".
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ from typing import Any
 
 import torch
 
-from worker.generation import blocks, paged, ragged, sampling
-from worker.generation.graphs import DecodeGraphs, Inputs
+from worker.generation import sampling
+from worker.generation.kv import blocks, paged, ragged
+from worker.generation.kv.graphs import DecodeGraphs, Inputs
 from worker.generation.sequence import Sequence_
 
 log = logging.getLogger(__name__)
@@ -293,7 +294,7 @@ class PagedRows:
         next slot; the rows' logits. When every row begins with the same blocks (a shared
         system prompt), attention reads them once for all rows (`paged.cascade`) and
         gathers only what follows them; else in fixed shapes, from a CUDA graph, where the
-        engine keeps them (`worker.generation.graphs`)."""
+        engine keeps them (`worker.generation.kv.graphs`)."""
         assert self.kv is not None and self._slots is not None and self._mask is not None
         kv = self.kv
         rows = self.rows
@@ -358,7 +359,7 @@ class PagedRows:
         self, ids: torch.Tensor, positions: torch.Tensor, index: torch.Tensor,
         mask: torch.Tensor, new: torch.Tensor,
     ) -> torch.Tensor | None:  # fmt: skip
-        """The step's logits from its shape's graph (`worker.generation.graphs`), or None where
+        """The step's logits from its shape's graph (`worker.generation.kv.graphs`), or None where
         this engine keeps none (or adapters change its rows' passes); `index` and `mask`
         as the step reads them, `new` the rows' next slots."""
         kept = self._graphs
@@ -389,7 +390,7 @@ class PagedRows:
         return None if kept.failed else kept
 
     def _graph_step(self, inputs: Inputs) -> torch.Tensor:
-        """The model's decode step over a shape's inputs (`worker.generation.graphs`):
+        """The model's decode step over a shape's inputs (`worker.generation.kv.graphs`):
         every column read from the store, the 4D mask as given."""
         assert self.kv is not None
         width = inputs.index.shape[1]
@@ -437,7 +438,7 @@ class PagedRows:
 
     def _copy_fits(self, tokens: int) -> bool:
         """Whether a working copy fits the budget beside the store (the store's truth kept
-        in place as well, `worker.generation.ragged`): `tokens`, what it would hold (after a
+        in place as well, `worker.generation.kv.ragged`): `tokens`, what it would hold (after a
         join, or a new copy), and the room its buffers hold already. Only on a CPU, where
         a decode step's gather is a copy the CPU pays for; a GPU gathers at its memory's
         speed. Its buffers may grow only within that room."""

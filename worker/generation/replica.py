@@ -13,7 +13,7 @@ from placement.catalog.catalog import ModelSpec
 from worker.adapters.reading import SHELF, Read
 from worker.adapters.room import AdapterRoom
 from worker.generation.engine import Engine, eos_ids
-from worker.generation.paged import Paged
+from worker.generation.kv.paged import Paged
 from worker.generation.params import MAX_ROWS
 from worker.passes import max_positions
 

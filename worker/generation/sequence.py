@@ -9,7 +9,8 @@ from typing import Any
 
 import torch
 
-from worker.generation import blocks, sampling
+from worker.generation import sampling
+from worker.generation.kv import blocks
 from worker.generation.text import Detokenizer
 
 

@@ -1,7 +1,7 @@
 """A CPU's working copy of the running rows' keys and values, in buckets of similar length.
 
 On a CPU a decode step that gathered every row's keys from the blocks
-(`worker.generation.paged`) would copy them all at every step, so the running rows are kept
+(`worker.generation.kv.paged`) would copy them all at every step, so the running rows are kept
 in place as well, each new token written beside its slot in the store (which stays the
 truth). Kept as one left-padded batch, one long row makes every row as wide as itself: a
 burst of 1,000-token prompts joining 32 short streams made each step's attention read
@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-from worker.generation.slots import SlotLayer
+from worker.generation.kv.slots import SlotLayer
 
 #: A bucket's padded keys are at most this many times its rows' own (a decode step's
 #: attention reads at most twice what the rows hold). Chosen as a bound, not tuned.

@@ -3,7 +3,7 @@ blocks shared by every sequence whose tokens start the same way (prefix caching)
 
 A sequence's keys and values live in blocks of `BLOCK_TOKENS` token slots; its `Table`
 lists them in order, so its token `i` is slot `blocks[i // size] * size + i % size` of the
-replica's store (`worker.generation.paged`). Blocks are taken one at a time as a sequence
+replica's store (`worker.generation.kv.paged`). Blocks are taken one at a time as a sequence
 grows and given back when it leaves, so memory follows the tokens held, not a padded
 batch's reach.
 

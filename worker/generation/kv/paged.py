@@ -1,7 +1,7 @@
 """The paged KV cache's tensors, and the cache a model's forward pass sees over them.
 
 `Store` keeps every layer's keys and values as `[slots, heads, head_dim]` tensors, one row
-per token slot of the replica's blocks (`worker.generation.blocks`). A forward pass over
+per token slot of the replica's blocks (`worker.generation.kv.blocks`). A forward pass over
 some rows is described by a `Pass`: each row's slots of the tokens before this pass (its
 past) and of the tokens this pass computes, right-aligned in one `[rows, width]` index, as
 a left-padded `generate` batch lays rows out, with padding pointing at the null block. The
@@ -26,8 +26,8 @@ from typing import Any
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-from worker.generation.blocks import BLOCK_TOKENS, BlockPool, Table
-from worker.generation.graphs import DecodeGraphs
+from worker.generation.kv.blocks import BLOCK_TOKENS, BlockPool, Table
+from worker.generation.kv.graphs import DecodeGraphs
 
 GROWTH = 2  # a full store is reallocated this many times larger, within the budget
 
@@ -102,7 +102,7 @@ class Store:
 
     def grow_now(self) -> tuple[int, ...] | None:
         """Grow every layer's tensors to `blocks` now (a pass would), and return their
-        addresses, which a CUDA graph recorded on them reads (`worker.generation.graphs`);
+        addresses, which a CUDA graph recorded on them reads (`worker.generation.kv.graphs`);
         None while a layer has none (before the first pass)."""
         for index in range(self.layers):
             keys, values = self.keys[index], self.values[index]
@@ -143,7 +143,7 @@ class Pass:
     `slots`: the slots they are written to, in that order; `prefix`: for a decode step
     whose rows all begin with the same blocks, those blocks' slots (`cascade`): `index` and
     the layers' gathers then hold only what follows them; `ragged`: for a decode step over
-    a CPU's working copy (`worker.generation.ragged`), that copy, whose buckets attention
+    a CPU's working copy (`worker.generation.kv.ragged`), that copy, whose buckets attention
     reads one by one."""
 
     index: torch.Tensor
@@ -345,7 +345,7 @@ class Paged:
         self.pool = BlockPool(max(1, budget_tokens // size - 1), size, share=share)
         self.store = Store(layers, size)
         self.cache = PagedCache(self.store)
-        # its decode steps' CUDA graphs (`worker.generation.graphs`), recorded on its store
+        # its decode steps' CUDA graphs (`worker.generation.kv.graphs`), recorded on its store
         self.graphs: DecodeGraphs | None = None
 
     @classmethod

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from worker.generation.blocks import NULL_BLOCK
+from worker.generation.kv.blocks import NULL_BLOCK
 
 log = logging.getLogger(__name__)
 
