@@ -36,7 +36,7 @@ from worker.generation.replica import adapter_room, replica_engine
 from worker.generation.serving import GenCall
 from worker.lifecycle import exit_for_restart, is_fatal_cuda_error
 from worker.measuring import Learned, Span, Spans
-from worker.passes import Dims, for_pass, longest_tokens, token_bound
+from worker.passes import Dims, for_pass, longest_tokens, threads_here, token_bound
 from worker.resident import Resident
 
 log = logging.getLogger(__name__)
@@ -171,8 +171,9 @@ class Calls:
             # while it runs, so no load or pass beside it may keep a figure (`measuring`).
             held.enter_context(self.held.spans.span())
             plan, simulated = self._serving(resident, epoch)
-            if self.threads and torch.get_num_threads() != self.threads:
-                torch.set_num_threads(self.threads)
+            threads = threads_here(self.threads)
+            if threads and torch.get_num_threads() != threads:
+                torch.set_num_threads(threads)
             device = loading.torch_device(min(plan), simulated)
             engine = replica_engine(
                 resident.model, resident.tokenizer, resident.spec, device, resident.kv,

@@ -36,6 +36,7 @@ from placement.errors import EvictedError, PlacementError, RegistryError
 from placement.ledger.figures import cache
 from placement.ledger.registry import Registry
 from placement.policy.state import Deployment, Level
+from worker import passes
 from worker.lifecycle import exit_for_restart, is_fatal_cuda_error
 from worker.residency import ResidencyManager
 
@@ -207,6 +208,7 @@ class Keeper:
                 self._inbox.put(replica)
 
     def _run(self) -> None:
+        passes.helper_thread()  # its loads' torch work makes no second OpenMP team
         next_full = time.monotonic()
         while not self._stop.is_set():
             try:

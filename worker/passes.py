@@ -16,11 +16,22 @@ lone call of a tiny synthetic BERT computed in about 3.7 ms on one thread agains
 on two, while a batch of 8 MiniLM calls took 55 ms on two threads against 90 ms on one
 (docs/benchmarks.md). On a real GPU the pass runs on the device, and the threads serve
 only the host-side work around it.
+
+One thread of a worker process runs torch on several threads: the one that serves calls.
+OpenMP (torch's CPU threads) keeps a team of threads for every thread that ran a parallel
+region, for as long as that thread lives; once a process holds more of them than it has
+cores, every parallel region's threads sleep at its barriers instead of waiting awake
+(libgomp's "throttled" spin), and a decode step of 32 rows took 1.7 times as long. The
+keeper's first load ran its warm-up pass on the worker's share of the cores, so its team
+stayed: every call after it paid that. So a helper thread (`helper_thread`: the keeper,
+whose loads, moves and warm-up passes are its torch work) runs torch on one thread, and
+makes no team.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -82,11 +93,28 @@ def share(configured: int | None, gpus: int, cores: int | None = None) -> int:
     return max(1, (cores or len(os.sched_getaffinity(0)) or 1) // max(gpus, 1))
 
 
+_helper = threading.local()  # `on`: this thread is a helper (`helper_thread`)
+
+
+def helper_thread() -> None:
+    """Make this thread a helper from now on: its torch work runs on one CPU thread, and
+    `threads_here` says 1 on it (see the module). Call it first in the thread's target."""
+    import torch
+
+    _helper.on = True
+    torch.set_num_threads(1)
+
+
+def threads_here(threads: int) -> int:
+    """The CPU threads torch may run on in this thread: `threads`, or 1 on a helper."""
+    return 1 if getattr(_helper, "on", False) else threads
+
+
 def for_pass(threads: int, dims: Dims, texts: Sequence[str]) -> int:
     """The threads one pass over `texts` runs on: 1 when it is small (`SMALL_PASS`), else
-    `threads` (and for a model whose size the config does not say)."""
+    `threads` (and for a model whose size the config does not say); 1 on a helper thread."""
     small = dims.known and dims.work(len(texts), longest_tokens(texts)) < SMALL_PASS
-    return 1 if small else threads
+    return 1 if small else threads_here(threads)
 
 
 def max_positions(config: Any) -> int | None:
