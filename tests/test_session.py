@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 
 import pytest
+import torch
 
 from placement.catalog.catalog import Catalog
 from placement.errors import EvictedError
@@ -163,3 +164,49 @@ def test_each_replica_gets_one_pass_a_turn_so_a_flood_of_batches_does_not_stall_
     node.serve_session(feed)
     assert isinstance(feed.outcomes["story"], Generated)
     assert len(ran) == 4 and ran == sorted(set(ran)), ran  # one a turn, a step between each
+
+
+class _ThreadsFeed(_Feed):
+    """A `_Feed` that also records the CPU threads each step of a generation ran on."""
+
+    def __init__(self, arrivals: list[list[GenCall | OneShot]]) -> None:
+        super().__init__(arrivals)
+        self.threads: list[int] = []
+
+    def stepped(
+        self, replica: str, calls: int, held_tokens: int, figures: Callable[[], dict[str, float]]
+    ) -> None:
+        super().stepped(replica, calls, held_tokens, figures)
+        if calls:
+            self.threads.append(torch.get_num_threads())
+
+
+def test_a_small_one_shot_pass_between_two_steps_leaves_the_next_step_the_workers_threads(
+    redis_url: str, fleet: str
+) -> None:
+    registry = Registry.from_url(redis_url, fleet)
+    devices = simulated_devices("1x4GiB")
+    node = GpuWorker(registry, devices, devices, "h0", "q0", spec_of=CATALOG.get,
+                     warm_budget=4 * GiB, lease_ms=3000, threads=2)  # fmt: skip
+    node.start()
+    threads = torch.get_num_threads()
+    try:
+        long, long_epoch = hot(node, "long")
+        encoder, encoder_epoch = hot(node, "encoder")
+        small: list[int] = []  # the threads a small pass ran on
+
+        def pass_() -> None:
+            node.serve_batch(encoder, encoder_epoch, [("a call", None)])
+            small.append(torch.get_num_threads())
+
+        shots = [OneShot(encoder, encoder_epoch, pass_, lambda error: None) for _ in range(3)]
+        call = GenCall("story", "a prompt", {"max_new_tokens": 20}, replica=long, epoch=long_epoch)
+        feed = _ThreadsFeed([[call], [], shots])
+        node.serve_session(feed)
+        assert isinstance(feed.outcomes["story"], Generated)
+        assert small == [1, 1, 1]  # a pass that small runs on one (`worker.passes.for_pass`)
+        assert feed.threads == [2] * len(feed.threads) and len(feed.threads) >= 10, feed.threads
+    finally:
+        node.stop()
+        registry.client.close()
+        torch.set_num_threads(threads)

@@ -58,14 +58,22 @@ _Member = tuple[int, list[str]]  # a call's position in its batch, and its texts
 @dataclass
 class OpenEngine:
     """A generation replica held for its calls (`Calls.open_engine`): its engine,
-    its chat template and GPUs; `close` (or leaving a `with`) gives the replica back."""
+    its chat template and GPUs, and the CPU threads its steps run on (0: as they are);
+    `close` (or leaving a `with`) gives the replica back."""
 
     replica: str
     epoch: int
     engine: Engine
     template: str | None
     gpus: list[str]
+    threads: int
     _held: ExitStack = field(repr=False)
+
+    def own_threads(self) -> None:
+        """Give this thread's torch the engine's threads before a step: a one-shot pass
+        between two steps sets the threads its own size wants (`worker.passes.for_pass`)."""
+        if self.threads and torch.get_num_threads() != self.threads:
+            torch.set_num_threads(self.threads)
 
     def close(self) -> None:
         self._held.close()
@@ -192,7 +200,7 @@ class Calls:
             raise
         return OpenEngine(
             replica, resident.epoch, engine, resident.spec.chat_template, sorted(resident.slots),
-            held,
+            threads, held,
         )  # fmt: skip
 
     def run_batch(

@@ -18,14 +18,14 @@ on two, while a batch of 8 MiniLM calls took 55 ms on two threads against 90 ms 
 only the host-side work around it.
 
 One thread of a worker process runs torch on several threads: the one that serves calls.
-OpenMP (torch's CPU threads) keeps a team of threads for every thread that ran a parallel
-region, for as long as that thread lives; once a process holds more of them than it has
-cores, every parallel region's threads sleep at its barriers instead of waiting awake
-(libgomp's "throttled" spin), and a decode step of 32 rows took 1.7 times as long. The
-keeper's first load ran its warm-up pass on the worker's share of the cores, so its team
-stayed: every call after it paid that. So a helper thread (`helper_thread`: the keeper,
-whose loads, moves and warm-up passes are its torch work) runs torch on one thread, and
-makes no team.
+OpenMP (torch's CPU threads) keeps a team for every thread that ran a parallel region on
+more than one thread, for as long as that thread lives; once a process holds more OpenMP
+threads than it has cores, libgomp spins only briefly at a region's barriers before its
+threads sleep ("throttled" spin), and the short shape's 32 calls took about 1.5 times as long.
+The keeper's first load ran its warm-up pass on the worker's share of the cores, so its
+team stayed: every call after it paid that. So a helper thread (`helper_thread`: the
+keeper, whose loads, moves and warm-up passes are its torch work) runs torch on one
+thread, and makes no team.
 """
 
 from __future__ import annotations
@@ -98,11 +98,20 @@ _helper = threading.local()  # `on`: this thread is a helper (`helper_thread`)
 
 def helper_thread() -> None:
     """Make this thread a helper from now on: its torch work runs on one CPU thread, and
-    `threads_here` says 1 on it (see the module). Call it first in the thread's target."""
+    `threads_here` says 1 on it (see the module). Call it first in the thread's target.
+
+    Torch keeps a thread's count once the thread has run torch, and `set_num_threads` also
+    sets the count threads start with: this thread's is read first (fixed from then on),
+    and another, short-lived thread puts the starting count back, so only this thread's
+    changes."""
     import torch
 
     _helper.on = True
+    starting = torch.get_num_threads()  # this thread's count, fixed from now on
     torch.set_num_threads(1)
+    again = threading.Thread(target=torch.set_num_threads, args=(starting,), daemon=True)
+    again.start()
+    again.join()
 
 
 def threads_here(threads: int) -> int:

@@ -251,6 +251,7 @@ class Session:
         """One step of `engine`, if it has work; close it once it has none."""
         replica, driver = engine.opened.replica, engine.driver
         if driver.busy:
+            engine.opened.own_threads()
             try:
                 driver.step()
             except Exception as exc:  # its model failed: its own calls get the error
