@@ -1,10 +1,10 @@
 """A GPU worker's CPU threads: only the thread that serves calls runs torch on several.
 
-OpenMP keeps a team of threads for every thread that ran a parallel region while that
-thread lives, and once a process holds more of them than it has cores, every parallel
-region sleeps at its barriers (`worker.passes`). One `GpuWorker` (simulated GPU, a
-synthetic GPT-2, no Celery) on a real redis-server; the registry calls stand in for a
-router.
+OpenMP keeps a team of threads for every thread that ran a parallel region on more than
+one thread, while that thread lives, and once a process holds more OpenMP threads than it
+has cores, every parallel region sleeps at its barriers (`worker.passes`). One
+`GpuWorker` (simulated GPU, a synthetic GPT-2, no Celery) on a real redis-server; the
+registry calls stand in for a router.
 """
 
 from __future__ import annotations
