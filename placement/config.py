@@ -99,7 +99,8 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("GPUFLEET_WARM_CACHE", "25% of RAM",
              "CPU memory a host lends to warm (offloaded) copies, charged by their measured bytes"),
     Variable("GPUFLEET_TORCH_THREADS", "cores / GPUs, at least 1",
-             "CPU threads of each GPU worker's torch; a small pass takes one (docs/worker.md)"),
+             "CPU threads of each GPU worker's torch as it serves calls; a small pass and "
+             "the keeper's loads take one (docs/worker.md)"),
     Variable("GPUFLEET_CUDA_GRAPHS", "`1`",
              "`0`: a generation model's decode steps on a GPU run without CUDA graphs "
              "(docs/worker.md, \"Decode steps from CUDA graphs\")"),
