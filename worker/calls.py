@@ -55,6 +55,13 @@ class Ran:
 _Member = tuple[int, list[str]]  # a call's position in its batch, and its texts
 
 
+def use_threads(threads: int) -> None:
+    """Run this thread's torch on `threads` CPU threads (0: as it is), set only when it
+    differs (a pass and an engine's step each call it)."""
+    if threads and torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
 @dataclass
 class OpenEngine:
     """A generation replica held for its calls (`Calls.open_engine`): its engine,
@@ -72,8 +79,7 @@ class OpenEngine:
     def own_threads(self) -> None:
         """Give this thread's torch the engine's threads before a step: a one-shot pass
         between two steps sets the threads its own size wants (`worker.passes.for_pass`)."""
-        if self.threads and torch.get_num_threads() != self.threads:
-            torch.set_num_threads(self.threads)
+        use_threads(self.threads)
 
     def close(self) -> None:
         self._held.close()
@@ -180,8 +186,7 @@ class Calls:
             held.enter_context(self.held.spans.span())
             plan, simulated = self._serving(resident, epoch)
             threads = threads_here(self.threads)
-            if threads and torch.get_num_threads() != threads:
-                torch.set_num_threads(threads)
+            use_threads(threads)
             device = loading.torch_device(min(plan), simulated)
             engine = replica_engine(
                 resident.model, resident.tokenizer, resident.spec, device, resident.kv,
@@ -340,11 +345,8 @@ class Calls:
 
     def _set_threads(self, resident: Resident, texts: list[str]) -> None:
         """Give this thread's torch the threads the pass should run on (`worker.passes`)."""
-        if not self.threads:
-            return
-        wanted = for_pass(self.threads, resident.dims, texts)
-        if wanted != torch.get_num_threads():
-            torch.set_num_threads(wanted)
+        if self.threads:
+            use_threads(for_pass(self.threads, resident.dims, texts))
 
     def _pass_span(self, outer: Span | None) -> AbstractContextManager[Span | None]:
         """A pass's span: a new one, or `outer`, the failed pass's that a retry runs in;
