@@ -323,8 +323,8 @@ def graphs_on(arg: str) -> dict[str, Any]:
     import random
     import time
 
+    from tests.logits import recorded_logits
     from tests.paces import Fixed
-    from worker.generation import sampling
     from worker.generation.engine import Engine, Options, Sequence_
 
     model, tokenizer, device = _small_gpt(arg)
@@ -335,17 +335,8 @@ def graphs_on(arg: str) -> dict[str, Any]:
         for _ in range(16)
     ]  # fmt: skip
 
-    pick = sampling.pick
-
     def run(graphs: bool | None) -> tuple[list[list[int]], list[torch.Tensor], Engine]:
-        seen: list[torch.Tensor] = []
-
-        def recording(logits: torch.Tensor, *args: Any) -> list[int]:
-            seen.append(logits.float().cpu())
-            return pick(logits, *args)
-
-        sampling.pick = recording  # every step's logits, as sampling is given them
-        try:
+        with recorded_logits() as seen:
             # a fixed pace: both runs prefill alike, so their steps pair up
             engine = Engine(
                 model, tokenizer, device, budget=10**6, window=512, graphs=graphs,
@@ -359,8 +350,6 @@ def graphs_on(arg: str) -> dict[str, Any]:
                 if index % 4 == 3:
                     engine.step()
             engine.run()
-        finally:
-            sampling.pick = pick
         return [s.tokens for s in sequences], seen, engine
 
     def lone_step_ms(graphs: bool | None) -> float:

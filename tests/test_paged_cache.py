@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from placement.catalog.catalog import Catalog
+from tests.logits import recorded_logits
 from tests.paces import Fixed, Unpaced
-from worker.generation import sampling
 from worker.generation.engine import Engine, Options, Sequence_
 from worker.generation.kv import paged
 from worker.generation.kv.blocks import BLOCK_TOKENS, NULL_BLOCK, BlockPool, OutOfBlocks, Table
@@ -606,22 +606,12 @@ def _sampled_calls(seed: int, count: int = 20) -> list[tuple[list[int], Options]
 
 
 def _with_logits(
-    monkeypatch: pytest.MonkeyPatch, engine: Engine, calls: list[tuple[list[int], Options]]
+    engine: Engine, calls: list[tuple[list[int], Options]]
 ) -> tuple[list[Sequence_], list[torch.Tensor]]:
     """`calls` run on `engine` as they arrive; their sequences, and the logits of every
     step's rows that sampling was given, in order."""
-    seen: list[torch.Tensor] = []
-    pick = sampling.pick
-
-    def recording(logits: torch.Tensor, *args: Any) -> list[int]:
-        seen.append(logits.detach().clone())
-        return pick(logits, *args)
-
-    monkeypatch.setattr(sampling, "pick", recording)
-    try:
+    with recorded_logits() as seen:
         return _run_arriving(engine, calls, seed=9), seen
-    finally:
-        monkeypatch.setattr(sampling, "pick", pick)
 
 
 def _same_logits(these: list[torch.Tensor], those: list[torch.Tensor]) -> bool:
@@ -635,13 +625,13 @@ def _same_logits(these: list[torch.Tensor], those: list[torch.Tensor]) -> bool:
 
 
 def test_decode_steps_padded_to_their_shape_make_the_logits_of_steps_in_their_own_shape(
-    model: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
+    model: tuple[Any, Any],
 ) -> None:
     calls = _sampled_calls(seed=1)
     fixed = _fixed_engine(model, graphs=True)
     assert fixed._graphs is not None and not fixed._graphs.record  # a CPU runs them as they are
-    padded, padded_logits = _with_logits(monkeypatch, fixed, calls)
-    plain, plain_logits = _with_logits(monkeypatch, _fixed_engine(model, graphs=False), calls)
+    padded, padded_logits = _with_logits(fixed, calls)
+    plain, plain_logits = _with_logits(_fixed_engine(model, graphs=False), calls)
     assert _same_logits(padded_logits, plain_logits)
     assert [s.tokens for s in padded] == [s.tokens for s in plain]
     assert all(s.finish in ("length", "stop") for s in padded)
@@ -652,14 +642,14 @@ def test_decode_steps_padded_to_their_shape_make_the_logits_of_steps_in_their_ow
 
 
 def test_rows_preempted_for_blocks_resume_with_their_logits_in_padded_steps(
-    model: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
+    model: tuple[Any, Any],
 ) -> None:
     calls = _sampled_calls(seed=2, count=8)
     budget = 40 * BLOCK_TOKENS
     fixed = _fixed_engine(model, graphs=True, budget=budget)
-    padded, padded_logits = _with_logits(monkeypatch, fixed, calls)
+    padded, padded_logits = _with_logits(fixed, calls)
     plain_engine = _fixed_engine(model, graphs=False, budget=budget)
-    plain, plain_logits = _with_logits(monkeypatch, plain_engine, calls)
+    plain, plain_logits = _with_logits(plain_engine, calls)
     assert fixed.preemptions > 0
     assert _same_logits(padded_logits, plain_logits)
     assert [s.tokens for s in padded] == [s.tokens for s in plain]
