@@ -304,14 +304,7 @@ def cascade(  # noqa: PLR0917 - one attention's parts
     out_dim = values.shape[-1]  # a value's head may differ from a key's
     group = heads // kv_heads
     q = query.view(rows, kv_heads, group, dim).float() * scaling
-    shared = (
-        torch.bmm(
-            q.permute(1, 0, 2, 3).reshape(kv_heads, rows * group, dim),
-            prefix_keys.permute(1, 2, 0).float(),
-        )
-        .view(kv_heads, rows, group, plen)
-        .permute(1, 0, 2, 3)
-    )  # [rows, kv_heads, group, P]
+    shared = _by_kv_head(q, prefix_keys.permute(1, 2, 0).float())  # [rows, kv_heads, group, P]
     own = torch.matmul(q, keys.float().transpose(-1, -2))  # [rows, kv_heads, group, S]
     if mask is not None:
         hidden = mask[:, :, -1:, plen:].reshape(rows, 1, 1, -1)
@@ -322,16 +315,17 @@ def cascade(  # noqa: PLR0917 - one attention's parts
     top = torch.maximum(shared.amax(-1, keepdim=True), own.amax(-1, keepdim=True))
     shared, own = (shared - top).exp(), (own - top).exp()
     total = shared.sum(-1, keepdim=True) + own.sum(-1, keepdim=True)
-    out = (
-        torch.bmm(
-            shared.permute(1, 0, 2, 3).reshape(kv_heads, rows * group, plen),
-            prefix_values.permute(1, 0, 2).float(),
-        )
-        .view(kv_heads, rows, group, out_dim)
-        .permute(1, 0, 2, 3)
-    )
+    out = _by_kv_head(shared, prefix_values.permute(1, 0, 2).float())
     out = (out + torch.matmul(own, values.float())) / total
     return out.reshape(rows, 1, heads, out_dim).to(query.dtype)
+
+
+def _by_kv_head(each: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+    """Each row's `[rows, kv_heads, group, k]` times the one `[kv_heads, k, n]` all rows
+    share, as one matrix product per KV head: `[rows, kv_heads, group, n]`."""
+    count, kv_heads, group, k = each.shape
+    flat = each.permute(1, 0, 2, 3).reshape(kv_heads, count * group, k)
+    return torch.bmm(flat, shared).view(kv_heads, count, group, -1).permute(1, 0, 2, 3)
 
 
 class Paged:
