@@ -21,7 +21,7 @@ Figures, all measured in this run (clients run on this machine, as a user's woul
 their CPU counts):
 - `engine_alone`: the fleet's own engine in this process, every call added at once and
   stepped to the end (`bench.engine.alone`): the fleet's ceiling (at libgomp's own
-  barrier spin, where it runs faster than at the fleet's: `_baselines_at_libgomps_spin`);
+  barrier spin, where it runs faster than at the fleet's: `_at_libgomps_spin`);
 - `plain_clients`: every call at once from `--processes` plain Celery clients configured
   by what `gpufleet url --json` prints, through the router as a caller's URL goes
   (`bench.generation_clients`); tokens per second from their release to the last answer;
@@ -68,6 +68,8 @@ import os
 import signal
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +82,9 @@ GPU_CONFIG = {"model_type": "gpt2", "n_layer": 12, "n_head": 12, "n_embd": 768}
 CALL_TIMEOUT_S = 600.0
 #: libgomp's barrier spin when GOMP_SPINCOUNT is unset (its documentation's default).
 LIBGOMP_SPINS = "300000"
+#: The caller's own GOMP_SPINCOUNT, read before anything imports `worker`, which sets
+#: its own (`worker.OPENMP_SPINS`) in every process that imports it.
+CALLERS_SPINS = os.environ.get("GOMP_SPINCOUNT")
 TARGETS = {
     "vs_engine_alone": 0.85,
     "join_over_step_ms": 10.0,
@@ -172,23 +177,22 @@ def _same(a: list[list[int]], b: list[list[int]]) -> str:
     return f"{sum(x == y for x, y in zip(a, b, strict=True))}/{len(a)}"
 
 
-def _baselines_at_libgomps_spin() -> str | None:
-    """Have this process's torch, which runs the baselines (the engine alone, the
-    library), load with libgomp's own barrier spin (`LIBGOMP_SPINS`), not the shorter one
-    the `worker` package sets for the fleet's processes (`worker.OPENMP_SPINS`), which
-    cost the engine alone about 6% on this machine: a baseline with its process to itself
-    at its best. An environment's own value stays for both. Returns it (None: unset)."""
-    spins = os.environ.get("GOMP_SPINCOUNT")
-    os.environ["GOMP_SPINCOUNT"] = spins or LIBGOMP_SPINS
-    return spins
-
-
-def _fleet_at_its_own_spin(spins: str | None) -> None:
-    """The environment the fleet starts with, as it was before `_baselines_at_libgomps_spin`."""
-    if spins is None:
-        os.environ.pop("GOMP_SPINCOUNT", None)
-    else:
-        os.environ["GOMP_SPINCOUNT"] = spins
+@contextmanager
+def _at_libgomps_spin() -> Iterator[None]:
+    """Inside, this process's torch loads (it runs the baselines: the engine alone, the
+    library) with libgomp's own barrier spin (`LIBGOMP_SPINS`), not the shorter one the
+    `worker` package sets for the fleet's processes (`worker.OPENMP_SPINS`), which cost the
+    engine alone about 6% on this machine: a baseline with its process to itself at its
+    best. After it, the environment is the caller's, for the fleet's processes (which
+    then set their own); a caller's own value stays for both (`CALLERS_SPINS`)."""
+    os.environ["GOMP_SPINCOUNT"] = CALLERS_SPINS or LIBGOMP_SPINS
+    try:
+        yield
+    finally:
+        if CALLERS_SPINS is None:
+            os.environ.pop("GOMP_SPINCOUNT", None)
+        else:
+            os.environ["GOMP_SPINCOUNT"] = CALLERS_SPINS
 
 
 def run(  # noqa: PLR0917 - the command line's options
@@ -209,19 +213,18 @@ def run(  # noqa: PLR0917 - the command line's options
 
     sim = "" if gpu else "1x4GiB"
     text = catalog(gpu)
-    spins = _baselines_at_libgomps_spin()
     fleet = bench_launcher(directory, text, "generation", sim, warm_cache="4GiB")
     calls = workload(callers, seed, shape, trace)
     spec = Catalog.load(directory / "models.yaml")[MODEL]
     median = sorted(calls, key=lambda c: len(c[0]))[len(calls) // 2]
     began = time.monotonic()
-    alone_engine = engine.alone(calls, spec, gpu)
-    decode = engine.decode_steps(spec, gpu, len(median[0]) + 1)
-    burst = engine.burst(calls, spec, gpu)
-    baseline = library.batch(calls, spec, gpu)
-    continuous = library.continuous(calls, spec, gpu) if gpu else None
+    with _at_libgomps_spin():
+        alone_engine = engine.alone(calls, spec, gpu)
+        decode = engine.decode_steps(spec, gpu, len(median[0]) + 1)
+        burst = engine.burst(calls, spec, gpu)
+        baseline = library.batch(calls, spec, gpu)
+        continuous = library.continuous(calls, spec, gpu) if gpu else None
     log.info("baselines took %.1f s", time.monotonic() - began)
-    _fleet_at_its_own_spin(spins)
     try:
         fleet.start()
         fleet.wait_ready(300.0)
