@@ -15,7 +15,10 @@ scaled by one factor so that the longest prompt and the longest output together 
 window (so that (b) runs them as one batch); `--shape short` draws 16 to 64 prompt tokens
 and asks for 128 new tokens instead, the shape of issue 40's GPU table; each prompt is
 that many tokens of seeded text (the synthetic tokenizer takes one byte per token), each
-call asks for its GeneratedTokens, greedy.
+call asks for its GeneratedTokens, greedy. The plain clients send these calls; every other
+phase through the fleet sends the same lengths in text of its own (`respelled`), or it
+would find the earlier phases' prompts in the replica's prefix cache and skip most of
+their prefill (before 2026-12-02 the project client's and the streamed phase's did).
 
 Figures, all measured in this run (clients run on this machine, as a user's would, and
 their CPU counts):
@@ -74,7 +77,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness import exit_on_sigterm, percentile
-from bench.workloads import CPU_CONFIG, MODEL, TRACE, WINDOW, workload
+from bench.workloads import CPU_CONFIG, MODEL, TRACE, WINDOW, respelled, workload
 
 log = logging.getLogger("bench.generation")
 
@@ -85,6 +88,10 @@ LIBGOMP_SPINS = "300000"
 #: The caller's own GOMP_SPINCOUNT, read before anything imports `worker`, which sets
 #: its own (`worker.OPENMP_SPINS`) in every process that imports it.
 CALLERS_SPINS = os.environ.get("GOMP_SPINCOUNT")
+#: Each phase's own text for the same calls (`respelled`): the fleet's prefix cache holds
+#: what an earlier phase sent. The plain clients send `calls` themselves, whose outputs
+#: are compared with the engine alone's and the library's.
+WARM_TEXT, PROJECT_TEXT, STREAMED_TEXT, ONE_AT_A_TIME_TEXT, LONE_TEXTS = 1, 2, 3, 4, 100
 TARGETS = {
     "vs_engine_alone": 0.85,
     "join_over_step_ms": 10.0,
@@ -129,12 +136,14 @@ def one_at_a_time(calls: list[tuple[str, int]]) -> dict[str, Any]:
 
 
 def lone_ttft(prompt: str, new: int, count: int) -> float:
-    """The p50 TTFT of `count` streamed calls, each read to its end before the next is
-    sent, so that none shares the replica with the one before it."""
+    """The p50 TTFT of `count` streamed calls of `prompt`'s length, each in its own text
+    (`respelled`: none finds the one before it cached) and read to its end before the next
+    is sent, so that none shares the replica with the one before it."""
     from tasks.api import generate
 
     times = []
-    for _ in range(count):
+    for turn in range(count):
+        ((prompt, new),) = respelled([(prompt, new)], LONE_TEXTS + turn)
         start = time.perf_counter()
         first = 0.0
         for _piece in generate.stream(MODEL, prompt, max_new_tokens=new, timeout=CALL_TIMEOUT_S):
@@ -228,13 +237,13 @@ def run(  # noqa: PLR0917 - the command line's options
     try:
         fleet.start()
         fleet.wait_ready(300.0)
-        one_at_a_time(calls[:2])  # loads the model; warms the path
+        one_at_a_time(respelled(calls[:2], WARM_TEXT))  # loads the model; warms the path
         log.info("fleet ready and warm at %.1f s", time.monotonic() - began)
         plain = plain_clients(calls, processes, caller_conf(fleet.caller_url))
-        together = plain_at_once(calls)
-        streamed = streamed_once(calls, processes)
+        together = plain_at_once(respelled(calls, PROJECT_TEXT))
+        streamed = streamed_once(respelled(calls, STREAMED_TEXT), processes)
         log.info("calls at once done at %.1f s", time.monotonic() - began)
-        alone = one_at_a_time(calls)
+        alone = one_at_a_time(respelled(calls, ONE_AT_A_TIME_TEXT))
         log.info("(a) done at %.1f s", time.monotonic() - began)
         ttft_alone = lone_ttft(median[0], median[1], lone)
     finally:

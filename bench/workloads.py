@@ -41,3 +41,14 @@ def workload(
         prompt = "".join(rng.choice(ALPHABET) for _ in range(prompt_tokens - 1))
         calls.append((prompt or "a", new))
     return calls
+
+
+def respelled(calls: list[tuple[str, int]], seed: int) -> list[tuple[str, int]]:
+    """The same calls' shape in new text: each prompt as long, each asking as many tokens.
+    A fleet's replica keeps the blocks of prompts it has seen (its prefix cache), so a
+    phase that sent the same prompts again would skip most of their prefill: each phase of
+    a bench that sends calls to one fleet draws its own text (on the CPU model's tokenizer,
+    a byte a token, the token counts are the same too; on GPT-2's, with `--gpu`, they may
+    differ a little)."""
+    rng = random.Random(f"respelled-{seed}")
+    return [("".join(rng.choice(ALPHABET) for _ in prompt) or "a", new) for prompt, new in calls]
