@@ -88,6 +88,7 @@ def alone(calls: list[tuple[str, int]], spec: Any, gpu: bool) -> dict[str, Any]:
             "tokens": tokens,
             "tokens_per_s": round(tokens / seconds, 1),
             "ttft_p50_ms": round(percentile([a.first_token_ms for a in answers], 50), 2),
+            "inter_token_p50_ms": round(percentile([a.inter_token_ms for a in answers], 50), 2),
             "outputs": [a.outputs["tokens"][0] for a in answers],
         }
         if best is None or run["seconds"] < best["seconds"]:
