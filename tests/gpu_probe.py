@@ -385,8 +385,50 @@ def graphs_on(arg: str) -> dict[str, Any]:
     }
 
 
+def graphs_fail_on(arg: str) -> dict[str, Any]:
+    """On local device `arg`: the small GPT with a forward hook that reads a value back to
+    the host (as a model with dynamic rotary scaling does), so recording its decode steps
+    fails; 6 greedy calls with graphs on (the default on CUDA) against the same calls
+    without. Report how many agree, whether the engine stopped recording, and whether the
+    stepping thread's stream is its default one again afterwards (float32)."""
+    import random
+
+    from worker.generation.engine import Engine, Options, Sequence_
+
+    model, tokenizer, device = _small_gpt(arg)
+    first = model.transformer.h[0]
+    # a host read inside a CUDA graph's capture invalidates it
+    first.register_forward_hook(lambda _module, _args, output: float(output[0].sum()))
+    rng = random.Random(3)
+    calls = [
+        ([2, *(rng.randrange(5, 2048) for _ in range(rng.randrange(4, 100)))],
+         rng.randrange(8, 40))
+        for _ in range(6)
+    ]  # fmt: skip
+
+    def run(graphs: bool | None) -> tuple[list[list[int]], Engine]:
+        engine = Engine(model, tokenizer, device, budget=10**6, window=512, graphs=graphs)
+        sequences = [Sequence_(i, p, Options(max_new_tokens=n)) for i, (p, n) in enumerate(calls)]
+        for sequence in sequences:
+            engine.add(sequence)
+        engine.run()
+        return [s.tokens for s in sequences], engine
+
+    tried, engine = run(None)
+    kept = engine.kv.graphs if engine.kv is not None else None
+    on_default = torch.cuda.current_stream(device) == torch.cuda.default_stream(device)
+    eager, _ = run(False)
+    return {
+        "equal": sum(a == b for a, b in zip(tried, eager, strict=True)),
+        "calls": len(calls),
+        "recording_failed": kept is not None and kept.failed,
+        "stream_is_default_after": bool(on_default),
+    }
+
+
 PROBES: dict[str, Callable[[str], dict[str, Any]]] = {
     "graphs_on": graphs_on,
+    "graphs_fail_on": graphs_fail_on,
     "generate_on": generate_on,
     "chunked_on": chunked_on,
     "fraction_cap": fraction_cap,

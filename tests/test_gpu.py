@@ -118,6 +118,13 @@ def test_decode_steps_replayed_from_cuda_graphs_make_the_tokens_of_steps_run_as_
     print(json.dumps(result))  # the lone step each way, for docs/gpu-validation.md
 
 
+def test_a_decode_step_that_cannot_be_recorded_runs_on_the_threads_own_stream() -> None:
+    result = probe("graphs_fail_on", str(gpu_count() - 1))
+    assert result["recording_failed"], result  # the hook's host read invalidated the capture
+    assert result["stream_is_default_after"], result  # not left on the recording's stream
+    assert result["equal"] == result["calls"], result
+
+
 def test_the_safetensors_reader_puts_the_same_weights_on_the_gpu_as_transformers() -> None:
     target = gpu_count() - 1
     result = probe("read_vs_transformers", str(target))

@@ -21,8 +21,10 @@ Recording needs a warm-up run of the step, so a shape's first step runs three ti
 (warm-up, record, replay); it writes the same keys to the same slots each time. Both run
 on a stream of the replica's own GPU. If recording fails (torch raises: a model whose
 forward reads a value back to the host, say), the failure is logged once and the
-replica's steps run without graphs from then on; if it runs out of memory, only that
-shape's steps do, until the store grows and every shape is recorded again.
+replica's steps run without graphs from then on (the graphs recorded so far go; the
+stepping thread keeps its own stream, and the allocator is told the capture ended:
+`_end_recording`); if it runs out of memory, only that shape's steps do, until the store
+grows and every shape is recorded again.
 
 Off a GPU (`record=False`) the same padded step runs as it is, without a graph: what a
 graph would record is what the CPU tests check against the unpadded step.
@@ -172,10 +174,12 @@ class DecodeGraphs:
                     " store grows", *entry.inputs.index.shape,
                 )  # fmt: skip
                 entry.eager = True
-                return self.step(entry.inputs)[:rows]
             except RuntimeError as error:  # torch's; the step itself is sound: run it as it is
                 recording_failed(error)
                 self.failed = True
+                self._shapes.clear()  # none replays again: their graphs and pool go
+                self._pool = None
+            if entry.graph is None:  # run after the handler, which held the failed frames
                 return self.step(entry.inputs)[:rows]
         entry.graph.replay()
         self.replayed += 1
@@ -203,14 +207,43 @@ class DecodeGraphs:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        # thread_local: other threads of the worker (a copy to or from the GPU) may use
-        # CUDA while this one records
-        with torch.cuda.graph(
-            graph, pool=self._pool, stream=side, capture_error_mode="thread_local"
-        ):
-            self._logits[:rows].copy_(self.step(inputs))
+        # The outer context gives this thread its stream back whatever the recording does:
+        # torch's `graph` leaves its own stream context only after `capture_end` returns,
+        # and `capture_end` raises for a capture the model's step invalidated.
+        with torch.cuda.stream(side):
+            try:
+                # thread_local: other threads of the worker (a copy to or from the GPU)
+                # may use CUDA while this one records
+                with torch.cuda.graph(
+                    graph, pool=self._pool, stream=side, capture_error_mode="thread_local"
+                ):
+                    self._logits[:rows].copy_(self.step(inputs))
+            except BaseException:
+                _end_recording(self.device, self._pool)
+                raise
         entry.graph = graph
         self.recorded += 1
+
+
+def _end_recording(device: torch.device, pool: Any) -> None:
+    """After a recording that raised: when torch's `capture_end` raised before telling the
+    caching allocator that the capture ended (`cudaStreamEndCapture` failed), tell it
+    now, and give back the hold the capture took on the graphs' `pool`, which a graph whose
+    capture never ended does not. Else the allocator would count a capture underway for
+    good, and while one is, it does not free its cached blocks to retry an allocation
+    that ran out of memory. When `capture_end` did tell it, the allocator refuses (the
+    graph gives its own hold back when it goes), and nothing is done. The calls are
+    torch's own `use_mem_pool`'s, private to torch (absent: nothing to do)."""
+    end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+    release = getattr(torch._C, "_cuda_releasePool", None)
+    if end is None or release is None:
+        return
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    try:
+        end(index, pool)
+    except RuntimeError:
+        return  # not recording into it: capture_end ended it
+    release(index, pool)
 
 
 def recording_failed(error: BaseException) -> None:
