@@ -776,6 +776,22 @@ def test_a_shape_whose_recording_runs_out_of_memory_runs_as_it_is_and_graphs_sta
     assert [s.tokens for s in sequences] == [s.tokens for s in plain]
 
 
+def test_an_engine_of_more_rows_than_the_replicas_graphs_hold_gets_graphs_of_its_size(
+    model: tuple[Any, Any],
+) -> None:
+    net, tokenizer = model
+    small = Engine(net, tokenizer, CPU, budget=10**6, window=512, graphs=True, max_rows=8)
+    assert small.kv is not None and small._graphs is not None and small._graphs.rows == 8
+    same = Engine(net, tokenizer, CPU, budget=10**6, window=512, graphs=True, max_rows=4,
+                  kv=small.kv)  # fmt: skip
+    assert same._graphs is small._graphs  # fewer rows: the replica's graphs hold them
+    large = Engine(net, tokenizer, CPU, budget=10**6, window=512, graphs=True, max_rows=64,
+                   kv=small.kv)  # fmt: skip
+    assert (
+        large._graphs is not None and large._graphs.rows == 64 and small.kv.graphs is large._graphs
+    )
+
+
 def test_a_decode_step_whose_recording_fails_runs_as_it_is_and_the_engine_stops_recording(
     model: tuple[Any, Any], caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -378,10 +378,12 @@ class PagedRows:
 
     def _kept_graphs(self, kv: paged.Paged, rows: int) -> DecodeGraphs | None:
         """The replica's decode graphs (kept with its blocks, on whose store and weights
-        they were recorded), made for this engine's steps; None once recording failed, and
-        for a model split over several devices (a graph records one device's stream)."""
+        they were recorded), made for this engine's steps (made again for an engine of more
+        `rows` than they hold: their logits buffer is that size); None once recording
+        failed, and for a model split over several devices (a graph records one device's
+        stream)."""
         kept = kv.graphs
-        if kept is None or kept.device != self.device:
+        if kept is None or kept.device != self.device or (not kept.failed and rows > kept.rows):
             if any(p.device != self.device for p in self.model.parameters()):
                 return None
             record = self.device.type == "cuda"
