@@ -396,9 +396,11 @@ def graphs_fail_on(arg: str) -> dict[str, Any]:
     from worker.generation.engine import Engine, Options, Sequence_
 
     model, tokenizer, device = _small_gpt(arg)
-    first = model.transformer.h[0]
-    # a host read inside a CUDA graph's capture invalidates it
-    first.register_forward_hook(lambda _module, _args, output: float(output[0].sum()))
+
+    def read_back(_module: Any, _args: Any, output: torch.Tensor) -> None:
+        float(output.sum())  # a host read inside a CUDA graph's capture invalidates it
+
+    model.transformer.h[0].register_forward_hook(read_back)  # returns None: output kept
     rng = random.Random(3)
     calls = [
         ([2, *(rng.randrange(5, 2048) for _ in range(rng.randrange(4, 100)))],
