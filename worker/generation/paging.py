@@ -360,8 +360,9 @@ class PagedRows:
         mask: torch.Tensor, new: torch.Tensor,
     ) -> torch.Tensor | None:  # fmt: skip
         """The step's logits from its shape's graph (`worker.generation.kv.graphs`), or None where
-        this engine keeps none (or adapters change its rows' passes); `index` and `mask`
-        as the step reads them, `new` the rows' next slots."""
+        this engine keeps none (or adapters change its rows' passes, or the shape's
+        recording ran out of memory); `index` and `mask` as the step reads them, `new` the
+        rows' next slots."""
         kept = self._graphs
         if kept is None or self.adapters is not None:
             return None

@@ -23,8 +23,9 @@ on a stream of the replica's own GPU. If recording fails (torch raises: a model 
 forward reads a value back to the host, say), the failure is logged once and the
 replica's steps run without graphs from then on (the graphs recorded so far go; the
 stepping thread keeps its own stream, and the allocator is told the capture ended:
-`_end_recording`); if it runs out of memory, only that shape's steps do, until the store
-grows and every shape is recorded again.
+`_end_recording`); if it runs out of memory, only that shape's steps do (as the engine
+runs them without graphs, unpadded), until the store grows and every shape is recorded
+again.
 
 Off a GPU (`record=False`) the same padded step runs as it is, without a graph: what a
 graph would record is what the CPU tests check against the unpadded step.
@@ -148,10 +149,12 @@ class DecodeGraphs:
     def run(  # noqa: PLR0917 - a step's five tensors
         self, ids: torch.Tensor, positions: torch.Tensor, index: torch.Tensor,
         mask: torch.Tensor, slots: torch.Tensor, addresses: tuple[int, ...],
-    ) -> torch.Tensor:  # fmt: skip
+    ) -> torch.Tensor | None:  # fmt: skip
         """One decode step (each argument as `Inputs.fill` takes it; `addresses`, those
         of the store's tensors, grown for this step): the rows' logits, `[rows,
-        vocabulary]`, valid until the next step."""
+        vocabulary]`, valid until the next step; None where the shape's recording ran out
+        of memory (the caller runs the step as it is, unpadded: padded, it would need
+        more)."""
         rows, columns = index.shape
         shape = (round_up(rows), round_up(columns, self.block))
         if addresses != self._store:
@@ -162,8 +165,10 @@ class DecodeGraphs:
         if entry is None:
             entry = self._shapes[shape] = _Shape(*shape, self.device)
         entry.inputs.fill(ids, positions, index, mask, slots, self.scratch)
-        if not self.record or entry.eager:
+        if not self.record:
             return self.step(entry.inputs)[:rows]
+        if entry.eager:
+            return None
         if entry.graph is None:
             try:
                 self._record(entry)
@@ -174,6 +179,7 @@ class DecodeGraphs:
                     " store grows", *entry.inputs.index.shape,
                 )  # fmt: skip
                 entry.eager = True
+                return None
             except RuntimeError as error:  # torch's; the step itself is sound: run it as it is
                 recording_failed(error)
                 self.failed = True
