@@ -205,13 +205,26 @@ def test_an_adapter_copied_into_the_directory_is_served_without_a_restart(
 def _one_slot(disk: Path) -> tuple[Driver, AdapterRoom, dict[str, object]]:
     """A driver of an engine whose room holds one adapter, and where its answers go."""
     net = transformers.GPT2LMHeadModel.from_pretrained(disk / "base").eval()
-    room = adapter_room(net, _catalog(disk, adapter_memory="100KiB", adapter_rank=8)["base"])
+    room = adapter_room(net, _catalog(disk, adapter_memory="150KiB", adapter_rank=8)["base"])
     assert room is not None and room.slots == 1
     engine = Engine(net, TOKENIZER, CPU, budget=4096, window=256)
     engine.adapters = room
     outcomes: dict[str, object] = {}
     driver = Driver(engine, None, lambda call, out: outcomes.__setitem__(call.key, out))
     return driver, room, outcomes
+
+
+@pytest.mark.parametrize("memory", ["100KiB", "150KiB", "1MiB", "32MiB"])
+def test_a_room_takes_no_more_bytes_than_the_adapter_memory_the_ledger_charges(
+    disk: Path, memory: str
+) -> None:
+    net = transformers.GPT2LMHeadModel.from_pretrained(disk / "base").eval()
+    spec = _catalog(disk, adapter_memory=memory, adapter_rank=8)["base"]
+    room = adapter_room(net, spec)
+    assert room is not None
+    assert room.nbytes <= spec.adapter_memory
+    room.close()
+    assert room.nbytes == 0  # its slots let go with its hooks
 
 
 def test_a_room_of_one_slot_runs_two_adapters_in_turn_and_keeps_the_least_recently_used_out(
@@ -262,7 +275,7 @@ def test_a_step_that_fails_lets_go_of_its_calls_adapters_and_the_room_serves_the
     disk: Path,
 ) -> None:
     net = transformers.GPT2LMHeadModel.from_pretrained(disk / "base").eval()
-    room = adapter_room(net, _catalog(disk, adapter_memory="100KiB", adapter_rank=8)["base"])
+    room = adapter_room(net, _catalog(disk, adapter_memory="150KiB", adapter_rank=8)["base"])
     assert room is not None
     failing = {"on": True}
 

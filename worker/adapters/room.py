@@ -56,7 +56,9 @@ class AdapterRoom:
             if dims is not None:
                 laid[module] = (*dims, cast(torch.Tensor, model.get_submodule(module).weight))
         width = sum(w.dtype.itemsize * rank * (i + o) for i, o, w in laid.values())
-        self.slots = memory // width if width else 0
+        # slot 0 (the base's zeros) is laid out too: the room, charged as `memory`, holds
+        # one adapter fewer than its bytes would
+        self.slots = max(0, memory // width - 1) if width else 0
         self.rank = rank
         self.targets = frozenset(laid)
         self._model = model
@@ -218,10 +220,13 @@ class AdapterRoom:
         }
 
     def close(self) -> None:
-        """Take its hooks off the model (its slots leave the device with it)."""
+        """Take its hooks off the model and let its slots go: an engine that outlives the
+        replica's stay on the device (a failed call's traceback holding it, say) keeps no
+        device memory the ledger no longer charges."""
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        self._a, self._b, self._index = {}, {}, {}
 
 
 __all__ = ["AdapterRoom", "RoomFull"]
