@@ -110,7 +110,8 @@ class AdapterRoom:
         if not self.slots:
             raise AdapterError(
                 f"adapter {name!r}: the base keeps no room for adapters of rank {self.rank}"
-                " (adapter_memory is below one adapter); raise adapter_memory in the catalog"
+                " (adapter_memory holds no adapter beside the base's slot of zeros); raise"
+                " adapter_memory in the catalog"
             )
         self._known(name)  # an unknown name is told at once, not after a wait for a slot
         victim = None  # the idle adapter whose slot it takes, when none is free
