@@ -102,6 +102,25 @@ def _tokens(outcome: object) -> list[int]:
     return tokens
 
 
+def test_a_base_with_adapters_steps_rows_of_the_base_alone_in_its_decode_graphs_shapes(
+    disk: Path,
+) -> None:
+    spec = _catalog(disk)["base"]
+    net = transformers.GPT2LMHeadModel.from_pretrained(disk / "base").eval()
+    engine = Engine(net, TOKENIZER, CPU, budget=4096, window=256, graphs=True)
+    engine.adapters = adapter_room(net, spec)
+    assert engine.kv is not None and engine._graphs is not None
+    [base] = run_calls(engine, [GenCall("base", "plain rows", {"max_new_tokens": 6})], None)
+    shaped = dict(engine.kv.graphs._shapes) if engine.kv.graphs is not None else {}
+    assert shaped  # its decode steps ran in the graphs' fixed shapes (padded, on a CPU)
+    [tuned] = run_calls(
+        engine, [GenCall("tuned", "adapted rows", {"max_new_tokens": 6, "adapter": "legal"})],
+        None,
+    )  # fmt: skip
+    assert _tokens(base) == _alone(disk, None, "plain rows", max_new_tokens=6)
+    assert _tokens(tuned) == _alone(disk, "legal", "adapted rows", max_new_tokens=6)
+
+
 def test_rows_of_different_adapters_in_one_batch_equal_each_adapter_merged_and_run_alone(
     disk: Path, engine: Engine
 ) -> None:

@@ -360,11 +360,11 @@ class PagedRows:
         mask: torch.Tensor, new: torch.Tensor,
     ) -> torch.Tensor | None:  # fmt: skip
         """The step's logits from its shape's graph (`worker.generation.kv.graphs`), or None where
-        this engine keeps none (or adapters change its rows' passes, or the shape's
-        recording ran out of memory); `index` and `mask` as the step reads them, `new` the
-        rows' next slots."""
+        this engine keeps none (or a row's adapter changes its pass: a graph records the
+        base's, whose adapter hooks add nothing; or the shape's recording ran out of
+        memory); `index` and `mask` as the step reads them, `new` the rows' next slots."""
         kept = self._graphs
-        if kept is None or self.adapters is not None:
+        if kept is None or any(s.adapter for s in self.rows):
             return None
         assert self.kv is not None
         self.kv.ready()
