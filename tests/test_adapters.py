@@ -246,6 +246,31 @@ def test_a_room_takes_no_more_bytes_than_the_adapter_memory_the_ledger_charges(
     assert room.nbytes == 0  # its slots let go with its hooks
 
 
+def test_a_bfloat16_room_rounds_each_scaled_factor_once(disk: Path) -> None:
+    # a scale of 3/8 (alpha 3, rank 8): rounding B, then B x scale, differs from rounding
+    # B x scale once, where a power-of-two scale (the other adapters' 2) would not
+    torch.manual_seed(11)
+    tuned = peft.get_peft_model(
+        transformers.GPT2LMHeadModel.from_pretrained(disk / "base"),
+        peft.LoraConfig(r=8, lora_alpha=3, target_modules=["c_attn"], init_lora_weights=False),
+    )
+    tuned.save_pretrained(disk / "adapters" / "odd")
+    try:
+        net = transformers.GPT2LMHeadModel.from_pretrained(disk / "base").eval()
+        room = adapter_room(net.to(torch.bfloat16), _catalog(disk)["base"])
+        assert room is not None
+        room.acquire("odd")
+        read, _ = room._find("odd")
+        slot = room._slot_of["odd"]
+    finally:
+        shutil.rmtree(disk / "adapters" / "odd")
+    assert read.scale == 3 / 8
+    for module, (_, b) in read.factors.items():
+        kept = room._b[module][slot, : read.rank, :]
+        assert kept.dtype == torch.bfloat16
+        assert torch.equal(kept, (b.T.float() * read.scale).to(torch.bfloat16)), module
+
+
 def test_a_room_of_one_slot_runs_two_adapters_in_turn_and_keeps_the_least_recently_used_out(
     disk: Path,
 ) -> None:

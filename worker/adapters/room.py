@@ -151,7 +151,8 @@ class AdapterRoom:
 
     def _write(self, slot: int, adapter: Read) -> None:
         """Copy `adapter`'s factors into `slot` (zeros where it changes nothing, and past
-        its rank), its scale folded into B."""
+        its rank), its scale folded into B in float32 before B takes the stack's dtype:
+        rounded once (to bfloat16, say), not once for B and again for B x scale."""
         for module in self.targets:
             a_stack, b_stack = self._a[module], self._b[module]
             a_stack[slot].zero_()
@@ -161,8 +162,7 @@ class AdapterRoom:
                 continue
             a, b = pair
             a_stack[slot, :, : adapter.rank].copy_(a.T)
-            b_stack[slot, : adapter.rank, :].copy_(b.T)
-            b_stack[slot].mul_(adapter.scale)
+            b_stack[slot, : adapter.rank, :].copy_(b.T.float() * adapter.scale)
 
     def release(self, name: str) -> None:
         """One holder of adapter `name` is done with it; it stays loaded until its slot is
