@@ -36,7 +36,7 @@ from worker.generation.replica import adapter_room, replica_engine
 from worker.generation.serving import GenCall
 from worker.lifecycle import exit_for_restart, is_fatal_cuda_error
 from worker.measuring import Learned, Span, Spans
-from worker.passes import Dims, for_pass, longest_tokens, threads_here, token_bound
+from worker.passes import Dims, for_pass, longest_tokens, threads_here, token_bound, use_threads
 from worker.resident import Resident
 
 log = logging.getLogger(__name__)
@@ -53,13 +53,6 @@ class Ran:
 
 
 _Member = tuple[int, list[str]]  # a call's position in its batch, and its texts
-
-
-def use_threads(threads: int) -> None:
-    """Run this thread's torch on `threads` CPU threads (0: as it is), set only when it
-    differs (a pass and an engine's step each call it)."""
-    if threads and torch.get_num_threads() != threads:
-        torch.set_num_threads(threads)
 
 
 @dataclass

@@ -119,6 +119,15 @@ def threads_here(threads: int) -> int:
     return 1 if getattr(_helper, "on", False) else threads
 
 
+def use_threads(threads: int) -> None:
+    """Run this thread's torch on `threads` CPU threads (0: as it is), set only when it
+    differs (a pass and an engine's step each call it)."""
+    import torch
+
+    if threads and torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
 def for_pass(threads: int, dims: Dims, texts: Sequence[str]) -> int:
     """The threads one pass over `texts` runs on: 1 when it is small (`SMALL_PASS`), else
     `threads` (and for a model whose size the config does not say); 1 on a helper thread."""
