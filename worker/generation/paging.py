@@ -361,8 +361,8 @@ class PagedRows:
     ) -> torch.Tensor | None:  # fmt: skip
         """The step's logits from its shape's graph (`worker.generation.kv.graphs`), or None where
         this engine keeps none (or a row's adapter changes its pass: a graph records the
-        base's, whose adapter hooks add nothing; or the shape's recording ran out of
-        memory); `index` and `mask` as the step reads them, `new` the rows' next slots."""
+        base's, whose adapter hooks add nothing; or the shape's recording failed or ran out
+        of memory); `index` and `mask` as the step reads them, `new` the rows' next slots."""
         kept = self._graphs
         if kept is None or any(s.adapter for s in self.rows):
             return None

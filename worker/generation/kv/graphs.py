@@ -23,9 +23,9 @@ on a stream of the replica's own GPU. If recording fails (torch raises: a model 
 forward reads a value back to the host, say), the failure is logged once and the
 replica's steps run without graphs from then on (the graphs recorded so far go; the
 stepping thread keeps its own stream, and the allocator is told the capture ended:
-`_end_recording`); if it runs out of memory, only that shape's steps do (as the engine
-runs them without graphs, unpadded), until the store grows and every shape is recorded
-again.
+`_end_recording`); if it runs out of memory, only that shape's steps do, until the store
+grows and every shape is recorded again. Either way such a step runs as the engine runs
+it without graphs, unpadded.
 
 Off a GPU (`record=False`) the same padded step runs as it is, without a graph: what a
 graph would record is what the CPU tests check against the unpadded step.
@@ -152,9 +152,9 @@ class DecodeGraphs:
     ) -> torch.Tensor | None:  # fmt: skip
         """One decode step (each argument as `Inputs.fill` takes it; `addresses`, those
         of the store's tensors, grown for this step): the rows' logits, `[rows,
-        vocabulary]`, valid until the next step; None where the shape's recording ran out
-        of memory (the caller runs the step as it is, unpadded: padded, it would need
-        more)."""
+        vocabulary]`, valid until the next step; None where the shape's recording failed
+        or ran out of memory (the caller runs the step as it is, unpadded: padded, it
+        would need more)."""
         rows, columns = index.shape
         shape = (round_up(rows), round_up(columns, self.block))
         if addresses != self._store:
@@ -185,8 +185,7 @@ class DecodeGraphs:
                 self.failed = True
                 self._shapes.clear()  # none replays again: their graphs and pool go
                 self._pool = None
-            if entry.graph is None:  # run after the handler, which held the failed frames
-                return self.step(entry.inputs)[:rows]
+                return None
         entry.graph.replay()
         self.replayed += 1
         assert self._logits is not None
