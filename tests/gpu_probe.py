@@ -221,22 +221,29 @@ def _small_gpt(arg: str) -> tuple[Any, Any, Any]:
     return model.to(device), tokenizer, device
 
 
+def _random_calls(
+    seed: int, count: int, longest: int, most_new: int
+) -> list[tuple[list[int], int]]:
+    """`count` seeded calls for `_small_gpt`: a BOS token and 4 to `longest` - 1 random
+    tokens, asking 8 to `most_new` - 1 new tokens each."""
+    import random
+
+    rng = random.Random(seed)
+    return [
+        ([2, *(rng.randrange(5, 2048) for _ in range(rng.randrange(4, longest)))],
+         rng.randrange(8, most_new))
+        for _ in range(count)
+    ]  # fmt: skip
+
+
 def generate_on(arg: str) -> dict[str, Any]:
     """Run 16 greedy calls of mixed lengths as one continuous batch on local device `arg`,
     and each alone; report how many agree and where the cache lives (dtype float32)."""
-    import random
 
     from worker.generation.engine import Engine, Options, Sequence_
 
     model, tokenizer, device = _small_gpt(arg)
-    rng = random.Random(0)
-    calls = [
-        (
-            [2, *(rng.randrange(5, 2048) for _ in range(rng.randrange(4, 200)))],
-            rng.randrange(8, 120),
-        )
-        for _ in range(16)
-    ]
+    calls = _random_calls(0, 16, longest=200, most_new=120)
 
     def engine() -> Engine:
         return Engine(model, tokenizer, device, budget=10**6, window=512)
@@ -320,7 +327,6 @@ def graphs_on(arg: str) -> dict[str, Any]:
     replay CUDA graphs (the default on CUDA), against the same calls without graphs; report
     how many agree, the largest difference of any step's logits, the graphs recorded and
     replayed, and a lone row's decode step p50 each way after its warm-up (float32)."""
-    import random
     import time
 
     from tests.logits import recorded_logits
@@ -328,12 +334,7 @@ def graphs_on(arg: str) -> dict[str, Any]:
     from worker.generation.engine import Engine, Options, Sequence_
 
     model, tokenizer, device = _small_gpt(arg)
-    rng = random.Random(2)
-    calls = [
-        ([2, *(rng.randrange(5, 2048) for _ in range(rng.randrange(4, 300)))],
-         rng.randrange(8, 150))
-        for _ in range(16)
-    ]  # fmt: skip
+    calls = _random_calls(2, 16, longest=300, most_new=150)
 
     def run(graphs: bool | None) -> tuple[list[list[int]], list[torch.Tensor], Engine]:
         with recorded_logits() as seen:
@@ -391,7 +392,6 @@ def graphs_fail_on(arg: str) -> dict[str, Any]:
     fails; 6 greedy calls with graphs on (the default on CUDA) against the same calls
     without. Report how many agree, whether the engine stopped recording, and whether the
     stepping thread's stream is its default one again afterwards (float32)."""
-    import random
 
     from worker.generation.engine import Engine, Options, Sequence_
 
@@ -401,12 +401,7 @@ def graphs_fail_on(arg: str) -> dict[str, Any]:
         float(output.sum())  # a host read inside a CUDA graph's capture invalidates it
 
     model.transformer.h[0].register_forward_hook(read_back)  # returns None: output kept
-    rng = random.Random(3)
-    calls = [
-        ([2, *(rng.randrange(5, 2048) for _ in range(rng.randrange(4, 100)))],
-         rng.randrange(8, 40))
-        for _ in range(6)
-    ]  # fmt: skip
+    calls = _random_calls(3, 6, longest=100, most_new=40)
 
     def run(graphs: bool | None) -> tuple[list[list[int]], Engine]:
         engine = Engine(model, tokenizer, device, budget=10**6, window=512, graphs=graphs)
