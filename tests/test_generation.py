@@ -639,8 +639,8 @@ def test_the_pace_allows_the_prompt_tokens_whose_compute_costs_one_decode_step()
     assert abs(pace.budget(2048) - 500) <= 1  # a whole prompt: 5 ms at 10 us a token
     assert pace.budget(300) == 300
     # a long prompt's chunk on a CPU: the pass's own 2 ms counted in, 3 ms of compute
-    assert abs(pace.step(2048).chunk(5000, 0) - 300) <= 1
-    assert abs(pace.step(2048, launch_bound=True).chunk(5000, 0) - 500) <= 1  # launches
+    assert pace.step(2048).chunk(2900, 0) == 290  # ten even chunks
+    assert pace.step(2048, launch_bound=True).chunk(2900, 0) == 484  # launches: six
     for _ in range(4):
         pace.decoded(1e-9)  # the median step now takes next to nothing
     assert pace.budget(2048) == LEAST_TOKENS
@@ -683,8 +683,8 @@ def test_on_a_gpu_chunks_of_several_prompts_share_a_step_without_paying_more_lau
     pace.decoded(0.004)
     step = pace.step(2048, launch_bound=True)  # 4 ms of compute: 400 tokens
     for _ in range(4):  # chunks of one merged pass: no launch more for each
-        assert abs(step.chunk(100, 0) - 100) <= 1
-        step.spend(100, 0)
+        assert step.chunk(99, 0) == 99
+        step.spend(99, 0)
     assert step.chunk(100, 0) == 0
 
 
@@ -747,6 +747,17 @@ def test_steps_whose_prefill_ran_over_the_model_shrink_the_allowance_nine_steps_
         pace.overran(0.004, 0.006)  # joins the model does not see: 1.5x
     assert pace.overrun == 1.5
     assert abs(pace.budget(2048) - 400) <= 1  # the 6 ms step's prefill, at 1.5x
+
+
+def test_a_long_prompt_is_cut_into_even_chunks_not_full_ones_and_a_sliver() -> None:
+    pace = Pace()
+    for tokens in (64, 128, 256, 512):  # a pass costs 2 ms, and 10 us a token
+        pace.prefilled(tokens, 0.002 + tokens * 1e-5)
+    pace.decoded(0.006)  # a chunk on a CPU: 4 ms of compute, 400 tokens
+    assert pace.step(2048).chunk(1010, 0) == 337  # three chunks, not 400, 400 and 210
+    assert pace.step(2048).chunk(404, 0) == 202  # two of 202, not 400 and a pass for 4
+    assert pace.step(2048).chunk(390, 0) == 390
+    assert pace.step(2048).chunk(1010, 0, room=100) == 100  # what the step's bound leaves
 
 
 class _Told(Pace):

@@ -343,8 +343,9 @@ class Engine(RowTurns):
         chunks: list[tuple[Sequence_, int]] = []
         for sequence in self.prefilling:
             assert sequence.table is not None
-            todo = min(self._todo(sequence), self.prefill_tokens - total)
-            granted = allowance.chunk(todo, sequence.table.length) if todo > 0 else 0
+            room = self.prefill_tokens - total
+            todo = self._todo(sequence)
+            granted = allowance.chunk(todo, sequence.table.length, room) if room > 0 else 0
             if not granted:
                 break
             allowance.spend(granted, sequence.table.length)
@@ -364,7 +365,7 @@ class Engine(RowTurns):
             if whole and chunks and total + todo > self.prefill_tokens:
                 break
             room = self.prefill_tokens - total
-            granted = todo if whole else allowance.chunk(min(todo, room), past) if room > 0 else 0
+            granted = todo if whole else allowance.chunk(todo, past, room) if room > 0 else 0
             if not granted:
                 break
             if self._written_by_another(context, prefix):
