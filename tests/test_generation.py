@@ -717,38 +717,6 @@ def test_the_pace_of_a_few_rows_is_that_of_the_batch_the_waiting_calls_will_make
     assert pace.budget(2048, rows=2, building=16) == 160  # as a step of 16 rows
 
 
-def test_an_allowance_predicts_its_chunks_time_with_a_pass_s_fixed_cost_for_each_pass() -> None:
-    pace = Pace()
-    for tokens in (64, 128, 256, 512):  # a pass costs 2 ms, and 10 us a token
-        pace.prefilled(tokens, 0.002 + tokens * 1e-5)
-    pace.decoded(0.006)
-    for launch_bound in (False, True):
-        step = pace.step(2048, launch_bound=launch_bound)
-        assert step.predicted is None  # nothing granted yet
-        step.spend(100, 0)
-        step.spend(50, 0)
-        # CPU: the second chunk pays a pass of its own; GPU: the chunks merge into one
-        expected = 0.002 + 0.0015 + (0.0 if launch_bound else 0.002)
-        assert step.predicted == pytest.approx(expected)
-
-
-def test_steps_whose_prefill_ran_over_the_model_shrink_the_allowance_nine_steps_in_ten() -> None:
-    pace = Pace()
-    for tokens in (64, 128, 256, 512):  # a pass costs 2 ms, and 10 us a token
-        pace.prefilled(tokens, 0.002 + tokens * 1e-5)
-    pace.decoded(0.006)
-    as_modelled = pace.budget(2048)
-    assert abs(as_modelled - 600) <= 1
-    for _ in range(19):
-        pace.overran(0.006, 0.006)
-    pace.overran(0.006, 0.018)  # one step in twenty the machine held up
-    assert pace.overrun == 1.0 and pace.budget(2048) == as_modelled
-    for _ in range(3):
-        pace.overran(0.004, 0.006)  # joins the model does not see: 1.5x
-    assert pace.overrun == 1.5
-    assert abs(pace.budget(2048) - 400) <= 1  # the 6 ms step's prefill, at 1.5x
-
-
 def test_a_long_prompt_is_cut_into_even_chunks_not_full_ones_and_a_sliver() -> None:
     pace = Pace()
     for tokens in (64, 128, 256, 512):  # a pass costs 2 ms, and 10 us a token
@@ -758,34 +726,3 @@ def test_a_long_prompt_is_cut_into_even_chunks_not_full_ones_and_a_sliver() -> N
     assert pace.step(2048).chunk(404, 0) == 202  # two of 202, not 400 and a pass for 4
     assert pace.step(2048).chunk(390, 0) == 390
     assert pace.step(2048).chunk(1010, 0, room=100) == 100  # what the step's bound leaves
-
-
-class _Told(Pace):
-    """A pace that keeps what the engine tells it of steps' prefill (`overran`)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.told: list[tuple[float, float]] = []
-
-    def overran(self, predicted: float, seconds: float) -> None:
-        self.told.append((predicted, seconds))
-        super().overran(predicted, seconds)
-
-
-def test_the_engine_tells_its_pace_how_long_each_paced_prefill_held_the_rows(
-    model: tuple[Any, Any],
-) -> None:
-    net, tokenizer = model
-    pace = _Told()
-    engine = Engine(net, tokenizer, CPU, budget=10**6, window=256, pace=pace)
-    engine.add(Sequence_("running", [2, 9, 10], Options(max_new_tokens=40)))
-    engine.step()
-    engine.step()  # a pass and a decode step measured
-    assert pace.told == []  # no row waited for the first prompt's prefill
-    engine.add(Sequence_("long", [2, *range(100, 300)], Options(max_new_tokens=2)))
-    steps = 0
-    while engine.waiting or engine.prefilling:
-        engine.step()
-        steps += 1
-    assert len(pace.told) == steps  # every step that prefilled beside the running row
-    assert all(predicted > 0 and seconds > 0 for predicted, seconds in pace.told)

@@ -133,7 +133,6 @@ class Engine(RowTurns):
         self.prefilling: list[Sequence_] = []
         self._pending: dict[bytes, Sequence_] = {}
         self.pace = pace if pace is not None else Pace()  # a step's prefill beside decoding
-        self._paced: Allowance | None = None  # this step's allowance, while rows decode
         self._cache: Any = None
         self._mask: torch.Tensor | None = None  # [rows, width]: 1 where a row has a token
         self._seen: torch.Tensor | None = None  # [rows, vocab]: tokens each row has had
@@ -270,7 +269,6 @@ class Engine(RowTurns):
         for sequence in self._unstepped:
             sequence.stepped = began
         self._unstepped = []
-        started = time.perf_counter()
         with torch.inference_mode(), _on(self.device), _attention_kernels(self.device):
             ended = self._drop_cancelled()
             chunks = self._admit()
@@ -279,9 +277,6 @@ class Engine(RowTurns):
                 ended += self._leave()
                 if joined and self.after_prefill is not None:
                     self.after_prefill()
-                predicted = self._paced.predicted if self._paced is not None else None
-                if predicted is not None:  # what the rows waited for, against the model
-                    self.pace.overran(predicted, time.perf_counter() - started)
             if self.rows:
                 self._decode()
                 ended += self._leave()
@@ -329,16 +324,13 @@ class Engine(RowTurns):
         waiting sequences that fit now, in their fair order (none jumps the queue): a
         prompt the pace holds whole, at once (a call never waits a step for others' short
         prompts), up to `prefill_tokens` in the step; a longer one, a chunk of what is left
-        of the pace. Left-padded, whole prompts (`_admit_whole`). `_paced`: the step's
-        allowance while rows decode (they wait for what it grants), else None."""
-        self._paced = None
+        of the pace (`Allowance.chunk`: even chunks). Left-padded, whole prompts
+        (`_admit_whole`)."""
         if self.kv is None:
             return [(s, len(s.prompt)) for s in self._admit_whole()]
         self._hand_over()  # rows of the call holding the most, to calls waiting with fewer
         pool = self.kv.pool
         allowance = self._allowance()
-        if self.rows:
-            self._paced = allowance  # the rows running wait for what it grants
         total = 0  # the step's prompt tokens
         chunks: list[tuple[Sequence_, int]] = []
         for sequence in self.prefilling:

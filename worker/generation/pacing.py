@@ -22,14 +22,6 @@ An allowance (`Allowance`) is spent chunk by chunk in those seconds:
   25 ms), but priced by the line through the steps measured, the trace shape's calls
   lost a fifth of their tokens per second again (docs/benchmarks.md, issue 72): the
   proportion is what lets a batch fill while its first rows run;
-- the rows wait for **what the step's prefill really takes**, not for what the model
-  says: joining the new rows, the stream's flush and a busy machine cost time the model
-  of a pass does not see, and a pass's own time scatters about it (0.85-1.17x from the
-  10th to the 90th percentile, 1.5x at the 99th). So the engine tells the pace how long
-  the rows waited before their decode, against what the model predicted for what it
-  granted (`overran`), and the allowance is divided by the window's `OVERRUN_QUANTILE`
-  of those ratios: nine steps in ten stay within their decode step's time, as the
-  model's errors of late show them;
 - **a prompt that starts whole** is one that much compute holds;
 - **chunks of a long prompt** take it with the pass's fixed part counted in where compute
   is what a pass costs (a CPU); where launches are (a GPU), a pass of thousands of tokens
@@ -55,11 +47,6 @@ from placement.rules.costs import fit
 #: Passes the cost model is fitted over: enough to see passes of several sizes, few
 #: enough to follow a machine whose load changes. Not tuned.
 WINDOW = 32
-#: The share of a window's prefill steps whose overrun of the cost model the allowance
-#: covers (`Pace.overran`): nine in ten steps stay within their decode step's time. A
-#: quantile, not the window's worst, so one step the OS delayed does not starve the next
-#: WINDOW steps' prefill. Not tuned.
-OVERRUN_QUANTILE = 0.9
 #: The least a budget allows, so a long prompt always progresses: one KV block's tokens
 #: (`worker.generation.kv.blocks.BLOCK_TOKENS`), the unit a prefix is shared in.
 LEAST_TOKENS = 16
@@ -73,8 +60,6 @@ class Pace:
         # each attends to (its past and its own), and its time
         self._passes: deque[tuple[int, int, float]] = deque(maxlen=WINDOW)
         self._decode_s: deque[float] = deque(maxlen=WINDOW)
-        # what steps' prefill took over what the cost model said it would (`overran`)
-        self._overruns: deque[float] = deque(maxlen=WINDOW)
 
     def prefilled(self, tokens: int, seconds: float, width: int = 0) -> None:
         """A prefill pass of `tokens` prompt tokens (padding included) took `seconds`, each
@@ -87,22 +72,6 @@ class Pace:
         """A decode step took `seconds`."""
         if seconds > 0:
             self._decode_s.append(seconds)
-
-    def overran(self, predicted: float, seconds: float) -> None:
-        """A step's prefill beside decoding rows, predicted to take `predicted` seconds
-        (`Allowance.predicted`), held the rows `seconds` before their decode: the pass, and
-        what the model does not see (joining the rows, other bookkeeping, a busy machine)."""
-        if predicted > 0 and seconds > 0:
-            self._overruns.append(seconds / predicted)
-
-    @property
-    def overrun(self) -> float:
-        """How far steps' prefill runs over the cost model: the window's `OVERRUN_QUANTILE`
-        of `overran`'s ratios (1 before the first)."""
-        if not self._overruns:
-            return 1.0
-        ordered = sorted(self._overruns)
-        return ordered[min(len(ordered) - 1, int(OVERRUN_QUANTILE * len(ordered)))]
 
     @property
     def decode_s(self) -> float | None:
@@ -131,8 +100,7 @@ class Pace:
         """What this step may prefill beside `rows` running rows, when the batch being
         built (those rows and the sequences waiting or being prefilled) holds `building`
         (see the module): one decode step of that batch, the rows' step scaled by
-        `building / rows` (a decode step's cost is taken to grow with its rows), over how
-        far steps' prefill has run over the model of late (`overrun`). A prompt
+        `building / rows` (a decode step's cost is taken to grow with its rows). A prompt
         starts whole if that much compute holds it; chunks of longer ones take it with the
         pass's fixed cost counted in where compute is what a pass costs (a CPU), not where
         launches are (`launch_bound`, a GPU: there the fixed part is about a decode step
@@ -142,10 +110,10 @@ class Pace:
         if decode_s is None or costs is None:
             return Allowance(most, None)
         fixed, per_token, per_column = costs
-        step_s = decode_s * max(1.0, building / max(1, rows)) / self.overrun
+        step_s = decode_s * max(1.0, building / max(1, rows))
         if launch_bound:  # chunks merge into one pass (`merge_prefill`): no more launches
-            return Allowance(most, (per_token, per_column), step_s, step_s, pass_s=fixed)
-        return Allowance(most, (per_token, per_column), step_s, step_s - fixed, fixed, pass_s=fixed)
+            return Allowance(most, (per_token, per_column), step_s, step_s)
+        return Allowance(most, (per_token, per_column), step_s, step_s - fixed, fixed)
 
     def budget(self, most: int, rows: int = 1, building: int = 1, past: int = 0) -> int:
         """The prompt tokens a step's allowance (`step`) holds of one prompt whose first
@@ -162,25 +130,14 @@ class Allowance:
 
     def __init__(
         self, most: int, costs: tuple[float, float] | None, whole: float = 0.0,
-        chunks: float = 0.0, fixed: float = 0.0, *, pass_s: float = 0.0,
+        chunks: float = 0.0, fixed: float = 0.0,
     ) -> None:  # fmt: skip
         self.most = most
         self._costs = costs
         self._fixed = fixed
         self._whole = whole if costs is not None else float(most)
         self._left = chunks if costs is not None else float(most)
-        self._granted = self._left
-        self._pass_s = pass_s  # a pass's fixed cost, which the step pays once at least
         self._first = True
-
-    @property
-    def predicted(self) -> float | None:
-        """The seconds the cost model says the chunks spent so far take, a pass's fixed
-        cost counted once (and again for each chunk after the first that paid it); None
-        when unpaced or nothing was spent."""
-        if self._costs is None or self._first:
-            return None
-        return self._pass_s + self._granted - self._left
 
     @property
     def spent(self) -> bool:
@@ -216,8 +173,8 @@ class Allowance:
     def chunk(self, todo: int, past: int, room: int | None = None) -> int:
         """Tokens of a prompt at `past` (`todo` left) this step may prefill now, at most
         `room` (what the step's bound on prompt tokens leaves): what is left pays for,
-        and at least `LEAST_TOKENS` for the step's first chunk, so a long prompt always
-        progresses; 0 once nothing more is paid for. Spend them (`spend`).
+        and for the step's first chunk at least what `LEAST_TOKENS` cost (so a long
+        prompt always progresses); 0 once nothing more is paid for. Spend them (`spend`).
 
         A prompt longer than that is cut evenly over the fewest chunks of that size, not
         into full chunks and a sliver: a sliver's pass costs a pass's fixed part for a few
@@ -244,4 +201,4 @@ def _even(todo: int, most: int) -> int:
     return -(-todo // -(-todo // max(1, most)))
 
 
-__all__ = ["LEAST_TOKENS", "OVERRUN_QUANTILE", "WINDOW", "Allowance", "Pace"]
+__all__ = ["LEAST_TOKENS", "WINDOW", "Allowance", "Pace"]
