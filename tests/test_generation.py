@@ -639,8 +639,8 @@ def test_the_pace_allows_the_prompt_tokens_whose_compute_costs_one_decode_step()
     assert abs(pace.budget(2048) - 500) <= 1  # a whole prompt: 5 ms at 10 us a token
     assert pace.budget(300) == 300
     # a long prompt's chunk on a CPU: the pass's own 2 ms counted in, 3 ms of compute
-    assert pace.step(2048).chunk(2900, 0) == 290  # ten even chunks
-    assert pace.step(2048, launch_bound=True).chunk(2900, 0) == 484  # launches: six
+    assert abs(pace.step(2048).chunk(5000, 0) - 300) <= 1
+    assert abs(pace.step(2048, launch_bound=True).chunk(5000, 0) - 500) <= 1  # launches
     for _ in range(4):
         pace.decoded(1e-9)  # the median step now takes next to nothing
     assert pace.budget(2048) == LEAST_TOKENS
@@ -683,8 +683,8 @@ def test_on_a_gpu_chunks_of_several_prompts_share_a_step_without_paying_more_lau
     pace.decoded(0.004)
     step = pace.step(2048, launch_bound=True)  # 4 ms of compute: 400 tokens
     for _ in range(4):  # chunks of one merged pass: no launch more for each
-        assert step.chunk(99, 0) == 99
-        step.spend(99, 0)
+        assert abs(step.chunk(100, 0) - 100) <= 1
+        step.spend(100, 0)
     assert step.chunk(100, 0) == 0
 
 
@@ -715,14 +715,3 @@ def test_the_pace_of_a_few_rows_is_that_of_the_batch_the_waiting_calls_will_make
     pace.decoded(0.002)  # two rows decode in 2 ms
     assert pace.budget(2048, rows=2, building=2) == 20
     assert pace.budget(2048, rows=2, building=16) == 160  # as a step of 16 rows
-
-
-def test_a_long_prompt_is_cut_into_even_chunks_not_full_ones_and_a_sliver() -> None:
-    pace = Pace()
-    for tokens in (64, 128, 256, 512):  # a pass costs 2 ms, and 10 us a token
-        pace.prefilled(tokens, 0.002 + tokens * 1e-5)
-    pace.decoded(0.006)  # a chunk on a CPU: 4 ms of compute, 400 tokens
-    assert pace.step(2048).chunk(1010, 0) == 337  # three chunks, not 400, 400 and 210
-    assert pace.step(2048).chunk(404, 0) == 202  # two of 202, not 400 and a pass for 4
-    assert pace.step(2048).chunk(390, 0) == 390
-    assert pace.step(2048).chunk(1010, 0, room=100) == 100  # what the step's bound leaves

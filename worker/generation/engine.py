@@ -324,8 +324,7 @@ class Engine(RowTurns):
         waiting sequences that fit now, in their fair order (none jumps the queue): a
         prompt the pace holds whole, at once (a call never waits a step for others' short
         prompts), up to `prefill_tokens` in the step; a longer one, a chunk of what is left
-        of the pace (`Allowance.chunk`: even chunks). Left-padded, whole prompts
-        (`_admit_whole`)."""
+        of the pace. Left-padded, whole prompts (`_admit_whole`)."""
         if self.kv is None:
             return [(s, len(s.prompt)) for s in self._admit_whole()]
         self._hand_over()  # rows of the call holding the most, to calls waiting with fewer
@@ -335,9 +334,8 @@ class Engine(RowTurns):
         chunks: list[tuple[Sequence_, int]] = []
         for sequence in self.prefilling:
             assert sequence.table is not None
-            room = self.prefill_tokens - total
-            todo = self._todo(sequence)
-            granted = allowance.chunk(todo, sequence.table.length, room) if room > 0 else 0
+            todo = min(self._todo(sequence), self.prefill_tokens - total)
+            granted = allowance.chunk(todo, sequence.table.length) if todo > 0 else 0
             if not granted:
                 break
             allowance.spend(granted, sequence.table.length)
@@ -357,7 +355,7 @@ class Engine(RowTurns):
             if whole and chunks and total + todo > self.prefill_tokens:
                 break
             room = self.prefill_tokens - total
-            granted = todo if whole else allowance.chunk(todo, past, room) if room > 0 else 0
+            granted = todo if whole else allowance.chunk(min(todo, room), past) if room > 0 else 0
             if not granted:
                 break
             if self._written_by_another(context, prefix):

@@ -18,19 +18,15 @@ An allowance (`Allowance`) is spent chunk by chunk in those seconds:
   fleet's 32 short calls, which reach the engine a few at a time, waited 40 to 356 ms p50
   to begin their prefill; paced by the rows running, the trace shape's calls lost a
   quarter of their tokens per second through the fleet). A step's cost does not grow in
-  proportion to its rows (on this project's 2-core VM 2 rows took 11-14 ms and 33 rows
-  25 ms), but priced by the line through the steps measured, the trace shape's calls
-  lost a fifth of their tokens per second again (docs/benchmarks.md, issue 72): the
-  proportion is what lets a batch fill while its first rows run;
+  proportion to its rows (on the 2-core VM 2 rows took 11-14 ms and 33 rows 25 ms), but
+  priced by the line through the steps measured, the trace shape's calls lost a fifth
+  of their tokens per second again (docs/benchmarks.md, "the burst's slowest steps"):
+  the proportion is what lets a batch fill while its first rows run;
 - **a prompt that starts whole** is one that much compute holds;
 - **chunks of a long prompt** take it with the pass's fixed part counted in where compute
   is what a pass costs (a CPU); where launches are (a GPU), a pass of thousands of tokens
   costs little more than its launches, which are about a decode step themselves, so only
-  the compute counts and the allowance is large, as it should be. A prompt is cut into
-  **even chunks**, the fewest of at most what the allowance holds, not full ones and a
-  sliver: a sliver of 3 to 16 tokens paid a whole pass's fixed part (14-48 ms on the
-  2-core VM, as much as a decode step), often in the step that also started the next
-  prompt;
+  the compute counts and the allowance is large, as it should be;
 - **a chunk after the step's first** pays a pass's fixed cost too: it may need a pass of
   its own (its prompt's length differs), and a burst's second prompt starting in the step
   that ends the first doubled those steps.
@@ -170,35 +166,21 @@ class Allowance:
         a prompt starts whole)."""
         return todo <= self.tokens(past)
 
-    def chunk(self, todo: int, past: int, room: int | None = None) -> int:
-        """Tokens of a prompt at `past` (`todo` left) this step may prefill now, at most
-        `room` (what the step's bound on prompt tokens leaves): what is left pays for,
-        and for the step's first chunk at least what `LEAST_TOKENS` cost (so a long
-        prompt always progresses); 0 once nothing more is paid for. Spend them (`spend`).
-
-        A prompt longer than that is cut evenly over the fewest chunks of that size, not
-        into full chunks and a sliver: a sliver's pass costs a pass's fixed part for a few
-        tokens (on the 2-core VM, 14-48 ms for 3-16 tokens, as much as a decode step)."""
-        left = self._left if self._first else self._left - self._fixed
-        fits = self.tokens(past, left)
-        granted = _even(todo, fits) if room is None else min(_even(todo, fits), room)
-        if self._first or self.cost(granted, past) <= left:
-            return granted
-        return 0
+    def chunk(self, todo: int, past: int) -> int:
+        """Tokens of a prompt at `past` (`todo` left) this step may prefill now: what is
+        left pays for, and at least `LEAST_TOKENS` for the step's first chunk, so a long
+        prompt always progresses; 0 once nothing more is paid for. Spend them (`spend`)."""
+        if self._first:
+            return min(todo, self.tokens(past, self._left))
+        left = self._left - self._fixed
+        granted = min(todo, self.tokens(past, left))
+        return granted if self.cost(granted, past) <= left else 0
 
     def spend(self, tokens: int, past: int) -> None:
         """Count `tokens` of a prompt at `past` against what is left (a pass's fixed cost
         too, after the step's first)."""
         self._left -= self.cost(tokens, past) + (0.0 if self._first else self._fixed)
         self._first = False
-
-
-def _even(todo: int, most: int) -> int:
-    """The first of the fewest chunks of at most `most` tokens that `todo` cuts into, all
-    of one size but for a token (0 for nothing to do)."""
-    if todo <= 0:
-        return 0
-    return -(-todo // -(-todo // max(1, most)))
 
 
 __all__ = ["LEAST_TOKENS", "WINDOW", "Allowance", "Pace"]
