@@ -282,6 +282,51 @@ def test_cached_blocks_nobody_holds_are_taken_back_least_recently_used_first() -
         pool.take()
 
 
+def test_room_held_back_for_a_working_copy_is_taken_only_once_no_cached_block_is_left() -> None:
+    pool = BlockPool(6, size=2)
+    for tokens in ([1, 2], [3, 4]):
+        table = Table([pool.take()], 2)
+        pool.key_full_blocks(table, tokens)
+        pool.release(table.blocks)
+    pool.held_back = 3  # of the 4 blocks not yet allocated
+    grown = pool.take()  # beyond what is held back
+    assert (grown, pool.allocated, pool.cached) == (3, 4, 2)
+    pool.take(), pool.take()  # the cached blocks, not the room held back
+    assert (pool.allocated, pool.cached) == (4, 0)
+    assert pool.match([1, 2, 0], 3) == ([], b"")
+    assert sorted(pool.take() for _ in range(3)) == [4, 5, 6]  # then the room held back
+    with pytest.raises(OutOfBlocks):
+        pool.take()
+
+
+def test_a_replica_s_cached_prefixes_leave_its_rows_working_copy_room_round_after_round(
+    model: tuple[Any, Any],
+) -> None:
+    # 64 blocks; a round's 4 rows reach 61 tokens each (16 blocks), and its prompts leave
+    # 12 cached blocks: by the fifth round the cache alone would fill the budget.
+    engine = _engine(model, budget=64 * BLOCK_TOKENS)
+    assert engine.kv is not None
+    rng = random.Random(7)
+    for round_ in range(8):
+        prompts = [[2, *(rng.randrange(5, 512) for _ in range(40))] for _ in range(4)]
+        sequences = [
+            Sequence_((round_, i), prompt, Options(max_new_tokens=20))
+            for i, prompt in enumerate(prompts)
+        ]
+        for sequence in sequences:
+            engine.add(sequence)
+        copied = []
+        while engine.busy:
+            engine.step()
+            if engine.rows:
+                copied.append(engine._copy is not None)
+        assert all(copied), f"round {round_}: {copied.count(False)} steps gathered their rows"
+    pool = engine.kv.pool
+    assert pool.cached >= 3 * 12  # earlier rounds' prompts are still found
+    assert pool.match(prompts[0], len(prompts[0]))[0]
+    assert [s.tokens for s in sequences] == [_alone(model, p, 20) for p in prompts]
+
+
 def test_a_block_is_found_only_under_the_same_tokens_before_it() -> None:
     pool = BlockPool(8, size=2)
     table = Table([pool.take(), pool.take()], 4)

@@ -344,6 +344,7 @@ class Engine(RowTurns):
         admitted: list[Sequence_] = []
         count = len(self.rows) + len(self.prefilling)
         spare = pool.available - self._next_blocks()  # kept for the rows' next tokens
+        self._hold_back()  # the working copy's room, from the store's growth
         while len(admitted) < len(self.waiting) and count < self.max_rows:
             head = self.waiting[len(admitted)]
             context = head.context()

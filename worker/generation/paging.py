@@ -33,6 +33,7 @@ class PagedRows:
 
     model: Any
     device: torch.device
+    max_rows: int
     kv: paged.Paged | None
     rows: list[Sequence_]
     waiting: list[Sequence_]
@@ -278,6 +279,7 @@ class PagedRows:
         self.rows = [self.rows[i] for i in keep]
         if not keep:
             self._slots = self._mask = self._seen = self._copy = None
+            self._hold_back()
             return
         assert self._slots is not None and self._mask is not None and self._seen is not None
         index = torch.tensor(keep, dtype=torch.long, device=self.device)
@@ -410,6 +412,7 @@ class PagedRows:
         steps, or one gathered now (for the steps to come) from the rows' slots and their
         lengths (`positions`), when either fits its room."""
         assert self.kv is not None and self._slots is not None
+        self._hold_back()
         if self._copy is not None:
             return self._copy_fits(0)
         if self.device.type != "cpu":
@@ -428,6 +431,26 @@ class PagedRows:
         )  # fmt: skip
         self._copy = copy
         return True
+
+    def _hold_back(self) -> None:
+        """On a CPU, have the pool hold back from the store's growth, while a cached block
+        can be reused instead (`blocks.BlockPool.take`), the room a working copy of the
+        batch being built (the rows, the prompts being prefilled, and those first in line
+        for the rows left) takes at their reach, or the copy's own room where that is
+        more. Else a long-running replica's prefix cache fills the budget and takes the
+        copy's room for good (the store never shrinks), and every later step gathers its
+        rows' keys. Rows come before prefixes a later call may ask for; on a GPU nothing
+        is held back (it keeps no copy)."""
+        assert self.kv is not None
+        pool = self.kv.pool
+        if self.device.type != "cpu":
+            pool.held_back = 0
+            return
+        live = (*self.rows, *self.prefilling)
+        line = self.waiting[: max(0, self.max_rows - len(live))]
+        reach = sum(s.reach for s in (*live, *line))
+        held = self._copy.capacity() if self._copy is not None else 0
+        pool.held_back = blocks.blocks_for(max(reach, held), pool.size)
 
     def _coming(self) -> list[tuple[int, int]]:
         """The sequences waiting or being prefilled: each its context's length, and the

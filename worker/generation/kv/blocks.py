@@ -11,7 +11,9 @@ A block that is full is keyed by the tokens it holds and everything before them 
 digest), as vLLM's automatic prefix caching does. A new sequence whose prompt starts with
 keyed blocks holds those blocks too (a count of holders per block) and computes only the
 rest. A keyed block nobody holds stays cached, least recently used first out: it is taken
-back only when a sequence needs a block and the budget has no other room. Only full blocks
+back only when a sequence needs a block and the budget has no other room (room the engine
+holds back for a CPU's working copy of its running rows counts as other room only when no
+cached block is left: live rows come before a prefix a later call may ask for). Only full blocks
 are shared, and a sequence writes only into its last block, which is never full, so no
 block is written while shared.
 
@@ -62,6 +64,9 @@ class BlockPool:
         self._key_of: dict[int, bytes] = {}
         self._by_key: dict[bytes, int] = {}
         self._idle: OrderedDict[int, None] = OrderedDict()  # keyed, unheld: LRU first
+        # Blocks of the budget's unallocated room the store leaves to a CPU working copy
+        # (`worker.generation.paging`) while a cached block can be taken instead.
+        self.held_back = 0
         self.prompt_tokens = 0  # admitted prompts' tokens, and of them
         self.reused_tokens = 0  # those read from cached blocks
 
@@ -94,11 +99,14 @@ class BlockPool:
     # --- taking and giving back -------------------------------------------------------
 
     def take(self) -> int:
-        """A block for one holder: a free one, else room the budget has left (the store
-        must then grow to `allocated`), else the least recently used cached one."""
+        """A block for one holder: a free one, else room the budget has left beyond what is
+        `held_back` (the store must then grow to `allocated`), else the least recently used
+        cached one, else the room held back."""
         if self._free:
             block = self._free.pop()
-        elif self.allocated < self.budget:
+        elif self.allocated < self.budget - self.held_back or (
+            not self._idle and self.allocated < self.budget
+        ):
             block = self.allocated
             self.allocated += 1
             self._holders.append(0)
@@ -125,7 +133,9 @@ class BlockPool:
     def unhold_all(self) -> None:
         """Give back every holder's blocks at once (an engine that failed left its rows'
         blocks held): keyed blocks stay cached, as their contents were whole before they
-        were keyed; the others are free. Only while no engine uses the pool."""
+        were keyed; the others are free. Only while no engine uses the pool (so none
+        holds room back for its working copy)."""
+        self.held_back = 0
         for block in range(1, self.allocated):
             if self._holders[block]:
                 self._holders[block] = 1
