@@ -156,6 +156,49 @@ def test_a_mixed_batch_s_logits_are_within_1e_4_of_the_merged_models(
         assert (mixed[row] - alone).abs().max().item() <= 1e-4, name
 
 
+MOE = {
+    "vocab_size": 512, "hidden_size": 64, "intermediate_size": 64, "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+    "num_key_value_heads": 2, "num_experts": 4, "num_experts_per_tok": 2,
+    "max_position_embeddings": 256,
+}  # fmt: skip
+
+
+def test_a_mixed_batch_through_a_moe_s_shared_expert_equals_each_adapter_merged(
+    tmp_path: Path,
+) -> None:
+    # the shared expert's projections take the batch's tokens flattened, [rows x tokens, in]
+    torch.manual_seed(0)
+    config = transformers.Qwen2MoeConfig(**MOE)
+    transformers.Qwen2MoeForCausalLM(config).eval().save_pretrained(tmp_path / "base")
+    targets = ["q_proj", "gate_proj", "up_proj", "down_proj"]
+    for seed, name in enumerate(("one", "two"), start=1):
+        torch.manual_seed(seed)
+        net = transformers.Qwen2MoeForCausalLM.from_pretrained(tmp_path / "base")
+        lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
+        peft.get_peft_model(net, lora).save_pretrained(tmp_path / "adapters" / name)
+    base = transformers.Qwen2MoeForCausalLM.from_pretrained(tmp_path / "base").eval()
+    room = adapter_room(base, _catalog(tmp_path)["base"])
+    assert room is not None
+    assert any("shared_expert" in module for module in room._a)  # the case under test
+    ids = torch.tensor([TOKENIZER.encode("the same prompt")] * 3)
+    order = ["two", None, "one"]
+    for name in ("one", "two"):
+        room.acquire(name)
+    with torch.no_grad(), room.rows(order):
+        mixed = base(input_ids=ids).logits
+    for row, name in enumerate(order):
+        alone = transformers.Qwen2MoeForCausalLM.from_pretrained(tmp_path / "base").eval()
+        if name is not None:
+            merged = peft.PeftModel.from_pretrained(alone, tmp_path / "adapters" / name)
+            alone = merged.merge_and_unload()
+        with torch.no_grad():
+            want = alone(input_ids=ids[:1]).logits[0]
+        assert (mixed[row] - want).abs().max().item() <= 1e-4, name
+    assert (mixed[0] - mixed[2]).abs().max().item() > 1e-3  # the adapters differ
+    room.close()
+
+
 def test_seeded_sampling_with_an_adapter_equals_its_merged_model(
     disk: Path, engine: Engine
 ) -> None:

@@ -12,7 +12,10 @@ Each step of the engine names, per row, the adapter it runs (`rows`). A forward 
 every changed module then adds `x @ A[slot] @ B[slot]` per row: rows of one adapter (or a
 lone one) as two plain products, a mix as two batched products over the gathered slots
 (Punica's BGMV, in torch). So rows of many adapters share every step, and no copy of the
-base's weights is made. A row of an adapter of lower rank reads zeros past its rank.
+base's weights is made. A row of an adapter of lower rank reads zeros past its rank. A
+module fed the batch's tokens flattened row by row (the shared expert of a Qwen2-MoE
+block takes `[rows x tokens, in]`) gets them as rows again; one whose tokens cannot be
+rows' alike (a routed expert's share of them) fails the step with an `AdapterError`.
 
 Adapters in use (`acquire`d by a running call) stay; the least recently used of the
 others leaves when a new one needs a slot. An adapter's factors come from the process's
@@ -200,6 +203,16 @@ class AdapterRoom:
             index = self._index.get(x.device)
             if index is None:
                 index = self._index[x.device] = torch.tensor(slots, device=x.device)
+            if x.dim() == 2:  # tokens flattened row by row (a MoE's shared expert's input)
+                if x.shape[0] % len(slots):
+                    raise AdapterError(
+                        f"module {module} takes {x.shape[0]} tokens that are not "
+                        f"{len(slots)} rows' alike, so its rows' adapters cannot be told "
+                        "apart; serve that adapter merged into a model of its own"
+                    )
+                rows = x.reshape(len(slots), -1, x.shape[-1])
+                added = torch.bmm(torch.bmm(rows, a_stack[index]), b_stack[index])
+                return output + added.reshape(output.shape)
             return output + torch.bmm(torch.bmm(x, a_stack[index]), b_stack[index])
 
         return add_product
