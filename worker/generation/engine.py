@@ -148,6 +148,7 @@ class Engine(RowTurns):
             self.kv.pool.unhold_all()
         # Decode steps read a prefix every row shares once, not once a row (`paged.cascade`).
         self._cascade = self.kv is not None and paged.use_cascade(model)
+        self._shared = 0  # blocks the rows' last decode step read once for all (`cascade`)
         # Paged decode steps in fixed shapes, replayed from CUDA graphs (`graphs`; None:
         # on CUDA); elsewhere the same padded steps run as they are when asked (what tests
         # check). Only on SDPA attention, as `cascade`.

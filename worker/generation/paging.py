@@ -45,6 +45,7 @@ class PagedRows:
     _seen: torch.Tensor | None
     _copy: ragged.Ragged | None
     _cascade: bool
+    _shared: int
     _graphs: DecodeGraphs | None
     adapters: Any
     _columns: sampling.Columns | None
@@ -279,6 +280,7 @@ class PagedRows:
         self.rows = [self.rows[i] for i in keep]
         if not keep:
             self._slots = self._mask = self._seen = self._copy = None
+            self._shared = 0
             self._hold_back()
             return
         assert self._slots is not None and self._mask is not None and self._seen is not None
@@ -310,7 +312,7 @@ class PagedRows:
         positions = self._mask.sum(dim=1, keepdim=True)
         index = torch.cat([self._slots, new[:, None]], dim=1)
         mask = torch.nn.functional.pad(self._mask, (0, 1), value=1)
-        shared = self._shared_blocks() if self._cascade else 0
+        shared = self._shared = self._shared_blocks() if self._cascade else 0
         logits = None if shared else self._decode_graphed(ids, positions, index, mask, new)
         if logits is not None:
             self._slots, self._mask = index, mask
@@ -439,11 +441,13 @@ class PagedRows:
         for the rows left) takes at their reach, or the copy's own room where that is
         more. Else a long-running replica's prefix cache fills the budget and takes the
         copy's room for good (the store never shrinks), and every later step gathers its
-        rows' keys. Rows come before prefixes a later call may ask for; on a GPU nothing
-        is held back (it keeps no copy)."""
+        rows' keys. Rows come before prefixes a later call may ask for. Nothing is held
+        back where no copy is kept: on a GPU, while the rows read a shared prefix once
+        (`paged.cascade`), and while the blocks in use are over half the budget (a copy
+        holds at least their tokens again)."""
         assert self.kv is not None
         pool = self.kv.pool
-        if self.device.type != "cpu":
+        if self.device.type != "cpu" or self._shared or 2 * pool.in_use > pool.budget - 1:
             pool.held_back = 0
             return
         live = (*self.rows, *self.prefilling)
