@@ -466,7 +466,7 @@ def test_a_call_waiting_while_another_holds_every_row_gets_one_at_the_next_step(
     model: tuple[Any, Any],
 ) -> None:
     net, tokenizer = model
-    engine = Engine(net, tokenizer, CPU, budget=10**6, window=512, max_rows=8)
+    engine = Engine(net, tokenizer, CPU, budget=10**6, window=512, max_rows=8, pace=Unpaced())
     long = _call("long", 12, 30, draw=1)
     for sequence in long:
         engine.add(sequence)
@@ -512,7 +512,7 @@ def test_a_sequence_handed_a_row_it_could_not_take_at_once_stays_in_line_and_end
 
 def test_rows_move_towards_equal_shares_and_are_not_taken_back(model: tuple[Any, Any]) -> None:
     net, tokenizer = model
-    engine = Engine(net, tokenizer, CPU, budget=10**6, window=512, max_rows=8)
+    engine = Engine(net, tokenizer, CPU, budget=10**6, window=512, max_rows=8, pace=Unpaced())
     first = _call("first", 10, 40, draw=3)
     for sequence in first:
         engine.add(sequence)
@@ -534,7 +534,7 @@ def test_rows_move_towards_equal_shares_and_are_not_taken_back(model: tuple[Any,
 def test_a_preempted_row_samples_the_same_tokens_with_its_seed(model: tuple[Any, Any]) -> None:
     net, tokenizer = model
     options = {"choice": Choice(temperature=0.9, top_p=0.95), "seed": 7}
-    engine = Engine(net, tokenizer, CPU, budget=10**6, window=512, max_rows=4)
+    engine = Engine(net, tokenizer, CPU, budget=10**6, window=512, max_rows=4, pace=Unpaced())
     long = _call("long", 4, 24, draw=5, **options)
     for sequence in long:
         engine.add(sequence)
@@ -557,7 +557,9 @@ def test_a_row_handed_over_is_not_the_one_taken_back_when_blocks_run_short(
     # 16 steps later, which a budget of 22 blocks cannot give all of: the rows preempted
     # for blocks then are the long call's, never the row handed over to the short call
     net, tokenizer = model
-    engine = Engine(net, tokenizer, CPU, budget=22 * BLOCK_TOKENS, window=512, max_rows=8)
+    engine = Engine(
+        net, tokenizer, CPU, budget=22 * BLOCK_TOKENS, window=512, max_rows=8, pace=Unpaced()
+    )
     long = [
         Sequence_(("long", i), [2, *range(30 + i, 45 + i)], Options(max_new_tokens=40))
         for i in range(8)
@@ -596,7 +598,7 @@ def test_a_tenant_s_many_calls_share_its_rows_and_another_tenant_s_call_gets_one
     # each of tenant a's 12 calls would hold one row: shared by call, nobody holds two
     # more than the newcomer; shared by tenant, a holds 8 and hands one to b at once
     net, tokenizer = model
-    engine = Engine(net, tokenizer, CPU, budget=10**6, window=512, max_rows=8)
+    engine = Engine(net, tokenizer, CPU, budget=10**6, window=512, max_rows=8, pace=Unpaced())
     for sequence in _tenant_calls("a", 12, 30, 1.0):
         engine.add(sequence)
     engine.step()
@@ -610,7 +612,7 @@ def test_a_tenant_s_many_calls_share_its_rows_and_another_tenant_s_call_gets_one
 
 def test_tenants_rows_follow_their_weights(model: tuple[Any, Any]) -> None:
     net, tokenizer = model
-    engine = Engine(net, tokenizer, CPU, budget=10**6, window=512, max_rows=8)
+    engine = Engine(net, tokenizer, CPU, budget=10**6, window=512, max_rows=8, pace=Unpaced())
     for sequence in _tenant_calls("heavy", 12, 40, 3.0):
         engine.add(sequence)
     engine.step()
