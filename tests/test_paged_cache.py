@@ -327,6 +327,28 @@ def test_a_replica_s_cached_prefixes_leave_its_rows_working_copy_room_round_afte
     assert [s.tokens for s in sequences] == [_alone(model, p, 20) for p in prompts]
 
 
+def test_rows_too_long_for_a_copy_beside_them_leave_the_next_rows_room_for_theirs(
+    model: tuple[Any, Any],
+) -> None:
+    # a round's 4 rows reach 141 tokens each (36 blocks of 64): late in a round the copy
+    # cannot fit beside their blocks, but the store must not take its room for good
+    engine = _engine(model, budget=64 * BLOCK_TOKENS)
+    rng = random.Random(7)
+    copied = []
+    for round_ in range(8):
+        for i in range(4):
+            prompt = [2, *(rng.randrange(5, 512) for _ in range(40))]
+            engine.add(Sequence_((round_, i), prompt, Options(max_new_tokens=100)))
+        steps = []
+        while engine.busy:
+            engine.step()
+            if engine.rows:
+                steps.append(engine._copy is not None)
+        copied.append(sum(steps))
+    assert copied[1] > 0.6 * len(steps)
+    assert copied[1:] == [copied[1]] * 7, copied  # every later round as the second
+
+
 def test_a_block_is_found_only_under_the_same_tokens_before_it() -> None:
     pool = BlockPool(8, size=2)
     table = Table([pool.take(), pool.take()], 4)

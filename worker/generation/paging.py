@@ -441,13 +441,14 @@ class PagedRows:
         for the rows left) takes at their reach, or the copy's own room where that is
         more. Else a long-running replica's prefix cache fills the budget and takes the
         copy's room for good (the store never shrinks), and every later step gathers its
-        rows' keys. Rows come before prefixes a later call may ask for. Nothing is held
-        back where no copy is kept: on a GPU, while the rows read a shared prefix once
-        (`paged.cascade`), and while the blocks in use are over half the budget (a copy
-        holds at least their tokens again)."""
+        rows' keys. Rows come before prefixes a later call may ask for. Held back too while
+        the copy cannot fit (rows whose blocks take over half the budget): room the store
+        takes is taken for good, and the next rows' copy needs it. Nothing is held back
+        where no copy is kept: on a GPU, and while the rows read a shared prefix once
+        (`paged.cascade`)."""
         assert self.kv is not None
         pool = self.kv.pool
-        if self.device.type != "cpu" or self._shared or 2 * pool.in_use > pool.budget - 1:
+        if self.device.type != "cpu" or self._shared:
             pool.held_back = 0
             return
         live = (*self.rows, *self.prefilling)
