@@ -334,10 +334,13 @@ def test_a_tenant_s_key_sends_as_the_tenant_within_its_quotas_and_reads_its_own_
         return team.completions.create(model=model, prompt=prompt, max_tokens=tokens, temperature=0)
 
     with ThreadPoolExecutor(1) as pool:
-        # a stream holds its one running slot, however slow the CLI's looks, until it is
-        # closed: the next call is parked meanwhile and the third refused
+        # a stream holds its one running slot until it is closed: the next call is parked
+        # meanwhile and the third refused. 16 prompts of 500 tokens, so that it outlasts
+        # the CLI's looks on a loaded machine (with one prompt, once in a full run, it ended
+        # before a look saw the next parked); closed, it takes no longer than they do
+        many = [f"go {i}" for i in range(16)]
         running = team.completions.create(
-            model="slow-talker", prompt="go", max_tokens=500, temperature=0, stream=True
+            model="slow-talker", prompt=many, max_tokens=500, temperature=0, stream=True
         )
         assert next(iter(running)).choices
         until("its call holding the slot", lambda: tenant_row()["let_in"] == 1)
