@@ -356,7 +356,8 @@ def test_a_tenant_s_key_sends_as_the_tenant_within_its_quotas_and_reads_its_own_
     time.sleep(0.5)  # each call is counted after its answer is stored
     shown = json.loads(gpufleet(home, "status", "--json"))["tenants"]
     used = next(t for t in shown if t["name"] == "api-team")
-    # the stream and the parked call, as its own; a revoked call is not one it was answered
+    # its streamed chat and the parked call, as its own: the closed stream's call was
+    # revoked, not answered
     assert (used["calls"], used["failed"]) == (2, 0), used
     # removed: its keys go with it; added again: a new key reaches its new user
     gpufleet(home, "tenant", "remove", "api-team")
