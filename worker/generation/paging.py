@@ -281,7 +281,6 @@ class PagedRows:
         if not keep:
             self._slots = self._mask = self._seen = self._copy = None
             self._shared = 0
-            self._hold_back()
             return
         assert self._slots is not None and self._mask is not None and self._seen is not None
         index = torch.tensor(keep, dtype=torch.long, device=self.device)
@@ -414,7 +413,6 @@ class PagedRows:
         steps, or one gathered now (for the steps to come) from the rows' slots and their
         lengths (`positions`), when either fits its room."""
         assert self.kv is not None and self._slots is not None
-        self._hold_back()
         if self._copy is not None:
             return self._copy_fits(0)
         if self.device.type != "cpu":
@@ -445,7 +443,8 @@ class PagedRows:
         the copy cannot fit (rows whose blocks take over half the budget): room the store
         takes is taken for good, and the next rows' copy needs it. Nothing is held back
         where no copy is kept: on a GPU, and while the rows read a shared prefix once
-        (`paged.cascade`)."""
+        (`paged.cascade`). Set once a step, as it admits: every block a step takes comes
+        after (admission's, then the rows' next ones)."""
         assert self.kv is not None
         pool = self.kv.pool
         if self.device.type != "cpu" or self._shared:

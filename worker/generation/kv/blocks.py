@@ -13,9 +13,9 @@ keyed blocks holds those blocks too (a count of holders per block) and computes 
 rest. A keyed block nobody holds stays cached, least recently used first out: it is taken
 back only when a sequence needs a block and the budget has no other room (room the engine
 holds back for a CPU's working copy of its running rows counts as other room only when no
-cached block is left: live rows come before a prefix a later call may ask for). Only full blocks
-are shared, and a sequence writes only into its last block, which is never full, so no
-block is written while shared.
+cached block is left: live rows come before a prefix a later call may ask for). Only full
+blocks are shared, and a sequence writes only into its last block, which is never full, so
+no block is written while shared.
 
 Block 0 is never handed out: padding in a batch's gather index reads it.
 """
