@@ -278,18 +278,14 @@ def chunked_on(arg: str) -> dict[str, Any]:
     running row got a token at each of them (dtype float32)."""
     import random
 
+    from tests.paces import Fixed
     from worker.generation.engine import Engine, Options, Sequence_
-    from worker.generation.pacing import Pace
-
-    class Held(Pace):
-        def budget(self, most: int, rows: int = 1, building: int = 1) -> int:
-            return min(most, 48)
 
     model, tokenizer, device = _small_gpt(arg)
     rng = random.Random(1)
     running = [([2, *(rng.randrange(5, 2048) for _ in range(20))], 60) for _ in range(4)]
     joining = [([2, *(rng.randrange(5, 2048) for _ in range(299))], 12) for _ in range(4)]
-    together = Engine(model, tokenizer, device, budget=10**6, window=512, pace=Held())
+    together = Engine(model, tokenizer, device, budget=10**6, window=512, pace=Fixed(48))
     sequences = [Sequence_(i, p, Options(max_new_tokens=n)) for i, (p, n) in enumerate(running)]
     for sequence in sequences:
         together.add(sequence)
