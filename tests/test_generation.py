@@ -534,6 +534,69 @@ def test_a_call_of_many_prompts_gets_its_share_of_rows_not_all_of_them_ahead_of_
     assert [k for k in admitted if k[0] == "many"] == [("many", i) for i in range(6)]
 
 
+def _admission_order(engine: Engine, first: list[Sequence_], late: list[Sequence_]) -> list[Any]:
+    """Add `first` to `engine`, step it once, add `late`, then step it to the end: the keys
+    of all of them in the order they were admitted (by step, then by their places in line)."""
+    for sequence in first:
+        engine.add(sequence)
+    everything = [*first, *late]
+    admitted: list[Any] = []
+
+    def step() -> None:
+        engine.step()
+        new = [s for s in everything if s.admitted is not None and s.key not in admitted]
+        admitted.extend(s.key for s in sorted(new, key=lambda s: s.tag))
+
+    step()
+    for sequence in late:
+        engine.add(sequence)
+    while engine.busy:
+        step()
+    return admitted
+
+
+def _owned(key: Any, tenant: str | None, weight: float = 1.0, new: int = 4) -> Sequence_:
+    sequence = Sequence_(key, [2, 7, 8, 9], Options(max_new_tokens=new))
+    sequence.owner, sequence.weight = (None if tenant is None else ("tenant", tenant)), weight
+    return sequence
+
+
+def test_another_tenant_s_call_is_admitted_ahead_of_a_tenant_s_many_waiting_calls(
+    model: tuple[Any, Any],
+) -> None:
+    # calls of one token: their rows end in the step that admits them, so each step finds
+    # every row free (nothing to hand over) and admission alone decides who takes them
+    for tenant in ("a", None):
+        engine = _engine(model, rows=2)
+        burst = [_owned((f"burst-{index}", 0), tenant, new=1) for index in range(6)]
+        steady = _owned(("steady", 0), "b" if tenant else None, new=1)
+        order = _admission_order(engine, burst, [steady])
+        if tenant:  # one flow per tenant: the next free row
+            assert order.index(("steady", 0)) == 2, order
+        else:  # calls of no tenant are a flow each, in the order they came
+            assert order.index(("steady", 0)) == 6, order
+    assert engine.line.empty
+
+
+def test_a_tenant_s_later_call_gets_its_turn_among_the_tenant_s_calls(
+    model: tuple[Any, Any],
+) -> None:
+    engine = _engine(model, rows=2)
+    many = [_owned(("many", index), "a") for index in range(6)]  # one call of six prompts
+    order = _admission_order(engine, many, [_owned(("later", 0), "a")])
+    assert order.index(("later", 0)) == 2, order  # not after all six of the first call
+    assert [k for k in order if k[0] == "many"] == [("many", i) for i in range(6)]
+
+
+def test_tenants_are_admitted_in_proportion_to_their_weights(model: tuple[Any, Any]) -> None:
+    engine = _engine(model, rows=2)
+    heavy = [_owned((f"heavy-{index}", 0), "heavy", 3.0) for index in range(12)]
+    light = [_owned((f"light-{index}", 0), "light", 1.0) for index in range(12)]
+    order = _admission_order(engine, heavy + light, [])
+    first = [key[0].split("-")[0] for key in order[:8]]
+    assert first.count("heavy") == 6 and first.count("light") == 2, order
+
+
 def test_a_long_prompt_is_prefilled_in_chunks_while_every_running_row_decodes_each_step(
     model: tuple[Any, Any],
 ) -> None:

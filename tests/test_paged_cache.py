@@ -529,7 +529,7 @@ def test_a_sequence_handed_a_row_it_could_not_take_at_once_stays_in_line_and_end
     assert any(s is x1 for s in (*engine.waiting, *engine.prefilling, *engine.rows))
     engine.run()
     assert (x1.finish, len(x1.tokens)) == ("length", 30)
-    assert engine._finishes == {}  # every call's queued sequences left the line
+    assert engine.line.empty  # every call's queued sequences left the line
 
 
 def test_rows_move_towards_equal_shares_and_are_not_taken_back(model: tuple[Any, Any]) -> None:

@@ -30,20 +30,18 @@ sequence that could never fit (longer than the model's window or the whole budge
 refused when it is added.
 
 Fairness: waiting sequences are admitted in start-time fair queueing order (Goyal et al.,
-SIGCOMM 1996), each call a flow (a sequence's key is `(call, prompt index)`) and a
-sequence's cost its reach. A call's first sequence starts at the engine's virtual time (the
-start tag of the last one admitted), and each further one after its call's previous
-finish. So a call of 64 prompts gets its share of rows, not all of them ahead of a call that
-arrives after it: the newcomer's sequence is admitted at the next free row. Calls that
-arrive together keep their order (ties go to the first added), and within a call the
-prompts keep theirs.
+SIGCOMM 1996, `worker.generation.line`), each tenant a flow by its weight, and each call
+of no tenant a flow of its own (a sequence's key is `(call, prompt index)`); a tenant's
+calls take its turns by the same rule among themselves, and a sequence's cost is its
+reach. So a call of 64 prompts gets its share of rows, not all of them ahead of a call that
+arrives after it, and a tenant's burst of calls does not stand ahead of another tenant's:
+the newcomer's sequence is admitted at the next free row. Calls that arrive together keep
+their order (ties go to the first added), and within a call the prompts keep theirs.
 """
 
 from __future__ import annotations
 
-import bisect
 import inspect
-import itertools
 import logging
 import os
 import time
@@ -58,6 +56,7 @@ from worker.adapters.room import AdapterRoom
 from worker.generation import sampling
 from worker.generation.kv import blocks, paged, slots
 from worker.generation.kv.graphs import DecodeGraphs
+from worker.generation.line import FairLine
 from worker.generation.pacing import Allowance, Pace
 from worker.generation.params import MAX_NEW_TOKENS
 from worker.generation.sequence import Options, Sequence_
@@ -121,12 +120,10 @@ class Engine(RowTurns):
         # A prompt's pass needs the logits of its last position only, not [rows, width,
         # vocabulary] of them (600 MB for 2,048 tokens of a 150k vocabulary).
         self._last_logits = {"logits_to_keep": 1} if "logits_to_keep" in named else {}
-        self.waiting: list[Sequence_] = []  # in their fair order (the module)
+        self.waiting: list[Sequence_] = []  # in their fair order (`line`)
         self.adapters: AdapterRoom | None = None  # its replica's LoRA slots, if it has any
         self._unstepped: list[Sequence_] = []  # added since the last step began
-        self._virtual = 0.0  # the start tag of the last sequence admitted
-        self._finishes: dict[Hashable, tuple[float, int]] = {}  # flow -> last finish, waiting
-        self._order = itertools.count()
+        self.line = FairLine()  # the waiting sequences' tags
         self.rows: list[Sequence_] = []
         # Paged: admitted sequences whose prompt is not all prefilled yet, oldest first; and
         # the keys of the full blocks their prefills have still to write (`_admit`)
@@ -182,13 +179,8 @@ class Engine(RowTurns):
             if seed is None:
                 seed = int.from_bytes(os.urandom(8), "little") >> 1
             sequence.generator = sampling.generator_for(seed, self.device)
-        flow = sequence.flow
-        last, queued = self._finishes.get(flow, (0.0, 0))
-        start = max(self._virtual, last)
-        self._finishes[flow] = (start + sequence.reach, queued + 1)
-        sequence.tag = (start, next(self._order))
         self._unstepped.append(sequence)
-        bisect.insort(self.waiting, sequence, key=lambda s: s.tag)
+        self.line.add(self.waiting, sequence)
 
     def room(self, prompt: int) -> int:
         """The most tokens a prompt of `prompt` tokens may make here: what the model's
@@ -270,6 +262,7 @@ class Engine(RowTurns):
         for sequence in self._unstepped:
             sequence.stepped = began
         self._unstepped = []
+        self.line.settle(self.waiting, self.handed)
         with torch.inference_mode(), _on(self.device), _attention_kernels(self.device):
             ended = self._drop_cancelled()
             chunks = self._admit()
@@ -298,7 +291,7 @@ class Engine(RowTurns):
                 sequence.cancelled = True
         ended = [s for s in self.waiting if s.cancelled]
         for sequence in ended:
-            self._dequeued(sequence)
+            self.line.drop(sequence)
         self.waiting = [s for s in self.waiting if not s.cancelled]
         stopped = [s for s in self.prefilling if s.cancelled]  # their blocks go back
         for sequence in stopped:
@@ -411,21 +404,11 @@ class Engine(RowTurns):
         del self.waiting[: len(admitted)]
         now = time.monotonic()
         for sequence in admitted:
-            if sequence in self.handed:
-                self.handed.discard(sequence)  # out of its fair order (`turns`)
-            else:
-                self._virtual = max(self._virtual, sequence.tag[0])
-            self._dequeued(sequence)
+            handed = sequence in self.handed  # out of its fair order (`turns`)
+            self.handed.discard(sequence)
+            self.line.leave(sequence, in_turn=not handed)
             if sequence.admitted is None:
                 sequence.admitted = now
-
-    def _dequeued(self, sequence: Sequence_) -> None:
-        """A sequence left the queue: its flow's entry goes once none of it waits."""
-        last, queued = self._finishes[sequence.flow]
-        if queued > 1:
-            self._finishes[sequence.flow] = (last, queued - 1)
-        else:
-            del self._finishes[sequence.flow]
 
     def _prefill(self, chunks: list[tuple[Sequence_, int]]) -> int:
         """Prefill this step's chunks in passes, shortest first: of similar lengths (at most

@@ -12,10 +12,8 @@ the rows' keys by one of three ways: attention over a prefix every row shares
 
 from __future__ import annotations
 
-import bisect
 import logging
 from collections import Counter
-from collections.abc import Hashable
 from typing import Any
 
 import torch
@@ -23,6 +21,7 @@ import torch
 from worker.generation import sampling
 from worker.generation.kv import blocks, paged, ragged
 from worker.generation.kv.graphs import DecodeGraphs, Inputs
+from worker.generation.line import FairLine
 from worker.generation.sequence import Sequence_
 
 log = logging.getLogger(__name__)
@@ -49,7 +48,7 @@ class PagedRows:
     _graphs: DecodeGraphs | None
     adapters: Any
     _columns: sampling.Columns | None
-    _finishes: dict[Hashable, tuple[float, int]]
+    line: FairLine
     _cache_arg: str
     _last_logits: dict[str, int]
 
@@ -270,9 +269,7 @@ class PagedRows:
         sequence.table = None
         sequence.resumed = True
         self._keep_rows([i for i, s in enumerate(self.rows) if s is not sequence])
-        last, queued = self._finishes.get(sequence.flow, (0.0, 0))
-        self._finishes[sequence.flow] = (max(last, sequence.tag[0] + sequence.reach), queued + 1)
-        bisect.insort(self.waiting, sequence, key=lambda s: s.tag)
+        self.line.requeue(self.waiting, sequence)
 
     def _keep_rows(self, keep: list[int]) -> None:
         """Keep the rows `keep` names, in order, and cut the columns of padding only."""

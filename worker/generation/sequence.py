@@ -56,6 +56,7 @@ class Sequence_:
     text: Detokenizer | None = None
     generator: torch.Generator | None = None
     tag: tuple[float, int] = (0.0, 0)  # its place in the fair queue: start tag, then order
+    inner: tuple[float, int] = (0.0, 0)  # a tenant's: its place among the tenant's calls
     table: blocks.Table | None = None  # its KV blocks, while admitted (a paged engine)
     resumed: bool = False  # preempted, to be prefilled again with the tokens it made
     owner: Hashable | None = None  # who its rows are shared under (None: its call)
