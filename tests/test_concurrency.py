@@ -98,7 +98,7 @@ def _soak_failures(result: SoakResult) -> list[str]:
     if violations:
         failures.append("contract breaches seen by children:\n  " + "\n  ".join(violations[:10]))
     if result.audits < 20:
-        failures.append(f"only {result.audits} audits during the run (want >= 20)")
+        failures.append(f"{TOO_LITTLE}: only {result.audits} audits during the run (want >= 20)")
     for name in (
         "audit_failures",
         "ownership_failures",
@@ -116,10 +116,11 @@ def _soak_failures(result: SoakResult) -> list[str]:
     for outcome, least in MINIMUM_OUTCOMES.items():
         if counts[outcome] < least:
             failures.append(f"{TOO_LITTLE}: {outcome} {counts[outcome]} < {least}")
-    if result.lease_reach.get("near", 0) < 100:
-        failures.append(f"the lease check reached too few evictions: {result.lease_reach}")
-    if result.lease_reach.get("after_lost", 0) < 1:
-        failures.append(f"no eviction after a lost lease expired: {result.lease_reach}")
+    reach = result.lease_reach
+    if reach.get("near", 0) < 100:
+        failures.append(f"{TOO_LITTLE}: the lease check reached few evictions: {reach}")
+    if reach.get("after_lost", 0) < 1:
+        failures.append(f"{TOO_LITTLE}: no eviction after a lost lease expired: {reach}")
     return failures
 
 
