@@ -87,12 +87,13 @@ def test_a_gpu_of_a_dead_worker_is_reaped_and_taken_over(reg: Registry) -> None:
 
 
 def test_a_heartbeat_extends_the_lease_and_a_missed_one_loses_it(reg: Registry) -> None:
-    first = reg.register_worker("w0", "h0", "q0", [sim_gpu("h0:0", 8 * GiB)], lease_ms=200)
+    # 600 ms: room for a stalled thread before the first heartbeat
+    first = reg.register_worker("w0", "h0", "q0", [sim_gpu("h0:0", 8 * GiB)], lease_ms=600)
     time.sleep(0.05)
-    assert reg.heartbeat("w0", ["h0:0"], lease_ms=200) > first
-    time.sleep(0.3)
+    assert reg.heartbeat("w0", ["h0:0"], lease_ms=600) > first
+    time.sleep(0.7)
     with pytest.raises(LeaseLostError, match="register again"):
-        reg.heartbeat("w0", ["h0:0"], lease_ms=200)
+        reg.heartbeat("w0", ["h0:0"], lease_ms=600)
 
 
 def test_a_replica_left_on_a_worker_with_no_record_is_named_by_the_audit(
@@ -246,10 +247,10 @@ def test_a_dedicated_replica_is_never_evicted_even_by_a_forged_plan(reg: Registr
 
 
 def test_a_plan_for_a_gpu_whose_lease_expired_is_rejected(reg: Registry) -> None:
-    reg.register_worker("w0", "h0", "q0", [sim_gpu("g", 8 * GiB)], lease_ms=100)
+    reg.register_worker("w0", "h0", "q0", [sim_gpu("g", 8 * GiB)])
     snap = reg.snapshot()
     plan = plan_replica(Demand("m", size=GiB), snap)
-    time.sleep(0.15)
+    reg.client.hset(reg.keys.worker("w0"), "lease_deadline", 0)  # its lease lapses
     with pytest.raises(PlanRejectedError, match="DEAD"):
         reg.commit(plan, snap)
 
@@ -463,9 +464,9 @@ def test_no_request_lease_outlives_the_placement_it_pinned(reg: Registry) -> Non
 
 
 def test_a_call_cannot_pin_a_placement_on_a_dead_worker(reg: Registry) -> None:
-    reg.register_worker("w0", "h0", "q0", [sim_gpu("g", 8 * GiB)], lease_ms=100)
+    reg.register_worker("w0", "h0", "q0", [sim_gpu("g", 8 * GiB)])
     plan = reg.place(Demand("m", size=GiB))
-    time.sleep(0.15)
+    reg.client.hset(reg.keys.worker("w0"), "lease_deadline", 0)  # its lease lapses
     assert reg.hold(plan.replica, plan.epoch, plan.worker) is None
 
 
@@ -530,13 +531,13 @@ def test_status_sums_the_pinned_host_memory_each_live_worker_of_a_host_reports(
     reg.register_worker("w1", "h0", "q1", [sim_gpu("h0:1", 8 * GiB)])
     reg.register_worker("w2", "h1", "q2", [sim_gpu("h1:0", 8 * GiB)])
     for worker, gpu, pinned in (("w0", "h0:0", 3 * GiB), ("w1", "h0:1", GiB), ("w2", "h1:0", 0)):
-        lease_ms = 100 if worker == "w1" else 30_000
-        reg.heartbeat(worker, [gpu], lease_ms=lease_ms, holdings=[], pinned=pinned)
+        reg.heartbeat(worker, [gpu], holdings=[], pinned=pinned)
     report = status_report(reg.snapshot())
     assert {h["name"]: h["pinned_bytes"] for h in report["hosts"]} == {"h0": 4 * GiB, "h1": 0}
     assert {w["id"]: w["pinned_bytes"] for w in report["workers"]}["w0"] == 3 * GiB
     reg.heartbeat("w0", ["h0:0"], holdings=[])  # no figure: the last one stands
-    time.sleep(0.15)  # w1's lease lapses: its pinned memory is no longer counted
+    reg.client.hset(reg.keys.worker("w1"), "lease_deadline", 0)  # w1's lease lapses: its
+    # pinned memory is no longer counted
     report = status_report(reg.snapshot())
     assert {h["name"]: h["pinned_bytes"] for h in report["hosts"]}["h0"] == 3 * GiB
 
