@@ -588,6 +588,48 @@ def test_a_tenant_s_later_call_gets_its_turn_among_the_tenant_s_calls(
     assert [k for k in order if k[0] == "many"] == [("many", i) for i in range(6)]
 
 
+def test_a_tenant_s_calls_are_not_starved_by_calls_of_no_tenant_arriving_without_end(
+    model: tuple[Any, Any],
+) -> None:
+    engine = _engine(model, rows=2)
+    tenant = [_owned((f"a-{index}", 0), "a", new=1) for index in range(5)]
+    for sequence in tenant:
+        engine.add(sequence)
+    for step in range(12):  # two more calls of no tenant every step: every row's worth
+        for index in range(2):
+            engine.add(_owned((f"plain-{step}-{index}", 0), None, new=1))
+        engine.step()
+    # calls of no tenant are one flow of weight 1 beside the tenant: they take turns
+    assert all(s.admitted is not None for s in tenant)
+
+
+def test_a_tenant_s_preempted_row_resumes_before_calls_that_came_after_it(
+    model: tuple[Any, Any],
+) -> None:
+    net, tokenizer = model
+    engine = Engine(net, tokenizer, CPU, budget=10**6, window=256, max_rows=6, pace=Unpaced())
+    many = [_owned(("many", index), "a", 3.0, new=20 + index) for index in range(6)]
+    for sequence in many:  # one call holds every row; its rows end one a step
+        engine.add(sequence)
+    engine.step()
+    engine.add(_owned(("other", 0), "b", new=40))
+    engine.step()  # b is handed a row: a's youngest is preempted
+    (preempted,) = [s for s in many if s in engine.waiting]
+    late = [_owned(("later", 0), "a", 3.0, new=40), _owned(("more", 0), "b", new=40)]
+    for sequence in late:
+        engine.add(sequence)
+    first: dict[str, int] = {}
+    for step in range(60):
+        engine.step()
+        for sequence in (preempted, *late):
+            if sequence in (*engine.prefilling, *engine.rows):
+                first.setdefault(sequence.key[0], step)
+    # its cost was counted when it was first admitted: it keeps its place in line
+    assert first["many"] < min(first["later"], first["more"]), first
+    engine.run()
+    assert preempted.tokens == _alone(model, preempted.prompt, preempted.options)
+
+
 def test_tenants_are_admitted_in_proportion_to_their_weights(model: tuple[Any, Any]) -> None:
     engine = _engine(model, rows=2)
     heavy = [_owned((f"heavy-{index}", 0), "heavy", 3.0) for index in range(12)]

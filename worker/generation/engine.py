@@ -30,13 +30,14 @@ sequence that could never fit (longer than the model's window or the whole budge
 refused when it is added.
 
 Fairness: waiting sequences are admitted in start-time fair queueing order (Goyal et al.,
-SIGCOMM 1996, `worker.generation.line`), each tenant a flow by its weight, and each call
-of no tenant a flow of its own (a sequence's key is `(call, prompt index)`); a tenant's
-calls take its turns by the same rule among themselves, and a sequence's cost is its
-reach. So a call of 64 prompts gets its share of rows, not all of them ahead of a call that
-arrives after it, and a tenant's burst of calls does not stand ahead of another tenant's:
-the newcomer's sequence is admitted at the next free row. Calls that arrive together keep
-their order (ties go to the first added), and within a call the prompts keep theirs.
+SIGCOMM 1996, `worker.generation.line`) in two levels: each tenant is a flow by its weight
+(calls of no tenant are the default tenant's, of weight 1), and a tenant's calls take its
+turns by the same rule among themselves (a sequence's key is `(call, prompt index)`, its
+cost its reach). So a call of 64 prompts gets its share of rows, not all of them ahead of
+a call that arrives after it, and a tenant's burst of calls does not stand ahead of
+another tenant's: the newcomer's sequence is admitted at the next free row. Calls that
+arrive together keep their order (ties go to the first added), and within a call the
+prompts keep theirs.
 """
 
 from __future__ import annotations
@@ -292,6 +293,7 @@ class Engine(RowTurns):
         ended = [s for s in self.waiting if s.cancelled]
         for sequence in ended:
             self.line.drop(sequence)
+            self.handed.discard(sequence)
         self.waiting = [s for s in self.waiting if not s.cancelled]
         stopped = [s for s in self.prefilling if s.cancelled]  # their blocks go back
         for sequence in stopped:

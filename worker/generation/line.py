@@ -1,30 +1,31 @@
 """The order an engine's waiting sequences are admitted in: start-time fair queueing
-(Goyal et al., SIGCOMM 1996) over holders, and over calls within a tenant.
+(Goyal et al., SIGCOMM 1996) over tenants, and over calls within each tenant.
 
-A sequence's holder (`Sequence_.holder`) is its tenant, or its call where it has none
-(`worker.generation.turns` shares rows between the same holders). Each holder is a flow
-of the top level, weighed by its weight, a sequence's cost its reach: a holder's next
-sequence starts at the engine's virtual time (the start tag of the last sequence
-admitted) or at its holder's last finish, whichever is later, and finishes its reach
-over the holder's weight after that. Waiting sequences are admitted in the order of
-their start tags (ties: the first added).
+Each tenant is a flow of the top level, weighed by its weight; calls of no tenant are
+the default tenant's, of weight 1, as at the worker's take (`placement.rules.fairness`). A
+sequence's cost is its reach (the KV positions it may hold) over its tenant's weight: a
+tenant's next sequence starts at the engine's virtual time (the start tag of the last
+sequence admitted in its turn) or at the tenant's last finish, whichever is later.
+Waiting sequences are admitted in the order of their start tags (ties: the first added).
 
 Within a tenant, its calls are flows of their own (equal weights), ordered by a second
-fair queue with the tenant's own virtual time. The tenant's top-level start tags go to
-its sequences in that order: its next admission is its turn among holders, and which of
-its sequences takes it is its calls' turn among themselves. Without the second level, a
-tenant's burst of 400 one-prompt calls were 400 flows of the top level, all starting at
-the virtual time, so another tenant's call added behind them waited for every one of
-them that reached the engine first (210 ms of a 2.7 s burst, issue 73); with one flow per
-tenant, that call starts at the next admission. Calls of no tenant keep one flow each, as
-before: a call of 64 prompts gets its share of rows, not all of them ahead of a call that
-arrives after it.
+fair queue with the tenant's own virtual time, by the same rule. The tenant's top-level
+start tags go to its sequences in that order: its next admission is its turn among
+tenants, and which of its sequences takes it is its calls' turn among themselves. So a
+call of 64 prompts gets its share of rows, not all of them ahead of a call of the same
+tenant that arrives after it; and a tenant's burst of 400 one-prompt calls is one flow,
+so another tenant's call starts at the next admission. (With a flow per call and none per
+tenant, the burst's calls were 400 flows all starting at the virtual time, and that call
+waited behind every one of them already in the line: 210 ms of a 2.7 s burst, issue 73.)
+Without tenants there is one flow at the top, and the calls are ordered by the second
+level alone: each call's first sequence at the virtual time, FIFO among one-prompt calls.
 
-Sequences handed a row (`RowTurns.handed`) head the line out of this order, which they do
-not move on. The arithmetic is that of the worker's held calls (`placement.rules.
-fairness`); here a flow is forgotten once none of it waits (it starts at the virtual time
-when it comes back, banking nothing), since an engine sees calls come and go by the
-thousand.
+A sequence preempted (`requeue`) keeps its tags, its cost having been counted when it was
+admitted: it goes ahead of every sequence that arrived after it. Sequences handed a row
+(`RowTurns.handed`) head the line out of this order, in the order they were handed, and
+do not move the virtual time on. Tenants are remembered (a fleet has few); a call is
+forgotten once none of it waits, and starts at its tenant's virtual time when it comes
+back, banking nothing.
 """
 
 from __future__ import annotations
@@ -36,12 +37,15 @@ from dataclasses import dataclass, field
 
 from worker.generation.sequence import Sequence_
 
+#: The top-level flow of calls of no tenant.
+DEFAULT_TENANT: Hashable = ("default tenant",)
+
 
 @dataclass
 class _Tenant:
-    """A tenant's second level: its waiting sequences in their calls' fair order, that
-    order's virtual time and its calls' last finishes, and its own last finish at the top
-    level (its last admission's)."""
+    """A tenant's flow: its waiting sequences in its calls' fair order, that order's virtual
+    time and its calls' last finishes (while any of a call waits), and the tenant's own
+    last finish at the top level."""
 
     line: list[Sequence_] = field(default_factory=list)
     virtual: float = 0.0
@@ -52,121 +56,97 @@ class _Tenant:
 class FairLine:
     """The tags of an engine's waiting sequences (see the module). The engine keeps the
     line itself (`Engine.waiting`) and tells this what joins and leaves it; `settle`
-    puts it in order."""
+    puts it in order before each step admits."""
 
     def __init__(self) -> None:
         self.virtual = 0.0  # the start tag of the last sequence admitted in its turn
-        self._finishes: dict[Hashable, tuple[float, int]] = {}  # holder -> last finish, waiting
         self._tenants: dict[Hashable, _Tenant] = {}
         self._order = itertools.count()
-        self._stale: set[Hashable] = set()  # tenants whose sequences' top-level tags are stale
+        self._stale: set[Hashable] = set()  # tenants whose top-level tags are to be set
+        self._kept: set[Sequence_] = set()  # preempted: their tags stand
 
     @property
     def empty(self) -> bool:
-        """Whether no flow has a sequence counted as waiting."""
-        return not self._finishes and not any(t.finishes for t in self._tenants.values())
+        """Whether no call has a sequence counted as waiting."""
+        return not any(t.finishes for t in self._tenants.values())
 
     def add(self, waiting: list[Sequence_], sequence: Sequence_) -> None:
-        """Tag a sequence and put it in the line `waiting` (a tenant's, in place at the next
-        `settle`)."""
-        order = next(self._order)
-        if sequence.owner is None:
-            start = _flow_start(self._finishes, sequence.holder, self.virtual, sequence.reach)
-            sequence.tag = (start, order)
-            bisect.insort(waiting, sequence, key=lambda s: s.tag)
-            return
-        tenant = self._tenants.setdefault(sequence.owner, _Tenant())
-        start = _flow_start(tenant.finishes, sequence.flow, tenant.virtual, sequence.reach)
-        sequence.inner = (start, order)
-        self._in_tenant_line(tenant, sequence)
-        waiting.append(sequence)
+        """Tag a sequence among its tenant's calls and put it in the line `waiting` (in its
+        place at the next `settle`)."""
+        tenant = self._tenant(sequence)
+        last, queued = tenant.finishes.get(sequence.flow, (0.0, 0))
+        start = max(tenant.virtual, last)
+        tenant.finishes[sequence.flow] = (start + sequence.reach, queued + 1)
+        sequence.inner = (start, next(self._order))
+        self._into(tenant, waiting, sequence)
 
     def requeue(self, waiting: list[Sequence_], sequence: Sequence_) -> None:
-        """Put a preempted sequence back in the line with its tags, ahead of every one that
-        arrived after it."""
-        if sequence.owner is None:
-            _requeued(self._finishes, sequence.holder, sequence.tag[0] + sequence.reach)
-            bisect.insort(waiting, sequence, key=lambda s: s.tag)
-            return
-        tenant = self._tenants.setdefault(sequence.owner, _Tenant())
-        _requeued(tenant.finishes, sequence.flow, sequence.inner[0] + sequence.reach)
-        self._in_tenant_line(tenant, sequence)
-        waiting.append(sequence)
-
-    def _in_tenant_line(self, tenant: _Tenant, sequence: Sequence_) -> None:
-        bisect.insort(tenant.line, sequence, key=lambda s: s.inner)
-        self._stale.add(sequence.owner)
+        """Put a preempted sequence back in the line, with its tags."""
+        tenant = self._tenant(sequence)
+        last, queued = tenant.finishes.get(sequence.flow, (0.0, 0))
+        tenant.finishes[sequence.flow] = (max(last, sequence.inner[0] + sequence.reach), queued + 1)
+        self._kept.add(sequence)
+        self._into(tenant, waiting, sequence)
 
     def leave(self, sequence: Sequence_, *, in_turn: bool) -> None:
-        """A sequence left the line for the batch: `in_turn`, in its fair order (the engine's
-        virtual time moves on to it), or out of it (handed a row)."""
+        """A sequence left the line for the batch: `in_turn`, in its fair order, or out of
+        it (handed a row: the virtual time stays, and its tenant's too unless it was its
+        tenant's first)."""
+        tenant = self._tenant(sequence)
+        first = bool(tenant.line) and tenant.line[0] is sequence
         if in_turn:
             self.virtual = max(self.virtual, sequence.tag[0])
-        self.drop(sequence)
-        if sequence.owner is not None and sequence.owner in self._tenants:
-            tenant = self._tenants[sequence.owner]
+        if in_turn or first:
             tenant.virtual = max(tenant.virtual, sequence.inner[0])
-            tenant.finish = max(tenant.finish, sequence.tag[0] + sequence.reach / sequence.weight)
+        tenant.finish = max(tenant.finish, sequence.tag[0] + sequence.reach / sequence.weight)
+        self.drop(sequence)
 
     def drop(self, sequence: Sequence_) -> None:
-        """A sequence left the line (cancelled, or `leave`): its flow's entry goes once
-        none of it waits."""
-        if sequence.owner is None:
-            _dequeued(self._finishes, sequence.holder)
-            return
-        tenant = self._tenants.get(sequence.owner)
-        if tenant is None:
-            return
-        _dequeued(tenant.finishes, sequence.flow)
+        """A sequence left the line (cancelled, or `leave`): its call's entry goes once none
+        of it waits."""
+        tenant = self._tenant(sequence)
+        last, queued = tenant.finishes[sequence.flow]
+        if queued > 1:
+            tenant.finishes[sequence.flow] = (last, queued - 1)
+        else:
+            del tenant.finishes[sequence.flow]
         if tenant.line and tenant.line[0] is sequence:  # admitted: its tenant's first
             del tenant.line[0]
         else:
             tenant.line = [s for s in tenant.line if s is not sequence]
-        self._stale.add(sequence.owner)
+        self._kept.discard(sequence)
+        self._stale.add(_tenant_of(sequence))
 
-    def settle(self, waiting: list[Sequence_], first: set[Sequence_]) -> None:
-        """Give each tenant whose line changed its top-level start tags again, in its calls'
-        order, from the engine's virtual time or its last finish, and sort `waiting` by
-        them (those of `first`, handed a row, ahead of all). A tenant with none waiting
-        is forgotten, as a flow of the top level is."""
+    def settle(self, waiting: list[Sequence_], handed: set[Sequence_]) -> None:
+        """Give each tenant whose line changed its top-level start tags, in its calls'
+        order, from the engine's virtual time or its last finish (a preempted sequence
+        keeps its own), and sort `waiting` by them, behind those `handed` a row (kept in
+        their order)."""
         if not self._stale:
             return
-        for owner in self._stale:
-            tenant = self._tenants.get(owner)
-            if tenant is None:
-                continue
-            if not tenant.line:
-                del self._tenants[owner]
-                continue
+        for key in self._stale:
+            tenant = self._tenants[key]
             start = max(self.virtual, tenant.finish)
             for sequence in tenant.line:
+                if sequence in self._kept:
+                    continue
                 sequence.tag = (start, sequence.inner[1])
                 start += sequence.reach / sequence.weight
         self._stale.clear()
-        waiting.sort(key=lambda s: (s not in first, s.tag))
+        ahead = [s for s in waiting if s in handed]
+        waiting[:] = ahead + sorted((s for s in waiting if s not in handed), key=lambda s: s.tag)
+
+    def _tenant(self, sequence: Sequence_) -> _Tenant:
+        return self._tenants.setdefault(_tenant_of(sequence), _Tenant())
+
+    def _into(self, tenant: _Tenant, waiting: list[Sequence_], sequence: Sequence_) -> None:
+        bisect.insort(tenant.line, sequence, key=lambda s: s.inner)
+        self._stale.add(_tenant_of(sequence))
+        waiting.append(sequence)
 
 
-def _flow_start(
-    finishes: dict[Hashable, tuple[float, int]], flow: Hashable, virtual: float, cost: float
-) -> float:
-    """The start tag of a flow's next sequence (of `cost`), counted as waiting."""
-    last, queued = finishes.get(flow, (0.0, 0))
-    start = max(virtual, last)
-    finishes[flow] = (start + cost, queued + 1)
-    return start
+def _tenant_of(sequence: Sequence_) -> Hashable:
+    return sequence.owner if sequence.owner is not None else DEFAULT_TENANT
 
 
-def _requeued(finishes: dict[Hashable, tuple[float, int]], flow: Hashable, finish: float) -> None:
-    last, queued = finishes.get(flow, (0.0, 0))
-    finishes[flow] = (max(last, finish), queued + 1)
-
-
-def _dequeued(finishes: dict[Hashable, tuple[float, int]], flow: Hashable) -> None:
-    last, queued = finishes[flow]
-    if queued > 1:
-        finishes[flow] = (last, queued - 1)
-    else:
-        del finishes[flow]
-
-
-__all__ = ["FairLine"]
+__all__ = ["DEFAULT_TENANT", "FairLine"]
