@@ -263,9 +263,9 @@ class Engine(RowTurns):
         for sequence in self._unstepped:
             sequence.stepped = began
         self._unstepped = []
-        self.line.settle(self.waiting, self.handed)
         with torch.inference_mode(), _on(self.device), _attention_kernels(self.device):
             ended = self._drop_cancelled()
+            self.line.settle(self.waiting, self.handed)
             chunks = self._admit()
             if chunks:
                 joined = self._prefill(chunks)
@@ -324,6 +324,7 @@ class Engine(RowTurns):
         if self.kv is None:
             return [(s, len(s.prompt)) for s in self._admit_whole()]
         self._hand_over()  # rows of the call holding the most, to calls waiting with fewer
+        self.line.settle(self.waiting, self.handed)  # its victims in their places
         pool = self.kv.pool
         allowance = self._allowance()
         total = 0  # the step's prompt tokens

@@ -98,7 +98,13 @@ class FairLine:
             self.virtual = max(self.virtual, sequence.tag[0])
         if in_turn or first:
             tenant.virtual = max(tenant.virtual, sequence.inner[0])
-        tenant.finish = max(tenant.finish, sequence.tag[0] + sequence.reach / sequence.weight)
+        cost = sequence.reach / sequence.weight
+        if sequence in self._kept:
+            pass  # counted when it was first admitted
+        elif in_turn or first:
+            tenant.finish = max(tenant.finish, sequence.tag[0] + cost)
+        else:  # a turn taken ahead of its tenant's own first: its cost, not theirs
+            tenant.finish = max(self.virtual, tenant.finish) + cost
         self.drop(sequence)
 
     def drop(self, sequence: Sequence_) -> None:
