@@ -99,17 +99,21 @@ class FairLine:
         if in_turn or first:
             tenant.virtual = max(tenant.virtual, sequence.inner[0])
         cost = sequence.reach / sequence.weight
-        if sequence in self._kept:
+        kept = sequence in self._kept
+        if kept:
             pass  # counted when it was first admitted
         elif in_turn or first:
             tenant.finish = max(tenant.finish, sequence.tag[0] + cost)
         else:  # a turn taken ahead of its tenant's own first: its cost, not theirs
             tenant.finish = max(self.virtual, tenant.finish) + cost
-        self.drop(sequence)
+        # The head of the line leaving in its turn leaves the others' tags as they are (the
+        # next starts where it finishes): nothing to settle, the common case of a step.
+        self.drop(sequence, restale=not (in_turn and (first or kept)))
 
-    def drop(self, sequence: Sequence_) -> None:
+    def drop(self, sequence: Sequence_, *, restale: bool = True) -> None:
         """A sequence left the line (cancelled, or `leave`): its call's entry goes once none
-        of it waits."""
+        of it waits, and its tenant's tags are set again at the next `settle` (unless not
+        `restale`)."""
         tenant = self._tenant(sequence)
         last, queued = tenant.finishes[sequence.flow]
         if queued > 1:
@@ -121,7 +125,8 @@ class FairLine:
         else:
             tenant.line = [s for s in tenant.line if s is not sequence]
         self._kept.discard(sequence)
-        self._stale.add(_tenant_of(sequence))
+        if restale:
+            self._stale.add(_tenant_of(sequence))
 
     def settle(self, waiting: list[Sequence_], handed: set[Sequence_]) -> None:
         """Give each tenant whose line changed its top-level start tags, in its calls'
