@@ -573,7 +573,7 @@ def test_another_tenant_s_call_is_admitted_ahead_of_a_tenant_s_many_waiting_call
         order = _admission_order(engine, burst, [steady])
         if tenant:  # one flow per tenant: the next free row
             assert order.index(("steady", 0)) == 2, order
-        else:  # calls of no tenant are a flow each, in the order they came
+        else:  # calls of no tenant take turns by call: one-prompt calls in the order they came
             assert order.index(("steady", 0)) == 6, order
     assert engine.line.empty
 
