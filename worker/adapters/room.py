@@ -203,6 +203,7 @@ class AdapterRoom:
             index = self._index.get(x.device)
             if index is None:
                 index = self._index[x.device] = torch.tensor(slots, device=x.device)
+            rows = x
             if x.dim() == 2:  # tokens flattened row by row (a MoE's shared expert's input)
                 if x.shape[0] % len(slots):
                     raise AdapterError(
@@ -211,9 +212,8 @@ class AdapterRoom:
                         "apart; serve that adapter merged into a model of its own"
                     )
                 rows = x.reshape(len(slots), -1, x.shape[-1])
-                added = torch.bmm(torch.bmm(rows, a_stack[index]), b_stack[index])
-                return output + added.reshape(output.shape)
-            return output + torch.bmm(torch.bmm(x, a_stack[index]), b_stack[index])
+            added = torch.bmm(torch.bmm(rows, a_stack[index]), b_stack[index])
+            return output + added.reshape(output.shape)
 
         return add_product
 
