@@ -36,9 +36,10 @@ their seconds, and `round_ratios` pairs them in order. Target (issue 73): probes
 `--shape tenant-generations` is the tenants' burst on that generating model: `without_tenants`
 and `tenants` as above, each call `BURST_TOKENS` new tokens, with the steady calls' longest
 wait from reaching the engine to their first token (`steady_first_token_max_s`, and over
-the drain). Target (issue 73): the steady tenant's slowest call <= 0.1x the burst's drain,
-as on the encoder (a call's own steps, each carrying the burst's rows, are 0.16 of it on
-this shape: docs/benchmarks.md).
+the drain) and from their send to it (`steady_ttft_max_s`, `ttft_over_drain`: the wait
+ahead of a call's own steps, which admission controls). Target (issue 73): the steady
+tenant's slowest call <= 0.1x the burst's drain, as on the encoder (a call's own steps,
+each carrying the burst's rows, are 0.16 of it on this shape: docs/benchmarks.md).
 
 `--burst-inputs N` makes each burst call a list of N inputs (prompts).
 """
@@ -113,13 +114,15 @@ def burst_and_steady(  # noqa: PLR0917 - the shape's own numbers
         send(client, TEXT).get(timeout=TIMEOUT_S)
     began = time.monotonic()
     calls = [send(burst, f"{i} {TEXT}", inputs) for i in range(n_burst)]
-    waits, first_tokens = [], []
+    waits, first_tokens, ttfts = [], [], []
     for i in range(n_steady):
         sent = time.monotonic()
         answer = send(steady, f"s{i} {TEXT}").get(timeout=TIMEOUT_S)
         waits.append(time.monotonic() - sent)
-        if "first_token" in answer["timings_ms"]:  # a generation's: from reaching its engine
-            first_tokens.append(answer["timings_ms"]["first_token"] / 1000)
+        timings = answer["timings_ms"]
+        if "first_token" in timings:  # a generation's: from reaching its engine
+            first_tokens.append(timings["first_token"] / 1000)
+            ttfts.append((timings["queue"] + timings["first_token"]) / 1000)  # join within
     for c in calls:
         c.get(timeout=TIMEOUT_S)
     drained = time.monotonic() - began
@@ -132,6 +135,9 @@ def burst_and_steady(  # noqa: PLR0917 - the shape's own numbers
     if first_tokens:
         out["steady_first_token_max_s"] = round(max(first_tokens), 4)
         out["first_token_over_drain"] = round(max(first_tokens) / drained, 4)
+        # from the send to the first token: the wait ahead of the call's own steps
+        out["steady_ttft_max_s"] = round(max(ttfts), 4)
+        out["ttft_over_drain"] = round(max(ttfts) / drained, 4)
     return out
 
 
