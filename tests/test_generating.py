@@ -347,6 +347,31 @@ def test_a_revoked_running_call_is_stopped_in_the_child_and_announced_revoked(
         worker_state.revoked.discard("c1")
 
 
+def test_a_revoked_call_of_a_session_that_fails_is_announced_revoked_not_failed(
+    channel: Channel,
+) -> None:
+    pool, timer = _Pool(), _Timer()
+    batcher = _batcher(pool, channel, timer)
+    doomed, other = _Revocable("c1", "r1", model="gen"), _Revocable("c2", "r1", model="gen")
+    batcher(doomed)
+    _started(pool)
+    batcher(other)
+    feed = _child(pool.jobs[0], channel)
+    feed.take(0.0)
+    worker_state.revoked.add("c1")
+    try:
+        for look in timer.repeating:
+            look()
+        feed.take(0.0)
+        assert {key.split("/")[0] for key in feed.cancelled()} == {"c1"}
+        feed.unanswered(RuntimeError("the session failed"))  # before either call ended
+        pool.jobs[0]["callback"](feed.leftover())
+        assert doomed.seen == ["accepted", "revoked"]
+        assert other.seen == ["accepted", "success (0, 'answer of c2', 0.0)"]  # its answer
+    finally:
+        worker_state.revoked.discard("c1")
+
+
 def test_a_lost_child_fails_every_call_it_still_held_so_each_goes_back_to_the_queue(
     channel: Channel,
 ) -> None:

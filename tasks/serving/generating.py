@@ -331,7 +331,9 @@ class ChildFeed:
         self._form_batches()
         self._new = []
         for key in list(self._jobs):
-            self._settle({key: self._finish(self._jobs.pop(key), None, error, False)})
+            revoked = key in self._revoked  # stopped by its revoke: announced so, as it ends
+            answer = self._finish(self._jobs.pop(key), None, error, revoked)
+            self._settle({key: REVOKED if revoked else answer})
         for batch in list(self._unrun.values()):
             self._run(batch, error)
 
