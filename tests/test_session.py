@@ -19,7 +19,7 @@ from placement.ledger.registry import Registry
 from worker.devices import simulated_devices
 from worker.generation.serving import GenCall, Generated
 from worker.node import GpuWorker
-from worker.session import OneShot
+from worker.session import OneShot, Session
 
 GiB = 2**30
 GPT = {"model_type": "gpt2", "n_layer": 2, "n_head": 2, "n_embd": 64, "vocab_size": 512,
@@ -145,6 +145,35 @@ def test_a_call_for_a_replica_placed_elsewhere_fails_alone_and_the_session_goes_
     assert isinstance(feed.outcomes["stale"], EvictedError)
     assert isinstance(feed.outcomes["fine"], Generated)
     assert time.monotonic() - started < 30
+
+
+class _Revoking(_Feed):
+    """Says call `key` is cancelled (revoked) at its second take."""
+
+    def __init__(self, arrivals: list[list[GenCall | OneShot]], key: str) -> None:
+        super().__init__(arrivals)
+        self.key, self.takes = key, 0
+
+    def take(self, wait: float) -> list[GenCall | OneShot]:
+        self.takes += 1
+        return super().take(wait)
+
+    def cancelled(self) -> Iterable[str]:
+        return [self.key] if self.takes == 2 else []
+
+
+def test_a_call_cancelled_while_it_waits_for_its_replica_ends_cancelled_at_once(
+    node: GpuWorker,
+) -> None:
+    # The call waits for its replica's readiness (`Keeper.watch`), as one does while its
+    # replica loads; here a replica the ledger does not know, whose watch ends (it is not
+    # here: routed again) once the keeper's thread has read the ledger. The cancel comes
+    # at the next turn, first: the call ends cancelled, as a revoke ends it in an engine.
+    waiting = GenCall("gone", "hi", {"max_new_tokens": 8}, replica="nowhere-1", epoch=1)
+    feed = _Revoking([[waiting], []], "gone")
+    Session(node.manager.calls, node.keeper, feed, load_wait_s=20.0).run()
+    outcome = feed.outcomes["gone"]
+    assert isinstance(outcome, Generated) and outcome.cancelled and outcome.tokens == 0
 
 
 def test_each_replica_gets_one_pass_a_turn_so_a_flood_of_batches_does_not_stall_a_generation(

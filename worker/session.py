@@ -38,7 +38,7 @@ from typing import Protocol
 from placement.errors import EvictedError
 from worker.calls import Calls, OpenEngine, fail_for
 from worker.generation.engine import Engine
-from worker.generation.serving import Driver, GenCall, Generated
+from worker.generation.serving import Driver, GenCall, Generated, unstarted
 from worker.keeper import LOAD_WAIT_S, Keeper, Readiness, not_ready
 
 __all__ = ["IDLE_WAIT_S", "OneShot", "Session", "SessionFeed"]
@@ -140,6 +140,7 @@ class Session:
                 for key in self.feed.cancelled():
                     for engine in self._engines.values():
                         engine.driver.cancel(key)
+                    self._cancel_waiting(key)
                 self._look_again()
                 for shot in self._next_shots():
                     shot.run()
@@ -184,6 +185,19 @@ class Session:
             waiting.calls.append(item)
         else:
             waiting.shots.append(item)
+
+    def _cancel_waiting(self, key: str) -> None:
+        """Call `key`, if it waits for its replica to be ready here, ends cancelled now, not
+        once the replica is ready or the wait times out; a replica it leaves nothing
+        waiting for is no longer watched."""
+        for where, waiting in list(self._not_ready.items()):
+            gone = [call for call in waiting.calls if call.key == key]
+            for call in gone:
+                waiting.calls.remove(call)
+                self._finished(call, unstarted())
+            if gone and not waiting.calls and not waiting.shots:
+                self.keeper.unwatch(where[0], waiting.ready)
+                del self._not_ready[where]
 
     def _look_again(self) -> None:
         """Start the work of every replica that became ready (or never will)."""

@@ -257,6 +257,15 @@ def _streamer(on_text: Callable[[int, str], None], index: int) -> Callable[[str]
     return lambda text: on_text(index, text)
 
 
+def unstarted() -> Generated:
+    """The answer of a call cancelled before it reached an engine: nothing generated."""
+    return Generated(
+        outputs={"texts": [], "tokens": [], "prompt_tokens": [], "finish_reasons": [], "batch": 0},
+        compute_ms=0.0, first_token_ms=0.0, join_ms=0.0, prefill_wait_ms=0.0,
+        inter_token_ms=0.0, tokens=0, cancelled=True,
+    )  # fmt: skip
+
+
 def _cancelled(entry: _Running) -> Generated:
     """The answer of a call that ended before it started (cancelled, or out of time)."""
     for sequence in entry.sequences:
