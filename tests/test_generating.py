@@ -10,6 +10,8 @@ Celery workers are in tests/test_generation_fleet.py.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -318,9 +320,11 @@ def test_a_generating_call_that_may_have_run_is_acknowledged_unrun_when_its_answ
     assert feed.leftover() == {jobs[0].key: "ignored"}
 
 
-def test_a_revoked_running_call_is_stopped_in_the_child_and_announced_revoked(
-    channel: Channel,
-) -> None:
+@contextmanager
+def _one_of_two_revoked(channel: Channel) -> Iterator[tuple[_Pool, ChildFeed, Any, Any, _Timer]]:
+    """A session running calls c1 and c2, c1 revoked: the main process has told the child,
+    whose feed has taken the cancel. Yields the pool, the child's feed, the two calls (c1
+    first) and the main process's timer."""
     pool, timer = _Pool(), _Timer()
     batcher = _batcher(pool, channel, timer)
     doomed, other = _Revocable("c1", "r1", model="gen"), _Revocable("c2", "r1", model="gen")
@@ -337,39 +341,31 @@ def test_a_revoked_running_call_is_stopped_in_the_child_and_announced_revoked(
             look()
         feed.take(0.0)
         assert {key.split("/")[0] for key in feed.cancelled()} == {"c1"}
+        yield pool, feed, doomed, other, timer
+    finally:
+        worker_state.revoked.discard("c1")
+
+
+def test_a_revoked_running_call_is_stopped_in_the_child_and_announced_revoked(
+    channel: Channel,
+) -> None:
+    with _one_of_two_revoked(channel) as (pool, feed, doomed, other, timer):
         _ended(feed, "c1")
         _ended(feed, "c2")
         pool.jobs[0]["callback"](feed.results)
         assert doomed.seen == ["accepted", "revoked"]
         assert other.seen == ["accepted", "success (0, 'answer of c2', 0.0)"]
         assert timer.repeating == []  # the job ended: nothing more to watch
-    finally:
-        worker_state.revoked.discard("c1")
 
 
 def test_a_revoked_call_of_a_session_that_fails_is_announced_revoked_not_failed(
     channel: Channel,
 ) -> None:
-    pool, timer = _Pool(), _Timer()
-    batcher = _batcher(pool, channel, timer)
-    doomed, other = _Revocable("c1", "r1", model="gen"), _Revocable("c2", "r1", model="gen")
-    batcher(doomed)
-    _started(pool)
-    batcher(other)
-    feed = _child(pool.jobs[0], channel)
-    feed.take(0.0)
-    worker_state.revoked.add("c1")
-    try:
-        for look in timer.repeating:
-            look()
-        feed.take(0.0)
-        assert {key.split("/")[0] for key in feed.cancelled()} == {"c1"}
+    with _one_of_two_revoked(channel) as (pool, feed, doomed, other, _):
         feed.unanswered(RuntimeError("the session failed"))  # before either call ended
         pool.jobs[0]["callback"](feed.leftover())
         assert doomed.seen == ["accepted", "revoked"]
         assert other.seen == ["accepted", "success (0, 'answer of c2', 0.0)"]  # its answer
-    finally:
-        worker_state.revoked.discard("c1")
 
 
 def test_a_lost_child_fails_every_call_it_still_held_so_each_goes_back_to_the_queue(
