@@ -171,7 +171,7 @@ def test_a_call_cancelled_while_it_waits_for_its_replica_ends_cancelled_at_once(
     # at the next turn, first: the call ends cancelled, as a revoke ends it in an engine.
     waiting = GenCall("gone", "hi", {"max_new_tokens": 8}, replica="nowhere-1", epoch=1)
     feed = _Revoking([[waiting], []], "gone")
-    Session(node.manager.calls, node.keeper, feed, load_wait_s=20.0).run()
+    Session(node.manager.calls, node.keeper, feed).run()
     outcome = feed.outcomes["gone"]
     assert isinstance(outcome, Generated) and outcome.cancelled and outcome.tokens == 0
 
